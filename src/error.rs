@@ -1,0 +1,305 @@
+//! The one error type of epcomm.
+//!
+//! `Display` is the message a caller sees: where vLLM raises an error for the same condition the
+//! text is vLLM's, byte for byte (typos included). Each error maps to a [`Status`] (the C status
+//! code) and to the Python exception class vLLM raises ([`Error::exception`]). Suggestions live in
+//! [`Error::hint`] and are never part of the message.
+
+use thiserror::Error;
+
+use crate::select::suggest;
+
+/// Status codes returned by every fallible C function (`int32_t`, 0 = success).
+///
+/// Values are part of the ABI: never renumber, only append.
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Status {
+    Ok = 0,
+    NullPointer = 1,
+    InvalidArgument = 2,
+    Assertion = 3,
+    NotImplemented = 4,
+    Runtime = 5,
+    Unavailable = 6,
+    Timeout = 7,
+    PeerFailure = 8,
+    InvalidState = 9,
+    System = 10,
+    Internal = 11,
+}
+
+impl Status {
+    /// Every status, in numeric order.
+    pub const ALL: [Status; 12] = [
+        Status::Ok,
+        Status::NullPointer,
+        Status::InvalidArgument,
+        Status::Assertion,
+        Status::NotImplemented,
+        Status::Runtime,
+        Status::Unavailable,
+        Status::Timeout,
+        Status::PeerFailure,
+        Status::InvalidState,
+        Status::System,
+        Status::Internal,
+    ];
+
+    /// The status for a raw code, if it is one.
+    pub fn from_code(code: i32) -> Option<Status> {
+        Status::ALL.iter().copied().find(|s| *s as i32 == code)
+    }
+
+    /// Short static description.
+    pub fn description(self) -> &'static str {
+        match self {
+            Status::Ok => "success",
+            Status::NullPointer => "a required pointer argument was NULL",
+            Status::InvalidArgument => "invalid argument",
+            Status::Assertion => "a precondition (assertion) failed",
+            Status::NotImplemented => "not implemented",
+            Status::Runtime => "runtime error",
+            Status::Unavailable => "a required library or device is unavailable",
+            Status::Timeout => "timed out",
+            Status::PeerFailure => "a peer rank failed or left",
+            Status::InvalidState => "operation not valid in the current state",
+            Status::System => "operating-system error",
+            Status::Internal => "internal error (a bug in epcomm)",
+        }
+    }
+
+    /// The Python exception class vLLM raises for errors of this status; `None` for `Ok`.
+    pub fn exception(self) -> Option<&'static str> {
+        match self {
+            Status::Ok => None,
+            Status::NullPointer | Status::InvalidArgument => Some("ValueError"),
+            Status::Assertion => Some("AssertionError"),
+            Status::NotImplemented => Some("NotImplementedError"),
+            Status::Timeout => Some("TimeoutError"),
+            Status::Runtime
+            | Status::Unavailable
+            | Status::PeerFailure
+            | Status::InvalidState
+            | Status::System
+            | Status::Internal => Some("RuntimeError"),
+        }
+    }
+}
+
+/// Every error epcomm reports. Variants named after a vLLM condition carry vLLM's exact text.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum Error {
+    // ---- all2all selection (SPEC §3) -------------------------------------------------------
+    #[error("Unknown all2all backend: {name}")]
+    UnknownAll2AllBackend { name: String },
+    #[error("Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, and nixl_ep all2all backends. {backend} is not supported. To fix use --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, or --all2all-backend=nixl_ep and install the matching kernels.")]
+    MicrobatchingBackend { backend: String },
+    #[error("Fault tolerance requires an FT-capable all2all backend (one of ['deepep_low_latency', 'nixl_ep']), but got '{backend}'.")]
+    FaultToleranceBackend { backend: String },
+    #[error("Fused MoE LoRA with EP currently only supports all2all_backend='allgather_reducescatter', got '{backend}'.")]
+    LoraEpBackend { backend: String },
+    #[error("FlashInfer one-sided MoeAlltoAll does not support heterogeneous {field} across MoE layers (got {got}, was built with {built})")]
+    OneSidedHeterogeneous {
+        field: &'static str,
+        got: i64,
+        built: i64,
+    },
+    #[error("MoonEP not available. Install it from https://github.com/MoonshotAI/MoonEP.")]
+    MoonEpUnavailable,
+
+    // ---- EPLB communicator factory (SPEC §5.1) ---------------------------------------------
+    #[error("Unknown EPLB communicator backend: {backend}")]
+    UnknownEplbCommunicator { backend: String },
+    #[error("Elastic EP requires 'torch_nccl', 'pynccl', or 'nixl' EPLB communicator (got '{backend}').")]
+    ElasticEpCommunicator { backend: String },
+    #[error("EPLB communicator 'pynccl' supports only cuda-like devices (got {device_type}).")]
+    PyncclDeviceType { device_type: String },
+    #[error("EPLB communicator 'pynccl' requested but expert weights contain unsupported dtypes: ({dtypes}).")]
+    PyncclDtypes { dtypes: String },
+    #[error("EPLB communicator 'pynccl' requested but unavailable.")]
+    PyncclUnavailable,
+    #[error("Failed to initialize PyNcclEplbCommunicator ({cause}).")]
+    PyncclInit { cause: String },
+    #[error("EPLB communicator 'nixl' requested but NIXL is unavailable.")]
+    NixlUnavailable,
+    #[error("EPLB communicator 'nixl' supports only cuda-like devices (got {device_type}).")]
+    NixlDeviceType { device_type: String },
+    #[error("Failed to initialize NixlEplbCommunicator ({cause}).")]
+    NixlInit { cause: String },
+
+    // ---- EPLB / parallel config validation (SPEC §5.2) -------------------------------------
+    #[error("Async EPLB is only supported with the default policy.")]
+    AsyncEplbPolicy,
+    #[error("{communicator} communicator is incompatible with async EPLB due to NCCL multi-stream conflicts. Use 'torch_gloo' or 'nixl' instead, or leave communicator unset for automatic selection.")]
+    AsyncEplbCommunicator { communicator: String },
+    #[error("log_balancedness_interval must be greater than 0.")]
+    LogBalancednessInterval,
+    #[error(
+        "Expert parallelism load balancing is only supported on CUDA devices or ROCm devices now."
+    )]
+    EplbPlatform,
+    #[error("enable_expert_parallel must be True to use EPLB.")]
+    EplbNeedsExpertParallel,
+    #[error("EPLB requires tensor, prefill-context, or data parallelism, but got TP={tp}, PCP={pcp}, DP={dp}.")]
+    EplbNeedsParallelism { tp: i64, pcp: i64, dp: i64 },
+    #[error("num_redundant_experts is set to {n} but EPLB is not enabled. Either enable EPLB or unset num_redundant_experts.")]
+    RedundantWithoutEplb { n: i64 },
+    #[error("Elastic EP is only supported with enable_eplb=True.")]
+    ElasticNeedsEplb,
+    #[error(
+        "Elastic EP is not supported with pipeline parallelism (pipeline_parallel_size={pp})."
+    )]
+    ElasticPipeline { pp: i64 },
+    #[error("Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. Elastic EP relies on a single API server and core client to coordinate scale up/down.")]
+    ElasticExternalLb,
+    #[error("Elastic EP with async EPLB requires the NIXL package. Either install NIXL or set --eplb-config.use_async=false.")]
+    ElasticAsyncNeedsNixl,
+    /// A pydantic-style field error: `{field}\n  {message}`.
+    #[error("{field}: {message}")]
+    ConfigField { field: String, message: String },
+    /// A configuration key that does not exist.
+    #[error("Unknown configuration key '{key}' ({valid})")]
+    UnknownConfigKey {
+        key: String,
+        valid: String,
+        #[doc(hidden)]
+        candidates: Vec<&'static str>,
+    },
+
+    // ---- epcomm's own errors ---------------------------------------------------------------
+    /// A required pointer was NULL; names the argument.
+    #[error("argument '{0}' must not be NULL")]
+    NullPointer(&'static str),
+    /// Bad input with our own wording (names what was wrong and what was expected).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A precondition vLLM expresses as an `assert`.
+    #[error("{0}")]
+    Assertion(String),
+    /// A feature that is not done yet; says so.
+    #[error("{0}")]
+    NotImplemented(String),
+    /// A library or device this call needs is not present.
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Runtime(String),
+    #[error("{0}")]
+    Timeout(String),
+    #[error("{0}")]
+    PeerFailure(String),
+    #[error("{0}")]
+    InvalidState(String),
+    #[error("{0}")]
+    System(String),
+    /// A bug: e.g. a caught panic, with the panic text.
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// Result alias used across the crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// The C status code for this error.
+    pub fn status(&self) -> Status {
+        use Error::*;
+        match self {
+            UnknownAll2AllBackend { .. }
+            | FaultToleranceBackend { .. }
+            | UnknownEplbCommunicator { .. }
+            | ElasticEpCommunicator { .. }
+            | AsyncEplbPolicy
+            | AsyncEplbCommunicator { .. }
+            | LogBalancednessInterval
+            | EplbPlatform
+            | EplbNeedsExpertParallel
+            | EplbNeedsParallelism { .. }
+            | RedundantWithoutEplb { .. }
+            | ElasticNeedsEplb
+            | ElasticPipeline { .. }
+            | ElasticAsyncNeedsNixl
+            | ConfigField { .. }
+            | UnknownConfigKey { .. }
+            | InvalidArgument(_) => Status::InvalidArgument,
+            MicrobatchingBackend { .. }
+            | LoraEpBackend { .. }
+            | OneSidedHeterogeneous { .. }
+            | MoonEpUnavailable
+            | Assertion(_) => Status::Assertion,
+            PyncclDeviceType { .. } | PyncclDtypes { .. } | NixlDeviceType { .. } | Runtime(_) => {
+                Status::Runtime
+            }
+            PyncclUnavailable | NixlUnavailable | Unavailable(_) => Status::Unavailable,
+            PyncclInit { .. } | NixlInit { .. } => Status::Runtime,
+            ElasticExternalLb | NotImplemented(_) => Status::NotImplemented,
+            NullPointer(_) => Status::NullPointer,
+            Timeout(_) => Status::Timeout,
+            PeerFailure(_) => Status::PeerFailure,
+            InvalidState(_) => Status::InvalidState,
+            System(_) => Status::System,
+            Internal(_) => Status::Internal,
+        }
+    }
+
+    /// The Python exception class vLLM raises for this error.
+    pub fn exception(&self) -> &'static str {
+        self.status().exception().unwrap_or("RuntimeError")
+    }
+
+    /// Optional remediation advice, never part of the message.
+    pub fn hint(&self) -> Option<String> {
+        use crate::select::all2all::ACCEPTED_NAMES;
+        use crate::select::eplb::COMMUNICATOR_NAMES;
+        match self {
+            Error::UnknownAll2AllBackend { name } => Some(suggest::did_you_mean(
+                name,
+                ACCEPTED_NAMES.iter().map(|n| n.name),
+                "valid all2all backends",
+            )),
+            Error::UnknownEplbCommunicator { backend } => Some(suggest::did_you_mean(
+                backend,
+                COMMUNICATOR_NAMES.iter().copied(),
+                "valid EPLB communicators",
+            )),
+            Error::UnknownConfigKey {
+                key, candidates, ..
+            } => Some(suggest::did_you_mean(
+                key,
+                candidates.iter().copied(),
+                "valid keys",
+            )),
+            Error::MicrobatchingBackend { .. } => Some(
+                "use --all2all-backend=deepep_low_latency, deepep_high_throughput or nixl_ep, or disable DBO".into(),
+            ),
+            Error::FaultToleranceBackend { .. } => {
+                Some("use --all2all-backend=deepep_low_latency or nixl_ep".into())
+            }
+            Error::LoraEpBackend { .. } => {
+                Some("use --all2all-backend=allgather_reducescatter with LoRA".into())
+            }
+            Error::AsyncEplbCommunicator { .. } => Some(
+                "set eplb_config.communicator to 'torch_gloo' or 'nixl', unset it, or set eplb_config.use_async=false".into(),
+            ),
+            Error::ElasticEpCommunicator { .. } => Some(
+                "set eplb_config.communicator to 'pynccl' or 'nixl' (or unset it) with elastic EP".into(),
+            ),
+            Error::PyncclUnavailable => Some(
+                "build epcomm with --features nccl and make libnccl.so.2 loadable (LD_LIBRARY_PATH or VLLM_NCCL_SO_PATH)".into(),
+            ),
+            Error::NixlUnavailable => {
+                Some("install NIXL (libnixl.so on the library path) or pick another communicator".into())
+            }
+            Error::ElasticAsyncNeedsNixl => {
+                Some("install NIXL or set eplb_config.use_async=false".into())
+            }
+            Error::EplbNeedsExpertParallel => Some("set enable_expert_parallel=true".into()),
+            Error::RedundantWithoutEplb { .. } => Some(
+                "set enable_eplb=true or eplb_config.num_redundant_experts=0".into(),
+            ),
+            Error::ElasticNeedsEplb => Some("set enable_eplb=true".into()),
+            _ => None,
+        }
+    }
+}

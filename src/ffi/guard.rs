@@ -1,0 +1,130 @@
+//! The boundary every C entry point goes through: catch_unwind, thread-local last error,
+//! argument conversion.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_char, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, OnceLock};
+
+use crate::error::{Error, Result, Status};
+
+struct LastError {
+    message: CString,
+    hint: Option<CString>,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<Option<LastError>> = const { RefCell::new(None) };
+}
+
+fn to_cstring(s: &str) -> CString {
+    CString::new(s.replace('\0', "\\0")).unwrap_or_default()
+}
+
+/// Records `e` as this thread's last error.
+pub(crate) fn set_last_error(e: &Error) {
+    let last = LastError {
+        message: to_cstring(&e.to_string()),
+        hint: e.hint().map(|h| to_cstring(&h)),
+    };
+    LAST_ERROR.with(|l| *l.borrow_mut() = Some(last));
+}
+
+/// Pointer to this thread's last error message (NULL if none).
+pub(crate) fn last_error_message() -> *const c_char {
+    LAST_ERROR.with(|l| {
+        l.borrow()
+            .as_ref()
+            .map_or(std::ptr::null(), |e| e.message.as_ptr())
+    })
+}
+
+/// Pointer to this thread's last error hint (NULL if none).
+pub(crate) fn last_error_hint() -> *const c_char {
+    LAST_ERROR.with(|l| {
+        l.borrow()
+            .as_ref()
+            .and_then(|e| e.hint.as_ref())
+            .map_or(std::ptr::null(), |h| h.as_ptr())
+    })
+}
+
+pub(crate) fn clear_last_error() {
+    LAST_ERROR.with(|l| *l.borrow_mut() = None);
+}
+
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic with a non-string payload".to_owned()
+    }
+}
+
+/// Runs a fallible entry point: status 0 on success; otherwise the error's status, with the
+/// message and hint stored for `epcomm_last_error_*`. A panic becomes `EPCOMM_ERROR_INTERNAL`
+/// with the panic text as the message.
+pub(crate) fn call(f: impl FnOnce() -> Result<()>) -> i32 {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => Status::Ok as i32,
+        Ok(Err(e)) => {
+            set_last_error(&e);
+            e.status() as i32
+        }
+        Err(payload) => {
+            let e = Error::Internal(panic_text(payload));
+            set_last_error(&e);
+            Status::Internal as i32
+        }
+    }
+}
+
+/// Runs an infallible entry point (a getter); a panic returns `default`.
+pub(crate) fn call_or<T>(default: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(payload) => {
+            set_last_error(&Error::Internal(panic_text(payload)));
+            default
+        }
+    }
+}
+
+/// A borrowed UTF-8 string argument; NULL and invalid UTF-8 are errors naming the argument.
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string that outlives the call.
+pub(crate) unsafe fn str_arg<'a>(p: *const c_char, what: &'static str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(Error::NullPointer(what));
+    }
+    // SAFETY: non-NULL and NUL-terminated per the caller's contract.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| Error::InvalidArgument(format!("argument '{what}' is not valid UTF-8")))
+}
+
+/// A required output pointer.
+///
+/// # Safety
+/// `p` is NULL or valid for writes of `T`.
+pub(crate) unsafe fn out_arg<'a, T>(p: *mut T, what: &'static str) -> Result<&'a mut T> {
+    // SAFETY: non-NULL is checked; validity is the caller's contract.
+    unsafe { p.as_mut() }.ok_or(Error::NullPointer(what))
+}
+
+/// A NUL-terminated copy of a static string, made once and kept for the process.
+pub(crate) fn static_cstr(s: &'static str) -> *const c_char {
+    static CACHE: OnceLock<Mutex<HashMap<&'static str, &'static CStr>>> = OnceLock::new();
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    cache
+        .entry(s)
+        .or_insert_with(|| Box::leak(to_cstring(s).into_boxed_c_str()))
+        .as_ptr()
+}

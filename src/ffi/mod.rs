@@ -1,0 +1,181 @@
+//! The C ABI. Every `extern "C"` item of epcomm lives here; each is thin: it checks pointers,
+//! converts arguments, calls the safe core and records the error. `include/epcomm.h` is
+//! generated from this module by cbindgen.
+#![allow(non_camel_case_types)]
+
+mod guard;
+
+pub mod config;
+pub mod error;
+pub mod log;
+pub mod runtime;
+pub mod select;
+
+/// ABI version of this header; bumped on any incompatible change.
+pub const EPCOMM_ABI_VERSION: i32 = 1;
+
+/// Success.
+pub const EPCOMM_OK: i32 = 0;
+/// A required pointer argument was NULL (Python: ValueError).
+pub const EPCOMM_ERROR_NULL_POINTER: i32 = 1;
+/// Invalid argument or configuration; vLLM raises ValueError.
+pub const EPCOMM_ERROR_INVALID_ARGUMENT: i32 = 2;
+/// A precondition vLLM checks with `assert` failed (Python: AssertionError).
+pub const EPCOMM_ERROR_ASSERTION: i32 = 3;
+/// Not implemented (Python: NotImplementedError).
+pub const EPCOMM_ERROR_NOT_IMPLEMENTED: i32 = 4;
+/// Runtime failure (Python: RuntimeError).
+pub const EPCOMM_ERROR_RUNTIME: i32 = 5;
+/// A library or device the call needs is not available (NCCL, NIXL, CUDA) (RuntimeError).
+pub const EPCOMM_ERROR_UNAVAILABLE: i32 = 6;
+/// A wait ran past its timeout (Python: TimeoutError).
+pub const EPCOMM_ERROR_TIMEOUT: i32 = 7;
+/// A peer rank died or left (RuntimeError).
+pub const EPCOMM_ERROR_PEER_FAILURE: i32 = 8;
+/// The handle is not in a state that allows this call (RuntimeError).
+pub const EPCOMM_ERROR_INVALID_STATE: i32 = 9;
+/// An operating-system call failed (RuntimeError).
+pub const EPCOMM_ERROR_SYSTEM: i32 = 10;
+/// A bug in epcomm, e.g. a caught panic (RuntimeError).
+pub const EPCOMM_ERROR_INTERNAL: i32 = 11;
+
+/// Log level: errors only.
+pub const EPCOMM_LOG_ERROR: i32 = 1;
+/// Log level: warnings and errors (the default).
+pub const EPCOMM_LOG_WARN: i32 = 2;
+/// Log level: infos, warnings and errors.
+pub const EPCOMM_LOG_INFO: i32 = 3;
+/// Log level: everything.
+pub const EPCOMM_LOG_DEBUG: i32 = 4;
+
+/// all2all backend `allgather_reducescatter` (vLLM's default; also `naive`, `pplx`).
+pub const EPCOMM_ALL2ALL_ALLGATHER_REDUCESCATTER: i32 = 0;
+/// all2all backend `deepep_high_throughput`.
+pub const EPCOMM_ALL2ALL_DEEPEP_HIGH_THROUGHPUT: i32 = 1;
+/// all2all backend `deepep_low_latency`.
+pub const EPCOMM_ALL2ALL_DEEPEP_LOW_LATENCY: i32 = 2;
+/// all2all backend `deepep_v2`.
+pub const EPCOMM_ALL2ALL_DEEPEP_V2: i32 = 3;
+/// all2all backend `mori_high_throughput`.
+pub const EPCOMM_ALL2ALL_MORI_HIGH_THROUGHPUT: i32 = 4;
+/// all2all backend `mori_low_latency`.
+pub const EPCOMM_ALL2ALL_MORI_LOW_LATENCY: i32 = 5;
+/// all2all backend `nixl_ep`.
+pub const EPCOMM_ALL2ALL_NIXL_EP: i32 = 6;
+/// all2all backend `flashinfer_nvlink_two_sided` (also `flashinfer_all2allv`).
+pub const EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED: i32 = 7;
+/// all2all backend `flashinfer_nvlink_one_sided`.
+pub const EPCOMM_ALL2ALL_FLASHINFER_NVLINK_ONE_SIDED: i32 = 8;
+/// all2all backend `moonep`.
+pub const EPCOMM_ALL2ALL_MOONEP: i32 = 9;
+
+/// Layout: every rank's tokens gathered on every rank; reduce_scatterv back.
+pub const EPCOMM_LAYOUT_REPLICATED: i32 = 0;
+/// Layout: each token once per rank holding one of its experts.
+pub const EPCOMM_LAYOUT_TOKEN_MAJOR: i32 = 1;
+/// Layout: fixed-capacity per-local-expert buckets.
+pub const EPCOMM_LAYOUT_EXPERT_MAJOR: i32 = 2;
+/// Layout: one row per (token, local expert), grouped by expert, exact size.
+pub const EPCOMM_LAYOUT_EXPERT_PACKED: i32 = 3;
+/// Layout: per-source-rank regions of fixed capacity.
+pub const EPCOMM_LAYOUT_RANK_MAJOR: i32 = 4;
+/// Layout: MoonEP's balanced expert slots (not implemented yet).
+pub const EPCOMM_LAYOUT_MOONEP_SLOTS: i32 = 5;
+
+/// Name kind: the backend's own name.
+pub const EPCOMM_NAME_CANONICAL: i32 = 0;
+/// Name kind: a deprecated alias (resolves with a warning).
+pub const EPCOMM_NAME_ALIAS: i32 = 1;
+/// Name kind: a removed backend (falls back to allgather_reducescatter with a warning).
+pub const EPCOMM_NAME_REMOVED: i32 = 2;
+
+/// EPLB communicator `torch_nccl`.
+pub const EPCOMM_EPLB_TORCH_NCCL: i32 = 0;
+/// EPLB communicator `torch_gloo`.
+pub const EPCOMM_EPLB_TORCH_GLOO: i32 = 1;
+/// EPLB communicator `pynccl`.
+pub const EPCOMM_EPLB_PYNCCL: i32 = 2;
+/// EPLB communicator `nixl`.
+pub const EPCOMM_EPLB_NIXL: i32 = 3;
+
+/// Availability field value: probe this process.
+pub const EPCOMM_PROBE: i32 = -1;
+
+/// DLPack device type: host memory.
+pub const EPCOMM_DEVICE_CPU: i32 = 1;
+/// DLPack device type: CUDA device memory.
+pub const EPCOMM_DEVICE_CUDA: i32 = 2;
+/// DLPack device type: ROCm device memory.
+pub const EPCOMM_DEVICE_ROCM: i32 = 10;
+/// DLPack device type: oneAPI (XPU) memory.
+pub const EPCOMM_DEVICE_ONEAPI: i32 = 14;
+
+/// An element type, laid out exactly like DLPack's `DLDataType`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct epcomm_dtype {
+    /// DLPack type code (0 int, 1 uint, 2 float, 4 bfloat, 6 bool, 10 float8_e4m3fn, ...).
+    pub code: u8,
+    /// Bits per element.
+    pub bits: u8,
+    /// Vector lanes (1 for scalars).
+    pub lanes: u16,
+}
+
+impl From<epcomm_dtype> for crate::dtype::DType {
+    fn from(d: epcomm_dtype) -> Self {
+        crate::dtype::DType {
+            code: d.code,
+            bits: d.bits,
+            lanes: d.lanes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Status;
+
+    #[test]
+    fn status_constants_match_core() {
+        let c = [
+            EPCOMM_OK,
+            EPCOMM_ERROR_NULL_POINTER,
+            EPCOMM_ERROR_INVALID_ARGUMENT,
+            EPCOMM_ERROR_ASSERTION,
+            EPCOMM_ERROR_NOT_IMPLEMENTED,
+            EPCOMM_ERROR_RUNTIME,
+            EPCOMM_ERROR_UNAVAILABLE,
+            EPCOMM_ERROR_TIMEOUT,
+            EPCOMM_ERROR_PEER_FAILURE,
+            EPCOMM_ERROR_INVALID_STATE,
+            EPCOMM_ERROR_SYSTEM,
+            EPCOMM_ERROR_INTERNAL,
+        ];
+        let core: Vec<i32> = Status::ALL.iter().map(|s| *s as i32).collect();
+        assert_eq!(c.to_vec(), core);
+    }
+
+    #[test]
+    fn enum_constants_match_core() {
+        use crate::select::all2all::{Backend, Layout, NameKind};
+        use crate::select::eplb::Communicator;
+        assert_eq!(
+            Backend::ALL.iter().map(|b| *b as i32).collect::<Vec<_>>(),
+            (0..10).collect::<Vec<_>>()
+        );
+        assert_eq!(EPCOMM_ALL2ALL_MOONEP, Backend::Moonep as i32);
+        assert_eq!(EPCOMM_ALL2ALL_NIXL_EP, Backend::NixlEp as i32);
+        assert_eq!(
+            EPCOMM_ALL2ALL_FLASHINFER_NVLINK_ONE_SIDED,
+            Backend::FlashinferNvlinkOneSided as i32
+        );
+        assert_eq!(EPCOMM_LAYOUT_MOONEP_SLOTS, Layout::MoonepSlots as i32);
+        assert_eq!(EPCOMM_LAYOUT_RANK_MAJOR, Layout::RankMajor as i32);
+        assert_eq!(EPCOMM_NAME_REMOVED, NameKind::Removed as i32);
+        assert_eq!(EPCOMM_EPLB_NIXL, Communicator::Nixl as i32);
+        assert_eq!(EPCOMM_EPLB_TORCH_GLOO, Communicator::TorchGloo as i32);
+        assert_eq!(EPCOMM_LOG_DEBUG, crate::log::Level::Debug as i32);
+    }
+}

@@ -1,0 +1,265 @@
+//! all2all backend and EPLB communicator selection.
+
+use std::ffi::c_char;
+
+use super::{epcomm_dtype, guard, EPCOMM_PROBE};
+use crate::dtype::DType;
+use crate::error::Error;
+use crate::probe;
+use crate::select::all2all::{self, Backend, Layout};
+use crate::select::eplb::{self, Communicator, DeviceKind};
+
+/// One name accepted as an all2all backend.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_all2all_name_info {
+    /// The accepted name (static string).
+    pub name: *const c_char,
+    /// The EPCOMM_ALL2ALL_* backend it resolves to.
+    pub backend: i32,
+    /// EPCOMM_NAME_CANONICAL, EPCOMM_NAME_ALIAS or EPCOMM_NAME_REMOVED.
+    pub kind: i32,
+    /// The EPCOMM_LAYOUT_* of the backend.
+    pub layout: i32,
+    /// vLLM's manager class for the backend (static string).
+    pub manager_class: *const c_char,
+}
+
+fn backend_arg(backend: i32) -> Result<Backend, Error> {
+    Backend::from_code(backend).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "all2all backend {backend} is not valid: expected an EPCOMM_ALL2ALL_* value in 0..{}",
+            Backend::ALL.len() - 1
+        ))
+    })
+}
+
+/// Resolves an all2all backend name with vLLM's rules. Matching is exact and case-sensitive.
+/// `naive` and `pplx` resolve to EPCOMM_ALL2ALL_ALLGATHER_REDUCESCATTER with vLLM's
+/// "has been removed" warning; `flashinfer_all2allv` resolves to
+/// EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED with vLLM's deprecation warning (once per process).
+/// An unknown name returns EPCOMM_ERROR_INVALID_ARGUMENT with the message
+/// "Unknown all2all backend: {name}" and the closest valid names in the hint.
+///
+/// # Safety
+/// `name` is NULL or a NUL-terminated string; `backend_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_backend_resolve(
+    name: *const c_char,
+    backend_out: *mut i32,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let name = unsafe { guard::str_arg(name, "name") }?;
+        let out = unsafe { guard::out_arg(backend_out, "backend_out") }?;
+        *out = all2all::resolve(name)? as i32;
+        Ok(())
+    })
+}
+
+/// Whether `name` is accepted as an all2all backend (including aliases and removed names).
+/// NULL gives false. Logs nothing.
+///
+/// # Safety
+/// `name` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_backend_is_known(name: *const c_char) -> bool {
+    guard::call_or(false, || {
+        // SAFETY: caller contract.
+        unsafe { guard::str_arg(name, "name") }
+            .map(|n| all2all::lookup(n).is_some())
+            .unwrap_or(false)
+    })
+}
+
+/// The canonical name of an EPCOMM_ALL2ALL_* backend (static string), or NULL if `backend` is
+/// not one.
+#[no_mangle]
+pub extern "C" fn epcomm_all2all_backend_name(backend: i32) -> *const c_char {
+    guard::call_or(std::ptr::null(), || {
+        Backend::from_code(backend).map_or(std::ptr::null(), |b| guard::static_cstr(b.name()))
+    })
+}
+
+/// vLLM's manager class for a backend (e.g. "DeepEPLLAll2AllManager"), or NULL if `backend` is
+/// not an EPCOMM_ALL2ALL_* value.
+#[no_mangle]
+pub extern "C" fn epcomm_all2all_backend_manager_class(backend: i32) -> *const c_char {
+    guard::call_or(std::ptr::null(), || {
+        Backend::from_code(backend)
+            .map_or(std::ptr::null(), |b| guard::static_cstr(b.manager_class()))
+    })
+}
+
+/// The EPCOMM_LAYOUT_* a backend's dispatch/combine use.
+///
+/// # Safety
+/// `layout_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_backend_layout(backend: i32, layout_out: *mut i32) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(layout_out, "layout_out") }?;
+        *out = backend_arg(backend)?.layout() as i32;
+        Ok(())
+    })
+}
+
+/// The name of an EPCOMM_LAYOUT_* value ("REPLICATED", "TOKEN_MAJOR", ...), or NULL.
+#[no_mangle]
+pub extern "C" fn epcomm_all2all_layout_name(layout: i32) -> *const c_char {
+    guard::call_or(std::ptr::null(), || {
+        Layout::from_code(layout).map_or(std::ptr::null(), |l| guard::static_cstr(l.name()))
+    })
+}
+
+/// How many names epcomm_all2all_name_info can describe.
+#[no_mangle]
+pub extern "C" fn epcomm_all2all_name_count() -> usize {
+    all2all::ACCEPTED_NAMES.len()
+}
+
+/// Describes accepted name number `index` (0 <= index < epcomm_all2all_name_count()), in vLLM's
+/// order.
+///
+/// # Safety
+/// `info_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_name_info(
+    index: usize,
+    info_out: *mut epcomm_all2all_name_info,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(info_out, "info_out") }?;
+        let n = all2all::ACCEPTED_NAMES.get(index).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "index {index} is out of range: expected 0 <= index < {}",
+                all2all::ACCEPTED_NAMES.len()
+            ))
+        })?;
+        *out = epcomm_all2all_name_info {
+            name: guard::static_cstr(n.name),
+            backend: n.backend as i32,
+            kind: n.kind as i32,
+            layout: n.backend.layout() as i32,
+            manager_class: guard::static_cstr(n.backend.manager_class()),
+        };
+        Ok(())
+    })
+}
+
+/// What the EPLB communicator factory needs to decide.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_eplb_select_request {
+    /// sizeof(epcomm_eplb_select_request); lets the struct grow.
+    pub struct_size: u32,
+    /// The configured name ("torch_nccl", "torch_gloo", "pynccl", "nixl"); NULL = automatic.
+    pub communicator: *const c_char,
+    /// The EP group is an elastic (stateless) group.
+    pub elastic: bool,
+    /// DLPack device type of the expert weights (EPCOMM_DEVICE_*).
+    pub device_type: i32,
+    /// Dtypes of the first layer's expert weight tensors (may be NULL when the count is 0).
+    pub weight_dtypes: *const epcomm_dtype,
+    /// Number of entries in weight_dtypes.
+    pub num_weight_dtypes: usize,
+    /// 1 = NCCL usable, 0 = not, EPCOMM_PROBE = probe this process.
+    pub nccl_available: i32,
+    /// 1 = NIXL present, 0 = not, EPCOMM_PROBE = probe this process.
+    pub nixl_available: i32,
+}
+
+fn availability(v: i32, field: &str, probe: impl FnOnce() -> bool) -> Result<bool, Error> {
+    match v {
+        EPCOMM_PROBE => Ok(probe()),
+        0 => Ok(false),
+        1 => Ok(true),
+        other => Err(Error::InvalidArgument(format!(
+            "{field} is {other}: expected 0, 1 or EPCOMM_PROBE (-1)"
+        ))),
+    }
+}
+
+/// Chooses the EPLB communicator with vLLM's `create_eplb_communicator` rules and messages
+/// (elastic EP restrictions, the forced-to-pynccl warning, device and dtype checks, NCCL/NIXL
+/// availability; automatic selection when no name is given) and writes EPCOMM_EPLB_*.
+///
+/// # Safety
+/// `request` is NULL or a valid request whose pointers follow their field docs;
+/// `communicator_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_communicator_select(
+    request: *const epcomm_eplb_select_request,
+    communicator_out: *mut i32,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let req = unsafe { request.as_ref() }.ok_or(Error::NullPointer("request"))?;
+        let out = unsafe { guard::out_arg(communicator_out, "communicator_out") }?;
+        if (req.struct_size as usize) < std::mem::size_of::<epcomm_eplb_select_request>() {
+            return Err(Error::InvalidArgument(format!(
+                "request->struct_size is {}: expected sizeof(epcomm_eplb_select_request) = {}",
+                req.struct_size,
+                std::mem::size_of::<epcomm_eplb_select_request>()
+            )));
+        }
+        let requested = if req.communicator.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL, NUL-terminated per the field doc.
+            Some(unsafe { guard::str_arg(req.communicator, "request->communicator") }?)
+        };
+        let dtypes: Vec<DType> = if req.num_weight_dtypes == 0 {
+            Vec::new()
+        } else if req.weight_dtypes.is_null() {
+            return Err(Error::NullPointer("request->weight_dtypes"));
+        } else {
+            // SAFETY: non-NULL with num_weight_dtypes entries per the field doc.
+            unsafe { std::slice::from_raw_parts(req.weight_dtypes, req.num_weight_dtypes) }
+                .iter()
+                .map(|d| DType::from(*d))
+                .collect()
+        };
+        let sel = eplb::select(&eplb::SelectRequest {
+            requested,
+            elastic: req.elastic,
+            device: DeviceKind::from_dlpack(req.device_type),
+            weight_dtypes: &dtypes,
+            nccl_available: availability(
+                req.nccl_available,
+                "request->nccl_available",
+                probe::nccl_usable,
+            )?,
+            nixl_available: availability(
+                req.nixl_available,
+                "request->nixl_available",
+                probe::nixl_usable,
+            )?,
+        })?;
+        for w in &sel.warnings {
+            crate::log::warn(w);
+        }
+        *out = sel.communicator as i32;
+        Ok(())
+    })
+}
+
+/// The name of an EPCOMM_EPLB_* communicator (static string), or NULL.
+#[no_mangle]
+pub extern "C" fn epcomm_eplb_communicator_name(communicator: i32) -> *const c_char {
+    guard::call_or(std::ptr::null(), || {
+        Communicator::from_code(communicator)
+            .map_or(std::ptr::null(), |c| guard::static_cstr(c.name()))
+    })
+}
+
+/// vLLM's class for an EPCOMM_EPLB_* communicator (e.g. "PyNcclEplbCommunicator"), or NULL.
+#[no_mangle]
+pub extern "C" fn epcomm_eplb_communicator_class(communicator: i32) -> *const c_char {
+    guard::call_or(std::ptr::null(), || {
+        Communicator::from_code(communicator)
+            .map_or(std::ptr::null(), |c| guard::static_cstr(c.class_name()))
+    })
+}

@@ -1,0 +1,310 @@
+//! All2all backend names as vLLM accepts them (`ParallelConfig.all2all_backend`), resolved with
+//! vLLM's rules and warnings (SPEC §3).
+
+use crate::error::{Error, Result};
+use crate::log;
+
+/// A canonical all2all backend (what a name resolves to). Values are part of the C ABI.
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Backend {
+    AllgatherReducescatter = 0,
+    DeepepHighThroughput = 1,
+    DeepepLowLatency = 2,
+    DeepepV2 = 3,
+    MoriHighThroughput = 4,
+    MoriLowLatency = 5,
+    NixlEp = 6,
+    FlashinferNvlinkTwoSided = 7,
+    FlashinferNvlinkOneSided = 8,
+    Moonep = 9,
+}
+
+/// Dispatch/combine buffer contract a backend name stands for (SPEC §4). C ABI values.
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// all_gatherv of every rank's tokens; reduce_scatterv back (AgRs).
+    Replicated = 0,
+    /// Each token once per rank holding one of its experts (DeepEP HT, MoRI).
+    TokenMajor = 1,
+    /// Fixed-capacity per-local-expert buckets (DeepEP LL, NIXL EP).
+    ExpertMajor = 2,
+    /// One row per (token, local expert), grouped by expert, exact size (DeepEP v2 prefill).
+    ExpertPacked = 3,
+    /// Per-source-rank regions of fixed capacity (FlashInfer NVLink one/two-sided).
+    RankMajor = 4,
+    /// MoonEP's balanced expert slots (not implemented yet).
+    MoonepSlots = 5,
+}
+
+/// How a name relates to its backend.
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NameKind {
+    /// The backend's own name.
+    Canonical = 0,
+    /// A deprecated alias: resolves with a warning (W1).
+    Alias = 1,
+    /// A removed backend: falls back to `allgather_reducescatter` with a warning (W2).
+    Removed = 2,
+}
+
+impl NameKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            NameKind::Canonical => "canonical",
+            NameKind::Alias => "alias",
+            NameKind::Removed => "removed",
+        }
+    }
+}
+
+/// One accepted name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AcceptedName {
+    pub name: &'static str,
+    pub backend: Backend,
+    pub kind: NameKind,
+}
+
+const fn accepted(name: &'static str, backend: Backend, kind: NameKind) -> AcceptedName {
+    AcceptedName {
+        name,
+        backend,
+        kind,
+    }
+}
+
+/// Every name vLLM's `All2AllBackend` literal accepts, in vLLM's order.
+pub const ACCEPTED_NAMES: [AcceptedName; 13] = [
+    accepted("naive", Backend::AllgatherReducescatter, NameKind::Removed),
+    accepted("pplx", Backend::AllgatherReducescatter, NameKind::Removed),
+    accepted(
+        "deepep_high_throughput",
+        Backend::DeepepHighThroughput,
+        NameKind::Canonical,
+    ),
+    accepted(
+        "deepep_low_latency",
+        Backend::DeepepLowLatency,
+        NameKind::Canonical,
+    ),
+    accepted("deepep_v2", Backend::DeepepV2, NameKind::Canonical),
+    accepted(
+        "mori_high_throughput",
+        Backend::MoriHighThroughput,
+        NameKind::Canonical,
+    ),
+    accepted(
+        "mori_low_latency",
+        Backend::MoriLowLatency,
+        NameKind::Canonical,
+    ),
+    accepted("moonep", Backend::Moonep, NameKind::Canonical),
+    accepted("nixl_ep", Backend::NixlEp, NameKind::Canonical),
+    accepted(
+        "allgather_reducescatter",
+        Backend::AllgatherReducescatter,
+        NameKind::Canonical,
+    ),
+    accepted(
+        "flashinfer_all2allv",
+        Backend::FlashinferNvlinkTwoSided,
+        NameKind::Alias,
+    ),
+    accepted(
+        "flashinfer_nvlink_two_sided",
+        Backend::FlashinferNvlinkTwoSided,
+        NameKind::Canonical,
+    ),
+    accepted(
+        "flashinfer_nvlink_one_sided",
+        Backend::FlashinferNvlinkOneSided,
+        NameKind::Canonical,
+    ),
+];
+
+/// vLLM's default (`ParallelConfig.all2all_backend`).
+pub const DEFAULT_BACKEND: Backend = Backend::AllgatherReducescatter;
+
+impl Backend {
+    pub const ALL: [Backend; 10] = [
+        Backend::AllgatherReducescatter,
+        Backend::DeepepHighThroughput,
+        Backend::DeepepLowLatency,
+        Backend::DeepepV2,
+        Backend::MoriHighThroughput,
+        Backend::MoriLowLatency,
+        Backend::NixlEp,
+        Backend::FlashinferNvlinkTwoSided,
+        Backend::FlashinferNvlinkOneSided,
+        Backend::Moonep,
+    ];
+
+    pub fn from_code(code: i32) -> Option<Backend> {
+        Backend::ALL.iter().copied().find(|b| *b as i32 == code)
+    }
+
+    /// The canonical name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::AllgatherReducescatter => "allgather_reducescatter",
+            Backend::DeepepHighThroughput => "deepep_high_throughput",
+            Backend::DeepepLowLatency => "deepep_low_latency",
+            Backend::DeepepV2 => "deepep_v2",
+            Backend::MoriHighThroughput => "mori_high_throughput",
+            Backend::MoriLowLatency => "mori_low_latency",
+            Backend::NixlEp => "nixl_ep",
+            Backend::FlashinferNvlinkTwoSided => "flashinfer_nvlink_two_sided",
+            Backend::FlashinferNvlinkOneSided => "flashinfer_nvlink_one_sided",
+            Backend::Moonep => "moonep",
+        }
+    }
+
+    /// The layout contract of this backend.
+    pub fn layout(self) -> Layout {
+        match self {
+            Backend::AllgatherReducescatter => Layout::Replicated,
+            Backend::DeepepHighThroughput
+            | Backend::MoriHighThroughput
+            | Backend::MoriLowLatency => Layout::TokenMajor,
+            Backend::DeepepLowLatency | Backend::NixlEp => Layout::ExpertMajor,
+            Backend::DeepepV2 => Layout::ExpertPacked,
+            Backend::FlashinferNvlinkTwoSided | Backend::FlashinferNvlinkOneSided => {
+                Layout::RankMajor
+            }
+            Backend::Moonep => Layout::MoonepSlots,
+        }
+    }
+
+    /// The vLLM manager class this backend builds (used in `Using {class} all2all manager.`).
+    pub fn manager_class(self) -> &'static str {
+        match self {
+            Backend::AllgatherReducescatter => "AgRsAll2AllManager",
+            Backend::DeepepHighThroughput => "DeepEPHTAll2AllManager",
+            Backend::DeepepLowLatency => "DeepEPLLAll2AllManager",
+            Backend::DeepepV2 => "DeepEPV2All2AllManager",
+            Backend::MoriHighThroughput | Backend::MoriLowLatency => "MoriAll2AllManager",
+            Backend::NixlEp => "NixlEPAll2AllManager",
+            Backend::FlashinferNvlinkTwoSided => "FlashInferNVLinkTwoSidedManager",
+            Backend::FlashinferNvlinkOneSided => "FlashInferNVLinkOneSidedManager",
+            Backend::Moonep => "MoonEPAll2AllManager",
+        }
+    }
+
+    /// Backends that support DBO / microbatching.
+    pub fn supports_microbatching(self) -> bool {
+        matches!(
+            self,
+            Backend::DeepepLowLatency | Backend::DeepepHighThroughput | Backend::NixlEp
+        )
+    }
+
+    /// vLLM's `FT_BACKEND_SET`.
+    pub fn supports_fault_tolerance(self) -> bool {
+        matches!(self, Backend::DeepepLowLatency | Backend::NixlEp)
+    }
+}
+
+impl Layout {
+    pub const ALL: [Layout; 6] = [
+        Layout::Replicated,
+        Layout::TokenMajor,
+        Layout::ExpertMajor,
+        Layout::ExpertPacked,
+        Layout::RankMajor,
+        Layout::MoonepSlots,
+    ];
+
+    pub fn from_code(code: i32) -> Option<Layout> {
+        Layout::ALL.iter().copied().find(|l| *l as i32 == code)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Replicated => "REPLICATED",
+            Layout::TokenMajor => "TOKEN_MAJOR",
+            Layout::ExpertMajor => "EXPERT_MAJOR",
+            Layout::ExpertPacked => "EXPERT_PACKED",
+            Layout::RankMajor => "RANK_MAJOR",
+            Layout::MoonepSlots => "MOONEP_SLOTS",
+        }
+    }
+}
+
+/// The W1 warning for the deprecated `flashinfer_all2allv` alias (vLLM's text, sic).
+pub const W1_FLASHINFER_ALL2ALLV: &str = "'flashinfer_all2allv' is deprecated and has been renamed to'flashinfer_nvlink_two_sided'. It will be removed in a futurerelease.";
+
+/// The W2 warning for a removed backend name.
+pub fn removed_backend_warning(name: &str) -> String {
+    format!(
+        "The '{name}' all2all backend has been removed. Falling back to 'allgather_reducescatter'."
+    )
+}
+
+/// The I1 info line logged when a manager is created.
+pub fn using_manager_info(backend: Backend) -> String {
+    format!("Using {} all2all manager.", backend.manager_class())
+}
+
+/// Looks a name up exactly (case-sensitive, as vLLM).
+pub fn lookup(name: &str) -> Option<&'static AcceptedName> {
+    ACCEPTED_NAMES.iter().find(|n| n.name == name)
+}
+
+/// The outcome of resolving a name: the backend and the warning vLLM would log, if any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
+    pub backend: Backend,
+    pub kind: NameKind,
+    pub warning: Option<String>,
+}
+
+/// Resolves a name without logging.
+pub fn resolve_quiet(name: &str) -> Result<Resolved> {
+    let entry = lookup(name).ok_or_else(|| Error::UnknownAll2AllBackend {
+        name: name.to_owned(),
+    })?;
+    let warning = match entry.kind {
+        NameKind::Canonical => None,
+        NameKind::Alias => Some(W1_FLASHINFER_ALL2ALLV.to_owned()),
+        NameKind::Removed => Some(removed_backend_warning(name)),
+    };
+    Ok(Resolved {
+        backend: entry.backend,
+        kind: entry.kind,
+        warning,
+    })
+}
+
+/// Resolves a name and logs vLLM's warning: W1 once per process (vLLM's `warning_once`), W2
+/// every time (vLLM's `warning`).
+pub fn resolve(name: &str) -> Result<Backend> {
+    let r = resolve_quiet(name)?;
+    if let Some(w) = &r.warning {
+        match r.kind {
+            NameKind::Alias => log::log_once(log::Level::Warn, w),
+            _ => log::warn(w),
+        }
+    }
+    Ok(r.backend)
+}
+
+/// What vLLM's CPU and XPU communicators log when asked for a backend they cannot build: they
+/// warn and use the AgRs manager instead. `None` on CUDA/ROCm or for AgRs itself.
+/// `name` is the configured name (as vLLM prints it).
+pub fn platform_fallback_warning(name: &str, backend: Backend, platform: &str) -> Option<String> {
+    if backend == Backend::AllgatherReducescatter {
+        return None;
+    }
+    match platform {
+        "cpu" => Some(format!(
+            "`{name}` all2all manager is not supported on CPU. Falling back to `allgather_reducescatter` manager."
+        )),
+        "xpu" => Some(format!(
+            "`{name}` all2all manager is not supported on XPU. Falling back to AgRs manager for XPU, which is the Default backend"
+        )),
+        _ => None,
+    }
+}

@@ -1,0 +1,251 @@
+//! EPLB communicator names and vLLM's `create_eplb_communicator` decision logic (SPEC §5.1),
+//! as a pure function of what the caller asked for and what this process has.
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// An EPLB communicator. Values are part of the C ABI.
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Communicator {
+    TorchNccl = 0,
+    TorchGloo = 1,
+    Pynccl = 2,
+    Nixl = 3,
+}
+
+/// The names vLLM's `EPLBCommunicatorBackend` literal accepts.
+pub const COMMUNICATOR_NAMES: [&str; 4] = ["torch_nccl", "torch_gloo", "pynccl", "nixl"];
+
+impl Communicator {
+    pub const ALL: [Communicator; 4] = [
+        Communicator::TorchNccl,
+        Communicator::TorchGloo,
+        Communicator::Pynccl,
+        Communicator::Nixl,
+    ];
+
+    pub fn from_code(code: i32) -> Option<Communicator> {
+        Communicator::ALL
+            .iter()
+            .copied()
+            .find(|c| *c as i32 == code)
+    }
+
+    pub fn from_name(name: &str) -> Option<Communicator> {
+        Communicator::ALL.iter().copied().find(|c| c.name() == name)
+    }
+
+    pub fn name(self) -> &'static str {
+        COMMUNICATOR_NAMES[self as usize]
+    }
+
+    /// vLLM's class for this communicator.
+    pub fn class_name(self) -> &'static str {
+        match self {
+            Communicator::TorchNccl => "TorchDistNcclEplbCommunicator",
+            Communicator::TorchGloo => "TorchDistGlooStagedEplbCommunicator",
+            Communicator::Pynccl => "PyNcclEplbCommunicator",
+            Communicator::Nixl => "NixlEplbCommunicator",
+        }
+    }
+}
+
+/// The info line vLLM logs once a communicator is built.
+pub fn initialized_info(c: Communicator) -> String {
+    format!("Initialized EPLB communicator: {}.", c.class_name())
+}
+
+/// The forced-to-pynccl warning under elastic EP.
+pub const W_ELASTIC_FORCES_PYNCCL: &str =
+    "Stateless elastic EP requires PyNCCL backend. Forcing EPLB communicator to 'pynccl'.";
+
+/// Where the expert weights live, in PyTorch's words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+    /// ROCm: PyTorch calls it `cuda` too.
+    Rocm,
+    Xpu,
+    /// Another DLPack device type (its code).
+    Other(i32),
+}
+
+impl DeviceKind {
+    /// From a DLPack device type code (1 CPU, 2 CUDA, 3 CUDA host, 10 ROCm, 11 ROCm host,
+    /// 13 CUDA managed, 14 oneAPI).
+    pub fn from_dlpack(code: i32) -> DeviceKind {
+        match code {
+            1 | 3 | 11 => DeviceKind::Cpu,
+            2 | 13 => DeviceKind::Cuda,
+            10 => DeviceKind::Rocm,
+            14 => DeviceKind::Xpu,
+            other => DeviceKind::Other(other),
+        }
+    }
+
+    /// From a platform name as vLLM configs use it (cuda, rocm, cpu, xpu).
+    pub fn from_platform(platform: &str) -> Option<DeviceKind> {
+        match platform {
+            "cuda" => Some(DeviceKind::Cuda),
+            "rocm" => Some(DeviceKind::Rocm),
+            "cpu" => Some(DeviceKind::Cpu),
+            "xpu" => Some(DeviceKind::Xpu),
+            _ => None,
+        }
+    }
+
+    /// PyTorch's `device.type` string.
+    pub fn torch_name(self) -> String {
+        match self {
+            DeviceKind::Cpu => "cpu".into(),
+            DeviceKind::Cuda | DeviceKind::Rocm => "cuda".into(),
+            DeviceKind::Xpu => "xpu".into(),
+            DeviceKind::Other(8) => "mps".into(),
+            DeviceKind::Other(code) => format!("dlpack_device_{code}"),
+        }
+    }
+
+    pub fn is_cuda_alike(self) -> bool {
+        matches!(self, DeviceKind::Cuda | DeviceKind::Rocm)
+    }
+
+    /// Whether NCCL (vLLM's `ncclDataTypeEnum`) can move this dtype on this device: the eight
+    /// standard types plus the platform's fp8 type.
+    pub fn nccl_supports(self, dtype: DType) -> bool {
+        use crate::dtype::Code;
+        match (dtype.code(), dtype.bits, dtype.lanes) {
+            (_, _, l) if l != 1 => false,
+            (Some(Code::Int), 8 | 32 | 64, _) => true,
+            (Some(Code::UInt), 8, _) => true,
+            (Some(Code::Float), 16 | 32 | 64, _) => true,
+            (Some(Code::Bfloat), 16, _) => true,
+            (Some(Code::Float8E4m3fn), 8, _) => true,
+            (Some(Code::Float8E4m3fnuz), 8, _) => self == DeviceKind::Rocm,
+            _ => false,
+        }
+    }
+}
+
+/// What the factory needs to decide.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SelectRequest<'a> {
+    /// The configured name; `None` = automatic selection.
+    pub requested: Option<&'a str>,
+    /// The EP group is a stateless (elastic EP) group.
+    pub elastic: bool,
+    /// Where the expert weights live.
+    pub device: DeviceKind,
+    /// The dtypes of the first layer's expert weight tensors.
+    pub weight_dtypes: &'a [DType],
+    /// A usable NCCL is present in this process.
+    pub nccl_available: bool,
+    /// NIXL is present in this process.
+    pub nixl_available: bool,
+}
+
+/// The factory's decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selection {
+    pub communicator: Communicator,
+    /// Chosen automatically (no name was configured).
+    pub auto_selected: bool,
+    /// Warnings vLLM logs on the way (e.g. the forced-to-pynccl warning).
+    pub warnings: Vec<String>,
+}
+
+/// vLLM's automatic choice when no communicator is configured: NIXL if importable, else
+/// `pynccl` for elastic EP, else `torch_gloo`.
+pub fn auto_select(elastic: bool, nixl_available: bool) -> Communicator {
+    if nixl_available {
+        Communicator::Nixl
+    } else if elastic {
+        Communicator::Pynccl
+    } else {
+        Communicator::TorchGloo
+    }
+}
+
+/// vLLM's `create_eplb_communicator` decision, in its order (SPEC §5.1). Construction failures
+/// (`Failed to initialize ...`) happen when the communicator is built, not here.
+pub fn select(req: &SelectRequest<'_>) -> Result<Selection> {
+    let auto_selected = req.requested.is_none();
+    let name: &str = match req.requested {
+        Some(n) => n,
+        None => auto_select(req.elastic, req.nixl_available).name(),
+    };
+    let mut warnings = Vec::new();
+    let done = |c: Communicator, warnings: Vec<String>| {
+        Ok(Selection {
+            communicator: c,
+            auto_selected,
+            warnings,
+        })
+    };
+
+    if req.elastic && name != "nixl" {
+        return match name {
+            "torch_nccl" => {
+                warnings.push(W_ELASTIC_FORCES_PYNCCL.to_owned());
+                check_pynccl(req)?;
+                done(Communicator::Pynccl, warnings)
+            }
+            "pynccl" => {
+                check_pynccl(req)?;
+                done(Communicator::Pynccl, warnings)
+            }
+            other => Err(Error::ElasticEpCommunicator {
+                backend: other.to_owned(),
+            }),
+        };
+    }
+    match name {
+        "nixl" => {
+            if !req.nixl_available {
+                return Err(Error::NixlUnavailable);
+            }
+            if !req.device.is_cuda_alike() {
+                return Err(Error::NixlDeviceType {
+                    device_type: req.device.torch_name(),
+                });
+            }
+            done(Communicator::Nixl, warnings)
+        }
+        "torch_gloo" => done(Communicator::TorchGloo, warnings),
+        "torch_nccl" => done(Communicator::TorchNccl, warnings),
+        "pynccl" => {
+            check_pynccl(req)?;
+            done(Communicator::Pynccl, warnings)
+        }
+        other => Err(Error::UnknownEplbCommunicator {
+            backend: other.to_owned(),
+        }),
+    }
+}
+
+/// vLLM's `_create_pynccl` checks, before construction.
+fn check_pynccl(req: &SelectRequest<'_>) -> Result<()> {
+    if req.device == DeviceKind::Cpu {
+        return Err(Error::PyncclDeviceType {
+            device_type: req.device.torch_name(),
+        });
+    }
+    let mut bad: Vec<String> = req
+        .weight_dtypes
+        .iter()
+        .filter(|d| !req.device.nccl_supports(**d))
+        .map(|d| d.torch_name())
+        .collect();
+    bad.sort();
+    bad.dedup();
+    if !bad.is_empty() {
+        return Err(Error::PyncclDtypes {
+            dtypes: bad.join(", "),
+        });
+    }
+    if !req.nccl_available {
+        return Err(Error::PyncclUnavailable);
+    }
+    Ok(())
+}

@@ -1,0 +1,6 @@
+//! Pure selection logic: all2all backend names, EPLB communicator names, configuration checks.
+
+pub mod all2all;
+pub mod config;
+pub mod eplb;
+pub mod suggest;
