@@ -113,6 +113,24 @@ pub fn cuda() -> Result<Library, String> {
         return Err("epcomm was built without the 'cuda' feature".into());
     }
     static CUDA: OnceLock<Option<Library>> = OnceLock::new();
-    CUDA.get_or_init(|| open_first(&["libcuda.so.1", "libcuda.so"]))
-        .ok_or_else(|| "CUDA driver library libcuda.so.1 not found".to_owned())
+    let lib = CUDA
+        .get_or_init(|| open_first(&["libcuda.so.1", "libcuda.so"]))
+        .ok_or_else(|| "CUDA driver library libcuda.so.1 not found".to_owned())?;
+    if !cudarc_sees_driver() {
+        return Err("cudarc cannot load the CUDA driver library".into());
+    }
+    Ok(lib)
+}
+
+/// cudarc panics on first use when it cannot load the driver; ask it first (its own search
+/// list), and keep a panic from escaping.
+#[cfg(feature = "cuda")]
+fn cudarc_sees_driver() -> bool {
+    // SAFETY: is_culib_present only tries to dlopen candidate names.
+    std::panic::catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cudarc_sees_driver() -> bool {
+    false
 }

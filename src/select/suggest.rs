@@ -42,7 +42,7 @@ pub fn closest<'a>(given: &str, candidates: impl IntoIterator<Item = &'a str>) -
             let score = if n == g {
                 0
             } else if !g.is_empty() && (n.contains(&g) || g.contains(&n)) {
-                1 + n.len().abs_diff(g.len()) / 4
+                1
             } else {
                 let d = edit_distance(&g, &n);
                 // Too far to be a typo: more than a third of the longer name changed.

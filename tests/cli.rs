@@ -1,0 +1,176 @@
+//! The `epcomm` command line: `check` prints `{Exception}: {message}` first on stderr and exits 1
+//! on error; prints the resolved setup and exits 0 on success.
+
+use std::process::{Command, Output};
+
+fn epcomm(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_epcomm"))
+        .args(args)
+        .env_remove("EPCOMM_LOG_LEVEL")
+        .output()
+        .expect("run epcomm")
+}
+
+fn stderr_lines(o: &Output) -> Vec<String> {
+    String::from_utf8_lossy(&o.stderr)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn check_reports_unknown_backend_with_hint() {
+    let o = epcomm(&["check", "--all2all-backend", "flashinfer-nvlink-2s"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr_lines(&o);
+    assert_eq!(
+        err[0],
+        "ValueError: Unknown all2all backend: flashinfer-nvlink-2s"
+    );
+    assert_eq!(err[1], "hint: did you mean 'flashinfer_nvlink_two_sided'?");
+}
+
+#[test]
+fn check_reports_assertions_and_not_implemented() {
+    let o = epcomm(&["check", "--all2all-backend=deepep_v2", "--enable-dbo"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr_lines(&o)[0].starts_with("AssertionError: Microbatching currently only supports")
+    );
+
+    let o = epcomm(&[
+        "check",
+        "--enable-eplb",
+        "--enable-expert-parallel",
+        "-dp",
+        "2",
+        "--enable-elastic-ep",
+        "--data-parallel-hybrid-lb",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr_lines(&o)[0],
+        "NotImplementedError: Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. Elastic EP relies on a single API server and core client to coordinate scale up/down."
+    );
+}
+
+#[test]
+fn check_applies_dotted_eplb_flags_over_config() {
+    let o = epcomm(&[
+        "check",
+        "--config",
+        r#"{"enable_eplb": true, "enable_expert_parallel": true, "data_parallel_size": 4, "eplb_config": {"communicator": "pynccl"}}"#,
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr_lines(&o)[0]
+        .starts_with("ValueError: pynccl communicator is incompatible with async EPLB"));
+
+    let o = epcomm(&[
+        "check",
+        "--config",
+        r#"{"enable_eplb": true, "enable_expert_parallel": true, "data_parallel_size": 4, "eplb_config": {"communicator": "pynccl"}}"#,
+        "--eplb-config.use_async=false",
+        "--nccl-available",
+        "false",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr_lines(&o)[0],
+        "RuntimeError: EPLB communicator 'pynccl' requested but unavailable."
+    );
+}
+
+#[test]
+fn check_success_prints_the_resolved_setup() {
+    let o = epcomm(&[
+        "check",
+        "--all2all-backend",
+        "naive",
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        "-dp",
+        "4",
+        "--nixl-available",
+        "false",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains(
+            "all2all backend:   allgather_reducescatter -> AgRsAll2AllManager (layout REPLICATED)"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "EPLB communicator: torch_gloo -> TorchDistGlooStagedEplbCommunicator (auto-selected)"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("WARNING The 'naive' all2all backend has been removed. Falling back to 'allgather_reducescatter'."), "{out}");
+}
+
+#[test]
+fn check_json_output() {
+    let o = epcomm(&["check", "--all2all-backend", "deepep_low_latency", "--json"]);
+    assert_eq!(o.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["manager_class"], "DeepEPLLAll2AllManager");
+    assert_eq!(v["layout"], "EXPERT_MAJOR");
+
+    let o = epcomm(&["check", "--all2all-backend", "mori", "--json"]);
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["exception"], "ValueError");
+    assert_eq!(v["message"], "Unknown all2all backend: mori");
+    assert_eq!(v["status"], 2);
+}
+
+#[test]
+fn check_reads_a_config_file() {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let o = epcomm(&[
+        "check",
+        "--config",
+        &format!("{dir}/examples/configs/deepseek-v3-ep.json"),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let o = epcomm(&["check", "--enable-epl"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr_lines(&o)[0]
+        .contains("unrecognized argument --enable-epl (did you mean 'enable-eplb'?)"));
+    let o = epcomm(&["chek"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn backends_lists_every_name() {
+    let o = epcomm(&["backends"]);
+    assert_eq!(o.status.code(), Some(0));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for n in epcomm::select::all2all::ACCEPTED_NAMES {
+        assert!(out.contains(n.name), "{}", n.name);
+    }
+    assert!(out.contains("does not load DeepEP"));
+    let o = epcomm(&["backends", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 13);
+    assert_eq!(v[10]["name"], "flashinfer_all2allv");
+    assert_eq!(v[10]["kind"], "alias");
+}

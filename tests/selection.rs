@@ -1,0 +1,887 @@
+//! Every name of SPEC §3 and every message of SPEC §3, §5.1 and §5.2, in full, with its status and
+//! Python exception class.
+
+use epcomm::dtype::{Code, DType};
+use epcomm::select::all2all::{self, Backend, Layout, NameKind};
+use epcomm::select::config::{self, EplbConfig};
+use epcomm::select::eplb::{self, Communicator, DeviceKind, SelectRequest};
+use epcomm::{Error, Status};
+
+fn assert_err(e: &Error, status: Status, exception: &str, message: &str) {
+    assert_eq!(e.to_string(), message);
+    assert_eq!(e.status(), status, "status of {message}");
+    assert_eq!(e.exception(), exception, "exception of {message}");
+}
+
+// ---- §3 names -------------------------------------------------------------------------------
+
+#[test]
+fn every_accepted_name_resolves_as_in_the_table() {
+    use Backend::*;
+    use Layout::*;
+    let table: [(&str, Backend, NameKind, Layout, &str); 13] = [
+        (
+            "allgather_reducescatter",
+            AllgatherReducescatter,
+            NameKind::Canonical,
+            Replicated,
+            "AgRsAll2AllManager",
+        ),
+        (
+            "naive",
+            AllgatherReducescatter,
+            NameKind::Removed,
+            Replicated,
+            "AgRsAll2AllManager",
+        ),
+        (
+            "pplx",
+            AllgatherReducescatter,
+            NameKind::Removed,
+            Replicated,
+            "AgRsAll2AllManager",
+        ),
+        (
+            "deepep_high_throughput",
+            DeepepHighThroughput,
+            NameKind::Canonical,
+            TokenMajor,
+            "DeepEPHTAll2AllManager",
+        ),
+        (
+            "deepep_low_latency",
+            DeepepLowLatency,
+            NameKind::Canonical,
+            ExpertMajor,
+            "DeepEPLLAll2AllManager",
+        ),
+        (
+            "deepep_v2",
+            DeepepV2,
+            NameKind::Canonical,
+            ExpertPacked,
+            "DeepEPV2All2AllManager",
+        ),
+        (
+            "mori_high_throughput",
+            MoriHighThroughput,
+            NameKind::Canonical,
+            TokenMajor,
+            "MoriAll2AllManager",
+        ),
+        (
+            "mori_low_latency",
+            MoriLowLatency,
+            NameKind::Canonical,
+            TokenMajor,
+            "MoriAll2AllManager",
+        ),
+        (
+            "nixl_ep",
+            NixlEp,
+            NameKind::Canonical,
+            ExpertMajor,
+            "NixlEPAll2AllManager",
+        ),
+        (
+            "flashinfer_nvlink_two_sided",
+            FlashinferNvlinkTwoSided,
+            NameKind::Canonical,
+            RankMajor,
+            "FlashInferNVLinkTwoSidedManager",
+        ),
+        (
+            "flashinfer_all2allv",
+            FlashinferNvlinkTwoSided,
+            NameKind::Alias,
+            RankMajor,
+            "FlashInferNVLinkTwoSidedManager",
+        ),
+        (
+            "flashinfer_nvlink_one_sided",
+            FlashinferNvlinkOneSided,
+            NameKind::Canonical,
+            RankMajor,
+            "FlashInferNVLinkOneSidedManager",
+        ),
+        (
+            "moonep",
+            Moonep,
+            NameKind::Canonical,
+            MoonepSlots,
+            "MoonEPAll2AllManager",
+        ),
+    ];
+    assert_eq!(all2all::ACCEPTED_NAMES.len(), table.len());
+    for (name, backend, kind, layout, class) in table {
+        let r = all2all::resolve_quiet(name).unwrap();
+        assert_eq!((r.backend, r.kind), (backend, kind), "{name}");
+        assert_eq!(backend.layout(), layout, "{name}");
+        assert_eq!(backend.manager_class(), class, "{name}");
+        assert_eq!(all2all::resolve(name).unwrap(), backend);
+    }
+    assert_eq!(all2all::DEFAULT_BACKEND.name(), "allgather_reducescatter");
+    for b in Backend::ALL {
+        assert_eq!(all2all::lookup(b.name()).unwrap().kind, NameKind::Canonical);
+        assert_eq!(Backend::from_code(b as i32), Some(b));
+    }
+}
+
+#[test]
+fn unknown_names_are_value_errors_with_the_name_unquoted() {
+    for name in [
+        "mori",
+        "flashinfer-nvlink-2s",
+        "one_sided",
+        "",
+        "Naive",
+        "DEEPEP_LOW_LATENCY",
+        " naive",
+    ] {
+        let e = all2all::resolve(name).unwrap_err();
+        assert_err(
+            &e,
+            Status::InvalidArgument,
+            "ValueError",
+            &format!("Unknown all2all backend: {name}"),
+        );
+    }
+}
+
+#[test]
+fn unknown_name_hints_suggest_the_closest_names() {
+    let hint = |n: &str| all2all::resolve_quiet(n).unwrap_err().hint().unwrap();
+    assert_eq!(
+        hint("flashinfer-nvlink-2s"),
+        "did you mean 'flashinfer_nvlink_two_sided'?"
+    );
+    assert_eq!(hint("Naive"), "did you mean 'naive'?");
+    assert!(
+        hint("mori").contains("'mori_high_throughput'"),
+        "{}",
+        hint("mori")
+    );
+    assert!(hint("mori").contains("'mori_low_latency'"));
+    assert!(hint("deepep_ll").contains("'deepep_low_latency'"));
+    // Nothing close: the full list.
+    assert!(hint("zzzzzzzzzzzz").starts_with("valid all2all backends: 'naive', 'pplx'"));
+}
+
+#[test]
+fn w1_alias_warning_is_vllms_text() {
+    let r = all2all::resolve_quiet("flashinfer_all2allv").unwrap();
+    assert_eq!(
+        r.warning.as_deref(),
+        Some("'flashinfer_all2allv' is deprecated and has been renamed to'flashinfer_nvlink_two_sided'. It will be removed in a futurerelease.")
+    );
+}
+
+#[test]
+fn w2_removed_backend_warning_is_vllms_text() {
+    for name in ["naive", "pplx"] {
+        let r = all2all::resolve_quiet(name).unwrap();
+        assert_eq!(
+            r.warning.unwrap(),
+            format!("The '{name}' all2all backend has been removed. Falling back to 'allgather_reducescatter'.")
+        );
+    }
+    assert_eq!(all2all::resolve_quiet("deepep_v2").unwrap().warning, None);
+}
+
+#[test]
+fn i1_using_manager_info() {
+    assert_eq!(
+        all2all::using_manager_info(Backend::DeepepLowLatency),
+        "Using DeepEPLLAll2AllManager all2all manager."
+    );
+}
+
+#[test]
+fn one_sided_heterogeneous_assertions() {
+    let e = Error::OneSidedHeterogeneous {
+        field: "top_k",
+        got: 6,
+        built: 8,
+    };
+    assert_err(&e, Status::Assertion, "AssertionError", "FlashInfer one-sided MoeAlltoAll does not support heterogeneous top_k across MoE layers (got 6, was built with 8)");
+    let e = Error::OneSidedHeterogeneous {
+        field: "num_experts",
+        got: 64,
+        built: 256,
+    };
+    assert_err(&e, Status::Assertion, "AssertionError", "FlashInfer one-sided MoeAlltoAll does not support heterogeneous num_experts across MoE layers (got 64, was built with 256)");
+}
+
+#[test]
+fn moonep_unavailable_message() {
+    assert_err(
+        &Error::MoonEpUnavailable,
+        Status::Assertion,
+        "AssertionError",
+        "MoonEP not available. Install it from https://github.com/MoonshotAI/MoonEP.",
+    );
+}
+
+// ---- §3 feature gates through the config checker -----------------------------------------------
+
+fn check(json: &str) -> config::CheckOutcome {
+    config::check_json(json, false, false)
+}
+
+fn check_err(json: &str) -> Error {
+    check(json).result.expect_err(json)
+}
+
+#[test]
+fn dbo_requires_a_microbatching_backend() {
+    let e = check_err(r#"{"enable_dbo": true, "all2all_backend": "deepep_v2"}"#);
+    assert_err(&e, Status::Assertion, "AssertionError", "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, and nixl_ep all2all backends. deepep_v2 is not supported. To fix use --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, or --all2all-backend=nixl_ep and install the matching kernels.");
+    // A removed name is rewritten first, so vLLM names the fallback.
+    let e = check_err(r#"{"enable_dbo": true, "all2all_backend": "naive"}"#);
+    assert!(
+        e.to_string()
+            .contains(" allgather_reducescatter is not supported."),
+        "{e}"
+    );
+    for ok in ["deepep_low_latency", "deepep_high_throughput", "nixl_ep"] {
+        check(&format!(
+            r#"{{"enable_dbo": true, "all2all_backend": "{ok}"}}"#
+        ))
+        .result
+        .unwrap();
+    }
+}
+
+#[test]
+fn fault_tolerance_requires_an_ft_backend() {
+    let e = check_err(
+        r#"{"enable_fault_tolerance": true, "all2all_backend": "deepep_high_throughput"}"#,
+    );
+    assert_err(&e, Status::InvalidArgument, "ValueError", "Fault tolerance requires an FT-capable all2all backend (one of ['deepep_low_latency', 'nixl_ep']), but got 'deepep_high_throughput'.");
+    check(r#"{"enable_fault_tolerance": true, "all2all_backend": "nixl_ep"}"#)
+        .result
+        .unwrap();
+}
+
+#[test]
+fn moe_lora_with_ep_requires_agrs() {
+    let e = check_err(
+        r#"{"enable_lora": true, "enable_expert_parallel": true, "all2all_backend": "deepep_low_latency"}"#,
+    );
+    assert_err(&e, Status::Assertion, "AssertionError", "Fused MoE LoRA with EP currently only supports all2all_backend='allgather_reducescatter', got 'deepep_low_latency'.");
+    check(r#"{"enable_lora": true, "enable_expert_parallel": false, "all2all_backend": "deepep_low_latency"}"#).result.unwrap();
+    check(r#"{"enable_lora": true, "enable_expert_parallel": true}"#)
+        .result
+        .unwrap();
+}
+
+#[test]
+fn config_resolution_and_warnings() {
+    let o = check(r#"{"all2all_backend": "pplx"}"#);
+    let r = o.result.unwrap();
+    assert_eq!(r.backend, Backend::AllgatherReducescatter);
+    assert_eq!(r.effective_name, "allgather_reducescatter");
+    assert_eq!(o.warnings, vec!["The 'pplx' all2all backend has been removed. Falling back to 'allgather_reducescatter'.".to_owned()]);
+    assert_eq!(
+        o.infos,
+        vec!["Using AgRsAll2AllManager all2all manager.".to_owned()]
+    );
+
+    let o = check(r#"{"all2all_backend": "flashinfer_all2allv"}"#);
+    assert_eq!(
+        o.result.unwrap().manager_class,
+        "FlashInferNVLinkTwoSidedManager"
+    );
+    assert_eq!(o.warnings, vec![all2all::W1_FLASHINFER_ALL2ALLV.to_owned()]);
+
+    // CPU communicators fall back to AgRs with vLLM's warning.
+    let o = check(r#"{"all2all_backend": "deepep_low_latency", "platform": "cpu"}"#);
+    assert_eq!(o.result.unwrap().manager_class, "AgRsAll2AllManager");
+    assert_eq!(o.warnings, vec!["`deepep_low_latency` all2all manager is not supported on CPU. Falling back to `allgather_reducescatter` manager.".to_owned()]);
+    assert_eq!(
+        o.infos,
+        vec!["Using allgather_reducescatter all2all manager.".to_owned()]
+    );
+
+    let o = check(r#"{"all2all_backend": "deepep_low_latency", "platform": "xpu"}"#);
+    assert_eq!(o.warnings, vec!["`deepep_low_latency` all2all manager is not supported on XPU. Falling back to AgRs manager for XPU, which is the Default backend".to_owned()]);
+}
+
+// ---- §5.1 communicator factory ---------------------------------------------------------------
+
+fn req(requested: Option<&str>) -> SelectRequest<'_> {
+    SelectRequest {
+        requested,
+        elastic: false,
+        device: DeviceKind::Cuda,
+        weight_dtypes: &[],
+        nccl_available: true,
+        nixl_available: true,
+    }
+}
+
+#[test]
+fn communicator_names_and_classes() {
+    let expect = [
+        ("torch_nccl", "TorchDistNcclEplbCommunicator"),
+        ("torch_gloo", "TorchDistGlooStagedEplbCommunicator"),
+        ("pynccl", "PyNcclEplbCommunicator"),
+        ("nixl", "NixlEplbCommunicator"),
+    ];
+    for (name, class) in expect {
+        let c = eplb::select(&req(Some(name))).unwrap().communicator;
+        assert_eq!(c.name(), name);
+        assert_eq!(c.class_name(), class);
+        assert_eq!(
+            eplb::initialized_info(c),
+            format!("Initialized EPLB communicator: {class}.")
+        );
+    }
+}
+
+#[test]
+fn unknown_communicator_is_a_value_error() {
+    let e = eplb::select(&req(Some("symm_mem"))).unwrap_err();
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "Unknown EPLB communicator backend: symm_mem",
+    );
+    let e = eplb::select(&req(Some("pyncl"))).unwrap_err();
+    assert_eq!(e.hint().unwrap(), "did you mean 'pynccl'?");
+}
+
+#[test]
+fn elastic_rejects_other_communicators() {
+    for name in ["torch_gloo", "symm_mem"] {
+        let e = eplb::select(&SelectRequest {
+            elastic: true,
+            ..req(Some(name))
+        })
+        .unwrap_err();
+        assert_err(&e, Status::InvalidArgument, "ValueError", &format!("Elastic EP requires 'torch_nccl', 'pynccl', or 'nixl' EPLB communicator (got '{name}')."));
+    }
+}
+
+#[test]
+fn elastic_forces_torch_nccl_to_pynccl_with_a_warning() {
+    let s = eplb::select(&SelectRequest {
+        elastic: true,
+        ..req(Some("torch_nccl"))
+    })
+    .unwrap();
+    assert_eq!(s.communicator, Communicator::Pynccl);
+    assert_eq!(
+        s.warnings,
+        vec![
+            "Stateless elastic EP requires PyNCCL backend. Forcing EPLB communicator to 'pynccl'."
+                .to_owned()
+        ]
+    );
+    let s = eplb::select(&SelectRequest {
+        elastic: true,
+        ..req(Some("nixl"))
+    })
+    .unwrap();
+    assert_eq!(s.communicator, Communicator::Nixl);
+    assert!(s.warnings.is_empty());
+}
+
+#[test]
+fn pynccl_needs_cuda_like_devices() {
+    let e = eplb::select(&SelectRequest {
+        device: DeviceKind::Cpu,
+        ..req(Some("pynccl"))
+    })
+    .unwrap_err();
+    assert_err(
+        &e,
+        Status::Runtime,
+        "RuntimeError",
+        "EPLB communicator 'pynccl' supports only cuda-like devices (got cpu).",
+    );
+    // Elastic torch_nccl is forced to pynccl and then checked the same way.
+    let e = eplb::select(&SelectRequest {
+        device: DeviceKind::Cpu,
+        elastic: true,
+        ..req(Some("torch_nccl"))
+    })
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "EPLB communicator 'pynccl' supports only cuda-like devices (got cpu)."
+    );
+    // ROCm tensors are `cuda` in PyTorch.
+    eplb::select(&SelectRequest {
+        device: DeviceKind::Rocm,
+        ..req(Some("pynccl"))
+    })
+    .unwrap();
+}
+
+#[test]
+fn pynccl_rejects_unsupported_dtypes_sorted() {
+    let dtypes = [
+        DType::BF16,
+        DType::new(Code::Float8E5m2, 8),
+        DType::new(Code::Bool, 8),
+        DType::new(Code::Float8E5m2, 8),
+    ];
+    let e = eplb::select(&SelectRequest {
+        weight_dtypes: &dtypes,
+        ..req(Some("pynccl"))
+    })
+    .unwrap_err();
+    assert_err(&e, Status::Runtime, "RuntimeError", "EPLB communicator 'pynccl' requested but expert weights contain unsupported dtypes: (torch.bool, torch.float8_e5m2).");
+    let ok = [
+        DType::BF16,
+        DType::F32,
+        DType::new(Code::Float8E4m3fn, 8),
+        DType::new(Code::UInt, 8),
+        DType::I64,
+    ];
+    eplb::select(&SelectRequest {
+        weight_dtypes: &ok,
+        ..req(Some("pynccl"))
+    })
+    .unwrap();
+}
+
+#[test]
+fn pynccl_unavailable_without_nccl() {
+    let e = eplb::select(&SelectRequest {
+        nccl_available: false,
+        ..req(Some("pynccl"))
+    })
+    .unwrap_err();
+    assert_err(
+        &e,
+        Status::Unavailable,
+        "RuntimeError",
+        "EPLB communicator 'pynccl' requested but unavailable.",
+    );
+}
+
+#[test]
+fn construction_failures_wrap_the_cause() {
+    assert_err(
+        &Error::PyncclInit {
+            cause: "ncclInvalidUsage".into(),
+        },
+        Status::Runtime,
+        "RuntimeError",
+        "Failed to initialize PyNcclEplbCommunicator (ncclInvalidUsage).",
+    );
+    assert_err(
+        &Error::NixlInit {
+            cause: "agent creation failed".into(),
+        },
+        Status::Runtime,
+        "RuntimeError",
+        "Failed to initialize NixlEplbCommunicator (agent creation failed).",
+    );
+}
+
+#[test]
+fn nixl_needs_the_library_then_cuda_like_devices() {
+    let e = eplb::select(&SelectRequest {
+        nixl_available: false,
+        ..req(Some("nixl"))
+    })
+    .unwrap_err();
+    assert_err(
+        &e,
+        Status::Unavailable,
+        "RuntimeError",
+        "EPLB communicator 'nixl' requested but NIXL is unavailable.",
+    );
+    let e = eplb::select(&SelectRequest {
+        device: DeviceKind::Cpu,
+        ..req(Some("nixl"))
+    })
+    .unwrap_err();
+    assert_err(
+        &e,
+        Status::Runtime,
+        "RuntimeError",
+        "EPLB communicator 'nixl' supports only cuda-like devices (got cpu).",
+    );
+    let e = eplb::select(&SelectRequest {
+        device: DeviceKind::Xpu,
+        ..req(Some("nixl"))
+    })
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "EPLB communicator 'nixl' supports only cuda-like devices (got xpu)."
+    );
+}
+
+#[test]
+fn auto_selection_order() {
+    let auto = |elastic, nixl| {
+        eplb::select(&SelectRequest {
+            elastic,
+            nixl_available: nixl,
+            ..req(None)
+        })
+        .unwrap()
+    };
+    assert_eq!(auto(false, true).communicator, Communicator::Nixl);
+    assert_eq!(auto(true, true).communicator, Communicator::Nixl);
+    assert_eq!(auto(true, false).communicator, Communicator::Pynccl);
+    assert_eq!(auto(false, false).communicator, Communicator::TorchGloo);
+    assert!(auto(false, false).auto_selected);
+    // torch_gloo works for host tensors.
+    let s = eplb::select(&SelectRequest {
+        device: DeviceKind::Cpu,
+        nixl_available: false,
+        ..req(None)
+    })
+    .unwrap();
+    assert_eq!(s.communicator, Communicator::TorchGloo);
+}
+
+// ---- §5.2 EPLB config validation -------------------------------------------------------------
+
+const EPLB_BASE: &str =
+    r#""enable_eplb": true, "enable_expert_parallel": true, "data_parallel_size": 2"#;
+
+fn eplb_check(extra: &str) -> config::CheckOutcome {
+    check(&format!(
+        "{{{EPLB_BASE}{}{extra}}}",
+        if extra.is_empty() { "" } else { ", " }
+    ))
+}
+
+#[test]
+fn eplb_config_defaults() {
+    let c = EplbConfig::default();
+    assert_eq!(
+        (c.window_size, c.step_interval, c.num_redundant_experts),
+        (1000, 3000, 0)
+    );
+    assert_eq!(
+        (c.log_balancedness, c.log_balancedness_interval, c.use_async),
+        (false, 1, true)
+    );
+    assert_eq!((c.policy.as_str(), c.communicator), ("default", None));
+}
+
+#[test]
+fn async_eplb_needs_the_default_policy() {
+    let e = eplb_check(r#""eplb_config": {"policy": "custom"}"#)
+        .result
+        .unwrap_err();
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "Async EPLB is only supported with the default policy.",
+    );
+    let e = eplb_check(r#""eplb_config": {"policy": "custom", "use_async": false}"#)
+        .result
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "eplb_config.policy: Input should be 'default'"
+    );
+}
+
+#[test]
+fn async_eplb_rejects_nccl_communicators() {
+    for c in ["torch_nccl", "pynccl"] {
+        let e = eplb_check(&format!(r#""eplb_config": {{"communicator": "{c}"}}"#))
+            .result
+            .unwrap_err();
+        assert_err(&e, Status::InvalidArgument, "ValueError", &format!("{c} communicator is incompatible with async EPLB due to NCCL multi-stream conflicts. Use 'torch_gloo' or 'nixl' instead, or leave communicator unset for automatic selection."));
+    }
+}
+
+#[test]
+fn log_balancedness_interval_rule() {
+    let c = EplbConfig {
+        log_balancedness: true,
+        log_balancedness_interval: 0,
+        ..EplbConfig::default()
+    };
+    assert_err(
+        &c.validate().unwrap_err(),
+        Status::InvalidArgument,
+        "ValueError",
+        "log_balancedness_interval must be greater than 0.",
+    );
+    // From JSON the field bound (pydantic gt=0) catches it first, as in vLLM.
+    let e =
+        eplb_check(r#""eplb_config": {"log_balancedness": true, "log_balancedness_interval": 0}"#)
+            .result
+            .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "eplb_config.log_balancedness_interval: Input should be greater than 0"
+    );
+}
+
+#[test]
+fn field_bounds_use_pydantics_phrase() {
+    let cases = [
+        (
+            r#"{"eplb_config": {"window_size": 0}}"#,
+            "eplb_config.window_size: Input should be greater than 0",
+        ),
+        (
+            r#"{"eplb_config": {"step_interval": -3}}"#,
+            "eplb_config.step_interval: Input should be greater than 0",
+        ),
+        (
+            r#"{"eplb_config": {"num_redundant_experts": -1}}"#,
+            "eplb_config.num_redundant_experts: Input should be greater than or equal to 0",
+        ),
+        (
+            r#"{"eplb_config": {"num_redundant_experts": 1024}}"#,
+            "eplb_config.num_redundant_experts: Input should be less than or equal to 1023",
+        ),
+        (
+            r#"{"tensor_parallel_size": 0}"#,
+            "tensor_parallel_size: Input should be greater than 0",
+        ),
+        (
+            r#"{"enable_eplb": "yes"}"#,
+            "enable_eplb: Input should be a valid boolean",
+        ),
+        (
+            r#"{"data_parallel_size": 2.5}"#,
+            "data_parallel_size: Input should be a valid integer",
+        ),
+        (
+            r#"{"all2all_backend": 3}"#,
+            "all2all_backend: Input should be a valid string",
+        ),
+        (
+            r#"{"eplb_config": []}"#,
+            "eplb_config: Input should be a valid dictionary",
+        ),
+        (
+            r#"{"platform": "tpu"}"#,
+            "platform: Input should be 'cuda', 'rocm', 'cpu' or 'xpu'",
+        ),
+    ];
+    for (json, msg) in cases {
+        assert_err(&check_err(json), Status::InvalidArgument, "ValueError", msg);
+    }
+}
+
+#[test]
+fn unknown_keys_name_the_nearest_valid_key() {
+    let e = check_err(r#"{"enable_epl": true}"#);
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "Unknown configuration key 'enable_epl' (nearest valid key: 'enable_eplb')",
+    );
+    assert_eq!(e.hint().unwrap(), "did you mean 'enable_eplb'?");
+    let e = check_err(r#"{"eplb_config": {"windowsize": 10}}"#);
+    assert_eq!(e.to_string(), "Unknown configuration key 'eplb_config.windowsize' (nearest valid key: 'eplb_config.window_size')");
+    let e = check_err(r#"{"eplb_config": {"communicator": "gloo"}}"#);
+    assert_eq!(e.to_string(), "Unknown EPLB communicator backend: gloo");
+    let e = check_err(r#"{"all2all_backend": "deepep"}"#);
+    assert_eq!(e.to_string(), "Unknown all2all backend: deepep");
+}
+
+#[test]
+fn malformed_json_is_a_clear_error() {
+    let e = check_err("{not json");
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(
+        e.to_string()
+            .starts_with("configuration is not valid JSON: "),
+        "{e}"
+    );
+    let e = check_err("[1, 2]");
+    assert!(
+        e.to_string()
+            .starts_with("configuration must be a JSON object"),
+        "{e}"
+    );
+}
+
+#[test]
+fn eplb_needs_cuda_or_rocm() {
+    let e = eplb_check(r#""platform": "cpu""#).result.unwrap_err();
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "Expert parallelism load balancing is only supported on CUDA devices or ROCm devices now.",
+    );
+    eplb_check(r#""platform": "rocm""#).result.unwrap();
+}
+
+#[test]
+fn eplb_needs_expert_parallel() {
+    let e = check_err(r#"{"enable_eplb": true, "data_parallel_size": 2}"#);
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "enable_expert_parallel must be True to use EPLB.",
+    );
+}
+
+#[test]
+fn eplb_needs_some_parallelism() {
+    let e = check_err(r#"{"enable_eplb": true, "enable_expert_parallel": true}"#);
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "EPLB requires tensor, prefill-context, or data parallelism, but got TP=1, PCP=1, DP=1.",
+    );
+    check(r#"{"enable_eplb": true, "enable_expert_parallel": true, "prefill_context_parallel_size": 2}"#).result.unwrap();
+}
+
+#[test]
+fn redundant_experts_need_eplb() {
+    let e = check_err(r#"{"eplb_config": {"num_redundant_experts": 32}}"#);
+    assert_err(&e, Status::InvalidArgument, "ValueError", "num_redundant_experts is set to 32 but EPLB is not enabled. Either enable EPLB or unset num_redundant_experts.");
+}
+
+#[test]
+fn elastic_ep_needs_eplb() {
+    let e = check_err(r#"{"enable_elastic_ep": true}"#);
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "Elastic EP is only supported with enable_eplb=True.",
+    );
+}
+
+#[test]
+fn elastic_ep_rejects_pipeline_parallelism() {
+    let e = eplb_check(r#""enable_elastic_ep": true, "pipeline_parallel_size": 2"#)
+        .result
+        .unwrap_err();
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "Elastic EP is not supported with pipeline parallelism (pipeline_parallel_size=2).",
+    );
+}
+
+#[test]
+fn elastic_ep_rejects_external_and_hybrid_lb() {
+    for key in ["data_parallel_external_lb", "data_parallel_hybrid_lb"] {
+        let e = eplb_check(&format!(r#""enable_elastic_ep": true, "{key}": true"#))
+            .result
+            .unwrap_err();
+        assert_err(&e, Status::NotImplemented, "NotImplementedError", "Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. Elastic EP relies on a single API server and core client to coordinate scale up/down.");
+    }
+}
+
+#[test]
+fn elastic_async_eplb_needs_nixl() {
+    let e = eplb_check(r#""enable_elastic_ep": true, "nixl_available": false"#)
+        .result
+        .unwrap_err();
+    assert_err(&e, Status::InvalidArgument, "ValueError", "Elastic EP with async EPLB requires the NIXL package. Either install NIXL or set --eplb-config.use_async=false.");
+    // With NIXL the communicator is auto-selected as nixl.
+    let r = eplb_check(r#""enable_elastic_ep": true, "nixl_available": true"#)
+        .result
+        .unwrap();
+    assert_eq!(r.eplb_communicator, Some(Communicator::Nixl));
+    assert!(r.eplb_communicator_auto);
+}
+
+#[test]
+fn config_applies_the_factory_rules() {
+    // Elastic without NIXL, sync EPLB: auto picks pynccl, which needs NCCL.
+    let o = eplb_check(
+        r#""enable_elastic_ep": true, "nixl_available": false, "eplb_config": {"use_async": false}, "nccl_available": false"#,
+    );
+    assert_eq!(
+        o.result.unwrap_err().to_string(),
+        "EPLB communicator 'pynccl' requested but unavailable."
+    );
+    let o = eplb_check(
+        r#""enable_elastic_ep": true, "nixl_available": false, "eplb_config": {"use_async": false}, "nccl_available": true"#,
+    );
+    assert_eq!(
+        o.result.unwrap().eplb_communicator,
+        Some(Communicator::Pynccl)
+    );
+    // Elastic + torch_nccl: forced to pynccl with the warning.
+    let o = eplb_check(
+        r#""enable_elastic_ep": true, "eplb_config": {"use_async": false, "communicator": "torch_nccl"}, "nccl_available": true"#,
+    );
+    assert_eq!(
+        o.result.unwrap().eplb_communicator,
+        Some(Communicator::Pynccl)
+    );
+    assert_eq!(o.warnings, vec![eplb::W_ELASTIC_FORCES_PYNCCL.to_owned()]);
+    // Elastic + torch_gloo: rejected.
+    let o = eplb_check(
+        r#""enable_elastic_ep": true, "eplb_config": {"use_async": false, "communicator": "torch_gloo"}"#,
+    );
+    assert_eq!(o.result.unwrap_err().to_string(), "Elastic EP requires 'torch_nccl', 'pynccl', or 'nixl' EPLB communicator (got 'torch_gloo').");
+    // Explicit nixl without the library.
+    let o = eplb_check(r#""eplb_config": {"communicator": "nixl"}, "nixl_available": false"#);
+    assert_eq!(
+        o.result.unwrap_err().to_string(),
+        "EPLB communicator 'nixl' requested but NIXL is unavailable."
+    );
+    // Default: torch_gloo, announced as vLLM does.
+    let o = eplb_check(r#""nixl_available": false"#);
+    assert_eq!(
+        o.result.unwrap().eplb_communicator,
+        Some(Communicator::TorchGloo)
+    );
+    assert!(o.infos.contains(
+        &"Initialized EPLB communicator: TorchDistGlooStagedEplbCommunicator.".to_owned()
+    ));
+}
+
+#[test]
+fn rules_run_in_vllms_order() {
+    // EPLBConfig validators run before ParallelConfig's checks.
+    let o = check(r#"{"enable_elastic_ep": true, "eplb_config": {"communicator": "pynccl"}}"#);
+    assert!(o
+        .result
+        .unwrap_err()
+        .to_string()
+        .starts_with("pynccl communicator is incompatible"));
+    // __post_init__ (elastic) before _validate_parallel_config (platform).
+    let o = check(
+        r#"{"enable_eplb": true, "enable_elastic_ep": true, "pipeline_parallel_size": 2, "platform": "cpu"}"#,
+    );
+    assert_eq!(o.result.unwrap_err(), Error::ElasticPipeline { pp: 2 });
+    // Parallel-config checks before the DBO check.
+    let o = check(r#"{"enable_eplb": true, "enable_dbo": true}"#);
+    assert_eq!(o.result.unwrap_err(), Error::EplbNeedsExpertParallel);
+}
+
+#[test]
+fn every_status_has_a_description_and_exception() {
+    for s in Status::ALL {
+        assert!(!s.description().is_empty());
+        assert_eq!(Status::from_code(s as i32), Some(s));
+        if s == Status::Ok {
+            assert_eq!(s.exception(), None);
+        } else {
+            let ex = s.exception().unwrap();
+            assert!([
+                "ValueError",
+                "RuntimeError",
+                "NotImplementedError",
+                "AssertionError",
+                "TimeoutError"
+            ]
+            .contains(&ex));
+        }
+    }
+    assert_eq!(Status::Timeout.exception(), Some("TimeoutError"));
+    assert_eq!(Status::from_code(999), None);
+}
