@@ -252,7 +252,7 @@ typedef void (*epcomm_log_fn)(int32_t level, const char *message, void *user_dat
 /**
  * One name accepted as an all2all backend.
  */
-typedef struct epcomm_all2all_name_info {
+typedef struct epcomm_all2all_name_desc {
   /**
    * The accepted name (static string).
    */
@@ -273,7 +273,7 @@ typedef struct epcomm_all2all_name_info {
    * vLLM's manager class for the backend (static string).
    */
   const char *manager_class;
-} epcomm_all2all_name_info;
+} epcomm_all2all_name_desc;
 
 /**
  * An element type, laid out exactly like DLPack's `DLDataType`.
@@ -510,7 +510,7 @@ size_t epcomm_all2all_name_count(void);
  * # Safety
  * `info_out` is NULL or writable.
  */
-int32_t epcomm_all2all_name_info(size_t index, struct epcomm_all2all_name_info *info_out);
+int32_t epcomm_all2all_name_info(size_t index, struct epcomm_all2all_name_desc *info_out);
 
 /**
  * Chooses the EPLB communicator with vLLM's `create_eplb_communicator` rules and messages

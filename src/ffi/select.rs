@@ -12,7 +12,7 @@ use crate::select::eplb::{self, Communicator, DeviceKind};
 /// One name accepted as an all2all backend.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub struct epcomm_all2all_name_info {
+pub struct epcomm_all2all_name_desc {
     /// The accepted name (static string).
     pub name: *const c_char,
     /// The EPCOMM_ALL2ALL_* backend it resolves to.
@@ -127,7 +127,7 @@ pub extern "C" fn epcomm_all2all_name_count() -> usize {
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_all2all_name_info(
     index: usize,
-    info_out: *mut epcomm_all2all_name_info,
+    info_out: *mut epcomm_all2all_name_desc,
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract.
@@ -138,7 +138,7 @@ pub unsafe extern "C" fn epcomm_all2all_name_info(
                 all2all::ACCEPTED_NAMES.len()
             ))
         })?;
-        *out = epcomm_all2all_name_info {
+        *out = epcomm_all2all_name_desc {
             name: guard::static_cstr(n.name),
             backend: n.backend as i32,
             kind: n.kind as i32,

@@ -11,6 +11,11 @@
 
 #include "epcomm.h"
 
+/* Structs are named by their tags (valid with and without cbindgen's typedefs). */
+typedef struct epcomm_all2all_name_desc name_info_t;
+typedef struct epcomm_eplb_select_request select_request_t;
+typedef struct epcomm_dtype dtype_t;
+
 static int g_passed = 0;
 static int g_failed = 0;
 
@@ -248,7 +253,7 @@ static void test_backend_queries(void) {
     int32_t layout;
     size_t i;
     size_t count;
-    epcomm_all2all_name_info info;
+    name_info_t info;
 
     for (b = 0; b < 10; b++) {
         int32_t resolved = -77;
@@ -396,7 +401,7 @@ static void test_config_check(void) {
     }
 }
 
-static void init_request(epcomm_eplb_select_request *req) {
+static void init_request(select_request_t *req) {
     memset(req, 0, sizeof *req);
     req->struct_size = (uint32_t)sizeof *req;
     req->communicator = NULL;
@@ -409,8 +414,8 @@ static void init_request(epcomm_eplb_select_request *req) {
 }
 
 static void test_eplb_select(void) {
-    epcomm_eplb_select_request req;
-    epcomm_dtype dtypes[2];
+    select_request_t req;
+    dtype_t dtypes[2];
     struct log_capture cap;
     int32_t out;
     int32_t c;
@@ -641,7 +646,7 @@ static void test_config_logging(void) {
 static void test_null_arguments(void) {
     int32_t out = -77;
     size_t len = 777;
-    epcomm_eplb_select_request req;
+    select_request_t req;
 
     CHECK_ERR(epcomm_config_check(NULL), EPCOMM_ERROR_NULL_POINTER,
               "argument 'config_json' must not be NULL");

@@ -1,0 +1,264 @@
+//! Helpers shared by the integration tests that drive the built library from outside Rust
+//! (C, C++, Python): locating the cdylib/staticlib cargo built, compiling C programs against
+//! them, and running programs with a timeout.
+#![allow(dead_code)]
+
+use std::ffi::OsStr;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How long a compiled test program or script may run.
+pub const RUN_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long one compiler invocation may run.
+pub const COMPILE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Warnings every C/C++ test program must compile without.
+pub const WARNING_FLAGS: &[&str] = &["-Wall", "-Wextra", "-Werror"];
+
+/// What `cargo rustc -- --print native-static-libs` reports for linking libepcomm.a.
+pub const NATIVE_STATIC_LIBS: &[&str] = &[
+    "-lgcc_s",
+    "-lutil",
+    "-lrt",
+    "-lpthread",
+    "-lm",
+    "-ldl",
+    "-lc",
+];
+
+/// The crate root.
+pub fn manifest_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `include/` of the crate (epcomm.h).
+pub fn include_dir() -> PathBuf {
+    manifest_dir().join("include")
+}
+
+/// Where cargo puts the library next to this test binary: `target/<profile>/deps` (the test
+/// binary's own directory) and `target/<profile>`.
+fn artifact_dirs() -> Vec<PathBuf> {
+    let exe = std::env::current_exe().expect("current_exe");
+    let deps = exe.parent().expect("test binary has a parent directory");
+    let mut dirs = vec![deps.to_path_buf()];
+    if let Some(profile) = deps.parent() {
+        dirs.push(profile.to_path_buf());
+    }
+    dirs
+}
+
+/// Finds a build artifact of the library (e.g. `libepcomm.so`) in the artifact directories.
+pub fn find_artifact(file_name: &str) -> PathBuf {
+    let dirs = artifact_dirs();
+    for dir in &dirs {
+        let p = dir.join(file_name);
+        if p.is_file() {
+            return p;
+        }
+    }
+    panic!(
+        "{file_name} not found in {dirs:?}: cargo builds the library's crate types \
+         (cdylib, staticlib) before integration tests; run `cargo build` or `cargo test`"
+    );
+}
+
+/// The shared library (`libepcomm.so`).
+pub fn cdylib() -> PathBuf {
+    find_artifact(&format!(
+        "{}epcomm{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ))
+}
+
+/// The static library (`libepcomm.a`).
+pub fn staticlib() -> PathBuf {
+    find_artifact("libepcomm.a")
+}
+
+/// A fresh directory for one test's outputs, under cargo's temp dir inside `target/`.
+pub fn out_dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).expect("clean output directory");
+    }
+    std::fs::create_dir_all(&dir).expect("create output directory");
+    dir
+}
+
+/// The C compiler (`$CC`, else `cc`).
+pub fn c_compiler() -> String {
+    std::env::var("CC").unwrap_or_else(|_| "cc".to_owned())
+}
+
+/// The C++ compiler (`$CXX`, else `c++`).
+pub fn cxx_compiler() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".to_owned())
+}
+
+/// The result of running a program to completion (or until its timeout).
+pub struct RunOutput {
+    /// `None` when the program was killed after its timeout.
+    pub status: Option<ExitStatus>,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+impl RunOutput {
+    pub fn success(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+
+    /// A printable account of the run, for assertion messages.
+    pub fn describe(&self, what: &str) -> String {
+        let status = match self.status {
+            Some(s) => format!("exited with {s}"),
+            None => format!("timed out after {:.1?} and was killed", self.elapsed),
+        };
+        format!(
+            "{what} {status}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+            self.stdout, self.stderr
+        )
+    }
+}
+
+fn drain<R: Read + Send + 'static>(r: Option<R>) -> thread::JoinHandle<String> {
+    thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(mut r) = r {
+            let _ = r.read_to_end(&mut buf);
+        }
+        String::from_utf8_lossy(&buf).into_owned()
+    })
+}
+
+/// Runs `cmd` with stdout/stderr captured; kills it after `timeout`.
+pub fn run_with_timeout(mut cmd: Command, timeout: Duration) -> RunOutput {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let start = Instant::now();
+    let mut child: Child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", cmd.get_program()));
+    // Read both pipes on their own threads so a chatty child never blocks on a full pipe.
+    let out = drain(child.stdout.take());
+    let err = drain(child.stderr.take());
+    let status = loop {
+        match child.try_wait().expect("wait for child") {
+            Some(s) => break Some(s),
+            None if start.elapsed() >= timeout => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            None => thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    RunOutput {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+        elapsed: start.elapsed(),
+    }
+}
+
+/// Runs a compiler with `args`; panics with its output unless it succeeds.
+pub fn compile<S: AsRef<OsStr>>(compiler: &str, args: &[S]) {
+    let mut cmd = Command::new(compiler);
+    cmd.args(args).current_dir(manifest_dir());
+    let shown = format!(
+        "{compiler} {}",
+        args.iter()
+            .map(|a| a.as_ref().to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let out = run_with_timeout(cmd, COMPILE_TIMEOUT);
+    assert!(out.success(), "{}", out.describe(&format!("`{shown}`")));
+}
+
+/// Linker arguments for the shared library: `-L<dir> -lepcomm -Wl,-rpath,<dir>`.
+pub fn link_cdylib_args() -> Vec<String> {
+    let lib = cdylib();
+    let dir = lib
+        .parent()
+        .expect("library directory")
+        .display()
+        .to_string();
+    vec![
+        format!("-L{dir}"),
+        "-lepcomm".to_owned(),
+        format!("-Wl,-rpath,{dir}"),
+    ]
+}
+
+/// A command for a test program with a predictable environment: default log level, short panic
+/// output, and UBSan findings fatal.
+fn test_command(program: &Path, asan_options: &str) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.current_dir(manifest_dir())
+        .env_remove("EPCOMM_LOG_LEVEL")
+        .env("RUST_BACKTRACE", "0")
+        .env("ASAN_OPTIONS", asan_options)
+        .env("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1");
+    cmd
+}
+
+/// Runs a program built with `-fsanitize=address` (and maybe `undefined`), with leak detection.
+///
+/// LeakSanitizer cannot run under ptrace (some CI sandboxes and debuggers); when it reports
+/// that, the program is run again with `detect_leaks=0` so the rest of ASan still applies.
+pub fn run_sanitized(program: &Path) -> RunOutput {
+    let out = run_with_timeout(
+        test_command(program, "detect_leaks=1:abort_on_error=0"),
+        RUN_TIMEOUT,
+    );
+    let lsan_unusable = out
+        .stderr
+        .contains("LeakSanitizer has encountered a fatal error")
+        || out
+            .stderr
+            .contains("LeakSanitizer does not work under ptrace");
+    if lsan_unusable {
+        eprintln!(
+            "note: LeakSanitizer is unusable here (ptrace restrictions); rerunning {} with detect_leaks=0",
+            program.display()
+        );
+        return run_with_timeout(
+            test_command(program, "detect_leaks=0:abort_on_error=0"),
+            RUN_TIMEOUT,
+        );
+    }
+    out
+}
+
+/// Runs a program built without sanitizers.
+pub fn run_plain(program: &Path) -> RunOutput {
+    run_with_timeout(test_command(program, ""), RUN_TIMEOUT)
+}
+
+/// Asserts that a C test program succeeded and that its last line is `N passed, 0 failed`.
+pub fn assert_c_test_passed(what: &str, out: &RunOutput) {
+    assert!(out.success(), "{}", out.describe(what));
+    let last = out.stdout.lines().last().unwrap_or("");
+    let counts: Vec<&str> = last.split(' ').collect();
+    let ok = counts.len() == 4
+        && counts[0].parse::<u32>().is_ok_and(|n| n > 0)
+        && counts[1] == "passed,"
+        && counts[2] == "0"
+        && counts[3] == "failed";
+    assert!(
+        ok,
+        "{}",
+        out.describe(&format!(
+            "{what}: last line is {last:?}, expected \"N passed, 0 failed\";"
+        ))
+    );
+    println!("{what}: {last}");
+}
