@@ -7,7 +7,9 @@
 pub mod dtype;
 pub mod error;
 pub mod ffi;
+pub mod group;
 pub mod log;
+pub mod num;
 pub mod probe;
 pub mod select;
 

@@ -1,0 +1,234 @@
+//! Process groups: the primitives the MoE and EPLB layers need, over shared memory (the embedded
+//! default), host callbacks (torch.distributed, MPI, ...) or NCCL (feature `nccl`).
+//!
+//! Every primitive is collective: all ranks call it, in the same order. Buffers are bytes; the
+//! caller converts rows to bytes. Reductions sum in f32 in rank order (deterministic).
+
+pub mod host;
+pub mod shm;
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::num::FloatKind;
+
+/// Default timeout of every wait, unless `EPCOMM_TIMEOUT_S` or the options say otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Options shared by all transports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupOptions {
+    /// Bound on every wait; a peer that does not arrive in time is a timeout error naming it.
+    pub timeout: Duration,
+    /// Initial bytes of each rank's shared region (shm); it grows on demand.
+    pub initial_capacity: usize,
+    /// Upper bound for a rank's region (0 = only /dev/shm's free space); a request beyond it is
+    /// an error naming both sizes.
+    pub max_capacity: usize,
+    /// The group is an elastic (stateless) EP group.
+    pub elastic: bool,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        GroupOptions {
+            timeout: timeout_from_env().unwrap_or(DEFAULT_TIMEOUT),
+            initial_capacity: 4 << 20,
+            max_capacity: 0,
+            elastic: false,
+        }
+    }
+}
+
+/// `EPCOMM_TIMEOUT_S` (seconds, fractional allowed) if set and valid.
+pub fn timeout_from_env() -> Option<Duration> {
+    std::env::var("EPCOMM_TIMEOUT_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
+}
+
+/// One point-to-point operation of a batch.
+#[derive(Debug)]
+pub enum P2p<'a> {
+    Send { peer: usize, data: &'a [u8] },
+    Recv { peer: usize, data: &'a mut [u8] },
+}
+
+/// A group of ranks. One thread uses a group at a time.
+pub trait Group: Send {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    fn name(&self) -> &str;
+    /// An elastic (stateless) EP group.
+    fn elastic(&self) -> bool;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&mut self) -> Result<()>;
+
+    /// Concatenates every rank's `input` in rank order into `output`. `sizes[r]` is rank r's
+    /// byte count (may be 0); `input.len() == sizes[rank]`, `output.len() == sum(sizes)`.
+    fn all_gatherv(&mut self, input: &[u8], sizes: &[usize], output: &mut [u8]) -> Result<()>;
+
+    /// Sums every rank's `input` (`sum(rows)` rows of `row_elems` elements of `kind`) and
+    /// writes this rank's slice (`rows[rank]` rows, after the rows of lower ranks) to `output`.
+    /// Accumulates in f32, in rank order.
+    fn reduce_scatterv(
+        &mut self,
+        input: &[u8],
+        rows: &[usize],
+        row_elems: usize,
+        kind: FloatKind,
+        output: &mut [u8],
+    ) -> Result<()>;
+
+    /// Sends `send_sizes[p]` bytes (consecutive chunks of `send`, in peer order) to each peer p
+    /// and receives `recv_sizes[p]` bytes from each peer into consecutive chunks of `recv`.
+    fn all_to_allv(
+        &mut self,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Result<()>;
+
+    /// A batch of sends and receives, matched per peer pair in issue order (the j-th send from
+    /// a to b fills the j-th receive on b from a; sizes must agree). Collective: every rank
+    /// calls it, possibly with no operations.
+    fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()>;
+
+    /// Copies `data` of rank `root` into `data` on every rank (same length everywhere).
+    fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()>;
+
+    /// Gathers equal-sized small objects: `out` (`size() * mine.len()` bytes) in rank order.
+    fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Result<()> {
+        let sizes = vec![mine.len(); self.size()];
+        self.all_gatherv(mine, &sizes, out)
+    }
+}
+
+/// The name of a primitive, for messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Join = 1,
+    Barrier = 2,
+    AllGatherv = 3,
+    ReduceScatterv = 4,
+    AllToAllv = 5,
+    SendRecv = 6,
+    Broadcast = 7,
+    Leave = 8,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Join => "join",
+            Op::Barrier => "barrier",
+            Op::AllGatherv => "all_gatherv",
+            Op::ReduceScatterv => "reduce_scatterv",
+            Op::AllToAllv => "all_to_allv",
+            Op::SendRecv => "send_recv",
+            Op::Broadcast => "broadcast",
+            Op::Leave => "destroy",
+        }
+    }
+
+    pub fn from_code(c: u32) -> Option<Op> {
+        [
+            Op::Join,
+            Op::Barrier,
+            Op::AllGatherv,
+            Op::ReduceScatterv,
+            Op::AllToAllv,
+            Op::SendRecv,
+            Op::Broadcast,
+            Op::Leave,
+        ]
+        .into_iter()
+        .find(|o| *o as u32 == c)
+    }
+}
+
+/// Checks a per-rank size list: one entry per rank; returns the sum.
+pub(crate) fn check_sizes(what: &str, op: Op, sizes: &[usize], world: usize) -> Result<usize> {
+    if sizes.len() != world {
+        return Err(Error::InvalidArgument(format!(
+            "{}: {what} has {} entries; expected one per rank ({world})",
+            op.name(),
+            sizes.len()
+        )));
+    }
+    Ok(sizes.iter().sum())
+}
+
+/// Checks that a buffer has the expected byte length.
+pub(crate) fn check_len(what: &str, op: Op, len: usize, expected: usize, why: &str) -> Result<()> {
+    if len != expected {
+        return Err(Error::InvalidArgument(format!(
+            "{}: {what} has {len} bytes; expected {expected} ({why})",
+            op.name()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a rank argument.
+pub(crate) fn check_rank(what: &str, op: Op, r: usize, world: usize) -> Result<()> {
+    if r >= world {
+        return Err(Error::InvalidArgument(format!(
+            "{}: {what} is {r}; expected a rank in 0..{world}",
+            op.name()
+        )));
+    }
+    Ok(())
+}
+
+/// Validates reduce_scatterv arguments; returns (row bytes, offset of this rank's slice in rows).
+pub(crate) fn check_reduce_scatterv(
+    rank: usize,
+    world: usize,
+    input_len: usize,
+    rows: &[usize],
+    row_elems: usize,
+    kind: FloatKind,
+    output_len: usize,
+) -> Result<(usize, usize)> {
+    let op = Op::ReduceScatterv;
+    let total = check_sizes("rows", op, rows, world)?;
+    let row_bytes = row_elems * kind.size();
+    check_len(
+        "input",
+        op,
+        input_len,
+        total * row_bytes,
+        &format!(
+            "sum(rows) = {total} rows of {row_elems} {} elements",
+            kind.name()
+        ),
+    )?;
+    check_len(
+        "output",
+        op,
+        output_len,
+        rows[rank] * row_bytes,
+        &format!(
+            "rows[{rank}] = {} rows of {row_elems} {} elements",
+            rows[rank],
+            kind.name()
+        ),
+    )?;
+    Ok((row_bytes, rows[..rank].iter().sum()))
+}
+
+/// Checks the peers of a send/recv batch (self-sends pair with self-receives).
+pub(crate) fn check_p2p(ops: &[P2p<'_>], world: usize) -> Result<()> {
+    for (i, op) in ops.iter().enumerate() {
+        let peer = match op {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+        };
+        check_rank(&format!("ops[{i}].peer"), Op::SendRecv, peer, world)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,964 @@
+//! The shared-memory transport: ranks on one host (processes or threads).
+//!
+//! Layout: a control segment `/epcomm.{name}` (a header plus one slot of counters per rank) and
+//! one data segment per rank, `/epcomm.{name}.{session}.{rank}.{gen}.{pid}`, which that rank
+//! writes and every peer maps. A primitive is a numbered *op*: each rank writes what it shares
+//! once into its own region and sets `published = n`; peers wait for that, read straight from
+//! the region into their outputs (reductions sum there too), and set `consumed = n`. A rank
+//! reuses its region only after every peer consumed its previous op, so there are no full
+//! barriers between ops. Regions grow on demand (a new generation; peers remap lazily).
+//!
+//! Joining: rank 0 creates the control segment (replacing a stale one from a crashed run),
+//! every rank claims its slot, and once all joined rank 0 unlinks the name. Every wait is
+//! bounded by the timeout and checks peers' liveness (pid gone or zombie, or the peer marked
+//! itself failed/left) about every 50 ms.
+
+mod segment;
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use self::segment::{pid_alive, Segment, SharedAtomics};
+use super::{
+    check_len, check_p2p, check_rank, check_reduce_scatterv, check_sizes, Group, GroupOptions, Op,
+    P2p,
+};
+use crate::error::{Error, Result};
+use crate::num::{self, FloatKind};
+
+const MAGIC: u64 = 0x6570_636f_6d6d_0001; // "epcomm" + layout version 1
+const LAYOUT_VERSION: u32 = 1;
+const HEADER_BYTES: usize = 4096;
+/// Largest world size the shm transport accepts.
+pub const MAX_WORLD: usize = 1024;
+const OP_HEADER_BYTES: usize = 64;
+const LIVENESS_PERIOD: Duration = Duration::from_millis(50);
+
+#[repr(C, align(64))]
+struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    world: AtomicU32,
+    creator_pid: AtomicU32,
+    _pad: AtomicU32,
+    session: AtomicU64,
+    /// A rank that tried to join with another world size: rank + 1 (0 = none).
+    mismatch_rank: AtomicU64,
+    mismatch_world: AtomicU64,
+}
+// SAFETY: atomics only; all-zero is the valid "uninitialised" state.
+unsafe impl SharedAtomics for Header {}
+
+const SLOT_EMPTY: u32 = 0;
+const SLOT_ACTIVE: u32 = 1;
+const SLOT_LEFT: u32 = 2;
+const SLOT_FAILED: u32 = 3;
+
+#[repr(C, align(128))]
+struct Slot {
+    token: AtomicU64,
+    pid: AtomicU32,
+    state: AtomicU32,
+    data_gen: AtomicU64,
+    data_bytes: AtomicU64,
+    published: AtomicU64,
+    consumed: AtomicU64,
+    op_kind: AtomicU32,
+    _pad: AtomicU32,
+}
+// SAFETY: atomics only; all-zero means an empty slot.
+unsafe impl SharedAtomics for Slot {}
+
+fn control_bytes(world: usize) -> usize {
+    HEADER_BYTES + world * std::mem::size_of::<Slot>()
+}
+
+fn align64(x: usize) -> usize {
+    (x + 63) & !63
+}
+
+/// Group names: 1..=64 of [A-Za-z0-9_.-], so they are valid shm names on every system.
+fn check_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "group name '{name}' is not valid: expected 1 to 64 characters from A-Z, a-z, 0-9, '_', '.', '-'"
+        )))
+    }
+}
+
+fn random_u64() -> u64 {
+    use std::collections::hash_map::RandomState;
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish() | 1
+}
+
+fn sys_err(what: String, e: std::io::Error) -> Error {
+    Error::System(format!("{what}: {e}"))
+}
+
+/// A rank's membership in a shared-memory group.
+pub struct ShmGroup {
+    name: String,
+    rank: usize,
+    world: usize,
+    opts: GroupOptions,
+    control: Segment,
+    control_name: String,
+    control_unlinked: bool,
+    session: u64,
+    data: Segment,
+    gen: u64,
+    peers: Vec<Option<(u64, Segment)>>,
+    seq: u64,
+    broken: Option<String>,
+    pid: u32,
+}
+
+impl std::fmt::Debug for ShmGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmGroup")
+            .field("name", &self.name)
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("seq", &self.seq)
+            .finish()
+    }
+}
+
+struct Deadline {
+    start: Instant,
+    timeout: Duration,
+}
+
+impl Deadline {
+    fn new(timeout: Duration) -> Self {
+        Deadline {
+            start: Instant::now(),
+            timeout,
+        }
+    }
+    fn expired(&self) -> bool {
+        self.start.elapsed() >= self.timeout
+    }
+}
+
+/// Spin, then yield, then sleep in short steps: fast when peers are close, cheap when not.
+struct Backoff {
+    iter: u32,
+    start: Instant,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff {
+            iter: 0,
+            start: Instant::now(),
+        }
+    }
+    fn snooze(&mut self) {
+        self.iter += 1;
+        if self.iter < 64 {
+            std::hint::spin_loop();
+        } else if self.start.elapsed() < Duration::from_millis(2) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+impl ShmGroup {
+    /// Creates (rank 0) or joins (other ranks) the group `name` of `world` ranks; returns once
+    /// every rank has joined.
+    pub fn join(name: &str, rank: usize, world: usize, opts: GroupOptions) -> Result<ShmGroup> {
+        check_name(name)?;
+        if world == 0 || world > MAX_WORLD {
+            return Err(Error::InvalidArgument(format!(
+                "world_size is {world}; expected 1..={MAX_WORLD}"
+            )));
+        }
+        if rank >= world {
+            return Err(Error::InvalidArgument(format!(
+                "rank is {rank}; expected 0 <= rank < world_size ({world})"
+            )));
+        }
+        if opts.max_capacity != 0 && opts.initial_capacity > opts.max_capacity {
+            return Err(Error::InvalidArgument(format!(
+                "initial capacity {} bytes exceeds the maximum capacity {} bytes",
+                opts.initial_capacity, opts.max_capacity
+            )));
+        }
+        let control_name = format!("/epcomm.{name}");
+        let deadline = Deadline::new(opts.timeout);
+        let pid = std::process::id();
+        let control = if rank == 0 {
+            Self::create_control(name, &control_name, world, &deadline)?
+        } else {
+            Self::open_control(name, &control_name, rank, world, &deadline)?
+        };
+        let header: &Header = control.at(0);
+        let session = header.session.load(Ordering::Acquire);
+
+        // Claim the slot.
+        let slot: &Slot = control.at(HEADER_BYTES + rank * std::mem::size_of::<Slot>());
+        let token = random_u64();
+        if let Err(existing) =
+            slot.token
+                .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
+        {
+            let other = slot.pid.load(Ordering::Acquire);
+            let _ = existing;
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} of group '{name}' is already taken (by pid {other}); each rank joins once"
+            )));
+        }
+        let capacity = opts.initial_capacity.max(4096);
+        let data_name = Self::data_name(name, session, rank, 1, pid);
+        let data = Segment::create(&data_name, capacity).map_err(|e| {
+            sys_err(
+                format!("cannot create the shared-memory region of rank {rank} ({capacity} bytes)"),
+                e,
+            )
+        })?;
+        slot.data_bytes.store(capacity as u64, Ordering::Relaxed);
+        slot.data_gen.store(1, Ordering::Relaxed);
+        slot.pid.store(pid, Ordering::Relaxed);
+        slot.state.store(SLOT_ACTIVE, Ordering::Release);
+
+        let mut g = ShmGroup {
+            name: name.to_owned(),
+            rank,
+            world,
+            opts,
+            control,
+            control_name,
+            control_unlinked: false,
+            session,
+            data,
+            gen: 1,
+            peers: (0..world).map(|_| None).collect(),
+            seq: 0,
+            broken: None,
+            pid,
+        };
+        if let Err(e) = g.wait_joined(&deadline) {
+            return Err(g.fail(e));
+        }
+        if rank == 0 {
+            Segment::unlink(&g.control_name);
+            g.control_unlinked = true;
+        }
+        Ok(g)
+    }
+
+    fn data_name(name: &str, session: u64, rank: usize, gen: u64, pid: u32) -> String {
+        format!("/epcomm.{name}.{session:016x}.{rank}.{gen}.{pid}")
+    }
+
+    /// Removes data segments of dead processes left by crashed runs of this group name.
+    fn remove_stale_data(name: &str) {
+        let prefix = format!("epcomm.{name}.");
+        let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+            return;
+        };
+        for entry in dir.flatten() {
+            let file = entry.file_name();
+            let Some(file) = file.to_str() else { continue };
+            let Some(rest) = file.strip_prefix(&prefix) else {
+                continue;
+            };
+            // {session}.{rank}.{gen}.{pid}
+            let parts: Vec<&str> = rest.split('.').collect();
+            if parts.len() != 4 {
+                continue;
+            }
+            if let Ok(pid) = parts[3].parse::<u32>() {
+                if !pid_alive(pid) {
+                    Segment::unlink(&format!("/{file}"));
+                }
+            }
+        }
+    }
+
+    fn create_control(
+        name: &str,
+        control_name: &str,
+        world: usize,
+        deadline: &Deadline,
+    ) -> Result<Segment> {
+        let bytes = control_bytes(world);
+        loop {
+            match Segment::create(control_name, bytes) {
+                Ok(seg) => {
+                    Self::remove_stale_data(name);
+                    let h: &Header = seg.at(0);
+                    h.version.store(LAYOUT_VERSION, Ordering::Relaxed);
+                    h.world.store(world as u32, Ordering::Relaxed);
+                    h.creator_pid.store(std::process::id(), Ordering::Relaxed);
+                    h.session.store(random_u64(), Ordering::Relaxed);
+                    h.magic.store(MAGIC, Ordering::Release);
+                    return Ok(seg);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    // Someone else's segment: stale (its creator is gone, or it never got
+                    // initialised) or live (another run with the same name is joining).
+                    let existing = Segment::open(control_name).map_err(|e| {
+                        sys_err(format!("cannot open shared memory {control_name}"), e)
+                    })?;
+                    if let Some(seg) = existing {
+                        if seg.len() >= HEADER_BYTES {
+                            let h: &Header = seg.at(0);
+                            let magic = h.magic.load(Ordering::Acquire);
+                            let creator = h.creator_pid.load(Ordering::Acquire);
+                            if magic == MAGIC && pid_alive(creator) {
+                                return Err(Error::InvalidState(format!(
+                                    "group name '{name}' is in use: rank 0 of another group with this name (pid {creator}) is still waiting for its ranks to join"
+                                )));
+                            }
+                            if magic != MAGIC {
+                                // Possibly being initialised this very moment: give it a beat.
+                                std::thread::sleep(Duration::from_millis(100));
+                                if h.magic.load(Ordering::Acquire) == MAGIC
+                                    && pid_alive(h.creator_pid.load(Ordering::Acquire))
+                                {
+                                    continue;
+                                }
+                            }
+                        }
+                    }
+                    crate::log::info(&format!(
+                        "epcomm: replacing stale shared-memory segment {control_name} left by a crashed run"
+                    ));
+                    Segment::unlink(control_name);
+                }
+                Err(e) => {
+                    return Err(sys_err(
+                        format!("cannot create shared memory {control_name} ({bytes} bytes)"),
+                        e,
+                    ))
+                }
+            }
+            if deadline.expired() {
+                return Err(Error::Timeout(format!(
+                    "timed out after {:.1} s creating group '{name}'",
+                    deadline.timeout.as_secs_f64()
+                )));
+            }
+        }
+    }
+
+    fn open_control(
+        name: &str,
+        control_name: &str,
+        rank: usize,
+        world: usize,
+        deadline: &Deadline,
+    ) -> Result<Segment> {
+        let mut backoff = Backoff::new();
+        loop {
+            let seg = Segment::open(control_name)
+                .map_err(|e| sys_err(format!("cannot open shared memory {control_name}"), e))?;
+            if let Some(seg) = seg.filter(|s| s.len() >= HEADER_BYTES) {
+                let h: &Header = seg.at(0);
+                if h.magic.load(Ordering::Acquire) == MAGIC
+                    && pid_alive(h.creator_pid.load(Ordering::Acquire))
+                {
+                    let their_world = h.world.load(Ordering::Relaxed) as usize;
+                    let version = h.version.load(Ordering::Relaxed);
+                    if version != LAYOUT_VERSION {
+                        return Err(Error::InvalidArgument(format!(
+                            "group '{name}' was created by an epcomm with shared-memory layout {version}; this epcomm uses layout {LAYOUT_VERSION}"
+                        )));
+                    }
+                    if their_world != world {
+                        h.mismatch_world.store(world as u64, Ordering::Relaxed);
+                        h.mismatch_rank.store(rank as u64 + 1, Ordering::Release);
+                        return Err(Error::InvalidArgument(format!(
+                            "rank {rank} joined group '{name}' with world_size {world}, but rank 0 created it with world_size {their_world}"
+                        )));
+                    }
+                    if seg.len() >= control_bytes(world) {
+                        return Ok(seg);
+                    }
+                }
+                // Not initialised yet, or stale (creator gone): wait for rank 0.
+            }
+            if deadline.expired() {
+                return Err(Error::Timeout(format!(
+                    "timed out after {:.1} s waiting for rank 0 to create group '{name}' (rank {rank} of {world})",
+                    deadline.timeout.as_secs_f64()
+                )));
+            }
+            backoff.snooze();
+            if backoff.iter > 64 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    fn header(&self) -> &Header {
+        self.control.at(0)
+    }
+
+    fn slot(&self, r: usize) -> &Slot {
+        self.control
+            .at(HEADER_BYTES + r * std::mem::size_of::<Slot>())
+    }
+
+    fn mark(&self, state: u32) {
+        self.slot(self.rank).state.store(state, Ordering::Release);
+    }
+
+    fn wait_joined(&self, deadline: &Deadline) -> Result<()> {
+        let mut backoff = Backoff::new();
+        let mut last_check = Instant::now();
+        loop {
+            let h = self.header();
+            let m = h.mismatch_rank.load(Ordering::Acquire);
+            if m != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {} tried to join group '{}' with world_size {}, but this group has world_size {}",
+                    m - 1,
+                    self.name,
+                    h.mismatch_world.load(Ordering::Relaxed),
+                    self.world
+                )));
+            }
+            let missing: Vec<usize> = (0..self.world)
+                .filter(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_EMPTY)
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if last_check.elapsed() >= LIVENESS_PERIOD {
+                last_check = Instant::now();
+                if deadline.expired() {
+                    return Err(Error::Timeout(format!(
+                        "timed out after {:.1} s waiting for rank(s) {} to join group '{}'",
+                        deadline.timeout.as_secs_f64(),
+                        list(&missing),
+                        self.name
+                    )));
+                }
+            }
+            backoff.snooze();
+        }
+    }
+
+    fn check_usable(&self, op: Op) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some(why) => Err(Error::InvalidState(format!(
+                "{}: group '{}' is unusable after an earlier failure ({why}); destroy it and create a new one",
+                op.name(),
+                self.name
+            ))),
+        }
+    }
+
+    /// Records a failure: this handle is unusable and peers see this rank as failed.
+    fn fail(&mut self, e: Error) -> Error {
+        if self.broken.is_none() {
+            self.broken = Some(e.to_string());
+            self.mark(SLOT_FAILED);
+        }
+        e
+    }
+
+    /// Waits until `ready(peer slot)` holds for every peer.
+    fn wait_peers(&mut self, op: Op, n: u64, ready: impl Fn(&Slot) -> bool) -> Result<()> {
+        let deadline = Deadline::new(self.opts.timeout);
+        let mut backoff = Backoff::new();
+        let mut last_check = Instant::now();
+        loop {
+            let pending: Vec<usize> = (0..self.world)
+                .filter(|&p| p != self.rank && !ready(self.slot(p)))
+                .collect();
+            if pending.is_empty() {
+                return Ok(());
+            }
+            if last_check.elapsed() >= LIVENESS_PERIOD {
+                last_check = Instant::now();
+                self.check_peers(op, n, &pending)?;
+                if deadline.expired() {
+                    return Err(Error::Timeout(format!(
+                        "timed out after {:.1} s in {} of group '{}' (op #{n}) waiting for rank(s) {}",
+                        deadline.timeout.as_secs_f64(),
+                        op.name(),
+                        self.name,
+                        list(&pending)
+                    )));
+                }
+            }
+            backoff.snooze();
+        }
+    }
+
+    fn check_peers(&self, op: Op, n: u64, pending: &[usize]) -> Result<()> {
+        for &p in pending {
+            let s = self.slot(p);
+            let pid = s.pid.load(Ordering::Acquire);
+            let what = match s.state.load(Ordering::Acquire) {
+                SLOT_LEFT => Some("left (destroyed its group handle)".to_owned()),
+                SLOT_FAILED => Some("failed (an error on that rank aborted its group)".into()),
+                _ if !pid_alive(pid) => {
+                    // Clean up its region so the crash leaves nothing in /dev/shm.
+                    let gen = s.data_gen.load(Ordering::Acquire);
+                    Segment::unlink(&Self::data_name(&self.name, self.session, p, gen, pid));
+                    Some(format!("died (pid {pid} is gone)"))
+                }
+                _ => None,
+            };
+            if let Some(what) = what {
+                return Err(Error::PeerFailure(format!(
+                    "rank {p} of group '{}' {what} during {} (op #{n}, seen from rank {})",
+                    self.name,
+                    op.name(),
+                    self.rank
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes this rank's region at least `bytes` long (a new generation if needed).
+    fn reserve(&mut self, bytes: usize) -> Result<()> {
+        if bytes <= self.data.len() {
+            return Ok(());
+        }
+        let max = self.opts.max_capacity;
+        if max != 0 && bytes > max {
+            return Err(Error::InvalidArgument(format!(
+                "group '{}' needs {bytes} bytes of shared memory on rank {} for this call, more than the maximum capacity of {max} bytes (set a larger max_capacity_bytes)",
+                self.name, self.rank
+            )));
+        }
+        let mut new_len = (self.data.len() * 2).max(bytes);
+        new_len = (new_len + (2 << 20) - 1) & !((2 << 20) - 1);
+        if max != 0 {
+            new_len = new_len.min(max);
+        }
+        let gen = self.gen + 1;
+        let name = Self::data_name(&self.name, self.session, self.rank, gen, self.pid);
+        let seg = Segment::create(&name, new_len).map_err(|e| {
+            sys_err(
+                format!(
+                    "cannot grow the shared-memory region of rank {} of group '{}' to {new_len} bytes",
+                    self.rank, self.name
+                ),
+                e,
+            )
+        })?;
+        let old = std::mem::replace(&mut self.data, seg);
+        // Every peer consumed the previous op, so none needs the old name any more.
+        Segment::unlink(old.name());
+        self.gen = gen;
+        let slot = self.slot(self.rank);
+        slot.data_bytes.store(new_len as u64, Ordering::Relaxed);
+        slot.data_gen.store(gen, Ordering::Release);
+        Ok(())
+    }
+
+    /// Starts op `n`: waits until every peer consumed op n-1, so this rank's region is free.
+    fn begin(&mut self, op: Op) -> Result<u64> {
+        self.check_usable(op)?;
+        let n = self.seq + 1;
+        self.wait_peers(op, n, |s| s.consumed.load(Ordering::Acquire) >= n - 1)?;
+        Ok(n)
+    }
+
+    /// Writes this rank's contribution (metadata words + payload) and publishes op `n`.
+    fn publish(&mut self, op: Op, n: u64, meta: &[u64], payload: &[&[u8]]) -> Result<()> {
+        let payload_len: usize = payload.iter().map(|p| p.len()).sum();
+        let meta_off = OP_HEADER_BYTES;
+        let payload_off = align64(meta_off + meta.len() * 8);
+        self.reserve(payload_off + payload_len)?;
+        let mut head = [0u8; 32];
+        head[0..4].copy_from_slice(&(op as u32).to_ne_bytes());
+        head[8..16].copy_from_slice(&n.to_ne_bytes());
+        head[16..24].copy_from_slice(&(payload_len as u64).to_ne_bytes());
+        head[24..32].copy_from_slice(&(meta.len() as u64).to_ne_bytes());
+        self.data.write(0, &head);
+        let meta_bytes: Vec<u8> = meta.iter().flat_map(|m| m.to_ne_bytes()).collect();
+        self.data.write(meta_off, &meta_bytes);
+        let mut off = payload_off;
+        for part in payload {
+            self.data.write(off, part);
+            off += part.len();
+        }
+        let slot = self.slot(self.rank);
+        slot.op_kind.store(op as u32, Ordering::Relaxed);
+        slot.published.store(n, Ordering::Release);
+        Ok(())
+    }
+
+    /// Waits for every peer's op `n`, checks they are in the same primitive, and maps regions.
+    fn gather_published(&mut self, op: Op, n: u64) -> Result<()> {
+        self.wait_peers(op, n, |s| s.published.load(Ordering::Acquire) >= n)?;
+        for p in 0..self.world {
+            if p == self.rank {
+                continue;
+            }
+            let s = self.slot(p);
+            let kind = s.op_kind.load(Ordering::Acquire);
+            if kind != op as u32 {
+                let theirs = Op::from_code(kind).map_or("an unknown operation", |o| o.name());
+                return Err(Error::InvalidState(format!(
+                    "rank {p} of group '{}' called {theirs} while rank {} called {} (op #{n}); every rank must call the same collectives in the same order",
+                    self.name,
+                    self.rank,
+                    op.name()
+                )));
+            }
+            let gen = s.data_gen.load(Ordering::Acquire);
+            if self.peers[p].as_ref().map(|(g, _)| *g) != Some(gen) {
+                let pid = s.pid.load(Ordering::Acquire);
+                let name = Self::data_name(&self.name, self.session, p, gen, pid);
+                let seg = Segment::open(&name)
+                    .map_err(|e| sys_err(format!("cannot map the region of rank {p} ({name})"), e))?
+                    .ok_or_else(|| {
+                        Error::PeerFailure(format!(
+                            "the shared-memory region of rank {p} of group '{}' disappeared ({name})",
+                            self.name
+                        ))
+                    })?;
+                self.peers[p] = Some((gen, seg));
+            }
+        }
+        Ok(())
+    }
+
+    /// Rank p's published metadata words and payload for the current op (p may be this rank).
+    fn parts(&self, p: usize) -> (Vec<u64>, &[u8]) {
+        let seg = if p == self.rank {
+            &self.data
+        } else {
+            &self.peers[p].as_ref().expect("peer region mapped").1
+        };
+        let mut head = [0u8; 32];
+        seg.read(0, &mut head);
+        let payload_len = u64::from_ne_bytes(head[16..24].try_into().unwrap()) as usize;
+        let meta_len = u64::from_ne_bytes(head[24..32].try_into().unwrap()) as usize;
+        let mut meta_bytes = vec![0u8; meta_len * 8];
+        seg.read(OP_HEADER_BYTES, &mut meta_bytes);
+        let meta = meta_bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        let payload_off = align64(OP_HEADER_BYTES + meta_len * 8);
+        (meta, seg.view(payload_off, payload_len))
+    }
+
+    fn finish(&mut self, n: u64) {
+        self.slot(self.rank).consumed.store(n, Ordering::Release);
+        self.seq = n;
+    }
+
+    /// Runs `f`; an error breaks the group (peers see this rank as failed).
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        f(self).map_err(|e| self.fail(e))
+    }
+
+    /// Runs one op: begin, publish, wait for peers, `read`, finish.
+    fn run(
+        &mut self,
+        op: Op,
+        meta: &[u64],
+        payload: &[&[u8]],
+        read: impl FnOnce(&Self) -> Result<()>,
+    ) -> Result<()> {
+        self.guarded(|g| {
+            let n = g.begin(op)?;
+            g.publish(op, n, meta, payload)?;
+            g.gather_published(op, n)?;
+            read(g)?;
+            g.finish(n);
+            Ok(())
+        })
+    }
+}
+
+fn list(ranks: &[usize]) -> String {
+    ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Group for ShmGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.world
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn elastic(&self) -> bool {
+        self.opts.elastic
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.run(Op::Barrier, &[], &[], |_| Ok(()))
+    }
+
+    fn all_gatherv(&mut self, input: &[u8], sizes: &[usize], output: &mut [u8]) -> Result<()> {
+        let op = Op::AllGatherv;
+        self.check_usable(op)?;
+        let total = check_sizes("sizes", op, sizes, self.world)?;
+        let me = self.rank;
+        check_len("input", op, input.len(), sizes[me], &format!("sizes[{me}]"))?;
+        check_len("output", op, output.len(), total, "sum(sizes)")?;
+        self.run(op, &[], &[input], |g| {
+            let mut off = 0;
+            for (p, &len) in sizes.iter().enumerate() {
+                let dst = &mut output[off..off + len];
+                if p == me {
+                    dst.copy_from_slice(input);
+                } else {
+                    let (_, data) = g.parts(p);
+                    if data.len() != len {
+                        return Err(Error::InvalidArgument(format!(
+                            "all_gatherv: rank {p} contributed {} bytes but sizes[{p}] on rank {me} is {len} (ranks disagree on sizes)",
+                            data.len()
+                        )));
+                    }
+                    dst.copy_from_slice(data);
+                }
+                off += len;
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce_scatterv(
+        &mut self,
+        input: &[u8],
+        rows: &[usize],
+        row_elems: usize,
+        kind: FloatKind,
+        output: &mut [u8],
+    ) -> Result<()> {
+        self.check_usable(Op::ReduceScatterv)?;
+        let me = self.rank;
+        let (row_bytes, first_row) = check_reduce_scatterv(
+            me,
+            self.world,
+            input.len(),
+            rows,
+            row_elems,
+            kind,
+            output.len(),
+        )?;
+        self.run(Op::ReduceScatterv, &[], &[input], |g| {
+            let mut sources: Vec<&[u8]> = Vec::with_capacity(g.world);
+            for p in 0..g.world {
+                if p == me {
+                    sources.push(input);
+                } else {
+                    let (_, data) = g.parts(p);
+                    if data.len() != input.len() {
+                        return Err(Error::InvalidArgument(format!(
+                            "reduce_scatterv: rank {p} contributed {} bytes but rank {me} expects {} (ranks disagree on rows or row size)",
+                            data.len(),
+                            input.len()
+                        )));
+                    }
+                    sources.push(data);
+                }
+            }
+            let start = first_row * row_bytes;
+            reduce_into(&sources, start, kind, output);
+            Ok(())
+        })
+    }
+
+    fn all_to_allv(
+        &mut self,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Result<()> {
+        let op = Op::AllToAllv;
+        self.check_usable(op)?;
+        let send_total = check_sizes("send_sizes", op, send_sizes, self.world)?;
+        let recv_total = check_sizes("recv_sizes", op, recv_sizes, self.world)?;
+        check_len("send", op, send.len(), send_total, "sum(send_sizes)")?;
+        check_len("recv", op, recv.len(), recv_total, "sum(recv_sizes)")?;
+        let me = self.rank;
+        let meta: Vec<u64> = send_sizes.iter().map(|&s| s as u64).collect();
+        self.run(op, &meta, &[send], |g| {
+            let mut off = 0;
+            for (p, &len) in recv_sizes.iter().enumerate() {
+                let dst = &mut recv[off..off + len];
+                off += len;
+                let (their_sizes, data) = g.parts(p);
+                let theirs = their_sizes[me] as usize;
+                if theirs != len {
+                    return Err(Error::InvalidArgument(format!(
+                        "all_to_allv: rank {p} sends {theirs} bytes to rank {me} but recv_sizes[{p}] on rank {me} is {len}"
+                    )));
+                }
+                let start: usize = their_sizes[..me].iter().map(|&s| s as usize).sum();
+                dst.copy_from_slice(&data[start..start + len]);
+            }
+            Ok(())
+        })
+    }
+
+    fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+        let op = Op::SendRecv;
+        self.check_usable(op)?;
+        check_p2p(ops, self.world)?;
+        let me = self.rank;
+        self.guarded(|g| {
+            let n = g.begin(op)?;
+            {
+                // Metadata: (peer, bytes) per send in issue order; payload: the sends.
+                let mut meta = Vec::new();
+                let mut parts: Vec<&[u8]> = Vec::new();
+                for o in ops.iter() {
+                    if let P2p::Send { peer, data } = o {
+                        meta.extend([*peer as u64, data.len() as u64]);
+                        parts.push(data);
+                    }
+                }
+                g.publish(op, n, &meta, &parts)?;
+            }
+            g.gather_published(op, n)?;
+            let mut matched = vec![0usize; g.world]; // receives matched so far, per source
+            for o in ops.iter_mut() {
+                let P2p::Recv { peer, data } = o else { continue };
+                let p = *peer;
+                let j = matched[p];
+                let (their_meta, their_payload) = g.parts(p);
+                // The j-th send from p to this rank.
+                let mut off = 0usize;
+                let mut found = None;
+                let mut seen = 0usize;
+                for pair in their_meta.chunks_exact(2) {
+                    let (dst, len) = (pair[0] as usize, pair[1] as usize);
+                    if dst == me {
+                        if seen == j {
+                            found = Some((off, len));
+                            break;
+                        }
+                        seen += 1;
+                    }
+                    off += len;
+                }
+                let Some((off, len)) = found else {
+                    return Err(Error::InvalidArgument(format!(
+                        "send_recv: rank {me} posted receive #{j} from rank {p}, but rank {p} posted only {seen} send(s) to rank {me}"
+                    )));
+                };
+                if len != data.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "send_recv: receive #{j} on rank {me} from rank {p} has {} bytes but the matching send has {len} bytes",
+                        data.len()
+                    )));
+                }
+                data.copy_from_slice(&their_payload[off..off + len]);
+                matched[p] += 1;
+            }
+            g.finish(n);
+            Ok(())
+        })
+    }
+
+    fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
+        let op = Op::Broadcast;
+        self.check_usable(op)?;
+        check_rank("root", op, root, self.world)?;
+        let me = self.rank;
+        let mine: Vec<u8> = if me == root {
+            data.to_vec()
+        } else {
+            Vec::new()
+        };
+        self.run(op, &[root as u64], &[&mine], |g| {
+            if me == root {
+                return Ok(());
+            }
+            let (meta, payload) = g.parts(root);
+            if meta.first().copied() != Some(root as u64) {
+                return Err(Error::InvalidArgument(format!(
+                    "broadcast: ranks disagree on the root (rank {me} uses {root})"
+                )));
+            }
+            if payload.len() != data.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "broadcast: root {root} sent {} bytes but rank {me} expects {}",
+                    payload.len(),
+                    data.len()
+                )));
+            }
+            data.copy_from_slice(payload);
+            Ok(())
+        })
+    }
+}
+
+/// Sums `out.len()` bytes (elements of `kind`) starting at byte `start` of every source, in
+/// source order, accumulating in f32, and stores the result in `out`. Works in cache-sized
+/// chunks.
+fn reduce_into(sources: &[&[u8]], start: usize, kind: FloatKind, out: &mut [u8]) {
+    const CHUNK: usize = 8192; // elements
+    let es = kind.size();
+    let elems = out.len() / es;
+    let mut acc = vec![0f32; CHUNK.min(elems)];
+    let mut e0 = 0;
+    while e0 < elems {
+        let n = CHUNK.min(elems - e0);
+        let acc = &mut acc[..n];
+        acc.fill(0.0);
+        let (b0, b1) = (start + e0 * es, start + (e0 + n) * es);
+        for src in sources {
+            num::accumulate(acc, &src[b0..b1], kind);
+        }
+        num::store(acc, &mut out[e0 * es..(e0 + n) * es], kind);
+        e0 += n;
+    }
+}
+
+impl Drop for ShmGroup {
+    fn drop(&mut self) {
+        if self.broken.is_none() {
+            // Let peers finish reading this rank's last contribution before its region goes.
+            let n = self.seq;
+            let saved = self.opts.timeout;
+            self.opts.timeout = saved.min(Duration::from_secs(5));
+            let _ = self.wait_peers(Op::Leave, n, |s| {
+                s.consumed.load(Ordering::Acquire) >= n
+                    || s.state.load(Ordering::Acquire) != SLOT_ACTIVE
+            });
+            self.opts.timeout = saved;
+            self.mark(SLOT_LEFT);
+        }
+        Segment::unlink(self.data.name());
+        if !self.control_unlinked && self.rank == 0 {
+            Segment::unlink(&self.control_name);
+        }
+    }
+}

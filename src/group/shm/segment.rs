@@ -1,0 +1,207 @@
+//! POSIX shared-memory segments: create/open/map/unlink. The only `unsafe` of the shm transport
+//! lives here and in the raw-byte accessors below.
+
+use std::ffi::CString;
+use std::io;
+
+/// A mapped POSIX shared-memory object.
+#[derive(Debug)]
+pub struct Segment {
+    name: String,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory; concurrent access is coordinated by the protocol's
+// atomics (see shm/mod.rs), and the pointer is owned by this value until Drop.
+unsafe impl Send for Segment {}
+
+fn cname(name: &str) -> io::Result<CString> {
+    CString::new(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in name"))
+}
+
+fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
+    // SAFETY: fd is a valid shm descriptor; a shared read/write mapping of `len` bytes.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(p.cast())
+    }
+}
+
+struct Fd(libc::c_int);
+impl Drop for Fd {
+    fn drop(&mut self) {
+        // SAFETY: closing a descriptor we own; the mapping stays valid after close.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+impl Segment {
+    /// Creates a new object of `len` bytes (fails with AlreadyExists if the name is taken).
+    /// The memory is reserved up front (posix_fallocate), so a full /dev/shm is an error here
+    /// and never a SIGBUS later.
+    pub fn create(name: &str, len: usize) -> io::Result<Segment> {
+        let c = cname(name)?;
+        // SAFETY: valid C string; O_EXCL makes creation atomic.
+        let fd = unsafe {
+            libc::shm_open(
+                c.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+                0o600,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fd = Fd(fd);
+        let result = (|| {
+            // SAFETY: fd is valid.
+            if unsafe { libc::ftruncate(fd.0, len as libc::off_t) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: fd is valid; reserves the pages.
+            let rc = unsafe { libc::posix_fallocate(fd.0, 0, len as libc::off_t) };
+            if rc != 0 {
+                return Err(io::Error::from_raw_os_error(rc));
+            }
+            map(fd.0, len)
+        })();
+        match result {
+            Ok(ptr) => Ok(Segment {
+                name: name.to_owned(),
+                ptr,
+                len,
+            }),
+            Err(e) => {
+                Segment::unlink(name);
+                Err(e)
+            }
+        }
+    }
+
+    /// Opens an existing object; `Ok(None)` if it does not exist.
+    pub fn open(name: &str) -> io::Result<Option<Segment>> {
+        let c = cname(name)?;
+        // SAFETY: valid C string.
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR, 0) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return if e.raw_os_error() == Some(libc::ENOENT) {
+                Ok(None)
+            } else {
+                Err(e)
+            };
+        }
+        let fd = Fd(fd);
+        // SAFETY: fd is valid; st is plain data.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.0, &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let len = st.st_size as usize;
+        if len == 0 {
+            // Being created right now: treat as not there yet.
+            return Ok(None);
+        }
+        let ptr = map(fd.0, len)?;
+        Ok(Some(Segment {
+            name: name.to_owned(),
+            ptr,
+            len,
+        }))
+    }
+
+    /// Removes a name (mappings stay valid). Missing names are fine.
+    pub fn unlink(name: &str) {
+        if let Ok(c) = cname(name) {
+            // SAFETY: valid C string.
+            unsafe { libc::shm_unlink(c.as_ptr()) };
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// A reference to a `T` at `offset`. `T` must consist of atomics only (shared mutation).
+    pub fn at<T: SharedAtomics>(&self, offset: usize) -> &T {
+        assert!(offset + std::mem::size_of::<T>() <= self.len);
+        assert_eq!((self.ptr as usize + offset) % std::mem::align_of::<T>(), 0);
+        // SAFETY: in bounds and aligned (checked); T is made of atomics (SharedAtomics), so
+        // shared mutation from other processes is sound; zeroed memory is a valid T.
+        unsafe { &*self.ptr.add(offset).cast::<T>() }
+    }
+
+    /// Copies `src` into the segment at `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) {
+        assert!(offset + src.len() <= self.len, "shm write out of bounds");
+        // SAFETY: in bounds (checked); the protocol gives this rank exclusive write access to
+        // the range until it publishes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len()) };
+    }
+
+    /// Copies from the segment at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) {
+        assert!(offset + dst.len() <= self.len, "shm read out of bounds");
+        // SAFETY: in bounds (checked); the writer published the range before this read and
+        // does not touch it until this rank reports it consumed.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
+    }
+
+    /// A read-only view of `len` bytes at `offset`, valid while the protocol keeps the range
+    /// stable (between the writer's publish and this rank's consume).
+    pub fn view(&self, offset: usize, len: usize) -> &[u8] {
+        assert!(offset + len <= self.len, "shm view out of bounds");
+        // SAFETY: in bounds (checked); stability is guaranteed by the publish/consume protocol.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(offset), len) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping this value owns.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Marker for types made only of atomics (and padding), valid when zeroed, safe to share
+/// between processes.
+///
+/// # Safety
+/// Implementors must contain only atomic integers (any mix) and be valid when all-zero.
+pub unsafe trait SharedAtomics {}
+
+/// Whether process `pid` is alive (not gone and not a zombie).
+pub fn pid_alive(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 only checks for existence/permission.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    // A killed child that its parent has not reaped yet is a zombie: dead for us.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| !matches!(rest.trim_start().chars().next(), Some('Z' | 'X')))
+            .unwrap_or(true),
+        Err(_) => rc == 0,
+    }
+}
