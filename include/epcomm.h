@@ -243,6 +243,162 @@
 #define EPCOMM_DEVICE_ONEAPI 14
 
 /**
+ * Point-to-point operation kind: send.
+ */
+#define EPCOMM_P2P_SEND 0
+
+/**
+ * Point-to-point operation kind: receive.
+ */
+#define EPCOMM_P2P_RECV 1
+
+/**
+ * A process group handle. Use it from one thread at a time (a second thread calling while a
+ * call is in flight gets EPCOMM_ERROR_INVALID_STATE). Every collective must be called by all
+ * ranks in the same order.
+ */
+typedef struct epcomm_group epcomm_group;
+
+/**
+ * Options for group creation; initialise with epcomm_group_options_init.
+ */
+typedef struct epcomm_group_options {
+  /**
+   * sizeof(epcomm_group_options); lets the struct grow.
+   */
+  uint32_t struct_size;
+  /**
+   * Bound on every wait, in seconds (<= 0: EPCOMM_TIMEOUT_S, else 60).
+   */
+  double timeout_s;
+  /**
+   * Initial bytes of each rank's shared region (shm; 0 = default 4 MiB). Grows on demand.
+   */
+  uint64_t initial_capacity_bytes;
+  /**
+   * Upper bound of a rank's shared region (0 = no bound but /dev/shm's free space).
+   */
+  uint64_t max_capacity_bytes;
+  /**
+   * The group is an elastic (stateless) EP group.
+   */
+  bool elastic;
+} epcomm_group_options;
+
+/**
+ * Host send: deliver `bytes` bytes at `data` to rank `peer`; return 0 on success.
+ */
+typedef int32_t (*epcomm_host_send_fn)(void *user_data, int32_t peer, const void *data, size_t bytes);
+
+/**
+ * Host receive: fill `bytes` bytes at `data` from rank `peer`; return 0 on success.
+ */
+typedef int32_t (*epcomm_host_recv_fn)(void *user_data, int32_t peer, void *data, size_t bytes);
+
+/**
+ * Host all-gather: `bytes` from every rank into `output` (world_size * bytes, rank order).
+ */
+typedef int32_t (*epcomm_host_all_gather_fn)(void *user_data, const void *input, size_t bytes, void *output);
+
+/**
+ * Host barrier; return 0 on success.
+ */
+typedef int32_t (*epcomm_host_barrier_fn)(void *user_data);
+
+/**
+ * The host's own transport (e.g. torch.distributed or MPI). `send` and `recv` are required and
+ * blocking; `all_gather` and `barrier` are optional (NULL: built from send/recv). epcomm
+ * orders pairwise exchanges so that blocking rendezvous sends cannot deadlock.
+ */
+typedef struct epcomm_host_callbacks {
+  /**
+   * sizeof(epcomm_host_callbacks).
+   */
+  uint32_t struct_size;
+  /**
+   * Passed back to every callback.
+   */
+  void *user_data;
+  epcomm_host_send_fn send;
+  epcomm_host_recv_fn recv;
+  epcomm_host_all_gather_fn all_gather;
+  epcomm_host_barrier_fn barrier;
+} epcomm_host_callbacks;
+
+/**
+ * Where a tensor lives: DLPack's `DLDevice`.
+ */
+typedef struct epcomm_device {
+  /**
+   * DLPack device type (EPCOMM_DEVICE_*).
+   */
+  int32_t device_type;
+  /**
+   * Device ordinal (0 for host memory).
+   */
+  int32_t device_id;
+} epcomm_device;
+
+/**
+ * An element type, laid out exactly like DLPack's `DLDataType`.
+ */
+typedef struct epcomm_dtype {
+  /**
+   * DLPack type code (0 int, 1 uint, 2 float, 4 bfloat, 6 bool, 10 float8_e4m3fn, ...).
+   */
+  uint8_t code;
+  /**
+   * Bits per element.
+   */
+  uint8_t bits;
+  /**
+   * Vector lanes (1 for scalars).
+   */
+  uint16_t lanes;
+} epcomm_dtype;
+
+/**
+ * A tensor view with exactly the layout of DLPack's `DLTensor` (data, device, ndim, dtype,
+ * shape, strides, byte_offset). epcomm never takes ownership of the memory.
+ */
+typedef struct epcomm_tensor {
+  /**
+   * Base pointer; the first element is at `data + byte_offset`.
+   */
+  void *data;
+  struct epcomm_device device;
+  int32_t ndim;
+  struct epcomm_dtype dtype;
+  /**
+   * `ndim` extents.
+   */
+  int64_t *shape;
+  /**
+   * `ndim` strides in elements, or NULL for a compact row-major tensor.
+   */
+  int64_t *strides;
+  uint64_t byte_offset;
+} epcomm_tensor;
+
+/**
+ * One operation of a send/recv batch.
+ */
+typedef struct epcomm_p2p_op {
+  /**
+   * EPCOMM_P2P_SEND or EPCOMM_P2P_RECV.
+   */
+  int32_t kind;
+  /**
+   * The other rank (may be this rank).
+   */
+  int32_t peer;
+  /**
+   * The whole tensor is sent, or received into (same byte size on both sides).
+   */
+  const struct epcomm_tensor *tensor;
+} epcomm_p2p_op;
+
+/**
  * Receives one log message: `level` is an EPCOMM_LOG_* value, `message` is valid only during
  * the call, `user_data` is what was passed to epcomm_set_log_callback. May be called from any
  * thread that calls into epcomm.
@@ -274,24 +430,6 @@ typedef struct epcomm_all2all_name_desc {
    */
   const char *manager_class;
 } epcomm_all2all_name_desc;
-
-/**
- * An element type, laid out exactly like DLPack's `DLDataType`.
- */
-typedef struct epcomm_dtype {
-  /**
-   * DLPack type code (0 int, 1 uint, 2 float, 4 bfloat, 6 bool, 10 float8_e4m3fn, ...).
-   */
-  uint8_t code;
-  /**
-   * Bits per element.
-   */
-  uint8_t bits;
-  /**
-   * Vector lanes (1 for scalars).
-   */
-  uint16_t lanes;
-} epcomm_dtype;
 
 /**
  * What the EPLB communicator factory needs to decide.
@@ -415,6 +553,126 @@ int32_t epcomm_abi_version(void);
  * `message` is NULL or a NUL-terminated string.
  */
 int32_t epcomm_test_panic(const char *message);
+
+/**
+ * Fills `options` with the defaults (and struct_size).
+ *
+ * # Safety
+ * `options` is NULL or writable.
+ */
+int32_t epcomm_group_options_init(struct epcomm_group_options *options);
+
+/**
+ * Creates (rank 0) or joins (other ranks) the shared-memory group `name` of `world_size`
+ * ranks on this host (processes or threads) and returns once all ranks joined. `options` may
+ * be NULL for the defaults. Errors: bad arguments, a world size that differs between ranks,
+ * a rank that never arrives (EPCOMM_ERROR_TIMEOUT naming it), a name in use by a live group.
+ * A segment left by a crashed run is replaced.
+ *
+ * # Safety
+ * `name` is NULL or a NUL-terminated string; `options` is NULL or valid; `out` is NULL or
+ * writable.
+ */
+int32_t epcomm_group_create_shm(const char *name, int32_t rank, int32_t world_size, const struct epcomm_group_options *options, struct epcomm_group **out);
+
+/**
+ * Creates a group over the host's transport. `callbacks` is copied; `user_data` must stay
+ * valid until the group is destroyed. `name` labels messages.
+ *
+ * # Safety
+ * Pointers are NULL or valid as documented.
+ */
+int32_t epcomm_group_create_host(const struct epcomm_host_callbacks *callbacks, const char *name, int32_t rank, int32_t world_size, const struct epcomm_group_options *options, struct epcomm_group **out);
+
+/**
+ * Leaves the group and releases the handle (NULL is a no-op). A shared-memory group first lets
+ * peers finish reading its last contribution (bounded wait), then unlinks its memory.
+ *
+ * # Safety
+ * `group` is NULL or a handle from epcomm_group_create_*, not used after this call.
+ */
+void epcomm_group_destroy(struct epcomm_group *group);
+
+/**
+ * Writes this process's rank in the group.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `rank_out` is NULL or writable.
+ */
+int32_t epcomm_group_rank(const struct epcomm_group *group, int32_t *rank_out);
+
+/**
+ * Writes the number of ranks in the group.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `size_out` is NULL or writable.
+ */
+int32_t epcomm_group_size(const struct epcomm_group *group, int32_t *size_out);
+
+/**
+ * Returns once every rank entered the barrier.
+ *
+ * # Safety
+ * `group` is NULL or a live handle.
+ */
+int32_t epcomm_group_barrier(struct epcomm_group *group);
+
+/**
+ * Gathers every rank's `input` rows along dimension 0 into `output`, in rank order.
+ * `sizes` holds world_size row counts (sizes[r] = rows of rank r, may be 0); `input` has
+ * sizes[rank] rows, `output` sum(sizes) rows of the same row shape and dtype (any dtype).
+ *
+ * # Safety
+ * Pointers are NULL or valid; tensors describe host memory valid for the call.
+ */
+int32_t epcomm_group_all_gatherv(struct epcomm_group *group, const struct epcomm_tensor *input, const int64_t *sizes, const struct epcomm_tensor *output);
+
+/**
+ * Sums every rank's `input` (sum(sizes) rows) and writes this rank's slice (sizes[rank]
+ * rows, after the rows of lower ranks) to `output`. dtype float32, bfloat16 or float16 (same
+ * for both tensors); accumulates in float32, in rank order (deterministic).
+ *
+ * # Safety
+ * Pointers are NULL or valid; tensors describe host memory valid for the call.
+ */
+int32_t epcomm_group_reduce_scatterv(struct epcomm_group *group, const struct epcomm_tensor *input, const int64_t *sizes, const struct epcomm_tensor *output);
+
+/**
+ * Sends send_counts[p] consecutive rows of `input` to each rank p (in rank order) and receives
+ * recv_counts[p] rows from each rank p into consecutive rows of `output`. Both tensors have the
+ * same row shape and dtype (any dtype).
+ *
+ * # Safety
+ * Pointers are NULL or valid; tensors describe host memory valid for the call.
+ */
+int32_t epcomm_group_all_to_allv(struct epcomm_group *group, const struct epcomm_tensor *input, const int64_t *send_counts, const struct epcomm_tensor *output, const int64_t *recv_counts);
+
+/**
+ * A batch of sends and receives (like torch.distributed.batch_isend_irecv): the j-th send
+ * from a to b fills the j-th receive on b from a, with equal byte sizes. Collective: every rank
+ * calls it, possibly with num_ops = 0.
+ *
+ * # Safety
+ * `ops` holds `num_ops` valid entries (or is NULL when num_ops is 0); tensors are valid.
+ */
+int32_t epcomm_group_send_recv(struct epcomm_group *group, const struct epcomm_p2p_op *ops, size_t num_ops);
+
+/**
+ * Copies `tensor` of rank `root` into `tensor` on every other rank (same byte size).
+ *
+ * # Safety
+ * Pointers are NULL or valid; the tensor describes host memory valid for the call.
+ */
+int32_t epcomm_group_broadcast(struct epcomm_group *group, const struct epcomm_tensor *tensor, int32_t root);
+
+/**
+ * Gathers `bytes` bytes from every rank into `output` (world_size * bytes, rank order): for
+ * small metadata such as counts.
+ *
+ * # Safety
+ * `input` holds `bytes` bytes; `output` holds world_size * `bytes` bytes.
+ */
+int32_t epcomm_group_all_gather(struct epcomm_group *group, const void *input, size_t bytes, void *output);
 
 /**
  * Routes epcomm's log messages (vLLM's warnings and infos, with vLLM's wording) to `callback`.

@@ -7,9 +7,11 @@ mod guard;
 
 pub mod config;
 pub mod error;
+pub mod group;
 pub mod log;
 pub mod runtime;
 pub mod select;
+pub mod tensor;
 
 /// ABI version of this header; bumped on any incompatible change.
 pub const EPCOMM_ABI_VERSION: i32 = 1;

@@ -1,0 +1,648 @@
+//! Process groups: creation over shared memory or host callbacks, and the collectives.
+
+use std::ffi::{c_char, c_void};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::guard;
+use super::tensor::{epcomm_tensor, HostTensor};
+use crate::error::{Error, Result};
+use crate::group::host::{HostGroup, HostTransport};
+use crate::group::shm::ShmGroup;
+use crate::group::{Group, GroupOptions, P2p};
+use crate::num::FloatKind;
+
+/// A process group handle. Use it from one thread at a time (a second thread calling while a
+/// call is in flight gets EPCOMM_ERROR_INVALID_STATE). Every collective must be called by all
+/// ranks in the same order.
+pub struct epcomm_group {
+    inner: Mutex<Box<dyn Group>>,
+}
+
+/// Options for group creation; initialise with epcomm_group_options_init.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_group_options {
+    /// sizeof(epcomm_group_options); lets the struct grow.
+    pub struct_size: u32,
+    /// Bound on every wait, in seconds (<= 0: EPCOMM_TIMEOUT_S, else 60).
+    pub timeout_s: f64,
+    /// Initial bytes of each rank's shared region (shm; 0 = default 4 MiB). Grows on demand.
+    pub initial_capacity_bytes: u64,
+    /// Upper bound of a rank's shared region (0 = no bound but /dev/shm's free space).
+    pub max_capacity_bytes: u64,
+    /// The group is an elastic (stateless) EP group.
+    pub elastic: bool,
+}
+
+/// Fills `options` with the defaults (and struct_size).
+///
+/// # Safety
+/// `options` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_options_init(options: *mut epcomm_group_options) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(options, "options") }?;
+        let d = GroupOptions::default();
+        *out = epcomm_group_options {
+            struct_size: std::mem::size_of::<epcomm_group_options>() as u32,
+            timeout_s: d.timeout.as_secs_f64(),
+            initial_capacity_bytes: d.initial_capacity as u64,
+            max_capacity_bytes: d.max_capacity as u64,
+            elastic: d.elastic,
+        };
+        Ok(())
+    })
+}
+
+unsafe fn options_arg(options: *const epcomm_group_options) -> Result<GroupOptions> {
+    let mut o = GroupOptions::default();
+    // SAFETY: caller contract.
+    let Some(c) = (unsafe { options.as_ref() }) else {
+        return Ok(o);
+    };
+    if (c.struct_size as usize) < std::mem::size_of::<epcomm_group_options>() {
+        return Err(Error::InvalidArgument(format!(
+            "options->struct_size is {}: expected sizeof(epcomm_group_options) = {} (call epcomm_group_options_init)",
+            c.struct_size,
+            std::mem::size_of::<epcomm_group_options>()
+        )));
+    }
+    if c.timeout_s.is_nan() || c.timeout_s > 1e9 {
+        return Err(Error::InvalidArgument(format!(
+            "options->timeout_s is {}; expected seconds (> 0), or <= 0 for the default",
+            c.timeout_s
+        )));
+    }
+    if c.timeout_s > 0.0 {
+        o.timeout = Duration::from_secs_f64(c.timeout_s);
+    }
+    if c.initial_capacity_bytes != 0 {
+        o.initial_capacity = c.initial_capacity_bytes as usize;
+    }
+    o.max_capacity = c.max_capacity_bytes as usize;
+    o.elastic = c.elastic;
+    Ok(o)
+}
+
+fn index_arg(v: i32, what: &str) -> Result<usize> {
+    usize::try_from(v).map_err(|_| {
+        Error::InvalidArgument(format!("{what} is {v}; expected a non-negative value"))
+    })
+}
+
+fn finish_create(g: Box<dyn Group>, out: &mut *mut epcomm_group) {
+    *out = Box::into_raw(Box::new(epcomm_group {
+        inner: Mutex::new(g),
+    }));
+}
+
+/// Creates (rank 0) or joins (other ranks) the shared-memory group `name` of `world_size`
+/// ranks on this host (processes or threads) and returns once all ranks joined. `options` may
+/// be NULL for the defaults. Errors: bad arguments, a world size that differs between ranks,
+/// a rank that never arrives (EPCOMM_ERROR_TIMEOUT naming it), a name in use by a live group.
+/// A segment left by a crashed run is replaced.
+///
+/// # Safety
+/// `name` is NULL or a NUL-terminated string; `options` is NULL or valid; `out` is NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_create_shm(
+    name: *const c_char,
+    rank: i32,
+    world_size: i32,
+    options: *const epcomm_group_options,
+    out: *mut *mut epcomm_group,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let name = unsafe { guard::str_arg(name, "name") }?;
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        let opts = unsafe { options_arg(options) }?;
+        let rank = index_arg(rank, "rank")?;
+        let world = index_arg(world_size, "world_size")?;
+        let g = ShmGroup::join(name, rank, world, opts)?;
+        finish_create(Box::new(g), out);
+        Ok(())
+    })
+}
+
+/// Host send: deliver `bytes` bytes at `data` to rank `peer`; return 0 on success.
+pub type epcomm_host_send_fn = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        peer: i32,
+        data: *const c_void,
+        bytes: usize,
+    ) -> i32,
+>;
+/// Host receive: fill `bytes` bytes at `data` from rank `peer`; return 0 on success.
+pub type epcomm_host_recv_fn = Option<
+    unsafe extern "C" fn(user_data: *mut c_void, peer: i32, data: *mut c_void, bytes: usize) -> i32,
+>;
+/// Host all-gather: `bytes` from every rank into `output` (world_size * bytes, rank order).
+pub type epcomm_host_all_gather_fn = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        input: *const c_void,
+        bytes: usize,
+        output: *mut c_void,
+    ) -> i32,
+>;
+/// Host barrier; return 0 on success.
+pub type epcomm_host_barrier_fn = Option<unsafe extern "C" fn(user_data: *mut c_void) -> i32>;
+
+/// The host's own transport (e.g. torch.distributed or MPI). `send` and `recv` are required and
+/// blocking; `all_gather` and `barrier` are optional (NULL: built from send/recv). epcomm
+/// orders pairwise exchanges so that blocking rendezvous sends cannot deadlock.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_host_callbacks {
+    /// sizeof(epcomm_host_callbacks).
+    pub struct_size: u32,
+    /// Passed back to every callback.
+    pub user_data: *mut c_void,
+    pub send: epcomm_host_send_fn,
+    pub recv: epcomm_host_recv_fn,
+    pub all_gather: epcomm_host_all_gather_fn,
+    pub barrier: epcomm_host_barrier_fn,
+}
+
+struct CallbackTransport(epcomm_host_callbacks);
+// SAFETY: the host promises its callbacks may be called from the thread using the group; the
+// handle is used by one thread at a time.
+unsafe impl Send for CallbackTransport {}
+
+fn host_rc(rc: i32) -> std::result::Result<(), String> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!("callback returned {rc}"))
+    }
+}
+
+impl HostTransport for CallbackTransport {
+    fn send(&mut self, peer: usize, data: &[u8]) -> std::result::Result<(), String> {
+        let f = self.0.send.ok_or("no send callback")?;
+        // SAFETY: the host's callback with its own user data; the buffer is valid for the call.
+        host_rc(unsafe {
+            f(
+                self.0.user_data,
+                peer as i32,
+                data.as_ptr().cast(),
+                data.len(),
+            )
+        })
+    }
+    fn recv(&mut self, peer: usize, data: &mut [u8]) -> std::result::Result<(), String> {
+        let f = self.0.recv.ok_or("no recv callback")?;
+        // SAFETY: as above; the buffer is writable for `len` bytes.
+        host_rc(unsafe {
+            f(
+                self.0.user_data,
+                peer as i32,
+                data.as_mut_ptr().cast(),
+                data.len(),
+            )
+        })
+    }
+    fn all_gather(
+        &mut self,
+        mine: &[u8],
+        out: &mut [u8],
+    ) -> Option<std::result::Result<(), String>> {
+        let f = self.0.all_gather?;
+        // SAFETY: as above; `out` holds world * len bytes (checked by the caller).
+        Some(host_rc(unsafe {
+            f(
+                self.0.user_data,
+                mine.as_ptr().cast(),
+                mine.len(),
+                out.as_mut_ptr().cast(),
+            )
+        }))
+    }
+    fn barrier(&mut self) -> Option<std::result::Result<(), String>> {
+        let f = self.0.barrier?;
+        // SAFETY: as above.
+        Some(host_rc(unsafe { f(self.0.user_data) }))
+    }
+}
+
+/// Creates a group over the host's transport. `callbacks` is copied; `user_data` must stay
+/// valid until the group is destroyed. `name` labels messages.
+///
+/// # Safety
+/// Pointers are NULL or valid as documented.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_create_host(
+    callbacks: *const epcomm_host_callbacks,
+    name: *const c_char,
+    rank: i32,
+    world_size: i32,
+    options: *const epcomm_group_options,
+    out: *mut *mut epcomm_group,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let cb = *unsafe { callbacks.as_ref() }.ok_or(Error::NullPointer("callbacks"))?;
+        let name = unsafe { guard::str_arg(name, "name") }?;
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        let opts = unsafe { options_arg(options) }?;
+        if (cb.struct_size as usize) < std::mem::size_of::<epcomm_host_callbacks>() {
+            return Err(Error::InvalidArgument(format!(
+                "callbacks->struct_size is {}: expected sizeof(epcomm_host_callbacks) = {}",
+                cb.struct_size,
+                std::mem::size_of::<epcomm_host_callbacks>()
+            )));
+        }
+        if cb.send.is_none() {
+            return Err(Error::NullPointer("callbacks->send"));
+        }
+        if cb.recv.is_none() {
+            return Err(Error::NullPointer("callbacks->recv"));
+        }
+        let rank = index_arg(rank, "rank")?;
+        let world = index_arg(world_size, "world_size")?;
+        let g = HostGroup::new(
+            Box::new(CallbackTransport(cb)),
+            name,
+            rank,
+            world,
+            opts.elastic,
+        )?;
+        finish_create(Box::new(g), out);
+        Ok(())
+    })
+}
+
+/// Leaves the group and releases the handle (NULL is a no-op). A shared-memory group first lets
+/// peers finish reading its last contribution (bounded wait), then unlinks its memory.
+///
+/// # Safety
+/// `group` is NULL or a handle from epcomm_group_create_*, not used after this call.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_destroy(group: *mut epcomm_group) {
+    guard::call_or((), || {
+        if !group.is_null() {
+            // SAFETY: the handle came from Box::into_raw and is destroyed once (caller contract).
+            drop(unsafe { Box::from_raw(group) });
+        }
+    })
+}
+
+/// Runs `f` on the group behind the handle.
+unsafe fn with_group<T>(
+    group: *const epcomm_group,
+    f: impl FnOnce(&mut dyn Group) -> Result<T>,
+) -> Result<T> {
+    // SAFETY: caller contract: a live handle.
+    let g = unsafe { group.as_ref() }.ok_or(Error::NullPointer("group"))?;
+    let mut inner = g.inner.try_lock().map_err(|_| {
+        Error::InvalidState(
+            "the group handle is in use by another thread; use a group from one thread at a time"
+                .into(),
+        )
+    })?;
+    f(inner.as_mut())
+}
+
+/// Writes this process's rank in the group.
+///
+/// # Safety
+/// `group` is NULL or a live handle; `rank_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_rank(group: *const epcomm_group, rank_out: *mut i32) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(rank_out, "rank_out") }?;
+        *out = unsafe { with_group(group, |g| Ok(g.rank() as i32)) }?;
+        Ok(())
+    })
+}
+
+/// Writes the number of ranks in the group.
+///
+/// # Safety
+/// `group` is NULL or a live handle; `size_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_size(group: *const epcomm_group, size_out: *mut i32) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(size_out, "size_out") }?;
+        *out = unsafe { with_group(group, |g| Ok(g.size() as i32)) }?;
+        Ok(())
+    })
+}
+
+/// Returns once every rank entered the barrier.
+///
+/// # Safety
+/// `group` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_barrier(group: *mut epcomm_group) -> i32 {
+    // SAFETY: caller contract.
+    guard::call(|| unsafe { with_group(group, |g| g.barrier()) })
+}
+
+/// Reads `world` row counts.
+unsafe fn counts_arg(p: *const i64, world: usize, what: &'static str) -> Result<Vec<usize>> {
+    if p.is_null() {
+        return Err(Error::NullPointer(what));
+    }
+    // SAFETY: `world` entries (caller contract).
+    let raw = unsafe { std::slice::from_raw_parts(p, world) };
+    raw.iter()
+        .enumerate()
+        .map(|(i, &c)| {
+            usize::try_from(c).map_err(|_| {
+                Error::InvalidArgument(format!("{what}[{i}] is {c}; expected a row count >= 0"))
+            })
+        })
+        .collect()
+}
+
+/// Gathers every rank's `input` rows along dimension 0 into `output`, in rank order.
+/// `sizes` holds world_size row counts (sizes[r] = rows of rank r, may be 0); `input` has
+/// sizes[rank] rows, `output` sum(sizes) rows of the same row shape and dtype (any dtype).
+///
+/// # Safety
+/// Pointers are NULL or valid; tensors describe host memory valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_all_gatherv(
+    group: *mut epcomm_group,
+    input: *const epcomm_tensor,
+    sizes: *const i64,
+    output: *const epcomm_tensor,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract for every pointer below.
+        let inp = unsafe { HostTensor::from_ffi(input, "input") }?;
+        let out = unsafe { HostTensor::from_ffi(output, "output") }?;
+        unsafe {
+            with_group(group, |g| {
+                let sizes = counts_arg(sizes, g.size(), "sizes")?;
+                inp.check_rows_like(&out)?;
+                inp.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
+                out.check_rows(sizes.iter().sum(), "sum(sizes)")?;
+                inp.check_disjoint(&out)?;
+                let rb = inp.row_bytes();
+                let byte_sizes: Vec<usize> = sizes.iter().map(|s| s * rb).collect();
+                g.all_gatherv(inp.as_slice(), &byte_sizes, out.as_mut_slice())
+            })
+        }
+    })
+}
+
+/// Sums every rank's `input` (sum(sizes) rows) and writes this rank's slice (sizes[rank]
+/// rows, after the rows of lower ranks) to `output`. dtype float32, bfloat16 or float16 (same
+/// for both tensors); accumulates in float32, in rank order (deterministic).
+///
+/// # Safety
+/// Pointers are NULL or valid; tensors describe host memory valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_reduce_scatterv(
+    group: *mut epcomm_group,
+    input: *const epcomm_tensor,
+    sizes: *const i64,
+    output: *const epcomm_tensor,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract for every pointer below.
+        let inp = unsafe { HostTensor::from_ffi(input, "input") }?;
+        let out = unsafe { HostTensor::from_ffi(output, "output") }?;
+        let kind = FloatKind::from_dtype(inp.dtype).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "tensor 'input' has dtype {}; reduce_scatterv expects torch.float32, torch.bfloat16 or torch.float16",
+                inp.dtype.torch_name()
+            ))
+        })?;
+        unsafe {
+            with_group(group, |g| {
+                let sizes = counts_arg(sizes, g.size(), "sizes")?;
+                inp.check_rows_like(&out)?;
+                inp.check_rows(sizes.iter().sum(), "sum(sizes)")?;
+                out.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
+                inp.check_disjoint(&out)?;
+                g.reduce_scatterv(
+                    inp.as_slice(),
+                    &sizes,
+                    inp.row_elems(),
+                    kind,
+                    out.as_mut_slice(),
+                )
+            })
+        }
+    })
+}
+
+/// Sends send_counts[p] consecutive rows of `input` to each rank p (in rank order) and receives
+/// recv_counts[p] rows from each rank p into consecutive rows of `output`. Both tensors have the
+/// same row shape and dtype (any dtype).
+///
+/// # Safety
+/// Pointers are NULL or valid; tensors describe host memory valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_all_to_allv(
+    group: *mut epcomm_group,
+    input: *const epcomm_tensor,
+    send_counts: *const i64,
+    output: *const epcomm_tensor,
+    recv_counts: *const i64,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract for every pointer below.
+        let inp = unsafe { HostTensor::from_ffi(input, "input") }?;
+        let out = unsafe { HostTensor::from_ffi(output, "output") }?;
+        unsafe {
+            with_group(group, |g| {
+                let sc = counts_arg(send_counts, g.size(), "send_counts")?;
+                let rc = counts_arg(recv_counts, g.size(), "recv_counts")?;
+                inp.check_rows_like(&out)?;
+                inp.check_rows(sc.iter().sum(), "sum(send_counts)")?;
+                out.check_rows(rc.iter().sum(), "sum(recv_counts)")?;
+                inp.check_disjoint(&out)?;
+                let rb = inp.row_bytes();
+                let sb: Vec<usize> = sc.iter().map(|c| c * rb).collect();
+                let rbv: Vec<usize> = rc.iter().map(|c| c * rb).collect();
+                g.all_to_allv(inp.as_slice(), &sb, out.as_mut_slice(), &rbv)
+            })
+        }
+    })
+}
+
+/// Point-to-point operation kind: send.
+pub const EPCOMM_P2P_SEND: i32 = 0;
+/// Point-to-point operation kind: receive.
+pub const EPCOMM_P2P_RECV: i32 = 1;
+
+/// One operation of a send/recv batch.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_p2p_op {
+    /// EPCOMM_P2P_SEND or EPCOMM_P2P_RECV.
+    pub kind: i32,
+    /// The other rank (may be this rank).
+    pub peer: i32,
+    /// The whole tensor is sent, or received into (same byte size on both sides).
+    pub tensor: *const epcomm_tensor,
+}
+
+/// A batch of sends and receives (like torch.distributed.batch_isend_irecv): the j-th send
+/// from a to b fills the j-th receive on b from a, with equal byte sizes. Collective: every rank
+/// calls it, possibly with num_ops = 0.
+///
+/// # Safety
+/// `ops` holds `num_ops` valid entries (or is NULL when num_ops is 0); tensors are valid.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_send_recv(
+    group: *mut epcomm_group,
+    ops: *const epcomm_p2p_op,
+    num_ops: usize,
+) -> i32 {
+    guard::call(|| {
+        let raw: &[epcomm_p2p_op] = if num_ops == 0 {
+            &[]
+        } else if ops.is_null() {
+            return Err(Error::NullPointer("ops"));
+        } else {
+            // SAFETY: num_ops entries (caller contract).
+            unsafe { std::slice::from_raw_parts(ops, num_ops) }
+        };
+        let mut tensors = Vec::with_capacity(raw.len());
+        for (i, o) in raw.iter().enumerate() {
+            // SAFETY: caller contract.
+            let t = unsafe { HostTensor::from_ffi(o.tensor, "ops[i].tensor") }.map_err(
+                |e| match e {
+                    Error::NullPointer(_) => Error::InvalidArgument(format!(
+                        "ops[{i}].tensor (or its shape/data) is NULL; expected a tensor"
+                    )),
+                    other => other,
+                },
+            )?;
+            if o.kind != EPCOMM_P2P_SEND && o.kind != EPCOMM_P2P_RECV {
+                return Err(Error::InvalidArgument(format!(
+                    "ops[{i}].kind is {}; expected EPCOMM_P2P_SEND (0) or EPCOMM_P2P_RECV (1)",
+                    o.kind
+                )));
+            }
+            let peer = index_arg(o.peer, "peer")?;
+            tensors.push((o.kind, peer, t));
+        }
+        for (i, (ki, _, ti)) in tensors.iter().enumerate() {
+            for (kj, _, tj) in &tensors[i + 1..] {
+                if *ki == EPCOMM_P2P_RECV || *kj == EPCOMM_P2P_RECV {
+                    ti.check_disjoint(tj)?;
+                }
+            }
+        }
+        // SAFETY: each tensor is valid for the call and receive buffers do not overlap others.
+        let mut p2p: Vec<P2p<'_>> = tensors
+            .iter()
+            .map(|(k, peer, t)| unsafe {
+                if *k == EPCOMM_P2P_SEND {
+                    P2p::Send {
+                        peer: *peer,
+                        data: t.as_slice(),
+                    }
+                } else {
+                    P2p::Recv {
+                        peer: *peer,
+                        data: t.as_mut_slice(),
+                    }
+                }
+            })
+            .collect();
+        // SAFETY: caller contract.
+        unsafe { with_group(group, |g| g.send_recv(&mut p2p)) }
+    })
+}
+
+/// Copies `tensor` of rank `root` into `tensor` on every other rank (same byte size).
+///
+/// # Safety
+/// Pointers are NULL or valid; the tensor describes host memory valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_broadcast(
+    group: *mut epcomm_group,
+    tensor: *const epcomm_tensor,
+    root: i32,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let t = unsafe { HostTensor::from_ffi(tensor, "tensor") }?;
+        let root = index_arg(root, "root")?;
+        unsafe { with_group(group, |g| g.broadcast(root, t.as_mut_slice())) }
+    })
+}
+
+/// Gathers `bytes` bytes from every rank into `output` (world_size * bytes, rank order): for
+/// small metadata such as counts.
+///
+/// # Safety
+/// `input` holds `bytes` bytes; `output` holds world_size * `bytes` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_all_gather(
+    group: *mut epcomm_group,
+    input: *const c_void,
+    bytes: usize,
+    output: *mut c_void,
+) -> i32 {
+    guard::call(|| {
+        if bytes > 0 && input.is_null() {
+            return Err(Error::NullPointer("input"));
+        }
+        if output.is_null() {
+            return Err(Error::NullPointer("output"));
+        }
+        // SAFETY: caller contract.
+        unsafe {
+            with_group(group, |g| {
+                let inp: &[u8] = if bytes == 0 {
+                    &[]
+                } else {
+                    std::slice::from_raw_parts(input.cast(), bytes)
+                };
+                let out = std::slice::from_raw_parts_mut(output.cast::<u8>(), bytes * g.size());
+                let (a0, a1) = (input as usize, input as usize + bytes);
+                let (b0, b1) = (output as usize, output as usize + out.len());
+                if bytes > 0 && a0 < b1 && b0 < a1 {
+                    return Err(Error::InvalidArgument(
+                        "buffers 'input' and 'output' overlap; in-place operation is not supported"
+                            .into(),
+                    ));
+                }
+                g.all_gather(inp, out)
+            })
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// epcomm_tensor must be DLPack's DLTensor, field for field.
+    #[test]
+    fn tensor_has_dltensor_layout() {
+        use std::mem::{offset_of, size_of};
+        // DLTensor on LP64: data 0, device 8 (type 8, id 12), ndim 16, dtype 20 (code 20,
+        // bits 21, lanes 22), shape 24, strides 32, byte_offset 40; size 48.
+        assert_eq!(size_of::<epcomm_tensor>(), 48);
+        assert_eq!(offset_of!(epcomm_tensor, data), 0);
+        assert_eq!(offset_of!(epcomm_tensor, device), 8);
+        assert_eq!(offset_of!(epcomm_tensor, ndim), 16);
+        assert_eq!(offset_of!(epcomm_tensor, dtype), 20);
+        assert_eq!(offset_of!(epcomm_tensor, shape), 24);
+        assert_eq!(offset_of!(epcomm_tensor, strides), 32);
+        assert_eq!(offset_of!(epcomm_tensor, byte_offset), 40);
+        assert_eq!(size_of::<super::super::tensor::epcomm_device>(), 8);
+        assert_eq!(size_of::<super::super::epcomm_dtype>(), 4);
+    }
+
+    #[test]
+    fn default_timeout_is_sane() {
+        assert!(crate::group::DEFAULT_TIMEOUT >= Duration::from_secs(10));
+    }
+}

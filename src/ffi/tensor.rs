@@ -1,0 +1,227 @@
+//! `epcomm_tensor`: DLPack's `DLTensor`, field for field, so a `DLTensor *` can be passed by cast.
+//! Conversion to byte slices with clear errors that name the tensor and the expectation.
+
+use std::ffi::c_void;
+
+use super::epcomm_dtype;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// Where a tensor lives: DLPack's `DLDevice`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct epcomm_device {
+    /// DLPack device type (EPCOMM_DEVICE_*).
+    pub device_type: i32,
+    /// Device ordinal (0 for host memory).
+    pub device_id: i32,
+}
+
+/// A tensor view with exactly the layout of DLPack's `DLTensor` (data, device, ndim, dtype,
+/// shape, strides, byte_offset). epcomm never takes ownership of the memory.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_tensor {
+    /// Base pointer; the first element is at `data + byte_offset`.
+    pub data: *mut c_void,
+    pub device: epcomm_device,
+    pub ndim: i32,
+    pub dtype: epcomm_dtype,
+    /// `ndim` extents.
+    pub shape: *mut i64,
+    /// `ndim` strides in elements, or NULL for a compact row-major tensor.
+    pub strides: *mut i64,
+    pub byte_offset: u64,
+}
+
+/// A validated host tensor: contiguous, with known shape and dtype.
+#[derive(Debug, Clone)]
+pub(crate) struct HostTensor {
+    pub name: &'static str,
+    pub ptr: *mut u8,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub bytes: usize,
+}
+
+fn device_name(t: i32) -> String {
+    match t {
+        1 => "CPU (1)".into(),
+        2 => "CUDA (2)".into(),
+        3 => "CUDA host (3)".into(),
+        10 => "ROCm (10)".into(),
+        13 => "CUDA managed (13)".into(),
+        14 => "oneAPI (14)".into(),
+        other => format!("{other}"),
+    }
+}
+
+impl HostTensor {
+    /// Validates `t` as a contiguous tensor in host-accessible memory.
+    ///
+    /// # Safety
+    /// `t` is NULL or points to a valid `epcomm_tensor` whose `shape`/`strides` hold `ndim`
+    /// entries and whose data covers the described extent.
+    pub unsafe fn from_ffi(t: *const epcomm_tensor, name: &'static str) -> Result<HostTensor> {
+        // SAFETY: caller contract.
+        let t = unsafe { t.as_ref() }.ok_or(Error::NullPointer(name))?;
+        if !matches!(t.device.device_type, 1 | 3 | 11 | 13) {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{name}' is on device type {}; expected host memory (EPCOMM_DEVICE_CPU = 1; CUDA host/managed memory also works)",
+                device_name(t.device.device_type)
+            )));
+        }
+        if t.ndim < 1 || t.ndim > 16 {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{name}' has ndim {}; expected 1..=16 (rows along dimension 0)",
+                t.ndim
+            )));
+        }
+        let dtype = DType::from(t.dtype);
+        if dtype.lanes != 1 || dtype.bits == 0 || dtype.bits % 8 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{name}' has dtype {}; expected a scalar type of whole bytes",
+                dtype.torch_name()
+            )));
+        }
+        if t.shape.is_null() {
+            return Err(Error::NullPointer(match name {
+                "input" => "input->shape",
+                "output" => "output->shape",
+                _ => "tensor->shape",
+            }));
+        }
+        let n = t.ndim as usize;
+        // SAFETY: shape has ndim entries (caller contract).
+        let raw_shape = unsafe { std::slice::from_raw_parts(t.shape, n) };
+        let mut shape = Vec::with_capacity(n);
+        for (i, &d) in raw_shape.iter().enumerate() {
+            if d < 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor '{name}' has shape {raw_shape:?}: dimension {i} is negative"
+                )));
+            }
+            shape.push(d as usize);
+        }
+        let elem = dtype.bits as usize / 8;
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .and_then(|x| x.checked_mul(elem))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "tensor '{name}' has shape {raw_shape:?}: too large"
+                ))
+            })?;
+        if !t.strides.is_null() {
+            // SAFETY: strides has ndim entries when non-NULL (caller contract).
+            let strides = unsafe { std::slice::from_raw_parts(t.strides, n) };
+            let mut expect = vec![0i64; n];
+            let mut acc = 1i64;
+            for i in (0..n).rev() {
+                expect[i] = acc;
+                acc = acc.saturating_mul(raw_shape[i].max(1));
+            }
+            let ok = (0..n).all(|i| raw_shape[i] <= 1 || strides[i] == expect[i]);
+            if !ok && numel > 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor '{name}' is not contiguous: strides {strides:?} for shape {raw_shape:?}; expected row-major strides {expect:?}"
+                )));
+            }
+        }
+        if t.data.is_null() && numel > 0 {
+            return Err(Error::NullPointer(match name {
+                "input" => "input->data",
+                "output" => "output->data",
+                _ => "tensor->data",
+            }));
+        }
+        let ptr = if t.data.is_null() {
+            std::ptr::NonNull::<u8>::dangling().as_ptr()
+        } else {
+            // SAFETY: offset within the caller's allocation (caller contract).
+            unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) }
+        };
+        Ok(HostTensor {
+            name,
+            ptr,
+            shape,
+            dtype,
+            bytes: numel,
+        })
+    }
+
+    /// Rows along dimension 0.
+    pub fn rows(&self) -> usize {
+        self.shape[0]
+    }
+
+    /// Elements per row.
+    pub fn row_elems(&self) -> usize {
+        self.shape[1..].iter().product()
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.row_elems() * self.dtype.bits as usize / 8
+    }
+
+    /// # Safety
+    /// The tensor's memory is valid for reads for the duration of the borrow.
+    pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
+        // SAFETY: caller contract; ptr is non-NULL (dangling only when empty).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
+    }
+
+    /// # Safety
+    /// The tensor's memory is valid for writes and not aliased for the duration of the borrow.
+    pub unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
+        // SAFETY: caller contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
+    }
+
+    /// Errors if the two tensors' bytes overlap (in-place use is not supported).
+    pub fn check_disjoint(&self, other: &HostTensor) -> Result<()> {
+        let (a0, a1) = (self.ptr as usize, self.ptr as usize + self.bytes);
+        let (b0, b1) = (other.ptr as usize, other.ptr as usize + other.bytes);
+        if self.bytes > 0 && other.bytes > 0 && a0 < b1 && b0 < a1 {
+            return Err(Error::InvalidArgument(format!(
+                "tensors '{}' and '{}' overlap; in-place operation is not supported",
+                self.name, other.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Same dtype and the same shape past dimension 0.
+    pub fn check_rows_like(&self, other: &HostTensor) -> Result<()> {
+        if self.dtype != other.dtype {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{}' has dtype {} but '{}' has dtype {}; expected the same dtype",
+                other.name,
+                other.dtype.torch_name(),
+                self.name,
+                self.dtype.torch_name()
+            )));
+        }
+        if self.shape[1..] != other.shape[1..] {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{}' has shape {:?} but '{}' has shape {:?}; expected the same shape past dimension 0",
+                other.name, other.shape, self.name, self.shape
+            )));
+        }
+        Ok(())
+    }
+
+    /// Dimension 0 must be `rows`.
+    pub fn check_rows(&self, rows: usize, why: &str) -> Result<()> {
+        if self.rows() != rows {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{}' has {} rows (shape {:?}); expected {rows} ({why})",
+                self.name,
+                self.rows(),
+                self.shape
+            )));
+        }
+        Ok(())
+    }
+}
