@@ -283,6 +283,12 @@ typedef struct epcomm_group_options {
    * The group is an elastic (stateless) EP group.
    */
   bool elastic;
+  /**
+   * shm: stage every transfer through the shared region instead of letting peers copy
+   * straight from this rank's buffers (the default, where the kernel allows it, is one copy
+   * per byte). EPCOMM_SHM_DIRECT=0 has the same effect.
+   */
+  bool disable_direct_reads;
 } epcomm_group_options;
 
 /**

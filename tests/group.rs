@@ -382,13 +382,22 @@ fn primitives_on_2_3_4_8_processes() {
 
 #[test]
 fn primitives_on_threads() {
-    for world in [1, 2, 3, 4] {
+    for (world, direct_reads) in [(1, true), (2, true), (3, true), (4, true), (3, false)] {
         let group = unique("threads");
         let handles: Vec<_> = (0..world)
             .map(|rank| {
                 let group = group.clone();
                 std::thread::spawn(move || {
-                    let mut g = ShmGroup::join(&group, rank, world, opts()).unwrap();
+                    let o = GroupOptions {
+                        direct_reads,
+                        ..opts()
+                    };
+                    let mut g = ShmGroup::join(&group, rank, world, o).unwrap();
+                    assert_eq!(
+                        g.direct(),
+                        direct_reads,
+                        "threads of one process can always read each other"
+                    );
                     exercise(&mut g, 7, 4);
                 })
             })
@@ -524,9 +533,11 @@ fn bad_arguments_are_clear_errors() {
 #[test]
 fn capacity_limit_names_the_sizes() {
     let group = unique("cap");
+    // Direct reads need no region space for payloads; the staged mode does.
     let o = GroupOptions {
         initial_capacity: 4096,
         max_capacity: 1 << 20,
+        direct_reads: false,
         ..GroupOptions::default()
     };
     let mut g = ShmGroup::join(&group, 0, 1, o).unwrap();

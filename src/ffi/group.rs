@@ -33,6 +33,10 @@ pub struct epcomm_group_options {
     pub max_capacity_bytes: u64,
     /// The group is an elastic (stateless) EP group.
     pub elastic: bool,
+    /// shm: stage every transfer through the shared region instead of letting peers copy
+    /// straight from this rank's buffers (the default, where the kernel allows it, is one copy
+    /// per byte). EPCOMM_SHM_DIRECT=0 has the same effect.
+    pub disable_direct_reads: bool,
 }
 
 /// Fills `options` with the defaults (and struct_size).
@@ -51,6 +55,7 @@ pub unsafe extern "C" fn epcomm_group_options_init(options: *mut epcomm_group_op
             initial_capacity_bytes: d.initial_capacity as u64,
             max_capacity_bytes: d.max_capacity as u64,
             elastic: d.elastic,
+            disable_direct_reads: !d.direct_reads,
         };
         Ok(())
     })
@@ -83,6 +88,7 @@ unsafe fn options_arg(options: *const epcomm_group_options) -> Result<GroupOptio
     }
     o.max_capacity = c.max_capacity_bytes as usize;
     o.elastic = c.elastic;
+    o.direct_reads = !c.disable_direct_reads;
     Ok(o)
 }
 

@@ -27,6 +27,9 @@ pub struct GroupOptions {
     pub max_capacity: usize,
     /// The group is an elastic (stateless) EP group.
     pub elastic: bool,
+    /// shm: let peers copy straight from this rank's buffers where the kernel allows it (one
+    /// copy per byte); `false` (or `EPCOMM_SHM_DIRECT=0`) stages through the shared region.
+    pub direct_reads: bool,
 }
 
 impl Default for GroupOptions {
@@ -36,6 +39,7 @@ impl Default for GroupOptions {
             initial_capacity: 4 << 20,
             max_capacity: 0,
             elastic: false,
+            direct_reads: true,
         }
     }
 }

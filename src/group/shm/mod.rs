@@ -8,6 +8,13 @@
 //! reuses its region only after every peer consumed its previous op, so there are no full
 //! barriers between ops. Regions grow on demand (a new generation; peers remap lazily).
 //!
+//! Direct mode (the default where the kernel allows it): instead of copying its contribution
+//! into its region, a rank publishes the addresses of its own buffers, and peers copy straight
+//! from them (`process_vm_readv`, or a plain copy between threads): one copy per byte, as MPI's
+//! CMA path. The rank then waits until every peer consumed the op before returning, since the
+//! buffers are the caller's. Ranks agree on the mode when they join (`EPCOMM_SHM_DIRECT=0`
+//! forces the region mode).
+//!
 //! Joining: rank 0 creates the control segment (replacing a stale one from a crashed run),
 //! every rank claims its slot, and once all joined rank 0 unlinks the name. Every wait is
 //! bounded by the timeout and checks peers' liveness (pid gone or zombie, or the peer marked
@@ -15,10 +22,12 @@
 
 mod segment;
 
+pub use self::segment::pin_current_thread;
+
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use self::segment::{pid_alive, Segment, SharedAtomics};
+use self::segment::{copy_from_process, pid_alive, Segment, SharedAtomics};
 use super::{
     check_len, check_p2p, check_rank, check_reduce_scatterv, check_sizes, Group, GroupOptions, Op,
     P2p,
@@ -26,8 +35,8 @@ use super::{
 use crate::error::{Error, Result};
 use crate::num::{self, FloatKind};
 
-const MAGIC: u64 = 0x6570_636f_6d6d_0001; // "epcomm" + layout version 1
-const LAYOUT_VERSION: u32 = 1;
+const MAGIC: u64 = 0x6570_636f_6d6d_0002; // "epcomm" + layout version 2
+const LAYOUT_VERSION: u32 = 2;
 const HEADER_BYTES: usize = 4096;
 /// Largest world size the shm transport accepts.
 pub const MAX_WORLD: usize = 1024;
@@ -64,7 +73,10 @@ struct Slot {
     published: AtomicU64,
     consumed: AtomicU64,
     op_kind: AtomicU32,
-    _pad: AtomicU32,
+    /// Direct reads of this rank's memory work for peers: 0 unknown, 1 yes, 2 no.
+    direct_ok: AtomicU32,
+    /// Address of a private probe word (holding `token`) for the direct-read check.
+    probe_addr: AtomicU64,
 }
 // SAFETY: atomics only; all-zero means an empty slot.
 unsafe impl SharedAtomics for Slot {}
@@ -127,6 +139,10 @@ pub struct ShmGroup {
     seq: u64,
     broken: Option<String>,
     pid: u32,
+    /// Peers read this rank's buffers directly (agreed by all ranks at join).
+    direct: bool,
+    /// A private word peers read at join to test direct reads (kept alive for that).
+    _probe: Box<u64>,
 }
 
 impl std::fmt::Debug for ShmGroup {
@@ -235,6 +251,9 @@ impl ShmGroup {
                 e,
             )
         })?;
+        let probe = Box::new(token);
+        slot.probe_addr
+            .store(&*probe as *const u64 as u64, Ordering::Relaxed);
         slot.data_bytes.store(capacity as u64, Ordering::Relaxed);
         slot.data_gen.store(1, Ordering::Relaxed);
         slot.pid.store(pid, Ordering::Relaxed);
@@ -255,8 +274,13 @@ impl ShmGroup {
             seq: 0,
             broken: None,
             pid,
+            direct: false,
+            _probe: probe,
         };
         if let Err(e) = g.wait_joined(&deadline) {
+            return Err(g.fail(e));
+        }
+        if let Err(e) = g.agree_direct() {
             return Err(g.fail(e));
         }
         if rank == 0 {
@@ -460,6 +484,37 @@ impl ShmGroup {
         }
     }
 
+    /// Tests direct reads of every peer's probe word and agrees on the mode with all ranks.
+    fn agree_direct(&mut self) -> Result<()> {
+        let wanted = self.opts.direct_reads
+            && std::env::var("EPCOMM_SHM_DIRECT").map_or(true, |v| v.trim() != "0");
+        let ok = wanted
+            && (0..self.world).all(|p| {
+                let s = self.slot(p);
+                let pid = s.pid.load(Ordering::Acquire);
+                let mut word = [0u8; 8];
+                copy_from_process(
+                    pid,
+                    pid == self.pid,
+                    s.probe_addr.load(Ordering::Acquire),
+                    &mut word,
+                )
+                .is_ok()
+                    && u64::from_ne_bytes(word) == s.token.load(Ordering::Acquire)
+            });
+        self.slot(self.rank)
+            .direct_ok
+            .store(if ok { 1 } else { 2 }, Ordering::Release);
+        self.wait_peers(Op::Join, 0, |s| s.direct_ok.load(Ordering::Acquire) != 0)?;
+        self.direct = (0..self.world).all(|p| self.slot(p).direct_ok.load(Ordering::Acquire) == 1);
+        Ok(())
+    }
+
+    /// Whether peers read this group's contributions directly (one copy per byte).
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
     fn check_usable(&self, op: Op) -> Result<()> {
         match &self.broken {
             None => Ok(()),
@@ -582,24 +637,41 @@ impl ShmGroup {
         Ok(n)
     }
 
-    /// Writes this rank's contribution (metadata words + payload) and publishes op `n`.
+    /// Publishes op `n`: metadata words, then the payload (copied into this rank's region) or,
+    /// in direct mode, a table of (address, length) of the caller's buffers.
     fn publish(&mut self, op: Op, n: u64, meta: &[u64], payload: &[&[u8]]) -> Result<()> {
         let payload_len: usize = payload.iter().map(|p| p.len()).sum();
         let meta_off = OP_HEADER_BYTES;
         let payload_off = align64(meta_off + meta.len() * 8);
-        self.reserve(payload_off + payload_len)?;
-        let mut head = [0u8; 32];
+        let region_bytes = if self.direct {
+            payload.len() * 16
+        } else {
+            payload_len
+        };
+        self.reserve(payload_off + region_bytes)?;
+        let mut head = [0u8; 40];
         head[0..4].copy_from_slice(&(op as u32).to_ne_bytes());
+        head[4..8].copy_from_slice(&u32::from(self.direct).to_ne_bytes());
         head[8..16].copy_from_slice(&n.to_ne_bytes());
         head[16..24].copy_from_slice(&(payload_len as u64).to_ne_bytes());
         head[24..32].copy_from_slice(&(meta.len() as u64).to_ne_bytes());
+        head[32..40].copy_from_slice(&(payload.len() as u64).to_ne_bytes());
         self.data.write(0, &head);
         let meta_bytes: Vec<u8> = meta.iter().flat_map(|m| m.to_ne_bytes()).collect();
         self.data.write(meta_off, &meta_bytes);
-        let mut off = payload_off;
-        for part in payload {
-            self.data.write(off, part);
-            off += part.len();
+        if self.direct {
+            let table: Vec<u8> = payload
+                .iter()
+                .flat_map(|p| [p.as_ptr() as u64, p.len() as u64])
+                .flat_map(|w| w.to_ne_bytes())
+                .collect();
+            self.data.write(payload_off, &table);
+        } else {
+            let mut off = payload_off;
+            for part in payload {
+                self.data.write(off, part);
+                off += part.len();
+            }
         }
         let slot = self.slot(self.rank);
         slot.op_kind.store(op as u32, Ordering::Relaxed);
@@ -644,16 +716,17 @@ impl ShmGroup {
     }
 
     /// Rank p's published metadata words and payload for the current op (p may be this rank).
-    fn parts(&self, p: usize) -> (Vec<u64>, &[u8]) {
+    fn parts(&self, p: usize) -> (Vec<u64>, Payload<'_>) {
         let seg = if p == self.rank {
             &self.data
         } else {
             &self.peers[p].as_ref().expect("peer region mapped").1
         };
-        let mut head = [0u8; 32];
+        let mut head = [0u8; 40];
         seg.read(0, &mut head);
-        let payload_len = u64::from_ne_bytes(head[16..24].try_into().unwrap()) as usize;
-        let meta_len = u64::from_ne_bytes(head[24..32].try_into().unwrap()) as usize;
+        let word = |i: usize| u64::from_ne_bytes(head[i..i + 8].try_into().unwrap()) as usize;
+        let direct = u32::from_ne_bytes(head[4..8].try_into().unwrap()) == 1;
+        let (payload_len, meta_len, pieces) = (word(16), word(24), word(32));
         let mut meta_bytes = vec![0u8; meta_len * 8];
         seg.read(OP_HEADER_BYTES, &mut meta_bytes);
         let meta = meta_bytes
@@ -661,12 +734,38 @@ impl ShmGroup {
             .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
             .collect();
         let payload_off = align64(OP_HEADER_BYTES + meta_len * 8);
-        (meta, seg.view(payload_off, payload_len))
+        let payload = if direct {
+            let mut table = vec![0u8; pieces * 16];
+            seg.read(payload_off, &mut table);
+            let words: Vec<u64> = table
+                .chunks_exact(8)
+                .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+                .collect();
+            let pid = self.slot(p).pid.load(Ordering::Acquire);
+            Payload::Direct {
+                rank: p,
+                pid,
+                local: pid == self.pid,
+                pieces: words
+                    .chunks_exact(2)
+                    .map(|w| (w[0], w[1] as usize))
+                    .collect(),
+                len: payload_len,
+            }
+        } else {
+            Payload::Region(seg.view(payload_off, payload_len))
+        };
+        (meta, payload)
     }
 
-    fn finish(&mut self, n: u64) {
+    /// Ends op `n`. In direct mode peers read the caller's buffers, so wait until all did.
+    fn finish(&mut self, op: Op, n: u64) -> Result<()> {
         self.slot(self.rank).consumed.store(n, Ordering::Release);
         self.seq = n;
+        if self.direct {
+            self.wait_peers(op, n, |s| s.consumed.load(Ordering::Acquire) >= n)?;
+        }
+        Ok(())
     }
 
     /// Runs `f`; an error breaks the group (peers see this rank as failed).
@@ -687,8 +786,7 @@ impl ShmGroup {
             g.publish(op, n, meta, payload)?;
             g.gather_published(op, n)?;
             read(g)?;
-            g.finish(n);
-            Ok(())
+            g.finish(op, n)
         })
     }
 }
@@ -743,7 +841,7 @@ impl Group for ShmGroup {
                             data.len()
                         )));
                     }
-                    dst.copy_from_slice(data);
+                    data.copy_to(0, dst)?;
                 }
                 off += len;
             }
@@ -771,10 +869,10 @@ impl Group for ShmGroup {
             output.len(),
         )?;
         self.run(Op::ReduceScatterv, &[], &[input], |g| {
-            let mut sources: Vec<&[u8]> = Vec::with_capacity(g.world);
+            let mut sources: Vec<Payload<'_>> = Vec::with_capacity(g.world);
             for p in 0..g.world {
                 if p == me {
-                    sources.push(input);
+                    sources.push(Payload::Region(input));
                 } else {
                     let (_, data) = g.parts(p);
                     if data.len() != input.len() {
@@ -788,8 +886,7 @@ impl Group for ShmGroup {
                 }
             }
             let start = first_row * row_bytes;
-            reduce_into(&sources, start, kind, output);
-            Ok(())
+            reduce_into(&sources, start, kind, output)
         })
     }
 
@@ -821,7 +918,7 @@ impl Group for ShmGroup {
                     )));
                 }
                 let start: usize = their_sizes[..me].iter().map(|&s| s as usize).sum();
-                dst.copy_from_slice(&data[start..start + len]);
+                data.copy_to(start, dst)?;
             }
             Ok(())
         })
@@ -879,11 +976,10 @@ impl Group for ShmGroup {
                         data.len()
                     )));
                 }
-                data.copy_from_slice(&their_payload[off..off + len]);
+                their_payload.copy_to(off, data)?;
                 matched[p] += 1;
             }
-            g.finish(n);
-            Ok(())
+            g.finish(op, n)
         })
     }
 
@@ -914,20 +1010,91 @@ impl Group for ShmGroup {
                     data.len()
                 )));
             }
-            data.copy_from_slice(payload);
-            Ok(())
+            payload.copy_to(0, data)
         })
+    }
+}
+
+/// A rank's contribution to the current op: bytes in its shared region, or (direct mode)
+/// ranges of its own memory to copy from.
+enum Payload<'a> {
+    Region(&'a [u8]),
+    Direct {
+        rank: usize,
+        pid: u32,
+        local: bool,
+        pieces: Vec<(u64, usize)>,
+        len: usize,
+    },
+}
+
+impl Payload<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Region(b) => b.len(),
+            Payload::Direct { len, .. } => *len,
+        }
+    }
+
+    /// Copies `dst.len()` bytes starting at byte `offset` of the payload into `dst`.
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        match self {
+            Payload::Region(b) => {
+                dst.copy_from_slice(&b[offset..offset + dst.len()]);
+                Ok(())
+            }
+            Payload::Direct {
+                rank,
+                pid,
+                local,
+                pieces,
+                len,
+            } => {
+                assert!(offset + dst.len() <= *len, "payload read out of bounds");
+                let (mut piece_start, mut done) = (0usize, 0usize);
+                for &(addr, plen) in pieces {
+                    let want = offset + done;
+                    if done == dst.len() {
+                        break;
+                    }
+                    if want < piece_start + plen {
+                        let within = want - piece_start;
+                        let n = (plen - within).min(dst.len() - done);
+                        copy_from_process(
+                            *pid,
+                            *local,
+                            addr + within as u64,
+                            &mut dst[done..done + n],
+                        )
+                        .map_err(|e| {
+                            Error::PeerFailure(format!(
+                                "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
+                            ))
+                        })?;
+                        done += n;
+                    }
+                    piece_start += plen;
+                }
+                Ok(())
+            }
+        }
     }
 }
 
 /// Sums `out.len()` bytes (elements of `kind`) starting at byte `start` of every source, in
 /// source order, accumulating in f32, and stores the result in `out`. Works in cache-sized
-/// chunks.
-fn reduce_into(sources: &[&[u8]], start: usize, kind: FloatKind, out: &mut [u8]) {
+/// chunks; direct sources are copied chunk by chunk into a small buffer first.
+fn reduce_into(
+    sources: &[Payload<'_>],
+    start: usize,
+    kind: FloatKind,
+    out: &mut [u8],
+) -> Result<()> {
     const CHUNK: usize = 8192; // elements
     let es = kind.size();
     let elems = out.len() / es;
     let mut acc = vec![0f32; CHUNK.min(elems)];
+    let mut scratch = vec![0u8; CHUNK.min(elems) * es];
     let mut e0 = 0;
     while e0 < elems {
         let n = CHUNK.min(elems - e0);
@@ -935,11 +1102,19 @@ fn reduce_into(sources: &[&[u8]], start: usize, kind: FloatKind, out: &mut [u8])
         acc.fill(0.0);
         let (b0, b1) = (start + e0 * es, start + (e0 + n) * es);
         for src in sources {
-            num::accumulate(acc, &src[b0..b1], kind);
+            match src {
+                Payload::Region(b) => num::accumulate(acc, &b[b0..b1], kind),
+                direct => {
+                    let tmp = &mut scratch[..n * es];
+                    direct.copy_to(b0, tmp)?;
+                    num::accumulate(acc, tmp, kind);
+                }
+            }
         }
         num::store(acc, &mut out[e0 * es..(e0 + n) * es], kind);
         e0 += n;
     }
+    Ok(())
 }
 
 impl Drop for ShmGroup {

@@ -205,3 +205,73 @@ pub fn pid_alive(pid: u32) -> bool {
         Err(_) => rc == 0,
     }
 }
+
+/// Pins the calling thread to one CPU (benchmarks pin one rank per core).
+pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
+    // SAFETY: cpu_set_t is plain data; CPU_SET writes within it for cpu < CPU_SETSIZE (checked).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cpu index too large",
+            ));
+        }
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Copies `dst.len()` bytes from address `remote` of process `pid` into `dst`: a plain copy when
+/// the peer is a thread of this process, else one `process_vm_readv` (cross-memory attach: a
+/// single copy, no staging). The peer keeps the memory alive and unchanged until this rank
+/// reports the op consumed (publish/consume protocol).
+pub fn copy_from_process(
+    pid: u32,
+    same_process: bool,
+    remote: u64,
+    dst: &mut [u8],
+) -> io::Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    if same_process {
+        // SAFETY: the peer thread published this range of a live buffer it does not modify
+        // until the op is consumed; ranges of distinct buffers do not overlap `dst`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(remote as usize as *const u8, dst.as_mut_ptr(), dst.len())
+        };
+        return Ok(());
+    }
+    let mut done = 0usize;
+    while done < dst.len() {
+        let local = libc::iovec {
+            iov_base: dst[done..].as_mut_ptr().cast(),
+            iov_len: dst.len() - done,
+        };
+        let remote_iov = libc::iovec {
+            iov_base: (remote as usize + done) as *mut libc::c_void,
+            iov_len: dst.len() - done,
+        };
+        // SAFETY: `local` covers writable memory we own; the kernel validates the remote range.
+        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote_iov, 1, 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "process_vm_readv read 0 bytes",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}

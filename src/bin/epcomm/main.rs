@@ -1,4 +1,6 @@
-//! `epcomm` command-line tool: check a configuration before launch, list backends.
+//! `epcomm` command-line tool: check a configuration before launch, list backends, benchmark.
+
+mod bench;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -16,6 +18,7 @@ epcomm: vLLM's expert-parallel communication layer
 usage:
   epcomm check [--config JSON|FILE] [vLLM-style flags] [--json]
   epcomm backends [--json]
+  epcomm bench group [--ranks N] [--mib MiB] [--iters N] [--json]
   epcomm version
 
 check flags (override --config; `--flag value` or `--flag=value`):
@@ -290,6 +293,7 @@ fn main() -> ExitCode {
     match args.first().map(String::as_str) {
         Some("check") => cmd_check(&args[1..]),
         Some("backends") => cmd_backends(&args[1..]),
+        Some("bench") => bench::cmd_bench(&args[1..]),
         Some("version" | "--version" | "-V") => {
             println!("epcomm {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS
@@ -299,7 +303,8 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Some(other) => {
-            let near = suggest::did_you_mean(other, ["check", "backends", "version"], "commands");
+            let near =
+                suggest::did_you_mean(other, ["check", "backends", "bench", "version"], "commands");
             usage_error(&format!("unknown command '{other}' ({near})"))
         }
     }

@@ -1,0 +1,244 @@
+//! `epcomm bench group`: all_to_allv bandwidth over shared memory against a plain memcpy of the
+//! same bytes, measured in the same run (ratios, not absolute times, are the result).
+//!
+//! The parent spawns one process per rank (this binary again), pinned one per core; each rank
+//! times every iteration after a barrier, and the parent takes, per iteration, the slowest rank.
+
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+use epcomm::group::shm::{pin_current_thread, ShmGroup};
+use epcomm::group::{Group, GroupOptions};
+
+struct Params {
+    ranks: usize,
+    mib: usize,
+    iters: usize,
+    json: bool,
+}
+
+fn parse(args: &[String]) -> Result<Params, String> {
+    let mut p = Params {
+        ranks: 2,
+        mib: 64,
+        iters: 30,
+        json: false,
+    };
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].as_str();
+        let mut val = || -> Result<usize, String> {
+            i += 1;
+            args.get(i)
+                .ok_or(format!("{a} needs a value"))?
+                .parse()
+                .map_err(|_| format!("{a} needs a positive integer"))
+        };
+        match a {
+            "--ranks" => p.ranks = val()?,
+            "--mib" => p.mib = val()?,
+            "--iters" => p.iters = val()?,
+            "--json" => p.json = true,
+            other => {
+                return Err(format!(
+                    "unknown bench option '{other}' (--ranks --mib --iters --json)"
+                ))
+            }
+        }
+        i += 1;
+    }
+    if p.ranks == 0 || p.mib == 0 || p.iters == 0 {
+        return Err("--ranks, --mib and --iters must be positive".into());
+    }
+    Ok(p)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn p99(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1]
+}
+
+/// One rank: returns (all_to_allv seconds per iteration, memcpy seconds per iteration).
+fn rank_main(group: &str, rank: usize, p: &Params) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let _ = pin_current_thread(rank % ncpu);
+    let bytes = p.mib << 20;
+    let chunk = bytes / p.ranks;
+    let total = chunk * p.ranks;
+    let opts = GroupOptions {
+        initial_capacity: total + (1 << 20),
+        ..GroupOptions::default()
+    };
+    let mut g = ShmGroup::join(group, rank, p.ranks, opts).map_err(|e| e.to_string())?;
+    let send: Vec<u8> = (0..total).map(|i| (i * 31 + rank) as u8).collect();
+    let mut recv = vec![0u8; total];
+    let sizes = vec![chunk; p.ranks];
+    let mut a2a = Vec::new();
+    for it in 0..p.iters + 3 {
+        g.barrier().map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        g.all_to_allv(&send, &sizes, &mut recv, &sizes)
+            .map_err(|e| e.to_string())?;
+        if it >= 3 {
+            a2a.push(t.elapsed().as_secs_f64());
+        }
+    }
+    // Check one chunk so the benchmark cannot silently measure garbage.
+    let src = (rank + 1) % p.ranks;
+    let expect = ((rank * chunk) * 31 + src) as u8;
+    if recv[src * chunk] != expect {
+        return Err(format!("rank {rank}: wrong data from rank {src}"));
+    }
+    let mut copy = Vec::new();
+    let mut dst = vec![0u8; total];
+    for it in 0..p.iters + 3 {
+        g.barrier().map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        dst.copy_from_slice(&send);
+        std::hint::black_box(&dst);
+        if it >= 3 {
+            copy.push(t.elapsed().as_secs_f64());
+        }
+    }
+    g.barrier().map_err(|e| e.to_string())?;
+    Ok((a2a, copy))
+}
+
+pub fn cmd_bench(args: &[String]) -> ExitCode {
+    match args.first().map(String::as_str) {
+        Some("group") => {}
+        _ => {
+            eprintln!(
+                "usage: epcomm bench group [--ranks N] [--mib MiB-per-rank] [--iters N] [--json]"
+            );
+            return ExitCode::from(2);
+        }
+    }
+    let p = match parse(&args[1..]) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("epcomm: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let (Ok(rank), Ok(group)) = (
+        std::env::var("EPCOMM_BENCH_RANK"),
+        std::env::var("EPCOMM_BENCH_GROUP"),
+    ) {
+        let rank: usize = rank.parse().unwrap_or(0);
+        return match rank_main(&group, rank, &p) {
+            Ok((a, c)) => {
+                let fmt = |v: &[f64]| {
+                    v.iter()
+                        .map(|x| format!("{x:e}"))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                };
+                println!("A2A {}", fmt(&a));
+                println!("COPY {}", fmt(&c));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("rank {rank}: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("epcomm: cannot find own executable: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let group = format!("bench{}", std::process::id());
+    let children: Vec<_> = (0..p.ranks)
+        .map(|r| {
+            Command::new(&exe)
+                .arg("bench")
+                .args(args)
+                .env("EPCOMM_BENCH_RANK", r.to_string())
+                .env("EPCOMM_BENCH_GROUP", &group)
+                .stdout(Stdio::piped())
+                .spawn()
+        })
+        .collect();
+    let mut a2a: Vec<Vec<f64>> = Vec::new();
+    let mut copy: Vec<Vec<f64>> = Vec::new();
+    for c in children {
+        let out = match c.and_then(|c| c.wait_with_output()) {
+            Ok(o) if o.status.success() => o,
+            _ => {
+                eprintln!("epcomm: a benchmark rank failed");
+                return ExitCode::from(1);
+            }
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let series = |tag: &str| -> Vec<f64> {
+            text.lines()
+                .find_map(|l| l.strip_prefix(tag))
+                .map(|l| l.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+                .unwrap_or_default()
+        };
+        a2a.push(series("A2A "));
+        copy.push(series("COPY "));
+    }
+    // Per iteration, the slowest rank.
+    let per_iter = |s: &[Vec<f64>]| -> Vec<f64> {
+        (0..p.iters)
+            .map(|i| {
+                s.iter()
+                    .map(|v| v.get(i).copied().unwrap_or(f64::NAN))
+                    .fold(0.0, f64::max)
+            })
+            .collect()
+    };
+    let (mut a, mut c) = (per_iter(&a2a), per_iter(&copy));
+    let bytes = ((p.mib << 20) / p.ranks * p.ranks) as f64;
+    let (am, ap) = (median(&mut a), p99(&mut a));
+    let (cm, cp) = (median(&mut c), p99(&mut c));
+    if p.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "ranks": p.ranks, "bytes_per_rank": bytes, "iters": p.iters,
+                "all_to_allv_median_s": am, "all_to_allv_p99_s": ap,
+                "memcpy_median_s": cm, "memcpy_p99_s": cp,
+                "all_to_allv_gbps": bytes / am / 1e9, "memcpy_gbps": bytes / cm / 1e9,
+                "time_ratio_vs_memcpy": am / cm,
+            })
+        );
+    } else {
+        println!(
+            "all_to_allv over shm: {} ranks, {:.1} MiB received per rank, {} iterations (median / p99, slowest rank)",
+            p.ranks,
+            bytes / (1 << 20) as f64,
+            p.iters
+        );
+        println!(
+            "{:<14} {:>10} {:>10} {:>9}",
+            "", "median ms", "p99 ms", "GB/s"
+        );
+        println!(
+            "{:<14} {:>10.2} {:>10.2} {:>9.2}",
+            "all_to_allv",
+            am * 1e3,
+            ap * 1e3,
+            bytes / am / 1e9
+        );
+        println!(
+            "{:<14} {:>10.2} {:>10.2} {:>9.2}",
+            "memcpy",
+            cm * 1e3,
+            cp * 1e3,
+            bytes / cm / 1e9
+        );
+        println!("time ratio all_to_allv / memcpy: {:.2}", am / cm);
+    }
+    ExitCode::SUCCESS
+}
