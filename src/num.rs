@@ -138,6 +138,28 @@ pub fn accumulate(acc: &mut [f32], src: &[u8], kind: FloatKind) {
     }
 }
 
+/// Adds `w` times the elements of `src` (of kind `kind`) to `acc`.
+pub fn accumulate_scaled(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
+    debug_assert_eq!(src.len(), acc.len() * kind.size());
+    match kind {
+        FloatKind::F32 => {
+            for (a, c) in acc.iter_mut().zip(src.chunks_exact(4)) {
+                *a += w * f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        FloatKind::Bf16 => {
+            for (a, c) in acc.iter_mut().zip(src.chunks_exact(2)) {
+                *a += w * bf16_to_f32(u16::from_ne_bytes([c[0], c[1]]));
+            }
+        }
+        FloatKind::F16 => {
+            for (a, c) in acc.iter_mut().zip(src.chunks_exact(2)) {
+                *a += w * f16_to_f32(u16::from_ne_bytes([c[0], c[1]]));
+            }
+        }
+    }
+}
+
 /// Writes `acc` into `dst` as elements of kind `kind`.
 pub fn store(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
     debug_assert_eq!(dst.len(), acc.len() * kind.size());

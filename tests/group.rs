@@ -810,3 +810,48 @@ fn a_destroyed_peer_is_reported() {
     assert!(shm_leftovers(&group).is_empty());
     let _ = Error::Timeout(String::new());
 }
+
+#[test]
+fn a_failed_join_leaves_nothing_behind() {
+    let group = unique("joinfail");
+    let huge = GroupOptions {
+        initial_capacity: 1 << 50,
+        ..opts()
+    };
+    let e = ShmGroup::join(&group, 0, 1, huge).unwrap_err();
+    assert_eq!(e.status(), Status::System);
+    assert!(
+        e.to_string().starts_with(
+            "cannot create the shared-memory region of rank 0 (1125899906842624 bytes): "
+        ),
+        "{e}"
+    );
+    assert!(
+        shm_leftovers(&group).is_empty(),
+        "{:?}",
+        shm_leftovers(&group)
+    );
+    // The name is free again, and a rank that fails while joining is reported to the others.
+    let g2 = group.clone();
+    let t = std::thread::spawn(move || ShmGroup::join(&g2, 0, 2, opts()).map(drop));
+    std::thread::sleep(Duration::from_millis(100));
+    let huge = GroupOptions {
+        initial_capacity: 1 << 50,
+        ..opts()
+    };
+    assert_eq!(
+        ShmGroup::join(&group, 1, 2, huge).unwrap_err().status(),
+        Status::System
+    );
+    let e = t.join().unwrap().unwrap_err();
+    assert_eq!(e.status(), Status::PeerFailure);
+    assert_eq!(
+        e.to_string(),
+        format!("rank 1 of group '{group}' failed while joining (see that rank's error)")
+    );
+    assert!(
+        shm_leftovers(&group).is_empty(),
+        "{:?}",
+        shm_leftovers(&group)
+    );
+}

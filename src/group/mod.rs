@@ -5,6 +5,7 @@
 //! caller converts rows to bytes. Reductions sum in f32 in rank order (deterministic).
 
 pub mod host;
+pub mod rows;
 pub mod shm;
 
 use std::time::Duration;
@@ -110,6 +111,61 @@ pub trait Group: Send {
         let sizes = vec![mine.len(); self.size()];
         self.all_gatherv(mine, &sizes, out)
     }
+
+    /// Moves rows between ranks: peer p receives rows `give[p]` of `src` (in that order), and
+    /// the rows this rank receives from peer p land at rows `take[p]` of `dst` (in p's order).
+    /// Rows are `row_bytes` long. `give[p].len()` on rank r must equal `take[r].len()` on p.
+    ///
+    /// This default packs, exchanges with all_to_allv and unpacks; transports that can read
+    /// peers' memory move each row once, straight into place.
+    fn exchange_rows(
+        &mut self,
+        src: &[u8],
+        row_bytes: usize,
+        give: &[Vec<u32>],
+        dst: &mut [u8],
+        take: &[Vec<u32>],
+    ) -> Result<()> {
+        rows::check_exchange(self.rank(), self.size(), src, row_bytes, give, dst, take)?;
+        let (send, send_sizes) = rows::pack(src, row_bytes, give);
+        let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
+        let mut recv = vec![0u8; recv_sizes.iter().sum()];
+        self.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)?;
+        rows::unpack(&recv, row_bytes, take, dst);
+        Ok(())
+    }
+
+    /// Weighted reduction of peers' rows: peer p wants rows `give[p]` of `src` (elements of
+    /// `kind`, `row_elems` per row), and each row received from peer p is added, times its
+    /// weight, to row `take[p][i].0` of `acc` (f32, `row_elems` per row). Contributions are
+    /// summed in rank order, then in each peer's order (deterministic on every transport).
+    fn reduce_rows(
+        &mut self,
+        src: &[u8],
+        kind: FloatKind,
+        row_elems: usize,
+        give: &[Vec<u32>],
+        acc: &mut [f32],
+        take: &[Vec<(u32, f32)>],
+    ) -> Result<()> {
+        let row_bytes = row_elems * kind.size();
+        rows::check_reduce(
+            self.rank(),
+            self.size(),
+            src,
+            row_bytes,
+            row_elems,
+            give,
+            acc,
+            take,
+        )?;
+        let (send, send_sizes) = rows::pack(src, row_bytes, give);
+        let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
+        let mut recv = vec![0u8; recv_sizes.iter().sum()];
+        self.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)?;
+        rows::accumulate_packed(&recv, kind, row_elems, take, acc);
+        Ok(())
+    }
 }
 
 /// The name of a primitive, for messages.
@@ -123,6 +179,8 @@ pub enum Op {
     SendRecv = 6,
     Broadcast = 7,
     Leave = 8,
+    ExchangeRows = 9,
+    ReduceRows = 10,
 }
 
 impl Op {
@@ -136,6 +194,8 @@ impl Op {
             Op::SendRecv => "send_recv",
             Op::Broadcast => "broadcast",
             Op::Leave => "destroy",
+            Op::ExchangeRows => "exchange_rows",
+            Op::ReduceRows => "reduce_rows",
         }
     }
 
@@ -149,6 +209,8 @@ impl Op {
             Op::SendRecv,
             Op::Broadcast,
             Op::Leave,
+            Op::ExchangeRows,
+            Op::ReduceRows,
         ]
         .into_iter()
         .find(|o| *o as u32 == c)

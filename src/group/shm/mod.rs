@@ -230,27 +230,41 @@ impl ShmGroup {
         let header: &Header = control.at(0);
         let session = header.session.load(Ordering::Acquire);
 
-        // Claim the slot.
+        // Claim the slot. A failure from here on must not leave the name or the slot behind.
         let slot: &Slot = control.at(HEADER_BYTES + rank * std::mem::size_of::<Slot>());
+        let abandon = |e: Error| {
+            if rank == 0 {
+                Segment::unlink(&control_name);
+            }
+            e
+        };
         let token = random_u64();
-        if let Err(existing) =
-            slot.token
-                .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
+        if slot
+            .token
+            .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
         {
             let other = slot.pid.load(Ordering::Acquire);
-            let _ = existing;
-            return Err(Error::InvalidArgument(format!(
+            return Err(abandon(Error::InvalidArgument(format!(
                 "rank {rank} of group '{name}' is already taken (by pid {other}); each rank joins once"
-            )));
+            ))));
         }
+        slot.pid.store(pid, Ordering::Release);
         let capacity = opts.initial_capacity.max(4096);
         let data_name = Self::data_name(name, session, rank, 1, pid);
-        let data = Segment::create(&data_name, capacity).map_err(|e| {
-            sys_err(
-                format!("cannot create the shared-memory region of rank {rank} ({capacity} bytes)"),
-                e,
-            )
-        })?;
+        let data = match Segment::create(&data_name, capacity) {
+            Ok(d) => d,
+            Err(e) => {
+                // Tell the others this rank failed, so they stop waiting for it.
+                slot.state.store(SLOT_FAILED, Ordering::Release);
+                return Err(abandon(sys_err(
+                    format!(
+                        "cannot create the shared-memory region of rank {rank} ({capacity} bytes)"
+                    ),
+                    e,
+                )));
+            }
+        };
         let probe = Box::new(token);
         slot.probe_addr
             .store(&*probe as *const u64 as u64, Ordering::Relaxed);
@@ -278,6 +292,12 @@ impl ShmGroup {
             _probe: probe,
         };
         if let Err(e) = g.wait_joined(&deadline) {
+            if matches!(e, Error::Timeout(_)) {
+                // The others wait for the same missing ranks and time out on their own, naming
+                // them; marking this rank failed would only blur their message.
+                g.broken = Some(e.to_string());
+                return Err(e);
+            }
             return Err(g.fail(e));
         }
         if let Err(e) = g.agree_direct() {
@@ -461,6 +481,14 @@ impl ShmGroup {
                     self.name,
                     h.mismatch_world.load(Ordering::Relaxed),
                     self.world
+                )));
+            }
+            if let Some(r) =
+                (0..self.world).find(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_FAILED)
+            {
+                return Err(Error::PeerFailure(format!(
+                    "rank {r} of group '{}' failed while joining (see that rank's error)",
+                    self.name
                 )));
             }
             let missing: Vec<usize> = (0..self.world)

@@ -1,0 +1,142 @@
+//! Row-exchange helpers shared by the transports: argument checks, packing, unpacking and
+//! weighted accumulation.
+
+use crate::error::{Error, Result};
+use crate::num::{self, FloatKind};
+
+fn check_lists<T>(what: &str, lists: &[Vec<T>], world: usize, op: &str) -> Result<()> {
+    if lists.len() != world {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: {what} has {} lists; expected one per rank ({world})",
+            lists.len()
+        )));
+    }
+    Ok(())
+}
+
+fn check_index(op: &str, what: &str, p: usize, i: usize, idx: usize, rows: usize) -> Result<()> {
+    if idx >= rows {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: {what}[{p}][{i}] = {idx} is out of range; the buffer has {rows} rows"
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_exchange(
+    _rank: usize,
+    world: usize,
+    src: &[u8],
+    row_bytes: usize,
+    give: &[Vec<u32>],
+    dst: &[u8],
+    take: &[Vec<u32>],
+) -> Result<()> {
+    let op = "exchange_rows";
+    check_lists("give", give, world, op)?;
+    check_lists("take", take, world, op)?;
+    if row_bytes == 0 {
+        return Ok(());
+    }
+    let (src_rows, dst_rows) = (src.len() / row_bytes, dst.len() / row_bytes);
+    for (p, list) in give.iter().enumerate() {
+        for (i, &r) in list.iter().enumerate() {
+            check_index(op, "give", p, i, r as usize, src_rows)?;
+        }
+    }
+    for (p, list) in take.iter().enumerate() {
+        for (i, &r) in list.iter().enumerate() {
+            check_index(op, "take", p, i, r as usize, dst_rows)?;
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_reduce(
+    _rank: usize,
+    world: usize,
+    src: &[u8],
+    row_bytes: usize,
+    row_elems: usize,
+    give: &[Vec<u32>],
+    acc: &[f32],
+    take: &[Vec<(u32, f32)>],
+) -> Result<()> {
+    let op = "reduce_rows";
+    check_lists("give", give, world, op)?;
+    check_lists("take", take, world, op)?;
+    if row_bytes == 0 || row_elems == 0 {
+        return Ok(());
+    }
+    let (src_rows, acc_rows) = (src.len() / row_bytes, acc.len() / row_elems);
+    for (p, list) in give.iter().enumerate() {
+        for (i, &r) in list.iter().enumerate() {
+            check_index(op, "give", p, i, r as usize, src_rows)?;
+        }
+    }
+    for (p, list) in take.iter().enumerate() {
+        for (i, &(r, _)) in list.iter().enumerate() {
+            check_index(op, "take", p, i, r as usize, acc_rows)?;
+        }
+    }
+    Ok(())
+}
+
+/// Packs rows `give[p]` of `src` for every peer, in peer order; returns the bytes per peer.
+pub(crate) fn pack(src: &[u8], row_bytes: usize, give: &[Vec<u32>]) -> (Vec<u8>, Vec<usize>) {
+    let sizes: Vec<usize> = give.iter().map(|g| g.len() * row_bytes).collect();
+    let mut out = Vec::with_capacity(sizes.iter().sum());
+    for list in give {
+        for &r in list {
+            let r = r as usize;
+            out.extend_from_slice(&src[r * row_bytes..(r + 1) * row_bytes]);
+        }
+    }
+    (out, sizes)
+}
+
+/// Writes packed rows (peer order) to rows `take[p]` of `dst`.
+pub(crate) fn unpack(packed: &[u8], row_bytes: usize, take: &[Vec<u32>], dst: &mut [u8]) {
+    let mut off = 0;
+    for list in take {
+        for &r in list {
+            let r = r as usize;
+            dst[r * row_bytes..(r + 1) * row_bytes].copy_from_slice(&packed[off..off + row_bytes]);
+            off += row_bytes;
+        }
+    }
+}
+
+/// Adds one row (elements of `kind`) times `w` to `acc_row`.
+pub(crate) fn add_row(acc_row: &mut [f32], row: &[u8], kind: FloatKind, w: f32) {
+    if w == 1.0 {
+        num::accumulate(acc_row, row, kind);
+    } else {
+        num::accumulate_scaled(acc_row, row, kind, w);
+    }
+}
+
+/// Adds packed rows (peer order), each times its weight, to rows `take[p][i].0` of `acc`.
+pub(crate) fn accumulate_packed(
+    packed: &[u8],
+    kind: FloatKind,
+    row_elems: usize,
+    take: &[Vec<(u32, f32)>],
+    acc: &mut [f32],
+) {
+    let row_bytes = row_elems * kind.size();
+    let mut off = 0;
+    for list in take {
+        for &(r, w) in list {
+            let r = r as usize;
+            add_row(
+                &mut acc[r * row_elems..(r + 1) * row_elems],
+                &packed[off..off + row_bytes],
+                kind,
+                w,
+            );
+            off += row_bytes;
+        }
+    }
+}

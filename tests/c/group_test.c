@@ -1,0 +1,621 @@
+/*
+ * Process-group test for epcomm through the C ABI: four real processes (forked ranks) form a
+ * shared-memory group and run the collectives with uneven sizes (zeros included), checking
+ * every result exactly, plus argument errors that must not break the group. Built as C11 and
+ * (with -x c++) as C++17, under ASan+UBSan, by tests/c_group.rs.
+ *
+ * Usage: group_test GROUP_NAME
+ *
+ * The parent forks the ranks before it calls anything in epcomm, waits for them with a
+ * deadline (killing them when it passes), prints one line per failed rank and, at the end,
+ * "N passed, M failed" counting ranks; exits non-zero if any rank failed or the group left
+ * anything in /dev/shm.
+ */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
+
+#include <dirent.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "epcomm.h"
+
+/* Structs are named by their tags (valid with and without cbindgen's typedefs). */
+typedef struct epcomm_tensor tensor_t;
+typedef struct epcomm_group group_t;
+typedef struct epcomm_group_options options_t;
+typedef struct epcomm_p2p_op p2p_op_t;
+
+#define WORLD 4
+#define COLS 5
+#define TOTAL_ROWS 10
+/* Rows per rank of the v-collectives: uneven, with a zero. Sums to TOTAL_ROWS. */
+static const int64_t ROWS[WORLD] = {3, 0, 2, 5};
+/* Seconds the parent waits for all ranks before killing them. */
+#define DEADLINE_S 45
+
+static int g_rank = -1;
+static int g_failed = 0;
+
+#define CHECK(cond)                                                                     \
+    do {                                                                                \
+        if (!(cond)) {                                                                  \
+            g_failed++;                                                                 \
+            printf("FAIL rank %d %s:%d: %s\n", g_rank, __FILE__, __LINE__, #cond);     \
+        }                                                                               \
+    } while (0)
+
+/* Checks that a call returned `want`; prints the status and last error otherwise. */
+#define CHECK_ST(st, want) check_st((st), (want), __LINE__, #st)
+
+static int check_st(int32_t st, int32_t want, int line, const char *expr) {
+    if (st == want) {
+        return 1;
+    }
+    {
+        const char *msg = epcomm_last_error_message();
+        g_failed++;
+        printf("FAIL rank %d %s:%d: %s returned %d, expected %d (last error: %s)\n", g_rank,
+               __FILE__, line, expr, (int)st, (int)want, msg ? msg : "(NULL)");
+    }
+    return 0;
+}
+
+/* Whether the last error message contains `needle`; prints it otherwise. */
+#define CHECK_MSG_HAS(needle) check_msg_has((needle), __LINE__)
+
+static void check_msg_has(const char *needle, int line) {
+    const char *msg = epcomm_last_error_message();
+    if (msg != NULL && strstr(msg, needle) != NULL) {
+        return;
+    }
+    g_failed++;
+    printf("FAIL rank %d %s:%d: last error \"%s\" does not contain \"%s\"\n", g_rank, __FILE__,
+           line, msg ? msg : "(NULL)", needle);
+}
+
+static tensor_t make_tensor(void *data, uint8_t code, uint8_t bits, int32_t ndim, int64_t *shape,
+                            int64_t *strides) {
+    tensor_t t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.device.device_type = EPCOMM_DEVICE_CPU;
+    t.device.device_id = 0;
+    t.ndim = ndim;
+    t.dtype.code = code;
+    t.dtype.bits = bits;
+    t.dtype.lanes = 1;
+    t.shape = shape;
+    t.strides = strides;
+    t.byte_offset = 0;
+    return t;
+}
+
+#define DL_INT 0
+#define DL_FLOAT 2
+#define DL_BFLOAT 4
+
+static int64_t rows_before(int rank) {
+    int64_t s = 0;
+    int r;
+    for (r = 0; r < rank; r++) {
+        s += ROWS[r];
+    }
+    return s;
+}
+
+/* ---- bfloat16 by bit operations (exact for the values used here) ----------------------------- */
+
+static uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* ---- deterministic data ---------------------------------------------------------------------- */
+
+/* all_gatherv: element (row, col) of rank `rank`'s rows; exact in float32. */
+static float gather_value(int rank, int row, int col) {
+    return (float)(rank * 100 + row * 10 + col) + 0.5f;
+}
+
+/* reduce_scatterv: element (row, col) of rank `rank`'s full input; a multiple of 1/8 below 2,
+ * exact in float32 and bfloat16, and so is any sum of four of them. */
+static float reduce_value(int rank, int row, int col) {
+    return (float)(((rank + 1) * (row * COLS + col) + 3 * rank) % 17) / 8.0f;
+}
+
+/* all_to_allv: rows rank `src` sends to rank `dst`, zero for some pairs. */
+static int64_t a2a_count(int src, int dst) {
+    return (int64_t)((src + 2 * dst) % 3);
+}
+
+#define A2A_COLS 3
+#define A2A_MAX_ROWS (WORLD * 2)
+
+static int32_t a2a_value(int src, int dst, int j, int col) {
+    return (int32_t)(src * 1000 + dst * 100 + j * 10 + col);
+}
+
+/* ---- the collectives ------------------------------------------------------------------------- */
+
+static void test_rank_size(group_t *g, int rank) {
+    int32_t r = -1, s = -1;
+    if (CHECK_ST(epcomm_group_rank(g, &r), EPCOMM_OK)) {
+        CHECK(r == rank);
+    }
+    if (CHECK_ST(epcomm_group_size(g, &s), EPCOMM_OK)) {
+        CHECK(s == WORLD);
+    }
+}
+
+static void test_all_gatherv(group_t *g, int rank) {
+    float in[5 * COLS];
+    float out[TOTAL_ROWS * COLS];
+    int64_t in_shape[2];
+    int64_t out_shape[2] = {TOTAL_ROWS, COLS};
+    tensor_t ti, to;
+    int r, i, c, row;
+
+    in_shape[0] = ROWS[rank];
+    in_shape[1] = COLS;
+    for (i = 0; i < (int)ROWS[rank]; i++) {
+        for (c = 0; c < COLS; c++) {
+            in[i * COLS + c] = gather_value(rank, i, c);
+        }
+    }
+    for (i = 0; i < TOTAL_ROWS * COLS; i++) {
+        out[i] = -1.0f;
+    }
+    ti = make_tensor(in, DL_FLOAT, 32, 2, in_shape, NULL);
+    to = make_tensor(out, DL_FLOAT, 32, 2, out_shape, NULL);
+    if (!CHECK_ST(epcomm_group_all_gatherv(g, &ti, ROWS, &to), EPCOMM_OK)) {
+        return;
+    }
+    row = 0;
+    for (r = 0; r < WORLD; r++) {
+        for (i = 0; i < (int)ROWS[r]; i++, row++) {
+            for (c = 0; c < COLS; c++) {
+                float want = gather_value(r, i, c);
+                if (out[row * COLS + c] != want) {
+                    g_failed++;
+                    printf("FAIL rank %d all_gatherv: out[%d][%d] = %g, expected %g\n", rank,
+                           row, c, (double)out[row * COLS + c], (double)want);
+                    return;
+                }
+            }
+        }
+    }
+    CHECK(row == TOTAL_ROWS);
+}
+
+static void test_reduce_scatterv_f32(group_t *g, int rank) {
+    float in[TOTAL_ROWS * COLS];
+    float out[5 * COLS];
+    int64_t in_shape[2] = {TOTAL_ROWS, COLS};
+    int64_t out_shape[2];
+    tensor_t ti, to;
+    int i, c, r;
+    int64_t first = rows_before(rank);
+
+    for (i = 0; i < TOTAL_ROWS; i++) {
+        for (c = 0; c < COLS; c++) {
+            in[i * COLS + c] = reduce_value(rank, i, c);
+        }
+    }
+    for (i = 0; i < 5 * COLS; i++) {
+        out[i] = -1.0f;
+    }
+    out_shape[0] = ROWS[rank];
+    out_shape[1] = COLS;
+    ti = make_tensor(in, DL_FLOAT, 32, 2, in_shape, NULL);
+    to = make_tensor(out, DL_FLOAT, 32, 2, out_shape, NULL);
+    if (!CHECK_ST(epcomm_group_reduce_scatterv(g, &ti, ROWS, &to), EPCOMM_OK)) {
+        return;
+    }
+    for (i = 0; i < (int)ROWS[rank]; i++) {
+        for (c = 0; c < COLS; c++) {
+            float want = 0.0f;
+            for (r = 0; r < WORLD; r++) {
+                want += reduce_value(r, (int)first + i, c);
+            }
+            if (out[i * COLS + c] != want) {
+                g_failed++;
+                printf("FAIL rank %d reduce_scatterv f32: out[%d][%d] = %g, expected %g\n", rank,
+                       i, c, (double)out[i * COLS + c], (double)want);
+                return;
+            }
+        }
+    }
+    /* Nothing past this rank's slice was written. */
+    for (i = (int)ROWS[rank] * COLS; i < 5 * COLS; i++) {
+        CHECK(out[i] == -1.0f);
+    }
+}
+
+static void test_reduce_scatterv_bf16(group_t *g, int rank) {
+    uint16_t in[TOTAL_ROWS * COLS];
+    uint16_t out[5 * COLS];
+    int64_t in_shape[2] = {TOTAL_ROWS, COLS};
+    int64_t out_shape[2];
+    tensor_t ti, to;
+    int i, c, r;
+    int64_t first = rows_before(rank);
+
+    for (i = 0; i < TOTAL_ROWS; i++) {
+        for (c = 0; c < COLS; c++) {
+            float v = reduce_value(rank, i, c);
+            in[i * COLS + c] = f32_to_bf16(v);
+            /* The data really is exact in bfloat16. */
+            CHECK(bf16_to_f32(in[i * COLS + c]) == v);
+        }
+    }
+    for (i = 0; i < 5 * COLS; i++) {
+        out[i] = 0xFFFFu;
+    }
+    out_shape[0] = ROWS[rank];
+    out_shape[1] = COLS;
+    ti = make_tensor(in, DL_BFLOAT, 16, 2, in_shape, NULL);
+    to = make_tensor(out, DL_BFLOAT, 16, 2, out_shape, NULL);
+    if (!CHECK_ST(epcomm_group_reduce_scatterv(g, &ti, ROWS, &to), EPCOMM_OK)) {
+        return;
+    }
+    for (i = 0; i < (int)ROWS[rank]; i++) {
+        for (c = 0; c < COLS; c++) {
+            float want = 0.0f;
+            float got = bf16_to_f32(out[i * COLS + c]);
+            for (r = 0; r < WORLD; r++) {
+                want += reduce_value(r, (int)first + i, c);
+            }
+            if (got != want || out[i * COLS + c] != f32_to_bf16(want)) {
+                g_failed++;
+                printf("FAIL rank %d reduce_scatterv bf16: out[%d][%d] = %g (0x%04x), expected "
+                       "%g (0x%04x)\n",
+                       rank, i, c, (double)got, (unsigned)out[i * COLS + c], (double)want,
+                       (unsigned)f32_to_bf16(want));
+                return;
+            }
+        }
+    }
+    for (i = (int)ROWS[rank] * COLS; i < 5 * COLS; i++) {
+        CHECK(out[i] == 0xFFFFu);
+    }
+}
+
+static void test_all_to_allv(group_t *g, int rank) {
+    int32_t in[A2A_MAX_ROWS * A2A_COLS];
+    int32_t out[A2A_MAX_ROWS * A2A_COLS];
+    int64_t send_counts[WORLD], recv_counts[WORLD];
+    int64_t in_shape[2], out_shape[2];
+    int64_t send_total = 0, recv_total = 0;
+    tensor_t ti, to;
+    int p, j, c, row;
+
+    for (p = 0; p < WORLD; p++) {
+        send_counts[p] = a2a_count(rank, p);
+        recv_counts[p] = a2a_count(p, rank);
+        send_total += send_counts[p];
+        recv_total += recv_counts[p];
+    }
+    CHECK(send_total <= A2A_MAX_ROWS && recv_total <= A2A_MAX_ROWS);
+    if (send_total > A2A_MAX_ROWS || recv_total > A2A_MAX_ROWS) {
+        return;
+    }
+    row = 0;
+    for (p = 0; p < WORLD; p++) {
+        for (j = 0; j < (int)send_counts[p]; j++, row++) {
+            for (c = 0; c < A2A_COLS; c++) {
+                in[row * A2A_COLS + c] = a2a_value(rank, p, j, c);
+            }
+        }
+    }
+    for (j = 0; j < A2A_MAX_ROWS * A2A_COLS; j++) {
+        out[j] = -1;
+    }
+    in_shape[0] = send_total;
+    in_shape[1] = A2A_COLS;
+    out_shape[0] = recv_total;
+    out_shape[1] = A2A_COLS;
+    ti = make_tensor(in, DL_INT, 32, 2, in_shape, NULL);
+    to = make_tensor(out, DL_INT, 32, 2, out_shape, NULL);
+    if (!CHECK_ST(epcomm_group_all_to_allv(g, &ti, send_counts, &to, recv_counts), EPCOMM_OK)) {
+        return;
+    }
+    row = 0;
+    for (p = 0; p < WORLD; p++) {
+        for (j = 0; j < (int)recv_counts[p]; j++, row++) {
+            for (c = 0; c < A2A_COLS; c++) {
+                int32_t want = a2a_value(p, rank, j, c);
+                if (out[row * A2A_COLS + c] != want) {
+                    g_failed++;
+                    printf("FAIL rank %d all_to_allv: out[%d][%d] = %d, expected %d\n", rank, row,
+                           c, (int)out[row * A2A_COLS + c], (int)want);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+static void test_broadcast_all_gather(group_t *g, int rank) {
+    int32_t data[4];
+    int64_t shape[1] = {4};
+    tensor_t t;
+    int32_t mine[2];
+    int32_t all[WORLD * 2];
+    int i;
+
+    for (i = 0; i < 4; i++) {
+        data[i] = rank == 2 ? 7000 + i : -1;
+    }
+    t = make_tensor(data, DL_INT, 32, 1, shape, NULL);
+    if (CHECK_ST(epcomm_group_broadcast(g, &t, 2), EPCOMM_OK)) {
+        for (i = 0; i < 4; i++) {
+            CHECK(data[i] == 7000 + i);
+        }
+    }
+
+    mine[0] = rank;
+    mine[1] = 10 * rank + 1;
+    memset(all, 0, sizeof all);
+    if (CHECK_ST(epcomm_group_all_gather(g, mine, sizeof mine, all), EPCOMM_OK)) {
+        for (i = 0; i < WORLD; i++) {
+            CHECK(all[2 * i] == i && all[2 * i + 1] == 10 * i + 1);
+        }
+    }
+}
+
+/* A ring: every rank sends 3 int32 to rank+1 and receives from rank-1. */
+static void test_send_recv(group_t *g, int rank) {
+    int32_t send_buf[3], recv_buf[3];
+    int64_t shape[1] = {3};
+    tensor_t ts, tr;
+    p2p_op_t ops[2];
+    int prev = (rank + WORLD - 1) % WORLD;
+    int i;
+
+    for (i = 0; i < 3; i++) {
+        send_buf[i] = rank * 10 + i;
+        recv_buf[i] = -1;
+    }
+    ts = make_tensor(send_buf, DL_INT, 32, 1, shape, NULL);
+    tr = make_tensor(recv_buf, DL_INT, 32, 1, shape, NULL);
+    ops[0].kind = EPCOMM_P2P_SEND;
+    ops[0].peer = (rank + 1) % WORLD;
+    ops[0].tensor = &ts;
+    ops[1].kind = EPCOMM_P2P_RECV;
+    ops[1].peer = prev;
+    ops[1].tensor = &tr;
+    if (CHECK_ST(epcomm_group_send_recv(g, ops, 2), EPCOMM_OK)) {
+        for (i = 0; i < 3; i++) {
+            CHECK(recv_buf[i] == prev * 10 + i);
+        }
+    }
+}
+
+/* Argument errors are reported before any rank communicates, so the group stays usable. */
+static void test_errors(group_t *g, int rank) {
+    float in[5 * COLS];
+    float out[TOTAL_ROWS * COLS];
+    int64_t in_shape[2];
+    int64_t bad_out_shape[2] = {TOTAL_ROWS - 1, COLS};
+    int64_t strided_shape[2] = {2, COLS};
+    int64_t bad_strides[2] = {2 * COLS, 1};
+    int64_t even[WORLD] = {2, 2, 2, 2};
+    int64_t even_out_shape[2] = {2 * WORLD, COLS};
+    float wide[2 * 2 * COLS];
+    tensor_t ti, to;
+
+    memset(in, 0, sizeof in);
+    memset(out, 0, sizeof out);
+    memset(wide, 0, sizeof wide);
+
+    /* Output with the wrong number of rows. */
+    in_shape[0] = ROWS[rank];
+    in_shape[1] = COLS;
+    ti = make_tensor(in, DL_FLOAT, 32, 2, in_shape, NULL);
+    to = make_tensor(out, DL_FLOAT, 32, 2, bad_out_shape, NULL);
+    epcomm_clear_last_error();
+    if (CHECK_ST(epcomm_group_all_gatherv(g, &ti, ROWS, &to), EPCOMM_ERROR_INVALID_ARGUMENT)) {
+        CHECK_MSG_HAS("output");
+    }
+    CHECK_ST(epcomm_group_barrier(g), EPCOMM_OK);
+
+    /* A non-contiguous input: rows 2 * COLS elements apart. */
+    ti = make_tensor(wide, DL_FLOAT, 32, 2, strided_shape, bad_strides);
+    to = make_tensor(out, DL_FLOAT, 32, 2, even_out_shape, NULL);
+    epcomm_clear_last_error();
+    if (CHECK_ST(epcomm_group_all_gatherv(g, &ti, even, &to), EPCOMM_ERROR_INVALID_ARGUMENT)) {
+        CHECK_MSG_HAS("not contiguous");
+    }
+    CHECK_ST(epcomm_group_barrier(g), EPCOMM_OK);
+
+    /* Compact strides are accepted explicitly too, and the group still gathers. */
+    bad_strides[0] = COLS;
+    ti = make_tensor(wide, DL_FLOAT, 32, 2, strided_shape, bad_strides);
+    CHECK_ST(epcomm_group_all_gatherv(g, &ti, even, &to), EPCOMM_OK);
+}
+
+static int child_main(const char *name, int rank) {
+    options_t opts;
+    group_t *g = NULL;
+
+    g_rank = rank;
+    memset(&opts, 0, sizeof opts);
+    if (!CHECK_ST(epcomm_group_options_init(&opts), EPCOMM_OK)) {
+        return 1;
+    }
+    CHECK(opts.struct_size == sizeof(options_t));
+    opts.timeout_s = 20.0;
+    if (!CHECK_ST(epcomm_group_create_shm(name, rank, WORLD, &opts, &g), EPCOMM_OK)) {
+        return 1;
+    }
+    CHECK(g != NULL);
+    if (g == NULL) {
+        return 1;
+    }
+
+    test_rank_size(g, rank);
+    CHECK_ST(epcomm_group_barrier(g), EPCOMM_OK);
+    test_all_gatherv(g, rank);
+    test_reduce_scatterv_f32(g, rank);
+    test_reduce_scatterv_bf16(g, rank);
+    test_all_to_allv(g, rank);
+    test_broadcast_all_gather(g, rank);
+    test_send_recv(g, rank);
+    test_errors(g, rank);
+    CHECK_ST(epcomm_group_barrier(g), EPCOMM_OK);
+
+    epcomm_group_destroy(g);
+    return g_failed == 0 ? 0 : 1;
+}
+
+/* ---- the parent ------------------------------------------------------------------------------ */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void sleep_ms(long ms) {
+    struct timespec ts;
+    ts.tv_sec = ms / 1000;
+    ts.tv_nsec = (ms % 1000) * 1000000L;
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* Counts entries of /dev/shm that belong to group `name` ("epcomm.NAME" or "epcomm.NAME.*"),
+ * printing each; -1 if /dev/shm cannot be read. */
+static int count_leftovers(const char *name) {
+    char prefix[256];
+    size_t n;
+    int count = 0;
+    DIR *dir;
+    struct dirent *e;
+
+    snprintf(prefix, sizeof prefix, "epcomm.%s", name);
+    n = strlen(prefix);
+    dir = opendir("/dev/shm");
+    if (dir == NULL) {
+        printf("cannot open /dev/shm: %s\n", strerror(errno));
+        return -1;
+    }
+    while ((e = readdir(dir)) != NULL) {
+        if (strncmp(e->d_name, prefix, n) == 0 && (e->d_name[n] == '\0' || e->d_name[n] == '.')) {
+            printf("FAIL leftover shared memory: /dev/shm/%s\n", e->d_name);
+            count++;
+        }
+    }
+    closedir(dir);
+    return count;
+}
+
+int main(int argc, char **argv) {
+    const char *name;
+    pid_t pids[WORLD];
+    int done[WORLD];
+    int passed = 0, failed = 0, remaining = 0;
+    int rank, leftovers;
+    double deadline;
+
+    if (argc != 2 || argv[1][0] == '\0') {
+        fprintf(stderr, "usage: %s GROUP_NAME\n", argc > 0 ? argv[0] : "group_test");
+        return 2;
+    }
+    name = argv[1];
+
+    /* Nothing buffered may be duplicated into the children. */
+    fflush(stdout);
+    fflush(stderr);
+    for (rank = 0; rank < WORLD; rank++) {
+        pid_t pid = fork();
+        if (pid < 0) {
+            printf("FAIL fork for rank %d: %s\n", rank, strerror(errno));
+            pids[rank] = -1;
+            done[rank] = 1;
+            failed++;
+            continue;
+        }
+        if (pid == 0) {
+            int rc = child_main(name, rank);
+            fflush(stdout);
+            exit(rc);
+        }
+        pids[rank] = pid;
+        done[rank] = 0;
+        remaining++;
+    }
+
+    deadline = now_s() + DEADLINE_S;
+    while (remaining > 0) {
+        int progressed = 0;
+        for (rank = 0; rank < WORLD; rank++) {
+            int status = 0;
+            pid_t w;
+            if (done[rank]) {
+                continue;
+            }
+            w = waitpid(pids[rank], &status, WNOHANG);
+            if (w == 0) {
+                continue;
+            }
+            done[rank] = 1;
+            remaining--;
+            progressed = 1;
+            if (w < 0) {
+                printf("FAIL rank %d: waitpid: %s\n", rank, strerror(errno));
+                failed++;
+            } else if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+                passed++;
+            } else if (WIFEXITED(status)) {
+                printf("FAIL rank %d exited with status %d\n", rank, WEXITSTATUS(status));
+                failed++;
+            } else if (WIFSIGNALED(status)) {
+                printf("FAIL rank %d killed by signal %d\n", rank, WTERMSIG(status));
+                failed++;
+            } else {
+                printf("FAIL rank %d ended with wait status 0x%x\n", rank, (unsigned)status);
+                failed++;
+            }
+        }
+        if (remaining > 0 && now_s() > deadline) {
+            for (rank = 0; rank < WORLD; rank++) {
+                if (!done[rank]) {
+                    printf("FAIL rank %d still running after %d s; killing it\n", rank,
+                           DEADLINE_S);
+                    kill(pids[rank], SIGKILL);
+                    waitpid(pids[rank], NULL, 0);
+                    done[rank] = 1;
+                    failed++;
+                }
+            }
+            remaining = 0;
+        } else if (remaining > 0 && !progressed) {
+            sleep_ms(10);
+        }
+    }
+
+    leftovers = count_leftovers(name);
+    if (leftovers != 0) {
+        printf("FAIL group '%s' left %d shared-memory object(s) in /dev/shm\n", name, leftovers);
+    }
+    printf("%d passed, %d failed\n", passed, failed);
+    return (failed == 0 && leftovers == 0) ? 0 : 1;
+}

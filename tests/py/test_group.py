@@ -1,0 +1,552 @@
+"""epcomm's process groups through ctypes, with real processes as ranks.
+
+Tensors are DLPack DLTensors built from ctypes arrays (no numpy); failing statuses become the
+Python exception class vLLM raises (epcomm_status_exception) with epcomm's exact message.
+Every multi-process case is bounded: ranks still running at the deadline are terminated and
+the test fails. Standard library only:
+
+    EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_group.py -v
+"""
+
+import builtins
+import ctypes
+import multiprocessing
+import os
+import queue
+import sys
+import time
+import traceback
+import unittest
+
+OK = 0
+ERROR_INVALID_ARGUMENT = 2
+ERROR_TIMEOUT = 7
+
+DEVICE_CPU = 1
+DL_INT = 0
+DL_FLOAT = 2
+
+# Seconds a multi-process case may take before its ranks are terminated.
+RANK_DEADLINE_S = 60.0
+
+# "fork": a rank starts at once (no re-import), so ranks that must meet within a short
+# timeout do; the parent never creates a group itself, so children inherit no epcomm state.
+MP = multiprocessing.get_context("fork")
+
+
+class Tensor(ctypes.Structure):
+    """DLPack's DLTensor (epcomm_tensor), field for field."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("dtype_code", ctypes.c_uint8),
+        ("dtype_bits", ctypes.c_uint8),
+        ("dtype_lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class GroupOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("timeout_s", ctypes.c_double),
+        ("initial_capacity_bytes", ctypes.c_uint64),
+        ("max_capacity_bytes", ctypes.c_uint64),
+        ("elastic", ctypes.c_bool),
+    ]
+
+
+SEND_FN = ctypes.CFUNCTYPE(
+    ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t
+)
+RECV_FN = ctypes.CFUNCTYPE(
+    ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t
+)
+ALL_GATHER_FN = ctypes.CFUNCTYPE(
+    ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p
+)
+BARRIER_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)
+
+
+class HostCallbacks(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("user_data", ctypes.c_void_p),
+        ("send", SEND_FN),
+        ("recv", RECV_FN),
+        ("all_gather", ALL_GATHER_FN),
+        ("barrier", BARRIER_FN),
+    ]
+
+
+def load_library():
+    path = os.environ.get("EPCOMM_LIBRARY")
+    if not path:
+        sys.exit("EPCOMM_LIBRARY must name the epcomm shared library (libepcomm.so)")
+    lib = ctypes.CDLL(path)
+    i32, cstr, vp = ctypes.c_int32, ctypes.c_char_p, ctypes.c_void_p
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    tp = ctypes.POINTER(Tensor)
+    opts = ctypes.POINTER(GroupOptions)
+    signatures = {
+        "epcomm_last_error_message": (cstr, []),
+        "epcomm_status_exception": (cstr, [i32]),
+        "epcomm_group_options_init": (i32, [opts]),
+        "epcomm_group_create_shm": (i32, [cstr, i32, i32, opts, ctypes.POINTER(vp)]),
+        "epcomm_group_create_host": (
+            i32,
+            [ctypes.POINTER(HostCallbacks), cstr, i32, i32, opts, ctypes.POINTER(vp)],
+        ),
+        "epcomm_group_destroy": (None, [vp]),
+        "epcomm_group_rank": (i32, [vp, ctypes.POINTER(i32)]),
+        "epcomm_group_size": (i32, [vp, ctypes.POINTER(i32)]),
+        "epcomm_group_barrier": (i32, [vp]),
+        "epcomm_group_all_gatherv": (i32, [vp, tp, i64p, tp]),
+        "epcomm_group_reduce_scatterv": (i32, [vp, tp, i64p, tp]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+LIB = load_library()
+
+
+def _text(b):
+    return None if b is None else b.decode("utf-8")
+
+
+def check(status):
+    """Raises the exception vLLM raises for `status`, with epcomm's message; returns on OK."""
+    if status == OK:
+        return
+    exc_name = _text(LIB.epcomm_status_exception(status))
+    exc = getattr(builtins, exc_name)(_text(LIB.epcomm_last_error_message()))
+    exc.epcomm_status = status
+    raise exc
+
+
+# ---- tensors --------------------------------------------------------------------------------
+
+
+class HostArray:
+    """A C array with a DLTensor describing it as `shape` (row-major)."""
+
+    def __init__(self, ctype, code, bits, shape, values=None):
+        count = 1
+        for d in shape:
+            count *= d
+        self.count = count
+        self.buf = (ctype * max(count, 1))()
+        if values is not None:
+            assert len(values) == count, (len(values), count)
+            for i, v in enumerate(values):
+                self.buf[i] = v
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.strides = None
+        self.tensor = Tensor(
+            data=ctypes.cast(self.buf, ctypes.c_void_p),
+            device_type=DEVICE_CPU,
+            device_id=0,
+            ndim=len(shape),
+            dtype_code=code,
+            dtype_bits=bits,
+            dtype_lanes=1,
+            shape=ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64)),
+            strides=None,
+            byte_offset=0,
+        )
+
+    def set_strides(self, strides):
+        self.strides = (ctypes.c_int64 * len(strides))(*strides)
+        self.tensor.strides = ctypes.cast(self.strides, ctypes.POINTER(ctypes.c_int64))
+
+    def values(self):
+        return [self.buf[i] for i in range(self.count)]
+
+    def ref(self):
+        return ctypes.byref(self.tensor)
+
+
+def f32(shape, values=None):
+    return HostArray(ctypes.c_float, DL_FLOAT, 32, shape, values)
+
+
+def counts(values):
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+# ---- group helpers --------------------------------------------------------------------------
+
+
+def options(timeout_s):
+    o = GroupOptions()
+    check(LIB.epcomm_group_options_init(ctypes.byref(o)))
+    assert o.struct_size == ctypes.sizeof(GroupOptions), (o.struct_size, ctypes.sizeof(o))
+    o.timeout_s = timeout_s
+    return o
+
+
+def create_shm(name, rank, world, timeout_s=20.0):
+    o = options(timeout_s)
+    g = ctypes.c_void_p()
+    check(LIB.epcomm_group_create_shm(name.encode(), rank, world, ctypes.byref(o), ctypes.byref(g)))
+    assert g.value, "create_shm succeeded without a handle"
+    return g
+
+
+def rank_size(g):
+    r, s = ctypes.c_int32(-1), ctypes.c_int32(-1)
+    check(LIB.epcomm_group_rank(g, ctypes.byref(r)))
+    check(LIB.epcomm_group_size(g, ctypes.byref(s)))
+    return r.value, s.value
+
+
+def shm_leftovers(name):
+    """Entries of /dev/shm that belong to group `name`."""
+    prefix = "epcomm." + name
+    return sorted(
+        f for f in os.listdir("/dev/shm") if f == prefix or f.startswith(prefix + ".")
+    )
+
+
+def unique_name(suffix):
+    return "pygrp%d%s" % (os.getpid(), suffix)
+
+
+# ---- deterministic data ---------------------------------------------------------------------
+
+COLS = 4
+
+
+def gather_value(rank, row, col):
+    return rank * 100 + row * 10 + col + 0.5
+
+
+def reduce_value(rank, row, col):
+    # Multiples of 1/8 below 3: exact in float32, and so is any sum of a few of them.
+    return (((rank + 1) * (row * COLS + col) + 5 * rank) % 23) / 8.0
+
+
+def check_all_gatherv(g, rank, rows):
+    """all_gatherv of float32 rows [rows[rank], COLS]; verifies the gathered output."""
+    inp = f32(
+        [rows[rank], COLS],
+        [gather_value(rank, i, c) for i in range(rows[rank]) for c in range(COLS)],
+    )
+    out = f32([sum(rows), COLS], [-1.0] * (sum(rows) * COLS))
+    check(LIB.epcomm_group_all_gatherv(g, inp.ref(), counts(rows), out.ref()))
+    want = [
+        gather_value(r, i, c) for r in range(len(rows)) for i in range(rows[r]) for c in range(COLS)
+    ]
+    if out.values() != want:
+        raise AssertionError(
+            "all_gatherv rank %d: got %r, expected %r" % (rank, out.values(), want)
+        )
+
+
+def check_reduce_scatterv(g, rank, rows):
+    """reduce_scatterv of float32 [sum(rows), COLS]; verifies this rank's slice."""
+    world, total = len(rows), sum(rows)
+    inp = f32([total, COLS], [reduce_value(rank, i, c) for i in range(total) for c in range(COLS)])
+    out = f32([rows[rank], COLS], [-1.0] * (rows[rank] * COLS))
+    check(LIB.epcomm_group_reduce_scatterv(g, inp.ref(), counts(rows), out.ref()))
+    first = sum(rows[:rank])
+    want = [
+        sum(reduce_value(r, first + i, c) for r in range(world))
+        for i in range(rows[rank])
+        for c in range(COLS)
+    ]
+    if out.values() != want:
+        raise AssertionError(
+            "reduce_scatterv rank %d: got %r, expected %r" % (rank, out.values(), want)
+        )
+
+
+# ---- running ranks as processes -------------------------------------------------------------
+
+
+def _rank_main(target, rank, results, args):
+    try:
+        payload = target(rank, *args)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        sys.exit(1)
+    results.put((rank, True, payload))
+
+
+def run_ranks(target, ranks, args=(), deadline_s=RANK_DEADLINE_S, start_hook=None):
+    """Runs target(rank, *args) in one process per rank; returns {rank: payload}.
+
+    Raises AssertionError naming every rank that failed, died, or was still running at the
+    deadline (those are terminated). `start_hook(rank)` runs in the parent before each start.
+    """
+    results = MP.Queue()
+    procs = {}
+    for rank in ranks:
+        if start_hook is not None:
+            start_hook(rank)
+        p = MP.Process(target=_rank_main, args=(target, rank, results, args), daemon=True)
+        p.start()
+        procs[rank] = p
+    got = {}
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            rank, ok, payload = results.get(timeout=0.05)
+            got[rank] = (ok, payload)
+        except queue.Empty:
+            pass
+        if len(got) == len(procs) and not any(p.is_alive() for p in procs.values()):
+            break
+        if any(not p.is_alive() and r not in got for r, p in procs.items()):
+            # A rank ended without reporting: give its message a moment, then stop waiting.
+            time.sleep(0.2)
+            while True:
+                try:
+                    rank, ok, payload = results.get_nowait()
+                    got[rank] = (ok, payload)
+                except queue.Empty:
+                    break
+            if any(not p.is_alive() and r not in got for r, p in procs.items()):
+                break
+    problems = []
+    for rank, p in sorted(procs.items()):
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+            problems.append("rank %d still running after %.0f s; terminated" % (rank, deadline_s))
+            continue
+        p.join(5)
+        if rank not in got:
+            problems.append("rank %d ended with exit code %s and no result" % (rank, p.exitcode))
+        elif not got[rank][0]:
+            problems.append("rank %d failed:\n%s" % (rank, got[rank][1]))
+        elif p.exitcode != 0:
+            problems.append("rank %d exited with %s" % (rank, p.exitcode))
+    results.close()
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return {rank: got[rank][1] for rank in ranks}
+
+
+# ---- rank bodies ----------------------------------------------------------------------------
+
+SHM_WORLD = 3
+SHM_GATHER_ROWS = [2, 0, 3]
+SHM_REDUCE_ROWS = [1, 3, 0]
+
+
+def shm_rank(rank, name):
+    g = create_shm(name, rank, SHM_WORLD)
+    try:
+        if rank_size(g) != (rank, SHM_WORLD):
+            raise AssertionError("rank/size: %r" % (rank_size(g),))
+        check_all_gatherv(g, rank, SHM_GATHER_ROWS)
+        check_reduce_scatterv(g, rank, SHM_REDUCE_ROWS)
+        # A wrong output shape is a ValueError on every rank, and the group stays usable.
+        inp = f32([SHM_GATHER_ROWS[rank], COLS], [0.0] * (SHM_GATHER_ROWS[rank] * COLS))
+        bad = f32([sum(SHM_GATHER_ROWS) + 1, COLS])
+        try:
+            check(LIB.epcomm_group_all_gatherv(g, inp.ref(), counts(SHM_GATHER_ROWS), bad.ref()))
+        except ValueError as e:
+            if e.epcomm_status != ERROR_INVALID_ARGUMENT or "output" not in str(e):
+                raise AssertionError("unexpected error: %r" % (e,))
+        else:
+            raise AssertionError("all_gatherv with a wrong output shape succeeded")
+        check(LIB.epcomm_group_barrier(g))
+        # So is a non-contiguous input (rows 2 * COLS elements apart).
+        strided = f32([2, COLS], [0.0] * (2 * COLS))
+        strided.set_strides([2 * COLS, 1])
+        even_out = f32([2 * SHM_WORLD, COLS])
+        try:
+            check(
+                LIB.epcomm_group_all_gatherv(
+                    g, strided.ref(), counts([2] * SHM_WORLD), even_out.ref()
+                )
+            )
+        except ValueError as e:
+            if e.epcomm_status != ERROR_INVALID_ARGUMENT or "not contiguous" not in str(e):
+                raise AssertionError("unexpected error: %r" % (e,))
+        else:
+            raise AssertionError("all_gatherv with a non-contiguous input succeeded")
+        check(LIB.epcomm_group_barrier(g))
+        check_all_gatherv(g, rank, [1, 2, 0])
+        check(LIB.epcomm_group_barrier(g))
+    finally:
+        LIB.epcomm_group_destroy(g)
+    return None
+
+
+def missing_rank(rank, name, world):
+    """Joins a group whose last rank never arrives; reports what the failure looked like."""
+    o = options(1.0)
+    g = ctypes.c_void_p()
+    status = LIB.epcomm_group_create_shm(
+        name.encode(), rank, world, ctypes.byref(o), ctypes.byref(g)
+    )
+    report = {
+        "status": status,
+        "exception_name": _text(LIB.epcomm_status_exception(status)),
+        "message": _text(LIB.epcomm_last_error_message()),
+        "handle_written": bool(g.value),
+        "raised": None,
+    }
+    if g.value:
+        LIB.epcomm_group_destroy(g)
+    try:
+        check(status)
+    except Exception as e:  # the class is what the test checks
+        report["raised"] = (type(e).__name__, str(e))
+    return report
+
+
+class PipeTransport:
+    """epcomm_host_callbacks over multiprocessing Pipes: one connection per peer."""
+
+    def __init__(self, conns):
+        self.conns = conns
+        self.errors = []
+        # Kept alive for as long as the group uses them.
+        self._send = SEND_FN(self._on_send)
+        self._recv = RECV_FN(self._on_recv)
+        self.callbacks = HostCallbacks()
+        self.callbacks.struct_size = ctypes.sizeof(HostCallbacks)
+        self.callbacks.user_data = None
+        self.callbacks.send = self._send
+        self.callbacks.recv = self._recv
+        # all_gather and barrier stay NULL: epcomm builds them from send/recv.
+
+    def _on_send(self, _user_data, peer, data, nbytes):
+        try:
+            payload = ctypes.string_at(data, nbytes) if nbytes else b""
+            self.conns[peer].send_bytes(payload)
+            return 0
+        except Exception:
+            self.errors.append(traceback.format_exc())
+            return 1
+
+    def _on_recv(self, _user_data, peer, data, nbytes):
+        try:
+            payload = self.conns[peer].recv_bytes()
+            if len(payload) != nbytes:
+                self.errors.append(
+                    "recv from %d: got %d bytes, expected %d" % (peer, len(payload), nbytes)
+                )
+                return 2
+            if nbytes:
+                ctypes.memmove(data, payload, nbytes)
+            return 0
+        except Exception:
+            self.errors.append(traceback.format_exc())
+            return 1
+
+
+HOST_WORLD = 2
+
+
+def host_rank(rank, name, conns_by_rank):
+    transport = PipeTransport(conns_by_rank[rank])
+    g = ctypes.c_void_p()
+    o = options(20.0)
+    check(
+        LIB.epcomm_group_create_host(
+            ctypes.byref(transport.callbacks),
+            name.encode(),
+            rank,
+            HOST_WORLD,
+            ctypes.byref(o),
+            ctypes.byref(g),
+        )
+    )
+    try:
+        if rank_size(g) != (rank, HOST_WORLD):
+            raise AssertionError("rank/size: %r" % (rank_size(g),))
+        check_all_gatherv(g, rank, [3, 0])
+        check_all_gatherv(g, rank, [2, 5])
+        check_reduce_scatterv(g, rank, [0, 4])
+        check_reduce_scatterv(g, rank, [3, 2])
+        check(LIB.epcomm_group_barrier(g))
+    finally:
+        LIB.epcomm_group_destroy(g)
+    if transport.errors:
+        raise AssertionError("transport errors:\n" + "\n".join(transport.errors))
+    return None
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+class LayoutTest(unittest.TestCase):
+    def test_struct_sizes(self):
+        self.assertEqual(ctypes.sizeof(Tensor), 48)
+        self.assertEqual(Tensor.shape.offset, 24)
+        self.assertEqual(Tensor.byte_offset.offset, 40)
+        o = GroupOptions()
+        check(LIB.epcomm_group_options_init(ctypes.byref(o)))
+        self.assertEqual(o.struct_size, ctypes.sizeof(GroupOptions))
+
+
+class ShmGroupTest(unittest.TestCase):
+    def test_all_gatherv_and_reduce_scatterv(self):
+        name = unique_name("a")
+        try:
+            run_ranks(shm_rank, range(SHM_WORLD), (name,))
+        finally:
+            leftovers = shm_leftovers(name)
+        self.assertEqual(leftovers, [], "group left shared memory behind")
+
+    def test_missing_rank_times_out(self):
+        name = unique_name("t")
+        world = 3
+        control = "/dev/shm/epcomm." + name
+
+        def start_hook(rank):
+            # Rank 1 starts once rank 0 created the group, so both wait for rank 2 only.
+            if rank == 1:
+                end = time.monotonic() + 10
+                while not os.path.exists(control) and time.monotonic() < end:
+                    time.sleep(0.001)
+
+        try:
+            reports = run_ranks(missing_rank, [0, 1], (name, world), start_hook=start_hook)
+        finally:
+            leftovers = shm_leftovers(name)
+        want = "timed out after 1.0 s waiting for rank(s) 2 to join group '%s'" % name
+        for rank in (0, 1):
+            r = reports[rank]
+            self.assertEqual(r["status"], ERROR_TIMEOUT, (rank, r))
+            self.assertEqual(r["exception_name"], "TimeoutError", (rank, r))
+            self.assertEqual(r["message"], want, (rank, r))
+            self.assertFalse(r["handle_written"], (rank, r))
+            self.assertEqual(r["raised"], ("TimeoutError", want), (rank, r))
+            self.assertIs(getattr(builtins, r["raised"][0]), TimeoutError)
+        self.assertEqual(leftovers, [], "failed join left shared memory behind")
+
+
+class HostGroupTest(unittest.TestCase):
+    def test_pipe_callbacks(self):
+        name = unique_name("h")
+        a, b = MP.Pipe(duplex=True)
+        conns_by_rank = {0: {1: a}, 1: {0: b}}
+        try:
+            run_ranks(host_rank, range(HOST_WORLD), (name, conns_by_rank))
+        finally:
+            a.close()
+            b.close()
+        # A host group uses no shared memory of its own.
+        self.assertEqual(shm_leftovers(name), [])
+
+
+if __name__ == "__main__":
+    unittest.main()
