@@ -193,6 +193,88 @@ fn exercise(g: &mut dyn Group, seed: u64, iters: u64) {
             assert_eq!(*buf, msg(*p, me, *j), "send_recv from {p} #{j} to {me}");
         }
 
+        // exchange_rows: each peer gets rows of mine (repeats allowed), placed at a permuted
+        // set of rows on the receiver.
+        let row_bytes = 8 + it as usize * 40;
+        let my_rows = 1 + (mix(key(&[seed, it, me as u64, 10])) % 9) as usize;
+        let rows_of = |r: usize| 1 + (mix(key(&[seed, it, r as u64, 10])) % 9) as usize;
+        let n_to = |src: usize, dst: usize| {
+            (mix(key(&[seed, it, src as u64, dst as u64, 11])) % 6) as usize
+        };
+        let pick = |src: usize, dst: usize, i: usize| {
+            (mix(key(&[seed, it, src as u64, dst as u64, i as u64, 12])) % rows_of(src) as u64)
+                as u32
+        };
+        let src_rows: Vec<u8> = (0..my_rows)
+            .flat_map(|r| bytes(key(&[seed, it, me as u64, r as u64, 13]), row_bytes))
+            .collect();
+        let give: Vec<Vec<u32>> = (0..world)
+            .map(|p| (0..n_to(me, p)).map(|i| pick(me, p, i)).collect())
+            .collect();
+        let total_in: usize = (0..world).map(|p| n_to(p, me)).sum();
+        // Destination rows: a shuffled permutation, so rows from one peer are scattered in dst.
+        let mut perm: Vec<u32> = (0..total_in as u32).collect();
+        perm.sort_by_key(|&i| mix(key(&[seed, it, me as u64, i as u64, 16])));
+        let mut next = perm.into_iter();
+        let take: Vec<Vec<u32>> = (0..world)
+            .map(|p| (0..n_to(p, me)).map(|_| next.next().unwrap()).collect())
+            .collect();
+        let mut dst = vec![0u8; total_in * row_bytes];
+        g.exchange_rows(&src_rows, row_bytes, &give, &mut dst, &take)
+            .unwrap();
+        for (p, list) in take.iter().enumerate() {
+            for (i, &d) in list.iter().enumerate() {
+                let want = bytes(
+                    key(&[seed, it, p as u64, pick(p, me, i) as u64, 13]),
+                    row_bytes,
+                );
+                assert_eq!(
+                    &dst[d as usize * row_bytes..(d as usize + 1) * row_bytes],
+                    &want[..],
+                    "exchange_rows row from {p} #{i}"
+                );
+            }
+        }
+
+        // reduce_rows: weighted contributions summed in rank order, then list order.
+        for kind in [FloatKind::F32, FloatKind::Bf16, FloatKind::F16] {
+            let elems = 5 + it as usize;
+            let vals_of = |r: usize| {
+                floats(
+                    key(&[seed, it, r as u64, kind as u64, 14]),
+                    rows_of(r) * elems,
+                )
+            };
+            let src = num::from_f32(&vals_of(me), kind);
+            let acc_rows = 3;
+            let weight = |src: usize, i: usize| {
+                [1.0f32, 0.5, -0.25, 2.0]
+                    [(mix(key(&[seed, it, src as u64, i as u64, 15])) % 4) as usize]
+            };
+            let take: Vec<Vec<(u32, f32)>> = (0..world)
+                .map(|p| {
+                    (0..n_to(p, me))
+                        .map(|i| ((i % acc_rows) as u32, weight(p, i)))
+                        .collect()
+                })
+                .collect();
+            let mut acc = vec![0f32; acc_rows * elems];
+            g.reduce_rows(&src, kind, elems, &give, &mut acc, &take)
+                .unwrap();
+            let mut want = vec![0f32; acc_rows * elems];
+            for (p, list) in take.iter().enumerate() {
+                let theirs = num::to_f32(&num::from_f32(&vals_of(p), kind), kind);
+                for (i, &(r, w)) in list.iter().enumerate() {
+                    let s = pick(p, me, i) as usize;
+                    for e in 0..elems {
+                        let x = theirs[s * elems + e];
+                        want[r as usize * elems + e] += if w == 1.0 { x } else { w * x };
+                    }
+                }
+            }
+            assert_eq!(acc, want, "reduce_rows {kind:?} rank {me} iter {it}");
+        }
+
         // broadcast and small all_gather.
         let root = it as usize % world;
         let mut data = if me == root {

@@ -126,13 +126,7 @@ pub trait Group: Send {
         dst: &mut [u8],
         take: &[Vec<u32>],
     ) -> Result<()> {
-        rows::check_exchange(self.rank(), self.size(), src, row_bytes, give, dst, take)?;
-        let (send, send_sizes) = rows::pack(src, row_bytes, give);
-        let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
-        let mut recv = vec![0u8; recv_sizes.iter().sum()];
-        self.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)?;
-        rows::unpack(&recv, row_bytes, take, dst);
-        Ok(())
+        rows::exchange_packed(self, src, row_bytes, give, dst, take)
     }
 
     /// Weighted reduction of peers' rows: peer p wants rows `give[p]` of `src` (elements of

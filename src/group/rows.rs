@@ -1,8 +1,123 @@
 //! Row-exchange helpers shared by the transports: argument checks, packing, unpacking and
 //! weighted accumulation.
 
+use super::{Group, Op};
 use crate::error::{Error, Result};
 use crate::num::{self, FloatKind};
+
+/// exchange_rows by packing, all_to_allv and unpacking (any transport).
+pub(crate) fn exchange_packed<G: Group + ?Sized>(
+    g: &mut G,
+    src: &[u8],
+    row_bytes: usize,
+    give: &[Vec<u32>],
+    dst: &mut [u8],
+    take: &[Vec<u32>],
+) -> Result<()> {
+    check_exchange(g.rank(), g.size(), src, row_bytes, give, dst, take)?;
+    let (send, send_sizes) = pack(src, row_bytes, give);
+    let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
+    let mut recv = vec![0u8; recv_sizes.iter().sum()];
+    g.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)
+        .map_err(|e| rename_mismatch(e, "exchange_rows"))?;
+    unpack(&recv, row_bytes, take, dst);
+    Ok(())
+}
+
+/// reduce_rows by packing, all_to_allv and a weighted accumulation (any transport).
+pub(crate) fn reduce_packed<G: Group + ?Sized>(
+    g: &mut G,
+    src: &[u8],
+    kind: FloatKind,
+    row_elems: usize,
+    give: &[Vec<u32>],
+    acc: &mut [f32],
+    take: &[Vec<(u32, f32)>],
+) -> Result<()> {
+    let row_bytes = row_elems * kind.size();
+    check_reduce(
+        g.rank(),
+        g.size(),
+        src,
+        row_bytes,
+        row_elems,
+        give,
+        acc,
+        take,
+    )?;
+    let (send, send_sizes) = pack(src, row_bytes, give);
+    let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
+    let mut recv = vec![0u8; recv_sizes.iter().sum()];
+    g.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)
+        .map_err(|e| rename_mismatch(e, "reduce_rows"))?;
+    accumulate_packed(&recv, kind, row_elems, take, acc);
+    Ok(())
+}
+
+fn rename_mismatch(e: Error, op: &str) -> Error {
+    match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(m.replacen("all_to_allv", op, 1)),
+        other => other,
+    }
+}
+
+/// The metadata and index payload a rank publishes for a direct row exchange:
+/// meta = [row_bytes, src_len, (offset, count) per peer]; payload = the row indices (u32).
+pub(crate) fn index_table(
+    src_len: usize,
+    row_bytes: usize,
+    give: &[Vec<u32>],
+) -> (Vec<u64>, Vec<u8>) {
+    let mut meta = vec![row_bytes as u64, src_len as u64];
+    let mut bytes = Vec::new();
+    let mut off = 0u64;
+    for list in give {
+        meta.extend([off, list.len() as u64]);
+        off += list.len() as u64;
+        bytes.extend(list.iter().flat_map(|i| i.to_ne_bytes()));
+    }
+    (meta, bytes)
+}
+
+/// Reads the row indices peer `p` gives to rank `me` (published by [`index_table`]), checking
+/// that the peer agrees on the row size and the row count.
+pub(crate) fn read_index_list(
+    op: Op,
+    meta: &[u64],
+    p: usize,
+    me: usize,
+    row_bytes: usize,
+    expected: usize,
+    copy: impl Fn(usize, &mut [u8]) -> Result<()>,
+) -> Result<Vec<u32>> {
+    let name = op.name();
+    if meta.first().copied() != Some(row_bytes as u64) {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: rank {p} uses rows of {} bytes but rank {me} uses {row_bytes}",
+            meta.first().copied().unwrap_or(0)
+        )));
+    }
+    let src_len = meta[1] as usize;
+    let (off, count) = (meta[2 + 2 * me] as usize, meta[3 + 2 * me] as usize);
+    if count != expected {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: rank {p} gives {count} rows to rank {me} but rank {me} expects {expected}"
+        )));
+    }
+    let mut buf = vec![0u8; count * 4];
+    copy(src_len + off * 4, &mut buf)?;
+    let idx: Vec<u32> = buf
+        .chunks_exact(4)
+        .map(|c| u32::from_ne_bytes(c.try_into().unwrap()))
+        .collect();
+    let rows = src_len.checked_div(row_bytes).unwrap_or(0);
+    if let Some(bad) = idx.iter().find(|&&i| i as usize >= rows) {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: rank {p} gives row {bad} of a buffer with {rows} rows"
+        )));
+    }
+    Ok(idx)
+}
 
 fn check_lists<T>(what: &str, lists: &[Vec<T>], world: usize, op: &str) -> Result<()> {
     if lists.len() != world {

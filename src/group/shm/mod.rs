@@ -27,12 +27,15 @@ pub use self::segment::pin_current_thread;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use self::segment::{copy_from_process, pid_alive, Segment, SharedAtomics};
+use self::segment::{
+    copy_from_process, copy_scattered_from_process, pid_alive, Segment, SharedAtomics,
+};
 use super::{
     check_len, check_p2p, check_rank, check_reduce_scatterv, check_sizes, Group, GroupOptions, Op,
     P2p,
 };
 use crate::error::{Error, Result};
+use crate::group::rows;
 use crate::num::{self, FloatKind};
 
 const MAGIC: u64 = 0x6570_636f_6d6d_0002; // "epcomm" + layout version 2
@@ -1011,6 +1014,101 @@ impl Group for ShmGroup {
         })
     }
 
+    fn exchange_rows(
+        &mut self,
+        src: &[u8],
+        row_bytes: usize,
+        give: &[Vec<u32>],
+        dst: &mut [u8],
+        take: &[Vec<u32>],
+    ) -> Result<()> {
+        let op = Op::ExchangeRows;
+        self.check_usable(op)?;
+        if !self.direct {
+            return rows::exchange_packed(self, src, row_bytes, give, dst, take);
+        }
+        rows::check_exchange(self.rank, self.world, src, row_bytes, give, dst, take)?;
+        let me = self.rank;
+        let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        self.run(op, &meta, &[src, &index_bytes], |g| {
+            for (p, take_p) in take.iter().enumerate() {
+                let (their_meta, payload) = g.parts(p);
+                let src_idx = rows::read_index_list(
+                    op,
+                    &their_meta,
+                    p,
+                    me,
+                    row_bytes,
+                    take_p.len(),
+                    |o, b| payload.copy_to(o, b),
+                )?;
+                let ranges: Vec<(usize, usize, usize)> = src_idx
+                    .iter()
+                    .zip(take_p)
+                    .map(|(&s, &d)| (s as usize * row_bytes, d as usize * row_bytes, row_bytes))
+                    .collect();
+                payload.copy_scattered(dst, &ranges)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce_rows(
+        &mut self,
+        src: &[u8],
+        kind: FloatKind,
+        row_elems: usize,
+        give: &[Vec<u32>],
+        acc: &mut [f32],
+        take: &[Vec<(u32, f32)>],
+    ) -> Result<()> {
+        let op = Op::ReduceRows;
+        self.check_usable(op)?;
+        if !self.direct {
+            return rows::reduce_packed(self, src, kind, row_elems, give, acc, take);
+        }
+        let row_bytes = row_elems * kind.size();
+        rows::check_reduce(
+            self.rank, self.world, src, row_bytes, row_elems, give, acc, take,
+        )?;
+        let me = self.rank;
+        let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        self.run(op, &meta, &[src, &index_bytes], |g| {
+            const CHUNK_ROWS: usize = 16;
+            let mut scratch = vec![0u8; CHUNK_ROWS * row_bytes];
+            for (p, take_p) in take.iter().enumerate() {
+                let (their_meta, payload) = g.parts(p);
+                let src_idx = rows::read_index_list(
+                    op,
+                    &their_meta,
+                    p,
+                    me,
+                    row_bytes,
+                    take_p.len(),
+                    |o, b| payload.copy_to(o, b),
+                )?;
+                for (idx, tk) in src_idx.chunks(CHUNK_ROWS).zip(take_p.chunks(CHUNK_ROWS)) {
+                    let ranges: Vec<(usize, usize, usize)> = idx
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &s)| (s as usize * row_bytes, i * row_bytes, row_bytes))
+                        .collect();
+                    payload.copy_scattered(&mut scratch, &ranges)?;
+                    for (i, &(r, w)) in tk.iter().enumerate() {
+                        let r = r as usize;
+                        rows::add_row(
+                            &mut acc[r * row_elems..(r + 1) * row_elems],
+                            &scratch[i * row_bytes..(i + 1) * row_bytes],
+                            kind,
+                            w,
+                        );
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
         let op = Op::Broadcast;
         self.check_usable(op)?;
@@ -1104,6 +1202,46 @@ impl Payload<'_> {
                     piece_start += plen;
                 }
                 Ok(())
+            }
+        }
+    }
+}
+
+impl Payload<'_> {
+    /// Copies ranges (payload offset, offset in `dst`, length) of the payload into `dst`; each
+    /// range lies within one published buffer.
+    fn copy_scattered(&self, dst: &mut [u8], ranges: &[(usize, usize, usize)]) -> Result<()> {
+        match self {
+            Payload::Region(b) => {
+                for &(src, off, len) in ranges {
+                    dst[off..off + len].copy_from_slice(&b[src..src + len]);
+                }
+                Ok(())
+            }
+            Payload::Direct {
+                rank,
+                pid,
+                local,
+                pieces,
+                ..
+            } => {
+                let mut remote = Vec::with_capacity(ranges.len());
+                for &(src, off, len) in ranges {
+                    let mut start = 0usize;
+                    let addr = pieces.iter().find_map(|&(addr, plen)| {
+                        let hit = src >= start && src + len <= start + plen;
+                        let a = addr + (src - start.min(src)) as u64;
+                        start += plen;
+                        hit.then_some(a)
+                    });
+                    let addr = addr.expect("range within one published buffer");
+                    remote.push((addr, off, len));
+                }
+                copy_scattered_from_process(*pid, *local, dst, &remote).map_err(|e| {
+                    Error::PeerFailure(format!(
+                        "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
+                    ))
+                })
             }
         }
     }

@@ -275,3 +275,85 @@ pub fn copy_from_process(
     }
     Ok(())
 }
+
+/// Copies several ranges of process `pid` into `dst`: `ranges` holds (remote address, offset in
+/// `dst`, length). Adjacent ranges are merged and the rest batched (up to 1024 per
+/// `process_vm_readv`), so scattered rows cost few system calls and one copy each.
+pub fn copy_scattered_from_process(
+    pid: u32,
+    same_process: bool,
+    dst: &mut [u8],
+    ranges: &[(u64, usize, usize)],
+) -> io::Result<()> {
+    // Merge ranges that are contiguous on both sides.
+    let mut merged: Vec<(u64, usize, usize)> = Vec::with_capacity(ranges.len());
+    for &(addr, off, len) in ranges {
+        assert!(off + len <= dst.len(), "scattered copy out of bounds");
+        if len == 0 {
+            continue;
+        }
+        match merged.last_mut() {
+            Some(last) if last.0 + last.2 as u64 == addr && last.1 + last.2 == off => last.2 += len,
+            _ => merged.push((addr, off, len)),
+        }
+    }
+    if same_process {
+        for &(addr, off, len) in &merged {
+            copy_from_process(pid, true, addr, &mut dst[off..off + len])?;
+        }
+        return Ok(());
+    }
+    const BATCH: usize = 1024;
+    let base = dst.as_mut_ptr();
+    for chunk in merged.chunks(BATCH) {
+        let local: Vec<libc::iovec> = chunk
+            .iter()
+            // SAFETY: off + len <= dst.len() (asserted above).
+            .map(|&(_, off, len)| libc::iovec {
+                iov_base: unsafe { base.add(off) }.cast(),
+                iov_len: len,
+            })
+            .collect();
+        let remote: Vec<libc::iovec> = chunk
+            .iter()
+            .map(|&(addr, _, len)| libc::iovec {
+                iov_base: addr as usize as *mut libc::c_void,
+                iov_len: len,
+            })
+            .collect();
+        let want: usize = chunk.iter().map(|c| c.2).sum();
+        // SAFETY: the local iovecs cover disjoint writable parts of `dst`; the kernel checks
+        // the remote ones.
+        let n = unsafe {
+            libc::process_vm_readv(
+                pid as libc::pid_t,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n as usize != want {
+            // A partial transfer: finish range by range.
+            let mut done = n as usize;
+            for &(addr, off, len) in chunk {
+                if done >= len {
+                    done -= len;
+                    continue;
+                }
+                copy_from_process(
+                    pid,
+                    false,
+                    addr + done as u64,
+                    &mut dst[off + done..off + len],
+                )?;
+                done = 0;
+            }
+        }
+    }
+    Ok(())
+}
