@@ -9,6 +9,7 @@ pub mod error;
 pub mod ffi;
 pub mod group;
 pub mod log;
+pub mod moe;
 pub mod num;
 pub mod probe;
 pub mod select;

@@ -1,0 +1,646 @@
+//! MoE dispatch and combine in the layout each vLLM all2all backend name stands for (SPEC §4).
+//!
+//! One dispatch: every rank validates its routing, the ranks exchange a small header (status,
+//! shapes, configuration) so a bad input or a mismatched configuration fails on every rank
+//! instead of hanging, then gather every rank's top-k ids and weights (a few bytes per token).
+//! From that, each rank computes the same [`plan`], and the hidden rows (and extra payloads)
+//! move once, straight into their final rows ([`Group::exchange_rows`]). Combine is one
+//! [`Group::reduce_rows`]: each source pulls the expert outputs of its tokens from the holders
+//! and sums them in f32, in rank order (deterministic), writing f32, bf16 or f16.
+
+pub mod plan;
+pub mod reference;
+
+use std::time::{Duration, Instant};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::log;
+use crate::num::{self, FloatKind};
+use crate::select::all2all::{self, Backend, Layout};
+use plan::{Geometry, Plan, Routing};
+
+/// What a manager is built for (fixed for its lifetime).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Physical experts E (logical plus redundant); rank r owns [r*E/R, (r+1)*E/R).
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// Elements per hidden row.
+    pub hidden: usize,
+    /// Element type of the hidden rows (any; rows move as bytes).
+    pub hidden_dtype: DType,
+    /// Element type of the expert outputs given to combine.
+    pub expert_dtype: FloatKind,
+    /// Element type combine writes.
+    pub out_dtype: FloatKind,
+    /// Tokens per rank the fixed-capacity layouts hold (M); 0 = no bound (exact-size layouts).
+    pub max_tokens_per_rank: usize,
+    /// Bytes per token of each extra payload (e.g. quantisation scales) that travels with rows.
+    pub extra_row_bytes: Vec<usize>,
+    /// Multiply the hidden rows by their (top-1) weight before dispatch (vLLM's option).
+    pub apply_router_weight_on_input: bool,
+}
+
+impl MoeConfig {
+    fn row_bytes(&self) -> usize {
+        self.hidden * (self.hidden_dtype.bits as usize / 8)
+    }
+}
+
+/// Per-call statistics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    /// Hidden rows sent to / received from each rank by the last dispatch.
+    pub tokens_sent: Vec<u64>,
+    pub tokens_received: Vec<u64>,
+    /// Bytes (hidden rows and extra payloads) sent to / received from each rank.
+    pub bytes_sent: Vec<u64>,
+    pub bytes_received: Vec<u64>,
+    /// Expert-output bytes pulled from each rank by the last combine.
+    pub combine_bytes_received: Vec<u64>,
+    pub dispatch_time: Duration,
+    pub combine_time: Duration,
+}
+
+/// The receive side of the last dispatch (owned by the manager, valid until the next call).
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchView<'a> {
+    pub layout: Layout,
+    /// Hidden rows: `[rows, hidden]` (EXPERT_MAJOR: `[E_local, M*R, hidden]`, RANK_MAJOR:
+    /// `[R, M, hidden]`), element type `hidden_dtype`.
+    pub hidden: &'a [u8],
+    /// The shape of `hidden` (and, with the last dimension replaced, of the extras).
+    pub shape: &'a [usize],
+    /// Rows actually received (≤ rows of the buffer for fixed-capacity layouts).
+    pub received_rows: usize,
+    /// Ids per row: `[rows, K]` (TOKEN_MAJOR, RANK_MAJOR, REPLICATED); empty otherwise.
+    pub topk_ids: &'a [i64],
+    /// Weights: `[rows, K]` (TOKEN_MAJOR, RANK_MAJOR, REPLICATED) or `[rows]` (EXPERT_PACKED).
+    pub topk_weights: &'a [f32],
+    /// TOKEN_MAJOR tokens_per_local_expert, EXPERT_MAJOR counts, RANK_MAJOR recv_counts.
+    pub counts: &'a [i32],
+    /// EXPERT_PACKED expert_offsets `[E_local + 1]`.
+    pub expert_offsets: &'a [i64],
+    /// EXPERT_PACKED source rank and token of each row.
+    pub src_rank: &'a [i32],
+    pub src_token: &'a [i32],
+    /// Extra payload rows, same row layout as `hidden`.
+    pub extras: &'a [Vec<u8>],
+}
+
+/// An all2all manager for one backend name and configuration.
+#[derive(Debug)]
+pub struct Manager {
+    backend: Backend,
+    layout: Layout,
+    cfg: MoeConfig,
+    rank: usize,
+    world: usize,
+    geo: Geometry,
+    plan: Option<Plan>,
+    tokens: usize,
+    shape: Vec<usize>,
+    hidden: Vec<u8>,
+    extras: Vec<Vec<u8>>,
+    stats: Stats,
+}
+
+const HEADER_WORDS: usize = 12;
+
+impl Manager {
+    /// Creates a manager for `backend` (any name vLLM accepts) on a group of `world` ranks, of
+    /// which this is `rank`. Logs `Using {ManagerClass} all2all manager.` once.
+    pub fn new(backend: &str, cfg: MoeConfig, rank: usize, world: usize) -> Result<Manager> {
+        let backend = all2all::resolve(backend)?;
+        let layout = backend.layout();
+        if backend == Backend::Moonep {
+            return Err(Error::MoonEpUnavailable);
+        }
+        if cfg.apply_router_weight_on_input && cfg.top_k != 1 {
+            return Err(Error::Assertion(
+                "apply_router_weight_on_input is only implemented for topk=1".into(),
+            ));
+        }
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if world == 0 || rank >= world {
+            return bad(format!("rank {rank} is not in a group of {world} ranks"));
+        }
+        if cfg.num_experts == 0 || cfg.num_experts % world != 0 {
+            return bad(format!(
+                "num_experts is {}: expected a positive multiple of the EP size ({world}) so every rank owns E/R experts (add redundant experts to make it divisible)",
+                cfg.num_experts
+            ));
+        }
+        if cfg.top_k == 0 || cfg.top_k > cfg.num_experts {
+            return bad(format!(
+                "top_k is {}: expected 1..={} (num_experts)",
+                cfg.top_k, cfg.num_experts
+            ));
+        }
+        if cfg.hidden == 0 {
+            return bad("hidden_size is 0: expected at least 1".into());
+        }
+        let hd = cfg.hidden_dtype;
+        if hd.lanes != 1 || hd.bits == 0 || hd.bits % 8 != 0 {
+            return bad(format!(
+                "hidden dtype {} is not a scalar type of whole bytes",
+                hd.torch_name()
+            ));
+        }
+        if cfg.apply_router_weight_on_input && FloatKind::from_dtype(hd).is_none() {
+            return bad(format!(
+                "apply_router_weight_on_input needs float32, bfloat16 or float16 hidden rows, got {}",
+                hd.torch_name()
+            ));
+        }
+        if matches!(layout, Layout::ExpertMajor | Layout::RankMajor) && cfg.max_tokens_per_rank == 0
+        {
+            return bad(format!(
+                "max_tokens_per_rank is 0: the {} backend ({} layout) needs the fixed capacity M of tokens per rank",
+                backend.name(),
+                layout.name()
+            ));
+        }
+        let geo = Geometry {
+            world,
+            num_experts: cfg.num_experts,
+            experts_per_rank: cfg.num_experts / world,
+            top_k: cfg.top_k,
+            max_tokens: cfg.max_tokens_per_rank,
+        };
+        log::log_once(log::Level::Info, &all2all::using_manager_info(backend));
+        Ok(Manager {
+            backend,
+            layout,
+            cfg,
+            rank,
+            world,
+            geo,
+            plan: None,
+            tokens: 0,
+            shape: Vec::new(),
+            hidden: Vec::new(),
+            extras: Vec::new(),
+            stats: Stats::default(),
+        })
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Declares a MoE layer's shape. The one-sided FlashInfer backend is built for one top_k and
+    /// num_experts (vLLM's assertion); the others are too, with epcomm's own message.
+    pub fn check_layer(&self, top_k: usize, num_experts: usize) -> Result<()> {
+        for (field, got, built) in [
+            ("top_k", top_k, self.cfg.top_k),
+            ("num_experts", num_experts, self.cfg.num_experts),
+        ] {
+            if got != built {
+                if self.backend == Backend::FlashinferNvlinkOneSided {
+                    return Err(Error::OneSidedHeterogeneous {
+                        field,
+                        got: got as i64,
+                        built: built as i64,
+                    });
+                }
+                return Err(Error::InvalidArgument(format!(
+                    "this {} manager was created for {field}={built}, got {field}={got}; create one manager per MoE layer shape",
+                    self.backend.name()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of the dispatch receive buffers (hidden rows and extras) for `tokens` tokens per
+    /// rank in the worst case, before anything is allocated.
+    pub fn buffer_bytes(&self, tokens: usize) -> usize {
+        buffer_bytes(self.layout, &self.cfg, self.world, tokens)
+    }
+
+    fn check_group(&self, g: &dyn Group) -> Result<()> {
+        if g.size() != self.world || g.rank() != self.rank {
+            return Err(Error::InvalidArgument(format!(
+                "the group has rank {} of {} but this manager was created for rank {} of {}",
+                g.rank(),
+                g.size(),
+                self.rank,
+                self.world
+            )));
+        }
+        Ok(())
+    }
+
+    fn header(&self, ok: bool, t: usize) -> [u64; HEADER_WORDS] {
+        let c = &self.cfg;
+        [
+            u64::from(ok),
+            t as u64,
+            c.top_k as u64,
+            c.num_experts as u64,
+            c.row_bytes() as u64,
+            c.max_tokens_per_rank as u64,
+            self.layout as u64,
+            c.extra_row_bytes.len() as u64,
+            c.extra_row_bytes.iter().map(|&b| b as u64).sum(),
+            c.expert_dtype as u64,
+            u64::from(c.apply_router_weight_on_input),
+            self.backend as u64,
+        ]
+    }
+
+    /// Exchanges headers; any rank's failure or a configuration mismatch fails every rank.
+    fn agree(
+        &self,
+        g: &mut dyn Group,
+        what: &str,
+        mine: [u64; HEADER_WORDS],
+    ) -> Result<Vec<[u64; HEADER_WORDS]>> {
+        let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let mut all = vec![0u8; bytes.len() * self.world];
+        g.all_gather(&bytes, &mut all)?;
+        let headers: Vec<[u64; HEADER_WORDS]> = all
+            .chunks_exact(HEADER_WORDS * 8)
+            .map(|c| {
+                let mut h = [0u64; HEADER_WORDS];
+                for (i, w) in c.chunks_exact(8).enumerate() {
+                    h[i] = u64::from_ne_bytes(w.try_into().unwrap());
+                }
+                h
+            })
+            .collect();
+        if let Some(r) = headers.iter().position(|h| h[0] == 0) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: rank {r} rejected its input (see that rank's error); no data was exchanged"
+            )));
+        }
+        const NAMES: [&str; HEADER_WORDS] = [
+            "",
+            "",
+            "top_k",
+            "num_experts",
+            "hidden row bytes",
+            "max_tokens_per_rank",
+            "layout",
+            "number of extra payloads",
+            "extra payload bytes",
+            "expert dtype",
+            "apply_router_weight_on_input",
+            "backend",
+        ];
+        for (r, h) in headers.iter().enumerate() {
+            for i in 2..HEADER_WORDS {
+                if h[i] != mine[i] {
+                    return Err(Error::InvalidArgument(format!(
+                        "{what}: rank {r} has {} = {} but rank {} has {}; every rank must create the manager with the same backend and configuration",
+                        NAMES[i], h[i], self.rank, mine[i]
+                    )));
+                }
+            }
+        }
+        Ok(headers)
+    }
+
+    /// Tells the peers this rank's dispatch input was rejected, so they fail instead of
+    /// waiting, and returns `err`.
+    pub fn reject_dispatch(&mut self, g: &mut dyn Group, err: Error) -> Error {
+        if self.check_group(g).is_ok() {
+            let _ = self.agree(g, "dispatch", self.header(false, 0));
+        }
+        self.plan = None;
+        err
+    }
+
+    /// Tells the peers this rank's combine input was rejected, and returns `err`.
+    pub fn reject_combine(&mut self, g: &mut dyn Group, err: Error) -> Error {
+        if self.check_group(g).is_ok() {
+            let _ = self.agree(g, "combine", self.header(false, self.tokens));
+        }
+        err
+    }
+
+    /// Dispatches this rank's tokens: `hidden` is `[T, hidden]`, `topk_ids` and `topk_weights`
+    /// are `[T, K]`, `extras[i]` is `[T, extra_row_bytes[i]]` bytes. Collective.
+    pub fn dispatch(
+        &mut self,
+        g: &mut dyn Group,
+        hidden: &[u8],
+        topk_ids: &[i64],
+        topk_weights: &[f32],
+        extras: &[&[u8]],
+    ) -> Result<DispatchView<'_>> {
+        let start = Instant::now();
+        self.check_group(g)?;
+        self.plan = None;
+        let t = match self.validate_dispatch(hidden, topk_ids, topk_weights, extras) {
+            Ok(t) => t,
+            Err(e) => return Err(self.reject_dispatch(g, e)),
+        };
+        let headers = self.agree(g, "dispatch", self.header(true, t))?;
+        let counts: Vec<usize> = headers.iter().map(|h| h[1] as usize).collect();
+        let m = self.cfg.max_tokens_per_rank;
+        if matches!(self.layout, Layout::ExpertMajor | Layout::RankMajor) {
+            if let Some(r) = counts.iter().position(|&c| c > m) {
+                return Err(Error::InvalidArgument(format!(
+                    "dispatch: rank {r} has {} tokens, more than max_tokens_per_rank = {m} of the {} backend ({} buffers hold M tokens per source rank)",
+                    counts[r],
+                    self.backend.name(),
+                    self.layout.name()
+                )));
+            }
+        }
+
+        // Gather every rank's routing: ids (as i64) and weights, K of each per token.
+        let k = self.cfg.top_k;
+        let mut mine = Vec::with_capacity(t * k * 12);
+        mine.extend(topk_ids.iter().flat_map(|i| i.to_ne_bytes()));
+        mine.extend(topk_weights.iter().flat_map(|w| w.to_ne_bytes()));
+        let sizes: Vec<usize> = counts.iter().map(|&c| c * k * 12).collect();
+        let mut gathered = vec![0u8; sizes.iter().sum()];
+        g.all_gatherv(&mine, &sizes, &mut gathered)?;
+        let mut all = Vec::with_capacity(self.world);
+        let mut off = 0;
+        for &c in &counts {
+            let ids: Vec<i64> = gathered[off..off + c * k * 8]
+                .chunks_exact(8)
+                .map(|b| i64::from_ne_bytes(b.try_into().unwrap()))
+                .collect();
+            off += c * k * 8;
+            let weights: Vec<f32> = gathered[off..off + c * k * 4]
+                .chunks_exact(4)
+                .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
+                .collect();
+            off += c * k * 4;
+            all.push(Routing {
+                t: c,
+                k,
+                ids,
+                weights,
+            });
+        }
+        let plan = plan::build(
+            self.layout,
+            &self.geo,
+            self.rank,
+            &all,
+            self.cfg.apply_router_weight_on_input,
+        );
+
+        // Move the rows: hidden (weighted first if asked), then every extra payload.
+        let row_bytes = self.cfg.row_bytes();
+        let scaled;
+        let src: &[u8] = if self.cfg.apply_router_weight_on_input {
+            let kind = FloatKind::from_dtype(self.cfg.hidden_dtype).expect("checked at creation");
+            let mut vals = num::to_f32(hidden, kind);
+            for (row, w) in vals.chunks_mut(self.cfg.hidden).zip(topk_weights) {
+                row.iter_mut().for_each(|x| *x *= w);
+            }
+            scaled = num::from_f32(&vals, kind);
+            &scaled
+        } else {
+            hidden
+        };
+        self.hidden.resize(plan.buffer_rows * row_bytes, 0);
+        g.exchange_rows(src, row_bytes, &plan.give, &mut self.hidden, &plan.take)?;
+        self.extras.resize(extras.len(), Vec::new());
+        for ((buf, data), &rb) in self
+            .extras
+            .iter_mut()
+            .zip(extras)
+            .zip(&self.cfg.extra_row_bytes)
+        {
+            buf.resize(plan.buffer_rows * rb, 0);
+            g.exchange_rows(data, rb, &plan.give, buf, &plan.take)?;
+        }
+
+        let per_row = (row_bytes + self.cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
+        self.stats.tokens_sent = plan.give.iter().map(|v| v.len() as u64).collect();
+        self.stats.tokens_received = plan.take.iter().map(|v| v.len() as u64).collect();
+        self.stats.bytes_sent = self.stats.tokens_sent.iter().map(|n| n * per_row).collect();
+        self.stats.bytes_received = self
+            .stats
+            .tokens_received
+            .iter()
+            .map(|n| n * per_row)
+            .collect();
+        self.shape = match self.layout {
+            Layout::ExpertMajor => vec![self.geo.experts_per_rank, m * self.world, self.cfg.hidden],
+            Layout::RankMajor => vec![self.world, m, self.cfg.hidden],
+            _ => vec![plan.buffer_rows, self.cfg.hidden],
+        };
+        self.tokens = t;
+        self.plan = Some(plan);
+        self.stats.dispatch_time = start.elapsed();
+        Ok(self.view())
+    }
+
+    fn validate_dispatch(
+        &self,
+        hidden: &[u8],
+        topk_ids: &[i64],
+        topk_weights: &[f32],
+        extras: &[&[u8]],
+    ) -> Result<usize> {
+        let (k, rb) = (self.cfg.top_k, self.cfg.row_bytes());
+        if hidden.len() % rb != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "hidden has {} bytes; expected a multiple of the row size {rb} (hidden_size {} x {} bytes)",
+                hidden.len(),
+                self.cfg.hidden,
+                self.cfg.hidden_dtype.bits / 8
+            )));
+        }
+        let t = hidden.len() / rb;
+        if topk_ids.len() != t * k {
+            return Err(Error::InvalidArgument(format!(
+                "topk_ids has {} entries; expected T x top_k = {t} x {k}",
+                topk_ids.len()
+            )));
+        }
+        if topk_weights.len() != t * k {
+            return Err(Error::InvalidArgument(format!(
+                "topk_weights has {} entries; expected T x top_k = {t} x {k}",
+                topk_weights.len()
+            )));
+        }
+        if extras.len() != self.cfg.extra_row_bytes.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} extra payloads given; the manager was created for {}",
+                extras.len(),
+                self.cfg.extra_row_bytes.len()
+            )));
+        }
+        for (i, (x, &b)) in extras.iter().zip(&self.cfg.extra_row_bytes).enumerate() {
+            if x.len() != t * b {
+                return Err(Error::InvalidArgument(format!(
+                    "extras[{i}] has {} bytes; expected T x {b} = {}",
+                    x.len(),
+                    t * b
+                )));
+            }
+        }
+        plan::validate_ids(topk_ids, k, self.cfg.num_experts)?;
+        let m = self.cfg.max_tokens_per_rank;
+        if matches!(self.layout, Layout::ExpertMajor | Layout::RankMajor) && t > m {
+            return Err(Error::InvalidArgument(format!(
+                "dispatch: rank {} has {t} tokens, more than max_tokens_per_rank = {m} of the {} backend ({} buffers hold M tokens per source rank)",
+                self.rank,
+                self.backend.name(),
+                self.layout.name()
+            )));
+        }
+        Ok(t)
+    }
+
+    /// The receive side of the last dispatch.
+    pub fn view(&self) -> DispatchView<'_> {
+        static EMPTY: Plan = Plan {
+            buffer_rows: 0,
+            received_rows: 0,
+            give: Vec::new(),
+            take: Vec::new(),
+            combine_take: Vec::new(),
+            row_ids: Vec::new(),
+            row_weights: Vec::new(),
+            counts: Vec::new(),
+            offsets: Vec::new(),
+            src_rank: Vec::new(),
+            src_token: Vec::new(),
+        };
+        let p = self.plan.as_ref().unwrap_or(&EMPTY);
+        let with_ids = matches!(
+            self.layout,
+            Layout::TokenMajor | Layout::RankMajor | Layout::Replicated
+        );
+        DispatchView {
+            layout: self.layout,
+            hidden: &self.hidden,
+            shape: &self.shape,
+            received_rows: p.received_rows,
+            topk_ids: if with_ids { &p.row_ids } else { &[] },
+            topk_weights: &p.row_weights,
+            counts: &p.counts,
+            expert_offsets: &p.offsets,
+            src_rank: &p.src_rank,
+            src_token: &p.src_token,
+            extras: &self.extras,
+        }
+    }
+
+    /// Rows (of `hidden` elements) combine expects: the dispatch buffer's rows.
+    pub fn combine_rows(&self) -> Option<usize> {
+        self.plan.as_ref().map(|p| p.buffer_rows)
+    }
+
+    /// Tokens of this rank in the last dispatch (rows of combine's output).
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Brings the expert outputs home and reduces them. `expert_output` has the dispatch
+    /// buffer's rows (see [`Manager::combine_rows`]) of `hidden` elements of `expert_dtype`;
+    /// `out` gets `[T, hidden]` of `out_dtype`. Collective.
+    pub fn combine(
+        &mut self,
+        g: &mut dyn Group,
+        expert_output: &[u8],
+        out: &mut [u8],
+    ) -> Result<()> {
+        let start = Instant::now();
+        self.check_group(g)?;
+        let checked = self.validate_combine(expert_output, out);
+        if let Err(e) = checked {
+            return Err(self.reject_combine(g, e));
+        }
+        self.agree(g, "combine", self.header(true, self.tokens))?;
+        let plan = self.plan.as_ref().expect("validated");
+        let h = self.cfg.hidden;
+        let mut acc = vec![0f32; self.tokens * h];
+        g.reduce_rows(
+            expert_output,
+            self.cfg.expert_dtype,
+            h,
+            &plan.take,
+            &mut acc,
+            &plan.combine_take,
+        )?;
+        num::store(&acc, out, self.cfg.out_dtype);
+        let rb = (h * self.cfg.expert_dtype.size()) as u64;
+        self.stats.combine_bytes_received = plan
+            .combine_take
+            .iter()
+            .map(|v| v.len() as u64 * rb)
+            .collect();
+        self.stats.combine_time = start.elapsed();
+        Ok(())
+    }
+
+    fn validate_combine(&self, expert_output: &[u8], out: &[u8]) -> Result<()> {
+        let Some(plan) = self.plan.as_ref() else {
+            return Err(Error::InvalidState(
+                "combine called without a successful dispatch: call dispatch first".into(),
+            ));
+        };
+        let h = self.cfg.hidden;
+        let want_in = plan.buffer_rows * h * self.cfg.expert_dtype.size();
+        if expert_output.len() != want_in {
+            return Err(Error::InvalidArgument(format!(
+                "expert_output has {} bytes; expected {} rows x {h} {} elements = {want_in} bytes (the shape of the dispatch output)",
+                expert_output.len(),
+                plan.buffer_rows,
+                self.cfg.expert_dtype.name()
+            )));
+        }
+        let want_out = self.tokens * h * self.cfg.out_dtype.size();
+        if out.len() != want_out {
+            return Err(Error::InvalidArgument(format!(
+                "output has {} bytes; expected T x hidden = {} x {h} {} elements = {want_out} bytes",
+                out.len(),
+                self.tokens,
+                self.cfg.out_dtype.name()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Worst-case bytes of the dispatch receive buffers for `tokens` tokens per rank (hidden rows,
+/// extras and per-row metadata), plus combine's f32 accumulator, before anything is allocated.
+pub fn buffer_bytes(layout: Layout, cfg: &MoeConfig, world: usize, tokens: usize) -> usize {
+    let el = cfg.num_experts / world.max(1);
+    let m = if cfg.max_tokens_per_rank > 0 {
+        cfg.max_tokens_per_rank
+    } else {
+        tokens
+    };
+    let k = cfg.top_k;
+    let rows = match layout {
+        Layout::Replicated | Layout::TokenMajor => world * tokens,
+        Layout::ExpertMajor => el * m * world,
+        Layout::ExpertPacked => world * tokens * k.min(el),
+        Layout::RankMajor => world * m,
+        Layout::MoonepSlots => 0,
+    };
+    let meta_per_row = match layout {
+        Layout::ExpertMajor => 0,
+        Layout::ExpertPacked => 12,
+        _ => k * 12,
+    };
+    let row = cfg.row_bytes() + cfg.extra_row_bytes.iter().sum::<usize>() + meta_per_row;
+    rows * row + tokens * cfg.hidden * 4
+}

@@ -1,0 +1,405 @@
+//! The routing plan of one dispatch: from every rank's top-k ids, where each token row goes and
+//! in which order (SPEC §4). Every rank computes the same plan from the same gathered routing,
+//! so senders and receivers agree without exchanging per-row metadata.
+//!
+//! Order everywhere: source rank, then source token index, then (for per-expert layouts) the
+//! local expert; rows of one (source, destination) pair keep the source's token order.
+
+use crate::error::{Error, Result};
+use crate::select::all2all::Layout;
+
+/// One rank's routing: `t` tokens, `k` ids and weights per token (row-major).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    pub t: usize,
+    pub k: usize,
+    pub ids: Vec<i64>,
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    pub fn ids_of(&self, t: usize) -> &[i64] {
+        &self.ids[t * self.k..(t + 1) * self.k]
+    }
+
+    pub fn weights_of(&self, t: usize) -> &[f32] {
+        &self.weights[t * self.k..(t + 1) * self.k]
+    }
+}
+
+/// Checks ids: each in [-1, E); no expert twice in one token. Names the token.
+pub fn validate_ids(ids: &[i64], k: usize, num_experts: usize) -> Result<()> {
+    for (t, row) in ids.chunks(k).enumerate() {
+        for (j, &e) in row.iter().enumerate() {
+            if e < -1 || e >= num_experts as i64 {
+                return Err(Error::InvalidArgument(format!(
+                    "topk_ids[{t}][{j}] = {e} is out of range: expected -1 (masked) or an expert id in [0, {num_experts})"
+                )));
+            }
+            if e >= 0 && row[..j].contains(&e) {
+                return Err(Error::InvalidArgument(format!(
+                    "topk_ids[{t}] = {row:?} routes token {t} to expert {e} twice: the top-k experts of a token must be distinct"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Geometry shared by every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub world: usize,
+    pub num_experts: usize,
+    pub experts_per_rank: usize,
+    pub top_k: usize,
+    /// Capacity per source rank (EXPERT_MAJOR, RANK_MAJOR).
+    pub max_tokens: usize,
+}
+
+impl Geometry {
+    pub fn owner(&self, e: i64) -> usize {
+        e as usize / self.experts_per_rank
+    }
+
+    /// Rows of the dispatch buffer on a rank, for `n_rows` actual rows (exact-size layouts).
+    pub fn buffer_rows(&self, layout: Layout, n_rows: usize) -> usize {
+        match layout {
+            Layout::ExpertMajor => self.experts_per_rank * self.max_tokens * self.world,
+            Layout::RankMajor => self.world * self.max_tokens,
+            _ => n_rows,
+        }
+    }
+}
+
+/// What this rank does in one dispatch/combine.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Plan {
+    /// Rows of the receive buffer (including fixed-capacity padding).
+    pub buffer_rows: usize,
+    /// Rows actually received.
+    pub received_rows: usize,
+    /// Sender side: for each destination, this rank's token indices in the receiver's order.
+    pub give: Vec<Vec<u32>>,
+    /// Receiver side: for each source, the buffer rows its tokens land in (source's order).
+    pub take: Vec<Vec<u32>>,
+    /// Combine, source side: for each holder rank, (token, weight) per row it returns.
+    pub combine_take: Vec<Vec<(u32, f32)>>,
+    /// Receiver metadata per buffer row: ids (k per row; TOKEN_MAJOR, RANK_MAJOR, REPLICATED).
+    pub row_ids: Vec<i64>,
+    /// Weights per buffer row: k per row, or one per row (EXPERT_PACKED).
+    pub row_weights: Vec<f32>,
+    /// TOKEN_MAJOR tokens_per_local_expert, EXPERT_MAJOR counts, RANK_MAJOR recv_counts.
+    pub counts: Vec<i32>,
+    /// EXPERT_PACKED expert_offsets (E_local + 1).
+    pub offsets: Vec<i64>,
+    /// EXPERT_PACKED source (rank, token) per row.
+    pub src_rank: Vec<i32>,
+    pub src_token: Vec<i32>,
+}
+
+/// Builds the plan of rank `me` from every rank's routing. With `weights_on_input`, weights
+/// were applied before dispatch: combine and the received weights use 1.0.
+pub fn build(
+    layout: Layout,
+    geo: &Geometry,
+    me: usize,
+    all: &[Routing],
+    weights_on_input: bool,
+) -> Plan {
+    let (world, el, k) = (geo.world, geo.experts_per_rank, geo.top_k);
+    let first_local = (me * el) as i64;
+    let local = |e: i64| e >= first_local && e < first_local + el as i64;
+    let goes_to =
+        |r: &Routing, t: usize, d: usize| r.ids_of(t).iter().any(|&e| e >= 0 && geo.owner(e) == d);
+    let w_eff = |w: f32| if weights_on_input { 1.0 } else { w };
+    let mut p = Plan {
+        give: vec![Vec::new(); world],
+        take: vec![Vec::new(); world],
+        combine_take: vec![Vec::new(); world],
+        ..Plan::default()
+    };
+    let mine = &all[me];
+
+    // Sender side and combine weights: this rank's tokens, in each receiver's order.
+    for d in 0..world {
+        match layout {
+            Layout::Replicated => {
+                for t in 0..mine.t {
+                    p.give[d].push(t as u32);
+                    // The holder returns partial sums of its experts (weights applied there).
+                    p.combine_take[d].push((t as u32, 1.0));
+                }
+            }
+            Layout::TokenMajor | Layout::RankMajor => {
+                for t in 0..mine.t {
+                    if goes_to(mine, t, d) {
+                        p.give[d].push(t as u32);
+                        p.combine_take[d].push((t as u32, 1.0));
+                    }
+                }
+            }
+            Layout::ExpertMajor | Layout::ExpertPacked => {
+                for j in 0..el {
+                    let e = (d * el + j) as i64;
+                    for t in 0..mine.t {
+                        if let Some(kk) = mine.ids_of(t).iter().position(|&x| x == e) {
+                            p.give[d].push(t as u32);
+                            p.combine_take[d].push((t as u32, w_eff(mine.weights_of(t)[kk])));
+                        }
+                    }
+                }
+            }
+            Layout::MoonepSlots => {}
+        }
+    }
+
+    // Receiver side: rows from every source, in this rank's buffer order.
+    match layout {
+        Layout::Replicated => {
+            let mut row = 0u32;
+            for (s, r) in all.iter().enumerate() {
+                for t in 0..r.t {
+                    p.take[s].push(row);
+                    row += 1;
+                    p.row_ids.extend_from_slice(r.ids_of(t));
+                    p.row_weights
+                        .extend(r.weights_of(t).iter().map(|&w| w_eff(w)));
+                }
+            }
+            p.received_rows = row as usize;
+            p.buffer_rows = row as usize;
+        }
+        Layout::TokenMajor => {
+            p.counts = vec![0; el];
+            let mut row = 0u32;
+            for (s, r) in all.iter().enumerate() {
+                for t in 0..r.t {
+                    if !goes_to(r, t, me) {
+                        continue;
+                    }
+                    p.take[s].push(row);
+                    row += 1;
+                    for (&e, &w) in r.ids_of(t).iter().zip(r.weights_of(t)) {
+                        if e >= 0 && local(e) {
+                            p.row_ids.push(e);
+                            p.row_weights.push(w_eff(w));
+                            p.counts[(e - first_local) as usize] += 1;
+                        } else {
+                            p.row_ids.push(-1);
+                            p.row_weights.push(0.0);
+                        }
+                    }
+                }
+            }
+            p.received_rows = row as usize;
+            p.buffer_rows = row as usize;
+        }
+        Layout::ExpertMajor | Layout::ExpertPacked => {
+            let cap = geo.max_tokens * world;
+            p.counts = vec![0; el];
+            p.offsets = vec![0; el + 1];
+            let mut packed_row = 0u32;
+            for j in 0..el {
+                let e = first_local + j as i64;
+                let mut c = 0u32;
+                for (s, r) in all.iter().enumerate() {
+                    for t in 0..r.t {
+                        if let Some(kk) = r.ids_of(t).iter().position(|&x| x == e) {
+                            let row = if layout == Layout::ExpertMajor {
+                                (j * cap) as u32 + c
+                            } else {
+                                p.row_weights.push(w_eff(r.weights_of(t)[kk]));
+                                p.src_rank.push(s as i32);
+                                p.src_token.push(t as i32);
+                                packed_row + c
+                            };
+                            p.take[s].push(row);
+                            c += 1;
+                        }
+                    }
+                }
+                p.counts[j] = c as i32;
+                packed_row += c;
+                p.offsets[j + 1] = packed_row as i64;
+            }
+            p.received_rows = packed_row as usize;
+            p.buffer_rows = geo.buffer_rows(layout, packed_row as usize);
+            if layout == Layout::ExpertMajor {
+                p.offsets.clear();
+            } else {
+                p.counts.clear();
+            }
+        }
+        Layout::RankMajor => {
+            let m = geo.max_tokens;
+            p.counts = vec![0; world];
+            p.row_ids = vec![-1; world * m * k];
+            p.row_weights = vec![0.0; world * m * k];
+            for (s, r) in all.iter().enumerate() {
+                let mut c = 0usize;
+                for t in 0..r.t {
+                    if !goes_to(r, t, me) {
+                        continue;
+                    }
+                    let row = s * m + c;
+                    p.take[s].push(row as u32);
+                    p.row_ids[row * k..(row + 1) * k].copy_from_slice(r.ids_of(t));
+                    for (dst, &w) in p.row_weights[row * k..(row + 1) * k]
+                        .iter_mut()
+                        .zip(r.weights_of(t))
+                    {
+                        *dst = w_eff(w);
+                    }
+                    c += 1;
+                }
+                p.counts[s] = c as i32;
+                p.received_rows += c;
+            }
+            p.buffer_rows = world * m;
+        }
+        Layout::MoonepSlots => {}
+    }
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SPEC §4 worked example: R=2, E=4, K=2.
+    fn example() -> Vec<Routing> {
+        vec![
+            Routing {
+                t: 3,
+                k: 2,
+                ids: vec![0, 2, 1, 0, 3, -1],
+                weights: vec![0.5, 0.5, 0.25, 0.75, 1.0, 0.0],
+            },
+            Routing {
+                t: 2,
+                k: 2,
+                ids: vec![2, 3, 1, -1],
+                weights: vec![0.5, 0.5, 1.0, 0.0],
+            },
+        ]
+    }
+
+    fn geo() -> Geometry {
+        Geometry {
+            world: 2,
+            num_experts: 4,
+            experts_per_rank: 2,
+            top_k: 2,
+            max_tokens: 3,
+        }
+    }
+
+    /// The source token of every received row, as (source, token), in buffer order.
+    fn rows(
+        p: &Plan,
+        all: &[Routing],
+        gives_to_me: impl Fn(usize) -> Vec<u32>,
+    ) -> Vec<(usize, u32, u32)> {
+        let mut v = Vec::new();
+        for s in 0..all.len() {
+            let give = gives_to_me(s);
+            for (i, &row) in p.take[s].iter().enumerate() {
+                v.push((s, give[i], row));
+            }
+        }
+        v.sort_by_key(|x| x.2);
+        v
+    }
+
+    fn plans(layout: Layout) -> Vec<Plan> {
+        let all = example();
+        (0..2)
+            .map(|me| build(layout, &geo(), me, &all, false))
+            .collect()
+    }
+
+    #[test]
+    fn token_major_matches_the_spec_example() {
+        let p = plans(Layout::TokenMajor);
+        let all = example();
+        let x = |p: &Plan, me: usize| -> Vec<i32> {
+            rows(p, &all, |s| plans(Layout::TokenMajor)[s].give[me].clone())
+                .iter()
+                .map(|&(s, t, _)| [[10, 11, 12], [20, 21, 0]][s][t as usize])
+                .collect()
+        };
+        assert_eq!(x(&p[0], 0), vec![10, 11, 21]);
+        assert_eq!(p[0].row_ids, vec![0, -1, 1, 0, 1, -1]);
+        assert_eq!(p[0].row_weights, vec![0.5, 0.0, 0.25, 0.75, 1.0, 0.0]);
+        assert_eq!(p[0].counts, vec![2, 2]);
+        assert_eq!(x(&p[1], 1), vec![10, 12, 20]);
+        assert_eq!(p[1].row_ids, vec![-1, 2, 3, -1, 2, 3]);
+        assert_eq!(p[1].row_weights, vec![0.0, 0.5, 1.0, 0.0, 0.5, 0.5]);
+        assert_eq!(p[1].counts, vec![2, 2]);
+    }
+
+    #[test]
+    fn expert_layouts_match_the_spec_example() {
+        let all = example();
+        let major = plans(Layout::ExpertMajor);
+        assert_eq!(major[0].counts, vec![2, 2]);
+        assert_eq!(major[1].counts, vec![2, 2]);
+        assert_eq!(major[0].buffer_rows, 2 * 3 * 2);
+        let packed = plans(Layout::ExpertPacked);
+        assert_eq!(packed[0].offsets, vec![0, 2, 4]);
+        assert_eq!(packed[0].row_weights, vec![0.5, 0.75, 0.25, 1.0]);
+        assert_eq!(packed[1].row_weights, vec![0.5, 0.5, 1.0, 0.5]);
+        let xs = |plans: &[Plan], me: usize| -> Vec<(u32, i32)> {
+            rows(&plans[me], &all, |s| plans[s].give[me].clone())
+                .iter()
+                .map(|&(s, t, row)| (row, [[10, 11, 12], [20, 21, 0]][s][t as usize]))
+                .collect()
+        };
+        // Buckets of capacity M*R = 6: expert 0 rows 0.., expert 1 rows 6...
+        assert_eq!(xs(&major, 0), vec![(0, 10), (1, 11), (6, 11), (7, 21)]);
+        assert_eq!(xs(&major, 1), vec![(0, 10), (1, 20), (6, 12), (7, 20)]);
+        assert_eq!(xs(&packed, 0), vec![(0, 10), (1, 11), (2, 11), (3, 21)]);
+        assert_eq!(xs(&packed, 1), vec![(0, 10), (1, 20), (2, 12), (3, 20)]);
+        assert_eq!(packed[1].src_rank, vec![0, 1, 0, 1]);
+        assert_eq!(packed[1].src_token, vec![0, 0, 2, 0]);
+    }
+
+    #[test]
+    fn rank_major_matches_the_spec_example() {
+        let all = example();
+        let p = plans(Layout::RankMajor);
+        assert_eq!(p[0].counts, vec![2, 1]);
+        assert_eq!(p[1].counts, vec![2, 1]);
+        let xs = |me: usize| -> Vec<(u32, i32)> {
+            rows(&p[me], &all, |s| p[s].give[me].clone())
+                .iter()
+                .map(|&(s, t, row)| (row, [[10, 11, 12], [20, 21, 0]][s][t as usize]))
+                .collect()
+        };
+        // Regions of capacity M = 3.
+        assert_eq!(xs(0), vec![(0, 10), (1, 11), (3, 21)]);
+        assert_eq!(xs(1), vec![(0, 10), (1, 12), (3, 20)]);
+        assert_eq!(&p[0].row_ids[..4], &[0, 2, 1, 0]);
+        assert_eq!(
+            &p[0].row_ids[4..6],
+            &[-1, -1],
+            "padding rows have all ids -1"
+        );
+        assert_eq!(&p[0].row_ids[6..8], &[1, -1]);
+    }
+
+    #[test]
+    fn ids_are_validated() {
+        assert!(validate_ids(&[0, 1, -1, 3], 2, 4).is_ok());
+        let e = validate_ids(&[0, 4], 2, 4).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "topk_ids[0][1] = 4 is out of range: expected -1 (masked) or an expert id in [0, 4)"
+        );
+        let e = validate_ids(&[0, 1, 2, 2], 2, 4).unwrap_err();
+        assert_eq!(e.to_string(), "topk_ids[1] = [2, 2] routes token 1 to expert 2 twice: the top-k experts of a token must be distinct");
+        assert!(validate_ids(&[-1, -1], 2, 4).is_ok());
+        assert!(validate_ids(&[-2, 0], 2, 4).is_err());
+    }
+}

@@ -1,0 +1,773 @@
+//! MoE dispatch/combine for every backend name: the SPEC §4 worked example exactly, then
+//! property runs (ranks 1..8, uneven and zero token counts, skewed and uniform routing, masked
+//! ids, f32/bf16/f16) against the single-process f32 reference, with the dispatch layout checked
+//! row by row; and bad input that must fail on every rank without hanging.
+//!
+//! Tolerances (max |out - ref| / max(1, |ref|)): f32 1e-5; f16 hidden/outputs 4e-3;
+//! bf16 3e-2 (one rounding of the inputs is shared with the reference; the expert outputs and
+//! the result are rounded once each).
+
+use std::time::Duration;
+
+use epcomm::group::shm::ShmGroup;
+use epcomm::group::{Group, GroupOptions};
+
+use epcomm::moe::reference::{unit, ToyExperts};
+use epcomm::moe::{Manager, MoeConfig};
+use epcomm::num::{self, FloatKind};
+use epcomm::select::all2all::{Layout, ACCEPTED_NAMES};
+use epcomm::Status;
+
+fn unique(name: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "m{}-{name}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn opts() -> GroupOptions {
+    GroupOptions {
+        timeout: Duration::from_secs(30),
+        ..GroupOptions::default()
+    }
+}
+
+/// Runs `f(rank, group)` on `world` threads of one shm group; returns the results in rank order.
+fn on_ranks<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(usize, &mut ShmGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let name = unique("g");
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            let (name, f) = (name.clone(), f.clone());
+            std::thread::spawn(move || {
+                let mut g = ShmGroup::join(&name, r, world, opts()).unwrap();
+                f(r, &mut g)
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank panicked"))
+        .collect()
+}
+
+fn cfg(e: usize, k: usize, h: usize, kind: FloatKind, m: usize) -> MoeConfig {
+    MoeConfig {
+        num_experts: e,
+        top_k: k,
+        hidden: h,
+        hidden_dtype: kind.dtype(),
+        expert_dtype: kind,
+        out_dtype: kind,
+        max_tokens_per_rank: m,
+        extra_row_bytes: vec![],
+        apply_router_weight_on_input: false,
+    }
+}
+
+// ---- the worked example of SPEC §4 ------------------------------------------------------------
+
+const X: [[f32; 3]; 2] = [[10.0, 11.0, 12.0], [20.0, 21.0, 0.0]];
+const IDS: [&[i64]; 2] = [&[0, 2, 1, 0, 3, -1], &[2, 3, 1, -1]];
+const W: [&[f32]; 2] = [&[0.5, 0.5, 0.25, 0.75, 1.0, 0.0], &[0.5, 0.5, 1.0, 0.0]];
+
+/// Expert e computes (e+1)·x; the holder side as the layout's contract says.
+fn example_expert_side(layout: Layout, rank: usize, v: &epcomm::moe::DispatchView<'_>) -> Vec<f32> {
+    let x = num::to_f32(v.hidden, FloatKind::F32);
+    let owned = |e: i64| e >= 0 && e as usize / 2 == rank;
+    match layout {
+        Layout::Replicated | Layout::TokenMajor | Layout::RankMajor => x
+            .iter()
+            .enumerate()
+            .map(|(r, &xv)| {
+                (0..2)
+                    .filter(|&k| owned(v.topk_ids[r * 2 + k]))
+                    .map(|k| v.topk_weights[r * 2 + k] * (v.topk_ids[r * 2 + k] + 1) as f32 * xv)
+                    .sum()
+            })
+            .collect(),
+        Layout::ExpertMajor => {
+            let cap = x.len() / 2;
+            x.iter()
+                .enumerate()
+                .map(|(r, &xv)| ((rank * 2 + r / cap) + 1) as f32 * xv)
+                .collect()
+        }
+        Layout::ExpertPacked => x
+            .iter()
+            .enumerate()
+            .map(|(r, &xv)| {
+                let j = if (r as i64) < v.expert_offsets[1] {
+                    0
+                } else {
+                    1
+                };
+                ((rank * 2 + j) + 1) as f32 * xv
+            })
+            .collect(),
+        Layout::MoonepSlots => unreachable!(),
+    }
+}
+
+#[test]
+fn spec_worked_example_in_every_layout() {
+    for name in [
+        "allgather_reducescatter",
+        "deepep_high_throughput",
+        "deepep_low_latency",
+        "deepep_v2",
+        "flashinfer_nvlink_one_sided",
+    ] {
+        let results = on_ranks(2, move |r, g| {
+            let mut m = Manager::new(name, cfg(4, 2, 1, FloatKind::F32, 3), r, 2).unwrap();
+            let t = if r == 0 { 3 } else { 2 };
+            let hidden = num::from_f32(&X[r][..t], FloatKind::F32);
+            let v = m.dispatch(g, &hidden, IDS[r], W[r], &[]).unwrap();
+            let layout = v.layout;
+            let rows = num::to_f32(v.hidden, FloatKind::F32);
+            let (ids, ws, counts, offsets) = (
+                v.topk_ids.to_vec(),
+                v.topk_weights.to_vec(),
+                v.counts.to_vec(),
+                v.expert_offsets.to_vec(),
+            );
+            let y = num::from_f32(&example_expert_side(layout, r, &v), FloatKind::F32);
+            let mut out = vec![0u8; t * 4];
+            m.combine(g, &y, &mut out).unwrap();
+            (
+                layout,
+                rows,
+                ids,
+                ws,
+                counts,
+                offsets,
+                num::to_f32(&out, FloatKind::F32),
+            )
+        });
+        let (layout, ..) = results[0].clone();
+        let out0 = &results[0].6;
+        let out1 = &results[1].6;
+        assert_eq!(out0, &vec![20.0, 13.75, 48.0], "{name} rank 0");
+        assert_eq!(out1, &vec![70.0, 42.0], "{name} rank 1");
+        let (r0, r1) = (&results[0], &results[1]);
+        match layout {
+            Layout::TokenMajor => {
+                assert_eq!(r0.1, vec![10.0, 11.0, 21.0]);
+                assert_eq!(r0.2, vec![0, -1, 1, 0, 1, -1]);
+                assert_eq!(r0.3, vec![0.5, 0.0, 0.25, 0.75, 1.0, 0.0]);
+                assert_eq!(r0.4, vec![2, 2]);
+                assert_eq!(r1.1, vec![10.0, 12.0, 20.0]);
+                assert_eq!(r1.2, vec![-1, 2, 3, -1, 2, 3]);
+                assert_eq!(r1.3, vec![0.0, 0.5, 1.0, 0.0, 0.5, 0.5]);
+                assert_eq!(r1.4, vec![2, 2]);
+            }
+            Layout::ExpertMajor => {
+                // Buckets of M*R = 6 rows; rows past the counts are unspecified.
+                assert_eq!(r0.4, vec![2, 2]);
+                assert_eq!(
+                    (&r0.1[0..2], &r0.1[6..8]),
+                    (&[10.0, 11.0][..], &[11.0, 21.0][..])
+                );
+                assert_eq!(r1.4, vec![2, 2]);
+                assert_eq!(
+                    (&r1.1[0..2], &r1.1[6..8]),
+                    (&[10.0, 20.0][..], &[12.0, 20.0][..])
+                );
+            }
+            Layout::ExpertPacked => {
+                assert_eq!(r0.1, vec![10.0, 11.0, 11.0, 21.0]);
+                assert_eq!(r0.5, vec![0, 2, 4]);
+                assert_eq!(r0.3, vec![0.5, 0.75, 0.25, 1.0]);
+                assert_eq!(r1.1, vec![10.0, 20.0, 12.0, 20.0]);
+                assert_eq!(r1.5, vec![0, 2, 4]);
+                assert_eq!(r1.3, vec![0.5, 0.5, 1.0, 0.5]);
+            }
+            Layout::RankMajor => {
+                assert_eq!(r0.4, vec![2, 1]);
+                assert_eq!((&r0.1[0..2], r0.1[3]), (&[10.0, 11.0][..], 21.0));
+                assert_eq!(&r0.2[0..4], &[0, 2, 1, 0]);
+                assert_eq!(&r0.2[4..6], &[-1, -1]);
+                assert_eq!(r1.4, vec![2, 1]);
+                assert_eq!((&r1.1[0..2], r1.1[3]), (&[10.0, 12.0][..], 20.0));
+            }
+            Layout::Replicated => {
+                assert_eq!(r0.1, vec![10.0, 11.0, 12.0, 20.0, 21.0]);
+                assert_eq!(r1.1, r0.1);
+            }
+            Layout::MoonepSlots => unreachable!(),
+        }
+    }
+}
+
+// ---- property runs against the reference --------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    world: usize,
+    experts: usize,
+    k: usize,
+    hidden: usize,
+    kind: FloatKind,
+    skewed: bool,
+    seed: u64,
+}
+
+fn tokens_of(c: &Case, rank: usize) -> usize {
+    // Uneven, sometimes zero, never above M = 24.
+    [5, 0, 17, 24, 1, 9, 0, 13][(rank + c.seed as usize) % 8]
+}
+
+/// Routing of one rank: distinct experts per token, some masked, uniform or skewed.
+fn routing(c: &Case, rank: usize) -> (Vec<i64>, Vec<f32>) {
+    let t = tokens_of(c, rank);
+    let mut ids = Vec::new();
+    let mut ws = Vec::new();
+    for tok in 0..t {
+        let mut row: Vec<i64> = Vec::new();
+        let mut i = 0u64;
+        while row.len() < c.k {
+            let u = (unit(c.seed ^ (rank as u64) << 32, (tok as u64) << 8 | i) + 1.0) / 2.0;
+            // Skewed: most tokens pick from the first few experts.
+            let e = if c.skewed {
+                ((u * u * u) * c.experts as f32) as i64
+            } else {
+                (u * c.experts as f32) as i64
+            };
+            let e = e.min(c.experts as i64 - 1);
+            i += 1;
+            if !row.contains(&e) {
+                row.push(e);
+            }
+        }
+        // Mask some entries (every 5th token drops its last choice; every 11th is all masked).
+        if tok % 5 == 4 {
+            *row.last_mut().unwrap() = -1;
+        }
+        if tok % 11 == 10 {
+            row.iter_mut().for_each(|e| *e = -1);
+        }
+        for (j, &e) in row.iter().enumerate() {
+            ids.push(e);
+            ws.push(if e < 0 { 0.0 } else { 0.2 + 0.1 * j as f32 });
+        }
+    }
+    (ids, ws)
+}
+
+fn hidden_of(c: &Case, rank: usize) -> Vec<f32> {
+    let t = tokens_of(c, rank);
+    (0..(t * c.hidden) as u64)
+        .map(|i| unit(c.seed ^ 0x77 ^ (rank as u64) << 40, i))
+        .collect()
+}
+
+fn tolerance(kind: FloatKind) -> f32 {
+    match kind {
+        FloatKind::F32 => 1e-5,
+        FloatKind::F16 => 4e-3,
+        FloatKind::Bf16 => 3e-2,
+    }
+}
+
+fn run_case(name: &'static str, c: Case) {
+    let experts = ToyExperts::new(c.experts, c.hidden, c.seed);
+    let errs = on_ranks(c.world, move |r, g| {
+        let mut m =
+            Manager::new(name, cfg(c.experts, c.k, c.hidden, c.kind, 24), r, c.world).unwrap();
+        let (ids, ws) = routing(&c, r);
+        let x = num::from_f32(&hidden_of(&c, r), c.kind);
+        let v = m.dispatch(g, &x, &ids, &ws, &[]).unwrap();
+        check_layout(&c, r, &v);
+        let y = experts.run_local(&v, c.kind, r, c.world, c.k);
+        let y = num::from_f32(&y, c.kind);
+        let t = tokens_of(&c, r);
+        let mut out = vec![0u8; t * c.hidden * c.kind.size()];
+        m.combine(g, &y, &mut out).unwrap();
+        let got = num::to_f32(&out, c.kind);
+        // Reference on the same (rounded) inputs.
+        let xr = num::to_f32(&x, c.kind);
+        let want = experts.reference(&xr, &ids, &ws, c.k, false);
+        got.iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+            .fold(0f32, f32::max)
+    });
+    for (r, e) in errs.iter().enumerate() {
+        assert!(
+            *e <= tolerance(c.kind),
+            "{name} {c:?} rank {r}: max relative error {e}"
+        );
+    }
+}
+
+/// Checks the dispatch output row by row against what the layout must contain.
+fn check_layout(c: &Case, me: usize, v: &epcomm::moe::DispatchView<'_>) {
+    let el = c.experts / c.world;
+    let owned = |e: i64| e >= 0 && e as usize / el == me;
+    let row_bytes = c.hidden * c.kind.size();
+    let row = |r: usize| &v.hidden[r * row_bytes..(r + 1) * row_bytes];
+    let src_row = |s: usize, t: usize| {
+        num::from_f32(&hidden_of(c, s)[t * c.hidden..(t + 1) * c.hidden], c.kind)
+    };
+    let all: Vec<(Vec<i64>, Vec<f32>)> = (0..c.world).map(|s| routing(c, s)).collect();
+    let k = c.k;
+    let goes = |s: usize, t: usize| all[s].0[t * k..(t + 1) * k].iter().any(|&e| owned(e));
+    match v.layout {
+        Layout::TokenMajor | Layout::Replicated => {
+            let mut r = 0;
+            let mut counts = vec![0; el];
+            for s in 0..c.world {
+                for t in 0..tokens_of(c, s) {
+                    if v.layout == Layout::TokenMajor && !goes(s, t) {
+                        continue;
+                    }
+                    assert_eq!(row(r), &src_row(s, t)[..], "row {r} = ({s},{t})");
+                    for j in 0..k {
+                        let (e, w) = (all[s].0[t * k + j], all[s].1[t * k + j]);
+                        let (ge, gw) = (v.topk_ids[r * k + j], v.topk_weights[r * k + j]);
+                        if v.layout == Layout::Replicated {
+                            assert_eq!((ge, gw), (e, w));
+                        } else if owned(e) {
+                            assert_eq!((ge, gw), (e, w));
+                            counts[e as usize - me * el] += 1;
+                        } else {
+                            assert_eq!((ge, gw), (-1, 0.0));
+                        }
+                    }
+                    r += 1;
+                }
+            }
+            assert_eq!(r, v.received_rows);
+            if v.layout == Layout::TokenMajor {
+                assert_eq!(v.counts, &counts[..]);
+            }
+        }
+        Layout::ExpertMajor | Layout::ExpertPacked => {
+            let cap = 24 * c.world;
+            let mut packed = 0;
+            for j in 0..el {
+                let e = (me * el + j) as i64;
+                let mut n = 0;
+                for s in 0..c.world {
+                    for t in 0..tokens_of(c, s) {
+                        if let Some(kk) = all[s].0[t * k..(t + 1) * k].iter().position(|&x| x == e)
+                        {
+                            let r = if v.layout == Layout::ExpertMajor {
+                                j * cap + n
+                            } else {
+                                packed + n
+                            };
+                            assert_eq!(
+                                row(r),
+                                &src_row(s, t)[..],
+                                "expert {e} row {n} = ({s},{t})"
+                            );
+                            if v.layout == Layout::ExpertPacked {
+                                assert_eq!((v.src_rank[r], v.src_token[r]), (s as i32, t as i32));
+                                assert_eq!(v.topk_weights[r], all[s].1[t * k + kk]);
+                            }
+                            n += 1;
+                        }
+                    }
+                }
+                if v.layout == Layout::ExpertMajor {
+                    assert_eq!(v.counts[j], n as i32);
+                } else {
+                    assert_eq!(v.expert_offsets[j + 1] - v.expert_offsets[j], n as i64);
+                }
+                packed += n;
+            }
+        }
+        Layout::RankMajor => {
+            for s in 0..c.world {
+                let mut n = 0;
+                for t in 0..tokens_of(c, s) {
+                    if goes(s, t) {
+                        let r = s * 24 + n;
+                        assert_eq!(row(r), &src_row(s, t)[..]);
+                        assert_eq!(
+                            &v.topk_ids[r * k..(r + 1) * k],
+                            &all[s].0[t * k..(t + 1) * k]
+                        );
+                        n += 1;
+                    }
+                }
+                assert_eq!(v.counts[s], n as i32);
+                for r in s * 24 + n..(s + 1) * 24 {
+                    assert!(
+                        v.topk_ids[r * k..(r + 1) * k].iter().all(|&e| e == -1),
+                        "padding row {r}"
+                    );
+                }
+            }
+        }
+        Layout::MoonepSlots => unreachable!(),
+    }
+}
+
+#[test]
+fn every_backend_name_matches_the_reference() {
+    for n in ACCEPTED_NAMES.iter().filter(|n| n.name != "moonep") {
+        for (world, kind, skewed) in [
+            (1, FloatKind::F32, false),
+            (2, FloatKind::Bf16, true),
+            (3, FloatKind::F16, false),
+            (4, FloatKind::F32, true),
+        ] {
+            let experts = if world == 3 { 12 } else { 8 * world };
+            let c = Case {
+                world,
+                experts,
+                k: 3,
+                hidden: 40,
+                kind,
+                skewed,
+                seed: 7 + world as u64,
+            };
+            run_case(n.name, c);
+        }
+    }
+}
+
+#[test]
+fn eight_ranks_all_dtypes() {
+    for name in [
+        "deepep_high_throughput",
+        "deepep_low_latency",
+        "deepep_v2",
+        "flashinfer_nvlink_two_sided",
+        "allgather_reducescatter",
+    ] {
+        for kind in [FloatKind::F32, FloatKind::Bf16, FloatKind::F16] {
+            run_case(
+                name,
+                Case {
+                    world: 8,
+                    experts: 32,
+                    k: 4,
+                    hidden: 24,
+                    kind,
+                    skewed: true,
+                    seed: 3,
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn moonep_reports_unavailable() {
+    let e = Manager::new("moonep", cfg(8, 2, 4, FloatKind::F32, 4), 0, 1).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "MoonEP not available. Install it from https://github.com/MoonshotAI/MoonEP."
+    );
+    assert_eq!(e.status(), Status::Assertion);
+}
+
+#[test]
+fn configuration_errors() {
+    let mut c = cfg(8, 2, 4, FloatKind::F32, 4);
+    c.apply_router_weight_on_input = true;
+    let e = Manager::new("deepep_low_latency", c, 0, 1).unwrap_err();
+    assert_eq!(
+        (e.status(), e.to_string().as_str()),
+        (
+            Status::Assertion,
+            "apply_router_weight_on_input is only implemented for topk=1"
+        )
+    );
+    let e = Manager::new("deepep_low_latency", cfg(6, 2, 4, FloatKind::F32, 4), 0, 4).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("num_experts is 6: expected a positive multiple of the EP size (4)"),
+        "{e}"
+    );
+    let e = Manager::new("deepep_low_latency", cfg(8, 2, 4, FloatKind::F32, 0), 0, 1).unwrap_err();
+    assert!(
+        e.to_string().starts_with(
+            "max_tokens_per_rank is 0: the deepep_low_latency backend (EXPERT_MAJOR layout) needs"
+        ),
+        "{e}"
+    );
+    let e = Manager::new("mori", cfg(8, 2, 4, FloatKind::F32, 4), 0, 1).unwrap_err();
+    assert_eq!(e.to_string(), "Unknown all2all backend: mori");
+    // One-sided: vLLM's assertion for heterogeneous layers.
+    let m = Manager::new(
+        "flashinfer_nvlink_one_sided",
+        cfg(8, 2, 4, FloatKind::F32, 4),
+        0,
+        1,
+    )
+    .unwrap();
+    let e = m.check_layer(6, 8).unwrap_err();
+    assert_eq!(e.to_string(), "FlashInfer one-sided MoeAlltoAll does not support heterogeneous top_k across MoE layers (got 6, was built with 2)");
+    let e = m.check_layer(2, 16).unwrap_err();
+    assert_eq!(e.to_string(), "FlashInfer one-sided MoeAlltoAll does not support heterogeneous num_experts across MoE layers (got 16, was built with 8)");
+    assert!(m.check_layer(2, 8).is_ok());
+}
+
+#[test]
+fn apply_router_weight_on_input_top1() {
+    let experts = ToyExperts::new(4, 8, 1);
+    let errs = on_ranks(2, move |r, g| {
+        let mut c = cfg(4, 1, 8, FloatKind::F32, 8);
+        c.apply_router_weight_on_input = true;
+        let mut m = Manager::new("deepep_low_latency", c, r, 2).unwrap();
+        let ids: Vec<i64> = vec![(r * 3 % 4) as i64, 1, 2];
+        let ws = vec![0.5, 2.0, 0.25];
+        let x: Vec<f32> = (0..24).map(|i| (i as f32 - 10.0) / 7.0).collect();
+        let v = m
+            .dispatch(g, &num::from_f32(&x, FloatKind::F32), &ids, &ws, &[])
+            .unwrap();
+        let y = num::from_f32(
+            &experts.run_local(&v, FloatKind::F32, r, 2, 1),
+            FloatKind::F32,
+        );
+        let mut out = vec![0u8; 3 * 8 * 4];
+        m.combine(g, &y, &mut out).unwrap();
+        let want = experts.reference(&x, &ids, &ws, 1, true);
+        num::to_f32(&out, FloatKind::F32)
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+    });
+    assert!(errs.iter().all(|&e| e < 1e-5), "{errs:?}");
+}
+
+#[test]
+fn extra_payloads_travel_with_their_rows() {
+    let res = on_ranks(3, |r, g| {
+        let mut c = cfg(6, 2, 4, FloatKind::F32, 8);
+        c.extra_row_bytes = vec![3];
+        let mut m = Manager::new("deepep_high_throughput", c, r, 3).unwrap();
+        let t = 4;
+        let ids: Vec<i64> = (0..t * 2)
+            .map(|i| ((i * 5 + r) % 6) as i64)
+            .collect::<Vec<_>>();
+        let ids: Vec<i64> = ids
+            .chunks(2)
+            .flat_map(|p| {
+                if p[0] == p[1] {
+                    vec![p[0], -1]
+                } else {
+                    p.to_vec()
+                }
+            })
+            .collect();
+        let ws = vec![0.5; t * 2];
+        let x: Vec<f32> = (0..t * 4).map(|i| (r * 100 + i / 4) as f32).collect();
+        let extra: Vec<u8> = (0..t).flat_map(|tok| [r as u8, tok as u8, 0xee]).collect();
+        let v = m
+            .dispatch(g, &num::from_f32(&x, FloatKind::F32), &ids, &ws, &[&extra])
+            .unwrap();
+        let rows = num::to_f32(v.hidden, FloatKind::F32);
+        let ex = v.extras[0].clone();
+        (0..v.received_rows).all(|i| {
+            let tag = rows[i * 4] as usize;
+            ex[i * 3] as usize == tag / 100
+                && ex[i * 3 + 1] as usize == tag % 100
+                && ex[i * 3 + 2] == 0xee
+        })
+    });
+    assert!(res.iter().all(|&ok| ok));
+}
+
+#[test]
+fn bad_input_fails_on_every_rank_without_hanging() {
+    // Rank 1 passes an out-of-range expert id: it gets the precise error, rank 0 is told.
+    let res = on_ranks(2, |r, g| {
+        let mut m = Manager::new(
+            "deepep_high_throughput",
+            cfg(4, 2, 2, FloatKind::F32, 4),
+            r,
+            2,
+        )
+        .unwrap();
+        let ids: Vec<i64> = if r == 1 { vec![0, 9] } else { vec![0, 1] };
+        let e = m
+            .dispatch(
+                g,
+                &num::from_f32(&[1.0, 2.0], FloatKind::F32),
+                &ids,
+                &[0.5, 0.5],
+                &[],
+            )
+            .unwrap_err();
+        // The group stays usable: a good dispatch follows.
+        let ok = m
+            .dispatch(
+                g,
+                &num::from_f32(&[1.0, 2.0], FloatKind::F32),
+                &[0, 1],
+                &[0.5, 0.5],
+                &[],
+            )
+            .is_ok();
+        (e.status(), e.to_string(), ok)
+    });
+    assert_eq!(
+        res[1].1,
+        "topk_ids[0][1] = 9 is out of range: expected -1 (masked) or an expert id in [0, 4)"
+    );
+    assert_eq!(
+        res[0].1,
+        "dispatch: rank 1 rejected its input (see that rank's error); no data was exchanged"
+    );
+    assert!(res.iter().all(|r| r.0 == Status::InvalidArgument && r.2));
+
+    // T > M on one rank: every rank reports it.
+    let res = on_ranks(2, |r, g| {
+        let mut m =
+            Manager::new("deepep_low_latency", cfg(4, 1, 2, FloatKind::F32, 2), r, 2).unwrap();
+        let t = if r == 0 { 3 } else { 1 };
+        let x = vec![0u8; t * 2 * 4];
+        m.dispatch(g, &x, &vec![0; t], &vec![1.0; t], &[])
+            .unwrap_err()
+            .to_string()
+    });
+    assert_eq!(res[0], "dispatch: rank 0 has 3 tokens, more than max_tokens_per_rank = 2 of the deepep_low_latency backend (EXPERT_MAJOR buffers hold M tokens per source rank)");
+    assert_eq!(
+        res[1],
+        "dispatch: rank 0 rejected its input (see that rank's error); no data was exchanged"
+    );
+
+    // Managers created with different configurations.
+    let res = on_ranks(2, |r, g| {
+        let mut m = Manager::new(
+            "deepep_high_throughput",
+            cfg(4, 1 + r, 2, FloatKind::F32, 4),
+            r,
+            2,
+        )
+        .unwrap();
+        let k = 1 + r;
+        let ids: Vec<i64> = (0..k as i64).collect();
+        m.dispatch(g, &[0u8; 8], &ids, &vec![1.0; k], &[])
+            .unwrap_err()
+            .to_string()
+    });
+    assert_eq!(res[0], "dispatch: rank 1 has top_k = 2 but rank 0 has 1; every rank must create the manager with the same backend and configuration");
+
+    // Combine before dispatch, and with a wrong shape (peer is told).
+    let res = on_ranks(2, |r, g| {
+        let mut m = Manager::new("deepep_v2", cfg(4, 1, 2, FloatKind::F32, 4), r, 2).unwrap();
+        let before = m.combine(g, &[], &mut []).unwrap_err();
+        let _ = g.barrier();
+        m.dispatch(
+            g,
+            &num::from_f32(&[1.0, 2.0], FloatKind::F32),
+            &[(2 * r) as i64],
+            &[1.0],
+            &[],
+        )
+        .unwrap();
+        let rows = m.combine_rows().unwrap();
+        let y = vec![0u8; if r == 0 { rows * 8 + 4 } else { rows * 8 }];
+        let mut out = vec![0u8; 8];
+        (
+            before.status(),
+            m.combine(g, &y, &mut out).unwrap_err().to_string(),
+        )
+    });
+    assert_eq!(res[0].0, Status::InvalidState);
+    assert!(
+        res[0].1.starts_with(
+            "expert_output has 12 bytes; expected 1 rows x 2 float32 elements = 8 bytes"
+        ),
+        "{}",
+        res[0].1
+    );
+    assert_eq!(
+        res[1].1,
+        "combine: rank 0 rejected its input (see that rank's error); no data was exchanged"
+    );
+}
+
+#[test]
+fn dispatch_and_combine_across_processes() {
+    // Two real processes, one backend per layout.
+    if let Ok(name) = std::env::var("EPCOMM_MOE_CHILD") {
+        let rank: usize = std::env::var("EPCOMM_MOE_RANK").unwrap().parse().unwrap();
+        let group: String = std::env::var("EPCOMM_MOE_GROUP").unwrap();
+        let c = Case {
+            world: 2,
+            experts: 8,
+            k: 2,
+            hidden: 64,
+            kind: FloatKind::Bf16,
+            skewed: true,
+            seed: 5,
+        };
+        let experts = ToyExperts::new(c.experts, c.hidden, c.seed);
+        let mut g = ShmGroup::join(&group, rank, 2, opts()).unwrap();
+        let mut m =
+            Manager::new(&name, cfg(c.experts, c.k, c.hidden, c.kind, 24), rank, 2).unwrap();
+        let (ids, ws) = routing(&c, rank);
+        let x = num::from_f32(&hidden_of(&c, rank), c.kind);
+        for _ in 0..3 {
+            let v = m.dispatch(&mut g, &x, &ids, &ws, &[]).unwrap();
+            check_layout(&c, rank, &v);
+            let y = num::from_f32(&experts.run_local(&v, c.kind, rank, 2, c.k), c.kind);
+            let mut out = vec![0u8; tokens_of(&c, rank) * c.hidden * 2];
+            m.combine(&mut g, &y, &mut out).unwrap();
+            let want = experts.reference(&num::to_f32(&x, c.kind), &ids, &ws, c.k, false);
+            let err = num::to_f32(&out, c.kind)
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+                .fold(0f32, f32::max);
+            assert!(err <= tolerance(c.kind), "{name}: {err}");
+        }
+        return;
+    }
+    for name in [
+        "allgather_reducescatter",
+        "mori_high_throughput",
+        "nixl_ep",
+        "deepep_v2",
+        "flashinfer_all2allv",
+    ] {
+        let group = unique("proc");
+        let kids: Vec<_> = (0..2)
+            .map(|r| {
+                std::process::Command::new(std::env::current_exe().unwrap())
+                    .args([
+                        "--exact",
+                        "dispatch_and_combine_across_processes",
+                        "--nocapture",
+                        "--test-threads=1",
+                    ])
+                    .env("EPCOMM_MOE_CHILD", name)
+                    .env("EPCOMM_MOE_RANK", r.to_string())
+                    .env("EPCOMM_MOE_GROUP", &group)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let start = std::time::Instant::now();
+        for mut k in kids {
+            while k.try_wait().unwrap().is_none() {
+                if start.elapsed() > Duration::from_secs(60) {
+                    let _ = k.kill();
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let o = k.wait_with_output().unwrap();
+            assert!(
+                o.status.success(),
+                "{name}: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+}
