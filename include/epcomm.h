@@ -253,11 +253,186 @@
 #define EPCOMM_P2P_RECV 1
 
 /**
+ * An all2all manager: MoE dispatch/combine for one backend name and configuration over a
+ * group. Use from one thread at a time; the group must outlive it.
+ */
+typedef struct epcomm_all2all epcomm_all2all;
+
+/**
  * A process group handle. Use it from one thread at a time (a second thread calling while a
  * call is in flight gets EPCOMM_ERROR_INVALID_STATE). Every collective must be called by all
  * ranks in the same order.
  */
 typedef struct epcomm_group epcomm_group;
+
+/**
+ * An element type, laid out exactly like DLPack's `DLDataType`.
+ */
+typedef struct epcomm_dtype {
+  /**
+   * DLPack type code (0 int, 1 uint, 2 float, 4 bfloat, 6 bool, 10 float8_e4m3fn, ...).
+   */
+  uint8_t code;
+  /**
+   * Bits per element.
+   */
+  uint8_t bits;
+  /**
+   * Vector lanes (1 for scalars).
+   */
+  uint16_t lanes;
+} epcomm_dtype;
+
+/**
+ * What an all2all manager is built for; initialise with epcomm_moe_config_init.
+ */
+typedef struct epcomm_moe_config {
+  /**
+   * sizeof(epcomm_moe_config); lets the struct grow.
+   */
+  uint32_t struct_size;
+  /**
+   * Logical experts of the layer.
+   */
+  int64_t num_experts;
+  /**
+   * Redundant (replicated) experts added by EPLB; topk_ids are physical ids in
+   * [0, num_experts + num_redundant_experts), rank r owning a contiguous block of E/R.
+   */
+  int64_t num_redundant_experts;
+  int64_t top_k;
+  /**
+   * Elements per hidden row.
+   */
+  int64_t hidden_size;
+  /**
+   * Element type of the hidden rows (any; rows move as bytes). Default bfloat16.
+   */
+  struct epcomm_dtype hidden_dtype;
+  /**
+   * Element type of the expert outputs passed to combine (float32/bfloat16/float16).
+   */
+  struct epcomm_dtype expert_dtype;
+  /**
+   * Element type combine writes (float32/bfloat16/float16).
+   */
+  struct epcomm_dtype out_dtype;
+  /**
+   * Tokens per rank the fixed-capacity layouts hold (M); required for deepep_low_latency,
+   * nixl_ep and the flashinfer backends; 0 = none.
+   */
+  int64_t max_tokens_per_rank;
+  /**
+   * Bytes per token of each extra payload (e.g. fp8 scales) that travels with the rows.
+   */
+  const int64_t *extra_row_bytes;
+  /**
+   * Entries in extra_row_bytes.
+   */
+  size_t num_extras;
+  /**
+   * Multiply each hidden row by its router weight before dispatch (top_k must be 1).
+   */
+  bool apply_router_weight_on_input;
+} epcomm_moe_config;
+
+/**
+ * Where a tensor lives: DLPack's `DLDevice`.
+ */
+typedef struct epcomm_device {
+  /**
+   * DLPack device type (EPCOMM_DEVICE_*).
+   */
+  int32_t device_type;
+  /**
+   * Device ordinal (0 for host memory).
+   */
+  int32_t device_id;
+} epcomm_device;
+
+/**
+ * A tensor view with exactly the layout of DLPack's `DLTensor` (data, device, ndim, dtype,
+ * shape, strides, byte_offset). epcomm never takes ownership of the memory.
+ */
+typedef struct epcomm_tensor {
+  /**
+   * Base pointer; the first element is at `data + byte_offset`.
+   */
+  void *data;
+  struct epcomm_device device;
+  int32_t ndim;
+  struct epcomm_dtype dtype;
+  /**
+   * `ndim` extents.
+   */
+  int64_t *shape;
+  /**
+   * `ndim` strides in elements, or NULL for a compact row-major tensor.
+   */
+  int64_t *strides;
+  uint64_t byte_offset;
+} epcomm_tensor;
+
+/**
+ * Dispatch results: views of buffers the manager owns, valid until its next call.
+ */
+typedef struct epcomm_dispatch_output {
+  /**
+   * EPCOMM_LAYOUT_* of the backend.
+   */
+  int32_t layout;
+  /**
+   * Rows actually received (fixed-capacity layouts have more rows in `hidden`).
+   */
+  int64_t received_rows;
+  /**
+   * Received rows: [rows, hidden] (EXPERT_MAJOR [E_local, M*R, hidden], RANK_MAJOR
+   * [R, M, hidden]); combine's expert_output has this shape.
+   */
+  struct epcomm_tensor hidden;
+  /**
+   * int64 [rows, K] (TOKEN_MAJOR: non-local ids are -1; RANK_MAJOR: padding rows all -1;
+   * REPLICATED: every token's ids); empty (shape [0]) for the per-expert layouts.
+   */
+  struct epcomm_tensor topk_ids;
+  /**
+   * float32 [rows, K] (as topk_ids; dropped ids have weight 0), EXPERT_PACKED [rows].
+   */
+  struct epcomm_tensor topk_weights;
+  /**
+   * int32: TOKEN_MAJOR tokens_per_local_expert [E_local], EXPERT_MAJOR counts [E_local],
+   * RANK_MAJOR recv_counts [R]; empty otherwise.
+   */
+  struct epcomm_tensor counts;
+  /**
+   * int64 EXPERT_PACKED expert_offsets [E_local + 1]; empty otherwise.
+   */
+  struct epcomm_tensor expert_offsets;
+  /**
+   * int32 EXPERT_PACKED source rank / source token per row; empty otherwise.
+   */
+  struct epcomm_tensor src_rank;
+  struct epcomm_tensor src_token;
+  /**
+   * One tensor per extra payload, rows laid out like `hidden` (uint8, [rows..., bytes]).
+   */
+  const struct epcomm_tensor *extras;
+  size_t num_extras;
+} epcomm_dispatch_output;
+
+/**
+ * Per-call statistics; arrays have world_size entries and stay valid until the next call.
+ */
+typedef struct epcomm_all2all_stats {
+  int32_t world_size;
+  const uint64_t *tokens_sent;
+  const uint64_t *tokens_received;
+  const uint64_t *bytes_sent;
+  const uint64_t *bytes_received;
+  const uint64_t *combine_bytes_received;
+  double dispatch_seconds;
+  double combine_seconds;
+} epcomm_all2all_stats;
 
 /**
  * Options for group creation; initialise with epcomm_group_options_init.
@@ -330,61 +505,6 @@ typedef struct epcomm_host_callbacks {
   epcomm_host_all_gather_fn all_gather;
   epcomm_host_barrier_fn barrier;
 } epcomm_host_callbacks;
-
-/**
- * Where a tensor lives: DLPack's `DLDevice`.
- */
-typedef struct epcomm_device {
-  /**
-   * DLPack device type (EPCOMM_DEVICE_*).
-   */
-  int32_t device_type;
-  /**
-   * Device ordinal (0 for host memory).
-   */
-  int32_t device_id;
-} epcomm_device;
-
-/**
- * An element type, laid out exactly like DLPack's `DLDataType`.
- */
-typedef struct epcomm_dtype {
-  /**
-   * DLPack type code (0 int, 1 uint, 2 float, 4 bfloat, 6 bool, 10 float8_e4m3fn, ...).
-   */
-  uint8_t code;
-  /**
-   * Bits per element.
-   */
-  uint8_t bits;
-  /**
-   * Vector lanes (1 for scalars).
-   */
-  uint16_t lanes;
-} epcomm_dtype;
-
-/**
- * A tensor view with exactly the layout of DLPack's `DLTensor` (data, device, ndim, dtype,
- * shape, strides, byte_offset). epcomm never takes ownership of the memory.
- */
-typedef struct epcomm_tensor {
-  /**
-   * Base pointer; the first element is at `data + byte_offset`.
-   */
-  void *data;
-  struct epcomm_device device;
-  int32_t ndim;
-  struct epcomm_dtype dtype;
-  /**
-   * `ndim` extents.
-   */
-  int64_t *shape;
-  /**
-   * `ndim` strides in elements, or NULL for a compact row-major tensor.
-   */
-  int64_t *strides;
-  uint64_t byte_offset;
-} epcomm_tensor;
 
 /**
  * One operation of a send/recv batch.
@@ -478,6 +598,90 @@ typedef struct epcomm_eplb_select_request {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Fills `config` with defaults: bfloat16 everywhere, everything else 0/false.
+ *
+ * # Safety
+ * `config` is NULL or writable.
+ */
+int32_t epcomm_moe_config_init(struct epcomm_moe_config *config);
+
+/**
+ * Creates a manager for `backend` (any name vLLM accepts; `naive`/`pplx` fall back to
+ * allgather_reducescatter with vLLM's warning) over `group`. Logs
+ * `Using {ManagerClass} all2all manager.`. `moonep` returns vLLM's "MoonEP not available"
+ * assertion (not implemented yet). apply_router_weight_on_input with top_k != 1 is vLLM's
+ * AssertionError. Not collective; every rank must use the same backend and config (checked at
+ * the first dispatch).
+ *
+ * # Safety
+ * `group` is NULL or a live group handle that outlives the manager; `backend` is NULL or a
+ * NUL-terminated string; `config` is NULL or valid; `out` is NULL or writable.
+ */
+int32_t epcomm_all2all_create(const struct epcomm_group *group, const char *backend, const struct epcomm_moe_config *config, struct epcomm_all2all **out);
+
+/**
+ * Releases a manager (NULL is a no-op); views it returned become invalid.
+ *
+ * # Safety
+ * `a2a` is NULL or a handle from epcomm_all2all_create, not used after this call.
+ */
+void epcomm_all2all_destroy(struct epcomm_all2all *a2a);
+
+/**
+ * Dispatches this rank's tokens (collective): `hidden` [T, hidden_size] of hidden_dtype,
+ * `topk_ids` [T, top_k] int32/int64 (-1 = masked), `topk_weights` [T, top_k] float32,
+ * `extras` (may be NULL when num_extras is 0) [T, extra_row_bytes[i]] bytes each. T may differ
+ * between ranks and may be 0. Rows are ordered by source rank, then source token, then (for
+ * the per-expert layouts) local expert. On bad input every rank returns an error (the others
+ * are told which rank rejected its input); nobody hangs.
+ *
+ * # Safety
+ * Pointers are NULL or valid; tensors describe host memory valid for the call.
+ */
+int32_t epcomm_all2all_dispatch(struct epcomm_all2all *a2a, const struct epcomm_tensor *hidden, const struct epcomm_tensor *topk_ids, const struct epcomm_tensor *topk_weights, const struct epcomm_tensor *extras, size_t num_extras, struct epcomm_dispatch_output *out);
+
+/**
+ * Brings the expert outputs home and reduces them (collective). `expert_output` has the shape
+ * of the dispatch output's `hidden` and the config's expert_dtype: TOKEN_MAJOR and RANK_MAJOR
+ * rows are already weighted and summed over this rank's experts, REPLICATED rows are this
+ * rank's partial sums, EXPERT_MAJOR/EXPERT_PACKED rows are raw expert outputs (weighted on the
+ * source). `output` is [T, hidden_size] of out_dtype; sums are accumulated in float32.
+ *
+ * # Safety
+ * Pointers are NULL or valid; tensors describe host memory valid for the call.
+ */
+int32_t epcomm_all2all_combine(struct epcomm_all2all *a2a, const struct epcomm_tensor *expert_output, const struct epcomm_tensor *output);
+
+/**
+ * Declares a MoE layer's top_k and num_experts (physical). The flashinfer_nvlink_one_sided
+ * manager returns vLLM's AssertionError when they differ from what it was built with ("does
+ * not support heterogeneous top_k across MoE layers"); the others an invalid-argument error.
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle.
+ */
+int32_t epcomm_all2all_check_layer(const struct epcomm_all2all *a2a, int64_t top_k, int64_t num_experts);
+
+/**
+ * Bytes a backend's dispatch buffers (rows, extras, metadata) and combine accumulator need for
+ * `tokens_per_rank` tokens on each of `world_size` ranks, in the worst case, before anything
+ * is allocated.
+ *
+ * # Safety
+ * `backend` is NULL or a NUL-terminated string; `config` is NULL or valid; `bytes_out` is NULL
+ * or writable.
+ */
+int32_t epcomm_all2all_buffer_bytes(const char *backend, const struct epcomm_moe_config *config, int32_t world_size, int64_t tokens_per_rank, uint64_t *bytes_out);
+
+/**
+ * Statistics of the last dispatch and combine (tokens and bytes per peer, seconds).
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle; `stats_out` is NULL or writable.
+ */
+int32_t epcomm_all2all_get_stats(const struct epcomm_all2all *a2a, struct epcomm_all2all_stats *stats_out);
 
 /**
  * Checks a vLLM-style configuration (JSON object with ParallelConfig/EPLBConfig field names:

@@ -299,7 +299,7 @@ pub unsafe extern "C" fn epcomm_group_destroy(group: *mut epcomm_group) {
 }
 
 /// Runs `f` on the group behind the handle.
-unsafe fn with_group<T>(
+pub(crate) unsafe fn with_group<T>(
     group: *const epcomm_group,
     f: impl FnOnce(&mut dyn Group) -> Result<T>,
 ) -> Result<T> {

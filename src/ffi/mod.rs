@@ -5,6 +5,7 @@
 
 mod guard;
 
+pub mod all2all;
 pub mod config;
 pub mod error;
 pub mod group;

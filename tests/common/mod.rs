@@ -183,7 +183,9 @@ pub fn compile<S: AsRef<OsStr>>(compiler: &str, args: &[S]) {
     assert!(out.success(), "{}", out.describe(&format!("`{shown}`")));
 }
 
-/// Linker arguments for the shared library: `-L<dir> -lepcomm -Wl,-rpath,<dir>`.
+/// Linker arguments for the shared library: `-L<dir> -lepcomm` and an RPATH to `<dir>`.
+/// `--disable-new-dtags` makes it DT_RPATH, which wins over LD_LIBRARY_PATH: cargo puts
+/// target/debug on that path, where a stale libepcomm.so from an earlier `cargo build` may be.
 pub fn link_cdylib_args() -> Vec<String> {
     let lib = cdylib();
     let dir = lib
@@ -194,7 +196,7 @@ pub fn link_cdylib_args() -> Vec<String> {
     vec![
         format!("-L{dir}"),
         "-lepcomm".to_owned(),
-        format!("-Wl,-rpath,{dir}"),
+        format!("-Wl,--disable-new-dtags,-rpath,{dir}"),
     ]
 }
 

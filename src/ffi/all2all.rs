@@ -1,0 +1,646 @@
+//! All2all managers: MoE dispatch and combine by vLLM backend name.
+
+use std::ffi::{c_char, c_void};
+use std::sync::Mutex;
+
+use super::group::{epcomm_group, with_group};
+use super::tensor::{epcomm_device, epcomm_tensor, HostTensor};
+use super::{epcomm_dtype, guard};
+use crate::dtype::{Code, DType};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::moe::{self, Manager, MoeConfig};
+use crate::num::FloatKind;
+use crate::select::all2all;
+
+/// What an all2all manager is built for; initialise with epcomm_moe_config_init.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_moe_config {
+    /// sizeof(epcomm_moe_config); lets the struct grow.
+    pub struct_size: u32,
+    /// Logical experts of the layer.
+    pub num_experts: i64,
+    /// Redundant (replicated) experts added by EPLB; topk_ids are physical ids in
+    /// [0, num_experts + num_redundant_experts), rank r owning a contiguous block of E/R.
+    pub num_redundant_experts: i64,
+    pub top_k: i64,
+    /// Elements per hidden row.
+    pub hidden_size: i64,
+    /// Element type of the hidden rows (any; rows move as bytes). Default bfloat16.
+    pub hidden_dtype: epcomm_dtype,
+    /// Element type of the expert outputs passed to combine (float32/bfloat16/float16).
+    pub expert_dtype: epcomm_dtype,
+    /// Element type combine writes (float32/bfloat16/float16).
+    pub out_dtype: epcomm_dtype,
+    /// Tokens per rank the fixed-capacity layouts hold (M); required for deepep_low_latency,
+    /// nixl_ep and the flashinfer backends; 0 = none.
+    pub max_tokens_per_rank: i64,
+    /// Bytes per token of each extra payload (e.g. fp8 scales) that travels with the rows.
+    pub extra_row_bytes: *const i64,
+    /// Entries in extra_row_bytes.
+    pub num_extras: usize,
+    /// Multiply each hidden row by its router weight before dispatch (top_k must be 1).
+    pub apply_router_weight_on_input: bool,
+}
+
+const BF16: epcomm_dtype = epcomm_dtype {
+    code: Code::Bfloat as u8,
+    bits: 16,
+    lanes: 1,
+};
+
+/// Fills `config` with defaults: bfloat16 everywhere, everything else 0/false.
+///
+/// # Safety
+/// `config` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_moe_config_init(config: *mut epcomm_moe_config) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(config, "config") }?;
+        *out = epcomm_moe_config {
+            struct_size: std::mem::size_of::<epcomm_moe_config>() as u32,
+            num_experts: 0,
+            num_redundant_experts: 0,
+            top_k: 0,
+            hidden_size: 0,
+            hidden_dtype: BF16,
+            expert_dtype: BF16,
+            out_dtype: BF16,
+            max_tokens_per_rank: 0,
+            extra_row_bytes: std::ptr::null(),
+            num_extras: 0,
+            apply_router_weight_on_input: false,
+        };
+        Ok(())
+    })
+}
+
+fn float_kind(d: epcomm_dtype, field: &str) -> Result<FloatKind> {
+    FloatKind::from_dtype(d.into()).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "config->{field} is {}; expected torch.float32, torch.bfloat16 or torch.float16",
+            DType::from(d).torch_name()
+        ))
+    })
+}
+
+fn nonneg(v: i64, field: &str) -> Result<usize> {
+    usize::try_from(v).map_err(|_| {
+        Error::InvalidArgument(format!("config->{field} is {v}; expected a value >= 0"))
+    })
+}
+
+unsafe fn config_arg(config: *const epcomm_moe_config) -> Result<MoeConfig> {
+    // SAFETY: caller contract.
+    let c = unsafe { config.as_ref() }.ok_or(Error::NullPointer("config"))?;
+    if (c.struct_size as usize) < std::mem::size_of::<epcomm_moe_config>() {
+        return Err(Error::InvalidArgument(format!(
+            "config->struct_size is {}: expected sizeof(epcomm_moe_config) = {} (call epcomm_moe_config_init)",
+            c.struct_size,
+            std::mem::size_of::<epcomm_moe_config>()
+        )));
+    }
+    let extras: Vec<usize> = if c.num_extras == 0 {
+        Vec::new()
+    } else if c.extra_row_bytes.is_null() {
+        return Err(Error::NullPointer("config->extra_row_bytes"));
+    } else {
+        // SAFETY: num_extras entries (caller contract).
+        unsafe { std::slice::from_raw_parts(c.extra_row_bytes, c.num_extras) }
+            .iter()
+            .map(|&b| nonneg(b, "extra_row_bytes[i]"))
+            .collect::<Result<_>>()?
+    };
+    Ok(MoeConfig {
+        num_experts: nonneg(c.num_experts, "num_experts")?
+            + nonneg(c.num_redundant_experts, "num_redundant_experts")?,
+        top_k: nonneg(c.top_k, "top_k")?,
+        hidden: nonneg(c.hidden_size, "hidden_size")?,
+        hidden_dtype: c.hidden_dtype.into(),
+        expert_dtype: float_kind(c.expert_dtype, "expert_dtype")?,
+        out_dtype: float_kind(c.out_dtype, "out_dtype")?,
+        max_tokens_per_rank: nonneg(c.max_tokens_per_rank, "max_tokens_per_rank")?,
+        extra_row_bytes: extras,
+        apply_router_weight_on_input: c.apply_router_weight_on_input,
+    })
+}
+
+/// Dispatch results: views of buffers the manager owns, valid until its next call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_dispatch_output {
+    /// EPCOMM_LAYOUT_* of the backend.
+    pub layout: i32,
+    /// Rows actually received (fixed-capacity layouts have more rows in `hidden`).
+    pub received_rows: i64,
+    /// Received rows: [rows, hidden] (EXPERT_MAJOR [E_local, M*R, hidden], RANK_MAJOR
+    /// [R, M, hidden]); combine's expert_output has this shape.
+    pub hidden: epcomm_tensor,
+    /// int64 [rows, K] (TOKEN_MAJOR: non-local ids are -1; RANK_MAJOR: padding rows all -1;
+    /// REPLICATED: every token's ids); empty (shape [0]) for the per-expert layouts.
+    pub topk_ids: epcomm_tensor,
+    /// float32 [rows, K] (as topk_ids; dropped ids have weight 0), EXPERT_PACKED [rows].
+    pub topk_weights: epcomm_tensor,
+    /// int32: TOKEN_MAJOR tokens_per_local_expert [E_local], EXPERT_MAJOR counts [E_local],
+    /// RANK_MAJOR recv_counts [R]; empty otherwise.
+    pub counts: epcomm_tensor,
+    /// int64 EXPERT_PACKED expert_offsets [E_local + 1]; empty otherwise.
+    pub expert_offsets: epcomm_tensor,
+    /// int32 EXPERT_PACKED source rank / source token per row; empty otherwise.
+    pub src_rank: epcomm_tensor,
+    pub src_token: epcomm_tensor,
+    /// One tensor per extra payload, rows laid out like `hidden` (uint8, [rows..., bytes]).
+    pub extras: *const epcomm_tensor,
+    pub num_extras: usize,
+}
+
+/// Per-call statistics; arrays have world_size entries and stay valid until the next call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_all2all_stats {
+    pub world_size: i32,
+    pub tokens_sent: *const u64,
+    pub tokens_received: *const u64,
+    pub bytes_sent: *const u64,
+    pub bytes_received: *const u64,
+    pub combine_bytes_received: *const u64,
+    pub dispatch_seconds: f64,
+    pub combine_seconds: f64,
+}
+
+struct Views {
+    shapes: Vec<Vec<i64>>,
+    extras: Vec<epcomm_tensor>,
+    stats: [Vec<u64>; 5],
+}
+
+/// An all2all manager: MoE dispatch/combine for one backend name and configuration over a
+/// group. Use from one thread at a time; the group must outlive it.
+pub struct epcomm_all2all {
+    group: *const epcomm_group,
+    inner: Mutex<(Manager, Views)>,
+}
+
+/// Creates a manager for `backend` (any name vLLM accepts; `naive`/`pplx` fall back to
+/// allgather_reducescatter with vLLM's warning) over `group`. Logs
+/// `Using {ManagerClass} all2all manager.`. `moonep` returns vLLM's "MoonEP not available"
+/// assertion (not implemented yet). apply_router_weight_on_input with top_k != 1 is vLLM's
+/// AssertionError. Not collective; every rank must use the same backend and config (checked at
+/// the first dispatch).
+///
+/// # Safety
+/// `group` is NULL or a live group handle that outlives the manager; `backend` is NULL or a
+/// NUL-terminated string; `config` is NULL or valid; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_create(
+    group: *const epcomm_group,
+    backend: *const c_char,
+    config: *const epcomm_moe_config,
+    out: *mut *mut epcomm_all2all,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let name = unsafe { guard::str_arg(backend, "backend") }?;
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        let cfg = unsafe { config_arg(config) }?;
+        let (rank, world) = unsafe { with_group(group, |g| Ok((g.rank(), g.size()))) }?;
+        let mgr = Manager::new(name, cfg, rank, world)?;
+        let views = Views {
+            shapes: Vec::new(),
+            extras: Vec::new(),
+            stats: Default::default(),
+        };
+        *out = Box::into_raw(Box::new(epcomm_all2all {
+            group,
+            inner: Mutex::new((mgr, views)),
+        }));
+        Ok(())
+    })
+}
+
+/// Releases a manager (NULL is a no-op); views it returned become invalid.
+///
+/// # Safety
+/// `a2a` is NULL or a handle from epcomm_all2all_create, not used after this call.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_destroy(a2a: *mut epcomm_all2all) {
+    guard::call_or((), || {
+        if !a2a.is_null() {
+            // SAFETY: from Box::into_raw, destroyed once (caller contract).
+            drop(unsafe { Box::from_raw(a2a) });
+        }
+    })
+}
+
+unsafe fn with_manager<T>(
+    a2a: *const epcomm_all2all,
+    f: impl FnOnce(&mut Manager, &mut Views, &mut dyn Group) -> Result<T>,
+) -> Result<T> {
+    // SAFETY: caller contract: a live handle.
+    let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
+    let mut inner = h.inner.try_lock().map_err(|_| {
+        Error::InvalidState(
+            "the all2all handle is in use by another thread; use it from one thread at a time"
+                .into(),
+        )
+    })?;
+    let (mgr, views) = &mut *inner;
+    // SAFETY: the group outlives the manager (documented contract).
+    unsafe { with_group(h.group, |g| f(mgr, views, g)) }
+}
+
+/// A host tensor view; `shapes` keeps the shape array alive (inner buffers never move).
+fn view_tensor(
+    shapes: &mut Vec<Vec<i64>>,
+    data: *const u8,
+    dtype: DType,
+    dims: &[usize],
+) -> epcomm_tensor {
+    shapes.push(dims.iter().map(|&d| d as i64).collect());
+    let shape = shapes.last_mut().expect("just pushed");
+    epcomm_tensor {
+        data: data as *mut c_void,
+        device: epcomm_device {
+            device_type: super::EPCOMM_DEVICE_CPU,
+            device_id: 0,
+        },
+        ndim: shape.len() as i32,
+        dtype: epcomm_dtype {
+            code: dtype.code,
+            bits: dtype.bits,
+            lanes: dtype.lanes,
+        },
+        shape: shape.as_mut_ptr(),
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    }
+}
+
+fn ids_arg(t: &HostTensor) -> Result<Vec<i64>> {
+    let bytes = unsafe { t.as_slice() };
+    match (t.dtype.code(), t.dtype.bits) {
+        (Some(Code::Int), 32) => Ok(bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_ne_bytes(c.try_into().unwrap()) as i64)
+            .collect()),
+        (Some(Code::Int), 64) => Ok(bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_ne_bytes(c.try_into().unwrap()))
+            .collect()),
+        _ => Err(Error::InvalidArgument(format!(
+            "tensor 'topk_ids' has dtype {}; expected torch.int32 or torch.int64",
+            t.dtype.torch_name()
+        ))),
+    }
+}
+
+fn check_2d(t: &HostTensor, rows: Option<usize>, cols: usize, what: &str) -> Result<()> {
+    let ok = t.shape.len() == 2 && t.shape[1] == cols && rows.is_none_or(|r| t.shape[0] == r);
+    if !ok {
+        return Err(Error::InvalidArgument(format!(
+            "tensor '{}' has shape {:?}; expected {what}",
+            t.name, t.shape
+        )));
+    }
+    Ok(())
+}
+
+/// Dispatches this rank's tokens (collective): `hidden` [T, hidden_size] of hidden_dtype,
+/// `topk_ids` [T, top_k] int32/int64 (-1 = masked), `topk_weights` [T, top_k] float32,
+/// `extras` (may be NULL when num_extras is 0) [T, extra_row_bytes[i]] bytes each. T may differ
+/// between ranks and may be 0. Rows are ordered by source rank, then source token, then (for
+/// the per-expert layouts) local expert. On bad input every rank returns an error (the others
+/// are told which rank rejected its input); nobody hangs.
+///
+/// # Safety
+/// Pointers are NULL or valid; tensors describe host memory valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_dispatch(
+    a2a: *mut epcomm_all2all,
+    hidden: *const epcomm_tensor,
+    topk_ids: *const epcomm_tensor,
+    topk_weights: *const epcomm_tensor,
+    extras: *const epcomm_tensor,
+    num_extras: usize,
+    out: *mut epcomm_dispatch_output,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract for every pointer below.
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        unsafe {
+            with_manager(a2a, |mgr, views, g| {
+                let parsed = (|| -> Result<_> {
+                    let cfg = mgr.config();
+                    let x = HostTensor::from_ffi(hidden, "hidden")?;
+                    let ids = HostTensor::from_ffi(topk_ids, "topk_ids")?;
+                    let w = HostTensor::from_ffi(topk_weights, "topk_weights")?;
+                    if x.dtype != cfg.hidden_dtype {
+                        return Err(Error::InvalidArgument(format!(
+                            "tensor 'hidden' has dtype {}; the manager was created for {}",
+                            x.dtype.torch_name(),
+                            cfg.hidden_dtype.torch_name()
+                        )));
+                    }
+                    check_2d(
+                        &x,
+                        None,
+                        cfg.hidden,
+                        &format!("[T, {}] (T tokens of hidden_size)", cfg.hidden),
+                    )?;
+                    let t = x.rows();
+                    check_2d(
+                        &ids,
+                        Some(t),
+                        cfg.top_k,
+                        &format!("[{t}, {}] (T, top_k)", cfg.top_k),
+                    )?;
+                    check_2d(
+                        &w,
+                        Some(t),
+                        cfg.top_k,
+                        &format!("[{t}, {}] (T, top_k)", cfg.top_k),
+                    )?;
+                    if w.dtype != DType::F32 {
+                        return Err(Error::InvalidArgument(format!(
+                            "tensor 'topk_weights' has dtype {}; expected torch.float32",
+                            w.dtype.torch_name()
+                        )));
+                    }
+                    let ids_v = ids_arg(&ids)?;
+                    let w_v: Vec<f32> = w
+                        .as_slice()
+                        .chunks_exact(4)
+                        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+                        .collect();
+                    if num_extras != cfg.extra_row_bytes.len() {
+                        return Err(Error::InvalidArgument(format!(
+                            "num_extras is {num_extras}; the manager was created for {}",
+                            cfg.extra_row_bytes.len()
+                        )));
+                    }
+                    let mut ex = Vec::with_capacity(num_extras);
+                    if num_extras > 0 {
+                        if extras.is_null() {
+                            return Err(Error::NullPointer("extras"));
+                        }
+                        for i in 0..num_extras {
+                            let e = HostTensor::from_ffi(extras.add(i), "extras[i]")?;
+                            if e.rows() != t || e.row_bytes() != cfg.extra_row_bytes[i] {
+                                return Err(Error::InvalidArgument(format!(
+                                    "tensor 'extras[{i}]' has shape {:?} ({} bytes per row); expected {t} rows of {} bytes",
+                                    e.shape,
+                                    e.row_bytes(),
+                                    cfg.extra_row_bytes[i]
+                                )));
+                            }
+                            ex.push(e);
+                        }
+                    }
+                    Ok((x, ids_v, w_v, ex))
+                })();
+                let (x, ids_v, w_v, ex) = match parsed {
+                    Ok(p) => p,
+                    Err(e) => return Err(mgr.reject_dispatch(g, e)),
+                };
+                let ex_slices: Vec<&[u8]> = ex.iter().map(|e| e.as_slice()).collect();
+                mgr.dispatch(g, x.as_slice(), &ids_v, &w_v, &ex_slices)?;
+                *out = describe(mgr, views);
+                Ok(())
+            })
+        }
+    })
+}
+
+fn describe(mgr: &Manager, views: &mut Views) -> epcomm_dispatch_output {
+    let v = mgr.view();
+    let cfg = mgr.config();
+    let k = cfg.top_k;
+    let rows: usize = v.shape[..v.shape.len() - 1].iter().product();
+    let (ids_dims, w_dims) = if v.topk_ids.is_empty() {
+        (vec![0], vec![v.topk_weights.len()])
+    } else {
+        (vec![rows, k], vec![rows, k])
+    };
+    let mut shapes = Vec::with_capacity(7 + v.extras.len());
+    let s = &mut shapes;
+    let u8t = DType::new(Code::UInt, 8);
+    views.extras = v
+        .extras
+        .iter()
+        .zip(&cfg.extra_row_bytes)
+        .map(|(buf, &rb)| {
+            let mut dims = v.shape[..v.shape.len() - 1].to_vec();
+            dims.push(rb);
+            view_tensor(s, buf.as_ptr(), u8t, &dims)
+        })
+        .collect();
+    let out = epcomm_dispatch_output {
+        layout: v.layout as i32,
+        received_rows: v.received_rows as i64,
+        hidden: view_tensor(s, v.hidden.as_ptr(), cfg.hidden_dtype, v.shape),
+        topk_ids: view_tensor(s, v.topk_ids.as_ptr().cast(), DType::I64, &ids_dims),
+        topk_weights: view_tensor(s, v.topk_weights.as_ptr().cast(), DType::F32, &w_dims),
+        counts: view_tensor(s, v.counts.as_ptr().cast(), DType::I32, &[v.counts.len()]),
+        expert_offsets: view_tensor(
+            s,
+            v.expert_offsets.as_ptr().cast(),
+            DType::I64,
+            &[v.expert_offsets.len()],
+        ),
+        src_rank: view_tensor(
+            s,
+            v.src_rank.as_ptr().cast(),
+            DType::I32,
+            &[v.src_rank.len()],
+        ),
+        src_token: view_tensor(
+            s,
+            v.src_token.as_ptr().cast(),
+            DType::I32,
+            &[v.src_token.len()],
+        ),
+        extras: if views.extras.is_empty() {
+            std::ptr::null()
+        } else {
+            views.extras.as_ptr()
+        },
+        num_extras: views.extras.len(),
+    };
+    // Moving the outer vector keeps every shape buffer where the tensors point.
+    views.shapes = shapes;
+    out
+}
+
+/// Brings the expert outputs home and reduces them (collective). `expert_output` has the shape
+/// of the dispatch output's `hidden` and the config's expert_dtype: TOKEN_MAJOR and RANK_MAJOR
+/// rows are already weighted and summed over this rank's experts, REPLICATED rows are this
+/// rank's partial sums, EXPERT_MAJOR/EXPERT_PACKED rows are raw expert outputs (weighted on the
+/// source). `output` is [T, hidden_size] of out_dtype; sums are accumulated in float32.
+///
+/// # Safety
+/// Pointers are NULL or valid; tensors describe host memory valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_combine(
+    a2a: *mut epcomm_all2all,
+    expert_output: *const epcomm_tensor,
+    output: *const epcomm_tensor,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract for every pointer below.
+        unsafe {
+            with_manager(a2a, |mgr, _, g| {
+                let parsed = (|| -> Result<_> {
+                    let cfg = mgr.config();
+                    let y = HostTensor::from_ffi(expert_output, "expert_output")?;
+                    let o = HostTensor::from_ffi(output, "output")?;
+                    if y.dtype != cfg.expert_dtype.dtype() {
+                        return Err(Error::InvalidArgument(format!(
+                            "tensor 'expert_output' has dtype {}; the manager was created for {}",
+                            y.dtype.torch_name(),
+                            cfg.expert_dtype.dtype().torch_name()
+                        )));
+                    }
+                    if o.dtype != cfg.out_dtype.dtype() {
+                        return Err(Error::InvalidArgument(format!(
+                            "tensor 'output' has dtype {}; the manager was created for {}",
+                            o.dtype.torch_name(),
+                            cfg.out_dtype.dtype().torch_name()
+                        )));
+                    }
+                    if let Some(rows) = mgr.combine_rows() {
+                        let want = rows * cfg.hidden;
+                        if y.shape.last() != Some(&cfg.hidden)
+                            || y.bytes / (y.dtype.bits as usize / 8) != want
+                        {
+                            return Err(Error::InvalidArgument(format!(
+                                "tensor 'expert_output' has shape {:?}; expected the shape of the dispatch output ({rows} rows of {})",
+                                y.shape, cfg.hidden
+                            )));
+                        }
+                        check_2d(
+                            &o,
+                            Some(mgr.tokens()),
+                            cfg.hidden,
+                            &format!("[{}, {}] (T, hidden_size)", mgr.tokens(), cfg.hidden),
+                        )?;
+                    }
+                    y.check_disjoint(&o)?;
+                    Ok((y, o))
+                })();
+                let (y, o) = match parsed {
+                    Ok(p) => p,
+                    Err(e) => return Err(mgr.reject_combine(g, e)),
+                };
+                mgr.combine(g, y.as_slice(), o.as_mut_slice())
+            })
+        }
+    })
+}
+
+/// Declares a MoE layer's top_k and num_experts (physical). The flashinfer_nvlink_one_sided
+/// manager returns vLLM's AssertionError when they differ from what it was built with ("does
+/// not support heterogeneous top_k across MoE layers"); the others an invalid-argument error.
+///
+/// # Safety
+/// `a2a` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_check_layer(
+    a2a: *const epcomm_all2all,
+    top_k: i64,
+    num_experts: i64,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
+        let inner = h.inner.try_lock().map_err(|_| {
+            Error::InvalidState("the all2all handle is in use by another thread".into())
+        })?;
+        inner
+            .0
+            .check_layer(top_k.max(0) as usize, num_experts.max(0) as usize)
+    })
+}
+
+/// Bytes a backend's dispatch buffers (rows, extras, metadata) and combine accumulator need for
+/// `tokens_per_rank` tokens on each of `world_size` ranks, in the worst case, before anything
+/// is allocated.
+///
+/// # Safety
+/// `backend` is NULL or a NUL-terminated string; `config` is NULL or valid; `bytes_out` is NULL
+/// or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_buffer_bytes(
+    backend: *const c_char,
+    config: *const epcomm_moe_config,
+    world_size: i32,
+    tokens_per_rank: i64,
+    bytes_out: *mut u64,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let name = unsafe { guard::str_arg(backend, "backend") }?;
+        let out = unsafe { guard::out_arg(bytes_out, "bytes_out") }?;
+        let cfg = unsafe { config_arg(config) }?;
+        let b = all2all::resolve_quiet(name)?.backend;
+        let world = usize::try_from(world_size)
+            .ok()
+            .filter(|&w| w > 0)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("world_size is {world_size}; expected >= 1"))
+            })?;
+        let tokens = usize::try_from(tokens_per_rank).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "tokens_per_rank is {tokens_per_rank}; expected >= 0"
+            ))
+        })?;
+        *out = moe::buffer_bytes(b.layout(), &cfg, world, tokens) as u64;
+        Ok(())
+    })
+}
+
+/// Statistics of the last dispatch and combine (tokens and bytes per peer, seconds).
+///
+/// # Safety
+/// `a2a` is NULL or a live handle; `stats_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_get_stats(
+    a2a: *const epcomm_all2all,
+    stats_out: *mut epcomm_all2all_stats,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(stats_out, "stats_out") }?;
+        let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
+        let mut inner = h.inner.try_lock().map_err(|_| {
+            Error::InvalidState("the all2all handle is in use by another thread".into())
+        })?;
+        let (mgr, views) = &mut *inner;
+        let s = mgr.stats().clone();
+        let world = s.tokens_sent.len().max(1);
+        let pad = |v: &Vec<u64>| {
+            let mut v = v.clone();
+            v.resize(world, 0);
+            v
+        };
+        views.stats = [
+            pad(&s.tokens_sent),
+            pad(&s.tokens_received),
+            pad(&s.bytes_sent),
+            pad(&s.bytes_received),
+            pad(&s.combine_bytes_received),
+        ];
+        *out = epcomm_all2all_stats {
+            world_size: s.tokens_sent.len() as i32,
+            tokens_sent: views.stats[0].as_ptr(),
+            tokens_received: views.stats[1].as_ptr(),
+            bytes_sent: views.stats[2].as_ptr(),
+            bytes_received: views.stats[3].as_ptr(),
+            combine_bytes_received: views.stats[4].as_ptr(),
+            dispatch_seconds: s.dispatch_time.as_secs_f64(),
+            combine_seconds: s.combine_time.as_secs_f64(),
+        };
+        Ok(())
+    })
+}
