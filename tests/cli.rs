@@ -174,3 +174,50 @@ fn backends_lists_every_name() {
     assert_eq!(v[10]["name"], "flashinfer_all2allv");
     assert_eq!(v[10]["kind"], "alias");
 }
+
+#[test]
+fn demo_runs_every_backend_and_checks_the_reference() {
+    let o = epcomm(&[
+        "demo",
+        "--ranks",
+        "2",
+        "--tokens",
+        "16",
+        "--hidden",
+        "32",
+        "--experts",
+        "8",
+        "--topk",
+        "2",
+        "--steps",
+        "2",
+        "--dtype",
+        "f32",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for b in epcomm::select::all2all::Backend::ALL {
+        if b.name() == "moonep" {
+            assert!(
+                out.contains("moonep AssertionError: MoonEP not available."),
+                "{out}"
+            );
+        } else {
+            let line = out
+                .lines()
+                .find(|l| l.starts_with(&format!("{} ", b.name())))
+                .unwrap_or_else(|| panic!("{out}"));
+            assert!(line.ends_with(" ok"), "{line}");
+            assert!(line.contains(b.layout().name()), "{line}");
+        }
+    }
+    assert!(out.contains("All checks passed."));
+    let o = epcomm(&["demo", "--experts", "7", "--ranks", "2"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr_lines(&o)[0].contains("--experts 7 must be a multiple of --ranks 2"));
+}

@@ -1,6 +1,7 @@
 //! `epcomm` command-line tool: check a configuration before launch, list backends, benchmark.
 
 mod bench;
+mod demo;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -18,6 +19,8 @@ epcomm: vLLM's expert-parallel communication layer
 usage:
   epcomm check [--config JSON|FILE] [vLLM-style flags] [--json]
   epcomm backends [--json]
+  epcomm demo [--backend NAME|all] [--ranks N] [--tokens T] [--hidden H] [--experts E]
+              [--topk K] [--dtype bf16|f16|f32] [--seed S] [--steps N] [--routing skewed|uniform]
   epcomm bench group [--ranks N] [--mib MiB] [--iters N] [--json]
   epcomm version
 
@@ -294,6 +297,7 @@ fn main() -> ExitCode {
         Some("check") => cmd_check(&args[1..]),
         Some("backends") => cmd_backends(&args[1..]),
         Some("bench") => bench::cmd_bench(&args[1..]),
+        Some("demo") => demo::cmd_demo(&args[1..]),
         Some("version" | "--version" | "-V") => {
             println!("epcomm {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS
@@ -303,8 +307,11 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Some(other) => {
-            let near =
-                suggest::did_you_mean(other, ["check", "backends", "bench", "version"], "commands");
+            let near = suggest::did_you_mean(
+                other,
+                ["check", "backends", "demo", "bench", "version"],
+                "commands",
+            );
             usage_error(&format!("unknown command '{other}' ({near})"))
         }
     }

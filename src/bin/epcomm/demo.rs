@@ -1,0 +1,386 @@
+//! `epcomm demo`: the main job. Several MoE steps per backend on ranks that are real processes
+//! over shared memory: skewed random routing, toy experts with real weights, every rank's
+//! combined output checked against the single-process float32 reference, and a table.
+
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Duration;
+
+use epcomm::group::shm::ShmGroup;
+use epcomm::group::GroupOptions;
+use epcomm::moe::reference::{unit, ToyExperts};
+use epcomm::moe::{Manager, MoeConfig};
+use epcomm::num::{self, FloatKind};
+use epcomm::select::all2all::{self, Backend};
+
+#[derive(Clone, Debug)]
+struct Params {
+    backends: Vec<String>,
+    ranks: usize,
+    tokens: usize,
+    hidden: usize,
+    experts: usize,
+    topk: usize,
+    kind: FloatKind,
+    seed: u64,
+    steps: usize,
+    skewed: bool,
+}
+
+const USAGE: &str = "usage: epcomm demo [--backend NAME|all] [--ranks N] [--tokens T] [--hidden H] [--experts E] [--topk K] [--dtype bf16|f16|f32] [--seed S] [--steps N] [--routing skewed|uniform]";
+
+fn parse(args: &[String]) -> Result<Params, String> {
+    let mut p = Params {
+        backends: vec!["all".into()],
+        ranks: 4,
+        tokens: 256,
+        hidden: 1024,
+        experts: 32,
+        topk: 4,
+        kind: FloatKind::Bf16,
+        seed: 0,
+        steps: 3,
+        skewed: true,
+    };
+    let mut i = 0;
+    while i < args.len() {
+        let flag = args[i].clone();
+        let (name, inline) = match flag.split_once('=') {
+            Some((n, v)) => (n.to_owned(), Some(v.to_owned())),
+            None => (flag.clone(), None),
+        };
+        let value = match inline {
+            Some(v) => v,
+            None => {
+                i += 1;
+                args.get(i)
+                    .cloned()
+                    .ok_or(format!("{name} needs a value"))?
+            }
+        };
+        let num = |v: &str| {
+            v.parse::<usize>()
+                .map_err(|_| format!("{name} needs a non-negative integer, got '{v}'"))
+        };
+        match name.as_str() {
+            "--backend" => p.backends = value.split(',').map(str::to_owned).collect(),
+            "--ranks" => p.ranks = num(&value)?,
+            "--tokens" => p.tokens = num(&value)?,
+            "--hidden" => p.hidden = num(&value)?,
+            "--experts" => p.experts = num(&value)?,
+            "--topk" => p.topk = num(&value)?,
+            "--seed" => p.seed = num(&value)? as u64,
+            "--steps" => p.steps = num(&value)?,
+            "--dtype" => {
+                p.kind = match value.as_str() {
+                    "bf16" | "bfloat16" => FloatKind::Bf16,
+                    "f16" | "fp16" | "float16" => FloatKind::F16,
+                    "f32" | "fp32" | "float32" => FloatKind::F32,
+                    other => return Err(format!("--dtype {other}: expected bf16, f16 or f32")),
+                }
+            }
+            "--routing" => {
+                p.skewed = match value.as_str() {
+                    "skewed" => true,
+                    "uniform" => false,
+                    other => return Err(format!("--routing {other}: expected skewed or uniform")),
+                }
+            }
+            other => return Err(format!("unknown option '{other}'")),
+        }
+        i += 1;
+    }
+    if p.ranks == 0 || p.experts == 0 || p.topk == 0 || p.hidden == 0 || p.steps == 0 {
+        return Err("--ranks, --experts, --topk, --hidden and --steps must be positive".into());
+    }
+    if p.experts % p.ranks != 0 {
+        return Err(format!(
+            "--experts {} must be a multiple of --ranks {} (each rank owns E/R experts)",
+            p.experts, p.ranks
+        ));
+    }
+    if p.topk > p.experts {
+        return Err(format!("--topk {} exceeds --experts {}", p.topk, p.experts));
+    }
+    if p.backends == ["all"] {
+        p.backends = Backend::ALL.iter().map(|b| b.name().to_owned()).collect();
+    }
+    for b in &p.backends {
+        all2all::resolve_quiet(b).map_err(|e| format!("--backend: {e}"))?;
+    }
+    Ok(p)
+}
+
+/// Tokens of `rank` at `step`: around T, uneven across ranks, never above T.
+fn tokens_of(p: &Params, rank: usize, step: usize) -> usize {
+    let u = (unit(p.seed ^ 0x5eed, (rank * 1000 + step) as u64) + 1.0) / 2.0;
+    ((p.tokens as f32) * (0.5 + 0.5 * u)) as usize
+}
+
+/// Top-k routing with a skewed (Zipf-like) or uniform expert popularity.
+fn routing(p: &Params, rank: usize, step: usize, t: usize) -> (Vec<i64>, Vec<f32>) {
+    let cdf: Vec<f32> = {
+        let w: Vec<f32> = (0..p.experts)
+            .map(|e| {
+                if p.skewed {
+                    1.0 / ((e + 1) as f32).powf(1.1)
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        let total: f32 = w.iter().sum();
+        w.iter()
+            .scan(0.0, |a, x| {
+                *a += x / total;
+                Some(*a)
+            })
+            .collect()
+    };
+    // Spread hot experts over ranks: popularity rank i maps to expert (i * stride) % E.
+    let stride = (1..p.experts)
+        .find(|s| gcd(*s, p.experts) == 1 && *s * 3 > p.experts)
+        .unwrap_or(1);
+    let mut ids = Vec::with_capacity(t * p.topk);
+    let mut ws = Vec::with_capacity(t * p.topk);
+    for tok in 0..t {
+        let mut row: Vec<i64> = Vec::new();
+        let mut i = 0u64;
+        while row.len() < p.topk {
+            let u = (unit(
+                p.seed ^ ((rank as u64) << 20) ^ ((step as u64) << 40),
+                (tok as u64) << 10 | i,
+            ) + 1.0)
+                / 2.0;
+            i += 1;
+            let pop = cdf.iter().position(|&c| u <= c).unwrap_or(p.experts - 1);
+            let e = ((pop * stride) % p.experts) as i64;
+            if !row.contains(&e) {
+                row.push(e);
+            }
+        }
+        let raw: Vec<f32> = (0..p.topk)
+            .map(|j| 1.0 + (unit(p.seed ^ 0xfeed, (tok * 64 + j) as u64) + 1.0))
+            .collect();
+        let s: f32 = raw.iter().sum();
+        ids.extend(row);
+        ws.extend(raw.iter().map(|r| r / s));
+    }
+    (ids, ws)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn tolerance(kind: FloatKind) -> f32 {
+    match kind {
+        FloatKind::F32 => 1e-5,
+        FloatKind::F16 => 4e-3,
+        FloatKind::Bf16 => 3e-2,
+    }
+}
+
+/// One rank: prints `RESULT backend max_err dispatch_s combine_s tokens bytes` per backend.
+fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
+    let opts = GroupOptions {
+        timeout: Duration::from_secs(60),
+        ..GroupOptions::default()
+    };
+    let mut g = ShmGroup::join(group, rank, p.ranks, opts).map_err(|e| e.to_string())?;
+    let experts = ToyExperts::new(p.experts, p.hidden, p.seed);
+    for name in &p.backends {
+        let cfg = MoeConfig {
+            num_experts: p.experts,
+            top_k: p.topk,
+            hidden: p.hidden,
+            hidden_dtype: p.kind.dtype(),
+            expert_dtype: p.kind,
+            out_dtype: p.kind,
+            max_tokens_per_rank: p.tokens,
+            extra_row_bytes: vec![],
+            apply_router_weight_on_input: false,
+        };
+        let mut m = match Manager::new(name, cfg, rank, p.ranks) {
+            Ok(m) => m,
+            Err(e) => {
+                println!("SKIP {name} {}: {e}", e.exception());
+                continue;
+            }
+        };
+        let (mut err, mut dt, mut ct, mut tokens, mut bytes) = (0f32, 0f64, 0f64, 0u64, 0u64);
+        for step in 0..p.steps {
+            let t = tokens_of(p, rank, step);
+            let (ids, ws) = routing(p, rank, step, t);
+            let x32: Vec<f32> = (0..(t * p.hidden) as u64)
+                .map(|i| unit(p.seed ^ ((rank as u64) << 32) ^ step as u64, i))
+                .collect();
+            let x = num::from_f32(&x32, p.kind);
+            let v = m
+                .dispatch(&mut g, &x, &ids, &ws, &[])
+                .map_err(|e| format!("{name}: {e}"))?;
+            let y = num::from_f32(
+                &experts.run_local(&v, p.kind, rank, p.ranks, p.topk),
+                p.kind,
+            );
+            let mut out = vec![0u8; t * p.hidden * p.kind.size()];
+            m.combine(&mut g, &y, &mut out)
+                .map_err(|e| format!("{name}: {e}"))?;
+            let want = experts.reference(&num::to_f32(&x, p.kind), &ids, &ws, p.topk, false);
+            let got = num::to_f32(&out, p.kind);
+            for (a, b) in got.iter().zip(&want) {
+                err = err.max((a - b).abs() / b.abs().max(1.0));
+            }
+            let s = m.stats();
+            dt += s.dispatch_time.as_secs_f64();
+            ct += s.combine_time.as_secs_f64();
+            tokens += t as u64;
+            bytes +=
+                s.bytes_received.iter().sum::<u64>() + s.combine_bytes_received.iter().sum::<u64>();
+        }
+        println!("RESULT {name} {err:e} {dt:e} {ct:e} {tokens} {bytes}");
+    }
+    Ok(())
+}
+
+struct Row {
+    err: f32,
+    dispatch: f64,
+    combine: f64,
+    tokens: u64,
+    bytes: u64,
+}
+
+pub fn cmd_demo(args: &[String]) -> ExitCode {
+    let p = match parse(args) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("epcomm: error: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    if let (Ok(rank), Ok(group)) = (
+        std::env::var("EPCOMM_DEMO_RANK"),
+        std::env::var("EPCOMM_DEMO_GROUP"),
+    ) {
+        let rank: usize = rank.parse().unwrap_or(0);
+        return match rank_main(&p, rank, &group) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("rank {rank}: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("epcomm: cannot find own executable: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    println!(
+        "epcomm demo: {} ranks (processes) over shared memory, ~{} tokens/rank, hidden {}, {} experts, top-{}, {}, {} routing, {} steps per backend",
+        p.ranks,
+        p.tokens,
+        p.hidden,
+        p.experts,
+        p.topk,
+        p.kind.name(),
+        if p.skewed { "skewed" } else { "uniform" },
+        p.steps
+    );
+    let group = format!("demo{}", std::process::id());
+    let children: Vec<_> = (0..p.ranks)
+        .map(|r| {
+            Command::new(&exe)
+                .arg("demo")
+                .args(args)
+                .env("EPCOMM_DEMO_RANK", r.to_string())
+                .env("EPCOMM_DEMO_GROUP", &group)
+                .env("EPCOMM_LOG_LEVEL", "error")
+                .stdout(Stdio::piped())
+                .spawn()
+        })
+        .collect();
+    let mut rows: Vec<(String, Vec<Row>)> =
+        p.backends.iter().map(|b| (b.clone(), Vec::new())).collect();
+    let mut skipped: Vec<String> = Vec::new();
+    let mut failed = false;
+    for c in children {
+        let out = match c.and_then(|c| c.wait_with_output()) {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("epcomm: cannot run a rank: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        failed |= !out.status.success();
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if let Some(rest) = line.strip_prefix("RESULT ") {
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                if let (Some(slot), [_, e, d, c, t, b]) =
+                    (rows.iter_mut().find(|r| r.0 == f[0]), f.as_slice())
+                {
+                    slot.1.push(Row {
+                        err: e.parse().unwrap_or(f32::INFINITY),
+                        dispatch: d.parse().unwrap_or(0.0),
+                        combine: c.parse().unwrap_or(0.0),
+                        tokens: t.parse().unwrap_or(0),
+                        bytes: b.parse().unwrap_or(0),
+                    });
+                }
+            } else if let Some(rest) = line.strip_prefix("SKIP ") {
+                if !skipped.iter().any(|s| s == rest) {
+                    skipped.push(rest.to_owned());
+                }
+            }
+        }
+    }
+    println!(
+        "\n{:<28} {:<14} {:>12} {:>9} {:>12} {:>10}  check",
+        "backend", "layout", "tokens/s", "GB/s", "max rel err", "ms/step"
+    );
+    let tol = tolerance(p.kind);
+    for (name, r) in &rows {
+        if r.len() != p.ranks {
+            continue;
+        }
+        let backend = all2all::resolve_quiet(name).map(|x| x.backend).ok();
+        let layout = backend.map_or("?", |b| b.layout().name());
+        // Wall time of a step is the slowest rank's.
+        let time = r.iter().map(|x| x.dispatch + x.combine).fold(0.0, f64::max);
+        let tokens: u64 = r.iter().map(|x| x.tokens).sum();
+        let bytes: u64 = r.iter().map(|x| x.bytes).sum();
+        let err = r.iter().map(|x| x.err).fold(0.0, f32::max);
+        let ok = err <= tol;
+        failed |= !ok;
+        println!(
+            "{:<28} {:<14} {:>12.0} {:>9.2} {:>12.2e} {:>10.2}  {}",
+            name,
+            layout,
+            tokens as f64 / time,
+            bytes as f64 / time / 1e9,
+            err,
+            time * 1e3 / p.steps as f64,
+            if ok { "ok" } else { "FAILED" }
+        );
+    }
+    for s in &skipped {
+        println!("{s}");
+    }
+    println!(
+        "\nEvery rank's combined output was compared with a single-process float32 reference (tolerance {tol:.0e} relative for {}).",
+        p.kind.name()
+    );
+    if failed {
+        eprintln!("epcomm demo: FAILED");
+        ExitCode::from(1)
+    } else {
+        println!("All checks passed.");
+        ExitCode::SUCCESS
+    }
+}
