@@ -5,6 +5,7 @@
 //! types; `ffi` holds every `extern "C"` item; `probe` finds optional native libraries.
 
 pub mod dtype;
+pub mod eplb;
 pub mod error;
 pub mod ffi;
 pub mod group;
