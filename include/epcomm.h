@@ -712,6 +712,40 @@ int32_t epcomm_config_check(const char *config_json);
 int32_t epcomm_config_check_report(const char *config_json, char *buffer, size_t buffer_len, size_t *report_len_out);
 
 /**
+ * Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm), bit for bit:
+ * `weight` is [num_layers, num_logical_experts] token counts (as float), the result
+ * `phy2log_out` [num_layers, num_replicas] maps every physical slot to a logical expert. Uses
+ * the hierarchical policy when groups divide into nodes, else the global one; when
+ * num_ranks % num_nodes != 0 it uses one node and logs vLLM's warning. With `old_phy2log`
+ * (NULL = none), experts that stay on a GPU keep their old slots. Violated preconditions
+ * (E % G, G % N, R % N, P % R) are EPCOMM_ERROR_ASSERTION, as vLLM's asserts.
+ *
+ * # Safety
+ * `weight` holds num_layers*num_logical_experts floats; `old_phy2log` is NULL or holds and
+ * `phy2log_out` has room for num_layers*num_replicas int64.
+ */
+int32_t epcomm_eplb_rebalance(const float *weight, int64_t num_layers, int64_t num_logical_experts, int64_t num_replicas, int64_t num_groups, int64_t num_nodes, int64_t num_ranks, const int64_t *old_phy2log, int64_t *phy2log_out);
+
+/**
+ * From physical → logical maps [num_layers, num_physical], writes the replica count per
+ * logical expert `logcnt_out` [num_layers, num_logical] and the logical → physical map
+ * `log2phy_out` [num_layers, num_logical, max_replicas] (ascending slots, padded with -1).
+ * An expert with more than max_replicas replicas is an error naming it.
+ *
+ * # Safety
+ * Buffers hold the sizes above.
+ */
+int32_t epcomm_eplb_logical_maps(const int64_t *phy2log, int64_t num_layers, int64_t num_physical, int64_t num_logical, int64_t max_replicas, int64_t *logcnt_out, int64_t *log2phy_out);
+
+/**
+ * The smallest num_redundant_experts that makes num_logical + redundant divisible by ep_size.
+ *
+ * # Safety
+ * `out` is NULL or writable.
+ */
+int32_t epcomm_eplb_min_redundant_experts(int64_t num_logical, int64_t ep_size, int64_t *out);
+
+/**
  * The message of the last failed call on this thread, or NULL if none failed yet.
  *
  * Where vLLM raises an error for the same condition, this is exactly vLLM's text. The pointer

@@ -7,6 +7,7 @@ mod guard;
 
 pub mod all2all;
 pub mod config;
+pub mod eplb;
 pub mod error;
 pub mod group;
 pub mod log;

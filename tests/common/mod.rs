@@ -264,3 +264,23 @@ pub fn assert_c_test_passed(what: &str, out: &RunOutput) {
     );
     println!("{what}: {last}");
 }
+
+/// AddressSanitizer and UBSan, as every C test builds.
+pub const SANITIZERS: &str = "-fsanitize=address,undefined";
+
+/// Compiles `source` with `compiler` and `lang_flags` (e.g. `-std=c11`) plus warnings as
+/// errors and the sanitizers, linked against the shared library, into `out`.
+pub fn build_sanitized(compiler: &str, lang_flags: &[&str], source: &Path, out: &Path) {
+    let mut args: Vec<String> = lang_flags.iter().map(|s| s.to_string()).collect();
+    args.extend(WARNING_FLAGS.iter().map(|s| s.to_string()));
+    args.push(SANITIZERS.to_owned());
+    args.push(format!("-I{}", include_dir().display()));
+    args.push(source.display().to_string());
+    args.push("-o".to_owned());
+    args.push(out.display().to_string());
+    // `-x none` ends `-x c++` so the libraries are not taken for C++ sources.
+    args.push("-x".to_owned());
+    args.push("none".to_owned());
+    args.extend(link_cdylib_args());
+    compile(compiler, &args);
+}
