@@ -4,11 +4,9 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use common::*;
-
-const SANITIZERS: &str = "-fsanitize=address,undefined";
 
 fn abi_test_source() -> PathBuf {
     manifest_dir().join("tests/c/abi_test.c")
@@ -16,23 +14,6 @@ fn abi_test_source() -> PathBuf {
 
 fn include_flag() -> String {
     format!("-I{}", include_dir().display())
-}
-
-/// Compiles `source` with `compiler` and `lang_flags` (e.g. `-std=c11`) plus the shared flags,
-/// linked against the shared library, into `out`.
-fn build_against_cdylib(compiler: &str, lang_flags: &[&str], source: &Path, out: &Path) {
-    let mut args: Vec<String> = lang_flags.iter().map(|s| s.to_string()).collect();
-    args.extend(WARNING_FLAGS.iter().map(|s| s.to_string()));
-    args.push(SANITIZERS.to_owned());
-    args.push(include_flag());
-    args.push(source.display().to_string());
-    args.push("-o".to_owned());
-    args.push(out.display().to_string());
-    // `-x none` ends `-x c++` so the libraries are not taken for C++ sources.
-    args.push("-x".to_owned());
-    args.push("none".to_owned());
-    args.extend(link_cdylib_args());
-    compile(compiler, &args);
 }
 
 /// The header alone, included first, compiles without warnings.
@@ -73,7 +54,7 @@ fn header_compiles_as_cpp17() {
 fn abi_test_c11_shared_sanitized() {
     let dir = out_dir("abi-c11");
     let exe = dir.join("abi_test_c");
-    build_against_cdylib(&c_compiler(), &["-std=c11"], &abi_test_source(), &exe);
+    build_sanitized(&c_compiler(), &["-std=c11"], &abi_test_source(), &exe);
     let out = run_sanitized(&exe);
     assert_c_test_passed("abi_test (C11, libepcomm.so, ASan+UBSan)", &out);
 }
@@ -82,7 +63,7 @@ fn abi_test_c11_shared_sanitized() {
 fn abi_test_cpp17_shared_sanitized() {
     let dir = out_dir("abi-cpp17");
     let exe = dir.join("abi_test_cpp");
-    build_against_cdylib(
+    build_sanitized(
         &cxx_compiler(),
         &["-x", "c++", "-std=c++17"],
         &abi_test_source(),

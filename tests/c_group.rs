@@ -11,30 +11,11 @@ use std::time::Duration;
 
 use common::*;
 
-const SANITIZERS: &str = "-fsanitize=address,undefined";
-
 /// The program's own deadline for its ranks is 45 s; this bounds the whole run above that.
 const GROUP_RUN_TIMEOUT: Duration = Duration::from_secs(90);
 
 fn group_test_source() -> PathBuf {
     manifest_dir().join("tests/c/group_test.c")
-}
-
-/// Compiles `source` with `compiler` and `lang_flags` plus warnings-as-errors and the
-/// sanitizers, linked against the shared library, into `out`.
-fn build_against_cdylib(compiler: &str, lang_flags: &[&str], source: &Path, out: &Path) {
-    let mut args: Vec<String> = lang_flags.iter().map(|s| s.to_string()).collect();
-    args.extend(WARNING_FLAGS.iter().map(|s| s.to_string()));
-    args.push(SANITIZERS.to_owned());
-    args.push(format!("-I{}", include_dir().display()));
-    args.push(source.display().to_string());
-    args.push("-o".to_owned());
-    args.push(out.display().to_string());
-    // `-x none` ends `-x c++` so the libraries are not taken for C++ sources.
-    args.push("-x".to_owned());
-    args.push("none".to_owned());
-    args.extend(link_cdylib_args());
-    compile(compiler, &args);
 }
 
 /// The program with its group-name argument and the environment tests/common uses for
@@ -91,7 +72,7 @@ fn group_name(suffix: &str) -> String {
 fn group_test_c11_shared_sanitized() {
     let dir = out_dir("group-c11");
     let exe = dir.join("group_test_c");
-    build_against_cdylib(&c_compiler(), &["-std=c11"], &group_test_source(), &exe);
+    build_sanitized(&c_compiler(), &["-std=c11"], &group_test_source(), &exe);
     let out = run_group_test(&exe, &group_name("c"));
     assert_c_test_passed("group_test (C11, libepcomm.so, ASan+UBSan)", &out);
 }
@@ -100,7 +81,7 @@ fn group_test_c11_shared_sanitized() {
 fn group_test_cpp17_shared_sanitized() {
     let dir = out_dir("group-cpp17");
     let exe = dir.join("group_test_cpp");
-    build_against_cdylib(
+    build_sanitized(
         &cxx_compiler(),
         &["-x", "c++", "-std=c++17"],
         &group_test_source(),

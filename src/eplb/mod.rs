@@ -1,4 +1,7 @@
-//! Expert-parallel load balancing (SPEC §5): the rebalancing policy. (Transfer plans,
-//! communicators and the load state are tracked in the EPLB issue.)
+//! Expert-parallel load balancing (SPEC §5): the rebalancing policy, the transfer plan, the
+//! communicators that move expert weights, and the rearrangement itself.
 
+pub mod communicator;
 pub mod policy;
+pub mod rearrange;
+pub mod transfer;

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::moe::{self, Manager, MoeConfig};
 use crate::num::FloatKind;
-use crate::select::all2all;
+use crate::select::all2all::{self, Layout};
 
 /// What an all2all manager is built for; initialise with epcomm_moe_config_init.
 #[repr(C)]
@@ -328,10 +328,10 @@ pub unsafe extern "C" fn epcomm_all2all_dispatch(
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract for every pointer below.
-        let out = unsafe { guard::out_arg(out, "out") }?;
         unsafe {
             with_manager(a2a, |mgr, views, g| {
                 let parsed = (|| -> Result<_> {
+                    let out = guard::out_arg(out, "out")?;
                     let cfg = mgr.config();
                     let x = HostTensor::from_ffi(hidden, "hidden")?;
                     let ids = HostTensor::from_ffi(topk_ids, "topk_ids")?;
@@ -398,9 +398,9 @@ pub unsafe extern "C" fn epcomm_all2all_dispatch(
                             ex.push(e);
                         }
                     }
-                    Ok((x, ids_v, w_v, ex))
+                    Ok((out, x, ids_v, w_v, ex))
                 })();
-                let (x, ids_v, w_v, ex) = match parsed {
+                let (out, x, ids_v, w_v, ex) = match parsed {
                     Ok(p) => p,
                     Err(e) => return Err(mgr.reject_dispatch(g, e)),
                 };
@@ -418,10 +418,12 @@ fn describe(mgr: &Manager, views: &mut Views) -> epcomm_dispatch_output {
     let cfg = mgr.config();
     let k = cfg.top_k;
     let rows: usize = v.shape[..v.shape.len() - 1].iter().product();
-    let (ids_dims, w_dims) = if v.topk_ids.is_empty() {
-        (vec![0], vec![v.topk_weights.len()])
-    } else {
-        (vec![rows, k], vec![rows, k])
+    let (ids_dims, w_dims) = match v.layout {
+        Layout::TokenMajor | Layout::RankMajor | Layout::Replicated => {
+            (vec![rows, k], vec![rows, k])
+        }
+        Layout::ExpertPacked => (vec![0], vec![rows]),
+        Layout::ExpertMajor | Layout::MoonepSlots => (vec![0], vec![0]),
     };
     let mut shapes = Vec::with_capacity(7 + v.extras.len());
     let s = &mut shapes;
@@ -557,9 +559,7 @@ pub unsafe extern "C" fn epcomm_all2all_check_layer(
         let inner = h.inner.try_lock().map_err(|_| {
             Error::InvalidState("the all2all handle is in use by another thread".into())
         })?;
-        inner
-            .0
-            .check_layer(top_k.max(0) as usize, num_experts.max(0) as usize)
+        inner.0.check_layer(top_k, num_experts)
     })
 }
 

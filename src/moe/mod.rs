@@ -205,18 +205,14 @@ impl Manager {
 
     /// Declares a MoE layer's shape. The one-sided FlashInfer backend is built for one top_k and
     /// num_experts (vLLM's assertion); the others are too, with epcomm's own message.
-    pub fn check_layer(&self, top_k: usize, num_experts: usize) -> Result<()> {
+    pub fn check_layer(&self, top_k: i64, num_experts: i64) -> Result<()> {
         for (field, got, built) in [
-            ("top_k", top_k, self.cfg.top_k),
-            ("num_experts", num_experts, self.cfg.num_experts),
+            ("top_k", top_k, self.cfg.top_k as i64),
+            ("num_experts", num_experts, self.cfg.num_experts as i64),
         ] {
             if got != built {
                 if self.backend == Backend::FlashinferNvlinkOneSided {
-                    return Err(Error::OneSidedHeterogeneous {
-                        field,
-                        got: got as i64,
-                        built: built as i64,
-                    });
+                    return Err(Error::OneSidedHeterogeneous { field, got, built });
                 }
                 return Err(Error::InvalidArgument(format!(
                     "this {} manager was created for {field}={built}, got {field}={got}; create one manager per MoE layer shape",

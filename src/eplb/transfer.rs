@@ -1,0 +1,265 @@
+//! The transfer plan of a rearrangement (vLLM's `rebalance_execute`): for one layer and one
+//! rank, which slots stay, which are copied locally, which experts are sent where and received
+//! from whom (vLLM's sender/receiver pairing, so mixed deployments agree), and which received
+//! rows are duplicated. Scale-up and scale-down go through a rank mapping.
+
+use crate::error::{Error, Result};
+
+/// What one rank does for one layer. Rows are local slots `0..n_local`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayerPlan {
+    /// Slots whose expert does not change.
+    pub unchanged: Vec<bool>,
+    /// (destination slot, source slot): experts this rank already holds.
+    pub local_copies: Vec<(usize, usize)>,
+    /// (expert, source slot, destination rank), experts ascending, vLLM's order.
+    pub sends: Vec<(i64, usize, usize)>,
+    /// (expert, primary slot, source rank), experts ascending.
+    pub recvs: Vec<(i64, usize, usize)>,
+    /// (destination slot, primary slot): further slots of a received expert.
+    pub duplicates: Vec<(usize, usize)>,
+}
+
+impl LayerPlan {
+    /// Nothing moves.
+    pub fn is_noop(&self) -> bool {
+        self.unchanged.iter().all(|&u| u)
+    }
+}
+
+/// Ranks holding `e` in `map` (slots of `n_local` per rank), ascending, unique.
+fn ranks_with(map: &[i64], n_local: usize, e: i64) -> Vec<usize> {
+    let mut v: Vec<usize> = Vec::new();
+    for (slot, &x) in map.iter().enumerate() {
+        let r = slot / n_local;
+        if x == e && v.last() != Some(&r) {
+            v.push(r);
+        }
+    }
+    v
+}
+
+/// The plan of rank `rank` for one layer, from the old and new physical → logical maps (`-1`
+/// = an empty slot). Both maps have `ranks * n_local` slots.
+pub fn plan_layer(old: &[i64], new: &[i64], n_local: usize, rank: usize) -> Result<LayerPlan> {
+    if old.len() != new.len() || n_local == 0 || old.len() % n_local != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "old and new maps must have the same number of slots, a multiple of the slots per rank ({n_local}); got {} and {}",
+            old.len(),
+            new.len()
+        )));
+    }
+    let base = rank * n_local;
+    if base + n_local > old.len() {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank} has no slots in a map of {} slots ({n_local} per rank)",
+            old.len()
+        )));
+    }
+    let old_local = &old[base..base + n_local];
+    let new_local = &new[base..base + n_local];
+    let first_old_row = |e: i64| old_local.iter().position(|&x| x == e);
+    let unchanged: Vec<bool> = (0..n_local).map(|i| old_local[i] == new_local[i]).collect();
+    let received_locally: Vec<bool> = (0..n_local)
+        .map(|i| unchanged[i] || (new_local[i] != -1 && old_local.contains(&new_local[i])))
+        .collect();
+    let mut p = LayerPlan {
+        unchanged: unchanged.clone(),
+        ..LayerPlan::default()
+    };
+    for i in 0..n_local {
+        if !unchanged[i] && received_locally[i] {
+            p.local_copies
+                .push((i, first_old_row(new_local[i]).expect("held locally")));
+        }
+    }
+    let pairing = |e: i64| {
+        let s = ranks_with(old, n_local, e);
+        let d: Vec<usize> = ranks_with(new, n_local, e)
+            .into_iter()
+            .filter(|r| !s.contains(r))
+            .collect();
+        (s, d)
+    };
+    // Sends: every expert this rank held, ascending, from its first slot.
+    let mut held: Vec<(i64, usize)> = Vec::new();
+    for (i, &e) in old_local.iter().enumerate() {
+        if e >= 0 && !held.iter().any(|h| h.0 == e) {
+            held.push((e, i));
+        }
+    }
+    held.sort();
+    for (e, row) in held {
+        let (s, d) = pairing(e);
+        if s.is_empty() || d.is_empty() {
+            continue;
+        }
+        let k = d.len() / s.len();
+        let pos = s
+            .iter()
+            .position(|&r| r == rank)
+            .expect("this rank holds e");
+        for &dst in &d[pos * k..(pos + 1) * k] {
+            p.sends.push((e, row, dst));
+        }
+        if let Some(&dst) = d.get(s.len() * k + pos) {
+            p.sends.push((e, row, dst));
+        }
+    }
+    // Receives: experts new to this rank, ascending, into their first slot; the rest duplicate.
+    let mut primaries: Vec<(i64, usize)> = Vec::new();
+    for i in 0..n_local {
+        let e = new_local[i];
+        if received_locally[i] || e == -1 {
+            continue;
+        }
+        match primaries.iter().find(|x| x.0 == e) {
+            Some(&(_, primary)) => p.duplicates.push((i, primary)),
+            None => primaries.push((e, i)),
+        }
+    }
+    primaries.sort();
+    for (e, row) in primaries {
+        let (s, d) = pairing(e);
+        if s.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "expert {e} is needed on rank {rank} but no rank holds it in the old placement"
+            )));
+        }
+        let k = d.len() / s.len();
+        let q = d
+            .iter()
+            .position(|&r| r == rank)
+            .expect("this rank needs e");
+        let src = if q < s.len() * k {
+            s[q / k]
+        } else {
+            s[q - s.len() * k]
+        };
+        p.recvs.push((e, row, src));
+    }
+    Ok(p)
+}
+
+/// Widens maps for a change of EP size. `mapping[old_rank]` is the new rank (or -1 if
+/// removed). When `mapping` has one entry per rank of `old` (scale-down), `new` is widened to
+/// the old size (removed ranks get empty slots); otherwise (scale-up) `old` is widened to the
+/// new size (new ranks start empty). Returns (old, new) of equal size.
+pub fn apply_rank_mapping(
+    old: &[i64],
+    new: &[i64],
+    n_local: usize,
+    mapping: &[i64],
+) -> Result<(Vec<i64>, Vec<i64>)> {
+    if n_local == 0 || old.len() % n_local != 0 || new.len() % n_local != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "maps of {} and {} slots are not multiples of the slots per rank ({n_local})",
+            old.len(),
+            new.len()
+        )));
+    }
+    let (old_ranks, new_ranks) = (old.len() / n_local, new.len() / n_local);
+    if mapping.len() != old_ranks {
+        return Err(Error::InvalidArgument(format!(
+            "the rank mapping has {} entries; expected one per old rank ({old_ranks})",
+            mapping.len()
+        )));
+    }
+    for (r, &m) in mapping.iter().enumerate() {
+        if m < -1 || m >= old_ranks.max(new_ranks) as i64 {
+            return Err(Error::InvalidArgument(format!(
+                "rank_mapping[{r}] is {m}; expected -1 (removed) or a rank below {}",
+                old_ranks.max(new_ranks)
+            )));
+        }
+    }
+    let block = |map: &[i64], r: usize| map[r * n_local..(r + 1) * n_local].to_vec();
+    if new_ranks <= old_ranks {
+        // Scale-down (or same size): the new map in old-rank positions.
+        let mut wide = vec![-1i64; old.len()];
+        for (r, &m) in mapping.iter().enumerate() {
+            if m >= 0 {
+                if m as usize >= new_ranks {
+                    return Err(Error::InvalidArgument(format!(
+                        "rank_mapping[{r}] is {m}, beyond the new EP size {new_ranks}"
+                    )));
+                }
+                wide[r * n_local..(r + 1) * n_local].copy_from_slice(&block(new, m as usize));
+            }
+        }
+        Ok((old.to_vec(), wide))
+    } else {
+        // Scale-up: the old map in new-rank positions.
+        let mut wide = vec![-1i64; new.len()];
+        for (r, &m) in mapping.iter().enumerate() {
+            if m >= 0 {
+                wide[m as usize * n_local..(m as usize + 1) * n_local]
+                    .copy_from_slice(&block(old, r));
+            }
+        }
+        Ok((wide, new.to_vec()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_maps_move_nothing() {
+        let m = [0, 1, 2, 3];
+        for r in 0..2 {
+            let p = plan_layer(&m, &m, 2, r).unwrap();
+            assert!(p.is_noop());
+            assert!(p.sends.is_empty() && p.recvs.is_empty() && p.local_copies.is_empty());
+        }
+    }
+
+    #[test]
+    fn pairing_matches_vllm() {
+        // Expert 0 held by ranks 0 and 1; needed additionally on ranks 2, 3, 4 (k = 1, one
+        // extra): rank 0 serves D[0] = 2 and D[2] = 4, rank 1 serves D[1] = 3.
+        let old = [0, 5, 0, 6, 7, 8, 9, 10, 11, 12];
+        let new = [0, 5, 0, 6, 0, 8, 0, 10, 0, 12];
+        let sends = |r| plan_layer(&old, &new, 2, r).unwrap().sends;
+        assert_eq!(sends(0), vec![(0, 0, 2), (0, 0, 4)]);
+        assert_eq!(sends(1), vec![(0, 0, 3)]);
+        let recvs = |r| plan_layer(&old, &new, 2, r).unwrap().recvs;
+        assert_eq!(recvs(2), vec![(0, 0, 0)]);
+        assert_eq!(recvs(3), vec![(0, 0, 1)]);
+        assert_eq!(recvs(4), vec![(0, 0, 0)]);
+    }
+
+    #[test]
+    fn local_copies_and_duplicates() {
+        // Rank 0: old [1, 2], new [2, 3]; rank 1: old [3, 4], new [3, 3]... as a 2-rank map.
+        let old = [1, 2, 3, 4];
+        let new = [2, 3, 4, 4];
+        let p0 = plan_layer(&old, &new, 2, 0).unwrap();
+        assert_eq!(p0.local_copies, vec![(0, 1)]);
+        assert_eq!(p0.recvs, vec![(3, 1, 1)]);
+        let p1 = plan_layer(&old, &new, 2, 1).unwrap();
+        assert_eq!(p1.local_copies, vec![(0, 1)]);
+        assert_eq!(p1.sends, vec![(3, 0, 0)]);
+        // Two new slots of the same expert: one receive, one duplicate.
+        let old = [1, 2, 3, 4];
+        let new = [3, 3, 4, 1];
+        let p0 = plan_layer(&old, &new, 2, 0).unwrap();
+        assert_eq!(p0.recvs, vec![(3, 0, 1)]);
+        assert_eq!(p0.duplicates, vec![(1, 0)]);
+    }
+
+    #[test]
+    fn rank_mapping_scale_down_and_up() {
+        // Scale-down 3 -> 2 ranks, rank 1 removed.
+        let (o, n) =
+            apply_rank_mapping(&[0, 1, 2, 3, 4, 5], &[0, 1, 4, 5], 2, &[0, -1, 1]).unwrap();
+        assert_eq!(o, vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(n, vec![0, 1, -1, -1, 4, 5]);
+        // Scale-up 2 -> 3 ranks.
+        let (o, n) = apply_rank_mapping(&[0, 1, 2, 3], &[0, 1, 2, 3, 1, 2], 2, &[0, 1]).unwrap();
+        assert_eq!(o, vec![0, 1, 2, 3, -1, -1]);
+        assert_eq!(n, vec![0, 1, 2, 3, 1, 2]);
+        assert!(apply_rank_mapping(&[0, 1], &[0, 1], 2, &[0, 1]).is_err());
+    }
+}

@@ -1,0 +1,317 @@
+//! EPLB rearrangement over shared memory: synthetic weights whose bytes encode (expert, layer,
+//! tensor, element) end up where the new placement says, on threads and on processes; identical
+//! maps move nothing; scale-down and scale-up through a rank mapping; a rank that dies
+//! mid-transfer leaves every survivor's weights unchanged.
+
+use std::time::Duration;
+
+use epcomm::eplb::communicator::{self, EplbCommunicator};
+use epcomm::eplb::policy::rebalance_experts;
+use epcomm::eplb::rearrange::rearrange;
+use epcomm::group::shm::ShmGroup;
+use epcomm::group::{Group, GroupOptions};
+use epcomm::select::eplb::DeviceKind;
+use epcomm::Status;
+
+const ROW_BYTES: [usize; 2] = [16, 40];
+const LAYERS: usize = 3;
+const LOGICAL: usize = 8;
+
+fn unique(name: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "e{}-{name}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn opts() -> GroupOptions {
+    GroupOptions {
+        timeout: Duration::from_secs(20),
+        ..GroupOptions::default()
+    }
+}
+
+/// The bytes of expert `e`'s row of tensor `t` in layer `l`.
+fn row(e: i64, l: usize, t: usize) -> Vec<u8> {
+    (0..ROW_BYTES[t])
+        .map(|i| {
+            if e < 0 {
+                0xAB
+            } else {
+                (e as usize * 31 + l * 7 + t * 3 + i) as u8
+            }
+        })
+        .collect()
+}
+
+/// This rank's tensors for a placement: weights[l][t] = rows of its slots.
+fn tensors(map: &[Vec<i64>], rank: usize, world: usize) -> Vec<Vec<Vec<u8>>> {
+    let n_local = map[0].len() / world;
+    (0..LAYERS)
+        .map(|l| {
+            (0..ROW_BYTES.len())
+                .map(|t| {
+                    map[l][rank * n_local..(rank + 1) * n_local]
+                        .iter()
+                        .flat_map(|&e| row(e, l, t))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn initial(physical: usize) -> Vec<Vec<i64>> {
+    (0..LAYERS)
+        .map(|_| (0..physical).map(|i| (i % LOGICAL) as i64).collect())
+        .collect()
+}
+
+fn balanced(physical: usize, world: usize, seed: u64) -> Vec<Vec<i64>> {
+    let w: Vec<Vec<f32>> = (0..LAYERS)
+        .map(|l| {
+            (0..LOGICAL)
+                .map(|e| ((e * 37 + l * 11 + seed as usize * 5) % 23) as f32 * 10.0)
+                .collect()
+        })
+        .collect();
+    rebalance_experts(&w, physical, 1, 1, world, None)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.into_iter().map(|x| x as i64).collect())
+        .collect()
+}
+
+fn comm() -> Box<dyn EplbCommunicator> {
+    communicator::create(
+        Some("torch_gloo"),
+        false,
+        DeviceKind::Cpu,
+        &[],
+        false,
+        false,
+    )
+    .unwrap()
+}
+
+/// Runs a rearrangement on `world` threads; returns every rank's weights afterwards.
+fn run(
+    world: usize,
+    old: Vec<Vec<i64>>,
+    new: Vec<Vec<i64>>,
+    mapping: Option<Vec<i64>>,
+    old_world: usize,
+) -> Vec<(Vec<Vec<Vec<u8>>>, usize)> {
+    let name = unique("r");
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            let (name, old, new, mapping) =
+                (name.clone(), old.clone(), new.clone(), mapping.clone());
+            std::thread::spawn(move || {
+                let mut g = ShmGroup::join(&name, r, world, opts()).unwrap();
+                // Ranks that were not in the old group start with empty slots.
+                let mut w = if r < old_world || mapping.is_none() {
+                    let holder = match &mapping {
+                        Some(m) if m.len() < world => m.iter().position(|&x| x == r as i64),
+                        _ => Some(r),
+                    };
+                    match holder {
+                        Some(h) => tensors(&old, h, old_world),
+                        None => tensors(&vec![vec![-1; old[0].len()]; LAYERS], 0, old_world),
+                    }
+                } else {
+                    tensors(&vec![vec![-1; old[0].len()]; LAYERS], 0, old_world)
+                };
+                let mut c = comm();
+                let sent = {
+                    let mut views: Vec<Vec<&mut [u8]>> = w
+                        .iter_mut()
+                        .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
+                        .collect();
+                    rearrange(
+                        &mut g,
+                        c.as_mut(),
+                        &old,
+                        &new,
+                        &mut views,
+                        &ROW_BYTES,
+                        mapping.as_deref(),
+                    )
+                    .unwrap()
+                    .rows_sent
+                };
+                (w, sent)
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank panicked"))
+        .collect()
+}
+
+#[test]
+fn weights_follow_the_new_placement() {
+    for world in [2, 4] {
+        let physical = 12;
+        let old = initial(physical);
+        let new = balanced(physical, world, world as u64);
+        assert_ne!(old, new);
+        let res = run(world, old, new.clone(), None, world);
+        for (r, (w, _)) in res.iter().enumerate() {
+            assert_eq!(w, &tensors(&new, r, world), "rank {r} of {world}");
+        }
+    }
+}
+
+#[test]
+fn identical_maps_move_nothing() {
+    let old = balanced(12, 2, 1);
+    let res = run(2, old.clone(), old.clone(), None, 2);
+    for (r, (w, sent)) in res.iter().enumerate() {
+        assert_eq!(*sent, 0);
+        assert_eq!(w, &tensors(&old, r, 2));
+    }
+}
+
+#[test]
+fn scale_down_and_scale_up() {
+    // Scale-down 4 -> 2: ranks 1 and 3 leave; the old group of 4 runs the move.
+    let old = initial(16);
+    let new = balanced(8, 2, 9);
+    let res = run(4, old.clone(), new.clone(), Some(vec![0, -1, 1, -1]), 4);
+    assert_eq!(res[0].0, tensors(&new, 0, 2));
+    assert_eq!(res[2].0, tensors(&new, 1, 2));
+    // Scale-up 2 -> 4: new ranks 2 and 3 start empty; the new group of 4 runs the move.
+    let old = initial(8);
+    let new = balanced(16, 4, 3);
+    let res = run(4, old.clone(), new.clone(), Some(vec![0, 1]), 2);
+    for (r, (w, _)) in res.iter().enumerate() {
+        assert_eq!(w, &tensors(&new, r, 4), "rank {r}");
+    }
+}
+
+#[test]
+fn communicators_follow_the_factory() {
+    // Host tensors: torch_gloo and torch_nccl (vLLM runs it on the CPU group) work.
+    assert_eq!(
+        communicator::create(
+            Some("torch_nccl"),
+            false,
+            DeviceKind::Cpu,
+            &[],
+            false,
+            false
+        )
+        .unwrap()
+        .kind()
+        .name(),
+        "torch_nccl"
+    );
+    let e = communicator::create(Some("pynccl"), false, DeviceKind::Cpu, &[], false, false)
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "EPLB communicator 'pynccl' supports only cuda-like devices (got cpu)."
+    );
+    let e =
+        communicator::create(Some("nixl"), false, DeviceKind::Cuda, &[], false, false).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "EPLB communicator 'nixl' requested but NIXL is unavailable."
+    );
+    let e = communicator::create(Some("pynccl"), false, DeviceKind::Cuda, &[], true, false)
+        .unwrap_err();
+    assert_eq!(e.to_string(), "Failed to initialize PyNcclEplbCommunicator (epcomm's NCCL transport is not implemented yet).");
+    let e = communicator::create(
+        Some("torch_nccl"),
+        false,
+        DeviceKind::Cuda,
+        &[],
+        true,
+        false,
+    )
+    .unwrap_err();
+    assert_eq!(e.status(), Status::NotImplemented);
+    assert_eq!(
+        communicator::create(None, false, DeviceKind::Cpu, &[], false, false)
+            .unwrap()
+            .kind()
+            .name(),
+        "torch_gloo"
+    );
+}
+
+#[test]
+fn a_rank_dying_mid_transfer_leaves_survivors_unchanged() {
+    if let Ok(group) = std::env::var("EPCOMM_EPLB_CHILD") {
+        let rank: usize = std::env::var("EPCOMM_EPLB_RANK").unwrap().parse().unwrap();
+        let old = initial(12);
+        let new = balanced(12, 3, 4);
+        let mut g = ShmGroup::join(&group, rank, 3, opts()).unwrap();
+        g.barrier().unwrap();
+        if rank == 2 {
+            std::thread::sleep(Duration::from_millis(100));
+            std::process::abort();
+        }
+        let mut w = tensors(&old, rank, 3);
+        let before = w.clone();
+        let mut c = comm();
+        let r = {
+            let mut views: Vec<Vec<&mut [u8]>> = w
+                .iter_mut()
+                .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
+                .collect();
+            rearrange(&mut g, c.as_mut(), &old, &new, &mut views, &ROW_BYTES, None)
+        };
+        let e = r.unwrap_err();
+        assert_eq!(e.status(), Status::PeerFailure, "{e}");
+        assert!(e.to_string().contains("rank 2 of group"), "{e}");
+        assert!(
+            e.to_string()
+                .ends_with("(EPLB rearrangement: no layer was changed)"),
+            "{e}"
+        );
+        assert!(w == before, "weights changed on rank {rank}");
+        return;
+    }
+    let group = unique("kill");
+    let kids: Vec<_> = (0..3)
+        .map(|r| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "a_rank_dying_mid_transfer_leaves_survivors_unchanged",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("EPCOMM_EPLB_CHILD", &group)
+                .env("EPCOMM_EPLB_RANK", r.to_string())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let start = std::time::Instant::now();
+    for (r, mut k) in kids.into_iter().enumerate() {
+        while k.try_wait().unwrap().is_none() {
+            if start.elapsed() > Duration::from_secs(60) {
+                let _ = k.kill();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let o = k.wait_with_output().unwrap();
+        if r != 2 {
+            assert!(
+                o.status.success(),
+                "rank {r}: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+}

@@ -1,0 +1,750 @@
+"""epcomm's MoE dispatch/combine through ctypes, with numpy arrays and real processes as ranks.
+
+numpy arrays cross the ABI as DLPack DLTensors (epcomm_tensor) that point at the arrays' own
+memory; the dispatch output's views are read back with np.ctypeslib. Failing statuses become
+the Python exception class vLLM raises (epcomm_status_exception) with epcomm's exact message.
+Every multi-process case is bounded: ranks still running at the deadline are terminated and the
+test fails.
+
+    EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_all2all.py -v
+
+numpy is required (.ci/run installs it); without it this script fails, it does not skip.
+"""
+
+import builtins
+import ctypes
+import multiprocessing
+import os
+import queue
+import sys
+import time
+import traceback
+import unittest
+
+try:
+    import numpy as np
+except ImportError:
+    sys.stderr.write(
+        "FAIL: tests/py/test_all2all.py needs numpy, which is not importable by %s.\n"
+        ".ci/run installs it (python3 -m pip install numpy); install it the same way to run "
+        "this test.\n" % sys.executable
+    )
+    sys.exit(1)
+
+OK = 0
+ERROR_INVALID_ARGUMENT = 2
+ERROR_ASSERTION = 3
+
+DEVICE_CPU = 1
+DL_INT = 0
+DL_UINT = 1
+DL_FLOAT = 2
+
+LAYOUT_REPLICATED = 0
+LAYOUT_TOKEN_MAJOR = 1
+LAYOUT_EXPERT_MAJOR = 2
+LAYOUT_EXPERT_PACKED = 3
+LAYOUT_RANK_MAJOR = 4
+
+# Seconds a multi-process case may take before its ranks are terminated.
+RANK_DEADLINE_S = 60.0
+
+# "fork": a rank starts at once (no re-import); the parent never creates a group itself, so
+# children inherit no epcomm state.
+MP = multiprocessing.get_context("fork")
+
+
+class Tensor(ctypes.Structure):
+    """DLPack's DLTensor (epcomm_tensor), field for field."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("dtype_code", ctypes.c_uint8),
+        ("dtype_bits", ctypes.c_uint8),
+        ("dtype_lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DType(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16),
+    ]
+
+
+class MoeConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("num_experts", ctypes.c_int64),
+        ("num_redundant_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("hidden_size", ctypes.c_int64),
+        ("hidden_dtype", DType),
+        ("expert_dtype", DType),
+        ("out_dtype", DType),
+        ("max_tokens_per_rank", ctypes.c_int64),
+        ("extra_row_bytes", ctypes.POINTER(ctypes.c_int64)),
+        ("num_extras", ctypes.c_size_t),
+        ("apply_router_weight_on_input", ctypes.c_bool),
+    ]
+
+
+class DispatchOutput(ctypes.Structure):
+    _fields_ = [
+        ("layout", ctypes.c_int32),
+        ("received_rows", ctypes.c_int64),
+        ("hidden", Tensor),
+        ("topk_ids", Tensor),
+        ("topk_weights", Tensor),
+        ("counts", Tensor),
+        ("expert_offsets", Tensor),
+        ("src_rank", Tensor),
+        ("src_token", Tensor),
+        ("extras", ctypes.POINTER(Tensor)),
+        ("num_extras", ctypes.c_size_t),
+    ]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [
+        ("world_size", ctypes.c_int32),
+        ("tokens_sent", ctypes.POINTER(ctypes.c_uint64)),
+        ("tokens_received", ctypes.POINTER(ctypes.c_uint64)),
+        ("bytes_sent", ctypes.POINTER(ctypes.c_uint64)),
+        ("bytes_received", ctypes.POINTER(ctypes.c_uint64)),
+        ("combine_bytes_received", ctypes.POINTER(ctypes.c_uint64)),
+        ("dispatch_seconds", ctypes.c_double),
+        ("combine_seconds", ctypes.c_double),
+    ]
+
+
+class GroupOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("timeout_s", ctypes.c_double),
+        ("initial_capacity_bytes", ctypes.c_uint64),
+        ("max_capacity_bytes", ctypes.c_uint64),
+        ("elastic", ctypes.c_bool),
+        ("disable_direct_reads", ctypes.c_bool),
+    ]
+
+
+def load_library():
+    path = os.environ.get("EPCOMM_LIBRARY")
+    if not path:
+        sys.exit("EPCOMM_LIBRARY must name the epcomm shared library (libepcomm.so)")
+    lib = ctypes.CDLL(path)
+    i32, i64, cstr, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p
+    tp = ctypes.POINTER(Tensor)
+    cfgp = ctypes.POINTER(MoeConfig)
+    opts = ctypes.POINTER(GroupOptions)
+    signatures = {
+        "epcomm_last_error_message": (cstr, []),
+        "epcomm_status_exception": (cstr, [i32]),
+        "epcomm_group_options_init": (i32, [opts]),
+        "epcomm_group_create_shm": (i32, [cstr, i32, i32, opts, ctypes.POINTER(vp)]),
+        "epcomm_group_destroy": (None, [vp]),
+        "epcomm_group_barrier": (i32, [vp]),
+        "epcomm_moe_config_init": (i32, [cfgp]),
+        "epcomm_all2all_create": (i32, [vp, cstr, cfgp, ctypes.POINTER(vp)]),
+        "epcomm_all2all_destroy": (None, [vp]),
+        "epcomm_all2all_dispatch": (
+            i32,
+            [vp, tp, tp, tp, tp, ctypes.c_size_t, ctypes.POINTER(DispatchOutput)],
+        ),
+        "epcomm_all2all_combine": (i32, [vp, tp, tp]),
+        "epcomm_all2all_check_layer": (i32, [vp, i64, i64]),
+        "epcomm_all2all_get_stats": (i32, [vp, ctypes.POINTER(Stats)]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+LIB = load_library()
+
+
+def _text(b):
+    return None if b is None else b.decode("utf-8")
+
+
+def check(status):
+    """Raises the exception vLLM raises for `status`, with epcomm's message; returns on OK."""
+    if status == OK:
+        return
+    exc_name = _text(LIB.epcomm_status_exception(status))
+    exc = getattr(builtins, exc_name)(_text(LIB.epcomm_last_error_message()))
+    exc.epcomm_status = status
+    raise exc
+
+
+def raised(fn, *args):
+    """(exception class name, message, status) of what fn(*args) raised, or None."""
+    try:
+        fn(*args)
+    except Exception as e:  # the class is what the tests check
+        return (type(e).__name__, str(e), getattr(e, "epcomm_status", None))
+    return None
+
+
+# ---- numpy <-> epcomm_tensor ----------------------------------------------------------------
+
+_DL_CODES = {"f": DL_FLOAT, "i": DL_INT, "u": DL_UINT}
+_NP_KINDS = {DL_FLOAT: "f", DL_INT: "i", DL_UINT: "u"}
+
+
+class NpTensor:
+    """An epcomm_tensor describing a C-contiguous numpy array (keeps both alive)."""
+
+    def __init__(self, arr):
+        self.arr = np.ascontiguousarray(arr)
+        self.shape = (ctypes.c_int64 * max(self.arr.ndim, 1))(*self.arr.shape)
+        self.tensor = Tensor(
+            data=self.arr.ctypes.data,
+            device_type=DEVICE_CPU,
+            device_id=0,
+            ndim=self.arr.ndim,
+            dtype_code=_DL_CODES[self.arr.dtype.kind],
+            dtype_bits=self.arr.dtype.itemsize * 8,
+            dtype_lanes=1,
+            shape=ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64)),
+            strides=None,
+            byte_offset=0,
+        )
+
+    def ref(self):
+        return ctypes.byref(self.tensor)
+
+
+def to_numpy(t):
+    """A copy of a view the library returned (host memory, compact row-major)."""
+    if t.device_type != DEVICE_CPU or t.dtype_lanes != 1:
+        raise AssertionError("view on device %d, lanes %d" % (t.device_type, t.dtype_lanes))
+    if t.strides:
+        raise AssertionError("view with explicit strides")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    dtype = np.dtype("%s%d" % (_NP_KINDS[t.dtype_code], t.dtype_bits // 8))
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.zeros(shape, dtype)
+    ctype = np.ctypeslib.as_ctypes_type(dtype)
+    ptr = ctypes.cast(t.data + t.byte_offset, ctypes.POINTER(ctype))
+    return np.ctypeslib.as_array(ptr, shape=shape).copy()
+
+
+def f32_dtype():
+    return DType(code=DL_FLOAT, bits=32, lanes=1)
+
+
+def moe_config(num_experts, top_k, hidden, max_tokens):
+    c = MoeConfig()
+    check(LIB.epcomm_moe_config_init(ctypes.byref(c)))
+    assert c.struct_size == ctypes.sizeof(MoeConfig), (c.struct_size, ctypes.sizeof(MoeConfig))
+    c.num_experts = num_experts
+    c.top_k = top_k
+    c.hidden_size = hidden
+    c.hidden_dtype = f32_dtype()
+    c.expert_dtype = f32_dtype()
+    c.out_dtype = f32_dtype()
+    c.max_tokens_per_rank = max_tokens
+    return c
+
+
+class Manager:
+    """An epcomm_all2all handle over a group."""
+
+    def __init__(self, group, backend, config):
+        self.handle = ctypes.c_void_p()
+        check(
+            LIB.epcomm_all2all_create(
+                group, backend.encode(), ctypes.byref(config), ctypes.byref(self.handle)
+            )
+        )
+        assert self.handle.value, "epcomm_all2all_create succeeded without a handle"
+
+    def close(self):
+        if self.handle:
+            LIB.epcomm_all2all_destroy(self.handle)
+            self.handle = None
+
+    def dispatch(self, x, ids, w):
+        """Dispatches; returns the output as numpy copies (dict) and the raw struct."""
+        tx, tids, tw = NpTensor(x), NpTensor(ids), NpTensor(w)
+        out = DispatchOutput()
+        check(LIB.epcomm_all2all_dispatch(self.handle, tx.ref(), tids.ref(), tw.ref(), None, 0,
+                                          ctypes.byref(out)))
+        views = {
+            name: to_numpy(getattr(out, name))
+            for name in (
+                "hidden",
+                "topk_ids",
+                "topk_weights",
+                "counts",
+                "expert_offsets",
+                "src_rank",
+                "src_token",
+            )
+        }
+        views["layout"] = out.layout
+        views["received_rows"] = out.received_rows
+        views["num_extras"] = out.num_extras
+        return views
+
+    def combine(self, y, tokens, hidden):
+        out = np.full((tokens, hidden), np.nan, dtype=np.float32)
+        ty, to = NpTensor(y), NpTensor(out)
+        check(LIB.epcomm_all2all_combine(self.handle, ty.ref(), to.ref()))
+        return to.arr
+
+    def check_layer(self, top_k, num_experts):
+        check(LIB.epcomm_all2all_check_layer(self.handle, top_k, num_experts))
+
+    def stats(self):
+        s = Stats()
+        check(LIB.epcomm_all2all_get_stats(self.handle, ctypes.byref(s)))
+        n = s.world_size
+        return {
+            "world_size": n,
+            "tokens_sent": [s.tokens_sent[i] for i in range(n)],
+            "tokens_received": [s.tokens_received[i] for i in range(n)],
+        }
+
+
+# ---- groups and ranks -----------------------------------------------------------------------
+
+
+def create_shm(name, rank, world, timeout_s=20.0):
+    o = GroupOptions()
+    check(LIB.epcomm_group_options_init(ctypes.byref(o)))
+    assert o.struct_size == ctypes.sizeof(GroupOptions), (o.struct_size, ctypes.sizeof(o))
+    o.timeout_s = timeout_s
+    g = ctypes.c_void_p()
+    check(LIB.epcomm_group_create_shm(name.encode(), rank, world, ctypes.byref(o), ctypes.byref(g)))
+    assert g.value, "create_shm succeeded without a handle"
+    return g
+
+
+def shm_leftovers(name):
+    """Entries of /dev/shm that belong to group `name`."""
+    prefix = "epcomm." + name
+    return sorted(
+        f for f in os.listdir("/dev/shm") if f == prefix or f.startswith(prefix + ".")
+    )
+
+
+def unique_name(suffix):
+    return "pya2a%d%s" % (os.getpid(), suffix)
+
+
+def _rank_main(target, rank, results, args):
+    try:
+        payload = target(rank, *args)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        sys.exit(1)
+    results.put((rank, True, payload))
+
+
+def run_ranks(target, ranks, args=(), deadline_s=RANK_DEADLINE_S):
+    """Runs target(rank, *args) in one process per rank; returns {rank: payload}.
+
+    Raises AssertionError naming every rank that failed, died, or was still running at the
+    deadline (those are terminated).
+    """
+    results = MP.Queue()
+    procs = {}
+    for rank in ranks:
+        p = MP.Process(target=_rank_main, args=(target, rank, results, args), daemon=True)
+        p.start()
+        procs[rank] = p
+    got = {}
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            rank, ok, payload = results.get(timeout=0.05)
+            got[rank] = (ok, payload)
+        except queue.Empty:
+            pass
+        if len(got) == len(procs) and not any(p.is_alive() for p in procs.values()):
+            break
+        if any(not p.is_alive() and r not in got for r, p in procs.items()):
+            # A rank ended without reporting: give its message a moment, then stop waiting.
+            time.sleep(0.2)
+            while True:
+                try:
+                    rank, ok, payload = results.get_nowait()
+                    got[rank] = (ok, payload)
+                except queue.Empty:
+                    break
+            if any(not p.is_alive() and r not in got for r, p in procs.items()):
+                break
+    problems = []
+    for rank, p in sorted(procs.items()):
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+            problems.append("rank %d still running after %.0f s; terminated" % (rank, deadline_s))
+            continue
+        p.join(5)
+        if rank not in got:
+            problems.append("rank %d ended with exit code %s and no result" % (rank, p.exitcode))
+        elif not got[rank][0]:
+            problems.append("rank %d failed:\n%s" % (rank, got[rank][1]))
+        elif p.exitcode != 0:
+            problems.append("rank %d exited with %s" % (rank, p.exitcode))
+    results.close()
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return {rank: got[rank][1] for rank in ranks}
+
+
+def run_group(test, suffix, body, world, args=()):
+    """Runs body(rank, group, *args) on `world` ranks of a fresh shm group; checks /dev/shm."""
+    name = unique_name(suffix)
+    try:
+        results = run_ranks(_group_rank, range(world), (name, world, body, args))
+    finally:
+        leftovers = shm_leftovers(name)
+    test.assertEqual(leftovers, [], "group left shared memory behind")
+    return results
+
+
+def _group_rank(rank, name, world, body, args):
+    g = create_shm(name, rank, world)
+    try:
+        return body(rank, g, *args)
+    finally:
+        LIB.epcomm_group_destroy(g)
+
+
+# ---- (a) the worked example of SPEC §4 ------------------------------------------------------
+
+EX_WORLD, EX_E, EX_K, EX_H, EX_M = 2, 4, 2, 1, 3
+EX_X = [np.array([[10], [11], [12]], np.float32), np.array([[20], [21]], np.float32)]
+EX_IDS = [
+    np.array([[0, 2], [1, 0], [3, -1]], np.int32),
+    np.array([[2, 3], [1, -1]], np.int32),
+]
+EX_W = [
+    np.array([[0.5, 0.5], [0.25, 0.75], [1, 0]], np.float32),
+    np.array([[0.5, 0.5], [1, 0]], np.float32),
+]
+EX_OUT = [[20.0, 13.75, 48.0], [70.0, 42.0]]
+
+
+def example_expert_side(rank, v):
+    """Expert e computes (e+1)*x; the holder side as the layout's contract says."""
+    el = EX_E // EX_WORLD
+    x = v["hidden"]
+    if v["layout"] in (LAYOUT_REPLICATED, LAYOUT_TOKEN_MAJOR, LAYOUT_RANK_MAJOR):
+        rows = x.reshape(-1, EX_H)
+        y = np.zeros_like(rows)
+        for k in range(EX_K):
+            e = v["topk_ids"][:, k]
+            mine = (e >= 0) & (e // el == rank)
+            y[mine] += v["topk_weights"][mine, k, None] * (e[mine, None] + 1) * rows[mine]
+        return y.reshape(x.shape)
+    if v["layout"] == LAYOUT_EXPERT_MAJOR:
+        y = np.zeros_like(x)
+        for j in range(el):
+            n = v["counts"][j]
+            y[j, :n] = (rank * el + j + 1) * x[j, :n]
+        return y
+    if v["layout"] == LAYOUT_EXPERT_PACKED:
+        y = np.zeros_like(x)
+        off = v["expert_offsets"]
+        for j in range(el):
+            y[off[j] : off[j + 1]] = (rank * el + j + 1) * x[off[j] : off[j + 1]]
+        return y
+    raise AssertionError("unexpected layout %d" % v["layout"])
+
+
+def example_rank(rank, g, backend):
+    m = Manager(g, backend, moe_config(EX_E, EX_K, EX_H, EX_M))
+    try:
+        v = m.dispatch(EX_X[rank], EX_IDS[rank], EX_W[rank])
+        stats = m.stats()
+        y = example_expert_side(rank, v)
+        out = m.combine(y, len(EX_X[rank]), EX_H)
+    finally:
+        m.close()
+    v["out"] = out
+    v["stats"] = stats
+    return v
+
+
+# ---- (b) random routing against a numpy reference -------------------------------------------
+
+RND_WORLD, RND_E, RND_K, RND_H, RND_M = 3, 6, 2, 16, 16
+RND_T = [7, 0, 16]
+
+
+def rnd_inputs(rank):
+    """Rank `rank`'s tokens: distinct experts per token, some ids masked, one token fully."""
+    rng = np.random.default_rng(1000 + rank)
+    t = RND_T[rank]
+    x = rng.standard_normal((t, RND_H)).astype(np.float32)
+    ids = np.empty((t, RND_K), np.int64)
+    for i in range(t):
+        ids[i] = rng.permutation(RND_E)[:RND_K]
+    w = rng.uniform(0.1, 1.0, (t, RND_K)).astype(np.float32)
+    ids[3::4, 1] = -1
+    if t > 5:
+        ids[5, :] = -1
+    w[ids < 0] = 0.0
+    return x, ids, w
+
+
+def rnd_experts():
+    rng = np.random.default_rng(77)
+    a = rng.uniform(0.5, 1.5, (RND_E, RND_H)).astype(np.float32)
+    b = rng.uniform(-1.0, 1.0, (RND_E, RND_H)).astype(np.float32)
+    return a, b
+
+
+def rnd_reference(x, ids, w):
+    """out[t] = sum_k w[t,k] * (a_e * x[t] + b_e), e = ids[t,k] >= 0, in float32."""
+    a, b = rnd_experts()
+    out = np.zeros_like(x)
+    for k in range(ids.shape[1]):
+        e = ids[:, k]
+        on = e >= 0
+        out[on] += w[on, k, None] * (a[e[on]] * x[on] + b[e[on]])
+    return out
+
+
+def rnd_expert_side(rank, v):
+    """REPLICATED / RANK_MAJOR holder side: each row's weighted sum over this rank's experts."""
+    a, b = rnd_experts()
+    el = RND_E // RND_WORLD
+    rows = v["hidden"].reshape(-1, RND_H)
+    ids, w = v["topk_ids"], v["topk_weights"]
+    y = np.zeros_like(rows)
+    for k in range(RND_K):
+        e = ids[:, k]
+        mine = (e >= 0) & (e // el == rank)
+        y[mine] += w[mine, k, None] * (a[e[mine]] * rows[mine] + b[e[mine]])
+    return y.reshape(v["hidden"].shape)
+
+
+def rnd_check_layout(rank, v):
+    """The dispatch output row by row: REPLICATED all tokens, RANK_MAJOR regions."""
+    el = RND_E // RND_WORLD
+    inputs = [rnd_inputs(s) for s in range(RND_WORLD)]
+    if v["layout"] == LAYOUT_REPLICATED:
+        np.testing.assert_array_equal(v["hidden"], np.concatenate([i[0] for i in inputs]))
+        np.testing.assert_array_equal(v["topk_ids"], np.concatenate([i[1] for i in inputs]))
+        np.testing.assert_array_equal(v["topk_weights"], np.concatenate([i[2] for i in inputs]))
+        assert v["received_rows"] == sum(RND_T), v["received_rows"]
+    elif v["layout"] == LAYOUT_RANK_MAJOR:
+        assert v["hidden"].shape == (RND_WORLD, RND_M, RND_H), v["hidden"].shape
+        ids = v["topk_ids"].reshape(RND_WORLD, RND_M, RND_K)
+        for s, (x, sids, sw) in enumerate(inputs):
+            goes = ((sids >= 0) & (sids // el == rank)).any(axis=1)
+            n = int(goes.sum())
+            assert v["counts"][s] == n, (s, v["counts"], n)
+            np.testing.assert_array_equal(v["hidden"][s, :n], x[goes])
+            np.testing.assert_array_equal(ids[s, :n], sids[goes])
+            assert (ids[s, n:] == -1).all(), ("padding rows", s, ids[s, n:])
+        assert v["received_rows"] == int(v["counts"].sum())
+    else:
+        raise AssertionError("unexpected layout %d" % v["layout"])
+
+
+def random_rank(rank, g, backend):
+    m = Manager(g, backend, moe_config(RND_E, RND_K, RND_H, RND_M))
+    try:
+        m.check_layer(RND_K, RND_E)
+        x, ids, w = rnd_inputs(rank)
+        for _ in range(2):
+            v = m.dispatch(x, ids, w)
+            rnd_check_layout(rank, v)
+            y = rnd_expert_side(rank, v)
+            out = m.combine(y, RND_T[rank], RND_H)
+            np.testing.assert_allclose(out, rnd_reference(x, ids, w), rtol=1e-5, atol=1e-5)
+    finally:
+        m.close()
+    return out.shape
+
+
+# ---- (c) errors as Python exceptions --------------------------------------------------------
+
+
+def errors_rank(rank, g):
+    report = {}
+    cfg = moe_config(EX_E, EX_K, EX_H, EX_M)
+    report["moonep"] = raised(Manager, g, "moonep", cfg)
+    m = Manager(g, "flashinfer_nvlink_one_sided", cfg)
+    try:
+        report["check_layer"] = raised(m.check_layer, 6, EX_E)
+    finally:
+        m.close()
+    m = Manager(g, "deepep_high_throughput", cfg)
+    try:
+        w = EX_W[rank].astype(np.float64) if rank == 0 else EX_W[rank]
+        report["f64_weights"] = raised(m.dispatch, EX_X[rank], EX_IDS[rank], w)
+        # The group and the manager stay usable.
+        v = m.dispatch(EX_X[rank], EX_IDS[rank], EX_W[rank])
+        report["after"] = m.combine(example_expert_side(rank, v), len(EX_X[rank]), EX_H)
+    finally:
+        m.close()
+    return report
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+class StructTest(unittest.TestCase):
+    def test_struct_sizes(self):
+        self.assertEqual(ctypes.sizeof(Tensor), 48)
+        self.assertEqual(Tensor.shape.offset, 24)
+        self.assertEqual(Tensor.byte_offset.offset, 40)
+        c = MoeConfig()
+        check(LIB.epcomm_moe_config_init(ctypes.byref(c)))
+        self.assertEqual(c.struct_size, ctypes.sizeof(MoeConfig))
+        # bfloat16 defaults
+        self.assertEqual((c.hidden_dtype.code, c.hidden_dtype.bits), (4, 16))
+
+    def test_numpy_round_trip(self):
+        a = np.arange(12, dtype=np.int64).reshape(3, 4)
+        t = NpTensor(a)
+        np.testing.assert_array_equal(to_numpy(t.tensor), a)
+
+
+class WorkedExampleTest(unittest.TestCase):
+    def run_example(self, backend, suffix):
+        return run_group(self, suffix, example_rank, EX_WORLD, (backend,))
+
+    def check_outputs(self, r):
+        for rank in range(EX_WORLD):
+            self.assertEqual(r[rank]["out"].ravel().tolist(), EX_OUT[rank], rank)
+            self.assertEqual(r[rank]["num_extras"], 0)
+            self.assertEqual(r[rank]["stats"]["world_size"], EX_WORLD)
+
+    def test_deepep_high_throughput(self):
+        r = self.run_example("deepep_high_throughput", "ht")
+        self.check_outputs(r)
+        want = [
+            ([10, 11, 21], [[0, -1], [1, 0], [1, -1]], [[0.5, 0], [0.25, 0.75], [1, 0]]),
+            ([10, 12, 20], [[-1, 2], [3, -1], [2, 3]], [[0, 0.5], [1, 0], [0.5, 0.5]]),
+        ]
+        sent = [[2, 2], [1, 1]]
+        received = [[2, 1], [2, 1]]
+        for rank, (x, ids, w) in enumerate(want):
+            v = r[rank]
+            self.assertEqual(v["layout"], LAYOUT_TOKEN_MAJOR)
+            self.assertEqual(v["received_rows"], 3)
+            self.assertEqual(v["hidden"].shape, (3, 1))
+            self.assertEqual(v["hidden"].ravel().tolist(), x)
+            self.assertEqual(v["topk_ids"].dtype, np.int64)
+            self.assertEqual(v["topk_ids"].tolist(), ids)
+            self.assertEqual(v["topk_weights"].dtype, np.float32)
+            self.assertEqual(v["topk_weights"].tolist(), w)
+            self.assertEqual(v["counts"].dtype, np.int32)
+            self.assertEqual(v["counts"].tolist(), [2, 2])
+            self.assertEqual(v["expert_offsets"].shape, (0,))
+            self.assertEqual(v["stats"]["tokens_sent"], sent[rank])
+            self.assertEqual(v["stats"]["tokens_received"], received[rank])
+
+    def test_deepep_low_latency(self):
+        r = self.run_example("deepep_low_latency", "ll")
+        self.check_outputs(r)
+        buckets = [([10, 11], [11, 21]), ([10, 20], [12, 20])]
+        sent = [[3, 2], [1, 2]]
+        received = [[3, 1], [2, 2]]
+        for rank, (b0, b1) in enumerate(buckets):
+            v = r[rank]
+            self.assertEqual(v["layout"], LAYOUT_EXPERT_MAJOR)
+            self.assertEqual(v["received_rows"], 4)
+            # [E_local, M*R, H]; rows past counts[j] are unspecified.
+            self.assertEqual(v["hidden"].shape, (2, EX_M * EX_WORLD, 1))
+            self.assertEqual(v["counts"].tolist(), [2, 2])
+            self.assertEqual(v["hidden"][0, :2].ravel().tolist(), b0)
+            self.assertEqual(v["hidden"][1, :2].ravel().tolist(), b1)
+            self.assertEqual(v["topk_ids"].shape, (0,))
+            self.assertEqual(v["stats"]["tokens_sent"], sent[rank])
+            self.assertEqual(v["stats"]["tokens_received"], received[rank])
+
+
+class RandomRoutingTest(unittest.TestCase):
+    def test_allgather_reducescatter(self):
+        shapes = run_group(self, "ag", random_rank, RND_WORLD, ("allgather_reducescatter",))
+        self.assertEqual([shapes[r] for r in range(RND_WORLD)], [(t, RND_H) for t in RND_T])
+
+    def test_flashinfer_nvlink_one_sided(self):
+        shapes = run_group(self, "os", random_rank, RND_WORLD, ("flashinfer_nvlink_one_sided",))
+        self.assertEqual([shapes[r] for r in range(RND_WORLD)], [(t, RND_H) for t in RND_T])
+
+
+def empty_receiver_rank(rank, g):
+    """Both ranks route only to experts of rank 0: rank 1 receives no rows."""
+    m = Manager(g, "deepep_high_throughput", moe_config(4, 2, 1, 3))
+    try:
+        x = np.array([[1], [2]], np.float32)
+        ids = np.array([[0, 1], [1, -1]], np.int32)
+        w = np.array([[0.5, 0.5], [1, 0]], np.float32)
+        v = m.dispatch(x, ids, w)
+        return v["hidden"].shape, v["topk_ids"].shape, v["topk_weights"].shape
+    finally:
+        m.close()
+
+
+class EmptyReceiverTest(unittest.TestCase):
+    def test_ids_keep_their_shape_when_nothing_arrives(self):
+        r = run_group(self, "em", empty_receiver_rank, 2)
+        self.assertEqual(r[0], ((4, 1), (4, 2), (4, 2)))
+        self.assertEqual(r[1], ((0, 1), (0, 2), (0, 2)))
+
+
+class ErrorTest(unittest.TestCase):
+    def test_errors_map_to_python_exceptions(self):
+        r = run_group(self, "er", errors_rank, EX_WORLD)
+        for rank in range(EX_WORLD):
+            rep = r[rank]
+            self.assertEqual(
+                rep["moonep"],
+                (
+                    "AssertionError",
+                    "MoonEP not available. Install it from https://github.com/MoonshotAI/MoonEP.",
+                    ERROR_ASSERTION,
+                ),
+            )
+            self.assertEqual(
+                rep["check_layer"],
+                (
+                    "AssertionError",
+                    "FlashInfer one-sided MoeAlltoAll does not support heterogeneous top_k "
+                    "across MoE layers (got 6, was built with 2)",
+                    ERROR_ASSERTION,
+                ),
+            )
+            self.assertEqual(rep["after"].ravel().tolist(), EX_OUT[rank])
+        cls, msg, status = r[0]["f64_weights"]
+        self.assertEqual((cls, status), ("ValueError", ERROR_INVALID_ARGUMENT), msg)
+        self.assertIn("topk_weights", msg)
+        self.assertIn("float64", msg)
+        self.assertEqual(
+            r[1]["f64_weights"],
+            (
+                "ValueError",
+                "dispatch: rank 0 rejected its input (see that rank's error); no data was "
+                "exchanged",
+                ERROR_INVALID_ARGUMENT,
+            ),
+        )
+
+
+if __name__ == "__main__":
+    unittest.main()
