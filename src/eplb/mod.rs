@@ -2,6 +2,7 @@
 //! communicators that move expert weights, and the rearrangement itself.
 
 pub mod communicator;
+pub mod load;
 pub mod policy;
 pub mod rearrange;
 pub mod transfer;

@@ -105,6 +105,7 @@ pub struct Manager {
     hidden: Vec<u8>,
     extras: Vec<Vec<u8>>,
     stats: Stats,
+    expert_counts: Vec<u32>,
 }
 
 const HEADER_WORDS: usize = 12;
@@ -184,6 +185,7 @@ impl Manager {
             hidden: Vec::new(),
             extras: Vec::new(),
             stats: Stats::default(),
+            expert_counts: Vec::new(),
         })
     }
 
@@ -446,7 +448,7 @@ impl Manager {
     }
 
     fn validate_dispatch(
-        &self,
+        &mut self,
         hidden: &[u8],
         topk_ids: &[i64],
         topk_weights: &[f32],
@@ -490,7 +492,7 @@ impl Manager {
                 )));
             }
         }
-        plan::validate_ids(topk_ids, k, self.cfg.num_experts)?;
+        let counts = plan::validate_ids(topk_ids, k, self.cfg.num_experts)?;
         let m = self.cfg.max_tokens_per_rank;
         if matches!(self.layout, Layout::ExpertMajor | Layout::RankMajor) && t > m {
             return Err(Error::InvalidArgument(format!(
@@ -500,7 +502,14 @@ impl Manager {
                 self.layout.name()
             )));
         }
+        self.expert_counts = counts;
         Ok(t)
+    }
+
+    /// Tokens this rank routed to each physical expert in the last dispatch (counted while the
+    /// ids were validated: EPLB load recording needs no second pass over topk_ids).
+    pub fn expert_counts(&self) -> &[u32] {
+        &self.expert_counts
     }
 
     /// The receive side of the last dispatch.

@@ -27,8 +27,10 @@ impl Routing {
     }
 }
 
-/// Checks ids: each in [-1, E); no expert twice in one token. Names the token.
-pub fn validate_ids(ids: &[i64], k: usize, num_experts: usize) -> Result<()> {
+/// Checks ids: each in [-1, E); no expert twice in one token. Names the token. Returns the
+/// tokens per expert (the same pass records EPLB load).
+pub fn validate_ids(ids: &[i64], k: usize, num_experts: usize) -> Result<Vec<u32>> {
+    let mut counts = vec![0u32; num_experts];
     for (t, row) in ids.chunks(k).enumerate() {
         for (j, &e) in row.iter().enumerate() {
             if e < -1 || e >= num_experts as i64 {
@@ -41,9 +43,12 @@ pub fn validate_ids(ids: &[i64], k: usize, num_experts: usize) -> Result<()> {
                     "topk_ids[{t}] = {row:?} routes token {t} to expert {e} twice: the top-k experts of a token must be distinct"
                 )));
             }
+            if e >= 0 {
+                counts[e as usize] += 1;
+            }
         }
     }
-    Ok(())
+    Ok(counts)
 }
 
 /// Geometry shared by every rank.

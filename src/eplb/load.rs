@@ -1,0 +1,214 @@
+//! Expert load statistics (vLLM's `EplbState` bookkeeping): tokens per physical expert recorded
+//! over the last `window_size` steps before each rearrangement, a rearrangement every
+//! `step_interval` steps (the first after a quarter interval), and the balancedness log line.
+
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::log;
+use crate::select::config::EplbConfig;
+
+/// Load bookkeeping for one model on one rank.
+#[derive(Debug, Clone)]
+pub struct LoadState {
+    model: String,
+    layers: usize,
+    physical: usize,
+    window_size: usize,
+    step_interval: usize,
+    log_interval: usize,
+    log_balancedness: bool,
+    /// This step's tokens per (layer, physical expert).
+    pass: Vec<i64>,
+    /// The last `window_size` recorded steps.
+    window: Vec<Vec<i64>>,
+    window_step: usize,
+    /// Steps since the last rearrangement (vLLM's `expert_rearrangement_step`).
+    step: usize,
+}
+
+/// The balancedness line vLLM logs (rank 0).
+pub fn balancedness_line(
+    step: usize,
+    model: &str,
+    avg: f64,
+    max: i64,
+    balancedness: f64,
+    until: usize,
+) -> String {
+    format!(
+        "EPLB step: {step} for model {model}: avg_tokens={avg:.2}, max_tokens={max}, balancedness={balancedness:.4}, steps until the next rearrangement: {until}"
+    )
+}
+
+fn all_reduce_sum(g: &mut dyn Group, v: &[i64]) -> Result<Vec<i64>> {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
+    let mut all = vec![0u8; bytes.len() * g.size()];
+    g.all_gather(&bytes, &mut all)?;
+    let mut sum = vec![0i64; v.len()];
+    for chunk in all.chunks_exact(bytes.len().max(1)) {
+        for (s, c) in sum.iter_mut().zip(chunk.chunks_exact(8)) {
+            *s += i64::from_ne_bytes(c.try_into().unwrap());
+        }
+    }
+    Ok(sum)
+}
+
+impl LoadState {
+    pub fn new(cfg: &EplbConfig, model: &str, layers: usize, physical: usize) -> Result<LoadState> {
+        cfg.validate()?;
+        if cfg.window_size <= 0 || cfg.step_interval <= 0 || cfg.log_balancedness_interval <= 0 {
+            return Err(Error::InvalidArgument(format!(
+                "window_size ({}), step_interval ({}) and log_balancedness_interval ({}) must be greater than 0",
+                cfg.window_size, cfg.step_interval, cfg.log_balancedness_interval
+            )));
+        }
+        if layers == 0 || physical == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "num_layers ({layers}) and num_physical_experts ({physical}) must be greater than 0"
+            )));
+        }
+        let interval = cfg.step_interval as usize;
+        Ok(LoadState {
+            model: model.to_owned(),
+            layers,
+            physical,
+            window_size: cfg.window_size as usize,
+            step_interval: interval,
+            log_interval: cfg.log_balancedness_interval as usize,
+            log_balancedness: cfg.log_balancedness,
+            pass: vec![0; layers * physical],
+            window: vec![vec![0; layers * physical]; cfg.window_size as usize],
+            window_step: 0,
+            step: interval - interval / 4,
+        })
+    }
+
+    /// Steps since the last rearrangement.
+    pub fn step_count(&self) -> usize {
+        self.step
+    }
+
+    /// Whether this step's load is part of the window (only the last `window_size` steps
+    /// before a rearrangement are).
+    pub fn recording(&self) -> bool {
+        self.step_interval.saturating_sub(self.step) <= self.window_size
+    }
+
+    /// Adds per-physical-expert token counts of one layer to this step.
+    pub fn record_counts(&mut self, layer: usize, counts: &[u32]) -> Result<()> {
+        if layer >= self.layers || counts.len() != self.physical {
+            return Err(Error::InvalidArgument(format!(
+                "load of layer {layer} with {} experts; expected a layer below {} and {} physical experts",
+                counts.len(),
+                self.layers,
+                self.physical
+            )));
+        }
+        for (p, &c) in self.pass[layer * self.physical..(layer + 1) * self.physical]
+            .iter_mut()
+            .zip(counts)
+        {
+            *p += c as i64;
+        }
+        Ok(())
+    }
+
+    /// Counts each valid (non-negative) physical id once.
+    pub fn record_ids(&mut self, layer: usize, ids: &[i64]) -> Result<()> {
+        let mut counts = vec![0u32; self.physical];
+        for &e in ids {
+            if e >= 0 {
+                let e = e as usize;
+                if e >= self.physical {
+                    return Err(Error::InvalidArgument(format!(
+                        "expert id {e} is out of range: expected [0, {})",
+                        self.physical
+                    )));
+                }
+                counts[e] += 1;
+            }
+        }
+        self.record_counts(layer, &counts)
+    }
+
+    /// Ends a forward step (collective on the EP group when logging). Returns true when the
+    /// caller should rearrange now.
+    pub fn step(&mut self, g: &mut dyn Group, is_dummy: bool, log_stats: bool) -> Result<bool> {
+        if is_dummy {
+            self.pass.fill(0);
+        }
+        if log_stats && self.log_balancedness && self.step % self.log_interval == 0 {
+            let total = all_reduce_sum(g, &self.pass)?;
+            let world = g.size();
+            let per_rank_slots = self.physical / world.max(1);
+            let mut tokens = vec![0i64; world];
+            for layer in total.chunks(self.physical) {
+                for (r, t) in tokens.iter_mut().enumerate() {
+                    *t += layer[r * per_rank_slots..(r + 1) * per_rank_slots]
+                        .iter()
+                        .sum::<i64>();
+                }
+            }
+            let max = tokens.iter().copied().max().unwrap_or(0);
+            let avg = tokens.iter().sum::<i64>() as f64 / world as f64;
+            let bal = if max == 0 { 0.0 } else { avg / max as f64 };
+            if g.rank() == 0 {
+                log::info(&balancedness_line(
+                    self.step,
+                    &self.model,
+                    avg,
+                    max,
+                    bal,
+                    self.step_interval.saturating_sub(self.step),
+                ));
+            }
+        }
+        if !is_dummy && self.recording() {
+            self.window[self.window_step].copy_from_slice(&self.pass);
+            self.pass.fill(0);
+            self.window_step = (self.window_step + 1) % self.window_size;
+        }
+        self.step += 1;
+        if self.step >= self.step_interval {
+            self.step = 0;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// The window's load per logical expert, summed over the window and all ranks (collective):
+    /// `phy2log[l]` maps each physical slot to its logical expert (-1 = empty).
+    pub fn logical_load(
+        &self,
+        g: &mut dyn Group,
+        phy2log: &[Vec<i64>],
+        logical: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        if phy2log.len() != self.layers || phy2log.iter().any(|r| r.len() != self.physical) {
+            return Err(Error::InvalidArgument(format!(
+                "phy2log must be {} layers of {} physical experts",
+                self.layers, self.physical
+            )));
+        }
+        let mut local = vec![0i64; self.layers * logical];
+        for w in &self.window {
+            for (l, row) in phy2log.iter().enumerate() {
+                for (p, &e) in row.iter().enumerate() {
+                    if e >= 0 {
+                        if e as usize >= logical {
+                            return Err(Error::InvalidArgument(format!(
+                                "phy2log[{l}][{p}] = {e} is not a logical expert id below {logical}"
+                            )));
+                        }
+                        local[l * logical + e as usize] += w[l * self.physical + p];
+                    }
+                }
+            }
+        }
+        let total = all_reduce_sum(g, &local)?;
+        Ok(total
+            .chunks(logical)
+            .map(|c| c.iter().map(|&x| x as f32).collect())
+            .collect())
+    }
+}
