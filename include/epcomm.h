@@ -259,6 +259,22 @@
 typedef struct epcomm_all2all epcomm_all2all;
 
 /**
+ * An EPLB communicator bound to a group (the group must outlive it). Use from one thread at
+ * a time.
+ */
+typedef struct epcomm_eplb_communicator epcomm_eplb_communicator;
+
+/**
+ * One rank's transfer plan for one layer (see epcomm_eplb_plan_layer).
+ */
+typedef struct epcomm_eplb_layer_plan epcomm_eplb_layer_plan;
+
+/**
+ * Expert-load statistics of one model on one rank (window, schedule, balancedness log).
+ */
+typedef struct epcomm_eplb_state epcomm_eplb_state;
+
+/**
  * A process group handle. Use it from one thread at a time (a second thread calling while a
  * call is in flight gets EPCOMM_ERROR_INVALID_STATE). Every collective must be called by all
  * ranks in the same order.
@@ -435,6 +451,88 @@ typedef struct epcomm_all2all_stats {
 } epcomm_all2all_stats;
 
 /**
+ * What the EPLB communicator factory needs to decide.
+ */
+typedef struct epcomm_eplb_select_request {
+  /**
+   * sizeof(epcomm_eplb_select_request); lets the struct grow.
+   */
+  uint32_t struct_size;
+  /**
+   * The configured name ("torch_nccl", "torch_gloo", "pynccl", "nixl"); NULL = automatic.
+   */
+  const char *communicator;
+  /**
+   * The EP group is an elastic (stateless) group.
+   */
+  bool elastic;
+  /**
+   * DLPack device type of the expert weights (EPCOMM_DEVICE_*).
+   */
+  int32_t device_type;
+  /**
+   * Dtypes of the first layer's expert weight tensors (may be NULL when the count is 0).
+   */
+  const struct epcomm_dtype *weight_dtypes;
+  /**
+   * Number of entries in weight_dtypes.
+   */
+  size_t num_weight_dtypes;
+  /**
+   * 1 = NCCL usable, 0 = not, EPCOMM_PROBE = probe this process.
+   */
+  int32_t nccl_available;
+  /**
+   * 1 = NIXL present, 0 = not, EPCOMM_PROBE = probe this process.
+   */
+  int32_t nixl_available;
+} epcomm_eplb_select_request;
+
+/**
+ * What a rearrangement did.
+ */
+typedef struct epcomm_eplb_summary {
+  int64_t layers_changed;
+  int64_t rows_sent;
+  int64_t rows_received;
+  int64_t rows_copied_locally;
+} epcomm_eplb_summary;
+
+/**
+ * Views of a layer plan; valid until the plan is destroyed.
+ */
+typedef struct epcomm_eplb_plan_view {
+  /**
+   * Local slots.
+   */
+  int64_t num_slots;
+  /**
+   * num_slots flags: 1 = the slot keeps its expert.
+   */
+  const uint8_t *unchanged;
+  /**
+   * [num_local_copies, 2]: (destination slot, source slot).
+   */
+  const int64_t *local_copies;
+  int64_t num_local_copies;
+  /**
+   * [num_sends, 3]: (expert, source slot, destination rank), vLLM's order.
+   */
+  const int64_t *sends;
+  int64_t num_sends;
+  /**
+   * [num_recvs, 3]: (expert, primary slot, source rank).
+   */
+  const int64_t *recvs;
+  int64_t num_recvs;
+  /**
+   * [num_duplicates, 2]: (destination slot, primary slot).
+   */
+  const int64_t *duplicates;
+  int64_t num_duplicates;
+} epcomm_eplb_plan_view;
+
+/**
  * Options for group creation; initialise with epcomm_group_options_init.
  */
 typedef struct epcomm_group_options {
@@ -556,44 +654,6 @@ typedef struct epcomm_all2all_name_desc {
    */
   const char *manager_class;
 } epcomm_all2all_name_desc;
-
-/**
- * What the EPLB communicator factory needs to decide.
- */
-typedef struct epcomm_eplb_select_request {
-  /**
-   * sizeof(epcomm_eplb_select_request); lets the struct grow.
-   */
-  uint32_t struct_size;
-  /**
-   * The configured name ("torch_nccl", "torch_gloo", "pynccl", "nixl"); NULL = automatic.
-   */
-  const char *communicator;
-  /**
-   * The EP group is an elastic (stateless) group.
-   */
-  bool elastic;
-  /**
-   * DLPack device type of the expert weights (EPCOMM_DEVICE_*).
-   */
-  int32_t device_type;
-  /**
-   * Dtypes of the first layer's expert weight tensors (may be NULL when the count is 0).
-   */
-  const struct epcomm_dtype *weight_dtypes;
-  /**
-   * Number of entries in weight_dtypes.
-   */
-  size_t num_weight_dtypes;
-  /**
-   * 1 = NCCL usable, 0 = not, EPCOMM_PROBE = probe this process.
-   */
-  int32_t nccl_available;
-  /**
-   * 1 = NIXL present, 0 = not, EPCOMM_PROBE = probe this process.
-   */
-  int32_t nixl_available;
-} epcomm_eplb_select_request;
 
 #ifdef __cplusplus
 extern "C" {
@@ -744,6 +804,153 @@ int32_t epcomm_eplb_logical_maps(const int64_t *phy2log, int64_t num_layers, int
  * `out` is NULL or writable.
  */
 int32_t epcomm_eplb_min_redundant_experts(int64_t num_logical, int64_t ep_size, int64_t *out);
+
+/**
+ * Builds the EPLB communicator vLLM's factory would choose for `request` (name or automatic,
+ * elastic group, device of the expert weights, dtypes, NCCL/NIXL availability) over `group`,
+ * with vLLM's rules and messages, and logs `Initialized EPLB communicator: {Class}.`. On this
+ * build `torch_gloo` (and `torch_nccl` on host tensors) work over the group; the NCCL/NIXL
+ * communicators report that epcomm's GPU transports are not implemented yet.
+ *
+ * # Safety
+ * `group` is NULL or a live handle that outlives the communicator; `request` is NULL or valid;
+ * `out` is NULL or writable.
+ */
+int32_t epcomm_eplb_communicator_create(const struct epcomm_group *group, const struct epcomm_eplb_select_request *request, struct epcomm_eplb_communicator **out);
+
+/**
+ * Releases a communicator (NULL is a no-op); queued transfers are dropped.
+ *
+ * # Safety
+ * `comm` is NULL or a handle from epcomm_eplb_communicator_create, not used afterwards.
+ */
+void epcomm_eplb_communicator_destroy(struct epcomm_eplb_communicator *comm);
+
+/**
+ * Queues sending the rows of one expert (one tensor per weight tensor) to rank `dst`. The
+ * memory must stay valid and unchanged until epcomm_eplb_communicator_execute returns.
+ * `expert` labels the transfer (vLLM's interface); pairing is by order per peer pair.
+ *
+ * # Safety
+ * `tensors` holds `num_tensors` valid tensors (or is NULL when 0).
+ */
+int32_t epcomm_eplb_communicator_add_send(struct epcomm_eplb_communicator *comm, const struct epcomm_tensor *tensors, size_t num_tensors, int32_t dst, int64_t expert);
+
+/**
+ * Queues receiving one expert's rows from rank `src` into `tensors` (valid until execute).
+ *
+ * # Safety
+ * `tensors` holds `num_tensors` valid tensors (or is NULL when 0).
+ */
+int32_t epcomm_eplb_communicator_add_recv(struct epcomm_eplb_communicator *comm, const struct epcomm_tensor *tensors, size_t num_tensors, int32_t src, int64_t expert);
+
+/**
+ * Executes every queued send and receive (collective: every rank of the group calls it) and
+ * clears the queue, also on failure. The j-th send from a to b fills the j-th receive on b
+ * from a; sizes must agree.
+ *
+ * # Safety
+ * `comm` is NULL or a live handle; queued tensors are still valid.
+ */
+int32_t epcomm_eplb_communicator_execute(struct epcomm_eplb_communicator *comm);
+
+/**
+ * Moves every layer's expert weights from the `old` to the `new` placement (physical →
+ * logical maps, [num_layers, old_slots] and [num_layers, new_slots]; -1 = empty slot) through
+ * `comm` (collective). `weights` holds num_layers * num_tensors host tensors, layer-major,
+ * each with this rank's local experts along dimension 0. Receives are staged: a layer's
+ * weights change only after all of its transfers succeeded, so a failure (a peer dies, a
+ * timeout) leaves that layer and later ones exactly as they were; the error says which layers
+ * were done. `rank_mapping` (old rank → new rank or -1; NULL = none) changes the EP size: with
+ * one entry per rank of the group it is a scale-down (the old group moves), otherwise a
+ * scale-up (the new group moves). `summary_out` may be NULL.
+ *
+ * # Safety
+ * Pointers are NULL or valid for the sizes above; tensors describe host memory.
+ */
+int32_t epcomm_eplb_rearrange(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, size_t num_tensors, const int64_t *rank_mapping, size_t rank_mapping_len, struct epcomm_eplb_summary *summary_out);
+
+/**
+ * Computes rank `rank`'s transfer plan for one layer from the old and new maps (`num_slots`
+ * physical slots each, `slots_per_rank` per rank), with vLLM's sender/receiver pairing.
+ *
+ * # Safety
+ * `old_phy2log` and `new_phy2log` hold num_slots entries; `out` is NULL or writable.
+ */
+int32_t epcomm_eplb_plan_layer(const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_slots, int64_t slots_per_rank, int32_t rank, struct epcomm_eplb_layer_plan **out);
+
+/**
+ * Describes a layer plan.
+ *
+ * # Safety
+ * `plan` is NULL or a live plan; `view_out` is NULL or writable.
+ */
+int32_t epcomm_eplb_layer_plan_view(const struct epcomm_eplb_layer_plan *plan, struct epcomm_eplb_plan_view *view_out);
+
+/**
+ * Releases a layer plan (NULL is a no-op).
+ *
+ * # Safety
+ * `plan` is NULL or from epcomm_eplb_plan_layer, not used afterwards.
+ */
+void epcomm_eplb_layer_plan_destroy(struct epcomm_eplb_layer_plan *plan);
+
+/**
+ * Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts.
+ * `eplb_config_json` is vLLM's EPLBConfig as JSON (NULL = defaults: window_size 1000,
+ * step_interval 3000, ...), validated as epcomm_config_check does. The first rearrangement is
+ * due after step_interval / 4 steps, as in vLLM.
+ *
+ * # Safety
+ * Strings are NULL or NUL-terminated; `out` is NULL or writable.
+ */
+int32_t epcomm_eplb_state_create(const char *eplb_config_json, const char *model_name, int64_t num_layers, int64_t num_physical, struct epcomm_eplb_state **out);
+
+/**
+ * Releases load statistics (NULL is a no-op).
+ *
+ * # Safety
+ * `state` is NULL or from epcomm_eplb_state_create, not used afterwards.
+ */
+void epcomm_eplb_state_destroy(struct epcomm_eplb_state *state);
+
+/**
+ * Adds the expert load of the manager's last dispatch to layer `layer` of this step (the
+ * counts were taken while dispatch validated the ids: no second pass over topk_ids).
+ *
+ * # Safety
+ * Handles are NULL or live.
+ */
+int32_t epcomm_eplb_state_record_dispatch(struct epcomm_eplb_state *state, int64_t layer, const struct epcomm_all2all *a2a);
+
+/**
+ * Adds one token per valid id of `topk_ids` (int32/int64, -1 ignored) to layer `layer`.
+ *
+ * # Safety
+ * `state` is NULL or live; `topk_ids` is NULL or a valid host tensor.
+ */
+int32_t epcomm_eplb_state_record(struct epcomm_eplb_state *state, int64_t layer, const struct epcomm_tensor *topk_ids);
+
+/**
+ * Ends a forward step (collective on `group` when logging balancedness): logs vLLM's
+ * `EPLB step: ...` line on rank 0 every log_balancedness_interval steps when `log_stats` and
+ * the config's log_balancedness are set, keeps the window, and sets `*rearrange_out` when a
+ * rearrangement is due.
+ *
+ * # Safety
+ * Handles are NULL or live; `rearrange_out` is NULL or writable.
+ */
+int32_t epcomm_eplb_state_step(struct epcomm_eplb_state *state, struct epcomm_group *group, bool is_dummy, bool log_stats, bool *rearrange_out);
+
+/**
+ * The window's load per logical expert, summed over the window and all ranks (collective):
+ * `phy2log` [num_layers, num_physical] (the current placement), `load_out`
+ * [num_layers, num_logical] floats, ready for epcomm_eplb_rebalance.
+ *
+ * # Safety
+ * Buffers hold the sizes above; handles are NULL or live.
+ */
+int32_t epcomm_eplb_state_logical_load(const struct epcomm_eplb_state *state, struct epcomm_group *group, const int64_t *phy2log, int64_t num_layers, int64_t num_physical, int64_t num_logical, float *load_out);
 
 /**
  * The message of the last failed call on this thread, or NULL if none failed yet.

@@ -278,7 +278,7 @@ fn view_tensor(
     }
 }
 
-fn ids_arg(t: &HostTensor) -> Result<Vec<i64>> {
+pub(crate) fn ids_arg(t: &HostTensor) -> Result<Vec<i64>> {
     let bytes = unsafe { t.as_slice() };
     match (t.dtype.code(), t.dtype.bits) {
         (Some(Code::Int), 32) => Ok(bytes
@@ -539,6 +539,24 @@ pub unsafe extern "C" fn epcomm_all2all_combine(
             })
         }
     })
+}
+
+/// The per-expert token counts of the manager's last dispatch.
+///
+/// # Safety
+/// `a2a` is NULL or a live handle.
+pub(crate) unsafe fn expert_counts(a2a: *const epcomm_all2all) -> Result<Vec<u32>> {
+    // SAFETY: caller contract.
+    let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
+    let inner = h.inner.try_lock().map_err(|_| {
+        Error::InvalidState("the all2all handle is in use by another thread".into())
+    })?;
+    if inner.0.expert_counts().is_empty() {
+        return Err(Error::InvalidState(
+            "the manager has not dispatched yet: record its load after a dispatch".into(),
+        ));
+    }
+    Ok(inner.0.expert_counts().to_vec())
 }
 
 /// Declares a MoE layer's top_k and num_experts (physical). The flashinfer_nvlink_one_sided

@@ -8,6 +8,7 @@ mod guard;
 pub mod all2all;
 pub mod config;
 pub mod eplb;
+pub mod eplb_runtime;
 pub mod error;
 pub mod group;
 pub mod log;

@@ -196,8 +196,35 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_select(
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract.
-        let req = unsafe { request.as_ref() }.ok_or(Error::NullPointer("request"))?;
         let out = unsafe { guard::out_arg(communicator_out, "communicator_out") }?;
+        let req = unsafe { SelectArgs::from_ffi(request) }?;
+        let sel = eplb::select(&req.request())?;
+        for w in &sel.warnings {
+            crate::log::warn(w);
+        }
+        *out = sel.communicator as i32;
+        Ok(())
+    })
+}
+
+/// A parsed `epcomm_eplb_select_request`.
+pub(crate) struct SelectArgs {
+    pub requested: Option<String>,
+    pub elastic: bool,
+    pub device: DeviceKind,
+    pub dtypes: Vec<DType>,
+    pub nccl_available: bool,
+    pub nixl_available: bool,
+}
+
+impl SelectArgs {
+    /// # Safety
+    /// `request` is NULL or a valid request whose pointers follow their field docs.
+    pub(crate) unsafe fn from_ffi(
+        request: *const epcomm_eplb_select_request,
+    ) -> Result<SelectArgs, Error> {
+        // SAFETY: caller contract.
+        let req = unsafe { request.as_ref() }.ok_or(Error::NullPointer("request"))?;
         if (req.struct_size as usize) < std::mem::size_of::<epcomm_eplb_select_request>() {
             return Err(Error::InvalidArgument(format!(
                 "request->struct_size is {}: expected sizeof(epcomm_eplb_select_request) = {}",
@@ -209,7 +236,7 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_select(
             None
         } else {
             // SAFETY: non-NULL, NUL-terminated per the field doc.
-            Some(unsafe { guard::str_arg(req.communicator, "request->communicator") }?)
+            Some(unsafe { guard::str_arg(req.communicator, "request->communicator") }?.to_owned())
         };
         let dtypes: Vec<DType> = if req.num_weight_dtypes == 0 {
             Vec::new()
@@ -222,11 +249,11 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_select(
                 .map(|d| DType::from(*d))
                 .collect()
         };
-        let sel = eplb::select(&eplb::SelectRequest {
+        Ok(SelectArgs {
             requested,
             elastic: req.elastic,
             device: DeviceKind::from_dlpack(req.device_type),
-            weight_dtypes: &dtypes,
+            dtypes,
             nccl_available: availability(
                 req.nccl_available,
                 "request->nccl_available",
@@ -237,13 +264,19 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_select(
                 "request->nixl_available",
                 probe::nixl_usable,
             )?,
-        })?;
-        for w in &sel.warnings {
-            crate::log::warn(w);
+        })
+    }
+
+    pub(crate) fn request(&self) -> eplb::SelectRequest<'_> {
+        eplb::SelectRequest {
+            requested: self.requested.as_deref(),
+            elastic: self.elastic,
+            device: self.device,
+            weight_dtypes: &self.dtypes,
+            nccl_available: self.nccl_available,
+            nixl_available: self.nixl_available,
         }
-        *out = sel.communicator as i32;
-        Ok(())
-    })
+    }
 }
 
 /// The name of an EPCOMM_EPLB_* communicator (static string), or NULL.

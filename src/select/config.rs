@@ -245,6 +245,24 @@ fn parse_eplb_config(map: &Map<String, Value>) -> Result<EplbConfig> {
     Ok(c)
 }
 
+/// Parses vLLM's EPLBConfig given as a JSON object (field types, bounds and validators).
+pub fn parse_eplb_config_json(json: &str) -> Result<EplbConfig> {
+    let value: Value = serde_json::from_str(json)
+        .map_err(|e| Error::InvalidArgument(format!("eplb_config is not valid JSON: {e}")))?;
+    let map = value
+        .as_object()
+        .ok_or_else(|| field_error("eplb_config", "Input should be a valid dictionary"))?;
+    let c = parse_eplb_config(map)?;
+    c.validate()?;
+    if c.policy != "default" {
+        return Err(field_error(
+            "eplb_config.policy",
+            "Input should be 'default'",
+        ));
+    }
+    Ok(c)
+}
+
 /// Parses a vLLM-style JSON configuration (field types and bounds only; rules come in [`check`]).
 pub fn parse(json: &str) -> Result<VllmConfig> {
     let value: Value = serde_json::from_str(json)

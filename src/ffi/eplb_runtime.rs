@@ -1,0 +1,646 @@
+//! EPLB at run time: communicators (add_send / add_recv / execute), rearranging expert weights,
+//! inspecting a layer's transfer plan, and the load statistics.
+
+use std::ffi::c_char;
+use std::sync::Mutex;
+
+use super::all2all::epcomm_all2all;
+use super::group::{epcomm_group, with_group};
+use super::guard;
+use super::select::{epcomm_eplb_select_request, SelectArgs};
+use super::tensor::{epcomm_tensor, HostTensor};
+use crate::eplb::communicator::{self, EplbCommunicator};
+use crate::eplb::load::LoadState;
+use crate::eplb::rearrange;
+use crate::eplb::transfer::{self, LayerPlan};
+use crate::error::{Error, Result};
+use crate::group::P2p;
+use crate::select::config;
+
+struct Queued {
+    send: bool,
+    peer: usize,
+    tensors: Vec<HostTensor>,
+}
+
+struct CommState {
+    comm: Box<dyn EplbCommunicator>,
+    queued: Vec<Queued>,
+}
+
+/// An EPLB communicator bound to a group (the group must outlive it). Use from one thread at
+/// a time.
+pub struct epcomm_eplb_communicator {
+    group: *const epcomm_group,
+    inner: Mutex<CommState>,
+}
+
+/// Builds the EPLB communicator vLLM's factory would choose for `request` (name or automatic,
+/// elastic group, device of the expert weights, dtypes, NCCL/NIXL availability) over `group`,
+/// with vLLM's rules and messages, and logs `Initialized EPLB communicator: {Class}.`. On this
+/// build `torch_gloo` (and `torch_nccl` on host tensors) work over the group; the NCCL/NIXL
+/// communicators report that epcomm's GPU transports are not implemented yet.
+///
+/// # Safety
+/// `group` is NULL or a live handle that outlives the communicator; `request` is NULL or valid;
+/// `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_communicator_create(
+    group: *const epcomm_group,
+    request: *const epcomm_eplb_select_request,
+    out: *mut *mut epcomm_eplb_communicator,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        let args = unsafe { SelectArgs::from_ffi(request) }?;
+        unsafe { with_group(group, |_| Ok(())) }?;
+        let comm = communicator::create(
+            args.requested.as_deref(),
+            args.elastic,
+            args.device,
+            &args.dtypes,
+            args.nccl_available,
+            args.nixl_available,
+        )?;
+        *out = Box::into_raw(Box::new(epcomm_eplb_communicator {
+            group,
+            inner: Mutex::new(CommState {
+                comm,
+                queued: Vec::new(),
+            }),
+        }));
+        Ok(())
+    })
+}
+
+/// Releases a communicator (NULL is a no-op); queued transfers are dropped.
+///
+/// # Safety
+/// `comm` is NULL or a handle from epcomm_eplb_communicator_create, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_communicator_destroy(comm: *mut epcomm_eplb_communicator) {
+    guard::call_or((), || {
+        if !comm.is_null() {
+            // SAFETY: from Box::into_raw, destroyed once (caller contract).
+            drop(unsafe { Box::from_raw(comm) });
+        }
+    })
+}
+
+unsafe fn with_comm<T>(
+    comm: *const epcomm_eplb_communicator,
+    f: impl FnOnce(&mut CommState, *const epcomm_group) -> Result<T>,
+) -> Result<T> {
+    // SAFETY: caller contract: a live handle.
+    let c = unsafe { comm.as_ref() }.ok_or(Error::NullPointer("comm"))?;
+    let mut inner = c.inner.try_lock().map_err(|_| {
+        Error::InvalidState("the EPLB communicator is in use by another thread".into())
+    })?;
+    f(&mut inner, c.group)
+}
+
+unsafe fn queue(
+    comm: *const epcomm_eplb_communicator,
+    tensors: *const epcomm_tensor,
+    num_tensors: usize,
+    peer: i32,
+    send: bool,
+) -> Result<()> {
+    let peer = usize::try_from(peer)
+        .map_err(|_| Error::InvalidArgument(format!("peer rank is {peer}; expected >= 0")))?;
+    if num_tensors > 0 && tensors.is_null() {
+        return Err(Error::NullPointer("tensors"));
+    }
+    let mut ts = Vec::with_capacity(num_tensors);
+    for i in 0..num_tensors {
+        // SAFETY: num_tensors entries (caller contract).
+        ts.push(unsafe { HostTensor::from_ffi(tensors.add(i), "tensors[i]") }?);
+    }
+    // SAFETY: caller contract.
+    unsafe {
+        with_comm(comm, |c, _| {
+            c.queued.push(Queued {
+                send,
+                peer,
+                tensors: ts,
+            });
+            Ok(())
+        })
+    }
+}
+
+/// Queues sending the rows of one expert (one tensor per weight tensor) to rank `dst`. The
+/// memory must stay valid and unchanged until epcomm_eplb_communicator_execute returns.
+/// `expert` labels the transfer (vLLM's interface); pairing is by order per peer pair.
+///
+/// # Safety
+/// `tensors` holds `num_tensors` valid tensors (or is NULL when 0).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_communicator_add_send(
+    comm: *mut epcomm_eplb_communicator,
+    tensors: *const epcomm_tensor,
+    num_tensors: usize,
+    dst: i32,
+    expert: i64,
+) -> i32 {
+    let _ = expert;
+    // SAFETY: caller contract.
+    guard::call(|| unsafe { queue(comm, tensors, num_tensors, dst, true) })
+}
+
+/// Queues receiving one expert's rows from rank `src` into `tensors` (valid until execute).
+///
+/// # Safety
+/// `tensors` holds `num_tensors` valid tensors (or is NULL when 0).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_communicator_add_recv(
+    comm: *mut epcomm_eplb_communicator,
+    tensors: *const epcomm_tensor,
+    num_tensors: usize,
+    src: i32,
+    expert: i64,
+) -> i32 {
+    let _ = expert;
+    // SAFETY: caller contract.
+    guard::call(|| unsafe { queue(comm, tensors, num_tensors, src, false) })
+}
+
+/// Executes every queued send and receive (collective: every rank of the group calls it) and
+/// clears the queue, also on failure. The j-th send from a to b fills the j-th receive on b
+/// from a; sizes must agree.
+///
+/// # Safety
+/// `comm` is NULL or a live handle; queued tensors are still valid.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_communicator_execute(
+    comm: *mut epcomm_eplb_communicator,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        unsafe {
+            with_comm(comm, |c, group| {
+                let queued = std::mem::take(&mut c.queued);
+                let recv: Vec<&HostTensor> = queued
+                    .iter()
+                    .filter(|q| !q.send)
+                    .flat_map(|q| q.tensors.iter())
+                    .collect();
+                let all: Vec<&HostTensor> = queued.iter().flat_map(|q| q.tensors.iter()).collect();
+                for r in &recv {
+                    for o in &all {
+                        if !std::ptr::eq(*r, *o) {
+                            r.check_disjoint(o)?;
+                        }
+                    }
+                }
+                let mut ops: Vec<P2p<'_>> = Vec::new();
+                for q in &queued {
+                    for t in &q.tensors {
+                        ops.push(if q.send {
+                            P2p::Send {
+                                peer: q.peer,
+                                data: t.as_slice(),
+                            }
+                        } else {
+                            P2p::Recv {
+                                peer: q.peer,
+                                data: t.as_mut_slice(),
+                            }
+                        });
+                    }
+                }
+                with_group(group, |g| c.comm.execute(g, &mut ops))
+            })
+        }
+    })
+}
+
+/// What a rearrangement did.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct epcomm_eplb_summary {
+    pub layers_changed: i64,
+    pub rows_sent: i64,
+    pub rows_received: i64,
+    pub rows_copied_locally: i64,
+}
+
+fn count(v: i64, what: &str) -> Result<usize> {
+    usize::try_from(v)
+        .ok()
+        .filter(|&x| x > 0)
+        .ok_or_else(|| Error::InvalidArgument(format!("{what} is {v}; expected a positive value")))
+}
+
+unsafe fn maps(
+    p: *const i64,
+    layers: usize,
+    slots: usize,
+    what: &'static str,
+) -> Result<Vec<Vec<i64>>> {
+    if p.is_null() {
+        return Err(Error::NullPointer(what));
+    }
+    // SAFETY: layers * slots entries (caller contract).
+    let v = unsafe { std::slice::from_raw_parts(p, layers * slots) };
+    if let Some((i, &bad)) = v.iter().enumerate().find(|(_, &x)| x < -1) {
+        return Err(Error::InvalidArgument(format!(
+            "{what}[{i}] is {bad}; expected a logical expert id or -1"
+        )));
+    }
+    Ok(v.chunks(slots).map(<[i64]>::to_vec).collect())
+}
+
+/// Moves every layer's expert weights from the `old` to the `new` placement (physical →
+/// logical maps, [num_layers, old_slots] and [num_layers, new_slots]; -1 = empty slot) through
+/// `comm` (collective). `weights` holds num_layers * num_tensors host tensors, layer-major,
+/// each with this rank's local experts along dimension 0. Receives are staged: a layer's
+/// weights change only after all of its transfers succeeded, so a failure (a peer dies, a
+/// timeout) leaves that layer and later ones exactly as they were; the error says which layers
+/// were done. `rank_mapping` (old rank → new rank or -1; NULL = none) changes the EP size: with
+/// one entry per rank of the group it is a scale-down (the old group moves), otherwise a
+/// scale-up (the new group moves). `summary_out` may be NULL.
+///
+/// # Safety
+/// Pointers are NULL or valid for the sizes above; tensors describe host memory.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_rearrange(
+    comm: *mut epcomm_eplb_communicator,
+    old_phy2log: *const i64,
+    new_phy2log: *const i64,
+    num_layers: i64,
+    old_slots: i64,
+    new_slots: i64,
+    weights: *const epcomm_tensor,
+    num_tensors: usize,
+    rank_mapping: *const i64,
+    rank_mapping_len: usize,
+    summary_out: *mut epcomm_eplb_summary,
+) -> i32 {
+    guard::call(|| {
+        let l = count(num_layers, "num_layers")?;
+        let (os, ns) = (
+            count(old_slots, "old_slots")?,
+            count(new_slots, "new_slots")?,
+        );
+        // SAFETY: caller contract for every pointer below.
+        let old = unsafe { maps(old_phy2log, l, os, "old_phy2log") }?;
+        let new = unsafe { maps(new_phy2log, l, ns, "new_phy2log") }?;
+        if num_tensors == 0 {
+            return Err(Error::InvalidArgument(
+                "num_tensors is 0; expected the number of weight tensors per layer".into(),
+            ));
+        }
+        if weights.is_null() {
+            return Err(Error::NullPointer("weights"));
+        }
+        let mut tensors = Vec::with_capacity(l * num_tensors);
+        for i in 0..l * num_tensors {
+            tensors.push(unsafe { HostTensor::from_ffi(weights.add(i), "weights[i]") }?);
+        }
+        for (i, a) in tensors.iter().enumerate() {
+            for b in &tensors[i + 1..] {
+                a.check_disjoint(b)?;
+            }
+        }
+        let row_bytes: Vec<usize> = tensors[..num_tensors]
+            .iter()
+            .map(HostTensor::row_bytes)
+            .collect();
+        for (i, t) in tensors.iter().enumerate() {
+            if t.row_bytes() != row_bytes[i % num_tensors] {
+                return Err(Error::InvalidArgument(format!(
+                    "weights[{i}] has rows of {} bytes but tensor {} of layer 0 has {}; every layer must have the same tensors",
+                    t.row_bytes(),
+                    i % num_tensors,
+                    row_bytes[i % num_tensors]
+                )));
+            }
+        }
+        let mapping: Option<Vec<i64>> = if rank_mapping.is_null() {
+            None
+        } else {
+            Some(unsafe { std::slice::from_raw_parts(rank_mapping, rank_mapping_len) }.to_vec())
+        };
+        let mut views: Vec<Vec<&mut [u8]>> = tensors
+            .chunks(num_tensors)
+            .map(|layer| layer.iter().map(|t| unsafe { t.as_mut_slice() }).collect())
+            .collect();
+        let summary = unsafe {
+            with_comm(comm, |c, group| {
+                with_group(group, |g| {
+                    rearrange::rearrange(
+                        g,
+                        c.comm.as_mut(),
+                        &old,
+                        &new,
+                        &mut views,
+                        &row_bytes,
+                        mapping.as_deref(),
+                    )
+                })
+            })
+        }?;
+        if let Some(out) = unsafe { summary_out.as_mut() } {
+            *out = epcomm_eplb_summary {
+                layers_changed: summary.layers_changed as i64,
+                rows_sent: summary.rows_sent as i64,
+                rows_received: summary.rows_received as i64,
+                rows_copied_locally: summary.rows_copied_locally as i64,
+            };
+        }
+        Ok(())
+    })
+}
+
+/// One rank's transfer plan for one layer (see epcomm_eplb_plan_layer).
+pub struct epcomm_eplb_layer_plan {
+    plan: LayerPlan,
+    unchanged: Vec<u8>,
+    local_copies: Vec<i64>,
+    sends: Vec<i64>,
+    recvs: Vec<i64>,
+    duplicates: Vec<i64>,
+}
+
+/// Views of a layer plan; valid until the plan is destroyed.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_eplb_plan_view {
+    /// Local slots.
+    pub num_slots: i64,
+    /// num_slots flags: 1 = the slot keeps its expert.
+    pub unchanged: *const u8,
+    /// [num_local_copies, 2]: (destination slot, source slot).
+    pub local_copies: *const i64,
+    pub num_local_copies: i64,
+    /// [num_sends, 3]: (expert, source slot, destination rank), vLLM's order.
+    pub sends: *const i64,
+    pub num_sends: i64,
+    /// [num_recvs, 3]: (expert, primary slot, source rank).
+    pub recvs: *const i64,
+    pub num_recvs: i64,
+    /// [num_duplicates, 2]: (destination slot, primary slot).
+    pub duplicates: *const i64,
+    pub num_duplicates: i64,
+}
+
+/// Computes rank `rank`'s transfer plan for one layer from the old and new maps (`num_slots`
+/// physical slots each, `slots_per_rank` per rank), with vLLM's sender/receiver pairing.
+///
+/// # Safety
+/// `old_phy2log` and `new_phy2log` hold num_slots entries; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_plan_layer(
+    old_phy2log: *const i64,
+    new_phy2log: *const i64,
+    num_slots: i64,
+    slots_per_rank: i64,
+    rank: i32,
+    out: *mut *mut epcomm_eplb_layer_plan,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        let p = count(num_slots, "num_slots")?;
+        let n = count(slots_per_rank, "slots_per_rank")?;
+        let old = unsafe { maps(old_phy2log, 1, p, "old_phy2log") }?;
+        let new = unsafe { maps(new_phy2log, 1, p, "new_phy2log") }?;
+        let rank = usize::try_from(rank)
+            .map_err(|_| Error::InvalidArgument(format!("rank is {rank}; expected >= 0")))?;
+        let plan = transfer::plan_layer(&old[0], &new[0], n, rank)?;
+        let flat2 =
+            |v: &[(usize, usize)]| v.iter().flat_map(|&(a, b)| [a as i64, b as i64]).collect();
+        let flat3 = |v: &[(i64, usize, usize)]| {
+            v.iter()
+                .flat_map(|&(a, b, c)| [a, b as i64, c as i64])
+                .collect()
+        };
+        *out = Box::into_raw(Box::new(epcomm_eplb_layer_plan {
+            unchanged: plan.unchanged.iter().map(|&u| u8::from(u)).collect(),
+            local_copies: flat2(&plan.local_copies),
+            sends: flat3(&plan.sends),
+            recvs: flat3(&plan.recvs),
+            duplicates: flat2(&plan.duplicates),
+            plan,
+        }));
+        Ok(())
+    })
+}
+
+/// Describes a layer plan.
+///
+/// # Safety
+/// `plan` is NULL or a live plan; `view_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_layer_plan_view(
+    plan: *const epcomm_eplb_layer_plan,
+    view_out: *mut epcomm_eplb_plan_view,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(view_out, "view_out") }?;
+        let p = unsafe { plan.as_ref() }.ok_or(Error::NullPointer("plan"))?;
+        *out = epcomm_eplb_plan_view {
+            num_slots: p.unchanged.len() as i64,
+            unchanged: p.unchanged.as_ptr(),
+            local_copies: p.local_copies.as_ptr(),
+            num_local_copies: p.plan.local_copies.len() as i64,
+            sends: p.sends.as_ptr(),
+            num_sends: p.plan.sends.len() as i64,
+            recvs: p.recvs.as_ptr(),
+            num_recvs: p.plan.recvs.len() as i64,
+            duplicates: p.duplicates.as_ptr(),
+            num_duplicates: p.plan.duplicates.len() as i64,
+        };
+        Ok(())
+    })
+}
+
+/// Releases a layer plan (NULL is a no-op).
+///
+/// # Safety
+/// `plan` is NULL or from epcomm_eplb_plan_layer, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_layer_plan_destroy(plan: *mut epcomm_eplb_layer_plan) {
+    guard::call_or((), || {
+        if !plan.is_null() {
+            // SAFETY: from Box::into_raw, destroyed once.
+            drop(unsafe { Box::from_raw(plan) });
+        }
+    })
+}
+
+/// Expert-load statistics of one model on one rank (window, schedule, balancedness log).
+pub struct epcomm_eplb_state {
+    inner: Mutex<LoadState>,
+}
+
+/// Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts.
+/// `eplb_config_json` is vLLM's EPLBConfig as JSON (NULL = defaults: window_size 1000,
+/// step_interval 3000, ...), validated as epcomm_config_check does. The first rearrangement is
+/// due after step_interval / 4 steps, as in vLLM.
+///
+/// # Safety
+/// Strings are NULL or NUL-terminated; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_state_create(
+    eplb_config_json: *const c_char,
+    model_name: *const c_char,
+    num_layers: i64,
+    num_physical: i64,
+    out: *mut *mut epcomm_eplb_state,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        let model = unsafe { guard::str_arg(model_name, "model_name") }?;
+        let cfg = if eplb_config_json.is_null() {
+            config::EplbConfig::default()
+        } else {
+            config::parse_eplb_config_json(unsafe {
+                guard::str_arg(eplb_config_json, "eplb_config_json")
+            }?)?
+        };
+        let state = LoadState::new(
+            &cfg,
+            model,
+            count(num_layers, "num_layers")?,
+            count(num_physical, "num_physical")?,
+        )?;
+        *out = Box::into_raw(Box::new(epcomm_eplb_state {
+            inner: Mutex::new(state),
+        }));
+        Ok(())
+    })
+}
+
+/// Releases load statistics (NULL is a no-op).
+///
+/// # Safety
+/// `state` is NULL or from epcomm_eplb_state_create, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_state_destroy(state: *mut epcomm_eplb_state) {
+    guard::call_or((), || {
+        if !state.is_null() {
+            // SAFETY: from Box::into_raw, destroyed once.
+            drop(unsafe { Box::from_raw(state) });
+        }
+    })
+}
+
+unsafe fn with_state<T>(
+    state: *const epcomm_eplb_state,
+    f: impl FnOnce(&mut LoadState) -> Result<T>,
+) -> Result<T> {
+    // SAFETY: caller contract.
+    let s = unsafe { state.as_ref() }.ok_or(Error::NullPointer("state"))?;
+    let mut inner = s
+        .inner
+        .try_lock()
+        .map_err(|_| Error::InvalidState("the EPLB state is in use by another thread".into()))?;
+    f(&mut inner)
+}
+
+/// Adds the expert load of the manager's last dispatch to layer `layer` of this step (the
+/// counts were taken while dispatch validated the ids: no second pass over topk_ids).
+///
+/// # Safety
+/// Handles are NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_state_record_dispatch(
+    state: *mut epcomm_eplb_state,
+    layer: i64,
+    a2a: *const epcomm_all2all,
+) -> i32 {
+    guard::call(|| {
+        let layer = usize::try_from(layer)
+            .map_err(|_| Error::InvalidArgument(format!("layer is {layer}; expected >= 0")))?;
+        // SAFETY: caller contract.
+        let counts = unsafe { super::all2all::expert_counts(a2a) }?;
+        unsafe { with_state(state, |s| s.record_counts(layer, &counts)) }
+    })
+}
+
+/// Adds one token per valid id of `topk_ids` (int32/int64, -1 ignored) to layer `layer`.
+///
+/// # Safety
+/// `state` is NULL or live; `topk_ids` is NULL or a valid host tensor.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_state_record(
+    state: *mut epcomm_eplb_state,
+    layer: i64,
+    topk_ids: *const epcomm_tensor,
+) -> i32 {
+    guard::call(|| {
+        let layer = usize::try_from(layer)
+            .map_err(|_| Error::InvalidArgument(format!("layer is {layer}; expected >= 0")))?;
+        // SAFETY: caller contract.
+        let t = unsafe { HostTensor::from_ffi(topk_ids, "topk_ids") }?;
+        let ids = super::all2all::ids_arg(&t)?;
+        unsafe { with_state(state, |s| s.record_ids(layer, &ids)) }
+    })
+}
+
+/// Ends a forward step (collective on `group` when logging balancedness): logs vLLM's
+/// `EPLB step: ...` line on rank 0 every log_balancedness_interval steps when `log_stats` and
+/// the config's log_balancedness are set, keeps the window, and sets `*rearrange_out` when a
+/// rearrangement is due.
+///
+/// # Safety
+/// Handles are NULL or live; `rearrange_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_state_step(
+    state: *mut epcomm_eplb_state,
+    group: *mut epcomm_group,
+    is_dummy: bool,
+    log_stats: bool,
+    rearrange_out: *mut bool,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(rearrange_out, "rearrange_out") }?;
+        *out = unsafe {
+            with_state(state, |s| {
+                with_group(group, |g| s.step(g, is_dummy, log_stats))
+            })
+        }?;
+        Ok(())
+    })
+}
+
+/// The window's load per logical expert, summed over the window and all ranks (collective):
+/// `phy2log` [num_layers, num_physical] (the current placement), `load_out`
+/// [num_layers, num_logical] floats, ready for epcomm_eplb_rebalance.
+///
+/// # Safety
+/// Buffers hold the sizes above; handles are NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_state_logical_load(
+    state: *const epcomm_eplb_state,
+    group: *mut epcomm_group,
+    phy2log: *const i64,
+    num_layers: i64,
+    num_physical: i64,
+    num_logical: i64,
+    load_out: *mut f32,
+) -> i32 {
+    guard::call(|| {
+        let l = count(num_layers, "num_layers")?;
+        let p = count(num_physical, "num_physical")?;
+        let e = count(num_logical, "num_logical")?;
+        if load_out.is_null() {
+            return Err(Error::NullPointer("load_out"));
+        }
+        // SAFETY: caller contract.
+        let m = unsafe { maps(phy2log, l, p, "phy2log") }?;
+        let load =
+            unsafe { with_state(state, |s| with_group(group, |g| s.logical_load(g, &m, e))) }?;
+        let out = unsafe { std::slice::from_raw_parts_mut(load_out, l * e) };
+        for (d, v) in out.iter_mut().zip(load.iter().flatten()) {
+            *d = *v;
+        }
+        Ok(())
+    })
+}
