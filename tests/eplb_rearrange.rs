@@ -315,3 +315,63 @@ fn a_rank_dying_mid_transfer_leaves_survivors_unchanged() {
         }
     }
 }
+
+#[test]
+fn weights_follow_the_new_placement_across_processes() {
+    if let Ok(group) = std::env::var("EPCOMM_EPLB_MOVE_CHILD") {
+        let rank: usize = std::env::var("EPCOMM_EPLB_RANK").unwrap().parse().unwrap();
+        let world: usize = std::env::var("EPCOMM_EPLB_WORLD").unwrap().parse().unwrap();
+        let physical = 16;
+        let old = initial(physical);
+        let new = balanced(physical, world, 11);
+        let mut g = ShmGroup::join(&group, rank, world, opts()).unwrap();
+        let mut w = tensors(&old, rank, world);
+        let mut c = comm();
+        {
+            let mut views: Vec<Vec<&mut [u8]>> = w
+                .iter_mut()
+                .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
+                .collect();
+            rearrange(&mut g, c.as_mut(), &old, &new, &mut views, &ROW_BYTES, None).unwrap();
+        }
+        assert!(w == tensors(&new, rank, world), "rank {rank} of {world}");
+        return;
+    }
+    for world in [2, 4] {
+        let group = unique("proc");
+        let kids: Vec<_> = (0..world)
+            .map(|r| {
+                std::process::Command::new(std::env::current_exe().unwrap())
+                    .args([
+                        "--exact",
+                        "weights_follow_the_new_placement_across_processes",
+                        "--nocapture",
+                        "--test-threads=1",
+                    ])
+                    .env("EPCOMM_EPLB_MOVE_CHILD", &group)
+                    .env("EPCOMM_EPLB_RANK", r.to_string())
+                    .env("EPCOMM_EPLB_WORLD", world.to_string())
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let start = std::time::Instant::now();
+        for (r, mut k) in kids.into_iter().enumerate() {
+            while k.try_wait().unwrap().is_none() {
+                if start.elapsed() > Duration::from_secs(60) {
+                    let _ = k.kill();
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let o = k.wait_with_output().unwrap();
+            assert!(
+                o.status.success(),
+                "rank {r} of {world}: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+}
