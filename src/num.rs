@@ -55,11 +55,15 @@ pub fn bf16_to_f32(b: u16) -> f32 {
 #[inline]
 pub fn f32_to_bf16(f: f32) -> u16 {
     let bits = f.to_bits();
-    if f.is_nan() {
-        return ((bits >> 16) as u16) | 0x0040;
-    }
     let round = 0x7fff + ((bits >> 16) & 1);
-    (bits.wrapping_add(round) >> 16) as u16
+    let rounded = (bits.wrapping_add(round) >> 16) as u16;
+    let nan = ((bits >> 16) as u16) | 0x0040;
+    // A select, not a branch, so loops over this vectorize.
+    if f.is_nan() {
+        nan
+    } else {
+        rounded
+    }
 }
 
 /// IEEE binary16 bits → f32 (exact).
@@ -116,47 +120,93 @@ pub fn f32_to_f16(f: f32) -> u16 {
     sign | (half + round) as u16
 }
 
-/// Adds the elements of `src` (of kind `kind`, native-endian bytes) to `acc`.
-pub fn accumulate(acc: &mut [f32], src: &[u8], kind: FloatKind) {
-    debug_assert_eq!(src.len(), acc.len() * kind.size());
-    match kind {
-        FloatKind::F32 => {
-            for (a, c) in acc.iter_mut().zip(src.chunks_exact(4)) {
-                *a += f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        FloatKind::Bf16 => {
-            for (a, c) in acc.iter_mut().zip(src.chunks_exact(2)) {
-                *a += bf16_to_f32(u16::from_ne_bytes([c[0], c[1]]));
-            }
-        }
-        FloatKind::F16 => {
-            for (a, c) in acc.iter_mut().zip(src.chunks_exact(2)) {
-                *a += f16_to_f32(u16::from_ne_bytes([c[0], c[1]]));
-            }
+/// Elements per block of the kernels below: fixed-size arrays (no bounds checks in the inner
+/// loop), so the compiler vectorizes them.
+const LANES: usize = 16;
+
+/// Decodes element `j` of a block of `LANES` elements of kind `K` (0 f32, 1 bf16, 2 f16).
+#[inline(always)]
+fn decode<const K: u8, const B: usize>(s: &[u8; B], j: usize) -> f32 {
+    match K {
+        0 => f32::from_ne_bytes([s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]]),
+        1 => f32::from_bits((u16::from_ne_bytes([s[2 * j], s[2 * j + 1]]) as u32) << 16),
+        _ => f16_to_f32(u16::from_ne_bytes([s[2 * j], s[2 * j + 1]])),
+    }
+}
+
+#[inline(always)]
+fn add_blocks<const K: u8, const B: usize, const SCALED: bool>(
+    acc: &mut [f32],
+    src: &[u8],
+    w: f32,
+) {
+    let es = B / LANES;
+    let split = acc.len() - acc.len() % LANES;
+    let (body, tail) = acc.split_at_mut(split);
+    for (a, s) in body.chunks_exact_mut(LANES).zip(src.chunks_exact(B)) {
+        let a: &mut [f32; LANES] = a.try_into().expect("block");
+        let s: &[u8; B] = s.try_into().expect("block");
+        for (j, aj) in a.iter_mut().enumerate() {
+            let x = decode::<K, B>(s, j);
+            *aj += if SCALED { w * x } else { x };
         }
     }
+    for (j, aj) in tail.iter_mut().enumerate() {
+        let o = (split + j) * es;
+        let mut one = [0u8; B];
+        one[..es].copy_from_slice(&src[o..o + es]);
+        let x = decode::<K, B>(&one, 0);
+        *aj += if SCALED { w * x } else { x };
+    }
+}
+
+fn add_kind<const SCALED: bool>(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
+    debug_assert_eq!(src.len(), acc.len() * kind.size());
+    match kind {
+        FloatKind::F32 => add_blocks::<0, { LANES * 4 }, SCALED>(acc, src, w),
+        FloatKind::Bf16 => add_blocks::<1, { LANES * 2 }, SCALED>(acc, src, w),
+        FloatKind::F16 => add_blocks::<2, { LANES * 2 }, SCALED>(acc, src, w),
+    }
+}
+
+/// Adds the elements of `src` (of kind `kind`, native-endian bytes) to `acc`.
+pub fn accumulate(acc: &mut [f32], src: &[u8], kind: FloatKind) {
+    add_kind::<false>(acc, src, kind, 1.0);
 }
 
 /// Adds `w` times the elements of `src` (of kind `kind`) to `acc`.
 pub fn accumulate_scaled(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
-    debug_assert_eq!(src.len(), acc.len() * kind.size());
-    match kind {
-        FloatKind::F32 => {
-            for (a, c) in acc.iter_mut().zip(src.chunks_exact(4)) {
-                *a += w * f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
-            }
+    add_kind::<true>(acc, src, kind, w);
+}
+
+#[inline(always)]
+fn encode<const K: u8, const B: usize>(d: &mut [u8; B], j: usize, v: f32) {
+    match K {
+        0 => d[4 * j..4 * j + 4].copy_from_slice(&v.to_ne_bytes()),
+        1 => d[2 * j..2 * j + 2].copy_from_slice(&f32_to_bf16(v).to_ne_bytes()),
+        _ => d[2 * j..2 * j + 2].copy_from_slice(&f32_to_f16(v).to_ne_bytes()),
+    }
+}
+
+#[inline(always)]
+fn store_blocks<const K: u8, const B: usize>(acc: &[f32], dst: &mut [u8]) {
+    let es = B / LANES;
+    let split = acc.len() - acc.len() % LANES;
+    for (a, d) in acc[..split]
+        .chunks_exact(LANES)
+        .zip(dst.chunks_exact_mut(B))
+    {
+        let a: &[f32; LANES] = a.try_into().expect("block");
+        let d: &mut [u8; B] = d.try_into().expect("block");
+        for (j, &aj) in a.iter().enumerate() {
+            encode::<K, B>(d, j, aj);
         }
-        FloatKind::Bf16 => {
-            for (a, c) in acc.iter_mut().zip(src.chunks_exact(2)) {
-                *a += w * bf16_to_f32(u16::from_ne_bytes([c[0], c[1]]));
-            }
-        }
-        FloatKind::F16 => {
-            for (a, c) in acc.iter_mut().zip(src.chunks_exact(2)) {
-                *a += w * f16_to_f32(u16::from_ne_bytes([c[0], c[1]]));
-            }
-        }
+    }
+    for (j, &aj) in acc[split..].iter().enumerate() {
+        let o = (split + j) * es;
+        let mut one = [0u8; B];
+        encode::<K, B>(&mut one, 0, aj);
+        dst[o..o + es].copy_from_slice(&one[..es]);
     }
 }
 
@@ -164,21 +214,9 @@ pub fn accumulate_scaled(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
 pub fn store(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
     debug_assert_eq!(dst.len(), acc.len() * kind.size());
     match kind {
-        FloatKind::F32 => {
-            for (a, c) in acc.iter().zip(dst.chunks_exact_mut(4)) {
-                c.copy_from_slice(&a.to_ne_bytes());
-            }
-        }
-        FloatKind::Bf16 => {
-            for (a, c) in acc.iter().zip(dst.chunks_exact_mut(2)) {
-                c.copy_from_slice(&f32_to_bf16(*a).to_ne_bytes());
-            }
-        }
-        FloatKind::F16 => {
-            for (a, c) in acc.iter().zip(dst.chunks_exact_mut(2)) {
-                c.copy_from_slice(&f32_to_f16(*a).to_ne_bytes());
-            }
-        }
+        FloatKind::F32 => store_blocks::<0, { LANES * 4 }>(acc, dst),
+        FloatKind::Bf16 => store_blocks::<1, { LANES * 2 }>(acc, dst),
+        FloatKind::F16 => store_blocks::<2, { LANES * 2 }>(acc, dst),
     }
 }
 

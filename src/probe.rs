@@ -134,3 +134,11 @@ fn cudarc_sees_driver() -> bool {
 fn cudarc_sees_driver() -> bool {
     false
 }
+
+/// Memory the kernel reports as available for new allocations (MemAvailable), in bytes.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -258,8 +258,8 @@ fn exercise(g: &mut dyn Group, seed: u64, iters: u64) {
                         .collect()
                 })
                 .collect();
-            let mut acc = vec![0f32; acc_rows * elems];
-            g.reduce_rows(&src, kind, elems, &give, &mut acc, &take)
+            let mut out = vec![0u8; acc_rows * elems * 4];
+            g.reduce_rows(&src, kind, elems, &give, &mut out, FloatKind::F32, &take)
                 .unwrap();
             let mut want = vec![0f32; acc_rows * elems];
             for (p, list) in take.iter().enumerate() {
@@ -272,7 +272,11 @@ fn exercise(g: &mut dyn Group, seed: u64, iters: u64) {
                     }
                 }
             }
-            assert_eq!(acc, want, "reduce_rows {kind:?} rank {me} iter {it}");
+            assert_eq!(
+                num::to_f32(&out, FloatKind::F32),
+                want,
+                "reduce_rows {kind:?} rank {me} iter {it}"
+            );
         }
 
         // broadcast and small all_gather.

@@ -46,17 +46,18 @@ pub fn create(
     nccl_available: bool,
     nixl_available: bool,
 ) -> Result<Box<dyn EplbCommunicator>> {
-    let sel = eplb::select(&SelectRequest {
+    let (sel, warnings) = eplb::select_outcome(&SelectRequest {
         requested,
         elastic,
         device,
         weight_dtypes,
         nccl_available,
         nixl_available,
-    })?;
-    for w in &sel.warnings {
+    });
+    for w in &warnings {
         log::warn(w);
     }
+    let sel = sel?;
     let built: Box<dyn EplbCommunicator> = match sel.communicator {
         Communicator::TorchGloo => Box::new(GroupCommunicator {
             kind: Communicator::TorchGloo,

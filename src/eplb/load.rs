@@ -94,7 +94,8 @@ impl LoadState {
         self.step_interval.saturating_sub(self.step) <= self.window_size
     }
 
-    /// Adds per-physical-expert token counts of one layer to this step.
+    /// Adds per-physical-expert token counts of one layer to this step (ignored outside the
+    /// recording window, as vLLM's router skips recording then).
     pub fn record_counts(&mut self, layer: usize, counts: &[u32]) -> Result<()> {
         if layer >= self.layers || counts.len() != self.physical {
             return Err(Error::InvalidArgument(format!(
@@ -103,6 +104,9 @@ impl LoadState {
                 self.layers,
                 self.physical
             )));
+        }
+        if !self.recording() && !self.log_balancedness {
+            return Ok(());
         }
         for (p, &c) in self.pass[layer * self.physical..(layer + 1) * self.physical]
             .iter_mut()
@@ -165,9 +169,9 @@ impl LoadState {
         }
         if !is_dummy && self.recording() {
             self.window[self.window_step].copy_from_slice(&self.pass);
-            self.pass.fill(0);
             self.window_step = (self.window_step + 1) % self.window_size;
         }
+        self.pass.fill(0);
         self.step += 1;
         if self.step >= self.step_interval {
             self.step = 0;

@@ -198,11 +198,11 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_select(
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(communicator_out, "communicator_out") }?;
         let req = unsafe { SelectArgs::from_ffi(request) }?;
-        let sel = eplb::select(&req.request())?;
-        for w in &sel.warnings {
+        let (sel, warnings) = eplb::select_outcome(&req.request());
+        for w in &warnings {
             crate::log::warn(w);
         }
-        *out = sel.communicator as i32;
+        *out = sel?.communicator as i32;
         Ok(())
     })
 }

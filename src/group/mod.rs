@@ -131,34 +131,21 @@ pub trait Group: Send {
 
     /// Weighted reduction of peers' rows: peer p wants rows `give[p]` of `src` (elements of
     /// `kind`, `row_elems` per row), and each row received from peer p is added, times its
-    /// weight, to row `take[p][i].0` of `acc` (f32, `row_elems` per row). Contributions are
-    /// summed in rank order, then in each peer's order (deterministic on every transport).
+    /// weight, to row `take[p][i].0` of the output. Sums are f32, in rank order, then in each
+    /// peer's order (deterministic on every transport), and stored as `out_kind` in `out`;
+    /// rows nobody contributes to are zero. Works in cache-sized blocks of output rows.
+    #[allow(clippy::too_many_arguments)]
     fn reduce_rows(
         &mut self,
         src: &[u8],
         kind: FloatKind,
         row_elems: usize,
         give: &[Vec<u32>],
-        acc: &mut [f32],
+        out: &mut [u8],
+        out_kind: FloatKind,
         take: &[Vec<(u32, f32)>],
     ) -> Result<()> {
-        let row_bytes = row_elems * kind.size();
-        rows::check_reduce(
-            self.rank(),
-            self.size(),
-            src,
-            row_bytes,
-            row_elems,
-            give,
-            acc,
-            take,
-        )?;
-        let (send, send_sizes) = rows::pack(src, row_bytes, give);
-        let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
-        let mut recv = vec![0u8; recv_sizes.iter().sum()];
-        self.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)?;
-        rows::accumulate_packed(&recv, kind, row_elems, take, acc);
-        Ok(())
+        rows::reduce_packed(self, src, kind, row_elems, give, out, out_kind, take)
     }
 }
 

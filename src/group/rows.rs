@@ -24,25 +24,27 @@ pub(crate) fn exchange_packed<G: Group + ?Sized>(
     Ok(())
 }
 
-/// reduce_rows by packing, all_to_allv and a weighted accumulation (any transport).
+/// reduce_rows by packing, all_to_allv and a blocked weighted accumulation (any transport).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_packed<G: Group + ?Sized>(
     g: &mut G,
     src: &[u8],
     kind: FloatKind,
     row_elems: usize,
     give: &[Vec<u32>],
-    acc: &mut [f32],
+    out: &mut [u8],
+    out_kind: FloatKind,
     take: &[Vec<(u32, f32)>],
 ) -> Result<()> {
     let row_bytes = row_elems * kind.size();
-    check_reduce(
-        g.rank(),
+    let out_rows = check_reduce(
         g.size(),
         src,
         row_bytes,
         row_elems,
         give,
-        acc,
+        out,
+        out_kind,
         take,
     )?;
     let (send, send_sizes) = pack(src, row_bytes, give);
@@ -50,7 +52,157 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
     let mut recv = vec![0u8; recv_sizes.iter().sum()];
     g.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)
         .map_err(|e| rename_mismatch(e, "reduce_rows"))?;
-    accumulate_packed(&recv, kind, row_elems, take, acc);
+    let base: Vec<usize> = recv_sizes
+        .iter()
+        .scan(0, |acc, &s| {
+            let b = *acc;
+            *acc += s;
+            Some(b)
+        })
+        .collect();
+    let by_row = ByRow::new(take, out_rows);
+    let me = g.rank();
+    reduce_blocked(
+        kind,
+        row_elems,
+        &by_row,
+        out,
+        out_kind,
+        Some((me, src, give[me].as_slice())),
+        |peer: usize, positions: &[u32], scratch: &mut [u8]| {
+            for (i, &pos) in positions.iter().enumerate() {
+                let off = base[peer] + pos as usize * row_bytes;
+                scratch[i * row_bytes..(i + 1) * row_bytes]
+                    .copy_from_slice(&recv[off..off + row_bytes]);
+            }
+            Ok(())
+        },
+    )
+}
+
+/// Every output row's contributions in the canonical order (peer, then position in that
+/// peer's list): a compressed sparse row table.
+pub(crate) struct ByRow {
+    offsets: Vec<usize>,
+    /// (peer, position in take[peer], weight)
+    entries: Vec<(u32, u32, f32)>,
+}
+
+impl ByRow {
+    pub(crate) fn new(take: &[Vec<(u32, f32)>], out_rows: usize) -> ByRow {
+        let mut offsets = vec![0usize; out_rows + 1];
+        for list in take {
+            for &(r, _) in list {
+                offsets[r as usize + 1] += 1;
+            }
+        }
+        for i in 0..out_rows {
+            offsets[i + 1] += offsets[i];
+        }
+        let mut fill = offsets.clone();
+        let mut entries = vec![(0u32, 0u32, 0f32); offsets[out_rows]];
+        for (p, list) in take.iter().enumerate() {
+            for (pos, &(r, w)) in list.iter().enumerate() {
+                entries[fill[r as usize]] = (p as u32, pos as u32, w);
+                fill[r as usize] += 1;
+            }
+        }
+        ByRow { offsets, entries }
+    }
+}
+
+/// The blocked reduction shared by every transport: for each block of output rows, `fetch`
+/// copies the needed rows of each peer (given as positions in that peer's list, into
+/// consecutive rows of the scratch buffer), they are summed in f32 in canonical order in a
+/// cache-resident accumulator, and the block is stored as `out_kind`.
+/// `local` = (this rank, its own source rows, the rows it gives itself): those are read in
+/// place instead of being fetched.
+pub(crate) fn reduce_blocked(
+    kind: FloatKind,
+    row_elems: usize,
+    by_row: &ByRow,
+    out: &mut [u8],
+    out_kind: FloatKind,
+    local: Option<(usize, &[u8], &[u32])>,
+    mut fetch: impl FnMut(usize, &[u32], &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    let out_rows = by_row.offsets.len() - 1;
+    let row_bytes = row_elems * kind.size();
+    let out_row_bytes = row_elems * out_kind.size();
+    if row_elems == 0 || out_rows == 0 {
+        return Ok(());
+    }
+    // About 256 KiB of f32 accumulator per block.
+    let block = ((256 << 10) / (row_elems * 4)).clamp(1, out_rows);
+    let mut acc = vec![0f32; block * row_elems];
+    let mut scratch: Vec<u8> = Vec::new();
+    let mut slots: Vec<usize> = Vec::new();
+    let mut positions: Vec<u32> = Vec::new();
+    let mut which: Vec<usize> = Vec::new();
+    let peers = by_row
+        .entries
+        .iter()
+        .map(|e| e.0 as usize + 1)
+        .max()
+        .unwrap_or(0);
+    for b0 in (0..out_rows).step_by(block) {
+        let b1 = (b0 + block).min(out_rows);
+        let (e0, e1) = (by_row.offsets[b0], by_row.offsets[b1]);
+        let entries = &by_row.entries[e0..e1];
+        scratch.resize(entries.len() * row_bytes, 0);
+        slots.clear();
+        slots.resize(entries.len(), 0);
+        // One fetch per peer, into consecutive scratch rows.
+        let mut next = 0usize;
+        for peer in 0..peers {
+            if local.is_some_and(|l| l.0 == peer) {
+                continue;
+            }
+            positions.clear();
+            which.clear();
+            for (i, e) in entries.iter().enumerate() {
+                if e.0 as usize == peer {
+                    positions.push(e.1);
+                    which.push(i);
+                }
+            }
+            if positions.is_empty() {
+                continue;
+            }
+            let n = positions.len();
+            fetch(
+                peer,
+                &positions,
+                &mut scratch[next * row_bytes..(next + n) * row_bytes],
+            )?;
+            for (k, &i) in which.iter().enumerate() {
+                slots[i] = next + k;
+            }
+            next += n;
+        }
+        let acc = &mut acc[..(b1 - b0) * row_elems];
+        acc.fill(0.0);
+        for r in b0..b1 {
+            let a = &mut acc[(r - b0) * row_elems..(r - b0 + 1) * row_elems];
+            for i in by_row.offsets[r] - e0..by_row.offsets[r + 1] - e0 {
+                let (peer, pos, w) = entries[i];
+                let row = match local {
+                    // This rank's own rows are read in place.
+                    Some((me, src, give_me)) if me == peer as usize => {
+                        let sr = give_me[pos as usize] as usize;
+                        &src[sr * row_bytes..(sr + 1) * row_bytes]
+                    }
+                    _ => &scratch[slots[i] * row_bytes..(slots[i] + 1) * row_bytes],
+                };
+                add_row(a, row, kind, w);
+            }
+        }
+        num::store(
+            acc,
+            &mut out[b0 * out_row_bytes..b1 * out_row_bytes],
+            out_kind,
+        );
+    }
     Ok(())
 }
 
@@ -167,24 +319,33 @@ pub(crate) fn check_exchange(
     Ok(())
 }
 
+/// Checks reduce_rows arguments; returns the number of output rows.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_reduce(
-    _rank: usize,
     world: usize,
     src: &[u8],
     row_bytes: usize,
     row_elems: usize,
     give: &[Vec<u32>],
-    acc: &[f32],
+    out: &[u8],
+    out_kind: FloatKind,
     take: &[Vec<(u32, f32)>],
-) -> Result<()> {
+) -> Result<usize> {
     let op = "reduce_rows";
     check_lists("give", give, world, op)?;
     check_lists("take", take, world, op)?;
     if row_bytes == 0 || row_elems == 0 {
-        return Ok(());
+        return Ok(0);
     }
-    let (src_rows, acc_rows) = (src.len() / row_bytes, acc.len() / row_elems);
+    let out_row = row_elems * out_kind.size();
+    if out.len() % out_row != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{op}: output has {} bytes; expected whole rows of {row_elems} {} elements",
+            out.len(),
+            out_kind.name()
+        )));
+    }
+    let (src_rows, out_rows) = (src.len() / row_bytes, out.len() / out_row);
     for (p, list) in give.iter().enumerate() {
         for (i, &r) in list.iter().enumerate() {
             check_index(op, "give", p, i, r as usize, src_rows)?;
@@ -192,10 +353,10 @@ pub(crate) fn check_reduce(
     }
     for (p, list) in take.iter().enumerate() {
         for (i, &(r, _)) in list.iter().enumerate() {
-            check_index(op, "take", p, i, r as usize, acc_rows)?;
+            check_index(op, "take", p, i, r as usize, out_rows)?;
         }
     }
-    Ok(())
+    Ok(out_rows)
 }
 
 /// Packs rows `give[p]` of `src` for every peer, in peer order; returns the bytes per peer.
@@ -229,29 +390,5 @@ pub(crate) fn add_row(acc_row: &mut [f32], row: &[u8], kind: FloatKind, w: f32) 
         num::accumulate(acc_row, row, kind);
     } else {
         num::accumulate_scaled(acc_row, row, kind, w);
-    }
-}
-
-/// Adds packed rows (peer order), each times its weight, to rows `take[p][i].0` of `acc`.
-pub(crate) fn accumulate_packed(
-    packed: &[u8],
-    kind: FloatKind,
-    row_elems: usize,
-    take: &[Vec<(u32, f32)>],
-    acc: &mut [f32],
-) {
-    let row_bytes = row_elems * kind.size();
-    let mut off = 0;
-    for list in take {
-        for &(r, w) in list {
-            let r = r as usize;
-            add_row(
-                &mut acc[r * row_elems..(r + 1) * row_elems],
-                &packed[off..off + row_bytes],
-                kind,
-                w,
-            );
-            off += row_bytes;
-        }
     }
 }

@@ -110,6 +110,29 @@ pub struct Manager {
 
 const HEADER_WORDS: usize = 12;
 
+/// Grows a manager-owned buffer to `len` bytes, failing with a clear error (instead of the
+/// out-of-memory killer) when the memory is not there. `ranks` ranks may grow theirs at once
+/// on this host.
+fn ensure_len(buf: &mut Vec<u8>, len: usize, ranks: usize, what: &str) -> Result<()> {
+    if len > buf.len() {
+        let more = len - buf.len();
+        if let Some(avail) = crate::probe::available_memory() {
+            if (more as u64).saturating_mul(ranks as u64) > avail {
+                return Err(Error::Runtime(format!(
+                    "{what} needs {len} bytes on each of {ranks} ranks, more than the {avail} bytes of memory available; lower max_tokens_per_rank or the number of tokens"
+                )));
+            }
+        }
+        buf.try_reserve(more).map_err(|e| {
+            Error::Runtime(format!(
+                "{what} needs {len} bytes and the allocation failed: {e}"
+            ))
+        })?;
+    }
+    buf.resize(len, 0);
+    Ok(())
+}
+
 impl Manager {
     /// Creates a manager for `backend` (any name vLLM accepts) on a group of `world` ranks, of
     /// which this is `rank`. Logs `Using {ManagerClass} all2all manager.` once.
@@ -171,6 +194,20 @@ impl Manager {
             top_k: cfg.top_k,
             max_tokens: cfg.max_tokens_per_rank,
         };
+        if matches!(layout, Layout::ExpertMajor | Layout::RankMajor) {
+            let rows = geo.buffer_rows(layout, 0) as u64;
+            let per_row = (cfg.row_bytes() + cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
+            let need = rows.saturating_mul(per_row);
+            if let Some(avail) = crate::probe::available_memory() {
+                if need.saturating_mul(world as u64) > avail {
+                    return bad(format!(
+                        "the {} layout of {} needs {need} bytes of receive buffers on each of {world} ranks ({rows} rows of {per_row} bytes: E_local x M x R for EXPERT_MAJOR, R x M for RANK_MAJOR), more than the {avail} bytes of memory available; lower max_tokens_per_rank",
+                        layout.name(),
+                        backend.name()
+                    ));
+                }
+            }
+        }
         log::log_once(log::Level::Info, &all2all::using_manager_info(backend));
         Ok(Manager {
             backend,
@@ -413,7 +450,12 @@ impl Manager {
         } else {
             hidden
         };
-        self.hidden.resize(plan.buffer_rows * row_bytes, 0);
+        ensure_len(
+            &mut self.hidden,
+            plan.buffer_rows * row_bytes,
+            self.world,
+            "the dispatch receive buffer",
+        )?;
         g.exchange_rows(src, row_bytes, &plan.give, &mut self.hidden, &plan.take)?;
         self.extras.resize(extras.len(), Vec::new());
         for ((buf, data), &rb) in self
@@ -422,7 +464,12 @@ impl Manager {
             .zip(extras)
             .zip(&self.cfg.extra_row_bytes)
         {
-            buf.resize(plan.buffer_rows * rb, 0);
+            ensure_len(
+                buf,
+                plan.buffer_rows * rb,
+                self.world,
+                "an extra payload's receive buffer",
+            )?;
             g.exchange_rows(data, rb, &plan.give, buf, &plan.take)?;
         }
 
@@ -575,16 +622,15 @@ impl Manager {
         self.agree(g, "combine", self.header(true, self.tokens))?;
         let plan = self.plan.as_ref().expect("validated");
         let h = self.cfg.hidden;
-        let mut acc = vec![0f32; self.tokens * h];
         g.reduce_rows(
             expert_output,
             self.cfg.expert_dtype,
             h,
             &plan.take,
-            &mut acc,
+            out,
+            self.cfg.out_dtype,
             &plan.combine_take,
         )?;
-        num::store(&acc, out, self.cfg.out_dtype);
         let rb = (h * self.cfg.expert_dtype.size()) as u64;
         self.stats.combine_bytes_received = plan
             .combine_take

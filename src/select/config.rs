@@ -456,15 +456,16 @@ fn check_inner(
     // Engine start: EPLB communicator factory.
     let (eplb_communicator, eplb_communicator_auto) = if c.enable_eplb {
         let device = DeviceKind::from_platform(&c.platform).unwrap_or(DeviceKind::Cuda);
-        let sel = eplb::select(&SelectRequest {
+        let (sel, forced) = eplb::select_outcome(&SelectRequest {
             requested: e.communicator.as_deref(),
             elastic: c.enable_elastic_ep,
             device,
             weight_dtypes: &[],
             nccl_available: nccl,
             nixl_available: nixl,
-        })?;
-        warnings.extend(sel.warnings);
+        });
+        warnings.extend(forced);
+        let sel = sel?;
         infos.push(eplb::initialized_info(sel.communicator));
         (Some(sel.communicator), sel.auto_selected)
     } else {

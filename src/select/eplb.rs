@@ -170,6 +170,26 @@ pub fn auto_select(elastic: bool, nixl_available: bool) -> Communicator {
 /// vLLM's `create_eplb_communicator` decision, in its order (SPEC §5.1). Construction failures
 /// (`Failed to initialize ...`) happen when the communicator is built, not here.
 pub fn select(req: &SelectRequest<'_>) -> Result<Selection> {
+    select_outcome(req).0
+}
+
+/// Like [`select`], plus the warnings vLLM logs on the way even when the decision then fails
+/// (the forced-to-pynccl warning precedes pynccl's own checks).
+pub fn select_outcome(req: &SelectRequest<'_>) -> (Result<Selection>, Vec<String>) {
+    let forced = req.elastic
+        && req
+            .requested
+            .unwrap_or(auto_select(req.elastic, req.nixl_available).name())
+            == "torch_nccl";
+    let warnings = if forced {
+        vec![W_ELASTIC_FORCES_PYNCCL.to_owned()]
+    } else {
+        Vec::new()
+    };
+    (decide(req), warnings)
+}
+
+fn decide(req: &SelectRequest<'_>) -> Result<Selection> {
     let auto_selected = req.requested.is_none();
     let name: &str = match req.requested {
         Some(n) => n,

@@ -112,9 +112,11 @@ fn rank_main(group: &str, rank: usize, p: &Params) -> Result<(Vec<f64>, Vec<f64>
 pub fn cmd_bench(args: &[String]) -> ExitCode {
     match args.first().map(String::as_str) {
         Some("group") => {}
+        Some("moe") => return crate::bench_moe::cmd_moe(&args[1..]),
+        Some("eplb") => return crate::bench_moe::cmd_eplb(&args[1..]),
         _ => {
             eprintln!(
-                "usage: epcomm bench group [--ranks N] [--mib MiB-per-rank] [--iters N] [--json]"
+                "usage: epcomm bench group [--ranks N] [--mib MiB-per-rank] [--iters N] [--json]\n       epcomm bench moe --help | epcomm bench eplb"
             );
             return ExitCode::from(2);
         }

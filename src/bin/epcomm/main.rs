@@ -1,6 +1,7 @@
 //! `epcomm` command-line tool: check a configuration before launch, list backends, benchmark.
 
 mod bench;
+mod bench_moe;
 mod demo;
 
 use std::process::ExitCode;
@@ -22,6 +23,9 @@ usage:
   epcomm demo [--backend NAME|all] [--ranks N] [--tokens T] [--hidden H] [--experts E]
               [--topk K] [--dtype bf16|f16|f32] [--seed S] [--steps N] [--routing skewed|uniform]
   epcomm bench group [--ranks N] [--mib MiB] [--iters N] [--json]
+  epcomm bench moe [--backend NAME,..|all] [--ranks N] [--tokens T,..] [--hidden H] [--experts E]
+                   [--topk K] [--dtype bf16|f16|f32] [--routing uniform|skewed|top2] [--iters N] [--json]
+  epcomm bench eplb [--iters N]
   epcomm version
 
 check flags (override --config; `--flag value` or `--flag=value`):

@@ -1059,26 +1059,27 @@ impl Group for ShmGroup {
         kind: FloatKind,
         row_elems: usize,
         give: &[Vec<u32>],
-        acc: &mut [f32],
+        out: &mut [u8],
+        out_kind: FloatKind,
         take: &[Vec<(u32, f32)>],
     ) -> Result<()> {
         let op = Op::ReduceRows;
         self.check_usable(op)?;
         if !self.direct {
-            return rows::reduce_packed(self, src, kind, row_elems, give, acc, take);
+            return rows::reduce_packed(self, src, kind, row_elems, give, out, out_kind, take);
         }
         let row_bytes = row_elems * kind.size();
-        rows::check_reduce(
-            self.rank, self.world, src, row_bytes, row_elems, give, acc, take,
+        let out_rows = rows::check_reduce(
+            self.world, src, row_bytes, row_elems, give, out, out_kind, take,
         )?;
         let me = self.rank;
         let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
         self.run(op, &meta, &[src, &index_bytes], |g| {
-            const CHUNK_ROWS: usize = 16;
-            let mut scratch = vec![0u8; CHUNK_ROWS * row_bytes];
+            // Each peer's payload and the source rows it gives this rank, read once.
+            let mut payloads = Vec::with_capacity(g.world);
             for (p, take_p) in take.iter().enumerate() {
                 let (their_meta, payload) = g.parts(p);
-                let src_idx = rows::read_index_list(
+                let idx = rows::read_index_list(
                     op,
                     &their_meta,
                     p,
@@ -1087,25 +1088,30 @@ impl Group for ShmGroup {
                     take_p.len(),
                     |o, b| payload.copy_to(o, b),
                 )?;
-                for (idx, tk) in src_idx.chunks(CHUNK_ROWS).zip(take_p.chunks(CHUNK_ROWS)) {
-                    let ranges: Vec<(usize, usize, usize)> = idx
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &s)| (s as usize * row_bytes, i * row_bytes, row_bytes))
-                        .collect();
-                    payload.copy_scattered(&mut scratch, &ranges)?;
-                    for (i, &(r, w)) in tk.iter().enumerate() {
-                        let r = r as usize;
-                        rows::add_row(
-                            &mut acc[r * row_elems..(r + 1) * row_elems],
-                            &scratch[i * row_bytes..(i + 1) * row_bytes],
-                            kind,
-                            w,
-                        );
-                    }
-                }
+                payloads.push((payload, idx));
             }
-            Ok(())
+            let by_row = rows::ByRow::new(take, out_rows);
+            let mut ranges = Vec::new();
+            rows::reduce_blocked(
+                kind,
+                row_elems,
+                &by_row,
+                out,
+                out_kind,
+                Some((me, src, give[me].as_slice())),
+                |peer: usize, positions: &[u32], scratch: &mut [u8]| {
+                    let (payload, idx) = &payloads[peer];
+                    ranges.clear();
+                    ranges.extend(positions.iter().enumerate().map(|(i, &pos)| {
+                        (
+                            idx[pos as usize] as usize * row_bytes,
+                            i * row_bytes,
+                            row_bytes,
+                        )
+                    }));
+                    payload.copy_scattered(scratch, &ranges)
+                },
+            )
         })
     }
 

@@ -1,0 +1,436 @@
+//! `epcomm bench moe`: dispatch, combine and the pair per backend, ranks as processes pinned one
+//! per core, with a memcpy of the same bytes timed in the same run; `epcomm bench eplb`: the
+//! rebalancing policy's time.
+//!
+//! Per iteration every rank waits at a barrier, then times dispatch and combine; an
+//! iteration's time is the slowest rank's. Bytes follow DeepEP's two conventions: rank
+//! deduplicated (a token counted once per destination rank) and per expert copy (once per
+//! (token, expert) pair).
+
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+use epcomm::eplb::policy::rebalance_experts;
+use epcomm::group::shm::{pin_current_thread, ShmGroup};
+use epcomm::group::{Group, GroupOptions};
+use epcomm::moe::reference::unit;
+use epcomm::moe::{Manager, MoeConfig};
+use epcomm::num::FloatKind;
+use epcomm::select::all2all::{self, Backend};
+
+#[derive(Clone, Debug)]
+struct Params {
+    backends: Vec<String>,
+    ranks: usize,
+    tokens: Vec<usize>,
+    hidden: usize,
+    experts: usize,
+    topk: usize,
+    kind: FloatKind,
+    routing: String,
+    iters: usize,
+    warmup: usize,
+    json: bool,
+}
+
+const USAGE: &str = "usage: epcomm bench moe [--backend NAME[,NAME..]|all] [--ranks N] [--tokens T[,T..]] [--hidden H] [--experts E] [--topk K] [--dtype bf16|f16|f32] [--routing uniform|skewed|top2] [--iters N] [--warmup N] [--json]\n       epcomm bench eplb [--iters N]";
+
+fn parse(args: &[String]) -> Result<Params, String> {
+    let mut p = Params {
+        backends: vec!["deepep_high_throughput".into()],
+        ranks: 2,
+        tokens: vec![128, 4096],
+        hidden: 7168,
+        experts: 256,
+        topk: 8,
+        kind: FloatKind::Bf16,
+        routing: "uniform".into(),
+        iters: 50,
+        warmup: 5,
+        json: false,
+    };
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].as_str();
+        if a == "--json" {
+            p.json = true;
+            i += 1;
+            continue;
+        }
+        let v = args.get(i + 1).ok_or(format!("{a} needs a value"))?.clone();
+        let num = |s: &str| {
+            s.parse::<usize>()
+                .map_err(|_| format!("{a}: '{s}' is not a non-negative integer"))
+        };
+        match a {
+            "--backend" => p.backends = v.split(',').map(str::to_owned).collect(),
+            "--ranks" => p.ranks = num(&v)?,
+            "--tokens" => p.tokens = v.split(',').map(num).collect::<Result<_, _>>()?,
+            "--hidden" => p.hidden = num(&v)?,
+            "--experts" => p.experts = num(&v)?,
+            "--topk" => p.topk = num(&v)?,
+            "--iters" => p.iters = num(&v)?,
+            "--warmup" => p.warmup = num(&v)?,
+            "--dtype" => {
+                p.kind = match v.as_str() {
+                    "bf16" => FloatKind::Bf16,
+                    "f16" => FloatKind::F16,
+                    "f32" => FloatKind::F32,
+                    o => return Err(format!("--dtype {o}: expected bf16, f16 or f32")),
+                }
+            }
+            "--routing" => {
+                if !matches!(v.as_str(), "uniform" | "skewed" | "top2") {
+                    return Err(format!("--routing {v}: expected uniform, skewed or top2"));
+                }
+                p.routing = v;
+            }
+            o => return Err(format!("unknown option '{o}'")),
+        }
+        i += 2;
+    }
+    if p.backends == ["all"] {
+        p.backends = Backend::ALL
+            .iter()
+            .filter(|b| **b != Backend::Moonep)
+            .map(|b| b.name().to_owned())
+            .collect();
+    }
+    for b in &p.backends {
+        all2all::resolve_quiet(b).map_err(|e| format!("--backend: {e}"))?;
+    }
+    if p.ranks == 0 || p.iters == 0 || p.experts % p.ranks.max(1) != 0 || p.topk > p.experts {
+        return Err(
+            "need --ranks > 0, --iters > 0, --experts a multiple of --ranks, --topk <= --experts"
+                .into(),
+        );
+    }
+    Ok(p)
+}
+
+/// Routing of one rank: uniform, skewed (Zipf-like) or top-2 (every token picks two of its
+/// experts on one other rank).
+fn routing(p: &Params, rank: usize, t: usize) -> (Vec<i64>, Vec<f32>) {
+    let k = p.topk;
+    let mut ids = Vec::with_capacity(t * k);
+    for tok in 0..t {
+        let mut row: Vec<i64> = Vec::new();
+        let mut i = 0u64;
+        while row.len() < k {
+            let u = (unit(0xbe7c ^ (rank as u64) << 32, (tok as u64) << 12 | i) + 1.0) / 2.0;
+            i += 1;
+            let e = match p.routing.as_str() {
+                "skewed" => ((u * u * u) * p.experts as f32) as usize,
+                "top2" => {
+                    // Two experts of one rank, the rest masked.
+                    if row.len() >= 2 {
+                        row.push(-1);
+                        continue;
+                    }
+                    let el = p.experts / p.ranks;
+                    let dst = (rank + 1 + tok) % p.ranks;
+                    dst * el + ((u * el as f32) as usize).min(el - 1)
+                }
+                _ => (u * p.experts as f32) as usize,
+            }
+            .min(p.experts - 1) as i64;
+            if !row.contains(&e) {
+                row.push(e);
+            }
+        }
+        ids.extend(row);
+    }
+    let w = vec![1.0 / k as f32; t * k];
+    (ids, w)
+}
+
+struct Sample {
+    dispatch: f64,
+    combine: f64,
+}
+
+fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let _ = pin_current_thread(rank % ncpu);
+    let mut g =
+        ShmGroup::join(group, rank, p.ranks, GroupOptions::default()).map_err(|e| e.to_string())?;
+    let es = p.kind.size();
+    for name in &p.backends {
+        for &t in &p.tokens {
+            let cfg = MoeConfig {
+                num_experts: p.experts,
+                top_k: p.topk,
+                hidden: p.hidden,
+                hidden_dtype: p.kind.dtype(),
+                expert_dtype: p.kind,
+                out_dtype: p.kind,
+                max_tokens_per_rank: t,
+                extra_row_bytes: vec![],
+                apply_router_weight_on_input: false,
+            };
+            let mut m = Manager::new(name, cfg, rank, p.ranks).map_err(|e| e.to_string())?;
+            let (ids, w) = routing(p, rank, t);
+            let x: Vec<u8> = (0..t * p.hidden * es)
+                .map(|i| (i % 251) as u8 & 0x3f)
+                .collect();
+            let mut out = vec![0u8; t * p.hidden * es];
+            let mut y: Vec<u8> = Vec::new();
+            let mut samples = Vec::new();
+            let (mut dedup, mut per_expert) = (0u64, 0u64);
+            for it in 0..p.warmup + p.iters {
+                g.barrier().map_err(|e| e.to_string())?;
+                let t0 = Instant::now();
+                let bytes = m
+                    .dispatch(&mut g, &x, &ids, &w, &[])
+                    .map_err(|e| e.to_string())?
+                    .hidden
+                    .len();
+                let t1 = Instant::now();
+                // The experts' output: the dispatch buffer's shape, same dtype (not timed).
+                y.resize(bytes, 0);
+                g.barrier().map_err(|e| e.to_string())?;
+                let t2 = Instant::now();
+                m.combine(&mut g, &y, &mut out).map_err(|e| e.to_string())?;
+                let t3 = Instant::now();
+                if it >= p.warmup {
+                    samples.push(Sample {
+                        dispatch: (t1 - t0).as_secs_f64(),
+                        combine: (t3 - t2).as_secs_f64(),
+                    });
+                }
+                if it == 0 {
+                    let row = (p.hidden * es) as u64;
+                    let el = p.experts / p.ranks;
+                    for tok in 0..t {
+                        let r = &ids[tok * p.topk..(tok + 1) * p.topk];
+                        let mut ranks: Vec<usize> = r
+                            .iter()
+                            .filter(|&&e| e >= 0)
+                            .map(|&e| e as usize / el)
+                            .collect();
+                        per_expert += ranks.len() as u64 * row;
+                        ranks.dedup();
+                        ranks.sort();
+                        ranks.dedup();
+                        dedup += ranks.len() as u64 * row;
+                    }
+                }
+            }
+            // memcpy of the bytes this rank received in dispatch, in the same run.
+            let moved = m.stats().bytes_received.iter().sum::<u64>() as usize;
+            let src = vec![1u8; moved.max(1)];
+            let mut dst = vec![0u8; moved.max(1)];
+            let mut copies = Vec::new();
+            for it in 0..p.warmup + p.iters {
+                g.barrier().map_err(|e| e.to_string())?;
+                let t0 = Instant::now();
+                dst.copy_from_slice(&src);
+                std::hint::black_box(&dst);
+                if it >= p.warmup {
+                    copies.push(t0.elapsed().as_secs_f64());
+                }
+            }
+            let fmt = |v: Vec<f64>| {
+                v.iter()
+                    .map(|x| format!("{x:e}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            println!(
+                "SAMPLE {name} {t} {dedup} {per_expert} {moved} {} {} {}",
+                fmt(samples.iter().map(|s| s.dispatch).collect()),
+                fmt(samples.iter().map(|s| s.combine).collect()),
+                fmt(copies)
+            );
+        }
+    }
+    g.barrier().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+fn stats(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let med = v[v.len() / 2];
+    let p99 = v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1];
+    (med, p99)
+}
+
+pub fn cmd_moe(args: &[String]) -> ExitCode {
+    let p = match parse(args) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("epcomm: error: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    if let (Ok(rank), Ok(group)) = (
+        std::env::var("EPCOMM_BENCH_RANK"),
+        std::env::var("EPCOMM_BENCH_GROUP"),
+    ) {
+        return match rank_main(&p, rank.parse().unwrap_or(0), &group) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("rank {rank}: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
+    let Ok(exe) = std::env::current_exe() else {
+        eprintln!("epcomm: cannot find own executable");
+        return ExitCode::from(1);
+    };
+    let group = format!("benchmoe{}", std::process::id());
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let children: Vec<_> = (0..p.ranks)
+        .map(|r| {
+            Command::new(&exe)
+                .args(["bench", "moe"])
+                .args(args)
+                .env("EPCOMM_BENCH_RANK", r.to_string())
+                .env("EPCOMM_BENCH_GROUP", &group)
+                .stdout(Stdio::piped())
+                .spawn()
+        })
+        .collect();
+    // key -> per-rank lines
+    let mut lines: Vec<Vec<String>> = Vec::new();
+    for c in children {
+        match c.and_then(|c| c.wait_with_output()) {
+            Ok(o) if o.status.success() => lines.push(
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("SAMPLE ").map(str::to_owned))
+                    .collect(),
+            ),
+            _ => {
+                eprintln!("epcomm: a benchmark rank failed");
+                return ExitCode::from(1);
+            }
+        }
+    }
+    let oversub = if p.ranks > ncpu {
+        " (oversubscribed)"
+    } else {
+        ""
+    };
+    if !p.json {
+        println!(
+            "epcomm bench moe: {} ranks{oversub}, hidden {}, {} experts, top-{}, {}, {} routing, {} iterations (median / p99 of the slowest rank)",
+            p.ranks, p.hidden, p.experts, p.topk, p.kind.name(), p.routing, p.iters
+        );
+        println!(
+            "{:<28} {:>6} {:>11} {:>11} {:>11} {:>11} {:>10} {:>10} {:>9}",
+            "backend",
+            "T",
+            "dispatch ms",
+            "combine ms",
+            "pair ms",
+            "pair p99",
+            "GB/s dedup",
+            "GB/s copy",
+            "memcpy ms"
+        );
+    }
+    let mut json = Vec::new();
+    for i in 0..lines[0].len() {
+        let parsed: Vec<Vec<String>> = lines
+            .iter()
+            .map(|l| l[i].split_whitespace().map(str::to_owned).collect())
+            .collect();
+        let name = parsed[0][0].clone();
+        let t: usize = parsed[0][1].parse().unwrap_or(0);
+        let series = |col: usize| -> Vec<Vec<f64>> {
+            parsed
+                .iter()
+                .map(|f| f[col].split(',').filter_map(|x| x.parse().ok()).collect())
+                .collect()
+        };
+        let (d, c, m) = (series(5), series(6), series(7));
+        let worst = |s: &[Vec<f64>], j: usize| {
+            s.iter()
+                .map(|v| v.get(j).copied().unwrap_or(0.0))
+                .fold(0.0, f64::max)
+        };
+        let n = d[0].len();
+        let dv: Vec<f64> = (0..n).map(|j| worst(&d, j)).collect();
+        let cv: Vec<f64> = (0..n).map(|j| worst(&c, j)).collect();
+        let pv: Vec<f64> = (0..n).map(|j| worst(&d, j) + worst(&c, j)).collect();
+        let mv: Vec<f64> = (0..n).map(|j| worst(&m, j)).collect();
+        let dedup: f64 = parsed
+            .iter()
+            .map(|f| f[2].parse::<f64>().unwrap_or(0.0))
+            .sum::<f64>()
+            / p.ranks as f64;
+        let per_exp: f64 = parsed
+            .iter()
+            .map(|f| f[3].parse::<f64>().unwrap_or(0.0))
+            .sum::<f64>()
+            / p.ranks as f64;
+        let (dm, _) = stats(dv);
+        let (cm, _) = stats(cv);
+        let (pm, pp) = stats(pv);
+        let (mm, _) = stats(mv);
+        // Bytes per rank moved by the pair: dispatch out and combine back.
+        let gbps = |b: f64| 2.0 * b / pm / 1e9;
+        if p.json {
+            json.push(serde_json::json!({
+                "backend": name, "tokens": t, "ranks": p.ranks, "dispatch_ms": dm * 1e3, "combine_ms": cm * 1e3,
+                "pair_ms": pm * 1e3, "pair_p99_ms": pp * 1e3, "gbps_dedup": gbps(dedup), "gbps_per_expert": gbps(per_exp),
+                "memcpy_ms": mm * 1e3,
+            }));
+        } else {
+            println!(
+                "{:<28} {:>6} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>10.2} {:>10.2} {:>9.2}",
+                name,
+                t,
+                dm * 1e3,
+                cm * 1e3,
+                pm * 1e3,
+                pp * 1e3,
+                gbps(dedup),
+                gbps(per_exp),
+                mm * 1e3
+            );
+        }
+    }
+    if p.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::Value::Array(json)).unwrap_or_default()
+        );
+    }
+    ExitCode::SUCCESS
+}
+
+/// The EPLB policy for L=58, E=256, P=288, G=8, N=4, R=32 (SPEC §7).
+pub fn cmd_eplb(args: &[String]) -> ExitCode {
+    let iters = match args {
+        [] => 20,
+        [f, v] if f == "--iters" => v.parse().unwrap_or(20),
+        _ => {
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let (l, e, p, g, n, r) = (58, 256, 288, 8, 4, 32);
+    let w: Vec<Vec<f32>> = (0..l)
+        .map(|li| {
+            (0..e)
+                .map(|x| ((unit(li as u64, x as u64) + 1.0) * 5000.0).floor())
+                .collect()
+        })
+        .collect();
+    let mut times = Vec::new();
+    for _ in 0..iters + 2 {
+        let t0 = Instant::now();
+        std::hint::black_box(rebalance_experts(&w, p, g, n, r, None).expect("valid shape"));
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    let (med, p99) = stats(times[2..].to_vec());
+    println!(
+        "EPLB policy (L={l}, E={e}, P={p}, G={g}, N={n}, R={r}): median {:.3} ms, p99 {:.3} ms over {iters} runs (target <= 1 ms)",
+        med * 1e3,
+        p99 * 1e3
+    );
+    ExitCode::SUCCESS
+}

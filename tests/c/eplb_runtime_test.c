@@ -1,0 +1,779 @@
+/*
+ * EPLB at run time through the C ABI: two real processes (forked ranks) form a shared-memory
+ * group and use the EPLB communicator factory (vLLM's create_eplb_communicator rules and
+ * messages), the communicator's add_send / add_recv / execute, a two-layer rearrangement of
+ * expert weights, the per-rank transfer plan (vLLM's sender/receiver pairing, SPEC §5.4), and
+ * the load statistics (record, step with the balancedness log line, logical load). Built as C11
+ * and (with -x c++) as C++17, under ASan+UBSan, by tests/c_eplb.rs.
+ *
+ * Usage: eplb_runtime_test GROUP_NAME
+ *
+ * The parent forks the ranks before it calls anything in epcomm, waits for them with a
+ * deadline (killing them when it passes), collects each rank's check counts through a pipe and
+ * prints "N passed, M failed" (a rank that crashed, hung or reported nothing counts as one
+ * failure); exits non-zero if any check failed or the group left anything in /dev/shm.
+ */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
+
+#include <dirent.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "epcomm.h"
+
+/* Structs are named by their tags (valid with and without cbindgen's typedefs). */
+typedef struct epcomm_tensor tensor_t;
+typedef struct epcomm_group group_t;
+typedef struct epcomm_group_options options_t;
+typedef struct epcomm_eplb_select_request select_request_t;
+typedef struct epcomm_eplb_communicator comm_t;
+typedef struct epcomm_eplb_summary summary_t;
+typedef struct epcomm_eplb_layer_plan plan_t;
+typedef struct epcomm_eplb_plan_view plan_view_t;
+typedef struct epcomm_eplb_state state_t;
+
+#define WORLD 2
+/* Seconds the parent waits for all ranks before killing them. */
+#define DEADLINE_S 45
+
+#define DL_INT 0
+#define DL_UINT 1
+#define DL_FLOAT 2
+
+static int g_rank = -1;
+static int g_passed = 0;
+static int g_failed = 0;
+
+#define CHECK(cond)                                                                     \
+    do {                                                                                \
+        if (cond) {                                                                     \
+            g_passed++;                                                                 \
+        } else {                                                                        \
+            g_failed++;                                                                 \
+            printf("FAIL rank %d %s:%d: %s\n", g_rank, __FILE__, __LINE__, #cond);     \
+        }                                                                               \
+    } while (0)
+
+/* Checks a status and, when `want_message` is not NULL, the exact last error message. */
+#define CHECK_ERR(st, want, want_message) \
+    check_err((st), (want), (want_message), __LINE__, #st)
+
+static int check_err(int32_t st, int32_t want, const char *want_message, int line,
+                     const char *expr) {
+    const char *msg = epcomm_last_error_message();
+    if (st != want) {
+        g_failed++;
+        printf("FAIL rank %d %s:%d: %s returned %d, expected %d (last error: %s)\n", g_rank,
+               __FILE__, line, expr, (int)st, (int)want, msg ? msg : "(NULL)");
+        return 0;
+    }
+    if (want_message != NULL && (msg == NULL || strcmp(msg, want_message) != 0)) {
+        g_failed++;
+        printf("FAIL rank %d %s:%d: %s: message \"%s\", expected \"%s\"\n", g_rank, __FILE__,
+               line, expr, msg ? msg : "(NULL)", want_message);
+        return 0;
+    }
+    g_passed++;
+    return 1;
+}
+
+/* ---- log capture ----------------------------------------------------------------------------- */
+
+#define MAX_LOGS 64
+#define MAX_LOG_LEN 512
+
+struct log_capture {
+    int count;
+    int levels[MAX_LOGS];
+    char messages[MAX_LOGS][MAX_LOG_LEN];
+};
+
+static struct log_capture g_logs;
+
+static void capture_log(int32_t level, const char *message, void *user_data) {
+    struct log_capture *cap = (struct log_capture *)user_data;
+    if (cap == NULL || cap->count >= MAX_LOGS) {
+        return;
+    }
+    cap->levels[cap->count] = (int)level;
+    snprintf(cap->messages[cap->count], MAX_LOG_LEN, "%s", message ? message : "(NULL)");
+    cap->count++;
+}
+
+/* How many captured messages at `level` equal `text`. */
+static int count_log(int level, const char *text) {
+    int i, n = 0;
+    for (i = 0; i < g_logs.count; i++) {
+        if (g_logs.levels[i] == level && strcmp(g_logs.messages[i], text) == 0) {
+            n++;
+        }
+    }
+    return n;
+}
+
+/* The first captured message at `level` that starts with `prefix`, or NULL. */
+static const char *find_log_prefix(int level, const char *prefix) {
+    int i;
+    size_t n = strlen(prefix);
+    for (i = 0; i < g_logs.count; i++) {
+        if (g_logs.levels[i] == level && strncmp(g_logs.messages[i], prefix, n) == 0) {
+            return g_logs.messages[i];
+        }
+    }
+    return NULL;
+}
+
+/* How many captured messages (any level) start with `prefix`. */
+static int count_log_prefix(const char *prefix) {
+    int i, n = 0;
+    size_t len = strlen(prefix);
+    for (i = 0; i < g_logs.count; i++) {
+        if (strncmp(g_logs.messages[i], prefix, len) == 0) {
+            n++;
+        }
+    }
+    return n;
+}
+
+static int ends_with(const char *s, const char *suffix) {
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcmp(s + (a - b), suffix) == 0;
+}
+
+/* ---- helpers --------------------------------------------------------------------------------- */
+
+static tensor_t make_tensor(void *data, uint8_t code, uint8_t bits, int32_t ndim,
+                            int64_t *shape) {
+    tensor_t t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.device.device_type = EPCOMM_DEVICE_CPU;
+    t.device.device_id = 0;
+    t.ndim = ndim;
+    t.dtype.code = code;
+    t.dtype.bits = bits;
+    t.dtype.lanes = 1;
+    t.shape = shape;
+    t.strides = NULL;
+    t.byte_offset = 0;
+    return t;
+}
+
+static void init_request(select_request_t *req) {
+    memset(req, 0, sizeof *req);
+    req->struct_size = (uint32_t)sizeof *req;
+    req->communicator = NULL;
+    req->elastic = false;
+    req->device_type = EPCOMM_DEVICE_CPU;
+    req->weight_dtypes = NULL;
+    req->num_weight_dtypes = 0;
+    req->nccl_available = 0;
+    req->nixl_available = 0;
+}
+
+/* ---- the factory ----------------------------------------------------------------------------- */
+
+/* A create that must fail: status, exception class and exact message; `out` stays NULL. */
+static void expect_create_error(group_t *g, const char *name, bool elastic, int32_t want_status,
+                                const char *want_exception, const char *want_message) {
+    select_request_t req;
+    comm_t *c = NULL;
+    int32_t st;
+
+    init_request(&req);
+    req.communicator = name;
+    req.elastic = elastic;
+    st = epcomm_eplb_communicator_create(g, &req, &c);
+    if (CHECK_ERR(st, want_status, want_message)) {
+        const char *exc = epcomm_status_exception(st);
+        CHECK(exc != NULL && strcmp(exc, want_exception) == 0);
+    }
+    CHECK(c == NULL);
+    epcomm_eplb_communicator_destroy(c);
+}
+
+static comm_t *test_factory(group_t *g) {
+    static const char INITIALIZED[] =
+        "Initialized EPLB communicator: TorchDistGlooStagedEplbCommunicator.";
+    select_request_t req;
+    comm_t *comm = NULL;
+    int32_t sel = -77;
+
+    /* Automatic selection on CPU without NIXL: torch_gloo, with vLLM's info line. */
+    init_request(&req);
+    g_logs.count = 0;
+    if (CHECK_ERR(epcomm_eplb_communicator_create(g, &req, &comm), EPCOMM_OK, NULL)) {
+        CHECK(comm != NULL);
+    }
+    CHECK(count_log(EPCOMM_LOG_INFO, INITIALIZED) == 1);
+    if (CHECK_ERR(epcomm_eplb_communicator_select(&req, &sel), EPCOMM_OK, NULL)) {
+        CHECK(sel == EPCOMM_EPLB_TORCH_GLOO);
+    }
+    /* Selecting does not build anything, so it does not log the info line again. */
+    CHECK(count_log(EPCOMM_LOG_INFO, INITIALIZED) == 1);
+
+    /* The factory's errors, with vLLM's wording; nothing is built or logged as initialized. */
+    g_logs.count = 0;
+    expect_create_error(g, "pynccl", false, EPCOMM_ERROR_RUNTIME, "RuntimeError",
+                        "EPLB communicator 'pynccl' supports only cuda-like devices (got cpu).");
+    expect_create_error(g, "nixl", false, EPCOMM_ERROR_UNAVAILABLE, "RuntimeError",
+                        "EPLB communicator 'nixl' requested but NIXL is unavailable.");
+    expect_create_error(g, "torch_gloo", true, EPCOMM_ERROR_INVALID_ARGUMENT, "ValueError",
+                        "Elastic EP requires 'torch_nccl', 'pynccl', or 'nixl' EPLB communicator "
+                        "(got 'torch_gloo').");
+    expect_create_error(g, "bogus", false, EPCOMM_ERROR_INVALID_ARGUMENT, "ValueError",
+                        "Unknown EPLB communicator backend: bogus");
+    CHECK(count_log_prefix("Initialized EPLB communicator") == 0);
+
+    /* NULL arguments. */
+    init_request(&req);
+    CHECK_ERR(epcomm_eplb_communicator_create(g, NULL, &comm), EPCOMM_ERROR_NULL_POINTER, NULL);
+    CHECK_ERR(epcomm_eplb_communicator_create(g, &req, NULL), EPCOMM_ERROR_NULL_POINTER, NULL);
+    return comm;
+}
+
+/* ---- add_send / add_recv / execute ----------------------------------------------------------- */
+
+/* Element i of tensor a (float32 [1, 4]) / b (uint8 [1, 3]) of expert `e` held by `rank`. */
+static float send_a(int rank, int e, int i) {
+    return (float)(rank * 1000 + e * 10 + i) + 0.25f;
+}
+
+static uint8_t send_b(int rank, int e, int i) {
+    return (uint8_t)(rank * 100 + e * 10 + i);
+}
+
+static void test_communicator(comm_t *comm) {
+    /* Two experts each way: the j-th send from a to b fills the j-th receive on b from a. */
+    float sa[2][4], ra[2][4];
+    uint8_t sb[2][3], rb[2][3];
+    int64_t shape_a[2] = {1, 4};
+    int64_t shape_b[2] = {1, 3};
+    tensor_t st[2][2], rt[2][2];
+    int peer = 1 - g_rank;
+    int e, i;
+
+    for (e = 0; e < 2; e++) {
+        for (i = 0; i < 4; i++) {
+            sa[e][i] = send_a(g_rank, e, i);
+            ra[e][i] = -1.0f;
+        }
+        for (i = 0; i < 3; i++) {
+            sb[e][i] = send_b(g_rank, e, i);
+            rb[e][i] = 0xEE;
+        }
+        st[e][0] = make_tensor(sa[e], DL_FLOAT, 32, 2, shape_a);
+        st[e][1] = make_tensor(sb[e], DL_UINT, 8, 2, shape_b);
+        rt[e][0] = make_tensor(ra[e], DL_FLOAT, 32, 2, shape_a);
+        rt[e][1] = make_tensor(rb[e], DL_UINT, 8, 2, shape_b);
+    }
+    /* Receives queued before sends on one rank and after on the other: order per peer pair is
+     * what matters. */
+    if (g_rank == 0) {
+        CHECK_ERR(epcomm_eplb_communicator_add_recv(comm, rt[0], 2, peer, 10), EPCOMM_OK, NULL);
+        CHECK_ERR(epcomm_eplb_communicator_add_recv(comm, rt[1], 2, peer, 11), EPCOMM_OK, NULL);
+        CHECK_ERR(epcomm_eplb_communicator_add_send(comm, st[0], 2, peer, 0), EPCOMM_OK, NULL);
+        CHECK_ERR(epcomm_eplb_communicator_add_send(comm, st[1], 2, peer, 1), EPCOMM_OK, NULL);
+    } else {
+        CHECK_ERR(epcomm_eplb_communicator_add_send(comm, st[0], 2, peer, 10), EPCOMM_OK, NULL);
+        CHECK_ERR(epcomm_eplb_communicator_add_send(comm, st[1], 2, peer, 11), EPCOMM_OK, NULL);
+        CHECK_ERR(epcomm_eplb_communicator_add_recv(comm, rt[0], 2, peer, 0), EPCOMM_OK, NULL);
+        CHECK_ERR(epcomm_eplb_communicator_add_recv(comm, rt[1], 2, peer, 1), EPCOMM_OK, NULL);
+    }
+    if (CHECK_ERR(epcomm_eplb_communicator_execute(comm), EPCOMM_OK, NULL)) {
+        int bad = 0;
+        for (e = 0; e < 2; e++) {
+            for (i = 0; i < 4; i++) {
+                if (ra[e][i] != send_a(peer, e, i)) {
+                    bad++;
+                    printf("FAIL rank %d execute: expert %d a[%d] = %g, expected %g\n", g_rank,
+                           e, i, (double)ra[e][i], (double)send_a(peer, e, i));
+                }
+            }
+            for (i = 0; i < 3; i++) {
+                if (rb[e][i] != send_b(peer, e, i)) {
+                    bad++;
+                    printf("FAIL rank %d execute: expert %d b[%d] = %u, expected %u\n", g_rank,
+                           e, i, (unsigned)rb[e][i], (unsigned)send_b(peer, e, i));
+                }
+            }
+        }
+        CHECK(bad == 0);
+        /* The sent buffers are untouched. */
+        CHECK(sa[0][0] == send_a(g_rank, 0, 0) && sb[1][2] == send_b(g_rank, 1, 2));
+    }
+
+    /* Nothing queued (the queue was cleared by the last execute): succeeds on both ranks. */
+    CHECK_ERR(epcomm_eplb_communicator_execute(comm), EPCOMM_OK, NULL);
+
+    /* Argument errors, reported before anything is queued. */
+    CHECK_ERR(epcomm_eplb_communicator_add_send(comm, NULL, 1, peer, 0),
+              EPCOMM_ERROR_NULL_POINTER, NULL);
+    CHECK_ERR(epcomm_eplb_communicator_add_recv(comm, rt[0], 2, -1, 0),
+              EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
+    CHECK_ERR(epcomm_eplb_communicator_add_send(NULL, st[0], 2, peer, 0),
+              EPCOMM_ERROR_NULL_POINTER, NULL);
+    CHECK_ERR(epcomm_eplb_communicator_execute(NULL), EPCOMM_ERROR_NULL_POINTER, NULL);
+    /* And the communicator still works: a second empty, collective execute. */
+    CHECK_ERR(epcomm_eplb_communicator_execute(comm), EPCOMM_OK, NULL);
+}
+
+/* ---- rearrange ------------------------------------------------------------------------------- */
+
+#define RA_LAYERS 2
+#define RA_SLOTS 4
+#define RA_LOCAL 2
+#define RA_COLS 3
+
+static float row_value(int expert, int layer, int col) {
+    return (float)(expert * 100 + layer * 10 + col);
+}
+
+static void test_rearrange(comm_t *comm) {
+    static const int64_t old_map[RA_LAYERS * RA_SLOTS] = {0, 1, 2, 3, 0, 1, 2, 3};
+    static const int64_t new_map[RA_LAYERS * RA_SLOTS] = {2, 3, 0, 1, 0, 1, 2, 3};
+    float w[RA_LAYERS][RA_LOCAL * RA_COLS];
+    int64_t shape[2] = {RA_LOCAL, RA_COLS};
+    tensor_t weights[RA_LAYERS];
+    summary_t summary;
+    int l, s, c;
+
+    for (l = 0; l < RA_LAYERS; l++) {
+        for (s = 0; s < RA_LOCAL; s++) {
+            int expert = (int)old_map[l * RA_SLOTS + g_rank * RA_LOCAL + s];
+            for (c = 0; c < RA_COLS; c++) {
+                w[l][s * RA_COLS + c] = row_value(expert, l, c);
+            }
+        }
+        weights[l] = make_tensor(w[l], DL_FLOAT, 32, 2, shape);
+    }
+    memset(&summary, 0xAB, sizeof summary);
+    if (!CHECK_ERR(epcomm_eplb_rearrange(comm, old_map, new_map, RA_LAYERS, RA_SLOTS, RA_SLOTS,
+                                         weights, 1, NULL, 0, &summary),
+                   EPCOMM_OK, NULL)) {
+        return;
+    }
+    {
+        int bad = 0;
+        for (l = 0; l < RA_LAYERS; l++) {
+            for (s = 0; s < RA_LOCAL; s++) {
+                int expert = (int)new_map[l * RA_SLOTS + g_rank * RA_LOCAL + s];
+                for (c = 0; c < RA_COLS; c++) {
+                    float want = row_value(expert, l, c);
+                    if (w[l][s * RA_COLS + c] != want) {
+                        bad++;
+                        printf("FAIL rank %d rearrange: layer %d slot %d col %d = %g, expected "
+                               "%g (expert %d)\n",
+                               g_rank, l, s, c, (double)w[l][s * RA_COLS + c], (double)want,
+                               expert);
+                    }
+                }
+            }
+        }
+        CHECK(bad == 0);
+    }
+    /* Spelled out: rank 0 holds experts 2, 3 in layer 0 and 0, 1 in layer 1; rank 1 the
+     * opposite in layer 0. */
+    if (g_rank == 0) {
+        CHECK(w[0][0] == 200.0f && w[0][RA_COLS] == 300.0f);
+        CHECK(w[1][0] == 10.0f && w[1][RA_COLS] == 110.0f);
+    } else {
+        CHECK(w[0][0] == 0.0f && w[0][RA_COLS] == 100.0f);
+        CHECK(w[1][0] == 210.0f && w[1][RA_COLS] == 310.0f);
+    }
+    CHECK(summary.layers_changed == 1);
+    CHECK(summary.rows_sent == 2);
+    CHECK(summary.rows_received == 2);
+    CHECK(summary.rows_copied_locally == 0);
+
+    /* Rearranging from the new placement to itself moves nothing; summary may be NULL. */
+    CHECK_ERR(epcomm_eplb_rearrange(comm, new_map, new_map, RA_LAYERS, RA_SLOTS, RA_SLOTS,
+                                    weights, 1, NULL, 0, &summary),
+              EPCOMM_OK, NULL);
+    CHECK(summary.layers_changed == 0 && summary.rows_sent == 0 && summary.rows_received == 0);
+    CHECK(w[0][0] == row_value((int)new_map[g_rank * RA_LOCAL], 0, 0));
+    CHECK_ERR(epcomm_eplb_rearrange(comm, new_map, new_map, RA_LAYERS, RA_SLOTS, RA_SLOTS,
+                                    weights, 1, NULL, 0, NULL),
+              EPCOMM_OK, NULL);
+
+    /* Argument errors (before any communication). */
+    CHECK_ERR(epcomm_eplb_rearrange(comm, NULL, new_map, RA_LAYERS, RA_SLOTS, RA_SLOTS, weights,
+                                    1, NULL, 0, NULL),
+              EPCOMM_ERROR_NULL_POINTER, NULL);
+    CHECK_ERR(epcomm_eplb_rearrange(comm, old_map, new_map, RA_LAYERS, RA_SLOTS, RA_SLOTS,
+                                    weights, 0, NULL, 0, NULL),
+              EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
+}
+
+/* ---- plan_layer ------------------------------------------------------------------------------ */
+
+static void test_plan_layer(void) {
+    /* SPEC §5.4's pairing example: expert 0 held by ranks 0 and 1, needed also on 2, 3, 4. */
+    static const int64_t old_map[10] = {0, 5, 0, 6, 7, 8, 9, 10, 11, 12};
+    static const int64_t new_map[10] = {0, 5, 0, 6, 0, 8, 0, 10, 0, 12};
+    plan_t *p0 = NULL, *p3 = NULL, *bad = NULL;
+    plan_view_t v;
+
+    if (CHECK_ERR(epcomm_eplb_plan_layer(old_map, new_map, 10, 2, 0, &p0), EPCOMM_OK, NULL)) {
+        memset(&v, 0, sizeof v);
+        if (CHECK_ERR(epcomm_eplb_layer_plan_view(p0, &v), EPCOMM_OK, NULL)) {
+            CHECK(v.num_slots == 2);
+            CHECK(v.unchanged != NULL && v.unchanged[0] == 1 && v.unchanged[1] == 1);
+            CHECK(v.num_sends == 2);
+            if (v.num_sends == 2) {
+                CHECK(v.sends[0] == 0 && v.sends[1] == 0 && v.sends[2] == 2);
+                CHECK(v.sends[3] == 0 && v.sends[4] == 0 && v.sends[5] == 4);
+            }
+            CHECK(v.num_recvs == 0);
+            CHECK(v.num_local_copies == 0);
+            CHECK(v.num_duplicates == 0);
+        }
+    }
+    /* Rank 3 (planned here: plan_layer is pure and needs no group). */
+    if (CHECK_ERR(epcomm_eplb_plan_layer(old_map, new_map, 10, 2, 3, &p3), EPCOMM_OK, NULL)) {
+        memset(&v, 0, sizeof v);
+        if (CHECK_ERR(epcomm_eplb_layer_plan_view(p3, &v), EPCOMM_OK, NULL)) {
+            CHECK(v.num_slots == 2);
+            CHECK(v.unchanged != NULL && v.unchanged[0] == 0 && v.unchanged[1] == 1);
+            CHECK(v.num_recvs == 1);
+            if (v.num_recvs == 1) {
+                CHECK(v.recvs[0] == 0 && v.recvs[1] == 0 && v.recvs[2] == 1);
+            }
+            CHECK(v.num_sends == 0);
+            CHECK(v.num_local_copies == 0);
+            CHECK(v.num_duplicates == 0);
+        }
+    }
+    /* A rank beyond the map; NULL handles. */
+    CHECK_ERR(epcomm_eplb_plan_layer(old_map, new_map, 10, 2, 5, &bad),
+              EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
+    CHECK(bad == NULL);
+    CHECK_ERR(epcomm_eplb_layer_plan_view(NULL, &v), EPCOMM_ERROR_NULL_POINTER, NULL);
+    epcomm_eplb_layer_plan_destroy(p0);
+    epcomm_eplb_layer_plan_destroy(p3);
+    epcomm_eplb_layer_plan_destroy(NULL);
+}
+
+/* ---- load statistics ------------------------------------------------------------------------- */
+
+static void test_state(group_t *g) {
+    static const char CONFIG[] =
+        "{\"window_size\": 4, \"step_interval\": 8, \"log_balancedness\": true}";
+    static const char PREFIX[] = "EPLB step: 6 for model toy: avg_tokens=";
+    static const int64_t phy2log[4] = {0, 1, 2, 3};
+    /* Rank 0 routes 3 tokens (K = 2, one masked id), rank 1 routes 2. Per physical expert:
+     * rank 0 [2, 1, 1, 1], rank 1 [0, 0, 1, 2]; summed [2, 1, 2, 3]. */
+    int32_t ids0[3 * 2] = {0, 1, 2, 3, 0, -1};
+    int32_t ids1[2 * 2] = {3, 2, 3, -1};
+    int64_t shape[2];
+    tensor_t ids;
+    state_t *s = NULL, *bad = NULL;
+    bool rearrange = true;
+    float load[4] = {-1.0f, -1.0f, -1.0f, -1.0f};
+
+    if (!CHECK_ERR(epcomm_eplb_state_create(CONFIG, "toy", 1, 4, &s), EPCOMM_OK, NULL)) {
+        return;
+    }
+    CHECK(s != NULL);
+    shape[0] = g_rank == 0 ? 3 : 2;
+    shape[1] = 2;
+    ids = make_tensor(g_rank == 0 ? (void *)ids0 : (void *)ids1, DL_INT, 32, 2, shape);
+    CHECK_ERR(epcomm_eplb_state_record(s, 0, &ids), EPCOMM_OK, NULL);
+
+    g_logs.count = 0;
+    if (CHECK_ERR(epcomm_eplb_state_step(s, g, false, true, &rearrange), EPCOMM_OK, NULL)) {
+        /* Step 6 of 8: the first rearrangement comes after step_interval / 4 steps. */
+        CHECK(rearrange == false);
+    }
+    if (g_rank == 0) {
+        const char *line = find_log_prefix(EPCOMM_LOG_INFO, PREFIX);
+        CHECK(line != NULL);
+        if (line != NULL) {
+            CHECK(ends_with(line, ", steps until the next rearrangement: 2"));
+            CHECK(strstr(line, ", max_tokens=") != NULL);
+            CHECK(strstr(line, ", balancedness=") != NULL);
+        } else {
+            int i;
+            for (i = 0; i < g_logs.count; i++) {
+                printf("  rank %d log[%d] level %d: %s\n", g_rank, i, g_logs.levels[i],
+                       g_logs.messages[i]);
+            }
+        }
+    } else {
+        /* Only rank 0 logs the line. */
+        CHECK(count_log_prefix("EPLB step:") == 0);
+    }
+
+    if (CHECK_ERR(epcomm_eplb_state_logical_load(s, g, phy2log, 1, 4, 4, load), EPCOMM_OK,
+                  NULL)) {
+        CHECK(load[0] == 2.0f && load[1] == 1.0f && load[2] == 2.0f && load[3] == 3.0f);
+        if (!(load[0] == 2.0f && load[1] == 1.0f && load[2] == 2.0f && load[3] == 3.0f)) {
+            printf("  rank %d logical load [%g, %g, %g, %g], expected [2, 1, 2, 3]\n", g_rank,
+                   (double)load[0], (double)load[1], (double)load[2], (double)load[3]);
+        }
+    }
+
+    /* Argument errors, local to this rank. */
+    CHECK_ERR(epcomm_eplb_state_record(s, 1, &ids), EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
+    CHECK_ERR(epcomm_eplb_state_record(NULL, 0, &ids), EPCOMM_ERROR_NULL_POINTER, NULL);
+
+    /* A bad config: pydantic's wording, the field named; nothing created. */
+    {
+        int32_t st = epcomm_eplb_state_create("{\"window_size\": 0}", "toy", 1, 4, &bad);
+        if (CHECK_ERR(st, EPCOMM_ERROR_INVALID_ARGUMENT,
+                      "eplb_config.window_size: Input should be greater than 0")) {
+            const char *exc = epcomm_status_exception(st);
+            CHECK(exc != NULL && strcmp(exc, "ValueError") == 0);
+        }
+        CHECK(bad == NULL);
+    }
+    /* NULL config = vLLM's defaults. */
+    if (CHECK_ERR(epcomm_eplb_state_create(NULL, "toy", 1, 4, &bad), EPCOMM_OK, NULL)) {
+        CHECK(bad != NULL);
+    }
+    epcomm_eplb_state_destroy(bad);
+    epcomm_eplb_state_destroy(s);
+    epcomm_eplb_state_destroy(NULL);
+}
+
+/* ---- one rank -------------------------------------------------------------------------------- */
+
+static void child_main(const char *name, int rank) {
+    options_t opts;
+    group_t *g = NULL;
+    comm_t *comm;
+
+    g_rank = rank;
+    memset(&g_logs, 0, sizeof g_logs);
+    epcomm_set_log_callback(capture_log, &g_logs);
+
+    memset(&opts, 0, sizeof opts);
+    if (!CHECK_ERR(epcomm_group_options_init(&opts), EPCOMM_OK, NULL)) {
+        return;
+    }
+    opts.timeout_s = 20.0;
+    if (!CHECK_ERR(epcomm_group_create_shm(name, rank, WORLD, &opts, &g), EPCOMM_OK, NULL)) {
+        return;
+    }
+    CHECK(g != NULL);
+    if (g == NULL) {
+        return;
+    }
+
+    comm = test_factory(g);
+    if (comm != NULL) {
+        test_communicator(comm);
+        CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
+        test_rearrange(comm);
+    }
+    CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
+    test_plan_layer();
+    test_state(g);
+    CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
+
+    epcomm_eplb_communicator_destroy(comm);
+    epcomm_eplb_communicator_destroy(NULL);
+    epcomm_group_destroy(g);
+    epcomm_set_log_callback(NULL, NULL);
+}
+
+/* ---- the parent ------------------------------------------------------------------------------ */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void sleep_ms(long ms) {
+    struct timespec ts;
+    ts.tv_sec = ms / 1000;
+    ts.tv_nsec = (ms % 1000) * 1000000L;
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* Counts entries of /dev/shm that belong to group `name` ("epcomm.NAME" or "epcomm.NAME.*"),
+ * printing each; -1 if /dev/shm cannot be read. */
+static int count_leftovers(const char *name) {
+    char prefix[256];
+    size_t n;
+    int count = 0;
+    DIR *dir;
+    struct dirent *e;
+
+    snprintf(prefix, sizeof prefix, "epcomm.%s", name);
+    n = strlen(prefix);
+    dir = opendir("/dev/shm");
+    if (dir == NULL) {
+        printf("cannot open /dev/shm: %s\n", strerror(errno));
+        return -1;
+    }
+    while ((e = readdir(dir)) != NULL) {
+        if (strncmp(e->d_name, prefix, n) == 0 && (e->d_name[n] == '\0' || e->d_name[n] == '.')) {
+            printf("FAIL leftover shared memory: /dev/shm/%s\n", e->d_name);
+            count++;
+        }
+    }
+    closedir(dir);
+    return count;
+}
+
+/* Reads a rank's two counts from its pipe; 0 if it reported nothing complete. */
+static int read_counts(int fd, int counts[2]) {
+    char *p = (char *)counts;
+    size_t want = 2 * sizeof(int), got = 0;
+    while (got < want) {
+        ssize_t r = read(fd, p + got, want - got);
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            return 0;
+        }
+        got += (size_t)r;
+    }
+    return 1;
+}
+
+int main(int argc, char **argv) {
+    const char *name;
+    pid_t pids[WORLD];
+    int fds[WORLD];
+    int done[WORLD];
+    int ok[WORLD];
+    int passed = 0, failed = 0, remaining = 0;
+    int rank, leftovers;
+    double deadline;
+
+    if (argc != 2 || argv[1][0] == '\0') {
+        fprintf(stderr, "usage: %s GROUP_NAME\n", argc > 0 ? argv[0] : "eplb_runtime_test");
+        return 2;
+    }
+    name = argv[1];
+
+    /* Nothing buffered may be duplicated into the children. */
+    fflush(stdout);
+    fflush(stderr);
+    for (rank = 0; rank < WORLD; rank++) {
+        int p[2];
+        pid_t pid;
+        pids[rank] = -1;
+        fds[rank] = -1;
+        done[rank] = 1;
+        ok[rank] = 0;
+        if (pipe(p) != 0) {
+            printf("FAIL pipe for rank %d: %s\n", rank, strerror(errno));
+            failed++;
+            continue;
+        }
+        pid = fork();
+        if (pid < 0) {
+            printf("FAIL fork for rank %d: %s\n", rank, strerror(errno));
+            close(p[0]);
+            close(p[1]);
+            failed++;
+            continue;
+        }
+        if (pid == 0) {
+            int counts[2];
+            int r;
+            close(p[0]);
+            for (r = 0; r < rank; r++) {
+                if (fds[r] >= 0) {
+                    close(fds[r]);
+                }
+            }
+            child_main(name, rank);
+            counts[0] = g_passed;
+            counts[1] = g_failed;
+            if (write(p[1], counts, sizeof counts) != (ssize_t)sizeof counts) {
+                printf("FAIL rank %d could not report its counts\n", rank);
+            }
+            close(p[1]);
+            fflush(stdout);
+            exit(g_failed == 0 ? 0 : 1);
+        }
+        close(p[1]);
+        pids[rank] = pid;
+        fds[rank] = p[0];
+        done[rank] = 0;
+        remaining++;
+    }
+
+    deadline = now_s() + DEADLINE_S;
+    while (remaining > 0) {
+        int progressed = 0;
+        for (rank = 0; rank < WORLD; rank++) {
+            int status = 0;
+            pid_t w;
+            if (done[rank]) {
+                continue;
+            }
+            w = waitpid(pids[rank], &status, WNOHANG);
+            if (w == 0) {
+                continue;
+            }
+            done[rank] = 1;
+            remaining--;
+            progressed = 1;
+            if (w < 0) {
+                printf("FAIL rank %d: waitpid: %s\n", rank, strerror(errno));
+            } else if (WIFEXITED(status)) {
+                ok[rank] = 1;
+                if (WEXITSTATUS(status) != 0) {
+                    printf("rank %d exited with status %d\n", rank, WEXITSTATUS(status));
+                }
+            } else if (WIFSIGNALED(status)) {
+                printf("FAIL rank %d killed by signal %d\n", rank, WTERMSIG(status));
+            } else {
+                printf("FAIL rank %d ended with wait status 0x%x\n", rank, (unsigned)status);
+            }
+        }
+        if (remaining > 0 && now_s() > deadline) {
+            for (rank = 0; rank < WORLD; rank++) {
+                if (!done[rank]) {
+                    printf("FAIL rank %d still running after %d s; killing it\n", rank,
+                           DEADLINE_S);
+                    kill(pids[rank], SIGKILL);
+                    waitpid(pids[rank], NULL, 0);
+                    done[rank] = 1;
+                }
+            }
+            remaining = 0;
+        } else if (remaining > 0 && !progressed) {
+            sleep_ms(10);
+        }
+    }
+
+    for (rank = 0; rank < WORLD; rank++) {
+        int counts[2] = {0, 0};
+        if (fds[rank] < 0) {
+            continue;
+        }
+        if (ok[rank] && read_counts(fds[rank], counts)) {
+            passed += counts[0];
+            failed += counts[1];
+        } else {
+            printf("FAIL rank %d reported no check counts\n", rank);
+            failed++;
+        }
+        close(fds[rank]);
+    }
+
+    leftovers = count_leftovers(name);
+    if (leftovers != 0) {
+        printf("FAIL group '%s' left %d shared-memory object(s) in /dev/shm\n", name, leftovers);
+    }
+    printf("%d passed, %d failed\n", passed, failed);
+    return (failed == 0 && leftovers == 0) ? 0 : 1;
+}
