@@ -95,11 +95,13 @@ pub fn replicate_experts(
         let nl = w.len();
         let mut map: Vec<usize> = (0..nl).collect();
         let mut cnt = vec![1usize; nl];
+        // Load per replica, updated only for the expert that gains a replica (same division,
+        // so the same float64 values as recomputing them all).
+        let mut per_replica: Vec<f64> = w.iter().map(|&x| x as f64).collect();
         for _ in nl..num_phy {
             let mut best = 0;
             let mut best_v = f64::NEG_INFINITY;
-            for (e, &x) in w.iter().enumerate() {
-                let v = x as f64 / cnt[e] as f64;
+            for (e, &v) in per_replica.iter().enumerate() {
                 if v > best_v {
                     best_v = v;
                     best = e;
@@ -107,6 +109,7 @@ pub fn replicate_experts(
             }
             map.push(best);
             cnt[best] += 1;
+            per_replica[best] = w[best] as f64 / cnt[best] as f64;
         }
         p2l.push(map);
         cnts.push(cnt);
