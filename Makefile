@@ -24,7 +24,7 @@ REAL := libepcomm.so.$(VERSION)
 .PHONY: all install uninstall check clean
 
 all:
-	$(CARGO) build --release --lib $(CARGOFLAGS)
+	EPCOMM_SONAME=1 $(CARGO) build --release --lib $(CARGOFLAGS)
 
 install: all
 	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PKGCONFIGDIR)
