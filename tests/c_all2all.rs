@@ -8,88 +8,34 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
 
+const ALL2ALL_TEST: &str = "tests/c/all2all_test.c";
+/// Prefix of its group names (`group_name`).
+const GROUP_PREFIX: &str = "ca2a";
 /// The program's own deadline for its ranks is 45 s; this bounds the whole run above that.
 const ALL2ALL_RUN_TIMEOUT: Duration = Duration::from_secs(90);
 
-fn all2all_test_source() -> PathBuf {
-    manifest_dir().join("tests/c/all2all_test.c")
-}
-
-/// The program with its group-name argument and the environment tests/common uses for
-/// sanitized programs.
-fn all2all_command(program: &Path, group: &str, asan_options: &str) -> Command {
-    let mut cmd = Command::new(program);
-    cmd.arg(group)
-        .current_dir(manifest_dir())
-        .env_remove("EPCOMM_LOG_LEVEL")
-        .env_remove("EPCOMM_TIMEOUT_S")
-        .env("RUST_BACKTRACE", "0")
-        .env("ASAN_OPTIONS", asan_options)
-        .env("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1");
-    cmd
-}
-
-/// Like `run_sanitized`, with a group name: leak detection on, and off again only where
-/// LeakSanitizer cannot run (ptrace restrictions).
-fn run_all2all_test(program: &Path, group: &str) -> RunOutput {
-    let out = run_with_timeout(
-        all2all_command(program, group, "detect_leaks=1:abort_on_error=0"),
-        ALL2ALL_RUN_TIMEOUT,
-    );
-    let lsan_unusable = out
-        .stderr
-        .contains("LeakSanitizer has encountered a fatal error")
-        || out
-            .stderr
-            .contains("LeakSanitizer does not work under ptrace");
-    if lsan_unusable {
-        eprintln!(
-            "note: LeakSanitizer is unusable here (ptrace restrictions); rerunning {} with detect_leaks=0",
-            program.display()
-        );
-        return run_with_timeout(
-            all2all_command(
-                program,
-                &format!("{group}r"),
-                "detect_leaks=0:abort_on_error=0",
-            ),
-            ALL2ALL_RUN_TIMEOUT,
-        );
-    }
-    out
-}
-
-/// A group name unique to this process and variant; no variant's name is a prefix of another's,
-/// so each run's /dev/shm check sees only its own group.
-fn group_name(suffix: &str) -> String {
-    format!("ca2a{}{suffix}", std::process::id())
-}
-
 #[test]
 fn all2all_test_c11_shared_sanitized() {
-    let dir = out_dir("all2all-c11");
-    let exe = dir.join("all2all_test_c");
-    build_sanitized(&c_compiler(), &["-std=c11"], &all2all_test_source(), &exe);
-    let out = run_all2all_test(&exe, &group_name("c"));
-    assert_c_test_passed("all2all_test (C11, libepcomm.so, ASan+UBSan)", &out);
+    check_group_program(
+        ALL2ALL_TEST,
+        Lang::C11,
+        GROUP_PREFIX,
+        ALL2ALL_RUN_TIMEOUT,
+        "all2all_test (C11, libepcomm.so, ASan+UBSan)",
+    );
 }
 
 #[test]
 fn all2all_test_cpp17_shared_sanitized() {
-    let dir = out_dir("all2all-cpp17");
-    let exe = dir.join("all2all_test_cpp");
-    build_sanitized(
-        &cxx_compiler(),
-        &["-x", "c++", "-std=c++17"],
-        &all2all_test_source(),
-        &exe,
+    check_group_program(
+        ALL2ALL_TEST,
+        Lang::Cxx17,
+        GROUP_PREFIX,
+        ALL2ALL_RUN_TIMEOUT,
+        "all2all_test (C++17, libepcomm.so, ASan+UBSan)",
     );
-    let out = run_all2all_test(&exe, &group_name("x"));
-    assert_c_test_passed("all2all_test (C++17, libepcomm.so, ASan+UBSan)", &out);
 }

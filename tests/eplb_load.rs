@@ -2,6 +2,8 @@
 //! balancedness log line, the window's logical load summed over ranks, and recording straight
 //! from a dispatch.
 
+mod ranks;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,26 +15,21 @@ use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::FloatKind;
 use epcomm::select::config::EplbConfig;
 
+/// One shm group of `world` ranks, joined on threads; the handles in rank order.
 fn group(world: usize) -> Vec<ShmGroup> {
-    let name = format!("l{}-{}", std::process::id(), world);
-    let handles: Vec<_> = (0..world)
-        .map(|r| {
-            let name = name.clone();
-            std::thread::spawn(move || {
-                ShmGroup::join(
-                    &name,
-                    r,
-                    world,
-                    GroupOptions {
-                        timeout: Duration::from_secs(20),
-                        ..GroupOptions::default()
-                    },
-                )
-                .unwrap()
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let name = ranks::unique("l", &world.to_string());
+    ranks::on_threads(world, move |r| {
+        ShmGroup::join(
+            &name,
+            r,
+            world,
+            GroupOptions {
+                timeout: Duration::from_secs(20),
+                ..GroupOptions::default()
+            },
+        )
+        .unwrap()
+    })
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! maps move nothing; scale-down and scale-up through a rank mapping; a rank that dies
 //! mid-transfer leaves every survivor's weights unchanged.
 
+mod ranks;
+
 use std::time::Duration;
 
 use epcomm::eplb::communicator::{self, EplbCommunicator};
@@ -16,16 +18,6 @@ use epcomm::Status;
 const ROW_BYTES: [usize; 2] = [16, 40];
 const LAYERS: usize = 3;
 const LOGICAL: usize = 8;
-
-fn unique(name: &str) -> String {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!(
-        "e{}-{name}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
-}
 
 fn opts() -> GroupOptions {
     GroupOptions {
@@ -105,52 +97,42 @@ fn run(
     mapping: Option<Vec<i64>>,
     old_world: usize,
 ) -> Vec<(Vec<Vec<Vec<u8>>>, usize)> {
-    let name = unique("r");
-    let handles: Vec<_> = (0..world)
-        .map(|r| {
-            let (name, old, new, mapping) =
-                (name.clone(), old.clone(), new.clone(), mapping.clone());
-            std::thread::spawn(move || {
-                let mut g = ShmGroup::join(&name, r, world, opts()).unwrap();
-                // Ranks that were not in the old group start with empty slots.
-                let mut w = if r < old_world || mapping.is_none() {
-                    let holder = match &mapping {
-                        Some(m) if m.len() < world => m.iter().position(|&x| x == r as i64),
-                        _ => Some(r),
-                    };
-                    match holder {
-                        Some(h) => tensors(&old, h, old_world),
-                        None => tensors(&vec![vec![-1; old[0].len()]; LAYERS], 0, old_world),
-                    }
-                } else {
-                    tensors(&vec![vec![-1; old[0].len()]; LAYERS], 0, old_world)
-                };
-                let mut c = comm();
-                let sent = {
-                    let mut views: Vec<Vec<&mut [u8]>> = w
-                        .iter_mut()
-                        .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
-                        .collect();
-                    rearrange(
-                        &mut g,
-                        c.as_mut(),
-                        &old,
-                        &new,
-                        &mut views,
-                        &ROW_BYTES,
-                        mapping.as_deref(),
-                    )
-                    .unwrap()
-                    .rows_sent
-                };
-                (w, sent)
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank panicked"))
-        .collect()
+    let name = ranks::unique("e", "r");
+    ranks::on_threads(world, move |r| {
+        let mut g = ShmGroup::join(&name, r, world, opts()).unwrap();
+        // Ranks that were not in the old group start with empty slots.
+        let mut w = if r < old_world || mapping.is_none() {
+            let holder = match &mapping {
+                Some(m) if m.len() < world => m.iter().position(|&x| x == r as i64),
+                _ => Some(r),
+            };
+            match holder {
+                Some(h) => tensors(&old, h, old_world),
+                None => tensors(&vec![vec![-1; old[0].len()]; LAYERS], 0, old_world),
+            }
+        } else {
+            tensors(&vec![vec![-1; old[0].len()]; LAYERS], 0, old_world)
+        };
+        let mut c = comm();
+        let sent = {
+            let mut views: Vec<Vec<&mut [u8]>> = w
+                .iter_mut()
+                .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
+                .collect();
+            rearrange(
+                &mut g,
+                c.as_mut(),
+                &old,
+                &new,
+                &mut views,
+                &ROW_BYTES,
+                mapping.as_deref(),
+            )
+            .unwrap()
+            .rows_sent
+        };
+        (w, sent)
+    })
 }
 
 #[test]
@@ -278,40 +260,20 @@ fn a_rank_dying_mid_transfer_leaves_survivors_unchanged() {
         assert!(w == before, "weights changed on rank {rank}");
         return;
     }
-    let group = unique("kill");
-    let kids: Vec<_> = (0..3)
-        .map(|r| {
-            std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "a_rank_dying_mid_transfer_leaves_survivors_unchanged",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env("EPCOMM_EPLB_CHILD", &group)
-                .env("EPCOMM_EPLB_RANK", r.to_string())
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let start = std::time::Instant::now();
-    for (r, mut k) in kids.into_iter().enumerate() {
-        while k.try_wait().unwrap().is_none() {
-            if start.elapsed() > Duration::from_secs(60) {
-                let _ = k.kill();
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let o = k.wait_with_output().unwrap();
-        if r != 2 {
-            assert!(
-                o.status.success(),
-                "rank {r}: {}{}",
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            );
+    let group = ranks::unique("e", "kill");
+    let kids = ranks::spawn_ranks(
+        "a_rank_dying_mid_transfer_leaves_survivors_unchanged",
+        0..3,
+        |r| {
+            vec![
+                ("EPCOMM_EPLB_CHILD", group.clone()),
+                ("EPCOMM_EPLB_RANK", r.to_string()),
+            ]
+        },
+    );
+    for k in ranks::wait_all(kids, Duration::from_secs(60)) {
+        if k.rank != 2 {
+            assert!(k.success(), "rank {}: {}{}", k.rank, k.stdout, k.stderr);
         }
     }
 }
@@ -338,40 +300,21 @@ fn weights_follow_the_new_placement_across_processes() {
         return;
     }
     for world in [2, 4] {
-        let group = unique("proc");
-        let kids: Vec<_> = (0..world)
-            .map(|r| {
-                std::process::Command::new(std::env::current_exe().unwrap())
-                    .args([
-                        "--exact",
-                        "weights_follow_the_new_placement_across_processes",
-                        "--nocapture",
-                        "--test-threads=1",
-                    ])
-                    .env("EPCOMM_EPLB_MOVE_CHILD", &group)
-                    .env("EPCOMM_EPLB_RANK", r.to_string())
-                    .env("EPCOMM_EPLB_WORLD", world.to_string())
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        let start = std::time::Instant::now();
-        for (r, mut k) in kids.into_iter().enumerate() {
-            while k.try_wait().unwrap().is_none() {
-                if start.elapsed() > Duration::from_secs(60) {
-                    let _ = k.kill();
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let o = k.wait_with_output().unwrap();
-            assert!(
-                o.status.success(),
-                "rank {r} of {world}: {}{}",
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            );
+        let group = ranks::unique("e", "proc");
+        let kids = ranks::spawn_ranks(
+            "weights_follow_the_new_placement_across_processes",
+            0..world,
+            |r| {
+                vec![
+                    ("EPCOMM_EPLB_MOVE_CHILD", group.clone()),
+                    ("EPCOMM_EPLB_RANK", r.to_string()),
+                    ("EPCOMM_EPLB_WORLD", world.to_string()),
+                ]
+            },
+        );
+        for k in ranks::wait_all(kids, Duration::from_secs(60)) {
+            let r = k.rank;
+            assert!(k.success(), "rank {r} of {world}: {}{}", k.stdout, k.stderr);
         }
     }
 }

@@ -7,8 +7,10 @@
 //! Multi-process cases re-run this test binary as the ranks (`EPCOMM_TEST_CHILD`), so each rank
 //! is a real process.
 
+mod ranks;
+
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::{Duration, Instant};
 
@@ -17,6 +19,7 @@ use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions, P2p};
 use epcomm::num::{self, FloatKind};
 use epcomm::{Error, Status};
+use ranks::{assert_all_ok, shm_leftovers, wait_all, Finished};
 
 // ---- deterministic data --------------------------------------------------------------------
 
@@ -323,96 +326,31 @@ fn child() -> Option<ChildCtx> {
     })
 }
 
+/// A group name unique to this run (`ranks::unique`).
 fn unique(name: &str) -> String {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!(
-        "t{}-{name}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    ranks::unique("t", name)
 }
 
-/// Spawns `ranks` of this test (`test_name`) as child processes of a `world`-rank group.
+/// Spawns `which` ranks of this test (`test_name`) as child processes of a `world`-rank group.
 fn spawn(
     test_name: &str,
     case: &str,
     group: &str,
     world: usize,
-    ranks: &[usize],
-    extra_env: &[(&str, String)],
+    which: &[usize],
+    extra_env: &[(&'static str, String)],
 ) -> Vec<(usize, Child)> {
-    ranks
-        .iter()
-        .map(|&rank| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args(["--exact", test_name, "--nocapture", "--test-threads=1"])
-                .env("EPCOMM_TEST_CHILD", case)
-                .env("EPCOMM_TEST_RANK", rank.to_string())
-                .env("EPCOMM_TEST_WORLD", world.to_string())
-                .env("EPCOMM_TEST_GROUP", group)
-                .env("EPCOMM_TEST_SEED", "42")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in extra_env {
-                cmd.env(k, v);
-            }
-            (rank, cmd.spawn().expect("spawn rank"))
-        })
-        .collect()
-}
-
-struct Finished {
-    rank: usize,
-    success: bool,
-    output: String,
-}
-
-/// Waits for all children; kills everything still running at the deadline (a failure).
-fn wait_all(children: Vec<(usize, Child)>, limit: Duration) -> Vec<Finished> {
-    let start = Instant::now();
-    let mut out = Vec::new();
-    for (rank, mut c) in children {
-        loop {
-            if let Some(_status) = c.try_wait().unwrap() {
-                break;
-            }
-            if start.elapsed() > limit {
-                let _ = c.kill();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let o = c.wait_with_output().unwrap();
-        out.push(Finished {
-            rank,
-            success: o.status.success(),
-            output: format!(
-                "--- rank {rank} ({:?})\n{}{}",
-                o.status,
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            ),
-        });
-    }
-    out
-}
-
-fn assert_all_ok(results: &[Finished]) {
-    if results.iter().any(|r| !r.success) {
-        let all: Vec<&str> = results.iter().map(|r| r.output.as_str()).collect();
-        panic!("some ranks failed:\n{}", all.join("\n"));
-    }
-}
-
-fn shm_leftovers(group: &str) -> Vec<String> {
-    let prefix = format!("epcomm.{group}");
-    std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n == &prefix || n.starts_with(&format!("{prefix}.")))
-        .collect()
+    ranks::spawn_ranks(test_name, which.iter().copied(), |rank| {
+        let mut env = vec![
+            ("EPCOMM_TEST_CHILD", case.to_owned()),
+            ("EPCOMM_TEST_RANK", rank.to_string()),
+            ("EPCOMM_TEST_WORLD", world.to_string()),
+            ("EPCOMM_TEST_GROUP", group.to_owned()),
+            ("EPCOMM_TEST_SEED", "42".to_owned()),
+        ];
+        env.extend(extra_env.iter().cloned());
+        env
+    })
 }
 
 /// Child side: prints the outcome of `f` as one line `RESULT <status> <message>`.
@@ -424,7 +362,7 @@ fn report(r: epcomm::Result<()>) {
 }
 
 fn result_line(f: &Finished) -> String {
-    f.output
+    f.output()
         .lines()
         .find_map(|l| l.strip_prefix("RESULT "))
         .unwrap_or("<none>")
@@ -470,27 +408,20 @@ fn primitives_on_2_3_4_8_processes() {
 fn primitives_on_threads() {
     for (world, direct_reads) in [(1, true), (2, true), (3, true), (4, true), (3, false)] {
         let group = unique("threads");
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let group = group.clone();
-                std::thread::spawn(move || {
-                    let o = GroupOptions {
-                        direct_reads,
-                        ..opts()
-                    };
-                    let mut g = ShmGroup::join(&group, rank, world, o).unwrap();
-                    assert_eq!(
-                        g.direct(),
-                        direct_reads,
-                        "threads of one process can always read each other"
-                    );
-                    exercise(&mut g, 7, 4);
-                })
-            })
-            .collect();
-        for h in handles {
-            h.join().expect("rank thread panicked");
-        }
+        let name = group.clone();
+        ranks::on_threads(world, move |rank| {
+            let o = GroupOptions {
+                direct_reads,
+                ..opts()
+            };
+            let mut g = ShmGroup::join(&name, rank, world, o).unwrap();
+            assert_eq!(
+                g.direct(),
+                direct_reads,
+                "threads of one process can always read each other"
+            );
+            exercise(&mut g, 7, 4);
+        });
         assert!(shm_leftovers(&group).is_empty());
     }
 }
@@ -674,7 +605,7 @@ fn dead_peer_is_reported_within_a_second() {
             status,
             (Status::PeerFailure as i32).to_string(),
             "{}",
-            f.output
+            f.output()
         );
         assert!(
             msg.starts_with(&format!("rank 2 of group '{group}' died (pid ")),
@@ -682,7 +613,7 @@ fn dead_peer_is_reported_within_a_second() {
         );
         assert!(msg.contains(" is gone) during all_gatherv (op #2"), "{msg}");
         let elapsed: u64 = f
-            .output
+            .output()
             .lines()
             .find_map(|l| l.strip_prefix("ELAPSED "))
             .unwrap()
@@ -722,7 +653,7 @@ fn missing_peer_times_out_naming_it() {
                 Status::Timeout as i32
             ),
             "{}",
-            f.output
+            f.output()
         );
     }
     assert_eq!(Status::Timeout.exception(), Some("TimeoutError"));
@@ -762,7 +693,7 @@ fn slow_peer_times_out_mid_operation() {
             Status::Timeout as i32
         ),
         "{}",
-        res[0].output
+        res[0].output()
     );
     assert!(
         shm_leftovers(&group).is_empty(),
@@ -794,13 +725,13 @@ fn mismatched_world_size_is_an_error() {
         result_line(&res[0]),
         format!("{code} rank 1 tried to join group '{group}' with world_size 3, but this group has world_size 2"),
         "{}",
-        res[0].output
+        res[0].output()
     );
     assert_eq!(
         result_line(&res[1]),
         format!("{code} rank 1 joined group '{group}' with world_size 3, but rank 0 created it with world_size 2"),
         "{}",
-        res[1].output
+        res[1].output()
     );
     assert!(
         shm_leftovers(&group).is_empty(),
@@ -831,7 +762,7 @@ fn stale_segment_of_a_crashed_run_is_replaced() {
         spawn(NAME, "crash", &group, 2, &[0], &[]),
         Duration::from_secs(30),
     );
-    assert!(!crashed[0].success);
+    assert!(!crashed[0].success());
     assert!(
         !shm_leftovers(&group).is_empty(),
         "the crash should leave segments behind"

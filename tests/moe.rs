@@ -10,6 +10,8 @@
 // Reference checks index several parallel arrays by rank; plain index loops read clearest.
 #![allow(clippy::needless_range_loop)]
 
+mod ranks;
+
 use std::time::Duration;
 
 use epcomm::group::shm::ShmGroup;
@@ -20,16 +22,6 @@ use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
 use epcomm::select::all2all::{Layout, ACCEPTED_NAMES};
 use epcomm::Status;
-
-fn unique(name: &str) -> String {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!(
-        "m{}-{name}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
-}
 
 fn opts() -> GroupOptions {
     GroupOptions {
@@ -43,20 +35,11 @@ fn on_ranks<T: Send + 'static>(
     world: usize,
     f: impl Fn(usize, &mut ShmGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let name = unique("g");
-    let handles: Vec<_> = (0..world)
-        .map(|r| {
-            let (name, f) = (name.clone(), f.clone());
-            std::thread::spawn(move || {
-                let mut g = ShmGroup::join(&name, r, world, opts()).unwrap();
-                f(r, &mut g)
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank panicked"))
-        .collect()
+    let name = ranks::unique("m", "g");
+    ranks::on_threads(world, move |r| {
+        let mut g = ShmGroup::join(&name, r, world, opts()).unwrap();
+        f(r, &mut g)
+    })
 }
 
 fn cfg(e: usize, k: usize, h: usize, kind: FloatKind, m: usize) -> MoeConfig {
@@ -737,40 +720,16 @@ fn dispatch_and_combine_across_processes() {
         "deepep_v2",
         "flashinfer_all2allv",
     ] {
-        let group = unique("proc");
-        let kids: Vec<_> = (0..2)
-            .map(|r| {
-                std::process::Command::new(std::env::current_exe().unwrap())
-                    .args([
-                        "--exact",
-                        "dispatch_and_combine_across_processes",
-                        "--nocapture",
-                        "--test-threads=1",
-                    ])
-                    .env("EPCOMM_MOE_CHILD", name)
-                    .env("EPCOMM_MOE_RANK", r.to_string())
-                    .env("EPCOMM_MOE_GROUP", &group)
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        let start = std::time::Instant::now();
-        for mut k in kids {
-            while k.try_wait().unwrap().is_none() {
-                if start.elapsed() > Duration::from_secs(60) {
-                    let _ = k.kill();
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let o = k.wait_with_output().unwrap();
-            assert!(
-                o.status.success(),
-                "{name}: {}{}",
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            );
+        let group = ranks::unique("m", "proc");
+        let kids = ranks::spawn_ranks("dispatch_and_combine_across_processes", 0..2, |r| {
+            vec![
+                ("EPCOMM_MOE_CHILD", name.to_owned()),
+                ("EPCOMM_MOE_RANK", r.to_string()),
+                ("EPCOMM_MOE_GROUP", group.clone()),
+            ]
+        });
+        for k in ranks::wait_all(kids, Duration::from_secs(60)) {
+            assert!(k.success(), "{name}: {}{}", k.stdout, k.stderr);
         }
     }
 }

@@ -5,6 +5,8 @@
  * Prints one line per failed check and, at the end, "N passed, M failed"; exits non-zero if
  * any check failed.
  */
+#include "test_ranks.h" /* first: it selects POSIX for the system headers */
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,18 +18,8 @@ typedef struct epcomm_all2all_name_desc name_info_t;
 typedef struct epcomm_eplb_select_request select_request_t;
 typedef struct epcomm_dtype dtype_t;
 
-static int g_passed = 0;
-static int g_failed = 0;
-
-#define CHECK(cond)                                                              \
-    do {                                                                         \
-        if (cond) {                                                              \
-            g_passed++;                                                          \
-        } else {                                                                 \
-            g_failed++;                                                          \
-            printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);              \
-        }                                                                        \
-    } while (0)
+/* CHECK, CHECK_ST and the counters g_passed and g_failed come from test_ranks.h; this program
+ * has no ranks, so its FAIL lines name no rank. */
 
 /* Compares two possibly-NULL strings; prints both on mismatch. */
 #define CHECK_STR(actual, expected) check_str((actual), (expected), __LINE__, #actual)
@@ -47,22 +39,17 @@ static void check_str(const char *actual, const char *expected, int line, const 
     if (str_eq(actual, expected)) {
         g_passed++;
     } else {
-        g_failed++;
-        printf("FAIL %s:%d: %s is \"%s\", expected \"%s\"\n", __FILE__, line, expr,
-               actual ? actual : "(NULL)", expected ? expected : "(NULL)");
+        test_fail_at(__FILE__, line);
+        printf("%s is \"%s\", expected \"%s\"\n", expr, actual ? actual : "(NULL)",
+               expected ? expected : "(NULL)");
     }
 }
 
 static void check_err(int32_t st, int32_t want_status, const char *want_message, int line,
                       const char *expr) {
-    if (st != want_status) {
-        const char *msg = epcomm_last_error_message();
-        g_failed++;
-        printf("FAIL %s:%d: %s returned %d, expected %d (last error: %s)\n", __FILE__, line, expr,
-               (int)st, (int)want_status, msg ? msg : "(NULL)");
+    if (!check_st(st, want_status, __FILE__, line, expr)) {
         return;
     }
-    g_passed++;
     if (want_message != NULL) {
         check_str(epcomm_last_error_message(), want_message, line, "epcomm_last_error_message()");
     }

@@ -15,20 +15,11 @@
  * "N passed, M failed" counting ranks; exits non-zero if any rank failed or the group left
  * anything in /dev/shm.
  */
-#ifndef _POSIX_C_SOURCE
-#define _POSIX_C_SOURCE 200809L
-#endif
+#include "test_ranks.h" /* first: it selects POSIX for the system headers */
 
-#include <dirent.h>
-#include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "epcomm.h"
 
@@ -48,53 +39,9 @@ typedef struct epcomm_all2all_stats stats_t;
 #define MAX_TOKENS 3
 /* Rows of the largest dispatch buffer in the example: EXPERT_MAJOR [2, M*R, 1]. */
 #define MAX_ROWS 16
-/* Seconds the parent waits for all ranks before killing them. */
-#define DEADLINE_S 45
 
 #define DL_INT 0
 #define DL_FLOAT 2
-
-static int g_rank = -1;
-static int g_failed = 0;
-
-#define CHECK(cond)                                                                     \
-    do {                                                                                \
-        if (!(cond)) {                                                                  \
-            g_failed++;                                                                 \
-            printf("FAIL rank %d %s:%d: %s\n", g_rank, __FILE__, __LINE__, #cond);     \
-        }                                                                               \
-    } while (0)
-
-/* Checks that a call returned `want`; prints the status and last error otherwise. */
-#define CHECK_ST(st, want) check_st((st), (want), __LINE__, #st)
-
-static int check_st(int32_t st, int32_t want, int line, const char *expr) {
-    if (st == want) {
-        return 1;
-    }
-    {
-        const char *msg = epcomm_last_error_message();
-        g_failed++;
-        printf("FAIL rank %d %s:%d: %s returned %d, expected %d (last error: %s)\n", g_rank,
-               __FILE__, line, expr, (int)st, (int)want, msg ? msg : "(NULL)");
-    }
-    return 0;
-}
-
-/* The last error message is exactly `want`. */
-#define CHECK_MSG_EQ(want) check_msg((want), 1, __LINE__)
-/* The last error message contains `needle`. */
-#define CHECK_MSG_HAS(needle) check_msg((needle), 0, __LINE__)
-
-static void check_msg(const char *want, int exact, int line) {
-    const char *msg = epcomm_last_error_message();
-    if (msg != NULL && (exact ? strcmp(msg, want) == 0 : strstr(msg, want) != NULL)) {
-        return;
-    }
-    g_failed++;
-    printf("FAIL rank %d %s:%d: last error \"%s\" %s \"%s\"\n", g_rank, __FILE__, line,
-           msg ? msg : "(NULL)", exact ? "is not" : "does not contain", want);
-}
 
 static tensor_t make_tensor(void *data, uint8_t code, uint8_t bits, int32_t ndim,
                             int64_t *shape) {
@@ -796,7 +743,6 @@ static int child_main(const char *name, int rank) {
     group_t *g = NULL;
     int i;
 
-    g_rank = rank;
     memset(&opts, 0, sizeof opts);
     if (!CHECK_ST(epcomm_group_options_init(&opts), EPCOMM_OK)) {
         return 1;
@@ -834,135 +780,6 @@ static int child_main(const char *name, int rank) {
 
 /* ---- the parent -------------------------------------------------------------------------------- */
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static void sleep_ms(long ms) {
-    struct timespec ts;
-    ts.tv_sec = ms / 1000;
-    ts.tv_nsec = (ms % 1000) * 1000000L;
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
-}
-
-/* Counts entries of /dev/shm that belong to group `name` ("epcomm.NAME" or "epcomm.NAME.*"),
- * printing each; -1 if /dev/shm cannot be read. */
-static int count_leftovers(const char *name) {
-    char prefix[256];
-    size_t n;
-    int count = 0;
-    DIR *dir;
-    struct dirent *e;
-
-    snprintf(prefix, sizeof prefix, "epcomm.%s", name);
-    n = strlen(prefix);
-    dir = opendir("/dev/shm");
-    if (dir == NULL) {
-        printf("cannot open /dev/shm: %s\n", strerror(errno));
-        return -1;
-    }
-    while ((e = readdir(dir)) != NULL) {
-        if (strncmp(e->d_name, prefix, n) == 0 && (e->d_name[n] == '\0' || e->d_name[n] == '.')) {
-            printf("FAIL leftover shared memory: /dev/shm/%s\n", e->d_name);
-            count++;
-        }
-    }
-    closedir(dir);
-    return count;
-}
-
 int main(int argc, char **argv) {
-    const char *name;
-    pid_t pids[WORLD];
-    int done[WORLD];
-    int passed = 0, failed = 0, remaining = 0;
-    int rank, leftovers;
-    double deadline;
-
-    if (argc != 2 || argv[1][0] == '\0') {
-        fprintf(stderr, "usage: %s GROUP_NAME\n", argc > 0 ? argv[0] : "all2all_test");
-        return 2;
-    }
-    name = argv[1];
-
-    /* Nothing buffered may be duplicated into the children. */
-    fflush(stdout);
-    fflush(stderr);
-    for (rank = 0; rank < WORLD; rank++) {
-        pid_t pid = fork();
-        if (pid < 0) {
-            printf("FAIL fork for rank %d: %s\n", rank, strerror(errno));
-            pids[rank] = -1;
-            done[rank] = 1;
-            failed++;
-            continue;
-        }
-        if (pid == 0) {
-            int rc = child_main(name, rank);
-            fflush(stdout);
-            exit(rc);
-        }
-        pids[rank] = pid;
-        done[rank] = 0;
-        remaining++;
-    }
-
-    deadline = now_s() + DEADLINE_S;
-    while (remaining > 0) {
-        int progressed = 0;
-        for (rank = 0; rank < WORLD; rank++) {
-            int status = 0;
-            pid_t w;
-            if (done[rank]) {
-                continue;
-            }
-            w = waitpid(pids[rank], &status, WNOHANG);
-            if (w == 0) {
-                continue;
-            }
-            done[rank] = 1;
-            remaining--;
-            progressed = 1;
-            if (w < 0) {
-                printf("FAIL rank %d: waitpid: %s\n", rank, strerror(errno));
-                failed++;
-            } else if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-                passed++;
-            } else if (WIFEXITED(status)) {
-                printf("FAIL rank %d exited with status %d\n", rank, WEXITSTATUS(status));
-                failed++;
-            } else if (WIFSIGNALED(status)) {
-                printf("FAIL rank %d killed by signal %d\n", rank, WTERMSIG(status));
-                failed++;
-            } else {
-                printf("FAIL rank %d ended with wait status 0x%x\n", rank, (unsigned)status);
-                failed++;
-            }
-        }
-        if (remaining > 0 && now_s() > deadline) {
-            for (rank = 0; rank < WORLD; rank++) {
-                if (!done[rank]) {
-                    printf("FAIL rank %d still running after %d s; killing it\n", rank,
-                           DEADLINE_S);
-                    kill(pids[rank], SIGKILL);
-                    waitpid(pids[rank], NULL, 0);
-                    done[rank] = 1;
-                    failed++;
-                }
-            }
-            remaining = 0;
-        } else if (remaining > 0 && !progressed) {
-            sleep_ms(10);
-        }
-    }
-
-    leftovers = count_leftovers(name);
-    if (leftovers != 0) {
-        printf("FAIL group '%s' left %d shared-memory object(s) in /dev/shm\n", name, leftovers);
-    }
-    printf("%d passed, %d failed\n", passed, failed);
-    return (failed == 0 && leftovers == 0) ? 0 : 1;
+    return test_ranks_main(argc, argv, "all2all_test", WORLD, child_main, TEST_RANKS_COUNT_RANKS);
 }

@@ -13,20 +13,11 @@
  * prints "N passed, M failed" (a rank that crashed, hung or reported nothing counts as one
  * failure); exits non-zero if any check failed or the group left anything in /dev/shm.
  */
-#ifndef _POSIX_C_SOURCE
-#define _POSIX_C_SOURCE 200809L
-#endif
+#include "test_ranks.h" /* first: it selects POSIX for the system headers */
 
-#include <dirent.h>
-#include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "epcomm.h"
 
@@ -42,44 +33,25 @@ typedef struct epcomm_eplb_plan_view plan_view_t;
 typedef struct epcomm_eplb_state state_t;
 
 #define WORLD 2
-/* Seconds the parent waits for all ranks before killing them. */
-#define DEADLINE_S 45
 
 #define DL_INT 0
 #define DL_UINT 1
 #define DL_FLOAT 2
 
-static int g_rank = -1;
-static int g_passed = 0;
-static int g_failed = 0;
-
-#define CHECK(cond)                                                                     \
-    do {                                                                                \
-        if (cond) {                                                                     \
-            g_passed++;                                                                 \
-        } else {                                                                        \
-            g_failed++;                                                                 \
-            printf("FAIL rank %d %s:%d: %s\n", g_rank, __FILE__, __LINE__, #cond);     \
-        }                                                                               \
-    } while (0)
-
-/* Checks a status and, when `want_message` is not NULL, the exact last error message. */
+/* Checks a status and, when `want_message` is not NULL, the exact last error message; one
+ * check either way. */
 #define CHECK_ERR(st, want, want_message) \
-    check_err((st), (want), (want_message), __LINE__, #st)
+    check_err((st), (want), (want_message), __FILE__, __LINE__, #st)
 
-static int check_err(int32_t st, int32_t want, const char *want_message, int line,
-                     const char *expr) {
+static int check_err(int32_t st, int32_t want, const char *want_message, const char *file,
+                     int line, const char *expr) {
     const char *msg = epcomm_last_error_message();
     if (st != want) {
-        g_failed++;
-        printf("FAIL rank %d %s:%d: %s returned %d, expected %d (last error: %s)\n", g_rank,
-               __FILE__, line, expr, (int)st, (int)want, msg ? msg : "(NULL)");
-        return 0;
+        return check_st(st, want, file, line, expr);
     }
     if (want_message != NULL && (msg == NULL || strcmp(msg, want_message) != 0)) {
-        g_failed++;
-        printf("FAIL rank %d %s:%d: %s: message \"%s\", expected \"%s\"\n", g_rank, __FILE__,
-               line, expr, msg ? msg : "(NULL)", want_message);
+        test_fail_at(file, line);
+        printf("%s: message \"%s\", expected \"%s\"\n", expr, msg ? msg : "(NULL)", want_message);
         return 0;
     }
     g_passed++;
@@ -547,26 +519,25 @@ static void test_state(group_t *g) {
 
 /* ---- one rank -------------------------------------------------------------------------------- */
 
-static void child_main(const char *name, int rank) {
+static int child_main(const char *name, int rank) {
     options_t opts;
     group_t *g = NULL;
     comm_t *comm;
 
-    g_rank = rank;
     memset(&g_logs, 0, sizeof g_logs);
     epcomm_set_log_callback(capture_log, &g_logs);
 
     memset(&opts, 0, sizeof opts);
     if (!CHECK_ERR(epcomm_group_options_init(&opts), EPCOMM_OK, NULL)) {
-        return;
+        return 1;
     }
     opts.timeout_s = 20.0;
     if (!CHECK_ERR(epcomm_group_create_shm(name, rank, WORLD, &opts, &g), EPCOMM_OK, NULL)) {
-        return;
+        return 1;
     }
     CHECK(g != NULL);
     if (g == NULL) {
-        return;
+        return 1;
     }
 
     comm = test_factory(g);
@@ -584,196 +555,12 @@ static void child_main(const char *name, int rank) {
     epcomm_eplb_communicator_destroy(NULL);
     epcomm_group_destroy(g);
     epcomm_set_log_callback(NULL, NULL);
+    return g_failed == 0 ? 0 : 1;
 }
 
 /* ---- the parent ------------------------------------------------------------------------------ */
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static void sleep_ms(long ms) {
-    struct timespec ts;
-    ts.tv_sec = ms / 1000;
-    ts.tv_nsec = (ms % 1000) * 1000000L;
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
-}
-
-/* Counts entries of /dev/shm that belong to group `name` ("epcomm.NAME" or "epcomm.NAME.*"),
- * printing each; -1 if /dev/shm cannot be read. */
-static int count_leftovers(const char *name) {
-    char prefix[256];
-    size_t n;
-    int count = 0;
-    DIR *dir;
-    struct dirent *e;
-
-    snprintf(prefix, sizeof prefix, "epcomm.%s", name);
-    n = strlen(prefix);
-    dir = opendir("/dev/shm");
-    if (dir == NULL) {
-        printf("cannot open /dev/shm: %s\n", strerror(errno));
-        return -1;
-    }
-    while ((e = readdir(dir)) != NULL) {
-        if (strncmp(e->d_name, prefix, n) == 0 && (e->d_name[n] == '\0' || e->d_name[n] == '.')) {
-            printf("FAIL leftover shared memory: /dev/shm/%s\n", e->d_name);
-            count++;
-        }
-    }
-    closedir(dir);
-    return count;
-}
-
-/* Reads a rank's two counts from its pipe; 0 if it reported nothing complete. */
-static int read_counts(int fd, int counts[2]) {
-    char *p = (char *)counts;
-    size_t want = 2 * sizeof(int), got = 0;
-    while (got < want) {
-        ssize_t r = read(fd, p + got, want - got);
-        if (r < 0 && errno == EINTR) {
-            continue;
-        }
-        if (r <= 0) {
-            return 0;
-        }
-        got += (size_t)r;
-    }
-    return 1;
-}
-
 int main(int argc, char **argv) {
-    const char *name;
-    pid_t pids[WORLD];
-    int fds[WORLD];
-    int done[WORLD];
-    int ok[WORLD];
-    int passed = 0, failed = 0, remaining = 0;
-    int rank, leftovers;
-    double deadline;
-
-    if (argc != 2 || argv[1][0] == '\0') {
-        fprintf(stderr, "usage: %s GROUP_NAME\n", argc > 0 ? argv[0] : "eplb_runtime_test");
-        return 2;
-    }
-    name = argv[1];
-
-    /* Nothing buffered may be duplicated into the children. */
-    fflush(stdout);
-    fflush(stderr);
-    for (rank = 0; rank < WORLD; rank++) {
-        int p[2];
-        pid_t pid;
-        pids[rank] = -1;
-        fds[rank] = -1;
-        done[rank] = 1;
-        ok[rank] = 0;
-        if (pipe(p) != 0) {
-            printf("FAIL pipe for rank %d: %s\n", rank, strerror(errno));
-            failed++;
-            continue;
-        }
-        pid = fork();
-        if (pid < 0) {
-            printf("FAIL fork for rank %d: %s\n", rank, strerror(errno));
-            close(p[0]);
-            close(p[1]);
-            failed++;
-            continue;
-        }
-        if (pid == 0) {
-            int counts[2];
-            int r;
-            close(p[0]);
-            for (r = 0; r < rank; r++) {
-                if (fds[r] >= 0) {
-                    close(fds[r]);
-                }
-            }
-            child_main(name, rank);
-            counts[0] = g_passed;
-            counts[1] = g_failed;
-            if (write(p[1], counts, sizeof counts) != (ssize_t)sizeof counts) {
-                printf("FAIL rank %d could not report its counts\n", rank);
-            }
-            close(p[1]);
-            fflush(stdout);
-            exit(g_failed == 0 ? 0 : 1);
-        }
-        close(p[1]);
-        pids[rank] = pid;
-        fds[rank] = p[0];
-        done[rank] = 0;
-        remaining++;
-    }
-
-    deadline = now_s() + DEADLINE_S;
-    while (remaining > 0) {
-        int progressed = 0;
-        for (rank = 0; rank < WORLD; rank++) {
-            int status = 0;
-            pid_t w;
-            if (done[rank]) {
-                continue;
-            }
-            w = waitpid(pids[rank], &status, WNOHANG);
-            if (w == 0) {
-                continue;
-            }
-            done[rank] = 1;
-            remaining--;
-            progressed = 1;
-            if (w < 0) {
-                printf("FAIL rank %d: waitpid: %s\n", rank, strerror(errno));
-            } else if (WIFEXITED(status)) {
-                ok[rank] = 1;
-                if (WEXITSTATUS(status) != 0) {
-                    printf("rank %d exited with status %d\n", rank, WEXITSTATUS(status));
-                }
-            } else if (WIFSIGNALED(status)) {
-                printf("FAIL rank %d killed by signal %d\n", rank, WTERMSIG(status));
-            } else {
-                printf("FAIL rank %d ended with wait status 0x%x\n", rank, (unsigned)status);
-            }
-        }
-        if (remaining > 0 && now_s() > deadline) {
-            for (rank = 0; rank < WORLD; rank++) {
-                if (!done[rank]) {
-                    printf("FAIL rank %d still running after %d s; killing it\n", rank,
-                           DEADLINE_S);
-                    kill(pids[rank], SIGKILL);
-                    waitpid(pids[rank], NULL, 0);
-                    done[rank] = 1;
-                }
-            }
-            remaining = 0;
-        } else if (remaining > 0 && !progressed) {
-            sleep_ms(10);
-        }
-    }
-
-    for (rank = 0; rank < WORLD; rank++) {
-        int counts[2] = {0, 0};
-        if (fds[rank] < 0) {
-            continue;
-        }
-        if (ok[rank] && read_counts(fds[rank], counts)) {
-            passed += counts[0];
-            failed += counts[1];
-        } else {
-            printf("FAIL rank %d reported no check counts\n", rank);
-            failed++;
-        }
-        close(fds[rank]);
-    }
-
-    leftovers = count_leftovers(name);
-    if (leftovers != 0) {
-        printf("FAIL group '%s' left %d shared-memory object(s) in /dev/shm\n", name, leftovers);
-    }
-    printf("%d passed, %d failed\n", passed, failed);
-    return (failed == 0 && leftovers == 0) ? 0 : 1;
+    return test_ranks_main(argc, argv, "eplb_runtime_test", WORLD, child_main,
+                           TEST_RANKS_COUNT_CHECKS);
 }

@@ -212,32 +212,71 @@ fn test_command(program: &Path, asan_options: &str) -> Command {
     cmd
 }
 
+/// A command for a program that forms a shared-memory group (tests/c/test_ranks.h): its
+/// group-name argument, and `test_command`'s environment without `EPCOMM_TIMEOUT_S`, so the
+/// program's own group timeouts apply.
+pub fn group_program_command(program: &Path, group: &str, asan_options: &str) -> Command {
+    let mut cmd = test_command(program, asan_options);
+    cmd.arg(group).env_remove("EPCOMM_TIMEOUT_S");
+    cmd
+}
+
+/// Whether a run's stderr says that LeakSanitizer could not run at all.
+fn lsan_unusable(out: &RunOutput) -> bool {
+    out.stderr
+        .contains("LeakSanitizer has encountered a fatal error")
+        || out
+            .stderr
+            .contains("LeakSanitizer does not work under ptrace")
+}
+
+/// Runs `command(asan_options, rerun)` with leak detection; when LeakSanitizer is unusable, runs
+/// `command` again (`rerun` true) with `detect_leaks=0` so the rest of ASan still applies.
+fn run_with_lsan_fallback(
+    program: &Path,
+    timeout: Duration,
+    command: impl Fn(&str, bool) -> Command,
+) -> RunOutput {
+    let out = run_with_timeout(command("detect_leaks=1:abort_on_error=0", false), timeout);
+    if lsan_unusable(&out) {
+        eprintln!(
+            "note: LeakSanitizer is unusable here (ptrace restrictions); rerunning {} with detect_leaks=0",
+            program.display()
+        );
+        return run_with_timeout(command("detect_leaks=0:abort_on_error=0", true), timeout);
+    }
+    out
+}
+
 /// Runs a program built with `-fsanitize=address` (and maybe `undefined`), with leak detection.
 ///
 /// LeakSanitizer cannot run under ptrace (some CI sandboxes and debuggers); when it reports
 /// that, the program is run again with `detect_leaks=0` so the rest of ASan still applies.
 pub fn run_sanitized(program: &Path) -> RunOutput {
-    let out = run_with_timeout(
-        test_command(program, "detect_leaks=1:abort_on_error=0"),
-        RUN_TIMEOUT,
-    );
-    let lsan_unusable = out
-        .stderr
-        .contains("LeakSanitizer has encountered a fatal error")
-        || out
-            .stderr
-            .contains("LeakSanitizer does not work under ptrace");
-    if lsan_unusable {
-        eprintln!(
-            "note: LeakSanitizer is unusable here (ptrace restrictions); rerunning {} with detect_leaks=0",
-            program.display()
-        );
-        return run_with_timeout(
-            test_command(program, "detect_leaks=0:abort_on_error=0"),
-            RUN_TIMEOUT,
-        );
-    }
-    out
+    run_with_lsan_fallback(program, RUN_TIMEOUT, |asan_options, _| {
+        test_command(program, asan_options)
+    })
+}
+
+/// Like `run_sanitized`, for a program that forms a shared-memory group named by its argument
+/// (tests/c/test_ranks.h), bounded by `timeout`. A rerun without leak detection uses the group
+/// name with an `r` appended, so it cannot meet anything the first run left behind.
+pub fn run_group_program(program: &Path, group: &str, timeout: Duration) -> RunOutput {
+    run_with_lsan_fallback(program, timeout, |asan_options, rerun| {
+        let group = if rerun {
+            format!("{group}r")
+        } else {
+            group.to_owned()
+        };
+        group_program_command(program, &group, asan_options)
+    })
+}
+
+/// A group name unique to this test process: `{prefix}{pid}{suffix}`. Give each program its own
+/// prefix and each variant its own suffix, none a prefix of another, so each run's /dev/shm
+/// check sees only its own group.
+pub fn group_name(prefix: &str, suffix: &str) -> String {
+    format!("{prefix}{}{suffix}", std::process::id())
 }
 
 /// Runs a program built without sanitizers.
@@ -283,4 +322,71 @@ pub fn build_sanitized(compiler: &str, lang_flags: &[&str], source: &Path, out: 
     args.push("none".to_owned());
     args.extend(link_cdylib_args());
     compile(compiler, &args);
+}
+
+/// The two languages every C test program is built as.
+#[derive(Clone, Copy, Debug)]
+pub enum Lang {
+    /// `$CC -std=c11`.
+    C11,
+    /// `$CXX -x c++ -std=c++17`.
+    Cxx17,
+}
+
+impl Lang {
+    pub fn compiler(self) -> String {
+        match self {
+            Lang::C11 => c_compiler(),
+            Lang::Cxx17 => cxx_compiler(),
+        }
+    }
+
+    pub fn flags(self) -> &'static [&'static str] {
+        match self {
+            Lang::C11 => &["-std=c11"],
+            Lang::Cxx17 => &["-x", "c++", "-std=c++17"],
+        }
+    }
+
+    /// Short names for output directories and group names.
+    fn tag(self) -> &'static str {
+        match self {
+            Lang::C11 => "c11",
+            Lang::Cxx17 => "cpp17",
+        }
+    }
+
+    fn group_suffix(self) -> &'static str {
+        match self {
+            Lang::C11 => "c",
+            Lang::Cxx17 => "x",
+        }
+    }
+}
+
+/// Builds the group program `source` (relative to the crate root; tests/c/test_ranks.h) as
+/// `lang` under ASan+UBSan against the shared library, runs it on a group unique to this
+/// process and language (`group_name(group_prefix, ..)`) bounded by `timeout`, and asserts that
+/// it passed (`assert_c_test_passed`, naming it `what`).
+pub fn check_group_program(
+    source: &str,
+    lang: Lang,
+    group_prefix: &str,
+    timeout: Duration,
+    what: &str,
+) {
+    let source = manifest_dir().join(source);
+    let stem = source
+        .file_stem()
+        .expect("a source file name")
+        .to_string_lossy()
+        .into_owned();
+    let exe = out_dir(&format!("{stem}-{}", lang.tag())).join(&stem);
+    build_sanitized(&lang.compiler(), lang.flags(), &source, &exe);
+    let out = run_group_program(
+        &exe,
+        &group_name(group_prefix, lang.group_suffix()),
+        timeout,
+    );
+    assert_c_test_passed(what, &out);
 }

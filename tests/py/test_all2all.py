@@ -11,15 +11,30 @@ test fails.
 numpy is required (.ci/run installs it); without it this script fails, it does not skip.
 """
 
-import builtins
 import ctypes
-import multiprocessing
 import os
-import queue
 import sys
-import time
-import traceback
 import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from epcomm_testlib import (  # noqa: E402
+    DEVICE_CPU,
+    DL_FLOAT,
+    DL_INT,
+    DL_UINT,
+    ERROR_ASSERTION,
+    ERROR_INVALID_ARGUMENT,
+    GROUP_SIGNATURES,
+    DType,
+    Tensor,
+    check,
+    create_shm,
+    load_library,
+    run_ranks,
+    shm_leftovers,
+    unique_name,
+)
 
 try:
     import numpy as np
@@ -31,53 +46,11 @@ except ImportError:
     )
     sys.exit(1)
 
-OK = 0
-ERROR_INVALID_ARGUMENT = 2
-ERROR_ASSERTION = 3
-
-DEVICE_CPU = 1
-DL_INT = 0
-DL_UINT = 1
-DL_FLOAT = 2
-
 LAYOUT_REPLICATED = 0
 LAYOUT_TOKEN_MAJOR = 1
 LAYOUT_EXPERT_MAJOR = 2
 LAYOUT_EXPERT_PACKED = 3
 LAYOUT_RANK_MAJOR = 4
-
-# Seconds a multi-process case may take before its ranks are terminated.
-RANK_DEADLINE_S = 60.0
-
-# "fork": a rank starts at once (no re-import); the parent never creates a group itself, so
-# children inherit no epcomm state.
-MP = multiprocessing.get_context("fork")
-
-
-class Tensor(ctypes.Structure):
-    """DLPack's DLTensor (epcomm_tensor), field for field."""
-
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device_type", ctypes.c_int32),
-        ("device_id", ctypes.c_int32),
-        ("ndim", ctypes.c_int32),
-        ("dtype_code", ctypes.c_uint8),
-        ("dtype_bits", ctypes.c_uint8),
-        ("dtype_lanes", ctypes.c_uint16),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class DType(ctypes.Structure):
-    _fields_ = [
-        ("code", ctypes.c_uint8),
-        ("bits", ctypes.c_uint8),
-        ("lanes", ctypes.c_uint16),
-    ]
-
 
 class MoeConfig(ctypes.Structure):
     _fields_ = [
@@ -125,33 +98,11 @@ class Stats(ctypes.Structure):
     ]
 
 
-class GroupOptions(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_uint32),
-        ("timeout_s", ctypes.c_double),
-        ("initial_capacity_bytes", ctypes.c_uint64),
-        ("max_capacity_bytes", ctypes.c_uint64),
-        ("elastic", ctypes.c_bool),
-        ("disable_direct_reads", ctypes.c_bool),
-    ]
-
-
-def load_library():
-    path = os.environ.get("EPCOMM_LIBRARY")
-    if not path:
-        sys.exit("EPCOMM_LIBRARY must name the epcomm shared library (libepcomm.so)")
-    lib = ctypes.CDLL(path)
+def _signatures():
     i32, i64, cstr, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p
     tp = ctypes.POINTER(Tensor)
     cfgp = ctypes.POINTER(MoeConfig)
-    opts = ctypes.POINTER(GroupOptions)
-    signatures = {
-        "epcomm_last_error_message": (cstr, []),
-        "epcomm_status_exception": (cstr, [i32]),
-        "epcomm_group_options_init": (i32, [opts]),
-        "epcomm_group_create_shm": (i32, [cstr, i32, i32, opts, ctypes.POINTER(vp)]),
-        "epcomm_group_destroy": (None, [vp]),
-        "epcomm_group_barrier": (i32, [vp]),
+    return {
         "epcomm_moe_config_init": (i32, [cfgp]),
         "epcomm_all2all_create": (i32, [vp, cstr, cfgp, ctypes.POINTER(vp)]),
         "epcomm_all2all_destroy": (None, [vp]),
@@ -163,28 +114,12 @@ def load_library():
         "epcomm_all2all_check_layer": (i32, [vp, i64, i64]),
         "epcomm_all2all_get_stats": (i32, [vp, ctypes.POINTER(Stats)]),
     }
-    for name, (restype, argtypes) in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    return lib
 
 
-LIB = load_library()
+LIB = load_library(GROUP_SIGNATURES, _signatures())
 
-
-def _text(b):
-    return None if b is None else b.decode("utf-8")
-
-
-def check(status):
-    """Raises the exception vLLM raises for `status`, with epcomm's message; returns on OK."""
-    if status == OK:
-        return
-    exc_name = _text(LIB.epcomm_status_exception(status))
-    exc = getattr(builtins, exc_name)(_text(LIB.epcomm_last_error_message()))
-    exc.epcomm_status = status
-    raise exc
+# Every group name this script uses starts with this (epcomm_testlib.unique_name).
+NAME_PREFIX = "pya2a"
 
 
 def raised(fn, *args):
@@ -322,97 +257,9 @@ class Manager:
 # ---- groups and ranks -----------------------------------------------------------------------
 
 
-def create_shm(name, rank, world, timeout_s=20.0):
-    o = GroupOptions()
-    check(LIB.epcomm_group_options_init(ctypes.byref(o)))
-    assert o.struct_size == ctypes.sizeof(GroupOptions), (o.struct_size, ctypes.sizeof(o))
-    o.timeout_s = timeout_s
-    g = ctypes.c_void_p()
-    check(LIB.epcomm_group_create_shm(name.encode(), rank, world, ctypes.byref(o), ctypes.byref(g)))
-    assert g.value, "create_shm succeeded without a handle"
-    return g
-
-
-def shm_leftovers(name):
-    """Entries of /dev/shm that belong to group `name`."""
-    prefix = "epcomm." + name
-    return sorted(
-        f for f in os.listdir("/dev/shm") if f == prefix or f.startswith(prefix + ".")
-    )
-
-
-def unique_name(suffix):
-    return "pya2a%d%s" % (os.getpid(), suffix)
-
-
-def _rank_main(target, rank, results, args):
-    try:
-        payload = target(rank, *args)
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-        sys.exit(1)
-    results.put((rank, True, payload))
-
-
-def run_ranks(target, ranks, args=(), deadline_s=RANK_DEADLINE_S):
-    """Runs target(rank, *args) in one process per rank; returns {rank: payload}.
-
-    Raises AssertionError naming every rank that failed, died, or was still running at the
-    deadline (those are terminated).
-    """
-    results = MP.Queue()
-    procs = {}
-    for rank in ranks:
-        p = MP.Process(target=_rank_main, args=(target, rank, results, args), daemon=True)
-        p.start()
-        procs[rank] = p
-    got = {}
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            rank, ok, payload = results.get(timeout=0.05)
-            got[rank] = (ok, payload)
-        except queue.Empty:
-            pass
-        if len(got) == len(procs) and not any(p.is_alive() for p in procs.values()):
-            break
-        if any(not p.is_alive() and r not in got for r, p in procs.items()):
-            # A rank ended without reporting: give its message a moment, then stop waiting.
-            time.sleep(0.2)
-            while True:
-                try:
-                    rank, ok, payload = results.get_nowait()
-                    got[rank] = (ok, payload)
-                except queue.Empty:
-                    break
-            if any(not p.is_alive() and r not in got for r, p in procs.items()):
-                break
-    problems = []
-    for rank, p in sorted(procs.items()):
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-            problems.append("rank %d still running after %.0f s; terminated" % (rank, deadline_s))
-            continue
-        p.join(5)
-        if rank not in got:
-            problems.append("rank %d ended with exit code %s and no result" % (rank, p.exitcode))
-        elif not got[rank][0]:
-            problems.append("rank %d failed:\n%s" % (rank, got[rank][1]))
-        elif p.exitcode != 0:
-            problems.append("rank %d exited with %s" % (rank, p.exitcode))
-    results.close()
-    if problems:
-        raise AssertionError("\n".join(problems))
-    return {rank: got[rank][1] for rank in ranks}
-
-
 def run_group(test, suffix, body, world, args=()):
     """Runs body(rank, group, *args) on `world` ranks of a fresh shm group; checks /dev/shm."""
-    name = unique_name(suffix)
+    name = unique_name(NAME_PREFIX, suffix)
     try:
         results = run_ranks(_group_rank, range(world), (name, world, body, args))
     finally:

@@ -14,14 +14,22 @@ import os
 import sys
 import unittest
 
-OK = 0
-ERROR_NULL_POINTER = 1
-ERROR_INVALID_ARGUMENT = 2
-ERROR_ASSERTION = 3
-ERROR_NOT_IMPLEMENTED = 4
-ERROR_RUNTIME = 5
-ERROR_UNAVAILABLE = 6
-ERROR_INTERNAL = 11
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from epcomm_testlib import (  # noqa: E402
+    DEVICE_CPU,
+    DType,
+    ERROR_ASSERTION,
+    ERROR_INTERNAL,
+    ERROR_INVALID_ARGUMENT,
+    ERROR_NOT_IMPLEMENTED,
+    ERROR_NULL_POINTER,
+    ERROR_UNAVAILABLE,
+    OK,
+    check,
+    load_library,
+    text as _text,
+)
 
 LOG_WARN = 2
 LOG_INFO = 3
@@ -31,7 +39,6 @@ ALL2ALL_DEEPEP_LOW_LATENCY = 2
 ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED = 7
 
 EPLB_TORCH_GLOO = 1
-DEVICE_CPU = 1
 
 W1 = (
     "'flashinfer_all2allv' is deprecated and has been renamed to'flashinfer_nvlink_two_sided'."
@@ -65,10 +72,6 @@ class NameInfo(ctypes.Structure):
     ]
 
 
-class DType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
 class EplbSelectRequest(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -82,23 +85,16 @@ class EplbSelectRequest(ctypes.Structure):
     ]
 
 
-def load_library():
-    path = os.environ.get("EPCOMM_LIBRARY")
-    if not path:
-        sys.exit("EPCOMM_LIBRARY must name the epcomm shared library (libepcomm.so)")
-    lib = ctypes.CDLL(path)
+def _signatures():
     i32, sz, cstr = ctypes.c_int32, ctypes.c_size_t, ctypes.c_char_p
-    signatures = {
+    return {
         "epcomm_config_check": (i32, [cstr]),
         "epcomm_config_check_report": (
             i32,
             [cstr, ctypes.c_char_p, sz, ctypes.POINTER(sz)],
         ),
-        "epcomm_last_error_message": (cstr, []),
-        "epcomm_last_error_hint": (cstr, []),
         "epcomm_clear_last_error": (None, []),
         "epcomm_status_string": (cstr, [i32]),
-        "epcomm_status_exception": (cstr, [i32]),
         "epcomm_version": (cstr, []),
         "epcomm_abi_version": (i32, []),
         "epcomm_test_panic": (i32, [cstr]),
@@ -119,31 +115,11 @@ def load_library():
         "epcomm_eplb_communicator_name": (cstr, [i32]),
         "epcomm_eplb_communicator_class": (cstr, [i32]),
     }
-    for name, (restype, argtypes) in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    return lib
 
 
-LIB = load_library()
-
-
-def _text(b):
-    return None if b is None else b.decode("utf-8")
-
-
-def check(status):
-    """Raises the exception vLLM raises for `status`, with epcomm's message; returns on OK."""
-    if status == OK:
-        return
-    exc_name = _text(LIB.epcomm_status_exception(status))
-    exc_class = getattr(builtins, exc_name)
-    message = _text(LIB.epcomm_last_error_message())
-    exc = exc_class(message)
-    exc.epcomm_status = status
-    exc.epcomm_hint = _text(LIB.epcomm_last_error_hint())
-    raise exc
+# epcomm_last_error_message, epcomm_last_error_hint and epcomm_status_exception come with
+# every load (epcomm_testlib.ERROR_SIGNATURES).
+LIB = load_library(_signatures())
 
 
 def resolve(name):

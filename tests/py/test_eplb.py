@@ -3,26 +3,28 @@
     EPCOMM_LIBRARY=target/debug/deps/libepcomm.so python3 tests/py/test_eplb.py -v
 """
 
-import builtins
 import ctypes
 import os
+import sys
 import unittest
 
-LIB = ctypes.CDLL(os.environ["EPCOMM_LIBRARY"])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from epcomm_testlib import check, load_library  # noqa: E402
+
 i64p = ctypes.POINTER(ctypes.c_int64)
-LIB.epcomm_eplb_rebalance.argtypes = [ctypes.POINTER(ctypes.c_float)] + [ctypes.c_int64] * 6 + [i64p, i64p]
-LIB.epcomm_eplb_rebalance.restype = ctypes.c_int32
-LIB.epcomm_eplb_logical_maps.argtypes = [i64p] + [ctypes.c_int64] * 4 + [i64p, i64p]
-LIB.epcomm_eplb_logical_maps.restype = ctypes.c_int32
-LIB.epcomm_last_error_message.restype = ctypes.c_char_p
-LIB.epcomm_status_exception.argtypes = [ctypes.c_int32]
-LIB.epcomm_status_exception.restype = ctypes.c_char_p
-
-
-def check(rc):
-    if rc != 0:
-        cls = getattr(builtins, LIB.epcomm_status_exception(rc).decode())
-        raise cls(LIB.epcomm_last_error_message().decode())
+LIB = load_library(
+    {
+        "epcomm_eplb_rebalance": (
+            ctypes.c_int32,
+            [ctypes.POINTER(ctypes.c_float)] + [ctypes.c_int64] * 6 + [i64p, i64p],
+        ),
+        "epcomm_eplb_logical_maps": (
+            ctypes.c_int32,
+            [i64p] + [ctypes.c_int64] * 4 + [i64p, i64p],
+        ),
+    }
+)
 
 
 def rebalance(weight, p, g, n, r, old=None):

@@ -10,56 +10,32 @@ the test fails. Standard library only:
 
 import builtins
 import ctypes
-import multiprocessing
 import os
-import queue
 import sys
 import time
 import traceback
 import unittest
 
-OK = 0
-ERROR_INVALID_ARGUMENT = 2
-ERROR_TIMEOUT = 7
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-DEVICE_CPU = 1
-DL_INT = 0
-DL_FLOAT = 2
-
-# Seconds a multi-process case may take before its ranks are terminated.
-RANK_DEADLINE_S = 60.0
-
-# "fork": a rank starts at once (no re-import), so ranks that must meet within a short
-# timeout do; the parent never creates a group itself, so children inherit no epcomm state.
-MP = multiprocessing.get_context("fork")
-
-
-class Tensor(ctypes.Structure):
-    """DLPack's DLTensor (epcomm_tensor), field for field."""
-
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device_type", ctypes.c_int32),
-        ("device_id", ctypes.c_int32),
-        ("ndim", ctypes.c_int32),
-        ("dtype_code", ctypes.c_uint8),
-        ("dtype_bits", ctypes.c_uint8),
-        ("dtype_lanes", ctypes.c_uint16),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class GroupOptions(ctypes.Structure):
-    _fields_ = [
-        ("struct_size", ctypes.c_uint32),
-        ("timeout_s", ctypes.c_double),
-        ("initial_capacity_bytes", ctypes.c_uint64),
-        ("max_capacity_bytes", ctypes.c_uint64),
-        ("elastic", ctypes.c_bool),
-    ]
-
+from epcomm_testlib import (  # noqa: E402
+    DEVICE_CPU,
+    DL_FLOAT,
+    ERROR_INVALID_ARGUMENT,
+    ERROR_TIMEOUT,
+    GROUP_SIGNATURES,
+    MP,
+    GroupOptions,
+    Tensor,
+    check,
+    create_shm,
+    group_options,
+    load_library,
+    run_ranks,
+    shm_leftovers,
+    text as _text,
+    unique_name,
+)
 
 SEND_FN = ctypes.CFUNCTYPE(
     ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t
@@ -84,53 +60,27 @@ class HostCallbacks(ctypes.Structure):
     ]
 
 
-def load_library():
-    path = os.environ.get("EPCOMM_LIBRARY")
-    if not path:
-        sys.exit("EPCOMM_LIBRARY must name the epcomm shared library (libepcomm.so)")
-    lib = ctypes.CDLL(path)
+def _signatures():
     i32, cstr, vp = ctypes.c_int32, ctypes.c_char_p, ctypes.c_void_p
     i64p = ctypes.POINTER(ctypes.c_int64)
     tp = ctypes.POINTER(Tensor)
     opts = ctypes.POINTER(GroupOptions)
-    signatures = {
-        "epcomm_last_error_message": (cstr, []),
-        "epcomm_status_exception": (cstr, [i32]),
-        "epcomm_group_options_init": (i32, [opts]),
-        "epcomm_group_create_shm": (i32, [cstr, i32, i32, opts, ctypes.POINTER(vp)]),
+    return {
         "epcomm_group_create_host": (
             i32,
             [ctypes.POINTER(HostCallbacks), cstr, i32, i32, opts, ctypes.POINTER(vp)],
         ),
-        "epcomm_group_destroy": (None, [vp]),
         "epcomm_group_rank": (i32, [vp, ctypes.POINTER(i32)]),
         "epcomm_group_size": (i32, [vp, ctypes.POINTER(i32)]),
-        "epcomm_group_barrier": (i32, [vp]),
         "epcomm_group_all_gatherv": (i32, [vp, tp, i64p, tp]),
         "epcomm_group_reduce_scatterv": (i32, [vp, tp, i64p, tp]),
     }
-    for name, (restype, argtypes) in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    return lib
 
 
-LIB = load_library()
+LIB = load_library(GROUP_SIGNATURES, _signatures())
 
-
-def _text(b):
-    return None if b is None else b.decode("utf-8")
-
-
-def check(status):
-    """Raises the exception vLLM raises for `status`, with epcomm's message; returns on OK."""
-    if status == OK:
-        return
-    exc_name = _text(LIB.epcomm_status_exception(status))
-    exc = getattr(builtins, exc_name)(_text(LIB.epcomm_last_error_message()))
-    exc.epcomm_status = status
-    raise exc
+# Every group name this script uses starts with this (epcomm_testlib.unique_name).
+NAME_PREFIX = "pygrp"
 
 
 # ---- tensors --------------------------------------------------------------------------------
@@ -186,39 +136,11 @@ def counts(values):
 # ---- group helpers --------------------------------------------------------------------------
 
 
-def options(timeout_s):
-    o = GroupOptions()
-    check(LIB.epcomm_group_options_init(ctypes.byref(o)))
-    assert o.struct_size == ctypes.sizeof(GroupOptions), (o.struct_size, ctypes.sizeof(o))
-    o.timeout_s = timeout_s
-    return o
-
-
-def create_shm(name, rank, world, timeout_s=20.0):
-    o = options(timeout_s)
-    g = ctypes.c_void_p()
-    check(LIB.epcomm_group_create_shm(name.encode(), rank, world, ctypes.byref(o), ctypes.byref(g)))
-    assert g.value, "create_shm succeeded without a handle"
-    return g
-
-
 def rank_size(g):
     r, s = ctypes.c_int32(-1), ctypes.c_int32(-1)
     check(LIB.epcomm_group_rank(g, ctypes.byref(r)))
     check(LIB.epcomm_group_size(g, ctypes.byref(s)))
     return r.value, s.value
-
-
-def shm_leftovers(name):
-    """Entries of /dev/shm that belong to group `name`."""
-    prefix = "epcomm." + name
-    return sorted(
-        f for f in os.listdir("/dev/shm") if f == prefix or f.startswith(prefix + ".")
-    )
-
-
-def unique_name(suffix):
-    return "pygrp%d%s" % (os.getpid(), suffix)
 
 
 # ---- deterministic data ---------------------------------------------------------------------
@@ -268,76 +190,6 @@ def check_reduce_scatterv(g, rank, rows):
         raise AssertionError(
             "reduce_scatterv rank %d: got %r, expected %r" % (rank, out.values(), want)
         )
-
-
-# ---- running ranks as processes -------------------------------------------------------------
-
-
-def _rank_main(target, rank, results, args):
-    try:
-        payload = target(rank, *args)
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-        sys.exit(1)
-    results.put((rank, True, payload))
-
-
-def run_ranks(target, ranks, args=(), deadline_s=RANK_DEADLINE_S, start_hook=None):
-    """Runs target(rank, *args) in one process per rank; returns {rank: payload}.
-
-    Raises AssertionError naming every rank that failed, died, or was still running at the
-    deadline (those are terminated). `start_hook(rank)` runs in the parent before each start.
-    """
-    results = MP.Queue()
-    procs = {}
-    for rank in ranks:
-        if start_hook is not None:
-            start_hook(rank)
-        p = MP.Process(target=_rank_main, args=(target, rank, results, args), daemon=True)
-        p.start()
-        procs[rank] = p
-    got = {}
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            rank, ok, payload = results.get(timeout=0.05)
-            got[rank] = (ok, payload)
-        except queue.Empty:
-            pass
-        if len(got) == len(procs) and not any(p.is_alive() for p in procs.values()):
-            break
-        if any(not p.is_alive() and r not in got for r, p in procs.items()):
-            # A rank ended without reporting: give its message a moment, then stop waiting.
-            time.sleep(0.2)
-            while True:
-                try:
-                    rank, ok, payload = results.get_nowait()
-                    got[rank] = (ok, payload)
-                except queue.Empty:
-                    break
-            if any(not p.is_alive() and r not in got for r, p in procs.items()):
-                break
-    problems = []
-    for rank, p in sorted(procs.items()):
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-            problems.append("rank %d still running after %.0f s; terminated" % (rank, deadline_s))
-            continue
-        p.join(5)
-        if rank not in got:
-            problems.append("rank %d ended with exit code %s and no result" % (rank, p.exitcode))
-        elif not got[rank][0]:
-            problems.append("rank %d failed:\n%s" % (rank, got[rank][1]))
-        elif p.exitcode != 0:
-            problems.append("rank %d exited with %s" % (rank, p.exitcode))
-    results.close()
-    if problems:
-        raise AssertionError("\n".join(problems))
-    return {rank: got[rank][1] for rank in ranks}
 
 
 # ---- rank bodies ----------------------------------------------------------------------------
@@ -390,7 +242,7 @@ def shm_rank(rank, name):
 
 def missing_rank(rank, name, world):
     """Joins a group whose last rank never arrives; reports what the failure looked like."""
-    o = options(1.0)
+    o = group_options(1.0)
     g = ctypes.c_void_p()
     status = LIB.epcomm_group_create_shm(
         name.encode(), rank, world, ctypes.byref(o), ctypes.byref(g)
@@ -458,7 +310,7 @@ HOST_WORLD = 2
 def host_rank(rank, name, conns_by_rank):
     transport = PipeTransport(conns_by_rank[rank])
     g = ctypes.c_void_p()
-    o = options(20.0)
+    o = group_options(20.0)
     check(
         LIB.epcomm_group_create_host(
             ctypes.byref(transport.callbacks),
@@ -499,7 +351,7 @@ class LayoutTest(unittest.TestCase):
 
 class ShmGroupTest(unittest.TestCase):
     def test_all_gatherv_and_reduce_scatterv(self):
-        name = unique_name("a")
+        name = unique_name(NAME_PREFIX, "a")
         try:
             run_ranks(shm_rank, range(SHM_WORLD), (name,))
         finally:
@@ -507,7 +359,7 @@ class ShmGroupTest(unittest.TestCase):
         self.assertEqual(leftovers, [], "group left shared memory behind")
 
     def test_missing_rank_times_out(self):
-        name = unique_name("t")
+        name = unique_name(NAME_PREFIX, "t")
         world = 3
         control = "/dev/shm/epcomm." + name
 
@@ -536,7 +388,7 @@ class ShmGroupTest(unittest.TestCase):
 
 class HostGroupTest(unittest.TestCase):
     def test_pipe_callbacks(self):
-        name = unique_name("h")
+        name = unique_name(NAME_PREFIX, "h")
         a, b = MP.Pipe(duplex=True)
         conns_by_rank = {0: {1: a}, 1: {0: b}}
         try:
