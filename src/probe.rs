@@ -142,3 +142,10 @@ pub fn available_memory() -> Option<u64> {
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
+
+/// Ends this process at once with SIGKILL (fault injection; see `fault.rs`).
+pub fn kill_self() -> ! {
+    // SAFETY: raising a signal on our own process has no memory-safety preconditions.
+    unsafe { libc::raise(libc::SIGKILL) };
+    std::process::abort()
+}

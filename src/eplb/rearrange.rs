@@ -64,7 +64,9 @@ fn move_layer(
                 ops.push(P2p::Recv { peer: src, data });
             }
         }
+        crate::fault::point("eplb:before_staging");
         comm.execute(g, &mut ops)?;
+        crate::fault::point("eplb:after_staging");
     }
     // Every transfer succeeded: apply.
     let primaries: Vec<usize> = plan.recvs.iter().map(|r| r.1).collect();

@@ -386,7 +386,9 @@ impl Manager {
             Ok(t) => t,
             Err(e) => return Err(self.reject_dispatch(g, e)),
         };
+        crate::fault::point("dispatch:before_counts");
         let headers = self.agree(g, "dispatch", self.header(true, t))?;
+        crate::fault::point("dispatch:after_counts");
         let counts: Vec<usize> = headers.iter().map(|h| h[1] as usize).collect();
         let m = self.cfg.max_tokens_per_rank;
         if matches!(self.layout, Layout::ExpertMajor | Layout::RankMajor) {
@@ -620,6 +622,7 @@ impl Manager {
             return Err(self.reject_combine(g, e));
         }
         self.agree(g, "combine", self.header(true, self.tokens))?;
+        crate::fault::point("combine");
         let plan = self.plan.as_ref().expect("validated");
         let h = self.cfg.hidden;
         g.reduce_rows(

@@ -294,6 +294,7 @@ impl ShmGroup {
             direct: false,
             _probe: probe,
         };
+        crate::fault::point("join");
         if let Err(e) = g.wait_joined(&deadline) {
             if matches!(e, Error::Timeout(_)) {
                 // The others wait for the same missing ranks and time out on their own, naming
