@@ -150,6 +150,19 @@ fn install_link_and_use_from_c_cpp_and_python() {
             && out.contains("rank 1 (deepep_v2): 70 42"),
         "{out}"
     );
+    sh(
+        "c++ -std=c++17 -Wall -Wextra -Werror examples/cpp/moe_two_ranks.cpp $(pkg-config --cflags epcomm) \
+         $(pkg-config --libs-only-L epcomm) -Wl,-Bstatic -lepcomm -Wl,-Bdynamic \
+         $(pkg-config --static --libs epcomm | sed 's/-lepcomm//') -o \"$W/cpp_static\"",
+        &env,
+        "build the C++ example (static)",
+    );
+    let out = sh(
+        "\"$W/cpp_static\" flashinfer_all2allv",
+        &env,
+        "run the static C++ example",
+    );
+    assert!(out.contains("rank 1 (flashinfer_all2allv): 70 42"), "{out}");
 
     // Python: the package in a fresh venv (system site packages only for numpy), the library
     // found on the system path.
