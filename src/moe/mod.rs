@@ -110,9 +110,9 @@ pub struct Manager {
 
 const HEADER_WORDS: usize = 12;
 
-/// Grows a manager-owned buffer to `len` bytes, failing with a clear error (instead of the
-/// out-of-memory killer) when the memory is not there. `ranks` ranks may grow theirs at once
-/// on this host.
+/// Grows a manager-owned buffer to at least `len` bytes (it never shrinks, so steady-state calls
+/// neither allocate nor zero-fill), failing with a clear error (instead of the out-of-memory
+/// killer) when the memory is not there. `ranks` ranks may grow theirs at once on this host.
 fn ensure_len(buf: &mut Vec<u8>, len: usize, ranks: usize, what: &str) -> Result<()> {
     if len > buf.len() {
         let more = len - buf.len();
@@ -128,8 +128,8 @@ fn ensure_len(buf: &mut Vec<u8>, len: usize, ranks: usize, what: &str) -> Result
                 "{what} needs {len} bytes and the allocation failed: {e}"
             ))
         })?;
+        buf.resize(len, 0);
     }
-    buf.resize(len, 0);
     Ok(())
 }
 
@@ -458,7 +458,14 @@ impl Manager {
             self.world,
             "the dispatch receive buffer",
         )?;
-        g.exchange_rows(src, row_bytes, &plan.give, &mut self.hidden, &plan.take)?;
+        let hidden_len = plan.buffer_rows * row_bytes;
+        g.exchange_rows(
+            src,
+            row_bytes,
+            &plan.give,
+            &mut self.hidden[..hidden_len],
+            &plan.take,
+        )?;
         self.extras.resize(extras.len(), Vec::new());
         for ((buf, data), &rb) in self
             .extras
@@ -472,6 +479,7 @@ impl Manager {
                 self.world,
                 "an extra payload's receive buffer",
             )?;
+            buf.truncate(plan.buffer_rows * rb);
             g.exchange_rows(data, rb, &plan.give, buf, &plan.take)?;
         }
 
@@ -583,7 +591,7 @@ impl Manager {
         );
         DispatchView {
             layout: self.layout,
-            hidden: &self.hidden,
+            hidden: &self.hidden[..p.buffer_rows * self.cfg.row_bytes()],
             shape: &self.shape,
             received_rows: p.received_rows,
             topk_ids: if with_ids { &p.row_ids } else { &[] },
