@@ -51,19 +51,15 @@ pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
-/// f32 → bf16 bits, round to nearest even; NaN stays NaN.
+/// f32 → bf16 bits, round to nearest even; NaN stays NaN. Integer-only and branch-free, so the
+/// store loops vectorize.
 #[inline]
 pub fn f32_to_bf16(f: f32) -> u16 {
     let bits = f.to_bits();
-    let round = 0x7fff + ((bits >> 16) & 1);
-    let rounded = (bits.wrapping_add(round) >> 16) as u16;
-    let nan = ((bits >> 16) as u16) | 0x0040;
-    // A select, not a branch, so loops over this vectorize.
-    if f.is_nan() {
-        nan
-    } else {
-        rounded
-    }
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+    let nan = (bits >> 16) | 0x0040;
+    let is_nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+    (if is_nan { nan } else { rounded }) as u16
 }
 
 /// IEEE binary16 bits → f32 (exact).

@@ -127,15 +127,49 @@ pub(crate) fn reduce_blocked(
     mut fetch: impl FnMut(usize, &[u32], &mut [u8]) -> Result<()>,
 ) -> Result<()> {
     let out_rows = by_row.offsets.len() - 1;
-    let row_bytes = row_elems * kind.size();
-    let out_row_bytes = row_elems * out_kind.size();
     if row_elems == 0 || out_rows == 0 {
         return Ok(());
     }
-    // About 256 KiB of f32 accumulator per block.
+    // About 256 KiB of f32 accumulator per block. The buffers are kept per thread: above
+    // malloc's mmap threshold a fresh allocation would page-fault on every call.
+    thread_local! {
+        static BUFFERS: std::cell::RefCell<(Vec<f32>, Vec<u8>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
     let block = ((256 << 10) / (row_elems * 4)).clamp(1, out_rows);
-    let mut acc = vec![0f32; block * row_elems];
-    let mut scratch: Vec<u8> = Vec::new();
+    let (mut acc, mut scratch) = BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    acc.resize(block * row_elems, 0.0);
+    let result = reduce_blocks(
+        kind,
+        row_elems,
+        by_row,
+        out,
+        out_kind,
+        local,
+        &mut fetch,
+        block,
+        &mut acc,
+        &mut scratch,
+    );
+    BUFFERS.with(|b| *b.borrow_mut() = (acc, scratch));
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn reduce_blocks(
+    kind: FloatKind,
+    row_elems: usize,
+    by_row: &ByRow,
+    out: &mut [u8],
+    out_kind: FloatKind,
+    local: Option<(usize, &[u8], &[u32])>,
+    fetch: &mut impl FnMut(usize, &[u32], &mut [u8]) -> Result<()>,
+    block: usize,
+    acc: &mut [f32],
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let out_rows = by_row.offsets.len() - 1;
+    let row_bytes = row_elems * kind.size();
+    let out_row_bytes = row_elems * out_kind.size();
     let mut slots: Vec<usize> = Vec::new();
     let mut positions: Vec<u32> = Vec::new();
     let mut which: Vec<usize> = Vec::new();
