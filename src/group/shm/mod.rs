@@ -38,8 +38,8 @@ use crate::error::{Error, Result};
 use crate::group::rows;
 use crate::num::{self, FloatKind};
 
-const MAGIC: u64 = 0x6570_636f_6d6d_0002; // "epcomm" + layout version 2
-const LAYOUT_VERSION: u32 = 2;
+const MAGIC: u64 = 0x6570_636f_6d6d_0003; // "epcomm" + layout version 3
+const LAYOUT_VERSION: u32 = 3;
 const HEADER_BYTES: usize = 4096;
 /// Largest world size the shm transport accepts.
 pub const MAX_WORLD: usize = 1024;
@@ -57,6 +57,8 @@ struct Header {
     /// A rank that tried to join with another world size: rank + 1 (0 = none).
     mismatch_rank: AtomicU64,
     mismatch_world: AtomicU64,
+    /// When rank 0 created the segment (ns since the Unix epoch).
+    created_ns: AtomicU64,
 }
 // SAFETY: atomics only; all-zero is the valid "uninitialised" state.
 unsafe impl SharedAtomics for Header {}
@@ -65,6 +67,15 @@ const SLOT_EMPTY: u32 = 0;
 const SLOT_ACTIVE: u32 = 1;
 const SLOT_LEFT: u32 = 2;
 const SLOT_FAILED: u32 = 3;
+/// Gave up waiting for the others to join (timed out); not a failure the others report.
+const SLOT_GAVE_UP: u32 = 4;
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
 
 #[repr(C, align(128))]
 struct Slot {
@@ -146,6 +157,8 @@ pub struct ShmGroup {
     direct: bool,
     /// A private word peers read at join to test direct reads (kept alive for that).
     _probe: Box<u64>,
+    /// The op whose buffers peers may still be reading (direct mode), until it finishes.
+    exposed: Option<u64>,
 }
 
 impl std::fmt::Debug for ShmGroup {
@@ -225,33 +238,48 @@ impl ShmGroup {
         let control_name = format!("/epcomm.{name}");
         let deadline = Deadline::new(opts.timeout);
         let pid = std::process::id();
-        let control = if rank == 0 {
-            Self::create_control(name, &control_name, world, &deadline)?
-        } else {
-            Self::open_control(name, &control_name, rank, world, &deadline)?
-        };
-        let header: &Header = control.at(0);
-        let session = header.session.load(Ordering::Acquire);
-
-        // Claim the slot. A failure from here on must not leave the name or the slot behind.
-        let slot: &Slot = control.at(HEADER_BYTES + rank * std::mem::size_of::<Slot>());
+        let token = random_u64();
         let abandon = |e: Error| {
             if rank == 0 {
                 Segment::unlink(&control_name);
             }
             e
         };
-        let token = random_u64();
-        if slot
-            .token
-            .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
+        // Open (or create) the control segment and claim the slot. A slot held by a dead or
+        // failed process belongs to an earlier attempt that is being torn down: wait for the
+        // next segment instead of failing.
+        let control = loop {
+            let control = if rank == 0 {
+                Self::create_control(name, &control_name, world, &deadline)?
+            } else {
+                Self::open_control(name, &control_name, rank, world, &deadline)?
+            };
+            let slot: &Slot = control.at(HEADER_BYTES + rank * std::mem::size_of::<Slot>());
+            if slot
+                .token
+                .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                break control;
+            }
             let other = slot.pid.load(Ordering::Acquire);
+            let failed_attempt = (0..world).any(|r| {
+                let s: &Slot = control.at(HEADER_BYTES + r * std::mem::size_of::<Slot>());
+                let p = s.pid.load(Ordering::Acquire);
+                s.state.load(Ordering::Acquire) == SLOT_FAILED || (p != 0 && !pid_alive(p))
+            });
+            if rank != 0 && failed_attempt && !deadline.expired() {
+                drop(control);
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
             return Err(abandon(Error::InvalidArgument(format!(
                 "rank {rank} of group '{name}' is already taken (by pid {other}); each rank joins once"
             ))));
-        }
+        };
+        let header: &Header = control.at(0);
+        let session = header.session.load(Ordering::Acquire);
+        let slot: &Slot = control.at(HEADER_BYTES + rank * std::mem::size_of::<Slot>());
         slot.pid.store(pid, Ordering::Release);
         let capacity = opts.initial_capacity.max(4096);
         let data_name = Self::data_name(name, session, rank, 1, pid);
@@ -293,13 +321,16 @@ impl ShmGroup {
             pid,
             direct: false,
             _probe: probe,
+            exposed: None,
         };
         crate::fault::point("join");
         if let Err(e) = g.wait_joined(&deadline) {
             if matches!(e, Error::Timeout(_)) {
                 // The others wait for the same missing ranks and time out on their own, naming
-                // them; marking this rank failed would only blur their message.
+                // them; marking this rank failed (or letting it look dead once it exits) would
+                // only blur their message.
                 g.broken = Some(e.to_string());
+                g.mark(SLOT_GAVE_UP);
                 return Err(e);
             }
             return Err(g.fail(e));
@@ -359,6 +390,7 @@ impl ShmGroup {
                     h.world.store(world as u32, Ordering::Relaxed);
                     h.creator_pid.store(std::process::id(), Ordering::Relaxed);
                     h.session.store(random_u64(), Ordering::Relaxed);
+                    h.created_ns.store(now_ns(), Ordering::Relaxed);
                     h.magic.store(MAGIC, Ordering::Release);
                     return Ok(seg);
                 }
@@ -418,11 +450,23 @@ impl ShmGroup {
         deadline: &Deadline,
     ) -> Result<Segment> {
         let mut backoff = Backoff::new();
+        // A segment created after this rank started waiting is this group's.
+        let started_ns = now_ns();
         loop {
             let seg = Segment::open(control_name)
                 .map_err(|e| sys_err(format!("cannot open shared memory {control_name}"), e))?;
             if let Some(seg) = seg.filter(|s| s.len() >= HEADER_BYTES) {
                 let h: &Header = seg.at(0);
+                let creator = h.creator_pid.load(Ordering::Acquire);
+                if h.magic.load(Ordering::Acquire) == MAGIC
+                    && !pid_alive(creator)
+                    && h.created_ns.load(Ordering::Acquire) >= started_ns
+                {
+                    // Created for this join, then rank 0 died: not a stale segment to wait out.
+                    return Err(Error::PeerFailure(format!(
+                        "rank 0 of group '{name}' died (pid {creator} is gone) while the group was joining"
+                    )));
+                }
                 if h.magic.load(Ordering::Acquire) == MAGIC
                     && pid_alive(h.creator_pid.load(Ordering::Acquire))
                 {
@@ -468,6 +512,19 @@ impl ShmGroup {
             .at(HEADER_BYTES + r * std::mem::size_of::<Slot>())
     }
 
+    /// Unlinks the control name if it still belongs to this group's session (a new group of the
+    /// same name may have replaced it).
+    fn unlink_own_control(&self) {
+        if let Ok(Some(seg)) = Segment::open(&self.control_name) {
+            if seg.len() >= HEADER_BYTES {
+                let h: &Header = seg.at(0);
+                if h.session.load(Ordering::Acquire) == self.session {
+                    Segment::unlink(&self.control_name);
+                }
+            }
+        }
+    }
+
     fn mark(&self, state: u32) {
         self.slot(self.rank).state.store(state, Ordering::Release);
     }
@@ -498,11 +555,40 @@ impl ShmGroup {
             let missing: Vec<usize> = (0..self.world)
                 .filter(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_EMPTY)
                 .collect();
-            if missing.is_empty() {
-                return Ok(());
+            let gave_up = (0..self.world)
+                .find(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_GAVE_UP);
+            match (gave_up, missing.is_empty()) {
+                // Another rank timed out waiting for the same missing ranks: so does this one.
+                (Some(_), false) => {
+                    return Err(Error::Timeout(format!(
+                        "timed out after {:.1} s waiting for rank(s) {} to join group '{}'",
+                        deadline.timeout.as_secs_f64(),
+                        list(&missing),
+                        self.name
+                    )))
+                }
+                (Some(r), true) => {
+                    return Err(Error::PeerFailure(format!(
+                    "rank {r} of group '{}' gave up waiting for the group to form (it timed out)",
+                    self.name
+                )))
+                }
+                (None, true) => return Ok(()),
+                (None, false) => {}
             }
             if last_check.elapsed() >= LIVENESS_PERIOD {
                 last_check = Instant::now();
+                if let Some(r) = (0..self.world).find(|&r| {
+                    let s = self.slot(r);
+                    s.state.load(Ordering::Acquire) == SLOT_ACTIVE
+                        && !pid_alive(s.pid.load(Ordering::Acquire))
+                }) {
+                    return Err(Error::PeerFailure(format!(
+                        "rank {r} of group '{}' died (pid {} is gone) while the group was joining",
+                        self.name,
+                        self.slot(r).pid.load(Ordering::Acquire)
+                    )));
+                }
                 if deadline.expired() {
                     return Err(Error::Timeout(format!(
                         "timed out after {:.1} s waiting for rank(s) {} to join group '{}'",
@@ -558,11 +644,32 @@ impl ShmGroup {
         }
     }
 
-    /// Records a failure: this handle is unusable and peers see this rank as failed.
+    /// Records a failure: this handle is unusable and peers see this rank as failed. If peers
+    /// that are threads of this process may still be copying from the caller's buffers (direct
+    /// mode), waits (bounded) until each has consumed the op or stopped, so the buffers can be
+    /// released safely. (Other processes read through the kernel, which fails cleanly, and they
+    /// then see this rank as failed before their op completes.)
     fn fail(&mut self, e: Error) -> Error {
         if self.broken.is_none() {
             self.broken = Some(e.to_string());
             self.mark(SLOT_FAILED);
+        }
+        if let Some(n) = self.exposed.take() {
+            let deadline = Deadline::new(self.opts.timeout);
+            let mut backoff = Backoff::new();
+            loop {
+                let reading = (0..self.world).any(|p| {
+                    let s = self.slot(p);
+                    p != self.rank
+                        && s.pid.load(Ordering::Acquire) == self.pid
+                        && s.consumed.load(Ordering::Acquire) < n
+                        && s.state.load(Ordering::Acquire) == SLOT_ACTIVE
+                });
+                if !reading || deadline.expired() {
+                    break;
+                }
+                backoff.snooze();
+            }
         }
         e
     }
@@ -705,6 +812,9 @@ impl ShmGroup {
                 off += part.len();
             }
         }
+        if self.direct {
+            self.exposed = Some(n);
+        }
         let slot = self.slot(self.rank);
         slot.op_kind.store(op as u32, Ordering::Relaxed);
         slot.published.store(n, Ordering::Release);
@@ -790,13 +900,13 @@ impl ShmGroup {
         (meta, payload)
     }
 
-    /// Ends op `n`. In direct mode peers read the caller's buffers, so wait until all did.
+    /// Ends op `n`: waits until every peer consumed it, so a rank never returns success while
+    /// a peer rejected the same op, and (direct mode) the caller's buffers are no longer read.
     fn finish(&mut self, op: Op, n: u64) -> Result<()> {
         self.slot(self.rank).consumed.store(n, Ordering::Release);
         self.seq = n;
-        if self.direct {
-            self.wait_peers(op, n, |s| s.consumed.load(Ordering::Acquire) >= n)?;
-        }
+        self.wait_peers(op, n, |s| s.consumed.load(Ordering::Acquire) >= n)?;
+        self.exposed = None;
         Ok(())
     }
 
@@ -1305,8 +1415,19 @@ impl Drop for ShmGroup {
             self.mark(SLOT_LEFT);
         }
         Segment::unlink(self.data.name());
-        if !self.control_unlinked && self.rank == 0 {
-            Segment::unlink(&self.control_name);
+        // Segments of peers that died after the last op anyone waited on.
+        for p in (0..self.world).filter(|&p| p != self.rank) {
+            let s = self.slot(p);
+            let pid = s.pid.load(Ordering::Acquire);
+            if pid != 0 && !pid_alive(pid) {
+                let gen = s.data_gen.load(Ordering::Acquire);
+                Segment::unlink(&Self::data_name(&self.name, self.session, p, gen, pid));
+            }
+        }
+        if !self.control_unlinked
+            && (self.rank == 0 || !pid_alive(self.header().creator_pid.load(Ordering::Acquire)))
+        {
+            self.unlink_own_control();
         }
     }
 }
