@@ -67,6 +67,15 @@ impl LoadState {
                 "num_layers ({layers}) and num_physical_experts ({physical}) must be greater than 0"
             )));
         }
+        // The window holds window_size x layers x physical counters.
+        let entries = (cfg.window_size as u128 + 1) * layers as u128 * physical as u128;
+        if entries > 1 << 28 {
+            return Err(Error::InvalidArgument(format!(
+                "window_size ({}) x num_layers ({layers}) x num_physical_experts ({physical}) is too large: the load window would need {entries} counters (at most {})",
+                cfg.window_size,
+                1u64 << 28
+            )));
+        }
         let interval = cfg.step_interval as usize;
         Ok(LoadState {
             model: model.to_owned(),

@@ -240,12 +240,16 @@ unsafe fn with_manager<T>(
 ) -> Result<T> {
     // SAFETY: caller contract: a live handle.
     let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-    let mut inner = h.inner.try_lock().map_err(|_| {
-        Error::InvalidState(
-            "the all2all handle is in use by another thread; use it from one thread at a time"
-                .into(),
-        )
-    })?;
+    let mut inner = h
+        .inner
+        .try_lock()
+        .or_else(super::guard::recover_poisoned)
+        .map_err(|_| {
+            Error::InvalidState(
+                "the all2all handle is in use by another thread; use it from one thread at a time"
+                    .into(),
+            )
+        })?;
     let (mgr, views) = &mut *inner;
     // SAFETY: the group outlives the manager (documented contract).
     unsafe { with_group(h.group, |g| f(mgr, views, g)) }
@@ -548,9 +552,13 @@ pub unsafe extern "C" fn epcomm_all2all_combine(
 pub(crate) unsafe fn expert_counts(a2a: *const epcomm_all2all) -> Result<Vec<u32>> {
     // SAFETY: caller contract.
     let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-    let inner = h.inner.try_lock().map_err(|_| {
-        Error::InvalidState("the all2all handle is in use by another thread".into())
-    })?;
+    let inner = h
+        .inner
+        .try_lock()
+        .or_else(super::guard::recover_poisoned)
+        .map_err(|_| {
+            Error::InvalidState("the all2all handle is in use by another thread".into())
+        })?;
     if inner.0.expert_counts().is_empty() {
         return Err(Error::InvalidState(
             "the manager has not dispatched yet: record its load after a dispatch".into(),
@@ -574,9 +582,13 @@ pub unsafe extern "C" fn epcomm_all2all_check_layer(
     guard::call(|| {
         // SAFETY: caller contract.
         let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-        let inner = h.inner.try_lock().map_err(|_| {
-            Error::InvalidState("the all2all handle is in use by another thread".into())
-        })?;
+        let inner = h
+            .inner
+            .try_lock()
+            .or_else(super::guard::recover_poisoned)
+            .map_err(|_| {
+                Error::InvalidState("the all2all handle is in use by another thread".into())
+            })?;
         inner.0.check_layer(top_k, num_experts)
     })
 }
@@ -613,7 +625,12 @@ pub unsafe extern "C" fn epcomm_all2all_buffer_bytes(
                 "tokens_per_rank is {tokens_per_rank}; expected >= 0"
             ))
         })?;
-        *out = moe::buffer_bytes(b.layout(), &cfg, world, tokens) as u64;
+        *out = moe::buffer_bytes(b.layout(), &cfg, world, tokens).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "the {} buffers for {tokens} tokens per rank on {world} ranks do not fit in 64 bits",
+                b.name()
+            ))
+        })? as u64;
         Ok(())
     })
 }
@@ -631,9 +648,13 @@ pub unsafe extern "C" fn epcomm_all2all_get_stats(
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(stats_out, "stats_out") }?;
         let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-        let mut inner = h.inner.try_lock().map_err(|_| {
-            Error::InvalidState("the all2all handle is in use by another thread".into())
-        })?;
+        let mut inner = h
+            .inner
+            .try_lock()
+            .or_else(super::guard::recover_poisoned)
+            .map_err(|_| {
+                Error::InvalidState("the all2all handle is in use by another thread".into())
+            })?;
         let (mgr, views) = &mut *inner;
         let s = mgr.stats().clone();
         let world = s.tokens_sent.len().max(1);

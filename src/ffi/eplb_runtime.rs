@@ -94,9 +94,13 @@ unsafe fn with_comm<T>(
 ) -> Result<T> {
     // SAFETY: caller contract: a live handle.
     let c = unsafe { comm.as_ref() }.ok_or(Error::NullPointer("comm"))?;
-    let mut inner = c.inner.try_lock().map_err(|_| {
-        Error::InvalidState("the EPLB communicator is in use by another thread".into())
-    })?;
+    let mut inner = c
+        .inner
+        .try_lock()
+        .or_else(super::guard::recover_poisoned)
+        .map_err(|_| {
+            Error::InvalidState("the EPLB communicator is in use by another thread".into())
+        })?;
     f(&mut inner, c.group)
 }
 
@@ -539,6 +543,7 @@ unsafe fn with_state<T>(
     let mut inner = s
         .inner
         .try_lock()
+        .or_else(super::guard::recover_poisoned)
         .map_err(|_| Error::InvalidState("the EPLB state is in use by another thread".into()))?;
     f(&mut inner)
 }

@@ -305,12 +305,16 @@ pub(crate) unsafe fn with_group<T>(
 ) -> Result<T> {
     // SAFETY: caller contract: a live handle.
     let g = unsafe { group.as_ref() }.ok_or(Error::NullPointer("group"))?;
-    let mut inner = g.inner.try_lock().map_err(|_| {
-        Error::InvalidState(
+    let mut inner = g
+        .inner
+        .try_lock()
+        .or_else(super::guard::recover_poisoned)
+        .map_err(|_| {
+            Error::InvalidState(
             "the group handle is in use by another thread; use a group from one thread at a time"
                 .into(),
         )
-    })?;
+        })?;
     f(inner.as_mut())
 }
 
@@ -352,6 +356,15 @@ pub unsafe extern "C" fn epcomm_group_barrier(group: *mut epcomm_group) -> i32 {
     guard::call(|| unsafe { with_group(group, |g| g.barrier()) })
 }
 
+/// The sum of row counts, or an error naming them when it does not fit.
+fn total(counts: &[usize], what: &str) -> Result<usize> {
+    counts
+        .iter()
+        .try_fold(0usize, |a, &c| a.checked_add(c))
+        .filter(|&t| t <= 1 << 62)
+        .ok_or_else(|| Error::InvalidArgument(format!("sum({what}) is too large: {counts:?}")))
+}
+
 /// Reads `world` row counts.
 unsafe fn counts_arg(p: *const i64, world: usize, what: &'static str) -> Result<Vec<usize>> {
     if p.is_null() {
@@ -391,7 +404,7 @@ pub unsafe extern "C" fn epcomm_group_all_gatherv(
                 let sizes = counts_arg(sizes, g.size(), "sizes")?;
                 inp.check_rows_like(&out)?;
                 inp.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
-                out.check_rows(sizes.iter().sum(), "sum(sizes)")?;
+                out.check_rows(total(&sizes, "sizes")?, "sum(sizes)")?;
                 inp.check_disjoint(&out)?;
                 let rb = inp.row_bytes();
                 let byte_sizes: Vec<usize> = sizes.iter().map(|s| s * rb).collect();
@@ -428,7 +441,7 @@ pub unsafe extern "C" fn epcomm_group_reduce_scatterv(
             with_group(group, |g| {
                 let sizes = counts_arg(sizes, g.size(), "sizes")?;
                 inp.check_rows_like(&out)?;
-                inp.check_rows(sizes.iter().sum(), "sum(sizes)")?;
+                inp.check_rows(total(&sizes, "sizes")?, "sum(sizes)")?;
                 out.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
                 inp.check_disjoint(&out)?;
                 g.reduce_scatterv(
@@ -466,8 +479,15 @@ pub unsafe extern "C" fn epcomm_group_all_to_allv(
                 let sc = counts_arg(send_counts, g.size(), "send_counts")?;
                 let rc = counts_arg(recv_counts, g.size(), "recv_counts")?;
                 inp.check_rows_like(&out)?;
-                inp.check_rows(sc.iter().sum(), "sum(send_counts)")?;
-                out.check_rows(rc.iter().sum(), "sum(recv_counts)")?;
+                inp.check_rows(total(&sc, "send_counts")?, "sum(send_counts)")?;
+                out.check_rows(total(&rc, "recv_counts")?, "sum(recv_counts)")?;
+                let me = g.rank();
+                if sc[me] != rc[me] {
+                    return Err(Error::InvalidArgument(format!(
+                        "all_to_allv: rank {me} sends {} rows to itself but expects {} (send_counts[{me}] != recv_counts[{me}])",
+                        sc[me], rc[me]
+                    )));
+                }
                 inp.check_disjoint(&out)?;
                 let rb = inp.row_bytes();
                 let sb: Vec<usize> = sc.iter().map(|c| c * rb).collect();

@@ -44,6 +44,20 @@ pub(crate) struct HostTensor {
     pub bytes: usize,
 }
 
+/// `"{tensor}->{field}"` as a static string (a handful of distinct names, made once each).
+fn field_name(tensor: &'static str, field: &str) -> &'static str {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static NAMES: OnceLock<Mutex<HashMap<(String, String), &'static str>>> = OnceLock::new();
+    let mut names = NAMES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    names
+        .entry((tensor.to_owned(), field.to_owned()))
+        .or_insert_with(|| Box::leak(format!("{tensor}->{field}").into_boxed_str()))
+}
+
 fn device_name(t: i32) -> String {
     match t {
         1 => "CPU (1)".into(),
@@ -85,11 +99,7 @@ impl HostTensor {
             )));
         }
         if t.shape.is_null() {
-            return Err(Error::NullPointer(match name {
-                "input" => "input->shape",
-                "output" => "output->shape",
-                _ => "tensor->shape",
-            }));
+            return Err(Error::NullPointer(field_name(name, "shape")));
         }
         let n = t.ndim as usize;
         // SAFETY: shape has ndim entries (caller contract).
@@ -104,15 +114,21 @@ impl HostTensor {
             shape.push(d as usize);
         }
         let elem = dtype.bits as usize / 8;
-        let numel = shape
+        let too_large = || {
+            Error::InvalidArgument(format!(
+                "tensor '{name}' has shape {raw_shape:?}: too large (more than 2^62 bytes)"
+            ))
+        };
+        // The row size must fit even when there are no rows.
+        let row_bytes = shape[1..]
             .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .and_then(|x| x.checked_mul(elem))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "tensor '{name}' has shape {raw_shape:?}: too large"
-                ))
-            })?;
+            .try_fold(elem, |a, &d| a.checked_mul(d))
+            .filter(|&b| b <= 1 << 62)
+            .ok_or_else(too_large)?;
+        let numel = row_bytes
+            .checked_mul(shape[0])
+            .filter(|&b| b <= 1 << 62)
+            .ok_or_else(too_large)?;
         if !t.strides.is_null() {
             // SAFETY: strides has ndim entries when non-NULL (caller contract).
             let strides = unsafe { std::slice::from_raw_parts(t.strides, n) };
@@ -130,17 +146,14 @@ impl HostTensor {
             }
         }
         if t.data.is_null() && numel > 0 {
-            return Err(Error::NullPointer(match name {
-                "input" => "input->data",
-                "output" => "output->data",
-                _ => "tensor->data",
-            }));
+            return Err(Error::NullPointer(field_name(name, "data")));
         }
-        let ptr = if t.data.is_null() {
+        let ptr = if t.data.is_null() || numel == 0 {
             std::ptr::NonNull::<u8>::dangling().as_ptr()
         } else {
-            // SAFETY: offset within the caller's allocation (caller contract).
-            unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) }
+            // An in-bounds offset per the caller's contract; wrapping_add keeps even a bad one
+            // from being undefined behaviour here.
+            t.data.cast::<u8>().wrapping_add(t.byte_offset as usize)
         };
         Ok(HostTensor {
             name,
@@ -156,13 +169,13 @@ impl HostTensor {
         self.shape[0]
     }
 
-    /// Elements per row.
+    /// Elements per row (checked to fit when the tensor was validated).
     pub fn row_elems(&self) -> usize {
         self.shape[1..].iter().product()
     }
 
     pub fn row_bytes(&self) -> usize {
-        self.row_elems() * self.dtype.bits as usize / 8
+        self.row_elems() * (self.dtype.bits as usize / 8)
     }
 
     /// # Safety

@@ -312,7 +312,7 @@ impl Group for HostGroup {
 
     fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
         let op = Op::SendRecv;
-        check_p2p(ops, self.world)?;
+        check_p2p(ops, self.rank, self.world)?;
         let me = self.rank;
         // Self-sends pair with self-receives in order.
         let self_sends: Vec<Vec<u8>> = ops

@@ -269,13 +269,29 @@ pub(crate) fn check_reduce_scatterv(
     Ok((row_bytes, rows[..rank].iter().sum()))
 }
 
-/// Checks the peers of a send/recv batch (self-sends pair with self-receives).
-pub(crate) fn check_p2p(ops: &[P2p<'_>], world: usize) -> Result<()> {
+/// Checks the peers of a send/recv batch, and the messages this rank sends itself against the
+/// receives it posts from itself (in order, equal sizes) before anything is exchanged.
+pub(crate) fn check_p2p(ops: &[P2p<'_>], rank: usize, world: usize) -> Result<()> {
+    let mut self_sends = Vec::new();
+    let mut self_recvs = Vec::new();
     for (i, op) in ops.iter().enumerate() {
-        let peer = match op {
-            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+        let (peer, len, send) = match op {
+            P2p::Send { peer, data } => (*peer, data.len(), true),
+            P2p::Recv { peer, data } => (*peer, data.len(), false),
         };
         check_rank(&format!("ops[{i}].peer"), Op::SendRecv, peer, world)?;
+        if peer == rank {
+            if send {
+                self_sends.push(len)
+            } else {
+                self_recvs.push(len)
+            }
+        }
+    }
+    if self_sends != self_recvs {
+        return Err(Error::InvalidArgument(format!(
+            "send_recv: rank {rank} sends itself messages of {self_sends:?} bytes but posts receives from itself of {self_recvs:?} bytes"
+        )));
     }
     Ok(())
 }

@@ -110,6 +110,9 @@ pub struct Manager {
 
 const HEADER_WORDS: usize = 12;
 
+/// Largest number of (physical) experts a manager accepts.
+pub const MAX_EXPERTS: usize = 1 << 20;
+
 /// Grows a manager-owned buffer to at least `len` bytes (it never shrinks, so steady-state calls
 /// neither allocate nor zero-fill), failing with a clear error (instead of the out-of-memory
 /// killer) when the memory is not there. `ranks` ranks may grow theirs at once on this host.
@@ -166,6 +169,27 @@ impl Manager {
         if cfg.hidden == 0 {
             return bad("hidden_size is 0: expected at least 1".into());
         }
+        // Bounds that keep every size computation in range (far above real models).
+        for (what, v, max) in [
+            ("num_experts", cfg.num_experts, MAX_EXPERTS),
+            ("hidden_size", cfg.hidden, 1 << 30),
+            ("max_tokens_per_rank", cfg.max_tokens_per_rank, 1 << 30),
+        ] {
+            if v > max {
+                return bad(format!("{what} is {v}: expected at most {max}"));
+            }
+        }
+        if let Some((i, &b)) = cfg
+            .extra_row_bytes
+            .iter()
+            .enumerate()
+            .find(|(_, &b)| b > 1 << 30)
+        {
+            return bad(format!(
+                "extra_row_bytes[{i}] is {b}: expected at most {}",
+                1usize << 30
+            ));
+        }
         let hd = cfg.hidden_dtype;
         if hd.lanes != 1 || hd.bits == 0 || hd.bits % 8 != 0 {
             return bad(format!(
@@ -195,7 +219,12 @@ impl Manager {
             max_tokens: cfg.max_tokens_per_rank,
         };
         if matches!(layout, Layout::ExpertMajor | Layout::RankMajor) {
-            let rows = geo.buffer_rows(layout, 0) as u64;
+            let per_source = (world as u64).saturating_mul(geo.max_tokens as u64);
+            let rows = if layout == Layout::ExpertMajor {
+                per_source.saturating_mul(geo.experts_per_rank as u64)
+            } else {
+                per_source
+            };
             let per_row = (cfg.row_bytes() + cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
             let need = rows.saturating_mul(per_row);
             if let Some(avail) = crate::probe::available_memory() {
@@ -264,7 +293,7 @@ impl Manager {
 
     /// Bytes of the dispatch receive buffers (hidden rows and extras) for `tokens` tokens per
     /// rank in the worst case, before anything is allocated.
-    pub fn buffer_bytes(&self, tokens: usize) -> usize {
+    pub fn buffer_bytes(&self, tokens: usize) -> Option<usize> {
         buffer_bytes(self.layout, &self.cfg, self.world, tokens)
     }
 
@@ -682,8 +711,9 @@ impl Manager {
 }
 
 /// Worst-case bytes of the dispatch receive buffers for `tokens` tokens per rank (hidden rows,
-/// extras and per-row metadata), plus combine's f32 accumulator, before anything is allocated.
-pub fn buffer_bytes(layout: Layout, cfg: &MoeConfig, world: usize, tokens: usize) -> usize {
+/// extras and per-row metadata), plus combine's accumulator, before anything is allocated;
+/// `None` when the figure does not fit in 64 bits.
+pub fn buffer_bytes(layout: Layout, cfg: &MoeConfig, world: usize, tokens: usize) -> Option<usize> {
     let el = cfg.num_experts / world.max(1);
     let m = if cfg.max_tokens_per_rank > 0 {
         cfg.max_tokens_per_rank
@@ -692,17 +722,26 @@ pub fn buffer_bytes(layout: Layout, cfg: &MoeConfig, world: usize, tokens: usize
     };
     let k = cfg.top_k;
     let rows = match layout {
-        Layout::Replicated | Layout::TokenMajor => world * tokens,
-        Layout::ExpertMajor => el * m * world,
-        Layout::ExpertPacked => world * tokens * k.min(el),
-        Layout::RankMajor => world * m,
+        Layout::Replicated | Layout::TokenMajor => world.checked_mul(tokens)?,
+        Layout::ExpertMajor => el.checked_mul(m)?.checked_mul(world)?,
+        Layout::ExpertPacked => world.checked_mul(tokens)?.checked_mul(k.min(el))?,
+        Layout::RankMajor => world.checked_mul(m)?,
         Layout::MoonepSlots => 0,
     };
     let meta_per_row = match layout {
         Layout::ExpertMajor => 0,
         Layout::ExpertPacked => 12,
-        _ => k * 12,
+        _ => k.checked_mul(12)?,
     };
-    let row = cfg.row_bytes() + cfg.extra_row_bytes.iter().sum::<usize>() + meta_per_row;
-    rows * row + tokens * cfg.hidden * 4
+    let extras = cfg
+        .extra_row_bytes
+        .iter()
+        .try_fold(0usize, |a, &b| a.checked_add(b))?;
+    let row = cfg
+        .hidden
+        .checked_mul(cfg.hidden_dtype.bits as usize / 8)?
+        .checked_add(extras)?
+        .checked_add(meta_per_row)?;
+    rows.checked_mul(row)?
+        .checked_add(tokens.checked_mul(cfg.hidden)?.checked_mul(4)?)
 }

@@ -413,7 +413,8 @@ fn check_inner(
         if !c.enable_expert_parallel {
             return Err(Error::EplbNeedsExpertParallel);
         }
-        if tp * pcp * dp <= 1 {
+        // Python integers do not overflow: saturate.
+        if tp.saturating_mul(pcp).saturating_mul(dp) <= 1 {
             return Err(Error::EplbNeedsParallelism { tp, pcp, dp });
         }
     } else if e.num_redundant_experts != 0 {

@@ -462,7 +462,10 @@ impl ShmGroup {
                     && !pid_alive(creator)
                     && h.created_ns.load(Ordering::Acquire) >= started_ns
                 {
-                    // Created for this join, then rank 0 died: not a stale segment to wait out.
+                    // Created for this join, then rank 0 died: not a stale segment to wait
+                    // out. Remove what the dead creator left.
+                    Segment::unlink(control_name);
+                    Self::remove_stale_data(name);
                     return Err(Error::PeerFailure(format!(
                         "rank 0 of group '{name}' died (pid {creator} is gone) while the group was joining"
                     )));
@@ -491,6 +494,18 @@ impl ShmGroup {
                 // Not initialised yet, or stale (creator gone): wait for rank 0.
             }
             if deadline.expired() {
+                // A segment whose creator is gone serves nobody: remove it on the way out.
+                if let Ok(Some(seg)) = Segment::open(control_name) {
+                    if seg.len() >= HEADER_BYTES {
+                        let h: &Header = seg.at(0);
+                        if h.magic.load(Ordering::Acquire) == MAGIC
+                            && !pid_alive(h.creator_pid.load(Ordering::Acquire))
+                        {
+                            Segment::unlink(control_name);
+                            Self::remove_stale_data(name);
+                        }
+                    }
+                }
                 return Err(Error::Timeout(format!(
                     "timed out after {:.1} s waiting for rank 0 to create group '{name}' (rank {rank} of {world})",
                     deadline.timeout.as_secs_f64()
@@ -1069,7 +1084,7 @@ impl Group for ShmGroup {
     fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
         let op = Op::SendRecv;
         self.check_usable(op)?;
-        check_p2p(ops, self.world)?;
+        check_p2p(ops, self.rank, self.world)?;
         let me = self.rank;
         self.guarded(|g| {
             let n = g.begin(op)?;
@@ -1120,6 +1135,16 @@ impl Group for ShmGroup {
                 }
                 their_payload.copy_to(off, data)?;
                 matched[p] += 1;
+            }
+            // Every message sent to this rank must have been received.
+            for (p, &got) in matched.iter().enumerate() {
+                let (their_meta, _) = g.parts(p);
+                let sent = their_meta.chunks_exact(2).filter(|pair| pair[0] as usize == me).count();
+                if sent != got {
+                    return Err(Error::InvalidArgument(format!(
+                        "send_recv: rank {p} sent {sent} message(s) to rank {me}, but rank {me} posted {got} receive(s) from it"
+                    )));
+                }
             }
             g.finish(op, n)
         })
@@ -1411,8 +1436,14 @@ impl Drop for ShmGroup {
                 s.consumed.load(Ordering::Acquire) >= n
                     || s.state.load(Ordering::Acquire) != SLOT_ACTIVE
             });
-            self.opts.timeout = saved;
             self.mark(SLOT_LEFT);
+            // Give the others a moment to leave too, so a rank that dies right after its last
+            // op is seen dead here and its region removed below.
+            self.opts.timeout = saved.min(Duration::from_secs(1));
+            let _ = self.wait_peers(Op::Leave, n, |s| {
+                s.state.load(Ordering::Acquire) != SLOT_ACTIVE
+            });
+            self.opts.timeout = saved;
         }
         Segment::unlink(self.data.name());
         // Segments of peers that died after the last op anyone waited on.
