@@ -4,7 +4,7 @@
 //! The parent spawns one process per rank (this binary again), pinned one per core; each rank
 //! times every iteration after a barrier, and the parent takes, per iteration, the slowest rank.
 
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
@@ -128,11 +128,7 @@ pub fn cmd_bench(args: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let (Ok(rank), Ok(group)) = (
-        std::env::var("EPCOMM_BENCH_RANK"),
-        std::env::var("EPCOMM_BENCH_GROUP"),
-    ) {
-        let rank: usize = rank.parse().unwrap_or(0);
+    if let Some((rank, group)) = crate::ranks::this_rank() {
         return match rank_main(&group, rank, &p) {
             Ok((a, c)) => {
                 let fmt = |v: &[f64]| {
@@ -151,35 +147,16 @@ pub fn cmd_bench(args: &[String]) -> ExitCode {
             }
         };
     }
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("epcomm: cannot find own executable: {e}");
+    let outputs = match crate::ranks::run(&["bench"], args, p.ranks, "bench", &[]) {
+        Ok(o) if o.iter().all(|o| o.status.success()) => o,
+        _ => {
+            eprintln!("epcomm: a benchmark rank failed");
             return ExitCode::from(1);
         }
     };
-    let group = format!("bench{}", std::process::id());
-    let children: Vec<_> = (0..p.ranks)
-        .map(|r| {
-            Command::new(&exe)
-                .arg("bench")
-                .args(args)
-                .env("EPCOMM_BENCH_RANK", r.to_string())
-                .env("EPCOMM_BENCH_GROUP", &group)
-                .stdout(Stdio::piped())
-                .spawn()
-        })
-        .collect();
     let mut a2a: Vec<Vec<f64>> = Vec::new();
     let mut copy: Vec<Vec<f64>> = Vec::new();
-    for c in children {
-        let out = match c.and_then(|c| c.wait_with_output()) {
-            Ok(o) if o.status.success() => o,
-            _ => {
-                eprintln!("epcomm: a benchmark rank failed");
-                return ExitCode::from(1);
-            }
-        };
+    for out in outputs {
         let text = String::from_utf8_lossy(&out.stdout);
         let series = |tag: &str| -> Vec<f64> {
             text.lines()

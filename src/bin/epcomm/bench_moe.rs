@@ -7,7 +7,7 @@
 //! deduplicated (a token counted once per destination rank) and per expert copy (once per
 //! (token, expert) pair).
 
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use epcomm::eplb::policy::rebalance_experts;
@@ -263,11 +263,8 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let (Ok(rank), Ok(group)) = (
-        std::env::var("EPCOMM_BENCH_RANK"),
-        std::env::var("EPCOMM_BENCH_GROUP"),
-    ) {
-        return match rank_main(&p, rank.parse().unwrap_or(0), &group) {
+    if let Some((rank, group)) = crate::ranks::this_rank() {
+        return match rank_main(&p, rank, &group) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("rank {rank}: {e}");
@@ -275,39 +272,24 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             }
         };
     }
-    let Ok(exe) = std::env::current_exe() else {
-        eprintln!("epcomm: cannot find own executable");
-        return ExitCode::from(1);
-    };
-    let group = format!("benchmoe{}", std::process::id());
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let children: Vec<_> = (0..p.ranks)
-        .map(|r| {
-            Command::new(&exe)
-                .args(["bench", "moe"])
-                .args(args)
-                .env("EPCOMM_BENCH_RANK", r.to_string())
-                .env("EPCOMM_BENCH_GROUP", &group)
-                .stdout(Stdio::piped())
-                .spawn()
+    let outputs = match crate::ranks::run(&["bench", "moe"], args, p.ranks, "benchmoe", &[]) {
+        Ok(o) if o.iter().all(|o| o.status.success()) => o,
+        _ => {
+            eprintln!("epcomm: a benchmark rank failed");
+            return ExitCode::from(1);
+        }
+    };
+    // Per rank, its sample lines.
+    let lines: Vec<Vec<String>> = outputs
+        .iter()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| l.strip_prefix("SAMPLE ").map(str::to_owned))
+                .collect()
         })
         .collect();
-    // key -> per-rank lines
-    let mut lines: Vec<Vec<String>> = Vec::new();
-    for c in children {
-        match c.and_then(|c| c.wait_with_output()) {
-            Ok(o) if o.status.success() => lines.push(
-                String::from_utf8_lossy(&o.stdout)
-                    .lines()
-                    .filter_map(|l| l.strip_prefix("SAMPLE ").map(str::to_owned))
-                    .collect(),
-            ),
-            _ => {
-                eprintln!("epcomm: a benchmark rank failed");
-                return ExitCode::from(1);
-            }
-        }
-    }
     let oversub = if p.ranks > ncpu {
         " (oversubscribed)"
     } else {

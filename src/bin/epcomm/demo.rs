@@ -2,7 +2,7 @@
 //! over shared memory: skewed random routing, toy experts with real weights, every rank's
 //! combined output checked against the single-process float32 reference, and a table.
 
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::Duration;
 
 use epcomm::group::shm::ShmGroup;
@@ -262,11 +262,7 @@ pub fn cmd_demo(args: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let (Ok(rank), Ok(group)) = (
-        std::env::var("EPCOMM_DEMO_RANK"),
-        std::env::var("EPCOMM_DEMO_GROUP"),
-    ) {
-        let rank: usize = rank.parse().unwrap_or(0);
+    if let Some((rank, group)) = crate::ranks::this_rank() {
         return match rank_main(&p, rank, &group) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -275,13 +271,6 @@ pub fn cmd_demo(args: &[String]) -> ExitCode {
             }
         };
     }
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("epcomm: cannot find own executable: {e}");
-            return ExitCode::from(1);
-        }
-    };
     println!(
         "epcomm demo: {} ranks (processes) over shared memory, ~{} tokens/rank, hidden {}, {} experts, top-{}, {}, {} routing, {} steps per backend",
         p.ranks,
@@ -293,31 +282,24 @@ pub fn cmd_demo(args: &[String]) -> ExitCode {
         if p.skewed { "skewed" } else { "uniform" },
         p.steps
     );
-    let group = format!("demo{}", std::process::id());
-    let children: Vec<_> = (0..p.ranks)
-        .map(|r| {
-            Command::new(&exe)
-                .arg("demo")
-                .args(args)
-                .env("EPCOMM_DEMO_RANK", r.to_string())
-                .env("EPCOMM_DEMO_GROUP", &group)
-                .env("EPCOMM_LOG_LEVEL", "error")
-                .stdout(Stdio::piped())
-                .spawn()
-        })
-        .collect();
+    let outputs = match crate::ranks::run(
+        &["demo"],
+        args,
+        p.ranks,
+        "demo",
+        &[("EPCOMM_LOG_LEVEL", "error")],
+    ) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("epcomm: {e}");
+            return ExitCode::from(1);
+        }
+    };
     let mut rows: Vec<(String, Vec<Row>)> =
         p.backends.iter().map(|b| (b.clone(), Vec::new())).collect();
     let mut skipped: Vec<String> = Vec::new();
     let mut failed = false;
-    for c in children {
-        let out = match c.and_then(|c| c.wait_with_output()) {
-            Ok(o) => o,
-            Err(e) => {
-                eprintln!("epcomm: cannot run a rank: {e}");
-                return ExitCode::from(1);
-            }
-        };
+    for out in outputs {
         failed |= !out.status.success();
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             if let Some(rest) = line.strip_prefix("RESULT ") {

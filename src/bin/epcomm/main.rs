@@ -3,6 +3,7 @@
 mod bench;
 mod bench_moe;
 mod demo;
+mod ranks;
 
 use std::process::ExitCode;
 use std::sync::Arc;
