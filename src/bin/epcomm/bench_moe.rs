@@ -263,14 +263,8 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some((rank, group)) = crate::ranks::this_rank() {
-        return match rank_main(&p, rank, &group) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("rank {rank}: {e}");
-                ExitCode::from(1)
-            }
-        };
+    if let Some(code) = crate::ranks::as_rank(|rank, group| rank_main(&p, rank, group)) {
+        return code;
     }
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
     let outputs = match crate::ranks::run(&["bench", "moe"], args, p.ranks, "benchmoe", &[]) {

@@ -262,14 +262,8 @@ pub fn cmd_demo(args: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some((rank, group)) = crate::ranks::this_rank() {
-        return match rank_main(&p, rank, &group) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("rank {rank}: {e}");
-                ExitCode::from(1)
-            }
-        };
+    if let Some(code) = crate::ranks::as_rank(|rank, group| rank_main(&p, rank, group)) {
+        return code;
     }
     println!(
         "epcomm demo: {} ranks (processes) over shared memory, ~{} tokens/rank, hidden {}, {} experts, top-{}, {}, {} routing, {} steps per backend",

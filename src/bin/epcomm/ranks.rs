@@ -12,6 +12,21 @@ pub fn this_rank() -> Option<(usize, String)> {
     Some((rank, std::env::var(GROUP_ENV).ok()?))
 }
 
+/// In a rank process, runs `rank_main(rank, group)` and returns its exit code (errors go to
+/// stderr prefixed with the rank); `None` in the parent.
+pub fn as_rank(
+    rank_main: impl FnOnce(usize, &str) -> Result<(), String>,
+) -> Option<std::process::ExitCode> {
+    let (rank, group) = this_rank()?;
+    Some(match rank_main(rank, &group) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rank {rank}: {e}");
+            std::process::ExitCode::from(1)
+        }
+    })
+}
+
 /// Runs `ranks` rank processes of `epcomm {command} {args}` on a fresh group (named after
 /// `prefix` and this process) and returns their outputs (stdout captured), in rank order.
 pub fn run(
