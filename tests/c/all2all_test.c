@@ -40,25 +40,9 @@ typedef struct epcomm_all2all_stats stats_t;
 /* Rows of the largest dispatch buffer in the example: EXPERT_MAJOR [2, M*R, 1]. */
 #define MAX_ROWS 16
 
-#define DL_INT 0
-#define DL_FLOAT 2
 
-static tensor_t make_tensor(void *data, uint8_t code, uint8_t bits, int32_t ndim,
-                            int64_t *shape) {
-    tensor_t t;
-    memset(&t, 0, sizeof t);
-    t.data = data;
-    t.device.device_type = EPCOMM_DEVICE_CPU;
-    t.device.device_id = 0;
-    t.ndim = ndim;
-    t.dtype.code = code;
-    t.dtype.bits = bits;
-    t.dtype.lanes = 1;
-    t.shape = shape;
-    t.strides = NULL;
-    t.byte_offset = 0;
-    return t;
-}
+#define make_tensor(data, code, bits, ndim, shape) \
+    test_cpu_tensor(data, code, bits, ndim, shape, NULL)
 
 /* ---- array checks ----------------------------------------------------------------------------- */
 

@@ -34,9 +34,6 @@ typedef struct epcomm_eplb_state state_t;
 
 #define WORLD 2
 
-#define DL_INT 0
-#define DL_UINT 1
-#define DL_FLOAT 2
 
 /* Checks a status and, when `want_message` is not NULL, the exact last error message; one
  * check either way. */
@@ -123,22 +120,8 @@ static int ends_with(const char *s, const char *suffix) {
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 
-static tensor_t make_tensor(void *data, uint8_t code, uint8_t bits, int32_t ndim,
-                            int64_t *shape) {
-    tensor_t t;
-    memset(&t, 0, sizeof t);
-    t.data = data;
-    t.device.device_type = EPCOMM_DEVICE_CPU;
-    t.device.device_id = 0;
-    t.ndim = ndim;
-    t.dtype.code = code;
-    t.dtype.bits = bits;
-    t.dtype.lanes = 1;
-    t.shape = shape;
-    t.strides = NULL;
-    t.byte_offset = 0;
-    return t;
-}
+#define make_tensor(data, code, bits, ndim, shape) \
+    test_cpu_tensor(data, code, bits, ndim, shape, NULL)
 
 static void init_request(select_request_t *req) {
     memset(req, 0, sizeof *req);

@@ -31,26 +31,8 @@ typedef struct epcomm_p2p_op p2p_op_t;
 /* Rows per rank of the v-collectives: uneven, with a zero. Sums to TOTAL_ROWS. */
 static const int64_t ROWS[WORLD] = {3, 0, 2, 5};
 
-static tensor_t make_tensor(void *data, uint8_t code, uint8_t bits, int32_t ndim, int64_t *shape,
-                            int64_t *strides) {
-    tensor_t t;
-    memset(&t, 0, sizeof t);
-    t.data = data;
-    t.device.device_type = EPCOMM_DEVICE_CPU;
-    t.device.device_id = 0;
-    t.ndim = ndim;
-    t.dtype.code = code;
-    t.dtype.bits = bits;
-    t.dtype.lanes = 1;
-    t.shape = shape;
-    t.strides = strides;
-    t.byte_offset = 0;
-    return t;
-}
+#define make_tensor test_cpu_tensor
 
-#define DL_INT 0
-#define DL_FLOAT 2
-#define DL_BFLOAT 4
 
 static int64_t rows_before(int rank) {
     int64_t s = 0;

@@ -28,6 +28,33 @@
 
 #include "epcomm.h"
 
+/* ---- tensors ---------------------------------------------------------------------------------- */
+
+/* DLPack dtype codes used by the tests. */
+#define DL_INT 0
+#define DL_UINT 1
+#define DL_FLOAT 2
+#define DL_BFLOAT 4
+
+/* A CPU tensor over `data` (strides NULL = contiguous). */
+static inline struct epcomm_tensor test_cpu_tensor(void *data, uint8_t code, uint8_t bits,
+                                                   int32_t ndim, int64_t *shape,
+                                                   int64_t *strides) {
+    struct epcomm_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.device.device_type = EPCOMM_DEVICE_CPU;
+    t.device.device_id = 0;
+    t.ndim = ndim;
+    t.dtype.code = code;
+    t.dtype.bits = bits;
+    t.dtype.lanes = 1;
+    t.shape = shape;
+    t.strides = strides;
+    t.byte_offset = 0;
+    return t;
+}
+
 /* ---- checks ---------------------------------------------------------------------------------- */
 
 /* This process's rank; -1 outside a rank (in the parent, or in a single-process program). */

@@ -35,29 +35,13 @@ typedef struct epcomm_dispatch_output dispatch_t;
 #define MAX_TOKENS 8
 #define LOOPS 50
 
-#define DL_INT 0
-#define DL_FLOAT 2
 
 /* Rows per rank of the v-collectives. */
 static const int64_t ROWS[WORLD] = {2, 3};
 #define TOTAL_ROWS 5
 
-static tensor_t make_tensor(void *data, uint8_t code, uint8_t bits, int32_t ndim,
-                            int64_t *shape) {
-    tensor_t t;
-    memset(&t, 0, sizeof t);
-    t.data = data;
-    t.device.device_type = EPCOMM_DEVICE_CPU;
-    t.device.device_id = 0;
-    t.ndim = ndim;
-    t.dtype.code = code;
-    t.dtype.bits = bits;
-    t.dtype.lanes = 1;
-    t.shape = shape;
-    t.strides = NULL;
-    t.byte_offset = 0;
-    return t;
-}
+#define make_tensor(data, code, bits, ndim, shape) \
+    test_cpu_tensor(data, code, bits, ndim, shape, NULL)
 
 static void test_all_gatherv(group_t *g, int rank) {
     float in[3 * COLS];
