@@ -10,6 +10,8 @@ use std::time::Instant;
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
 use epcomm::group::{Group, GroupOptions};
 
+use crate::stats::{median_p99, slowest};
+
 struct Params {
     ranks: usize,
     mib: usize,
@@ -24,20 +26,11 @@ fn parse(args: &[String]) -> Result<Params, String> {
         iters: 30,
         json: false,
     };
-    let mut i = 0;
-    while i < args.len() {
-        let a = args[i].as_str();
-        let mut val = || -> Result<usize, String> {
-            i += 1;
-            args.get(i)
-                .ok_or(format!("{a} needs a value"))?
-                .parse()
-                .map_err(|_| format!("{a} needs a positive integer"))
-        };
-        match a {
-            "--ranks" => p.ranks = val()?,
-            "--mib" => p.mib = val()?,
-            "--iters" => p.iters = val()?,
+    for (name, value) in crate::opts::pairs(args, &["--json"])? {
+        match name.as_str() {
+            "--ranks" => p.ranks = crate::opts::count(&name, &value)?,
+            "--mib" => p.mib = crate::opts::count(&name, &value)?,
+            "--iters" => p.iters = crate::opts::count(&name, &value)?,
             "--json" => p.json = true,
             other => {
                 return Err(format!(
@@ -45,22 +38,11 @@ fn parse(args: &[String]) -> Result<Params, String> {
                 ))
             }
         }
-        i += 1;
     }
     if p.ranks == 0 || p.mib == 0 || p.iters == 0 {
         return Err("--ranks, --mib and --iters must be positive".into());
     }
     Ok(p)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-fn p99(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
 /// One rank: returns (all_to_allv seconds per iteration, memcpy seconds per iteration).
@@ -167,20 +149,9 @@ pub fn cmd_bench(args: &[String]) -> ExitCode {
         a2a.push(series("A2A "));
         copy.push(series("COPY "));
     }
-    // Per iteration, the slowest rank.
-    let per_iter = |s: &[Vec<f64>]| -> Vec<f64> {
-        (0..p.iters)
-            .map(|i| {
-                s.iter()
-                    .map(|v| v.get(i).copied().unwrap_or(f64::NAN))
-                    .fold(0.0, f64::max)
-            })
-            .collect()
-    };
-    let (mut a, mut c) = (per_iter(&a2a), per_iter(&copy));
     let bytes = ((p.mib << 20) / p.ranks * p.ranks) as f64;
-    let (am, ap) = (median(&mut a), p99(&mut a));
-    let (cm, cp) = (median(&mut c), p99(&mut c));
+    let (am, ap) = median_p99(slowest(&a2a));
+    let (cm, cp) = median_p99(slowest(&copy));
     if p.json {
         println!(
             "{}",

@@ -18,6 +18,8 @@ use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::FloatKind;
 use epcomm::select::all2all::{self, Backend};
 
+use crate::stats::{median_p99, slowest};
+
 #[derive(Clone, Debug)]
 struct Params {
     backends: Vec<String>,
@@ -49,45 +51,29 @@ fn parse(args: &[String]) -> Result<Params, String> {
         warmup: 5,
         json: false,
     };
-    let mut i = 0;
-    while i < args.len() {
-        let a = args[i].as_str();
-        if a == "--json" {
-            p.json = true;
-            i += 1;
-            continue;
-        }
-        let v = args.get(i + 1).ok_or(format!("{a} needs a value"))?.clone();
-        let num = |s: &str| {
-            s.parse::<usize>()
-                .map_err(|_| format!("{a}: '{s}' is not a non-negative integer"))
-        };
-        match a {
-            "--backend" => p.backends = v.split(',').map(str::to_owned).collect(),
-            "--ranks" => p.ranks = num(&v)?,
-            "--tokens" => p.tokens = v.split(',').map(num).collect::<Result<_, _>>()?,
-            "--hidden" => p.hidden = num(&v)?,
-            "--experts" => p.experts = num(&v)?,
-            "--topk" => p.topk = num(&v)?,
-            "--iters" => p.iters = num(&v)?,
-            "--warmup" => p.warmup = num(&v)?,
-            "--dtype" => {
-                p.kind = match v.as_str() {
-                    "bf16" => FloatKind::Bf16,
-                    "f16" => FloatKind::F16,
-                    "f32" => FloatKind::F32,
-                    o => return Err(format!("--dtype {o}: expected bf16, f16 or f32")),
-                }
-            }
+    for (name, value) in crate::opts::pairs(args, &["--json"])? {
+        let count = |v: &str| crate::opts::count(&name, v);
+        match name.as_str() {
+            "--json" => p.json = true,
+            "--backend" => p.backends = value.split(',').map(str::to_owned).collect(),
+            "--ranks" => p.ranks = count(&value)?,
+            "--tokens" => p.tokens = value.split(',').map(count).collect::<Result<_, _>>()?,
+            "--hidden" => p.hidden = count(&value)?,
+            "--experts" => p.experts = count(&value)?,
+            "--topk" => p.topk = count(&value)?,
+            "--iters" => p.iters = count(&value)?,
+            "--warmup" => p.warmup = count(&value)?,
+            "--dtype" => p.kind = crate::opts::dtype(&value)?,
             "--routing" => {
-                if !matches!(v.as_str(), "uniform" | "skewed" | "top2") {
-                    return Err(format!("--routing {v}: expected uniform, skewed or top2"));
+                if !matches!(value.as_str(), "uniform" | "skewed" | "top2") {
+                    return Err(format!(
+                        "--routing {value}: expected uniform, skewed or top2"
+                    ));
                 }
-                p.routing = v;
+                p.routing = value;
             }
-            o => return Err(format!("unknown option '{o}'")),
+            other => return Err(format!("unknown option '{other}'")),
         }
-        i += 2;
     }
     if p.backends == ["all"] {
         p.backends = Backend::ALL
@@ -248,13 +234,6 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn stats(mut v: Vec<f64>) -> (f64, f64) {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let med = v[v.len() / 2];
-    let p99 = v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1];
-    (med, p99)
-}
-
 pub fn cmd_moe(args: &[String]) -> ExitCode {
     let p = match parse(args) {
         Ok(p) => p,
@@ -322,16 +301,12 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
                 .collect()
         };
         let (d, c, m) = (series(5), series(6), series(7));
-        let worst = |s: &[Vec<f64>], j: usize| {
-            s.iter()
-                .map(|v| v.get(j).copied().unwrap_or(0.0))
-                .fold(0.0, f64::max)
-        };
-        let n = d[0].len();
-        let dv: Vec<f64> = (0..n).map(|j| worst(&d, j)).collect();
-        let cv: Vec<f64> = (0..n).map(|j| worst(&c, j)).collect();
-        let pv: Vec<f64> = (0..n).map(|j| worst(&d, j) + worst(&c, j)).collect();
-        let mv: Vec<f64> = (0..n).map(|j| worst(&m, j)).collect();
+        let (dv, cv) = (slowest(&d), slowest(&c));
+        let pv: Vec<f64> = dv.iter().zip(&cv).map(|(a, b)| a + b).collect();
+        let (dm, _) = median_p99(dv);
+        let (cm, _) = median_p99(cv);
+        let (pm, pp) = median_p99(pv);
+        let (mm, _) = median_p99(slowest(&m));
         let dedup: f64 = parsed
             .iter()
             .map(|f| f[2].parse::<f64>().unwrap_or(0.0))
@@ -342,10 +317,6 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             .map(|f| f[3].parse::<f64>().unwrap_or(0.0))
             .sum::<f64>()
             / p.ranks as f64;
-        let (dm, _) = stats(dv);
-        let (cm, _) = stats(cv);
-        let (pm, pp) = stats(pv);
-        let (mm, _) = stats(mv);
         // Bytes per rank moved by the pair: dispatch out and combine back.
         let gbps = |b: f64| 2.0 * b / pm / 1e9;
         if p.json {
@@ -402,7 +373,7 @@ pub fn cmd_eplb(args: &[String]) -> ExitCode {
         std::hint::black_box(rebalance_experts(&w, p, g, n, r, None).expect("valid shape"));
         times.push(t0.elapsed().as_secs_f64());
     }
-    let (med, p99) = stats(times[2..].to_vec());
+    let (med, p99) = median_p99(times[2..].to_vec());
     println!(
         "EPLB policy (L={l}, E={e}, P={p}, G={g}, N={n}, R={r}): median {:.3} ms, p99 {:.3} ms over {iters} runs (target <= 1 ms)",
         med * 1e3,

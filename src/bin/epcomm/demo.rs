@@ -41,43 +41,18 @@ fn parse(args: &[String]) -> Result<Params, String> {
         steps: 3,
         skewed: true,
     };
-    let mut i = 0;
-    while i < args.len() {
-        let flag = args[i].clone();
-        let (name, inline) = match flag.split_once('=') {
-            Some((n, v)) => (n.to_owned(), Some(v.to_owned())),
-            None => (flag.clone(), None),
-        };
-        let value = match inline {
-            Some(v) => v,
-            None => {
-                i += 1;
-                args.get(i)
-                    .cloned()
-                    .ok_or(format!("{name} needs a value"))?
-            }
-        };
-        let num = |v: &str| {
-            v.parse::<usize>()
-                .map_err(|_| format!("{name} needs a non-negative integer, got '{v}'"))
-        };
+    for (name, value) in crate::opts::pairs(args, &[])? {
+        let count = |v: &str| crate::opts::count(&name, v);
         match name.as_str() {
             "--backend" => p.backends = value.split(',').map(str::to_owned).collect(),
-            "--ranks" => p.ranks = num(&value)?,
-            "--tokens" => p.tokens = num(&value)?,
-            "--hidden" => p.hidden = num(&value)?,
-            "--experts" => p.experts = num(&value)?,
-            "--topk" => p.topk = num(&value)?,
-            "--seed" => p.seed = num(&value)? as u64,
-            "--steps" => p.steps = num(&value)?,
-            "--dtype" => {
-                p.kind = match value.as_str() {
-                    "bf16" | "bfloat16" => FloatKind::Bf16,
-                    "f16" | "fp16" | "float16" => FloatKind::F16,
-                    "f32" | "fp32" | "float32" => FloatKind::F32,
-                    other => return Err(format!("--dtype {other}: expected bf16, f16 or f32")),
-                }
-            }
+            "--ranks" => p.ranks = count(&value)?,
+            "--tokens" => p.tokens = count(&value)?,
+            "--hidden" => p.hidden = count(&value)?,
+            "--experts" => p.experts = count(&value)?,
+            "--topk" => p.topk = count(&value)?,
+            "--seed" => p.seed = count(&value)? as u64,
+            "--steps" => p.steps = count(&value)?,
+            "--dtype" => p.kind = crate::opts::dtype(&value)?,
             "--routing" => {
                 p.skewed = match value.as_str() {
                     "skewed" => true,
@@ -87,7 +62,6 @@ fn parse(args: &[String]) -> Result<Params, String> {
             }
             other => return Err(format!("unknown option '{other}'")),
         }
-        i += 1;
     }
     if p.ranks == 0 || p.experts == 0 || p.topk == 0 || p.hidden == 0 || p.steps == 0 {
         return Err("--ranks, --experts, --topk, --hidden and --steps must be positive".into());

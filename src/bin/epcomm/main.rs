@@ -3,7 +3,9 @@
 mod bench;
 mod bench_moe;
 mod demo;
+mod opts;
 mod ranks;
+mod stats;
 
 use std::process::ExitCode;
 use std::sync::Arc;
