@@ -221,3 +221,22 @@ fn demo_runs_every_backend_and_checks_the_reference() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr_lines(&o)[0].contains("--experts 7 must be a multiple of --ranks 2"));
 }
+
+#[test]
+fn bench_rejects_bad_iterations_without_panicking() {
+    for args in [
+        &["bench", "eplb", "--iters", "0"][..],
+        &["bench", "eplb", "--iters", "x"],
+        &["bench", "moe", "--iters", "0"],
+        &["bench", "group", "--iters", "0"],
+    ] {
+        let o = epcomm(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.starts_with("epcomm: error: --iters "),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

@@ -351,11 +351,23 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
 
 /// The EPLB policy for L=58, E=256, P=288, G=8, N=4, R=32 (SPEC §7).
 pub fn cmd_eplb(args: &[String]) -> ExitCode {
-    let iters = match args {
-        [] => 20,
-        [f, v] if f == "--iters" => v.parse().unwrap_or(20),
-        _ => {
-            eprintln!("{USAGE}");
+    let parsed = crate::opts::pairs(args, &[]).and_then(|pairs| {
+        let mut iters = 20;
+        for (name, value) in pairs {
+            match name.as_str() {
+                "--iters" => iters = crate::opts::count(&name, &value)?,
+                other => return Err(format!("unknown option '{other}'")),
+            }
+        }
+        if iters == 0 {
+            return Err("--iters must be positive".into());
+        }
+        Ok(iters)
+    });
+    let iters = match parsed {
+        Ok(iters) => iters,
+        Err(e) => {
+            eprintln!("epcomm: error: {e}\n{USAGE}");
             return ExitCode::from(2);
         }
     };
