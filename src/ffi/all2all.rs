@@ -234,22 +234,29 @@ pub unsafe extern "C" fn epcomm_all2all_destroy(a2a: *mut epcomm_all2all) {
     })
 }
 
+impl epcomm_all2all {
+    /// The manager and its views, for one call; another thread's call in progress is an error
+    /// (a handle serves one thread at a time), not a wait.
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, (Manager, Views)>> {
+        self.inner
+            .try_lock()
+            .or_else(super::guard::recover_poisoned)
+            .map_err(|_| {
+                Error::InvalidState(
+                    "the all2all handle is in use by another thread; use it from one thread at a time"
+                        .into(),
+                )
+            })
+    }
+}
+
 unsafe fn with_manager<T>(
     a2a: *const epcomm_all2all,
     f: impl FnOnce(&mut Manager, &mut Views, &mut dyn Group) -> Result<T>,
 ) -> Result<T> {
     // SAFETY: caller contract: a live handle.
     let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-    let mut inner = h
-        .inner
-        .try_lock()
-        .or_else(super::guard::recover_poisoned)
-        .map_err(|_| {
-            Error::InvalidState(
-                "the all2all handle is in use by another thread; use it from one thread at a time"
-                    .into(),
-            )
-        })?;
+    let mut inner = h.lock()?;
     let (mgr, views) = &mut *inner;
     // SAFETY: the group outlives the manager (documented contract).
     unsafe { with_group(h.group, |g| f(mgr, views, g)) }
@@ -552,13 +559,7 @@ pub unsafe extern "C" fn epcomm_all2all_combine(
 pub(crate) unsafe fn expert_counts(a2a: *const epcomm_all2all) -> Result<Vec<u32>> {
     // SAFETY: caller contract.
     let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-    let inner = h
-        .inner
-        .try_lock()
-        .or_else(super::guard::recover_poisoned)
-        .map_err(|_| {
-            Error::InvalidState("the all2all handle is in use by another thread".into())
-        })?;
+    let inner = h.lock()?;
     if inner.0.expert_counts().is_empty() {
         return Err(Error::InvalidState(
             "the manager has not dispatched yet: record its load after a dispatch".into(),
@@ -582,13 +583,7 @@ pub unsafe extern "C" fn epcomm_all2all_check_layer(
     guard::call(|| {
         // SAFETY: caller contract.
         let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-        let inner = h
-            .inner
-            .try_lock()
-            .or_else(super::guard::recover_poisoned)
-            .map_err(|_| {
-                Error::InvalidState("the all2all handle is in use by another thread".into())
-            })?;
+        let inner = h.lock()?;
         inner.0.check_layer(top_k, num_experts)
     })
 }
@@ -648,13 +643,7 @@ pub unsafe extern "C" fn epcomm_all2all_get_stats(
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(stats_out, "stats_out") }?;
         let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-        let mut inner = h
-            .inner
-            .try_lock()
-            .or_else(super::guard::recover_poisoned)
-            .map_err(|_| {
-                Error::InvalidState("the all2all handle is in use by another thread".into())
-            })?;
+        let mut inner = h.lock()?;
         let (mgr, views) = &mut *inner;
         let s = mgr.stats().clone();
         let world = s.tokens_sent.len().max(1);
