@@ -8,6 +8,7 @@ pub mod dtype;
 pub mod eplb;
 pub mod error;
 pub mod fault;
+pub mod gpu;
 pub mod ffi;
 pub mod group;
 pub mod log;

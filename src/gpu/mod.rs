@@ -1,0 +1,16 @@
+//! The GPU path (issue #9): CUDA kernels compiled at run time with NVRTC, the NCCL two-sided
+//! transport and the one-node one-sided transport. Every native library is loaded with `dlopen`
+//! at run time, so the crate builds and runs without CUDA; each failure is a status.
+//!
+//! - `kernels`: the header-free CUDA C sources and their variants (pure data, always built).
+//! - `nvrtc`: our own NVRTC loader, compile to CUBIN/PTX, in-memory and on-disk cache.
+//! - `nccl`: our own NCCL loader (function table) and the two-sided transport's host side.
+//! - `onesided`: workspace layout, epochs/flags, device error word, fd passing (SCM_RIGHTS).
+//! - `caps`: the capability probe (driver, compute capability, SMs, VMM/IPC, NCCL/NVRTC).
+
+pub mod kernels;
+pub mod nvrtc;
+
+pub mod caps;
+pub mod nccl;
+pub mod onesided;
