@@ -1,0 +1,517 @@
+//! Our own NCCL loader and the two-sided transport's host side.
+//!
+//! cudarc cannot find NCCL's soname (`libnccl.so.2`) and panics on a missing library or symbol,
+//! so the library is found by [`crate::probe::nccl`] (an already-loaded `libnccl.so.2` first, so
+//! a host's communicator is used with the host's own copy) and every symbol is resolved here with
+//! `dlsym`. A missing library or symbol is an [`Error::Unavailable`], never a panic. The C types
+//! are declared here, so this module builds without the `cuda`/`nccl` features.
+//!
+//! Waiting: nothing here blocks on the GPU. A caller that waits for NCCL work (an event query
+//! loop, a host sync for counts) should call [`NcclComm::async_error`] between polls and
+//! [`NcclComm::abort`] an owned communicator when it reports an error; otherwise a peer that died
+//! turns into a hang.
+
+pub mod plan;
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::OnceLock;
+
+use crate::error::{Error, Result};
+use crate::probe::{self, Library};
+
+pub use self::plan::{
+    counts_plan, supports_zero_size_p2p, version_parts, CapacityLayout, ExchangeOptions,
+    ExchangePlan, LocalCopy, PeerTransfer, ZERO_SIZE_P2P_MIN_VERSION,
+};
+
+/// `ncclResult_t`.
+pub type NcclResult = c_int;
+/// `ncclComm_t`: an opaque pointer.
+pub type NcclCommRaw = *mut c_void;
+/// `cudaStream_t` / `CUstream`: an opaque pointer.
+pub type StreamRaw = *mut c_void;
+
+/// `ncclSuccess`.
+pub const NCCL_SUCCESS: NcclResult = 0;
+/// `ncclInProgress` (non-blocking communicators).
+pub const NCCL_IN_PROGRESS: NcclResult = 7;
+
+/// `ncclUniqueId`: 128 opaque bytes, created on one rank and shared with the others.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclUniqueId {
+    pub internal: [u8; NcclUniqueId::BYTES],
+}
+
+impl NcclUniqueId {
+    /// `NCCL_UNIQUE_ID_BYTES`.
+    pub const BYTES: usize = 128;
+
+    /// An id from its bytes (exactly 128).
+    pub fn from_bytes(bytes: &[u8]) -> Result<NcclUniqueId> {
+        let internal = bytes.try_into().map_err(|_| {
+            Error::InvalidArgument(format!(
+                "an NCCL unique id has {} bytes, got {}",
+                Self::BYTES,
+                bytes.len()
+            ))
+        })?;
+        Ok(NcclUniqueId { internal })
+    }
+
+    /// The id's bytes.
+    pub fn as_bytes(&self) -> &[u8; NcclUniqueId::BYTES] {
+        &self.internal
+    }
+}
+
+impl std::fmt::Debug for NcclUniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclUniqueId({:02x?}..)", &self.internal[..8])
+    }
+}
+
+/// `ncclDataType_t` (values fixed by nccl.h; `Bfloat16` needs NCCL ≥ 2.10).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NcclDataType {
+    Int8 = 0,
+    Uint8 = 1,
+    Int32 = 2,
+    Uint32 = 3,
+    Int64 = 4,
+    Uint64 = 5,
+    Float16 = 6,
+    Float32 = 7,
+    Float64 = 8,
+    Bfloat16 = 9,
+}
+
+type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> NcclResult;
+type GetUniqueIdFn = unsafe extern "C" fn(*mut NcclUniqueId) -> NcclResult;
+type CommInitRankFn =
+    unsafe extern "C" fn(*mut NcclCommRaw, c_int, NcclUniqueId, c_int) -> NcclResult;
+type CommFn = unsafe extern "C" fn(NcclCommRaw) -> NcclResult;
+type CommIntFn = unsafe extern "C" fn(NcclCommRaw, *mut c_int) -> NcclResult;
+type AllGatherFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    NcclCommRaw,
+    StreamRaw,
+) -> NcclResult;
+type SendFn =
+    unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclCommRaw, StreamRaw) -> NcclResult;
+type RecvFn =
+    unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclCommRaw, StreamRaw) -> NcclResult;
+type GroupFn = unsafe extern "C" fn() -> NcclResult;
+type ErrorStringFn = unsafe extern "C" fn(NcclResult) -> *const c_char;
+type LastErrorFn = unsafe extern "C" fn(NcclCommRaw) -> *const c_char;
+
+/// The resolved NCCL function table (one per process).
+pub struct NcclApi {
+    /// The library the symbols came from.
+    pub lib: Library,
+    /// The runtime version code (`ncclGetVersion`, e.g. 22809).
+    pub version: i32,
+    get_unique_id: GetUniqueIdFn,
+    comm_init_rank: CommInitRankFn,
+    comm_destroy: CommFn,
+    comm_abort: CommFn,
+    comm_get_async_error: CommIntFn,
+    comm_count: CommIntFn,
+    comm_user_rank: CommIntFn,
+    all_gather: AllGatherFn,
+    send: SendFn,
+    recv: RecvFn,
+    group_start: GroupFn,
+    group_end: GroupFn,
+    get_error_string: ErrorStringFn,
+    /// `ncclGetLastError` exists from NCCL 2.13 on; optional.
+    get_last_error: Option<LastErrorFn>,
+}
+
+impl std::fmt::Debug for NcclApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclApi")
+            .field("lib", &self.lib.name)
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Resolves `name` as a function pointer of type `F`.
+///
+/// # Safety
+/// `F` must be the `extern "C"` function-pointer type of the symbol's real signature.
+unsafe fn sym<F: Copy>(lib: &Library, name: &str) -> std::result::Result<F, String> {
+    let p = lib
+        .symbol(name)
+        .ok_or_else(|| format!("{} has no symbol {name}", lib.name))?;
+    debug_assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: the caller names the right signature; a data pointer and a function pointer have
+    // the same size and representation on every platform NCCL supports.
+    Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
+}
+
+fn load() -> std::result::Result<NcclApi, String> {
+    let lib = probe::nccl()?;
+    // SAFETY: every type below is the signature from nccl.h (NCCL 2.x, stable across 2.x).
+    unsafe {
+        let get_version: GetVersionFn = sym(&lib, "ncclGetVersion")?;
+        let mut version: c_int = 0;
+        let rc = get_version(&mut version);
+        if rc != NCCL_SUCCESS {
+            return Err(format!("ncclGetVersion failed with ncclResult_t {rc}"));
+        }
+        if version / 10000 != 2 && version / 1000 != 2 {
+            return Err(format!(
+                "{} reports version code {version}; epcomm needs NCCL 2.x",
+                lib.name
+            ));
+        }
+        Ok(NcclApi {
+            lib,
+            version,
+            get_unique_id: sym(&lib, "ncclGetUniqueId")?,
+            comm_init_rank: sym(&lib, "ncclCommInitRank")?,
+            comm_destroy: sym(&lib, "ncclCommDestroy")?,
+            comm_abort: sym(&lib, "ncclCommAbort")?,
+            comm_get_async_error: sym(&lib, "ncclCommGetAsyncError")?,
+            comm_count: sym(&lib, "ncclCommCount")?,
+            comm_user_rank: sym(&lib, "ncclCommUserRank")?,
+            all_gather: sym(&lib, "ncclAllGather")?,
+            send: sym(&lib, "ncclSend")?,
+            recv: sym(&lib, "ncclRecv")?,
+            group_start: sym(&lib, "ncclGroupStart")?,
+            group_end: sym(&lib, "ncclGroupEnd")?,
+            get_error_string: sym(&lib, "ncclGetErrorString")?,
+            get_last_error: sym(&lib, "ncclGetLastError").ok(),
+        })
+    }
+}
+
+/// The NCCL function table, loaded once per process. The error is
+/// "NCCL is unavailable: {why}" (the wording of `epcomm_nccl_version`).
+pub fn api() -> Result<&'static NcclApi> {
+    static API: OnceLock<std::result::Result<NcclApi, String>> = OnceLock::new();
+    API.get_or_init(load)
+        .as_ref()
+        .map_err(|e| Error::Unavailable(format!("NCCL is unavailable: {e}")))
+}
+
+impl NcclApi {
+    /// NCCL's text for a result code.
+    pub fn error_string(&self, rc: NcclResult) -> String {
+        // SAFETY: ncclGetErrorString returns a static string for every code.
+        let p = unsafe { (self.get_error_string)(rc) };
+        if p.is_null() {
+            return format!("unknown NCCL error {rc}");
+        }
+        // SAFETY: non-NULL, NUL-terminated, static.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+
+    /// NCCL's last error detail (`ncclGetLastError`, NCCL ≥ 2.13), if any.
+    fn last_error(&self, comm: NcclCommRaw) -> Option<String> {
+        let f = self.get_last_error?;
+        // SAFETY: ncclGetLastError accepts NULL or a communicator and returns a C string.
+        let p = unsafe { f(comm) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: non-NULL, NUL-terminated, owned by NCCL.
+        let s = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+        (!s.is_empty()).then_some(s)
+    }
+
+    /// `Ok` for `ncclSuccess`, else the error for `rc` from the call `what`.
+    pub fn check(&self, rc: NcclResult, what: &str) -> Result<()> {
+        self.check_comm(rc, what, std::ptr::null_mut())
+    }
+
+    fn check_comm(&self, rc: NcclResult, what: &str, comm: NcclCommRaw) -> Result<()> {
+        if rc == NCCL_SUCCESS {
+            return Ok(());
+        }
+        let mut msg = format!(
+            "NCCL error in {what}: {} (ncclResult_t {rc})",
+            self.error_string(rc)
+        );
+        if let Some(detail) = self.last_error(comm) {
+            msg.push_str(": ");
+            msg.push_str(&detail);
+        }
+        Err(nccl_error(rc, msg))
+    }
+
+    /// A new unique id (`ncclGetUniqueId`), to be shared with every rank.
+    pub fn unique_id(&self) -> Result<NcclUniqueId> {
+        let mut id = NcclUniqueId {
+            internal: [0; NcclUniqueId::BYTES],
+        };
+        // SAFETY: `id` is a writable ncclUniqueId.
+        let rc = unsafe { (self.get_unique_id)(&mut id) };
+        self.check(rc, "ncclGetUniqueId")?;
+        Ok(id)
+    }
+
+    /// `ncclGroupStart`.
+    pub fn group_start(&self) -> Result<()> {
+        // SAFETY: no arguments; NCCL tracks groups per thread.
+        self.check(unsafe { (self.group_start)() }, "ncclGroupStart")
+    }
+
+    /// `ncclGroupEnd`.
+    pub fn group_end(&self) -> Result<()> {
+        // SAFETY: as above.
+        self.check(unsafe { (self.group_end)() }, "ncclGroupEnd")
+    }
+}
+
+/// The status for an NCCL result code: invalid argument/usage → InvalidArgument, remote error →
+/// PeerFailure, in progress → InvalidState, the rest → Runtime.
+fn nccl_error(rc: NcclResult, msg: String) -> Error {
+    match rc {
+        4 | 5 => Error::InvalidArgument(msg),
+        6 => Error::PeerFailure(msg),
+        7 => Error::InvalidState(msg),
+        _ => Error::Runtime(msg),
+    }
+}
+
+/// An NCCL communicator: owned (created from a unique id, destroyed on drop) or borrowed (a
+/// host's `ncclComm_t`, never destroyed or aborted by epcomm). Like NCCL itself, one thread at
+/// a time may use it.
+#[derive(Debug)]
+pub struct NcclComm {
+    api: &'static NcclApi,
+    raw: NcclCommRaw,
+    owned: bool,
+    rank: usize,
+    world: usize,
+}
+
+// SAFETY: an ncclComm_t may be used from any thread as long as one thread uses it at a time,
+// which `&mut`/ownership rules and the handle's documented contract give.
+unsafe impl Send for NcclComm {}
+
+impl NcclComm {
+    /// Joins the communicator of `world` ranks identified by `id` as `rank`
+    /// (`ncclCommInitRank`; collective over all ranks, blocks until they all joined). The
+    /// current CUDA device is the one NCCL uses.
+    pub fn init_rank(id: &NcclUniqueId, rank: usize, world: usize) -> Result<NcclComm> {
+        let api = api()?;
+        if world == 0 || rank >= world || world > c_int::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "NCCL communicator: rank {rank} is out of range for world size {world}"
+            )));
+        }
+        let mut raw: NcclCommRaw = std::ptr::null_mut();
+        // SAFETY: `raw` is writable; the id is passed by value as nccl.h declares.
+        let rc = unsafe { (api.comm_init_rank)(&mut raw, world as c_int, *id, rank as c_int) };
+        api.check(rc, "ncclCommInitRank")?;
+        if raw.is_null() {
+            return Err(Error::Runtime(
+                "NCCL error in ncclCommInitRank: returned success but no communicator".into(),
+            ));
+        }
+        Ok(NcclComm {
+            api,
+            raw,
+            owned: true,
+            rank,
+            world,
+        })
+    }
+
+    /// Adopts a host's communicator (borrowed: never destroyed or aborted here).
+    ///
+    /// # Safety
+    /// `raw` must be a live `ncclComm_t` created by the same NCCL library [`api`] loaded (the
+    /// host's already-loaded `libnccl.so.2` is preferred for exactly this reason), and must
+    /// outlive the returned value.
+    pub unsafe fn adopt(raw: NcclCommRaw) -> Result<NcclComm> {
+        if raw.is_null() {
+            return Err(Error::NullPointer("nccl_comm"));
+        }
+        let api = api()?;
+        let mut comm = NcclComm {
+            api,
+            raw,
+            owned: false,
+            rank: 0,
+            world: 0,
+        };
+        let (mut r, mut n): (c_int, c_int) = (0, 0);
+        // SAFETY: caller contract: a live communicator; outputs writable.
+        comm.check(
+            unsafe { (api.comm_user_rank)(raw, &mut r) },
+            "ncclCommUserRank",
+        )?;
+        // SAFETY: as above.
+        comm.check(unsafe { (api.comm_count)(raw, &mut n) }, "ncclCommCount")?;
+        comm.rank = usize::try_from(r).unwrap_or(0);
+        comm.world = usize::try_from(n).unwrap_or(0);
+        Ok(comm)
+    }
+
+    fn check(&self, rc: NcclResult, what: &str) -> Result<()> {
+        self.api.check_comm(rc, what, self.raw)
+    }
+
+    /// The function table.
+    pub fn api(&self) -> &'static NcclApi {
+        self.api
+    }
+
+    /// The raw `ncclComm_t`.
+    pub fn raw(&self) -> NcclCommRaw {
+        self.raw
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Whether epcomm created (and will destroy) this communicator.
+    pub fn is_owned(&self) -> bool {
+        self.owned
+    }
+
+    /// The communicator's asynchronous error (`ncclCommGetAsyncError`): `Ok` while healthy or
+    /// still initialising. Poll it while waiting on NCCL work.
+    pub fn async_error(&self) -> Result<()> {
+        let mut rc: c_int = NCCL_SUCCESS;
+        // SAFETY: live communicator, writable output.
+        let call = unsafe { (self.api.comm_get_async_error)(self.raw, &mut rc) };
+        self.check(call, "ncclCommGetAsyncError")?;
+        if rc == NCCL_IN_PROGRESS {
+            return Ok(());
+        }
+        self.check(rc, "an asynchronous NCCL operation")
+    }
+
+    /// Aborts an owned communicator (`ncclCommAbort`: pending work is dropped, peers see an
+    /// error). A borrowed one is the host's to abort: InvalidState.
+    pub fn abort(mut self) -> Result<()> {
+        if !self.owned {
+            return Err(Error::InvalidState(
+                "the NCCL communicator is borrowed from the host; epcomm never aborts it".into(),
+            ));
+        }
+        self.owned = false; // Drop must not destroy it again.
+                            // SAFETY: owned, live communicator; not used after this.
+        let rc = unsafe { (self.api.comm_abort)(self.raw) };
+        self.api.check(rc, "ncclCommAbort")
+    }
+
+    /// `ncclAllGather` of `count` elements of `dtype` per rank.
+    ///
+    /// # Safety
+    /// `send` holds `count` elements and `recv` `count * world` elements, both device memory
+    /// of this communicator's device; `stream` is a valid stream of that device (or NULL for
+    /// the legacy default stream).
+    pub unsafe fn all_gather(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: NcclDataType,
+        stream: StreamRaw,
+    ) -> Result<()> {
+        // SAFETY: caller contract.
+        let rc =
+            unsafe { (self.api.all_gather)(send, recv, count, dtype as c_int, self.raw, stream) };
+        self.check(rc, "ncclAllGather")
+    }
+
+    /// Issues one grouped exchange (`ncclGroupStart`; per planned peer an `ncclSend` and an
+    /// `ncclRecv` of bytes; `ncclGroupEnd`). The plan's local copy is not issued here (a copy
+    /// kernel or `cuMemcpyDtoDAsync` does it). Returns once the work is enqueued on `stream`;
+    /// waiting, and polling [`NcclComm::async_error`] meanwhile, is the caller's business.
+    ///
+    /// # Safety
+    /// `send_base` / `recv_base` are device addresses of at least `plan.send_bytes` /
+    /// `plan.recv_bytes` bytes on this communicator's device, and `stream` is a valid stream of
+    /// that device. Every rank must issue its own plan for the same matrix.
+    pub unsafe fn exchange(
+        &self,
+        plan: &ExchangePlan,
+        send_base: u64,
+        recv_base: u64,
+        stream: StreamRaw,
+    ) -> Result<()> {
+        if plan.world != self.world || plan.rank != self.rank {
+            return Err(Error::InvalidArgument(format!(
+                "exchange plan is for rank {} of {}, but the communicator is rank {} of {}",
+                plan.rank, plan.world, self.rank, self.world
+            )));
+        }
+        self.api.group_start()?;
+        let mut first_err: Option<Error> = None;
+        for t in &plan.sends {
+            let p = (send_base as usize).wrapping_add(t.offset) as *const c_void;
+            // SAFETY: caller contract; peer < world (plans are built for this world).
+            let rc = unsafe {
+                (self.api.send)(
+                    p,
+                    t.bytes,
+                    NcclDataType::Uint8 as c_int,
+                    t.peer as c_int,
+                    self.raw,
+                    stream,
+                )
+            };
+            if let Err(e) = self.check(rc, &format!("ncclSend to rank {}", t.peer)) {
+                first_err.get_or_insert(e);
+            }
+        }
+        for t in &plan.recvs {
+            let p = (recv_base as usize).wrapping_add(t.offset) as *mut c_void;
+            // SAFETY: as above.
+            let rc = unsafe {
+                (self.api.recv)(
+                    p,
+                    t.bytes,
+                    NcclDataType::Uint8 as c_int,
+                    t.peer as c_int,
+                    self.raw,
+                    stream,
+                )
+            };
+            if let Err(e) = self.check(rc, &format!("ncclRecv from rank {}", t.peer)) {
+                first_err.get_or_insert(e);
+            }
+        }
+        // The group must be closed even after a failed call, or NCCL's per-thread group state
+        // stays open for the next caller.
+        let end = self.api.group_end();
+        match first_err {
+            Some(e) => Err(e),
+            None => end,
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if self.owned {
+            // SAFETY: owned, live communicator; never used again. Errors cannot be reported
+            // from drop; ncclCommDestroy frees the resources either way.
+            let _ = unsafe { (self.api.comm_destroy)(self.raw) };
+        }
+    }
+}
+
+/// A new unique id from the loaded NCCL.
+pub fn unique_id() -> Result<NcclUniqueId> {
+    api()?.unique_id()
+}
