@@ -12,5 +12,7 @@ pub mod kernels;
 pub mod nvrtc;
 
 pub mod caps;
+#[cfg(feature = "cuda")]
+pub mod driver;
 pub mod nccl;
 pub mod onesided;

@@ -1,0 +1,1116 @@
+//! A thin, safe-ish wrapper over the CUDA driver API (`cudarc::driver::sys`, dynamic loading).
+//!
+//! cudarc has no `result`/`safe` wrappers for IPC and VMM, and its lazy loader *panics* on a
+//! missing library or symbol. So every entry here first asks [`crate::probe::cuda`] (a plain
+//! `dlopen`), runs `cuInit` once, and executes the driver calls under `catch_unwind`: a missing
+//! library/symbol becomes [`Error::Unavailable`], a `CUresult` error an [`Error`] carrying the
+//! driver's own text. Drops never panic (errors there are ignored: nothing can report them).
+//!
+//! Contexts: everything uses the device's *primary* context (the one PyTorch uses); bind it on
+//! the calling thread with [`PrimaryContext::set_current`]. Streams are usually the host's
+//! (`cudaStream_t` is the same handle as `CUstream`) and borrowed.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys;
+
+use crate::error::{Error, Result};
+use crate::probe;
+
+pub use cudarc::driver::sys::CUdevice_attribute as DeviceAttribute;
+
+/// The message when a host sync is requested on a capturing stream.
+pub const CAPTURE_SYNC_MESSAGE: &str =
+    "counts need a host sync; use capacity mode under CUDA graphs";
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Runs `f` (driver calls) under `catch_unwind`; a cudarc loader panic ("Missing symbol …",
+/// "Unable to dynamically load …") becomes Unavailable.
+fn no_panic<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => Err(Error::Unavailable(format!(
+            "CUDA is unavailable: {what}: {}",
+            panic_text(p.as_ref())
+        ))),
+    }
+}
+
+/// For drops: run and ignore both errors and panics.
+fn quietly(f: impl FnOnce()) {
+    let _ = catch_unwind(AssertUnwindSafe(f));
+}
+
+/// The driver's name and text for `rc`.
+fn describe(rc: sys::CUresult) -> String {
+    let mut name: *const c_char = std::ptr::null();
+    let mut text: *const c_char = std::ptr::null();
+    // SAFETY: both outputs are writable; the driver returns static strings or leaves NULL.
+    unsafe {
+        let _ = sys::cuGetErrorName(rc, &mut name);
+        let _ = sys::cuGetErrorString(rc, &mut text);
+    }
+    let s = |p: *const c_char| {
+        // SAFETY: non-NULL pointers from the driver are static NUL-terminated strings.
+        (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    };
+    match (s(name), s(text)) {
+        (Some(n), Some(t)) => format!("{t} ({n})"),
+        (Some(n), None) => n,
+        (None, Some(t)) => t,
+        (None, None) => format!("{rc:?}"),
+    }
+}
+
+/// `Ok` for `CUDA_SUCCESS`, else an error naming the call.
+pub fn check(rc: sys::CUresult, what: &str) -> Result<()> {
+    use sys::CUresult as R;
+    if rc == R::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let msg = format!("CUDA error in {what}: {}", describe(rc));
+    Err(match rc {
+        R::CUDA_ERROR_NO_DEVICE
+        | R::CUDA_ERROR_NOT_SUPPORTED
+        | R::CUDA_ERROR_NOT_PERMITTED
+        | R::CUDA_ERROR_STUB_LIBRARY
+        | R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH => Error::Unavailable(msg),
+        R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_INVALID_HANDLE => Error::InvalidArgument(msg),
+        R::CUDA_ERROR_NOT_READY => Error::InvalidState(msg),
+        _ => Error::Runtime(msg),
+    })
+}
+
+/// Loads the driver (via the probe) and runs `cuInit(0)` once per process.
+pub fn init() -> Result<()> {
+    probe::cuda().map_err(|e| Error::Unavailable(format!("CUDA is unavailable: {e}")))?;
+    static INIT: OnceLock<Result<()>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: cuInit has no preconditions.
+        no_panic("cuInit", || check(unsafe { sys::cuInit(0) }, "cuInit"))
+    })
+    .clone()
+}
+
+/// [`init`], then `f` under `catch_unwind`.
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    init()?;
+    no_panic(what, f)
+}
+
+/// The driver's CUDA version (`cuDriverGetVersion`, e.g. 12080 or 13000).
+pub fn driver_version() -> Result<i32> {
+    guarded("cuDriverGetVersion", || {
+        let mut v: c_int = 0;
+        // SAFETY: writable output.
+        check(
+            unsafe { sys::cuDriverGetVersion(&mut v) },
+            "cuDriverGetVersion",
+        )?;
+        Ok(v)
+    })
+}
+
+/// Number of visible devices.
+pub fn device_count() -> Result<usize> {
+    guarded("cuDeviceGetCount", || {
+        let mut n: c_int = 0;
+        // SAFETY: writable output.
+        check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+        Ok(n.max(0) as usize)
+    })
+}
+
+/// A device (ordinal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Device {
+    ordinal: i32,
+    raw: sys::CUdevice,
+}
+
+impl Device {
+    /// Device `ordinal`.
+    pub fn get(ordinal: usize) -> Result<Device> {
+        guarded("cuDeviceGet", || {
+            let ord = c_int::try_from(ordinal)
+                .map_err(|_| Error::InvalidArgument(format!("device ordinal {ordinal}")))?;
+            let mut raw: sys::CUdevice = 0;
+            // SAFETY: writable output.
+            check(unsafe { sys::cuDeviceGet(&mut raw, ord) }, "cuDeviceGet")?;
+            Ok(Device { ordinal: ord, raw })
+        })
+    }
+
+    /// The ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// The raw `CUdevice`.
+    pub fn raw(&self) -> sys::CUdevice {
+        self.raw
+    }
+
+    /// The marketing name ("NVIDIA H200").
+    pub fn name(&self) -> Result<String> {
+        guarded("cuDeviceGetName", || {
+            let mut buf = [0 as c_char; 256];
+            // SAFETY: the buffer holds `len` chars; the driver NUL-terminates.
+            check(
+                unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, self.raw) },
+                "cuDeviceGetName",
+            )?;
+            // SAFETY: NUL-terminated by the driver (the last byte stays 0 regardless).
+            buf[buf.len() - 1] = 0;
+            Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+                .to_string_lossy()
+                .into_owned())
+        })
+    }
+
+    /// One attribute (`cuDeviceGetAttribute`).
+    pub fn attribute(&self, attr: DeviceAttribute) -> Result<i32> {
+        guarded("cuDeviceGetAttribute", || {
+            let mut v: c_int = 0;
+            // SAFETY: writable output; `attr` is a valid enum value.
+            check(
+                unsafe { sys::cuDeviceGetAttribute(&mut v, attr, self.raw) },
+                &format!("cuDeviceGetAttribute({attr:?})"),
+            )?;
+            Ok(v)
+        })
+    }
+
+    /// (major, minor) compute capability.
+    pub fn compute_capability(&self) -> Result<(i32, i32)> {
+        Ok((
+            self.attribute(DeviceAttribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            self.attribute(DeviceAttribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ))
+    }
+
+    /// Number of streaming multiprocessors.
+    pub fn sm_count(&self) -> Result<i32> {
+        self.attribute(DeviceAttribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+    }
+}
+
+/// The device's primary context, retained (released on drop).
+#[derive(Debug)]
+pub struct PrimaryContext {
+    device: Device,
+    raw: sys::CUcontext,
+}
+
+// SAFETY: a CUcontext may be used (made current) from any thread.
+unsafe impl Send for PrimaryContext {}
+// SAFETY: as above; the driver synchronises internally.
+unsafe impl Sync for PrimaryContext {}
+
+impl PrimaryContext {
+    /// Retains `device`'s primary context (`cuDevicePrimaryCtxRetain`).
+    pub fn retain(device: Device) -> Result<PrimaryContext> {
+        guarded("cuDevicePrimaryCtxRetain", || {
+            let mut raw: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: writable output; a valid device.
+            check(
+                unsafe { sys::cuDevicePrimaryCtxRetain(&mut raw, device.raw) },
+                "cuDevicePrimaryCtxRetain",
+            )?;
+            Ok(PrimaryContext { device, raw })
+        })
+    }
+
+    /// Makes it current on the calling thread (do this on every entry thread).
+    pub fn set_current(&self) -> Result<()> {
+        guarded("cuCtxSetCurrent", || {
+            // SAFETY: a retained context.
+            check(unsafe { sys::cuCtxSetCurrent(self.raw) }, "cuCtxSetCurrent")
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The raw `CUcontext`.
+    pub fn raw(&self) -> sys::CUcontext {
+        self.raw
+    }
+}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        let dev = self.device.raw;
+        // SAFETY: balanced with the retain in `retain`.
+        quietly(|| unsafe {
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(dev);
+        });
+    }
+}
+
+/// Capture state of a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureStatus {
+    None,
+    Active,
+    Invalidated,
+}
+
+/// A stream: borrowed from the host (never destroyed) or created here (destroyed on drop).
+#[derive(Debug)]
+pub struct Stream {
+    raw: sys::CUstream,
+    owned: bool,
+}
+
+// SAFETY: CUstream handles may be used from any thread.
+unsafe impl Send for Stream {}
+// SAFETY: as above; enqueueing is thread-safe in the driver.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Wraps a host stream (`cudaStream_t`/`CUstream`; NULL = the legacy default stream).
+    ///
+    /// # Safety
+    /// `raw` is NULL or a live stream of the current context, and outlives the value.
+    pub unsafe fn borrowed(raw: *mut c_void) -> Stream {
+        Stream {
+            raw: raw.cast(),
+            owned: false,
+        }
+    }
+
+    /// A new non-blocking stream in the current context.
+    pub fn create() -> Result<Stream> {
+        guarded("cuStreamCreate", || {
+            let mut raw: sys::CUstream = std::ptr::null_mut();
+            // SAFETY: writable output; flag 1 = CU_STREAM_NON_BLOCKING.
+            check(
+                unsafe { sys::cuStreamCreate(&mut raw, 1) },
+                "cuStreamCreate",
+            )?;
+            Ok(Stream { raw, owned: true })
+        })
+    }
+
+    /// The raw handle.
+    pub fn raw(&self) -> *mut c_void {
+        self.raw.cast()
+    }
+
+    /// `cuStreamIsCapturing`.
+    pub fn capture_status(&self) -> Result<CaptureStatus> {
+        guarded("cuStreamIsCapturing", || {
+            let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: a valid stream, writable output.
+            check(
+                unsafe { sys::cuStreamIsCapturing(self.raw, &mut st) },
+                "cuStreamIsCapturing",
+            )?;
+            Ok(match st {
+                sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
+                sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => {
+                    CaptureStatus::Active
+                }
+                _ => CaptureStatus::Invalidated,
+            })
+        })
+    }
+
+    /// InvalidState ([`CAPTURE_SYNC_MESSAGE`]) when the stream is being captured: a host sync
+    /// (counts mode) is impossible inside a CUDA graph.
+    pub fn ensure_not_capturing(&self) -> Result<()> {
+        match self.capture_status()? {
+            CaptureStatus::None => Ok(()),
+            _ => Err(Error::InvalidState(CAPTURE_SYNC_MESSAGE.into())),
+        }
+    }
+
+    /// `cuStreamSynchronize`.
+    pub fn synchronize(&self) -> Result<()> {
+        guarded("cuStreamSynchronize", || {
+            // SAFETY: a valid stream.
+            check(
+                unsafe { sys::cuStreamSynchronize(self.raw) },
+                "cuStreamSynchronize",
+            )
+        })
+    }
+
+    /// Makes later work on this stream wait for `event` (`cuStreamWaitEvent`).
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        guarded("cuStreamWaitEvent", || {
+            // SAFETY: valid stream and event.
+            check(
+                unsafe { sys::cuStreamWaitEvent(self.raw, event.raw, 0) },
+                "cuStreamWaitEvent",
+            )
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.owned {
+            let raw = self.raw;
+            // SAFETY: created by us, not used after this.
+            quietly(|| unsafe {
+                let _ = sys::cuStreamDestroy_v2(raw);
+            });
+        }
+    }
+}
+
+/// Device memory from `cuMemAlloc` (freed on drop).
+#[derive(Debug)]
+pub struct DeviceMemory {
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DeviceMemory {
+    /// Allocates `bytes` (at least 1) in the current context.
+    pub fn alloc(bytes: usize) -> Result<DeviceMemory> {
+        guarded("cuMemAlloc", || {
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: writable output.
+            check(
+                unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) },
+                &format!("cuMemAlloc({bytes} bytes)"),
+            )?;
+            Ok(DeviceMemory { ptr, bytes })
+        })
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The size asked for.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        let p = self.ptr;
+        // SAFETY: allocated by cuMemAlloc, freed once.
+        quietly(|| unsafe {
+            let _ = sys::cuMemFree_v2(p);
+        });
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc` (freed on drop), e.g. for the counts D2H.
+#[derive(Debug)]
+pub struct PinnedHost {
+    ptr: *mut c_void,
+    bytes: usize,
+}
+
+// SAFETY: plain host memory.
+unsafe impl Send for PinnedHost {}
+
+impl PinnedHost {
+    /// Allocates `bytes` (at least 1) of pinned host memory.
+    pub fn alloc(bytes: usize) -> Result<PinnedHost> {
+        guarded("cuMemHostAlloc", || {
+            let mut ptr: *mut c_void = std::ptr::null_mut();
+            // SAFETY: writable output; flags 0.
+            check(
+                unsafe { sys::cuMemHostAlloc(&mut ptr, bytes.max(1), 0) },
+                &format!("cuMemHostAlloc({bytes} bytes)"),
+            )?;
+            Ok(PinnedHost { ptr, bytes })
+        })
+    }
+
+    /// The host address.
+    pub fn ptr(&self) -> *mut c_void {
+        self.ptr
+    }
+
+    /// The size.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        let p = self.ptr;
+        // SAFETY: allocated by cuMemHostAlloc, freed once.
+        quietly(|| unsafe {
+            let _ = sys::cuMemFreeHost(p);
+        });
+    }
+}
+
+/// `cuMemcpyHtoDAsync`.
+///
+/// # Safety
+/// `src` is readable for `bytes` (pinned for true asynchrony) until the copy ran; `dst` is
+/// device memory of `bytes`.
+pub unsafe fn memcpy_htod_async(
+    dst: u64,
+    src: *const c_void,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    guarded("cuMemcpyHtoDAsync", || {
+        // SAFETY: caller contract.
+        check(
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, bytes, stream.raw) },
+            "cuMemcpyHtoDAsync",
+        )
+    })
+}
+
+/// `cuMemcpyDtoHAsync`.
+///
+/// # Safety
+/// `dst` is writable for `bytes` until the copy ran (pinned for true asynchrony).
+pub unsafe fn memcpy_dtoh_async(
+    dst: *mut c_void,
+    src: u64,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    guarded("cuMemcpyDtoHAsync", || {
+        // SAFETY: caller contract.
+        check(
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst, src, bytes, stream.raw) },
+            "cuMemcpyDtoHAsync",
+        )
+    })
+}
+
+/// `cuMemcpyDtoDAsync` (copy engine; also peers' mapped memory).
+///
+/// # Safety
+/// Both ranges are device memory of `bytes` in this context's address space.
+pub unsafe fn memcpy_dtod_async(dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
+    guarded("cuMemcpyDtoDAsync", || {
+        // SAFETY: caller contract.
+        check(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.raw) },
+            "cuMemcpyDtoDAsync",
+        )
+    })
+}
+
+/// `cuMemsetD8Async`.
+///
+/// # Safety
+/// `dst` is device memory of `bytes`.
+pub unsafe fn memset_d8_async(dst: u64, value: u8, bytes: usize, stream: &Stream) -> Result<()> {
+    guarded("cuMemsetD8Async", || {
+        // SAFETY: caller contract.
+        check(
+            unsafe { sys::cuMemsetD8Async(dst, value, bytes, stream.raw) },
+            "cuMemsetD8Async",
+        )
+    })
+}
+
+#[derive(Debug)]
+struct ModuleInner(sys::CUmodule);
+
+// SAFETY: module handles are usable from any thread.
+unsafe impl Send for ModuleInner {}
+// SAFETY: as above.
+unsafe impl Sync for ModuleInner {}
+
+impl Drop for ModuleInner {
+    fn drop(&mut self) {
+        let m = self.0;
+        // SAFETY: loaded by us; functions keep the Arc alive, so none is in use.
+        quietly(|| unsafe {
+            let _ = sys::cuModuleUnload(m);
+        });
+    }
+}
+
+/// A loaded module (CUBIN or PTX); unloaded when it and all its functions are dropped.
+#[derive(Debug, Clone)]
+pub struct Module(Arc<ModuleInner>);
+
+impl Module {
+    /// Loads a CUBIN (ELF) or PTX image into the current context (`cuModuleLoadData`). PTX is
+    /// NUL-terminated here if needed.
+    pub fn load(image: &[u8]) -> Result<Module> {
+        let is_elf = image.starts_with(b"\x7fELF");
+        let owned;
+        let data: &[u8] = if is_elf || image.last() == Some(&0) {
+            image
+        } else {
+            owned = [image, &[0u8]].concat();
+            &owned
+        };
+        guarded("cuModuleLoadData", || {
+            let mut m: sys::CUmodule = std::ptr::null_mut();
+            // SAFETY: `data` is a complete image (ELF, or NUL-terminated PTX) alive for the call.
+            check(
+                unsafe { sys::cuModuleLoadData(&mut m, data.as_ptr().cast()) },
+                if is_elf {
+                    "cuModuleLoadData(CUBIN)"
+                } else {
+                    "cuModuleLoadData(PTX)"
+                },
+            )?;
+            Ok(Module(Arc::new(ModuleInner(m))))
+        })
+    }
+
+    /// The kernel `name` (`extern "C"` name).
+    pub fn function(&self, name: &str) -> Result<Function> {
+        let c = CString::new(name)
+            .map_err(|_| Error::InvalidArgument(format!("kernel name {name:?} contains NUL")))?;
+        guarded("cuModuleGetFunction", || {
+            let mut f: sys::CUfunction = std::ptr::null_mut();
+            // SAFETY: a loaded module, a C string, a writable output.
+            check(
+                unsafe { sys::cuModuleGetFunction(&mut f, self.0 .0, c.as_ptr()) },
+                &format!("cuModuleGetFunction({name})"),
+            )?;
+            Ok(Function {
+                raw: f,
+                _module: self.0.clone(),
+            })
+        })
+    }
+}
+
+/// A kernel; keeps its module loaded.
+#[derive(Debug, Clone)]
+pub struct Function {
+    raw: sys::CUfunction,
+    _module: Arc<ModuleInner>,
+}
+
+// SAFETY: function handles are usable from any thread.
+unsafe impl Send for Function {}
+// SAFETY: as above.
+unsafe impl Sync for Function {}
+
+impl Function {
+    /// The raw `CUfunction`.
+    pub fn raw(&self) -> sys::CUfunction {
+        self.raw
+    }
+
+    /// Allows up to `bytes` of dynamic shared memory (above the 48 KiB default).
+    pub fn set_max_dynamic_shared(&self, bytes: u32) -> Result<()> {
+        guarded("cuFuncSetAttribute", || {
+            // SAFETY: a valid function.
+            check(
+                unsafe {
+                    sys::cuFuncSetAttribute(
+                        self.raw,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as c_int,
+                    )
+                },
+                "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+            )
+        })
+    }
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchDims {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_bytes: u32,
+}
+
+/// `cuLaunchKernel` with a raw argument array (one pointer per kernel parameter, each pointing
+/// at the argument's value; device pointers are `u64`s).
+///
+/// # Safety
+/// `args` matches the kernel's parameter list exactly and every pointee lives until the call
+/// returns; device memory the kernel touches is valid until it finished.
+pub unsafe fn launch(
+    f: &Function,
+    dims: LaunchDims,
+    stream: &Stream,
+    args: *mut *mut c_void,
+) -> Result<()> {
+    guarded("cuLaunchKernel", || {
+        let (g, b) = (dims.grid, dims.block);
+        // SAFETY: caller contract.
+        check(
+            unsafe {
+                sys::cuLaunchKernel(
+                    f.raw,
+                    g.0,
+                    g.1,
+                    g.2,
+                    b.0,
+                    b.1,
+                    b.2,
+                    dims.shared_bytes,
+                    stream.raw,
+                    args,
+                    std::ptr::null_mut(),
+                )
+            },
+            "cuLaunchKernel",
+        )
+    })
+}
+
+/// A CUDA event (destroyed on drop).
+#[derive(Debug)]
+pub struct Event {
+    raw: sys::CUevent,
+}
+
+// SAFETY: event handles are usable from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+const EVENT_DISABLE_TIMING: c_uint = 2;
+const EVENT_INTERPROCESS: c_uint = 4;
+
+impl Event {
+    fn with_flags(flags: c_uint) -> Result<Event> {
+        guarded("cuEventCreate", || {
+            let mut raw: sys::CUevent = std::ptr::null_mut();
+            // SAFETY: writable output; valid flags.
+            check(
+                unsafe { sys::cuEventCreate(&mut raw, flags) },
+                "cuEventCreate",
+            )?;
+            Ok(Event { raw })
+        })
+    }
+
+    /// A new event; `timing` enables [`Event::elapsed_ms`] (slightly slower record).
+    pub fn new(timing: bool) -> Result<Event> {
+        Event::with_flags(if timing { 0 } else { EVENT_DISABLE_TIMING })
+    }
+
+    /// An interprocess event (no timing), shareable with [`ipc_event_handle`].
+    pub fn interprocess() -> Result<Event> {
+        Event::with_flags(EVENT_DISABLE_TIMING | EVENT_INTERPROCESS)
+    }
+
+    /// `cuEventRecord` on `stream`.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        guarded("cuEventRecord", || {
+            // SAFETY: valid event and stream.
+            check(
+                unsafe { sys::cuEventRecord(self.raw, stream.raw) },
+                "cuEventRecord",
+            )
+        })
+    }
+
+    /// Blocks until the event completed.
+    pub fn synchronize(&self) -> Result<()> {
+        guarded("cuEventSynchronize", || {
+            // SAFETY: a valid event.
+            check(
+                unsafe { sys::cuEventSynchronize(self.raw) },
+                "cuEventSynchronize",
+            )
+        })
+    }
+
+    /// Whether the event completed (non-blocking; for poll loops that also check NCCL's async
+    /// error and a timeout).
+    pub fn query(&self) -> Result<bool> {
+        guarded("cuEventQuery", || {
+            // SAFETY: a valid event.
+            match unsafe { sys::cuEventQuery(self.raw) } {
+                sys::CUresult::CUDA_SUCCESS => Ok(true),
+                sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+                rc => check(rc, "cuEventQuery").map(|_| false),
+            }
+        })
+    }
+
+    /// Milliseconds between two completed timing events.
+    pub fn elapsed_ms(start: &Event, end: &Event) -> Result<f32> {
+        guarded("cuEventElapsedTime", || {
+            let mut ms = 0f32;
+            // SAFETY: valid events, writable output.
+            check(
+                unsafe { sys::cuEventElapsedTime(&mut ms, start.raw, end.raw) },
+                "cuEventElapsedTime",
+            )?;
+            Ok(ms)
+        })
+    }
+
+    /// The raw `CUevent`.
+    pub fn raw(&self) -> sys::CUevent {
+        self.raw
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let e = self.raw;
+        // SAFETY: created by us (or opened from an IPC handle), destroyed once.
+        quietly(|| unsafe {
+            let _ = sys::cuEventDestroy_v2(e);
+        });
+    }
+}
+
+// ---- VMM ------------------------------------------------------------------------------------
+
+const HANDLE_POSIX_FD: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+const HANDLE_FABRIC: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
+
+fn location(device: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: device,
+    }
+}
+
+fn alloc_prop(device: i32, fabric: bool) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct whose all-zero value is valid (INVALID enum values, NULL).
+    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.requestedHandleTypes = if fabric {
+        sys::CUmemAllocationHandleType_enum(HANDLE_POSIX_FD.0 | HANDLE_FABRIC.0)
+    } else {
+        HANDLE_POSIX_FD
+    };
+    p.location = location(device);
+    p
+}
+
+/// The recommended VMM granularity for POSIX-fd shareable allocations on `device`.
+pub fn vmm_granularity(device: &Device) -> Result<usize> {
+    guarded("cuMemGetAllocationGranularity", || {
+        let prop = alloc_prop(device.ordinal, false);
+        let mut g = 0usize;
+        // SAFETY: valid prop, writable output.
+        check(
+            unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut g,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+                )
+            },
+            "cuMemGetAllocationGranularity",
+        )?;
+        Ok(g.max(1))
+    })
+}
+
+/// A physical VMM allocation (`cuMemCreate`, exportable as a POSIX fd); released on drop.
+/// Mappings keep the memory alive after the handle is released.
+#[derive(Debug)]
+pub struct VmmAllocation {
+    handle: sys::CUmemGenericAllocationHandle,
+    bytes: usize,
+}
+
+impl VmmAllocation {
+    /// Allocates at least `bytes` on `device` (rounded up to the granularity). With `fabric`,
+    /// asks for a fabric handle too and retries POSIX-fd only when the driver refuses (as
+    /// DeepEP and `ncclMemAlloc` do).
+    pub fn create(device: &Device, bytes: usize, fabric: bool) -> Result<VmmAllocation> {
+        let g = vmm_granularity(device)?;
+        let bytes = crate::gpu::nccl::plan::align_up(bytes.max(1), g.next_power_of_two())
+            .ok_or_else(|| Error::InvalidArgument(format!("VMM allocation of {bytes} bytes")))?;
+        guarded("cuMemCreate", || {
+            let attempt = |fab: bool| {
+                let prop = alloc_prop(device.ordinal, fab);
+                let mut h: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: valid prop, writable output.
+                let rc = unsafe { sys::cuMemCreate(&mut h, bytes, &prop, 0) };
+                (rc, h)
+            };
+            let (mut rc, mut h) = attempt(fabric);
+            if fabric
+                && matches!(
+                    rc,
+                    sys::CUresult::CUDA_ERROR_NOT_PERMITTED
+                        | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+                )
+            {
+                (rc, h) = attempt(false);
+            }
+            check(rc, &format!("cuMemCreate({bytes} bytes)"))?;
+            Ok(VmmAllocation { handle: h, bytes })
+        })
+    }
+
+    /// Exports a POSIX fd for the allocation (send it with SCM_RIGHTS).
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        guarded("cuMemExportToShareableHandle", || {
+            let mut fd: c_int = -1;
+            // SAFETY: for POSIX_FILE_DESCRIPTOR the output is an int.
+            check(
+                unsafe {
+                    sys::cuMemExportToShareableHandle(
+                        (&mut fd as *mut c_int).cast(),
+                        self.handle,
+                        HANDLE_POSIX_FD,
+                        0,
+                    )
+                },
+                "cuMemExportToShareableHandle(POSIX_FD)",
+            )?;
+            // SAFETY: a new fd owned by the caller from now on.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        })
+    }
+
+    /// Imports a peer's allocation of `bytes` from its fd (the fd may be closed afterwards).
+    pub fn import_fd(fd: BorrowedFd<'_>, bytes: usize) -> Result<VmmAllocation> {
+        guarded("cuMemImportFromShareableHandle", || {
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: for POSIX_FILE_DESCRIPTOR the handle argument is the fd cast to a pointer.
+            check(
+                unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut h,
+                        fd.as_raw_fd() as isize as *mut c_void,
+                        HANDLE_POSIX_FD,
+                    )
+                },
+                "cuMemImportFromShareableHandle(POSIX_FD)",
+            )?;
+            Ok(VmmAllocation { handle: h, bytes })
+        })
+    }
+
+    /// The size (granularity-rounded).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The raw handle.
+    pub fn handle(&self) -> sys::CUmemGenericAllocationHandle {
+        self.handle
+    }
+}
+
+impl Drop for VmmAllocation {
+    fn drop(&mut self) {
+        let h = self.handle;
+        // SAFETY: created/imported by us, released once.
+        quietly(|| unsafe {
+            let _ = sys::cuMemRelease(h);
+        });
+    }
+}
+
+/// A reserved virtual address range (all ranks' workspaces are mapped into one); unmaps what
+/// it mapped and frees the range on drop.
+#[derive(Debug)]
+pub struct VaRange {
+    base: u64,
+    bytes: usize,
+    mapped: Vec<(usize, usize)>,
+}
+
+impl VaRange {
+    /// Reserves `bytes` aligned to `align` (0 = default).
+    pub fn reserve(bytes: usize, align: usize) -> Result<VaRange> {
+        guarded("cuMemAddressReserve", || {
+            let mut base: sys::CUdeviceptr = 0;
+            // SAFETY: writable output.
+            check(
+                unsafe { sys::cuMemAddressReserve(&mut base, bytes, align, 0, 0) },
+                &format!("cuMemAddressReserve({bytes} bytes)"),
+            )?;
+            Ok(VaRange {
+                base,
+                bytes,
+                mapped: Vec::new(),
+            })
+        })
+    }
+
+    /// The start address.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Maps all of `alloc` at `offset` and grants `device` read/write access; returns the
+    /// address.
+    pub fn map(&mut self, offset: usize, alloc: &VmmAllocation, device: &Device) -> Result<u64> {
+        let end = offset.checked_add(alloc.bytes);
+        if end.is_none_or(|e| e > self.bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "VMM map: {} bytes at offset {offset} exceed the reserved {} bytes",
+                alloc.bytes, self.bytes
+            )));
+        }
+        let addr = self.base + offset as u64;
+        guarded("cuMemMap", || {
+            // SAFETY: inside the reserved range; a valid allocation handle.
+            check(
+                unsafe { sys::cuMemMap(addr, alloc.bytes, 0, alloc.handle, 0) },
+                "cuMemMap",
+            )
+        })?;
+        self.mapped.push((offset, alloc.bytes));
+        let access = sys::CUmemAccessDesc {
+            location: location(device.ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        guarded("cuMemSetAccess", || {
+            // SAFETY: a mapped range; one valid descriptor.
+            check(
+                unsafe { sys::cuMemSetAccess(addr, alloc.bytes, &access, 1) },
+                "cuMemSetAccess",
+            )
+        })?;
+        Ok(addr)
+    }
+
+    /// Unmaps the mapping made at `offset`.
+    pub fn unmap(&mut self, offset: usize) -> Result<()> {
+        let i = self
+            .mapped
+            .iter()
+            .position(|m| m.0 == offset)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("VMM unmap: nothing mapped at offset {offset}"))
+            })?;
+        let (off, len) = self.mapped.remove(i);
+        let addr = self.base + off as u64;
+        guarded("cuMemUnmap", || {
+            // SAFETY: a range we mapped.
+            check(unsafe { sys::cuMemUnmap(addr, len) }, "cuMemUnmap")
+        })
+    }
+}
+
+impl Drop for VaRange {
+    fn drop(&mut self) {
+        let (base, bytes) = (self.base, self.bytes);
+        let mapped = std::mem::take(&mut self.mapped);
+        // SAFETY: ranges we mapped inside a range we reserved; each released once.
+        quietly(|| unsafe {
+            for (off, len) in mapped {
+                let _ = sys::cuMemUnmap(base + off as u64, len);
+            }
+            let _ = sys::cuMemAddressFree(base, bytes);
+        });
+    }
+}
+
+// ---- legacy IPC -----------------------------------------------------------------------------
+
+/// Bytes of `CUipcMemHandle` / `CUipcEventHandle`.
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+fn handle_bytes(reserved: &[c_char; IPC_HANDLE_BYTES]) -> [u8; IPC_HANDLE_BYTES] {
+    reserved.map(|c| c as u8)
+}
+
+fn handle_chars(bytes: &[u8; IPC_HANDLE_BYTES]) -> [c_char; IPC_HANDLE_BYTES] {
+    bytes.map(|b| b as c_char)
+}
+
+/// The IPC handle of a `cuMemAlloc` allocation (`cuIpcGetMemHandle`), as plain bytes.
+pub fn ipc_mem_handle(ptr: u64) -> Result<[u8; IPC_HANDLE_BYTES]> {
+    guarded("cuIpcGetMemHandle", || {
+        // SAFETY: plain data.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: writable output; `ptr` is checked by the driver.
+        check(
+            unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) },
+            "cuIpcGetMemHandle",
+        )?;
+        Ok(handle_bytes(&h.reserved))
+    })
+}
+
+/// A peer's allocation opened from its IPC handle (closed on drop; never open your own).
+#[derive(Debug)]
+pub struct IpcMapping {
+    ptr: u64,
+}
+
+impl IpcMapping {
+    /// `cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS` (required).
+    pub fn open(handle: &[u8; IPC_HANDLE_BYTES]) -> Result<IpcMapping> {
+        guarded("cuIpcOpenMemHandle", || {
+            let h = sys::CUipcMemHandle {
+                reserved: handle_chars(handle),
+            };
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: writable output; flag 1 = LAZY_ENABLE_PEER_ACCESS.
+            check(
+                unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, 1) },
+                "cuIpcOpenMemHandle",
+            )?;
+            Ok(IpcMapping { ptr })
+        })
+    }
+
+    /// The address in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        let p = self.ptr;
+        // SAFETY: opened by us, closed once.
+        quietly(|| unsafe {
+            let _ = sys::cuIpcCloseMemHandle(p);
+        });
+    }
+}
+
+/// The IPC handle of an [`Event::interprocess`] event.
+pub fn ipc_event_handle(event: &Event) -> Result<[u8; IPC_HANDLE_BYTES]> {
+    guarded("cuIpcGetEventHandle", || {
+        // SAFETY: plain data.
+        let mut h: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: writable output, valid event.
+        check(
+            unsafe { sys::cuIpcGetEventHandle(&mut h, event.raw) },
+            "cuIpcGetEventHandle",
+        )?;
+        Ok(handle_bytes(&h.reserved))
+    })
+}
+
+/// Opens a peer's interprocess event (wait on it with [`Stream::wait_event`]).
+pub fn open_ipc_event(handle: &[u8; IPC_HANDLE_BYTES]) -> Result<Event> {
+    guarded("cuIpcOpenEventHandle", || {
+        let h = sys::CUipcEventHandle {
+            reserved: handle_chars(handle),
+        };
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: writable output.
+        check(
+            unsafe { sys::cuIpcOpenEventHandle(&mut raw, h) },
+            "cuIpcOpenEventHandle",
+        )?;
+        Ok(Event { raw })
+    })
+}
