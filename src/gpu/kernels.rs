@@ -787,11 +787,7 @@ pub fn parse_entry_points(src: &str) -> Vec<(String, Vec<(String, String)>)> {
             .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
             .filter(|p| !p.is_empty())
             .map(|p| {
-                let name = p
-                    .rsplit([' ', '*'])
-                    .next()
-                    .unwrap_or_default()
-                    .to_string();
+                let name = p.rsplit([' ', '*']).next().unwrap_or_default().to_string();
                 let ty = p[..p.len() - name.len()].trim().to_string();
                 (ty, name)
             })
