@@ -368,7 +368,9 @@ pub fn exchange_fds(
         }]);
     }
     if rank == 0 {
-        serve(group, world, payload, &addr, addr_len, deadline, timeout)
+        serve(
+            group, world, fd, payload, &addr, addr_len, deadline, timeout,
+        )
     } else {
         join(
             group, rank, world, fd, payload, &addr, addr_len, deadline, timeout,
@@ -376,9 +378,11 @@ pub fn exchange_fds(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn serve(
     group: &str,
     world: usize,
+    own_fd: Option<BorrowedFd<'_>>,
     payload: &[u8],
     addr: &libc::sockaddr_un,
     addr_len: libc::socklen_t,
@@ -502,7 +506,12 @@ fn serve(
         // Everyone joined: send each rank every other rank's entry.
         for (dst, conn) in &conns {
             for e in entries.iter().flatten().filter(|e| e.rank != *dst) {
-                let fds: Vec<BorrowedFd<'_>> = e.fd.iter().map(|f| f.as_fd_ref()).collect();
+                // Rank 0's own fd is the caller's (borrowed); the others were received.
+                let fds: Vec<BorrowedFd<'_>> = if e.rank == 0 {
+                    own_fd.into_iter().collect()
+                } else {
+                    e.fd.iter().map(|f| f.as_fd_ref()).collect()
+                };
                 let m = encode(KIND_ENTRY, e.rank, world, !fds.is_empty(), &e.payload);
                 send_with_fds(conn.as_fd_ref(), &m, &fds).map_err(|err| {
                     Error::PeerFailure(format!(

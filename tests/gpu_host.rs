@@ -1,0 +1,735 @@
+//! The host side of the GPU transports, without a GPU: NCCL exchange plans and capacity
+//! layout, the one-sided workspace layout, epochs, device error words, the peer table, fd
+//! passing (SCM_RIGHTS, threads and a child process), the capability JSON and the loaders'
+//! "unavailable" messages.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use epcomm::error::{Error, Status};
+use epcomm::gpu::caps;
+use epcomm::gpu::nccl::{
+    self, counts_plan, supports_zero_size_p2p, version_parts, CapacityLayout, ExchangeOptions,
+    LocalCopy, NcclComm, NcclUniqueId, PeerTransfer,
+};
+use epcomm::gpu::onesided::fdpass::{
+    exchange_fds, recv_with_fds, send_with_fds, socket_pair, PeerFd,
+};
+use epcomm::gpu::onesided::{
+    epoch_reached, error_code, DeviceError, Epoch, PeerEntry, PeerSource, PeerTable,
+    WorkspaceLayout, REGION_ALIGN, ROW_ALIGN,
+};
+
+// ---- NCCL versions and the counts-mode plan ------------------------------------------------
+
+#[test]
+fn nccl_version_codes() {
+    assert_eq!(version_parts(22809), (2, 28, 9));
+    assert_eq!(version_parts(21210), (2, 12, 10));
+    assert_eq!(version_parts(2804), (2, 8, 4));
+    assert!(supports_zero_size_p2p(21210));
+    assert!(supports_zero_size_p2p(22809));
+    assert!(!supports_zero_size_p2p(21209));
+    assert!(!supports_zero_size_p2p(2804));
+    assert!(ExchangeOptions::for_version(22809).zero_size_p2p);
+    assert!(!ExchangeOptions::for_version(21012).zero_size_p2p);
+}
+
+/// counts[src][dst] for 3 ranks, with zeros off the diagonal.
+const M3: [i32; 9] = [
+    2, 0, 3, //
+    1, 4, 0, //
+    0, 5, 6,
+];
+
+#[test]
+fn counts_plan_offsets_rank0() {
+    let p = counts_plan(&M3, 3, 0, 10, ExchangeOptions::for_version(22809)).unwrap();
+    // Send buffer by destination: [self 2 rows][to 1: 0 rows][to 2: 3 rows].
+    assert_eq!(
+        p.sends,
+        vec![
+            PeerTransfer {
+                peer: 1,
+                offset: 20,
+                bytes: 0
+            },
+            PeerTransfer {
+                peer: 2,
+                offset: 20,
+                bytes: 30
+            },
+        ]
+    );
+    // Receive buffer by source: [self 2][from 1: 1][from 2: 0].
+    assert_eq!(
+        p.recvs,
+        vec![
+            PeerTransfer {
+                peer: 1,
+                offset: 20,
+                bytes: 10
+            },
+            PeerTransfer {
+                peer: 2,
+                offset: 30,
+                bytes: 0
+            },
+        ]
+    );
+    assert_eq!(
+        p.local,
+        Some(LocalCopy {
+            send_offset: 0,
+            recv_offset: 0,
+            bytes: 20
+        })
+    );
+    assert_eq!((p.send_bytes, p.recv_bytes), (50, 30));
+    assert_eq!(p.recv_rows, vec![2, 1, 0]);
+}
+
+#[test]
+fn counts_plan_old_nccl_skips_zero_sizes() {
+    let p = counts_plan(&M3, 3, 0, 10, ExchangeOptions::for_version(21000)).unwrap();
+    assert_eq!(p.sends.iter().map(|t| t.peer).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(p.recvs.iter().map(|t| t.peer).collect::<Vec<_>>(), vec![1]);
+}
+
+/// A pseudo-random matrix (xorshift), zeros included.
+fn matrix(world: usize, seed: u64) -> Vec<i32> {
+    let mut s = seed | 1;
+    (0..world * world)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            if s % 3 == 0 {
+                0
+            } else {
+                (s % 50) as i32
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn counts_plans_agree_between_sender_and_receiver() {
+    for world in [1usize, 2, 3, 5, 8] {
+        for zero in [true, false] {
+            for self_nccl in [true, false] {
+                let m = matrix(world, world as u64 * 7 + zero as u64);
+                let opts = ExchangeOptions {
+                    zero_size_p2p: zero,
+                    self_via_nccl: self_nccl,
+                };
+                let plans: Vec<_> = (0..world)
+                    .map(|r| counts_plan(&m, world, r, 7, opts).unwrap())
+                    .collect();
+                for s in 0..world {
+                    for d in 0..world {
+                        let send = plans[s].sends.iter().find(|t| t.peer == d);
+                        let recv = plans[d].recvs.iter().find(|t| t.peer == s);
+                        // Issued on both sides or on neither (else NCCL hangs), same size.
+                        assert_eq!(send.is_some(), recv.is_some(), "{world} {s}->{d}");
+                        if let (Some(a), Some(b)) = (send, recv) {
+                            assert_eq!(a.bytes, b.bytes);
+                            assert_eq!(a.bytes, m[s * world + d] as usize * 7);
+                        }
+                        let bytes = m[s * world + d] as usize * 7;
+                        let expect = (s != d || self_nccl) && (zero || bytes > 0);
+                        assert_eq!(send.is_some(), expect, "{world} {s}->{d}");
+                    }
+                    // With zero sizes every peer appears: all R-1 (or R) entries.
+                    if zero {
+                        let n = if self_nccl { world } else { world - 1 };
+                        assert_eq!(plans[s].sends.len(), n);
+                        assert_eq!(plans[s].recvs.len(), n);
+                    }
+                    // Offsets are the prefix sums and stay inside the buffers.
+                    for t in &plans[s].sends {
+                        assert!(t.offset + t.bytes <= plans[s].send_bytes);
+                        let before: i32 = (0..t.peer).map(|d| m[s * world + d]).sum();
+                        assert_eq!(t.offset, before as usize * 7);
+                    }
+                    for t in &plans[s].recvs {
+                        assert!(t.offset + t.bytes <= plans[s].recv_bytes);
+                        let before: i32 = (0..t.peer).map(|x| m[x * world + s]).sum();
+                        assert_eq!(t.offset, before as usize * 7);
+                    }
+                    assert_eq!(plans[s].local.is_some(), !self_nccl && m[s * world + s] > 0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn counts_plan_rejects_bad_input() {
+    let e = counts_plan(&[1, -2, 0, 0], 2, 0, 4, ExchangeOptions::for_version(22809)).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert_eq!(
+        e.to_string(),
+        "exchange plan: count from rank 0 to rank 1 is -2; counts must be >= 0"
+    );
+    let e = counts_plan(&[1, 2, 3], 2, 0, 4, ExchangeOptions::for_version(22809)).unwrap_err();
+    assert!(e.to_string().contains("has 3 entries, expected"), "{e}");
+    let e = counts_plan(&[0; 4], 2, 2, 4, ExchangeOptions::for_version(22809)).unwrap_err();
+    assert!(e.to_string().contains("rank 2 is out of range"), "{e}");
+    let e = counts_plan(
+        &[i32::MAX; 4],
+        2,
+        0,
+        usize::MAX / 2,
+        ExchangeOptions::for_version(22809),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("overflows"), "{e}");
+}
+
+#[test]
+fn capacity_layout() {
+    let l = CapacityLayout::new(4, 3, 10).unwrap();
+    // [16-byte header][3 × 10 rows] = 46 → 48 bytes per slab.
+    assert_eq!((l.header_bytes, l.slab_bytes, l.total_bytes), (16, 48, 192));
+    assert_eq!(l.slab_offset(2), 96);
+    assert_eq!(l.count_offset(2), 96);
+    assert_eq!(l.row_offset(2, 1), 96 + 16 + 10);
+    for peer in 0..4 {
+        assert_eq!(l.slab_offset(peer) % 16, 0);
+        assert_eq!(l.row_offset(peer, 0) % 16, 0);
+        assert!(l.row_offset(peer, 2) + 10 <= l.slab_offset(peer) + l.slab_bytes);
+    }
+    l.check_counts(1, &[0, 3, 1, 2]).unwrap();
+    let e = l.check_counts(1, &[0, 4, 1, 2]).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "capacity mode: rank 1 sends 4 rows to rank 1, outside the capacity of 0..=3 rows per peer (max_tokens_per_rank)"
+    );
+    assert!(l.check_counts(1, &[0, 1]).is_err());
+
+    // Static plan: every peer a whole slab, self by a local copy.
+    let p = l.plan(1, false).unwrap();
+    assert_eq!(p.sends.len(), 3);
+    assert!(p
+        .sends
+        .iter()
+        .chain(&p.recvs)
+        .all(|t| t.bytes == 48 && t.offset == 48 * t.peer && t.peer != 1));
+    assert_eq!(
+        p.local,
+        Some(LocalCopy {
+            send_offset: 48,
+            recv_offset: 48,
+            bytes: 48
+        })
+    );
+    let p = l.plan(1, true).unwrap();
+    assert_eq!(p.sends.len(), 4);
+    assert!(p.local.is_none());
+    assert!(CapacityLayout::new(0, 1, 1).is_err());
+}
+
+// ---- one-sided workspace ------------------------------------------------------------------
+
+#[test]
+fn workspace_layout_is_aligned_and_disjoint() {
+    for (world, cap, row, meta) in [(1, 1, 1, 0), (2, 128, 7168 * 2, 24), (8, 33, 100, 12)] {
+        let l = WorkspaceLayout::new(world, cap, row, meta).unwrap();
+        assert_eq!(l.row_stride % ROW_ALIGN, 0);
+        assert!(l.row_stride >= row && l.row_stride < row + ROW_ALIGN);
+        for off in [
+            l.data_offset,
+            l.meta_offset,
+            l.counts_offset,
+            l.flags_offset,
+            l.error_offset,
+            l.total_bytes,
+        ] {
+            assert_eq!(off % REGION_ALIGN, 0, "{l:?}");
+        }
+        assert!(l.meta_offset >= l.row_offset(world - 1, cap - 1) + row);
+        assert!(l.counts_offset >= l.meta_offset_of(world - 1, cap - 1) + meta);
+        assert!(l.flags_offset >= l.count_offset(world - 1) + 4);
+        assert!(l.error_offset >= l.flag_offset(world - 1) + 4);
+        assert!(l.total_bytes >= l.error_offset + 16);
+        for src in 0..world {
+            assert_eq!(l.row_offset(src, 0) % REGION_ALIGN, 0);
+            assert_eq!(l.row_offset(src, cap - 1) % ROW_ALIGN, 0);
+            assert!(l.row_offset(src, cap - 1) + row <= l.row_offset(src, 0) + l.slab_bytes);
+        }
+        let a = l.allocation_bytes(2 << 20).unwrap();
+        assert!(a >= l.total_bytes && a % (2 << 20) == 0);
+    }
+    let l = WorkspaceLayout::new(2, 2, 10, 0).unwrap();
+    // Slab: 2 rows of 16 → 32 → 128; counts at 256, flags at 384, error at 512, total 640.
+    assert_eq!(
+        (
+            l.slab_bytes,
+            l.counts_offset,
+            l.flags_offset,
+            l.error_offset,
+            l.total_bytes
+        ),
+        (128, 256, 384, 512, 640)
+    );
+    assert_eq!(l.row_offset(1, 1), 128 + 16);
+    assert_eq!(l.flag_offset(1), 388);
+    assert!(l.allocation_bytes(3).is_err());
+    assert!(WorkspaceLayout::new(0, 1, 1, 0).is_err());
+    assert!(WorkspaceLayout::new(2, usize::MAX / 4, 64, 0).is_err());
+}
+
+#[test]
+fn epochs_skip_zero_and_compare_across_wraparound() {
+    assert_eq!(Epoch(0).next(), Epoch(1));
+    assert_eq!(Epoch(41).next(), Epoch(42));
+    assert_eq!(Epoch(u32::MAX).next(), Epoch(1));
+    let mut e = Epoch(u32::MAX - 1);
+    assert_eq!(e.advance(), Epoch(u32::MAX));
+    assert_eq!(e.advance(), Epoch(1));
+    assert_eq!(e, Epoch(1));
+
+    assert!(epoch_reached(5, 5));
+    assert!(epoch_reached(6, 5));
+    assert!(!epoch_reached(4, 5));
+    // A zeroed (never signalled) flag never counts, whatever the wanted epoch.
+    for want in [1, 2, 0x7fff_ffff, 0x8000_0001, u32::MAX] {
+        assert!(!epoch_reached(0, want), "{want}");
+    }
+    // Across the wrap: 1 and 2 come after u32::MAX.
+    assert!(epoch_reached(1, u32::MAX));
+    assert!(epoch_reached(2, u32::MAX - 1));
+    assert!(!epoch_reached(u32::MAX, 1));
+    // Walk a flag through the wrap: each epoch is reached by itself and the next, not before.
+    let mut ep = Epoch(u32::MAX - 3);
+    for _ in 0..8 {
+        let prev = ep;
+        let cur = ep.advance();
+        assert!(epoch_reached(cur.0, cur.0));
+        assert!(epoch_reached(cur.0, prev.0));
+        assert!(!epoch_reached(prev.0, cur.0) || prev.0 == 0);
+    }
+}
+
+#[test]
+fn device_error_words() {
+    DeviceError::default().check(0).unwrap();
+    let e = DeviceError::from_words([error_code::TIMEOUT, 3, 17, 0])
+        .check(1)
+        .unwrap_err();
+    assert_eq!(e.status(), Status::Timeout);
+    assert_eq!(
+        e.to_string(),
+        "one-sided transport: rank 1 timed out waiting for rank 3 (epoch 17); the peer is slow, stuck or gone"
+    );
+    let mut b = [0u8; 16];
+    for (i, w) in [error_code::CAPACITY, 2u32, 9, 400].iter().enumerate() {
+        b[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    let d = DeviceError::from_bytes(&b);
+    assert_eq!(d, DeviceError::from_words([2, 2, 9, 400]));
+    let e = d.check(0).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(
+        e.to_string().contains("rank 2 sent 400 rows to rank 0"),
+        "{e}"
+    );
+    let e = DeviceError::from_words([error_code::EPOCH_MISMATCH, 1, 5, 7])
+        .check(0)
+        .unwrap_err();
+    assert_eq!(e.status(), Status::PeerFailure);
+    let e = DeviceError::from_words([99, 1, 5, 7]).check(0).unwrap_err();
+    assert_eq!(e.status(), Status::Internal);
+}
+
+#[test]
+fn peer_table() {
+    let mut t = PeerTable::new(1, 3).unwrap();
+    let entry = |base, source| PeerEntry {
+        base,
+        bytes: 4096,
+        source,
+    };
+    let e = t.bases(1).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "peer table: rank 0's workspace is not mapped on rank 1"
+    );
+    t.set(1, entry(0x2000, PeerSource::Local)).unwrap();
+    assert!(t.set(0, entry(0x1000, PeerSource::Local)).is_err());
+    assert!(t.set(2, entry(0, PeerSource::VmmFd)).is_err());
+    assert!(t.set(3, entry(0x1000, PeerSource::VmmFd)).is_err());
+    t.set(0, entry(0x1000, PeerSource::LegacyIpc)).unwrap();
+    t.set(2, entry(0x3000, PeerSource::VmmFd)).unwrap();
+    assert_eq!(
+        t.set(2, entry(0x3000, PeerSource::VmmFd))
+            .unwrap_err()
+            .status(),
+        Status::InvalidState
+    );
+    assert_eq!(t.bases(4096).unwrap(), vec![0x1000, 0x2000, 0x3000]);
+    assert!(t
+        .bases(4097)
+        .unwrap_err()
+        .to_string()
+        .contains("rank 0's workspace has 4096 bytes"));
+    assert_eq!(t.get(2).unwrap().source.name(), "vmm_fd");
+    assert!(PeerTable::new(3, 3).is_err());
+}
+
+// ---- fd passing ---------------------------------------------------------------------------
+
+fn memfd(name: &str) -> File {
+    let c = std::ffi::CString::new(name).unwrap();
+    // SAFETY: a valid C string; memfd_create returns a new fd or -1.
+    let fd = unsafe { libc::memfd_create(c.as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: a fresh fd owned by nobody else.
+    File::from(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn read_all(f: &mut File) -> String {
+    let mut s = String::new();
+    f.seek(SeekFrom::Start(0)).unwrap();
+    f.read_to_string(&mut s).unwrap();
+    s
+}
+
+#[test]
+fn scm_rights_over_a_socket_pair() {
+    let (a, b) = socket_pair().unwrap();
+    let mut m1 = memfd("epcomm-test-1");
+    let m2 = memfd("epcomm-test-2");
+    m1.write_all(b"first").unwrap();
+    send_with_fds(a.as_fd(), b"two fds", &[m1.as_fd(), m2.as_fd()]).unwrap();
+    let mut buf = [0u8; 64];
+    let r = recv_with_fds(b.as_fd(), &mut buf, Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(&buf[..r.len], b"two fds");
+    assert_eq!(r.fds.len(), 2);
+    let mut fds = r.fds.into_iter();
+    // Same open file: what one side wrote the other reads, both ways.
+    let mut got1 = File::from(fds.next().unwrap());
+    assert_eq!(read_all(&mut got1), "first");
+    got1.write_all(b" and more").unwrap();
+    assert_eq!(read_all(&mut m1), "first and more");
+    let mut got2 = File::from(fds.next().unwrap());
+    got2.write_all(b"second").unwrap();
+    let mut m2 = m2;
+    assert_eq!(read_all(&mut m2), "second");
+
+    // A message without fds; then the bounded wait and the closed peer.
+    send_with_fds(b.as_fd(), b"x", &[]).unwrap();
+    let r = recv_with_fds(a.as_fd(), &mut buf, None).unwrap();
+    assert_eq!((r.len, r.fds.len()), (1, 0));
+    let t0 = Instant::now();
+    let e = recv_with_fds(a.as_fd(), &mut buf, Some(Duration::from_millis(100))).unwrap_err();
+    assert_eq!(e.status(), Status::Timeout);
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    drop(b);
+    let e = recv_with_fds(a.as_fd(), &mut buf, Some(Duration::from_secs(5))).unwrap_err();
+    assert_eq!(e.status(), Status::PeerFailure);
+    assert!(send_with_fds(a.as_fd(), b"", &[]).is_err());
+}
+
+#[test]
+fn oversized_message_is_an_error_and_fds_are_closed() {
+    let (a, b) = socket_pair().unwrap();
+    let m = memfd("epcomm-test-trunc");
+    send_with_fds(a.as_fd(), &[7u8; 100], &[m.as_fd()]).unwrap();
+    let mut small = [0u8; 10];
+    let e = recv_with_fds(b.as_fd(), &mut small, Some(Duration::from_secs(5))).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+}
+
+fn group_name(tag: &str) -> String {
+    format!("gpuhost-{tag}-{}", std::process::id())
+}
+
+/// Ranks as threads: each passes a memfd holding its rank; every rank reads every peer's.
+#[test]
+fn rendezvous_all_gathers_fds_between_threads() {
+    let world = 4;
+    let group = group_name("threads");
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let group = group.clone();
+            std::thread::spawn(move || {
+                let mut f = memfd("rank");
+                write!(f, "rank {rank}").unwrap();
+                let payload = (rank as u64 * 1000).to_le_bytes();
+                let got = exchange_fds(
+                    &group,
+                    rank,
+                    world,
+                    Some(f.as_fd()),
+                    &payload,
+                    Duration::from_secs(20),
+                )
+                .unwrap();
+                assert_eq!(got.len(), world);
+                for (
+                    r,
+                    PeerFd {
+                        rank: pr,
+                        fd,
+                        payload,
+                    },
+                ) in got.into_iter().enumerate()
+                {
+                    assert_eq!(pr, r);
+                    assert_eq!(payload, (r as u64 * 1000).to_le_bytes());
+                    if r == rank {
+                        assert!(fd.is_none());
+                    } else {
+                        let mut peer = File::from(fd.unwrap());
+                        assert_eq!(read_all(&mut peer), format!("rank {r}"));
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn rendezvous_names_the_missing_rank() {
+    let group = group_name("missing");
+    let g1 = group.clone();
+    let joiner = std::thread::spawn(move || {
+        exchange_fds(&g1, 1, 3, None, b"", Duration::from_secs(20)).unwrap_err()
+    });
+    let t0 = Instant::now();
+    let e = exchange_fds(&group, 0, 3, None, b"", Duration::from_secs(2)).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    assert_eq!(e.status(), Status::Timeout);
+    assert!(e.to_string().contains("rank(s) 2 did not join"), "{e}");
+    // Rank 1 had joined: it hears the same reason from rank 0 at once, not after its timeout.
+    let e1 = joiner.join().unwrap();
+    assert_eq!(e1.status(), Status::PeerFailure);
+    assert!(e1.to_string().contains("rank(s) 2 did not join"), "{e1}");
+
+    // Nobody listening: a non-zero rank gives up in time and names rank 0.
+    let e = exchange_fds(
+        &group_name("norank0"),
+        2,
+        3,
+        None,
+        b"",
+        Duration::from_millis(200),
+    )
+    .unwrap_err();
+    assert_eq!(e.status(), Status::Timeout);
+    assert!(
+        e.to_string().contains("rank 2 could not reach rank 0"),
+        "{e}"
+    );
+}
+
+#[test]
+fn rendezvous_rejects_a_world_size_mismatch() {
+    let group = group_name("mismatch");
+    let g1 = group.clone();
+    let joiner = std::thread::spawn(move || {
+        exchange_fds(&g1, 1, 3, None, b"", Duration::from_secs(20)).unwrap_err()
+    });
+    let e = exchange_fds(&group, 0, 2, None, b"", Duration::from_secs(20)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("fd rendezvous of group '{group}': rank 1 joined with world size 3, rank 0 has 2")
+    );
+    let e1 = joiner.join().unwrap();
+    assert!(e1.to_string().contains("world size 3"), "{e1}");
+    // world 1 needs nobody.
+    let one = exchange_fds(&group, 0, 1, None, b"p", Duration::from_millis(1)).unwrap();
+    assert_eq!(one.len(), 1);
+    assert!(exchange_fds(&group, 1, 1, None, b"", Duration::from_millis(1)).is_err());
+}
+
+const CHILD_ENV: &str = "EPCOMM_TEST_FD_CHILD_GROUP";
+
+/// Rank 1 in a child process (spawned by `rendezvous_with_a_child_process`); a no-op otherwise.
+#[test]
+fn fd_child_process_helper() {
+    let Ok(group) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let mut mine = memfd("child");
+    mine.write_all(b"written by the child").unwrap();
+    let got = exchange_fds(
+        &group,
+        1,
+        2,
+        Some(mine.as_fd()),
+        b"child",
+        Duration::from_secs(20),
+    )
+    .unwrap();
+    assert_eq!(got[0].payload, b"parent");
+    let mut parent = File::from(got.into_iter().next().unwrap().fd.unwrap());
+    assert_eq!(read_all(&mut parent), "written by the parent");
+    // Answer through the parent's own file, so the parent sees it was really shared.
+    parent.write_all(b" + child").unwrap();
+}
+
+#[test]
+fn rendezvous_with_a_child_process() {
+    if std::env::var(CHILD_ENV).is_ok() {
+        return;
+    }
+    let group = group_name("child");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "fd_child_process_helper",
+            "--exact",
+            "--test-threads=1",
+            "--quiet",
+        ])
+        .env(CHILD_ENV, &group)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut mine = memfd("parent");
+    mine.write_all(b"written by the parent").unwrap();
+    let got = exchange_fds(
+        &group,
+        0,
+        2,
+        Some(mine.as_fd()),
+        b"parent",
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    assert_eq!(got[1].payload, b"child");
+    let mut theirs = File::from(got.into_iter().nth(1).unwrap().fd.unwrap());
+    assert_eq!(read_all(&mut theirs), "written by the child");
+    let status = child.wait().unwrap();
+    assert!(status.success(), "child failed: {status}");
+    assert_eq!(read_all(&mut mine), "written by the parent + child");
+}
+
+// ---- capabilities and loaders without CUDA / NCCL -------------------------------------------
+
+fn nccl_not_found() -> String {
+    match std::env::var("VLLM_NCCL_SO_PATH") {
+        Ok(p) if !p.is_empty() => format!("NCCL not found (tried {p}, libnccl.so.2, libnccl.so)"),
+        _ => "NCCL not found (tried libnccl.so.2, libnccl.so)".to_owned(),
+    }
+}
+
+#[test]
+fn caps_json_reports_what_is_missing() {
+    let c = caps::probe();
+    let j = c.to_json();
+    assert_eq!(j["features"]["cuda"], cfg!(feature = "cuda"));
+    assert_eq!(j["features"]["nccl"], cfg!(feature = "nccl"));
+    match epcomm::probe::cuda() {
+        Err(why) => {
+            assert_eq!(j["cuda"]["available"], false);
+            assert_eq!(j["cuda"]["reason"], why.as_str());
+            if !cfg!(feature = "cuda") {
+                assert_eq!(
+                    j["cuda"]["reason"],
+                    "epcomm was built without the 'cuda' feature"
+                );
+            }
+        }
+        Ok(_) => {
+            // A driver is present: either usable (devices listed) or a reason why not.
+            if j["cuda"]["available"] == true {
+                assert!(j["cuda"]["devices"].is_array());
+            } else {
+                assert!(j["cuda"]["reason"].is_string());
+            }
+        }
+    }
+    if epcomm::probe::nccl().is_err() {
+        assert_eq!(j["nccl"]["available"], false);
+        assert_eq!(j["nccl"]["reason"], nccl_not_found().as_str());
+    } else {
+        assert_eq!(j["nccl"]["available"], true);
+        assert!(j["nccl"]["version_code"].as_i64().unwrap() > 20000);
+    }
+    assert!(j["nvrtc"]["available"].is_boolean());
+    if j["nvrtc"]["available"] == false {
+        assert!(
+            j["nvrtc"]["reason"]
+                .as_str()
+                .unwrap()
+                .starts_with("NVRTC not found")
+                || j["nvrtc"]["reason"]
+                    .as_str()
+                    .unwrap()
+                    .contains("nvrtcVersion")
+        );
+    }
+    // The string form is the same JSON.
+    let back: serde_json::Value = serde_json::from_str(&c.to_json_string()).unwrap();
+    assert_eq!(back, j);
+}
+
+#[test]
+fn nccl_loader_reports_unavailable_without_nccl() {
+    if epcomm::probe::nccl().is_ok() {
+        let api = nccl::api().unwrap();
+        assert!(api.version > 20000);
+        assert!(!api.error_string(1).is_empty());
+        return;
+    }
+    let expect = format!("NCCL is unavailable: {}", nccl_not_found());
+    let e = nccl::api().unwrap_err();
+    assert_eq!(e.status(), Status::Unavailable);
+    assert_eq!(e.to_string(), expect);
+    assert_eq!(nccl::unique_id().unwrap_err().to_string(), expect);
+    let id = NcclUniqueId::from_bytes(&[0u8; 128]).unwrap();
+    assert_eq!(
+        NcclComm::init_rank(&id, 0, 1).unwrap_err().to_string(),
+        expect
+    );
+    // SAFETY: a NULL communicator is rejected before use.
+    let e = unsafe { NcclComm::adopt(std::ptr::null_mut()) }.unwrap_err();
+    assert_eq!(e, Error::NullPointer("nccl_comm"));
+}
+
+#[test]
+fn nccl_unique_id_bytes() {
+    let mut b = [0u8; 128];
+    b[0] = 7;
+    b[127] = 9;
+    let id = NcclUniqueId::from_bytes(&b).unwrap();
+    assert_eq!(id.as_bytes(), &b);
+    let e = NcclUniqueId::from_bytes(&b[..100]).unwrap_err();
+    assert_eq!(e.to_string(), "an NCCL unique id has 128 bytes, got 100");
+    assert_eq!(std::mem::size_of::<NcclUniqueId>(), 128);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn driver_reports_unavailable_without_cuda() {
+    use epcomm::gpu::driver;
+    if epcomm::probe::cuda().is_ok() {
+        return;
+    }
+    for e in [
+        driver::init().unwrap_err(),
+        driver::device_count().unwrap_err(),
+        driver::driver_version().unwrap_err(),
+        driver::Device::get(0).unwrap_err(),
+        driver::Module::load(b".version 8.0").unwrap_err(),
+        driver::DeviceMemory::alloc(16).unwrap_err(),
+        driver::VaRange::reserve(1 << 21, 0).unwrap_err(),
+    ] {
+        assert_eq!(e.status(), Status::Unavailable, "{e}");
+        assert!(e.to_string().starts_with("CUDA is unavailable: "), "{e}");
+    }
+    // SAFETY: a NULL stream is the legacy default stream; no call reaches the driver.
+    let s = unsafe { driver::Stream::borrowed(std::ptr::null_mut()) };
+    assert_eq!(
+        s.ensure_not_capturing().unwrap_err().status(),
+        Status::Unavailable
+    );
+}
