@@ -123,7 +123,11 @@ fn preload_builtins(lib: &Path) {
         .map(|e| e.path())
         .filter(|p| {
             p.file_name()
-                .map(|n| n.to_string_lossy().starts_with("libnvrtc-builtins.so"))
+                .map(|n| {
+                    let n = n.to_string_lossy();
+                    // The `.alt` build is for the `.alt` libnvrtc, which we never load.
+                    n.starts_with("libnvrtc-builtins.so") && !n.contains(".alt.")
+                })
                 .unwrap_or(false)
         })
         .collect();
