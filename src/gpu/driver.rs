@@ -90,11 +90,12 @@ pub fn check(rc: sys::CUresult, what: &str) -> Result<()> {
     })
 }
 
-/// Loads the driver (via the probe) and runs `cuInit(0)` once per process.
+/// Loads the driver (via the probe) and runs `cuInit(0)` once per process; the outcome is
+/// cached, since every wrapper calls this first (the probe's cudarc check `dlopen`s each time).
 pub fn init() -> Result<()> {
-    probe::cuda().map_err(|e| Error::Unavailable(format!("CUDA is unavailable: {e}")))?;
     static INIT: OnceLock<Result<()>> = OnceLock::new();
     INIT.get_or_init(|| {
+        probe::cuda().map_err(|e| Error::Unavailable(format!("CUDA is unavailable: {e}")))?;
         // SAFETY: cuInit has no preconditions.
         no_panic("cuInit", || check(unsafe { sys::cuInit(0) }, "cuInit"))
     })

@@ -8,8 +8,11 @@
 //! - [`DeviceError`]: the error word's layout and its decoding into a status naming the peer.
 //! - [`PeerTable`]: R base pointers and how each was obtained.
 //! - [`fdpass`]: SCM_RIGHTS fd passing and the group rendezvous over a Unix socket.
+//! - `vmm` (`cuda` feature): allocate, export, all-gather and map every rank's workspace.
 
 pub mod fdpass;
+#[cfg(feature = "cuda")]
+pub mod vmm;
 
 use crate::error::{Error, Result};
 use crate::gpu::nccl::plan::align_up;
