@@ -16,10 +16,13 @@ use crate::probe::{self, Library};
 /// One device's capabilities.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct DeviceCaps {
+    /// The device ordinal.
     pub ordinal: usize,
+    /// The device name.
     pub name: String,
     /// (major, minor).
     pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
     pub sm_count: i32,
     /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
     pub vmm: bool,
@@ -58,6 +61,7 @@ impl DeviceCaps {
 /// The CUDA driver's capabilities.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CudaCaps {
+    /// Whether the driver loaded and initialised.
     pub available: bool,
     /// Why not, when not available.
     pub reason: Option<String>,
@@ -65,13 +69,16 @@ pub struct CudaCaps {
     pub driver_version: Option<i32>,
     /// The libcuda file loaded.
     pub driver_path: Option<String>,
+    /// Every visible device.
     pub devices: Vec<DeviceCaps>,
 }
 
 /// A dlopen'd library's availability, version and file.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct LibCaps {
+    /// Whether the library loaded and answered its version call.
     pub available: bool,
+    /// Why not, when not available.
     pub reason: Option<String>,
     /// Human-readable version ("2.28.9", "12.8").
     pub version: Option<String>,
@@ -93,11 +100,15 @@ impl LibCaps {
 /// Everything the probe found.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Caps {
-    /// Built with the `cuda` / `nccl` features.
+    /// Built with the `cuda` feature.
     pub feature_cuda: bool,
+    /// Built with the `nccl` feature.
     pub feature_nccl: bool,
+    /// The CUDA driver and devices.
     pub cuda: CudaCaps,
+    /// NCCL.
     pub nccl: LibCaps,
+    /// NVRTC.
     pub nvrtc: LibCaps,
 }
 

@@ -263,8 +263,11 @@ impl Drop for PrimaryContext {
 /// Capture state of a stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CaptureStatus {
+    /// Not capturing.
     None,
+    /// Capturing into a graph.
     Active,
+    /// A capture that failed and must be ended.
     Invalidated,
 }
 
@@ -634,8 +637,11 @@ impl Function {
 /// Grid, block and dynamic shared memory of a launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchDims {
+    /// Blocks in x, y, z.
     pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z.
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory bytes.
     pub shared_bytes: u32,
 }
 

@@ -40,6 +40,7 @@ pub const NCCL_IN_PROGRESS: NcclResult = 7;
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct NcclUniqueId {
+    /// The opaque bytes.
     pub internal: [u8; NcclUniqueId::BYTES],
 }
 
@@ -75,15 +76,25 @@ impl std::fmt::Debug for NcclUniqueId {
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NcclDataType {
+    /// `ncclInt8`.
     Int8 = 0,
+    /// `ncclUint8` (raw bytes).
     Uint8 = 1,
+    /// `ncclInt32`.
     Int32 = 2,
+    /// `ncclUint32`.
     Uint32 = 3,
+    /// `ncclInt64`.
     Int64 = 4,
+    /// `ncclUint64`.
     Uint64 = 5,
+    /// `ncclFloat16`.
     Float16 = 6,
+    /// `ncclFloat32`.
     Float32 = 7,
+    /// `ncclFloat64`.
     Float64 = 8,
+    /// `ncclBfloat16`.
     Bfloat16 = 9,
 }
 

@@ -33,8 +33,11 @@ pub fn supports_zero_size_p2p(code: i32) -> bool {
 /// One `ncclSend` or `ncclRecv`: the peer, the byte offset into the buffer and the byte count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerTransfer {
+    /// The peer rank.
     pub peer: usize,
+    /// Byte offset into this rank's send (or receive) buffer.
     pub offset: usize,
+    /// Bytes to transfer (may be 0 when zero-size p2p is on).
     pub bytes: usize,
 }
 
@@ -42,8 +45,11 @@ pub struct PeerTransfer {
 /// local copy, not through NCCL, unless [`ExchangeOptions::self_via_nccl`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalCopy {
+    /// Byte offset of the self slot in the send buffer.
     pub send_offset: usize,
+    /// Byte offset of the self slot in the receive buffer.
     pub recv_offset: usize,
+    /// Bytes to copy.
     pub bytes: usize,
 }
 
@@ -73,10 +79,15 @@ impl ExchangeOptions {
 /// keeps NCCL's grouped p2p deterministic).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ExchangePlan {
+    /// The rank this plan is for.
     pub rank: usize,
+    /// The number of ranks.
     pub world: usize,
+    /// Bytes per row.
     pub row_bytes: usize,
+    /// `ncclSend`s to issue, by ascending peer.
     pub sends: Vec<PeerTransfer>,
+    /// `ncclRecv`s to issue, by ascending peer.
     pub recvs: Vec<PeerTransfer>,
     /// The self slot when it is not sent through NCCL (`None` also when it is empty).
     pub local: Option<LocalCopy>,
@@ -210,12 +221,17 @@ pub fn align_up(n: usize, align: usize) -> Option<usize> {
 /// `[u32 count][pad to 16][capacity rows of row_bytes][pad to 16]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CapacityLayout {
+    /// The number of ranks (slabs).
     pub world: usize,
     /// Rows per peer slab (`max_tokens_per_rank`).
     pub capacity: usize,
+    /// Bytes per row.
     pub row_bytes: usize,
+    /// Bytes of the count header ([`CAPACITY_HEADER_BYTES`]).
     pub header_bytes: usize,
+    /// Bytes of one slab (header + rows, 16-byte aligned).
     pub slab_bytes: usize,
+    /// Bytes of the whole buffer (`world` slabs).
     pub total_bytes: usize,
 }
 

@@ -285,6 +285,7 @@ fn seqpacket_socket() -> Result<OwnedFd> {
 /// One rank's contribution, as every rank receives it from the rendezvous.
 #[derive(Debug)]
 pub struct PeerFd {
+    /// The rank this entry is from.
     pub rank: usize,
     /// The peer's fd (a duplicate owned by this process); `None` for the own rank (use the
     /// local object) and for a peer that sent none.

@@ -38,13 +38,16 @@ pub const ERROR_WORD_BYTES: usize = 16;
 /// granularity when allocating).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WorkspaceLayout {
+    /// The number of ranks (source slabs).
     pub world: usize,
     /// Rows per source slab (`max_tokens_per_rank`, times top-k where a token can be sent once
     /// per expert).
     pub capacity: usize,
+    /// Payload bytes per row.
     pub row_bytes: usize,
     /// `row_bytes` rounded up to [`ROW_ALIGN`].
     pub row_stride: usize,
+    /// Metadata bytes per row (ids, weights, scales; 0 for none).
     pub meta_bytes: usize,
     /// `meta_bytes` rounded up to [`ROW_ALIGN`] (0 when there is no metadata).
     pub meta_stride: usize,
@@ -52,11 +55,17 @@ pub struct WorkspaceLayout {
     pub slab_bytes: usize,
     /// One source's metadata slab, rounded up to [`REGION_ALIGN`].
     pub meta_slab_bytes: usize,
+    /// Offset of the data slabs.
     pub data_offset: usize,
+    /// Offset of the metadata slabs.
     pub meta_offset: usize,
+    /// Offset of the per-source row counts (u32 each).
     pub counts_offset: usize,
+    /// Offset of the per-source completion flags (u32 epochs).
     pub flags_offset: usize,
+    /// Offset of the device error word.
     pub error_offset: usize,
+    /// Bytes of the whole workspace (a multiple of 128).
     pub total_bytes: usize,
 }
 
@@ -198,9 +207,13 @@ pub mod error_code {
 /// block (the kernels exit instead of trapping, so the context survives).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DeviceError {
+    /// One of [`error_code`].
     pub code: u32,
+    /// The rank involved.
     pub peer: u32,
+    /// The epoch of the failing operation.
     pub epoch: u32,
+    /// Code-specific detail (a count, the peer's epoch).
     pub detail: u32,
 }
 
@@ -277,6 +290,7 @@ pub struct PeerEntry {
     pub base: u64,
     /// Bytes mapped at `base`.
     pub bytes: usize,
+    /// How the address was obtained.
     pub source: PeerSource,
 }
 
