@@ -489,3 +489,266 @@ fn unknown_arch_falls_back_to_ptx() {
     }
     println!("NVRTC {:?} supports {archs:?}", nv.version);
 }
+
+/// Host emulation of the CUDA built-ins the row kernels use: the kernel bodies run thread by
+/// thread on the CPU (valid for every kernel without `__syncthreads`/shuffles or inline PTX,
+/// i.e. all but scan and signal; the scan here is a plain loop).
+const EMU_PRELUDE: &str = r##"// Host emulation of the CUDA prelude: runs the kernel bodies sequentially, thread by thread
+// (valid for every kernel without __syncthreads/shuffles: all but scan and signal).
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(x)
+struct dim3_ { unsigned x, y, z; };
+static dim3_ threadIdx, blockIdx, blockDim, gridDim;
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+struct uint4 { unsigned x, y, z, w; };
+#ifndef TOPK
+#define TOPK 1
+#endif
+#if ID_DTYPE == 0
+typedef int id_t_;
+#else
+typedef long long id_t_;
+#endif
+static inline int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }
+static inline u64 atomicCAS(u64* p, u64 c, u64 v) { u64 o = *p; if (o == c) *p = v; return o; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+"##;
+
+/// The SPEC §4 worked example through layout → pack → transport → unpack (every layout) →
+/// combine_return → weighted_combine / sum_ranks, plus id validation.
+const EMU_MAIN: &str = r##"#include "emu_prelude.h"
+#include "prelude_tail.h"
+#include "layout.cu"
+#include "pack.cu"
+#include "unpack.cu"
+#include "combine.cu"
+#include <functional>
+using namespace std;
+static void launch(unsigned grid, unsigned block, const function<void()>& f) {
+    gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
+    for (unsigned b = 0; b < grid; ++b) for (unsigned t = 0; t < block; ++t) { blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; f(); }
+}
+static vector<int> scan(const vector<int>& v) { vector<int> o(v.size() + 1); int s = 0; for (size_t i = 0; i < v.size(); ++i) { o[i] = s; s += v[i]; } o[v.size()] = s; return o; }
+static int fails = 0;
+#define CHECK(c) do { if (!(c)) { printf("FAIL line %d: %s\n", __LINE__, #c); ++fails; } } while (0)
+template <class T> static bool eq(const vector<T>& a, vector<T> b) { return a == b; }
+static void pr(const char* n, const vector<float>& v) { printf("%s:", n); for (float x : v) printf(" %g", x); printf("\n"); }
+
+const int R = 2, E = 4, EL = 2, K = TOPK, M = 3;
+struct Rank {
+    vector<float> x; vector<id_t_> ids; vector<float> w; int T;
+    vector<int> rank_flag, pair_flag, rank_counts, expert_counts, send_pos, pair_pos;
+    vector<float> send_rows; vector<int> send_ids, send_src; vector<float> send_w;
+    // receive side
+    vector<float> recv_rows; vector<int> recv_ids, recv_src, recv_offsets; vector<float> recv_w; int N;
+    vector<int> expert_flag, rpair_flag, local_counts, expert_pos, rpair_pos;
+};
+int main() {
+    Rank rk[R];
+    rk[0].x = {10, 11, 12}; rk[0].ids = {0, 2, 1, 0, 3, -1}; rk[0].w = {.5, .5, .25, .75, 1, 0};
+    rk[1].x = {20, 21}; rk[1].ids = {2, 3, 1, -1}; rk[1].w = {.5, .5, 1, 0};
+    u64 err = 0;
+    for (auto& r : rk) {
+        r.T = (int)r.x.size();
+        r.rank_flag.assign(R * r.T, 7); r.pair_flag.assign(R * r.T * K, 7); r.rank_counts.assign(R, 0); r.expert_counts.assign(E, 0);
+        launch(2, 64, [&] { ep_layout(r.ids.data(), r.T, E, EL, R, r.rank_flag.data(), r.pair_flag.data(), r.rank_counts.data(), r.expert_counts.data(), &err); });
+        r.send_pos = scan(r.rank_flag); r.pair_pos = scan(r.pair_flag);
+        int ns = r.send_pos.back();
+        r.send_rows.assign(ns, -1); r.send_ids.assign(ns * K, 99); r.send_w.assign(ns * K, -1); r.send_src.assign(ns, -1);
+        launch(2, 64, [&] { ep_pack((const u8*)r.x.data(), 4, r.ids.data(), r.w.data(), r.T, R, r.rank_flag.data(), r.send_pos.data(), (u8*)r.send_rows.data(), r.send_ids.data(), r.send_w.data(), r.send_src.data()); });
+    }
+    CHECK(err == 0);
+    CHECK(eq(rk[0].rank_counts, {2, 2})); CHECK(eq(rk[1].rank_counts, {1, 1}));
+    CHECK(eq(rk[0].expert_counts, {2, 1, 1, 1}));
+    // transport: receiver d gets, for s in order, s's block for d
+    for (int d = 0; d < R; ++d) {
+        Rank& q = rk[d]; q.recv_offsets = {0};
+        for (int s = 0; s < R; ++s) {
+            Rank& p = rk[s];
+            int a = p.send_pos[d * p.T], b = p.send_pos[(d + 1) * p.T];
+            for (int i = a; i < b; ++i) {
+                q.recv_rows.push_back(p.send_rows[i]); q.recv_src.push_back(p.send_src[i]);
+                for (int k = 0; k < K; ++k) { q.recv_ids.push_back(p.send_ids[i * K + k]); q.recv_w.push_back(p.send_w[i * K + k]); }
+            }
+            q.recv_offsets.push_back((int)q.recv_rows.size());
+        }
+        q.N = (int)q.recv_rows.size();
+        q.expert_flag.assign(EL * q.N, 7); q.rpair_flag.assign(q.N * K, 7); q.local_counts.assign(EL, 0);
+        launch(1, 32, [&] { ep_recv_flags(q.recv_ids.data(), q.N, EL, d, q.expert_flag.data(), q.rpair_flag.data(), q.local_counts.data()); });
+        q.expert_pos = scan(q.expert_flag); q.rpair_pos = scan(q.rpair_flag);
+    }
+    CHECK(eq(rk[0].recv_rows, {10, 11, 21})); CHECK(eq(rk[1].recv_rows, {10, 12, 20}));
+    CHECK(eq(rk[0].local_counts, {2, 2})); CHECK(eq(rk[1].local_counts, {2, 2}));
+    // ---- TOKEN_MAJOR
+    vector<float> want_out[R] = {{20, 13.75f, 48}, {70, 42}};
+    {
+        vector<float> ret_rows[R];
+        for (int d = 0; d < R; ++d) {
+            Rank& q = rk[d];
+            vector<float> rows(q.N); vector<id_t_> ids(q.N * K); vector<float> w(q.N * K);
+            launch(1, 64, [&] { ep_unpack_token_major((const u8*)q.recv_rows.data(), q.recv_ids.data(), q.recv_w.data(), q.N, 4, EL, d, (u8*)rows.data(), ids.data(), w.data()); });
+            if (d == 0) { CHECK(eq(rows, {10, 11, 21})); CHECK(eq(ids, {0, -1, 1, 0, 1, -1})); CHECK(eq(w, {.5, 0, .25, .75, 1, 0})); }
+            else { CHECK(eq(rows, {10, 12, 20})); CHECK(eq(ids, {-1, 2, 3, -1, 2, 3})); CHECK(eq(w, {0, .5, 1, 0, .5, .5})); }
+            // expert rank: weighted sum over its experts, y = (e+1) x
+            vector<float> y(q.N);
+            for (int n = 0; n < q.N; ++n) { float acc = 0; for (int k = 0; k < K; ++k) if (ids[n * K + k] >= 0) acc += w[n * K + k] * ((float)ids[n * K + k] + 1) * rows[n]; y[n] = acc; }
+            ret_rows[d] = y;
+        }
+        for (int s = 0; s < R; ++s) {
+            Rank& p = rk[s]; vector<float> back;
+            for (int d = 0; d < R; ++d) for (int i = rk[d].recv_offsets[s]; i < rk[d].recv_offsets[s + 1]; ++i) back.push_back(ret_rows[d][i]);
+            vector<float> out(p.T, -1);
+            launch(2, 32, [&] { ep_sum_ranks(back.data(), p.rank_flag.data(), p.send_pos.data(), p.T, R, 1, out.data()); });
+            pr("token_major out", out); CHECK(out == want_out[s]);
+        }
+    }
+    // ---- EXPERT_MAJOR and EXPERT_PACKED
+    for (int packed = 0; packed < 2; ++packed) {
+        vector<float> ret[R]; vector<int> ret_off[R];
+        for (int d = 0; d < R; ++d) {
+            Rank& q = rk[d]; int cap = M * R;
+            int nrows = packed ? q.expert_pos.back() : EL * cap;
+            vector<float> rows(nrows, -1), ow(nrows, -1); vector<int> counts(EL, -1), offs(EL + 1, -1), srk(nrows, -1), stok(nrows, -1);
+            if (packed) launch(1, 64, [&] { ep_unpack_expert_packed((const u8*)q.recv_rows.data(), q.recv_ids.data(), q.recv_w.data(), q.recv_src.data(), q.recv_offsets.data(), q.N, R, 4, EL, d, q.expert_flag.data(), q.expert_pos.data(), (u8*)rows.data(), offs.data(), ow.data(), srk.data(), stok.data()); });
+            else launch(1, 64, [&] { ep_unpack_expert_major((const u8*)q.recv_rows.data(), q.recv_ids.data(), q.recv_w.data(), q.recv_src.data(), q.recv_offsets.data(), q.N, R, 4, EL, d, q.expert_flag.data(), q.expert_pos.data(), cap, (u8*)rows.data(), counts.data(), ow.data(), srk.data(), stok.data(), &err); });
+            if (packed) {
+                if (d == 0) { CHECK(eq(rows, {10, 11, 11, 21})); CHECK(eq(offs, {0, 2, 4})); CHECK(eq(ow, {.5, .75, .25, 1})); CHECK(eq(srk, {0, 0, 0, 1})); CHECK(eq(stok, {0, 1, 1, 1})); }
+                else { CHECK(eq(rows, {10, 20, 12, 20})); CHECK(eq(offs, {0, 2, 4})); CHECK(eq(ow, {.5, .5, 1, .5})); CHECK(eq(srk, {0, 1, 0, 1})); CHECK(eq(stok, {0, 0, 2, 0})); }
+            } else {
+                CHECK(eq(counts, {2, 2}));
+                if (d == 0) { CHECK(rows[0] == 10 && rows[1] == 11 && rows[cap] == 11 && rows[cap + 1] == 21); }
+                else { CHECK(rows[0] == 10 && rows[1] == 20 && rows[cap] == 12 && rows[cap + 1] == 20); }
+            }
+            // experts: y = (e+1) x, raw (weights applied on the source)
+            vector<float> y(rows.size());
+            for (int j = 0; j < EL; ++j) {
+                int a = packed ? offs[j] : j * cap, b = packed ? offs[j + 1] : j * cap + counts[j];
+                for (int i = a; i < b; ++i) y[i] = (float)(d * EL + j + 1) * rows[i];
+            }
+            vector<float> send(q.rpair_pos.back(), -1);
+            launch(1, 64, [&] { ep_combine_return_expert((const u8*)y.data(), 4, q.recv_ids.data(), q.N, EL, d, q.expert_pos.data(), packed ? 0 : cap, q.rpair_pos.data(), (u8*)send.data()); });
+            ret[d] = send;
+        }
+        for (int s = 0; s < R; ++s) {
+            Rank& p = rk[s]; vector<float> back;
+            for (int d = 0; d < R; ++d) {
+                Rank& q = rk[d];
+                int a = q.rpair_pos[q.recv_offsets[s] * K], b = q.rpair_pos[q.recv_offsets[s + 1] * K];
+                for (int i = a; i < b; ++i) back.push_back(ret[d][i]);
+            }
+            CHECK((int)back.size() == p.pair_pos.back());
+            vector<int> rows(p.T * K, 7); vector<float> out(p.T, -1);
+            launch(1, 32, [&] { ep_pair_rows(p.ids.data(), p.T, EL, p.pair_pos.data(), rows.data()); });
+            launch(2, 32, [&] { ep_weighted_combine(back.data(), rows.data(), p.w.data(), p.T, 1, out.data()); });
+            pr(packed ? "expert_packed out" : "expert_major out", out); CHECK(out == want_out[s]);
+        }
+    }
+    // ---- RANK_MAJOR
+    {
+        vector<float> ret[R];
+        for (int d = 0; d < R; ++d) {
+            Rank& q = rk[d];
+            vector<float> rows(R * M, -1), w(R * M * K, -1); vector<id_t_> ids(R * M * K, 99); vector<int> cnt(R, -1);
+            launch(1, 64, [&] { ep_unpack_rank_major((const u8*)q.recv_rows.data(), q.recv_ids.data(), q.recv_w.data(), q.recv_offsets.data(), R, M, 4, (u8*)rows.data(), ids.data(), w.data(), cnt.data(), &err); });
+            CHECK(eq(cnt, {2, 1}));
+            if (d == 0) { CHECK(rows[0] == 10 && rows[1] == 11 && rows[M] == 21); CHECK(ids[0] == 0 && ids[1] == 2 && ids[2] == 1 && ids[3] == 0 && ids[4] == -1 && ids[5] == -1); }
+            else { CHECK(rows[0] == 10 && rows[1] == 12 && rows[M] == 20); }
+            CHECK(ids[(M + 1) * K] == -1 && w[(M + 1) * K] == 0);
+            vector<float> y(R * M, 0);
+            for (int s = 0; s < R; ++s) for (int m = 0; m < cnt[s]; ++m) { int i = s * M + m; float acc = 0; for (int k = 0; k < K; ++k) { int e = (int)ids[i * K + k]; if (e >= d * EL && e < (d + 1) * EL) acc += w[i * K + k] * (float)(e + 1) * rows[i]; } y[i] = acc; }
+            vector<float> send(q.N, -1);
+            launch(1, 64, [&] { ep_combine_return_rank_major((const u8*)y.data(), 4, q.recv_offsets.data(), R, M, (u8*)send.data()); });
+            ret[d] = send;
+        }
+        for (int s = 0; s < R; ++s) {
+            Rank& p = rk[s]; vector<float> back;
+            for (int d = 0; d < R; ++d) for (int i = rk[d].recv_offsets[s]; i < rk[d].recv_offsets[s + 1]; ++i) back.push_back(ret[d][i]);
+            vector<float> out(p.T, -1);
+            launch(2, 32, [&] { ep_sum_ranks(back.data(), p.rank_flag.data(), p.send_pos.data(), p.T, R, 1, out.data()); });
+            pr("rank_major out", out); CHECK(out == want_out[s]);
+        }
+    }
+    CHECK(err == 0);
+    // ---- validation: out of range and duplicate ids report the smallest word
+    {
+        vector<id_t_> bad = {0, 1, 2, 2, 7, 0}; vector<int> rf(R * 3), pf(R * 3 * K); u64 e2 = 0;
+        launch(1, 32, [&] { ep_layout(bad.data(), 3, E, EL, R, rf.data(), pf.data(), nullptr, nullptr, &e2); });
+        CHECK(e2 == ep_err_make(EP_ERR_ID_OUT_OF_RANGE, 2, 0));
+        vector<id_t_> dup = {0, 1, 3, 3}; u64 e3 = 0;
+        launch(1, 32, [&] { ep_layout(dup.data(), 2, E, EL, R, rf.data(), pf.data(), nullptr, nullptr, &e3); });
+        CHECK(e3 == ep_err_make(EP_ERR_DUPLICATE_ID, 1, 1));
+        CHECK(rf[1] == 0 && rf[2 + 1] == 0); // the bad token goes nowhere
+    }
+    printf("%s (%d failures)\n", fails ? "FAILED" : "OK", fails);
+    return fails != 0;
+}
+"##;
+
+#[test]
+fn kernels_reproduce_the_spec_worked_example_on_the_host() {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    if std::process::Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!(
+            "SKIP kernels_reproduce_the_spec_worked_example_on_the_host: no C++ compiler ({cxx})"
+        );
+        return;
+    }
+    let dir = temp_dir("kernel-emu");
+    let tail = kernels::PRELUDE_CU
+        .split_once("// ---- device error word")
+        .map(|(_, t)| format!("// ---- device error word{t}"))
+        .expect("prelude marker");
+    let files = [
+        ("emu_prelude.h", EMU_PRELUDE.to_string()),
+        ("prelude_tail.h", tail),
+        ("layout.cu", kernels::LAYOUT_CU.to_string()),
+        ("pack.cu", kernels::PACK_CU.to_string()),
+        ("unpack.cu", kernels::UNPACK_CU.to_string()),
+        ("combine.cu", kernels::COMBINE_CU.to_string()),
+        ("main.cpp", EMU_MAIN.to_string()),
+    ];
+    for (name, text) in &files {
+        std::fs::write(dir.join(name), text).expect("write");
+    }
+    for id in [0, 1] {
+        let exe = dir.join(format!("emu{id}"));
+        let out = std::process::Command::new(&cxx)
+            .current_dir(&dir)
+            .args(["-std=c++17", "-O1", "-ffp-contract=off", "-DTOPK=2", "-w"])
+            .arg(format!("-DID_DTYPE={id}"))
+            .arg("-o")
+            .arg(&exe)
+            .arg("main.cpp")
+            .output()
+            .expect("run the C++ compiler");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let run = std::process::Command::new(&exe).output().expect("run");
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        println!("ID_DTYPE={id}:\n{stdout}");
+        assert!(
+            run.status.success() && stdout.contains("OK (0 failures)"),
+            "{stdout}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
