@@ -733,3 +733,227 @@ fn driver_reports_unavailable_without_cuda() {
         Status::Unavailable
     );
 }
+
+// ---- the NCCL loader against a fake libnccl (compiled here with cc) ---------------------------
+
+/// A stand-in for libnccl.so.2: every symbol the loader resolves, logging the calls.
+const FAKE_NCCL_C: &str = r#"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+typedef struct { char internal[128]; } ncclUniqueId;
+static char logbuf[65536];
+static size_t loglen;
+static void logs(const char *s) {
+    size_t n = strlen(s);
+    if (loglen + n < sizeof logbuf) { memcpy(logbuf + loglen, s, n); loglen += n; logbuf[loglen] = 0; }
+}
+const char *fake_nccl_log(void) { return logbuf; }
+static int fail_peer(void) { const char *e = getenv("FAKE_FAIL_PEER"); return e ? atoi(e) : -1; }
+int ncclGetVersion(int *v) { *v = 21100; return 0; }
+int ncclGetUniqueId(ncclUniqueId *id) { memset(id, 0, sizeof *id); id->internal[0] = 42; return 0; }
+static int comm_state[2];
+int ncclCommInitRank(void **comm, int n, ncclUniqueId id, int rank) {
+    char b[64];
+    if (id.internal[0] != 42) return 4;
+    comm_state[0] = n; comm_state[1] = rank; *comm = comm_state;
+    snprintf(b, sizeof b, "init %d %d;", n, rank); logs(b);
+    return 0;
+}
+int ncclCommDestroy(void *c) { (void)c; logs("destroy;"); return 0; }
+int ncclCommAbort(void *c) { (void)c; logs("abort;"); return 0; }
+int ncclCommGetAsyncError(void *c, int *e) { (void)c; *e = getenv("FAKE_ASYNC") ? 6 : 0; return 0; }
+int ncclCommCount(void *c, int *n) { *n = ((int *)c)[0]; return 0; }
+int ncclCommUserRank(void *c, int *r) { *r = ((int *)c)[1]; return 0; }
+int ncclAllGather(const void *s, void *r, size_t n, int dt, void *c, void *st) {
+    char b[96]; (void)c; (void)st;
+    snprintf(b, sizeof b, "allgather %zu %zu %zu %d;", (size_t)s, (size_t)r, n, dt); logs(b);
+    return 0;
+}
+int ncclSend(const void *p, size_t n, int dt, int peer, void *c, void *st) {
+    char b[96]; (void)c; (void)st;
+    if (peer == fail_peer()) return 4;
+    snprintf(b, sizeof b, "send %d %zu %zu %d;", peer, (size_t)p, n, dt); logs(b);
+    return 0;
+}
+int ncclRecv(void *p, size_t n, int dt, int peer, void *c, void *st) {
+    char b[96]; (void)c; (void)st;
+    snprintf(b, sizeof b, "recv %d %zu %zu %d;", peer, (size_t)p, n, dt); logs(b);
+    return 0;
+}
+int ncclGroupStart(void) { logs("gs;"); return 0; }
+int ncclGroupEnd(void) { logs("ge;"); return 0; }
+const char *ncclGetErrorString(int r) {
+    switch (r) {
+    case 0: return "no error";
+    case 4: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+    case 6: return "remote process exited or there was a network error";
+    default: return "unhandled error";
+    }
+}
+const char *ncclGetLastError(void *c) { (void)c; return "fake last error"; }
+"#;
+
+const FAKE_NCCL_ENV: &str = "EPCOMM_TEST_FAKE_NCCL";
+
+fn fake_log(path: &str) -> String {
+    let c = std::ffi::CString::new(path).unwrap();
+    // SAFETY: the fake library is already loaded (RTLD_NOLOAD) and exports
+    // `const char *fake_nccl_log(void)`.
+    unsafe {
+        let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY);
+        assert!(!h.is_null());
+        let f = libc::dlsym(h, c"fake_nccl_log".as_ptr());
+        assert!(!f.is_null());
+        let f: extern "C" fn() -> *const libc::c_char = std::mem::transmute(f);
+        std::ffi::CStr::from_ptr(f()).to_string_lossy().into_owned()
+    }
+}
+
+/// Runs in a child process with `VLLM_NCCL_SO_PATH` = the fake (the loader is per process).
+#[test]
+fn fake_nccl_child() {
+    let Ok(path) = std::env::var(FAKE_NCCL_ENV) else {
+        return;
+    };
+    let api = nccl::api().unwrap();
+    assert_eq!(api.version, 21100);
+    assert_eq!(api.lib.name, path);
+    assert_eq!(
+        api.error_string(6),
+        "remote process exited or there was a network error"
+    );
+
+    let j = caps::probe().to_json();
+    assert_eq!(j["nccl"]["available"], true);
+    assert_eq!(j["nccl"]["version"], "2.11.0");
+    assert_eq!(j["nccl"]["version_code"], 21100);
+    assert_eq!(j["nccl"]["zero_size_p2p"], false);
+    assert_eq!(j["nccl"]["path"], path.as_str());
+
+    let id = nccl::unique_id().unwrap();
+    assert_eq!(id.as_bytes()[0], 42);
+    let comm = NcclComm::init_rank(&id, 1, 3).unwrap();
+    assert_eq!((comm.rank(), comm.world(), comm.is_owned()), (1, 3, true));
+    let e = NcclComm::init_rank(&NcclUniqueId::from_bytes(&[0; 128]).unwrap(), 0, 3).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert_eq!(
+        e.to_string(),
+        "NCCL error in ncclCommInitRank: invalid argument (run with NCCL_DEBUG=WARN for details) (ncclResult_t 4): fake last error"
+    );
+
+    // NCCL 2.11: zero sizes skipped. Rank 1 of M3 sends [1, 4, 0] and receives [0, 4, 5].
+    let plan = counts_plan(&M3, 3, 1, 10, ExchangeOptions::for_version(api.version)).unwrap();
+    let before = fake_log(&path);
+    // SAFETY: the fake never dereferences the addresses.
+    unsafe { comm.exchange(&plan, 0x1000, 0x8000, std::ptr::null_mut()) }.unwrap();
+    let log = fake_log(&path);
+    assert_eq!(
+        &log[before.len()..],
+        format!("gs;send 0 {} 10 1;recv 2 {} 50 1;ge;", 0x1000, 0x8000 + 40)
+    );
+    // SAFETY: as above.
+    unsafe {
+        comm.all_gather(
+            8 as *const _,
+            16 as *mut _,
+            3,
+            nccl::NcclDataType::Int32,
+            std::ptr::null_mut(),
+        )
+    }
+    .unwrap();
+    assert!(fake_log(&path).ends_with("allgather 8 16 3 2;"));
+
+    // A failing send inside the group: the error names the peer and the group is still closed.
+    std::env::set_var("FAKE_FAIL_PEER", "0");
+    let before = fake_log(&path);
+    // SAFETY: as above.
+    let e = unsafe { comm.exchange(&plan, 0x1000, 0x8000, std::ptr::null_mut()) }.unwrap_err();
+    std::env::remove_var("FAKE_FAIL_PEER");
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(
+        e.to_string()
+            .starts_with("NCCL error in ncclSend to rank 0: invalid argument"),
+        "{e}"
+    );
+    assert!(fake_log(&path)[before.len()..].ends_with("ge;"));
+    // A plan for another rank is refused before any call.
+    let other = counts_plan(&M3, 3, 0, 10, ExchangeOptions::for_version(api.version)).unwrap();
+    // SAFETY: as above.
+    assert!(unsafe { comm.exchange(&other, 0, 0, std::ptr::null_mut()) }.is_err());
+
+    comm.async_error().unwrap();
+    std::env::set_var("FAKE_ASYNC", "1");
+    let e = comm.async_error().unwrap_err();
+    std::env::remove_var("FAKE_ASYNC");
+    assert_eq!(e.status(), Status::PeerFailure);
+    assert_eq!(
+        e.to_string(),
+        "NCCL error in an asynchronous NCCL operation: remote process exited or there was a network error (ncclResult_t 6): fake last error"
+    );
+
+    // Borrowed: never destroyed or aborted by epcomm.
+    // SAFETY: `comm` outlives `borrowed` and came from the same library.
+    let borrowed = unsafe { NcclComm::adopt(comm.raw()) }.unwrap();
+    assert_eq!(
+        (borrowed.rank(), borrowed.world(), borrowed.is_owned()),
+        (1, 3, false)
+    );
+    assert_eq!(borrowed.abort().unwrap_err().status(), Status::InvalidState);
+    let before = fake_log(&path);
+    // SAFETY: as above.
+    drop(unsafe { NcclComm::adopt(comm.raw()) }.unwrap());
+    assert_eq!(fake_log(&path), before);
+    // Owned: destroyed on drop, or aborted (and then not destroyed).
+    drop(comm);
+    assert!(fake_log(&path).ends_with("destroy;"));
+    let comm = NcclComm::init_rank(&id, 0, 1).unwrap();
+    comm.abort().unwrap();
+    assert!(fake_log(&path).ends_with("init 1 0;abort;"));
+}
+
+#[test]
+fn nccl_loader_with_a_fake_libnccl() {
+    if std::env::var(FAKE_NCCL_ENV).is_ok() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("epcomm-fake-nccl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("fake_nccl.c");
+    let lib = dir.join("libnccl-fake.so.2");
+    std::fs::write(&src, FAKE_NCCL_C).unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let built = std::process::Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O0", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status();
+    match built {
+        Ok(s) if s.success() => {}
+        other => {
+            eprintln!("skipping: cannot build the fake NCCL with {cc}: {other:?}");
+            return;
+        }
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "fake_nccl_child",
+            "--exact",
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .env(FAKE_NCCL_ENV, &lib)
+        .env("VLLM_NCCL_SO_PATH", &lib)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "child failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The child really ran the test (not filtered out).
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"));
+}
