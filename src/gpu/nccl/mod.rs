@@ -6,6 +6,9 @@
 //! `dlsym`. A missing library or symbol is an [`Error::Unavailable`], never a panic. The C types
 //! are declared here, so this module builds without the `cuda`/`nccl` features.
 //!
+//! The loader itself does not look at the `nccl` feature (it only needs `dlopen`); the C ABI
+//! decides whether a build offers NCCL at all.
+//!
 //! Waiting: nothing here blocks on the GPU. A caller that waits for NCCL work (an event query
 //! loop, a host sync for counts) should call [`NcclComm::async_error`] between polls and
 //! [`NcclComm::abort`] an owned communicator when it reports an error; otherwise a peer that died
@@ -311,7 +314,9 @@ unsafe impl Send for NcclComm {}
 impl NcclComm {
     /// Joins the communicator of `world` ranks identified by `id` as `rank`
     /// (`ncclCommInitRank`; collective over all ranks, blocks until they all joined). The
-    /// current CUDA device is the one NCCL uses.
+    /// current CUDA device is the one NCCL uses. NCCL has no timeout here: a rank that never
+    /// calls it leaves the others blocked, so callers bound that themselves (a rendezvous
+    /// before the id is shared).
     pub fn init_rank(id: &NcclUniqueId, rank: usize, world: usize) -> Result<NcclComm> {
         let api = api()?;
         if world == 0 || rank >= world || world > c_int::MAX as usize {

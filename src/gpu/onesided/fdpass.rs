@@ -8,7 +8,8 @@
 //! Rendezvous: rank 0 listens on the abstract socket `\0epcomm.<group>.fds` (abstract: nothing
 //! on disk to go stale, and it disappears with the process); the other ranks connect, each
 //! sends `hello(rank, world, payload, fd)`; once all arrived rank 0 sends every rank the other
-//! ranks' entries. Every wait is bounded by the timeout and errors name the rank.
+//! ranks' entries. Every wait is bounded by the timeout and errors name the rank. Abstract
+//! names are per network namespace: ranks must share one (as processes of one host normally do).
 
 use std::ffi::c_int;
 use std::io;
