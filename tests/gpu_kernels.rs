@@ -490,9 +490,9 @@ fn unknown_arch_falls_back_to_ptx() {
     println!("NVRTC {:?} supports {archs:?}", nv.version);
 }
 
-/// Host emulation of the CUDA built-ins the row kernels use: the kernel bodies run thread by
-/// thread on the CPU (valid for every kernel without `__syncthreads`/shuffles or inline PTX,
-/// i.e. all but scan and signal; the scan here is a plain loop).
+/// Host emulation of the CUDA built-ins the kernels use: row kernels run thread by thread on the
+/// CPU (they never synchronise); the scan runs one OS thread per CUDA thread with barriers for
+/// `__syncthreads` and the warp shuffles. Signal/wait (inline PTX) is not emulated.
 const EMU_PRELUDE: &str = r##"// Host emulation of the CUDA prelude: runs the kernel bodies sequentially, thread by thread
 // (valid for every kernel without __syncthreads/shuffles: all but scan and signal).
 #include <cstdint>
@@ -505,7 +505,24 @@ const EMU_PRELUDE: &str = r##"// Host emulation of the CUDA prelude: runs the ke
 #define __restrict__
 #define __launch_bounds__(x)
 struct dim3_ { unsigned x, y, z; };
-static dim3_ threadIdx, blockIdx, blockDim, gridDim;
+static thread_local dim3_ threadIdx;
+static dim3_ blockIdx, blockDim, gridDim;
+// Block-synchronous kernels (scan) run with one OS thread per CUDA thread: __syncthreads is a
+// block barrier, a shuffle a per-warp exchange between two warp barriers, __shared__ a static.
+#include <pthread.h>
+#include <thread>
+#define __shared__ static
+struct EmuBlock { pthread_barrier_t block; pthread_barrier_t warp[32]; int xchg[1024]; };
+static thread_local EmuBlock* emu_block;
+static inline void __syncthreads() { pthread_barrier_wait(&emu_block->block); }
+static inline int __shfl_up_sync(unsigned, int v, int o) {
+    unsigned t = threadIdx.x, lane = t & 31u, w = t >> 5;
+    emu_block->xchg[t] = v;
+    pthread_barrier_wait(&emu_block->warp[w]);
+    int r = lane >= (unsigned)o ? emu_block->xchg[t - o] : v;
+    pthread_barrier_wait(&emu_block->warp[w]);
+    return r;
+}
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -527,18 +544,35 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 "##;
 
 /// The SPEC §4 worked example through layout → pack → transport → unpack (every layout) →
-/// combine_return → weighted_combine / sum_ranks, plus id validation.
+/// combine_return → weighted_combine / sum_ranks, id validation, and the scan (one tile, many
+/// tiles with the block sums scanned by the kernel itself, in place) against a plain loop.
 const EMU_MAIN: &str = r##"#include "emu_prelude.h"
 #include "prelude_tail.h"
 #include "layout.cu"
 #include "pack.cu"
 #include "unpack.cu"
 #include "combine.cu"
+#include "scan.cu"
 #include <functional>
 using namespace std;
 static void launch(unsigned grid, unsigned block, const function<void()>& f) {
     gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
     for (unsigned b = 0; b < grid; ++b) for (unsigned t = 0; t < block; ++t) { blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; f(); }
+}
+// One OS thread per CUDA thread, blocks in order (block must be a multiple of 32, <= 1024).
+static void launch_threads(unsigned grid, unsigned block, const function<void()>& f) {
+    gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
+    EmuBlock ctx;
+    pthread_barrier_init(&ctx.block, nullptr, block);
+    for (unsigned w = 0; w < block / 32; ++w) pthread_barrier_init(&ctx.warp[w], nullptr, 32);
+    for (unsigned b = 0; b < grid; ++b) {
+        blockIdx = {b, 0, 0};
+        vector<thread> ts;
+        for (unsigned t = 0; t < block; ++t) ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; emu_block = &ctx; f(); });
+        for (auto& t : ts) t.join();
+    }
+    pthread_barrier_destroy(&ctx.block);
+    for (unsigned w = 0; w < block / 32; ++w) pthread_barrier_destroy(&ctx.warp[w]);
 }
 static vector<int> scan(const vector<int>& v) { vector<int> o(v.size() + 1); int s = 0; for (size_t i = 0; i < v.size(); ++i) { o[i] = s; s += v[i]; } o[v.size()] = s; return o; }
 static int fails = 0;
@@ -691,6 +725,25 @@ int main() {
         CHECK(e3 == ep_err_make(EP_ERR_DUPLICATE_ID, 1, 1));
         CHECK(rf[1] == 0 && rf[2 + 1] == 0); // the bad token goes nowhere
     }
+    // ---- scan: one tile, several tiles (block sums scanned by the kernel itself), in place
+    for (u64 n : {0ull, 1ull, 5ull, 1024ull, 1025ull, 3000ull, 4096ull}) {
+        for (int in_place = 0; in_place < 2; ++in_place) {
+            vector<int> in(n), out(n + 1, -7);
+            for (u64 i = 0; i < n; ++i) in[i] = (int)((i * 7919u) % 5u);
+            vector<int> want = scan(in);
+            int* dst = in_place ? (in.resize(n + 1), in.data()) : out.data();
+            unsigned tiles = (unsigned)((n + 1023) / 1024); if (tiles == 0) tiles = 1;
+            vector<int> sums(tiles, -7), offs(tiles + 1, -7);
+            launch_threads(tiles, 256, [&] { ep_scan_block(in.data(), dst, n, tiles > 1 ? sums.data() : nullptr); });
+            if (tiles > 1) {
+                launch_threads(1, 256, [&] { ep_scan_block(sums.data(), offs.data(), tiles, nullptr); });
+                launch(2, 64, [&] { ep_scan_add(dst, n, offs.data()); });
+            }
+            vector<int> got(dst, dst + n + 1);
+            if (got != want) printf("scan n=%llu in_place=%d wrong\n", n, in_place);
+            CHECK(got == want);
+        }
+    }
     printf("%s (%d failures)\n", fails ? "FAILED" : "OK", fails);
     return fails != 0;
 }
@@ -721,6 +774,7 @@ fn kernels_reproduce_the_spec_worked_example_on_the_host() {
         ("pack.cu", kernels::PACK_CU.to_string()),
         ("unpack.cu", kernels::UNPACK_CU.to_string()),
         ("combine.cu", kernels::COMBINE_CU.to_string()),
+        ("scan.cu", kernels::SCAN_CU.to_string()),
         ("main.cpp", EMU_MAIN.to_string()),
     ];
     for (name, text) in &files {
@@ -730,7 +784,14 @@ fn kernels_reproduce_the_spec_worked_example_on_the_host() {
         let exe = dir.join(format!("emu{id}"));
         let out = std::process::Command::new(&cxx)
             .current_dir(&dir)
-            .args(["-std=c++17", "-O1", "-ffp-contract=off", "-DTOPK=2", "-w"])
+            .args([
+                "-std=c++17",
+                "-O1",
+                "-ffp-contract=off",
+                "-DTOPK=2",
+                "-w",
+                "-pthread",
+            ])
             .arg(format!("-DID_DTYPE={id}"))
             .arg("-o")
             .arg(&exe)
