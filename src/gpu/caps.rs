@@ -6,8 +6,7 @@
 //! `"cuda": {"available": false, "reason": "..."}`, and likewise for NCCL and NVRTC. Transports
 //! read it to refuse early with a clear message.
 
-use std::ffi::{c_int, c_void, CStr};
-use std::sync::OnceLock;
+use std::ffi::{c_void, CStr};
 
 use serde_json::{json, Value};
 
@@ -158,47 +157,27 @@ fn probe_nccl() -> LibCaps {
     }
 }
 
-/// NVRTC: `EPCOMM_NVRTC_PATH`, then an already-loaded or loadable `libnvrtc.so.13`/`.12`
-/// (cudarc's `cuda-12080` list never tries `.13`, the only NVRTC of a cu13 torch), then
-/// `libnvrtc.so`. Found once per process.
+/// NVRTC through the same loader the compiler uses ([`crate::gpu::nvrtc::Nvrtc::global`]):
+/// `EPCOMM_NVRTC_PATH` (a file, or a directory holding `libnvrtc.so.*`) when set, else an
+/// already-loaded or loadable `libnvrtc.so.13`/`.12` (cudarc's `cuda-12080` list never tries
+/// `.13`, the only NVRTC of a cu13 torch), then `libnvrtc.so`. Found once per process.
 fn probe_nvrtc() -> LibCaps {
-    static NVRTC: OnceLock<LibCaps> = OnceLock::new();
-    NVRTC
-        .get_or_init(|| {
-            let mut names: Vec<&'static str> = Vec::new();
-            if let Ok(p) = std::env::var("EPCOMM_NVRTC_PATH") {
-                if !p.is_empty() {
-                    names.push(Box::leak(p.into_boxed_str()));
-                }
-            }
-            names.extend(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]);
-            let Some(lib) = probe::open_first(&names) else {
-                return LibCaps::unavailable(format!(
-                    "NVRTC not found (tried {})",
-                    names.join(", ")
-                ));
-            };
-            let Some(f) = lib.symbol("nvrtcVersion") else {
-                return LibCaps::unavailable(format!("{} has no symbol nvrtcVersion", lib.name));
-            };
-            // SAFETY: `nvrtcResult nvrtcVersion(int *major, int *minor)`.
-            let version: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int =
-                unsafe { std::mem::transmute::<*mut c_void, _>(f) };
-            let (mut ma, mut mi) = (0, 0);
-            // SAFETY: both outputs writable.
-            let rc = unsafe { version(&mut ma, &mut mi) };
-            if rc != 0 {
-                return LibCaps::unavailable(format!("nvrtcVersion failed with nvrtcResult {rc}"));
-            }
+    match crate::gpu::nvrtc::Nvrtc::global() {
+        Ok(n) => {
+            let (ma, mi) = n.version;
             LibCaps {
                 available: true,
                 reason: None,
                 version: Some(format!("{ma}.{mi}")),
                 version_code: Some(ma * 1000 + mi * 10),
-                path: Some(file_of(f).unwrap_or_else(|| lib.name.to_owned())),
+                path: Some(n.path.to_owned()),
             }
-        })
-        .clone()
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            LibCaps::unavailable(msg)
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]
