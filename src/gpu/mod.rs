@@ -6,6 +6,8 @@
 //! - `nvrtc`: our own NVRTC loader, compile to CUBIN/PTX, in-memory and on-disk cache.
 //! - `nccl`: our own NCCL loader (function table) and the two-sided transport's host side.
 //! - `onesided`: workspace layout, epochs/flags, device error word, fd passing (SCM_RIGHTS).
+//! - `launch` (`cuda`): compile/load a configuration's kernels, typed launches, error word.
+//! - `transport`: host-side planning (pure) and the NCCL `GpuManager` (`nccl`).
 //! - `caps`: the capability probe (driver, compute capability, SMs, VMM/IPC, NCCL/NVRTC).
 
 pub mod kernels;
@@ -14,5 +16,8 @@ pub mod nvrtc;
 pub mod caps;
 #[cfg(feature = "cuda")]
 pub mod driver;
+#[cfg(feature = "cuda")]
+pub mod launch;
 pub mod nccl;
 pub mod onesided;
+pub mod transport;

@@ -1,0 +1,715 @@
+//! Loading and launching the kernels of [`crate::gpu::kernels`] (`cuda` feature).
+//!
+//! [`Kernels::load`] compiles, through the NVRTC [`Compiler`] (memory + disk cache), every
+//! variant one MoE configuration needs for the device's compute capability (`sm_{major}{minor}`)
+//! and loads them into the current (primary) context. Each launch helper takes typed
+//! arguments, checks them against the entry point's [`KernelSig`] parameter table (count and
+//! kind; a mismatch is an internal error, never a bad launch) and sizes the grid from the
+//! table's `grid` rule: threads per token/row, a warp per row, a block per token, or
+//! [`SCAN_THREADS`]-thread tiles for the scan, which recurses over block sums for arrays longer
+//! than one tile. [`read_error_word`] copies the device error word back and maps it through
+//! [`decode_error_word`] to an [`Error`].
+//!
+//! Status: compiled and type-checked on CPU-only machines; **never run on a GPU yet**
+//! (`scripts/gpu-check.sh` phase 1 is the first run).
+#![allow(clippy::too_many_arguments)]
+
+use std::ffi::c_void;
+
+use crate::error::{Error, Result};
+use crate::gpu::driver::{self, Device, Function, LaunchDims, Module as CuModule, Stream};
+use crate::gpu::kernels::{
+    self, decode_error_word, FloatDtype, IdDtype, KernelSig, ParamType, Variant, SCAN_THREADS,
+};
+use crate::gpu::nvrtc::Compiler;
+use crate::gpu::transport::plan::{blocks_for, scan_blocks, scan_levels};
+
+/// Threads per block of the grid-stride kernels.
+pub const BLOCK: u32 = 256;
+
+/// One kernel argument. Device pointers are `u64` addresses (0 = NULL).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arg {
+    /// A device pointer.
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `unsigned long long`.
+    U64(u64),
+}
+
+/// A loaded entry point and its parameter table.
+#[derive(Debug, Clone)]
+pub struct Kernel {
+    f: Function,
+    sig: &'static KernelSig,
+}
+
+impl Kernel {
+    fn load(m: &CuModule, sig: &'static KernelSig) -> Result<Kernel> {
+        Ok(Kernel {
+            f: m.function(sig.name)?,
+            sig,
+        })
+    }
+
+    /// The parameter table.
+    pub fn sig(&self) -> &'static KernelSig {
+        self.sig
+    }
+
+    /// Checks `args` against the table: count, kind, and NULL only where nullable.
+    pub fn check_args(&self, args: &[Arg]) -> Result<()> {
+        check_args(self.sig, args)
+    }
+
+    /// Launches with `grid` blocks of `block` threads on `stream`.
+    pub fn launch(&self, grid: u32, block: u32, args: &[Arg], stream: &Stream) -> Result<()> {
+        self.check_args(args)?;
+        let mut vals: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) | Arg::U64(p) => p,
+                // The low 4 bytes of the slot (little-endian) are the int's bytes.
+                Arg::I32(v) => u64::from(v as u32),
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> = vals
+            .iter_mut()
+            .map(|v| (v as *mut u64).cast::<c_void>())
+            .collect();
+        let dims = LaunchDims {
+            grid: (grid.max(1), 1, 1),
+            block: (block, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's parameter list (checked above against the
+        // table that tests/gpu_kernels.rs checks against the .cu source); every value lives in
+        // `vals` until the call returns; device pointers are the caller's (see each helper).
+        unsafe { driver::launch(&self.f, dims, stream, ptrs.as_mut_ptr()) }
+            .map_err(|e| Error::Runtime(format!("launching {}: {e}", self.sig.name)))
+    }
+}
+
+/// Checks launch arguments against a parameter table (pure; unit-tested on the CPU).
+pub fn check_args(sig: &KernelSig, args: &[Arg]) -> Result<()> {
+    if args.len() != sig.params.len() {
+        return Err(Error::Internal(format!(
+            "{}: {} arguments given, the kernel takes {}",
+            sig.name,
+            args.len(),
+            sig.params.len()
+        )));
+    }
+    for (p, a) in sig.params.iter().zip(args) {
+        let ok = match (p.ty, a) {
+            (ParamType::Ptr { nullable, .. }, Arg::Ptr(v)) => nullable || *v != 0,
+            (ParamType::I32, Arg::I32(_)) | (ParamType::U64, Arg::U64(_)) => true,
+            _ => false,
+        };
+        if !ok {
+            return Err(Error::Internal(format!(
+                "{}: argument '{}' is {a:?}, the table says {:?}",
+                sig.name, p.name, p.ty
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `sm_{major}{minor}` for a compute capability.
+pub fn arch_for(cc: (i32, i32)) -> String {
+    format!("sm_{}{}", cc.0, cc.1)
+}
+
+/// What a set of kernels is specialised for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelConfig {
+    /// dtype of the caller's `topk_ids`.
+    pub id_dtype: IdDtype,
+    /// Top-k.
+    pub top_k: u32,
+    /// dtype of the expert outputs given to combine.
+    pub expert_dtype: FloatDtype,
+    /// dtype combine writes.
+    pub out_dtype: FloatDtype,
+}
+
+fn load_variant(v: Variant, arch: &str) -> Result<CuModule> {
+    v.validate()?;
+    let (src, opts) = kernels::source(&v);
+    let c = Compiler::global()?.compile(&src, &opts, arch)?;
+    CuModule::load(&c.image.module_bytes())
+        .map_err(|e| Error::Runtime(format!("loading kernel module {}: {e}", v.name())))
+}
+
+/// Every kernel one configuration needs, loaded in the current context.
+#[derive(Debug, Clone)]
+pub struct Kernels {
+    /// The configuration.
+    pub config: KernelConfig,
+    /// `sm_XX` they were compiled for.
+    pub arch: String,
+    /// Grid cap (blocks) of the grid-stride kernels.
+    pub max_blocks: u32,
+    layout: Kernel,
+    pair_rows: Kernel,
+    recv_flags: Kernel,
+    /// `ep_layout`/`ep_pair_rows` of the int32 variant (wire ids, capacity mode).
+    pair_rows_wire: Kernel,
+    scan_block: Kernel,
+    scan_add: Kernel,
+    pack: Kernel,
+    local_copy: Kernel,
+    unpack_token_major: Kernel,
+    unpack_expert_major: Kernel,
+    unpack_expert_packed: Kernel,
+    unpack_rank_major: Kernel,
+    combine_return_expert: Kernel,
+    combine_return_rank_major: Kernel,
+    weighted_combine: Kernel,
+    sum_ranks: Kernel,
+}
+
+impl Kernels {
+    /// Compiles (or fetches from the cache) and loads every variant `config` needs for
+    /// `device`. The device's primary context must be current on this thread.
+    pub fn load(device: &Device, config: KernelConfig) -> Result<Kernels> {
+        let arch = arch_for(device.compute_capability()?);
+        let sms = device.sm_count().unwrap_or(16).max(1) as u32;
+        let k = config.top_k;
+        let layout = load_variant(Variant::layout(config.id_dtype, k), &arch)?;
+        let layout_wire = if config.id_dtype == IdDtype::I32 {
+            layout.clone()
+        } else {
+            load_variant(Variant::layout(IdDtype::I32, k), &arch)?
+        };
+        let scan = load_variant(Variant::scan(), &arch)?;
+        let pack = load_variant(Variant::pack(config.id_dtype, k), &arch)?;
+        // Outputs carry int64 ids, like the CPU path's views.
+        let unpack = load_variant(Variant::unpack(IdDtype::I64, k), &arch)?;
+        let combine = load_variant(
+            Variant::combine(config.expert_dtype, config.out_dtype, k),
+            &arch,
+        )?;
+        Ok(Kernels {
+            config,
+            arch,
+            max_blocks: sms * 8,
+            layout: Kernel::load(&layout, &kernels::EP_LAYOUT)?,
+            pair_rows: Kernel::load(&layout, &kernels::EP_PAIR_ROWS)?,
+            recv_flags: Kernel::load(&layout, &kernels::EP_RECV_FLAGS)?,
+            pair_rows_wire: Kernel::load(&layout_wire, &kernels::EP_PAIR_ROWS)?,
+            scan_block: Kernel::load(&scan, &kernels::EP_SCAN_BLOCK)?,
+            scan_add: Kernel::load(&scan, &kernels::EP_SCAN_ADD)?,
+            pack: Kernel::load(&pack, &kernels::EP_PACK)?,
+            local_copy: Kernel::load(&pack, &kernels::EP_LOCAL_COPY)?,
+            unpack_token_major: Kernel::load(&unpack, &kernels::EP_UNPACK_TOKEN_MAJOR)?,
+            unpack_expert_major: Kernel::load(&unpack, &kernels::EP_UNPACK_EXPERT_MAJOR)?,
+            unpack_expert_packed: Kernel::load(&unpack, &kernels::EP_UNPACK_EXPERT_PACKED)?,
+            unpack_rank_major: Kernel::load(&unpack, &kernels::EP_UNPACK_RANK_MAJOR)?,
+            combine_return_expert: Kernel::load(&combine, &kernels::EP_COMBINE_RETURN_EXPERT)?,
+            combine_return_rank_major: Kernel::load(
+                &combine,
+                &kernels::EP_COMBINE_RETURN_RANK_MAJOR,
+            )?,
+            weighted_combine: Kernel::load(&combine, &kernels::EP_WEIGHTED_COMBINE)?,
+            sum_ranks: Kernel::load(&combine, &kernels::EP_SUM_RANKS)?,
+        })
+    }
+
+    fn threads(&self, units: u64) -> u32 {
+        blocks_for(units, u64::from(BLOCK), self.max_blocks)
+    }
+
+    fn warps(&self, units: u64) -> u32 {
+        blocks_for(units, u64::from(BLOCK / 32), self.max_blocks)
+    }
+
+    fn per_token(&self, tokens: u64) -> u32 {
+        blocks_for(tokens, 1, self.max_blocks)
+    }
+
+    /// `ep_layout` (thread per token).
+    pub fn layout(
+        &self,
+        s: &Stream,
+        topk_ids: u64,
+        t: i32,
+        e: i32,
+        e_local: i32,
+        r: i32,
+        rank_flag: u64,
+        pair_flag: u64,
+        rank_counts: u64,
+        expert_counts: u64,
+        err: u64,
+    ) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(topk_ids),
+            Arg::I32(t),
+            Arg::I32(e),
+            Arg::I32(e_local),
+            Arg::I32(r),
+            Arg::Ptr(rank_flag),
+            Arg::Ptr(pair_flag),
+            Arg::Ptr(rank_counts),
+            Arg::Ptr(expert_counts),
+            Arg::Ptr(err),
+        ];
+        self.layout.launch(self.threads(t as u64), BLOCK, &args, s)
+    }
+
+    /// `ep_pair_rows` on the caller's ids (`wire` = false) or on int32 wire ids.
+    pub fn pair_rows(
+        &self,
+        s: &Stream,
+        wire: bool,
+        topk_ids: u64,
+        t: i32,
+        e_local: i32,
+        pair_pos: u64,
+        rows: u64,
+    ) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        let k = if wire {
+            &self.pair_rows_wire
+        } else {
+            &self.pair_rows
+        };
+        let units = t as u64 * u64::from(self.config.top_k);
+        let args = [
+            Arg::Ptr(topk_ids),
+            Arg::I32(t),
+            Arg::I32(e_local),
+            Arg::Ptr(pair_pos),
+            Arg::Ptr(rows),
+        ];
+        k.launch(self.threads(units), BLOCK, &args, s)
+    }
+
+    /// `ep_recv_flags` (thread per received row).
+    pub fn recv_flags(
+        &self,
+        s: &Stream,
+        recv_ids: u64,
+        n: i32,
+        e_local: i32,
+        rank: i32,
+        expert_flag: u64,
+        pair_flag: u64,
+        local_counts: u64,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(recv_ids),
+            Arg::I32(n),
+            Arg::I32(e_local),
+            Arg::I32(rank),
+            Arg::Ptr(expert_flag),
+            Arg::Ptr(pair_flag),
+            Arg::Ptr(local_counts),
+        ];
+        self.recv_flags
+            .launch(self.threads(n as u64), BLOCK, &args, s)
+    }
+
+    /// Exclusive scan of `n` int32 at `input` into `out[0..=n]` (`out[n]` = total; `input ==
+    /// out` allowed), recursing over block sums: `scratch` holds
+    /// [`crate::gpu::transport::plan::scan_scratch_elems`]`(n)` int32.
+    pub fn scan(&self, s: &Stream, input: u64, out: u64, n: usize, scratch: u64) -> Result<()> {
+        let levels = scan_levels(n);
+        if levels.len() == 1 {
+            let args = [
+                Arg::Ptr(input),
+                Arg::Ptr(out),
+                Arg::U64(n as u64),
+                Arg::Ptr(0),
+            ];
+            return self.scan_block.launch(1, SCAN_THREADS, &args, s);
+        }
+        let tiles = levels[1];
+        let sums = scratch;
+        let args = [
+            Arg::Ptr(input),
+            Arg::Ptr(out),
+            Arg::U64(n as u64),
+            Arg::Ptr(sums),
+        ];
+        self.scan_block
+            .launch(scan_blocks(n), SCAN_THREADS, &args, s)?;
+        // Tile offsets: the exclusive scan of the block sums, in place, one level up.
+        let rest = sums + 4 * (tiles as u64 + 1);
+        self.scan(s, sums, sums, tiles, rest)?;
+        let args = [Arg::Ptr(out), Arg::U64(n as u64), Arg::Ptr(sums)];
+        self.scan_add
+            .launch(self.threads(n as u64 + 1), BLOCK, &args, s)
+    }
+
+    /// `ep_pack` (warp per (rank, token)).
+    pub fn pack(
+        &self,
+        s: &Stream,
+        rows: u64,
+        row_bytes: u64,
+        topk_ids: u64,
+        topk_weights: u64,
+        t: i32,
+        r: i32,
+        rank_flag: u64,
+        send_pos: u64,
+        send_rows: u64,
+        send_ids: u64,
+        send_weights: u64,
+        send_src: u64,
+    ) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(rows),
+            Arg::U64(row_bytes),
+            Arg::Ptr(topk_ids),
+            Arg::Ptr(topk_weights),
+            Arg::I32(t),
+            Arg::I32(r),
+            Arg::Ptr(rank_flag),
+            Arg::Ptr(send_pos),
+            Arg::Ptr(send_rows),
+            Arg::Ptr(send_ids),
+            Arg::Ptr(send_weights),
+            Arg::Ptr(send_src),
+        ];
+        self.pack
+            .launch(self.warps(t as u64 * r as u64), BLOCK, &args, s)
+    }
+
+    /// `ep_local_copy` of `bytes`.
+    pub fn local_copy(&self, s: &Stream, dst: u64, src: u64, bytes: u64) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let args = [Arg::Ptr(dst), Arg::Ptr(src), Arg::U64(bytes)];
+        self.local_copy
+            .launch(self.threads(bytes.div_ceil(16)), BLOCK, &args, s)
+    }
+
+    /// `ep_unpack_token_major` (warp per row).
+    pub fn unpack_token_major(
+        &self,
+        s: &Stream,
+        recv_rows: u64,
+        recv_ids: u64,
+        recv_w: u64,
+        n: i32,
+        row_bytes: u64,
+        e_local: i32,
+        rank: i32,
+        out_rows: u64,
+        out_ids: u64,
+        out_w: u64,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(recv_rows),
+            Arg::Ptr(recv_ids),
+            Arg::Ptr(recv_w),
+            Arg::I32(n),
+            Arg::U64(row_bytes),
+            Arg::I32(e_local),
+            Arg::I32(rank),
+            Arg::Ptr(out_rows),
+            Arg::Ptr(out_ids),
+            Arg::Ptr(out_w),
+        ];
+        self.unpack_token_major
+            .launch(self.warps(n as u64), BLOCK, &args, s)
+    }
+
+    /// `ep_unpack_expert_major` (warp per (local expert, row)); `counts` is always written.
+    pub fn unpack_expert_major(
+        &self,
+        s: &Stream,
+        recv: [u64; 5],
+        n: i32,
+        r: i32,
+        row_bytes: u64,
+        e_local: i32,
+        rank: i32,
+        expert_flag: u64,
+        expert_pos: u64,
+        capacity: i32,
+        out_rows: u64,
+        counts: u64,
+        out_w: u64,
+        out_src_rank: u64,
+        out_src_token: u64,
+        err: u64,
+    ) -> Result<()> {
+        let [rows, ids, w, src, offsets] = recv;
+        let args = [
+            Arg::Ptr(rows),
+            Arg::Ptr(ids),
+            Arg::Ptr(w),
+            Arg::Ptr(src),
+            Arg::Ptr(offsets),
+            Arg::I32(n),
+            Arg::I32(r),
+            Arg::U64(row_bytes),
+            Arg::I32(e_local),
+            Arg::I32(rank),
+            Arg::Ptr(expert_flag),
+            Arg::Ptr(expert_pos),
+            Arg::I32(capacity),
+            Arg::Ptr(out_rows),
+            Arg::Ptr(counts),
+            Arg::Ptr(out_w),
+            Arg::Ptr(out_src_rank),
+            Arg::Ptr(out_src_token),
+            Arg::Ptr(err),
+        ];
+        let units = (e_local as u64 * n as u64).max(e_local as u64);
+        self.unpack_expert_major
+            .launch(self.warps(units), BLOCK, &args, s)
+    }
+
+    /// `ep_unpack_expert_packed` (warp per (local expert, row)); offsets always written.
+    pub fn unpack_expert_packed(
+        &self,
+        s: &Stream,
+        recv: [u64; 5],
+        n: i32,
+        r: i32,
+        row_bytes: u64,
+        e_local: i32,
+        rank: i32,
+        expert_flag: u64,
+        expert_pos: u64,
+        out_rows: u64,
+        expert_offsets: u64,
+        out_w: u64,
+        out_src_rank: u64,
+        out_src_token: u64,
+    ) -> Result<()> {
+        let [rows, ids, w, src, offsets] = recv;
+        let args = [
+            Arg::Ptr(rows),
+            Arg::Ptr(ids),
+            Arg::Ptr(w),
+            Arg::Ptr(src),
+            Arg::Ptr(offsets),
+            Arg::I32(n),
+            Arg::I32(r),
+            Arg::U64(row_bytes),
+            Arg::I32(e_local),
+            Arg::I32(rank),
+            Arg::Ptr(expert_flag),
+            Arg::Ptr(expert_pos),
+            Arg::Ptr(out_rows),
+            Arg::Ptr(expert_offsets),
+            Arg::Ptr(out_w),
+            Arg::Ptr(out_src_rank),
+            Arg::Ptr(out_src_token),
+        ];
+        let units = (e_local as u64 * n as u64).max(e_local as u64 + 1);
+        self.unpack_expert_packed
+            .launch(self.warps(units), BLOCK, &args, s)
+    }
+
+    /// `ep_unpack_rank_major` (warp per (source, slot)).
+    pub fn unpack_rank_major(
+        &self,
+        s: &Stream,
+        recv_rows: u64,
+        recv_ids: u64,
+        recv_w: u64,
+        recv_offsets: u64,
+        r: i32,
+        m: i32,
+        row_bytes: u64,
+        out_rows: u64,
+        out_ids: u64,
+        out_w: u64,
+        recv_counts: u64,
+        err: u64,
+    ) -> Result<()> {
+        let args = [
+            Arg::Ptr(recv_rows),
+            Arg::Ptr(recv_ids),
+            Arg::Ptr(recv_w),
+            Arg::Ptr(recv_offsets),
+            Arg::I32(r),
+            Arg::I32(m),
+            Arg::U64(row_bytes),
+            Arg::Ptr(out_rows),
+            Arg::Ptr(out_ids),
+            Arg::Ptr(out_w),
+            Arg::Ptr(recv_counts),
+            Arg::Ptr(err),
+        ];
+        self.unpack_rank_major
+            .launch(self.warps(r as u64 * m as u64), BLOCK, &args, s)
+    }
+
+    /// `ep_combine_return_expert` (warp per (row, k)).
+    pub fn combine_return_expert(
+        &self,
+        s: &Stream,
+        y: u64,
+        row_bytes: u64,
+        recv_ids: u64,
+        n: i32,
+        e_local: i32,
+        rank: i32,
+        expert_pos: u64,
+        capacity: i32,
+        pair_pos: u64,
+        send_rows: u64,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(y),
+            Arg::U64(row_bytes),
+            Arg::Ptr(recv_ids),
+            Arg::I32(n),
+            Arg::I32(e_local),
+            Arg::I32(rank),
+            Arg::Ptr(expert_pos),
+            Arg::I32(capacity),
+            Arg::Ptr(pair_pos),
+            Arg::Ptr(send_rows),
+        ];
+        let units = n as u64 * u64::from(self.config.top_k);
+        self.combine_return_expert
+            .launch(self.warps(units), BLOCK, &args, s)
+    }
+
+    /// `ep_combine_return_rank_major` (warp per (source, slot)).
+    pub fn combine_return_rank_major(
+        &self,
+        s: &Stream,
+        y: u64,
+        row_bytes: u64,
+        recv_offsets: u64,
+        r: i32,
+        m: i32,
+        send_rows: u64,
+    ) -> Result<()> {
+        let args = [
+            Arg::Ptr(y),
+            Arg::U64(row_bytes),
+            Arg::Ptr(recv_offsets),
+            Arg::I32(r),
+            Arg::I32(m),
+            Arg::Ptr(send_rows),
+        ];
+        self.combine_return_rank_major
+            .launch(self.warps(r as u64 * m as u64), BLOCK, &args, s)
+    }
+
+    /// `ep_weighted_combine` (block per token).
+    pub fn weighted_combine(
+        &self,
+        s: &Stream,
+        y: u64,
+        rows: u64,
+        w: u64,
+        t: i32,
+        h: i32,
+        out: u64,
+    ) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(y),
+            Arg::Ptr(rows),
+            Arg::Ptr(w),
+            Arg::I32(t),
+            Arg::I32(h),
+            Arg::Ptr(out),
+        ];
+        self.weighted_combine
+            .launch(self.per_token(t as u64), BLOCK, &args, s)
+    }
+
+    /// `ep_sum_ranks` (block per token).
+    pub fn sum_ranks(
+        &self,
+        s: &Stream,
+        y: u64,
+        rank_flag: u64,
+        send_pos: u64,
+        t: i32,
+        r: i32,
+        h: i32,
+        out: u64,
+    ) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(y),
+            Arg::Ptr(rank_flag),
+            Arg::Ptr(send_pos),
+            Arg::I32(t),
+            Arg::I32(r),
+            Arg::I32(h),
+            Arg::Ptr(out),
+        ];
+        self.sum_ranks
+            .launch(self.per_token(t as u64), BLOCK, &args, s)
+    }
+}
+
+/// `cuMemsetD32Async`: `count` int32 of `value` at `dst` (flag arrays of ones).
+///
+/// # Safety
+/// `dst` is device memory of at least `4 * count` bytes, valid until the stream ran it.
+pub unsafe fn memset_d32_async(dst: u64, value: u32, count: usize, s: &Stream) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    driver::init()?;
+    let run = || {
+        // SAFETY: caller contract; a valid stream.
+        let rc =
+            unsafe { cudarc::driver::sys::cuMemsetD32Async(dst, value, count, s.raw().cast()) };
+        driver::check(rc, "cuMemsetD32Async")
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|_| {
+        Err(Error::Unavailable(
+            "CUDA is unavailable: cuMemsetD32Async could not be loaded".into(),
+        ))
+    })
+}
+
+/// Copies the 8-byte device error word at `err` back (a synchronous copy on `s`, after
+/// everything queued before it) and maps it to an error ([`decode_error_word`]).
+pub fn read_error_word(err: u64, s: &Stream) -> Result<()> {
+    let mut word = 0u64;
+    // SAFETY: `word` is 8 writable bytes alive until the synchronize below; `err` is an
+    // 8-byte device allocation (caller).
+    unsafe { driver::memcpy_dtoh_async((&mut word as *mut u64).cast(), err, 8, s) }?;
+    s.synchronize()?;
+    error_from_word(word)
+}
+
+/// `Ok` for 0, else the decoded device error as an [`Error`].
+pub fn error_from_word(word: u64) -> Result<()> {
+    match decode_error_word(word) {
+        None => Ok(()),
+        Some(e) => Err(e.to_error()),
+    }
+}

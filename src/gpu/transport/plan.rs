@@ -1,0 +1,418 @@
+//! Host-side planning of the GPU transport (pure Rust, no CUDA): the counts row every rank
+//! all-gathers, its parsing into the R×R matrices the exchanges need, receive offsets, the
+//! recursive scan's levels, grid sizing, and the shape of every layout's outputs for given
+//! counts. Everything here is unit-tested on the CPU (`tests/gpu_plan.rs`); the `nccl`-feature
+//! manager ([`super::GpuManager`]) only feeds it numbers read back from the device.
+//!
+//! # The counts row (one `ncclAllGather` of int32, one host sync per dispatch)
+//! `[T, err_lo, err_hi, rank_counts[R], expert_counts[E]]`: `T` = tokens of the rank,
+//! `err` = its `ep_layout` device error word (u64 as two little-endian int32 halves, so every
+//! rank learns that a peer rejected its input and all return an error instead of hanging),
+//! `rank_counts[d]` = tokens going to rank d, `expert_counts[e]` = (token, expert e) pairs (the
+//! EPLB load histogram). Everything the receiver's layouts need is derived from this matrix:
+//! rows received per source, EXPERT_PACKED's exact row count, and the (token, k) pairs the
+//! expert layouts return in combine.
+
+use crate::error::{Error, Result};
+use crate::gpu::kernels::{decode_error_word, DeviceError, SCAN_TILE};
+use crate::gpu::nccl::plan::{ExchangePlan, LocalCopy, PeerTransfer};
+use crate::select::all2all::Layout;
+
+/// Offset of `T` in the counts row.
+pub const ROW_TOKENS: usize = 0;
+/// Offset of the error word's low half (the high half follows).
+pub const ROW_ERROR: usize = 1;
+/// Offset of `rank_counts` in the counts row.
+pub const ROW_RANK_COUNTS: usize = 3;
+
+/// int32 entries of one rank's counts row for `world` ranks and `num_experts` experts.
+pub fn counts_row_len(world: usize, num_experts: usize) -> usize {
+    ROW_RANK_COUNTS + world + num_experts
+}
+
+/// Offset of `expert_counts` in the counts row.
+pub fn row_expert_counts(world: usize) -> usize {
+    ROW_RANK_COUNTS + world
+}
+
+/// The all-gathered counts rows of every rank, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gathered {
+    /// Ranks.
+    pub world: usize,
+    /// Experts (physical).
+    pub num_experts: usize,
+    /// Tokens of each rank.
+    pub tokens: Vec<usize>,
+    /// Each rank's device error word (0 = none).
+    pub errors: Vec<u64>,
+    /// `rank_counts[src * world + dst]`: tokens `src` sends to `dst`.
+    pub rank_counts: Vec<i32>,
+    /// `expert_counts[src * num_experts + e]`: pairs of `src`'s tokens routed to expert `e`.
+    pub expert_counts: Vec<i32>,
+}
+
+fn bad(msg: String) -> Error {
+    Error::Internal(format!("GPU counts exchange: {msg}"))
+}
+
+impl Gathered {
+    /// Parses `world` counts rows (`raw.len() == world * counts_row_len`). Negative entries
+    /// are an internal error (the kernels only add).
+    pub fn parse(raw: &[i32], world: usize, num_experts: usize) -> Result<Gathered> {
+        let len = counts_row_len(world, num_experts);
+        if world == 0 || raw.len() != world * len {
+            return Err(bad(format!(
+                "{} entries for {world} ranks, expected {}",
+                raw.len(),
+                world * len
+            )));
+        }
+        let mut g = Gathered {
+            world,
+            num_experts,
+            tokens: Vec::with_capacity(world),
+            errors: Vec::with_capacity(world),
+            rank_counts: Vec::with_capacity(world * world),
+            expert_counts: Vec::with_capacity(world * num_experts),
+        };
+        for (src, row) in raw.chunks_exact(len).enumerate() {
+            let t = usize::try_from(row[ROW_TOKENS])
+                .map_err(|_| bad(format!("rank {src} reports {} tokens", row[ROW_TOKENS])))?;
+            g.tokens.push(t);
+            let lo = row[ROW_ERROR] as u32 as u64;
+            let hi = row[ROW_ERROR + 1] as u32 as u64;
+            g.errors.push(lo | (hi << 32));
+            let body = &row[ROW_RANK_COUNTS..];
+            if let Some((i, &c)) = body.iter().enumerate().find(|(_, &c)| c < 0) {
+                return Err(bad(format!(
+                    "rank {src} reports a negative count {c} at {i}"
+                )));
+            }
+            g.rank_counts.extend_from_slice(&body[..world]);
+            g.expert_counts.extend_from_slice(&body[world..]);
+        }
+        Ok(g)
+    }
+
+    /// The first rank (lowest) whose input was rejected, with its decoded error.
+    pub fn first_error(&self) -> Option<(usize, DeviceError)> {
+        self.errors
+            .iter()
+            .enumerate()
+            .find_map(|(r, &w)| decode_error_word(w).map(|e| (r, e)))
+    }
+
+    /// The error every rank returns when some rank's input was rejected: this rank's own
+    /// error as is, a peer's error naming the peer.
+    pub fn check(&self, rank: usize) -> Result<()> {
+        if let Some(e) = decode_error_word(self.errors.get(rank).copied().unwrap_or(0)) {
+            return Err(e.to_error());
+        }
+        if let Some((r, e)) = self.first_error() {
+            return Err(Error::InvalidArgument(format!(
+                "rank {r} rejected its dispatch input: {e}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Experts per rank.
+    pub fn experts_per_rank(&self) -> usize {
+        self.num_experts / self.world
+    }
+
+    /// `m[src * world + dst]` = (token, k) pairs `src` routes to experts of `dst` (the rows the
+    /// expert layouts return to `src` in combine, and EXPERT_PACKED's row count per source).
+    pub fn pair_counts(&self) -> Vec<i32> {
+        let (r, el) = (self.world, self.experts_per_rank());
+        let mut m = vec![0i32; r * r];
+        for src in 0..r {
+            for dst in 0..r {
+                let row = &self.expert_counts[src * self.num_experts..][dst * el..(dst + 1) * el];
+                m[src * r + dst] = row.iter().sum();
+            }
+        }
+        m
+    }
+
+    /// REPLICATED's matrix: every rank sends all its tokens to every rank.
+    pub fn replicated_counts(&self) -> Vec<i32> {
+        let r = self.world;
+        (0..r * r).map(|i| self.tokens[i / r] as i32).collect()
+    }
+}
+
+/// `m` transposed (`world × world`): the combine direction of a dispatch matrix.
+pub fn transpose(m: &[i32], world: usize) -> Vec<i32> {
+    (0..world * world)
+        .map(|i| m[(i % world) * world + i / world])
+        .collect()
+}
+
+/// Column `dst` of `m` as receive offsets `[world + 1]` (rows from source s are
+/// `[off[s], off[s+1])`), the `recv_offsets` the unpack kernels read.
+pub fn recv_offsets(m: &[i32], world: usize, dst: usize) -> Vec<i32> {
+    let mut off = Vec::with_capacity(world + 1);
+    let mut acc = 0i32;
+    off.push(0);
+    for src in 0..world {
+        acc += m[src * world + dst];
+        off.push(acc);
+    }
+    off
+}
+
+/// Element counts of each level of the recursive scan of `n` int32: `[n, tiles(n),
+/// tiles(tiles(n)), …]`, stopping at the first level that fits one tile. `ep_scan_block` runs
+/// on every level (block sums of level i are the input of level i+1), then `ep_scan_add` walks
+/// back down adding each tile's offset.
+pub fn scan_levels(n: usize) -> Vec<usize> {
+    let tile = SCAN_TILE as usize;
+    let mut v = vec![n];
+    let mut cur = n;
+    while cur > tile {
+        cur = cur.div_ceil(tile);
+        v.push(cur);
+    }
+    v
+}
+
+/// Blocks of `ep_scan_block` for `n` elements (at least 1, so `out[0]` is written for n = 0).
+pub fn scan_blocks(n: usize) -> u32 {
+    n.div_ceil(SCAN_TILE as usize).max(1) as u32
+}
+
+/// int32 scratch a scan of `n` needs beyond its output: one `tiles + 1` array per level above
+/// the first (the block sums, scanned in place into that level's tile offsets).
+pub fn scan_scratch_elems(n: usize) -> usize {
+    scan_levels(n)[1..].iter().map(|&m| m + 1).sum()
+}
+
+/// Blocks for a grid-stride kernel: `units` work items of `per_block` each, capped at
+/// `max_blocks` (≥ 1 block, so kernels that write a header for empty input still run).
+pub fn blocks_for(units: u64, per_block: u64, max_blocks: u32) -> u32 {
+    let b = units.div_ceil(per_block.max(1));
+    b.clamp(1, u64::from(max_blocks.max(1))) as u32
+}
+
+/// A broadcast exchange: every rank sends the same `rows[rank]` rows (offset 0 of its send
+/// buffer) to every peer and receives `rows[src]` rows from each source, grouped by source.
+/// REPLICATED's all-gather (rows = tokens of each rank) and capacity mode's static slabs
+/// (rows = M everywhere) use it; the self slot is a local copy. Without zero-size p2p
+/// (`zero_size` false, NCCL < 2.12.10) empty transfers are left out on both sides.
+pub fn broadcast_plan(
+    rows: &[usize],
+    rank: usize,
+    row_bytes: usize,
+    zero_size: bool,
+) -> ExchangePlan {
+    let world = rows.len();
+    let mine = rows[rank] * row_bytes;
+    let mut plan = ExchangePlan {
+        rank,
+        world,
+        row_bytes,
+        send_bytes: mine,
+        ..ExchangePlan::default()
+    };
+    let mut off = 0;
+    for (src, &t) in rows.iter().enumerate() {
+        let b = t * row_bytes;
+        plan.recv_rows.push(t);
+        if src == rank {
+            if b > 0 {
+                plan.local = Some(LocalCopy {
+                    send_offset: 0,
+                    recv_offset: off,
+                    bytes: b,
+                });
+            }
+        } else {
+            if mine > 0 || zero_size {
+                plan.sends.push(PeerTransfer {
+                    peer: src,
+                    offset: 0,
+                    bytes: mine,
+                });
+            }
+            if b > 0 || zero_size {
+                plan.recvs.push(PeerTransfer {
+                    peer: src,
+                    offset: off,
+                    bytes: b,
+                });
+            }
+        }
+        off += b;
+    }
+    plan.recv_bytes = off;
+    plan
+}
+
+/// What a GPU dispatch returns on one rank, as shapes (element counts per dimension).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DispatchShape {
+    /// The layout.
+    pub layout: Layout,
+    /// Rows actually received (REPLICATED/TOKEN_MAJOR: rows of `hidden`; EXPERT_MAJOR: rows in
+    /// all buckets; EXPERT_PACKED: rows; RANK_MAJOR: rows in all regions).
+    pub received_rows: usize,
+    /// Rows of the combine input, i.e. of `hidden` flattened over its leading dimensions.
+    pub buffer_rows: usize,
+    /// `hidden`'s shape (elements; the last dimension is `hidden`).
+    pub hidden: Vec<usize>,
+    /// int64 `topk_ids` shape (empty vector = not produced).
+    pub topk_ids: Vec<usize>,
+    /// float32 `topk_weights` shape.
+    pub topk_weights: Vec<usize>,
+    /// int32 counts length (TOKEN_MAJOR/EXPERT_MAJOR: E_local; RANK_MAJOR: R; else 0).
+    pub counts: usize,
+    /// int32 expert offsets length (EXPERT_PACKED: E_local + 1; else 0).
+    pub expert_offsets: usize,
+    /// int32 source rank/token per row length (EXPERT_PACKED: rows; else 0).
+    pub src: usize,
+}
+
+/// The geometry a shape depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShapeGeometry {
+    /// Ranks.
+    pub world: usize,
+    /// This rank.
+    pub rank: usize,
+    /// Physical experts.
+    pub num_experts: usize,
+    /// Top-k.
+    pub top_k: usize,
+    /// Elements per hidden row.
+    pub hidden: usize,
+    /// M (fixed-capacity layouts).
+    pub max_tokens_per_rank: usize,
+}
+
+/// The dispatch output shapes of `layout` on `geo.rank` for the gathered counts; errors when a
+/// fixed-capacity layout would overflow (naming the source rank), as the CPU path does.
+pub fn dispatch_shape(layout: Layout, geo: &ShapeGeometry, g: &Gathered) -> Result<DispatchShape> {
+    let (r, d, k, h, m) = (
+        geo.world,
+        geo.rank,
+        geo.top_k,
+        geo.hidden,
+        geo.max_tokens_per_rank,
+    );
+    let el = geo.num_experts / r;
+    let col = |mat: &[i32]| -> usize { (0..r).map(|s| mat[s * r + d] as usize).sum() };
+    let mut s = DispatchShape {
+        layout,
+        received_rows: 0,
+        buffer_rows: 0,
+        hidden: Vec::new(),
+        topk_ids: Vec::new(),
+        topk_weights: Vec::new(),
+        counts: 0,
+        expert_offsets: 0,
+        src: 0,
+    };
+    match layout {
+        Layout::Replicated => {
+            let n = g.tokens.iter().sum();
+            s.received_rows = n;
+            s.buffer_rows = n;
+            s.hidden = vec![n, h];
+            s.topk_ids = vec![n, k];
+            s.topk_weights = vec![n, k];
+        }
+        Layout::TokenMajor => {
+            let n = col(&g.rank_counts);
+            s.received_rows = n;
+            s.buffer_rows = n;
+            s.hidden = vec![n, h];
+            s.topk_ids = vec![n, k];
+            s.topk_weights = vec![n, k];
+            s.counts = el;
+        }
+        Layout::ExpertMajor => {
+            for src in 0..r {
+                if g.tokens[src] > m {
+                    return Err(Error::InvalidArgument(format!(
+                        "rank {src} dispatches {} tokens, more than max_tokens_per_rank = {m}",
+                        g.tokens[src]
+                    )));
+                }
+            }
+            s.received_rows = col(&g.pair_counts());
+            s.buffer_rows = el * m * r;
+            s.hidden = vec![el, m * r, h];
+            s.counts = el;
+        }
+        Layout::ExpertPacked => {
+            let n = col(&g.pair_counts());
+            s.received_rows = n;
+            s.buffer_rows = n;
+            s.hidden = vec![n, h];
+            s.topk_weights = vec![n];
+            s.expert_offsets = el + 1;
+            s.src = n;
+        }
+        Layout::RankMajor => {
+            for src in 0..r {
+                let c = g.rank_counts[src * r + d] as usize;
+                if c > m {
+                    return Err(Error::InvalidArgument(format!(
+                        "rank {src} sends {c} tokens to rank {d}, more than max_tokens_per_rank = {m}"
+                    )));
+                }
+            }
+            s.received_rows = col(&g.rank_counts);
+            s.buffer_rows = r * m;
+            s.hidden = vec![r, m, h];
+            s.topk_ids = vec![r * m, k];
+            s.topk_weights = vec![r * m, k];
+            s.counts = r;
+        }
+        Layout::MoonepSlots => {
+            return Err(Error::NotImplemented(
+                "the GPU path has no MoonEP layout".into(),
+            ))
+        }
+    }
+    Ok(s)
+}
+
+/// The matrix of rows the combine exchange moves (`[src * world + dst]`, src = the expert
+/// rank sending results back): the transpose of the rows dispatch moved for the token layouts,
+/// of the (token, k) pairs for the expert layouts.
+pub fn combine_counts(layout: Layout, g: &Gathered) -> Vec<i32> {
+    match layout {
+        Layout::Replicated => transpose(&g.replicated_counts(), g.world),
+        Layout::ExpertMajor | Layout::ExpertPacked => transpose(&g.pair_counts(), g.world),
+        _ => transpose(&g.rank_counts, g.world),
+    }
+}
+
+/// Capacity mode (no host sync, CUDA-graph capturable): which layouts it serves. Only
+/// EXPERT_MAJOR (DeepEP LL / NIXL EP, the decode layouts graphs are used for): every rank
+/// sends its `M` padded rows to every peer (static sizes: `R × M` rows, padding rows carry ids
+/// −1 so no kernel selects them) and combine returns `M × K` pair rows per peer at fixed
+/// positions.
+pub fn capacity_supported(layout: Layout) -> bool {
+    layout == Layout::ExpertMajor
+}
+
+/// Bytes capacity mode moves per rank and direction for `world` ranks, M tokens, a row of
+/// `row_bytes` and `top_k` (dispatch: rows + int32 ids + f32 weights + int32 source per
+/// row, to every peer; combine: `M·K` expert rows of `expert_row_bytes` per peer).
+pub fn capacity_bytes(
+    world: usize,
+    max_tokens: usize,
+    row_bytes: usize,
+    top_k: usize,
+    expert_row_bytes: usize,
+) -> (usize, usize) {
+    let per_row = row_bytes + 8 * top_k + 4;
+    (
+        world * max_tokens * per_row,
+        world * max_tokens * top_k * expert_row_bytes,
+    )
+}
