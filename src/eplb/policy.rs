@@ -652,6 +652,9 @@ mod tests {
             .collect();
         assert!(58 * 288 / MIN_SLOTS_PER_THREAD > 1);
         let got = rebalance_hierarchical(&w, 288, 8, 4, 32).expect("valid");
-        assert_eq!(got, reference::rebalance_hierarchical(&w, 288, 8, 4, 32).expect("valid"));
+        assert_eq!(
+            got,
+            reference::rebalance_hierarchical(&w, 288, 8, 4, 32).expect("valid")
+        );
     }
 }
