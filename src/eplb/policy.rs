@@ -650,7 +650,7 @@ mod tests {
         let w: Vec<Vec<f32>> = (0..58)
             .map(|_| (0..256).map(|_| (lcg(&mut x) % 10_000) as f32).collect())
             .collect();
-        assert!(58 * 288 / MIN_SLOTS_PER_THREAD > 1);
+        const { assert!(58 * 288 / MIN_SLOTS_PER_THREAD > 1) };
         let got = rebalance_hierarchical(&w, 288, 8, 4, 32).expect("valid");
         assert_eq!(
             got,
