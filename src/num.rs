@@ -90,7 +90,15 @@ pub fn f32_to_f16(f: f32) -> u16 {
     let exp = ((bits >> 23) & 0xff) as i32;
     let mant = bits & 0x7f_ffff;
     if exp == 0xff {
-        return sign | 0x7c00 | if mant != 0 { 0x200 } else { 0 };
+        // NaN keeps its top payload bits and is made quiet, as x86's F16C conversion does, so
+        // the scalar and vector paths agree bit for bit.
+        return sign
+            | 0x7c00
+            | if mant != 0 {
+                0x200 | (mant >> 13) as u16
+            } else {
+                0
+            };
     }
     let e = exp - 127 + 15;
     if e >= 0x1f {
@@ -156,13 +164,23 @@ fn add_blocks<const K: u8, const B: usize, const SCALED: bool>(
     }
 }
 
-fn add_kind<const SCALED: bool>(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
-    debug_assert_eq!(src.len(), acc.len() * kind.size());
+#[inline(always)]
+fn add_kind_generic<const SCALED: bool>(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
     match kind {
         FloatKind::F32 => add_blocks::<0, { LANES * 4 }, SCALED>(acc, src, w),
         FloatKind::Bf16 => add_blocks::<1, { LANES * 2 }, SCALED>(acc, src, w),
         FloatKind::F16 => add_blocks::<2, { LANES * 2 }, SCALED>(acc, src, w),
     }
+}
+
+fn add_kind<const SCALED: bool>(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
+    debug_assert_eq!(src.len(), acc.len() * kind.size());
+    #[cfg(target_arch = "x86_64")]
+    if x86::has_avx2_f16c() {
+        // SAFETY: the CPU supports AVX2 and F16C (checked at run time).
+        return unsafe { x86::add_kind::<SCALED>(acc, src, kind, w) };
+    }
+    add_kind_generic::<SCALED>(acc, src, kind, w)
 }
 
 /// Adds the elements of `src` (of kind `kind`, native-endian bytes) to `acc`.
@@ -206,13 +224,192 @@ fn store_blocks<const K: u8, const B: usize>(acc: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// Writes `acc` into `dst` as elements of kind `kind`.
-pub fn store(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
-    debug_assert_eq!(dst.len(), acc.len() * kind.size());
+#[inline(always)]
+fn store_generic(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
     match kind {
         FloatKind::F32 => store_blocks::<0, { LANES * 4 }>(acc, dst),
         FloatKind::Bf16 => store_blocks::<1, { LANES * 2 }>(acc, dst),
         FloatKind::F16 => store_blocks::<2, { LANES * 2 }>(acc, dst),
+    }
+}
+
+/// Writes `acc` into `dst` as elements of kind `kind`.
+pub fn store(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
+    debug_assert_eq!(dst.len(), acc.len() * kind.size());
+    #[cfg(target_arch = "x86_64")]
+    if x86::has_avx2_f16c() {
+        // SAFETY: the CPU supports AVX2 and F16C (checked at run time).
+        return unsafe { x86::store(acc, dst, kind) };
+    }
+    store_generic(acc, dst, kind)
+}
+
+/// Like `store`, for a large output that is not read again soon: on AVX2 machines it writes
+/// with non-temporal stores, which skip reading the destination lines into the cache first
+/// (a third less memory traffic for a write-once output).
+pub fn store_streaming(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
+    debug_assert_eq!(dst.len(), acc.len() * kind.size());
+    #[cfg(target_arch = "x86_64")]
+    if x86::has_avx2_f16c() {
+        // SAFETY: the CPU supports AVX2 and F16C (checked at run time).
+        return unsafe { x86::store_streaming(acc, dst, kind) };
+    }
+    store_generic(acc, dst, kind)
+}
+
+/// The same kernels compiled for AVX2 (selected at run time: the crate is built for baseline
+/// x86-64, so distributions can ship one binary). f16 uses F16C's conversions, which round
+/// exactly like `f32_to_f16`; no FMA, so sums are bit-identical on every CPU.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    pub(super) fn has_avx2_f16c() -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::env::var_os("EPCOMM_NO_SIMD").is_none()
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("f16c")
+        })
+    }
+
+    /// 8 elements at `p` (bf16 or f16 bits) as f32.
+    #[inline(always)]
+    unsafe fn load8(p: *const u8, kind: FloatKind) -> __m256 {
+        // SAFETY (caller): 16 bytes at `p` are readable.
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            if kind == FloatKind::F16 {
+                _mm256_cvtph_ps(h)
+            } else {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn add_kind<const SCALED: bool>(
+        acc: &mut [f32],
+        src: &[u8],
+        kind: FloatKind,
+        w: f32,
+    ) {
+        if kind == FloatKind::F32 {
+            return add_kind_generic::<SCALED>(acc, src, kind, w);
+        }
+        let n = acc.len().min(src.len() / 2);
+        let body = n - n % 8;
+        let wv = _mm256_set1_ps(w);
+        let mut i = 0;
+        while i < body {
+            // SAFETY: i + 8 <= n, so 16 source bytes and 8 accumulator lanes are in bounds.
+            unsafe {
+                let mut x = load8(src.as_ptr().add(2 * i), kind);
+                if SCALED {
+                    x = _mm256_mul_ps(wv, x);
+                }
+                let a = acc.as_mut_ptr().add(i);
+                _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), x));
+            }
+            i += 8;
+        }
+        add_kind_generic::<SCALED>(&mut acc[body..n], &src[2 * body..2 * n], kind, w);
+    }
+
+    /// 8 f32 → 8 bf16 (as the low halves of 32-bit lanes), rounding like `f32_to_bf16`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn bf16x8(x: __m256) -> __m256i {
+        let bits = _mm256_castps_si256(x);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+            bits,
+            _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb),
+        ));
+        let nan = _mm256_or_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(0x40));
+        let abs = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fff_ffff));
+        let is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80_0000));
+        _mm256_blendv_epi8(rounded, nan, is_nan)
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn store(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
+        // SAFETY: the caller checked the CPU features.
+        unsafe { store_with::<false>(acc, dst, kind) }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn store_streaming(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
+        // Non-temporal 16-byte stores need 16-byte aligned addresses: write a scalar head
+        // up to the first aligned element (when the element size allows reaching one).
+        let es = kind.size();
+        let skip = (16 - dst.as_ptr() as usize % 16) % 16;
+        if skip % es != 0 || acc.len() < 64 {
+            // SAFETY: the caller checked the CPU features.
+            return unsafe { store_with::<false>(acc, dst, kind) };
+        }
+        let head = (skip / es).min(acc.len());
+        store_generic(&acc[..head], &mut dst[..head * es], kind);
+        // SAFETY: as above; the rest starts 16-byte aligned.
+        unsafe { store_with::<true>(&acc[head..], &mut dst[head * es..], kind) };
+        _mm_sfence();
+    }
+
+    #[inline(always)]
+    unsafe fn put<const NT: bool>(d: *mut __m128i, v: __m128i) {
+        // SAFETY (caller): 16 writable bytes at `d`, 16-byte aligned when NT.
+        unsafe {
+            if NT {
+                _mm_stream_si128(d, v)
+            } else {
+                _mm_storeu_si128(d, v)
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store_with<const NT: bool>(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
+        if kind == FloatKind::F32 && !NT {
+            return store_generic(acc, dst, kind);
+        }
+        let es = kind.size();
+        let n = acc.len().min(dst.len() / es);
+        let body = n - n % 16;
+        let mut i = 0;
+        while i < body && kind == FloatKind::F32 {
+            // SAFETY: i + 16 <= n: 64 bytes of each side in bounds; dst aligned (NT only).
+            unsafe {
+                let d = dst.as_mut_ptr().add(4 * i) as *mut __m128i;
+                for q in 0..4 {
+                    let v = _mm_loadu_si128(acc.as_ptr().add(i + 4 * q) as *const __m128i);
+                    put::<NT>(d.add(q), v);
+                }
+            }
+            i += 16;
+        }
+        while i < body {
+            // SAFETY: i + 16 <= n, so 16 accumulator lanes and 32 destination bytes are in
+            // bounds.
+            unsafe {
+                let a = _mm256_loadu_ps(acc.as_ptr().add(i));
+                let b = _mm256_loadu_ps(acc.as_ptr().add(i + 8));
+                let d = dst.as_mut_ptr().add(2 * i) as *mut __m128i;
+                if kind == FloatKind::F16 {
+                    put::<NT>(d, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a));
+                    put::<NT>(d.add(1), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(b));
+                } else {
+                    // packus works per 128-bit lane: [a0-3 b0-3 a4-7 b4-7] → reorder quarters.
+                    let packed = _mm256_packus_epi32(bf16x8(a), bf16x8(b));
+                    let ordered = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+                    put::<NT>(d, _mm256_castsi256_si128(ordered));
+                    put::<NT>(d.add(1), _mm256_extracti128_si256::<1>(ordered));
+                }
+            }
+            i += 16;
+        }
+        store_generic(&acc[body..n], &mut dst[es * body..es * n], kind);
     }
 }
 
@@ -267,6 +464,55 @@ mod tests {
             accumulate(&mut acc, &a, kind);
             assert_eq!(acc, vec![1.5, 2.5, -2.5]);
             assert_eq!(to_f32(&from_f32(&acc, kind), kind), acc);
+        }
+    }
+
+    /// The run-time selected (SIMD) kernels give the same bits as the portable ones.
+    #[test]
+    fn simd_and_portable_kernels_agree() {
+        // Every f16 value, then f32 values around bf16/f16 rounding boundaries and overflow.
+        let mut vals: Vec<f32> = (0..=u16::MAX).map(f16_to_f32).collect();
+        let mut x = 0x1234_5678u32;
+        for _ in 0..100_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            vals.push(f32::from_bits(x));
+        }
+        vals.extend([
+            65504.0,
+            65520.0,
+            1e-8,
+            -0.0,
+            f32::INFINITY,
+            f32::MIN_POSITIVE,
+        ]);
+        for kind in [FloatKind::F32, FloatKind::Bf16, FloatKind::F16] {
+            for len in [vals.len(), vals.len() - 5, 7] {
+                let v = &vals[..len];
+                let mut a = vec![0u8; len * kind.size()];
+                let mut b = a.clone();
+                store(v, &mut a, kind);
+                store_generic(v, &mut b, kind);
+                assert_eq!(a, b, "store {kind:?}");
+                // Streaming stores, at every alignment of the destination.
+                for shift in 0..4 * kind.size() {
+                    let mut c = vec![0u8; len * kind.size() + shift];
+                    store_streaming(v, &mut c[shift..], kind);
+                    assert_eq!(&c[shift..], &b[..], "streaming {kind:?} shift {shift}");
+                }
+                for w in [1.0f32, 0.3] {
+                    let mut acc_a = vec![0.25f32; len];
+                    let mut acc_b = acc_a.clone();
+                    accumulate_scaled(&mut acc_a, &a, kind, w);
+                    add_kind_generic::<true>(&mut acc_b, &a, kind, w);
+                    let same = acc_a
+                        .iter()
+                        .zip(&acc_b)
+                        .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()));
+                    assert!(same, "accumulate {kind:?} w={w}");
+                }
+            }
         }
     }
 }

@@ -241,3 +241,75 @@ fn bench_rejects_bad_iterations_without_panicking() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// CI runs every benchmark once on a tiny case (no timing is asserted): the table/JSON/SVG
+/// outputs are well formed and `--help` prints the usage.
+#[test]
+fn bench_runs_a_tiny_case() {
+    let dir = std::env::temp_dir().join(format!("epcomm-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("bench.svg");
+    let o = epcomm(&[
+        "bench",
+        "moe",
+        "--backend",
+        "deepep_high_throughput,allgather_reducescatter",
+        "--tokens",
+        "1,4",
+        "--hidden",
+        "64",
+        "--experts",
+        "8",
+        "--topk",
+        "2",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_str(&out).expect("JSON table");
+    let rows = rows.as_array().expect("array");
+    assert_eq!(rows.len(), 4);
+    for r in rows {
+        for key in [
+            "dispatch_ms",
+            "combine_ms",
+            "pair_ms",
+            "gbps_dedup",
+            "memcpy_ms",
+        ] {
+            assert!(r[key].as_f64().is_some_and(|v| v >= 0.0), "{key}: {r}");
+        }
+    }
+    let chart = std::fs::read_to_string(&svg).expect("svg written");
+    assert!(chart.starts_with("<svg") && chart.trim_end().ends_with("</svg>"));
+    assert!(chart.contains("deepep_high_throughput") && chart.contains("memcpy"));
+    std::fs::remove_dir_all(&dir).ok();
+
+    let o = epcomm(&["bench", "eplb", "--iters", "2"]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("EPLB policy (L=58, E=256, P=288"));
+    let o = epcomm(&[
+        "bench", "group", "--ranks", "2", "--mib", "1", "--iters", "2",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("time ratio all_to_allv / memcpy"));
+    let o = epcomm(&["bench", "moe", "--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("usage: epcomm bench moe"));
+}

@@ -154,6 +154,9 @@ pub(crate) fn reduce_blocked(
     result
 }
 
+/// Outputs at least this large are stored with non-temporal stores.
+const STREAMING_MIN_BYTES: usize = 16 << 20;
+
 #[allow(clippy::too_many_arguments)]
 fn reduce_blocks(
     kind: FloatKind,
@@ -170,6 +173,9 @@ fn reduce_blocks(
     let out_rows = by_row.offsets.len() - 1;
     let row_bytes = row_elems * kind.size();
     let out_row_bytes = row_elems * out_kind.size();
+    // An output much larger than the caches is written past them (see num::store_streaming);
+    // a small one stays cached for the caller's next read.
+    let streaming = out_rows * out_row_bytes >= STREAMING_MIN_BYTES;
     let mut slots: Vec<usize> = Vec::new();
     let mut positions: Vec<u32> = Vec::new();
     let mut which: Vec<usize> = Vec::new();
@@ -231,11 +237,12 @@ fn reduce_blocks(
                 add_row(a, row, kind, w);
             }
         }
-        num::store(
-            acc,
-            &mut out[b0 * out_row_bytes..b1 * out_row_bytes],
-            out_kind,
-        );
+        let dst = &mut out[b0 * out_row_bytes..b1 * out_row_bytes];
+        if streaming {
+            num::store_streaming(acc, dst, out_kind);
+        } else {
+            num::store(acc, dst, out_kind);
+        }
     }
     Ok(())
 }

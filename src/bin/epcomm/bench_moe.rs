@@ -33,9 +33,11 @@ struct Params {
     iters: usize,
     warmup: usize,
     json: bool,
+    /// Where to write the SVG chart of GB/s against T, if anywhere.
+    svg: Option<String>,
 }
 
-const USAGE: &str = "usage: epcomm bench moe [--backend NAME[,NAME..]|all] [--ranks N] [--tokens T[,T..]] [--hidden H] [--experts E] [--topk K] [--dtype bf16|f16|f32] [--routing uniform|skewed|top2] [--iters N] [--warmup N] [--json]\n       epcomm bench eplb [--iters N]";
+const USAGE: &str = "usage: epcomm bench moe [--backend NAME[,NAME..]|all] [--ranks N] [--tokens T[,T..]] [--hidden H] [--experts E] [--topk K] [--dtype bf16|f16|f32] [--routing uniform|skewed|top2] [--iters N] [--warmup N] [--json] [--svg FILE]\n       epcomm bench eplb [--iters N]";
 
 fn parse(args: &[String]) -> Result<Params, String> {
     let mut p = Params {
@@ -50,11 +52,13 @@ fn parse(args: &[String]) -> Result<Params, String> {
         iters: 50,
         warmup: 5,
         json: false,
+        svg: None,
     };
     for (name, value) in crate::opts::pairs(args, &["--json"])? {
         let count = |v: &str| crate::opts::count(&name, v);
         match name.as_str() {
             "--json" => p.json = true,
+            "--svg" => p.svg = Some(value),
             "--backend" => p.backends = value.split(',').map(str::to_owned).collect(),
             "--ranks" => p.ranks = count(&value)?,
             "--tokens" => p.tokens = value.split(',').map(count).collect::<Result<_, _>>()?,
@@ -235,6 +239,10 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
 }
 
 pub fn cmd_moe(args: &[String]) -> ExitCode {
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     let p = match parse(args) {
         Ok(p) => p,
         Err(e) => {
@@ -287,6 +295,10 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
         );
     }
     let mut json = Vec::new();
+    // Chart lines: per backend GB/s (rank-deduplicated bytes of the pair) against T, and the
+    // memcpy roofline of the same bytes.
+    let mut chart: Vec<crate::plot::Series> = Vec::new();
+    let mut roofline: Vec<(f64, f64)> = Vec::new();
     for i in 0..lines[0].len() {
         let parsed: Vec<Vec<String>> = lines
             .iter()
@@ -319,6 +331,17 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             / p.ranks as f64;
         // Bytes per rank moved by the pair: dispatch out and combine back.
         let gbps = |b: f64| 2.0 * b / pm / 1e9;
+        match chart.iter_mut().find(|s| s.label == name) {
+            Some(s) => s.points.push((t as f64, gbps(dedup))),
+            None => chart.push(crate::plot::Series {
+                label: name.clone(),
+                points: vec![(t as f64, gbps(dedup))],
+                dashed: false,
+            }),
+        }
+        if !roofline.iter().any(|r| r.0 == t as f64) && mm > 0.0 {
+            roofline.push((t as f64, dedup / mm / 1e9));
+        }
         if p.json {
             json.push(serde_json::json!({
                 "backend": name, "tokens": t, "ranks": p.ranks, "dispatch_ms": dm * 1e3, "combine_ms": cm * 1e3,
@@ -346,11 +369,42 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             serde_json::to_string_pretty(&serde_json::Value::Array(json)).unwrap_or_default()
         );
     }
+    if let Some(path) = &p.svg {
+        roofline.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart.push(crate::plot::Series {
+            label: "memcpy (same bytes)".into(),
+            points: roofline,
+            dashed: true,
+        });
+        let title = format!(
+            "dispatch+combine, {} ranks, H={} {}, E={}, top-{}, {} routing",
+            p.ranks,
+            p.hidden,
+            p.kind.name(),
+            p.experts,
+            p.topk,
+            p.routing
+        );
+        let svg = crate::plot::line_chart(
+            &title,
+            "tokens per rank (T)",
+            "GB/s per rank (rank-deduplicated bytes)",
+            &chart,
+        );
+        if let Err(e) = std::fs::write(path, svg) {
+            eprintln!("epcomm: cannot write {path}: {e}");
+            return ExitCode::from(1);
+        }
+    }
     ExitCode::SUCCESS
 }
 
 /// The EPLB policy for L=58, E=256, P=288, G=8, N=4, R=32 (SPEC §7).
 pub fn cmd_eplb(args: &[String]) -> ExitCode {
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     let parsed = crate::opts::pairs(args, &[]).and_then(|pairs| {
         let mut iters = 20;
         for (name, value) in pairs {

@@ -4,6 +4,7 @@ mod bench;
 mod bench_moe;
 mod demo;
 mod opts;
+mod plot;
 mod ranks;
 mod stats;
 

@@ -1,0 +1,144 @@
+//! A dependency-free SVG line chart for the benchmark results (GB/s against T, log-scale x).
+
+use std::fmt::Write;
+
+/// One line of the chart: a label and its (x, y) points.
+pub struct Series {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+    /// Drawn dashed (e.g. a roofline).
+    pub dashed: bool,
+}
+
+const W: f64 = 760.0;
+const H: f64 = 440.0;
+const LEFT: f64 = 70.0;
+const RIGHT: f64 = 230.0;
+const TOP: f64 = 40.0;
+const BOTTOM: f64 = 60.0;
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
+];
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Renders `series` with a log2 x axis (x > 0) and a linear y axis from 0.
+pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
+    let pts = series.iter().flat_map(|s| s.points.iter());
+    let xs: Vec<f64> = pts.clone().map(|p| p.0.max(1.0).log2()).collect();
+    let (x0, x1) = xs
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
+    let (x0, x1) = if x0.is_finite() && x1 > x0 {
+        (x0, x1)
+    } else {
+        (0.0, x0.max(0.0) + 1.0)
+    };
+    let ymax = pts
+        .map(|p| p.1)
+        .filter(|y| y.is_finite())
+        .fold(0.0, f64::max);
+    let ymax = if ymax > 0.0 { ymax * 1.1 } else { 1.0 };
+    let (pw, ph) = (W - LEFT - RIGHT, H - TOP - BOTTOM);
+    let px = |x: f64| LEFT + (x.max(1.0).log2() - x0) / (x1 - x0) * pw;
+    let py = |y: f64| TOP + ph - y / ymax * ph;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="22" text-anchor="middle" font-size="14">{}</text>"#,
+        LEFT + pw / 2.0,
+        esc(title)
+    );
+    // Axes, y grid and ticks.
+    for i in 0..=5 {
+        let y = ymax * i as f64 / 5.0;
+        let _ = writeln!(
+            s,
+            r##"<line x1="{LEFT}" x2="{0}" y1="{1:.1}" y2="{1:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end">{y:.1}</text>"##,
+            LEFT + pw,
+            py(y),
+            LEFT - 6.0,
+            py(y) + 4.0
+        );
+    }
+    let mut tick = 2f64.powf(x0.floor());
+    while tick.log2() <= x1 + 1e-9 {
+        if tick.log2() >= x0 - 1e-9 {
+            let _ = writeln!(
+                s,
+                r#"<text x="{:.1}" y="{}" text-anchor="middle">{tick}</text>"#,
+                px(tick),
+                TOP + ph + 18.0
+            );
+        }
+        tick *= 2.0;
+    }
+    let _ = writeln!(
+        s,
+        r#"<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{0}" stroke="black"/><line x1="{LEFT}" x2="{1}" y1="{0}" y2="{0}" stroke="black"/>"#,
+        TOP + ph,
+        LEFT + pw
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+        LEFT + pw / 2.0,
+        H - 18.0,
+        esc(x_label)
+    );
+    let _ = writeln!(
+        s,
+        r#"<text transform="translate(18,{}) rotate(-90)" text-anchor="middle">{}</text>"#,
+        TOP + ph / 2.0,
+        esc(y_label)
+    );
+    for (i, ser) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let dash = if ser.dashed {
+            r#" stroke-dasharray="6,4""#
+        } else {
+            ""
+        };
+        let path: Vec<String> = ser
+            .points
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
+            .collect();
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
+            path.join(" ")
+        );
+        for &(x, y) in &ser.points {
+            let _ = writeln!(
+                s,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#,
+                px(x),
+                py(y)
+            );
+        }
+        let ly = TOP + 10.0 + 18.0 * i as f64;
+        let lx = LEFT + pw + 14.0;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
+            lx + 22.0,
+            lx + 28.0,
+            ly + 4.0,
+            esc(&ser.label)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
