@@ -243,6 +243,22 @@
 #define EPCOMM_DEVICE_ONEAPI 14
 
 /**
+ * Counts mode: exact sizes, one host sync per dispatch (the counts); not capturable.
+ */
+#define EPCOMM_GPU_MODE_COUNTS 0
+
+/**
+ * Capacity mode: fixed max_tokens_per_rank slabs, no host sync, CUDA-graph capturable
+ * (EXPERT_MAJOR backends only: deepep_low_latency, nixl_ep).
+ */
+#define EPCOMM_GPU_MODE_CAPACITY 1
+
+/**
+ * Bytes of an NCCL unique id (`ncclUniqueId`).
+ */
+#define EPCOMM_NCCL_UNIQUE_ID_BYTES 128
+
+/**
  * Point-to-point operation kind: send.
  */
 #define EPCOMM_P2P_SEND 0
@@ -273,6 +289,13 @@ typedef struct epcomm_eplb_layer_plan epcomm_eplb_layer_plan;
  * Expert-load statistics of one model on one rank (window, schedule, balancedness log).
  */
 typedef struct epcomm_eplb_state epcomm_eplb_state;
+
+/**
+ * A GPU all2all manager: one backend, configuration, CUDA device and NCCL communicator. Used
+ * by one thread at a time (like an NCCL communicator); every rank calls dispatch and combine
+ * in the same order.
+ */
+typedef struct epcomm_gpu_all2all epcomm_gpu_all2all;
 
 /**
  * A process group handle. Use it from one thread at a time (a second thread calling while a
@@ -1004,6 +1027,102 @@ int32_t epcomm_abi_version(void);
  * `message` is NULL or a NUL-terminated string.
  */
 int32_t epcomm_test_panic(const char *message);
+
+/**
+ * Writes the capability probe's JSON (driver, devices with compute capability, SM count,
+ * VMM/POSIX-fd/fabric/IPC support and compute mode; NCCL and NVRTC versions and files; the
+ * build's features) as a NUL-terminated string into `buf`. `*needed` always receives the
+ * size including the NUL. `buf` may be NULL when `len` is 0 (a size query; returns EPCOMM_OK).
+ * A `len` smaller than needed is EPCOMM_ERROR_INVALID_ARGUMENT (nothing written to `buf`).
+ * Works in every build and without CUDA: each part reports `"available": false` and why.
+ *
+ * # Safety
+ * `buf` is NULL or writable for `len` bytes; `needed` is NULL or writable.
+ */
+int32_t epcomm_cuda_caps(char *buf, size_t len, size_t *needed);
+
+/**
+ * Writes a new NCCL unique id (128 bytes, `ncclGetUniqueId`) to `out`: share it with every
+ * rank (e.g. over the host group) and pass it to epcomm_gpu_all2all_create.
+ *
+ * # Safety
+ * `out` is NULL or writable for 128 bytes.
+ */
+int32_t epcomm_nccl_unique_id(uint8_t *out);
+
+/**
+ * Creates a GPU all2all manager and its own NCCL communicator (`ncclCommInitRank`, collective:
+ * blocks until all `world_size` ranks joined) from `unique_id` (128 bytes from
+ * epcomm_nccl_unique_id on one rank), on CUDA device `device` (its primary context, the one
+ * PyTorch uses). `backend` is any name vLLM accepts (SPEC §3), `mode` an EPCOMM_GPU_MODE_*.
+ * Kernels are compiled with NVRTC for the device at the first dispatch (cached in memory and
+ * in $EPCOMM_CACHE_DIR). Logs `Using {ManagerClass} all2all manager.`.
+ *
+ * # Safety
+ * `backend` is NULL or a NUL-terminated string; `config` NULL or valid; `unique_id` NULL or
+ * 128 readable bytes; `out` NULL or writable.
+ */
+int32_t epcomm_gpu_all2all_create(const char *backend, const struct epcomm_moe_config *config, const uint8_t *unique_id, int32_t rank, int32_t world_size, int32_t device, int32_t mode, struct epcomm_gpu_all2all **out);
+
+/**
+ * Creates a GPU all2all manager on the host's NCCL communicator `nccl_comm` (an `ncclComm_t`,
+ * borrowed: epcomm never destroys or aborts it; it must outlive the manager and come from the
+ * same libnccl epcomm loads — an already-loaded libnccl.so.2 is reused for this reason). Rank
+ * and world size are the communicator's. Otherwise as epcomm_gpu_all2all_create.
+ *
+ * # Safety
+ * `nccl_comm` is NULL or a live communicator; other pointers as epcomm_gpu_all2all_create.
+ */
+int32_t epcomm_gpu_all2all_create_from_comm(const char *backend, const struct epcomm_moe_config *config, void *nccl_comm, int32_t device, int32_t mode, struct epcomm_gpu_all2all **out);
+
+/**
+ * Releases a GPU manager (NULL is a no-op): its buffers, and its communicator when it was
+ * created from a unique id. Views it returned become invalid. Work already enqueued on the
+ * host's stream must have finished (synchronize the stream first).
+ *
+ * # Safety
+ * `a2a` is NULL or a handle from epcomm_gpu_all2all_create*, not used after this call.
+ */
+void epcomm_gpu_all2all_destroy(struct epcomm_gpu_all2all *a2a);
+
+/**
+ * Dispatches this rank's tokens (collective) on the host's `stream` (a `cudaStream_t`; NULL =
+ * the legacy default stream). Tensors are CUDA device tensors (device type 2) on the handle's
+ * device: `hidden` [T, hidden_size] of hidden_dtype, `topk_ids` [T, top_k] int32/int64 (-1 =
+ * masked), `topk_weights` [T, top_k] float32, `extras` [T, extra_row_bytes[i]] (may be NULL
+ * when num_extras is 0). `out` receives CUDA views of buffers the handle owns (valid until
+ * its next dispatch), shaped as for epcomm_all2all_dispatch, with two differences: ids are
+ * int64, EXPERT_PACKED's expert_offsets are int32; in capacity mode `received_rows` is -1
+ * (the counts are on the device). Counts mode synchronises the host once (after the counts
+ * all-gather) and returns EPCOMM_ERROR_INVALID_STATE on a capturing stream; capacity mode
+ * never synchronises and can be captured after one uncaptured call.
+ *
+ * # Safety
+ * Pointers are NULL or valid; tensors describe device memory valid until the stream ran the
+ * work; `stream` is NULL or a live stream of the handle's device.
+ */
+int32_t epcomm_gpu_all2all_dispatch(struct epcomm_gpu_all2all *a2a, void *stream, const struct epcomm_tensor *hidden, const struct epcomm_tensor *topk_ids, const struct epcomm_tensor *topk_weights, const struct epcomm_tensor *extras, size_t num_extras, struct epcomm_dispatch_output *out);
+
+/**
+ * Brings the expert outputs home and reduces them (collective) on `stream`: `expert_output`
+ * (CUDA) has the shape of the dispatch output's `hidden` and the config's expert_dtype,
+ * `output` (CUDA) is [T, hidden_size] of out_dtype. Same contract per layout as
+ * epcomm_all2all_combine; float32 accumulation in a fixed order (bit-reproducible).
+ *
+ * # Safety
+ * As epcomm_gpu_all2all_dispatch.
+ */
+int32_t epcomm_gpu_all2all_combine(struct epcomm_gpu_all2all *a2a, void *stream, const struct epcomm_tensor *expert_output, const struct epcomm_tensor *output);
+
+/**
+ * Synchronises `stream` and reports the device error word of the last dispatch/combine (bad
+ * topk_ids, a full bucket): capacity mode's way to learn of bad input, since it never syncs
+ * by itself. EPCOMM_OK when there was none.
+ *
+ * # Safety
+ * As epcomm_gpu_all2all_dispatch.
+ */
+int32_t epcomm_gpu_all2all_check_error(struct epcomm_gpu_all2all *a2a, void *stream);
 
 /**
  * Fills `options` with the defaults (and struct_size).

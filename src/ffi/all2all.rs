@@ -92,7 +92,7 @@ fn nonneg(v: i64, field: &str) -> Result<usize> {
     })
 }
 
-unsafe fn config_arg(config: *const epcomm_moe_config) -> Result<MoeConfig> {
+pub(crate) unsafe fn config_arg(config: *const epcomm_moe_config) -> Result<MoeConfig> {
     // SAFETY: caller contract.
     let c = unsafe { config.as_ref() }.ok_or(Error::NullPointer("config"))?;
     if (c.struct_size as usize) < std::mem::size_of::<epcomm_moe_config>() {

@@ -10,6 +10,7 @@ pub mod config;
 pub mod eplb;
 pub mod eplb_runtime;
 pub mod error;
+pub mod gpu;
 pub mod group;
 pub mod log;
 pub mod runtime;

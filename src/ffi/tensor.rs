@@ -78,13 +78,54 @@ impl HostTensor {
     /// entries and whose data covers the described extent.
     pub unsafe fn from_ffi(t: *const epcomm_tensor, name: &'static str) -> Result<HostTensor> {
         // SAFETY: caller contract.
-        let t = unsafe { t.as_ref() }.ok_or(Error::NullPointer(name))?;
-        if !matches!(t.device.device_type, 1 | 3 | 11 | 13) {
+        let r = unsafe { t.as_ref() }.ok_or(Error::NullPointer(name))?;
+        if r.device.device_type == 2 {
+            // CUDA device memory goes through the GPU entry points, never through the host path.
             return Err(Error::InvalidArgument(format!(
-                "tensor '{name}' is on device type {}; expected host memory (EPCOMM_DEVICE_CPU = 1; CUDA host/managed memory also works)",
-                device_name(t.device.device_type)
+                "tensor '{name}' is on device type CUDA (2); the host-tensor functions take host memory (EPCOMM_DEVICE_CPU = 1): use epcomm_gpu_all2all_dispatch / epcomm_gpu_all2all_combine for CUDA tensors"
             )));
         }
+        if !matches!(r.device.device_type, 1 | 3 | 11 | 13) {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{name}' is on device type {}; expected host memory (EPCOMM_DEVICE_CPU = 1; CUDA host/managed memory also works)",
+                device_name(r.device.device_type)
+            )));
+        }
+        // SAFETY: caller contract.
+        unsafe { Self::validate(t, name) }
+    }
+
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    /// Validates `t` as a contiguous CUDA device tensor (`kDLCUDA` = 2) on device `device`;
+    /// `ptr` is then a device address, never dereferenced on the host.
+    ///
+    /// # Safety
+    /// As [`HostTensor::from_ffi`] for the descriptor (shape/strides); the data is not touched.
+    pub unsafe fn from_ffi_cuda(
+        t: *const epcomm_tensor,
+        name: &'static str,
+        device: i32,
+    ) -> Result<HostTensor> {
+        // SAFETY: caller contract.
+        let r = unsafe { t.as_ref() }.ok_or(Error::NullPointer(name))?;
+        if r.device.device_type != 2 || r.device.device_id != device {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{name}' is on device type {} id {}; expected CUDA device memory (EPCOMM_DEVICE_CUDA = 2) on device {device}, the device the GPU all2all handle was created for",
+                device_name(r.device.device_type),
+                r.device.device_id
+            )));
+        }
+        // SAFETY: caller contract.
+        unsafe { Self::validate(t, name) }
+    }
+
+    /// Shape, dtype, contiguity and data-pointer checks shared by host and device tensors.
+    ///
+    /// # Safety
+    /// As [`HostTensor::from_ffi`].
+    unsafe fn validate(t: *const epcomm_tensor, name: &'static str) -> Result<HostTensor> {
+        // SAFETY: caller contract (checked non-NULL by both callers).
+        let t = unsafe { t.as_ref() }.ok_or(Error::NullPointer(name))?;
         if t.ndim < 1 || t.ndim > 16 {
             return Err(Error::InvalidArgument(format!(
                 "tensor '{name}' has ndim {}; expected 1..=16 (rows along dimension 0)",

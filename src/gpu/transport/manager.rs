@@ -281,6 +281,11 @@ impl GpuManager {
         &self.comm
     }
 
+    /// Tokens (T) of the last dispatch: combine's output has this many rows.
+    pub fn last_tokens(&self) -> Option<usize> {
+        self.state.as_ref().map(|s| s.tokens)
+    }
+
     /// The shape of the last dispatch.
     pub fn last_shape(&self) -> Option<&DispatchShape> {
         self.state.as_ref().map(|s| &s.shape)

@@ -10,4 +10,4 @@ pub mod plan;
 #[cfg(feature = "nccl")]
 mod manager;
 #[cfg(feature = "nccl")]
-pub use manager::{GpuDispatch, GpuManager, GpuMode};
+pub use manager::{DispatchInput, GpuDispatch, GpuManager, GpuMode};
