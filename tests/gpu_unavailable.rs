@@ -8,10 +8,12 @@ use epcomm::ffi::all2all::{
     epcomm_all2all, epcomm_all2all_create, epcomm_all2all_destroy, epcomm_all2all_dispatch,
     epcomm_dispatch_output, epcomm_moe_config, epcomm_moe_config_init,
 };
+#[cfg(feature = "nccl")]
 use epcomm::ffi::config::epcomm_config_check;
 use epcomm::ffi::error::epcomm_last_error_message;
 use epcomm::ffi::gpu::*;
 use epcomm::ffi::group::{epcomm_group, epcomm_group_create_shm, epcomm_group_destroy};
+#[cfg(feature = "nccl")]
 use epcomm::ffi::runtime::{epcomm_cuda_check, epcomm_nccl_version};
 use epcomm::ffi::tensor::{epcomm_device, epcomm_tensor};
 use epcomm::ffi::{
