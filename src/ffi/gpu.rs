@@ -425,7 +425,7 @@ mod imp {
         let _ctx = bind(device)?;
         let id = NcclUniqueId::from_bytes(id)?;
         let comm = NcclComm::init_rank(&id, rank as usize, world as usize)?;
-        let mgr = GpuManager::new(name, cfg, comm, device as usize, gpu_mode(mode))?;
+        let mgr = GpuManager::new(name, cfg, Box::new(comm), device as usize, gpu_mode(mode))?;
         Ok(Handle {
             mgr,
             device,
@@ -445,7 +445,7 @@ mod imp {
         let _ctx = bind(device)?;
         // SAFETY: caller contract: a live communicator of the loaded NCCL.
         let comm = unsafe { NcclComm::adopt(comm) }?;
-        let mgr = GpuManager::new(name, cfg, comm, device as usize, gpu_mode(mode))?;
+        let mgr = GpuManager::new(name, cfg, Box::new(comm), device as usize, gpu_mode(mode))?;
         Ok(Handle {
             mgr,
             device,

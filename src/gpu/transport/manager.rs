@@ -35,11 +35,13 @@ use crate::gpu::kernels::{FloatDtype, IdDtype, MAX_TOPK};
 use crate::gpu::launch::{memset_d32_async, read_error_word, KernelConfig, Kernels};
 use crate::gpu::nccl::plan::{counts_plan, ExchangeOptions, ExchangePlan};
 use crate::gpu::nccl::{NcclComm, NcclDataType};
+use crate::gpu::transport::local::local_copies;
 use crate::gpu::transport::plan::{
     self, broadcast_plan, capacity_supported, combine_counts, counts_row_len, dispatch_shape,
     recv_offsets, row_expert_counts, scan_scratch_elems, DispatchShape, Gathered, ShapeGeometry,
     ROW_ERROR, ROW_RANK_COUNTS,
 };
+use crate::gpu::transport::Fabric;
 use crate::moe::{Manager, MoeConfig};
 use crate::num::FloatKind;
 use crate::select::all2all::{Backend, Layout};
@@ -146,7 +148,7 @@ struct State {
 /// thread at a time, like the communicator.
 pub struct GpuManager {
     cpu: Manager,
-    comm: NcclComm,
+    comm: Box<dyn Fabric>,
     ctx: PrimaryContext,
     device: Device,
     mode: GpuMode,
@@ -195,7 +197,7 @@ impl GpuManager {
     pub fn new(
         backend: &str,
         cfg: MoeConfig,
-        comm: NcclComm,
+        comm: Box<dyn Fabric>,
         device: usize,
         mode: GpuMode,
     ) -> Result<GpuManager> {
@@ -229,7 +231,10 @@ impl GpuManager {
         let dev = Device::get(device)?;
         let ctx = PrimaryContext::retain(dev)?;
         ctx.set_current()?;
-        let opts = ExchangeOptions::for_version(comm.api().version);
+        let opts = ExchangeOptions {
+            zero_size_p2p: comm.zero_size_p2p(),
+            self_via_nccl: false,
+        };
         Ok(GpuManager {
             expert: float(cfg.expert_dtype),
             out: float(cfg.out_dtype),
@@ -276,9 +281,9 @@ impl GpuManager {
         self.comm.world()
     }
 
-    /// The communicator.
-    pub fn comm(&self) -> &NcclComm {
-        &self.comm
+    /// The transport.
+    pub fn fabric(&self) -> &dyn Fabric {
+        self.comm.as_ref()
     }
 
     /// Tokens (T) of the last dispatch: combine's output has this many rows.
@@ -336,37 +341,11 @@ impl GpuManager {
         }
     }
 
-    /// Issues the grouped exchanges (one NCCL group) and the self copies.
+    /// Issues the grouped exchanges and the self copies.
     fn exchange(&self, s: &Stream, items: &[(ExchangePlan, u64, u64)]) -> Result<()> {
-        let api = self.comm.api();
-        api.group_start()?;
-        let mut first: Option<Error> = None;
-        for (plan, send, recv) in items {
-            // SAFETY: every buffer was sized from the same plan (send_bytes / recv_bytes) on
-            // this communicator's device; `s` is a live stream of it.
-            if let Err(e) = unsafe { self.comm.exchange(plan, *send, *recv, s.raw()) } {
-                first.get_or_insert(e);
-            }
-        }
-        let end = api.group_end();
-        if let Some(e) = first {
-            return Err(e);
-        }
-        end?;
-        for (plan, send, recv) in items {
-            if let Some(l) = plan.local {
-                // SAFETY: both ranges lie in buffers sized from the plan.
-                unsafe {
-                    memcpy_dtod_async(
-                        recv + l.recv_offset as u64,
-                        send + l.send_offset as u64,
-                        l.bytes,
-                        s,
-                    )
-                }?;
-            }
-        }
-        Ok(())
+        // SAFETY: every buffer was sized from its plan (send_bytes / recv_bytes) on this
+        // device; `s` is a live stream of it.
+        unsafe { self.comm.exchange(items, s) }
     }
 
     /// Waits for `ev`, polling NCCL's async error, bounded by [`GpuManager::timeout`].
@@ -376,7 +355,7 @@ impl GpuManager {
             if ev.query()? {
                 return Ok(());
             }
-            self.comm.async_error()?;
+            self.comm.poll()?;
             if start.elapsed() > self.timeout {
                 return Err(Error::Timeout(format!(
                     "GPU dispatch: the counts all-gather did not complete within {:?} (a peer rank is not participating?)",
@@ -471,8 +450,7 @@ impl GpuManager {
         // SAFETY: err (8 bytes) into the row's two error slots; all/h_all sized for R rows.
         unsafe {
             memcpy_dtod_async(row + 4 * ROW_ERROR as u64, err, 8, s)?;
-            self.comm
-                .all_gather(row as _, all as _, row_len, NcclDataType::Int32, s.raw())?;
+            self.comm.all_gather_i32(row, all, row_len, s)?;
             memcpy_dtoh_async(h_all.cast(), all, 4 * row_len * r, s)?;
         }
         let ev = Event::new(false)?;
@@ -1048,5 +1026,56 @@ impl GpuManager {
                 kern.weighted_combine(stream, recv, crow, w, t as i32, h as i32, out)
             }
         }
+    }
+}
+
+impl Fabric for NcclComm {
+    fn rank(&self) -> usize {
+        NcclComm::rank(self)
+    }
+
+    fn world(&self) -> usize {
+        NcclComm::world(self)
+    }
+
+    fn zero_size_p2p(&self) -> bool {
+        ExchangeOptions::for_version(self.api().version).zero_size_p2p
+    }
+
+    unsafe fn all_gather_i32(&self, send: u64, recv: u64, count: usize, s: &Stream) -> Result<()> {
+        // SAFETY: caller contract (Fabric::all_gather_i32).
+        unsafe {
+            self.all_gather(
+                send as *const std::ffi::c_void,
+                recv as *mut std::ffi::c_void,
+                count,
+                NcclDataType::Int32,
+                s.raw(),
+            )
+        }
+    }
+
+    unsafe fn exchange(&self, items: &[(ExchangePlan, u64, u64)], s: &Stream) -> Result<()> {
+        let api = self.api();
+        api.group_start()?;
+        let mut first: Option<Error> = None;
+        for (plan, send, recv) in items {
+            // SAFETY: caller contract (Fabric::exchange).
+            if let Err(e) = unsafe { NcclComm::exchange(self, plan, *send, *recv, s.raw()) } {
+                first.get_or_insert(e);
+            }
+        }
+        // Close the group even after a failed call (NCCL's group state is per thread).
+        let end = api.group_end();
+        if let Some(e) = first {
+            return Err(e);
+        }
+        end?;
+        // SAFETY: caller contract.
+        unsafe { local_copies(items, s) }
+    }
+
+    fn poll(&self) -> Result<()> {
+        self.async_error()
     }
 }

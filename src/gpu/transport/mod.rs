@@ -7,7 +7,45 @@
 
 pub mod plan;
 
+#[cfg(feature = "cuda")]
+pub mod local;
 #[cfg(feature = "nccl")]
 mod manager;
 #[cfg(feature = "nccl")]
 pub use manager::{DispatchInput, GpuDispatch, GpuManager, GpuMode};
+
+/// How a [`GpuManager`] moves bytes between ranks: NCCL (any topology), or the in-process
+/// [`local::LocalFabric`] (ranks as threads sharing one GPU, for tests; NCCL refuses two ranks
+/// on one device).
+#[cfg(feature = "cuda")]
+pub trait Fabric: Send {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Ranks.
+    fn world(&self) -> usize;
+    /// Whether zero-byte transfers may be issued (NCCL ≥ 2.12.10).
+    fn zero_size_p2p(&self) -> bool;
+    /// All-gather of `count` int32 per rank (`recv` holds `count * world`).
+    ///
+    /// # Safety
+    /// `send`/`recv` are device memory of this device of the stated sizes; `s` is live.
+    unsafe fn all_gather_i32(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        s: &crate::gpu::driver::Stream,
+    ) -> crate::error::Result<()>;
+    /// Every plan's transfers as one group, plus the self copies; enqueued on `s`.
+    ///
+    /// # Safety
+    /// Each `(plan, send, recv)` has `send`/`recv` of at least `plan.send_bytes` /
+    /// `plan.recv_bytes` on this device; every rank issues its plans for the same matrices.
+    unsafe fn exchange(
+        &self,
+        items: &[(crate::gpu::nccl::plan::ExchangePlan, u64, u64)],
+        s: &crate::gpu::driver::Stream,
+    ) -> crate::error::Result<()>;
+    /// An asynchronous transport error, polled while the host waits.
+    fn poll(&self) -> crate::error::Result<()>;
+}
