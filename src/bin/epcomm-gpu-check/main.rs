@@ -50,6 +50,23 @@ mod imp {
     use epcomm::select::all2all::Layout;
     use serde_json::{json, Value};
 
+    static RECORD: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+    /// Appends one finished case to `$OUT/<phase>.cases.jsonl` at once, so a phase killed by
+    /// its timeout still leaves the cases it finished.
+    fn record(v: &Value) {
+        if let Some(p) = RECORD.get() {
+            use std::io::Write;
+            if let Ok(mut f) = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+            {
+                let _ = writeln!(f, "{v}");
+            }
+        }
+    }
+
     /// One backend name per layout.
     pub const LAYOUTS: [(&str, Layout); 5] = [
         ("allgather_reducescatter", Layout::Replicated),
@@ -392,14 +409,16 @@ mod imp {
                 }
             }
         }
-        json!({
+        let v = json!({
             "backend": backend, "layout": layout.name(), "world": world, "tokens": t,
             "hidden": cfg.hidden, "top_k": k, "experts": cfg.num_experts,
             "dtypes": format!("{}/{}/{}", cfg.hidden_dtype.torch_name(), cfg.expert_dtype.name(), cfg.out_dtype.name()),
             "ids": format!("{id_dtype:?}"), "mode": format!("{mode:?}"),
             "transport": if nccl { "nccl" } else { "local-threads" },
             "pass": pass, "seconds": start.elapsed().as_secs_f64(), "ranks": ranks,
-        })
+        });
+        record(&v);
+        v
     }
 
     fn nccl_single() -> Result<Box<dyn Fabric>> {
@@ -908,6 +927,10 @@ mod imp {
             .position(|a| a == "--out")
             .and_then(|i| args.get(i + 1))
             .map(PathBuf::from);
+        if let Some(d) = &out_dir {
+            let _ = std::fs::create_dir_all(d);
+            let _ = RECORD.set(d.join(format!("{phase}.cases.jsonl")));
+        }
         let v = std::panic::catch_unwind(|| match phase.as_str() {
             "probe" => phase_probe(),
             "kernels" => phase_kernels(quick),

@@ -12,7 +12,8 @@
 //!
 //! Status: compiled only; never run on a GPU yet.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::gpu::driver::{memcpy_dtod_async, Event, Stream};
@@ -27,11 +28,68 @@ struct Slot {
     done: Option<Arc<Event>>,
 }
 
+/// A reusable barrier that fails instead of hanging when a rank left (its fabric was dropped,
+/// e.g. after an error) or after a timeout.
+struct Gate {
+    state: Mutex<(usize, u64, bool)>, // (arrived, generation, poisoned)
+    cv: Condvar,
+}
+
+impl Gate {
+    fn wait(&self, world: usize, rank: usize, timeout: Duration) -> Result<()> {
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if g.2 {
+            return Err(left(rank));
+        }
+        let gen = g.1;
+        g.0 += 1;
+        if g.0 == world {
+            g.0 = 0;
+            g.1 += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        let start = Instant::now();
+        while g.1 == gen {
+            if g.2 {
+                return Err(left(rank));
+            }
+            if start.elapsed() > timeout {
+                g.2 = true;
+                self.cv.notify_all();
+                return Err(Error::Timeout(format!(
+                    "local fabric: rank {rank} waited {timeout:?} for the other ranks"
+                )));
+            }
+            g = self
+                .cv
+                .wait_timeout(g, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    fn poison(&self) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).2 = true;
+        self.cv.notify_all();
+    }
+}
+
+fn left(rank: usize) -> Error {
+    Error::PeerFailure(format!(
+        "local fabric: a peer of rank {rank} left the group (it failed or was dropped)"
+    ))
+}
+
 struct Shared {
     world: usize,
-    barrier: Barrier,
+    gate: Gate,
     slots: Mutex<Vec<Slot>>,
 }
+
+/// Bound on one barrier wait of the local fabric.
+pub const LOCAL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// One rank of an in-process group (see the module doc).
 pub struct LocalFabric {
@@ -52,7 +110,10 @@ impl std::fmt::Debug for LocalFabric {
 pub fn local_group(world: usize) -> Vec<LocalFabric> {
     let shared = Arc::new(Shared {
         world,
-        barrier: Barrier::new(world),
+        gate: Gate {
+            state: Mutex::new((0, 0, false)),
+            cv: Condvar::new(),
+        },
         slots: Mutex::new(vec![Slot::default(); world]),
     });
     (0..world)
@@ -63,7 +124,20 @@ pub fn local_group(world: usize) -> Vec<LocalFabric> {
         .collect()
 }
 
+impl Drop for LocalFabric {
+    fn drop(&mut self) {
+        // Peers still waiting for this rank fail instead of hanging.
+        self.shared.gate.poison();
+    }
+}
+
 impl LocalFabric {
+    fn barrier(&self) -> Result<()> {
+        self.shared
+            .gate
+            .wait(self.shared.world, self.rank, LOCAL_TIMEOUT)
+    }
+
     fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Slot>> {
         self.shared.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -120,7 +194,7 @@ impl Fabric for LocalFabric {
                 done: None,
             };
         }
-        self.shared.barrier.wait();
+        self.barrier()?;
         let snapshot = self.slots().clone();
         let mut result = Ok(());
         for (p, slot) in snapshot.iter().enumerate() {
@@ -182,7 +256,7 @@ impl Fabric for LocalFabric {
         let done = Arc::new(Event::new(false)?);
         done.record(s)?;
         self.slots()[self.rank].done = Some(done);
-        self.shared.barrier.wait();
+        self.barrier()?;
         let snapshot = self.slots().clone();
         for (p, slot) in snapshot.iter().enumerate() {
             if p != self.rank {
@@ -191,7 +265,7 @@ impl Fabric for LocalFabric {
                 }
             }
         }
-        self.shared.barrier.wait();
+        self.barrier()?;
         result
     }
 
