@@ -563,10 +563,10 @@ mod imp {
                     }
                 }
             }
-            out.push(
-                json!({"case": "spec_worked_example", "layout": layout.name(),
-                            "pass": pass, "ranks": ranks}),
-            );
+            let v = json!({"case": "spec_worked_example", "layout": layout.name(),
+                           "pass": pass, "ranks": ranks});
+            record(&v);
+            out.push(v);
         }
         out
     }
@@ -757,9 +757,11 @@ mod imp {
                       "reference": c, "pass": replays_ok == 10 && c["pass"] == true}),
             )
         };
-        run().unwrap_or_else(
+        let v = run().unwrap_or_else(
             |e| json!({"case": "capacity_graph_replay", "pass": false, "error": e.to_string()}),
-        )
+        );
+        record(&v);
+        v
     }
 
     /// A captured CUDA graph (instantiated), via the driver API.
