@@ -234,6 +234,9 @@ impl Fabric for LocalFabric {
                     )));
                     break;
                 }
+                if rv.bytes == 0 {
+                    continue;
+                }
                 // SAFETY: both buffers were sized from the plans (caller contract of every
                 // rank); the peer's rows are ready (event waited above).
                 if let Err(e) = unsafe {

@@ -106,6 +106,9 @@ struct Pool {
 }
 
 impl Pool {
+    /// A buffer of at least `bytes`. Growing frees the old allocation (`cuMemFree`, which
+    /// waits for the device work still using it, as `cudaFree` does), so sizes settle after the
+    /// first calls; CUDA-graph capture must come after a call of the same size.
     fn get(&mut self, name: &str, bytes: usize) -> Result<u64> {
         let bytes = bytes.max(16).next_multiple_of(256);
         if let Some(m) = self.dev.get(name) {
@@ -160,6 +163,14 @@ pub struct GpuManager {
     opts: ExchangeOptions,
     /// Bound on the counts wait.
     pub timeout: Duration,
+}
+
+impl Drop for GpuManager {
+    fn drop(&mut self) {
+        // The buffers are freed (cuMemFree) right after this, in this context: make it current
+        // on the dropping thread, which may not be the one that used the manager.
+        let _ = self.ctx.set_current();
+    }
 }
 
 impl std::fmt::Debug for GpuManager {
@@ -675,8 +686,10 @@ impl GpuManager {
                 let wcopy = p.get("weights_copy", 4 * t * k)?;
                 kern.scan(s, pair_flag, ppos, r * t * k, scratch)?;
                 kern.pair_rows(s, false, inp.topk_ids, t as i32, el as i32, ppos, crow)?;
-                // SAFETY: t*k f32 in both.
-                unsafe { memcpy_dtod_async(wcopy, inp.topk_weights, 4 * t * k, s) }?;
+                if t * k > 0 {
+                    // SAFETY: t*k f32 in both.
+                    unsafe { memcpy_dtod_async(wcopy, inp.topk_weights, 4 * t * k, s) }?;
+                }
             }
             Layout::RankMajor => {
                 let out_ids = p.get("out_ids", 8 * r * m * k)?;
