@@ -132,8 +132,11 @@ for ph in ("probe", "kernels", "nccl", "ranks", "perf"):
     summary[ph] = v.get("status")
     detail = ""
     if "passed" in v:
-        detail = "%s/%s cases" % (v["passed"], v["total"])
-        bad = [c for c in v.get("cases", []) if not c.get("pass")]
+        detail = "%s/%s cases passed" % (v["passed"], v["total"])
+        if v.get("skipped_or_not_implemented"):
+            detail += ", %s skipped/not implemented" % v["skipped_or_not_implemented"]
+        bad = [c for c in v.get("cases", []) if not c.get("pass")
+               and c.get("status") not in ("skipped", "not_implemented")]
         if bad:
             c = bad[0]
             detail += "; first failure: %s %s %s" % (

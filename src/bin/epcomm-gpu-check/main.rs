@@ -427,10 +427,22 @@ mod imp {
         Ok(Box::new(epcomm::gpu::nccl::NcclComm::init_rank(&id, 0, 1)?))
     }
 
+    /// `pass` when every case passed; `pass_with_skips` when the others all passed and some
+    /// are `skipped` / `not_implemented` (listed, never counted as passes); else `fail`.
     fn summarize(name: &str, cases: Vec<Value>) -> Value {
+        let excluded =
+            |c: &Value| matches!(c["status"].as_str(), Some("skipped" | "not_implemented"));
+        let skipped = cases.iter().filter(|c| excluded(c)).count();
         let passed = cases.iter().filter(|c| c["pass"] == true).count();
-        json!({"phase": name, "status": if passed == cases.len() { "pass" } else { "fail" },
-               "passed": passed, "total": cases.len(), "cases": cases})
+        let status = if passed + skipped < cases.len() {
+            "fail"
+        } else if skipped > 0 {
+            "pass_with_skips"
+        } else {
+            "pass"
+        };
+        json!({"phase": name, "status": status, "passed": passed, "skipped_or_not_implemented": skipped,
+               "total": cases.len(), "cases": cases})
     }
 
     fn phase_probe() -> Value {
@@ -651,7 +663,15 @@ mod imp {
         let ts: &[usize] = if quick { &[1, 128] } else { &[1, 128, 4096] };
         for &(backend, layout) in &LAYOUTS {
             for &t in ts {
-                // M = T: EXPERT_MAJOR buckets are E_local x M x R rows (15 GB at M = 4096).
+                if layout == Layout::ExpertMajor && t > 512 {
+                    let v = json!({"backend": backend, "layout": layout.name(), "tokens": t,
+                        "status": "skipped",
+                        "reason": "EXPERT_MAJOR buckets are E_local x M x R rows: 15 GB of device memory at M = 4096 with E_local = 256, and the host-side reference would need 4x that; DeepEP LL is a decode layout (T <= 512 checked)"});
+                    record(&v);
+                    cases.push(v);
+                    continue;
+                }
+                // M = T: EXPERT_MAJOR buckets are E_local x M x R rows.
                 let cfg = config(
                     256,
                     8,
@@ -838,15 +858,11 @@ mod imp {
                 ));
             }
         }
-        cases.push(json!({"case": "one_sided_ipc_vmm_processes", "status": "not_implemented",
-            "pass": false, "note": "the one-sided transport's kernels (ep_signal/ep_wait) and VMM mapping exist, but no one-sided dispatch/combine pipeline is wired yet; ranks above use LocalFabric (D2D copies between thread-ranks)"}));
-        let mut v = summarize("ranks", cases);
-        v["status"] = json!(if v["passed"] == v["total"].as_u64().unwrap_or(0) - 1 {
-            "pass_except_not_implemented"
-        } else {
-            "fail"
-        });
-        v
+        let v = json!({"case": "one_sided_ipc_vmm_processes", "status": "not_implemented",
+            "note": "the one-sided transport's kernels (ep_signal/ep_wait) and VMM mapping exist, but no one-sided dispatch/combine pipeline is wired yet; ranks above use LocalFabric (D2D copies between thread-ranks)"});
+        record(&v);
+        cases.push(v);
+        summarize("ranks", cases)
     }
 
     fn phase_perf() -> Value {
@@ -957,7 +973,7 @@ mod imp {
         }
         let ok = matches!(
             v["status"].as_str(),
-            Some("pass" | "measured" | "pass_except_not_implemented")
+            Some("pass" | "measured" | "pass_with_skips")
         );
         std::process::exit(if ok { 0 } else { 1 });
     }
