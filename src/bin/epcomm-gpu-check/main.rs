@@ -51,6 +51,7 @@ mod imp {
     use serde_json::{json, Value};
 
     static RECORD: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    static SHM_SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
     /// Appends one finished case to `$OUT/<phase>.cases.jsonl` at once, so a phase killed by
     /// its timeout still leaves the cases it finished.
@@ -173,6 +174,7 @@ mod imp {
         id_dtype: IdDtype,
         experts: &ToyExperts,
         repeats: usize,
+        shm: Option<&str>,
     ) -> Result<RankOut> {
         let _c = ctx()?;
         let s = Stream::create()?;
@@ -181,7 +183,14 @@ mod imp {
         let hk = FloatKind::from_dtype(cfg.hidden_dtype).expect("float hidden");
         let k = cfg.top_k;
         let t = inp.ids.len() / k;
-        let x = upload(&num::from_f32(&inp.x, hk), &s)?;
+        let x_bytes = num::from_f32(&inp.x, hk);
+        let cpu = match shm {
+            Some(name) => Some(cpu_dispatch(
+                name, backend, cfg, rank, world, &x_bytes, inp,
+            )?),
+            None => None,
+        };
+        let x = upload(&x_bytes, &s)?;
         let ids_bytes: Vec<u8> = match id_dtype {
             IdDtype::I32 => inp
                 .ids
@@ -209,7 +218,7 @@ mod imp {
             if mode == GpuMode::Capacity {
                 mgr.check_device_error(&s)?;
             }
-            let (y, meta) = expert_outputs(&d, cfg, rank, world, experts, &s)?;
+            let (y, meta) = expert_outputs(&d, cfg, rank, world, experts, &s, cpu.as_ref())?;
             info = meta;
             let yd = upload(&y, &s)?;
             let out = DeviceMemory::alloc(t * cfg.hidden * cfg.out_dtype.size())?;
@@ -223,6 +232,105 @@ mod imp {
         })
     }
 
+    /// The CPU path's dispatch result on one rank (owned copy of its view).
+    pub struct CpuDispatch {
+        pub hidden: Vec<u8>,
+        pub received_rows: usize,
+        pub ids: Vec<i64>,
+        pub w: Vec<f32>,
+        pub counts: Vec<i32>,
+        pub offs: Vec<i64>,
+        pub sr: Vec<i32>,
+        pub st: Vec<i32>,
+    }
+
+    /// The CPU path (moe::Manager over an shm group of thread-ranks) on the same inputs.
+    fn cpu_dispatch(
+        shm: &str,
+        backend: &str,
+        cfg: &MoeConfig,
+        rank: usize,
+        world: usize,
+        hidden: &[u8],
+        inp: &Inputs,
+    ) -> Result<CpuDispatch> {
+        let opts = epcomm::group::GroupOptions {
+            timeout: std::time::Duration::from_secs(60),
+            ..Default::default()
+        };
+        let mut g = epcomm::group::shm::ShmGroup::join(shm, rank, world, opts)?;
+        let mut m = epcomm::moe::Manager::new(backend, cfg.clone(), rank, world)?;
+        let v = m.dispatch(&mut g, hidden, &inp.ids, &inp.w, &[])?;
+        Ok(CpuDispatch {
+            hidden: v.hidden.to_vec(),
+            received_rows: v.received_rows,
+            ids: v.topk_ids.to_vec(),
+            w: v.topk_weights.to_vec(),
+            counts: v.counts.to_vec(),
+            offs: v.expert_offsets.to_vec(),
+            sr: v.src_rank.to_vec(),
+            st: v.src_token.to_vec(),
+        })
+    }
+
+    /// Field-by-field equality of the GPU dispatch with the CPU path's (exact: rows move as
+    /// bytes; fixed-capacity layouts compare only the filled rows/slots).
+    fn compare_dispatch(
+        cpu: &CpuDispatch,
+        gpu: &CpuDispatch,
+        layout: Layout,
+        k: usize,
+        row: usize,
+    ) -> Value {
+        let mut diffs: Vec<String> = Vec::new();
+        let mut chk = |what: &str, ok: bool| {
+            if !ok {
+                diffs.push(what.to_string());
+            }
+        };
+        chk("received_rows", cpu.received_rows == gpu.received_rows);
+        chk("counts", cpu.counts == gpu.counts);
+        match layout {
+            Layout::ExpertMajor => {
+                let el = cpu.counts.len().max(1);
+                let cap = cpu.hidden.len() / row.max(1) / el;
+                for (j, &c) in cpu.counts.iter().enumerate() {
+                    let a = j * cap * row;
+                    let b = a + c as usize * row;
+                    chk(
+                        &format!("bucket {j} rows"),
+                        cpu.hidden.get(a..b) == gpu.hidden.get(a..b),
+                    );
+                }
+            }
+            Layout::RankMajor => {
+                let r = cpu.counts.len().max(1);
+                let m = cpu.hidden.len() / row.max(1) / r;
+                for (src, &c) in cpu.counts.iter().enumerate() {
+                    let (a, b) = (src * m, src * m + c as usize);
+                    chk(
+                        &format!("region {src} rows"),
+                        cpu.hidden.get(a * row..b * row) == gpu.hidden.get(a * row..b * row),
+                    );
+                    chk(
+                        &format!("region {src} weights"),
+                        cpu.w.get(a * k..b * k) == gpu.w.get(a * k..b * k),
+                    );
+                }
+                chk("ids (padding -1)", cpu.ids == gpu.ids);
+            }
+            _ => {
+                chk("hidden rows", cpu.hidden == gpu.hidden);
+                chk("topk_ids", cpu.ids == gpu.ids);
+                chk("topk_weights", cpu.w == gpu.w);
+                chk("expert_offsets", cpu.offs == gpu.offs);
+                chk("src_rank", cpu.sr == gpu.sr);
+                chk("src_token", cpu.st == gpu.st);
+            }
+        }
+        json!({"pass": diffs.is_empty(), "differs": diffs})
+    }
+
     /// Host copy of a dispatch result as the CPU path's view; the toy experts' outputs for it
     /// in the expert dtype.
     fn expert_outputs(
@@ -232,6 +340,7 @@ mod imp {
         world: usize,
         experts: &ToyExperts,
         s: &Stream,
+        cpu: Option<&CpuDispatch>,
     ) -> Result<(Vec<u8>, Value)> {
         let sh = &d.shape;
         let hb = cfg.hidden_dtype.bits as usize / 8;
@@ -268,10 +377,24 @@ mod imp {
         };
         let hk = FloatKind::from_dtype(cfg.hidden_dtype).expect("float hidden");
         let y = experts.run_local(&view, hk, rank, world, cfg.top_k);
+        let vs_cpu = cpu.map(|c| {
+            let g = CpuDispatch {
+                hidden: hidden.clone(),
+                received_rows: received,
+                ids: ids.clone(),
+                w: w.clone(),
+                counts: counts.clone(),
+                offs: offs.clone(),
+                sr: sr.clone(),
+                st: st.clone(),
+            };
+            compare_dispatch(c, &g, sh.layout, cfg.top_k, cfg.hidden * hb)
+        });
         let meta = json!({
             "received_rows": received,
             "counts": counts,
             "hidden_shape": sh.hidden,
+            "vs_cpu_dispatch": vs_cpu,
         });
         Ok((num::from_f32(&y, cfg.expert_dtype), meta))
     }
@@ -367,14 +490,23 @@ mod imp {
                 .map(|f| Box::new(f) as Box<dyn Fabric>)
                 .collect()
         };
+        // The CPU path's dispatch on the same inputs (shm group of thread-ranks): small cases.
+        let shm = (!nccl && mode == GpuMode::Counts && cfg.hidden <= 256).then(|| {
+            format!(
+                "gpuchk{}-{}",
+                std::process::id(),
+                SHM_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            )
+        });
         let results: Vec<Result<RankOut>> = std::thread::scope(|sc| {
             let hs: Vec<_> = fabrics
                 .into_iter()
                 .zip(&inputs)
                 .map(|(f, inp)| {
                     let experts = &experts;
+                    let shm = shm.as_deref();
                     sc.spawn(move || {
-                        run_rank(f, backend, cfg, mode, inp, id_dtype, experts, repeats)
+                        run_rank(f, backend, cfg, mode, inp, id_dtype, experts, repeats, shm)
                     })
                 })
                 .collect();
@@ -401,6 +533,7 @@ mod imp {
                     let tol = if all_f32 { 1e-5 } else { 3e-2 };
                     let c = compare(&o.out, &want, exact, tol);
                     pass &= c["pass"] == true;
+                    pass &= o.dispatch["vs_cpu_dispatch"]["pass"] != false;
                     ranks.push(json!({"rank": r, "combine": c, "dispatch": o.dispatch}));
                 }
                 Err(e) => {
