@@ -130,14 +130,15 @@ pub(crate) fn reduce_blocked(
     if row_elems == 0 || out_rows == 0 {
         return Ok(());
     }
-    // About 256 KiB of f32 accumulator per block. The buffers are kept per thread: above
-    // malloc's mmap threshold a fresh allocation would page-fault on every call.
+    // Blocks of about 256 KiB / (4 bytes x row) output rows: one read per peer per block into
+    // a cache-resident scratch. The buffers are kept per thread: above malloc's mmap threshold
+    // a fresh allocation would page-fault on every call.
     thread_local! {
         static BUFFERS: std::cell::RefCell<(Vec<f32>, Vec<u8>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     }
     let block = ((256 << 10) / (row_elems * 4)).clamp(1, out_rows);
     let (mut acc, mut scratch) = BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()));
-    acc.resize(block * row_elems, 0.0);
+    acc.resize(COLUMN_CHUNK.min(row_elems), 0.0);
     let result = reduce_blocks(
         kind,
         row_elems,
@@ -153,6 +154,9 @@ pub(crate) fn reduce_blocked(
     BUFFERS.with(|b| *b.borrow_mut() = (acc, scratch));
     result
 }
+
+/// Elements per accumulator chunk (8 KiB of f32: stays in L1 with the rows being added).
+const COLUMN_CHUNK: usize = 2048;
 
 /// Outputs at least this large are stored with non-temporal stores.
 const STREAMING_MIN_BYTES: usize = 16 << 20;
@@ -171,7 +175,8 @@ fn reduce_blocks(
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let out_rows = by_row.offsets.len() - 1;
-    let row_bytes = row_elems * kind.size();
+    let es = kind.size();
+    let row_bytes = row_elems * es;
     let out_row_bytes = row_elems * out_kind.size();
     // An output much larger than the caches is written past them (see num::store_streaming);
     // a small one stays cached for the caller's next read.
@@ -220,28 +225,35 @@ fn reduce_blocks(
             }
             next += n;
         }
-        let acc = &mut acc[..(b1 - b0) * row_elems];
-        acc.fill(0.0);
+        // Row by row, in column chunks whose f32 accumulator stays in L1 while every
+        // contribution is added (the same additions in the same order as whole rows).
+        let out_es = out_kind.size();
         for r in b0..b1 {
-            let a = &mut acc[(r - b0) * row_elems..(r - b0 + 1) * row_elems];
-            for i in by_row.offsets[r] - e0..by_row.offsets[r + 1] - e0 {
-                let (peer, pos, w) = entries[i];
-                let row = match local {
-                    // This rank's own rows are read in place.
-                    Some((me, src, give_me)) if me == peer as usize => {
-                        let sr = give_me[pos as usize] as usize;
-                        &src[sr * row_bytes..(sr + 1) * row_bytes]
-                    }
-                    _ => &scratch[slots[i] * row_bytes..(slots[i] + 1) * row_bytes],
-                };
-                add_row(a, row, kind, w);
+            let entries_r = by_row.offsets[r] - e0..by_row.offsets[r + 1] - e0;
+            for c0 in (0..row_elems).step_by(COLUMN_CHUNK) {
+                let c1 = (c0 + COLUMN_CHUNK).min(row_elems);
+                let a = &mut acc[..c1 - c0];
+                a.fill(0.0);
+                for i in entries_r.clone() {
+                    let (peer, pos, w) = entries[i];
+                    let row = match local {
+                        // This rank's own rows are read in place.
+                        Some((me, src, give_me)) if me == peer as usize => {
+                            let sr = give_me[pos as usize] as usize;
+                            &src[sr * row_bytes..(sr + 1) * row_bytes]
+                        }
+                        _ => &scratch[slots[i] * row_bytes..(slots[i] + 1) * row_bytes],
+                    };
+                    add_row(a, &row[c0 * es..c1 * es], kind, w);
+                }
+                let base = r * out_row_bytes;
+                let dst = &mut out[base + c0 * out_es..base + c1 * out_es];
+                if streaming {
+                    num::store_streaming(a, dst, out_kind);
+                } else {
+                    num::store(a, dst, out_kind);
+                }
             }
-        }
-        let dst = &mut out[b0 * out_row_bytes..b1 * out_row_bytes];
-        if streaming {
-            num::store_streaming(acc, dst, out_kind);
-        } else {
-            num::store(acc, dst, out_kind);
         }
     }
     Ok(())
