@@ -113,11 +113,12 @@ run_phase() { # name budget_seconds
   echo "== nvidia-smi -q (compute mode)"; timeout 30 nvidia-smi -q 2>&1 | grep -iE 'compute mode|driver version|cuda version|product name' 
   echo "== uname -r"; uname -r
 } >"$OUT/system.txt" 2>&1
-run_phase probe 60
-run_phase kernels 170
-run_phase nccl 170
-run_phase ranks 150
-run_phase perf 90
+# Budgets add up to 530 s; with nvidia-smi (<= 2 x 30 s) the script stays under 10 minutes.
+run_phase probe 30
+run_phase kernels 150
+run_phase nccl 150
+run_phase ranks 120
+run_phase perf 80
 
 # ---- table ------------------------------------------------------------------------------------
 python3 - "$OUT" <<'PY' | tee -a "$log"

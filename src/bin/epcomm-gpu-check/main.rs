@@ -982,7 +982,7 @@ mod imp {
                     backend,
                     layout,
                     world,
-                    128,
+                    if world >= 8 { 64 } else { 128 },
                     &cfg,
                     GpuMode::Counts,
                     IdDtype::I64,
