@@ -93,7 +93,7 @@ run_phase() { # name budget_seconds
   start=$(date +%s)
   say "gpu-check: phase $name (timeout ${budget}s)"
   rm -f "$OUT/$name.json" "$OUT/$name.cases.jsonl"
-  timeout --kill-after=10 "$budget" "$bin" "$name" --out "$OUT" "${quick[@]}" >>"$log" 2>&1
+  timeout --kill-after=5 "$budget" "$bin" "$name" --out "$OUT" "${quick[@]}" >>"$log" 2>&1
   local rc=$?
   end=$(date +%s)
   rc_of[$name]=$rc
@@ -109,11 +109,12 @@ run_phase() { # name budget_seconds
 }
 
 {
-  echo "== nvidia-smi"; timeout 30 nvidia-smi 2>&1
-  echo "== nvidia-smi -q (compute mode)"; timeout 30 nvidia-smi -q 2>&1 | grep -iE 'compute mode|driver version|cuda version|product name' 
+  echo "== nvidia-smi"; timeout 15 nvidia-smi 2>&1
+  echo "== nvidia-smi -q (compute mode)"; timeout 15 nvidia-smi -q 2>&1 | grep -iE 'compute mode|driver version|cuda version|product name' 
   echo "== uname -r"; uname -r
 } >"$OUT/system.txt" 2>&1
-# Budgets add up to 530 s; with nvidia-smi (<= 2 x 30 s) the script stays under 10 minutes.
+# Budgets add up to 530 s (+5 s kill grace each); with nvidia-smi (<= 2 x 15 s) the script
+# stays under 10 minutes.
 run_phase probe 30
 run_phase kernels 150
 run_phase nccl 150
