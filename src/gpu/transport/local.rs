@@ -12,12 +12,13 @@
 //!
 //! Status: compiled only; never run on a GPU yet.
 
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::gpu::driver::{memcpy_dtod_async, Event, Stream};
 use crate::gpu::nccl::plan::ExchangePlan;
+use crate::gpu::transport::gate::Gate;
 use crate::gpu::transport::plan::broadcast_plan;
 use crate::gpu::transport::Fabric;
 
@@ -26,60 +27,6 @@ struct Slot {
     items: Vec<(ExchangePlan, u64, u64)>,
     ready: Option<Arc<Event>>,
     done: Option<Arc<Event>>,
-}
-
-/// A reusable barrier that fails instead of hanging when a rank left (its fabric was dropped,
-/// e.g. after an error) or after a timeout.
-struct Gate {
-    state: Mutex<(usize, u64, bool)>, // (arrived, generation, poisoned)
-    cv: Condvar,
-}
-
-impl Gate {
-    fn wait(&self, world: usize, rank: usize, timeout: Duration) -> Result<()> {
-        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if g.2 {
-            return Err(left(rank));
-        }
-        let gen = g.1;
-        g.0 += 1;
-        if g.0 == world {
-            g.0 = 0;
-            g.1 += 1;
-            self.cv.notify_all();
-            return Ok(());
-        }
-        let start = Instant::now();
-        while g.1 == gen {
-            if g.2 {
-                return Err(left(rank));
-            }
-            if start.elapsed() > timeout {
-                g.2 = true;
-                self.cv.notify_all();
-                return Err(Error::Timeout(format!(
-                    "local fabric: rank {rank} waited {timeout:?} for the other ranks"
-                )));
-            }
-            g = self
-                .cv
-                .wait_timeout(g, Duration::from_millis(50))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        Ok(())
-    }
-
-    fn poison(&self) {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).2 = true;
-        self.cv.notify_all();
-    }
-}
-
-fn left(rank: usize) -> Error {
-    Error::PeerFailure(format!(
-        "local fabric: a peer of rank {rank} left the group (it failed or was dropped)"
-    ))
 }
 
 struct Shared {
@@ -110,10 +57,7 @@ impl std::fmt::Debug for LocalFabric {
 pub fn local_group(world: usize) -> Vec<LocalFabric> {
     let shared = Arc::new(Shared {
         world,
-        gate: Gate {
-            state: Mutex::new((0, 0, false)),
-            cv: Condvar::new(),
-        },
+        gate: Gate::new(),
         slots: Mutex::new(vec![Slot::default(); world]),
     });
     (0..world)

@@ -5,6 +5,7 @@
 //! - `GpuManager` (`nccl` feature): the NCCL two-sided pipeline of every layout, counts mode
 //!   (one host sync per dispatch) and capacity mode (no host sync, CUDA-graph capturable).
 
+pub mod gate;
 pub mod plan;
 
 #[cfg(feature = "cuda")]
