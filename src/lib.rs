@@ -4,6 +4,7 @@
 //! Module map (SPEC §1): the core (`select`, `dtype`, `error`, `log`) is safe Rust with no FFI
 //! types; `ffi` holds every `extern "C"` item; `probe` finds optional native libraries.
 
+pub mod copy;
 pub mod dtype;
 pub mod eplb;
 pub mod error;

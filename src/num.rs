@@ -257,6 +257,18 @@ pub fn store_streaming(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
     store_generic(acc, dst, kind)
 }
 
+/// Whether the AVX2 kernels are in use (AVX2 and F16C present, `EPCOMM_NO_SIMD` unset).
+pub fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::has_avx2_f16c()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// The same kernels compiled for AVX2 (selected at run time: the crate is built for baseline
 /// x86-64, so distributions can ship one binary). f16 uses F16C's conversions, which round
 /// exactly like `f32_to_f16`; no FMA, so sums are bit-identical on every CPU.

@@ -296,9 +296,32 @@ fn bench_runs_a_tiny_case() {
     assert!(chart.contains("deepep_high_throughput") && chart.contains("memcpy"));
     std::fs::remove_dir_all(&dir).ok();
 
-    let o = epcomm(&["bench", "eplb", "--iters", "2"]);
-    assert_eq!(o.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&o.stdout).starts_with("EPLB policy (L=58, E=256, P=288"));
+    let o = epcomm(&[
+        "bench",
+        "eplb",
+        "--iters",
+        "2",
+        "--layers",
+        "2",
+        "--experts-per-rank",
+        "4",
+        "--expert-mib",
+        "1",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(out.starts_with("EPLB policy (L=58, E=256, P=288"), "{out}");
+    // Half of each rank's 2 x 4 slots come from the peer, half move locally: 8 MiB placed.
+    assert!(
+        out.contains("EPLB weight transfer (2 ranks, 2 layers x 4 experts of 1 MiB per rank")
+            && out.contains(": 8.0 MiB placed per rank in "),
+        "{out}"
+    );
     let o = epcomm(&[
         "bench", "group", "--ranks", "2", "--mib", "1", "--iters", "2",
     ]);

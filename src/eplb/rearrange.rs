@@ -5,6 +5,7 @@
 
 use super::communicator::EplbCommunicator;
 use super::transfer::{apply_rank_mapping, plan_layer, LayerPlan};
+use crate::copy::copy_streaming;
 use crate::error::{Error, Result};
 use crate::group::{Group, P2p};
 
@@ -36,10 +37,12 @@ fn move_layer(
     staging: &mut [Vec<u8>],
 ) -> Result<()> {
     for ((buf, &rb), w) in staging.iter_mut().zip(row_bytes).zip(weights.iter()) {
-        buf.resize(w.len(), 0);
+        if buf.len() < w.len() {
+            buf.resize(w.len(), 0);
+        }
         for &(dst, src) in &plan.local_copies {
             let (d, s) = (rows_of(buf, rb, dst), rows_of(w, rb, src));
-            buf[d].copy_from_slice(&w[s]);
+            copy_streaming(&mut buf[d], &w[s]);
         }
     }
     {
@@ -75,7 +78,7 @@ fn move_layer(
             let staged = plan.local_copies.iter().any(|c| c.0 == row) || primaries.contains(&row);
             if !plan.unchanged[row] && staged {
                 let r = rows_of(w, rb, row);
-                w[r.clone()].copy_from_slice(&buf[r]);
+                copy_streaming(&mut w[r.clone()], &buf[r]);
             }
         }
         for &(dup, primary) in &plan.duplicates {
@@ -107,10 +110,44 @@ pub fn rearrange(
             weights.len()
         )));
     }
+    let mut summary = Summary::default();
+    // The staging buffers (one layer of this rank's weights, like vLLM's expert_weights_buffer)
+    // are kept per thread for the next rearrangement: allocating and zero-filling them on
+    // every call cost more than the transfer itself.
+    thread_local! {
+        static STAGING: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let mut staging = STAGING.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    staging.resize_with(row_bytes.len(), Vec::new);
+    let result = rearrange_layers(
+        g,
+        comm,
+        old,
+        new,
+        weights,
+        row_bytes,
+        rank_mapping,
+        &mut staging,
+        &mut summary,
+    );
+    STAGING.with(|s| *s.borrow_mut() = staging);
+    result.map(|()| summary)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rearrange_layers(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    old: &[Vec<i64>],
+    new: &[Vec<i64>],
+    weights: &mut [LayerWeights<'_>],
+    row_bytes: &[usize],
+    rank_mapping: Option<&[i64]>,
+    staging: &mut [Vec<u8>],
+    summary: &mut Summary,
+) -> Result<()> {
     let me = g.rank();
     let world = g.size();
-    let mut summary = Summary::default();
-    let mut staging: Vec<Vec<u8>> = vec![Vec::new(); row_bytes.len()];
     for (l, ((o, n), w)) in old.iter().zip(new).zip(weights.iter_mut()).enumerate() {
         if w.len() != row_bytes.len() {
             return Err(Error::InvalidArgument(format!(
@@ -143,7 +180,7 @@ pub fn rearrange(
             }
         }
         let plan = plan_layer(&o, &n, n_local, me)?;
-        move_layer(g, comm, &plan, w, row_bytes, &mut staging).map_err(|e| {
+        move_layer(g, comm, &plan, w, row_bytes, staging).map_err(|e| {
             let done = if l == 0 {
                 "no layer was changed".to_owned()
             } else {
@@ -166,5 +203,5 @@ pub fn rearrange(
         summary.rows_received += plan.recvs.len() + plan.duplicates.len();
         summary.rows_copied_locally += plan.local_copies.len();
     }
-    Ok(summary)
+    Ok(())
 }

@@ -95,7 +95,7 @@ pub fn cmd_bench(args: &[String]) -> ExitCode {
     match args.first().map(String::as_str) {
         Some("group") => {}
         Some("moe") => return crate::bench_moe::cmd_moe(&args[1..]),
-        Some("eplb") => return crate::bench_moe::cmd_eplb(&args[1..]),
+        Some("eplb") => return crate::bench_eplb::cmd_eplb(&args[1..]),
         _ => {
             eprintln!(
                 "usage: epcomm bench group [--ranks N] [--mib MiB-per-rank] [--iters N] [--json]\n       epcomm bench moe --help | epcomm bench eplb"

@@ -1,6 +1,5 @@
 //! `epcomm bench moe`: dispatch, combine and the pair per backend, ranks as processes pinned one
-//! per core, with a memcpy of the same bytes timed in the same run; `epcomm bench eplb`: the
-//! rebalancing policy's time.
+//! per core, with a memcpy of the same bytes timed in the same run.
 //!
 //! Per iteration every rank waits at a barrier, then times dispatch and combine; an
 //! iteration's time is the slowest rank's. Bytes follow DeepEP's two conventions: rank
@@ -10,7 +9,6 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use epcomm::eplb::policy::rebalance_experts;
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
 use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::unit;
@@ -37,7 +35,7 @@ struct Params {
     svg: Option<String>,
 }
 
-const USAGE: &str = "usage: epcomm bench moe [--backend NAME[,NAME..]|all] [--ranks N] [--tokens T[,T..]] [--hidden H] [--experts E] [--topk K] [--dtype bf16|f16|f32] [--routing uniform|skewed|top2] [--iters N] [--warmup N] [--json] [--svg FILE]\n       epcomm bench eplb [--iters N]";
+const USAGE: &str = "usage: epcomm bench moe [--backend NAME[,NAME..]|all] [--ranks N] [--tokens T[,T..]] [--hidden H] [--experts E] [--topk K] [--dtype bf16|f16|f32] [--routing uniform|skewed|top2] [--iters N] [--warmup N] [--json] [--svg FILE]";
 
 fn parse(args: &[String]) -> Result<Params, String> {
     let mut p = Params {
@@ -396,54 +394,5 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             return ExitCode::from(1);
         }
     }
-    ExitCode::SUCCESS
-}
-
-/// The EPLB policy for L=58, E=256, P=288, G=8, N=4, R=32 (SPEC §7).
-pub fn cmd_eplb(args: &[String]) -> ExitCode {
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("{USAGE}");
-        return ExitCode::SUCCESS;
-    }
-    let parsed = crate::opts::pairs(args, &[]).and_then(|pairs| {
-        let mut iters = 20;
-        for (name, value) in pairs {
-            match name.as_str() {
-                "--iters" => iters = crate::opts::count(&name, &value)?,
-                other => return Err(format!("unknown option '{other}'")),
-            }
-        }
-        if iters == 0 {
-            return Err("--iters must be positive".into());
-        }
-        Ok(iters)
-    });
-    let iters = match parsed {
-        Ok(iters) => iters,
-        Err(e) => {
-            eprintln!("epcomm: error: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    let (l, e, p, g, n, r) = (58, 256, 288, 8, 4, 32);
-    let w: Vec<Vec<f32>> = (0..l)
-        .map(|li| {
-            (0..e)
-                .map(|x| ((unit(li as u64, x as u64) + 1.0) * 5000.0).floor())
-                .collect()
-        })
-        .collect();
-    let mut times = Vec::new();
-    for _ in 0..iters + 2 {
-        let t0 = Instant::now();
-        std::hint::black_box(rebalance_experts(&w, p, g, n, r, None).expect("valid shape"));
-        times.push(t0.elapsed().as_secs_f64());
-    }
-    let (med, p99) = median_p99(times[2..].to_vec());
-    println!(
-        "EPLB policy (L={l}, E={e}, P={p}, G={g}, N={n}, R={r}): median {:.3} ms, p99 {:.3} ms over {iters} runs (target <= 1 ms)",
-        med * 1e3,
-        p99 * 1e3
-    );
     ExitCode::SUCCESS
 }

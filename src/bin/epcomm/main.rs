@@ -1,6 +1,7 @@
 //! `epcomm` command-line tool: check a configuration before launch, list backends, benchmark.
 
 mod bench;
+mod bench_eplb;
 mod bench_moe;
 mod demo;
 mod opts;
@@ -29,7 +30,8 @@ usage:
   epcomm bench group [--ranks N] [--mib MiB] [--iters N] [--json]
   epcomm bench moe [--backend NAME,..|all] [--ranks N] [--tokens T,..] [--hidden H] [--experts E]
                    [--topk K] [--dtype bf16|f16|f32] [--routing uniform|skewed|top2] [--iters N] [--json]
-  epcomm bench eplb [--iters N]
+                   [--svg FILE]
+  epcomm bench eplb [--iters N] [--ranks N] [--layers L] [--experts-per-rank N] [--expert-mib MiB]
   epcomm version
 
 check flags (override --config; `--flag value` or `--flag=value`):
