@@ -139,7 +139,7 @@ fn decode<const K: u8, const B: usize>(s: &[u8; B], j: usize) -> f32 {
 }
 
 #[inline(always)]
-fn add_blocks<const K: u8, const B: usize, const SCALED: bool>(
+fn add_blocks<const K: u8, const B: usize, const SCALED: bool, const FIRST: bool>(
     acc: &mut [f32],
     src: &[u8],
     w: f32,
@@ -152,7 +152,10 @@ fn add_blocks<const K: u8, const B: usize, const SCALED: bool>(
         let s: &[u8; B] = s.try_into().expect("block");
         for (j, aj) in a.iter_mut().enumerate() {
             let x = decode::<K, B>(s, j);
-            *aj += if SCALED { w * x } else { x };
+            let v = if SCALED { w * x } else { x };
+            // FIRST: the accumulator's old contents are ignored; 0.0 + v is what adding to a
+            // zeroed accumulator gives (-0.0 becomes +0.0), so the sums stay bit-identical.
+            *aj = if FIRST { 0.0 + v } else { *aj + v };
         }
     }
     for (j, aj) in tail.iter_mut().enumerate() {
@@ -160,37 +163,58 @@ fn add_blocks<const K: u8, const B: usize, const SCALED: bool>(
         let mut one = [0u8; B];
         one[..es].copy_from_slice(&src[o..o + es]);
         let x = decode::<K, B>(&one, 0);
-        *aj += if SCALED { w * x } else { x };
+        let v = if SCALED { w * x } else { x };
+        *aj = if FIRST { 0.0 + v } else { *aj + v };
     }
 }
 
 #[inline(always)]
-fn add_kind_generic<const SCALED: bool>(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
+fn add_kind_generic<const SCALED: bool, const FIRST: bool>(
+    acc: &mut [f32],
+    src: &[u8],
+    kind: FloatKind,
+    w: f32,
+) {
     match kind {
-        FloatKind::F32 => add_blocks::<0, { LANES * 4 }, SCALED>(acc, src, w),
-        FloatKind::Bf16 => add_blocks::<1, { LANES * 2 }, SCALED>(acc, src, w),
-        FloatKind::F16 => add_blocks::<2, { LANES * 2 }, SCALED>(acc, src, w),
+        FloatKind::F32 => add_blocks::<0, { LANES * 4 }, SCALED, FIRST>(acc, src, w),
+        FloatKind::Bf16 => add_blocks::<1, { LANES * 2 }, SCALED, FIRST>(acc, src, w),
+        FloatKind::F16 => add_blocks::<2, { LANES * 2 }, SCALED, FIRST>(acc, src, w),
     }
 }
 
-fn add_kind<const SCALED: bool>(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
+fn add_kind<const SCALED: bool, const FIRST: bool>(
+    acc: &mut [f32],
+    src: &[u8],
+    kind: FloatKind,
+    w: f32,
+) {
     debug_assert_eq!(src.len(), acc.len() * kind.size());
     #[cfg(target_arch = "x86_64")]
     if x86::has_avx2_f16c() {
         // SAFETY: the CPU supports AVX2 and F16C (checked at run time).
-        return unsafe { x86::add_kind::<SCALED>(acc, src, kind, w) };
+        return unsafe { x86::add_kind::<SCALED, FIRST>(acc, src, kind, w) };
     }
-    add_kind_generic::<SCALED>(acc, src, kind, w)
+    add_kind_generic::<SCALED, FIRST>(acc, src, kind, w)
 }
 
 /// Adds the elements of `src` (of kind `kind`, native-endian bytes) to `acc`.
 pub fn accumulate(acc: &mut [f32], src: &[u8], kind: FloatKind) {
-    add_kind::<false>(acc, src, kind, 1.0);
+    add_kind::<false, false>(acc, src, kind, 1.0);
 }
 
 /// Adds `w` times the elements of `src` (of kind `kind`) to `acc`.
 pub fn accumulate_scaled(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
-    add_kind::<true>(acc, src, kind, w);
+    add_kind::<true, false>(acc, src, kind, w);
+}
+
+/// Sets `acc` to what `accumulate_scaled` (or `accumulate` when `w` is 1) gives on a zeroed
+/// accumulator, bit for bit, without reading or zeroing `acc` first.
+pub fn assign_scaled(acc: &mut [f32], src: &[u8], kind: FloatKind, w: f32) {
+    if w == 1.0 {
+        add_kind::<false, true>(acc, src, kind, 1.0);
+    } else {
+        add_kind::<true, true>(acc, src, kind, w);
+    }
 }
 
 #[inline(always)]
@@ -302,14 +326,14 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn add_kind<const SCALED: bool>(
+    pub(super) unsafe fn add_kind<const SCALED: bool, const FIRST: bool>(
         acc: &mut [f32],
         src: &[u8],
         kind: FloatKind,
         w: f32,
     ) {
         if kind == FloatKind::F32 {
-            return add_kind_generic::<SCALED>(acc, src, kind, w);
+            return add_kind_generic::<SCALED, FIRST>(acc, src, kind, w);
         }
         let n = acc.len().min(src.len() / 2);
         let body = n - n % 8;
@@ -323,11 +347,16 @@ mod x86 {
                     x = _mm256_mul_ps(wv, x);
                 }
                 let a = acc.as_mut_ptr().add(i);
-                _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), x));
+                let old = if FIRST {
+                    _mm256_setzero_ps()
+                } else {
+                    _mm256_loadu_ps(a)
+                };
+                _mm256_storeu_ps(a, _mm256_add_ps(old, x));
             }
             i += 8;
         }
-        add_kind_generic::<SCALED>(&mut acc[body..n], &src[2 * body..2 * n], kind, w);
+        add_kind_generic::<SCALED, FIRST>(&mut acc[body..n], &src[2 * body..2 * n], kind, w);
     }
 
     /// 8 f32 → 8 bf16 (as the low halves of 32-bit lanes), rounding like `f32_to_bf16`.
@@ -517,12 +546,22 @@ mod tests {
                     let mut acc_a = vec![0.25f32; len];
                     let mut acc_b = acc_a.clone();
                     accumulate_scaled(&mut acc_a, &a, kind, w);
-                    add_kind_generic::<true>(&mut acc_b, &a, kind, w);
+                    add_kind_generic::<true, false>(&mut acc_b, &a, kind, w);
                     let same = acc_a
                         .iter()
                         .zip(&acc_b)
                         .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()));
                     assert!(same, "accumulate {kind:?} w={w}");
+                    // assign_scaled == accumulate_scaled on zeros, bit for bit.
+                    let mut zeroed = vec![0.0f32; len];
+                    accumulate_scaled(&mut zeroed, &a, kind, w);
+                    let mut assigned = vec![f32::NAN; len];
+                    assign_scaled(&mut assigned, &a, kind, w);
+                    let same = zeroed
+                        .iter()
+                        .zip(&assigned)
+                        .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()));
+                    assert!(same, "assign {kind:?} w={w}");
                 }
             }
         }

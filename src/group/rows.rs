@@ -233,7 +233,9 @@ fn reduce_blocks(
             for c0 in (0..row_elems).step_by(COLUMN_CHUNK) {
                 let c1 = (c0 + COLUMN_CHUNK).min(row_elems);
                 let a = &mut acc[..c1 - c0];
-                a.fill(0.0);
+                if entries_r.is_empty() {
+                    a.fill(0.0);
+                }
                 for i in entries_r.clone() {
                     let (peer, pos, w) = entries[i];
                     let row = match local {
@@ -244,7 +246,12 @@ fn reduce_blocks(
                         }
                         _ => &scratch[slots[i] * row_bytes..(slots[i] + 1) * row_bytes],
                     };
-                    add_row(a, &row[c0 * es..c1 * es], kind, w);
+                    let part = &row[c0 * es..c1 * es];
+                    if i == entries_r.start {
+                        num::assign_scaled(a, part, kind, w);
+                    } else {
+                        add_row(a, part, kind, w);
+                    }
                 }
                 let base = r * out_row_bytes;
                 let dst = &mut out[base + c0 * out_es..base + c1 * out_es];
