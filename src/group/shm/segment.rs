@@ -276,6 +276,9 @@ pub fn copy_from_process(
     Ok(())
 }
 
+/// Same-process scattered copies of at least this many bytes in total use streaming stores.
+const STREAMING_MIN_BYTES: usize = 16 << 20;
+
 /// Copies several ranges of process `pid` into `dst`: `ranges` holds (remote address, offset in
 /// `dst`, length). Adjacent ranges are merged and the rest batched (up to 1024 per
 /// `process_vm_readv`), so scattered rows cost few system calls and one copy each.
@@ -298,8 +301,18 @@ pub fn copy_scattered_from_process(
         }
     }
     if same_process {
+        // A transfer far larger than the caches is written past them (no read-for-ownership
+        // of destination lines; see crate::copy).
+        let total: usize = merged.iter().map(|m| m.2).sum();
         for &(addr, off, len) in &merged {
-            copy_from_process(pid, true, addr, &mut dst[off..off + len])?;
+            if total >= STREAMING_MIN_BYTES {
+                // SAFETY: as in copy_from_process: the range belongs to a live buffer its
+                // owner does not modify until the op is consumed, and it does not overlap `dst`.
+                let src = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len) };
+                crate::copy::copy_streaming(&mut dst[off..off + len], src);
+            } else {
+                copy_from_process(pid, true, addr, &mut dst[off..off + len])?;
+            }
         }
         return Ok(());
     }
@@ -356,4 +369,33 @@ pub fn copy_scattered_from_process(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Same-process scattered copies give the same bytes below and above the streaming
+    /// threshold (rows out of order, some adjacent so they merge, odd sizes and offsets).
+    #[test]
+    fn scattered_same_process_copies_small_and_streaming() {
+        for row in [3usize, 4099, (STREAMING_MIN_BYTES / 64) + 5] {
+            let rows = 70;
+            let src: Vec<u8> = (0..rows * row).map(|i| (i * 31 + 7) as u8).collect();
+            let order: Vec<usize> = (0..rows).map(|i| (i * 37 + 11) % rows).collect();
+            let mut ranges: Vec<(u64, usize, usize)> = order
+                .iter()
+                .enumerate()
+                .map(|(k, &r)| (src.as_ptr() as u64 + (r * row) as u64, k * row, row))
+                .collect();
+            // Two adjacent on both sides: merged into one copy.
+            ranges.push((src.as_ptr() as u64, rows * row, 2 * row));
+            let mut dst = vec![0u8; (rows + 2) * row];
+            copy_scattered_from_process(std::process::id(), true, &mut dst, &ranges).unwrap();
+            for (k, &r) in order.iter().enumerate() {
+                assert_eq!(&dst[k * row..(k + 1) * row], &src[r * row..(r + 1) * row]);
+            }
+            assert_eq!(&dst[rows * row..], &src[..2 * row]);
+        }
+    }
 }
