@@ -18,25 +18,10 @@ use std::ffi::c_void;
 
 use crate::error::{Error, Result};
 use crate::gpu::driver::{self, Device, Function, LaunchDims, Module as CuModule, Stream};
-use crate::gpu::kernels::{
-    self, decode_error_word, FloatDtype, IdDtype, KernelSig, ParamType, Variant, SCAN_THREADS,
-};
+use crate::gpu::kernels::{self, decode_error_word, FloatDtype, IdDtype, KernelSig, Variant};
 use crate::gpu::nvrtc::Compiler;
-use crate::gpu::transport::plan::{blocks_for, scan_blocks, scan_levels};
 
-/// Threads per block of the grid-stride kernels.
-pub const BLOCK: u32 = 256;
-
-/// One kernel argument. Device pointers are `u64` addresses (0 = NULL).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arg {
-    /// A device pointer.
-    Ptr(u64),
-    /// `int`.
-    I32(i32),
-    /// `unsigned long long`.
-    U64(u64),
-}
+pub use crate::gpu::calls::{check_args, Arg, Call, Calls, KernelId, BLOCK};
 
 /// A loaded entry point and its parameter table.
 #[derive(Debug, Clone)]
@@ -66,14 +51,8 @@ impl Kernel {
     /// Launches with `grid` blocks of `block` threads on `stream`.
     pub fn launch(&self, grid: u32, block: u32, args: &[Arg], stream: &Stream) -> Result<()> {
         self.check_args(args)?;
-        let mut vals: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::Ptr(p) | Arg::U64(p) => p,
-                // The low 4 bytes of the slot (little-endian) are the int's bytes.
-                Arg::I32(v) => u64::from(v as u32),
-            })
-            .collect();
+        // The low 4 bytes of a slot (little-endian) are an int's bytes.
+        let mut vals: Vec<u64> = args.iter().map(|a| a.slot()).collect();
         let mut ptrs: Vec<*mut c_void> = vals
             .iter_mut()
             .map(|v| (v as *mut u64).cast::<c_void>())
@@ -89,32 +68,6 @@ impl Kernel {
         unsafe { driver::launch(&self.f, dims, stream, ptrs.as_mut_ptr()) }
             .map_err(|e| Error::Runtime(format!("launching {}: {e}", self.sig.name)))
     }
-}
-
-/// Checks launch arguments against a parameter table (pure; unit-tested on the CPU).
-pub fn check_args(sig: &KernelSig, args: &[Arg]) -> Result<()> {
-    if args.len() != sig.params.len() {
-        return Err(Error::Internal(format!(
-            "{}: {} arguments given, the kernel takes {}",
-            sig.name,
-            args.len(),
-            sig.params.len()
-        )));
-    }
-    for (p, a) in sig.params.iter().zip(args) {
-        let ok = match (p.ty, a) {
-            (ParamType::Ptr { nullable, .. }, Arg::Ptr(v)) => nullable || *v != 0,
-            (ParamType::I32, Arg::I32(_)) | (ParamType::U64, Arg::U64(_)) => true,
-            _ => false,
-        };
-        if !ok {
-            return Err(Error::Internal(format!(
-                "{}: argument '{}' is {a:?}, the table says {:?}",
-                sig.name, p.name, p.ty
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// `sm_{major}{minor}` for a compute capability.
@@ -218,458 +171,127 @@ impl Kernels {
         })
     }
 
-    fn threads(&self, units: u64) -> u32 {
-        blocks_for(units, u64::from(BLOCK), self.max_blocks)
+    /// The launch builders of this configuration.
+    pub fn calls(&self) -> Calls {
+        Calls {
+            top_k: self.config.top_k,
+            max_blocks: self.max_blocks,
+        }
     }
 
-    fn warps(&self, units: u64) -> u32 {
-        blocks_for(units, u64::from(BLOCK / 32), self.max_blocks)
+    fn kernel(&self, id: KernelId) -> &Kernel {
+        match id {
+            KernelId::Layout => &self.layout,
+            KernelId::PairRows => &self.pair_rows,
+            KernelId::PairRowsWire => &self.pair_rows_wire,
+            KernelId::RecvFlags => &self.recv_flags,
+            KernelId::ScanBlock => &self.scan_block,
+            KernelId::ScanAdd => &self.scan_add,
+            KernelId::Pack => &self.pack,
+            KernelId::LocalCopy => &self.local_copy,
+            KernelId::UnpackTokenMajor => &self.unpack_token_major,
+            KernelId::UnpackExpertMajor => &self.unpack_expert_major,
+            KernelId::UnpackExpertPacked => &self.unpack_expert_packed,
+            KernelId::UnpackRankMajor => &self.unpack_rank_major,
+            KernelId::CombineReturnExpert => &self.combine_return_expert,
+            KernelId::CombineReturnRankMajor => &self.combine_return_rank_major,
+            KernelId::WeightedCombine => &self.weighted_combine,
+            KernelId::SumRanks => &self.sum_ranks,
+        }
     }
 
-    fn per_token(&self, tokens: u64) -> u32 {
-        blocks_for(tokens, 1, self.max_blocks)
+    /// Issues `calls` in order on `s`.
+    pub fn run(&self, calls: &[Call], s: &Stream) -> Result<()> {
+        for c in calls {
+            self.kernel(c.kernel).launch(c.grid, c.block, &c.args, s)?;
+        }
+        Ok(())
     }
 
     /// `ep_layout` (thread per token).
-    pub fn layout(
-        &self,
-        s: &Stream,
-        topk_ids: u64,
-        t: i32,
-        e: i32,
-        e_local: i32,
-        r: i32,
-        rank_flag: u64,
-        pair_flag: u64,
-        rank_counts: u64,
-        expert_counts: u64,
-        err: u64,
-    ) -> Result<()> {
-        if t == 0 {
-            return Ok(());
-        }
-        let args = [
-            Arg::Ptr(topk_ids),
-            Arg::I32(t),
-            Arg::I32(e),
-            Arg::I32(e_local),
-            Arg::I32(r),
-            Arg::Ptr(rank_flag),
-            Arg::Ptr(pair_flag),
-            Arg::Ptr(rank_counts),
-            Arg::Ptr(expert_counts),
-            Arg::Ptr(err),
-        ];
-        self.layout.launch(self.threads(t as u64), BLOCK, &args, s)
+    pub fn layout(&self, s: &Stream, topk_ids: u64, t: i32, e: i32, e_local: i32, r: i32, rank_flag: u64, pair_flag: u64, rank_counts: u64, expert_counts: u64, err: u64) -> Result<()> {
+        let calls = self.calls().layout(topk_ids, t, e, e_local, r, rank_flag, pair_flag, rank_counts, expert_counts, err);
+        self.run(&calls, s)
     }
 
     /// `ep_pair_rows` on the caller's ids (`wire` = false) or on int32 wire ids.
-    pub fn pair_rows(
-        &self,
-        s: &Stream,
-        wire: bool,
-        topk_ids: u64,
-        t: i32,
-        e_local: i32,
-        pair_pos: u64,
-        rows: u64,
-    ) -> Result<()> {
-        if t == 0 {
-            return Ok(());
-        }
-        let k = if wire {
-            &self.pair_rows_wire
-        } else {
-            &self.pair_rows
-        };
-        let units = t as u64 * u64::from(self.config.top_k);
-        let args = [
-            Arg::Ptr(topk_ids),
-            Arg::I32(t),
-            Arg::I32(e_local),
-            Arg::Ptr(pair_pos),
-            Arg::Ptr(rows),
-        ];
-        k.launch(self.threads(units), BLOCK, &args, s)
+    pub fn pair_rows(&self, s: &Stream, wire: bool, topk_ids: u64, t: i32, e_local: i32, pair_pos: u64, rows: u64) -> Result<()> {
+        let calls = self.calls().pair_rows(wire, topk_ids, t, e_local, pair_pos, rows);
+        self.run(&calls, s)
     }
 
     /// `ep_recv_flags` (thread per received row).
-    pub fn recv_flags(
-        &self,
-        s: &Stream,
-        recv_ids: u64,
-        n: i32,
-        e_local: i32,
-        rank: i32,
-        expert_flag: u64,
-        pair_flag: u64,
-        local_counts: u64,
-    ) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let args = [
-            Arg::Ptr(recv_ids),
-            Arg::I32(n),
-            Arg::I32(e_local),
-            Arg::I32(rank),
-            Arg::Ptr(expert_flag),
-            Arg::Ptr(pair_flag),
-            Arg::Ptr(local_counts),
-        ];
-        self.recv_flags
-            .launch(self.threads(n as u64), BLOCK, &args, s)
+    pub fn recv_flags(&self, s: &Stream, recv_ids: u64, n: i32, e_local: i32, rank: i32, expert_flag: u64, pair_flag: u64, local_counts: u64) -> Result<()> {
+        let calls = self.calls().recv_flags(recv_ids, n, e_local, rank, expert_flag, pair_flag, local_counts);
+        self.run(&calls, s)
     }
 
     /// Exclusive scan of `n` int32 at `input` into `out[0..=n]` (`out[n]` = total; `input ==
     /// out` allowed), recursing over block sums: `scratch` holds
     /// [`crate::gpu::transport::plan::scan_scratch_elems`]`(n)` int32.
     pub fn scan(&self, s: &Stream, input: u64, out: u64, n: usize, scratch: u64) -> Result<()> {
-        let levels = scan_levels(n);
-        if levels.len() == 1 {
-            let args = [
-                Arg::Ptr(input),
-                Arg::Ptr(out),
-                Arg::U64(n as u64),
-                Arg::Ptr(0),
-            ];
-            return self.scan_block.launch(1, SCAN_THREADS, &args, s);
-        }
-        let tiles = levels[1];
-        let sums = scratch;
-        let args = [
-            Arg::Ptr(input),
-            Arg::Ptr(out),
-            Arg::U64(n as u64),
-            Arg::Ptr(sums),
-        ];
-        self.scan_block
-            .launch(scan_blocks(n), SCAN_THREADS, &args, s)?;
-        // Tile offsets: the exclusive scan of the block sums, in place, one level up.
-        let rest = sums + 4 * (tiles as u64 + 1);
-        self.scan(s, sums, sums, tiles, rest)?;
-        let args = [Arg::Ptr(out), Arg::U64(n as u64), Arg::Ptr(sums)];
-        self.scan_add
-            .launch(self.threads(n as u64 + 1), BLOCK, &args, s)
+        let calls = self.calls().scan(input, out, n, scratch);
+        self.run(&calls, s)
     }
 
     /// `ep_pack` (warp per (rank, token)).
-    pub fn pack(
-        &self,
-        s: &Stream,
-        rows: u64,
-        row_bytes: u64,
-        topk_ids: u64,
-        topk_weights: u64,
-        t: i32,
-        r: i32,
-        rank_flag: u64,
-        send_pos: u64,
-        send_rows: u64,
-        send_ids: u64,
-        send_weights: u64,
-        send_src: u64,
-    ) -> Result<()> {
-        if t == 0 {
-            return Ok(());
-        }
-        let args = [
-            Arg::Ptr(rows),
-            Arg::U64(row_bytes),
-            Arg::Ptr(topk_ids),
-            Arg::Ptr(topk_weights),
-            Arg::I32(t),
-            Arg::I32(r),
-            Arg::Ptr(rank_flag),
-            Arg::Ptr(send_pos),
-            Arg::Ptr(send_rows),
-            Arg::Ptr(send_ids),
-            Arg::Ptr(send_weights),
-            Arg::Ptr(send_src),
-        ];
-        self.pack
-            .launch(self.warps(t as u64 * r as u64), BLOCK, &args, s)
+    pub fn pack(&self, s: &Stream, rows: u64, row_bytes: u64, topk_ids: u64, topk_weights: u64, t: i32, r: i32, rank_flag: u64, send_pos: u64, send_rows: u64, send_ids: u64, send_weights: u64, send_src: u64) -> Result<()> {
+        let calls = self.calls().pack(rows, row_bytes, topk_ids, topk_weights, t, r, rank_flag, send_pos, send_rows, send_ids, send_weights, send_src);
+        self.run(&calls, s)
     }
 
     /// `ep_local_copy` of `bytes`.
     pub fn local_copy(&self, s: &Stream, dst: u64, src: u64, bytes: u64) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        let args = [Arg::Ptr(dst), Arg::Ptr(src), Arg::U64(bytes)];
-        self.local_copy
-            .launch(self.threads(bytes.div_ceil(16)), BLOCK, &args, s)
+        let calls = self.calls().local_copy(dst, src, bytes);
+        self.run(&calls, s)
     }
 
     /// `ep_unpack_token_major` (warp per row).
-    pub fn unpack_token_major(
-        &self,
-        s: &Stream,
-        recv_rows: u64,
-        recv_ids: u64,
-        recv_w: u64,
-        n: i32,
-        row_bytes: u64,
-        e_local: i32,
-        rank: i32,
-        out_rows: u64,
-        out_ids: u64,
-        out_w: u64,
-    ) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let args = [
-            Arg::Ptr(recv_rows),
-            Arg::Ptr(recv_ids),
-            Arg::Ptr(recv_w),
-            Arg::I32(n),
-            Arg::U64(row_bytes),
-            Arg::I32(e_local),
-            Arg::I32(rank),
-            Arg::Ptr(out_rows),
-            Arg::Ptr(out_ids),
-            Arg::Ptr(out_w),
-        ];
-        self.unpack_token_major
-            .launch(self.warps(n as u64), BLOCK, &args, s)
+    pub fn unpack_token_major(&self, s: &Stream, recv_rows: u64, recv_ids: u64, recv_w: u64, n: i32, row_bytes: u64, e_local: i32, rank: i32, out_rows: u64, out_ids: u64, out_w: u64) -> Result<()> {
+        let calls = self.calls().unpack_token_major(recv_rows, recv_ids, recv_w, n, row_bytes, e_local, rank, out_rows, out_ids, out_w);
+        self.run(&calls, s)
     }
 
     /// `ep_unpack_expert_major` (warp per (local expert, row)); `counts` is always written.
-    pub fn unpack_expert_major(
-        &self,
-        s: &Stream,
-        recv: [u64; 5],
-        n: i32,
-        r: i32,
-        row_bytes: u64,
-        e_local: i32,
-        rank: i32,
-        expert_flag: u64,
-        expert_pos: u64,
-        capacity: i32,
-        out_rows: u64,
-        counts: u64,
-        out_w: u64,
-        out_src_rank: u64,
-        out_src_token: u64,
-        err: u64,
-    ) -> Result<()> {
-        let [rows, ids, w, src, offsets] = recv;
-        let args = [
-            Arg::Ptr(rows),
-            Arg::Ptr(ids),
-            Arg::Ptr(w),
-            Arg::Ptr(src),
-            Arg::Ptr(offsets),
-            Arg::I32(n),
-            Arg::I32(r),
-            Arg::U64(row_bytes),
-            Arg::I32(e_local),
-            Arg::I32(rank),
-            Arg::Ptr(expert_flag),
-            Arg::Ptr(expert_pos),
-            Arg::I32(capacity),
-            Arg::Ptr(out_rows),
-            Arg::Ptr(counts),
-            Arg::Ptr(out_w),
-            Arg::Ptr(out_src_rank),
-            Arg::Ptr(out_src_token),
-            Arg::Ptr(err),
-        ];
-        let units = (e_local as u64 * n as u64).max(e_local as u64);
-        self.unpack_expert_major
-            .launch(self.warps(units), BLOCK, &args, s)
+    pub fn unpack_expert_major(&self, s: &Stream, recv: [u64; 5], n: i32, r: i32, row_bytes: u64, e_local: i32, rank: i32, expert_flag: u64, expert_pos: u64, capacity: i32, out_rows: u64, counts: u64, out_w: u64, out_src_rank: u64, out_src_token: u64, err: u64) -> Result<()> {
+        let calls = self.calls().unpack_expert_major(recv, n, r, row_bytes, e_local, rank, expert_flag, expert_pos, capacity, out_rows, counts, out_w, out_src_rank, out_src_token, err);
+        self.run(&calls, s)
     }
 
     /// `ep_unpack_expert_packed` (warp per (local expert, row)); offsets always written.
-    pub fn unpack_expert_packed(
-        &self,
-        s: &Stream,
-        recv: [u64; 5],
-        n: i32,
-        r: i32,
-        row_bytes: u64,
-        e_local: i32,
-        rank: i32,
-        expert_flag: u64,
-        expert_pos: u64,
-        out_rows: u64,
-        expert_offsets: u64,
-        out_w: u64,
-        out_src_rank: u64,
-        out_src_token: u64,
-    ) -> Result<()> {
-        let [rows, ids, w, src, offsets] = recv;
-        let args = [
-            Arg::Ptr(rows),
-            Arg::Ptr(ids),
-            Arg::Ptr(w),
-            Arg::Ptr(src),
-            Arg::Ptr(offsets),
-            Arg::I32(n),
-            Arg::I32(r),
-            Arg::U64(row_bytes),
-            Arg::I32(e_local),
-            Arg::I32(rank),
-            Arg::Ptr(expert_flag),
-            Arg::Ptr(expert_pos),
-            Arg::Ptr(out_rows),
-            Arg::Ptr(expert_offsets),
-            Arg::Ptr(out_w),
-            Arg::Ptr(out_src_rank),
-            Arg::Ptr(out_src_token),
-        ];
-        let units = (e_local as u64 * n as u64).max(e_local as u64 + 1);
-        self.unpack_expert_packed
-            .launch(self.warps(units), BLOCK, &args, s)
+    pub fn unpack_expert_packed(&self, s: &Stream, recv: [u64; 5], n: i32, r: i32, row_bytes: u64, e_local: i32, rank: i32, expert_flag: u64, expert_pos: u64, out_rows: u64, expert_offsets: u64, out_w: u64, out_src_rank: u64, out_src_token: u64) -> Result<()> {
+        let calls = self.calls().unpack_expert_packed(recv, n, r, row_bytes, e_local, rank, expert_flag, expert_pos, out_rows, expert_offsets, out_w, out_src_rank, out_src_token);
+        self.run(&calls, s)
     }
 
     /// `ep_unpack_rank_major` (warp per (source, slot)).
-    pub fn unpack_rank_major(
-        &self,
-        s: &Stream,
-        recv_rows: u64,
-        recv_ids: u64,
-        recv_w: u64,
-        recv_offsets: u64,
-        r: i32,
-        m: i32,
-        row_bytes: u64,
-        out_rows: u64,
-        out_ids: u64,
-        out_w: u64,
-        recv_counts: u64,
-        err: u64,
-    ) -> Result<()> {
-        let args = [
-            Arg::Ptr(recv_rows),
-            Arg::Ptr(recv_ids),
-            Arg::Ptr(recv_w),
-            Arg::Ptr(recv_offsets),
-            Arg::I32(r),
-            Arg::I32(m),
-            Arg::U64(row_bytes),
-            Arg::Ptr(out_rows),
-            Arg::Ptr(out_ids),
-            Arg::Ptr(out_w),
-            Arg::Ptr(recv_counts),
-            Arg::Ptr(err),
-        ];
-        self.unpack_rank_major
-            .launch(self.warps(r as u64 * m as u64), BLOCK, &args, s)
+    pub fn unpack_rank_major(&self, s: &Stream, recv_rows: u64, recv_ids: u64, recv_w: u64, recv_offsets: u64, r: i32, m: i32, row_bytes: u64, out_rows: u64, out_ids: u64, out_w: u64, recv_counts: u64, err: u64) -> Result<()> {
+        let calls = self.calls().unpack_rank_major(recv_rows, recv_ids, recv_w, recv_offsets, r, m, row_bytes, out_rows, out_ids, out_w, recv_counts, err);
+        self.run(&calls, s)
     }
 
     /// `ep_combine_return_expert` (warp per (row, k)).
-    pub fn combine_return_expert(
-        &self,
-        s: &Stream,
-        y: u64,
-        row_bytes: u64,
-        recv_ids: u64,
-        n: i32,
-        e_local: i32,
-        rank: i32,
-        expert_pos: u64,
-        capacity: i32,
-        pair_pos: u64,
-        send_rows: u64,
-    ) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let args = [
-            Arg::Ptr(y),
-            Arg::U64(row_bytes),
-            Arg::Ptr(recv_ids),
-            Arg::I32(n),
-            Arg::I32(e_local),
-            Arg::I32(rank),
-            Arg::Ptr(expert_pos),
-            Arg::I32(capacity),
-            Arg::Ptr(pair_pos),
-            Arg::Ptr(send_rows),
-        ];
-        let units = n as u64 * u64::from(self.config.top_k);
-        self.combine_return_expert
-            .launch(self.warps(units), BLOCK, &args, s)
+    pub fn combine_return_expert(&self, s: &Stream, y: u64, row_bytes: u64, recv_ids: u64, n: i32, e_local: i32, rank: i32, expert_pos: u64, capacity: i32, pair_pos: u64, send_rows: u64) -> Result<()> {
+        let calls = self.calls().combine_return_expert(y, row_bytes, recv_ids, n, e_local, rank, expert_pos, capacity, pair_pos, send_rows);
+        self.run(&calls, s)
     }
 
     /// `ep_combine_return_rank_major` (warp per (source, slot)).
-    pub fn combine_return_rank_major(
-        &self,
-        s: &Stream,
-        y: u64,
-        row_bytes: u64,
-        recv_offsets: u64,
-        r: i32,
-        m: i32,
-        send_rows: u64,
-    ) -> Result<()> {
-        let args = [
-            Arg::Ptr(y),
-            Arg::U64(row_bytes),
-            Arg::Ptr(recv_offsets),
-            Arg::I32(r),
-            Arg::I32(m),
-            Arg::Ptr(send_rows),
-        ];
-        self.combine_return_rank_major
-            .launch(self.warps(r as u64 * m as u64), BLOCK, &args, s)
+    pub fn combine_return_rank_major(&self, s: &Stream, y: u64, row_bytes: u64, recv_offsets: u64, r: i32, m: i32, send_rows: u64) -> Result<()> {
+        let calls = self.calls().combine_return_rank_major(y, row_bytes, recv_offsets, r, m, send_rows);
+        self.run(&calls, s)
     }
 
     /// `ep_weighted_combine` (block per token).
-    pub fn weighted_combine(
-        &self,
-        s: &Stream,
-        y: u64,
-        rows: u64,
-        w: u64,
-        t: i32,
-        h: i32,
-        out: u64,
-    ) -> Result<()> {
-        if t == 0 {
-            return Ok(());
-        }
-        let args = [
-            Arg::Ptr(y),
-            Arg::Ptr(rows),
-            Arg::Ptr(w),
-            Arg::I32(t),
-            Arg::I32(h),
-            Arg::Ptr(out),
-        ];
-        self.weighted_combine
-            .launch(self.per_token(t as u64), BLOCK, &args, s)
+    pub fn weighted_combine(&self, s: &Stream, y: u64, rows: u64, w: u64, t: i32, h: i32, out: u64) -> Result<()> {
+        let calls = self.calls().weighted_combine(y, rows, w, t, h, out);
+        self.run(&calls, s)
     }
 
     /// `ep_sum_ranks` (block per token).
-    pub fn sum_ranks(
-        &self,
-        s: &Stream,
-        y: u64,
-        rank_flag: u64,
-        send_pos: u64,
-        t: i32,
-        r: i32,
-        h: i32,
-        out: u64,
-    ) -> Result<()> {
-        if t == 0 {
-            return Ok(());
-        }
-        let args = [
-            Arg::Ptr(y),
-            Arg::Ptr(rank_flag),
-            Arg::Ptr(send_pos),
-            Arg::I32(t),
-            Arg::I32(r),
-            Arg::I32(h),
-            Arg::Ptr(out),
-        ];
-        self.sum_ranks
-            .launch(self.per_token(t as u64), BLOCK, &args, s)
+    pub fn sum_ranks(&self, s: &Stream, y: u64, rank_flag: u64, send_pos: u64, t: i32, r: i32, h: i32, out: u64) -> Result<()> {
+        let calls = self.calls().sum_ranks(y, rank_flag, send_pos, t, r, h, out);
+        self.run(&calls, s)
     }
 }
 

@@ -8,11 +8,13 @@
 //! - `onesided`: workspace layout, epochs/flags, device error word, fd passing (SCM_RIGHTS).
 //! - `launch` (`cuda`): compile/load a configuration's kernels, typed launches, error word.
 //! - `transport`: host-side planning (pure) and the NCCL `GpuManager` (`nccl`).
+//! - `calls`: every kernel launch as data (entry point, grid, arguments; pure, always built).
 //! - `caps`: the capability probe (driver, compute capability, SMs, VMM/IPC, NCCL/NVRTC).
 
 pub mod kernels;
 pub mod nvrtc;
 
+pub mod calls;
 pub mod caps;
 #[cfg(feature = "cuda")]
 pub mod driver;
