@@ -336,3 +336,42 @@ fn bench_runs_a_tiny_case() {
     assert_eq!(o.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("usage: epcomm bench moe"));
 }
+
+/// The portable (non-SIMD) reduction kernels pass the demo's reference check too.
+#[test]
+fn demo_passes_with_simd_disabled() {
+    for dtype in ["bf16", "f16"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_epcomm"))
+            .args([
+                "demo",
+                "--backend",
+                "deepep_high_throughput",
+                "--ranks",
+                "2",
+                "--tokens",
+                "24",
+                "--hidden",
+                "40",
+                "--experts",
+                "8",
+                "--topk",
+                "2",
+                "--steps",
+                "1",
+                "--dtype",
+                dtype,
+            ])
+            .env("EPCOMM_NO_SIMD", "1")
+            .env_remove("EPCOMM_LOG_LEVEL")
+            .output()
+            .expect("run epcomm");
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(out.contains("All checks passed."), "{out}");
+    }
+}

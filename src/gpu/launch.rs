@@ -209,20 +209,73 @@ impl Kernels {
     }
 
     /// `ep_layout` (thread per token).
-    pub fn layout(&self, s: &Stream, topk_ids: u64, t: i32, e: i32, e_local: i32, r: i32, rank_flag: u64, pair_flag: u64, rank_counts: u64, expert_counts: u64, err: u64) -> Result<()> {
-        let calls = self.calls().layout(topk_ids, t, e, e_local, r, rank_flag, pair_flag, rank_counts, expert_counts, err);
+    pub fn layout(
+        &self,
+        s: &Stream,
+        topk_ids: u64,
+        t: i32,
+        e: i32,
+        e_local: i32,
+        r: i32,
+        rank_flag: u64,
+        pair_flag: u64,
+        rank_counts: u64,
+        expert_counts: u64,
+        err: u64,
+    ) -> Result<()> {
+        let calls = self.calls().layout(
+            topk_ids,
+            t,
+            e,
+            e_local,
+            r,
+            rank_flag,
+            pair_flag,
+            rank_counts,
+            expert_counts,
+            err,
+        );
         self.run(&calls, s)
     }
 
     /// `ep_pair_rows` on the caller's ids (`wire` = false) or on int32 wire ids.
-    pub fn pair_rows(&self, s: &Stream, wire: bool, topk_ids: u64, t: i32, e_local: i32, pair_pos: u64, rows: u64) -> Result<()> {
-        let calls = self.calls().pair_rows(wire, topk_ids, t, e_local, pair_pos, rows);
+    pub fn pair_rows(
+        &self,
+        s: &Stream,
+        wire: bool,
+        topk_ids: u64,
+        t: i32,
+        e_local: i32,
+        pair_pos: u64,
+        rows: u64,
+    ) -> Result<()> {
+        let calls = self
+            .calls()
+            .pair_rows(wire, topk_ids, t, e_local, pair_pos, rows);
         self.run(&calls, s)
     }
 
     /// `ep_recv_flags` (thread per received row).
-    pub fn recv_flags(&self, s: &Stream, recv_ids: u64, n: i32, e_local: i32, rank: i32, expert_flag: u64, pair_flag: u64, local_counts: u64) -> Result<()> {
-        let calls = self.calls().recv_flags(recv_ids, n, e_local, rank, expert_flag, pair_flag, local_counts);
+    pub fn recv_flags(
+        &self,
+        s: &Stream,
+        recv_ids: u64,
+        n: i32,
+        e_local: i32,
+        rank: i32,
+        expert_flag: u64,
+        pair_flag: u64,
+        local_counts: u64,
+    ) -> Result<()> {
+        let calls = self.calls().recv_flags(
+            recv_ids,
+            n,
+            e_local,
+            rank,
+            expert_flag,
+            pair_flag,
+            local_counts,
+        );
         self.run(&calls, s)
     }
 
@@ -235,8 +288,36 @@ impl Kernels {
     }
 
     /// `ep_pack` (warp per (rank, token)).
-    pub fn pack(&self, s: &Stream, rows: u64, row_bytes: u64, topk_ids: u64, topk_weights: u64, t: i32, r: i32, rank_flag: u64, send_pos: u64, send_rows: u64, send_ids: u64, send_weights: u64, send_src: u64) -> Result<()> {
-        let calls = self.calls().pack(rows, row_bytes, topk_ids, topk_weights, t, r, rank_flag, send_pos, send_rows, send_ids, send_weights, send_src);
+    pub fn pack(
+        &self,
+        s: &Stream,
+        rows: u64,
+        row_bytes: u64,
+        topk_ids: u64,
+        topk_weights: u64,
+        t: i32,
+        r: i32,
+        rank_flag: u64,
+        send_pos: u64,
+        send_rows: u64,
+        send_ids: u64,
+        send_weights: u64,
+        send_src: u64,
+    ) -> Result<()> {
+        let calls = self.calls().pack(
+            rows,
+            row_bytes,
+            topk_ids,
+            topk_weights,
+            t,
+            r,
+            rank_flag,
+            send_pos,
+            send_rows,
+            send_ids,
+            send_weights,
+            send_src,
+        );
         self.run(&calls, s)
     }
 
@@ -247,49 +328,201 @@ impl Kernels {
     }
 
     /// `ep_unpack_token_major` (warp per row).
-    pub fn unpack_token_major(&self, s: &Stream, recv_rows: u64, recv_ids: u64, recv_w: u64, n: i32, row_bytes: u64, e_local: i32, rank: i32, out_rows: u64, out_ids: u64, out_w: u64) -> Result<()> {
-        let calls = self.calls().unpack_token_major(recv_rows, recv_ids, recv_w, n, row_bytes, e_local, rank, out_rows, out_ids, out_w);
+    pub fn unpack_token_major(
+        &self,
+        s: &Stream,
+        recv_rows: u64,
+        recv_ids: u64,
+        recv_w: u64,
+        n: i32,
+        row_bytes: u64,
+        e_local: i32,
+        rank: i32,
+        out_rows: u64,
+        out_ids: u64,
+        out_w: u64,
+    ) -> Result<()> {
+        let calls = self.calls().unpack_token_major(
+            recv_rows, recv_ids, recv_w, n, row_bytes, e_local, rank, out_rows, out_ids, out_w,
+        );
         self.run(&calls, s)
     }
 
     /// `ep_unpack_expert_major` (warp per (local expert, row)); `counts` is always written.
-    pub fn unpack_expert_major(&self, s: &Stream, recv: [u64; 5], n: i32, r: i32, row_bytes: u64, e_local: i32, rank: i32, expert_flag: u64, expert_pos: u64, capacity: i32, out_rows: u64, counts: u64, out_w: u64, out_src_rank: u64, out_src_token: u64, err: u64) -> Result<()> {
-        let calls = self.calls().unpack_expert_major(recv, n, r, row_bytes, e_local, rank, expert_flag, expert_pos, capacity, out_rows, counts, out_w, out_src_rank, out_src_token, err);
+    pub fn unpack_expert_major(
+        &self,
+        s: &Stream,
+        recv: [u64; 5],
+        n: i32,
+        r: i32,
+        row_bytes: u64,
+        e_local: i32,
+        rank: i32,
+        expert_flag: u64,
+        expert_pos: u64,
+        capacity: i32,
+        out_rows: u64,
+        counts: u64,
+        out_w: u64,
+        out_src_rank: u64,
+        out_src_token: u64,
+        err: u64,
+    ) -> Result<()> {
+        let calls = self.calls().unpack_expert_major(
+            recv,
+            n,
+            r,
+            row_bytes,
+            e_local,
+            rank,
+            expert_flag,
+            expert_pos,
+            capacity,
+            out_rows,
+            counts,
+            out_w,
+            out_src_rank,
+            out_src_token,
+            err,
+        );
         self.run(&calls, s)
     }
 
     /// `ep_unpack_expert_packed` (warp per (local expert, row)); offsets always written.
-    pub fn unpack_expert_packed(&self, s: &Stream, recv: [u64; 5], n: i32, r: i32, row_bytes: u64, e_local: i32, rank: i32, expert_flag: u64, expert_pos: u64, out_rows: u64, expert_offsets: u64, out_w: u64, out_src_rank: u64, out_src_token: u64) -> Result<()> {
-        let calls = self.calls().unpack_expert_packed(recv, n, r, row_bytes, e_local, rank, expert_flag, expert_pos, out_rows, expert_offsets, out_w, out_src_rank, out_src_token);
+    pub fn unpack_expert_packed(
+        &self,
+        s: &Stream,
+        recv: [u64; 5],
+        n: i32,
+        r: i32,
+        row_bytes: u64,
+        e_local: i32,
+        rank: i32,
+        expert_flag: u64,
+        expert_pos: u64,
+        out_rows: u64,
+        expert_offsets: u64,
+        out_w: u64,
+        out_src_rank: u64,
+        out_src_token: u64,
+    ) -> Result<()> {
+        let calls = self.calls().unpack_expert_packed(
+            recv,
+            n,
+            r,
+            row_bytes,
+            e_local,
+            rank,
+            expert_flag,
+            expert_pos,
+            out_rows,
+            expert_offsets,
+            out_w,
+            out_src_rank,
+            out_src_token,
+        );
         self.run(&calls, s)
     }
 
     /// `ep_unpack_rank_major` (warp per (source, slot)).
-    pub fn unpack_rank_major(&self, s: &Stream, recv_rows: u64, recv_ids: u64, recv_w: u64, recv_offsets: u64, r: i32, m: i32, row_bytes: u64, out_rows: u64, out_ids: u64, out_w: u64, recv_counts: u64, err: u64) -> Result<()> {
-        let calls = self.calls().unpack_rank_major(recv_rows, recv_ids, recv_w, recv_offsets, r, m, row_bytes, out_rows, out_ids, out_w, recv_counts, err);
+    pub fn unpack_rank_major(
+        &self,
+        s: &Stream,
+        recv_rows: u64,
+        recv_ids: u64,
+        recv_w: u64,
+        recv_offsets: u64,
+        r: i32,
+        m: i32,
+        row_bytes: u64,
+        out_rows: u64,
+        out_ids: u64,
+        out_w: u64,
+        recv_counts: u64,
+        err: u64,
+    ) -> Result<()> {
+        let calls = self.calls().unpack_rank_major(
+            recv_rows,
+            recv_ids,
+            recv_w,
+            recv_offsets,
+            r,
+            m,
+            row_bytes,
+            out_rows,
+            out_ids,
+            out_w,
+            recv_counts,
+            err,
+        );
         self.run(&calls, s)
     }
 
     /// `ep_combine_return_expert` (warp per (row, k)).
-    pub fn combine_return_expert(&self, s: &Stream, y: u64, row_bytes: u64, recv_ids: u64, n: i32, e_local: i32, rank: i32, expert_pos: u64, capacity: i32, pair_pos: u64, send_rows: u64) -> Result<()> {
-        let calls = self.calls().combine_return_expert(y, row_bytes, recv_ids, n, e_local, rank, expert_pos, capacity, pair_pos, send_rows);
+    pub fn combine_return_expert(
+        &self,
+        s: &Stream,
+        y: u64,
+        row_bytes: u64,
+        recv_ids: u64,
+        n: i32,
+        e_local: i32,
+        rank: i32,
+        expert_pos: u64,
+        capacity: i32,
+        pair_pos: u64,
+        send_rows: u64,
+    ) -> Result<()> {
+        let calls = self.calls().combine_return_expert(
+            y, row_bytes, recv_ids, n, e_local, rank, expert_pos, capacity, pair_pos, send_rows,
+        );
         self.run(&calls, s)
     }
 
     /// `ep_combine_return_rank_major` (warp per (source, slot)).
-    pub fn combine_return_rank_major(&self, s: &Stream, y: u64, row_bytes: u64, recv_offsets: u64, r: i32, m: i32, send_rows: u64) -> Result<()> {
-        let calls = self.calls().combine_return_rank_major(y, row_bytes, recv_offsets, r, m, send_rows);
+    pub fn combine_return_rank_major(
+        &self,
+        s: &Stream,
+        y: u64,
+        row_bytes: u64,
+        recv_offsets: u64,
+        r: i32,
+        m: i32,
+        send_rows: u64,
+    ) -> Result<()> {
+        let calls =
+            self.calls()
+                .combine_return_rank_major(y, row_bytes, recv_offsets, r, m, send_rows);
         self.run(&calls, s)
     }
 
     /// `ep_weighted_combine` (block per token).
-    pub fn weighted_combine(&self, s: &Stream, y: u64, rows: u64, w: u64, t: i32, h: i32, out: u64) -> Result<()> {
+    pub fn weighted_combine(
+        &self,
+        s: &Stream,
+        y: u64,
+        rows: u64,
+        w: u64,
+        t: i32,
+        h: i32,
+        out: u64,
+    ) -> Result<()> {
         let calls = self.calls().weighted_combine(y, rows, w, t, h, out);
         self.run(&calls, s)
     }
 
     /// `ep_sum_ranks` (block per token).
-    pub fn sum_ranks(&self, s: &Stream, y: u64, rank_flag: u64, send_pos: u64, t: i32, r: i32, h: i32, out: u64) -> Result<()> {
+    pub fn sum_ranks(
+        &self,
+        s: &Stream,
+        y: u64,
+        rank_flag: u64,
+        send_pos: u64,
+        t: i32,
+        r: i32,
+        h: i32,
+        out: u64,
+    ) -> Result<()> {
         let calls = self.calls().sum_ranks(y, rank_flag, send_pos, t, r, h, out);
         self.run(&calls, s)
     }
