@@ -715,11 +715,15 @@ int main() {
         }
     }
     CHECK(err == 0);
-    // ---- validation: out of range and duplicate ids report the smallest word
+    // ---- validation: out of range and duplicate ids report the first bad (token, k), as the
+    // CPU path's in-order validation does (token 1's duplicate before token 2's bad id)
     {
         vector<id_t_> bad = {0, 1, 2, 2, 7, 0}; vector<int> rf(R * 3), pf(R * 3 * K); u64 e2 = 0;
         launch(1, 32, [&] { ep_layout(bad.data(), 3, E, EL, R, rf.data(), pf.data(), nullptr, nullptr, &e2); });
-        CHECK(e2 == ep_err_make(EP_ERR_ID_OUT_OF_RANGE, 2, 0));
+        CHECK(e2 == ep_err_make(EP_ERR_DUPLICATE_ID, 1, 1));
+        vector<id_t_> bad2 = {0, 1, 2, 9, 7, 0}; u64 e4 = 0;
+        launch(1, 32, [&] { ep_layout(bad2.data(), 3, E, EL, R, rf.data(), pf.data(), nullptr, nullptr, &e4); });
+        CHECK(e4 == ep_err_make(EP_ERR_ID_OUT_OF_RANGE, 1, 1));
         vector<id_t_> dup = {0, 1, 3, 3}; u64 e3 = 0;
         launch(1, 32, [&] { ep_layout(dup.data(), 2, E, EL, R, rf.data(), pf.data(), nullptr, nullptr, &e3); });
         CHECK(e3 == ep_err_make(EP_ERR_DUPLICATE_ID, 1, 1));

@@ -812,7 +812,8 @@ pub const ERR_WAIT_TIMEOUT: u8 = 4;
 pub const ERR_RANK_CAPACITY: u8 = 5;
 
 /// Builds an error word the way the kernels do: code in bits 63..56, `a` in 55..24, `b` (24
-/// bits) in 23..0. 0 means "no error"; when several threads fail the smallest word is kept.
+/// bits) in 23..0. 0 means "no error"; when several threads fail the word of the lowest (a, b, code) is
+/// kept: the first bad (token, k), as the CPU validation reports.
 pub fn encode_error_word(code: u8, a: u32, b: u32) -> u64 {
     (u64::from(code) << 56) | (u64::from(a) << 24) | u64::from(b & 0x00ff_ffff)
 }

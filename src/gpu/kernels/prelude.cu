@@ -51,12 +51,19 @@ __device__ __forceinline__ u64 ep_err_make(u32 code, u32 a, u32 b) {
     return ((u64)(code & 0xffu) << 56) | ((u64)a << 24) | (u64)(b & 0xffffffu);
 }
 
-// Keeps the smallest non-zero word: when several threads fail, the report is deterministic
-// (lowest code, then lowest token/peer, then lowest k) instead of whoever came first.
+// Ordering key of a word: a (token/peer), then b (k, ...), then the code. The lowest token,
+// then the lowest k, is the entry the CPU path's in-order validation reports first (at one
+// (t, k) only one check can fail: an out-of-range id counts as -1 for the duplicate check).
+__device__ __forceinline__ u64 ep_err_key(u64 w) {
+    return (((w >> 24) & 0xffffffffull) << 32) | ((w & 0xffffffull) << 8) | (w >> 56);
+}
+
+// Keeps the non-zero word of the smallest key: when several threads fail, the report is
+// deterministic (and the CPU path's) instead of whoever came first.
 __device__ __forceinline__ void ep_err_report(u64* err, u64 word) {
     if (err == 0) return;
     u64 old = *((volatile u64*)err);
-    while (old == 0ull || word < old) {
+    while (old == 0ull || ep_err_key(word) < ep_err_key(old)) {
         u64 prev = atomicCAS(err, old, word);
         if (prev == old) break;
         old = prev;
