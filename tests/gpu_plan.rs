@@ -106,8 +106,17 @@ fn fixed_capacity_overflow_names_the_rank() {
     let e = dispatch_shape(Layout::RankMajor, &geo(0, 1), &g).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "rank 0 sends 2 tokens to rank 0, more than max_tokens_per_rank = 1"
+        "rank 0 dispatches 3 tokens, more than max_tokens_per_rank = 1"
     );
+    // T > M is an error even when no destination receives more than M rows (rank 0 sends 2
+    // of its 3 tokens to each rank): the CPU path rejects it, so the GPU path must too.
+    for rank in 0..2 {
+        let e = dispatch_shape(Layout::RankMajor, &geo(rank, 2), &g).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rank 0 dispatches 3 tokens, more than max_tokens_per_rank = 2"
+        );
+    }
     let e = dispatch_shape(Layout::ExpertMajor, &geo(1, 2), &g).unwrap_err();
     assert_eq!(
         e.to_string(),

@@ -356,7 +356,14 @@ pub fn dispatch_shape(layout: Layout, geo: &ShapeGeometry, g: &Gathered) -> Resu
             s.src = n;
         }
         Layout::RankMajor => {
+            // As the CPU path: T > M is an error even when every destination gets ≤ M rows.
             for src in 0..r {
+                if g.tokens[src] > m {
+                    return Err(Error::InvalidArgument(format!(
+                        "rank {src} dispatches {} tokens, more than max_tokens_per_rank = {m}",
+                        g.tokens[src]
+                    )));
+                }
                 let c = g.rank_counts[src * r + d] as usize;
                 if c > m {
                     return Err(Error::InvalidArgument(format!(
