@@ -604,7 +604,9 @@ impl GpuManager {
                     out_w,
                 )?;
                 o.topk_ids = out_ids;
-                o.topk_weights = out_w;
+                // REPLICATED is an all-gather: weights arrive unchanged (a masked id keeps its
+                // weight, as on the CPU path); TOKEN_MAJOR zeroes the non-local ones.
+                o.topk_weights = if replicated { w } else { out_w };
             }
             Layout::ExpertMajor | Layout::ExpertPacked => {
                 let eflag = p.get("expert_flag", 4 * el * n_recv)?;
