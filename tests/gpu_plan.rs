@@ -365,3 +365,24 @@ fn launch_arguments_are_checked_against_the_tables() {
     )
     .unwrap();
 }
+
+#[test]
+fn sizes_beyond_i32_are_rejected_before_any_launch() {
+    use epcomm::gpu::transport::plan::check_index_limits;
+    check_index_limits(8, 256, 8, 7168, 4096).unwrap();
+    // Largest accepted: M * R * K + 1 == i32::MAX.
+    let m = (i32::MAX as usize - 1) / 16;
+    check_index_limits(2, 4, 8, 1, m).unwrap();
+    let e = check_index_limits(2, 4, 8, 1, m + 1).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("max_tokens_per_rank x world_size x top_k"),
+        "{e}"
+    );
+    // Overflowing usize saturates instead of wrapping to a small number.
+    assert!(check_index_limits(2, 4, 8, 1, usize::MAX / 2).is_err());
+    let e = check_index_limits(2, 4, 2, 1 << 31, 0).unwrap_err();
+    assert!(e.to_string().starts_with("hidden is 2147483648"), "{e}");
+    let e = check_index_limits(2, 1 << 31, 2, 16, 0).unwrap_err();
+    assert!(e.to_string().starts_with("num_experts is"), "{e}");
+}

@@ -239,6 +239,13 @@ impl GpuManager {
                 "capacity mode needs max_tokens_per_rank > 0".into(),
             ));
         }
+        plan::check_index_limits(
+            comm.world(),
+            cfg.num_experts,
+            cfg.top_k,
+            cfg.hidden,
+            cfg.max_tokens_per_rank,
+        )?;
         let dev = Device::get(device)?;
         let ctx = PrimaryContext::retain(dev)?;
         ctx.set_current()?;

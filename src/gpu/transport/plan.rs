@@ -250,6 +250,38 @@ pub fn broadcast_plan(
     plan
 }
 
+/// The configuration's sizes the kernels receive as 32-bit `int`s (or index with `int`
+/// positions) must fit: `hidden`, `num_experts`, and for fixed-capacity buffers
+/// `max_tokens_per_rank × world × top_k + 1` (capacity mode scans that many pair slots;
+/// EXPERT_MAJOR passes `M × R` as the bucket capacity, RANK_MAJOR `M`). Checked when a
+/// manager is created, so no `as i32` can wrap later.
+pub fn check_index_limits(
+    world: usize,
+    num_experts: usize,
+    top_k: usize,
+    hidden: usize,
+    max_tokens_per_rank: usize,
+) -> Result<()> {
+    let fits = |v: usize, what: &str| -> Result<()> {
+        if v > i32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{what} is {v}: the GPU kernels index with 32-bit ints (at most {})",
+                i32::MAX
+            )));
+        }
+        Ok(())
+    };
+    fits(hidden, "hidden")?;
+    fits(num_experts, "num_experts")?;
+    fits(
+        max_tokens_per_rank
+            .saturating_mul(world)
+            .saturating_mul(top_k.max(1))
+            .saturating_add(1),
+        "max_tokens_per_rank x world_size x top_k",
+    )
+}
+
 /// What a GPU dispatch returns on one rank, as shapes (element counts per dimension).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DispatchShape {
