@@ -553,9 +553,13 @@ impl Rank {
         self.s.h * self.s.kind.size()
     }
 
-    /// Uploads the caller's tensors (what the host passes as device pointers).
+    /// Uploads the caller's tensors (what the host passes as device pointers). Empty
+    /// tensors are NULL, as src/ffi/gpu.rs passes them (`addr`).
     fn inputs(&mut self) -> (u64, u64, u64, u64) {
         let t = self.inp.t;
+        if t == 0 {
+            return (0, 0, 0, 0);
+        }
         let rb = self.rb();
         let hid = self.pool.get("in_hidden", t * rb);
         memcpy(hid, self.inp.hidden.as_ptr() as u64, t * rb);
@@ -986,7 +990,12 @@ impl Rank {
         let layout = self.s.layout;
         let shape = self.shape.clone().unwrap();
         assert_eq!(y.len(), shape.buffer_rows * erb, "expert output size");
-        let expert_output = self.pool.get("expert_output", y.len());
+        // An empty tensor is NULL (src/ffi/gpu.rs `addr`).
+        let expert_output = if y.is_empty() {
+            0
+        } else {
+            self.pool.get("expert_output", y.len())
+        };
         memcpy(expert_output, y.as_ptr() as u64, y.len());
         let g = self.g.clone().unwrap();
         let cm = combine_counts(layout, &g);
@@ -1046,7 +1055,11 @@ impl Rank {
     fn combine_reduce(&mut self) -> Vec<u8> {
         let (r, t, h) = (R, self.inp.t, self.s.h);
         let ob = h * self.s.kind.size();
-        let out = self.pool.get("comb_out", t * ob);
+        let out = if t == 0 {
+            0
+        } else {
+            self.pool.get("comb_out", t * ob)
+        };
         let recv = self.comb.as_ref().unwrap().2;
         let c = match self.s.layout {
             Layout::Replicated => self
