@@ -315,6 +315,20 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_check_error(
     guard::call(|| with_handle(a2a, |h| imp::check_error(h, stream)))
 }
 
+/// A device tensor the kernels read or write element by element (topk_ids, topk_weights,
+/// combine's output) must start at a multiple of its element size: a misaligned load is a
+/// sticky CUDA error that ends the context for the whole process, so it is refused here.
+/// (Rows that only move as bytes — hidden, extras, expert outputs — may have any address.)
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+fn check_element_alignment(name: &str, addr: usize, elem_bytes: usize, bytes: usize) -> Result<()> {
+    if bytes > 0 && elem_bytes > 1 && addr % elem_bytes != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "tensor '{name}' starts at {addr:#x} (data + byte_offset), not a multiple of its {elem_bytes}-byte elements: the GPU kernels need aligned elements"
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(not(feature = "nccl"))]
 mod imp {
     use super::*;
@@ -543,6 +557,13 @@ mod imp {
                 w.dtype.torch_name()
             )));
         }
+        check_element_alignment(
+            "topk_ids",
+            ids.ptr as usize,
+            ids.dtype.bits as usize / 8,
+            ids.bytes,
+        )?;
+        check_element_alignment("topk_weights", w.ptr as usize, 4, w.bytes)?;
         if num_extras != cfg.extra_row_bytes.len() {
             return Err(Error::InvalidArgument(format!(
                 "{num_extras} extra payloads given, the manager was created for {}",
@@ -667,6 +688,7 @@ mod imp {
                 cfg.out_dtype.dtype().torch_name()
             )));
         }
+        check_element_alignment("output", o.ptr as usize, cfg.out_dtype.size(), o.bytes)?;
         // SAFETY: caller contract: NULL or a live stream of this device.
         let s = unsafe { Stream::borrowed(stream) };
         h.mgr.combine(&s, addr(&y), addr(&o))
@@ -676,5 +698,25 @@ mod imp {
         // SAFETY: caller contract: NULL or a live stream of this device.
         let s = unsafe { Stream::borrowed(stream) };
         h.mgr.check_device_error(&s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_element_alignment;
+
+    #[test]
+    fn misaligned_device_tensors_are_refused() {
+        check_element_alignment("topk_ids", 0x1000, 8, 64).unwrap();
+        check_element_alignment("topk_ids", 0x1004, 4, 64).unwrap();
+        let e = check_element_alignment("topk_ids", 0x1004, 8, 64).unwrap_err();
+        assert!(
+            e.to_string().contains("tensor 'topk_ids' starts at 0x1004"),
+            "{e}"
+        );
+        assert!(check_element_alignment("output", 0x1001, 2, 2).is_err());
+        // Empty tensors and byte rows have no alignment requirement.
+        check_element_alignment("output", 0x1001, 2, 0).unwrap();
+        check_element_alignment("extras[0]", 0x1001, 1, 7).unwrap();
     }
 }
