@@ -684,7 +684,7 @@ int main() {
             }
             CHECK((int)back.size() == p.pair_pos.back());
             vector<int> rows(p.T * K, 7); vector<float> out(p.T, -1);
-            launch(1, 32, [&] { ep_pair_rows(p.ids.data(), p.T, EL, p.pair_pos.data(), rows.data()); });
+            launch(1, 32, [&] { ep_pair_rows(p.ids.data(), p.T, E, EL, p.pair_pos.data(), rows.data()); });
             launch(2, 32, [&] { ep_weighted_combine(back.data(), rows.data(), p.w.data(), p.T, 1, out.data()); });
             pr(packed ? "expert_packed out" : "expert_major out", out); CHECK(out == want_out[s]);
         }

@@ -879,7 +879,7 @@ impl Rank {
                 self.run(c);
                 let c = self
                     .calls
-                    .pair_rows(false, in_ids, t as i32, el as i32, ppos, crow);
+                    .pair_rows(false, in_ids, t as i32, e as i32, el as i32, ppos, crow);
                 self.run(c);
                 memcpy(wcopy, in_w, 4 * t * k);
             }

@@ -131,7 +131,7 @@ static void capacity() {
         vector<float> back;
         for (int r = 0; r < R; ++r) back.insert(back.end(), ret[r].begin() + s * M * K, ret[r].begin() + (s + 1) * M * K);
         vector<int> crow(M * K, 7);
-        launch(1, 32, [&] { ep_pair_rows(send_ids[s].data(), M, EL, iota.data(), crow.data()); });
+        launch(1, 32, [&] { ep_pair_rows(send_ids[s].data(), M, E, EL, iota.data(), crow.data()); });
         int T = (int)X[s].size();
         vector<float> out(T, -1);
         launch(2, 32, [&] { ep_weighted_combine(back.data(), crow.data(), send_w[s].data(), T, 1, out.data()); });
@@ -178,7 +178,20 @@ static void replicated() {
     }
 }
 
+// Capacity mode never checks the error word before combine: an id >= E (or < -1) travels on
+// the wire, and the source's ep_pair_rows must not index pair_pos with its owner (which would
+// read past the iota array and then past the combine receive buffer).
+static void capacity_bad_id() {
+    vector<int> ones(N * K, 1); vector<int> iota = scan(ones);
+    vector<int> ids = {0, 9, 1000000, 1, 3, -5};  // T = 3; ids 9, 1000000 and -5 are bad
+    vector<int> crow(M * K, 7);
+    launch(1, 32, [&] { ep_pair_rows(ids.data(), M, E, EL, iota.data(), crow.data()); });
+    CHECK(crow == vector<int>({0 * M * K + 0, -1, -1, 0 * M * K + 1 * K + 1, 1 * M * K + 2 * K + 0, -1}));
+    for (int r : crow) CHECK(r >= -1 && r < N * K);
+}
+
 int main() {
+    capacity_bad_id();
     capacity();
     replicated();
     printf("%s (%d failures)\n", fails ? "FAILED" : "OK", fails);

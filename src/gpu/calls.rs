@@ -206,6 +206,7 @@ impl Calls {
         wire: bool,
         topk_ids: u64,
         t: i32,
+        e: i32,
         e_local: i32,
         pair_pos: u64,
         rows: u64,
@@ -222,6 +223,7 @@ impl Calls {
         let args = vec![
             Arg::Ptr(topk_ids),
             Arg::I32(t),
+            Arg::I32(e),
             Arg::I32(e_local),
             Arg::Ptr(pair_pos),
             Arg::Ptr(rows),

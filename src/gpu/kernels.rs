@@ -470,6 +470,7 @@ pub const EP_PAIR_ROWS: KernelSig = KernelSig {
     params: &[
         p("topk_ids", Elem::Id),
         i("T"),
+        i("E"),
         i("E_local"),
         p("pair_pos", Elem::I32),
         w("rows", Elem::I32),

@@ -245,13 +245,14 @@ impl Kernels {
         wire: bool,
         topk_ids: u64,
         t: i32,
+        e: i32,
         e_local: i32,
         pair_pos: u64,
         rows: u64,
     ) -> Result<()> {
         let calls = self
             .calls()
-            .pair_rows(wire, topk_ids, t, e_local, pair_pos, rows);
+            .pair_rows(wire, topk_ids, t, e, e_local, pair_pos, rows);
         self.run(&calls, s)
     }
 

@@ -62,13 +62,16 @@ extern "C" __global__ void ep_layout(const id_t_* __restrict__ topk_ids, int T, 
 
 // Sender, before weighted_combine: rows[t*TOPK + k] = the row of (t, k) in the combine receive
 // buffer (ordered by expert-owning rank, then t, then k) = pair_pos[(owner*T + t)*TOPK + k],
-// or -1 for a masked id. pair_pos is the ep_scan of ep_layout's pair_flag.
-extern "C" __global__ void ep_pair_rows(const id_t_* __restrict__ topk_ids, int T, int E_local,
-                                        const int* __restrict__ pair_pos, int* __restrict__ rows) {
+// or -1 for a masked id. pair_pos is the ep_scan of ep_layout's pair_flag. An id outside
+// [0, E) also gets -1: capacity mode runs this before anyone reads the error word, and such
+// an id's owner would index pair_pos (and then the receive buffer) out of bounds.
+extern "C" __global__ void ep_pair_rows(const id_t_* __restrict__ topk_ids, int T, int E,
+                                        int E_local, const int* __restrict__ pair_pos,
+                                        int* __restrict__ rows) {
     for (u64 i = ep_global_thread(); i < (u64)T * TOPK; i += ep_num_threads()) {
         id_t_ v = topk_ids[i];
         int row = -1;
-        if (v >= 0) {
+        if (v >= 0 && v < (id_t_)E) {
             u64 t = i / TOPK, k = i % TOPK;
             u64 owner = (u64)(v / E_local);
             row = pair_pos[(owner * (u64)T + t) * TOPK + k];

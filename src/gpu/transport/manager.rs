@@ -694,7 +694,16 @@ impl GpuManager {
                 let crow = p.get("combine_rows", 4 * t * k)?;
                 let wcopy = p.get("weights_copy", 4 * t * k)?;
                 kern.scan(s, pair_flag, ppos, r * t * k, scratch)?;
-                kern.pair_rows(s, false, inp.topk_ids, t as i32, el as i32, ppos, crow)?;
+                kern.pair_rows(
+                    s,
+                    false,
+                    inp.topk_ids,
+                    t as i32,
+                    e as i32,
+                    el as i32,
+                    ppos,
+                    crow,
+                )?;
                 if t * k > 0 {
                     // SAFETY: t*k f32 in both.
                     unsafe { memcpy_dtod_async(wcopy, inp.topk_weights, 4 * t * k, s) }?;
@@ -892,7 +901,7 @@ impl GpuManager {
         // Source side of combine: row of (t, k) = owner·M·K + t·K + k (fixed slabs).
         let crow = p.get("cap_combine_rows", 4 * m * k)?;
         let wcopy = p.get("cap_weights", 4 * m * k)?;
-        kern.pair_rows(s, true, sends[1], m as i32, el as i32, iota, crow)?;
+        kern.pair_rows(s, true, sends[1], m as i32, e as i32, el as i32, iota, crow)?;
         // SAFETY: the padded weights slab (m*k f32).
         unsafe { memcpy_dtod_async(wcopy, sends[2], 4 * m * k, s) }?;
         let mut shape = plan::DispatchShape {
