@@ -21,6 +21,10 @@
 //! worked example, random ones with uneven T, T = 0 on one rank, masked -1 ids and an extra
 //! payload; bad ids (out of range, duplicate) must come back from the device error word
 //! naming the token on its rank and the rank on its peer.
+//!
+//! Capacity mode (`dispatch_capacity`, EXPERT_MAJOR) is replayed the same way, several rounds
+//! on the same buffers as a CUDA-graph replay would (tests/gpu_pipeline_emu.rs has the
+//! hand-written version of that flow).
 
 mod ranks;
 
@@ -1083,6 +1087,251 @@ impl Rank {
     }
 }
 
+// ---- capacity mode (manager.rs `dispatch_capacity` and combine's capacity branch) -------
+
+impl Rank {
+    /// dispatch_capacity up to the exchange (no host sync, static sizes).
+    fn cap_dispatch_pack(&mut self) {
+        let (r, d, k, e) = (R, self.d, K, self.s.e);
+        let el = e / r;
+        let (t, m) = (self.inp.t, self.s.m);
+        assert!(t <= m);
+        let rb = self.rb();
+        let n = r * m;
+        let (in_hidden, in_ids, in_w, in_extra) = self.inputs();
+        let p = &mut self.pool;
+        let err = p.get("err", 8);
+        let ones = p.get("cap_ones", 4 * n * k);
+        let iota = p.get("cap_iota", 4 * (n * k + 1));
+        let mvals = p.get("cap_mvals", 4 * r);
+        let d_off = p.get("cap_offsets", 4 * (r + 1));
+        let dummy = p.get("cap_rank_flag", 4 * r * t);
+        let scratch = p.get(
+            "scan_scratch_cap",
+            4 * scan_scratch_elems(n * k * el.max(1)),
+        );
+        memset_d8(err, 0, 8);
+        memset_d32(ones, 1, n * k);
+        memset_d32(mvals, m as u32, r);
+        self.run(self.calls.scan(ones, iota, n * k, scratch));
+        self.run(self.calls.scan(mvals, d_off, r, scratch));
+        self.run(self.calls.layout(
+            in_ids, t as i32, e as i32, el as i32, r as i32, dummy, 0, 0, 0, err,
+        ));
+        let extra_row_bytes = moe_cfg(&self.s).extra_row_bytes;
+        let widths: Vec<usize> = [rb, 4 * k, 4 * k, 4]
+            .into_iter()
+            .chain(extra_row_bytes.iter().copied())
+            .collect();
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        for (i, w) in widths.iter().enumerate() {
+            sends.push(self.pool.get(&format!("cap_send{i}"), m * w));
+            recvs.push(self.pool.get(&format!("cap_recv{i}"), n * w));
+        }
+        memset_d8(sends[1], 0xff, 4 * m * k);
+        memset_d8(sends[2], 0, 4 * m * k);
+        self.run(self.calls.pack(
+            in_hidden, rb as u64, in_ids, in_w, t as i32, 1, ones, iota, sends[0], sends[1],
+            sends[2], sends[3],
+        ));
+        for (i, &wb) in extra_row_bytes.iter().enumerate() {
+            self.run(self.calls.pack(
+                in_extra,
+                wb as u64,
+                0,
+                0,
+                t as i32,
+                1,
+                ones,
+                iota,
+                sends[4 + i],
+                0,
+                0,
+                0,
+            ));
+        }
+        let rows_per = vec![m; r];
+        self.items = widths
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| {
+                (
+                    broadcast_plan(&rows_per, d, w, self.opts.zero_size_p2p),
+                    sends[i],
+                    recvs[i],
+                )
+            })
+            .collect();
+        self.widths = widths;
+        self.sends = sends;
+        self.recvs = recvs;
+        self.n_recv = n;
+        self.scratch = scratch;
+    }
+
+    /// dispatch_capacity after the exchange: buckets, counts, the source side of combine.
+    fn cap_dispatch_unpack(&mut self) -> Out {
+        let (r, d, k, e) = (R, self.d, K, self.s.e);
+        let el = e / r;
+        let m = self.s.m;
+        let n = r * m;
+        let rb = self.rb();
+        let (sends, recvs) = (self.sends.clone(), self.recvs.clone());
+        let extra_row_bytes = moe_cfg(&self.s).extra_row_bytes;
+        let err = self.pool.get("err", 8);
+        let d_off = self.pool.get("cap_offsets", 0);
+        let iota = self.pool.get("cap_iota", 0);
+        let eflag = self.pool.get("cap_expert_flag", 4 * el * n);
+        let epos = self.pool.get("cap_expert_pos", 4 * (el * n + 1));
+        let counts = self.pool.get("cap_counts", 4 * el);
+        self.run(
+            self.calls
+                .recv_flags(recvs[1], n as i32, el as i32, d as i32, eflag, 0, 0),
+        );
+        self.run(self.calls.scan(eflag, epos, el * n, self.scratch));
+        let cap = m * r;
+        let mut outs = Vec::new();
+        for (j, src_rows) in [recvs[0]].iter().chain(&recvs[4..]).enumerate() {
+            let wb = if j == 0 { rb } else { extra_row_bytes[j - 1] };
+            let out_rows = self.pool.get(&format!("cap_out{j}"), el * cap * wb);
+            self.run(self.calls.unpack_expert_major(
+                [*src_rows, recvs[1], recvs[2], recvs[3], d_off],
+                n as i32,
+                r as i32,
+                wb as u64,
+                el as i32,
+                d as i32,
+                eflag,
+                epos,
+                cap as i32,
+                out_rows,
+                counts,
+                0,
+                0,
+                0,
+                err,
+            ));
+            outs.push(out_rows);
+        }
+        let crow = self.pool.get("cap_combine_rows", 4 * m * k);
+        let wcopy = self.pool.get("cap_weights", 4 * m * k);
+        self.run(
+            self.calls
+                .pair_rows(true, sends[1], m as i32, e as i32, el as i32, iota, crow),
+        );
+        memcpy(wcopy, sends[2], 4 * m * k);
+        assert_eq!(
+            read::<u64>(err, 1)[0],
+            0,
+            "device error word after dispatch"
+        );
+        Out {
+            shape: vec![el, cap, self.s.h],
+            received_rows: read::<i32>(counts, el).iter().map(|&c| c as usize).sum(),
+            hidden: read_bytes(outs[0], el * cap * rb),
+            ids: vec![],
+            w: vec![],
+            counts: read::<i32>(counts, el),
+            offsets: vec![],
+            src_rank: vec![],
+            src_token: vec![],
+            extra: if self.s.extra > 0 {
+                read_bytes(outs[1], el * cap * self.s.extra)
+            } else {
+                vec![]
+            },
+        }
+    }
+
+    /// combine's capacity branch up to the exchange.
+    fn cap_combine_send(&mut self, y: &[u8]) {
+        let (r, d, k, e) = (R, self.d, K, self.s.e);
+        let el = e / r;
+        let m = self.s.m;
+        let erb = self.s.h * self.s.kind.size();
+        let n = self.n_recv;
+        assert_eq!(y.len(), el * m * r * erb, "expert output size");
+        let expert_output = self.pool.get("expert_output", y.len());
+        memcpy(expert_output, y.as_ptr() as u64, y.len());
+        let send = self.pool.get("cap_comb_send", r * m * k * erb);
+        let recv = self.pool.get("cap_comb_recv", r * m * k * erb);
+        let ids = self.pool.get("cap_recv1", 0);
+        let epos = self.pool.get("cap_expert_pos", 0);
+        let iota = self.pool.get("cap_iota", 0);
+        self.run(self.calls.combine_return_expert(
+            expert_output,
+            erb as u64,
+            ids,
+            n as i32,
+            el as i32,
+            d as i32,
+            epos,
+            (m * r) as i32,
+            iota,
+            send,
+        ));
+        let cm = vec![(m * k) as i32; r * r];
+        let plan = counts_plan(&cm, r, d, erb, self.opts).unwrap();
+        self.comb = Some((plan, send, recv));
+    }
+
+    /// combine's capacity branch after the exchange.
+    fn cap_combine_reduce(&mut self) -> Vec<u8> {
+        let (t, h) = (self.inp.t, self.s.h);
+        let ob = h * self.s.kind.size();
+        let out = if t == 0 {
+            0
+        } else {
+            self.pool.get("comb_out", t * ob)
+        };
+        let recv = self.comb.as_ref().unwrap().2;
+        let crow = self.pool.get("cap_combine_rows", 0);
+        let w = self.pool.get("cap_weights", 0);
+        self.run(
+            self.calls
+                .weighted_combine(recv, crow, w, t as i32, h as i32, out),
+        );
+        read_bytes(out, t * ob)
+    }
+}
+
+/// Capacity mode on both ranks against the CPU manager (EXPERT_MAJOR), twice in a row on the
+/// same buffers (what a CUDA-graph replay does: same addresses, new data).
+fn check_capacity_case(s: Setup, rounds: &[Vec<Input>]) {
+    let mut ranks: Vec<Rank> = (0..R)
+        .map(|d| Rank::new(s, d, rounds[0][d].clone()))
+        .collect();
+    for inputs in rounds {
+        let cpu = cpu_run(s, inputs.clone());
+        for (r, i) in ranks.iter_mut().zip(inputs) {
+            r.inp = i.clone();
+            r.cap_dispatch_pack();
+        }
+        let items: Vec<_> = ranks.iter().map(|r| r.items.clone()).collect();
+        exchange(&items);
+        let mut ys = Vec::new();
+        for (d, r) in ranks.iter_mut().enumerate() {
+            let go = r.cap_dispatch_unpack();
+            let (co, cy, _) = cpu[d].as_ref().unwrap_or_else(|e| panic!("CPU {s:?}: {e}"));
+            compare_dispatch(&s, d, &go, co);
+            ys.push(cy.clone());
+        }
+        for (r, y) in ranks.iter_mut().zip(&ys) {
+            r.cap_combine_send(y);
+        }
+        let items: Vec<_> = ranks
+            .iter()
+            .map(|r| vec![r.comb.clone().unwrap()])
+            .collect();
+        exchange(&items);
+        for (d, r) in ranks.iter_mut().enumerate() {
+            let out = r.cap_combine_reduce();
+            compare_combine(&s, d, &out, &cpu[d].as_ref().unwrap().2);
+        }
+    }
+}
+
 /// What NCCL does with the ranks' plans: every recv matched by the peer's send of the same
 /// size, plus each rank's self copy (`local_copies`).
 fn exchange(items: &[Vec<(ExchangePlan, u64, u64)>]) {
@@ -1646,4 +1895,42 @@ fn counts_mode_fixed_capacity_overflow_fails_every_rank() {
             assert!(e.contains("max_tokens_per_rank = 2"), "{layout:?}: {e}");
         }
     }
+}
+
+#[test]
+fn capacity_mode_matches_the_cpu_manager_and_replays() {
+    let _serial = serial();
+    if emu().is_none() {
+        return;
+    }
+    let mut rng = Rng(77);
+    for id in [IdDtype::I32, IdDtype::I64] {
+        for (kind, h) in [(FloatKind::F32, 8), (FloatKind::Bf16, 3)] {
+            let s = Setup {
+                layout: Layout::ExpertMajor,
+                id,
+                kind,
+                e: 8,
+                h,
+                m: 12,
+                extra: 12,
+            };
+            let rounds: Vec<Vec<Input>> = [(12usize, 5usize), (0, 12), (7, 7)]
+                .iter()
+                .map(|&(a, b)| vec![random_input(&mut rng, &s, a), random_input(&mut rng, &s, b)])
+                .collect();
+            check_capacity_case(s, &rounds);
+        }
+    }
+    // The worked example.
+    let s = Setup {
+        layout: Layout::ExpertMajor,
+        id: IdDtype::I32,
+        kind: FloatKind::F32,
+        e: 4,
+        h: 1,
+        m: 3,
+        extra: 0,
+    };
+    check_capacity_case(s, &[worked_example(FloatKind::F32)]);
 }
