@@ -386,3 +386,20 @@ fn sizes_beyond_i32_are_rejected_before_any_launch() {
     let e = check_index_limits(2, 1 << 31, 2, 16, 0).unwrap_err();
     assert!(e.to_string().starts_with("num_experts is"), "{e}");
 }
+
+#[test]
+fn a_host_side_rejection_reaches_the_peers() {
+    use epcomm::gpu::kernels::ERR_HOST_REJECTED;
+    // GpuManager::reject_dispatch: a counts row of T = 0 carrying the host-made word.
+    let word = encode_error_word(ERR_HOST_REJECTED, 0, 0);
+    let r0 = counts_row(&[0, 1, 2, 3], 2, 2, 4, 0);
+    let r1 = counts_row(&[], 2, 2, 4, word);
+    let g = Gathered::parse(&[r0, r1].concat(), 2, 4).unwrap();
+    assert_eq!(g.first_error(), Some((1, DeviceError::HostRejected)));
+    let peer = g.check(0).unwrap_err();
+    assert_eq!(peer.status(), epcomm::Status::InvalidArgument);
+    assert_eq!(
+        peer.to_string(),
+        "rank 1 rejected its dispatch input: its input failed the host-side checks (sizes, shapes, dtypes or alignment)"
+    );
+}

@@ -522,6 +522,86 @@ mod imp {
         extras: *const epcomm_tensor,
         num_extras: usize,
     ) -> Result<epcomm_dispatch_output> {
+        // SAFETY: caller contract: NULL or a live stream of this device.
+        let s = unsafe { Stream::borrowed(stream) };
+        // SAFETY: the descriptors as this function's contract.
+        let checked =
+            unsafe { dispatch_input(h, hidden, topk_ids, topk_weights, extras, num_extras) };
+        let input = match checked {
+            Ok(i) => i,
+            // The peers are told before they wait for this rank in the counts all-gather.
+            Err(e) => return Err(h.mgr.reject_dispatch(&s, e)),
+        };
+        let dev = h.device;
+        let cfg = h.mgr.config().clone();
+        let o = h.mgr.dispatch(&s, &input)?;
+        let sh = &o.shape;
+        let mut shapes = Vec::new();
+        let empty = |shapes: &mut Vec<Vec<i64>>, dt| view(shapes, 0, dt, &[0], dev);
+        let hidden_v = view(&mut shapes, o.hidden, cfg.hidden_dtype, &sh.hidden, dev);
+        let ids_v = if sh.topk_ids.is_empty() {
+            empty(&mut shapes, DType::I64)
+        } else {
+            view(&mut shapes, o.topk_ids, DType::I64, &sh.topk_ids, dev)
+        };
+        let w_v = if sh.topk_weights.is_empty() {
+            empty(&mut shapes, DType::F32)
+        } else {
+            view(
+                &mut shapes,
+                o.topk_weights,
+                DType::F32,
+                &sh.topk_weights,
+                dev,
+            )
+        };
+        let counts_v = view(&mut shapes, o.counts, DType::I32, &[sh.counts], dev);
+        let offs_v = view(
+            &mut shapes,
+            o.expert_offsets,
+            DType::I32,
+            &[sh.expert_offsets],
+            dev,
+        );
+        let sr_v = view(&mut shapes, o.src_rank, DType::I32, &[sh.src], dev);
+        let st_v = view(&mut shapes, o.src_token, DType::I32, &[sh.src], dev);
+        let u8t = DType::new(Code::UInt, 8);
+        let mut extras_v = Vec::new();
+        for (i, &p) in o.extras.iter().enumerate() {
+            let mut dims = sh.hidden.clone();
+            *dims.last_mut().expect("hidden has a last dimension") = cfg.extra_row_bytes[i];
+            extras_v.push(view(&mut shapes, p, u8t, &dims, dev));
+        }
+        h.shapes = shapes;
+        h.extras = extras_v;
+        Ok(epcomm_dispatch_output {
+            layout: sh.layout as i32,
+            received_rows: if sh.received_rows == usize::MAX {
+                -1
+            } else {
+                sh.received_rows as i64
+            },
+            hidden: hidden_v,
+            topk_ids: ids_v,
+            topk_weights: w_v,
+            counts: counts_v,
+            expert_offsets: offs_v,
+            src_rank: sr_v,
+            src_token: st_v,
+            extras: h.extras.as_ptr(),
+            num_extras: h.extras.len(),
+        })
+    }
+
+    /// The checks of a dispatch's tensors, before anything collective.
+    unsafe fn dispatch_input(
+        h: &Handle,
+        hidden: *const epcomm_tensor,
+        topk_ids: *const epcomm_tensor,
+        topk_weights: *const epcomm_tensor,
+        extras: *const epcomm_tensor,
+        num_extras: usize,
+    ) -> Result<DispatchInput> {
         let dev = h.device;
         let cfg = h.mgr.config().clone();
         let k = cfg.top_k;
@@ -582,72 +662,13 @@ mod imp {
             }
             xs.push(addr(&e));
         }
-        // SAFETY: caller contract: NULL or a live stream of this device.
-        let s = unsafe { Stream::borrowed(stream) };
-        let input = DispatchInput {
+        Ok(DispatchInput {
             hidden: addr(&x),
             topk_ids: addr(&ids),
             id_dtype,
             topk_weights: addr(&w),
             tokens: t,
             extras: xs,
-        };
-        let o = h.mgr.dispatch(&s, &input)?;
-        let sh = &o.shape;
-        let mut shapes = Vec::new();
-        let empty = |shapes: &mut Vec<Vec<i64>>, dt| view(shapes, 0, dt, &[0], dev);
-        let hidden_v = view(&mut shapes, o.hidden, cfg.hidden_dtype, &sh.hidden, dev);
-        let ids_v = if sh.topk_ids.is_empty() {
-            empty(&mut shapes, DType::I64)
-        } else {
-            view(&mut shapes, o.topk_ids, DType::I64, &sh.topk_ids, dev)
-        };
-        let w_v = if sh.topk_weights.is_empty() {
-            empty(&mut shapes, DType::F32)
-        } else {
-            view(
-                &mut shapes,
-                o.topk_weights,
-                DType::F32,
-                &sh.topk_weights,
-                dev,
-            )
-        };
-        let counts_v = view(&mut shapes, o.counts, DType::I32, &[sh.counts], dev);
-        let offs_v = view(
-            &mut shapes,
-            o.expert_offsets,
-            DType::I32,
-            &[sh.expert_offsets],
-            dev,
-        );
-        let sr_v = view(&mut shapes, o.src_rank, DType::I32, &[sh.src], dev);
-        let st_v = view(&mut shapes, o.src_token, DType::I32, &[sh.src], dev);
-        let u8t = DType::new(Code::UInt, 8);
-        let mut extras_v = Vec::new();
-        for (i, &p) in o.extras.iter().enumerate() {
-            let mut dims = sh.hidden.clone();
-            *dims.last_mut().expect("hidden has a last dimension") = cfg.extra_row_bytes[i];
-            extras_v.push(view(&mut shapes, p, u8t, &dims, dev));
-        }
-        h.shapes = shapes;
-        h.extras = extras_v;
-        Ok(epcomm_dispatch_output {
-            layout: sh.layout as i32,
-            received_rows: if sh.received_rows == usize::MAX {
-                -1
-            } else {
-                sh.received_rows as i64
-            },
-            hidden: hidden_v,
-            topk_ids: ids_v,
-            topk_weights: w_v,
-            counts: counts_v,
-            expert_offsets: offs_v,
-            src_rank: sr_v,
-            src_token: st_v,
-            extras: h.extras.as_ptr(),
-            num_extras: h.extras.len(),
         })
     }
 

@@ -811,10 +811,14 @@ pub const ERR_CAPACITY: u8 = 3;
 pub const ERR_WAIT_TIMEOUT: u8 = 4;
 /// Code: a RANK_MAJOR region overflowed (a = source rank, b = rows it sent).
 pub const ERR_RANK_CAPACITY: u8 = 5;
+/// Code (host-made, never written by a kernel): the rank's dispatch input failed the host-side
+/// checks before the counts all-gather; it sends this word in its counts row so its peers
+/// return an error naming it instead of waiting (a = b = 0).
+pub const ERR_HOST_REJECTED: u8 = 6;
 
 /// Builds an error word the way the kernels do: code in bits 63..56, `a` in 55..24, `b` (24
-/// bits) in 23..0. 0 means "no error"; when several threads fail the word of the lowest (a, b, code) is
-/// kept: the first bad (token, k), as the CPU validation reports.
+/// bits) in 23..0. 0 means "no error"; when several threads fail the word of the lowest
+/// (a, b, code) is kept: the first bad (token, k), as the CPU validation reports.
 pub fn encode_error_word(code: u8, a: u32, b: u32) -> u64 {
     (u64::from(code) << 56) | (u64::from(a) << 24) | u64::from(b & 0x00ff_ffff)
 }
@@ -855,6 +859,8 @@ pub enum DeviceError {
         /// Rows it sent.
         rows: u32,
     },
+    /// The rank's input failed the host-side checks (code 6, sent in its counts row).
+    HostRejected,
     /// A code this version does not know.
     Unknown {
         /// Raw code.
@@ -883,6 +889,7 @@ pub fn decode_error_word(word: u64) -> Option<DeviceError> {
         },
         ERR_WAIT_TIMEOUT => DeviceError::WaitTimeout { peer: a },
         ERR_RANK_CAPACITY => DeviceError::RankCapacity { source: a, rows: b },
+        ERR_HOST_REJECTED => DeviceError::HostRejected,
         _ => DeviceError::Unknown { code, a, b },
     })
 }
@@ -909,6 +916,10 @@ impl fmt::Display for DeviceError {
             DeviceError::RankCapacity { source, rows } => write!(
                 f,
                 "rank {source} sent {rows} rows, more than max_tokens_per_rank"
+            ),
+            DeviceError::HostRejected => write!(
+                f,
+                "its input failed the host-side checks (sizes, shapes, dtypes or alignment)"
             ),
             DeviceError::Unknown { code, a, b } => {
                 write!(f, "unknown device error code {code} (a={a}, b={b})")

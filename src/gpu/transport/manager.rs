@@ -31,7 +31,7 @@ use crate::gpu::driver::{
     memcpy_dtod_async, memcpy_dtoh_async, memcpy_htod_async, memset_d8_async, Device, DeviceMemory,
     Event, PinnedHost, PrimaryContext, Stream,
 };
-use crate::gpu::kernels::{FloatDtype, IdDtype, MAX_TOPK};
+use crate::gpu::kernels::{encode_error_word, FloatDtype, IdDtype, ERR_HOST_REJECTED, MAX_TOPK};
 use crate::gpu::launch::{memset_d32_async, read_error_word, KernelConfig, Kernels};
 use crate::gpu::nccl::plan::{counts_plan, ExchangeOptions, ExchangePlan};
 use crate::gpu::nccl::{NcclComm, NcclDataType};
@@ -389,31 +389,78 @@ impl GpuManager {
     /// doc); capacity mode never does.
     pub fn dispatch(&mut self, stream: &Stream, input: &DispatchInput) -> Result<GpuDispatch> {
         self.ctx.set_current()?;
+        self.state = None;
         let cfg = self.cpu.config().clone();
         if input.extras.len() != cfg.extra_row_bytes.len() {
-            return Err(Error::InvalidArgument(format!(
+            let e = Error::InvalidArgument(format!(
                 "{} extra payloads given, the manager was created for {}",
                 input.extras.len(),
                 cfg.extra_row_bytes.len()
-            )));
+            ));
+            return Err(self.reject_dispatch(stream, e));
         }
         let (r, k, e) = (self.world(), cfg.top_k, cfg.num_experts);
-        to_i32(
+        let checked = to_i32(
             input
                 .tokens
                 .saturating_mul(r)
                 .saturating_mul(k)
                 .saturating_add(1),
             "tokens x world_size x top_k",
-        )?;
-        to_i32(e, "num_experts")?;
-        let kern = self.kernels(input.id_dtype)?;
-        self.state = None;
+        )
+        .and_then(|_| to_i32(e, "num_experts"))
+        .and_then(|_| self.kernels(input.id_dtype));
+        let kern = match checked {
+            Ok(k) => k,
+            Err(e) => return Err(self.reject_dispatch(stream, e)),
+        };
         let out = match self.mode {
             GpuMode::Counts => self.dispatch_counts(stream, input, &kern)?,
             GpuMode::Capacity => self.dispatch_capacity(stream, input, &kern)?,
         };
         Ok(out)
+    }
+
+    /// Returns `err` after telling the peers (counts mode) that this rank's dispatch input was
+    /// rejected before the counts all-gather: it takes part in the all-gather with a counts
+    /// row of T = 0 carrying the host-made error word [`ERR_HOST_REJECTED`], so every peer
+    /// returns "rank r rejected its dispatch input" instead of waiting for it (what the CPU
+    /// path's `reject_dispatch` does). Capacity mode and a capturing stream have no host-side
+    /// exchange to carry it: there the peers are not told (docs/gpu.md, "Not done").
+    pub fn reject_dispatch(&mut self, stream: &Stream, err: Error) -> Error {
+        self.state = None;
+        if self.mode == GpuMode::Counts
+            && stream.ensure_not_capturing().is_ok()
+            && self.ctx.set_current().is_ok()
+        {
+            let _ = self.send_rejection(stream);
+        }
+        err
+    }
+
+    fn send_rejection(&mut self, s: &Stream) -> Result<()> {
+        let (r, e) = (self.world(), self.cpu.config().num_experts);
+        let row_len = counts_row_len(r, e);
+        let word = encode_error_word(ERR_HOST_REJECTED, 0, 0);
+        let p = &mut self.pool;
+        let row = p.get("counts_row", 4 * row_len)?;
+        let all = p.get("counts_all", 4 * row_len * r)?;
+        let h_row = p.host("h_reject", 4 * row_len)?;
+        let h_all = p.host("h_counts", 4 * row_len * r)?;
+        // SAFETY: h_row holds row_len int32 (pinned, owned by the pool; its previous use ended
+        // with the previous call's host sync); device buffers sized above.
+        unsafe {
+            let v = std::slice::from_raw_parts_mut(h_row.cast::<i32>(), row_len);
+            v.fill(0);
+            v[ROW_ERROR] = word as u32 as i32;
+            v[ROW_ERROR + 1] = (word >> 32) as u32 as i32;
+            memcpy_htod_async(row, h_row.cast(), 4 * row_len, s)?;
+            self.comm.all_gather_i32(row, all, row_len, s)?;
+            memcpy_dtoh_async(h_all.cast(), all, 4 * row_len * r, s)?;
+        }
+        let ev = Event::new(false)?;
+        ev.record(s)?;
+        self.wait(&ev)
     }
 
     fn dispatch_counts(
