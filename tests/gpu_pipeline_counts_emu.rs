@@ -1934,3 +1934,40 @@ fn capacity_mode_matches_the_cpu_manager_and_replays() {
     };
     check_capacity_case(s, &[worked_example(FloatKind::F32)]);
 }
+
+#[test]
+fn counts_mode_f32_combine_is_bit_identical_to_the_cpu_with_arbitrary_values() {
+    let _serial = serial();
+    if emu().is_none() {
+        return;
+    }
+    // combine.cu promises the CPU path's order (f32, no FMA): with values whose sums round,
+    // any difference in the order of additions shows up in the bits.
+    let mut rng = Rng(4242);
+    for layout in LAYOUTS {
+        let s = Setup {
+            layout,
+            id: IdDtype::I64,
+            kind: FloatKind::F32,
+            e: 8,
+            h: 8,
+            m: 24,
+            extra: 0,
+        };
+        let inputs: Vec<Input> = [17usize, 24]
+            .iter()
+            .map(|&t| {
+                let mut i = random_input(&mut rng, &s, t);
+                let x: Vec<f32> = (0..t * s.h)
+                    .map(|_| (rng.below(1 << 24) as f32 / 7.0 - 1e6) * 1e-4)
+                    .collect();
+                i.hidden = num::from_f32(&x, s.kind);
+                i.w = (0..t * K)
+                    .map(|_| rng.below(1 << 20) as f32 / 1_048_583.0)
+                    .collect();
+                i
+            })
+            .collect();
+        check_case(s, &inputs);
+    }
+}
