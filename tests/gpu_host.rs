@@ -4,7 +4,7 @@
 //! "unavailable" messages.
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
@@ -391,11 +391,14 @@ fn memfd(name: &str) -> File {
     File::from(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// The whole file from offset 0 with `pread`: fds passed with SCM_RIGHTS share one open file
+/// description (one offset) with the sender's, and thread-ranks read the same memfd at once, so
+/// seek + read raced (another thread's read moved the shared offset to the end: "").
 fn read_all(f: &mut File) -> String {
-    let mut s = String::new();
-    f.seek(SeekFrom::Start(0)).unwrap();
-    f.read_to_string(&mut s).unwrap();
-    s
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; f.metadata().unwrap().len() as usize];
+    f.read_exact_at(&mut buf, 0).unwrap();
+    String::from_utf8(buf).unwrap()
 }
 
 #[test]
