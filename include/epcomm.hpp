@@ -164,6 +164,17 @@ inline std::string config_report(const std::string &json) {
     return out;
 }
 
+/// The GPU capability probe as JSON (CUDA driver and devices, NCCL, NVRTC; each part has
+/// "available" and, when false, a "reason"). Works on machines without CUDA.
+inline std::string cuda_caps() {
+    size_t needed = 0;
+    check(epcomm_cuda_caps(nullptr, 0, &needed));
+    std::string out(needed, '\0');
+    check(epcomm_cuda_caps(&out[0], out.size(), &needed));
+    out.resize(needed > 0 ? needed - 1 : 0);  // needed counts the NUL
+    return out;
+}
+
 // ---- groups -----------------------------------------------------------------------------------
 
 /// A process group (move-only). Collectives must be called by every rank in the same order.

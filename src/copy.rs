@@ -5,9 +5,13 @@
 //! therefore pays a read-for-ownership of every destination line. `copy_streaming` writes
 //! with non-temporal stores regardless of the single copy's size; callers use it when the total
 //! they move is far larger than the caches.
+//!
+//! Non-temporal stores are weakly ordered: after the last one of a batch, and before the data
+//! is handed to another thread or process, call [`streaming_fence`] (one fence per batch, not
+//! per row: each fence waits for the write-combining buffers to drain).
 
 /// Copies `src` into `dst` (same length) with non-temporal stores where the CPU has AVX2;
-/// a plain copy elsewhere or for short slices.
+/// a plain copy elsewhere or for short slices. Call [`streaming_fence`] after the batch.
 pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_streaming: lengths differ");
     #[cfg(target_arch = "x86_64")]
@@ -48,9 +52,23 @@ mod x86 {
             i += 128;
         }
         dst[body..].copy_from_slice(&src[body..]);
-        // Order the streaming stores before anything this thread does next (e.g. a release
-        // store that lets a peer read the destination).
-        _mm_sfence();
+    }
+
+    pub(super) fn fence() {
+        // SAFETY: SSE (sfence) is part of the x86-64 baseline.
+        #[allow(unused_unsafe)]
+        unsafe {
+            _mm_sfence()
+        };
+    }
+}
+
+/// Orders every earlier non-temporal store of this thread before its later stores (e.g. the
+/// release store that lets a peer read the destination). A no-op without the SIMD kernels.
+pub fn streaming_fence() {
+    #[cfg(target_arch = "x86_64")]
+    if crate::num::simd_available() {
+        x86::fence();
     }
 }
 

@@ -270,7 +270,8 @@ pub fn store(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
 
 /// Like `store`, for a large output that is not read again soon: on AVX2 machines it writes
 /// with non-temporal stores, which skip reading the destination lines into the cache first
-/// (a third less memory traffic for a write-once output).
+/// (a third less memory traffic for a write-once output). Call `copy::streaming_fence` after
+/// the batch, before the output is handed to another thread.
 pub fn store_streaming(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
     debug_assert_eq!(dst.len(), acc.len() * kind.size());
     #[cfg(target_arch = "x86_64")]
@@ -395,7 +396,6 @@ mod x86 {
         store_generic(&acc[..head], &mut dst[..head * es], kind);
         // SAFETY: as above; the rest starts 16-byte aligned.
         unsafe { store_with::<true>(&acc[head..], &mut dst[head * es..], kind) };
-        _mm_sfence();
     }
 
     #[inline(always)]

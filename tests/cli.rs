@@ -332,9 +332,19 @@ fn bench_runs_a_tiny_case() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(String::from_utf8_lossy(&o.stdout).contains("time ratio all_to_allv / memcpy"));
-    let o = epcomm(&["bench", "moe", "--help"]);
-    assert_eq!(o.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&o.stdout).starts_with("usage: epcomm bench moe"));
+    for (args, usage) in [
+        (&["bench", "moe", "--help"][..], "usage: epcomm bench moe"),
+        (&["bench", "eplb", "--help"], "usage: epcomm bench eplb"),
+        (&["bench", "group", "--help"], "usage: epcomm bench group"),
+        (&["bench", "--help"], "usage: epcomm bench group"),
+    ] {
+        let o = epcomm(args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&o.stdout).starts_with(usage),
+            "{args:?}"
+        );
+    }
 }
 
 /// The portable (non-SIMD) reduction kernels pass the demo's reference check too.

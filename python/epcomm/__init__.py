@@ -172,6 +172,7 @@ def _declare(lib):
         "epcomm_all2all_destroy": (None, [vp]),
         "epcomm_all2all_dispatch": (i32, [vp, T, T, T, T, sz, ctypes.POINTER(_DispatchOutput)]),
         "epcomm_all2all_combine": (i32, [vp, T, T]),
+        "epcomm_cuda_caps": (i32, [ctypes.c_char_p, sz, ctypes.POINTER(sz)]),
         "epcomm_eplb_rebalance": (
             i32,
             [ctypes.POINTER(ctypes.c_float), i64, i64, i64, i64, i64, i64, i64p, i64p],
@@ -249,6 +250,18 @@ def check_config(config):
     text = (config if isinstance(config, str) else json.dumps(config)).encode()
     _check(lib.epcomm_config_check(text))
     return config_report(config)
+
+
+def cuda_caps():
+    """What this machine offers the GPU path, as a dict: CUDA driver and devices (compute
+    capability, SMs, VMM/IPC support), NCCL and NVRTC (version, file); each part has
+    "available" and, when false, a "reason". Never raises for a machine without CUDA."""
+    lib = load_library()
+    n = sz()
+    _check(lib.epcomm_cuda_caps(None, 0, ctypes.byref(n)))
+    buf = ctypes.create_string_buffer(n.value)
+    _check(lib.epcomm_cuda_caps(buf, n.value, ctypes.byref(n)))
+    return json.loads(buf.value.decode())
 
 
 def backends():

@@ -5,7 +5,7 @@
 
 use super::communicator::EplbCommunicator;
 use super::transfer::{apply_rank_mapping, plan_layer, LayerPlan};
-use crate::copy::copy_streaming;
+use crate::copy::{copy_streaming, streaming_fence};
 use crate::error::{Error, Result};
 use crate::group::{Group, P2p};
 
@@ -45,6 +45,7 @@ fn move_layer(
             copy_streaming(&mut buf[d], &w[s]);
         }
     }
+    streaming_fence();
     {
         let mut ops: Vec<P2p<'_>> = Vec::new();
         for &(_, row, dst) in &plan.sends {
@@ -86,6 +87,7 @@ fn move_layer(
             w.copy_within(p, d.start);
         }
     }
+    streaming_fence();
     Ok(())
 }
 

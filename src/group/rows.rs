@@ -263,6 +263,9 @@ fn reduce_blocks(
             }
         }
     }
+    if streaming {
+        crate::copy::streaming_fence();
+    }
     Ok(())
 }
 

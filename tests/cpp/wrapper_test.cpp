@@ -37,6 +37,11 @@ int main(int argc, char **argv) {
         CHECK(std::string(e.what()) == "Elastic EP is only supported with enable_eplb=True.");
     }
     CHECK(epcomm::config_report("{}").find("\"ok\":true") != std::string::npos);
+    {
+        const std::string caps = epcomm::cuda_caps();
+        CHECK(caps.front() == '{' && caps.back() == '}');
+        CHECK(caps.find("\"cuda\"") != std::string::npos && caps.find("\"nccl\"") != std::string::npos);
+    }
 
     {
         epcomm::Group g = epcomm::Group::shm(name, 0, 1);

@@ -114,6 +114,7 @@ def _signatures():
         ),
         "epcomm_eplb_communicator_name": (cstr, [i32]),
         "epcomm_eplb_communicator_class": (cstr, [i32]),
+        "epcomm_cuda_caps": (i32, [ctypes.c_char_p, sz, ctypes.POINTER(sz)]),
     }
 
 
@@ -342,6 +343,22 @@ class ReportTest(unittest.TestCase):
 
 
 class QueryTest(unittest.TestCase):
+    def test_cuda_caps(self):
+        # Size query, too small a buffer (an error, nothing written), then the JSON.
+        n = ctypes.c_size_t()
+        check(LIB.epcomm_cuda_caps(None, 0, ctypes.byref(n)))
+        self.assertGreater(n.value, 2)
+        small = ctypes.create_string_buffer(b"x", 2)
+        self.assertEqual(LIB.epcomm_cuda_caps(small, 2, ctypes.byref(n)), ERROR_INVALID_ARGUMENT)
+        self.assertEqual(small.value, b"x")
+        buf = ctypes.create_string_buffer(n.value)
+        check(LIB.epcomm_cuda_caps(buf, n.value, ctypes.byref(n)))
+        caps = json.loads(buf.value.decode())
+        for part in ("cuda", "nccl", "nvrtc"):
+            self.assertIsInstance(caps[part]["available"], bool, caps)
+            if not caps[part]["available"]:
+                self.assertTrue(caps[part]["reason"], caps)
+
     def test_versions(self):
         version = _text(LIB.epcomm_version())
         self.assertRegex(version, r"^\d+\.\d+\.\d+$")

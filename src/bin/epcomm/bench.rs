@@ -91,15 +91,24 @@ fn rank_main(group: &str, rank: usize, p: &Params) -> Result<(Vec<f64>, Vec<f64>
     Ok((a2a, copy))
 }
 
+const USAGE: &str = "usage: epcomm bench group [--ranks N] [--mib MiB-per-rank] [--iters N] [--json]\n       epcomm bench moe --help\n       epcomm bench eplb --help";
+
 pub fn cmd_bench(args: &[String]) -> ExitCode {
+    let help = |a: &String| a == "--help" || a == "-h";
     match args.first().map(String::as_str) {
+        Some("group") if args[1..].iter().any(help) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
         Some("group") => {}
         Some("moe") => return crate::bench_moe::cmd_moe(&args[1..]),
         Some("eplb") => return crate::bench_eplb::cmd_eplb(&args[1..]),
+        Some("--help" | "-h" | "help") => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
         _ => {
-            eprintln!(
-                "usage: epcomm bench group [--ranks N] [--mib MiB-per-rank] [--iters N] [--json]\n       epcomm bench moe --help | epcomm bench eplb"
-            );
+            eprintln!("{USAGE}");
             return ExitCode::from(2);
         }
     }

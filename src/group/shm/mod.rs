@@ -457,8 +457,12 @@ impl ShmGroup {
                 .map_err(|e| sys_err(format!("cannot open shared memory {control_name}"), e))?;
             if let Some(seg) = seg.filter(|s| s.len() >= HEADER_BYTES) {
                 let h: &Header = seg.at(0);
+                // Magic first: its release store publishes the creator pid (read the other way
+                // round, a segment being initialised looked like one whose creator, pid 0,
+                // was gone).
+                let magic = h.magic.load(Ordering::Acquire);
                 let creator = h.creator_pid.load(Ordering::Acquire);
-                if h.magic.load(Ordering::Acquire) == MAGIC
+                if magic == MAGIC
                     && !pid_alive(creator)
                     && h.created_ns.load(Ordering::Acquire) >= started_ns
                 {

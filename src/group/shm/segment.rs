@@ -314,6 +314,9 @@ pub fn copy_scattered_from_process(
                 copy_from_process(pid, true, addr, &mut dst[off..off + len])?;
             }
         }
+        if total >= STREAMING_MIN_BYTES {
+            crate::copy::streaming_fence();
+        }
         return Ok(());
     }
     const BATCH: usize = 1024;
