@@ -14,6 +14,10 @@ use epcomm::gpu::kernels::{self, Module, ParamType, Variant};
 use epcomm::gpu::nvrtc::{self, Compiled, Compiler, Image, Nvrtc};
 use epcomm::Status;
 
+mod common;
+
+use common::cuda_emu::{self, temp_dir};
+
 const ARCHS: [&str; 2] = ["sm_80", "sm_90"];
 
 /// NVRTC, or `None` (test skipped) when it is absent and not required.
@@ -30,16 +34,6 @@ fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
             None
         }
     }
-}
-
-fn temp_dir(tag: &str) -> std::path::PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let d = std::env::temp_dir().join(format!("epcomm-{tag}-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("create temp dir");
-    d
 }
 
 #[test]
@@ -490,59 +484,6 @@ fn unknown_arch_falls_back_to_ptx() {
     println!("NVRTC {:?} supports {archs:?}", nv.version);
 }
 
-/// Host emulation of the CUDA built-ins the kernels use: row kernels run thread by thread on the
-/// CPU (they never synchronise); the scan runs one OS thread per CUDA thread with barriers for
-/// `__syncthreads` and the warp shuffles. Signal/wait (inline PTX) is not emulated.
-const EMU_PRELUDE: &str = r##"// Host emulation of the CUDA prelude: runs the kernel bodies sequentially, thread by thread
-// (valid for every kernel without __syncthreads/shuffles: all but scan and signal).
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <vector>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-#define __launch_bounds__(x)
-struct dim3_ { unsigned x, y, z; };
-static thread_local dim3_ threadIdx;
-static dim3_ blockIdx, blockDim, gridDim;
-// Block-synchronous kernels (scan) run with one OS thread per CUDA thread: __syncthreads is a
-// block barrier, a shuffle a per-warp exchange between two warp barriers, __shared__ a static.
-#include <pthread.h>
-#include <thread>
-#define __shared__ static
-struct EmuBlock { pthread_barrier_t block; pthread_barrier_t warp[32]; int xchg[1024]; };
-static thread_local EmuBlock* emu_block;
-static inline void __syncthreads() { pthread_barrier_wait(&emu_block->block); }
-static inline int __shfl_up_sync(unsigned, int v, int o) {
-    unsigned t = threadIdx.x, lane = t & 31u, w = t >> 5;
-    emu_block->xchg[t] = v;
-    pthread_barrier_wait(&emu_block->warp[w]);
-    int r = lane >= (unsigned)o ? emu_block->xchg[t - o] : v;
-    pthread_barrier_wait(&emu_block->warp[w]);
-    return r;
-}
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
-struct uint4 { unsigned x, y, z, w; };
-#ifndef TOPK
-#define TOPK 1
-#endif
-#if ID_DTYPE == 0
-typedef int id_t_;
-#else
-typedef long long id_t_;
-#endif
-static inline int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }
-static inline u64 atomicCAS(u64* p, u64 c, u64 v) { u64 o = *p; if (o == c) *p = v; return o; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-"##;
-
 /// The SPEC §4 worked example through layout → pack → transport → unpack (every layout) →
 /// combine_return → weighted_combine / sum_ranks, id validation, and the scan (one tile, many
 /// tiles with the block sums scanned by the kernel itself, in place) against a plain loop.
@@ -555,25 +496,9 @@ const EMU_MAIN: &str = r##"#include "emu_prelude.h"
 #include "scan.cu"
 #include <functional>
 using namespace std;
-static void launch(unsigned grid, unsigned block, const function<void()>& f) {
-    gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
-    for (unsigned b = 0; b < grid; ++b) for (unsigned t = 0; t < block; ++t) { blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; f(); }
-}
+static void launch(unsigned grid, unsigned block, const function<void()>& f) { emu_seq(grid, block, f); }
 // One OS thread per CUDA thread, blocks in order (block must be a multiple of 32, <= 1024).
-static void launch_threads(unsigned grid, unsigned block, const function<void()>& f) {
-    gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
-    EmuBlock ctx;
-    pthread_barrier_init(&ctx.block, nullptr, block);
-    for (unsigned w = 0; w < block / 32; ++w) pthread_barrier_init(&ctx.warp[w], nullptr, 32);
-    for (unsigned b = 0; b < grid; ++b) {
-        blockIdx = {b, 0, 0};
-        vector<thread> ts;
-        for (unsigned t = 0; t < block; ++t) ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; emu_block = &ctx; f(); });
-        for (auto& t : ts) t.join();
-    }
-    pthread_barrier_destroy(&ctx.block);
-    for (unsigned w = 0; w < block / 32; ++w) pthread_barrier_destroy(&ctx.warp[w]);
-}
+static void launch_threads(unsigned grid, unsigned block, const function<void()>& f) { emu_threads(grid, block, f); }
 static vector<int> scan(const vector<int>& v) { vector<int> o(v.size() + 1); int s = 0; for (size_t i = 0; i < v.size(); ++i) { o[i] = s; s += v[i]; } o[v.size()] = s; return o; }
 static int fails = 0;
 #define CHECK(c) do { if (!(c)) { printf("FAIL line %d: %s\n", __LINE__, #c); ++fails; } } while (0)
@@ -755,65 +680,31 @@ int main() {
 
 #[test]
 fn kernels_reproduce_the_spec_worked_example_on_the_host() {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    if std::process::Command::new(&cxx)
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!(
-            "SKIP kernels_reproduce_the_spec_worked_example_on_the_host: no C++ compiler ({cxx})"
-        );
+    let Some(cxx) = cuda_emu::cxx_or_skip("kernels_reproduce_the_spec_worked_example_on_the_host")
+    else {
         return;
-    }
+    };
     let dir = temp_dir("kernel-emu");
-    let tail = kernels::PRELUDE_CU
-        .split_once("// ---- device error word")
-        .map(|(_, t)| format!("// ---- device error word{t}"))
-        .expect("prelude marker");
-    let files = [
-        ("emu_prelude.h", EMU_PRELUDE.to_string()),
-        ("prelude_tail.h", tail),
-        ("layout.cu", kernels::LAYOUT_CU.to_string()),
-        ("pack.cu", kernels::PACK_CU.to_string()),
-        ("unpack.cu", kernels::UNPACK_CU.to_string()),
-        ("combine.cu", kernels::COMBINE_CU.to_string()),
-        ("scan.cu", kernels::SCAN_CU.to_string()),
-        ("main.cpp", EMU_MAIN.to_string()),
-    ];
-    for (name, text) in &files {
-        std::fs::write(dir.join(name), text).expect("write");
-    }
+    cuda_emu::write_sources(
+        &dir,
+        &[
+            ("layout.cu", kernels::LAYOUT_CU),
+            ("pack.cu", kernels::PACK_CU),
+            ("unpack.cu", kernels::UNPACK_CU),
+            ("combine.cu", kernels::COMBINE_CU),
+            ("scan.cu", kernels::SCAN_CU),
+            ("main.cpp", EMU_MAIN),
+        ],
+    );
     for id in [0, 1] {
-        let exe = dir.join(format!("emu{id}"));
-        let out = std::process::Command::new(&cxx)
-            .current_dir(&dir)
-            .args([
-                "-std=c++17",
-                "-O1",
-                "-ffp-contract=off",
-                "-DTOPK=2",
-                "-w",
-                "-pthread",
-            ])
-            .arg(format!("-DID_DTYPE={id}"))
-            .arg("-o")
-            .arg(&exe)
-            .arg("main.cpp")
-            .output()
-            .expect("run the C++ compiler");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let (ok, stdout) = cuda_emu::build_and_run(
+            &cxx,
+            &dir,
+            &[format!("-DID_DTYPE={id}")],
+            &format!("emu{id}"),
         );
-        let run = std::process::Command::new(&exe).output().expect("run");
-        let stdout = String::from_utf8_lossy(&run.stdout);
         println!("ID_DTYPE={id}:\n{stdout}");
-        assert!(
-            run.status.success() && stdout.contains("OK (0 failures)"),
-            "{stdout}"
-        );
+        assert!(ok && stdout.contains("OK (0 failures)"), "{stdout}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,6 +1,6 @@
 //! The COUNTS-mode flow `GpuManager` issues (src/gpu/transport/manager.rs: `dispatch_counts`
 //! and `combine`), for every layout, replayed with the real kernel sources compiled for the
-//! host (the C++ emulation of tests/gpu_kernels.rs), with R = 2 ranks and the exchanges done on
+//! host (the C++ emulation of tests/common/cuda_emu.rs), with R = 2 ranks and the exchanges done on
 //! the host from the very `ExchangePlan`s the manager hands NCCL.
 //!
 //! What is the manager's own code and what is mirrored here:
@@ -26,6 +26,7 @@
 //! on the same buffers as a CUDA-graph replay would (tests/gpu_pipeline_emu.rs has the
 //! hand-written version of that flow).
 
+mod common;
 mod ranks;
 
 use std::alloc::Layout as AllocLayout;
@@ -48,85 +49,11 @@ use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
 use epcomm::select::all2all::Layout;
 
+use common::cuda_emu::{self, cxx, cxx_or_skip};
+
 // ---- the emulated kernels -----------------------------------------------------------------
 
-const EMU_PRELUDE: &str = r##"// Host emulation of the CUDA built-ins: row kernels run thread by thread, block-synchronous
-// kernels (scan) with one OS thread per CUDA thread.
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <vector>
-#include <functional>
-#include <thread>
-#include <type_traits>
-#include <utility>
-#include <pthread.h>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-#define __launch_bounds__(x)
-struct dim3_ { unsigned x, y, z; };
-static thread_local dim3_ threadIdx;
-static dim3_ blockIdx, blockDim, gridDim;
-#define __shared__ static
-struct EmuBlock { pthread_barrier_t block; pthread_barrier_t warp[32]; int xchg[1024]; };
-static thread_local EmuBlock* emu_block;
-static inline void __syncthreads() { pthread_barrier_wait(&emu_block->block); }
-static inline int __shfl_up_sync(unsigned, int v, int o) {
-    unsigned t = threadIdx.x, lane = t & 31u, w = t >> 5;
-    emu_block->xchg[t] = v;
-    pthread_barrier_wait(&emu_block->warp[w]);
-    int r = lane >= (unsigned)o ? emu_block->xchg[t - o] : v;
-    pthread_barrier_wait(&emu_block->warp[w]);
-    return r;
-}
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
-struct uint4 { unsigned x, y, z, w; };
-#ifndef TOPK
-#define TOPK 1
-#endif
-#if ID_DTYPE == 0
-typedef int id_t_;
-#else
-typedef long long id_t_;
-#endif
-static inline int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }
-static inline u64 atomicCAS(u64* p, u64 c, u64 v) { u64 o = *p; if (o == c) *p = v; return o; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float bf16_to_f32(u16 v) { u32 b = ((u32)v) << 16; float f; memcpy(&f, &b, 4); return f; }
-static inline u16 f32_to_bf16(float f) {
-    u32 b; memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (u16)((b >> 16) | 0x40u);
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (u16)(b >> 16);
-}
-"##;
-
 const EMU_LAUNCH: &str = r##"
-static void emu_seq(unsigned grid, unsigned block, const std::function<void()>& f) {
-    gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
-    for (unsigned b = 0; b < grid; ++b) for (unsigned t = 0; t < block; ++t) { blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; f(); }
-}
-static void emu_threads(unsigned grid, unsigned block, const std::function<void()>& f) {
-    gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
-    EmuBlock ctx;
-    pthread_barrier_init(&ctx.block, nullptr, block);
-    for (unsigned w = 0; w < block / 32; ++w) pthread_barrier_init(&ctx.warp[w], nullptr, 32);
-    for (unsigned b = 0; b < grid; ++b) {
-        blockIdx = {b, 0, 0};
-        std::vector<std::thread> ts;
-        for (unsigned t = 0; t < block; ++t) ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; emu_block = &ctx; f(); });
-        for (auto& t : ts) t.join();
-    }
-    pthread_barrier_destroy(&ctx.block);
-    for (unsigned w = 0; w < block / 32; ++w) pthread_barrier_destroy(&ctx.warp[w]);
-}
 template <class T> static T emu_conv(u64 v) {
     if constexpr (std::is_pointer<T>::value) return (T)(uintptr_t)v; else return (T)v;
 }
@@ -147,10 +74,6 @@ type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, *const u64, u32) -
 /// The emulated modules, by key (`layout_i32`, `unpack_i64`, `combine_1_1`, ...).
 struct Emu {
     fns: HashMap<String, LaunchFn>,
-}
-
-fn cxx() -> String {
-    std::env::var("CXX").unwrap_or_else(|_| "c++".into())
 }
 
 /// The .cu module `body` as an emulation translation unit exporting `emu_launch`.
@@ -185,27 +108,9 @@ fn emu() -> Option<&'static Emu> {
 }
 
 fn build_emu() -> Option<Emu> {
-    if std::process::Command::new(cxx())
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("SKIP: no C++ compiler ({})", cxx());
-        return None;
-    }
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir =
-        std::env::temp_dir().join(format!("epcomm-counts-emu-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let tail = kernels::PRELUDE_CU
-        .split_once("// ---- device error word")
-        .map(|(_, t)| format!("// ---- device error word{t}"))
-        .expect("prelude marker");
-    std::fs::write(dir.join("emu_prelude.h"), EMU_PRELUDE).expect("write");
-    std::fs::write(dir.join("prelude_tail.h"), tail).expect("write");
+    cxx_or_skip("")?;
+    let dir = cuda_emu::temp_dir("counts-emu");
+    cuda_emu::write_sources(&dir, &[]);
     use kernels::Module as M;
     // (key, module, -D defines); K = 2 everywhere.
     let mut units: Vec<(String, M, Vec<String>)> = Vec::new();
@@ -238,19 +143,8 @@ fn build_emu() -> Option<Emu> {
                 let src = dir.join(format!("{key}.cpp"));
                 std::fs::write(&src, unit_source(module)).expect("write");
                 let so = dir.join(format!("lib{key}.so"));
-                let out = std::process::Command::new(cxx())
-                    .current_dir(&dir)
-                    .args([
-                        "-std=c++17",
-                        "-O1",
-                        "-ffp-contract=off",
-                        "-fPIC",
-                        "-shared",
-                        "-fvisibility=hidden",
-                        "-DTOPK=2",
-                        "-w",
-                        "-pthread",
-                    ])
+                let out = cuda_emu::cxx_command(&cxx(), &dir)
+                    .args(["-fPIC", "-shared", "-fvisibility=hidden"])
                     .args(&defs)
                     .arg("-o")
                     .arg(&so)

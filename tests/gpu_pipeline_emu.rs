@@ -1,5 +1,5 @@
 //! The GPU transport's two flows that are not a plain counts-mode exchange, replayed with the
-//! real kernel sources on the host (the C++ emulation of tests/gpu_kernels.rs, copied here):
+//! real kernel sources on the host (the C++ emulation of tests/common/cuda_emu.rs):
 //! - capacity mode (`GpuManager` with `GpuMode::Capacity`, EXPERT_MAJOR): padded slabs of M
 //!   rows with ids -1 broadcast to every rank, device-side selection into buckets, combine
 //!   returning M*K rows per peer at fixed positions (the "iota" pair positions);
@@ -13,55 +13,9 @@
 
 use epcomm::gpu::kernels;
 
-const EMU_PRELUDE: &str = r##"// Host emulation of the CUDA prelude: runs the kernel bodies sequentially, thread by thread
-// (valid for every kernel without __syncthreads/shuffles: all but scan and signal).
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <vector>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-#define __launch_bounds__(x)
-struct dim3_ { unsigned x, y, z; };
-static thread_local dim3_ threadIdx;
-static dim3_ blockIdx, blockDim, gridDim;
-// Block-synchronous kernels (scan) run with one OS thread per CUDA thread: __syncthreads is a
-// block barrier, a shuffle a per-warp exchange between two warp barriers, __shared__ a static.
-#include <pthread.h>
-#include <thread>
-#define __shared__ static
-struct EmuBlock { pthread_barrier_t block; pthread_barrier_t warp[32]; int xchg[1024]; };
-static thread_local EmuBlock* emu_block;
-static inline void __syncthreads() { pthread_barrier_wait(&emu_block->block); }
-static inline int __shfl_up_sync(unsigned, int v, int o) {
-    unsigned t = threadIdx.x, lane = t & 31u, w = t >> 5;
-    emu_block->xchg[t] = v;
-    pthread_barrier_wait(&emu_block->warp[w]);
-    int r = lane >= (unsigned)o ? emu_block->xchg[t - o] : v;
-    pthread_barrier_wait(&emu_block->warp[w]);
-    return r;
-}
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
-struct uint4 { unsigned x, y, z, w; };
-#ifndef TOPK
-#define TOPK 1
-#endif
-#if ID_DTYPE == 0
-typedef int id_t_;
-#else
-typedef long long id_t_;
-#endif
-static inline int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }
-static inline u64 atomicCAS(u64* p, u64 c, u64 v) { u64 o = *p; if (o == c) *p = v; return o; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-"##;
+mod common;
+
+use common::cuda_emu;
 
 const EMU_MAIN: &str = r##"#include "emu_prelude.h"
 #include "prelude_tail.h"
@@ -71,10 +25,7 @@ const EMU_MAIN: &str = r##"#include "emu_prelude.h"
 #include "combine.cu"
 #include <functional>
 using namespace std;
-static void launch(unsigned grid, unsigned block, const function<void()>& f) {
-    gridDim = {grid, 1, 1}; blockDim = {block, 1, 1};
-    for (unsigned b = 0; b < grid; ++b) for (unsigned t = 0; t < block; ++t) { blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; f(); }
-}
+static void launch(unsigned grid, unsigned block, const function<void()>& f) { emu_seq(grid, block, f); }
 static vector<int> scan(const vector<int>& v) { vector<int> o(v.size() + 1); int s = 0; for (size_t i = 0; i < v.size(); ++i) { o[i] = s; s += v[i]; } o[v.size()] = s; return o; }
 static int fails = 0;
 #define CHECK(c) do { if (!(c)) { printf("FAIL line %d: %s\n", __LINE__, #c); ++fails; } } while (0)
@@ -201,69 +152,23 @@ int main() {
 
 #[test]
 fn capacity_mode_and_replicated_flows_on_the_host() {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    if std::process::Command::new(&cxx)
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("SKIP capacity_mode_and_replicated_flows_on_the_host: no C++ compiler ({cxx})");
+    let Some(cxx) = cuda_emu::cxx_or_skip("capacity_mode_and_replicated_flows_on_the_host") else {
         return;
-    }
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!(
-        "epcomm-pipeline-emu-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let tail = kernels::PRELUDE_CU
-        .split_once("// ---- device error word")
-        .map(|(_, t)| format!("// ---- device error word{t}"))
-        .expect("prelude marker");
-    let files = [
-        ("emu_prelude.h", EMU_PRELUDE.to_string()),
-        ("prelude_tail.h", tail),
-        ("layout.cu", kernels::LAYOUT_CU.to_string()),
-        ("pack.cu", kernels::PACK_CU.to_string()),
-        ("unpack.cu", kernels::UNPACK_CU.to_string()),
-        ("combine.cu", kernels::COMBINE_CU.to_string()),
-        ("main.cpp", EMU_MAIN.to_string()),
-    ];
-    for (name, text) in &files {
-        std::fs::write(dir.join(name), text).expect("write");
-    }
+    };
+    let dir = cuda_emu::temp_dir("pipeline-emu");
+    cuda_emu::write_sources(
+        &dir,
+        &[
+            ("layout.cu", kernels::LAYOUT_CU),
+            ("pack.cu", kernels::PACK_CU),
+            ("unpack.cu", kernels::UNPACK_CU),
+            ("combine.cu", kernels::COMBINE_CU),
+            ("main.cpp", EMU_MAIN),
+        ],
+    );
     // ID_DTYPE=0: the wire ids are int32 (capacity mode's ep_pair_rows runs on them).
-    let exe = dir.join("emu");
-    let out = std::process::Command::new(&cxx)
-        .current_dir(&dir)
-        .args([
-            "-std=c++17",
-            "-O1",
-            "-ffp-contract=off",
-            "-DTOPK=2",
-            "-DID_DTYPE=0",
-            "-w",
-            "-pthread",
-            "-o",
-        ])
-        .arg(&exe)
-        .arg("main.cpp")
-        .output()
-        .expect("run the C++ compiler");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let run = std::process::Command::new(&exe).output().expect("run");
-    let stdout = String::from_utf8_lossy(&run.stdout);
+    let (ok, stdout) = cuda_emu::build_and_run(&cxx, &dir, &["-DID_DTYPE=0".into()], "emu");
     println!("{stdout}");
-    assert!(
-        run.status.success() && stdout.contains("OK (0 failures)"),
-        "{stdout}"
-    );
+    assert!(ok && stdout.contains("OK (0 failures)"), "{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,6 +3,8 @@
 //! them, and running programs with a timeout.
 #![allow(dead_code)]
 
+pub mod cuda_emu;
+
 use std::ffi::OsStr;
 use std::io::Read;
 use std::path::{Path, PathBuf};
