@@ -499,18 +499,20 @@ impl GpuManager {
             h_t.cast::<i32>().write(t as i32);
             memcpy_htod_async(row, h_t.cast(), 4, s)?;
         }
-        kern.layout(
+        kern.run(
+            &kern.calls().layout(
+                inp.topk_ids,
+                t as i32,
+                e as i32,
+                el as i32,
+                r as i32,
+                rank_flag,
+                pair_flag,
+                row + 4 * ROW_RANK_COUNTS as u64,
+                row + 4 * row_expert_counts(r) as u64,
+                err,
+            ),
             s,
-            inp.topk_ids,
-            t as i32,
-            e as i32,
-            el as i32,
-            r as i32,
-            rank_flag,
-            pair_flag,
-            row + 4 * ROW_RANK_COUNTS as u64,
-            row + 4 * row_expert_counts(r) as u64,
-            err,
         )?;
         // SAFETY: err (8 bytes) into the row's two error slots; all/h_all sized for R rows.
         unsafe {
@@ -552,7 +554,7 @@ impl GpuManager {
         let scan_n = (pack_r * t).max(r * t * k).max(el * n_recv).max(n_recv * k);
         let scratch = p.get("scan_scratch", 4 * scan_scratch_elems(scan_n))?;
         let send_pos = p.get("send_pos", 4 * (pack_r * t + 1))?;
-        kern.scan(s, flags, send_pos, pack_r * t, scratch)?;
+        kern.run(&kern.calls().scan(flags, send_pos, pack_r * t, scratch), s)?;
         let widths: Vec<usize> = [rb, 4 * k, 4 * k, 4]
             .into_iter()
             .chain(cfg.extra_row_bytes.iter().copied())
@@ -563,36 +565,40 @@ impl GpuManager {
             sends.push(p.get(&format!("send{i}"), n_send * w)?);
             recvs.push(p.get(&format!("recv{i}"), n_recv * w)?);
         }
-        kern.pack(
-            s,
-            inp.hidden,
-            rb as u64,
-            inp.topk_ids,
-            inp.topk_weights,
-            t as i32,
-            pack_r as i32,
-            flags,
-            send_pos,
-            sends[0],
-            sends[1],
-            sends[2],
-            sends[3],
-        )?;
-        for (i, &x) in inp.extras.iter().enumerate() {
-            kern.pack(
-                s,
-                x,
-                cfg.extra_row_bytes[i] as u64,
-                0,
-                0,
+        kern.run(
+            &kern.calls().pack(
+                inp.hidden,
+                rb as u64,
+                inp.topk_ids,
+                inp.topk_weights,
                 t as i32,
                 pack_r as i32,
                 flags,
                 send_pos,
-                sends[4 + i],
-                0,
-                0,
-                0,
+                sends[0],
+                sends[1],
+                sends[2],
+                sends[3],
+            ),
+            s,
+        )?;
+        for (i, &x) in inp.extras.iter().enumerate() {
+            kern.run(
+                &kern.calls().pack(
+                    x,
+                    cfg.extra_row_bytes[i] as u64,
+                    0,
+                    0,
+                    t as i32,
+                    pack_r as i32,
+                    flags,
+                    send_pos,
+                    sends[4 + i],
+                    0,
+                    0,
+                    0,
+                ),
+                s,
             )?;
         }
         let mut items = Vec::new();
@@ -640,22 +646,29 @@ impl GpuManager {
                     let counts = p.get("out_counts", 4 * el)?;
                     // SAFETY: el int32.
                     unsafe { memset_d8_async(counts, 0, 4 * el, s) }?;
-                    kern.recv_flags(s, ids, n, el as i32, d as i32, 0, 0, counts)?;
+                    kern.run(
+                        &kern
+                            .calls()
+                            .recv_flags(ids, n, el as i32, d as i32, 0, 0, counts),
+                        s,
+                    )?;
                     o.counts = counts;
                     (el, d)
                 };
-                kern.unpack_token_major(
+                kern.run(
+                    &kern.calls().unpack_token_major(
+                        rows,
+                        ids,
+                        w,
+                        n,
+                        rb as u64,
+                        el_u as i32,
+                        rank_u as i32,
+                        0,
+                        out_ids,
+                        out_w,
+                    ),
                     s,
-                    rows,
-                    ids,
-                    w,
-                    n,
-                    rb as u64,
-                    el_u as i32,
-                    rank_u as i32,
-                    0,
-                    out_ids,
-                    out_w,
                 )?;
                 o.topk_ids = out_ids;
                 // REPLICATED is an all-gather: weights arrive unchanged (a masked id keeps its
@@ -667,9 +680,14 @@ impl GpuManager {
                 let epos = p.get("expert_pos", 4 * (el * n_recv + 1))?;
                 let rpflag = p.get("recv_pair_flag", 4 * n_recv * k)?;
                 let rppos = p.get("recv_pair_pos", 4 * (n_recv * k + 1))?;
-                kern.recv_flags(s, ids, n, el as i32, d as i32, eflag, rpflag, 0)?;
-                kern.scan(s, eflag, epos, el * n_recv, scratch)?;
-                kern.scan(s, rpflag, rppos, n_recv * k, scratch)?;
+                kern.run(
+                    &kern
+                        .calls()
+                        .recv_flags(ids, n, el as i32, d as i32, eflag, rpflag, 0),
+                    s,
+                )?;
+                kern.run(&kern.calls().scan(eflag, epos, el * n_recv, scratch), s)?;
+                kern.run(&kern.calls().scan(rpflag, rppos, n_recv * k, scratch), s)?;
                 let recv5 = [rows, ids, w, src, d_off];
                 if layout == Layout::ExpertMajor {
                     let cap = m * r;
@@ -692,9 +710,12 @@ impl GpuManager {
                         };
                         let mut r5 = recv5;
                         r5[0] = src_rows;
-                        kern.unpack_expert_major(
-                            s, r5, n, r as i32, wb as u64, el as i32, d as i32, eflag, epos,
-                            cap as i32, out_rows, counts, 0, 0, 0, err,
+                        kern.run(
+                            &kern.calls().unpack_expert_major(
+                                r5, n, r as i32, wb as u64, el as i32, d as i32, eflag, epos,
+                                cap as i32, out_rows, counts, 0, 0, 0, err,
+                            ),
+                            s,
                         )?;
                     }
                     o.hidden = outs[0];
@@ -724,9 +745,12 @@ impl GpuManager {
                         };
                         let mut r5 = recv5;
                         r5[0] = src_rows;
-                        kern.unpack_expert_packed(
-                            s, r5, n, r as i32, wb as u64, el as i32, d as i32, eflag, epos,
-                            out_rows, offs, out_w, sr, st,
+                        kern.run(
+                            &kern.calls().unpack_expert_packed(
+                                r5, n, r as i32, wb as u64, el as i32, d as i32, eflag, epos,
+                                out_rows, offs, out_w, sr, st,
+                            ),
+                            s,
                         )?;
                     }
                     o.hidden = outs[0];
@@ -740,16 +764,18 @@ impl GpuManager {
                 let ppos = p.get("pair_pos", 4 * (r * t * k + 1))?;
                 let crow = p.get("combine_rows", 4 * t * k)?;
                 let wcopy = p.get("weights_copy", 4 * t * k)?;
-                kern.scan(s, pair_flag, ppos, r * t * k, scratch)?;
-                kern.pair_rows(
+                kern.run(&kern.calls().scan(pair_flag, ppos, r * t * k, scratch), s)?;
+                kern.run(
+                    &kern.calls().pair_rows(
+                        false,
+                        inp.topk_ids,
+                        t as i32,
+                        e as i32,
+                        el as i32,
+                        ppos,
+                        crow,
+                    ),
                     s,
-                    false,
-                    inp.topk_ids,
-                    t as i32,
-                    e as i32,
-                    el as i32,
-                    ppos,
-                    crow,
                 )?;
                 if t * k > 0 {
                     // SAFETY: t*k f32 in both.
@@ -776,9 +802,12 @@ impl GpuManager {
                     } else {
                         cfg.extra_row_bytes[j - 1]
                     };
-                    kern.unpack_rank_major(
-                        s, src_rows, ids, w, d_off, r as i32, m as i32, wb as u64, out_rows,
-                        out_ids, out_w, counts, err,
+                    kern.run(
+                        &kern.calls().unpack_rank_major(
+                            src_rows, ids, w, d_off, r as i32, m as i32, wb as u64, out_rows,
+                            out_ids, out_w, counts, err,
+                        ),
+                        s,
                     )?;
                 }
                 o.hidden = outs[0];
@@ -833,21 +862,23 @@ impl GpuManager {
             memset_d32_async(ones, 1, n * k, s)?;
             memset_d32_async(mvals, m as u32, r, s)?;
         }
-        kern.scan(s, ones, iota, n * k, scratch)?;
-        kern.scan(s, mvals, d_off, r, scratch)?;
+        kern.run(&kern.calls().scan(ones, iota, n * k, scratch), s)?;
+        kern.run(&kern.calls().scan(mvals, d_off, r, scratch), s)?;
         // Validation only (bad ids → error word; read it with check_device_error).
-        kern.layout(
+        kern.run(
+            &kern.calls().layout(
+                inp.topk_ids,
+                t as i32,
+                e as i32,
+                el as i32,
+                r as i32,
+                dummy,
+                0,
+                0,
+                0,
+                err,
+            ),
             s,
-            inp.topk_ids,
-            t as i32,
-            e as i32,
-            el as i32,
-            r as i32,
-            dummy,
-            0,
-            0,
-            0,
-            err,
         )?;
         let widths: Vec<usize> = [rb, 4 * k, 4 * k, 4]
             .into_iter()
@@ -865,36 +896,40 @@ impl GpuManager {
             memset_d8_async(sends[1], 0xff, 4 * m * k, s)?;
             memset_d8_async(sends[2], 0, 4 * m * k, s)?;
         }
-        kern.pack(
-            s,
-            inp.hidden,
-            rb as u64,
-            inp.topk_ids,
-            inp.topk_weights,
-            t as i32,
-            1,
-            ones,
-            iota,
-            sends[0],
-            sends[1],
-            sends[2],
-            sends[3],
-        )?;
-        for (i, &x) in inp.extras.iter().enumerate() {
-            kern.pack(
-                s,
-                x,
-                cfg.extra_row_bytes[i] as u64,
-                0,
-                0,
+        kern.run(
+            &kern.calls().pack(
+                inp.hidden,
+                rb as u64,
+                inp.topk_ids,
+                inp.topk_weights,
                 t as i32,
                 1,
                 ones,
                 iota,
-                sends[4 + i],
-                0,
-                0,
-                0,
+                sends[0],
+                sends[1],
+                sends[2],
+                sends[3],
+            ),
+            s,
+        )?;
+        for (i, &x) in inp.extras.iter().enumerate() {
+            kern.run(
+                &kern.calls().pack(
+                    x,
+                    cfg.extra_row_bytes[i] as u64,
+                    0,
+                    0,
+                    t as i32,
+                    1,
+                    ones,
+                    iota,
+                    sends[4 + i],
+                    0,
+                    0,
+                    0,
+                ),
+                s,
             )?;
         }
         let rows_per = vec![m; r];
@@ -914,8 +949,13 @@ impl GpuManager {
         let eflag = p.get("cap_expert_flag", 4 * el * n)?;
         let epos = p.get("cap_expert_pos", 4 * (el * n + 1))?;
         let counts = p.get("cap_counts", 4 * el)?;
-        kern.recv_flags(s, recvs[1], n as i32, el as i32, d as i32, eflag, 0, 0)?;
-        kern.scan(s, eflag, epos, el * n, scratch)?;
+        kern.run(
+            &kern
+                .calls()
+                .recv_flags(recvs[1], n as i32, el as i32, d as i32, eflag, 0, 0),
+            s,
+        )?;
+        kern.run(&kern.calls().scan(eflag, epos, el * n, scratch), s)?;
         let cap = m * r;
         let mut outs = Vec::new();
         for (j, src_rows) in [recvs[0]].iter().chain(&recvs[4..]).enumerate() {
@@ -925,30 +965,37 @@ impl GpuManager {
                 cfg.extra_row_bytes[j - 1]
             };
             let out_rows = p.get(&format!("cap_out{j}"), el * cap * wb)?;
-            kern.unpack_expert_major(
+            kern.run(
+                &kern.calls().unpack_expert_major(
+                    [*src_rows, recvs[1], recvs[2], recvs[3], d_off],
+                    n as i32,
+                    r as i32,
+                    wb as u64,
+                    el as i32,
+                    d as i32,
+                    eflag,
+                    epos,
+                    cap as i32,
+                    out_rows,
+                    counts,
+                    0,
+                    0,
+                    0,
+                    err,
+                ),
                 s,
-                [*src_rows, recvs[1], recvs[2], recvs[3], d_off],
-                n as i32,
-                r as i32,
-                wb as u64,
-                el as i32,
-                d as i32,
-                eflag,
-                epos,
-                cap as i32,
-                out_rows,
-                counts,
-                0,
-                0,
-                0,
-                err,
             )?;
             outs.push(out_rows);
         }
         // Source side of combine: row of (t, k) = owner·M·K + t·K + k (fixed slabs).
         let crow = p.get("cap_combine_rows", 4 * m * k)?;
         let wcopy = p.get("cap_weights", 4 * m * k)?;
-        kern.pair_rows(s, true, sends[1], m as i32, e as i32, el as i32, iota, crow)?;
+        kern.run(
+            &kern
+                .calls()
+                .pair_rows(true, sends[1], m as i32, e as i32, el as i32, iota, crow),
+            s,
+        )?;
         // SAFETY: the padded weights slab (m*k f32).
         unsafe { memcpy_dtod_async(wcopy, sends[2], 4 * m * k, s) }?;
         let mut shape = plan::DispatchShape {
@@ -1016,23 +1063,30 @@ impl GpuManager {
             let iota = p.get("cap_iota", 0)?;
             let crow = p.get("cap_combine_rows", 0)?;
             let w = p.get("cap_weights", 0)?;
-            kern.combine_return_expert(
+            kern.run(
+                &kern.calls().combine_return_expert(
+                    expert_output,
+                    erb as u64,
+                    ids,
+                    n as i32,
+                    el as i32,
+                    d as i32,
+                    epos,
+                    (m * r) as i32,
+                    iota,
+                    send,
+                ),
                 stream,
-                expert_output,
-                erb as u64,
-                ids,
-                n as i32,
-                el as i32,
-                d as i32,
-                epos,
-                (m * r) as i32,
-                iota,
-                send,
             )?;
             let cm = vec![(m * k) as i32; r * r];
             let plan = counts_plan(&cm, r, d, erb, self.opts)?;
             self.exchange(stream, &[(plan, send, recv)])?;
-            return kern.weighted_combine(stream, recv, crow, w, t as i32, h as i32, out);
+            return kern.run(
+                &kern
+                    .calls()
+                    .weighted_combine(recv, crow, w, t as i32, h as i32, out),
+                stream,
+            );
         }
         let g = st
             .gathered
@@ -1048,14 +1102,16 @@ impl GpuManager {
             Layout::RankMajor => {
                 let send = p.get("comb_send", n_back * erb)?;
                 let d_off = p.get("recv_offsets", 4 * (r + 1))?;
-                kern.combine_return_rank_major(
+                kern.run(
+                    &kern.calls().combine_return_rank_major(
+                        expert_output,
+                        erb as u64,
+                        d_off,
+                        r as i32,
+                        cfg.max_tokens_per_rank as i32,
+                        send,
+                    ),
                     stream,
-                    expert_output,
-                    erb as u64,
-                    d_off,
-                    r as i32,
-                    cfg.max_tokens_per_rank as i32,
-                    send,
                 )?;
                 send
             }
@@ -1069,18 +1125,20 @@ impl GpuManager {
                 } else {
                     0
                 };
-                kern.combine_return_expert(
+                kern.run(
+                    &kern.calls().combine_return_expert(
+                        expert_output,
+                        erb as u64,
+                        ids,
+                        n as i32,
+                        el as i32,
+                        d as i32,
+                        epos,
+                        cap as i32,
+                        rppos,
+                        send,
+                    ),
                     stream,
-                    expert_output,
-                    erb as u64,
-                    ids,
-                    n as i32,
-                    el as i32,
-                    d as i32,
-                    epos,
-                    cap as i32,
-                    rppos,
-                    send,
                 )?;
                 send
             }
@@ -1090,18 +1148,31 @@ impl GpuManager {
         self.exchange(stream, &[(plan, send, recv)])?;
         let p = &mut self.pool;
         match layout {
-            Layout::Replicated => {
-                kern.sum_ranks(stream, recv, 0, 0, t as i32, r as i32, h as i32, out)
-            }
+            Layout::Replicated => kern.run(
+                &kern
+                    .calls()
+                    .sum_ranks(recv, 0, 0, t as i32, r as i32, h as i32, out),
+                stream,
+            ),
             Layout::TokenMajor | Layout::RankMajor => {
                 let flag = p.get("rank_flag", 0)?;
                 let pos = p.get("send_pos", 0)?;
-                kern.sum_ranks(stream, recv, flag, pos, t as i32, r as i32, h as i32, out)
+                kern.run(
+                    &kern
+                        .calls()
+                        .sum_ranks(recv, flag, pos, t as i32, r as i32, h as i32, out),
+                    stream,
+                )
             }
             _ => {
                 let crow = p.get("combine_rows", 0)?;
                 let w = p.get("weights_copy", 0)?;
-                kern.weighted_combine(stream, recv, crow, w, t as i32, h as i32, out)
+                kern.run(
+                    &kern
+                        .calls()
+                        .weighted_combine(recv, crow, w, t as i32, h as i32, out),
+                    stream,
+                )
             }
         }
     }
