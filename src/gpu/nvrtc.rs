@@ -132,9 +132,16 @@ fn preload_builtins(lib: &Path) {
         })
         .collect();
     found.sort();
+    // The handles stay loaded for the life of the process (NVRTC looks the library up later);
+    // they are kept here so their names stay referenced (no leak for LeakSanitizer).
+    static PRELOADED: Mutex<Vec<probe::Library>> = Mutex::new(Vec::new());
     for p in found {
-        // Keep the handle for the life of the process (NVRTC will look it up later).
-        let _ = probe::open_first(&[leak(p.to_string_lossy().into_owned())]);
+        if let Some(lib) = probe::open_first(&[leak(p.to_string_lossy().into_owned())]) {
+            PRELOADED
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(lib);
+        }
     }
 }
 
