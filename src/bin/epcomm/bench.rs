@@ -10,7 +10,7 @@ use std::time::Instant;
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
 use epcomm::group::{Group, GroupOptions};
 
-use crate::stats::{median_p99, slowest};
+use crate::stats::{decode, encode, median_p99, slowest, tagged, time_memcpy};
 
 struct Params {
     ranks: usize,
@@ -76,17 +76,7 @@ fn rank_main(group: &str, rank: usize, p: &Params) -> Result<(Vec<f64>, Vec<f64>
     if recv[src * chunk] != expect {
         return Err(format!("rank {rank}: wrong data from rank {src}"));
     }
-    let mut copy = Vec::new();
-    let mut dst = vec![0u8; total];
-    for it in 0..p.iters + 3 {
-        g.barrier().map_err(|e| e.to_string())?;
-        let t = Instant::now();
-        dst.copy_from_slice(&send);
-        std::hint::black_box(&dst);
-        if it >= 3 {
-            copy.push(t.elapsed().as_secs_f64());
-        }
-    }
+    let copy = time_memcpy(&mut g, total, 3, p.iters)?;
     g.barrier().map_err(|e| e.to_string())?;
     Ok((a2a, copy))
 }
@@ -122,14 +112,8 @@ pub fn cmd_bench(args: &[String]) -> ExitCode {
     if let Some((rank, group)) = crate::ranks::this_rank() {
         return match rank_main(&group, rank, &p) {
             Ok((a, c)) => {
-                let fmt = |v: &[f64]| {
-                    v.iter()
-                        .map(|x| format!("{x:e}"))
-                        .collect::<Vec<_>>()
-                        .join(",")
-                };
-                println!("A2A {}", fmt(&a));
-                println!("COPY {}", fmt(&c));
+                println!("A2A {}", encode(&a));
+                println!("COPY {}", encode(&c));
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -149,14 +133,8 @@ pub fn cmd_bench(args: &[String]) -> ExitCode {
     let mut copy: Vec<Vec<f64>> = Vec::new();
     for out in outputs {
         let text = String::from_utf8_lossy(&out.stdout);
-        let series = |tag: &str| -> Vec<f64> {
-            text.lines()
-                .find_map(|l| l.strip_prefix(tag))
-                .map(|l| l.split(',').filter_map(|x| x.trim().parse().ok()).collect())
-                .unwrap_or_default()
-        };
-        a2a.push(series("A2A "));
-        copy.push(series("COPY "));
+        a2a.push(decode(tagged(&text, "A2A ")));
+        copy.push(decode(tagged(&text, "COPY ")));
     }
     let bytes = ((p.mib << 20) / p.ranks * p.ranks) as f64;
     let (am, ap) = median_p99(slowest(&a2a));

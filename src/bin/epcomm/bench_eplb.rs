@@ -20,7 +20,7 @@ use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::unit;
 use epcomm::select::eplb::DeviceKind;
 
-use crate::stats::{median_p99, slowest};
+use crate::stats::{decode, encode, median_p99, slowest, tagged, time_memcpy};
 
 const USAGE: &str = "usage: epcomm bench eplb [--iters N] [--ranks N] [--layers L] [--experts-per-rank N] [--expert-mib MiB]";
 
@@ -108,27 +108,11 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
         }
         moved = (s.rows_received + s.rows_copied_locally) * row;
     }
-    let src = vec![1u8; moved.max(1)];
-    let mut dst = vec![0u8; moved.max(1)];
-    let mut copies = Vec::new();
-    for it in 0..p.iters + 1 {
-        g.barrier().map_err(|e| e.to_string())?;
-        let t0 = Instant::now();
-        dst.copy_from_slice(&src);
-        std::hint::black_box(&dst);
-        if it > 0 {
-            copies.push(t0.elapsed().as_secs_f64());
-        }
-    }
-    let fmt = |v: &[f64]| {
-        v.iter()
-            .map(|x| format!("{x:e}"))
-            .collect::<Vec<_>>()
-            .join(",")
-    };
+    // The first iteration warms up, as for the transfer.
+    let copies = time_memcpy(&mut g, moved, 1, p.iters)?;
     println!("MOVED {moved}");
-    println!("XFER {}", fmt(&times));
-    println!("COPY {}", fmt(&copies));
+    println!("XFER {}", encode(&times));
+    println!("COPY {}", encode(&copies));
     g.barrier().map_err(|e| e.to_string())?;
     Ok(())
 }
@@ -192,16 +176,9 @@ pub fn cmd_eplb(args: &[String]) -> ExitCode {
     let mut moved = 0f64;
     for out in &outputs {
         let text = String::from_utf8_lossy(&out.stdout);
-        let line = |tag: &str| text.lines().find_map(|l| l.strip_prefix(tag)).unwrap_or("");
-        let series = |tag: &str| -> Vec<f64> {
-            line(tag)
-                .split(',')
-                .filter_map(|x| x.trim().parse().ok())
-                .collect()
-        };
-        xfer.push(series("XFER "));
-        copy.push(series("COPY "));
-        moved = moved.max(line("MOVED ").trim().parse().unwrap_or(0.0));
+        xfer.push(decode(tagged(&text, "XFER ")));
+        copy.push(decode(tagged(&text, "COPY ")));
+        moved = moved.max(tagged(&text, "MOVED ").trim().parse().unwrap_or(0.0));
     }
     let (xm, xp) = median_p99(slowest(&xfer));
     let (cm, _) = median_p99(slowest(&copy));

@@ -16,7 +16,7 @@ use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::FloatKind;
 use epcomm::select::all2all::{self, Backend};
 
-use crate::stats::{median_p99, slowest};
+use crate::stats::{decode, encode, median_p99, slowest, time_memcpy};
 
 #[derive(Clone, Debug)]
 struct Params {
@@ -197,7 +197,6 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
                             .map(|&e| e as usize / el)
                             .collect();
                         per_expert += ranks.len() as u64 * row;
-                        ranks.dedup();
                         ranks.sort();
                         ranks.dedup();
                         dedup += ranks.len() as u64 * row;
@@ -206,29 +205,12 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
             }
             // memcpy of the bytes this rank received in dispatch, in the same run.
             let moved = m.stats().bytes_received.iter().sum::<u64>() as usize;
-            let src = vec![1u8; moved.max(1)];
-            let mut dst = vec![0u8; moved.max(1)];
-            let mut copies = Vec::new();
-            for it in 0..p.warmup + p.iters {
-                g.barrier().map_err(|e| e.to_string())?;
-                let t0 = Instant::now();
-                dst.copy_from_slice(&src);
-                std::hint::black_box(&dst);
-                if it >= p.warmup {
-                    copies.push(t0.elapsed().as_secs_f64());
-                }
-            }
-            let fmt = |v: Vec<f64>| {
-                v.iter()
-                    .map(|x| format!("{x:e}"))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            };
+            let copies = time_memcpy(&mut g, moved, p.warmup, p.iters)?;
             println!(
                 "SAMPLE {name} {t} {dedup} {per_expert} {moved} {} {} {}",
-                fmt(samples.iter().map(|s| s.dispatch).collect()),
-                fmt(samples.iter().map(|s| s.combine).collect()),
-                fmt(copies)
+                encode(&samples.iter().map(|s| s.dispatch).collect::<Vec<_>>()),
+                encode(&samples.iter().map(|s| s.combine).collect::<Vec<_>>()),
+                encode(&copies)
             );
         }
     }
@@ -304,12 +286,8 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             .collect();
         let name = parsed[0][0].clone();
         let t: usize = parsed[0][1].parse().unwrap_or(0);
-        let series = |col: usize| -> Vec<Vec<f64>> {
-            parsed
-                .iter()
-                .map(|f| f[col].split(',').filter_map(|x| x.parse().ok()).collect())
-                .collect()
-        };
+        let series =
+            |col: usize| -> Vec<Vec<f64>> { parsed.iter().map(|f| decode(&f[col])).collect() };
         let (d, c, m) = (series(5), series(6), series(7));
         let (dv, cv) = (slowest(&d), slowest(&c));
         let pv: Vec<f64> = dv.iter().zip(&cv).map(|(a, b)| a + b).collect();

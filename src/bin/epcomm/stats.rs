@@ -20,3 +20,47 @@ pub fn median_p99(mut v: Vec<f64>) -> (f64, f64) {
     let p99 = v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1];
     (med, p99)
 }
+
+/// Samples as one comma-separated field, the way rank processes report them to the parent.
+pub fn encode(v: &[f64]) -> String {
+    v.iter()
+        .map(|x| format!("{x:e}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The samples of an [`encode`]d field.
+pub fn decode(field: &str) -> Vec<f64> {
+    field
+        .split(',')
+        .filter_map(|x| x.trim().parse().ok())
+        .collect()
+}
+
+/// The text after the first line of `text` starting with `tag` ("" when there is none).
+pub fn tagged<'a>(text: &'a str, tag: &str) -> &'a str {
+    text.lines().find_map(|l| l.strip_prefix(tag)).unwrap_or("")
+}
+
+/// The memcpy roofline of a benchmark: `warmup + iters` copies of `bytes` bytes between two
+/// buffers, a group barrier before each; returns the `iters` timed ones.
+pub fn time_memcpy(
+    g: &mut dyn epcomm::group::Group,
+    bytes: usize,
+    warmup: usize,
+    iters: usize,
+) -> Result<Vec<f64>, String> {
+    let src = vec![1u8; bytes.max(1)];
+    let mut dst = vec![0u8; bytes.max(1)];
+    let mut times = Vec::with_capacity(iters);
+    for it in 0..warmup + iters {
+        g.barrier().map_err(|e| e.to_string())?;
+        let t0 = std::time::Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        if it >= warmup {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(times)
+}
