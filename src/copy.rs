@@ -10,6 +10,11 @@
 //! is handed to another thread or process, call [`streaming_fence`] (one fence per batch, not
 //! per row: each fence waits for the write-combining buffers to drain).
 
+/// Transfers at least this large (in total, per call of the caller) are far past the caches:
+/// their destinations are written with streaming stores. Smaller ones stay cached for the
+/// reader that usually follows.
+pub const STREAMING_MIN_BYTES: usize = 16 << 20;
+
 /// Copies `src` into `dst` (same length) with non-temporal stores where the CPU has AVX2;
 /// a plain copy elsewhere or for short slices. Call [`streaming_fence`] after the batch.
 pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {

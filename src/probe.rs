@@ -56,7 +56,8 @@ impl Library {
     }
 }
 
-fn leak(s: String) -> &'static str {
+/// A `'static` copy of `s`, for names kept as long as the library they name stays loaded.
+pub(crate) fn leak(s: String) -> &'static str {
     Box::leak(s.into_boxed_str())
 }
 

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
-use crate::probe::{self, Library};
+use crate::probe::{self, leak, Library};
 
 /// Environment variable naming the NVRTC library file or its directory.
 pub const ENV_NVRTC_PATH: &str = "EPCOMM_NVRTC_PATH";
@@ -79,10 +79,6 @@ impl std::fmt::Debug for Nvrtc {
             .field("version", &self.version)
             .finish_non_exhaustive()
     }
-}
-
-fn leak(s: String) -> &'static str {
-    Box::leak(s.into_boxed_str())
 }
 
 /// Picks the `libnvrtc.so*` to load in `dir`: the highest `libnvrtc.so.N`, else `libnvrtc.so`

@@ -158,9 +158,6 @@ pub(crate) fn reduce_blocked(
 /// Elements per accumulator chunk (8 KiB of f32: stays in L1 with the rows being added).
 const COLUMN_CHUNK: usize = 2048;
 
-/// Outputs at least this large are stored with non-temporal stores.
-const STREAMING_MIN_BYTES: usize = 16 << 20;
-
 #[allow(clippy::too_many_arguments)]
 fn reduce_blocks(
     kind: FloatKind,
@@ -180,7 +177,7 @@ fn reduce_blocks(
     let out_row_bytes = row_elems * out_kind.size();
     // An output much larger than the caches is written past them (see num::store_streaming);
     // a small one stays cached for the caller's next read.
-    let streaming = out_rows * out_row_bytes >= STREAMING_MIN_BYTES;
+    let streaming = out_rows * out_row_bytes >= crate::copy::STREAMING_MIN_BYTES;
     let mut slots: Vec<usize> = Vec::new();
     let mut positions: Vec<u32> = Vec::new();
     let mut which: Vec<usize> = Vec::new();

@@ -276,9 +276,6 @@ pub fn copy_from_process(
     Ok(())
 }
 
-/// Same-process scattered copies of at least this many bytes in total use streaming stores.
-const STREAMING_MIN_BYTES: usize = 16 << 20;
-
 /// Copies several ranges of process `pid` into `dst`: `ranges` holds (remote address, offset in
 /// `dst`, length). Adjacent ranges are merged and the rest batched (up to 1024 per
 /// `process_vm_readv`), so scattered rows cost few system calls and one copy each.
@@ -305,7 +302,7 @@ pub fn copy_scattered_from_process(
         // of destination lines; see crate::copy).
         let total: usize = merged.iter().map(|m| m.2).sum();
         for &(addr, off, len) in &merged {
-            if total >= STREAMING_MIN_BYTES {
+            if total >= crate::copy::STREAMING_MIN_BYTES {
                 // SAFETY: as in copy_from_process: the range belongs to a live buffer its
                 // owner does not modify until the op is consumed, and it does not overlap `dst`.
                 let src = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len) };
@@ -314,7 +311,7 @@ pub fn copy_scattered_from_process(
                 copy_from_process(pid, true, addr, &mut dst[off..off + len])?;
             }
         }
-        if total >= STREAMING_MIN_BYTES {
+        if total >= crate::copy::STREAMING_MIN_BYTES {
             crate::copy::streaming_fence();
         }
         return Ok(());
@@ -382,7 +379,7 @@ mod tests {
     /// threshold (rows out of order, some adjacent so they merge, odd sizes and offsets).
     #[test]
     fn scattered_same_process_copies_small_and_streaming() {
-        for row in [3usize, 4099, (STREAMING_MIN_BYTES / 64) + 5] {
+        for row in [3usize, 4099, (crate::copy::STREAMING_MIN_BYTES / 64) + 5] {
             let rows = 70;
             let src: Vec<u8> = (0..rows * row).map(|i| (i * 31 + 7) as u8).collect();
             let order: Vec<usize> = (0..rows).map(|i| (i * 37 + 11) % rows).collect();
