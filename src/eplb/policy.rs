@@ -44,21 +44,22 @@ pub fn np_sum_f32(a: &[f32]) -> f32 {
     }
 }
 
-/// Reusable buffers of one layer's placement, so a rebalance allocates once, not per layer.
+/// The balanced packing's reusable buffers (a rebalance allocates once, not per row).
 #[derive(Default)]
-struct Scratch {
+struct Packer {
     keys: Vec<u128>,
     pack_w: Vec<f64>,
     pack_n: Vec<usize>,
     free_w: Vec<f64>,
-    group_load: Vec<f64>,
-    mlog2log: Vec<usize>,
-    tpm: Vec<f32>,
+}
+
+/// The replication's reusable buffers and its result for the last row: physical → logical
+/// (`phy2mlog`) and replicas per logical (`mlogcnt`).
+#[derive(Default)]
+struct Replicas {
     per_replica: Vec<f64>,
     phy2mlog: Vec<usize>,
     mlogcnt: Vec<usize>,
-    tpp: Vec<f64>,
-    pphy2phy: Vec<usize>,
 }
 
 /// Orders f64 like `total_cmp`, descending, with ascending index on ties: the order of
@@ -70,90 +71,94 @@ fn desc_key(w: f64, index: usize) -> u128 {
     ((!ordered as u128) << 64) | index as u128
 }
 
-/// Packs the `n` weighted items `w` into `m` packs of `n/m` items, heaviest first, each to the
-/// lightest pack that still has room (the first such on ties). Writes (pack, rank in pack) per
-/// item into `pi`/`rk`.
-fn pack_row(w: &[f64], m: usize, s: &mut Scratch, pi: &mut Vec<usize>, rk: &mut Vec<usize>) {
-    let n = w.len();
-    debug_assert!(m > 0 && n % m == 0);
-    let per = n / m;
-    pi.clear();
-    rk.clear();
-    if per == 1 {
-        pi.extend(0..n);
+impl Packer {
+    /// Packs the `n` weighted items `w` into `m` packs of `n/m` items, heaviest first, each to the
+    /// lightest pack that still has room (the first such on ties). Writes (pack, rank in pack) per
+    /// item into `pi`/`rk`.
+    fn pack(&mut self, w: &[f64], m: usize, pi: &mut Vec<usize>, rk: &mut Vec<usize>) {
+        let n = w.len();
+        debug_assert!(m > 0 && n % m == 0);
+        let per = n / m;
+        pi.clear();
+        rk.clear();
+        if per == 1 {
+            pi.extend(0..n);
+            rk.resize(n, 0);
+            return;
+        }
+        pi.resize(n, 0);
         rk.resize(n, 0);
-        return;
-    }
-    pi.resize(n, 0);
-    rk.resize(n, 0);
-    s.keys.clear();
-    s.keys
-        .extend(w.iter().enumerate().map(|(i, &x)| desc_key(x, i)));
-    s.keys.sort_unstable();
-    s.pack_w.clear();
-    s.pack_w.resize(m, 0.0);
-    s.pack_n.clear();
-    s.pack_n.resize(m, 0);
-    // Weights of packs with room; a full pack reads +inf so a plain first-minimum scan skips
-    // it. If the minimum is itself +inf (overflowed sums), fall back to the exact rule.
-    s.free_w.clear();
-    s.free_w.resize(m, 0.0);
-    for &key in &s.keys {
-        let item = key as u64 as usize;
-        let mut best = 0;
-        for p in 1..m {
-            if s.free_w[p] < s.free_w[best] {
-                best = p;
+        self.keys.clear();
+        self.keys
+            .extend(w.iter().enumerate().map(|(i, &x)| desc_key(x, i)));
+        self.keys.sort_unstable();
+        self.pack_w.clear();
+        self.pack_w.resize(m, 0.0);
+        self.pack_n.clear();
+        self.pack_n.resize(m, 0);
+        // Weights of packs with room; a full pack reads +inf so a plain first-minimum scan skips
+        // it. If the minimum is itself +inf (overflowed sums), fall back to the exact rule.
+        self.free_w.clear();
+        self.free_w.resize(m, 0.0);
+        for &key in &self.keys {
+            let item = key as u64 as usize;
+            let mut best = 0;
+            for p in 1..m {
+                if self.free_w[p] < self.free_w[best] {
+                    best = p;
+                }
             }
+            if self.pack_n[best] >= per {
+                best = (0..m)
+                    .filter(|&p| self.pack_n[p] < per)
+                    .fold(usize::MAX, |b, p| {
+                        if b == usize::MAX || self.pack_w[p] < self.pack_w[b] {
+                            p
+                        } else {
+                            b
+                        }
+                    });
+            }
+            pi[item] = best;
+            rk[item] = self.pack_n[best];
+            self.pack_w[best] += w[item];
+            self.pack_n[best] += 1;
+            self.free_w[best] = if self.pack_n[best] < per {
+                self.pack_w[best]
+            } else {
+                f64::INFINITY
+            };
         }
-        if s.pack_n[best] >= per {
-            best = (0..m)
-                .filter(|&p| s.pack_n[p] < per)
-                .fold(usize::MAX, |b, p| {
-                    if b == usize::MAX || s.pack_w[p] < s.pack_w[b] {
-                        p
-                    } else {
-                        b
-                    }
-                });
-        }
-        pi[item] = best;
-        rk[item] = s.pack_n[best];
-        s.pack_w[best] += w[item];
-        s.pack_n[best] += 1;
-        s.free_w[best] = if s.pack_n[best] < per {
-            s.pack_w[best]
-        } else {
-            f64::INFINITY
-        };
     }
 }
 
-/// Replicates the experts `w` into `num_phy` slots: the first slots are the experts
-/// themselves; each extra slot goes to the expert with the largest load per replica (the first
-/// on ties). Fills `s.phy2mlog` (physical → logical) and `s.mlogcnt` (replicas per logical).
-fn replicate_row(w: &[f32], num_phy: usize, s: &mut Scratch) {
-    let nl = w.len();
-    s.phy2mlog.clear();
-    s.phy2mlog.extend(0..nl);
-    s.mlogcnt.clear();
-    s.mlogcnt.resize(nl, 1);
-    // Load per replica, updated only for the expert that gains a replica (same division, so
-    // the same float64 values as recomputing them all).
-    s.per_replica.clear();
-    s.per_replica.extend(w.iter().map(|&x| x as f64));
-    for _ in nl..num_phy {
-        let mut best = 0;
-        let mut best_v = f64::NEG_INFINITY;
-        for (e, &v) in s.per_replica.iter().enumerate() {
-            if v > best_v {
-                best_v = v;
-                best = e;
+impl Replicas {
+    /// Replicates the experts `w` into `num_phy` slots: the first slots are the experts
+    /// themselves; each extra slot goes to the expert with the largest load per replica (the first
+    /// on ties). Fills `phy2mlog` (physical → logical) and `mlogcnt` (replicas per logical).
+    fn replicate(&mut self, w: &[f32], num_phy: usize) {
+        let nl = w.len();
+        self.phy2mlog.clear();
+        self.phy2mlog.extend(0..nl);
+        self.mlogcnt.clear();
+        self.mlogcnt.resize(nl, 1);
+        // Load per replica, updated only for the expert that gains a replica (same division, so
+        // the same float64 values as recomputing them all).
+        self.per_replica.clear();
+        self.per_replica.extend(w.iter().map(|&x| x as f64));
+        for _ in nl..num_phy {
+            let mut best = 0;
+            let mut best_v = f64::NEG_INFINITY;
+            for (e, &v) in self.per_replica.iter().enumerate() {
+                if v > best_v {
+                    best_v = v;
+                    best = e;
+                }
             }
+            self.phy2mlog.push(best);
+            self.mlogcnt[best] += 1;
+            self.per_replica[best] = w[best] as f64 / self.mlogcnt[best] as f64;
         }
-        s.phy2mlog.push(best);
-        s.mlogcnt[best] += 1;
-        s.per_replica[best] = w[best] as f64 / s.mlogcnt[best] as f64;
     }
 }
 
@@ -243,51 +248,47 @@ fn place_layers(weight: &[Vec<f32>], d: Dims) -> Vec<Vec<usize>> {
     let gpn = g / n;
     let ppg = p / r;
     let (en, pn) = (e / n, p / n);
-    let mut s = Scratch::default();
+    let (mut packer, mut reps) = (Packer::default(), Replicas::default());
     let (mut gpi, mut grk, mut pi, mut rk) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut group_load, mut mlog2log, mut tpm, mut tpp, mut pphy2phy) = (
+        Vec::new(),
+        vec![0usize; e],
+        Vec::new(),
+        Vec::new(),
+        vec![0usize; pn],
+    );
     let mut out = Vec::with_capacity(weight.len());
     for w in weight {
         // 1. Groups onto nodes by group load.
-        s.group_load.clear();
-        s.group_load
-            .extend(w.chunks(gs).map(|c| np_sum_f32(c) as f64));
-        let group_load = std::mem::take(&mut s.group_load);
-        pack_row(&group_load, n, &mut s, &mut gpi, &mut grk);
-        s.group_load = group_load;
+        group_load.clear();
+        group_load.extend(w.chunks(gs).map(|c| np_sum_f32(c) as f64));
+        packer.pack(&group_load, n, &mut gpi, &mut grk);
         // mlog2log = inverse of log → (node-major) logical.
-        s.mlog2log.clear();
-        s.mlog2log.resize(e, 0);
         for x in 0..e {
             let grp = x / gs;
-            s.mlog2log[(gpi[grp] * gpn + grk[grp]) * gs + x % gs] = x;
+            mlog2log[(gpi[grp] * gpn + grk[grp]) * gs + x % gs] = x;
         }
         let mut row = vec![0usize; p];
         for node in 0..n {
             // 2. Replicas within the node.
-            s.tpm.clear();
-            s.tpm.extend((0..en).map(|i| w[s.mlog2log[node * en + i]]));
-            let tpm = std::mem::take(&mut s.tpm);
-            replicate_row(&tpm, pn, &mut s);
+            tpm.clear();
+            tpm.extend((0..en).map(|i| w[mlog2log[node * en + i]]));
+            reps.replicate(&tpm, pn);
             // 3. Physical experts onto the node's GPUs by load per replica.
-            s.tpp.clear();
-            s.tpp.extend(
-                s.phy2mlog
+            tpp.clear();
+            tpp.extend(
+                reps.phy2mlog
                     .iter()
-                    .map(|&m| tpm[m] as f64 / s.mlogcnt[m] as f64),
+                    .map(|&m| tpm[m] as f64 / reps.mlogcnt[m] as f64),
             );
-            s.tpm = tpm;
-            let tpp = std::mem::take(&mut s.tpp);
-            pack_row(&tpp, r / n, &mut s, &mut pi, &mut rk);
-            s.tpp = tpp;
-            s.pphy2phy.clear();
-            s.pphy2phy.resize(pn, 0);
+            packer.pack(&tpp, r / n, &mut pi, &mut rk);
             for x in 0..pn {
-                s.pphy2phy[pi[x] * ppg + rk[x]] = x;
+                pphy2phy[pi[x] * ppg + rk[x]] = x;
             }
             // 4. Compose back to logical ids.
             for q in 0..pn {
-                let mlog = s.phy2mlog[s.pphy2phy[q]] + node * en;
-                row[node * pn + q] = s.mlog2log[mlog];
+                let mlog = reps.phy2mlog[pphy2phy[q]] + node * en;
+                row[node * pn + q] = mlog2log[mlog];
             }
         }
         out.push(row);
