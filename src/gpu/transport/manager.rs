@@ -109,6 +109,23 @@ impl Pool {
     /// A buffer of at least `bytes`. Growing frees the old allocation (`cuMemFree`, which
     /// waits for the device work still using it, as `cudaFree` does), so sizes settle after the
     /// first calls; CUDA-graph capture must come after a call of the same size.
+    /// The row payloads of a dispatch (hidden, then each extra), as (received rows, row
+    /// bytes, output buffer `out_rows{i}` of `rows` rows); `widths`/`recvs` are the exchange
+    /// items (rows, ids, weights, sources, then the extras).
+    fn payload_outputs(
+        &mut self,
+        widths: &[usize],
+        recvs: &[u64],
+        rows: usize,
+    ) -> Result<Vec<(u64, usize, u64)>> {
+        widths
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i == 0 || *i >= 4)
+            .map(|(i, &w)| Ok((recvs[i], w, self.get(&format!("out_rows{i}"), rows * w)?)))
+            .collect()
+    }
+
     fn get(&mut self, name: &str, bytes: usize) -> Result<u64> {
         let bytes = bytes.max(16).next_multiple_of(256);
         if let Some(m) = self.dev.get(name) {
@@ -692,22 +709,8 @@ impl GpuManager {
                 if layout == Layout::ExpertMajor {
                     let cap = m * r;
                     let counts = p.get("out_counts", 4 * el)?;
-                    let outs: Vec<u64> = widths
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| *i == 0 || *i >= 4)
-                        .map(|(i, w)| p.get(&format!("out_rows{i}"), el * cap * w))
-                        .collect::<Result<_>>()?;
-                    for (j, (&out_rows, &src_rows)) in outs
-                        .iter()
-                        .zip([rows].iter().chain(&recvs[4..]))
-                        .enumerate()
-                    {
-                        let wb = if j == 0 {
-                            rb
-                        } else {
-                            cfg.extra_row_bytes[j - 1]
-                        };
+                    let outs = p.payload_outputs(&widths, &recvs, el * cap)?;
+                    for &(src_rows, wb, out_rows) in &outs {
                         let mut r5 = recv5;
                         r5[0] = src_rows;
                         kern.run(
@@ -718,8 +721,8 @@ impl GpuManager {
                             s,
                         )?;
                     }
-                    o.hidden = outs[0];
-                    o.extras = outs[1..].to_vec();
+                    o.hidden = outs[0].2;
+                    o.extras = outs[1..].iter().map(|o| o.2).collect();
                     o.counts = counts;
                 } else {
                     let nr = shape.received_rows;
@@ -727,22 +730,8 @@ impl GpuManager {
                     let out_w = p.get("out_w", 4 * nr)?;
                     let sr = p.get("out_src_rank", 4 * nr)?;
                     let st = p.get("out_src_token", 4 * nr)?;
-                    let outs: Vec<u64> = widths
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| *i == 0 || *i >= 4)
-                        .map(|(i, w)| p.get(&format!("out_rows{i}"), nr * w))
-                        .collect::<Result<_>>()?;
-                    for (j, (&out_rows, &src_rows)) in outs
-                        .iter()
-                        .zip([rows].iter().chain(&recvs[4..]))
-                        .enumerate()
-                    {
-                        let wb = if j == 0 {
-                            rb
-                        } else {
-                            cfg.extra_row_bytes[j - 1]
-                        };
+                    let outs = p.payload_outputs(&widths, &recvs, nr)?;
+                    for &(src_rows, wb, out_rows) in &outs {
                         let mut r5 = recv5;
                         r5[0] = src_rows;
                         kern.run(
@@ -753,8 +742,8 @@ impl GpuManager {
                             s,
                         )?;
                     }
-                    o.hidden = outs[0];
-                    o.extras = outs[1..].to_vec();
+                    o.hidden = outs[0].2;
+                    o.extras = outs[1..].iter().map(|o| o.2).collect();
                     o.expert_offsets = offs;
                     o.topk_weights = out_w;
                     o.src_rank = sr;
@@ -786,22 +775,8 @@ impl GpuManager {
                 let out_ids = p.get("out_ids", 8 * r * m * k)?;
                 let out_w = p.get("out_w", 4 * r * m * k)?;
                 let counts = p.get("out_counts", 4 * r)?;
-                let outs: Vec<u64> = widths
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| *i == 0 || *i >= 4)
-                    .map(|(i, w)| p.get(&format!("out_rows{i}"), r * m * w))
-                    .collect::<Result<_>>()?;
-                for (j, (&out_rows, &src_rows)) in outs
-                    .iter()
-                    .zip([rows].iter().chain(&recvs[4..]))
-                    .enumerate()
-                {
-                    let wb = if j == 0 {
-                        rb
-                    } else {
-                        cfg.extra_row_bytes[j - 1]
-                    };
+                let outs = p.payload_outputs(&widths, &recvs, r * m)?;
+                for &(src_rows, wb, out_rows) in &outs {
                     kern.run(
                         &kern.calls().unpack_rank_major(
                             src_rows, ids, w, d_off, r as i32, m as i32, wb as u64, out_rows,
@@ -810,8 +785,8 @@ impl GpuManager {
                         s,
                     )?;
                 }
-                o.hidden = outs[0];
-                o.extras = outs[1..].to_vec();
+                o.hidden = outs[0].2;
+                o.extras = outs[1..].iter().map(|o| o.2).collect();
                 o.topk_ids = out_ids;
                 o.topk_weights = out_w;
                 o.counts = counts;
