@@ -94,7 +94,8 @@ fn move_layer(
 /// Rearranges every layer from `old` to `new` (physical → logical per layer, `-1` = empty
 /// slot). `weights[l]` holds layer l's tensors on this rank. With `rank_mapping` the EP size
 /// changes (see [`apply_rank_mapping`]); ranks that leave send their experts and keep none.
-/// Collective.
+/// Collective. The staging buffers (one layer of this rank's weights) stay allocated on the
+/// calling thread for the next rearrangement.
 pub fn rearrange(
     g: &mut dyn Group,
     comm: &mut dyn EplbCommunicator,
