@@ -18,9 +18,35 @@
 #include <stdint.h>
 
 /**
+ * The library version, "MAJOR.MINOR.PATCH": what epcomm_version() returns.
+ */
+#define EPCOMM_VERSION_STRING "0.1.0"
+
+/**
  * ABI version of this header; bumped on any incompatible change.
  */
 #define EPCOMM_ABI_VERSION 1
+
+/**
+ * Major version of the library this header belongs to (the crate version, checked at build time).
+ */
+#define EPCOMM_VERSION_MAJOR 0
+
+/**
+ * Minor version of the library this header belongs to. While the major version is 0, a new
+ * minor version may break the ABI (the SONAME is libepcomm.so.0.MINOR).
+ */
+#define EPCOMM_VERSION_MINOR 1
+
+/**
+ * Patch version of the library this header belongs to.
+ */
+#define EPCOMM_VERSION_PATCH 0
+
+/**
+ * The version as one number, MAJOR * 10000 + MINOR * 100 + PATCH, for `#if` comparisons.
+ */
+#define EPCOMM_VERSION_NUMBER 100
 
 /**
  * Success.
@@ -1017,16 +1043,6 @@ const char *epcomm_version(void);
  * built with.
  */
 int32_t epcomm_abi_version(void);
-
-/**
- * For bindings' own tests: panics inside epcomm with `message` (NULL = a fixed text) and shows
- * that the panic is caught. Always returns EPCOMM_ERROR_INTERNAL with the panic text as the
- * last error message.
- *
- * # Safety
- * `message` is NULL or a NUL-terminated string.
- */
-int32_t epcomm_test_panic(const char *message);
 
 /**
  * Writes the capability probe's JSON (driver, devices with compute capability, SM count,

@@ -1,4 +1,5 @@
-//! include/epcomm.h must be exactly what cbindgen generates from src/ffi.
+//! include/epcomm.h must be exactly what cbindgen generates from src/ffi, plus
+//! EPCOMM_VERSION_STRING from Cargo's version (cbindgen drops `&str` constants).
 
 #[test]
 fn header_is_up_to_date() {
@@ -9,6 +10,11 @@ fn header_is_up_to_date() {
         // Only src/ffi (and its submodules) forms the C API.
         .with_src(format!("{dir}/src/ffi/mod.rs"))
         .with_config(cfg)
+        .with_after_include(format!(
+            "\n/**\n * The library version, \"MAJOR.MINOR.PATCH\": what epcomm_version() returns.\n */\n\
+             #define EPCOMM_VERSION_STRING \"{}\"",
+            env!("CARGO_PKG_VERSION")
+        ))
         .generate()
         .expect("cbindgen failed")
         .write(&mut out);

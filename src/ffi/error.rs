@@ -3,7 +3,7 @@
 use std::ffi::c_char;
 
 use super::guard;
-use crate::error::{Error, Status};
+use crate::error::Status;
 
 /// The message of the last failed call on this thread, or NULL if none failed yet.
 ///
@@ -69,10 +69,16 @@ pub extern "C" fn epcomm_abi_version() -> i32 {
 /// that the panic is caught. Always returns EPCOMM_ERROR_INTERNAL with the panic text as the
 /// last error message.
 ///
+/// Only in debug builds (what the test suites load) and not in the header: the release library
+/// that `make install` and the packages ship exports no test-only symbol. Callers declare
+/// `int32_t epcomm_test_panic(const char *message);` themselves.
+///
 /// # Safety
 /// `message` is NULL or a NUL-terminated string.
+#[cfg(debug_assertions)]
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_test_panic(message: *const c_char) -> i32 {
+    use crate::error::Error;
     guard::call(|| {
         // SAFETY: caller contract.
         let text = unsafe { guard::str_arg(message, "message") }

@@ -20,6 +20,52 @@ pub mod tensor;
 /// ABI version of this header; bumped on any incompatible change.
 pub const EPCOMM_ABI_VERSION: i32 = 1;
 
+/// Major version of the library this header belongs to (the crate version, checked at build time).
+pub const EPCOMM_VERSION_MAJOR: i32 = 0;
+/// Minor version of the library this header belongs to. While the major version is 0, a new
+/// minor version may break the ABI (the SONAME is libepcomm.so.0.MINOR).
+pub const EPCOMM_VERSION_MINOR: i32 = 1;
+/// Patch version of the library this header belongs to.
+pub const EPCOMM_VERSION_PATCH: i32 = 0;
+/// The version as one number, MAJOR * 10000 + MINOR * 100 + PATCH, for `#if` comparisons.
+pub const EPCOMM_VERSION_NUMBER: i32 = 100;
+
+/// Parses a decimal version component at compile time (the header's version macros must be
+/// literals for cbindgen, so they are checked against Cargo's version instead of derived from it).
+const fn parse_version_part(s: &str) -> i32 {
+    let b = s.as_bytes();
+    let mut i = 0;
+    let mut v = 0;
+    while i < b.len() {
+        assert!(b[i].is_ascii_digit(), "version part is not a number");
+        v = v * 10 + (b[i] - b'0') as i32;
+        i += 1;
+    }
+    v
+}
+
+// A version bump in Cargo.toml without the matching constants above fails the build here
+// (include/epcomm.h's EPCOMM_VERSION_STRING is generated from Cargo's version by tests/header.rs).
+const _: () = {
+    assert!(
+        EPCOMM_VERSION_MAJOR == parse_version_part(env!("CARGO_PKG_VERSION_MAJOR")),
+        "EPCOMM_VERSION_MAJOR differs from Cargo.toml's version"
+    );
+    assert!(
+        EPCOMM_VERSION_MINOR == parse_version_part(env!("CARGO_PKG_VERSION_MINOR")),
+        "EPCOMM_VERSION_MINOR differs from Cargo.toml's version"
+    );
+    assert!(
+        EPCOMM_VERSION_PATCH == parse_version_part(env!("CARGO_PKG_VERSION_PATCH")),
+        "EPCOMM_VERSION_PATCH differs from Cargo.toml's version"
+    );
+    assert!(
+        EPCOMM_VERSION_NUMBER
+            == EPCOMM_VERSION_MAJOR * 10000 + EPCOMM_VERSION_MINOR * 100 + EPCOMM_VERSION_PATCH,
+        "EPCOMM_VERSION_NUMBER differs from MAJOR * 10000 + MINOR * 100 + PATCH"
+    );
+};
+
 /// Success.
 pub const EPCOMM_OK: i32 = 0;
 /// A required pointer argument was NULL (Python: ValueError).
@@ -161,6 +207,29 @@ mod tests {
         ];
         let core: Vec<i32> = Status::ALL.iter().map(|s| *s as i32).collect();
         assert_eq!(c.to_vec(), core);
+    }
+
+    #[test]
+    fn version_constants_match_cargo() {
+        let parts: Vec<i32> = env!("CARGO_PKG_VERSION")
+            .split('.')
+            .map(|p| p.parse().unwrap())
+            .collect();
+        assert_eq!(
+            parts,
+            [
+                EPCOMM_VERSION_MAJOR,
+                EPCOMM_VERSION_MINOR,
+                EPCOMM_VERSION_PATCH
+            ]
+        );
+        assert_eq!(
+            EPCOMM_VERSION_NUMBER,
+            parts[0] * 10000 + parts[1] * 100 + parts[2]
+        );
+        // SAFETY: epcomm_version returns a static NUL-terminated string.
+        let runtime = unsafe { std::ffi::CStr::from_ptr(error::epcomm_version()) };
+        assert_eq!(runtime.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
     }
 
     #[test]

@@ -13,6 +13,19 @@
 
 #include "epcomm.h"
 
+/* Test-only, so not in the header: only debug builds of the library (what the tests load) export
+ * it; the installed release library does not. */
+#ifdef __cplusplus
+extern "C" int32_t epcomm_test_panic(const char *message);
+#else
+int32_t epcomm_test_panic(const char *message);
+#endif
+
+/* The version macros agree with each other at compile time. */
+#if EPCOMM_VERSION_NUMBER != EPCOMM_VERSION_MAJOR * 10000 + EPCOMM_VERSION_MINOR * 100 + EPCOMM_VERSION_PATCH
+#error "EPCOMM_VERSION_NUMBER does not match EPCOMM_VERSION_MAJOR/MINOR/PATCH"
+#endif
+
 /* Structs are named by their tags (valid with and without cbindgen's typedefs). */
 typedef struct epcomm_all2all_name_desc name_info_t;
 typedef struct epcomm_eplb_select_request select_request_t;
@@ -97,7 +110,8 @@ struct expected_name {
     const char *manager_class;
 };
 
-/* SPEC §3, in vLLM's order (the order of epcomm_all2all_name_info). */
+/* Every all2all backend name vLLM accepts, in vLLM's order (the order of
+ * epcomm_all2all_name_info). */
 static const struct expected_name EXPECTED_NAMES[] = {
     {"naive", EPCOMM_ALL2ALL_ALLGATHER_REDUCESCATTER, EPCOMM_NAME_REMOVED,
      EPCOMM_LAYOUT_REPLICATED, "AgRsAll2AllManager"},
@@ -578,7 +592,11 @@ static void test_status_and_errors(void) {
     CHECK(v != NULL);
     if (v != NULL) {
         CHECK(sscanf(v, "%d.%d.%d%c", &major, &minor, &patch, &tail) == 3);
-        CHECK(major >= 0 && minor >= 0 && patch >= 0);
+        /* The header's version macros are the library's version. */
+        CHECK(major == EPCOMM_VERSION_MAJOR);
+        CHECK(minor == EPCOMM_VERSION_MINOR);
+        CHECK(patch == EPCOMM_VERSION_PATCH);
+        CHECK_STR(v, EPCOMM_VERSION_STRING);
     }
     CHECK(epcomm_abi_version() == EPCOMM_ABI_VERSION);
 
