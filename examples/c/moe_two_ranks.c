@@ -1,7 +1,10 @@
-/* Two ranks (forked processes) dispatch and combine the SPEC §4 worked example through any
- * all2all backend name, over shared memory.
+/* Two ranks (forked processes) dispatch and combine a small MoE step through any all2all backend
+ * name, over shared memory: 4 experts (0, 1 on rank 0; 2, 3 on rank 1), top-2 routing, hidden
+ * size 1, expert e computing (e + 1) * x. Every backend gives rank 0 "combined 20 13.75 48" and
+ * rank 1 "combined 70 42" (the worked example of docs/design.md, section 3).
  *
  *   cc moe_two_ranks.c $(pkg-config --cflags --libs epcomm) -o moe_two_ranks
+ *   cc -static moe_two_ranks.c $(pkg-config --static --cflags --libs epcomm) -o moe_two_ranks
  *   ./moe_two_ranks deepep_high_throughput
  */
 #include <stdio.h>

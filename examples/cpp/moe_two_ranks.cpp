@@ -1,6 +1,9 @@
-// The worked example of SPEC §4 through the C++ wrapper on two forked ranks.
+// One MoE dispatch/combine step through the C++ wrapper on two forked ranks, over shared memory
+// (the worked example of docs/design.md, section 3): every backend gives rank 0 "20 13.75 48"
+// and rank 1 "70 42".
 //
 //   c++ -std=c++17 moe_two_ranks.cpp $(pkg-config --cflags --libs epcomm) -o moe_two_ranks
+//   or with CMake: see CMakeLists.txt next to this file.
 #include <sys/wait.h>
 #include <unistd.h>
 
