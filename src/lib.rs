@@ -6,6 +6,7 @@
 
 pub mod copy;
 pub mod dtype;
+pub mod env;
 pub mod eplb;
 pub mod error;
 pub mod fault;

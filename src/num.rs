@@ -282,7 +282,7 @@ pub fn store_streaming(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
     store_generic(acc, dst, kind)
 }
 
-/// Whether the AVX2 kernels are in use (AVX2 and F16C present, `EPCOMM_NO_SIMD` unset).
+/// Whether the AVX2 kernels are in use (AVX2 and F16C present, `EPCOMM_NO_SIMD` unset or `0`).
 pub fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -306,7 +306,7 @@ mod x86 {
     pub(super) fn has_avx2_f16c() -> bool {
         static HAS: OnceLock<bool> = OnceLock::new();
         *HAS.get_or_init(|| {
-            std::env::var_os("EPCOMM_NO_SIMD").is_none()
+            !crate::env::no_simd()
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("f16c")
         })

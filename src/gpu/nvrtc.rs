@@ -25,9 +25,9 @@ use crate::error::{Error, Result};
 use crate::probe::{self, leak, Library};
 
 /// Environment variable naming the NVRTC library file or its directory.
-pub const ENV_NVRTC_PATH: &str = "EPCOMM_NVRTC_PATH";
+pub const ENV_NVRTC_PATH: &str = crate::env::NVRTC_PATH;
 /// Environment variable naming the on-disk kernel cache directory.
-pub const ENV_CACHE_DIR: &str = "EPCOMM_CACHE_DIR";
+pub const ENV_CACHE_DIR: &str = crate::env::CACHE_DIR;
 /// Library names tried (in this order) when `EPCOMM_NVRTC_PATH` is not set.
 pub const DEFAULT_NAMES: [&str; 3] = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"];
 
@@ -185,7 +185,7 @@ impl Nvrtc {
     pub fn global() -> Result<&'static Nvrtc> {
         static NVRTC: OnceLock<Result<Nvrtc>> = OnceLock::new();
         NVRTC
-            .get_or_init(|| Nvrtc::open(std::env::var(ENV_NVRTC_PATH).ok().as_deref()))
+            .get_or_init(|| Nvrtc::open(crate::env::nvrtc_path().as_deref()))
             .as_ref()
             .map_err(Clone::clone)
     }
@@ -550,10 +550,10 @@ pub fn decode_entry(key_hash: u64, bytes: &[u8]) -> Option<Compiled> {
 /// The default on-disk cache directory: `$EPCOMM_CACHE_DIR`, `$XDG_CACHE_HOME/epcomm`,
 /// `~/.cache/epcomm`; `None` when none can be derived.
 pub fn default_cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    if let Some(d) = var(ENV_CACHE_DIR) {
-        return Some(PathBuf::from(d));
+    if let Some(d) = crate::env::cache_dir() {
+        return Some(d);
     }
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
     if let Some(d) = var("XDG_CACHE_HOME") {
         return Some(PathBuf::from(d).join("epcomm"));
     }

@@ -45,13 +45,10 @@ impl Default for GroupOptions {
     }
 }
 
-/// `EPCOMM_TIMEOUT_S` (seconds, fractional allowed) if set and valid.
+/// `EPCOMM_TIMEOUT_S` (seconds, fractional allowed) if set and valid; an invalid value is
+/// warned about once (see [`crate::env`]).
 pub fn timeout_from_env() -> Option<Duration> {
-    std::env::var("EPCOMM_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map(Duration::from_secs_f64)
+    crate::env::timeout()
 }
 
 /// One point-to-point operation of a batch.

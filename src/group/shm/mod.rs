@@ -229,6 +229,8 @@ impl ShmGroup {
                 "rank is {rank}; expected 0 <= rank < world_size ({world})"
             )));
         }
+        // From here on this thread works as `rank`: its log lines say so.
+        crate::log::set_thread_rank(Some(rank));
         if opts.max_capacity != 0 && opts.initial_capacity > opts.max_capacity {
             return Err(Error::InvalidArgument(format!(
                 "initial capacity {} bytes exceeds the maximum capacity {} bytes",
@@ -422,7 +424,7 @@ impl ShmGroup {
                         }
                     }
                     crate::log::info(&format!(
-                        "epcomm: replacing stale shared-memory segment {control_name} left by a crashed run"
+                        "replacing stale shared-memory segment {control_name} left by a crashed run"
                     ));
                     Segment::unlink(control_name);
                 }
@@ -623,8 +625,7 @@ impl ShmGroup {
 
     /// Tests direct reads of every peer's probe word and agrees on the mode with all ranks.
     fn agree_direct(&mut self) -> Result<()> {
-        let wanted = self.opts.direct_reads
-            && std::env::var("EPCOMM_SHM_DIRECT").map_or(true, |v| v.trim() != "0");
+        let wanted = self.opts.direct_reads && crate::env::shm_direct();
         let ok = wanted
             && (0..self.world).all(|p| {
                 let s = self.slot(p);
