@@ -90,7 +90,7 @@ impl Status {
 /// Every error epcomm reports. Variants named after a vLLM condition carry vLLM's exact text.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum Error {
-    // ---- all2all selection (SPEC §3) -------------------------------------------------------
+    // ---- all2all selection -------------------------------------------------------------------
     #[error("Unknown all2all backend: {name}")]
     UnknownAll2AllBackend { name: String },
     #[error("Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, and nixl_ep all2all backends. {backend} is not supported. To fix use --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, or --all2all-backend=nixl_ep and install the matching kernels.")]
@@ -108,7 +108,7 @@ pub enum Error {
     #[error("MoonEP not available. Install it from https://github.com/MoonshotAI/MoonEP.")]
     MoonEpUnavailable,
 
-    // ---- EPLB communicator factory (SPEC §5.1) ---------------------------------------------
+    // ---- EPLB communicator factory ------------------------------------------------------------
     #[error("Unknown EPLB communicator backend: {backend}")]
     UnknownEplbCommunicator { backend: String },
     #[error("Elastic EP requires 'torch_nccl', 'pynccl', or 'nixl' EPLB communicator (got '{backend}').")]
@@ -128,7 +128,7 @@ pub enum Error {
     #[error("Failed to initialize NixlEplbCommunicator ({cause}).")]
     NixlInit { cause: String },
 
-    // ---- EPLB / parallel config validation (SPEC §5.2) -------------------------------------
+    // ---- EPLB / parallel config validation ----------------------------------------------------
     #[error("Async EPLB is only supported with the default policy.")]
     AsyncEplbPolicy,
     #[error("{communicator} communicator is incompatible with async EPLB due to NCCL multi-stream conflicts. Use 'torch_gloo' or 'nixl' instead, or leave communicator unset for automatic selection.")]

@@ -1,8 +1,9 @@
 //! epcomm: vLLM's expert-parallel communication layer (all2all backend selection, MoE
 //! dispatch/combine, EPLB) as a Rust library with a stable C ABI.
 //!
-//! Module map (SPEC §1): the core (`select`, `dtype`, `error`, `log`) is safe Rust with no FFI
-//! types; `ffi` holds every `extern "C"` item; `probe` finds optional native libraries.
+//! Module map (docs/design.md, section 1): the core (`select`, `dtype`, `error`, `log`) is safe
+//! Rust with no FFI types; `ffi` holds every `extern "C"` item; `probe` finds optional native
+//! libraries.
 
 pub mod copy;
 pub mod dtype;

@@ -1,7 +1,7 @@
 //! Finds optional native libraries (NCCL, NIXL, CUDA) without panicking: cudarc panics when a
 //! library is missing, so availability is checked here first, with `dlopen`.
 //!
-//! NCCL is looked up as SPEC §2 says: an already-loaded `libnccl.so.2` (RTLD_NOLOAD, so the host's
+//! NCCL is looked up in this order: an already-loaded `libnccl.so.2` (RTLD_NOLOAD, so the host's
 //! copy is reused), then `VLLM_NCCL_SO_PATH`, `libnccl.so.2`, `libnccl.so`.
 
 use std::ffi::{c_void, CStr, CString};

@@ -1,5 +1,5 @@
-//! Expert-parallel load balancing (SPEC §5): the rebalancing policy, the transfer plan, the
-//! communicators that move expert weights, and the rearrangement itself.
+//! Expert-parallel load balancing (docs/design.md, section 7): the rebalancing policy, the transfer
+//! plan, the communicators that move expert weights, and the rearrangement itself.
 
 pub mod communicator;
 pub mod load;

@@ -114,7 +114,7 @@ fn device_arg(device: i32) -> Result<()> {
 /// Creates a GPU all2all manager and its own NCCL communicator (`ncclCommInitRank`, collective:
 /// blocks until all `world_size` ranks joined) from `unique_id` (128 bytes from
 /// epcomm_nccl_unique_id on one rank), on CUDA device `device` (its primary context, the one
-/// PyTorch uses). `backend` is any name vLLM accepts (SPEC §3), `mode` an EPCOMM_GPU_MODE_*.
+/// PyTorch uses). `backend` is any all2all backend name vLLM accepts, `mode` an EPCOMM_GPU_MODE_*.
 /// Kernels are compiled with NVRTC for the device at the first dispatch (cached in memory and
 /// in $EPCOMM_CACHE_DIR). Logs `Using {ManagerClass} all2all manager.`.
 ///

@@ -1,4 +1,4 @@
-//! The capability probe (gpu_path.md §5.11): what this process can use on the GPU path — the
+//! The capability probe (`epcomm_cuda_caps`): what this process can use on the GPU path — the
 //! CUDA driver and its devices (compute capability, SMs, VMM / POSIX-fd / fabric handles,
 //! compute mode, IPC events), NCCL and NVRTC (versions and the files actually loaded).
 //!

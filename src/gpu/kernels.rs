@@ -1,11 +1,11 @@
-//! The CUDA kernels of the GPU path (issue #9) as data: header-free CUDA C sources
+//! The CUDA kernels of the GPU path as data: header-free CUDA C sources
 //! (`include_str!`'d from `src/gpu/kernels/*.cu`), the specialisations to compile, each entry
 //! point's exact parameter list (for the host-side launcher), and the device error word.
 //!
 //! Pure Rust, always built (no `cuda` feature needed): `tests/gpu_kernels.rs` compiles every
 //! [`variants`] entry with NVRTC ([`crate::gpu::nvrtc`]) on CPU-only CI.
 //!
-//! # Data flow (NCCL two-sided path; SPEC §4 orders)
+//! # Data flow (NCCL two-sided path; row orders of docs/design.md, section 3)
 //! Sender: [`EP_LAYOUT`] → flags → [`EP_SCAN_BLOCK`] (positions, exclusive scan with the total
 //! appended) → [`EP_PACK`] into a send buffer grouped by destination rank, then token. Wire
 //! metadata per row: ids int32 `[TOPK]`, weights f32 `[TOPK]`, source token int32. Receiver rows

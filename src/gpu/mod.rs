@@ -1,4 +1,4 @@
-//! The GPU path (issue #9): CUDA kernels compiled at run time with NVRTC, the NCCL two-sided
+//! The GPU path (docs/gpu.md): CUDA kernels compiled at run time with NVRTC, the NCCL two-sided
 //! transport and the one-node one-sided transport. Every native library is loaded with `dlopen`
 //! at run time, so the crate builds and runs without CUDA; each failure is a status.
 //!

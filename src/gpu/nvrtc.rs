@@ -1,4 +1,4 @@
-//! Our own NVRTC loader and compiler front end (issue #9).
+//! Our own NVRTC loader and compiler front end for the GPU path's kernels.
 //!
 //! Why not cudarc's: built with `cuda-12080` it never tries `libnvrtc.so.13` (the only NVRTC in a
 //! torch+cu13 environment), and its `Program` panics on drop failures. Here every failure is an

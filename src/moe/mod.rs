@@ -1,4 +1,5 @@
-//! MoE dispatch and combine in the layout each vLLM all2all backend name stands for (SPEC §4).
+//! MoE dispatch and combine in the layout each vLLM all2all backend name stands for (the
+//! contract: docs/design.md, section 3).
 //!
 //! One dispatch: every rank validates its routing, the ranks exchange a small header (status,
 //! shapes, configuration) so a bad input or a mismatched configuration fails on every rank

@@ -1,9 +1,10 @@
-//! The routing plan of one dispatch: from every rank's top-k ids, where each token row goes and
-//! in which order (SPEC §4). Every rank computes the same plan from the same gathered routing,
-//! so senders and receivers agree without exchanging per-row metadata.
+//! The routing plan of one dispatch: from every rank's top-k ids, where each token row goes and in
+//! which order (docs/design.md, section 3). Every rank computes the same plan from the same
+//! gathered routing, so senders and receivers agree without exchanging per-row metadata.
 //!
-//! Order everywhere: source rank, then source token index, then (for per-expert layouts) the
-//! local expert; rows of one (source, destination) pair keep the source's token order.
+//! Order: token layouts (REPLICATED, TOKEN_MAJOR, RANK_MAJOR) by source rank, then source token
+//! index; expert layouts (EXPERT_MAJOR, EXPERT_PACKED) by local expert, then source rank, then
+//! source token index.
 
 use crate::error::{Error, Result};
 use crate::select::all2all::Layout;
@@ -272,7 +273,7 @@ pub fn build(
 mod tests {
     use super::*;
 
-    /// SPEC §4 worked example: R=2, E=4, K=2.
+    /// The worked example of docs/design.md: R=2, E=4, K=2.
     fn example() -> Vec<Routing> {
         vec![
             Routing {
@@ -325,7 +326,7 @@ mod tests {
     }
 
     #[test]
-    fn token_major_matches_the_spec_example() {
+    fn token_major_matches_the_worked_example() {
         let p = plans(Layout::TokenMajor);
         let all = example();
         let x = |p: &Plan, me: usize| -> Vec<i32> {
@@ -345,7 +346,7 @@ mod tests {
     }
 
     #[test]
-    fn expert_layouts_match_the_spec_example() {
+    fn expert_layouts_match_the_worked_example() {
         let all = example();
         let major = plans(Layout::ExpertMajor);
         assert_eq!(major[0].counts, vec![2, 2]);
@@ -371,7 +372,7 @@ mod tests {
     }
 
     #[test]
-    fn rank_major_matches_the_spec_example() {
+    fn rank_major_matches_the_worked_example() {
         let all = example();
         let p = plans(Layout::RankMajor);
         assert_eq!(p[0].counts, vec![2, 1]);

@@ -85,7 +85,8 @@ impl ToyExperts {
     }
 
     /// Runs this rank's experts on a dispatch result the way the layout's contract says
-    /// (SPEC §4) and returns the combine input as f32 (rows of the dispatch buffer).
+    /// (docs/design.md, section 3) and returns the combine input as f32 (rows of the dispatch
+    /// buffer).
     pub fn run_local(
         &self,
         view: &DispatchView<'_>,

@@ -1,5 +1,5 @@
 //! All2all backend names as vLLM accepts them (`ParallelConfig.all2all_backend`), resolved with
-//! vLLM's rules and warnings (SPEC §3).
+//! vLLM's rules and warnings (the name table: docs/design.md, section 2).
 
 use crate::error::{Error, Result};
 use crate::log;
@@ -20,7 +20,8 @@ pub enum Backend {
     Moonep = 9,
 }
 
-/// Dispatch/combine buffer contract a backend name stands for (SPEC §4). C ABI values.
+/// Dispatch/combine buffer contract a backend name stands for (docs/design.md, section 3).
+/// C ABI values.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Layout {

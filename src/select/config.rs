@@ -1,6 +1,6 @@
 //! "Validate before launch": checks a whole vLLM-style configuration with vLLM's rules, in
 //! vLLM's order, and reports the first error with vLLM's exact message plus every warning vLLM
-//! would log (SPEC §3, §5.1, §5.2).
+//! would log (docs/design.md, sections 4 and 7).
 //!
 //! Order (as vLLM runs it): field parsing and bounds (pydantic), `EPLBConfig` validators,
 //! `ParallelConfig.__post_init__` (elastic EP, communicator auto-selection),

@@ -1,5 +1,5 @@
-//! EPLB communicator names and vLLM's `create_eplb_communicator` decision logic (SPEC §5.1),
-//! as a pure function of what the caller asked for and what this process has.
+//! EPLB communicator names and vLLM's `create_eplb_communicator` decision logic, as a
+//! pure function of what the caller asked for and what this process has.
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -167,8 +167,9 @@ pub fn auto_select(elastic: bool, nixl_available: bool) -> Communicator {
     }
 }
 
-/// vLLM's `create_eplb_communicator` decision, in its order (SPEC §5.1). Construction failures
-/// (`Failed to initialize ...`) happen when the communicator is built, not here.
+/// vLLM's `create_eplb_communicator` decision, in its order (listed in docs/design.md, section 7).
+/// Construction failures (`Failed to initialize ...`) happen when the communicator is built, not
+/// here.
 pub fn select(req: &SelectRequest<'_>) -> Result<Selection> {
     select_outcome(req).0
 }

@@ -4,7 +4,7 @@
 //!
 //! Phases:
 //! - `probe`: the capability JSON (driver, devices, NCCL, NVRTC).
-//! - `kernels`: NVRTC compile of every kernel variant for the device; SPEC §4's worked example
+//! - `kernels`: NVRTC compile of every kernel variant for the device; the worked example
 //!   (R = 2 ranks as threads on the one GPU, [`LocalFabric`]) against the listed outputs, every
 //!   layout; then every layout × dtype against the CPU reference (`epcomm::moe::reference`) with
 //!   R ∈ {1, 2} on LocalFabric.
@@ -583,7 +583,7 @@ mod imp {
         json!({"phase": "probe", "status": if caps["cuda"]["available"] == true { "pass" } else { "fail" }, "caps": caps})
     }
 
-    /// SPEC §4's worked example on 2 thread-ranks: exact dispatch outputs.
+    /// The worked example of docs/design.md on 2 thread-ranks: exact dispatch outputs.
     fn worked_example() -> Vec<Value> {
         let cfg = config(4, 2, 1, 4, FloatKind::F32, FloatKind::F32, FloatKind::F32);
         let x = [vec![10.0f32, 11.0, 12.0], vec![20.0, 21.0]];
@@ -708,7 +708,7 @@ mod imp {
                     }
                 }
             }
-            let v = json!({"case": "spec_worked_example", "layout": layout.name(),
+            let v = json!({"case": "worked_example", "layout": layout.name(),
                            "pass": pass, "ranks": ranks});
             record(&v);
             out.push(v);

@@ -1,8 +1,8 @@
-// unpack: from the receive buffer into each layout of SPEC §4. Specialised by ID_DTYPE (the
-// dtype of the output ids) and TOPK. The receive buffer holds N rows ordered by source rank,
-// then source token: recv_rows [N, row_bytes], recv_ids int32 [N, TOPK] (full global ids),
-// recv_w f32 [N, TOPK], recv_src int32 [N] (source token), recv_offsets int32 [R + 1] (rows of
-// source s are [recv_offsets[s], recv_offsets[s+1])).
+// unpack: from the receive buffer into each layout (docs/design.md, section 3). Specialised by
+// ID_DTYPE (the dtype of the output ids) and TOPK. The receive buffer holds N rows ordered by
+// source rank, then source token: recv_rows [N, row_bytes], recv_ids int32 [N, TOPK] (full global
+// ids), recv_w f32 [N, TOPK], recv_src int32 [N] (source token), recv_offsets int32 [R + 1] (rows
+// of source s are [recv_offsets[s], recv_offsets[s+1])).
 
 __device__ __forceinline__ int ep_source_of(const int* offsets, int R, int n) {
     int s = 0;

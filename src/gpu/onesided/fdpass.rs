@@ -2,7 +2,7 @@
 //! all-gathers one fd (a VMM allocation's POSIX handle) per rank of a group on one host.
 //!
 //! SCM_RIGHTS rather than `pidfd_getfd`: the latter needs CAP_SYS_PTRACE and Linux ≥ 5.6, and
-//! sandboxes (gVisor) report older kernels (gpu_path.md §1.2). Sockets are `SOCK_SEQPACKET`, so
+//! sandboxes (gVisor reports kernel 4.4) look older than that. Sockets are `SOCK_SEQPACKET`, so
 //! every message (bytes + its fds) arrives whole and on its own.
 //!
 //! Rendezvous: rank 0 listens on the abstract socket `\0epcomm.<group>.fds` (abstract: nothing

@@ -1,4 +1,4 @@
-//! Host-side bookkeeping of the one-node one-sided transport (gpu_path.md §5.4–5.6): every rank
+//! Host-side bookkeeping of the one-node one-sided transport (docs/gpu.md): every rank
 //! owns a workspace its peers write into directly (their receive slabs, counts, completion
 //! flags), plus a device error word the kernels fill on timeout.
 //!

@@ -1,8 +1,8 @@
-//! Maps every rank's one-sided workspace into this process with VMM + POSIX fds
-//! (gpu_path.md §1.2): `cuMemCreate(POSIX_FD)` → export fd → [`exchange_fds`] → import →
-//! one reserved VA range with rank `r` at `r * stride` → `cuMemSetAccess`. Works for ranks as
-//! processes on one host and for ranks as threads of one process (a rank may import its peers'
-//! fds from its own process; DeepEP does the same).
+//! Maps every rank's one-sided workspace into this process with VMM + POSIX fds (CUDA's virtual
+//! memory management API): `cuMemCreate(POSIX_FD)` → export fd → [`exchange_fds`] → import → one
+//! reserved VA range with rank `r` at `r * stride` → `cuMemSetAccess`. Works for ranks as processes
+//! on one host and for ranks as threads of one process (a rank may import its peers' fds from its
+//! own process; DeepEP does the same).
 
 use std::os::fd::AsFd;
 use std::time::Duration;

@@ -1,6 +1,7 @@
-//! [`GpuManager`]: MoE dispatch/combine on device memory over NCCL (gpu_path.md §3.1), for
-//! every layout of SPEC §4, with the same [`MoeConfig`] and the same row orders as the CPU
-//! [`Manager`] (source rank, then source token, then k).
+//! [`GpuManager`]: MoE dispatch/combine on device memory over NCCL (the counts and capacity
+//! pipelines of docs/gpu.md), for every layout (docs/design.md, section 3), with the same
+//! [`MoeConfig`] and the same row orders as the CPU [`Manager`] (source rank, then source token,
+//! then k).
 //!
 //! Counts mode, per dispatch, all on the host's stream:
 //! 1. `ep_layout` → this rank's counts row ([`plan`] module doc) + device error word;
