@@ -1,5 +1,5 @@
 //! MoE dispatch/combine through the C ABI: tests/c/all2all_test.c forks two ranks that form a
-//! shared-memory group and run the SPEC §4 worked example through one backend per layout
+//! shared-memory group and run the worked example of docs/design.md through one backend per layout
 //! (dispatch output and combined result checked exactly, statistics, buffer sizing), plus the
 //! error paths (MoonEP unavailable, apply_router_weight_on_input with top_k 2, the one-sided
 //! manager's heterogeneous-layer assertion, a bad expert id or a wrong-shaped combine input on

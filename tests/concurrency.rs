@@ -1,4 +1,4 @@
-//! Concurrency (issue 8, deliverable 5), through the C entry points:
+//! Concurrency, through the C entry points:
 //! (a) the pure registry, configuration and policy functions from 8 threads at once, every
 //!     result compared with a single-thread reference;
 //! (b) the last error is per thread: concurrent failures with different messages and hints

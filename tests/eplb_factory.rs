@@ -1,11 +1,11 @@
-//! The EPLB communicator factory over its whole input matrix (SPEC §5.1, vLLM's
-//! `create_eplb_communicator`): requested name (automatic, the four names, an unknown one) ×
-//! elastic group × device (cpu, cuda) × NCCL usable × NIXL present. The expected outcome of
-//! every combination is computed here from SPEC §5.1's rules, written out independently of
-//! `epcomm::select::eplb`, and `select` must agree exactly: communicator, warnings, error
-//! message and exception class. `communicator::create` must build what select chose where this
-//! build can (torch_gloo; torch_nccl on host tensors), report the unimplemented GPU transports
-//! otherwise, and fail with select's exact error when select fails.
+//! The EPLB communicator factory over its whole input matrix (vLLM's `create_eplb_communicator`,
+//! docs/design.md section 7): requested name (automatic, the four names, an unknown one) × elastic
+//! group × device (cpu, cuda) × NCCL usable × NIXL present. The expected outcome of every
+//! combination is computed here from those rules, written out independently of
+//! `epcomm::select::eplb`, and `select` must agree exactly: communicator, warnings, error message
+//! and exception class. `communicator::create` must build what select chose where this build can
+//! (torch_gloo; torch_nccl on host tensors), report the unimplemented GPU transports otherwise, and
+//! fail with select's exact error when select fails.
 
 use std::sync::{Arc, Mutex};
 
@@ -30,7 +30,7 @@ const WEIGHT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
 const W_FORCED: &str =
     "Stateless elastic EP requires PyNCCL backend. Forcing EPLB communicator to 'pynccl'.";
 
-/// What SPEC §5.1 says one combination gives.
+/// What vLLM's factory rules give for one combination.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Expected {
     Built {
@@ -100,7 +100,7 @@ fn build_nixl(device: DeviceKind, nixl: bool) -> Expected {
     }
 }
 
-/// SPEC §5.1, in its order.
+/// vLLM's factory rules, in its order.
 fn expected(
     requested: Option<&str>,
     elastic: bool,
@@ -201,7 +201,7 @@ fn request(
 }
 
 /// A few combinations spelled out by hand, so the model above is itself checked against the
-/// SPEC's prose rather than only against the implementation.
+/// rules as written rather than only against the implementation.
 #[test]
 fn the_model_matches_hand_written_cases() {
     use Expected::*;
@@ -273,7 +273,7 @@ fn the_model_matches_hand_written_cases() {
 }
 
 #[test]
-fn select_follows_the_spec_for_every_combination() {
+fn select_follows_the_rules_for_every_combination() {
     let mut counts = [0usize; 2];
     for Case {
         label,

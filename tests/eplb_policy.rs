@@ -1,4 +1,4 @@
-//! vLLM's EPLB policy: the test vectors of vLLM's tests/distributed/test_eplb_algo.py (SPEC §5.3)
+//! vLLM's EPLB policy: the test vectors of vLLM's tests/distributed/test_eplb_algo.py
 //! and invariants on random loads for many (L, E, P, G, N, R) shapes.
 
 use epcomm::eplb::policy::{

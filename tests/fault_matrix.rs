@@ -1,4 +1,4 @@
-//! Fault-injection matrix over shared memory (issue 8, deliverable 3; docs/reliability.md).
+//! Fault-injection matrix over shared memory (docs/reliability.md).
 //!
 //! Every case runs a 3-rank group as three child processes (this test binary run again as
 //! `rank_process`) with `EPCOMM_TIMEOUT_S=5`, and the parent bounds each phase with a deadline

@@ -1,4 +1,4 @@
-//! Stable-toolchain fuzzing of the C entry points (issue 8, deliverable 1): every entry point
+//! Stable-toolchain fuzzing of the C entry points: every entry point
 //! that takes a JSON text, a name, sizes, shapes, dtypes or ids, called through
 //! `epcomm::ffi::*` with generated arguments.
 //!
@@ -4059,8 +4059,8 @@ fn regression_all_to_allv_self_mismatch_keeps_group_usable() {
 
 /// KNOWN BUG 10 (fails until fixed): epcomm_group_send_recv accepts a send that no receive
 /// matches: the receiving side only checks the receives it posted (src/group/shm/mod.rs
-/// send_recv), so the data is dropped silently and both sides return EPCOMM_OK (SPEC: "the
-/// j-th send from a to b fills the j-th receive on b from a"). Reproduction on a 1-rank group:
+/// send_recv), so the data is dropped silently and both sides return EPCOMM_OK (the contract:
+/// "the j-th send from a to b fills the j-th receive on b from a"). Reproduction on a 1-rank group:
 /// one op, a 4-byte send to rank 0, and no receive. Expected: EPCOMM_ERROR_INVALID_ARGUMENT
 /// naming the unmatched send.
 #[test]
@@ -4086,11 +4086,10 @@ fn regression_send_recv_unmatched_send_is_an_error() {
 }
 
 /// KNOWN BUG 8 (fails until fixed; a message, not a crash): a NULL data or shape pointer of a
-/// dispatch, combine or EPLB-state tensor is reported as "argument 'tensor->data' must not be
-/// NULL" (src/ffi/tensor.rs maps every name but "input"/"output" to "tensor->..."), so the
-/// message does not say which tensor. SPEC §2: errors name the tensor. Reproduction: dispatch
-/// with hidden [1, H] and data NULL. Expected: the message names 'hidden' (e.g.
-/// "hidden->data").
+/// dispatch, combine or EPLB-state tensor is reported as "argument 'tensor->data' must not be NULL"
+/// (src/ffi/tensor.rs maps every name but "input"/"output" to "tensor->..."), so the message does
+/// not say which tensor. The ABI's rule: errors name the tensor. Reproduction: dispatch with hidden
+/// [1, H] and data NULL. Expected: the message names 'hidden' (e.g. "hidden->data").
 #[test]
 fn regression_null_data_message_names_the_tensor() {
     quiet_logs();

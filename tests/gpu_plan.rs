@@ -1,6 +1,6 @@
 //! Host-side planning of the GPU transport (pure Rust, runs on CPU-only CI): counts rows,
 //! matrices, offsets, scan levels, grid sizes, exchange plans and every layout's output shapes,
-//! checked against SPEC §4's worked example and against the CPU path's own sizes.
+//! checked against the worked example of docs/design.md and against the CPU path's own sizes.
 
 use epcomm::gpu::kernels::{encode_error_word, DeviceError, ERR_DUPLICATE_ID, SCAN_TILE};
 use epcomm::gpu::nccl::plan::{counts_plan, ExchangeOptions};
@@ -30,7 +30,7 @@ fn counts_row(ids: &[i64], k: usize, world: usize, experts: usize, err: u64) -> 
     row
 }
 
-/// SPEC §4 worked example: R=2, E=4, K=2.
+/// The worked example of docs/design.md: R=2, E=4, K=2.
 fn worked() -> Gathered {
     let r0 = counts_row(&[0, 2, 1, 0, 3, -1], 2, 2, 4, 0);
     let r1 = counts_row(&[2, 3, 1, -1], 2, 2, 4, 0);

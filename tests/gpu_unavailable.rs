@@ -67,7 +67,7 @@ fn cuda_check_reports_unavailable() {
 
 #[cfg(feature = "nccl")]
 #[test]
-fn pynccl_config_reports_the_spec_message() {
+fn pynccl_config_reports_vllms_message() {
     if nccl_present() {
         return;
     }

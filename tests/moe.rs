@@ -1,7 +1,7 @@
-//! MoE dispatch/combine for every backend name: the SPEC §4 worked example exactly, then
-//! property runs (ranks 1..8, uneven and zero token counts, skewed and uniform routing, masked
-//! ids, f32/bf16/f16) against the single-process f32 reference, with the dispatch layout checked
-//! row by row; and bad input that must fail on every rank without hanging.
+//! MoE dispatch/combine for every backend name: the worked example of docs/design.md exactly, then
+//! property runs (ranks 1..8, uneven and zero token counts, skewed and uniform routing, masked ids,
+//! f32/bf16/f16) against the single-process f32 reference, with the dispatch layout checked row by
+//! row; and bad input that must fail on every rank without hanging.
 //!
 //! Tolerances (max |out - ref| / max(1, |ref|)): f32 1e-5; f16 hidden/outputs 4e-3;
 //! bf16 3e-2 (one rounding of the inputs is shared with the reference; the expert outputs and
@@ -56,7 +56,7 @@ fn cfg(e: usize, k: usize, h: usize, kind: FloatKind, m: usize) -> MoeConfig {
     }
 }
 
-// ---- the worked example of SPEC §4 ------------------------------------------------------------
+// ---- the worked example (docs/design.md, section 3) ---------------------------------------------
 
 const X: [[f32; 3]; 2] = [[10.0, 11.0, 12.0], [20.0, 21.0, 0.0]];
 const IDS: [&[i64]; 2] = [&[0, 2, 1, 0, 3, -1], &[2, 3, 1, -1]];
@@ -101,7 +101,7 @@ fn example_expert_side(layout: Layout, rank: usize, v: &epcomm::moe::DispatchVie
 }
 
 #[test]
-fn spec_worked_example_in_every_layout() {
+fn worked_example_in_every_layout() {
     for name in [
         "allgather_reducescatter",
         "deepep_high_throughput",

@@ -1,5 +1,5 @@
-//! Every name of SPEC §3 and every message of SPEC §3, §5.1 and §5.2, in full, with its status and
-//! Python exception class.
+//! Every all2all backend name, and every selection, EPLB-factory and EPLB-config message, in full,
+//! with its status and Python exception class.
 
 use epcomm::dtype::{Code, DType};
 use epcomm::select::all2all::{self, Backend, Layout, NameKind};
@@ -13,7 +13,7 @@ fn assert_err(e: &Error, status: Status, exception: &str, message: &str) {
     assert_eq!(e.exception(), exception, "exception of {message}");
 }
 
-// ---- §3 names -------------------------------------------------------------------------------
+// ---- all2all names ------------------------------------------------------------------------------
 
 #[test]
 fn every_accepted_name_resolves_as_in_the_table() {
@@ -222,7 +222,7 @@ fn moonep_unavailable_message() {
     );
 }
 
-// ---- §3 feature gates through the config checker -----------------------------------------------
+// ---- all2all feature gates through the config checker -------------------------------------------
 
 fn check(json: &str) -> config::CheckOutcome {
     config::check_json(json, false, false)
@@ -307,7 +307,7 @@ fn config_resolution_and_warnings() {
     assert_eq!(o.warnings, vec!["`deepep_low_latency` all2all manager is not supported on XPU. Falling back to AgRs manager for XPU, which is the Default backend".to_owned()]);
 }
 
-// ---- §5.1 communicator factory ---------------------------------------------------------------
+// ---- EPLB communicator factory ------------------------------------------------------------------
 
 fn req(requested: Option<&str>) -> SelectRequest<'_> {
     SelectRequest {
@@ -543,7 +543,7 @@ fn auto_selection_order() {
     assert_eq!(s.communicator, Communicator::TorchGloo);
 }
 
-// ---- §5.2 EPLB config validation -------------------------------------------------------------
+// ---- EPLB config validation ---------------------------------------------------------------------
 
 const EPLB_BASE: &str =
     r#""enable_eplb": true, "enable_expert_parallel": true, "data_parallel_size": 2"#;

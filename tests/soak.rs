@@ -1,4 +1,4 @@
-//! Soak (issue 8, deliverable 4; docs/reliability.md): in one process, a 2-rank shared-memory
+//! Soak (docs/reliability.md): in one process, a 2-rank shared-memory
 //! group on two threads runs ITERS dispatch/combine iterations (rotating through the five
 //! layouts, with token counts that change every iteration, each result checked against the
 //! single-process reference), then CYCLES group + manager create/destroy cycles under one name

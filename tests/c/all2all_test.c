@@ -1,7 +1,7 @@
 /*
- * MoE dispatch/combine through the C ABI: two real processes (forked ranks) form a
- * shared-memory group and run the SPEC §4 worked example (R=2, E=4, K=2, H=1, float32) through
- * one backend per layout, checking the dispatch output and the combined result exactly; then
+ * MoE dispatch/combine through the C ABI: two real processes (forked ranks) form a shared-memory
+ * group and run the worked example of docs/design.md (R=2, E=4, K=2, H=1, float32) through one
+ * backend per layout, checking the dispatch output and the combined result exactly; then
  * the error paths: MoonEP unavailable, apply_router_weight_on_input with top_k 2, the one-sided
  * manager's heterogeneous-layer assertion, a bad expert id on one rank (both ranks fail, a
  * good dispatch follows), a wrong-shaped combine input on one rank (both ranks fail, a good
@@ -138,7 +138,7 @@ static int64_t numel(const tensor_t *t) {
     return n;
 }
 
-/* ---- the worked example of SPEC §4 ------------------------------------------------------------ */
+/* ---- the worked example (docs/design.md) ------------------------------------------------------- */
 
 static const int64_t EX_T[WORLD] = {3, 2};
 static const float EX_X[WORLD][MAX_TOKENS] = {{10.0f, 11.0f, 12.0f}, {20.0f, 21.0f, 0.0f}};
@@ -237,7 +237,7 @@ static const example_stats_t *example_stats(int32_t layout) {
     }
 }
 
-/* Checks the dispatch output of the example against SPEC §4, row by row. */
+/* Checks the dispatch output of the example against docs/design.md, row by row. */
 static void check_example_dispatch(int32_t layout, int rank, const dispatch_t *o) {
     const float *x = (const float *)o->hidden.data;
     int64_t dims[3];

@@ -2,7 +2,7 @@
  * EPLB at run time through the C ABI: two real processes (forked ranks) form a shared-memory
  * group and use the EPLB communicator factory (vLLM's create_eplb_communicator rules and
  * messages), the communicator's add_send / add_recv / execute, a two-layer rearrangement of
- * expert weights, the per-rank transfer plan (vLLM's sender/receiver pairing, SPEC §5.4), and
+ * expert weights, the per-rank transfer plan (vLLM's sender/receiver pairing), and
  * the load statistics (record, step with the balancedness log line, logical load). Built as C11
  * and (with -x c++) as C++17, under ASan+UBSan, by tests/c_eplb.rs.
  *
@@ -372,7 +372,7 @@ static void test_rearrange(comm_t *comm) {
 /* ---- plan_layer ------------------------------------------------------------------------------ */
 
 static void test_plan_layer(void) {
-    /* SPEC §5.4's pairing example: expert 0 held by ranks 0 and 1, needed also on 2, 3, 4. */
+    /* A pairing example: expert 0 held by ranks 0 and 1, needed also on 2, 3, 4. */
     static const int64_t old_map[10] = {0, 5, 0, 6, 7, 8, 9, 10, 11, 12};
     static const int64_t new_map[10] = {0, 5, 0, 6, 0, 8, 0, 10, 0, 12};
     plan_t *p0 = NULL, *p3 = NULL, *bad = NULL;
