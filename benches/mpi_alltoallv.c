@@ -1,5 +1,5 @@
 /*
- * mpi_alltoallv.c: the transport-only Open MPI baseline for `epcomm bench moe` (SPEC §7).
+ * mpi_alltoallv.c: the transport-only Open MPI baseline for `epcomm bench moe` (docs/performance.md).
  *
  * Reproduces the traffic of one epcomm dispatch + combine with two MPI_Alltoallv calls on
  * pre-packed buffers, and nothing else: no routing exchange, no packing, no reduction, no

@@ -13,7 +13,7 @@
 # Phases (each under `timeout`; each writes $OUT/<phase>.json, and every finished case at once
 # to $OUT/<phase>.cases.jsonl so a timed-out phase still leaves its results):
 #   0 probe    nvidia-smi, kernel version, caps JSON (driver, devices, NCCL, NVRTC)
-#   1 kernels  NVRTC compile of every kernel variant for the device; SPEC §4 worked example
+#   1 kernels  NVRTC compile of every kernel variant for the device; the worked example
 #              (2 thread-ranks) exactly; every layout x dtype x id dtype vs the CPU reference
 #              (R = 1, 2 thread-ranks); capacity mode on 2 thread-ranks
 #   2 nccl     one rank through NCCL, every layout, T in {1,128,4096}, H=7168, K=8, E=256, vs

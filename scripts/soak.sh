@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# soak.sh: the long soak (issue 8, docs/reliability.md). In one process, a 2-rank shared-memory
+# soak.sh: the long soak (docs/reliability.md). In one process, a 2-rank shared-memory
 # group on two threads runs 10^5 dispatch/combine iterations (five layouts, changing token
 # counts, every result checked against the reference) and 10^3 group + manager create/destroy
 # cycles; prints VmRSS and open file descriptors after a warm-up and at the end, and fails if RSS
