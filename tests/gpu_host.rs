@@ -22,6 +22,8 @@ use epcomm::gpu::onesided::{
     WorkspaceLayout, REGION_ALIGN, ROW_ALIGN,
 };
 
+mod common;
+
 // ---- NCCL versions and the counts-mode plan ------------------------------------------------
 
 #[test]
@@ -935,7 +937,12 @@ fn nccl_loader_with_a_fake_libnccl() {
     match built {
         Ok(s) if s.success() => {}
         other => {
-            eprintln!("skipping: cannot build the fake NCCL with {cc}: {other:?}");
+            common::skip::skipped(
+                "nccl_loader_with_a_fake_libnccl",
+                &format!(
+                    "cannot build the fake libnccl with {cc} ({other:?}); install gcc or set $CC"
+                ),
+            );
             return;
         }
     }

@@ -25,11 +25,15 @@ fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
     match Nvrtc::global() {
         Ok(n) => Some(*n),
         Err(e) => {
-            if std::env::var("EPCOMM_REQUIRE_NVRTC").as_deref() == Ok("1") {
+            if common::skip::required("EPCOMM_REQUIRE_NVRTC") {
                 panic!("EPCOMM_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}");
             }
-            eprintln!(
-                "SKIP {test}: {e} (run scripts/fetch-nvrtc.sh and set EPCOMM_NVRTC_PATH to the directory it prints)"
+            common::skip::skipped(
+                test,
+                &format!(
+                    "{e} (run scripts/fetch-nvrtc.sh and set EPCOMM_NVRTC_PATH to the directory \
+                     it prints)"
+                ),
             );
             None
         }
@@ -467,7 +471,10 @@ fn unknown_arch_falls_back_to_ptx() {
         return;
     };
     let Some(archs) = nv.supported_archs() else {
-        eprintln!("SKIP unknown_arch_falls_back_to_ptx: NVRTC has no nvrtcGetSupportedArchs");
+        common::skip::skipped(
+            "unknown_arch_falls_back_to_ptx",
+            "this NVRTC has no nvrtcGetSupportedArchs",
+        );
         return;
     };
     let newest = *archs.iter().max().expect("archs");
@@ -484,9 +491,11 @@ fn unknown_arch_falls_back_to_ptx() {
     println!("NVRTC {:?} supports {archs:?}", nv.version);
 }
 
-/// The SPEC §4 worked example through layout → pack → transport → unpack (every layout) →
-/// combine_return → weighted_combine / sum_ranks, id validation, and the scan (one tile, many
-/// tiles with the block sums scanned by the kernel itself, in place) against a plain loop.
+/// The two-rank worked example (R = 2, E = 4, K = 2, expert e computing (e+1)*x; combine gives
+/// [20, 13.75, 48] on rank 0 and [70, 42] on rank 1) through layout → pack → transport → unpack
+/// (every layout) → combine_return → weighted_combine / sum_ranks, id validation, and the scan
+/// (one tile, many tiles with the block sums scanned by the kernel itself, in place) against a
+/// plain loop.
 const EMU_MAIN: &str = r##"#include "emu_prelude.h"
 #include "prelude_tail.h"
 #include "layout.cu"

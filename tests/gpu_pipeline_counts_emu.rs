@@ -17,7 +17,7 @@
 //!
 //! Checked against the CPU `epcomm::moe::Manager` (two ranks on threads over an shm group):
 //! every dispatch output field by field, and combine (f32 exact: the test values are dyadic,
-//! so every sum is exact whatever the order; bf16 within one bf16 ulp). Routings: SPEC §4's
+//! so every sum is exact whatever the order; bf16 within one bf16 ulp). Routings: the two-rank
 //! worked example, random ones with uneven T, T = 0 on one rank, masked -1 ids and an extra
 //! payload; bad ids (out of range, duplicate) must come back from the device error word
 //! naming the token on its rank and the rank on its peer.
@@ -107,8 +107,17 @@ fn emu() -> Option<&'static Emu> {
     EMU.get_or_init(build_emu).as_ref()
 }
 
+/// The emulation, or `None` after a SKIPPED line naming `test` (no C++ compiler).
+fn emu_or_skip(test: &str) -> Option<&'static Emu> {
+    if emu().is_none() {
+        // build_emu only fails for a missing compiler; this names the test that skips.
+        cxx_or_skip(test);
+    }
+    emu()
+}
+
 fn build_emu() -> Option<Emu> {
-    cxx_or_skip("")?;
+    cuda_emu::cxx_available()?;
     let dir = cuda_emu::temp_dir("counts-emu");
     cuda_emu::write_sources(&dir, &[]);
     use kernels::Module as M;
@@ -1641,7 +1650,7 @@ fn setups(h_f32: usize, h_bf16: usize, e: usize, m: usize, extra: usize) -> Vec<
 #[test]
 fn counts_mode_reproduces_the_worked_example_in_every_layout() {
     let _serial = serial();
-    if emu().is_none() {
+    if emu_or_skip("counts_mode_reproduces_the_worked_example_in_every_layout").is_none() {
         return;
     }
     let want = [vec![20f32, 13.75, 48.0], vec![70f32, 42.0]];
@@ -1656,7 +1665,7 @@ fn counts_mode_reproduces_the_worked_example_in_every_layout() {
 #[test]
 fn counts_mode_random_routings_match_the_cpu_manager() {
     let _serial = serial();
-    if emu().is_none() {
+    if emu_or_skip("counts_mode_random_routings_match_the_cpu_manager").is_none() {
         return;
     }
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -1676,7 +1685,7 @@ fn counts_mode_random_routings_match_the_cpu_manager() {
 #[test]
 fn counts_mode_scans_span_several_tiles() {
     let _serial = serial();
-    if emu().is_none() {
+    if emu_or_skip("counts_mode_scans_span_several_tiles").is_none() {
         return;
     }
     // E_local * N_recv and R * T * K above SCAN_TILE = 1024: the scan recurses over block
@@ -1707,7 +1716,7 @@ fn counts_mode_scans_span_several_tiles() {
 #[test]
 fn counts_mode_bad_ids_fail_every_rank_naming_the_token() {
     let _serial = serial();
-    if emu().is_none() {
+    if emu_or_skip("counts_mode_bad_ids_fail_every_rank_naming_the_token").is_none() {
         return;
     }
     for layout in LAYOUTS {
@@ -1772,7 +1781,7 @@ fn counts_mode_bad_ids_fail_every_rank_naming_the_token() {
 #[test]
 fn counts_mode_fixed_capacity_overflow_fails_every_rank() {
     let _serial = serial();
-    if emu().is_none() {
+    if emu_or_skip("counts_mode_fixed_capacity_overflow_fails_every_rank").is_none() {
         return;
     }
     for layout in [Layout::ExpertMajor, Layout::RankMajor] {
@@ -1798,7 +1807,7 @@ fn counts_mode_fixed_capacity_overflow_fails_every_rank() {
 #[test]
 fn capacity_mode_matches_the_cpu_manager_and_replays() {
     let _serial = serial();
-    if emu().is_none() {
+    if emu_or_skip("capacity_mode_matches_the_cpu_manager_and_replays").is_none() {
         return;
     }
     let mut rng = Rng(77);
@@ -1836,7 +1845,9 @@ fn capacity_mode_matches_the_cpu_manager_and_replays() {
 #[test]
 fn counts_mode_f32_combine_is_bit_identical_to_the_cpu_with_arbitrary_values() {
     let _serial = serial();
-    if emu().is_none() {
+    if emu_or_skip("counts_mode_f32_combine_is_bit_identical_to_the_cpu_with_arbitrary_values")
+        .is_none()
+    {
         return;
     }
     // combine.cu promises the CPU path's order (f32, no FMA): with values whose sums round,
@@ -1873,7 +1884,7 @@ fn counts_mode_f32_combine_is_bit_identical_to_the_cpu_with_arbitrary_values() {
 #[test]
 fn counts_mode_without_zero_size_p2p() {
     let _serial = serial();
-    if emu().is_none() {
+    if emu_or_skip("counts_mode_without_zero_size_p2p").is_none() {
         return;
     }
     // Older NCCL: empty sends/receives are left out on both sides (T = 0 ranks, ranks that

@@ -6,7 +6,7 @@
 //! - REPLICATED: each token packed once (R = 1, all flags set), broadcast, ids kept with
 //!   `ep_unpack_token_major(E_local = E, rank = 0)`, `ep_sum_ranks` without flags.
 //!
-//! Both on SPEC §4's worked example (R = 2, E = 4, K = 2), expecting its combine results. The
+//! Both on the two-rank worked example (R = 2, E = 4, K = 2), expecting its combine results. The
 //! host sequence mirrors src/gpu/transport/manager.rs step by step (same kernels, same
 //! arguments); the exchanges are plain copies following `plan::broadcast_plan` and
 //! `counts_plan` of a uniform matrix.

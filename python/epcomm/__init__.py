@@ -11,8 +11,6 @@ bfloat16 ones), passed to epcomm without copies.
 
 import builtins
 import ctypes
-import ctypes.util
-import glob
 import json
 import logging
 import os
@@ -35,42 +33,61 @@ logger = logging.getLogger("epcomm")
 # ---- the library ----------------------------------------------------------------------------
 
 
+#: The package version; the library's own is ``version()``.
+__version__ = "0.1.0"
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _soname():
+    """The installed library's SONAME: libepcomm.so.0.MINOR while the version is 0.x."""
+    major, minor = __version__.split(".")[:2]
+    return f"libepcomm.so.0.{minor}" if major == "0" else f"libepcomm.so.{major}"
+
+
 def _candidates():
+    """(what, path) pairs in the order they are tried."""
     env = os.environ.get("EPCOMM_LIBRARY")
     if env:
-        yield env
-    here = os.path.dirname(os.path.abspath(__file__))
-    yield from sorted(glob.glob(os.path.join(here, "libepcomm.so*")))
-    found = ctypes.util.find_library("epcomm")
-    if found:
-        yield found
-    yield "libepcomm.so"
-    for d in ("/usr/local/lib", "/usr/lib", "/usr/lib64"):
-        yield os.path.join(d, "libepcomm.so")
+        yield "EPCOMM_LIBRARY", env
+    yield "the copy carried by the package", os.path.join(_HERE, "libepcomm.so")
+    # Bare names: the dynamic loader searches LD_LIBRARY_PATH, its cache (ldconfig) and the
+    # default directories.
+    yield "the system library path", _soname()
+    yield "the system library path", "libepcomm.so"
 
 
 _LIB = None
 
 
 def load_library():
-    """Loads libepcomm (EPCOMM_LIBRARY, a copy in the package, the system path)."""
+    """Loads libepcomm once: ``EPCOMM_LIBRARY``, else the copy the package carries, else the
+    system library path (the SONAME, then libepcomm.so). Raises ImportError listing every
+    attempt when none loads."""
     global _LIB
     if _LIB is not None:
         return _LIB
     errors = []
-    for c in _candidates():
+    for what, path in _candidates():
+        if os.sep in path and not os.path.exists(path):
+            errors.append(f"{path} ({what}): no such file")
+            continue
         try:
-            lib = ctypes.CDLL(c)
+            lib = ctypes.CDLL(path)
         except OSError as e:
-            errors.append(f"{c}: {e}")
+            errors.append(f"{path} ({what}): {e}")
             continue
         _declare(lib)
         _LIB = lib
         _install_log_bridge(lib)
         return lib
-    raise OSError(
-        "libepcomm not found; set EPCOMM_LIBRARY to its path or install it (make install). Tried: "
-        + "; ".join(errors)
+    raise ImportError(
+        "epcomm cannot load libepcomm. Tried:\n  "
+        + "\n  ".join(errors)
+        + "\nFix: install the library (make install, then ldconfig, or put its directory on "
+        "LD_LIBRARY_PATH), set EPCOMM_LIBRARY to the path of libepcomm.so, or reinstall this "
+        "package from a repository with a built library (cargo build --release, then "
+        "pip install ./python) so that it carries one."
     )
 
 
@@ -489,3 +506,7 @@ def eplb_rebalance(weight, num_replicas, num_groups, num_nodes, num_ranks, old_p
     _check(load_library().epcomm_eplb_rebalance(
         w, layers, logical, num_replicas, num_groups, num_nodes, num_ranks, old, out))
     return [list(out[i * num_replicas:(i + 1) * num_replicas]) for i in range(layers)]
+
+
+# Loaded at import, so a missing library is reported by `import epcomm` itself.
+load_library()

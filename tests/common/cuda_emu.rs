@@ -97,15 +97,29 @@ pub fn cxx() -> String {
     std::env::var("CXX").unwrap_or_else(|_| "c++".into())
 }
 
-/// The host C++ compiler, or `None` (a SKIP line naming `test` printed) when it does not run.
-pub fn cxx_or_skip(test: &str) -> Option<String> {
+/// The host C++ compiler, when it runs.
+pub fn cxx_available() -> Option<String> {
     let cxx = cxx();
-    if Command::new(&cxx).arg("--version").output().is_err() {
-        let sep = if test.is_empty() { "" } else { " " };
-        eprintln!("SKIP{sep}{test}: no C++ compiler ({cxx})");
-        return None;
+    Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_ok()
+        .then_some(cxx)
+}
+
+/// The host C++ compiler, or `None` after a SKIPPED line naming `test` when it does not run.
+pub fn cxx_or_skip(test: &str) -> Option<String> {
+    let found = cxx_available();
+    if found.is_none() {
+        super::skip::skipped(
+            test,
+            &format!(
+                "no C++ compiler ({}; install g++ or set $CXX) for the CUDA host emulation",
+                cxx()
+            ),
+        );
     }
-    Some(cxx)
+    found
 }
 
 /// A fresh directory `epcomm-{tag}-{pid}-{nanos}` under the system temp dir.

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cuda_emu;
+pub mod python;
 pub mod skip;
 
 use std::ffi::OsStr;

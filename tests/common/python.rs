@@ -1,0 +1,337 @@
+//! The Python the tests run: `$PYTHON` (else `python3`) when it has what they need, else a
+//! virtual environment the tests make once under `target/` and install the packages into.
+//!
+//! What the Python tests need beyond the standard library: numpy (tests/py/test_all2all.py,
+//! examples/python/moe_two_ranks.py), and pip, setuptools and wheel to build `./python` offline
+//! (tests/python_install.rs). When `$PYTHON` lacks one of them, `target/epcomm-test-venv` is
+//! made from it and `pip install numpy setuptools wheel` run there (PyPI, bounded in time); an
+//! existing venv that imports them is reused, a broken one rebuilt. When that cannot be done (no
+//! venv module, no network) the bare interpreter is used and the tests needing the missing
+//! packages print a SKIPPED line saying what is missing and how to get it. A failed attempt is
+//! remembered for ten minutes (`target/epcomm-test-venv.failed`) so each test binary does not
+//! wait on it again.
+//!
+//! Variables: `EPCOMM_TEST_NO_PROVISION=1` never makes the venv (the do-without path);
+//! `EPCOMM_REQUIRE_PYTHON=1` turns a missing interpreter into a failure and
+//! `EPCOMM_REQUIRE_NUMPY=1` a missing package (numpy, setuptools, wheel) into one.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant, SystemTime};
+
+use super::run_with_timeout;
+use super::skip::{required, skipped};
+
+/// Imports that prove the interpreter can build `./python` into a wheel without the network.
+const BUILD_CHECK: &str = "import pip, setuptools, wheel";
+/// What the venv gets from PyPI.
+const PACKAGES: &[&str] = &["numpy", "setuptools", "wheel"];
+/// How long making the venv may take, and pip's per-connection timeout within that.
+const VENV_TIMEOUT: Duration = Duration::from_secs(120);
+const PIP_TIMEOUT: Duration = Duration::from_secs(300);
+const PIP_SOCKET_TIMEOUT_S: &str = "15";
+/// How long a failed provisioning attempt is not retried.
+const RETRY_AFTER: Duration = Duration::from_secs(600);
+
+/// The interpreter the Python tests run, and what it lacks.
+#[derive(Debug)]
+pub struct Python {
+    /// The interpreter to run.
+    pub exe: PathBuf,
+    /// Why numpy cannot be imported, with how to get it; `None` when it can.
+    pub numpy_missing: Option<String>,
+    /// Why `./python` cannot be built with it offline (pip, setuptools, wheel), with how to get
+    /// them; `None` when it can.
+    pub build_missing: Option<String>,
+}
+
+/// The Python the tests run (found and, when needed, provisioned once per test binary), or why
+/// there is none.
+pub fn env() -> Result<&'static Python, &'static str> {
+    static ENV: OnceLock<Result<Python, String>> = OnceLock::new();
+    ENV.get_or_init(find).as_ref().map_err(|why| why.as_str())
+}
+
+/// The Python for `test`, or `None` after a SKIPPED line when there is none (a failure when
+/// `EPCOMM_REQUIRE_PYTHON=1`).
+pub fn python_or_skip(test: &str) -> Option<&'static Python> {
+    match env() {
+        Ok(p) => Some(p),
+        Err(why) => {
+            assert!(
+                !required("EPCOMM_REQUIRE_PYTHON"),
+                "EPCOMM_REQUIRE_PYTHON is set but {why}"
+            );
+            skipped(test, why);
+            None
+        }
+    }
+}
+
+/// The Python for `test` when it imports numpy, or `None` after a SKIPPED line (a failure when
+/// `EPCOMM_REQUIRE_NUMPY=1`).
+pub fn numpy_or_skip(test: &str) -> Option<&'static Python> {
+    let python = python_or_skip(test)?;
+    lacking(test, python.numpy_missing.as_deref())?;
+    Some(python)
+}
+
+/// The Python for `test` when it can build `./python` offline, or `None` after a SKIPPED line
+/// (a failure when `EPCOMM_REQUIRE_NUMPY=1`, which asks for everything the venv provides).
+pub fn builder_or_skip(test: &str) -> Option<&'static Python> {
+    let python = python_or_skip(test)?;
+    lacking(test, python.build_missing.as_deref())?;
+    Some(python)
+}
+
+fn lacking(test: &str, missing: Option<&str>) -> Option<()> {
+    let Some(why) = missing else {
+        return Some(());
+    };
+    assert!(
+        !required("EPCOMM_REQUIRE_NUMPY"),
+        "EPCOMM_REQUIRE_NUMPY is set but {why}"
+    );
+    skipped(test, why);
+    None
+}
+
+/// Runs `python -c code`; `Ok(stdout)` when it exits 0, else `Err(last stderr line)`.
+pub fn run_code(python: &Path, code: &str) -> Result<String, String> {
+    let mut cmd = Command::new(python);
+    cmd.args(["-c", code]).env_remove("PYTHONPATH");
+    let out = match cmd.output() {
+        Ok(out) => out,
+        Err(e) => return Err(format!("cannot run {}: {e}", python.display())),
+    };
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        Err(stderr.trim_end().lines().last().unwrap_or("").to_owned())
+    }
+}
+
+/// The base interpreter named by `$PYTHON` (else `python3`), as its description
+/// (`sys.executable` and version) when it is a Python 3.
+fn base() -> Result<(PathBuf, String), String> {
+    let name = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let exe = PathBuf::from(&name);
+    match run_code(
+        &exe,
+        "import sys; assert sys.version_info[0] == 3; print(sys.executable); print(sys.version)",
+    ) {
+        Ok(about) => Ok((exe, about)),
+        Err(e) => Err(format!(
+            "no Python 3 interpreter ({name}: {e}); install python3 or set $PYTHON to one"
+        )),
+    }
+}
+
+fn find() -> Result<Python, String> {
+    let (exe, about) = base()?;
+    let numpy = run_code(&exe, "import numpy").err();
+    let build = run_code(&exe, BUILD_CHECK).err();
+    if numpy.is_none() && build.is_none() {
+        return Ok(Python {
+            exe,
+            numpy_missing: None,
+            build_missing: None,
+        });
+    }
+    let lacks = PACKAGES
+        .iter()
+        .filter(|p| run_code(&exe, &format!("import {p}")).is_err())
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
+    let bare = |why: String| Python {
+        exe: exe.clone(),
+        numpy_missing: numpy
+            .as_ref()
+            .map(|e| format!("{} cannot import numpy ({e}); {why}", exe.display())),
+        build_missing: build.as_ref().map(|e| {
+            format!(
+                "{} cannot build ./python offline ({e}); {why}",
+                exe.display()
+            )
+        }),
+    };
+    if required("EPCOMM_TEST_NO_PROVISION") {
+        return Ok(bare(format!(
+            "EPCOMM_TEST_NO_PROVISION is set, so no venv is made (install {lacks} into {}, or \
+             unset it to let the tests make one under target/)",
+            exe.display()
+        )));
+    }
+    match provision(&exe, &about) {
+        Ok(venv_python) => Ok(Python {
+            exe: venv_python,
+            numpy_missing: None,
+            build_missing: None,
+        }),
+        Err(why) => Ok(bare(format!(
+            "making a venv with them failed: {why} (install {lacks} into {}, or fix that and \
+             rerun)",
+            exe.display()
+        ))),
+    }
+}
+
+/// `target/` of this build (the parent of cargo's temp dir for tests).
+fn target_dir() -> PathBuf {
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    tmp.parent().unwrap_or(tmp).to_path_buf()
+}
+
+/// The venv the tests provision: `target/epcomm-test-venv`.
+pub fn venv_dir() -> PathBuf {
+    target_dir().join("epcomm-test-venv")
+}
+
+/// An exclusive lock on `path` (made if absent), held until the file is dropped: test binaries
+/// run one after another, but the threads and processes of one may race.
+pub fn lock_file(path: &Path) -> File {
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    // SAFETY: the descriptor is open for the call; flock only takes an advisory lock on it,
+    // released when `file` is closed.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+    assert_eq!(
+        rc,
+        0,
+        "flock {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+    file
+}
+
+/// Makes (or reuses) the venv and returns its interpreter, or says why it cannot be had.
+fn provision(base: &Path, about: &str) -> Result<PathBuf, String> {
+    let venv = venv_dir();
+    let python = venv.join("bin/python");
+    let stamp = venv.join("epcomm-base.txt");
+    let failed = target_dir().join("epcomm-test-venv.failed");
+    let _lock = lock_file(&target_dir().join("epcomm-test-venv.lock"));
+
+    let check = format!("import numpy; {BUILD_CHECK}");
+    let same_base = std::fs::read_to_string(&stamp).is_ok_and(|s| s == about);
+    if same_base && run_code(&python, &check).is_ok() {
+        return Ok(python);
+    }
+    // A recent failure is not retried (each test binary would wait on it again), unless a
+    // REQUIRE variable asks for the real outcome.
+    if !required("EPCOMM_REQUIRE_NUMPY") {
+        if let Ok(meta) = std::fs::metadata(&failed) {
+            let recent = meta
+                .modified()
+                .ok()
+                .and_then(|m| SystemTime::now().duration_since(m).ok())
+                .is_some_and(|age| age < RETRY_AFTER);
+            if recent {
+                let why = std::fs::read_to_string(&failed).unwrap_or_default();
+                return Err(format!(
+                    "{} (from an attempt less than {} minutes ago; delete {} to retry now)",
+                    why.trim_end(),
+                    RETRY_AFTER.as_secs() / 60,
+                    failed.display()
+                ));
+            }
+        }
+    }
+    let result = make_venv(base, &venv, &python, &check);
+    match &result {
+        Ok(_) => {
+            std::fs::write(&stamp, about).map_err(|e| format!("write {}: {e}", stamp.display()))?;
+            let _ = std::fs::remove_file(&failed);
+        }
+        Err(why) => {
+            let _ = std::fs::remove_dir_all(&venv);
+            let _ = std::fs::write(&failed, why);
+        }
+    }
+    result.map(|()| python)
+}
+
+fn make_venv(base: &Path, venv: &Path, python: &Path, check: &str) -> Result<(), String> {
+    if venv.exists() {
+        std::fs::remove_dir_all(venv).map_err(|e| format!("remove {}: {e}", venv.display()))?;
+    }
+    let started = Instant::now();
+    let mut cmd = Command::new(base);
+    cmd.args(["-m", "venv"]).arg(venv);
+    let out = run_with_timeout(cmd, VENV_TIMEOUT);
+    if !out.success() {
+        return Err(format!(
+            "`{} -m venv {}` failed: {} (on Debian the venv module is the python3-venv package)",
+            base.display(),
+            venv.display(),
+            first_line(&out.stdout, &out.stderr)
+        ));
+    }
+    let mut cmd = Command::new(python);
+    cmd.args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--timeout",
+        PIP_SOCKET_TIMEOUT_S,
+        "--retries",
+        "1",
+    ])
+    .args(PACKAGES)
+    .env_remove("PYTHONPATH");
+    let out = run_with_timeout(cmd, PIP_TIMEOUT);
+    if !out.success() {
+        let how = match out.status {
+            Some(_) => last_line(&out.stdout, &out.stderr),
+            None => format!("did not finish in {} s", PIP_TIMEOUT.as_secs()),
+        };
+        return Err(format!(
+            "`pip install {}` into {} failed (PyPI unreachable?): {how}",
+            PACKAGES.join(" "),
+            venv.display()
+        ));
+    }
+    run_code(python, check).map_err(|e| format!("the new venv cannot `{check}`: {e}"))?;
+    let note = format!(
+        "made {} with {} in {:.0} s\n",
+        venv.display(),
+        PACKAGES.join(", "),
+        started.elapsed().as_secs_f64()
+    );
+    // Shown in normal output: a test run that downloads packages should say so.
+    std::io::Write::write_all(&mut std::io::stderr(), note.as_bytes()).ok();
+    Ok(())
+}
+
+/// The first non-empty line of the output (where `venv` states its error).
+fn first_line(stdout: &str, stderr: &str) -> String {
+    let text = format!("{stderr}\n{stdout}");
+    text.lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .trim()
+        .to_owned()
+}
+
+/// The last non-empty line of stderr, else of stdout (where pip states its error).
+fn last_line(stdout: &str, stderr: &str) -> String {
+    let text = if stderr.trim().is_empty() {
+        stdout
+    } else {
+        stderr
+    };
+    text.trim_end().lines().last().unwrap_or("").to_owned()
+}
