@@ -1,12 +1,14 @@
-//! `epcomm bench eplb`: the rebalancing policy's time for SPEC §7's shape, then the weight
-//! transfer of a rearrangement between rank processes (shm group, torch_gloo communicator)
-//! against a memcpy of the same bytes timed in the same run.
+//! `epcomm bench eplb`: the rebalancing policy's time for a DeepSeek-V3-sized shape (58 MoE
+//! layers, 256 experts on 288 slots in 8 groups, 4 nodes, 32 GPUs), then the weight transfer
+//! of a rearrangement between rank processes (shm group, torch_gloo communicator) against a
+//! memcpy of the same bytes timed in the same run.
 //!
 //! Transfer: every rank holds `layers` × `experts-per-rank` experts of `expert-mib` MiB; the new
 //! placement shifts every slot by half a rank's experts, so each rank receives half its slots
 //! from its neighbour and moves the other half locally. Iterations alternate the two
 //! placements, so each one moves the same bytes; a barrier precedes each, and an iteration's
-//! time is the slowest rank's.
+//! time is the slowest rank's. Every expert's bytes identify it, so after the last iteration
+//! each rank checks that every slot holds the expert the final placement names.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -20,51 +22,12 @@ use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::unit;
 use epcomm::select::eplb::DeviceKind;
 
+use crate::cli::EplbArgs;
+use crate::memory::{self, Need};
 use crate::stats::{decode, encode, median_p99, slowest, tagged, time_memcpy};
 
-const USAGE: &str = "usage: epcomm bench eplb [--iters N] [--ranks N] [--layers L] [--experts-per-rank N] [--expert-mib MiB]";
-
-#[derive(Clone, Copy, Debug)]
-struct Params {
-    iters: usize,
-    ranks: usize,
-    layers: usize,
-    per_rank: usize,
-    expert_mib: usize,
-}
-
-fn parse(args: &[String]) -> Result<Params, String> {
-    let mut p = Params {
-        iters: 20,
-        ranks: 2,
-        layers: 4,
-        per_rank: 16,
-        expert_mib: 4,
-    };
-    for (name, value) in crate::opts::pairs(args, &[])? {
-        let v = crate::opts::count(&name, &value)?;
-        match name.as_str() {
-            "--iters" => p.iters = v,
-            "--ranks" => p.ranks = v,
-            "--layers" => p.layers = v,
-            "--experts-per-rank" => p.per_rank = v,
-            "--expert-mib" => p.expert_mib = v,
-            other => return Err(format!("unknown option '{other}'")),
-        }
-    }
-    if p.iters == 0 {
-        return Err("--iters must be positive".into());
-    }
-    if p.ranks < 2 || p.layers == 0 || p.per_rank < 2 || p.expert_mib == 0 {
-        return Err(
-            "need --ranks >= 2, --layers > 0, --experts-per-rank >= 2 and --expert-mib > 0".into(),
-        );
-    }
-    Ok(p)
-}
-
 /// The two placements iterations alternate between (physical slot → logical expert).
-fn placements(p: &Params) -> (Vec<Vec<i64>>, Vec<Vec<i64>>) {
+fn placements(p: &EplbArgs) -> (Vec<Vec<i64>>, Vec<Vec<i64>>) {
     let slots = p.ranks * p.per_rank;
     let shift = p.per_rank / 2;
     let old: Vec<i64> = (0..slots as i64).collect();
@@ -72,7 +35,29 @@ fn placements(p: &Params) -> (Vec<Vec<i64>>, Vec<Vec<i64>>) {
     (vec![old; p.layers], vec![new; p.layers])
 }
 
-fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
+/// Byte `i` of logical expert `e` in layer `l`.
+fn pattern(l: usize, e: i64, i: usize) -> u8 {
+    (e as usize).wrapping_mul(7).wrapping_add(l * 13).wrapping_add(i.wrapping_mul(3)) as u8
+}
+
+/// Bytes of `layers` that differ from the experts `placement` puts on `rank`.
+fn wrong_bytes(p: &EplbArgs, rank: usize, placement: &[Vec<i64>], layers: &[Vec<u8>]) -> u64 {
+    let row = p.expert_mib << 20;
+    let mut wrong = 0u64;
+    for (l, data) in layers.iter().enumerate() {
+        for (j, slot) in data.chunks(row).enumerate() {
+            let e = placement[l][rank * p.per_rank + j];
+            wrong += slot
+                .iter()
+                .enumerate()
+                .filter(|(i, &b)| b != pattern(l, e, *i))
+                .count() as u64;
+        }
+    }
+    wrong
+}
+
+fn rank_main(p: &EplbArgs, rank: usize, group: &str) -> Result<(), String> {
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
     let _ = pin_current_thread(rank % ncpu);
     let mut g =
@@ -87,12 +72,16 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     let row = p.expert_mib << 20;
-    let mut layers: Vec<Vec<u8>> = (0..p.layers)
-        .map(|l| vec![(l + rank) as u8; p.per_rank * row])
-        .collect();
     let (a, b) = placements(p);
+    let mut layers: Vec<Vec<u8>> = (0..p.layers)
+        .map(|l| {
+            (0..p.per_rank * row)
+                .map(|i| pattern(l, a[l][rank * p.per_rank + i / row], i % row))
+                .collect()
+        })
+        .collect();
     let mut times = Vec::new();
-    let mut moved = 0usize;
+    let (mut moved, mut received) = (0usize, 0usize);
     for it in 0..p.iters + 1 {
         let (from, to) = if it % 2 == 0 { (&a, &b) } else { (&b, &a) };
         let mut views: Vec<Vec<&mut [u8]>> =
@@ -107,17 +96,25 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
             times.push(dt);
         }
         moved = (s.rows_received + s.rows_copied_locally) * row;
+        received = s.rows_received * row;
     }
+    // Iteration `it` moves to `b` when `it` is even: the last one is `p.iters`.
+    let last = if p.iters % 2 == 0 { &b } else { &a };
+    let wrong = wrong_bytes(p, rank, last, &layers);
+    drop(layers);
     // The first iteration warms up, as for the transfer.
     let copies = time_memcpy(&mut g, moved, 1, p.iters)?;
     println!("MOVED {moved}");
+    println!("RECEIVED {received}");
+    println!("WRONG {wrong}");
     println!("XFER {}", encode(&times));
     println!("COPY {}", encode(&copies));
     g.barrier().map_err(|e| e.to_string())?;
     Ok(())
 }
 
-fn policy(iters: usize) {
+/// The policy's (median, p99) seconds over `iters` runs after 2 warm-up runs, and its shape.
+fn policy(iters: usize) -> (f64, f64, String) {
     let (l, e, p, g, n, r) = (58, 256, 288, 8, 4, 32);
     let w: Vec<Vec<f32>> = (0..l)
         .map(|li| {
@@ -133,37 +130,46 @@ fn policy(iters: usize) {
         times.push(t0.elapsed().as_secs_f64());
     }
     let (med, p99) = median_p99(times[2..].to_vec());
-    println!(
-        "EPLB policy (L={l}, E={e}, P={p}, G={g}, N={n}, R={r}): median {:.3} ms, p99 {:.3} ms over {iters} runs (target <= 1 ms)",
-        med * 1e3,
-        p99 * 1e3
-    );
+    (med, p99, format!("L={l}, E={e}, P={p}, G={g}, N={n}, R={r}"))
 }
 
 /// `epcomm bench eplb`.
-pub fn cmd_eplb(args: &[String]) -> ExitCode {
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("{USAGE}");
-        return ExitCode::SUCCESS;
+pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
+    if p.ranks < 2 || p.per_rank < 2 {
+        return crate::usage_error("need --ranks >= 2 and --experts-per-rank >= 2");
     }
-    let p = match parse(args) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("epcomm: error: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    if let Some(code) = crate::ranks::as_rank(|rank, group| rank_main(&p, rank, group)) {
+    if let Some(code) = crate::ranks::as_rank(|rank, group| rank_main(p, rank, group)) {
         return code;
     }
-    policy(p.iters);
-    let outputs = match crate::ranks::run(&["bench", "eplb"], args, p.ranks, "bencheplb", &[]) {
-        Ok(o) if o.iter().all(|o| o.status.success()) => o,
-        Ok(o) => {
-            for out in &o {
-                eprint!("{}", String::from_utf8_lossy(&out.stderr));
-            }
-            eprintln!("epcomm: a benchmark rank failed");
+    let (pm, pp, shape) = policy(p.iters);
+    if !p.json {
+        println!("# epcomm bench eplb: the EPLB rebalancing policy, then a rearrangement's expert-weight transfer between rank processes");
+        println!(
+            "# policy ({shape}): median {:.3} ms, p99 {:.3} ms over {} runs (target <= 1 ms)",
+            pm * 1e3,
+            pp * 1e3,
+            p.iters
+        );
+    }
+    let weights = (p.layers * p.per_rank * (p.expert_mib << 20)) as u64;
+    // The weights, one layer of staging, then the memcpy's two buffers of the placed bytes.
+    let need = Need {
+        memory: weights + weights / p.layers as u64 + 2 * weights,
+        shm: weights / p.layers as u64,
+        detail: String::new(),
+    };
+    let what = format!(
+        "eplb transfer of {} layers x {} experts of {} MiB",
+        p.layers, p.per_rank, p.expert_mib
+    );
+    if let Some(line) = memory::refusal(&what, &need, p.ranks, "--layers, --experts-per-rank or --expert-mib") {
+        eprintln!("epcomm bench eplb: {line}");
+        return ExitCode::from(1);
+    }
+    let outputs = match crate::ranks::run(p.ranks, "bencheplb", &[]) {
+        Ok(o) if o.iter().all(|o| o.success) => o,
+        Ok(_) => {
+            eprintln!("epcomm: a benchmark rank failed (its error is above)");
             return ExitCode::from(1);
         }
         Err(e) => {
@@ -173,28 +179,67 @@ pub fn cmd_eplb(args: &[String]) -> ExitCode {
     };
     let mut xfer = Vec::new();
     let mut copy = Vec::new();
-    let mut moved = 0f64;
+    let (mut moved, mut received, mut wrong) = (0f64, 0f64, 0u64);
     for out in &outputs {
-        let text = String::from_utf8_lossy(&out.stdout);
-        xfer.push(decode(tagged(&text, "XFER ")));
-        copy.push(decode(tagged(&text, "COPY ")));
-        moved = moved.max(tagged(&text, "MOVED ").trim().parse().unwrap_or(0.0));
+        let text = &out.stdout;
+        xfer.push(decode(tagged(text, "XFER ")));
+        copy.push(decode(tagged(text, "COPY ")));
+        let num = |tag: &str| tagged(text, tag).trim().parse::<f64>().unwrap_or(0.0);
+        moved = moved.max(num("MOVED "));
+        received = received.max(num("RECEIVED "));
+        wrong += tagged(text, "WRONG ").trim().parse::<u64>().unwrap_or(u64::MAX / 4);
     }
     let (xm, xp) = median_p99(slowest(&xfer));
     let (cm, _) = median_p99(slowest(&copy));
-    println!(
-        "EPLB weight transfer ({} ranks, {} layers x {} experts of {} MiB per rank, half received from a peer, half moved locally; torch_gloo over shm): {:.1} MiB placed per rank in {:.2} ms (p99 {:.2}), {:.2} GB/s; memcpy of the same bytes {:.2} ms, {:.2} GB/s; transfer/memcpy bandwidth {:.2}",
-        p.ranks,
-        p.layers,
-        p.per_rank,
-        p.expert_mib,
-        moved / (1 << 20) as f64,
-        xm * 1e3,
-        xp * 1e3,
-        moved / xm / 1e9,
-        cm * 1e3,
-        moved / cm / 1e9,
-        cm / xm
-    );
+    let algbw = moved / xm / 1e9;
+    let busbw = if moved > 0.0 { algbw * received / moved } else { 0.0 };
+    if p.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "policy_shape": shape, "policy_median_ms": pm * 1e3, "policy_p99_ms": pp * 1e3,
+                "ranks": p.ranks, "layers": p.layers, "experts_per_rank": p.per_rank,
+                "expert_mib": p.expert_mib, "iters": p.iters,
+                "size_bytes": moved, "received_bytes": received,
+                "time_us": xm * 1e6, "p99_us": xp * 1e6,
+                "algbw_gbps": algbw, "busbw_gbps": busbw, "memcpy_us": cm * 1e6,
+                "memcpy_gbps": moved / cm / 1e9, "wrong": wrong,
+            })
+        );
+    } else {
+        println!(
+            "# transfer: {} ranks, {} layers x {} experts of {} MiB per rank, half received from a peer, half moved locally; torch_gloo over shm; {} iterations after 1 warm-up; times: median over iterations of the slowest rank",
+            p.ranks, p.layers, p.per_rank, p.expert_mib, p.iters
+        );
+        println!("# size: bytes placed per rank (received from peers + moved locally); algbw = size / time; busbw = algbw * received / size (the bytes that cross between ranks)");
+        println!("# #wrong: bytes of the placed experts that differ from the expert the new placement names, all ranks");
+        println!("#");
+        println!(
+            "# {:<10} {:>12} {:>12} {:>10} {:>10} {:>11} {:>11} {:>10} {:>7}",
+            "op", "size(B)", "received(B)", "time(us)", "p99(us)", "algbw(GB/s)", "busbw(GB/s)", "memcpy(us)", "#wrong"
+        );
+        println!(
+            "  {:<10} {:>12} {:>12} {:>10.1} {:>10.1} {:>11.2} {:>11.2} {:>10.1} {:>7}",
+            "rearrange",
+            moved,
+            received,
+            xm * 1e6,
+            xp * 1e6,
+            algbw,
+            busbw,
+            cm * 1e6,
+            wrong
+        );
+        println!("# transfer/memcpy bandwidth: {:.2}", cm / xm);
+        println!(
+            "# Out of bounds values : {wrong} {}",
+            if wrong == 0 { "OK" } else { "FAILED" }
+        );
+        println!("# Avg bus bandwidth    : {busbw:.3}");
+    }
+    if wrong > 0 {
+        eprintln!("epcomm: {wrong} wrong bytes in the placed experts");
+        return ExitCode::from(1);
+    }
     ExitCode::SUCCESS
 }

@@ -1,22 +1,30 @@
-//! `epcomm bench moe`: dispatch, combine and the pair per backend, ranks as processes pinned one
-//! per core, with a memcpy of the same bytes timed in the same run.
+//! `epcomm bench moe`: dispatch, combine and the pair per backend and tokens per rank, ranks as
+//! processes pinned one per core, with a memcpy of the same bytes timed in the same run.
 //!
 //! Per iteration every rank waits at a barrier, then times dispatch and combine; an
 //! iteration's time is the slowest rank's. Bytes follow DeepEP's two conventions: rank
 //! deduplicated (a token counted once per destination rank) and per expert copy (once per
-//! (token, expert) pair).
+//! (token, expert) pair). After the timed iterations one more, untimed, runs toy experts on the
+//! received rows and compares every rank's combined output with the single-process reference.
+//!
+//! Before each case rank 0 compares the memory the case needs with what the machine has and
+//! broadcasts the verdict; a case that does not fit is refused with one line, and the rest run.
+//! The parent prints each row as soon as every rank has reported it.
 
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::Instant;
 
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
 use epcomm::group::{Group, GroupOptions};
-use epcomm::moe::reference::unit;
-use epcomm::moe::{Manager, MoeConfig};
-use epcomm::num::FloatKind;
+use epcomm::moe::reference::{unit, ToyExperts};
+use epcomm::moe::{self, Manager, MoeConfig};
+use epcomm::num::{self, FloatKind};
 use epcomm::select::all2all::{self, Backend};
 
-use crate::stats::{decode, encode, median_p99, slowest, time_memcpy};
+use crate::cli::{BenchRouting, MoeArgs};
+use crate::memory::{self, Need};
+use crate::stats::{decode, encode, median_p99, slowest, time_memcpy, tolerance};
 
 #[derive(Clone, Debug)]
 struct Params {
@@ -27,56 +35,24 @@ struct Params {
     experts: usize,
     topk: usize,
     kind: FloatKind,
-    routing: String,
+    routing: BenchRouting,
     iters: usize,
     warmup: usize,
-    json: bool,
-    /// Where to write the SVG chart of GB/s against T, if anywhere.
-    svg: Option<String>,
 }
 
-const USAGE: &str = "usage: epcomm bench moe [--backend NAME[,NAME..]|all] [--ranks N] [--tokens T[,T..]] [--hidden H] [--experts E] [--topk K] [--dtype bf16|f16|f32] [--routing uniform|skewed|top2] [--iters N] [--warmup N] [--json] [--svg FILE]";
-
-fn parse(args: &[String]) -> Result<Params, String> {
+fn params(a: &MoeArgs) -> Result<Params, String> {
     let mut p = Params {
-        backends: vec!["deepep_high_throughput".into()],
-        ranks: 2,
-        tokens: vec![128, 4096],
-        hidden: 7168,
-        experts: 256,
-        topk: 8,
-        kind: FloatKind::Bf16,
-        routing: "uniform".into(),
-        iters: 50,
-        warmup: 5,
-        json: false,
-        svg: None,
+        backends: a.backends.clone(),
+        ranks: a.ranks,
+        tokens: a.tokens.clone(),
+        hidden: a.hidden,
+        experts: a.experts,
+        topk: a.topk,
+        kind: a.kind,
+        routing: a.routing,
+        iters: a.iters,
+        warmup: a.warmup,
     };
-    for (name, value) in crate::opts::pairs(args, &["--json"])? {
-        let count = |v: &str| crate::opts::count(&name, v);
-        match name.as_str() {
-            "--json" => p.json = true,
-            "--svg" => p.svg = Some(value),
-            "--backend" => p.backends = value.split(',').map(str::to_owned).collect(),
-            "--ranks" => p.ranks = count(&value)?,
-            "--tokens" => p.tokens = value.split(',').map(count).collect::<Result<_, _>>()?,
-            "--hidden" => p.hidden = count(&value)?,
-            "--experts" => p.experts = count(&value)?,
-            "--topk" => p.topk = count(&value)?,
-            "--iters" => p.iters = count(&value)?,
-            "--warmup" => p.warmup = count(&value)?,
-            "--dtype" => p.kind = crate::opts::dtype(&value)?,
-            "--routing" => {
-                if !matches!(value.as_str(), "uniform" | "skewed" | "top2") {
-                    return Err(format!(
-                        "--routing {value}: expected uniform, skewed or top2"
-                    ));
-                }
-                p.routing = value;
-            }
-            other => return Err(format!("unknown option '{other}'")),
-        }
-    }
     if p.backends == ["all"] {
         p.backends = Backend::ALL
             .iter()
@@ -85,15 +61,70 @@ fn parse(args: &[String]) -> Result<Params, String> {
             .collect();
     }
     for b in &p.backends {
-        all2all::resolve_quiet(b).map_err(|e| format!("--backend: {e}"))?;
+        let r = all2all::resolve_quiet(b).map_err(|e| format!("--backend: {e}"))?;
+        if r.backend == Backend::Moonep {
+            return Err("--backend moonep: MoonEP kernels are not part of epcomm".into());
+        }
     }
-    if p.ranks == 0 || p.iters == 0 || p.experts % p.ranks.max(1) != 0 || p.topk > p.experts {
-        return Err(
-            "need --ranks > 0, --iters > 0, --experts a multiple of --ranks, --topk <= --experts"
-                .into(),
-        );
+    if p.experts % p.ranks != 0 {
+        return Err(format!(
+            "--experts {} must be a multiple of --ranks {} (each rank owns E/R experts)",
+            p.experts, p.ranks
+        ));
+    }
+    if p.topk > p.experts {
+        return Err(format!("--topk {} exceeds --experts {}", p.topk, p.experts));
     }
     Ok(p)
+}
+
+impl Params {
+    /// The cases in the order they run: every T of each backend.
+    fn cases(&self) -> Vec<(String, usize)> {
+        self.backends
+            .iter()
+            .flat_map(|b| self.tokens.iter().map(move |&t| (b.clone(), t)))
+            .collect()
+    }
+
+    fn config(&self, t: usize) -> MoeConfig {
+        MoeConfig {
+            num_experts: self.experts,
+            top_k: self.topk,
+            hidden: self.hidden,
+            hidden_dtype: self.kind.dtype(),
+            expert_dtype: self.kind,
+            out_dtype: self.kind,
+            max_tokens_per_rank: t,
+            extra_row_bytes: vec![],
+            apply_router_weight_on_input: false,
+        }
+    }
+
+    /// Memory one rank needs for a case at its peak: the layout's buffers `b`, plus the
+    /// reference check's float32 copies of the received rows (bounded by `b`) or the memcpy's
+    /// two buffers, whichever is more, plus the tokens' own input, output and reference.
+    fn need(&self, name: &str, t: usize) -> Need {
+        let layout = all2all::resolve_quiet(name).map_or(all2all::Layout::TokenMajor, |r| {
+            r.backend.layout()
+        });
+        let b = moe::buffer_bytes(layout, &self.config(t), self.ranks, t).unwrap_or(usize::MAX)
+            as u64;
+        let es = self.kind.size() as u64;
+        let check = (b / es).saturating_mul(8).max(b.saturating_mul(2));
+        let tokens = (t as u64)
+            .saturating_mul(self.hidden as u64)
+            .saturating_mul(2 * es + 12);
+        Need {
+            memory: b.saturating_add(check).saturating_add(tokens),
+            shm: b,
+            detail: format!(
+                "of which {} the {} layout's buffers",
+                memory::human(b),
+                layout.name()
+            ),
+        }
+    }
 }
 
 /// Routing of one rank: uniform, skewed (Zipf-like) or top-2 (every token picks two of its
@@ -107,9 +138,9 @@ fn routing(p: &Params, rank: usize, t: usize) -> (Vec<i64>, Vec<f32>) {
         while row.len() < k {
             let u = (unit(0xbe7c ^ (rank as u64) << 32, (tok as u64) << 12 | i) + 1.0) / 2.0;
             i += 1;
-            let e = match p.routing.as_str() {
-                "skewed" => ((u * u * u) * p.experts as f32) as usize,
-                "top2" => {
+            let e = match p.routing {
+                BenchRouting::Skewed => ((u * u * u) * p.experts as f32) as usize,
+                BenchRouting::Top2 => {
                     // Two experts of one rank, the rest masked.
                     if row.len() >= 2 {
                         row.push(-1);
@@ -119,7 +150,7 @@ fn routing(p: &Params, rank: usize, t: usize) -> (Vec<i64>, Vec<f32>) {
                     let dst = (rank + 1 + tok) % p.ranks;
                     dst * el + ((u * el as f32) as usize).min(el - 1)
                 }
-                _ => (u * p.experts as f32) as usize,
+                BenchRouting::Uniform => (u * p.experts as f32) as usize,
             }
             .min(p.experts - 1) as i64;
             if !row.contains(&e) {
@@ -132,9 +163,96 @@ fn routing(p: &Params, rank: usize, t: usize) -> (Vec<i64>, Vec<f32>) {
     (ids, w)
 }
 
-struct Sample {
-    dispatch: f64,
-    combine: f64,
+/// Bytes per rank of the tokens' rows: (rank-deduplicated, per expert copy).
+fn routed_bytes(p: &Params, ids: &[i64], t: usize) -> (u64, u64) {
+    let row = (p.hidden * p.kind.size()) as u64;
+    let el = p.experts / p.ranks;
+    let (mut dedup, mut per_expert) = (0u64, 0u64);
+    for tok in 0..t {
+        let mut ranks: Vec<usize> = ids[tok * p.topk..(tok + 1) * p.topk]
+            .iter()
+            .filter(|&&e| e >= 0)
+            .map(|&e| e as usize / el)
+            .collect();
+        per_expert += ranks.len() as u64 * row;
+        ranks.sort_unstable();
+        ranks.dedup();
+        dedup += ranks.len() as u64 * row;
+    }
+    (dedup, per_expert)
+}
+
+/// One case on one rank: prints its `SAMPLE` line.
+fn run_case(
+    p: &Params,
+    g: &mut ShmGroup,
+    rank: usize,
+    i: usize,
+    name: &str,
+    t: usize,
+) -> Result<(), String> {
+    let mut m = Manager::new(name, p.config(t), rank, p.ranks).map_err(|e| e.to_string())?;
+    let (ids, w) = routing(p, rank, t);
+    let x32: Vec<f32> = (0..(t * p.hidden) as u64)
+        .map(|j| unit(0x1234 ^ ((rank as u64) << 32), j))
+        .collect();
+    let x = num::from_f32(&x32, p.kind);
+    drop(x32);
+    let mut out = vec![0u8; t * p.hidden * p.kind.size()];
+    let mut y: Vec<u8> = Vec::new();
+    let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
+    for it in 0..p.warmup + p.iters {
+        g.barrier().map_err(|e| e.to_string())?;
+        let t0 = Instant::now();
+        let bytes = m
+            .dispatch(g, &x, &ids, &w, &[])
+            .map_err(|e| e.to_string())?
+            .hidden
+            .len();
+        let t1 = Instant::now();
+        // The experts' output: the dispatch buffer's shape (not timed; checked below).
+        y.resize(bytes, 0);
+        g.barrier().map_err(|e| e.to_string())?;
+        let t2 = Instant::now();
+        m.combine(g, &y, &mut out).map_err(|e| e.to_string())?;
+        let t3 = Instant::now();
+        if it >= p.warmup {
+            dispatch.push((t1 - t0).as_secs_f64());
+            combine.push((t3 - t2).as_secs_f64());
+        }
+    }
+    drop(y);
+    let (dedup, per_expert) = routed_bytes(p, &ids, t);
+
+    // The check: toy experts on what dispatch delivered, combine, compare with the reference.
+    let experts = ToyExperts::new(p.experts, p.hidden, 0xbe7c);
+    let view = m.dispatch(g, &x, &ids, &w, &[]).map_err(|e| e.to_string())?;
+    let y = num::from_f32(
+        &experts.run_local(&view, p.kind, rank, p.ranks, p.topk),
+        p.kind,
+    );
+    m.combine(g, &y, &mut out).map_err(|e| e.to_string())?;
+    drop(y);
+    let want = experts.reference(&num::to_f32(&x, p.kind), &ids, &w, p.topk, false);
+    let tol = tolerance(p.kind);
+    let wrong = num::to_f32(&out, p.kind)
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| !((*a - *b).abs() / b.abs().max(1.0) <= tol))
+        .count();
+    drop(want);
+
+    // memcpy of the bytes this rank received in dispatch, in the same run.
+    let moved = m.stats().bytes_received.iter().sum::<u64>() as usize;
+    drop(m);
+    let copies = time_memcpy(g, moved, p.warmup, p.iters)?;
+    println!(
+        "SAMPLE {i} {name} {t} {dedup} {per_expert} {moved} {wrong} {} {} {}",
+        encode(&dispatch),
+        encode(&combine),
+        encode(&copies)
+    );
+    Ok(())
 }
 
 fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
@@ -142,210 +260,278 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
     let _ = pin_current_thread(rank % ncpu);
     let mut g =
         ShmGroup::join(group, rank, p.ranks, GroupOptions::default()).map_err(|e| e.to_string())?;
-    let es = p.kind.size();
-    for name in &p.backends {
-        for &t in &p.tokens {
-            let cfg = MoeConfig {
-                num_experts: p.experts,
-                top_k: p.topk,
-                hidden: p.hidden,
-                hidden_dtype: p.kind.dtype(),
-                expert_dtype: p.kind,
-                out_dtype: p.kind,
-                max_tokens_per_rank: t,
-                extra_row_bytes: vec![],
-                apply_router_weight_on_input: false,
-            };
-            let mut m = Manager::new(name, cfg, rank, p.ranks).map_err(|e| e.to_string())?;
-            let (ids, w) = routing(p, rank, t);
-            let x: Vec<u8> = (0..t * p.hidden * es)
-                .map(|i| (i % 251) as u8 & 0x3f)
-                .collect();
-            let mut out = vec![0u8; t * p.hidden * es];
-            let mut y: Vec<u8> = Vec::new();
-            let mut samples = Vec::new();
-            let (mut dedup, mut per_expert) = (0u64, 0u64);
-            for it in 0..p.warmup + p.iters {
-                g.barrier().map_err(|e| e.to_string())?;
-                let t0 = Instant::now();
-                let bytes = m
-                    .dispatch(&mut g, &x, &ids, &w, &[])
-                    .map_err(|e| e.to_string())?
-                    .hidden
-                    .len();
-                let t1 = Instant::now();
-                // The experts' output: the dispatch buffer's shape, same dtype (not timed).
-                y.resize(bytes, 0);
-                g.barrier().map_err(|e| e.to_string())?;
-                let t2 = Instant::now();
-                m.combine(&mut g, &y, &mut out).map_err(|e| e.to_string())?;
-                let t3 = Instant::now();
-                if it >= p.warmup {
-                    samples.push(Sample {
-                        dispatch: (t1 - t0).as_secs_f64(),
-                        combine: (t3 - t2).as_secs_f64(),
-                    });
-                }
-                if it == 0 {
-                    let row = (p.hidden * es) as u64;
-                    let el = p.experts / p.ranks;
-                    for tok in 0..t {
-                        let r = &ids[tok * p.topk..(tok + 1) * p.topk];
-                        let mut ranks: Vec<usize> = r
-                            .iter()
-                            .filter(|&&e| e >= 0)
-                            .map(|&e| e as usize / el)
-                            .collect();
-                        per_expert += ranks.len() as u64 * row;
-                        ranks.sort();
-                        ranks.dedup();
-                        dedup += ranks.len() as u64 * row;
-                    }
-                }
+    for (i, (name, t)) in p.cases().into_iter().enumerate() {
+        // Rank 0 decides for all: MemAvailable moves, and the ranks must agree.
+        let refused = if rank == 0 {
+            memory::refusal(
+                &format!("{name} T={t}"),
+                &p.need(&name, t),
+                p.ranks,
+                "--tokens or --hidden",
+            )
+        } else {
+            None
+        };
+        let mut verdict = [u8::from(refused.is_some())];
+        g.broadcast(0, &mut verdict).map_err(|e| e.to_string())?;
+        if verdict[0] != 0 {
+            if let Some(line) = refused {
+                println!("REFUSED {i} {line}");
             }
-            // memcpy of the bytes this rank received in dispatch, in the same run.
-            let moved = m.stats().bytes_received.iter().sum::<u64>() as usize;
-            let copies = time_memcpy(&mut g, moved, p.warmup, p.iters)?;
-            println!(
-                "SAMPLE {name} {t} {dedup} {per_expert} {moved} {} {} {}",
-                encode(&samples.iter().map(|s| s.dispatch).collect::<Vec<_>>()),
-                encode(&samples.iter().map(|s| s.combine).collect::<Vec<_>>()),
-                encode(&copies)
-            );
+            continue;
         }
+        if rank == 0 {
+            println!("START {i}");
+        }
+        run_case(p, &mut g, rank, i, &name, t)?;
     }
     g.barrier().map_err(|e| e.to_string())?;
     Ok(())
 }
 
-pub fn cmd_moe(args: &[String]) -> ExitCode {
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("{USAGE}");
-        return ExitCode::SUCCESS;
+/// One measured case, summarised over ranks.
+struct Measured {
+    name: String,
+    t: usize,
+    dispatch: f64,
+    combine: f64,
+    pair: f64,
+    pair_p99: f64,
+    memcpy: f64,
+    /// Bytes per rank of the pair: the rank-deduplicated rows out and back.
+    size: f64,
+    /// The same per (token, expert) copy.
+    size_per_expert: f64,
+    wrong: u64,
+}
+
+/// Summarises the `SAMPLE` fields of one case, one per rank.
+fn measure(p: &Params, fields: &[Vec<String>]) -> Measured {
+    let series = |col: usize| -> Vec<Vec<f64>> { fields.iter().map(|f| decode(&f[col])).collect() };
+    let mean = |col: usize| -> f64 {
+        fields
+            .iter()
+            .map(|f| f[col].parse::<f64>().unwrap_or(0.0))
+            .sum::<f64>()
+            / p.ranks as f64
+    };
+    let (dv, cv) = (slowest(&series(7)), slowest(&series(8)));
+    let pv: Vec<f64> = dv.iter().zip(&cv).map(|(a, b)| a + b).collect();
+    let (pair, pair_p99) = median_p99(pv);
+    Measured {
+        name: fields[0][1].clone(),
+        t: fields[0][2].parse().unwrap_or(0),
+        dispatch: median_p99(dv).0,
+        combine: median_p99(cv).0,
+        pair,
+        pair_p99,
+        memcpy: median_p99(slowest(&series(9))).0,
+        size: 2.0 * mean(3),
+        size_per_expert: 2.0 * mean(4),
+        wrong: fields
+            .iter()
+            .map(|f| f[6].parse::<u64>().unwrap_or(u64::MAX))
+            .fold(0, u64::saturating_add),
     }
-    let p = match parse(args) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("epcomm: error: {e}\n{USAGE}");
-            return ExitCode::from(2);
+}
+
+/// One table line: the backend left-aligned, the numbers right-aligned.
+fn row_text(cols: [&str; 11]) -> String {
+    let w = [28usize, 6, 12, 12, 12, 10, 10, 11, 11, 10, 7];
+    let mut s = String::new();
+    for (i, (c, w)) in cols.iter().zip(w).enumerate() {
+        if i == 0 {
+            s.push_str(&format!("{c:<w$}"));
+        } else {
+            s.push_str(&format!(" {c:>w$}"));
         }
+    }
+    s
+}
+
+/// `epcomm bench moe`.
+pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
+    let p = match params(a) {
+        Ok(p) => p,
+        Err(e) => return crate::usage_error(&e),
     };
     if let Some(code) = crate::ranks::as_rank(|rank, group| rank_main(&p, rank, group)) {
         return code;
     }
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let outputs = match crate::ranks::run(&["bench", "moe"], args, p.ranks, "benchmoe", &[]) {
-        Ok(o) if o.iter().all(|o| o.status.success()) => o,
-        _ => {
-            eprintln!("epcomm: a benchmark rank failed");
+    let cases = p.cases();
+    let n = p.ranks as f64;
+    let tol = tolerance(p.kind);
+    if !a.json {
+        let oversub = if p.ranks > ncpu {
+            ", oversubscribed"
+        } else {
+            ""
+        };
+        println!(
+            "# epcomm bench moe: dispatch + combine over shared memory, {} ranks (processes, one per core{oversub})",
+            p.ranks
+        );
+        println!(
+            "# hidden {} {}, {} experts, top-{}, {} routing, {} iterations after {} warm-up; times: median over iterations of the slowest rank",
+            p.hidden, p.kind.name(), p.experts, p.topk, p.routing.name(), p.iters, p.warmup
+        );
+        println!("# size: bytes per rank of dispatch + combine (its rank-deduplicated rows out, the same rows back); time = dispatch + combine");
+        println!(
+            "# algbw = size / time; busbw = algbw * (n-1)/n with n = {} ranks (nccl-tests' alltoall); memcpy: one copy of the bytes dispatch received, same run",
+            p.ranks
+        );
+        println!("# #wrong: elements of the combined output (toy experts on the received rows) off the single-process float32 reference by more than {tol:.0e} relative, all ranks");
+        println!("#");
+        println!(
+            "# {}",
+            row_text([
+                "backend",
+                "T",
+                "size(B)",
+                "dispatch(us)",
+                "combine(us)",
+                "time(us)",
+                "p99(us)",
+                "algbw(GB/s)",
+                "busbw(GB/s)",
+                "memcpy(us)",
+                "#wrong"
+            ])
+        );
+    }
+    let _ = std::io::stdout().flush();
+    let bar = if std::io::stderr().is_terminal() {
+        let b = indicatif::ProgressBar::new(cases.len() as u64);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} cases {msg}",
+        ) {
+            b.set_style(style);
+        }
+        b.enable_steady_tick(std::time::Duration::from_millis(200));
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let ranks = match crate::ranks::Ranks::spawn(p.ranks, "benchmoe", &[]) {
+        Ok(r) => r,
+        Err(e) => {
+            bar.finish_and_clear();
+            eprintln!("epcomm: {e}");
             return ExitCode::from(1);
         }
     };
-    // Per rank, its sample lines.
-    let lines: Vec<Vec<String>> = outputs
-        .iter()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .filter_map(|l| l.strip_prefix("SAMPLE ").map(str::to_owned))
-                .collect()
-        })
-        .collect();
-    let oversub = if p.ranks > ncpu {
-        " (oversubscribed)"
-    } else {
-        ""
-    };
-    if !p.json {
-        println!(
-            "epcomm bench moe: {} ranks{oversub}, hidden {}, {} experts, top-{}, {}, {} routing, {} iterations (median / p99 of the slowest rank)",
-            p.ranks, p.hidden, p.experts, p.topk, p.kind.name(), p.routing, p.iters
-        );
-        println!(
-            "{:<28} {:>6} {:>11} {:>11} {:>11} {:>11} {:>10} {:>10} {:>9}",
-            "backend",
-            "T",
-            "dispatch ms",
-            "combine ms",
-            "pair ms",
-            "pair p99",
-            "GB/s dedup",
-            "GB/s copy",
-            "memcpy ms"
-        );
-    }
+    // Per case: each rank's SAMPLE fields, or the refusal line.
+    let mut samples: Vec<Vec<Option<Vec<String>>>> = vec![vec![None; p.ranks]; cases.len()];
+    let mut refused: Vec<Option<String>> = vec![None; cases.len()];
+    let mut next = 0;
+    let mut rows: Vec<Measured> = Vec::new();
     let mut json = Vec::new();
-    // Chart lines: per backend GB/s (rank-deduplicated bytes of the pair) against T, and the
-    // memcpy roofline of the same bytes.
     let mut chart: Vec<crate::plot::Series> = Vec::new();
     let mut roofline: Vec<(f64, f64)> = Vec::new();
-    for i in 0..lines[0].len() {
-        let parsed: Vec<Vec<String>> = lines
-            .iter()
-            .map(|l| l[i].split_whitespace().map(str::to_owned).collect())
-            .collect();
-        let name = parsed[0][0].clone();
-        let t: usize = parsed[0][1].parse().unwrap_or(0);
-        let series =
-            |col: usize| -> Vec<Vec<f64>> { parsed.iter().map(|f| decode(&f[col])).collect() };
-        let (d, c, m) = (series(5), series(6), series(7));
-        let (dv, cv) = (slowest(&d), slowest(&c));
-        let pv: Vec<f64> = dv.iter().zip(&cv).map(|(a, b)| a + b).collect();
-        let (dm, _) = median_p99(dv);
-        let (cm, _) = median_p99(cv);
-        let (pm, pp) = median_p99(pv);
-        let (mm, _) = median_p99(slowest(&m));
-        let dedup: f64 = parsed
-            .iter()
-            .map(|f| f[2].parse::<f64>().unwrap_or(0.0))
-            .sum::<f64>()
-            / p.ranks as f64;
-        let per_exp: f64 = parsed
-            .iter()
-            .map(|f| f[3].parse::<f64>().unwrap_or(0.0))
-            .sum::<f64>()
-            / p.ranks as f64;
-        // Bytes per rank moved by the pair: dispatch out and combine back.
-        let gbps = |b: f64| 2.0 * b / pm / 1e9;
-        match chart.iter_mut().find(|s| s.label == name) {
-            Some(s) => s.points.push((t as f64, gbps(dedup))),
-            None => chart.push(crate::plot::Series {
-                label: name.clone(),
-                points: vec![(t as f64, gbps(dedup))],
-                dashed: false,
-            }),
+    while let Some((rank, line)) = ranks.next_line() {
+        let mut f = line.split_whitespace();
+        let (tag, idx) = (f.next(), f.next().and_then(|s| s.parse::<usize>().ok()));
+        let Some(i) = idx.filter(|&i| i < cases.len()) else {
+            continue;
+        };
+        match tag {
+            Some("START") => bar.set_message(format!("{} T={}", cases[i].0, cases[i].1)),
+            Some("REFUSED") => refused[i] = Some(line.splitn(3, ' ').nth(2).unwrap_or("").into()),
+            Some("SAMPLE") => samples[i][rank] = Some(line.split_whitespace().map(String::from).collect()),
+            _ => continue,
         }
-        if !roofline.iter().any(|r| r.0 == t as f64) && mm > 0.0 {
-            roofline.push((t as f64, dedup / mm / 1e9));
-        }
-        if p.json {
-            json.push(serde_json::json!({
-                "backend": name, "tokens": t, "ranks": p.ranks, "dispatch_ms": dm * 1e3, "combine_ms": cm * 1e3,
-                "pair_ms": pm * 1e3, "pair_p99_ms": pp * 1e3, "gbps_dedup": gbps(dedup), "gbps_per_expert": gbps(per_exp),
-                "memcpy_ms": mm * 1e3,
-            }));
-        } else {
-            println!(
-                "{:<28} {:>6} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>10.2} {:>10.2} {:>9.2}",
-                name,
-                t,
-                dm * 1e3,
-                cm * 1e3,
-                pm * 1e3,
-                pp * 1e3,
-                gbps(dedup),
-                gbps(per_exp),
-                mm * 1e3
-            );
+        // Print every case that is complete, in order, as soon as it is.
+        while next < cases.len() {
+            if let Some(why) = &refused[next] {
+                bar.suspend(|| eprintln!("epcomm bench moe: {why}"));
+            } else if samples[next].iter().all(Option::is_some) {
+                let fields: Vec<Vec<String>> =
+                    samples[next].iter().flatten().cloned().collect();
+                let r = measure(&p, &fields);
+                let algbw = r.size / r.pair / 1e9;
+                let busbw = algbw * (n - 1.0) / n;
+                if a.json {
+                    json.push(serde_json::json!({
+                        "backend": r.name, "tokens": r.t, "ranks": p.ranks,
+                        "size_bytes": r.size, "time_us": r.pair * 1e6,
+                        "algbw_gbps": algbw, "busbw_gbps": busbw, "wrong": r.wrong,
+                        "dispatch_ms": r.dispatch * 1e3, "combine_ms": r.combine * 1e3,
+                        "pair_ms": r.pair * 1e3, "pair_p99_ms": r.pair_p99 * 1e3,
+                        "gbps_dedup": algbw, "gbps_per_expert": r.size_per_expert / r.pair / 1e9,
+                        "memcpy_ms": r.memcpy * 1e3,
+                    }));
+                } else {
+                    let us = |s: f64| format!("{:.1}", s * 1e6);
+                    let text = row_text([
+                        &r.name,
+                        &r.t.to_string(),
+                        &format!("{:.0}", r.size),
+                        &us(r.dispatch),
+                        &us(r.combine),
+                        &us(r.pair),
+                        &us(r.pair_p99),
+                        &format!("{algbw:.2}"),
+                        &format!("{busbw:.2}"),
+                        &us(r.memcpy),
+                        &r.wrong.to_string(),
+                    ]);
+                    bar.suspend(|| {
+                        println!("  {text}");
+                        let _ = std::io::stdout().flush();
+                    });
+                }
+                match chart.iter_mut().find(|s| s.label == r.name) {
+                    Some(s) => s.points.push((r.t as f64, algbw)),
+                    None => chart.push(crate::plot::Series {
+                        label: r.name.clone(),
+                        points: vec![(r.t as f64, algbw)],
+                        dashed: false,
+                    }),
+                }
+                if !roofline.iter().any(|x| x.0 == r.t as f64) && r.memcpy > 0.0 {
+                    roofline.push((r.t as f64, r.size / 2.0 / r.memcpy / 1e9));
+                }
+                rows.push(r);
+            } else {
+                break;
+            }
+            next += 1;
+            bar.inc(1);
         }
     }
-    if p.json {
+    bar.finish_and_clear();
+    let failed_ranks = ranks
+        .wait()
+        .iter()
+        .filter(|s| !s.as_ref().is_ok_and(|s| s.success()))
+        .count();
+    let wrong: u64 = rows.iter().map(|r| r.wrong).fold(0, u64::saturating_add);
+    let n_refused = refused.iter().flatten().count();
+    if a.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::Value::Array(json)).unwrap_or_default()
         );
+    } else {
+        let avg = rows
+            .iter()
+            .map(|r| r.size / r.pair / 1e9 * (n - 1.0) / n)
+            .sum::<f64>()
+            / rows.len().max(1) as f64;
+        println!(
+            "# Out of bounds values : {wrong} {}",
+            if wrong == 0 { "OK" } else { "FAILED" }
+        );
+        println!("# Avg bus bandwidth    : {avg:.3}");
+        if n_refused > 0 {
+            println!(
+                "# {n_refused} of {} cases refused for memory (see stderr)",
+                cases.len()
+            );
+        }
     }
-    if let Some(path) = &p.svg {
+    if let Some(path) = &a.svg {
         roofline.sort_by(|a, b| a.0.total_cmp(&b.0));
         chart.push(crate::plot::Series {
             label: "memcpy (same bytes)".into(),
@@ -359,12 +545,12 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             p.kind.name(),
             p.experts,
             p.topk,
-            p.routing
+            p.routing.name()
         );
         let svg = crate::plot::line_chart(
             &title,
             "tokens per rank (T)",
-            "GB/s per rank (rank-deduplicated bytes)",
+            "GB/s per rank (algbw: rank-deduplicated bytes)",
             &chart,
         );
         if let Err(e) = std::fs::write(path, svg) {
@@ -372,5 +558,16 @@ pub fn cmd_moe(args: &[String]) -> ExitCode {
             return ExitCode::from(1);
         }
     }
-    ExitCode::SUCCESS
+    if failed_ranks > 0 || next < cases.len() {
+        eprintln!("epcomm: {failed_ranks} benchmark rank(s) failed (their errors are above)");
+        ExitCode::from(1)
+    } else if wrong > 0 {
+        eprintln!("epcomm: {wrong} wrong values in the combined outputs");
+        ExitCode::from(1)
+    } else if rows.is_empty() {
+        eprintln!("epcomm: every case was refused; nothing was measured");
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
 }

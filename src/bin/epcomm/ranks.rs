@@ -1,7 +1,10 @@
-//! Rank processes for `demo` and `bench`: the command re-runs this binary once per rank with
-//! the rank and the shared-memory group name in the environment.
+//! Rank processes for `demo` and `bench`: the command re-runs this binary, with the same
+//! arguments, once per rank with the rank and the shared-memory group name in the environment.
+//! Ranks report to the parent in lines on their stdout; their stderr is the parent's.
 
-use std::process::{Command, Output, Stdio};
+use std::io::BufRead;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{channel, Receiver};
 
 const RANK_ENV: &str = "EPCOMM_CLI_RANK";
 const GROUP_ENV: &str = "EPCOMM_CLI_GROUP";
@@ -27,36 +30,94 @@ pub fn as_rank(
     })
 }
 
-/// Runs `ranks` rank processes of `epcomm {command} {args}` on a fresh group (named after
-/// `prefix` and this process) and returns their outputs (stdout captured), in rank order.
-pub fn run(
-    command: &[&str],
-    args: &[String],
-    ranks: usize,
-    prefix: &str,
-    extra_env: &[(&str, &str)],
-) -> Result<Vec<Output>, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
-    let group = format!("{prefix}{}", std::process::id());
-    let children: Vec<_> = (0..ranks)
-        .map(|r| {
+/// Running rank processes: their stdout lines as they come, then their exit statuses.
+pub struct Ranks {
+    children: Vec<Child>,
+    lines: Receiver<(usize, String)>,
+}
+
+impl Ranks {
+    /// Starts `ranks` rank processes of this command on a fresh group (named after `prefix`
+    /// and this process), with `extra_env` set.
+    pub fn spawn(ranks: usize, prefix: &str, extra_env: &[(&str, &str)]) -> Result<Ranks, String> {
+        let exe =
+            std::env::current_exe().map_err(|e| format!("cannot find own executable: {e}"))?;
+        let group = format!("{prefix}{}", std::process::id());
+        let (tx, rx) = channel();
+        let mut children = Vec::with_capacity(ranks);
+        for r in 0..ranks {
             let mut cmd = Command::new(&exe);
-            cmd.args(command)
-                .args(args)
+            cmd.args(std::env::args_os().skip(1))
                 .env(RANK_ENV, r.to_string())
                 .env(GROUP_ENV, &group)
                 .stdout(Stdio::piped());
             for (k, v) in extra_env {
                 cmd.env(k, v);
             }
-            cmd.spawn()
+            let mut child = match cmd.spawn() {
+                Ok(c) => c,
+                Err(e) => {
+                    for mut c in children {
+                        let _ = Child::kill(&mut c);
+                        let _ = c.wait();
+                    }
+                    return Err(format!("cannot run a rank: {e}"));
+                }
+            };
+            let out = child.stdout.take().expect("stdout is piped");
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(out).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send((r, line)).is_err() {
+                        break;
+                    }
+                }
+            });
+            children.push(child);
+        }
+        Ok(Ranks {
+            children,
+            lines: rx,
         })
-        .collect();
-    children
+    }
+
+    /// The next line some rank printed, as soon as it is printed; `None` once every rank
+    /// closed its stdout.
+    pub fn next_line(&self) -> Option<(usize, String)> {
+        self.lines.recv().ok()
+    }
+
+    /// Waits for every rank; their exit statuses in rank order.
+    pub fn wait(self) -> Vec<std::io::Result<ExitStatus>> {
+        self.children.into_iter().map(|mut c| c.wait()).collect()
+    }
+}
+
+/// What one rank printed and how it ended.
+pub struct RankOutput {
+    pub stdout: String,
+    pub success: bool,
+}
+
+/// Runs `ranks` rank processes to the end (see [`Ranks::spawn`]); their outputs in rank order.
+pub fn run(
+    ranks: usize,
+    prefix: &str,
+    extra_env: &[(&str, &str)],
+) -> Result<Vec<RankOutput>, String> {
+    let r = Ranks::spawn(ranks, prefix, extra_env)?;
+    let mut text = vec![String::new(); ranks];
+    while let Some((rank, line)) = r.next_line() {
+        text[rank].push_str(&line);
+        text[rank].push('\n');
+    }
+    Ok(r.wait()
         .into_iter()
-        .map(|c| {
-            c.and_then(|c| c.wait_with_output())
-                .map_err(|e| format!("cannot run a rank: {e}"))
+        .zip(text)
+        .map(|(status, stdout)| RankOutput {
+            stdout,
+            success: status.is_ok_and(|s| s.success()),
         })
-        .collect()
+        .collect())
 }

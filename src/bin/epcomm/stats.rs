@@ -64,3 +64,13 @@ pub fn time_memcpy(
     }
     Ok(times)
 }
+
+/// Largest relative error (`|got - want| / max(|want|, 1)`) a reduction in `kind` may show
+/// against the float32 reference.
+pub fn tolerance(kind: epcomm::num::FloatKind) -> f32 {
+    match kind {
+        epcomm::num::FloatKind::F32 => 1e-5,
+        epcomm::num::FloatKind::F16 => 4e-3,
+        epcomm::num::FloatKind::Bf16 => 3e-2,
+    }
+}

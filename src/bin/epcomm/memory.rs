@@ -1,0 +1,78 @@
+//! Whether a benchmark case fits in this machine's memory, checked before the case starts so a
+//! case that does not fit is refused with one line instead of failing (or waking the
+//! out-of-memory killer) half-way.
+
+/// Whether the shared-memory group stages data in its /dev/shm regions: the ranks' buffers
+/// then live there too. By default (direct mode) peers read each other's buffers in place.
+pub fn region_mode() -> bool {
+    std::env::var("EPCOMM_SHM_DIRECT").is_ok_and(|v| v.trim() == "0")
+}
+
+/// Free bytes of /dev/shm (what an unprivileged process may still allocate there).
+pub fn shm_free() -> Option<u64> {
+    let path = c"/dev/shm";
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is NUL-terminated and `st` is a writable statvfs.
+    if unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// `bytes` with a decimal unit, e.g. `15.0 GB`.
+pub fn human(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.1} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.1} MB", b / 1e6)
+    } else {
+        format!("{:.1} kB", b / 1e3)
+    }
+}
+
+/// What one case needs on each rank: process memory, and (in region mode) /dev/shm.
+pub struct Need {
+    /// Bytes of memory per rank, all buffers of the case at its peak.
+    pub memory: u64,
+    /// Bytes per rank in /dev/shm when the group stages data there.
+    pub shm: u64,
+    /// How the figure is made up, for the refusal line (e.g. "of which 15.0 GB the layout's buffers").
+    pub detail: String,
+}
+
+/// `None` when `ranks` ranks of `need` fit in MemAvailable (and /dev/shm in region mode);
+/// otherwise the one line that refuses `what`, naming the options in `shrink`.
+pub fn refusal(what: &str, need: &Need, ranks: usize, shrink: &str) -> Option<String> {
+    let n = ranks as u64;
+    let shm = if region_mode() { need.shm } else { 0 };
+    let per_rank = need.memory.saturating_add(shm);
+    let detail = if need.detail.is_empty() {
+        String::new()
+    } else {
+        format!(", {}", need.detail)
+    };
+    if let Some(avail) = epcomm::probe::available_memory() {
+        if per_rank.saturating_mul(n) > avail {
+            return Some(format!(
+                "refused {what}: needs {per_rank} bytes per rank ({}{detail}) x {ranks} ranks, more than the {} available (MemAvailable); lower {shrink}",
+                human(per_rank),
+                human(avail)
+            ));
+        }
+    }
+    if shm > 0 {
+        if let Some(free) = shm_free() {
+            if shm.saturating_mul(n) > free {
+                return Some(format!(
+                    "refused {what}: needs {shm} bytes per rank ({}) of /dev/shm x {ranks} ranks (EPCOMM_SHM_DIRECT=0), more than its {} free; lower {shrink}",
+                    human(shm),
+                    human(free)
+                ));
+            }
+        }
+    }
+    None
+}
