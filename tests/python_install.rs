@@ -22,7 +22,9 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use common::python::{builder_or_skip, lock_file, numpy_or_skip, run_code, Python};
+use common::python::{
+    builder_or_skip, first_paragraph, lock_file, numpy_or_skip, run_code, Python,
+};
 use common::skip::skipped;
 use common::*;
 
@@ -65,18 +67,23 @@ fn run(cmd: Command, what: &str) -> RunOutput {
     out
 }
 
-fn fresh_venv(py: &Python, dir: &Path) -> Venv {
+/// A fresh venv in `dir`, or `None` after a SKIPPED line for `test` when `venv` fails.
+fn fresh_venv(test: &str, py: &Python, dir: &Path) -> Option<Venv> {
     let venv = dir.join("venv");
     let mut cmd = Command::new(&py.exe);
     cmd.args(["-m", "venv", "--without-pip"]).arg(&venv);
-    run(
-        cmd,
-        &format!(
-            "{} -m venv --without-pip {}",
-            py.exe.display(),
-            venv.display()
-        ),
-    );
+    let out = run_with_timeout(cmd, PIP_TIMEOUT);
+    if !out.success() {
+        skipped(
+            test,
+            &format!(
+                "`{} -m venv --without-pip` failed: {}",
+                py.exe.display(),
+                first_paragraph(&out.stdout, &out.stderr)
+            ),
+        );
+        return None;
+    }
     let python = venv.join("bin/python");
     let paths =
         "import sysconfig; p = sysconfig.get_paths(); print(p['purelib']); print(p['platlib'])";
@@ -91,11 +98,11 @@ fn fresh_venv(py: &Python, dir: &Path) -> Venv {
         lines.join("\n") + "\n",
     )
     .expect("write the .pth file");
-    Venv {
+    Some(Venv {
         python,
         purelib,
         platlib,
-    }
+    })
 }
 
 /// `pip install ./python` from the crate root into `venv`, with `env` set for the build.
@@ -219,7 +226,9 @@ fn pip_installed_package_carries_its_library() {
     let built = target.join("debug/libepcomm.so");
     std::fs::copy(cdylib(), &built).unwrap();
 
-    let venv = fresh_venv(py, &work);
+    let Some(venv) = fresh_venv(TEST, py, &work) else {
+        return;
+    };
     pip_install(&venv, &[("CARGO_TARGET_DIR", &target)]);
     // Native code goes to platlib (the same directory as purelib on Debian).
     let carried = venv.platlib.join("epcomm/libepcomm.so");
@@ -305,7 +314,9 @@ fn package_without_a_library_finds_the_system_one_or_says_how() {
         return;
     };
     let work = out_dir("python-install-system");
-    let venv = fresh_venv(py, &work);
+    let Some(venv) = fresh_venv(TEST, py, &work) else {
+        return;
+    };
     pip_install(&venv, &[("EPCOMM_BUNDLE_LIBRARY", Path::new("0"))]);
     let carried = venv.purelib.join("epcomm/libepcomm.so");
     assert!(!carried.exists(), "{} was installed", carried.display());
@@ -332,12 +343,23 @@ fn package_without_a_library_finds_the_system_one_or_says_how() {
         "import epcomm (LD_LIBRARY_PATH)",
     );
 
-    let system = run_code(
-        &venv.python,
-        "import ctypes\nfor n in ('libepcomm.so.0.1', 'libepcomm.so'):\n    try:\n        \
-         ctypes.CDLL(n); print(n)\n    except OSError:\n        pass",
-    )
-    .expect("probe the system library path");
+    // A libepcomm installed on this machine (ldconfig's cache, /usr/lib) would be found.
+    let out = python_in(
+        &venv,
+        &work,
+        &[
+            "-c",
+            "import ctypes\nfor n in ('libepcomm.so.0.1', 'libepcomm.so'):\n    try:\n        \
+             ctypes.CDLL(n); print(n)\n    except OSError:\n        pass",
+        ],
+        &[],
+    );
+    assert!(
+        out.success(),
+        "{}",
+        out.describe("probe the system library path")
+    );
+    let system = out.stdout;
     if !system.is_empty() {
         skipped(
             &format!("{TEST} (no library at all)"),

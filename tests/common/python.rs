@@ -25,8 +25,19 @@ use std::time::{Duration, Instant, SystemTime};
 use super::run_with_timeout;
 use super::skip::{required, skipped};
 
-/// Imports that prove the interpreter can build `./python` into a wheel without the network.
-const BUILD_CHECK: &str = "import pip, setuptools, wheel";
+/// What lets the interpreter build `./python` into a wheel without the network, as (name, code
+/// that imports it): bdist_wheel is setuptools' own from 70.1 on, the wheel package's before.
+const BUILD_MODULES: &[(&str, &str)] = &[
+    ("setuptools", "import setuptools"),
+    (
+        "wheel",
+        "try:\n    import setuptools.command.bdist_wheel\nexcept ImportError:\n    import wheel",
+    ),
+    ("pip", "import pip"),
+];
+/// Imports everything the venv provides; setuptools comes before pip, whose distutils would
+/// otherwise trip setuptools' import check.
+const VENV_CHECK: &str = "import setuptools, wheel, pip, numpy";
 /// What the venv gets from PyPI.
 const PACKAGES: &[&str] = &["numpy", "setuptools", "wheel"];
 /// How long making the venv may take, and pip's per-connection timeout within that.
@@ -125,38 +136,44 @@ fn base() -> Result<(PathBuf, String), String> {
         "import sys; assert sys.version_info[0] == 3; print(sys.executable); print(sys.version)",
     ) {
         Ok(about) => Ok((exe, about)),
+        Err(e) if e.starts_with("cannot run") => Err(format!(
+            "no Python 3 interpreter: {e}; install python3 or set $PYTHON to one"
+        )),
         Err(e) => Err(format!(
-            "no Python 3 interpreter ({name}: {e}); install python3 or set $PYTHON to one"
+            "no Python 3 interpreter: {name} is not a working Python 3 ({e}); install python3 \
+             or set $PYTHON to one"
         )),
     }
 }
 
 fn find() -> Result<Python, String> {
     let (exe, about) = base()?;
-    let numpy = run_code(&exe, "import numpy").err();
-    let build = run_code(&exe, BUILD_CHECK).err();
-    if numpy.is_none() && build.is_none() {
+    let missing = |modules: &[(&str, &str)]| -> Vec<String> {
+        modules
+            .iter()
+            .filter(|(_, code)| run_code(&exe, code).is_err())
+            .map(|(name, _)| name.to_string())
+            .collect()
+    };
+    let numpy = missing(&[("numpy", "import numpy")]);
+    let build = missing(BUILD_MODULES);
+    if numpy.is_empty() && build.is_empty() {
         return Ok(Python {
             exe,
             numpy_missing: None,
             build_missing: None,
         });
     }
-    let lacks = PACKAGES
-        .iter()
-        .filter(|p| run_code(&exe, &format!("import {p}")).is_err())
-        .copied()
-        .collect::<Vec<_>>()
-        .join(", ");
+    let lacks = [numpy.clone(), build.clone()].concat().join(", ");
     let bare = |why: String| Python {
         exe: exe.clone(),
-        numpy_missing: numpy
-            .as_ref()
-            .map(|e| format!("{} cannot import numpy ({e}); {why}", exe.display())),
-        build_missing: build.as_ref().map(|e| {
+        numpy_missing: (!numpy.is_empty())
+            .then(|| format!("{} cannot import numpy; {why}", exe.display())),
+        build_missing: (!build.is_empty()).then(|| {
             format!(
-                "{} cannot build ./python offline ({e}); {why}",
-                exe.display()
+                "{} cannot build ./python offline: it lacks {}; {why}",
+                exe.display(),
+                build.join(", ")
             )
         }),
     };
@@ -222,9 +239,9 @@ fn provision(base: &Path, about: &str) -> Result<PathBuf, String> {
     let failed = target_dir().join("epcomm-test-venv.failed");
     let _lock = lock_file(&target_dir().join("epcomm-test-venv.lock"));
 
-    let check = format!("import numpy; {BUILD_CHECK}");
+    let check = VENV_CHECK;
     let same_base = std::fs::read_to_string(&stamp).is_ok_and(|s| s == about);
-    if same_base && run_code(&python, &check).is_ok() {
+    if same_base && run_code(&python, check).is_ok() {
         return Ok(python);
     }
     // A recent failure is not retried (each test binary would wait on it again), unless a
@@ -247,7 +264,7 @@ fn provision(base: &Path, about: &str) -> Result<PathBuf, String> {
             }
         }
     }
-    let result = make_venv(base, &venv, &python, &check);
+    let result = make_venv(base, &venv, &python, check);
     match &result {
         Ok(_) => {
             std::fs::write(&stamp, about).map_err(|e| format!("write {}: {e}", stamp.display()))?;
@@ -274,7 +291,7 @@ fn make_venv(base: &Path, venv: &Path, python: &Path, check: &str) -> Result<(),
             "`{} -m venv {}` failed: {} (on Debian the venv module is the python3-venv package)",
             base.display(),
             venv.display(),
-            first_line(&out.stdout, &out.stderr)
+            first_paragraph(&out.stdout, &out.stderr)
         ));
     }
     let mut cmd = Command::new(python);
@@ -316,14 +333,15 @@ fn make_venv(base: &Path, venv: &Path, python: &Path, check: &str) -> Result<(),
     Ok(())
 }
 
-/// The first non-empty line of the output (where `venv` states its error).
-fn first_line(stdout: &str, stderr: &str) -> String {
+/// The first paragraph of the output, on one line (where `venv` states its error).
+pub fn first_paragraph(stdout: &str, stderr: &str) -> String {
     let text = format!("{stderr}\n{stdout}");
     text.lines()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("")
-        .trim()
-        .to_owned()
+        .map(str::trim)
+        .skip_while(|l| l.is_empty())
+        .take_while(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The last non-empty line of stderr, else of stdout (where pip states its error).
