@@ -17,6 +17,9 @@
 //! An invalid `EPCOMM_NO_SIMD` turns the AVX2 kernels off, as any value did before `0` and `1`
 //! were told apart: whoever sets it means to turn them off.
 //!
+//! Other `EPCOMM_*` names are not the library's: the test suite reads `EPCOMM_REQUIRE_*` and
+//! `EPCOMM_TEST_*`, the `epcomm` tool passes `EPCOMM_CLI_*` to its own rank processes.
+//!
 //! Variables read once per process: `EPCOMM_LOG_LEVEL`, `EPCOMM_NO_SIMD`, `EPCOMM_FAULT_POINT`,
 //! `EPCOMM_NVRTC_PATH`, `EPCOMM_CACHE_DIR`. `EPCOMM_TIMEOUT_S` and `EPCOMM_SHM_DIRECT` are read
 //! again by every group created, so a host may change them between groups.
