@@ -30,10 +30,7 @@ fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
             }
             common::skip::skipped(
                 test,
-                &format!(
-                    "{e} (run scripts/fetch-nvrtc.sh and set EPCOMM_NVRTC_PATH to the directory \
-                     it prints)"
-                ),
+                &format!("{e} (scripts/fetch-nvrtc.sh downloads it and prints its directory)"),
             );
             None
         }
