@@ -937,11 +937,13 @@ fn nccl_loader_with_a_fake_libnccl() {
     match built {
         Ok(s) if s.success() => {}
         other => {
+            let why = match other {
+                Ok(s) => format!("it exited with {s}"),
+                Err(e) => e.to_string(),
+            };
             common::skip::skipped(
                 "nccl_loader_with_a_fake_libnccl",
-                &format!(
-                    "cannot build the fake libnccl with {cc} ({other:?}); install gcc or set $CC"
-                ),
+                &format!("cannot build the fake libnccl with {cc} ({why}); install gcc or set $CC"),
             );
             return;
         }
