@@ -179,20 +179,24 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
     };
     let mut xfer = Vec::new();
     let mut copy = Vec::new();
-    let (mut moved, mut received, mut wrong) = (0f64, 0f64, 0u64);
+    let (mut moved, mut received, mut wrong) = (0u64, 0u64, 0u64);
     for out in &outputs {
         let text = &out.stdout;
         xfer.push(decode(tagged(text, "XFER ")));
         copy.push(decode(tagged(text, "COPY ")));
-        let num = |tag: &str| tagged(text, tag).trim().parse::<f64>().unwrap_or(0.0);
+        let num = |tag: &str| tagged(text, tag).trim().parse::<u64>().unwrap_or(0);
         moved = moved.max(num("MOVED "));
         received = received.max(num("RECEIVED "));
         wrong += tagged(text, "WRONG ").trim().parse::<u64>().unwrap_or(u64::MAX / 4);
     }
     let (xm, xp) = median_p99(slowest(&xfer));
     let (cm, _) = median_p99(slowest(&copy));
-    let algbw = moved / xm / 1e9;
-    let busbw = if moved > 0.0 { algbw * received / moved } else { 0.0 };
+    let algbw = moved as f64 / xm / 1e9;
+    let busbw = if moved > 0 {
+        algbw * received as f64 / moved as f64
+    } else {
+        0.0
+    };
     if p.json {
         println!(
             "{}",
@@ -203,7 +207,7 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
                 "size_bytes": moved, "received_bytes": received,
                 "time_us": xm * 1e6, "p99_us": xp * 1e6,
                 "algbw_gbps": algbw, "busbw_gbps": busbw, "memcpy_us": cm * 1e6,
-                "memcpy_gbps": moved / cm / 1e9, "wrong": wrong,
+                "memcpy_gbps": moved as f64 / cm / 1e9, "wrong": wrong,
             })
         );
     } else {
