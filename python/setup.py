@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 
+import setuptools
 from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py as _build_py
 
@@ -136,4 +137,15 @@ if _bdist_wheel is not None:
 
     cmdclass["bdist_wheel"] = bdist_wheel
 
-setup(cmdclass=cmdclass, distclass=EpcommDistribution)
+# The licence, from setup.py so that both old and new setuptools take it: setuptools 77 and
+# later want an SPDX expression (License-Expression), which older ones reject in pyproject.toml.
+try:
+    _SETUPTOOLS_MAJOR = int(setuptools.__version__.split(".")[0])
+except ValueError:
+    _SETUPTOOLS_MAJOR = 0
+if _SETUPTOOLS_MAJOR >= 77:
+    _LICENSE = {"license_expression": "MIT OR Apache-2.0"}
+else:
+    _LICENSE = {"license": "MIT OR Apache-2.0"}
+
+setup(cmdclass=cmdclass, distclass=EpcommDistribution, **_LICENSE)

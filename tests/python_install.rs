@@ -241,6 +241,17 @@ fn pip_installed_package_carries_its_library() {
         )
     );
 
+    // The licence reaches the metadata whichever field this setuptools writes.
+    let metadata = std::fs::read_to_string(venv.platlib.join("epcomm-0.1.0.dist-info/METADATA"))
+        .expect("read METADATA");
+    assert!(
+        metadata
+            .lines()
+            .any(|l| l == "License: MIT OR Apache-2.0"
+                || l == "License-Expression: MIT OR Apache-2.0"),
+        "no licence in METADATA:\n{metadata}"
+    );
+
     let out = python_in(&venv, &work, &["-c", PROBE], &[]);
     assert_probe(
         &out,

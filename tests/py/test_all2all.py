@@ -276,7 +276,7 @@ def _group_rank(rank, name, world, body, args):
         LIB.epcomm_group_destroy(g)
 
 
-# ---- (a) the worked example of SPEC §4 ------------------------------------------------------
+# ---- (a) the two-rank worked example (R = 2, E = 4, K = 2) --------------------------------------
 
 EX_WORLD, EX_E, EX_K, EX_H, EX_M = 2, 4, 2, 1, 3
 EX_X = [np.array([[10], [11], [12]], np.float32), np.array([[20], [21]], np.float32)]
