@@ -321,9 +321,10 @@ fn check_2d(t: &HostTensor, rows: Option<usize>, cols: usize, what: &str) -> Res
 /// Dispatches this rank's tokens (collective): `hidden` [T, hidden_size] of hidden_dtype,
 /// `topk_ids` [T, top_k] int32/int64 (-1 = masked), `topk_weights` [T, top_k] float32,
 /// `extras` (may be NULL when num_extras is 0) [T, extra_row_bytes[i]] bytes each. T may differ
-/// between ranks and may be 0. Rows are ordered by source rank, then source token, then (for
-/// the per-expert layouts) local expert. On bad input every rank returns an error (the others
-/// are told which rank rejected its input); nobody hangs.
+/// between ranks and may be 0. Rows are ordered by source rank, then source token (REPLICATED,
+/// TOKEN_MAJOR, RANK_MAJOR), or by local expert, then source rank, then source token
+/// (EXPERT_MAJOR, EXPERT_PACKED). On bad input every rank returns an error (the others are told
+/// which rank rejected its input); nobody hangs.
 ///
 /// # Safety
 /// Pointers are NULL or valid; tensors describe host memory valid for the call.
