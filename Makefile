@@ -45,8 +45,7 @@ NATIVE_LIBS := util rt pthread m dl
 
 OUT := $(BUILDDIR)/release
 BUILT := $(OUT)/libepcomm.so $(OUT)/libepcomm.a $(OUT)/epcomm
-# The man page is installed once man/epcomm.1 exists in the tree.
-MANPAGE := $(wildcard man/epcomm.1)
+MANPAGE := man/epcomm.1
 
 # Paths of the installed tree relative to CMAKEDIR (the CMake package finds the library and
 # headers from its own location, so staged and moved installations work).
@@ -63,11 +62,11 @@ all:
 	EPCOMM_SONAME=1 $(CARGO) build --release --target-dir '$(BUILDDIR)' --lib --bin epcomm $(CARGOFLAGS)
 
 install:
-	@for f in $(BUILT) $(MANPAGE); do \
+	@for f in $(BUILT); do \
 	  test -f "$$f" || { echo "make install: $$f is missing; run 'make' first (install only copies)" >&2; exit 1; }; \
 	done
 	install -d '$(DESTDIR)$(LIBDIR)' '$(DESTDIR)$(INCLUDEDIR)' '$(DESTDIR)$(PKGCONFIGDIR)' \
-	    '$(DESTDIR)$(CMAKEDIR)' '$(DESTDIR)$(BINDIR)'
+	    '$(DESTDIR)$(CMAKEDIR)' '$(DESTDIR)$(BINDIR)' '$(DESTDIR)$(MANDIR)/man1'
 	install -m 644 '$(OUT)/libepcomm.so' '$(DESTDIR)$(LIBDIR)/$(REAL)'
 	ln -sf '$(REAL)' '$(DESTDIR)$(LIBDIR)/$(SONAME)'
 	ln -sf '$(SONAME)' '$(DESTDIR)$(LIBDIR)/libepcomm.so'
@@ -86,8 +85,7 @@ install:
 	    -e 's|@SONAME@|$(SONAME)|' -e 's|@SIZEOF_VOID_P@|$(sizeof_void_p)|' \
 	    cmake/epcommConfigVersion.cmake.in > '$(DESTDIR)$(CMAKEDIR)/epcommConfigVersion.cmake'
 	install -m 755 '$(OUT)/epcomm' '$(DESTDIR)$(BINDIR)/epcomm'
-	$(if $(MANPAGE),install -d '$(DESTDIR)$(MANDIR)/man1')
-	$(if $(MANPAGE),install -m 644 '$(MANPAGE)' '$(DESTDIR)$(MANDIR)/man1/epcomm.1')
+	install -m 644 '$(MANPAGE)' '$(DESTDIR)$(MANDIR)/man1/epcomm.1'
 
 uninstall:
 	rm -f '$(DESTDIR)$(LIBDIR)/$(REAL)' '$(DESTDIR)$(LIBDIR)/$(SONAME)' \
