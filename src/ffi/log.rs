@@ -27,8 +27,7 @@ unsafe impl Sync for UserData {}
 /// `{host}:{pid}:{tid} [{rank}] epcomm {LEVEL} {message}`, where `host` is the short host name,
 /// `tid` the kernel thread id, LEVEL one of ERROR, WARNING, INFO, DEBUG, and ` [{rank}]` the
 /// logging thread's rank where epcomm knows it (the rank of the last shared-memory group the
-/// thread joined; absent otherwise).
-/// Process-wide; `user_data` must stay valid until replaced.
+/// thread joined; absent otherwise). Process-wide; `user_data` must stay valid until replaced.
 #[no_mangle]
 pub extern "C" fn epcomm_set_log_callback(callback: epcomm_log_fn, user_data: *mut c_void) {
     let user = UserData(user_data);
