@@ -1,7 +1,11 @@
 //! The `epcomm` command line: `check` prints `{Exception}: {message}` first on stderr and exits 1
-//! on error; prints the resolved setup and exits 0 on success.
+//! on error and the resolved setup on success; `--help` on every subcommand, one-line usage
+//! errors (exit 2), quiet ends on a closed pipe; the demo's verdicts; the benchmarks' streaming
+//! nccl-tests style tables, their memory refusals and their JSON.
 
-use std::process::{Command, Output};
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Output, Stdio};
 
 fn epcomm(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_epcomm"))
@@ -150,13 +154,150 @@ fn check_reads_a_config_file() {
 }
 
 #[test]
-fn usage_errors_exit_2() {
-    let o = epcomm(&["check", "--enable-epl"]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr_lines(&o)[0]
-        .contains("unrecognized argument --enable-epl (did you mean 'enable-eplb'?)"));
-    let o = epcomm(&["chek"]);
-    assert_eq!(o.status.code(), Some(2));
+fn usage_errors_exit_2_with_one_line_naming_the_option() {
+    for (args, line) in [
+        (
+            &["check", "--enable-epl"][..],
+            "epcomm: error: unexpected argument '--enable-epl' (did you mean '--enable-eplb'?)",
+        ),
+        (
+            &["check", "--eplb-config.use_asyn=false"],
+            "epcomm: error: unexpected argument '--eplb-config.use_asyn' (did you mean '--eplb-config.use_async'?)",
+        ),
+        (
+            &["chek"],
+            "epcomm: error: unrecognized subcommand 'chek' (did you mean 'check'?)",
+        ),
+        (
+            &["--frobnicate"],
+            "epcomm: error: unexpected argument '--frobnicate'",
+        ),
+        (
+            &["backends", "--frobnicate"],
+            "epcomm: error: unexpected argument '--frobnicate'",
+        ),
+        (
+            &["demo", "--tokens"],
+            "epcomm: error: a value is required for '--tokens <T>' but none was supplied",
+        ),
+        (
+            &["bench", "moe", "--routing", "zipf"],
+            "epcomm: error: invalid value 'zipf' for '--routing <ROUTING>' (possible values: uniform, skewed, top2)",
+        ),
+        (
+            &["bench", "moe", "--dtype", "f8"],
+            "epcomm: error: invalid value 'f8' for '--dtype <bf16|f16|f32>': expected bf16, f16 or f32, got 'f8'",
+        ),
+        (
+            &["demo", "--experts", "7", "--ranks", "2"],
+            "epcomm: error: --experts 7 must be a multiple of --ranks 2 (each rank owns E/R experts)",
+        ),
+    ] {
+        let o = epcomm(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert_eq!(stderr_lines(&o), [line], "{args:?}");
+        assert!(o.stdout.is_empty(), "{args:?}");
+    }
+}
+
+#[test]
+fn help_on_every_subcommand_prints_its_usage_to_stdout() {
+    for (args, usage) in [
+        (&[][..], "Usage: epcomm [COMMAND]"),
+        (&["check"], "Usage: epcomm check [OPTIONS]"),
+        (&["backends"], "Usage: epcomm backends [OPTIONS]"),
+        (&["demo"], "Usage: epcomm demo [OPTIONS]"),
+        (&["bench"], "Usage: epcomm bench <COMMAND>"),
+        (&["bench", "group"], "Usage: epcomm bench group [OPTIONS]"),
+        (&["bench", "moe"], "Usage: epcomm bench moe [OPTIONS]"),
+        (&["bench", "eplb"], "Usage: epcomm bench eplb [OPTIONS]"),
+        (&["version"], "Usage: epcomm version"),
+    ] {
+        for flag in ["-h", "--help"] {
+            let mut a = args.to_vec();
+            a.push(flag);
+            let o = epcomm(&a);
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert_eq!(o.status.code(), Some(0), "{a:?}");
+            assert!(out.starts_with(&format!("{usage}\n")), "{a:?}: {out}");
+            assert!(out.contains("-h, --help"), "{a:?}: {out}");
+            assert_eq!(String::from_utf8_lossy(&o.stderr), "", "{a:?}");
+        }
+    }
+    // Each subcommand's own options, not the tool's.
+    let o = epcomm(&["check", "--help"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    for flag in [
+        "--config <JSON|FILE>",
+        "--all2all-backend <NAME>",
+        "--enable-eplb[=<true|false>]",
+        "--eplb-config.use_async <VALUE>",
+        "[short: -tp]",
+    ] {
+        assert!(out.contains(flag), "{flag}: {out}");
+    }
+    let o = epcomm(&["demo", "--help"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("--steps <N>"));
+    // No subcommand at all prints the tool's help too.
+    let o = epcomm(&[]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("Usage: epcomm [COMMAND]\n"));
+}
+
+#[test]
+fn version_prints_the_version() {
+    for args in [&["--version"][..], &["-V"], &["version"]] {
+        let o = epcomm(args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout),
+            "epcomm 0.1.0\n",
+            "{args:?}"
+        );
+        assert!(o.stderr.is_empty(), "{args:?}");
+    }
+}
+
+/// The process ended quietly after its reader went away: exit 0 (all was written before) or
+/// SIGPIPE, and no panic text.
+fn assert_quiet_end(child: std::process::Child, what: &str) {
+    let o = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.code() == Some(0) || o.status.signal() == Some(libc::SIGPIPE),
+        "{what}: {:?} {err}",
+        o.status
+    );
+    assert!(!err.contains("panicked"), "{what}: {err}");
+    assert!(!err.contains("Broken pipe"), "{what}: {err}");
+}
+
+#[test]
+fn a_closed_pipe_ends_quietly() {
+    let spawn = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_epcomm"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run epcomm")
+    };
+    // Closed before anything was written.
+    for args in [&["backends"][..], &["--help"], &["check", "--help"]] {
+        let mut c = spawn(args);
+        drop(c.stdout.take());
+        assert_quiet_end(c, &format!("{args:?}, pipe closed at once"));
+    }
+    // `| head -1`: one line read, then closed.
+    for args in [&["backends"][..], &["--help"], &["backends", "--json"]] {
+        let mut c = spawn(args);
+        let mut first = String::new();
+        BufReader::new(c.stdout.take().expect("stdout"))
+            .read_line(&mut first)
+            .expect("read a line");
+        assert!(!first.is_empty(), "{args:?}");
+        assert_quiet_end(c, &format!("{args:?} | head -1"));
+    }
 }
 
 #[test]
@@ -175,25 +316,28 @@ fn backends_lists_every_name() {
     assert_eq!(v[10]["kind"], "alias");
 }
 
+const DEMO_SMALL: [&str; 14] = [
+    "demo",
+    "--ranks",
+    "2",
+    "--tokens",
+    "16",
+    "--hidden",
+    "32",
+    "--experts",
+    "8",
+    "--topk",
+    "2",
+    "--steps",
+    "2",
+    "--dtype",
+];
+
 #[test]
 fn demo_runs_every_backend_and_checks_the_reference() {
-    let o = epcomm(&[
-        "demo",
-        "--ranks",
-        "2",
-        "--tokens",
-        "16",
-        "--hidden",
-        "32",
-        "--experts",
-        "8",
-        "--topk",
-        "2",
-        "--steps",
-        "2",
-        "--dtype",
-        "f32",
-    ]);
+    let mut args = DEMO_SMALL.to_vec();
+    args.push("f32");
+    let o = epcomm(&args);
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(
         o.status.code(),
@@ -202,74 +346,323 @@ fn demo_runs_every_backend_and_checks_the_reference() {
         String::from_utf8_lossy(&o.stderr)
     );
     for b in epcomm::select::all2all::Backend::ALL {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("{} ", b.name())))
+            .unwrap_or_else(|| panic!("{out}"));
         if b.name() == "moonep" {
-            assert!(
-                out.contains("moonep AssertionError: MoonEP not available."),
-                "{out}"
+            assert_eq!(
+                line,
+                "moonep                       MOONEP_SLOTS   unavailable: MoonEP kernels are not part of epcomm"
             );
         } else {
-            let line = out
-                .lines()
-                .find(|l| l.starts_with(&format!("{} ", b.name())))
-                .unwrap_or_else(|| panic!("{out}"));
             assert!(line.ends_with(" ok"), "{line}");
             assert!(line.contains(b.layout().name()), "{line}");
         }
     }
-    assert!(out.contains("All checks passed."));
-    let o = epcomm(&["demo", "--experts", "7", "--ranks", "2"]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr_lines(&o)[0].contains("--experts 7 must be a multiple of --ranks 2"));
+    assert!(!out.contains("AssertionError"), "{out}");
+    let tail: Vec<&str> = out.lines().rev().take(2).collect();
+    assert_eq!(
+        tail,
+        [
+            "All checks passed.",
+            "9 backends ran, 9 passed; 1 unavailable (moonep)"
+        ],
+        "{out}"
+    );
+}
+
+#[test]
+fn demo_fails_when_a_runnable_backend_fails() {
+    // Every rank kills itself on entering combine: the backend cannot pass.
+    let mut args = DEMO_SMALL.to_vec();
+    args.extend(["f32", "--backend", "deepep_high_throughput,moonep"]);
+    let o = Command::new(env!("CARGO_BIN_EXE_epcomm"))
+        .args(&args)
+        .env("EPCOMM_FAULT_POINT", "combine")
+        .env_remove("EPCOMM_LOG_LEVEL")
+        .output()
+        .expect("run epcomm");
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{out}{err}");
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("deepep_high_throughput "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(row.contains("FAILED"), "{row}");
+    assert!(
+        out.contains("\n1 backend ran, 0 passed; 1 unavailable (moonep)\n"),
+        "{out}"
+    );
+    assert!(!out.contains("All checks passed."), "{out}");
+    assert!(err.ends_with("epcomm demo: FAILED\n"), "{err}");
+
+    // Nothing that can run: not a pass either.
+    let mut args = DEMO_SMALL.to_vec();
+    args.extend(["f32", "--backend", "moonep"]);
+    let o = epcomm(&args);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("\n0 backends ran, 0 passed; 1 unavailable (moonep)\n"),
+        "{out}"
+    );
+    assert!(!out.contains("All checks passed."), "{out}");
 }
 
 #[test]
 fn bench_rejects_bad_iterations_without_panicking() {
-    for args in [
-        &["bench", "eplb", "--iters", "0"][..],
-        &["bench", "eplb", "--iters", "x"],
-        &["bench", "moe", "--iters", "0"],
-        &["bench", "group", "--iters", "0"],
+    for (args, line) in [
+        (
+            &["bench", "eplb", "--iters", "0"][..],
+            "epcomm: error: invalid value '0' for '--iters <N>': expected a positive integer, got 0",
+        ),
+        (
+            &["bench", "eplb", "--iters", "x"],
+            "epcomm: error: invalid value 'x' for '--iters <N>': expected a positive integer, got 'x'",
+        ),
+        (
+            &["bench", "moe", "--iters", "0"],
+            "epcomm: error: invalid value '0' for '--iters <N>': expected a positive integer, got 0",
+        ),
+        (
+            &["bench", "group", "--iters", "0"],
+            "epcomm: error: invalid value '0' for '--iters <N>': expected a positive integer, got 0",
+        ),
+        (
+            &["bench", "eplb", "--ranks", "1"],
+            "epcomm: error: need --ranks >= 2 and --experts-per-rank >= 2",
+        ),
     ] {
         let o = epcomm(args);
         assert_eq!(o.status.code(), Some(2), "{args:?}");
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(err.starts_with("epcomm: error: "), "{args:?}: {err}");
-        assert!(
-            err.lines().next().unwrap().contains("--iters"),
-            "{args:?}: {err}"
-        );
-        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(stderr_lines(&o), [line], "{args:?}");
     }
+    let o = epcomm(&["bench"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).starts_with("Usage: epcomm bench <COMMAND>"));
 }
 
-/// CI runs every benchmark once on a tiny case (no timing is asserted): the table/JSON/SVG
-/// outputs are well formed and `--help` prints the usage.
+/// The table rows of nccl-tests style output: the lines not starting with `#`.
+fn rows(out: &str) -> Vec<Vec<&str>> {
+    out.lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split_whitespace().collect())
+        .collect()
+}
+
+/// nccl-tests conventions: `#` header with the parameters, the formula and the columns, data
+/// rows with `#wrong` last and 0, and the closing summary lines.
+fn assert_nccl_table(out: &str, columns: &[&str], data_rows: usize) {
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("# epcomm bench "), "{out}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("# algbw = size / time; busbw = algbw * ")),
+        "{out}"
+    );
+    let header: Vec<&str> = lines
+        .iter()
+        .find(|l| l.contains("size(B)"))
+        .unwrap_or_else(|| panic!("{out}"))
+        .split_whitespace()
+        .collect();
+    assert_eq!(header[0], "#");
+    assert_eq!(&header[1..], columns, "{out}");
+    let rows = rows(out);
+    assert_eq!(rows.len(), data_rows, "{out}");
+    for r in &rows {
+        assert_eq!(r.len(), columns.len(), "{r:?}");
+        assert_eq!(*r.last().unwrap(), "0", "#wrong: {r:?}");
+        for (c, v) in columns.iter().zip(r) {
+            if c.ends_with("(us)") || c.ends_with("(GB/s)") || *c == "size(B)" {
+                assert!(v.parse::<f64>().is_ok_and(|x| x >= 0.0), "{c}: {v}");
+            }
+        }
+    }
+    assert!(lines.contains(&"# Out of bounds values : 0 OK"), "{out}");
+    let avg = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("# Avg bus bandwidth    : "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(avg.parse::<f64>().is_ok_and(|x| x >= 0.0), "{avg}");
+}
+
+const MOE_COLUMNS: [&str; 11] = [
+    "backend",
+    "T",
+    "size(B)",
+    "dispatch(us)",
+    "combine(us)",
+    "time(us)",
+    "p99(us)",
+    "algbw(GB/s)",
+    "busbw(GB/s)",
+    "memcpy(us)",
+    "#wrong",
+];
+
+const MOE_SMALL: [&str; 12] = [
+    "bench",
+    "moe",
+    "--hidden",
+    "64",
+    "--experts",
+    "8",
+    "--topk",
+    "2",
+    "--iters",
+    "2",
+    "--warmup",
+    "1",
+];
+
 #[test]
-fn bench_runs_a_tiny_case() {
+fn bench_moe_prints_an_nccl_tests_table_with_a_real_check() {
+    let mut args = MOE_SMALL.to_vec();
+    args.extend([
+        "--backend",
+        "deepep_high_throughput,deepep_low_latency,allgather_reducescatter,deepep_v2,flashinfer_nvlink_two_sided",
+        "--tokens",
+        "1,8",
+        "--routing",
+        "top2",
+    ]);
+    let o = epcomm(&args);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    assert_eq!(err, "");
+    assert_nccl_table(&out, &MOE_COLUMNS, 10);
+    assert!(out.contains(
+        "# algbw = size / time; busbw = algbw * (n-1)/n with n = 2 ranks (nccl-tests' alltoall)"
+    ));
+    let rows = rows(&out);
+    assert_eq!(rows[0][..2], ["deepep_high_throughput", "1"]);
+    assert_eq!(rows[1][..2], ["deepep_high_throughput", "8"]);
+    assert_eq!(rows[9][..2], ["flashinfer_nvlink_two_sided", "8"]);
+    // top2 routing: each token goes to the one other rank, 64 bf16 out and back.
+    assert_eq!(rows[1][2], "2048");
+}
+
+#[test]
+fn bench_moe_refuses_a_case_that_does_not_fit_and_runs_the_others() {
+    // T = 2^30 tokens of hidden 256: terabytes of receive buffers per rank.
+    let mut args = MOE_SMALL.to_vec();
+    args[3] = "256";
+    args.extend([
+        "--backend",
+        "deepep_high_throughput",
+        "--tokens",
+        "1073741824,2",
+    ]);
+    let o = epcomm(&args);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = stderr_lines(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{err:?}");
+    assert_eq!(err.len(), 1, "{err:?}");
+    let line = &err[0];
+    let prefix = "epcomm bench moe: refused deepep_high_throughput T=1073741824: needs ";
+    let rest = line
+        .strip_prefix(prefix)
+        .unwrap_or_else(|| panic!("{line}"));
+    let (bytes, rest) = rest
+        .split_once(" bytes per rank (")
+        .expect("bytes per rank");
+    let bytes: u64 = bytes.parse().expect("a byte count");
+    let avail: u64 = std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .map(|kb: u64| kb * 1024)
+        .expect("MemAvailable");
+    assert!(bytes * 2 > avail, "{line}");
+    assert!(
+        rest.contains(" the TOKEN_MAJOR layout's buffers) x 2 ranks, more than the "),
+        "{line}"
+    );
+    assert!(
+        line.ends_with(" available (MemAvailable); lower --tokens or --hidden"),
+        "{line}"
+    );
+    let rows = rows(&out);
+    assert_eq!(rows.len(), 1, "{out}");
+    assert_eq!(rows[0][..2], ["deepep_high_throughput", "2"]);
+    assert!(
+        out.contains("\n# 1 of 2 cases refused for memory (see stderr)\n"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bench_moe_prints_each_row_as_soon_as_it_is_measured() {
+    // The second case takes seconds in a debug build; the first row must come before it ends.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_epcomm"))
+        .args([
+            "bench",
+            "moe",
+            "--backend",
+            "deepep_high_throughput",
+            "--tokens",
+            "1,512",
+            "--hidden",
+            "1024",
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--iters",
+            "4",
+            "--warmup",
+            "0",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run epcomm");
+    let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(stdout.read_line(&mut line).expect("read") > 0, "no row");
+        if !line.starts_with('#') {
+            break;
+        }
+    }
+    assert!(
+        line.trim_start().starts_with("deepep_high_throughput "),
+        "{line}"
+    );
+    assert!(
+        child.try_wait().expect("try_wait").is_none(),
+        "the first row came only when the process ended"
+    );
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).expect("read");
+    assert!(child.wait().expect("wait").success(), "{rest}");
+    assert_eq!(rows(&rest).len(), 1, "{rest}");
+}
+
+/// CI runs every benchmark once on a tiny case (no timing is asserted): the JSON and SVG
+/// outputs are well formed.
+#[test]
+fn bench_moe_json_and_svg() {
     let dir = std::env::temp_dir().join(format!("epcomm-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let svg = dir.join("bench.svg");
-    let o = epcomm(&[
-        "bench",
-        "moe",
+    let mut args = MOE_SMALL.to_vec();
+    args.extend([
         "--backend",
         "deepep_high_throughput,allgather_reducescatter",
         "--tokens",
         "1,4",
-        "--hidden",
-        "64",
-        "--experts",
-        "8",
-        "--topk",
-        "2",
-        "--iters",
-        "2",
-        "--warmup",
-        "1",
         "--json",
         "--svg",
         svg.to_str().unwrap(),
     ]);
+    let o = epcomm(&args);
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(
         o.status.code(),
@@ -277,15 +670,25 @@ fn bench_runs_a_tiny_case() {
         "{out}{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let rows: serde_json::Value = serde_json::from_str(&out).expect("JSON table");
+    let rows: serde_json::Value = serde_json::from_str(&out).expect("one JSON document");
     let rows = rows.as_array().expect("array");
     assert_eq!(rows.len(), 4);
+    assert_eq!(rows[1]["backend"], "deepep_high_throughput");
+    assert_eq!(rows[1]["tokens"], 4);
     for r in rows {
+        assert_eq!(r["wrong"], 0, "{r}");
+        assert_eq!(r["ranks"], 2, "{r}");
         for key in [
+            "size_bytes",
+            "time_us",
+            "algbw_gbps",
+            "busbw_gbps",
             "dispatch_ms",
             "combine_ms",
             "pair_ms",
+            "pair_p99_ms",
             "gbps_dedup",
+            "gbps_per_expert",
             "memcpy_ms",
         ] {
             assert!(r[key].as_f64().is_some_and(|v| v >= 0.0), "{key}: {r}");
@@ -295,8 +698,11 @@ fn bench_runs_a_tiny_case() {
     assert!(chart.starts_with("<svg") && chart.trim_end().ends_with("</svg>"));
     assert!(chart.contains("deepep_high_throughput") && chart.contains("memcpy"));
     std::fs::remove_dir_all(&dir).ok();
+}
 
-    let o = epcomm(&[
+#[test]
+fn bench_eplb_and_group_tables() {
+    let args = [
         "bench",
         "eplb",
         "--iters",
@@ -307,6 +713,51 @@ fn bench_runs_a_tiny_case() {
         "4",
         "--expert-mib",
         "1",
+    ];
+    let o = epcomm(&args);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.lines().nth(1).is_some_and(
+            |l| l.starts_with("# policy (L=58, E=256, P=288, G=8, N=4, R=32): median ")
+        ),
+        "{out}"
+    );
+    assert!(out.contains(
+        "# transfer: 2 ranks, 2 layers x 4 experts of 1 MiB per rank, half received from a peer, half moved locally"
+    ));
+    assert_nccl_table(
+        &out,
+        &[
+            "op",
+            "size(B)",
+            "received(B)",
+            "time(us)",
+            "p99(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)",
+            "memcpy(us)",
+            "#wrong",
+        ],
+        1,
+    );
+    // Half of each rank's 2 x 4 slots come from the peer, half move locally: 8 MiB placed.
+    assert_eq!(rows(&out)[0][..3], ["rearrange", "8388608", "4194304"]);
+    let mut json_args = args.to_vec();
+    json_args.push("--json");
+    let o = epcomm(&json_args);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON document");
+    assert_eq!(v["wrong"], 0);
+    assert_eq!(v["size_bytes"], 8388608);
+    assert_eq!(v["received_bytes"], 4194304);
+
+    let o = epcomm(&[
+        "bench", "group", "--ranks", "2", "--mib", "1", "--iters", "2",
     ]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(
@@ -315,36 +766,32 @@ fn bench_runs_a_tiny_case() {
         "{out}{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    assert!(out.starts_with("EPLB policy (L=58, E=256, P=288"), "{out}");
-    // Half of each rank's 2 x 4 slots come from the peer, half move locally: 8 MiB placed.
+    assert_nccl_table(
+        &out,
+        &[
+            "op",
+            "size(B)",
+            "time(us)",
+            "p99(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)",
+            "memcpy(us)",
+            "p99(us)",
+            "#wrong",
+        ],
+        1,
+    );
+    assert_eq!(rows(&out)[0][..2], ["all_to_allv", "1048576"]);
     assert!(
-        out.contains("EPLB weight transfer (2 ranks, 2 layers x 4 experts of 1 MiB per rank")
-            && out.contains(": 8.0 MiB placed per rank in "),
+        out.contains("\n# time ratio all_to_allv / memcpy: "),
         "{out}"
     );
     let o = epcomm(&[
-        "bench", "group", "--ranks", "2", "--mib", "1", "--iters", "2",
+        "bench", "group", "--ranks", "2", "--mib", "1", "--iters", "2", "--json",
     ]);
-    assert_eq!(
-        o.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(String::from_utf8_lossy(&o.stdout).contains("time ratio all_to_allv / memcpy"));
-    for (args, usage) in [
-        (&["bench", "moe", "--help"][..], "usage: epcomm bench moe"),
-        (&["bench", "eplb", "--help"], "usage: epcomm bench eplb"),
-        (&["bench", "group", "--help"], "usage: epcomm bench group"),
-        (&["bench", "--help"], "usage: epcomm bench group"),
-    ] {
-        let o = epcomm(args);
-        assert_eq!(o.status.code(), Some(0), "{args:?}");
-        assert!(
-            String::from_utf8_lossy(&o.stdout).starts_with(usage),
-            "{args:?}"
-        );
-    }
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON document");
+    assert_eq!(v["wrong"], 0);
+    assert_eq!(v["size_bytes"], 1048576.0);
 }
 
 /// The portable (non-SIMD) reduction kernels pass the demo's reference check too.

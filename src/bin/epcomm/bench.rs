@@ -101,7 +101,10 @@ pub fn cmd_group(p: &GroupArgs) -> ExitCode {
     for out in &outputs {
         a2a.push(decode(tagged(&out.stdout, "A2A ")));
         copy.push(decode(tagged(&out.stdout, "COPY ")));
-        wrong += tagged(&out.stdout, "WRONG ").trim().parse::<u64>().unwrap_or(u64::MAX / 4);
+        wrong += tagged(&out.stdout, "WRONG ")
+            .trim()
+            .parse::<u64>()
+            .unwrap_or(u64::MAX / 4);
     }
     let size = bytes as f64;
     let n = p.ranks as f64;
@@ -136,7 +139,15 @@ pub fn cmd_group(p: &GroupArgs) -> ExitCode {
         println!("#");
         println!(
             "# {:<12} {:>12} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10} {:>7}",
-            "op", "size(B)", "time(us)", "p99(us)", "algbw(GB/s)", "busbw(GB/s)", "memcpy(us)", "p99(us)", "#wrong"
+            "op",
+            "size(B)",
+            "time(us)",
+            "p99(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)",
+            "memcpy(us)",
+            "p99(us)",
+            "#wrong"
         );
         println!(
             "  {:<12} {:>12} {:>10.1} {:>10.1} {:>11.2} {:>11.2} {:>10.1} {:>10.1} {:>7}",

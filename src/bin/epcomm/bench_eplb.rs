@@ -37,7 +37,10 @@ fn placements(p: &EplbArgs) -> (Vec<Vec<i64>>, Vec<Vec<i64>>) {
 
 /// Byte `i` of logical expert `e` in layer `l`.
 fn pattern(l: usize, e: i64, i: usize) -> u8 {
-    (e as usize).wrapping_mul(7).wrapping_add(l * 13).wrapping_add(i.wrapping_mul(3)) as u8
+    (e as usize)
+        .wrapping_mul(7)
+        .wrapping_add(l * 13)
+        .wrapping_add(i.wrapping_mul(3)) as u8
 }
 
 /// Bytes of `layers` that differ from the experts `placement` puts on `rank`.
@@ -130,7 +133,11 @@ fn policy(iters: usize) -> (f64, f64, String) {
         times.push(t0.elapsed().as_secs_f64());
     }
     let (med, p99) = median_p99(times[2..].to_vec());
-    (med, p99, format!("L={l}, E={e}, P={p}, G={g}, N={n}, R={r}"))
+    (
+        med,
+        p99,
+        format!("L={l}, E={e}, P={p}, G={g}, N={n}, R={r}"),
+    )
 }
 
 /// `epcomm bench eplb`.
@@ -162,7 +169,12 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
         "eplb transfer of {} layers x {} experts of {} MiB",
         p.layers, p.per_rank, p.expert_mib
     );
-    if let Some(line) = memory::refusal(&what, &need, p.ranks, "--layers, --experts-per-rank or --expert-mib") {
+    if let Some(line) = memory::refusal(
+        &what,
+        &need,
+        p.ranks,
+        "--layers, --experts-per-rank or --expert-mib",
+    ) {
         eprintln!("epcomm bench eplb: {line}");
         return ExitCode::from(1);
     }
@@ -187,7 +199,10 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
         let num = |tag: &str| tagged(text, tag).trim().parse::<u64>().unwrap_or(0);
         moved = moved.max(num("MOVED "));
         received = received.max(num("RECEIVED "));
-        wrong += tagged(text, "WRONG ").trim().parse::<u64>().unwrap_or(u64::MAX / 4);
+        wrong += tagged(text, "WRONG ")
+            .trim()
+            .parse::<u64>()
+            .unwrap_or(u64::MAX / 4);
     }
     let (xm, xp) = median_p99(slowest(&xfer));
     let (cm, _) = median_p99(slowest(&copy));
@@ -215,12 +230,21 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
             "# transfer: {} ranks, {} layers x {} experts of {} MiB per rank, half received from a peer, half moved locally; torch_gloo over shm; {} iterations after 1 warm-up; times: median over iterations of the slowest rank",
             p.ranks, p.layers, p.per_rank, p.expert_mib, p.iters
         );
-        println!("# size: bytes placed per rank (received from peers + moved locally); algbw = size / time; busbw = algbw * received / size (the bytes that cross between ranks)");
+        println!("# size: bytes placed per rank (received from peers + moved locally); memcpy: one copy of size bytes in the same run");
+        println!("# algbw = size / time; busbw = algbw * received / size (the bytes that cross between ranks)");
         println!("# #wrong: bytes of the placed experts that differ from the expert the new placement names, all ranks");
         println!("#");
         println!(
             "# {:<10} {:>12} {:>12} {:>10} {:>10} {:>11} {:>11} {:>10} {:>7}",
-            "op", "size(B)", "received(B)", "time(us)", "p99(us)", "algbw(GB/s)", "busbw(GB/s)", "memcpy(us)", "#wrong"
+            "op",
+            "size(B)",
+            "received(B)",
+            "time(us)",
+            "p99(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)",
+            "memcpy(us)",
+            "#wrong"
         );
         println!(
             "  {:<10} {:>12} {:>12} {:>10.1} {:>10.1} {:>11.2} {:>11.2} {:>10.1} {:>7}",

@@ -105,11 +105,10 @@ impl Params {
     /// reference check's float32 copies of the received rows (bounded by `b`) or the memcpy's
     /// two buffers, whichever is more, plus the tokens' own input, output and reference.
     fn need(&self, name: &str, t: usize) -> Need {
-        let layout = all2all::resolve_quiet(name).map_or(all2all::Layout::TokenMajor, |r| {
-            r.backend.layout()
-        });
-        let b = moe::buffer_bytes(layout, &self.config(t), self.ranks, t).unwrap_or(usize::MAX)
-            as u64;
+        let layout = all2all::resolve_quiet(name)
+            .map_or(all2all::Layout::TokenMajor, |r| r.backend.layout());
+        let b =
+            moe::buffer_bytes(layout, &self.config(t), self.ranks, t).unwrap_or(usize::MAX) as u64;
         let es = self.kind.size() as u64;
         let check = (b / es).saturating_mul(8).max(b.saturating_mul(2));
         let tokens = (t as u64)
@@ -226,7 +225,9 @@ fn run_case(
 
     // The check: toy experts on what dispatch delivered, combine, compare with the reference.
     let experts = ToyExperts::new(p.experts, p.hidden, 0xbe7c);
-    let view = m.dispatch(g, &x, &ids, &w, &[]).map_err(|e| e.to_string())?;
+    let view = m
+        .dispatch(g, &x, &ids, &w, &[])
+        .map_err(|e| e.to_string())?;
     let y = num::from_f32(
         &experts.run_local(&view, p.kind, rank, p.ranks, p.topk),
         p.kind,
@@ -238,7 +239,11 @@ fn run_case(
     let wrong = num::to_f32(&out, p.kind)
         .iter()
         .zip(&want)
-        .filter(|(a, b)| !((*a - *b).abs() / b.abs().max(1.0) <= tol))
+        .filter(|(a, b)| {
+            // NaN counts as wrong.
+            let e = (*a - *b).abs() / b.abs().max(1.0);
+            e.is_nan() || e > tol
+        })
         .count();
     drop(want);
 
@@ -305,7 +310,8 @@ struct Measured {
     wrong: u64,
 }
 
-/// Summarises the `SAMPLE` fields of one case, one per rank.
+/// Summarises one case from its `SAMPLE` fields after the tag (`i name t dedup per_expert
+/// moved wrong dispatch combine memcpy`), one list per rank.
 fn measure(p: &Params, fields: &[Vec<String>]) -> Measured {
     let series = |col: usize| -> Vec<Vec<f64>> { fields.iter().map(|f| decode(&f[col])).collect() };
     let mean = |col: usize| -> f64 {
@@ -438,7 +444,9 @@ pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
         match tag {
             Some("START") => bar.set_message(format!("{} T={}", cases[i].0, cases[i].1)),
             Some("REFUSED") => refused[i] = Some(line.splitn(3, ' ').nth(2).unwrap_or("").into()),
-            Some("SAMPLE") => samples[i][rank] = Some(line.split_whitespace().map(String::from).collect()),
+            Some("SAMPLE") => {
+                samples[i][rank] = Some(line.split_whitespace().skip(1).map(String::from).collect())
+            }
             _ => continue,
         }
         // Print every case that is complete, in order, as soon as it is.
@@ -446,8 +454,7 @@ pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
             if let Some(why) = &refused[next] {
                 bar.suspend(|| eprintln!("epcomm bench moe: {why}"));
             } else if samples[next].iter().all(Option::is_some) {
-                let fields: Vec<Vec<String>> =
-                    samples[next].iter().flatten().cloned().collect();
+                let fields: Vec<Vec<String>> = samples[next].iter().flatten().cloned().collect();
                 let r = measure(&p, &fields);
                 let algbw = r.size / r.pair / 1e9;
                 let busbw = algbw * (n - 1.0) / n;

@@ -15,6 +15,25 @@ pub const SHORT_ALIASES: [(&str, &str); 4] = [
     ("-pcp", "--prefill-context-parallel-size"),
 ];
 
+/// Help that starts with the usage line, as `--help` users grep for it.
+const HELP_TEMPLATE: &str =
+    "{usage-heading} {usage}\n\n{about-with-newline}\n{all-args}{after-help}";
+
+/// The command line with every subcommand's help starting with its usage.
+pub fn command() -> Command {
+    fn usage_first(cmd: Command) -> Command {
+        cmd.help_template(HELP_TEMPLATE)
+            .mut_subcommands(usage_first)
+    }
+    usage_first(<Cli as clap::CommandFactory>::command())
+}
+
+/// Parses `args` (the program name first) with [`command`].
+pub fn parse(args: Vec<std::ffi::OsString>) -> Result<Cli, clap::Error> {
+    let m = command().try_get_matches_from(args)?;
+    Cli::from_arg_matches(&m)
+}
+
 /// `epcomm`: check a configuration before launch, list backends, run the demo, benchmark.
 #[derive(Parser, Debug)]
 #[command(
@@ -116,7 +135,12 @@ impl BenchRouting {
 #[derive(Args, Debug, Clone)]
 pub struct DemoArgs {
     /// Backends to run (comma separated; `all` for every backend)
-    #[arg(long = "backend", value_name = "NAME", value_delimiter = ',', default_value = "all")]
+    #[arg(
+        long = "backend",
+        value_name = "NAME",
+        value_delimiter = ',',
+        default_value = "all"
+    )]
     pub backends: Vec<String>,
     /// Rank processes
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = positive)]
@@ -168,13 +192,23 @@ pub struct GroupArgs {
 #[derive(Args, Debug, Clone)]
 pub struct MoeArgs {
     /// Backends (comma separated; `all` for every backend epcomm implements)
-    #[arg(long = "backend", value_name = "NAME", value_delimiter = ',', default_value = "deepep_high_throughput")]
+    #[arg(
+        long = "backend",
+        value_name = "NAME",
+        value_delimiter = ',',
+        default_value = "deepep_high_throughput"
+    )]
     pub backends: Vec<String>,
     /// Rank processes
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = positive)]
     pub ranks: usize,
     /// Tokens per rank, one case each (comma separated)
-    #[arg(long, value_name = "T", value_delimiter = ',', default_value = "128,4096")]
+    #[arg(
+        long,
+        value_name = "T",
+        value_delimiter = ',',
+        default_value = "128,4096"
+    )]
     pub tokens: Vec<usize>,
     /// Hidden size
     #[arg(long, value_name = "H", default_value_t = 7168, value_parser = positive)]
@@ -294,7 +328,9 @@ impl Args for CheckArgs {
                 Arg::new("config")
                     .long("config")
                     .value_name("JSON|FILE")
-                    .help("The configuration as a JSON object, or a file holding one; flags override it"),
+                    .help(
+                    "The configuration as a JSON object, or a file holding one; flags override it",
+                ),
             )
             .arg(
                 Arg::new("json")
@@ -306,7 +342,9 @@ impl Args for CheckArgs {
                 Arg::new("eplb_config")
                     .long("eplb-config")
                     .value_name("JSON")
-                    .help("vLLM's EPLBConfig as a JSON object; --eplb-config.KEY flags override it"),
+                    .help(
+                        "vLLM's EPLBConfig as a JSON object; --eplb-config.KEY flags override it",
+                    ),
             );
         for key in CONFIG_KEYS.iter().filter(|k| **k != "eplb_config") {
             let (value, help) = key_help(key);

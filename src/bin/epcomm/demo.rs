@@ -64,6 +64,23 @@ fn params(a: &DemoArgs) -> Result<Params, String> {
     Ok(p)
 }
 
+impl Params {
+    /// The managers' configuration.
+    fn config(&self) -> MoeConfig {
+        MoeConfig {
+            num_experts: self.experts,
+            top_k: self.topk,
+            hidden: self.hidden,
+            hidden_dtype: self.kind.dtype(),
+            expert_dtype: self.kind,
+            out_dtype: self.kind,
+            max_tokens_per_rank: self.tokens,
+            extra_row_bytes: vec![],
+            apply_router_weight_on_input: false,
+        }
+    }
+}
+
 /// Tokens of `rank` at `step`: around T, uneven across ranks, never above T.
 fn tokens_of(p: &Params, rank: usize, step: usize) -> usize {
     let u = (unit(p.seed ^ 0x5eed, (rank * 1000 + step) as u64) + 1.0) / 2.0;
@@ -139,17 +156,7 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
     let mut g = ShmGroup::join(group, rank, p.ranks, opts).map_err(|e| e.to_string())?;
     let experts = ToyExperts::new(p.experts, p.hidden, p.seed);
     for name in &p.backends {
-        let cfg = MoeConfig {
-            num_experts: p.experts,
-            top_k: p.topk,
-            hidden: p.hidden,
-            hidden_dtype: p.kind.dtype(),
-            expert_dtype: p.kind,
-            out_dtype: p.kind,
-            max_tokens_per_rank: p.tokens,
-            extra_row_bytes: vec![],
-            apply_router_weight_on_input: false,
-        };
+        let cfg = p.config();
         let mut m = match Manager::new(name, cfg, rank, p.ranks) {
             Ok(m) => m,
             // The one backend whose kernels epcomm does not implement: not a failure.
@@ -248,7 +255,20 @@ pub fn cmd_demo(a: &DemoArgs) -> ExitCode {
     };
     let mut rows: Vec<(String, Vec<Row>)> =
         p.backends.iter().map(|b| (b.clone(), Vec::new())).collect();
-    let mut unavailable: Vec<String> = Vec::new();
+    // A backend whose manager cannot exist here is unavailable whatever the ranks did (creating
+    // a manager only validates; nothing is allocated before the first dispatch).
+    let mut unavailable: Vec<String> = p
+        .backends
+        .iter()
+        .filter(|name| {
+            let cfg = p.config();
+            if let Err(Error::MoonEpUnavailable) = Manager::new(name, cfg, 0, p.ranks) {
+                return true;
+            }
+            false
+        })
+        .cloned()
+        .collect();
     let mut failures: Vec<(String, String)> = Vec::new();
     let mut rank_failed = false;
     for out in outputs {
@@ -347,7 +367,8 @@ pub fn cmd_demo(a: &DemoArgs) -> ExitCode {
         "\nEvery rank's combined output was compared with a single-process float32 reference (tolerance {tol:.0e} relative for {}).",
         p.kind.name()
     );
-    let mut summary = format!("{ran} backends ran, {passed} passed");
+    let plural = if ran == 1 { "" } else { "s" };
+    let mut summary = format!("{ran} backend{plural} ran, {passed} passed");
     if !unavailable.is_empty() {
         summary.push_str(&format!(
             "; {} unavailable ({})",

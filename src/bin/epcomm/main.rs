@@ -16,9 +16,7 @@ use std::ffi::OsString;
 use std::process::ExitCode;
 
 use clap::error::{ContextKind, ContextValue, ErrorKind};
-use clap::Parser;
-
-use cli::{BenchCmd, Cli, Cmd};
+use cli::{BenchCmd, Cmd};
 
 /// A usage error: one line on stderr, exit 2.
 pub fn usage_error(msg: &str) -> ExitCode {
@@ -48,6 +46,12 @@ fn one_line(e: &clap::Error) -> String {
             line.push_str(&format!(" (did you mean {}?)", near.join(" or ")));
             break;
         }
+    }
+    if let Some(ContextValue::Strings(valid)) = e
+        .get(ContextKind::ValidValue)
+        .filter(|v| !matches!(v, ContextValue::Strings(s) if s.is_empty()))
+    {
+        line.push_str(&format!(" (possible values: {})", valid.join(", ")));
     }
     line
 }
@@ -84,7 +88,7 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let args = expand_short_aliases(std::env::args_os().collect());
-    let cli = match Cli::try_parse_from(args) {
+    let cli = match cli::parse(args) {
         Ok(c) => c,
         Err(e) => {
             return match e.kind() {
@@ -103,7 +107,7 @@ fn main() -> ExitCode {
     };
     match cli.command {
         None => {
-            let _ = <Cli as clap::CommandFactory>::command().print_help();
+            let _ = cli::command().print_help();
             ExitCode::SUCCESS
         }
         Some(Cmd::Check(a)) => check::cmd_check(&a),
