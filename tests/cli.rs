@@ -794,6 +794,29 @@ fn bench_eplb_and_group_tables() {
     assert_eq!(v["size_bytes"], 1048576.0);
 }
 
+#[test]
+fn bench_group_and_eplb_refuse_what_does_not_fit() {
+    for (args, prefix, suffix) in [
+        (
+            &["bench", "group", "--mib", "1000000000"][..],
+            "epcomm bench group: refused all_to_allv of 1000000000 MiB per rank: needs 2097152000000000 bytes per rank (2097152.0 GB) x 2 ranks, more than the ",
+            " available (MemAvailable); lower --mib",
+        ),
+        (
+            &["bench", "eplb", "--expert-mib", "100000000", "--iters", "1"],
+            "epcomm bench eplb: refused eplb transfer of 4 layers x 16 experts of 100000000 MiB: needs ",
+            " available (MemAvailable); lower --layers, --experts-per-rank or --expert-mib",
+        ),
+    ] {
+        let o = epcomm(args);
+        let err = stderr_lines(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err:?}");
+        assert_eq!(err.len(), 1, "{args:?}: {err:?}");
+        assert!(err[0].starts_with(prefix), "{}", err[0]);
+        assert!(err[0].ends_with(suffix), "{}", err[0]);
+    }
+}
+
 /// The portable (non-SIMD) reduction kernels pass the demo's reference check too.
 #[test]
 fn demo_passes_with_simd_disabled() {

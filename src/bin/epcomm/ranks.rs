@@ -96,7 +96,9 @@ impl Ranks {
 
 /// What one rank printed and how it ended.
 pub struct RankOutput {
+    /// Everything the rank printed on stdout.
     pub stdout: String,
+    /// Whether it exited with status 0.
     pub success: bool,
 }
 
