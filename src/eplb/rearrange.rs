@@ -105,6 +105,7 @@ pub fn rearrange(
     row_bytes: &[usize],
     rank_mapping: Option<&[i64]>,
 ) -> Result<Summary> {
+    let _rank = crate::log::rank_scope(g.rank());
     if old.len() != new.len() || old.len() != weights.len() {
         return Err(Error::InvalidArgument(format!(
             "old has {} layers, new {} and weights {}; expected the same number of layers",

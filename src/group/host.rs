@@ -86,6 +86,7 @@ impl HostGroup {
                 "rank is {rank}; expected 0 <= rank < world_size ({world})"
             )));
         }
+        crate::log::set_thread_rank(Some(rank));
         Ok(HostGroup {
             transport,
             name: name.to_owned(),

@@ -141,6 +141,7 @@ impl Manager {
     /// Creates a manager for `backend` (any name vLLM accepts) on a group of `world` ranks, of
     /// which this is `rank`. Logs `Using {ManagerClass} all2all manager.` once.
     pub fn new(backend: &str, cfg: MoeConfig, rank: usize, world: usize) -> Result<Manager> {
+        let _rank = crate::log::rank_scope(rank);
         let backend = all2all::resolve(backend)?;
         let layout = backend.layout();
         if backend == Backend::Moonep {
@@ -409,6 +410,7 @@ impl Manager {
         topk_weights: &[f32],
         extras: &[&[u8]],
     ) -> Result<DispatchView<'_>> {
+        let _rank = crate::log::rank_scope(self.rank);
         let start = Instant::now();
         self.check_group(g)?;
         self.plan = None;
@@ -653,6 +655,7 @@ impl Manager {
         expert_output: &[u8],
         out: &mut [u8],
     ) -> Result<()> {
+        let _rank = crate::log::rank_scope(self.rank);
         let start = Instant::now();
         self.check_group(g)?;
         let checked = self.validate_combine(expert_output, out);
