@@ -10,8 +10,6 @@ mod common;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use clap::CommandFactory;
-
 /// Escapes text for roff: backslashes, and a leading `.` or `'` that would read as a request.
 fn esc(s: &str) -> String {
     let s = s.replace('\\', "\\e").replace('-', "\\-");
@@ -130,17 +128,17 @@ the exit status is that of the cases that ran.
 .SH ENVIRONMENT
 .TP
 .B EPCOMM_LOG_LEVEL
-Log threshold of the library: \fBdebug\fR, \fBinfo\fR, \fBwarning\fR (default) or \fBerror\fR.
-Log lines go to stderr.
+Log threshold of the library: \fBerror\fR, \fBwarn\fR (or \fBwarning\fR; the default),
+\fBinfo\fR or \fBdebug\fR, any case. Log lines go to stderr.
 .TP
 .B EPCOMM_TIMEOUT_S
 Seconds every wait of the shared-memory group may take before it fails with a timeout
-(fractions allowed).
+(fractions allowed, at most 1e9; default 60).
 .TP
 .B EPCOMM_SHM_DIRECT
-\fB0\fR makes the shared-memory group stage every contribution in its /dev/shm regions instead
-of reading peers' buffers in place (process_vm_readv); the benchmarks then also check /dev/shm's
-free space before a case.
+\fB1\fR (the default): peers read each other's buffers in place (process_vm_readv) where the
+kernel allows it. \fB0\fR: the shared-memory group stages every contribution in its /dev/shm
+regions; the benchmarks then also check /dev/shm's free space before a case.
 .TP
 .B EPCOMM_NVRTC_PATH
 The NVRTC library file, or a directory holding libnvrtc.so.*, for the GPU path; when set it is
@@ -151,7 +149,10 @@ Directory of the compiled-kernel cache of the GPU path (default
 \fI$XDG_CACHE_HOME/epcomm\fR, else \fI~/.cache/epcomm\fR).
 .TP
 .B EPCOMM_NO_SIMD
-When set, the reductions use the portable kernels instead of AVX2.
+\fB1\fR: the reductions use the portable kernels instead of AVX2 (default \fB0\fR).
+.PP
+An invalid value of any of these gives one warning naming the variable, the value and what is
+used instead.
 .SH EXAMPLES
 Check a configuration given as vLLM flags:
 .PP
@@ -194,7 +195,7 @@ the C header \fIepcomm.h\fR;
 /// The whole page: clap_mangen's title, NAME, SYNOPSIS, DESCRIPTION and OPTIONS, one
 /// subsection per subcommand under COMMANDS, then the sections clap knows nothing about.
 fn render() -> String {
-    let mut cmd = cli::Cli::command();
+    let mut cmd = cli::command();
     // Building fills in what the derive leaves implicit (how many values an option takes).
     cmd.build();
     let man = clap_mangen::Man::new(cmd.clone())
@@ -269,8 +270,8 @@ fn man_page_renders_without_warnings() {
         );
         return;
     };
-    let page = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/man/epcomm.1"))
-        .expect("man/epcomm.1");
+    let page =
+        std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/man/epcomm.1")).expect("man/epcomm.1");
     child
         .stdin
         .take()

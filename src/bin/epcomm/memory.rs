@@ -5,7 +5,7 @@
 /// Whether the shared-memory group stages data in its /dev/shm regions: the ranks' buffers
 /// then live there too. By default (direct mode) peers read each other's buffers in place.
 pub fn region_mode() -> bool {
-    std::env::var("EPCOMM_SHM_DIRECT").is_ok_and(|v| v.trim() == "0")
+    !epcomm::env::shm_direct()
 }
 
 /// Free bytes of /dev/shm (what an unprivileged process may still allocate there).
