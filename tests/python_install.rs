@@ -67,6 +67,30 @@ fn run(cmd: Command, what: &str) -> RunOutput {
     out
 }
 
+/// A fresh directory for one test under target/, named with this process's id (concurrent
+/// `cargo test` runs share target/); removed when the test passes, kept for a look when not.
+struct WorkDir(PathBuf);
+
+impl std::ops::Deref for WorkDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn work_dir(name: &str) -> WorkDir {
+    WorkDir(out_dir(&format!("{name}-{}", std::process::id())))
+}
+
 /// A fresh venv in `dir`, or `None` after a SKIPPED line for `test` when `venv` fails.
 fn fresh_venv(test: &str, py: &Python, dir: &Path) -> Option<Venv> {
     let venv = dir.join("venv");
@@ -219,7 +243,7 @@ fn pip_installed_package_carries_its_library() {
     let Some(py) = builder_or_skip(TEST) else {
         return;
     };
-    let work = out_dir("python-install-carried");
+    let work = work_dir("python-install-carried");
     // A target directory holding a debug build: what setup.py looks for next to the package.
     let target = work.join("target");
     std::fs::create_dir_all(target.join("debug")).unwrap();
@@ -324,7 +348,7 @@ fn package_without_a_library_finds_the_system_one_or_says_how() {
     let Some(py) = builder_or_skip(TEST) else {
         return;
     };
-    let work = out_dir("python-install-system");
+    let work = work_dir("python-install-system");
     let Some(venv) = fresh_venv(TEST, py, &work) else {
         return;
     };
@@ -376,7 +400,7 @@ fn package_without_a_library_finds_the_system_one_or_says_how() {
             &format!("{TEST} (no library at all)"),
             &format!(
                 "this machine has a system libepcomm ({}), so the error cannot be provoked",
-                system.trim_end()
+                system.trim_end().replace('\n', ", ")
             ),
         );
         return;
