@@ -35,6 +35,12 @@ const PIP_TIMEOUT: Duration = Duration::from_secs(180);
 const VALIDATE_DEFAULT: &str = "allgather_reducescatter -> AgRsAll2AllManager (REPLICATED); \
                                 EPLB communicator: torch_gloo\n";
 
+/// The last line of the ImportError `import epcomm` raises when no library loads.
+const FIX: &str = "Fix: install the library (make install, then ldconfig, or put its directory \
+                   on LD_LIBRARY_PATH), set EPCOMM_LIBRARY to the path of libepcomm.so, or \
+                   reinstall this package from a repository with a built library (cargo build \
+                   --release, then pip install ./python) so that it carries one.\n";
+
 /// Prints the versions, the package file and every libepcomm the process mapped.
 const PROBE: &str = "import os, epcomm\n\
 print(epcomm.version())\n\
@@ -378,6 +384,31 @@ fn package_without_a_library_finds_the_system_one_or_says_how() {
         "import epcomm (LD_LIBRARY_PATH)",
     );
 
+    // EPCOMM_LIBRARY, when set, is the only candidate: no fallback to the system's.
+    let named = work.join("nowhere/libepcomm.so");
+    let out = python_in(
+        &venv,
+        &work,
+        &["-c", "import epcomm"],
+        &[("EPCOMM_LIBRARY", &named), ("LD_LIBRARY_PATH", &lib_dir)],
+    );
+    assert_eq!(
+        out.status.and_then(|s| s.code()),
+        Some(1),
+        "{}",
+        out.describe("import epcomm (EPCOMM_LIBRARY names no file)")
+    );
+    let expected = format!(
+        "ImportError: epcomm cannot load libepcomm. Tried:\n  \
+         {} (EPCOMM_LIBRARY): no such file\n{FIX}",
+        named.display()
+    );
+    assert!(
+        out.stderr.ends_with(&expected),
+        "stderr does not end with\n{expected}\n{}",
+        out.describe("import epcomm (EPCOMM_LIBRARY names no file)")
+    );
+
     // A libepcomm installed on this machine (ldconfig's cache, /usr/lib) would be found.
     let out = python_in(
         &venv,
@@ -418,11 +449,7 @@ fn package_without_a_library_finds_the_system_one_or_says_how() {
         "ImportError: epcomm cannot load libepcomm. Tried:\n  \
          {} (the copy carried by the package): no such file\n  \
          libepcomm.so.0.1 (the system library path): {}\n  \
-         libepcomm.so (the system library path): {}\n\
-         Fix: install the library (make install, then ldconfig, or put its directory on \
-         LD_LIBRARY_PATH), set EPCOMM_LIBRARY to the path of libepcomm.so, or reinstall this \
-         package from a repository with a built library (cargo build --release, then pip \
-         install ./python) so that it carries one.\n",
+         libepcomm.so (the system library path): {}\n{FIX}",
         carried.display(),
         missing("libepcomm.so.0.1"),
         missing("libepcomm.so"),

@@ -46,10 +46,12 @@ def _soname():
 
 
 def _candidates():
-    """(what, path) pairs in the order they are tried."""
+    """(what, path) pairs in the order they are tried; EPCOMM_LIBRARY, when set, is the only one
+    (a library asked for by name is not silently replaced by another)."""
     env = os.environ.get("EPCOMM_LIBRARY")
     if env:
         yield "EPCOMM_LIBRARY", env
+        return
     yield "the copy carried by the package", os.path.join(_HERE, "libepcomm.so")
     # Bare names: the dynamic loader searches LD_LIBRARY_PATH, its cache (ldconfig) and the
     # default directories.
@@ -61,9 +63,9 @@ _LIB = None
 
 
 def load_library():
-    """Loads libepcomm once: ``EPCOMM_LIBRARY``, else the copy the package carries, else the
-    system library path (the SONAME, then libepcomm.so). Raises ImportError listing every
-    attempt when none loads."""
+    """Loads libepcomm once: the file ``EPCOMM_LIBRARY`` names when it is set, else the copy the
+    package carries, else the system library path (the SONAME, then libepcomm.so). Raises
+    ImportError listing every attempt when none loads."""
     global _LIB
     if _LIB is not None:
         return _LIB
@@ -77,7 +79,11 @@ def load_library():
         except OSError as e:
             errors.append(f"{path} ({what}): {e}")
             continue
-        _declare(lib)
+        try:
+            _declare(lib)
+        except AttributeError as e:  # an older libepcomm without a function this one calls
+            errors.append(f"{path} ({what}): not this version's library ({e})")
+            continue
         _LIB = lib
         _install_log_bridge(lib)
         return lib
