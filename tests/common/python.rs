@@ -40,9 +40,11 @@ const BUILD_MODULES: &[(&str, &str)] = &[
 const VENV_CHECK: &str = "import setuptools, wheel, pip, numpy";
 /// What the venv gets from PyPI.
 const PACKAGES: &[&str] = &["numpy", "setuptools", "wheel"];
-/// How long making the venv may take, and pip's per-connection timeout within that.
+/// How long `python -m venv` may take.
 const VENV_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long `pip install` of the packages may take in all.
 const PIP_TIMEOUT: Duration = Duration::from_secs(300);
+/// pip's timeout per connection attempt (`--timeout`), so an unreachable index fails fast.
 const PIP_SOCKET_TIMEOUT_S: &str = "15";
 /// How long a failed provisioning attempt is not retried.
 const RETRY_AFTER: Duration = Duration::from_secs(600);
@@ -209,8 +211,8 @@ pub fn venv_dir() -> PathBuf {
     target_dir().join("epcomm-test-venv")
 }
 
-/// An exclusive lock on `path` (made if absent), held until the file is dropped: test binaries
-/// run one after another, but the threads and processes of one may race.
+/// An exclusive lock on `path` (made if absent), held until the file is dropped: concurrent
+/// `cargo test` runs on one target/ (and the threads of one test binary) may race.
 pub fn lock_file(path: &Path) -> File {
     let file = OpenOptions::new()
         .create(true)
