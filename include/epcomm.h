@@ -672,9 +672,9 @@ typedef struct epcomm_p2p_op {
 } epcomm_p2p_op;
 
 /**
- * Receives one log message: `level` is an EPCOMM_LOG_* value, `message` is valid only during
- * the call, `user_data` is what was passed to epcomm_set_log_callback. May be called from any
- * thread that calls into epcomm.
+ * Receives one log message: `level` is an EPCOMM_LOG_* value, `message` the bare text (vLLM's
+ * wording, no prefix, no newline) valid only during the call, `user_data` what was passed to
+ * epcomm_set_log_callback. May be called from any thread that calls into epcomm.
  */
 typedef void (*epcomm_log_fn)(int32_t level, const char *message, void *user_data);
 
@@ -742,9 +742,10 @@ void epcomm_all2all_destroy(struct epcomm_all2all *a2a);
  * Dispatches this rank's tokens (collective): `hidden` [T, hidden_size] of hidden_dtype,
  * `topk_ids` [T, top_k] int32/int64 (-1 = masked), `topk_weights` [T, top_k] float32,
  * `extras` (may be NULL when num_extras is 0) [T, extra_row_bytes[i]] bytes each. T may differ
- * between ranks and may be 0. Rows are ordered by source rank, then source token, then (for
- * the per-expert layouts) local expert. On bad input every rank returns an error (the others
- * are told which rank rejected its input); nobody hangs.
+ * between ranks and may be 0. Rows are ordered by source rank, then source token (REPLICATED,
+ * TOKEN_MAJOR, RANK_MAJOR), or by local expert, then source rank, then source token
+ * (EXPERT_MAJOR, EXPERT_PACKED). On bad input every rank returns an error (the others are told
+ * which rank rejected its input); nobody hangs.
  *
  * # Safety
  * Pointers are NULL or valid; tensors describe host memory valid for the call.
@@ -1070,7 +1071,7 @@ int32_t epcomm_nccl_unique_id(uint8_t *out);
  * Creates a GPU all2all manager and its own NCCL communicator (`ncclCommInitRank`, collective:
  * blocks until all `world_size` ranks joined) from `unique_id` (128 bytes from
  * epcomm_nccl_unique_id on one rank), on CUDA device `device` (its primary context, the one
- * PyTorch uses). `backend` is any name vLLM accepts (SPEC §3), `mode` an EPCOMM_GPU_MODE_*.
+ * PyTorch uses). `backend` is any all2all backend name vLLM accepts, `mode` an EPCOMM_GPU_MODE_*.
  * Kernels are compiled with NVRTC for the device at the first dispatch (cached in memory and
  * in $EPCOMM_CACHE_DIR). Logs `Using {ManagerClass} all2all manager.`.
  *
@@ -1261,16 +1262,21 @@ int32_t epcomm_group_broadcast(struct epcomm_group *group, const struct epcomm_t
 int32_t epcomm_group_all_gather(struct epcomm_group *group, const void *input, size_t bytes, void *output);
 
 /**
- * Routes epcomm's log messages (vLLM's warnings and infos, with vLLM's wording) to `callback`.
- * The callback receives errors, warnings and infos (and debug messages when the level is
- * EPCOMM_LOG_DEBUG) and filters itself. NULL restores the default: messages at or above the
- * level go to stderr. Process-wide; `user_data` must stay valid until replaced.
+ * Routes epcomm's log messages (vLLM's warnings and infos, with vLLM's wording) to `callback`,
+ * which receives each bare message: errors, warnings and infos (and debug messages when the
+ * level is EPCOMM_LOG_DEBUG); it filters itself. NULL restores the default: messages at or
+ * above the level go to stderr, each as one line written at once, prefixed like NCCL's:
+ * `{host}:{pid}:{tid} [{rank}] epcomm {LEVEL} {message}`, where `host` is the short host name,
+ * `tid` the kernel thread id, LEVEL one of ERROR, WARNING, INFO, DEBUG, and ` [{rank}]` the
+ * logging thread's rank where epcomm knows it (the rank of the last shared-memory group the
+ * thread joined; absent otherwise). Process-wide; `user_data` must stay valid until replaced.
  */
 void epcomm_set_log_callback(epcomm_log_fn callback, void *user_data);
 
 /**
- * Sets the log level (EPCOMM_LOG_ERROR..EPCOMM_LOG_DEBUG); the initial level comes from
- * EPCOMM_LOG_LEVEL (error|warn|info|debug), default warn.
+ * Sets the log level (EPCOMM_LOG_ERROR..EPCOMM_LOG_DEBUG); the initial level comes from the
+ * environment variable EPCOMM_LOG_LEVEL (error, warn, info or debug, any case), default warn;
+ * another value logs one warning and uses warn.
  */
 int32_t epcomm_set_log_level(int32_t level);
 
