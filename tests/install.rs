@@ -21,8 +21,9 @@ use std::time::{Duration, Instant};
 use common::skip;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
-/// Where the build and install of `make` take place; `make` builds into target/make.
+/// How long `make` (a release build into target/make) may take.
 const BUILD_LIMIT: Duration = Duration::from_secs(1800);
+/// How long any other step (an install, a compile, a program run) may take.
 const STEP_LIMIT: Duration = Duration::from_secs(300);
 /// The tools `make install` and `make uninstall` may use; nothing else is on their PATH.
 const INSTALL_TOOLS: &[&str] = &[
@@ -44,6 +45,7 @@ fn soname() -> String {
     }
 }
 
+/// A finished command: its exit code (None when a signal ended it) and its output.
 struct Ran {
     code: Option<i32>,
     stdout: String,
@@ -128,7 +130,7 @@ fn have_or_skip(tool: &str, test: &str, part: &str) -> bool {
     );
     skip::skipped(
         test,
-        &format!("{part} needs {tool}, which is not installed (apt-get install {tool})"),
+        &format!("{tool} is not installed (apt-get install {tool}), so {part} did not run"),
     );
     false
 }
@@ -497,7 +499,7 @@ fn make_install_into_a_prefix_then_uninstall() {
         c_example_with_pkg_config(&env);
         cpp_example_with_pkg_config(&env);
     }
-    if have_or_skip("cmake", TEST, "the CMake package builds") {
+    if have_or_skip("cmake", TEST, "the CMake package build") {
         cpp_example_with_cmake(&env, "prefix");
     }
 
