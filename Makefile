@@ -9,7 +9,8 @@
 #   LIBDIR/libepcomm.so.X.Y.Z, its SONAME link (libepcomm.so.0.Y while X is 0, else .so.X) and
 #   libepcomm.so; LIBDIR/libepcomm.a; INCLUDEDIR/epcomm.h and epcomm.hpp; PKGCONFIGDIR/epcomm.pc;
 #   CMAKEDIR/epcommConfig.cmake and epcommConfigVersion.cmake (find_package(epcomm CONFIG));
-#   BINDIR/epcomm; MANDIR/man1/epcomm.1.
+#   BINDIR/epcomm; MANDIR/man1/epcomm.1. INSTALL, INSTALL_PROGRAM and INSTALL_DATA name the copy
+#   commands, as in the GNU coding standards (e.g. INSTALL_PROGRAM='install -s' to strip).
 
 PREFIX ?= /usr/local
 BINDIR ?= $(PREFIX)/bin
@@ -20,6 +21,9 @@ MANDIR ?= $(DATAROOTDIR)/man
 PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
 CMAKEDIR ?= $(LIBDIR)/cmake/epcomm
 DESTDIR ?=
+INSTALL ?= install
+INSTALL_PROGRAM ?= $(INSTALL) -m 755
+INSTALL_DATA ?= $(INSTALL) -m 644
 CARGO ?= cargo
 CARGOFLAGS ?=
 # A cargo target directory of its own: builds for installation carry a SONAME (EPCOMM_SONAME=1),
@@ -65,13 +69,13 @@ install:
 	@for f in $(BUILT); do \
 	  test -f "$$f" || { echo "make install: $$f is missing; run 'make' first (install only copies)" >&2; exit 1; }; \
 	done
-	install -d '$(DESTDIR)$(LIBDIR)' '$(DESTDIR)$(INCLUDEDIR)' '$(DESTDIR)$(PKGCONFIGDIR)' \
+	$(INSTALL) -d '$(DESTDIR)$(LIBDIR)' '$(DESTDIR)$(INCLUDEDIR)' '$(DESTDIR)$(PKGCONFIGDIR)' \
 	    '$(DESTDIR)$(CMAKEDIR)' '$(DESTDIR)$(BINDIR)' '$(DESTDIR)$(MANDIR)/man1'
-	install -m 644 '$(OUT)/libepcomm.so' '$(DESTDIR)$(LIBDIR)/$(REAL)'
+	$(INSTALL_DATA) '$(OUT)/libepcomm.so' '$(DESTDIR)$(LIBDIR)/$(REAL)'
 	ln -sf '$(REAL)' '$(DESTDIR)$(LIBDIR)/$(SONAME)'
 	ln -sf '$(SONAME)' '$(DESTDIR)$(LIBDIR)/libepcomm.so'
-	install -m 644 '$(OUT)/libepcomm.a' '$(DESTDIR)$(LIBDIR)/libepcomm.a'
-	install -m 644 include/epcomm.h include/epcomm.hpp '$(DESTDIR)$(INCLUDEDIR)/'
+	$(INSTALL_DATA) '$(OUT)/libepcomm.a' '$(DESTDIR)$(LIBDIR)/libepcomm.a'
+	$(INSTALL_DATA) include/epcomm.h include/epcomm.hpp '$(DESTDIR)$(INCLUDEDIR)/'
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(call pcpath,$(LIBDIR))|' \
 	    -e 's|@INCLUDEDIR@|$(call pcpath,$(INCLUDEDIR))|' -e 's|@VERSION@|$(VERSION)|' \
 	    -e 's|@LIBS_PRIVATE@|$(addprefix -l,$(NATIVE_LIBS))|' \
@@ -84,8 +88,8 @@ install:
 	sed -e 's|@VERSION@|$(VERSION)|' -e 's|@MAJOR@|$(MAJOR)|' -e 's|@MINOR@|$(MINOR)|' \
 	    -e 's|@SONAME@|$(SONAME)|' -e 's|@SIZEOF_VOID_P@|$(sizeof_void_p)|' \
 	    cmake/epcommConfigVersion.cmake.in > '$(DESTDIR)$(CMAKEDIR)/epcommConfigVersion.cmake'
-	install -m 755 '$(OUT)/epcomm' '$(DESTDIR)$(BINDIR)/epcomm'
-	install -m 644 '$(MANPAGE)' '$(DESTDIR)$(MANDIR)/man1/epcomm.1'
+	$(INSTALL_PROGRAM) '$(OUT)/epcomm' '$(DESTDIR)$(BINDIR)/epcomm'
+	$(INSTALL_DATA) '$(MANPAGE)' '$(DESTDIR)$(MANDIR)/man1/epcomm.1'
 
 uninstall:
 	rm -f '$(DESTDIR)$(LIBDIR)/$(REAL)' '$(DESTDIR)$(LIBDIR)/$(SONAME)' \
