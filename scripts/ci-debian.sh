@@ -3,10 +3,13 @@
 # `dpkg-buildpackage -us -uc -b` in a copy of the tree (the checkout stays clean), installs them
 # with dpkg, builds and runs a C and a C++ program against the installed packages with
 # pkg-config and with CMake, checks the command and its man page, and removes the packages.
-# Exits non-zero on any failure. Needs root (apt-get, dpkg -i) and the Rust toolchain on PATH.
+# Exits non-zero on any failure. Needs the Rust toolchain on PATH, and root or sudo for apt-get
+# and dpkg. Run from CI as: scripts/ci-debian.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
+as_root=()
+[ "$(id -u)" = 0 ] || as_root=(sudo)
 
 say() { printf '== %s\n' "$*"; }
 fail() {
@@ -24,7 +27,8 @@ command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 if [ ${#need[@]} -gt 0 ]; then
   say "apt-get install ${need[*]}"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+  "${as_root[@]}" apt-get update -qq
+  "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
 fi
 command -v cargo >/dev/null 2>&1 || fail "cargo is not on PATH (the package build uses the Rust toolchain on PATH)"
 
@@ -40,7 +44,7 @@ work=$(mktemp -d /tmp/epcomm-ci-debian.XXXXXX)
 installed=0
 cleanup() {
   local rc=$?
-  if [ "$installed" = 1 ]; then dpkg -r "${packages[@]}" >/dev/null 2>&1 || true; fi
+  if [ "$installed" = 1 ]; then "${as_root[@]}" dpkg -r "${packages[@]}" >/dev/null 2>&1 || true; fi
   rm -rf "$work"
   exit "$rc"
 }
@@ -104,7 +108,7 @@ esac
 
 say "dpkg -i"
 installed=1
-dpkg -i "${debs[@]}" >/dev/null
+"${as_root[@]}" dpkg -i "${debs[@]}" >/dev/null
 
 say "epcomm --version, man -w epcomm"
 first=$(epcomm --version) || fail "epcomm --version failed"
@@ -173,7 +177,7 @@ case "$deps" in
 esac
 
 say "dpkg -r"
-dpkg -r "${packages[@]}" >/dev/null
+"${as_root[@]}" dpkg -r "${packages[@]}" >/dev/null
 installed=0
 for f in /usr/bin/epcomm "$libdir/$soname" "$libdir/libepcomm.so" /usr/include/epcomm.h \
   "$libdir/cmake/epcomm" /usr/share/man/man1/epcomm.1.gz; do
