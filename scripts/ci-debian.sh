@@ -155,16 +155,25 @@ out=$("$t/cpp" deepep_high_throughput) || fail "the C++ program failed"
 check_output "the C++ program" "$out" \
   "rank 0 (deepep_high_throughput): 20 13.75 48" "rank 1 (deepep_high_throughput): 70 42"
 
-say "C++ with CMake (find_package(epcomm CONFIG REQUIRED), shared and static)"
-for static in OFF ON; do
-  cmake -S examples/cpp -B "$t/cmake-$static" -DEPCOMM_EXAMPLE_STATIC=$static >"$t/cmake.log" 2>&1 \
-    && cmake --build "$t/cmake-$static" >>"$t/cmake.log" 2>&1 \
-    || { cat "$t/cmake.log" >&2; fail "CMake build of examples/cpp (static=$static) failed"; }
-  grep -qx "epcomm_DIR:PATH=$libdir/cmake/epcomm" "$t/cmake-$static/CMakeCache.txt" \
-    || fail "CMake found epcomm elsewhere: $(grep '^epcomm_DIR' "$t/cmake-$static/CMakeCache.txt")"
-  out=$("$t/cmake-$static/moe_two_ranks" nixl_ep) || fail "the CMake-built C++ program (static=$static) failed"
-  check_output "the CMake-built C++ program (static=$static)" "$out" \
-    "rank 0 (nixl_ep): 20 13.75 48" "rank 1 (nixl_ep): 70 42"
+say "C and C++ with CMake (find_package(epcomm CONFIG REQUIRED), shared and static)"
+for lang in c cpp; do
+  for static in OFF ON; do
+    b=$t/cmake-$lang-$static
+    cmake -S "examples/$lang" -B "$b" -DEPCOMM_EXAMPLE_STATIC=$static >"$t/cmake.log" 2>&1 \
+      && cmake --build "$b" >>"$t/cmake.log" 2>&1 \
+      || { cat "$t/cmake.log" >&2; fail "CMake build of examples/$lang (static=$static) failed"; }
+    grep -qx "epcomm_DIR:PATH=$libdir/cmake/epcomm" "$b/CMakeCache.txt" \
+      || fail "CMake found epcomm elsewhere: $(grep '^epcomm_DIR' "$b/CMakeCache.txt")"
+    out=$("$b/moe_two_ranks" nixl_ep) || fail "examples/$lang built with CMake (static=$static) failed"
+    if [ "$lang" = c ]; then
+      check_output "examples/c built with CMake (static=$static)" "$out" \
+        "rank 0 (nixl_ep, EXPERT_MAJOR): combined 20 13.75 48" \
+        "rank 1 (nixl_ep, EXPERT_MAJOR): combined 70 42"
+    else
+      check_output "examples/cpp built with CMake (static=$static)" "$out" \
+        "rank 0 (nixl_ep): 20 13.75 48" "rank 1 (nixl_ep): 70 42"
+    fi
+  done
 done
 
 say "dpkg-shlibdeps: a program linked with the library depends on libepcomm0 of its ABI line"

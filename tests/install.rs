@@ -326,46 +326,60 @@ fn cpp_example_with_pkg_config(env: &[(&str, &str)]) {
     );
 }
 
-/// examples/cpp configured and built with CMake against the installation found through
-/// CMAKE_PREFIX_PATH (shared and static targets), run; the version file's answers.
-fn cpp_example_with_cmake(env: &[(&str, &str)], tag: &str) {
-    for (kind, flag, backend) in [
-        ("shared", "OFF", "deepep_low_latency"),
-        ("static", "ON", "nixl_ep"),
+/// examples/c and examples/cpp configured and built with CMake against the installation found
+/// through CMAKE_PREFIX_PATH (in `cmake_dir`), with the shared and the static target, and run;
+/// then the version file's answers.
+fn examples_with_cmake(env: &[(&str, &str)], tag: &str, cmake_dir: &str) {
+    for (lang, kind, flag, backend, layout) in [
+        (
+            "c",
+            "shared",
+            "OFF",
+            "deepep_v2",
+            ", EXPERT_PACKED): combined",
+        ),
+        (
+            "c",
+            "static",
+            "ON",
+            "flashinfer_nvlink_two_sided",
+            ", RANK_MAJOR): combined",
+        ),
+        ("cpp", "shared", "OFF", "deepep_low_latency", "):"),
+        ("cpp", "static", "ON", "nixl_ep", "):"),
     ] {
-        let build = format!("\"$W/cmake-{tag}-{kind}\"");
+        let what = format!("examples/{lang} with CMake ({kind}, {tag})");
+        let build = format!("\"$W/cmake-{tag}-{lang}-{kind}\"");
         sh(
             &format!(
-                "cmake -S examples/cpp -B {build} -DCMAKE_PREFIX_PATH=\"$CMAKE_PREFIX\" \
+                "cmake -S examples/{lang} -B {build} -DCMAKE_PREFIX_PATH=\"$CMAKE_PREFIX\" \
                  -DEPCOMM_EXAMPLE_STATIC={flag} -DCMAKE_BUILD_TYPE=Release && \
                  cmake --build {build}"
             ),
             env,
-            &format!("cmake configure and build examples/cpp ({kind}, {tag})"),
+            &format!("configure and build {what}"),
         );
         let cache = sh(
-            &format!("grep '^epcomm_DIR' {build}/CMakeCache.txt"),
+            &format!("grep '^epcomm_DIR:' {build}/CMakeCache.txt"),
             env,
             "epcomm_DIR",
         );
-        assert!(
-            cache.trim_end().ends_with("/cmake/epcomm"),
-            "found elsewhere: {cache}"
-        );
+        assert_eq!(cache, format!("epcomm_DIR:PATH={cmake_dir}\n"), "{what}");
         let deps = sh(&format!("ldd {build}/moe_two_ranks"), env, "ldd");
         assert_eq!(
             deps.contains("libepcomm"),
             kind == "shared",
-            "{kind}: {deps}"
+            "{what}: {deps}"
         );
         let out = two_ranks(
             &format!("{build}/moe_two_ranks {backend}"),
             env,
-            &format!("run the CMake-built C++ example ({kind})"),
+            &format!("run {what}"),
         );
         assert_eq!(
             out,
-            format!("rank 0 ({backend}): 20 13.75 48\nrank 1 ({backend}): 70 42\n")
+            format!("rank 0 ({backend}{layout} 20 13.75 48\nrank 1 ({backend}{layout} 70 42\n"),
+            "{what}"
         );
     }
 
@@ -509,7 +523,7 @@ fn make_install_into_a_prefix_then_uninstall() {
         cpp_example_with_pkg_config(&env);
     }
     if have_or_skip("cmake", TEST, "the CMake package build") {
-        cpp_example_with_cmake(&env, "prefix");
+        examples_with_cmake(&env, "prefix", &format!("{p}/lib/cmake/epcomm"));
     }
 
     let r = sh_ran(
@@ -624,7 +638,7 @@ fn make_install_with_destdir_and_distribution_dirs() {
         );
     }
     if have_or_skip("cmake", TEST, "the CMake build from the staging tree") {
-        cpp_example_with_cmake(&build_env, "destdir");
+        examples_with_cmake(&build_env, "destdir", &format!("{staged_lib}/cmake/epcomm"));
     }
 
     sh(

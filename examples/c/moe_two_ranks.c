@@ -6,6 +6,8 @@
  *   cc moe_two_ranks.c $(pkg-config --cflags --libs epcomm) -o moe_two_ranks
  *   cc -static moe_two_ranks.c $(pkg-config --static --cflags --libs epcomm) -o moe_two_ranks
  *   ./moe_two_ranks deepep_high_throughput
+ *
+ * or with CMake: see CMakeLists.txt next to this file.
  */
 #include <stdio.h>
 #include <stdlib.h>
