@@ -28,7 +28,8 @@
 #define EPCOMM_ABI_VERSION 1
 
 /**
- * Major version of the library this header belongs to (the crate version, checked at build time).
+ * Major version of the library this header belongs to; epcomm_version() gives the version of
+ * the library loaded at run time.
  */
 #define EPCOMM_VERSION_MAJOR 0
 
@@ -44,7 +45,8 @@
 #define EPCOMM_VERSION_PATCH 0
 
 /**
- * The version as one number, MAJOR * 10000 + MINOR * 100 + PATCH, for `#if` comparisons.
+ * The version as one number, MAJOR * 10000 + MINOR * 100 + PATCH, for `#if` comparisons
+ * (`#if EPCOMM_VERSION_NUMBER >= 100` for 0.1.0 or later).
  */
 #define EPCOMM_VERSION_NUMBER 100
 

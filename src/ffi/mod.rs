@@ -20,14 +20,16 @@ pub mod tensor;
 /// ABI version of this header; bumped on any incompatible change.
 pub const EPCOMM_ABI_VERSION: i32 = 1;
 
-/// Major version of the library this header belongs to (the crate version, checked at build time).
+/// Major version of the library this header belongs to; epcomm_version() gives the version of
+/// the library loaded at run time.
 pub const EPCOMM_VERSION_MAJOR: i32 = 0;
 /// Minor version of the library this header belongs to. While the major version is 0, a new
 /// minor version may break the ABI (the SONAME is libepcomm.so.0.MINOR).
 pub const EPCOMM_VERSION_MINOR: i32 = 1;
 /// Patch version of the library this header belongs to.
 pub const EPCOMM_VERSION_PATCH: i32 = 0;
-/// The version as one number, MAJOR * 10000 + MINOR * 100 + PATCH, for `#if` comparisons.
+/// The version as one number, MAJOR * 10000 + MINOR * 100 + PATCH, for `#if` comparisons
+/// (`#if EPCOMM_VERSION_NUMBER >= 100` for 0.1.0 or later).
 pub const EPCOMM_VERSION_NUMBER: i32 = 100;
 
 /// Parses a decimal version component at compile time (the header's version macros must be
