@@ -315,7 +315,7 @@ fn cpp_example_with_pkg_config(env: &[(&str, &str)]) {
         env,
         "build the C++ example (static libepcomm.a)",
     );
-    let out = sh(
+    let out = two_ranks(
         "\"$W/cpp_archive\" flashinfer_all2allv",
         env,
         "run the C++ example (static libepcomm.a)",
