@@ -162,11 +162,7 @@ pub fn cmd_group(p: &GroupArgs) -> ExitCode {
             wrong
         );
         println!("# time ratio all_to_allv / memcpy: {:.2}", am / cm);
-        println!(
-            "# Out of bounds values : {wrong} {}",
-            if wrong == 0 { "OK" } else { "FAILED" }
-        );
-        println!("# Avg bus bandwidth    : {busbw:.3}");
+        crate::stats::nccl_summary(wrong, busbw);
     }
     if wrong > 0 {
         eprintln!("epcomm: {wrong} wrong bytes received");

@@ -259,11 +259,7 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
             wrong
         );
         println!("# transfer/memcpy bandwidth: {:.2}", cm / xm);
-        println!(
-            "# Out of bounds values : {wrong} {}",
-            if wrong == 0 { "OK" } else { "FAILED" }
-        );
-        println!("# Avg bus bandwidth    : {busbw:.3}");
+        crate::stats::nccl_summary(wrong, busbw);
     }
     if wrong > 0 {
         eprintln!("epcomm: {wrong} wrong bytes in the placed experts");

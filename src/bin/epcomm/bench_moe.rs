@@ -526,11 +526,7 @@ pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
             .map(|r| r.size / r.pair / 1e9 * (n - 1.0) / n)
             .sum::<f64>()
             / rows.len().max(1) as f64;
-        println!(
-            "# Out of bounds values : {wrong} {}",
-            if wrong == 0 { "OK" } else { "FAILED" }
-        );
-        println!("# Avg bus bandwidth    : {avg:.3}");
+        crate::stats::nccl_summary(wrong, avg);
         if n_refused > 0 {
             println!(
                 "# {n_refused} of {} cases refused for memory (see stderr)",

@@ -74,3 +74,13 @@ pub fn tolerance(kind: epcomm::num::FloatKind) -> f32 {
         epcomm::num::FloatKind::Bf16 => 3e-2,
     }
 }
+
+/// The closing lines of an nccl-tests table: the wrong-value count with its verdict, then the
+/// average bus bandwidth (GB/s).
+pub fn nccl_summary(wrong: u64, avg_busbw: f64) {
+    println!(
+        "# Out of bounds values : {wrong} {}",
+        if wrong == 0 { "OK" } else { "FAILED" }
+    );
+    println!("# Avg bus bandwidth    : {avg_busbw:.3}");
+}
