@@ -66,15 +66,7 @@ fn params(a: &MoeArgs) -> Result<Params, String> {
             return Err("--backend moonep: MoonEP kernels are not part of epcomm".into());
         }
     }
-    if p.experts % p.ranks != 0 {
-        return Err(format!(
-            "--experts {} must be a multiple of --ranks {} (each rank owns E/R experts)",
-            p.experts, p.ranks
-        ));
-    }
-    if p.topk > p.experts {
-        return Err(format!("--topk {} exceeds --experts {}", p.topk, p.experts));
-    }
+    crate::ranks::check_expert_shape(p.experts, p.ranks, p.topk)?;
     Ok(p)
 }
 

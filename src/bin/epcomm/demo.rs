@@ -46,15 +46,7 @@ fn params(a: &DemoArgs) -> Result<Params, String> {
             DemoRouting::Uniform => false,
         },
     };
-    if p.experts % p.ranks != 0 {
-        return Err(format!(
-            "--experts {} must be a multiple of --ranks {} (each rank owns E/R experts)",
-            p.experts, p.ranks
-        ));
-    }
-    if p.topk > p.experts {
-        return Err(format!("--topk {} exceeds --experts {}", p.topk, p.experts));
-    }
+    crate::ranks::check_expert_shape(p.experts, p.ranks, p.topk)?;
     if p.backends == ["all"] {
         p.backends = Backend::ALL.iter().map(|b| b.name().to_owned()).collect();
     }
