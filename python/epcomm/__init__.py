@@ -303,36 +303,125 @@ def backends():
 _NP_CODES = {"i": 0, "u": 1, "f": 2, "b": 6}
 
 
-def _capsule_pointer(capsule):
+# DLPack 1.0 (DLManagedTensorVersioned) flags.
+_DLPACK_FLAG_READ_ONLY = 1 << 0
+_DLPACK_FLAG_IS_COPIED = 1 << 1
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _ManagedTensorVersioned(ctypes.Structure):
+    """DLPack 1.0's DLManagedTensorVersioned, up to its DLTensor."""
+
+    _fields_ = [
+        ("version", _DLPackVersion),
+        ("manager_ctx", vp),
+        ("deleter", vp),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _Tensor),
+    ]
+
+
+def _capsule_name(capsule):
+    get = ctypes.pythonapi.PyCapsule_GetName
+    get.restype = cp
+    get.argtypes = [ctypes.py_object]
+    return get(capsule)
+
+
+def _capsule_pointer(capsule, name):
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype = vp
     get.argtypes = [ctypes.py_object, cp]
-    return get(capsule, b"dltensor")
+    return get(capsule, name)
 
 
 class _Arg:
-    """A tensor argument: keeps what the descriptor points into alive during the call."""
+    """A tensor argument: keeps what the descriptor points into alive during the call.
 
-    def __init__(self, obj):
+    An output (`output=True`) must be writable; one that is not C-contiguous or not in native
+    byte order is computed into a temporary array and copied into place by `finish()`, so the
+    library only ever writes compact native memory and the caller's array gets the result."""
+
+    def __init__(self, obj, what, output=False):
         self.keep = []
+        self.copy_into = None
         if hasattr(obj, "__array_interface__") and not hasattr(obj, "__dlpack_device__"):
-            self._from_numpy(obj)
+            self._from_numpy(obj, what, output)
         elif hasattr(obj, "__dlpack__"):
             if _is_numpy(obj):
-                self._from_numpy(obj)
+                self._from_numpy(obj, what, output)
             else:
-                capsule = obj.__dlpack__()
-                self.keep.append(capsule)
-                # A DLManagedTensor starts with its DLTensor: epcomm_tensor's layout.
-                self.ptr = ctypes.cast(_capsule_pointer(capsule), ctypes.POINTER(_Tensor))
-                return
+                self._from_dlpack(obj, what, output)
         else:
-            raise TypeError(f"expected a numpy array or an object with __dlpack__, got {type(obj).__name__}")
+            raise TypeError(
+                f"{what}: expected a numpy array or an object with __dlpack__, got "
+                f"{type(obj).__name__}"
+            )
 
-    def _from_numpy(self, arr):
+    def _from_dlpack(self, obj, what, output):
+        try:
+            capsule = obj.__dlpack__(max_version=(1, 0))
+        except TypeError:  # a producer older than DLPack 1.0 (no max_version)
+            capsule = obj.__dlpack__()
+        self.keep.append(capsule)
+        name = _capsule_name(capsule)
+        if name == b"dltensor_versioned":
+            managed = ctypes.POINTER(_ManagedTensorVersioned)
+            m = ctypes.cast(_capsule_pointer(capsule, name), managed)
+            if m.contents.version.major != 1:
+                raise ValueError(
+                    f"{what}: its __dlpack__ export has DLPack version "
+                    f"{m.contents.version.major}.{m.contents.version.minor}; expected 1.x"
+                )
+            flags = m.contents.flags
+            if output and flags & _DLPACK_FLAG_READ_ONLY:
+                raise ValueError(
+                    f"{what} is read-only (its __dlpack__ export is flagged read-only); "
+                    "expected a writable tensor to receive the result"
+                )
+            if output and flags & _DLPACK_FLAG_IS_COPIED:
+                raise ValueError(
+                    f"{what} was exported as a copy (its __dlpack__ export is flagged "
+                    "is_copied), so the result would not reach it; expected a tensor whose "
+                    "memory is exported as is"
+                )
+            self.ptr = ctypes.pointer(m.contents.dl_tensor)
+        elif name == b"dltensor":
+            # A DLManagedTensor starts with its DLTensor: epcomm_tensor's layout.
+            self.ptr = ctypes.cast(_capsule_pointer(capsule, name), ctypes.POINTER(_Tensor))
+        else:
+            raise TypeError(
+                f"{what}: __dlpack__ returned a capsule named {name!r}; expected 'dltensor' "
+                "or 'dltensor_versioned'"
+            )
+
+    def _from_numpy(self, arr, what, output):
         import numpy as np
 
-        a = np.ascontiguousarray(arr)
+        native = None
+        if output:
+            view = np.asarray(arr)  # no copy: the caller's memory
+            if not view.flags.writeable:
+                raise ValueError(
+                    f"{what} is read-only (a numpy array with flags.writeable False, e.g. one "
+                    "backed by bytes); expected a writable array to receive the result"
+                )
+            if not view.dtype.isnative:
+                native = view.dtype.newbyteorder("=")
+            if native is not None or not view.flags.c_contiguous:
+                a = np.empty(view.shape, native or view.dtype)
+                self.copy_into = view
+            else:
+                a = view
+        else:
+            a = np.asarray(arr)
+            if not a.dtype.isnative:
+                # The library reads native-order values; convert rather than misread them.
+                a = a.astype(a.dtype.newbyteorder("="))
+            a = np.ascontiguousarray(a)
         self.keep.append(a)
         shape = (ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
         self.keep.append(shape)
@@ -347,6 +436,11 @@ class _Arg:
         self.keep.append(t)
         self.ptr = ctypes.pointer(t)
         self.array = a
+
+    def finish(self):
+        """After a successful call: copies a temporary output into the caller's array."""
+        if self.copy_into is not None:
+            self.copy_into[...] = self.array
 
 
 def _is_numpy(obj):
@@ -418,7 +512,8 @@ class Group:
         x = np.ascontiguousarray(x)
         out = np.empty((int(sum(sizes)),) + x.shape[1:], x.dtype)
         s = (ctypes.c_int64 * len(sizes))(*sizes)
-        _check(load_library().epcomm_group_all_gatherv(self._h, _Arg(x).ptr, s, _Arg(out).ptr))
+        _check(load_library().epcomm_group_all_gatherv(
+            self._h, _Arg(x, "x").ptr, s, _Arg(out, "out", output=True).ptr))
         return out
 
     def reduce_scatterv(self, x, sizes):
@@ -428,7 +523,8 @@ class Group:
         x = np.ascontiguousarray(x)
         out = np.empty((int(sizes[self.rank]),) + x.shape[1:], x.dtype)
         s = (ctypes.c_int64 * len(sizes))(*sizes)
-        _check(load_library().epcomm_group_reduce_scatterv(self._h, _Arg(x).ptr, s, _Arg(out).ptr))
+        _check(load_library().epcomm_group_reduce_scatterv(
+            self._h, _Arg(x, "x").ptr, s, _Arg(out, "out", output=True).ptr))
         return out
 
     def close(self):
@@ -472,9 +568,17 @@ class All2All:
 
     def dispatch(self, hidden, topk_ids, topk_weights):
         """Dispatches this rank's tokens; returns a dict of numpy copies of the layout's outputs."""
+        lib = load_library()
         out = _DispatchOutput()
-        args = [_Arg(hidden), _Arg(topk_ids), _Arg(topk_weights)]
-        _check(load_library().epcomm_all2all_dispatch(
+        try:
+            args = [_Arg(hidden, "hidden"), _Arg(topk_ids, "topk_ids"),
+                    _Arg(topk_weights, "topk_weights")]
+        except (TypeError, ValueError):
+            # The peers are already in this dispatch: a call the library rejects (no tensors)
+            # tells them at once instead of leaving them to time out.
+            lib.epcomm_all2all_dispatch(self._h, None, None, None, None, 0, ctypes.byref(out))
+            raise
+        _check(lib.epcomm_all2all_dispatch(
             self._h, args[0].ptr, args[1].ptr, args[2].ptr, None, 0, ctypes.byref(out)))
         views = {name: _to_numpy(getattr(out, name)) for name in (
             "hidden", "topk_ids", "topk_weights", "counts", "expert_offsets", "src_rank", "src_token")}
@@ -483,9 +587,19 @@ class All2All:
         return views
 
     def combine(self, expert_output, out):
-        """Combines expert outputs (the dispatch output's shape) into `out` ([T, hidden])."""
-        a, o = _Arg(expert_output), _Arg(out)
-        _check(load_library().epcomm_all2all_combine(self._h, a.ptr, o.ptr))
+        """Combines expert outputs (the dispatch output's shape) into `out` ([T, hidden]), in
+        place: any writable numpy array (C- or Fortran-order, strided, either byte order) or a
+        writable, contiguous __dlpack__ tensor. A read-only `out` is a ValueError on this rank
+        and the peers' combine fails at once ("rank R rejected its input")."""
+        lib = load_library()
+        try:
+            a, o = _Arg(expert_output, "expert_output"), _Arg(out, "out", output=True)
+        except (TypeError, ValueError):
+            # As in dispatch: let the library reject the call so the peers learn of it at once.
+            lib.epcomm_all2all_combine(self._h, None, None)
+            raise
+        _check(lib.epcomm_all2all_combine(self._h, a.ptr, o.ptr))
+        o.finish()
         return out
 
     def close(self):

@@ -450,6 +450,141 @@ def errors_rank(rank, g):
     return report
 
 
+# ---- (d) the epcomm package's combine writes into the caller's array, or refuses it -----------
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "python"))
+import epcomm  # noqa: E402  (the package in python/, on the library EPCOMM_LIBRARY names)
+
+PKG_H = 4
+PKG_SCALE = np.arange(1, PKG_H + 1, dtype=np.float32)
+REJECTED_BY = "combine: rank %d rejected its input (see that rank's error); no data was exchanged"
+READ_ONLY = (
+    "out is read-only (a numpy array with flags.writeable False, e.g. one backed by bytes); "
+    "expected a writable array to receive the result"
+)
+READ_ONLY_DLPACK = (
+    "out is read-only (its __dlpack__ export is flagged read-only); expected a writable tensor "
+    "to receive the result"
+)
+COPIED_DLPACK = (
+    "out was exported as a copy (its __dlpack__ export is flagged is_copied), so the result "
+    "would not reach it; expected a tensor whose memory is exported as is"
+)
+# Rank 1 (2 tokens) passes it.
+NOT_CONTIGUOUS = (
+    "tensor 'output' is not contiguous: strides [8, 2] for shape [2, 4]; expected row-major "
+    "strides [4, 1]"
+)
+
+
+class DLPackOnly:
+    """A tensor offering only __dlpack__ (as a CPU torch tensor does): the package's DLPack path.
+    `copy` is what the producer is told (numpy flags a copied export is_copied)."""
+
+    def __init__(self, arr, copy=None):
+        self.arr, self.copy = arr, copy
+
+    def __dlpack__(self, **kw):
+        if self.copy is not None:
+            kw["copy"] = self.copy
+        return self.arr.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.arr.__dlpack_device__()
+
+
+def pkg_expected(rank):
+    return np.array(EX_OUT[rank], np.float32)[:, None] * PKG_SCALE
+
+
+def pkg_expert_side(rank, v):
+    """TOKEN_MAJOR holder side of the worked example: expert e computes (e+1)*x."""
+    el = EX_E // EX_WORLD
+    rows, ids, w = v["hidden"], v["topk_ids"], v["topk_weights"]
+    y = np.zeros_like(rows)
+    for k in range(EX_K):
+        e = ids[:, k]
+        mine = (e >= 0) & (e // el == rank)
+        y[mine] += w[mine, k, None] * (e[mine, None] + 1) * rows[mine]
+    return y
+
+
+def pkg_outs(rank, t):
+    """(case, out to pass, what to return afterwards) in call order; both ranks make the same
+    calls, and a case that is bad on one rank only is good on the other."""
+    nan = np.full((t, PKG_H), np.nan, np.float32)
+    strided = np.full((t, 2 * PKG_H), -7.0, np.float32)
+    dl_strided = np.full((t, 2 * PKG_H), -7.0, np.float32)
+    ro = bytes(t * PKG_H * 4)
+    ro_dl = np.zeros((t, PKG_H), np.float32)
+    ro_dl.flags.writeable = False
+    cases = [
+        ("c_order", nan.copy(), None),
+        ("fortran", np.asfortranarray(nan), None),
+        ("strided", strided[:, ::2], strided),
+        ("big_endian", nan.astype(">f4"), None),
+        ("dlpack", DLPackOnly(nan.copy()), None),
+        ("read_only", np.frombuffer(ro, np.float32).reshape(t, PKG_H) if rank == 0 else nan.copy(),
+         ro),
+        ("read_only_dlpack", DLPackOnly(ro_dl) if rank == 1 else nan.copy(), None),
+        ("copied_dlpack", DLPackOnly(nan.copy(), copy=True) if rank == 0 else nan.copy(), None),
+        ("strided_dlpack", DLPackOnly(dl_strided[:, ::2]) if rank == 1 else nan.copy(), dl_strided),
+        ("after", nan.copy(), None),
+    ]
+    return cases
+
+
+def pkg_combine_rank(rank, name):
+    x = EX_X[rank] * PKG_SCALE
+    report = {}
+    with epcomm.Group(name, rank, EX_WORLD, timeout_s=20) as g:
+        m = epcomm.All2All(g, "deepep_high_throughput", num_experts=EX_E, top_k=EX_K,
+                           hidden_size=PKG_H, dtype="float32", max_tokens_per_rank=EX_M)
+        try:
+            for case, out, extra in pkg_outs(rank, len(x)):
+                v = m.dispatch(x, EX_IDS[rank], EX_W[rank])
+                y = pkg_expert_side(rank, v)
+                err = None
+                try:
+                    got = m.combine(y, out)
+                    same = got is out
+                except Exception as e:  # the class and message are what the test checks
+                    err, same = (type(e).__name__, str(e)), None
+                arr = out.arr if isinstance(out, DLPackOnly) else out
+                report[case] = {
+                    "error": err,
+                    "same_object": same,
+                    "values": np.array(arr, np.float32).tolist(),
+                    "extra": bytes(extra) if isinstance(extra, bytes) else
+                    (None if extra is None else extra.tolist()),
+                }
+        finally:
+            m.close()
+    return report
+
+
+def pkg_inputs_rank(rank, name):
+    x = EX_X[rank] * PKG_SCALE
+    variants = [
+        (np.frombuffer(x.tobytes(), np.float32).reshape(x.shape), EX_IDS[rank], EX_W[rank]),
+        (np.asfortranarray(x), np.asfortranarray(EX_IDS[rank]), np.asfortranarray(EX_W[rank])),
+        (x.astype(">f4"), EX_IDS[rank].astype(">i4"), EX_W[rank].astype(">f4")),
+    ]
+    results = []
+    with epcomm.Group(name, rank, EX_WORLD, timeout_s=20) as g:
+        m = epcomm.All2All(g, "deepep_high_throughput", num_experts=EX_E, top_k=EX_K,
+                           hidden_size=PKG_H, dtype="float32", max_tokens_per_rank=EX_M)
+        try:
+            for hx, ids, w in variants:
+                v = m.dispatch(hx, ids, w)
+                out = m.combine(pkg_expert_side(rank, v), np.zeros(x.shape, np.float32))
+                results.append(out.tolist())
+        finally:
+            m.close()
+    return results
+
+
 # ---- tests ----------------------------------------------------------------------------------
 
 
@@ -591,6 +726,71 @@ class ErrorTest(unittest.TestCase):
                 ERROR_INVALID_ARGUMENT,
             ),
         )
+
+
+class PackageCombineTest(unittest.TestCase):
+    """epcomm.All2All.combine(expert_output, out) on two process ranks: every writable layout of
+    `out` gets the result in place; a read-only one is a ValueError on its rank and the peer's
+    combine fails at once; the group stays usable."""
+
+    def test_combine_writes_into_out_or_refuses_it(self):
+        name = unique_name(NAME_PREFIX, "pk")
+        try:
+            r = run_ranks(pkg_combine_rank, range(EX_WORLD), (name,))
+        finally:
+            leftovers = shm_leftovers(name)
+        self.assertEqual(leftovers, [], "group left shared memory behind")
+        for rank in range(EX_WORLD):
+            want = pkg_expected(rank).tolist()
+            t = len(want)
+            rep = r[rank]
+            for case in ("c_order", "fortran", "strided", "big_endian", "dlpack", "after"):
+                self.assertEqual(rep[case]["error"], None, (rank, case))
+                self.assertEqual(rep[case]["values"], want, (rank, case))
+                self.assertTrue(rep[case]["same_object"], (rank, case))
+            # The strided view's gaps are untouched.
+            self.assertEqual(
+                np.array(rep["strided"]["extra"])[:, 1::2].tolist(), [[-7.0] * PKG_H] * t, rank
+            )
+            bad = {"read_only": 0, "read_only_dlpack": 1, "copied_dlpack": 0, "strided_dlpack": 1}
+            msgs = {
+                "read_only": READ_ONLY,
+                "read_only_dlpack": READ_ONLY_DLPACK,
+                "copied_dlpack": COPIED_DLPACK,
+                "strided_dlpack": NOT_CONTIGUOUS,
+            }
+            nan_rows = [[None] * PKG_H] * t
+            for case, culprit in bad.items():
+                got = rep[case]
+                if rank == culprit:
+                    self.assertEqual(got["error"], ("ValueError", msgs[case]), (rank, case))
+                else:
+                    self.assertEqual(
+                        got["error"], ("ValueError", REJECTED_BY % culprit), (rank, case)
+                    )
+                # Nothing was written on either rank.
+                values = [[None if np.isnan(v) else v for v in row] for row in got["values"]]
+                if case == "read_only" and rank == culprit:
+                    self.assertEqual(got["extra"], bytes(t * PKG_H * 4), "bytes were written into")
+                    self.assertEqual(got["values"], [[0.0] * PKG_H] * t)
+                elif case == "read_only_dlpack" and rank == culprit:
+                    self.assertEqual(got["values"], [[0.0] * PKG_H] * t)
+                elif case == "strided_dlpack" and rank == culprit:
+                    self.assertEqual(got["extra"], [[-7.0] * (2 * PKG_H)] * t)
+                else:
+                    self.assertEqual(values, nan_rows, (rank, case))
+
+    def test_read_only_and_non_native_inputs_are_read_correctly(self):
+        """dispatch inputs are only read: bytes-backed, Fortran-order and big-endian ones give
+        the same result as plain arrays."""
+        name = unique_name(NAME_PREFIX, "pi")
+        try:
+            r = run_ranks(pkg_inputs_rank, range(EX_WORLD), (name,))
+        finally:
+            leftovers = shm_leftovers(name)
+        self.assertEqual(leftovers, [], "group left shared memory behind")
+        for rank in range(EX_WORLD):
+            self.assertEqual(r[rank], [pkg_expected(rank).tolist()] * 3, rank)
 
 
 if __name__ == "__main__":
