@@ -103,6 +103,14 @@ pub trait Group: Send {
     /// Copies `data` of rank `root` into `data` on every rank (same length everywhere).
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()>;
 
+    /// Takes part in collective `op` as a rank whose arguments failed its own checks (`e`,
+    /// returned): transports that can tell the peers do (they fail at once, naming this rank,
+    /// and the group stays usable); others return `e` and the peers see a missing rank.
+    fn reject(&mut self, op: Op, e: Error) -> Error {
+        let _ = op;
+        e
+    }
+
     /// Gathers equal-sized small objects: `out` (`size() * mine.len()` bytes) in rank order.
     fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Result<()> {
         let sizes = vec![mine.len(); self.size()];
@@ -204,7 +212,17 @@ pub(crate) fn check_sizes(what: &str, op: Op, sizes: &[usize], world: usize) -> 
             sizes.len()
         )));
     }
-    Ok(sizes.iter().sum())
+    sizes
+        .iter()
+        .try_fold(0usize, |a, &s| a.checked_add(s))
+        .filter(|&t| t <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{}: {what} add up to more than {} bytes (the largest buffer); expected sizes that fit in memory",
+                op.name(),
+                isize::MAX
+            ))
+        })
 }
 
 /// Checks that a buffer has the expected byte length.
