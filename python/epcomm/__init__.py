@@ -509,22 +509,22 @@ class Group:
         """Concatenates every rank's rows (numpy) in rank order."""
         import numpy as np
 
-        x = np.ascontiguousarray(x)
-        out = np.empty((int(sum(sizes)),) + x.shape[1:], x.dtype)
+        a = _Arg(np.asarray(x), "x")  # compact, native byte order
+        out = np.empty((int(sum(sizes)),) + a.array.shape[1:], a.array.dtype)
         s = (ctypes.c_int64 * len(sizes))(*sizes)
         _check(load_library().epcomm_group_all_gatherv(
-            self._h, _Arg(x, "x").ptr, s, _Arg(out, "out", output=True).ptr))
+            self._h, a.ptr, s, _Arg(out, "out", output=True).ptr))
         return out
 
     def reduce_scatterv(self, x, sizes):
         """Sums every rank's rows and returns this rank's slice (float32/float16)."""
         import numpy as np
 
-        x = np.ascontiguousarray(x)
-        out = np.empty((int(sizes[self.rank]),) + x.shape[1:], x.dtype)
+        a = _Arg(np.asarray(x), "x")  # compact, native byte order
+        out = np.empty((int(sizes[self.rank]),) + a.array.shape[1:], a.array.dtype)
         s = (ctypes.c_int64 * len(sizes))(*sizes)
         _check(load_library().epcomm_group_reduce_scatterv(
-            self._h, _Arg(x, "x").ptr, s, _Arg(out, "out", output=True).ptr))
+            self._h, a.ptr, s, _Arg(out, "out", output=True).ptr))
         return out
 
     def close(self):

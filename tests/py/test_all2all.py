@@ -494,6 +494,13 @@ class DLPackOnly:
         return self.arr.__dlpack_device__()
 
 
+class LegacyDLPackOnly(DLPackOnly):
+    """A producer older than DLPack 1.0: __dlpack__ takes no max_version."""
+
+    def __dlpack__(self, stream=None):
+        return self.arr.__dlpack__()
+
+
 def pkg_expected(rank):
     return np.array(EX_OUT[rank], np.float32)[:, None] * PKG_SCALE
 
@@ -525,6 +532,7 @@ def pkg_outs(rank, t):
         ("strided", strided[:, ::2], strided),
         ("big_endian", nan.astype(">f4"), None),
         ("dlpack", DLPackOnly(nan.copy()), None),
+        ("dlpack_legacy", LegacyDLPackOnly(nan.copy()), None),
         ("read_only", np.frombuffer(ro, np.float32).reshape(t, PKG_H) if rank == 0 else nan.copy(),
          ro),
         ("read_only_dlpack", DLPackOnly(ro_dl) if rank == 1 else nan.copy(), None),
@@ -562,6 +570,15 @@ def pkg_combine_rank(rank, name):
         finally:
             m.close()
     return report
+
+
+def pkg_group_rank(rank, name):
+    """The package's all_gatherv and reduce_scatterv with big-endian rows."""
+    x = (np.arange(6, dtype=np.float32).reshape(3, 2) + 10 * rank).astype(">f4")
+    with epcomm.Group(name, rank, EX_WORLD, timeout_s=20) as g:
+        gathered = g.all_gatherv(x[: rank + 1], [1, 2])
+        reduced = g.reduce_scatterv(x, [1, 2])
+    return gathered.astype(np.float32).tolist(), reduced.astype(np.float32).tolist()
 
 
 def pkg_inputs_rank(rank, name):
@@ -744,7 +761,8 @@ class PackageCombineTest(unittest.TestCase):
             want = pkg_expected(rank).tolist()
             t = len(want)
             rep = r[rank]
-            for case in ("c_order", "fortran", "strided", "big_endian", "dlpack", "after"):
+            for case in ("c_order", "fortran", "strided", "big_endian", "dlpack", "dlpack_legacy",
+                         "after"):
                 self.assertEqual(rep[case]["error"], None, (rank, case))
                 self.assertEqual(rep[case]["values"], want, (rank, case))
                 self.assertTrue(rep[case]["same_object"], (rank, case))
@@ -779,6 +797,18 @@ class PackageCombineTest(unittest.TestCase):
                     self.assertEqual(got["extra"], [[-7.0] * (2 * PKG_H)] * t)
                 else:
                     self.assertEqual(values, nan_rows, (rank, case))
+
+    def test_group_collectives_with_big_endian_rows(self):
+        name = unique_name(NAME_PREFIX, "pg")
+        try:
+            r = run_ranks(pkg_group_rank, range(EX_WORLD), (name,))
+        finally:
+            leftovers = shm_leftovers(name)
+        self.assertEqual(leftovers, [], "group left shared memory behind")
+        gathered = [[0.0, 1.0], [10.0, 11.0], [12.0, 13.0]]
+        sums = [[10.0, 12.0], [14.0, 16.0], [18.0, 20.0]]
+        self.assertEqual(r[0], (gathered, sums[:1]))
+        self.assertEqual(r[1], (gathered, sums[1:]))
 
     def test_read_only_and_non_native_inputs_are_read_correctly(self):
         """dispatch inputs are only read: bytes-backed, Fortran-order and big-endian ones give
