@@ -1,8 +1,11 @@
 //! The shared-memory transport: ranks on one host (processes or threads).
 //!
-//! Layout: a control segment `/epcomm.{name}` (a header plus one slot of counters per rank) and
-//! one data segment per rank, `/epcomm.{name}.{session}.{rank}.{gen}.{pid}`, which that rank
-//! writes and every peer maps. A primitive is a numbered *op*: each rank writes what it shares
+//! Layout: a control segment (a header, one slot of counters per rank and one data descriptor per
+//! rank) and one data segment per rank, which that rank writes and every peer maps. Segments are
+//! sealed memfds without a name in /dev/shm (see segment.rs): peers open them through
+//! `/proc/{pid}/fd/{fd}` while their creator still holds the descriptor, and the creator closes
+//! it once every peer has mapped them, so nothing of a formed group can be reached by name or
+//! left behind by a crash. A primitive is a numbered *op*: each rank writes what it shares
 //! once into its own region and sets `published = n`; peers wait for that, read straight from
 //! the region into their outputs (reductions sum there too), and set `consumed = n`. A rank
 //! reuses its region only after every peer consumed its previous op, so there are no full
@@ -15,8 +18,11 @@
 //! buffers are the caller's. Ranks agree on the mode when they join (`EPCOMM_SHM_DIRECT=0`
 //! forces the region mode).
 //!
-//! Joining: rank 0 creates the control segment (replacing a stale one from a crashed run),
-//! every rank claims its slot, and once all joined rank 0 unlinks the name. Every wait is
+//! Joining: rank 0 creates the control segment and a rendezvous record `/dev/shm/epcomm.{name}`
+//! naming it (replacing a stale record of a crashed run), every rank claims its slot and maps
+//! every peer's data segment, and once all did, rank 0 removes the record and every rank closes
+//! its descriptors. A process of another job that meets the record or a taken slot marks the
+//! group conflicted, so neither job forms a group with the other's ranks. Every wait is
 //! bounded by the timeout and checks peers' liveness (pid gone or zombie, or the peer marked
 //! itself failed/left) about every 50 ms.
 
@@ -24,7 +30,9 @@ mod segment;
 
 pub use self::segment::pin_current_thread;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use self::segment::{
@@ -38,8 +46,8 @@ use crate::error::{Error, Result};
 use crate::group::rows;
 use crate::num::{self, FloatKind};
 
-const MAGIC: u64 = 0x6570_636f_6d6d_0003; // "epcomm" + layout version 3
-const LAYOUT_VERSION: u32 = 3;
+const MAGIC: u64 = 0x6570_636f_6d6d_0004; // "epcomm" + layout version 4
+const LAYOUT_VERSION: u32 = 4;
 const HEADER_BYTES: usize = 4096;
 /// Largest world size the shm transport accepts.
 pub const MAX_WORLD: usize = 1024;
@@ -59,6 +67,9 @@ struct Header {
     mismatch_world: AtomicU64,
     /// When rank 0 created the segment (ns since the Unix epoch).
     created_ns: AtomicU64,
+    /// pid of a process of another job that tried to join this group under the same name
+    /// (0 = none): the group must not form.
+    conflict_pid: AtomicU64,
 }
 // SAFETY: atomics only; all-zero is the valid "uninitialised" state.
 unsafe impl SharedAtomics for Header {}
@@ -95,8 +106,139 @@ struct Slot {
 // SAFETY: atomics only; all-zero means an empty slot.
 unsafe impl SharedAtomics for Slot {}
 
+/// Where a rank's data segment is: the creator's descriptor number and the file's identity,
+/// which peers check when they open it. `gen` is stored last (release).
+#[repr(C, align(64))]
+struct DataDesc {
+    fd: AtomicU32,
+    _pad: AtomicU32,
+    dev: AtomicU64,
+    ino: AtomicU64,
+    bytes: AtomicU64,
+    gen: AtomicU64,
+}
+// SAFETY: atomics only; all-zero means "not created yet".
+unsafe impl SharedAtomics for DataDesc {}
+
 fn control_bytes(world: usize) -> usize {
-    HEADER_BYTES + world * std::mem::size_of::<Slot>()
+    HEADER_BYTES + world * (std::mem::size_of::<Slot>() + std::mem::size_of::<DataDesc>())
+}
+
+fn desc_offset(world: usize, r: usize) -> usize {
+    HEADER_BYTES + world * std::mem::size_of::<Slot>() + r * std::mem::size_of::<DataDesc>()
+}
+
+/// Tells peers where segment `seg` (generation `gen`) is.
+fn publish_desc(d: &DataDesc, seg: &Segment, gen: u64) {
+    d.fd.store(seg.fd().unwrap_or(0), Ordering::Relaxed);
+    d.dev.store(seg.key().0, Ordering::Relaxed);
+    d.ino.store(seg.key().1, Ordering::Relaxed);
+    d.bytes.store(seg.len() as u64, Ordering::Relaxed);
+    d.gen.store(gen, Ordering::Release);
+}
+
+/// A rank maps the control segment and every rank's data segment (at most `world + 1` new
+/// mappings; thread ranks of one process share them). Refuses a group that would exceed
+/// `vm.max_map_count` with the mappings this process already has, so the limit is an error
+/// here instead of a failed mmap (or an abort) later.
+fn check_map_budget(name: &str, rank: usize, world: usize) -> Result<()> {
+    let Some(limit) = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+    else {
+        return Ok(());
+    };
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return Ok(());
+    };
+    let used = maps.lines().count();
+    // Growth remaps one region at a time; keep a margin for the process's own allocations.
+    let need = world + 2 + 256;
+    if used + need > limit {
+        return Err(Error::System(format!(
+            "group '{name}' needs up to {} memory mappings on rank {rank}, but this process already has {used} of the vm.max_map_count limit of {limit} (raise it with sysctl vm.max_map_count, or run fewer ranks per process)",
+            world + 2
+        )));
+    }
+    Ok(())
+}
+
+/// The rendezvous record `/dev/shm/epcomm.{name}`: where rank 0's control segment is. Written
+/// once with one pwrite and read with pread (never mapped); a checksum tells a complete record
+/// from one being written.
+#[derive(Clone, Copy, Debug)]
+struct Record {
+    version: u32,
+    world: u32,
+    creator: u32,
+    fd: u32,
+    key: segment::FileKey,
+    session: u64,
+    created_ns: u64,
+}
+
+const RECORD_BYTES: usize = 64;
+
+fn record_checksum(b: &[u8]) -> u64 {
+    b[..56].chunks_exact(8).fold(0xcbf2_9ce4_8422_2325, |h, c| {
+        (h ^ u64::from_ne_bytes(c.try_into().unwrap())).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+impl Record {
+    fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(RECORD_BYTES);
+        b.extend(MAGIC.to_ne_bytes());
+        b.extend(self.version.to_ne_bytes());
+        b.extend(self.world.to_ne_bytes());
+        b.extend(self.creator.to_ne_bytes());
+        b.extend(self.fd.to_ne_bytes());
+        b.extend(self.key.0.to_ne_bytes());
+        b.extend(self.key.1.to_ne_bytes());
+        b.extend(self.session.to_ne_bytes());
+        b.extend(self.created_ns.to_ne_bytes());
+        let sum = record_checksum(&b);
+        b.extend(sum.to_ne_bytes());
+        b
+    }
+
+    /// A complete record of any epcomm layout (the first fields have kept their places since
+    /// layout 3, whose control segment sat under this name), or None for a partial or foreign
+    /// one.
+    fn decode(b: &[u8]) -> Option<Record> {
+        let u32_at = |i: usize| {
+            b.get(i..i + 4)
+                .map(|w| u32::from_ne_bytes(w.try_into().unwrap()))
+        };
+        let u64_at = |i: usize| {
+            b.get(i..i + 8)
+                .map(|w| u64::from_ne_bytes(w.try_into().unwrap()))
+        };
+        if u64_at(0)? >> 16 != MAGIC >> 16 {
+            return None;
+        }
+        let version = u32_at(8)?;
+        let mut r = Record {
+            version,
+            world: u32_at(12)?,
+            creator: u32_at(16)?,
+            fd: 0,
+            key: (0, 0),
+            session: 0,
+            created_ns: 0,
+        };
+        if version != LAYOUT_VERSION {
+            return Some(r);
+        }
+        if b.len() < RECORD_BYTES || u64_at(56)? != record_checksum(b) {
+            return None;
+        }
+        r.fd = u32_at(20)?;
+        r.key = (u64_at(24)?, u64_at(32)?);
+        r.session = u64_at(40)?;
+        r.created_ns = u64_at(48)?;
+        Some(r)
+    }
 }
 
 fn align64(x: usize) -> usize {
@@ -159,6 +301,11 @@ pub struct ShmGroup {
     _probe: Box<u64>,
     /// The op whose buffers peers may still be reading (direct mode), until it finishes.
     exposed: Option<u64>,
+    /// The op that first published a grown region: its descriptor stays open for peers to map
+    /// it until that op is committed.
+    grown_at: u64,
+    /// Buffer tables of this process's thread ranks of this group (direct mode).
+    tables: Arc<LocalTables>,
 }
 
 impl std::fmt::Debug for ShmGroup {
@@ -237,6 +384,7 @@ impl ShmGroup {
                 opts.initial_capacity, opts.max_capacity
             )));
         }
+        check_map_budget(name, rank, world)?;
         let control_name = format!("/epcomm.{name}");
         let deadline = Deadline::new(opts.timeout);
         let pid = std::process::id();
@@ -275,8 +423,12 @@ impl ShmGroup {
                 std::thread::sleep(Duration::from_millis(20));
                 continue;
             }
-            return Err(abandon(Error::InvalidArgument(format!(
-                "rank {rank} of group '{name}' is already taken (by pid {other}); each rank joins once"
+            // Another live process holds this rank: another job uses the name (or this job
+            // started the rank twice). Neither may form a group with the other's ranks.
+            let header: &Header = control.at(0);
+            header.conflict_pid.store(u64::from(pid), Ordering::Release);
+            return Err(abandon(Error::InvalidState(format!(
+                "group name '{name}' is in use by another job: rank {rank} is already taken (by pid {other}); each rank joins once, and jobs that run at the same time need distinct group names"
             ))));
         };
         let header: &Header = control.at(0);
@@ -303,6 +455,8 @@ impl ShmGroup {
             .store(&*probe as *const u64 as u64, Ordering::Relaxed);
         slot.data_bytes.store(capacity as u64, Ordering::Relaxed);
         slot.data_gen.store(1, Ordering::Relaxed);
+        let desc: &DataDesc = control.at(desc_offset(world, rank));
+        publish_desc(desc, &data, 1);
         slot.pid.store(pid, Ordering::Relaxed);
         slot.state.store(SLOT_ACTIVE, Ordering::Release);
 
@@ -324,6 +478,8 @@ impl ShmGroup {
             direct: false,
             _probe: probe,
             exposed: None,
+            grown_at: 0,
+            tables: local_tables(session, world),
         };
         crate::fault::point("join");
         if let Err(e) = g.wait_joined(&deadline) {
@@ -340,8 +496,15 @@ impl ShmGroup {
         if let Err(e) = g.agree_direct() {
             return Err(g.fail(e));
         }
+        if let Err(e) = g.check_conflict() {
+            return Err(g.fail(e));
+        }
+        // Every rank mapped every segment (agree_direct maps them before it reports): from here
+        // on nothing of the group is reachable by name or descriptor.
+        g.data.close_fd();
+        g.control.close_fd();
         if rank == 0 {
-            Segment::unlink(&g.control_name);
+            g.unlink_own_control();
             g.control_unlinked = true;
         }
         Ok(g)
@@ -351,7 +514,8 @@ impl ShmGroup {
         format!("/epcomm.{name}.{session:016x}.{rank}.{gen}.{pid}")
     }
 
-    /// Removes data segments of dead processes left by crashed runs of this group name.
+    /// Removes data segments of dead processes left by crashed runs of this group name (named
+    /// segments of epcomm releases before layout 4; later ones leave none).
     fn remove_stale_data(name: &str) {
         let prefix = format!("epcomm.{name}.");
         let Ok(dir) = std::fs::read_dir("/dev/shm") else {
@@ -376,6 +540,25 @@ impl ShmGroup {
         }
     }
 
+    /// The rendezvous record of `name`: Ok(None) if there is none (or only a partial one).
+    fn read_record(name: &str, control_name: &str) -> Result<Option<Record>> {
+        match Segment::read_record(control_name, RECORD_BYTES) {
+            Ok(None) => Ok(None),
+            Ok(Some(b)) => Ok(Record::decode(&b).or_else(|| {
+                // Being written this very moment, or garbage: look again after a beat.
+                std::thread::sleep(Duration::from_millis(20));
+                Segment::read_record(control_name, RECORD_BYTES)
+                    .ok()
+                    .flatten()
+                    .and_then(|b| Record::decode(&b))
+            })),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(Error::InvalidState(
+                format!("group name '{name}' is in use by another job or user, refused: {e}"),
+            )),
+            Err(e) => Err(sys_err(format!("cannot read /dev/shm{control_name}"), e)),
+        }
+    }
+
     fn create_control(
         name: &str,
         control_name: &str,
@@ -383,44 +566,47 @@ impl ShmGroup {
         deadline: &Deadline,
     ) -> Result<Segment> {
         let bytes = control_bytes(world);
+        let seg = Segment::create(&format!("{control_name}.control"), bytes).map_err(|e| {
+            sys_err(
+                format!("cannot create shared memory {control_name} ({bytes} bytes)"),
+                e,
+            )
+        })?;
+        let session = random_u64();
+        let created_ns = now_ns();
+        let h: &Header = seg.at(0);
+        h.version.store(LAYOUT_VERSION, Ordering::Relaxed);
+        h.world.store(world as u32, Ordering::Relaxed);
+        h.creator_pid.store(std::process::id(), Ordering::Relaxed);
+        h.session.store(session, Ordering::Relaxed);
+        h.created_ns.store(created_ns, Ordering::Relaxed);
+        h.magic.store(MAGIC, Ordering::Release);
+        let record = Record {
+            version: LAYOUT_VERSION,
+            world: world as u32,
+            creator: std::process::id(),
+            fd: seg.fd().unwrap_or(0),
+            key: seg.key(),
+            session,
+            created_ns,
+        }
+        .encode();
         loop {
-            match Segment::create(control_name, bytes) {
-                Ok(seg) => {
+            match Segment::create_record(control_name, &record) {
+                Ok(()) => {
                     Self::remove_stale_data(name);
-                    let h: &Header = seg.at(0);
-                    h.version.store(LAYOUT_VERSION, Ordering::Relaxed);
-                    h.world.store(world as u32, Ordering::Relaxed);
-                    h.creator_pid.store(std::process::id(), Ordering::Relaxed);
-                    h.session.store(random_u64(), Ordering::Relaxed);
-                    h.created_ns.store(now_ns(), Ordering::Relaxed);
-                    h.magic.store(MAGIC, Ordering::Release);
                     return Ok(seg);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    // Someone else's segment: stale (its creator is gone, or it never got
-                    // initialised) or live (another run with the same name is joining).
-                    let existing = Segment::open(control_name).map_err(|e| {
-                        sys_err(format!("cannot open shared memory {control_name}"), e)
-                    })?;
-                    if let Some(seg) = existing {
-                        if seg.len() >= HEADER_BYTES {
-                            let h: &Header = seg.at(0);
-                            let magic = h.magic.load(Ordering::Acquire);
-                            let creator = h.creator_pid.load(Ordering::Acquire);
-                            if magic == MAGIC && pid_alive(creator) {
-                                return Err(Error::InvalidState(format!(
-                                    "group name '{name}' is in use: rank 0 of another group with this name (pid {creator}) is still waiting for its ranks to join"
-                                )));
-                            }
-                            if magic != MAGIC {
-                                // Possibly being initialised this very moment: give it a beat.
-                                std::thread::sleep(Duration::from_millis(100));
-                                if h.magic.load(Ordering::Acquire) == MAGIC
-                                    && pid_alive(h.creator_pid.load(Ordering::Acquire))
-                                {
-                                    continue;
-                                }
-                            }
+                    // Someone else's record: stale (its creator is gone, or it is garbage) or
+                    // live (another job with the same name is joining).
+                    if let Some(r) = Self::read_record(name, control_name)? {
+                        if pid_alive(r.creator) {
+                            Self::mark_conflict(&r, world);
+                            return Err(Error::InvalidState(format!(
+                                "group name '{name}' is in use by another job: its rank 0 (pid {}) is still waiting for its ranks to join; jobs that run at the same time need distinct group names",
+                                r.creator
+                            )));
                         }
                     }
                     crate::log::info(&format!(
@@ -430,7 +616,7 @@ impl ShmGroup {
                 }
                 Err(e) => {
                     return Err(sys_err(
-                        format!("cannot create shared memory {control_name} ({bytes} bytes)"),
+                        format!("cannot create shared memory {control_name}"),
                         e,
                     ))
                 }
@@ -444,6 +630,26 @@ impl ShmGroup {
         }
     }
 
+    /// Maps the control segment a record names (None if it is gone or not the one named).
+    fn map_control(r: &Record, min_len: usize) -> Option<Segment> {
+        let seg = Segment::open_peer("control", r.creator, r.fd, r.key, min_len).ok()?;
+        let h: &Header = seg.at(0);
+        (h.magic.load(Ordering::Acquire) == MAGIC && h.session.load(Ordering::Acquire) == r.session)
+            .then_some(seg)
+    }
+
+    /// Tells the live group behind record `r` that another job met it, so it does not form.
+    fn mark_conflict(r: &Record, _world: usize) {
+        if r.version != LAYOUT_VERSION {
+            return;
+        }
+        if let Some(seg) = Self::map_control(r, HEADER_BYTES) {
+            let h: &Header = seg.at(0);
+            h.conflict_pid
+                .store(u64::from(std::process::id()), Ordering::Release);
+        }
+    }
+
     fn open_control(
         name: &str,
         control_name: &str,
@@ -452,64 +658,52 @@ impl ShmGroup {
         deadline: &Deadline,
     ) -> Result<Segment> {
         let mut backoff = Backoff::new();
-        // A segment created after this rank started waiting is this group's.
+        // A record created after this rank started waiting is this group's.
         let started_ns = now_ns();
         loop {
-            let seg = Segment::open(control_name)
-                .map_err(|e| sys_err(format!("cannot open shared memory {control_name}"), e))?;
-            if let Some(seg) = seg.filter(|s| s.len() >= HEADER_BYTES) {
-                let h: &Header = seg.at(0);
-                // Magic first: its release store publishes the creator pid (read the other way
-                // round, a segment being initialised looked like one whose creator, pid 0,
-                // was gone).
-                let magic = h.magic.load(Ordering::Acquire);
-                let creator = h.creator_pid.load(Ordering::Acquire);
-                if magic == MAGIC
-                    && !pid_alive(creator)
-                    && h.created_ns.load(Ordering::Acquire) >= started_ns
-                {
+            if let Some(r) = Self::read_record(name, control_name)? {
+                let alive = pid_alive(r.creator);
+                if r.version != LAYOUT_VERSION && alive {
+                    return Err(Error::InvalidArgument(format!(
+                        "group '{name}' was created by an epcomm with shared-memory layout {}; this epcomm uses layout {LAYOUT_VERSION}",
+                        r.version
+                    )));
+                }
+                if r.version == LAYOUT_VERSION && !alive && r.created_ns >= started_ns {
                     // Created for this join, then rank 0 died: not a stale segment to wait
                     // out. Remove what the dead creator left.
                     Segment::unlink(control_name);
                     Self::remove_stale_data(name);
                     return Err(Error::PeerFailure(format!(
-                        "rank 0 of group '{name}' died (pid {creator} is gone) while the group was joining"
+                        "rank 0 of group '{name}' died (pid {} is gone) while the group was joining",
+                        r.creator
                     )));
                 }
-                if h.magic.load(Ordering::Acquire) == MAGIC
-                    && pid_alive(h.creator_pid.load(Ordering::Acquire))
-                {
-                    let their_world = h.world.load(Ordering::Relaxed) as usize;
-                    let version = h.version.load(Ordering::Relaxed);
-                    if version != LAYOUT_VERSION {
-                        return Err(Error::InvalidArgument(format!(
-                            "group '{name}' was created by an epcomm with shared-memory layout {version}; this epcomm uses layout {LAYOUT_VERSION}"
-                        )));
-                    }
-                    if their_world != world {
-                        h.mismatch_world.store(world as u64, Ordering::Relaxed);
-                        h.mismatch_rank.store(rank as u64 + 1, Ordering::Release);
-                        return Err(Error::InvalidArgument(format!(
-                            "rank {rank} joined group '{name}' with world_size {world}, but rank 0 created it with world_size {their_world}"
-                        )));
-                    }
-                    if seg.len() >= control_bytes(world) {
-                        return Ok(seg);
+                if r.version == LAYOUT_VERSION && alive {
+                    // A failure to map it means rank 0 just finished (or died): look again.
+                    if let Some(seg) = Self::map_control(&r, HEADER_BYTES) {
+                        let h: &Header = seg.at(0);
+                        let their_world = h.world.load(Ordering::Relaxed) as usize;
+                        if their_world != world {
+                            h.mismatch_world.store(world as u64, Ordering::Relaxed);
+                            h.mismatch_rank.store(rank as u64 + 1, Ordering::Release);
+                            return Err(Error::InvalidArgument(format!(
+                                "rank {rank} joined group '{name}' with world_size {world}, but rank 0 created it with world_size {their_world}"
+                            )));
+                        }
+                        if seg.len() >= control_bytes(world) {
+                            return Ok(seg);
+                        }
                     }
                 }
-                // Not initialised yet, or stale (creator gone): wait for rank 0.
+                // Stale (creator gone): wait for this job's rank 0.
             }
             if deadline.expired() {
-                // A segment whose creator is gone serves nobody: remove it on the way out.
-                if let Ok(Some(seg)) = Segment::open(control_name) {
-                    if seg.len() >= HEADER_BYTES {
-                        let h: &Header = seg.at(0);
-                        if h.magic.load(Ordering::Acquire) == MAGIC
-                            && !pid_alive(h.creator_pid.load(Ordering::Acquire))
-                        {
-                            Segment::unlink(control_name);
-                            Self::remove_stale_data(name);
-                        }
+                // A record whose creator is gone serves nobody: remove it on the way out.
+                if let Ok(Some(r)) = Self::read_record(name, control_name) {
+                    if !pid_alive(r.creator) {
+                        Segment::unlink(control_name);
+                        Self::remove_stale_data(name);
                     }
                 }
                 return Err(Error::Timeout(format!(
@@ -533,15 +727,97 @@ impl ShmGroup {
             .at(HEADER_BYTES + r * std::mem::size_of::<Slot>())
     }
 
-    /// Unlinks the control name if it still belongs to this group's session (a new group of the
-    /// same name may have replaced it).
+    /// Unlinks the rendezvous record if it still belongs to this group's session (a new group
+    /// of the same name may have replaced it).
     fn unlink_own_control(&self) {
-        if let Ok(Some(seg)) = Segment::open(&self.control_name) {
-            if seg.len() >= HEADER_BYTES {
-                let h: &Header = seg.at(0);
-                if h.session.load(Ordering::Acquire) == self.session {
-                    Segment::unlink(&self.control_name);
+        if let Ok(Some(r)) = Self::read_record(&self.name, &self.control_name) {
+            if r.session == self.session {
+                Segment::unlink(&self.control_name);
+            }
+        }
+    }
+
+    /// The data descriptor of rank `r`.
+    fn desc(&self, r: usize) -> &DataDesc {
+        self.control.at(desc_offset(self.world, r))
+    }
+
+    /// Fails if a process of another job met this group (its record or a taken slot).
+    fn check_conflict(&self) -> Result<()> {
+        match self.header().conflict_pid.load(Ordering::Acquire) {
+            0 => Ok(()),
+            pid => Err(Error::InvalidState(format!(
+                "group name '{}' is in use by another job: pid {pid} tried to join this group under the same name, so rank {} refuses to form it; jobs that run at the same time need distinct group names",
+                self.name, self.rank
+            ))),
+        }
+    }
+
+    /// Records the buffers of op `n` (direct mode) where thread ranks of this process read them.
+    fn note_table(&self, n: u64, payload: &[&[u8]]) {
+        let mut t = self.tables[self.rank]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        t.0 = n;
+        t.1.clear();
+        t.1.extend(payload.iter().map(|b| (b.as_ptr() as u64, b.len())));
+    }
+
+    /// The buffers thread rank `p` of this process recorded for op `n`.
+    fn local_table(&self, p: usize, n: u64) -> Option<Vec<(u64, usize)>> {
+        let t = self.tables[p].lock().unwrap_or_else(|e| e.into_inner());
+        (t.0 == n).then(|| t.1.clone())
+    }
+
+    /// Maps rank `p`'s current data segment unless it is mapped already; a failure says what
+    /// became of that rank.
+    fn map_peer(&mut self, p: usize) -> Result<()> {
+        let d = self.desc(p);
+        let gen = d.gen.load(Ordering::Acquire);
+        if self.peers[p].as_ref().map(|(g, _)| *g) == Some(gen) {
+            return Ok(());
+        }
+        let (fd, key) = (
+            d.fd.load(Ordering::Relaxed),
+            (d.dev.load(Ordering::Relaxed), d.ino.load(Ordering::Relaxed)),
+        );
+        let bytes = d.bytes.load(Ordering::Relaxed);
+        let s = self.slot(p);
+        let pid = s.pid.load(Ordering::Acquire);
+        let label = Self::data_name(&self.name, self.session, p, gen, pid);
+        let min_len = usize::try_from(bytes)
+            .unwrap_or(usize::MAX)
+            .max(OP_HEADER_BYTES);
+        match Segment::open_peer(&label, pid, fd, key, min_len) {
+            Ok(seg) => {
+                self.peers[p] = Some((gen, seg));
+                Ok(())
+            }
+            Err(e) => {
+                let (name, me) = (&self.name, self.rank);
+                // A dying process loses its descriptors before it stops looking alive: give
+                // its death a moment to show, so the error names what happened.
+                let deadline = Instant::now() + Duration::from_millis(500);
+                while s.state.load(Ordering::Acquire) == SLOT_ACTIVE
+                    && pid_alive(pid)
+                    && Instant::now() < deadline
+                {
+                    std::thread::sleep(Duration::from_millis(5));
                 }
+                Err(match s.state.load(Ordering::Acquire) {
+                    SLOT_LEFT => Error::PeerFailure(format!(
+                        "rank {p} of group '{name}' left the group (destroyed its handle) before rank {me} could map its shared-memory region"
+                    )),
+                    SLOT_FAILED => Error::PeerFailure(format!(
+                        "rank {p} of group '{name}' failed (an error on that rank aborted its group) before rank {me} could map its shared-memory region"
+                    )),
+                    _ if !pid_alive(pid) => Error::PeerFailure(format!(
+                        "rank {p} of group '{name}' died (pid {pid} is gone) before rank {me} could map its shared-memory region"
+                    )),
+                    _ => Error::PeerFailure(format!(
+                        "cannot map the shared-memory region of rank {p} of group '{name}' (generation {gen}, pid {pid}, descriptor {fd}) on rank {me}: {e}"
+                    )),
+                })
             }
         }
     }
@@ -554,6 +830,7 @@ impl ShmGroup {
         let mut backoff = Backoff::new();
         let mut last_check = Instant::now();
         loop {
+            self.check_conflict()?;
             let h = self.header();
             let m = h.mismatch_rank.load(Ordering::Acquire);
             if m != 0 {
@@ -625,6 +902,12 @@ impl ShmGroup {
 
     /// Tests direct reads of every peer's probe word and agrees on the mode with all ranks.
     fn agree_direct(&mut self) -> Result<()> {
+        // Map every peer's region before reporting: once all reported, every rank mapped every
+        // region and the descriptors can close.
+        let me = self.rank;
+        for p in (0..self.world).filter(|&p| p != me) {
+            self.map_peer(p)?;
+        }
         let wanted = self.opts.direct_reads && crate::env::shm_direct();
         let ok = wanted
             && (0..self.world).all(|p| {
@@ -752,6 +1035,11 @@ impl ShmGroup {
 
     /// Makes this rank's region at least `bytes` long (a new generation if needed).
     fn reserve(&mut self, bytes: usize) -> Result<()> {
+        // The op that published the last growth was committed, so every peer mapped it.
+        if self.grown_at != 0 && self.seq > self.grown_at {
+            self.data.close_fd();
+            self.grown_at = 0;
+        }
         if bytes <= self.data.len() {
             return Ok(());
         }
@@ -778,10 +1066,13 @@ impl ShmGroup {
                 e,
             )
         })?;
-        let old = std::mem::replace(&mut self.data, seg);
-        // Every peer consumed the previous op, so none needs the old name any more.
-        Segment::unlink(old.name());
+        // Every peer consumed the previous op, so none reads the old region any more; peers
+        // map the new one when they gather this op, through its descriptor, which closes once
+        // this op is committed.
+        self.data = seg;
         self.gen = gen;
+        self.grown_at = self.seq;
+        publish_desc(self.desc(self.rank), &self.data, gen);
         let slot = self.slot(self.rank);
         slot.data_bytes.store(new_len as u64, Ordering::Relaxed);
         slot.data_gen.store(gen, Ordering::Release);
@@ -824,6 +1115,7 @@ impl ShmGroup {
                 .flat_map(|p| [p.as_ptr() as u64, p.len() as u64])
                 .flat_map(|w| w.to_ne_bytes())
                 .collect();
+            self.note_table(n, payload);
             self.data.write(payload_off, &table);
         } else {
             let mut off = payload_off;
@@ -859,65 +1151,134 @@ impl ShmGroup {
                     op.name()
                 )));
             }
-            let gen = s.data_gen.load(Ordering::Acquire);
-            if self.peers[p].as_ref().map(|(g, _)| *g) != Some(gen) {
-                let pid = s.pid.load(Ordering::Acquire);
-                let name = Self::data_name(&self.name, self.session, p, gen, pid);
-                let seg = Segment::open(&name)
-                    .map_err(|e| sys_err(format!("cannot map the region of rank {p} ({name})"), e))?
-                    .ok_or_else(|| {
-                        Error::PeerFailure(format!(
-                            "the shared-memory region of rank {p} of group '{}' disappeared ({name})",
-                            self.name
-                        ))
-                    })?;
-                self.peers[p] = Some((gen, seg));
-            }
+            self.map_peer(p)?;
         }
         Ok(())
     }
 
     /// Rank p's published metadata words and payload for the current op (p may be this rank).
-    fn parts(&self, p: usize) -> (Vec<u64>, Payload<'_>) {
+    /// Every word read from the segment is checked against the segment's size and against what
+    /// a rank may publish for this op, so a segment another process altered is an error naming
+    /// the rank, never an allocation of its choosing, a panic or a fault.
+    fn parts(&self, p: usize) -> Result<(Vec<u64>, Payload<'_>)> {
         let seg = if p == self.rank {
             &self.data
         } else {
-            &self.peers[p].as_ref().expect("peer region mapped").1
+            match self.peers[p].as_ref() {
+                Some((_, seg)) => seg,
+                None => {
+                    return Err(Error::Internal(format!(
+                        "the region of rank {p} of group '{}' is not mapped on rank {}",
+                        self.name, self.rank
+                    )))
+                }
+            }
+        };
+        let bad = |what: String| {
+            Error::PeerFailure(format!(
+                "the shared-memory region of rank {p} of group '{}' (memfd {}) holds an invalid op header: {what}; another process may have written to it (seen from rank {})",
+                self.name,
+                seg.name().trim_start_matches('/'),
+                self.rank
+            ))
         };
         let mut head = [0u8; 40];
         seg.read(0, &mut head);
-        let word = |i: usize| u64::from_ne_bytes(head[i..i + 8].try_into().unwrap()) as usize;
-        let direct = u32::from_ne_bytes(head[4..8].try_into().unwrap()) == 1;
-        let (payload_len, meta_len, pieces) = (word(16), word(24), word(32));
+        let word = |i: usize| u64::from_ne_bytes(head[i..i + 8].try_into().unwrap());
+        let kind = u32::from_ne_bytes(head[0..4].try_into().unwrap());
+        let direct = u32::from_ne_bytes(head[4..8].try_into().unwrap());
+        let (n, payload_len, meta_len, pieces) = (word(8), word(16), word(24), word(32));
+        let expected = self.slot(p).op_kind.load(Ordering::Acquire);
+        if kind != expected {
+            return Err(bad(format!(
+                "operation code {kind}, but the rank's slot says {expected}"
+            )));
+        }
+        // The op this rank published last is the one being read.
+        let current = self.slot(self.rank).published.load(Ordering::Acquire);
+        if n != current {
+            return Err(bad(format!("op #{n}, expected op #{current}")));
+        }
+        if direct != u32::from(self.direct) {
+            return Err(bad(format!(
+                "mode word {direct}, expected {}",
+                u32::from(self.direct)
+            )));
+        }
+        let room = seg.len() - OP_HEADER_BYTES;
+        if meta_len > (room / 8) as u64 {
+            return Err(bad(format!(
+                "{meta_len} metadata words, more than the {} bytes of the region hold",
+                seg.len()
+            )));
+        }
+        let meta_len = meta_len as usize;
         let mut meta_bytes = vec![0u8; meta_len * 8];
         seg.read(OP_HEADER_BYTES, &mut meta_bytes);
-        let meta = meta_bytes
+        let meta: Vec<u64> = meta_bytes
             .chunks_exact(8)
             .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
             .collect();
         let payload_off = align64(OP_HEADER_BYTES + meta_len * 8);
-        let payload = if direct {
-            let mut table = vec![0u8; pieces * 16];
-            seg.read(payload_off, &mut table);
-            let words: Vec<u64> = table
-                .chunks_exact(8)
-                .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
-                .collect();
+        let left = seg.len().saturating_sub(payload_off);
+        let payload_len = usize::try_from(payload_len).unwrap_or(usize::MAX);
+        let payload = if self.direct {
+            if pieces > (left / 16) as u64 {
+                return Err(bad(format!(
+                    "{pieces} buffer addresses, more than the {} bytes of the region hold",
+                    seg.len()
+                )));
+            }
             let pid = self.slot(p).pid.load(Ordering::Acquire);
+            let local = pid == self.pid;
+            let table: Vec<(u64, usize)> = if local {
+                // A thread rank's buffers are followed only as its owner recorded them in this
+                // process's memory: a forged address must not fault this process.
+                match self.local_table(p, n) {
+                    Some(t) => t,
+                    None => {
+                        return Err(bad(format!(
+                            "no buffers of op #{n} were published by rank {p} in this process"
+                        )))
+                    }
+                }
+            } else {
+                let mut raw = vec![0u8; pieces as usize * 16];
+                seg.read(payload_off, &mut raw);
+                raw.chunks_exact(16)
+                    .map(|c| {
+                        let w = |i: usize| u64::from_ne_bytes(c[i..i + 8].try_into().unwrap());
+                        (w(0), usize::try_from(w(8)).unwrap_or(usize::MAX))
+                    })
+                    .collect()
+            };
+            let total = table.iter().try_fold(0usize, |acc, &(addr, len)| {
+                addr.checked_add(len as u64)?;
+                acc.checked_add(len)
+            });
+            if total != Some(payload_len) {
+                return Err(bad(format!(
+                    "buffers of {total:?} bytes in all, but a payload of {payload_len} bytes"
+                )));
+            }
             Payload::Direct {
                 rank: p,
                 pid,
-                local: pid == self.pid,
-                pieces: words
-                    .chunks_exact(2)
-                    .map(|w| (w[0], w[1] as usize))
-                    .collect(),
+                local,
+                pieces: table,
                 len: payload_len,
             }
         } else {
+            if payload_len > left {
+                return Err(bad(format!(
+                    "a payload of {payload_len} bytes at offset {payload_off}, past the end of the region ({} bytes)",
+                    seg.len()
+                )));
+            }
             Payload::Region(seg.view(payload_off, payload_len))
         };
-        (meta, payload)
+        check_meta(Op::from_code(kind), &meta, payload_len, self.world).map_err(bad)?;
+        Ok((meta, payload))
     }
 
     /// Ends op `n`: waits until every peer consumed it, so a rank never returns success while
@@ -951,6 +1312,91 @@ impl ShmGroup {
             g.finish(op, n)
         })
     }
+}
+
+/// Checks the metadata words a rank published for `op` against its payload of `payload_len`
+/// bytes, so the collectives can index and sum them without overflow or out-of-range access.
+fn check_meta(
+    op: Option<Op>,
+    meta: &[u64],
+    payload_len: usize,
+    world: usize,
+) -> std::result::Result<(), String> {
+    fn sum(mut words: impl Iterator<Item = u64>) -> Option<u64> {
+        words.try_fold(0u64, |a, w| a.checked_add(w))
+    }
+    let total = payload_len as u64;
+    match op {
+        None => Err("an unknown operation".into()),
+        Some(Op::AllToAllv) => {
+            if meta.len() != world {
+                return Err(format!("{} send sizes for {world} ranks", meta.len()));
+            }
+            match sum(meta.iter().copied()) {
+                Some(s) if s == total => Ok(()),
+                s => Err(format!(
+                    "send sizes summing to {s:?}, but a payload of {total} bytes"
+                )),
+            }
+        }
+        Some(Op::SendRecv) => {
+            if meta.len() % 2 != 0 {
+                return Err(format!("{} message words (expected pairs)", meta.len()));
+            }
+            if let Some(pair) = meta.chunks_exact(2).find(|pair| pair[0] >= world as u64) {
+                return Err(format!("a message to rank {} of {world}", pair[0]));
+            }
+            match sum(meta.chunks_exact(2).map(|pair| pair[1])) {
+                Some(s) if s == total => Ok(()),
+                s => Err(format!(
+                    "messages of {s:?} bytes in all, but a payload of {total} bytes"
+                )),
+            }
+        }
+        Some(Op::ExchangeRows | Op::ReduceRows) => {
+            if meta.len() != 2 + 2 * world {
+                return Err(format!("{} row-index words for {world} ranks", meta.len()));
+            }
+            let src = meta[1];
+            let index_bytes = total
+                .checked_sub(src)
+                .ok_or_else(|| format!("a source of {src} bytes in a payload of {total} bytes"))?;
+            for (r, pair) in meta[2..].chunks_exact(2).enumerate() {
+                let end = pair[0].checked_add(pair[1]).and_then(|x| x.checked_mul(4));
+                if end.is_none_or(|e| e > index_bytes) {
+                    return Err(format!(
+                        "row list for rank {r} at {} with {} rows, past the {index_bytes} bytes of row indices",
+                        pair[0], pair[1]
+                    ));
+                }
+            }
+            Ok(())
+        }
+        Some(Op::Broadcast) => match meta.len() {
+            1 => Ok(()),
+            k => Err(format!("{k} root words (expected 1)")),
+        },
+        Some(Op::Join | Op::Barrier | Op::AllGatherv | Op::ReduceScatterv | Op::Leave) => Ok(()),
+    }
+}
+
+/// Buffer tables of the thread ranks of one process, per group session: rank r's entry holds
+/// (op, (address, length) of each buffer). Private memory, so no other process can forge it.
+type LocalTables = Vec<Mutex<(u64, Vec<(u64, usize)>)>>;
+
+fn local_tables(session: u64, world: usize) -> Arc<LocalTables> {
+    static ALL: OnceLock<Mutex<HashMap<u64, Weak<LocalTables>>>> = OnceLock::new();
+    let mut all = ALL
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(t) = all.get(&session).and_then(Weak::upgrade) {
+        return t;
+    }
+    all.retain(|_, w| w.strong_count() > 0);
+    let t: Arc<LocalTables> = Arc::new((0..world).map(|_| Mutex::new((0, Vec::new()))).collect());
+    all.insert(session, Arc::downgrade(&t));
+    t
 }
 
 fn list(ranks: &[usize]) -> String {
@@ -996,7 +1442,7 @@ impl Group for ShmGroup {
                 if p == me {
                     dst.copy_from_slice(input);
                 } else {
-                    let (_, data) = g.parts(p);
+                    let (_, data) = g.parts(p)?;
                     if data.len() != len {
                         return Err(Error::InvalidArgument(format!(
                             "all_gatherv: rank {p} contributed {} bytes but sizes[{p}] on rank {me} is {len} (ranks disagree on sizes)",
@@ -1036,7 +1482,7 @@ impl Group for ShmGroup {
                 if p == me {
                     sources.push(Payload::Region(input));
                 } else {
-                    let (_, data) = g.parts(p);
+                    let (_, data) = g.parts(p)?;
                     if data.len() != input.len() {
                         return Err(Error::InvalidArgument(format!(
                             "reduce_scatterv: rank {p} contributed {} bytes but rank {me} expects {} (ranks disagree on rows or row size)",
@@ -1072,7 +1518,7 @@ impl Group for ShmGroup {
             for (p, &len) in recv_sizes.iter().enumerate() {
                 let dst = &mut recv[off..off + len];
                 off += len;
-                let (their_sizes, data) = g.parts(p);
+                let (their_sizes, data) = g.parts(p)?;
                 let theirs = their_sizes[me] as usize;
                 if theirs != len {
                     return Err(Error::InvalidArgument(format!(
@@ -1111,7 +1557,7 @@ impl Group for ShmGroup {
                 let P2p::Recv { peer, data } = o else { continue };
                 let p = *peer;
                 let j = matched[p];
-                let (their_meta, their_payload) = g.parts(p);
+                let (their_meta, their_payload) = g.parts(p)?;
                 // The j-th send from p to this rank.
                 let mut off = 0usize;
                 let mut found = None;
@@ -1143,7 +1589,7 @@ impl Group for ShmGroup {
             }
             // Every message sent to this rank must have been received.
             for (p, &got) in matched.iter().enumerate() {
-                let (their_meta, _) = g.parts(p);
+                let (their_meta, _) = g.parts(p)?;
                 let sent = their_meta.chunks_exact(2).filter(|pair| pair[0] as usize == me).count();
                 if sent != got {
                     return Err(Error::InvalidArgument(format!(
@@ -1173,7 +1619,7 @@ impl Group for ShmGroup {
         let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
         self.run(op, &meta, &[src, &index_bytes], |g| {
             for (p, take_p) in take.iter().enumerate() {
-                let (their_meta, payload) = g.parts(p);
+                let (their_meta, payload) = g.parts(p)?;
                 let src_idx = rows::read_index_list(
                     op,
                     &their_meta,
@@ -1219,7 +1665,7 @@ impl Group for ShmGroup {
             // Each peer's payload and the source rows it gives this rank, read once.
             let mut payloads = Vec::with_capacity(g.world);
             for (p, take_p) in take.iter().enumerate() {
-                let (their_meta, payload) = g.parts(p);
+                let (their_meta, payload) = g.parts(p)?;
                 let idx = rows::read_index_list(
                     op,
                     &their_meta,
@@ -1270,7 +1716,7 @@ impl Group for ShmGroup {
             if me == root {
                 return Ok(());
             }
-            let (meta, payload) = g.parts(root);
+            let (meta, payload) = g.parts(root)?;
             if meta.first().copied() != Some(root as u64) {
                 return Err(Error::InvalidArgument(format!(
                     "broadcast: ranks disagree on the root (rank {me} uses {root})"
@@ -1286,6 +1732,14 @@ impl Group for ShmGroup {
             payload.copy_to(0, data)
         })
     }
+}
+
+/// A read of `len` bytes at `offset` of a payload (or buffer) of `size` bytes: the ranks'
+/// published sizes disagree with what this read needs.
+fn out_of_payload(offset: usize, len: usize, size: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "a read of {len} bytes at offset {offset} goes past the end of a rank's published data ({size} bytes); the ranks disagree on sizes"
+    ))
 }
 
 /// A rank's contribution to the current op: bytes in its shared region, or (direct mode)
@@ -1313,7 +1767,11 @@ impl Payload<'_> {
     fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         match self {
             Payload::Region(b) => {
-                dst.copy_from_slice(&b[offset..offset + dst.len()]);
+                let src = offset
+                    .checked_add(dst.len())
+                    .and_then(|end| b.get(offset..end))
+                    .ok_or_else(|| out_of_payload(offset, dst.len(), b.len()))?;
+                dst.copy_from_slice(src);
                 Ok(())
             }
             Payload::Direct {
@@ -1323,7 +1781,9 @@ impl Payload<'_> {
                 pieces,
                 len,
             } => {
-                assert!(offset + dst.len() <= *len, "payload read out of bounds");
+                if offset.checked_add(dst.len()).is_none_or(|end| end > *len) {
+                    return Err(out_of_payload(offset, dst.len(), *len));
+                }
                 let (mut piece_start, mut done) = (0usize, 0usize);
                 for &(addr, plen) in pieces {
                     let want = offset + done;
@@ -1361,7 +1821,16 @@ impl Payload<'_> {
         match self {
             Payload::Region(b) => {
                 for &(src, off, len) in ranges {
-                    dst[off..off + len].copy_from_slice(&b[src..src + len]);
+                    let from = src
+                        .checked_add(len)
+                        .and_then(|end| b.get(src..end))
+                        .ok_or_else(|| out_of_payload(src, len, b.len()))?;
+                    let size = dst.len();
+                    let to = off
+                        .checked_add(len)
+                        .and_then(|end| dst.get_mut(off..end))
+                        .ok_or_else(|| out_of_payload(off, len, size))?;
+                    to.copy_from_slice(from);
                 }
                 Ok(())
             }
@@ -1376,12 +1845,15 @@ impl Payload<'_> {
                 for &(src, off, len) in ranges {
                     let mut start = 0usize;
                     let addr = pieces.iter().find_map(|&(addr, plen)| {
-                        let hit = src >= start && src + len <= start + plen;
+                        let hit = src >= start && src.saturating_add(len) <= start + plen;
                         let a = addr + (src - start.min(src)) as u64;
                         start += plen;
                         hit.then_some(a)
                     });
-                    let addr = addr.expect("range within one published buffer");
+                    let addr = addr.ok_or_else(|| out_of_payload(src, len, self.len()))?;
+                    if off.checked_add(len).is_none_or(|end| end > dst.len()) {
+                        return Err(out_of_payload(off, len, dst.len()));
+                    }
                     remote.push((addr, off, len));
                 }
                 copy_scattered_from_process(*pid, *local, dst, &remote).map_err(|e| {

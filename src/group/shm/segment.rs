@@ -1,27 +1,78 @@
-//! POSIX shared-memory segments: create/open/map/unlink. The only `unsafe` of the shm transport
-//! lives here and in the raw-byte accessors below.
+//! Shared-memory segments. The only `unsafe` of the shm transport lives here and in the
+//! raw-byte accessors below.
+//!
+//! A segment is a sealed memfd (`memfd_create`, `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`):
+//! it has no name in /dev/shm, so a crash at any moment leaves nothing behind, and its size
+//! cannot change under a member (a truncation that would raise SIGBUS is refused by the
+//! kernel). Its creator keeps the descriptor open until every peer has mapped it; peers open it
+//! through `/proc/{pid}/fd/{fd}` (same-user access, not restricted by Yama's ptrace scope, which
+//! only limits attaching) and check its inode, owner, mode and seals. Mappings are shared by
+//! every rank of one process (a registry keyed by device and inode), so thread ranks map each
+//! segment once. The only named object is a rendezvous record (`/dev/shm/epcomm.{name}`, read
+//! and written with pread/pwrite, never mapped), present while a group is joining.
 
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::io;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-/// A mapped POSIX shared-memory object.
+/// A mapping, unmapped when the last segment handle (of any rank in this process) drops it.
 #[derive(Debug)]
-pub struct Segment {
-    name: String,
+struct Mapping {
     ptr: *mut u8,
     len: usize,
 }
 
 // SAFETY: the mapping is plain memory; concurrent access is coordinated by the protocol's
-// atomics (see shm/mod.rs), and the pointer is owned by this value until Drop.
-unsafe impl Send for Segment {}
+// atomics (see shm/mod.rs), and the pointer stays valid until the last Arc is dropped.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; shared access goes through atomics or ranges the protocol keeps stable.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping this value owns.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// (st_dev, st_ino) of a segment's file.
+pub type FileKey = (u64, u64);
+
+fn registry() -> &'static Mutex<HashMap<FileKey, Weak<Mapping>>> {
+    static MAPS: OnceLock<Mutex<HashMap<FileKey, Weak<Mapping>>>> = OnceLock::new();
+    MAPS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn lookup(key: FileKey, min_len: usize) -> Option<Arc<Mapping>> {
+    let maps = registry().lock().unwrap_or_else(|e| e.into_inner());
+    maps.get(&key)
+        .and_then(Weak::upgrade)
+        .filter(|m| m.len >= min_len)
+}
+
+fn register(key: FileKey, map: &Arc<Mapping>) {
+    let mut maps = registry().lock().unwrap_or_else(|e| e.into_inner());
+    maps.retain(|_, w| w.strong_count() > 0);
+    maps.insert(key, Arc::downgrade(map));
+}
+
+/// A mapped shared-memory segment.
+#[derive(Debug)]
+pub struct Segment {
+    name: String,
+    map: Arc<Mapping>,
+    key: FileKey,
+    /// The creator's descriptor, kept open until every peer has mapped the segment.
+    fd: Option<Fd>,
+}
 
 fn cname(name: &str) -> io::Result<CString> {
     CString::new(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in name"))
 }
 
 fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
-    // SAFETY: fd is a valid shm descriptor; a shared read/write mapping of `len` bytes.
+    // SAFETY: fd is a valid descriptor; a shared read/write mapping of `len` bytes.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -39,6 +90,7 @@ fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
     }
 }
 
+#[derive(Debug)]
 struct Fd(libc::c_int);
 impl Drop for Fd {
     fn drop(&mut self) {
@@ -47,11 +99,163 @@ impl Drop for Fd {
     }
 }
 
+fn fstat(fd: libc::c_int) -> io::Result<libc::stat> {
+    // SAFETY: st is plain data; fd is valid.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+/// Refuses a file that another user owns or that others may open: a same-name squatter must
+/// not get a member to read or write its memory.
+fn check_owner(st: &libc::stat, what: &str) -> io::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if st.st_uid != me {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{what} is owned by uid {}, not by this process's uid {me}",
+                st.st_uid
+            ),
+        ));
+    }
+    let mode = st.st_mode & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("{what} has mode {mode:04o}, wider than the expected 0600"),
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes of memory a new segment may take: MemAvailable (a memfd is charged to memory, not
+/// to /dev/shm), so an impossible size is an error instead of a visit from the OOM killer.
+fn memory_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
 impl Segment {
-    /// Creates a new object of `len` bytes (fails with AlreadyExists if the name is taken).
-    /// The memory is reserved up front (posix_fallocate), so a full /dev/shm is an error here
-    /// and never a SIGBUS later.
-    pub fn create(name: &str, len: usize) -> io::Result<Segment> {
+    /// Creates a sealed memfd segment of `len` bytes (`label` names it in /proc/PID/maps and in
+    /// messages). The memory is reserved up front (posix_fallocate), so a lack of memory is an
+    /// error here and never a SIGBUS later.
+    pub fn create(label: &str, len: usize) -> io::Result<Segment> {
+        if let Some(avail) = memory_available() {
+            if len as u64 > avail {
+                return Err(io::Error::new(
+                    io::ErrorKind::OutOfMemory,
+                    format!("{len} bytes requested, {avail} bytes of memory available"),
+                ));
+            }
+        }
+        let c = cname(label.trim_start_matches('/'))?;
+        // SAFETY: valid C string.
+        let fd =
+            unsafe { libc::memfd_create(c.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fd = Fd(fd);
+        // SAFETY (each call below): fd is a valid descriptor we own.
+        if unsafe { libc::fchmod(fd.0, 0o600) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if unsafe { libc::ftruncate(fd.0, len as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let rc = unsafe { libc::posix_fallocate(fd.0, 0, len as libc::off_t) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        if unsafe { libc::fcntl(fd.0, libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let st = fstat(fd.0)?;
+        let key = (st.st_dev, st.st_ino);
+        let map = Arc::new(Mapping {
+            ptr: map(fd.0, len)?,
+            len,
+        });
+        register(key, &map);
+        Ok(Segment {
+            name: label.to_owned(),
+            map,
+            key,
+            fd: Some(fd),
+        })
+    }
+
+    /// Maps the segment that process `pid` created and holds as descriptor `fd`, which must be
+    /// the file `key`, owned by this user with mode 0600, sealed against shrinking, and at
+    /// least `min_len` bytes long. A segment this process already maps (a thread rank's) is
+    /// shared, not mapped again.
+    pub fn open_peer(
+        label: &str,
+        pid: u32,
+        fd: u32,
+        key: FileKey,
+        min_len: usize,
+    ) -> io::Result<Segment> {
+        let shared = |map: Arc<Mapping>| Segment {
+            name: label.to_owned(),
+            map,
+            key,
+            fd: None,
+        };
+        if let Some(m) = lookup(key, min_len) {
+            return Ok(shared(m));
+        }
+        let path = cname(&format!("/proc/{pid}/fd/{fd}"))?;
+        // SAFETY: valid C string.
+        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let file = Fd(raw);
+        let st = fstat(file.0)?;
+        if (st.st_dev, st.st_ino) != key {
+            return Err(invalid(format!(
+                "/proc/{pid}/fd/{fd} is not the published segment (inode {} instead of {})",
+                st.st_ino, key.1
+            )));
+        }
+        check_owner(&st, &format!("/proc/{pid}/fd/{fd}"))?;
+        // SAFETY: fd is valid.
+        let seals = unsafe { libc::fcntl(file.0, libc::F_GET_SEALS) };
+        let need = libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+        if seals < 0 || seals & need != need {
+            return Err(invalid(format!(
+                "/proc/{pid}/fd/{fd} is not sealed against shrinking (seals {seals:#x})"
+            )));
+        }
+        let len = st.st_size as usize;
+        if len < min_len {
+            return Err(invalid(format!(
+                "/proc/{pid}/fd/{fd} has {len} bytes, fewer than the published {min_len}"
+            )));
+        }
+        let map = Arc::new(Mapping {
+            ptr: map(file.0, len)?,
+            len,
+        });
+        register(key, &map);
+        Ok(shared(map))
+    }
+
+    /// Creates the rendezvous record `name` (a small named object, mode 0600) holding
+    /// `bytes`; AlreadyExists if the name is taken.
+    pub fn create_record(name: &str, bytes: &[u8]) -> io::Result<()> {
         let c = cname(name)?;
         // SAFETY: valid C string; O_EXCL makes creation atomic.
         let fd = unsafe {
@@ -65,36 +269,27 @@ impl Segment {
             return Err(io::Error::last_os_error());
         }
         let fd = Fd(fd);
-        let result = (|| {
-            // SAFETY: fd is valid.
-            if unsafe { libc::ftruncate(fd.0, len as libc::off_t) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // SAFETY: fd is valid; reserves the pages.
-            let rc = unsafe { libc::posix_fallocate(fd.0, 0, len as libc::off_t) };
-            if rc != 0 {
-                return Err(io::Error::from_raw_os_error(rc));
-            }
-            map(fd.0, len)
-        })();
-        match result {
-            Ok(ptr) => Ok(Segment {
-                name: name.to_owned(),
-                ptr,
-                len,
-            }),
-            Err(e) => {
-                Segment::unlink(name);
-                Err(e)
-            }
+        // SAFETY: fd is valid; `bytes` is readable.
+        let n = unsafe { libc::pwrite(fd.0, bytes.as_ptr().cast(), bytes.len(), 0) };
+        if n != bytes.len() as isize {
+            let e = if n < 0 {
+                io::Error::last_os_error()
+            } else {
+                invalid(format!("short write of {name}"))
+            };
+            Segment::unlink(name);
+            return Err(e);
         }
+        Ok(())
     }
 
-    /// Opens an existing object; `Ok(None)` if it does not exist.
-    pub fn open(name: &str) -> io::Result<Option<Segment>> {
+    /// Reads up to `max` bytes of the rendezvous record `name` (never mapped, so a
+    /// truncation cannot fault); `Ok(None)` if it does not exist. A record owned by another
+    /// user or with a mode wider than 0600 is PermissionDenied.
+    pub fn read_record(name: &str, max: usize) -> io::Result<Option<Vec<u8>>> {
         let c = cname(name)?;
         // SAFETY: valid C string.
-        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR, 0) };
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW, 0) };
         if fd < 0 {
             let e = io::Error::last_os_error();
             return if e.raw_os_error() == Some(libc::ENOENT) {
@@ -104,22 +299,15 @@ impl Segment {
             };
         }
         let fd = Fd(fd);
-        // SAFETY: fd is valid; st is plain data.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstat(fd.0, &mut st) } != 0 {
+        check_owner(&fstat(fd.0)?, &format!("/dev/shm{name}"))?;
+        let mut buf = vec![0u8; max];
+        // SAFETY: buf is writable for `max` bytes.
+        let n = unsafe { libc::pread(fd.0, buf.as_mut_ptr().cast(), max, 0) };
+        if n < 0 {
             return Err(io::Error::last_os_error());
         }
-        let len = st.st_size as usize;
-        if len == 0 {
-            // Being created right now: treat as not there yet.
-            return Ok(None);
-        }
-        let ptr = map(fd.0, len)?;
-        Ok(Some(Segment {
-            name: name.to_owned(),
-            ptr,
-            len,
-        }))
+        buf.truncate(n as usize);
+        Ok(Some(buf))
     }
 
     /// Removes a name (mappings stay valid). Missing names are fine.
@@ -135,47 +323,65 @@ impl Segment {
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.map.len
+    }
+
+    /// The file identity peers check when they open the segment.
+    pub fn key(&self) -> FileKey {
+        self.key
+    }
+
+    /// The creator's descriptor number, while it is open.
+    pub fn fd(&self) -> Option<u32> {
+        self.fd.as_ref().map(|f| f.0 as u32)
+    }
+
+    /// Closes the creator's descriptor once every peer has mapped the segment: from then on
+    /// nothing but the mappings reaches it.
+    pub fn close_fd(&mut self) {
+        self.fd = None;
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.map.ptr
     }
 
     /// A reference to a `T` at `offset`. `T` must consist of atomics only (shared mutation).
     pub fn at<T: SharedAtomics>(&self, offset: usize) -> &T {
-        assert!(offset + std::mem::size_of::<T>() <= self.len);
-        assert_eq!((self.ptr as usize + offset) % std::mem::align_of::<T>(), 0);
+        assert!(offset + std::mem::size_of::<T>() <= self.len());
+        assert_eq!(
+            (self.ptr() as usize + offset) % std::mem::align_of::<T>(),
+            0
+        );
         // SAFETY: in bounds and aligned (checked); T is made of atomics (SharedAtomics), so
         // shared mutation from other processes is sound; zeroed memory is a valid T.
-        unsafe { &*self.ptr.add(offset).cast::<T>() }
+        unsafe { &*self.ptr().add(offset).cast::<T>() }
     }
 
     /// Copies `src` into the segment at `offset`.
     pub fn write(&self, offset: usize, src: &[u8]) {
-        assert!(offset + src.len() <= self.len, "shm write out of bounds");
+        assert!(offset + src.len() <= self.len(), "shm write out of bounds");
         // SAFETY: in bounds (checked); the protocol gives this rank exclusive write access to
         // the range until it publishes.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr().add(offset), src.len()) };
     }
 
     /// Copies from the segment at `offset` into `dst`.
     pub fn read(&self, offset: usize, dst: &mut [u8]) {
-        assert!(offset + dst.len() <= self.len, "shm read out of bounds");
+        assert!(offset + dst.len() <= self.len(), "shm read out of bounds");
         // SAFETY: in bounds (checked); the writer published the range before this read and
         // does not touch it until this rank reports it consumed.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr().add(offset), dst.as_mut_ptr(), dst.len())
+        };
     }
 
     /// A read-only view of `len` bytes at `offset`, valid while the protocol keeps the range
     /// stable (between the writer's publish and this rank's consume).
     pub fn view(&self, offset: usize, len: usize) -> &[u8] {
-        assert!(offset + len <= self.len, "shm view out of bounds");
+        assert!(offset + len <= self.len(), "shm view out of bounds");
         // SAFETY: in bounds (checked); stability is guaranteed by the publish/consume protocol.
-        unsafe { std::slice::from_raw_parts(self.ptr.add(offset), len) }
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: unmapping the mapping this value owns.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        unsafe { std::slice::from_raw_parts(self.ptr().add(offset), len) }
     }
 }
 
