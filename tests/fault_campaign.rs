@@ -142,49 +142,67 @@ fn signal(pid: u32, sig: i32) {
 /// A child of a run: (rank, job, process).
 type Kid = (usize, u64, Child);
 
+/// The children of a run and when each ended, polled every 5 ms.
+struct Watch {
+    children: Vec<Kid>,
+    ends: Vec<Option<(ExitStatus, Instant, bool)>>,
+}
+
+impl Watch {
+    fn new(children: Vec<Kid>) -> Watch {
+        let ends = vec![None; children.len()];
+        Watch { children, ends }
+    }
+
+    /// Notes the children that ended by `until` (returns early when all did).
+    fn poll_until(&mut self, until: Instant) {
+        loop {
+            for ((_, _, c), end) in self.children.iter_mut().zip(self.ends.iter_mut()) {
+                if end.is_none() {
+                    if let Some(s) = c.try_wait().unwrap() {
+                        *end = Some((s, Instant::now(), false));
+                    }
+                }
+            }
+            if self.ends.iter().all(Option::is_some) || Instant::now() >= until {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Waits for every child; kills those still running at `deadline`.
+    fn finish(mut self, deadline: Instant) -> Vec<Ended> {
+        self.poll_until(deadline);
+        for ((_, _, c), end) in self.children.iter_mut().zip(self.ends.iter_mut()) {
+            if end.is_none() {
+                let _ = c.kill();
+                *end = Some((c.wait().unwrap(), Instant::now(), true));
+            }
+        }
+        self.children
+            .into_iter()
+            .zip(self.ends)
+            .map(|((rank, job, c), end)| {
+                let (status, at, killed_at_deadline) = end.unwrap();
+                let o = c.wait_with_output().unwrap();
+                Ended {
+                    rank,
+                    job,
+                    status,
+                    killed_at_deadline,
+                    at,
+                    stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+                    stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+                }
+            })
+            .collect()
+    }
+}
+
 /// Waits for every child, noting when each ended; kills those still running at `deadline`.
 fn wait_ended(children: Vec<Kid>, deadline: Instant) -> Vec<Ended> {
-    let mut ends: Vec<Option<(ExitStatus, Instant, bool)>> = vec![None; children.len()];
-    let mut children = children;
-    loop {
-        for ((_, _, c), end) in children.iter_mut().zip(ends.iter_mut()) {
-            if end.is_none() {
-                if let Some(s) = c.try_wait().unwrap() {
-                    *end = Some((s, Instant::now(), false));
-                }
-            }
-        }
-        if ends.iter().all(Option::is_some) {
-            break;
-        }
-        if Instant::now() > deadline {
-            for ((_, _, c), end) in children.iter_mut().zip(ends.iter_mut()) {
-                if end.is_none() {
-                    let _ = c.kill();
-                    *end = Some((c.wait().unwrap(), Instant::now(), true));
-                }
-            }
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    children
-        .into_iter()
-        .zip(ends)
-        .map(|((rank, job, c), end)| {
-            let (status, at, killed_at_deadline) = end.unwrap();
-            let o = c.wait_with_output().unwrap();
-            Ended {
-                rank,
-                job,
-                status,
-                killed_at_deadline,
-                at,
-                stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-                stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-            }
-        })
-        .collect()
+    Watch::new(children).finish(deadline)
 }
 
 /// Counts and removes what the group left in /dev/shm.
@@ -351,15 +369,18 @@ fn signal_run(class: Class, n: u64, window: Duration, rng: &mut Rng) -> Tally {
     let fault_at = Instant::now();
     let victim_pid = kids[victim].2.id();
     let hit = kids[victim].2.try_wait().unwrap().is_none();
+    let mut watch = Watch::new(std::mem::take(&mut kids));
     if hit {
         signal(victim_pid, fault.signal());
         if fault == Fault::Stop {
-            std::thread::sleep(STOP_FOR);
+            // The survivors' ends are noted while the victim is stopped.
+            watch.poll_until(fault_at + STOP_FOR);
+            std::thread::sleep((fault_at + STOP_FOR).saturating_duration_since(Instant::now()));
             signal(victim_pid, libc::SIGCONT);
         }
     }
     let resumed_at = Instant::now();
-    let ended = wait_ended(std::mem::take(&mut kids), start + RUN_DEADLINE);
+    let ended = watch.finish(start + RUN_DEADLINE);
     let all = describe_all(&ended);
     let expected_signal = match fault {
         Fault::Kill | Fault::Term | Fault::Int => Some(fault.signal()),
@@ -386,6 +407,9 @@ fn signal_run(class: Class, n: u64, window: Duration, rng: &mut Rng) -> Tally {
         } else {
             fault_at
         };
+        if hit && e.rank != victim {
+            t.slowest = t.slowest.max(e.at.saturating_duration_since(fault_at));
+        }
         if hit && !e.killed_at_deadline && e.at > from + 2 * TIMEOUT + MARGIN {
             t.hangs += 1;
             t.notes.push(format!(

@@ -6,6 +6,7 @@
 pub mod workload;
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
 /// What a class of runs exercises.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -208,6 +209,8 @@ pub struct Tally {
     /// A survivor's error does not name the faulty rank, or names a healthy one.
     pub misblamed: u64,
     pub mixed_groups: u64,
+    /// The longest a survivor took to end after the fault reached its peer (signal classes).
+    pub slowest: Duration,
     /// One line per violation, for the failure message.
     pub notes: Vec<String>,
 }
@@ -233,6 +236,7 @@ impl Tally {
         self.divergent += o.divergent;
         self.misblamed += o.misblamed;
         self.mixed_groups += o.mixed_groups;
+        self.slowest = self.slowest.max(o.slowest);
         self.notes.extend(o.notes.iter().cloned());
     }
 }
@@ -242,7 +246,7 @@ pub fn table(rows: &[(Class, Tally)]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<12} {:>5} {:>5} {:>7} {:>5} {:>9} {:>12} {:>9} {:>9} {:>12}",
+        "{:<12} {:>5} {:>5} {:>7} {:>5} {:>9} {:>12} {:>9} {:>9} {:>12} {:>10}",
         "class",
         "runs",
         "hit",
@@ -252,13 +256,14 @@ pub fn table(rows: &[(Class, Tally)]) -> String {
         "silent_wrong",
         "divergent",
         "misblamed",
-        "mixed_groups"
+        "mixed_groups",
+        "slowest_ms"
     );
     let mut total = Tally::default();
     let mut line = |name: &str, t: &Tally| {
         let _ = writeln!(
             s,
-            "{:<12} {:>5} {:>5} {:>7} {:>5} {:>9} {:>12} {:>9} {:>9} {:>12}",
+            "{:<12} {:>5} {:>5} {:>7} {:>5} {:>9} {:>12} {:>9} {:>9} {:>12} {:>10}",
             name,
             t.runs,
             t.hit,
@@ -268,7 +273,8 @@ pub fn table(rows: &[(Class, Tally)]) -> String {
             t.silent_wrong,
             t.divergent,
             t.misblamed,
-            t.mixed_groups
+            t.mixed_groups,
+            t.slowest.as_millis()
         );
     };
     for (c, t) in rows {
