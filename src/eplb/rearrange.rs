@@ -6,6 +6,7 @@
 use super::communicator::EplbCommunicator;
 use super::transfer::{apply_rank_mapping, plan_layer, LayerPlan};
 use crate::copy::{copy_streaming, streaming_fence};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::group::{Group, P2p};
 
@@ -105,15 +106,80 @@ pub fn rearrange(
     row_bytes: &[usize],
     rank_mapping: Option<&[i64]>,
 ) -> Result<Summary> {
+    rearrange_typed(g, comm, old, new, weights, row_bytes, rank_mapping, &[])
+}
+
+/// [`rearrange`], with the weight tensors' dtypes (one per tensor of a layer; empty when
+/// unknown), which every rank must pass alike too.
+#[allow(clippy::too_many_arguments)]
+pub fn rearrange_typed(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    old: &[Vec<i64>],
+    new: &[Vec<i64>],
+    weights: &mut [LayerWeights<'_>],
+    row_bytes: &[usize],
+    rank_mapping: Option<&[i64]>,
+    dtypes: &[DType],
+) -> Result<Summary> {
     let _rank = crate::log::rank_scope(g.rank());
-    if old.len() != new.len() || old.len() != weights.len() {
-        return Err(Error::InvalidArgument(format!(
+    let shape = if old.len() != new.len() || old.len() != weights.len() {
+        Err(Error::InvalidArgument(format!(
             "old has {} layers, new {} and weights {}; expected the same number of layers",
             old.len(),
             new.len(),
             weights.len()
-        )));
-    }
+        )))
+    } else {
+        Ok(())
+    };
+    // Every rank checks its own arguments, then all agree on what they rearrange before any
+    // layer moves: a rank's rejection or a disagreement fails every rank, no layer changed.
+    let plans = shape.and_then(|()| {
+        plans(
+            g.rank(),
+            g.size(),
+            old,
+            new,
+            weights,
+            row_bytes,
+            rank_mapping,
+        )
+    });
+    let digest = |words: &mut dyn Iterator<Item = u64>| {
+        words.fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
+            w.to_le_bytes()
+                .iter()
+                .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+        })
+    };
+    let maps_digest = |m: &[Vec<i64>]| {
+        digest(
+            &mut m
+                .iter()
+                .flat_map(|l| std::iter::once(l.len() as u64).chain(l.iter().map(|&x| x as u64))),
+        )
+    };
+    let header = [
+        u64::from(plans.is_ok()),
+        old.len() as u64,
+        row_bytes.len() as u64,
+        digest(&mut row_bytes.iter().map(|&b| b as u64)),
+        digest(
+            &mut dtypes
+                .iter()
+                .map(|d| u64::from(d.code) << 32 | u64::from(d.bits) << 16 | u64::from(d.lanes)),
+        ),
+        maps_digest(old),
+        maps_digest(new),
+        rank_mapping.map_or(0, |m| 1 + digest(&mut m.iter().map(|&x| x as u64))),
+    ];
+    let agreed = agree(g, &header);
+    let plans = match (plans, agreed) {
+        (Err(e), _) => return Err(e),
+        (Ok(_), Err(e)) => return Err(with_progress(e, 0)),
+        (Ok(p), Ok(())) => p,
+    };
     let mut summary = Summary::default();
     // The staging buffers (one layer of this rank's weights, like vLLM's expert_weights_buffer)
     // are kept per thread for the next rearrangement: allocating and zero-filling them on
@@ -126,11 +192,9 @@ pub fn rearrange(
     let result = rearrange_layers(
         g,
         comm,
-        old,
-        new,
+        &plans,
         weights,
         row_bytes,
-        rank_mapping,
         &mut staging,
         &mut summary,
     );
@@ -138,21 +202,18 @@ pub fn rearrange(
     result.map(|()| summary)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn rearrange_layers(
-    g: &mut dyn Group,
-    comm: &mut dyn EplbCommunicator,
+/// The plan of every layer on this rank, checking the arguments.
+fn plans(
+    me: usize,
+    world: usize,
     old: &[Vec<i64>],
     new: &[Vec<i64>],
-    weights: &mut [LayerWeights<'_>],
+    weights: &[LayerWeights<'_>],
     row_bytes: &[usize],
     rank_mapping: Option<&[i64]>,
-    staging: &mut [Vec<u8>],
-    summary: &mut Summary,
-) -> Result<()> {
-    let me = g.rank();
-    let world = g.size();
-    for (l, ((o, n), w)) in old.iter().zip(new).zip(weights.iter_mut()).enumerate() {
+) -> Result<Vec<LayerPlan>> {
+    let mut plans = Vec::with_capacity(old.len());
+    for (l, ((o, n), w)) in old.iter().zip(new).zip(weights).enumerate() {
         if w.len() != row_bytes.len() {
             return Err(Error::InvalidArgument(format!(
                 "layer {l} has {} weight tensors; expected {}",
@@ -183,23 +244,102 @@ fn rearrange_layers(
                 )));
             }
         }
-        let plan = plan_layer(&o, &n, n_local, me)?;
-        move_layer(g, comm, &plan, w, row_bytes, staging).map_err(|e| {
-            let done = if l == 0 {
-                "no layer was changed".to_owned()
-            } else {
-                format!(
-                    "layers before {l} were rearranged; layer {l} and later keep the old placement"
-                )
-            };
-            match e {
-                Error::PeerFailure(m) => {
-                    Error::PeerFailure(format!("{m} (EPLB rearrangement: {done})"))
-                }
-                Error::Timeout(m) => Error::Timeout(format!("{m} (EPLB rearrangement: {done})")),
-                other => other,
+        plans.push(plan_layer(&o, &n, n_local, me)?);
+    }
+    Ok(plans)
+}
+
+const HEADER: [&str; 8] = [
+    "",
+    "the number of layers",
+    "the number of weight tensors per layer",
+    "the weight row bytes",
+    "the weight dtypes",
+    "the old placement",
+    "the new placement",
+    "the rank mapping",
+];
+
+/// Gathers every rank's header (its verdict and what it rearranges); any rank's rejection or
+/// a disagreement is an error, the same on every rank.
+fn agree(g: &mut dyn Group, mine: &[u64; 8]) -> Result<()> {
+    let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let mut all = vec![0u8; bytes.len() * g.size()];
+    g.all_gather(&bytes, &mut all)?;
+    let headers: Vec<[u64; 8]> = all
+        .chunks_exact(64)
+        .map(|c| {
+            let mut h = [0u64; 8];
+            for (w, b) in h.iter_mut().zip(c.chunks_exact(8)) {
+                *w = u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
             }
-        })?;
+            h
+        })
+        .collect();
+    if let Some(r) = headers.iter().position(|h| h[0] == 0) {
+        if r != g.rank() {
+            return Err(Error::InvalidArgument(format!(
+                "rearrange: rank {r} rejected its arguments (see that rank's error)"
+            )));
+        }
+    }
+    for (i, what) in HEADER.iter().enumerate().skip(1) {
+        let v0 = headers[0][i];
+        if let Some(p) = (1..headers.len()).find(|&p| headers[p][i] != v0) {
+            let detail = match i {
+                1 | 2 => format!("rank 0 passes {v0} but rank {p} passes {}", headers[p][i]),
+                _ => format!("rank 0 and rank {p} pass different ones"),
+            };
+            return Err(Error::InvalidArgument(format!(
+                "rearrange: ranks disagree on {what}: {detail}; every rank must pass the same"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Takes part in a rearrangement as a rank whose arguments failed its own checks (`e`,
+/// returned): the peers fail at once naming this rank, and no layer changes anywhere.
+pub fn reject_rearrange(g: &mut dyn Group, e: Error) -> Error {
+    let _ = agree(g, &[0; 8]);
+    e
+}
+
+/// Adds what the rearrangement did to an error of layer `l`: the layers before it hold the
+/// new placement, it and later ones the old.
+fn with_progress(e: Error, l: usize) -> Error {
+    let done = if l == 0 {
+        "no layer was changed".to_owned()
+    } else {
+        format!("layers before {l} were rearranged; layer {l} and later keep the old placement")
+    };
+    let add = |m: String| format!("{m} (EPLB rearrangement: {done})");
+    match e {
+        Error::PeerFailure(m) => Error::PeerFailure(add(m)),
+        Error::Timeout(m) => Error::Timeout(add(m)),
+        Error::InvalidArgument(m) => Error::InvalidArgument(add(m)),
+        Error::InvalidState(m) => Error::InvalidState(add(m)),
+        Error::Runtime(m) => Error::Runtime(add(m)),
+        Error::System(m) => Error::System(add(m)),
+        Error::Internal(m) => Error::Internal(add(m)),
+        // Errors without a message of their own (null pointers, backend names) are local.
+        other => other,
+    }
+}
+
+fn rearrange_layers(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    plans: &[LayerPlan],
+    weights: &mut [LayerWeights<'_>],
+    row_bytes: &[usize],
+    staging: &mut [Vec<u8>],
+    summary: &mut Summary,
+) -> Result<()> {
+    for (l, (plan, w)) in plans.iter().zip(weights.iter_mut()).enumerate() {
+        // The layer is applied only after its transfer op committed on every rank, so every
+        // rank reports the same layer.
+        move_layer(g, comm, plan, w, row_bytes, staging).map_err(|e| with_progress(e, l))?;
         if !plan.is_noop() {
             summary.layers_changed += 1;
         }

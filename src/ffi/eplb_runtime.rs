@@ -283,58 +283,68 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange(
     summary_out: *mut epcomm_eplb_summary,
 ) -> i32 {
     guard::call(|| {
-        let l = count(num_layers, "num_layers")?;
-        let (os, ns) = (
-            count(old_slots, "old_slots")?,
-            count(new_slots, "new_slots")?,
-        );
-        // SAFETY: caller contract for every pointer below.
-        let old = unsafe { maps(old_phy2log, l, os, "old_phy2log") }?;
-        let new = unsafe { maps(new_phy2log, l, ns, "new_phy2log") }?;
-        if num_tensors == 0 {
-            return Err(Error::InvalidArgument(
-                "num_tensors is 0; expected the number of weight tensors per layer".into(),
-            ));
-        }
-        if weights.is_null() {
-            return Err(Error::NullPointer("weights"));
-        }
-        let mut tensors = Vec::with_capacity(l * num_tensors);
-        for i in 0..l * num_tensors {
-            tensors.push(unsafe { HostTensor::from_ffi(weights.add(i), "weights[i]") }?);
-        }
-        for (i, a) in tensors.iter().enumerate() {
-            for b in &tensors[i + 1..] {
-                a.check_disjoint(b)?;
+        // Checked before the group is used; a rejection is reported to the peers too.
+        let prepared = (|| {
+            let l = count(num_layers, "num_layers")?;
+            let (os, ns) = (
+                count(old_slots, "old_slots")?,
+                count(new_slots, "new_slots")?,
+            );
+            // SAFETY: caller contract for every pointer below.
+            let old = unsafe { maps(old_phy2log, l, os, "old_phy2log") }?;
+            let new = unsafe { maps(new_phy2log, l, ns, "new_phy2log") }?;
+            if num_tensors == 0 {
+                return Err(Error::InvalidArgument(
+                    "num_tensors is 0; expected the number of weight tensors per layer".into(),
+                ));
             }
-        }
-        let row_bytes: Vec<usize> = tensors[..num_tensors]
-            .iter()
-            .map(HostTensor::row_bytes)
-            .collect();
-        for (i, t) in tensors.iter().enumerate() {
-            if t.row_bytes() != row_bytes[i % num_tensors] {
-                return Err(Error::InvalidArgument(format!(
-                    "weights[{i}] has rows of {} bytes but tensor {} of layer 0 has {}; every layer must have the same tensors",
-                    t.row_bytes(),
-                    i % num_tensors,
-                    row_bytes[i % num_tensors]
-                )));
+            if weights.is_null() {
+                return Err(Error::NullPointer("weights"));
             }
-        }
-        let mapping: Option<Vec<i64>> = if rank_mapping.is_null() {
-            None
-        } else {
-            Some(unsafe { std::slice::from_raw_parts(rank_mapping, rank_mapping_len) }.to_vec())
-        };
-        let mut views: Vec<Vec<&mut [u8]>> = tensors
-            .chunks(num_tensors)
-            .map(|layer| layer.iter().map(|t| unsafe { t.as_mut_slice() }).collect())
-            .collect();
+            let mut tensors = Vec::with_capacity(l * num_tensors);
+            for i in 0..l * num_tensors {
+                tensors.push(unsafe { HostTensor::from_ffi(weights.add(i), "weights[i]") }?);
+            }
+            for (i, a) in tensors.iter().enumerate() {
+                for b in &tensors[i + 1..] {
+                    a.check_disjoint(b)?;
+                }
+            }
+            let row_bytes: Vec<usize> = tensors[..num_tensors]
+                .iter()
+                .map(HostTensor::row_bytes)
+                .collect();
+            for (i, t) in tensors.iter().enumerate() {
+                if t.row_bytes() != row_bytes[i % num_tensors] {
+                    return Err(Error::InvalidArgument(format!(
+                        "weights[{i}] has rows of {} bytes but tensor {} of layer 0 has {}; every layer must have the same tensors",
+                        t.row_bytes(),
+                        i % num_tensors,
+                        row_bytes[i % num_tensors]
+                    )));
+                }
+            }
+            let mapping: Option<Vec<i64>> = if rank_mapping.is_null() {
+                None
+            } else {
+                Some(unsafe { std::slice::from_raw_parts(rank_mapping, rank_mapping_len) }.to_vec())
+            };
+            let dtypes: Vec<crate::dtype::DType> =
+                tensors[..num_tensors].iter().map(|t| t.dtype).collect();
+            let views: Vec<Vec<&mut [u8]>> = tensors
+                .chunks(num_tensors)
+                .map(|layer| layer.iter().map(|t| unsafe { t.as_mut_slice() }).collect())
+                .collect();
+            Ok((old, new, views, row_bytes, mapping, dtypes))
+        })();
         let summary = unsafe {
             with_comm(comm, |c, group| {
                 with_group(group, |g| {
-                    rearrange::rearrange(
+                    let (old, new, mut views, row_bytes, mapping, dtypes) = match prepared {
+                        Ok(p) => p,
+                        Err(e) => return Err(rearrange::reject_rearrange(g, e)),
+                    };
+                    rearrange::rearrange_typed(
                         g,
                         c.comm.as_mut(),
                         &old,
@@ -342,6 +352,7 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange(
                         &mut views,
                         &row_bytes,
                         mapping.as_deref(),
+                        &dtypes,
                     )
                 })
             })

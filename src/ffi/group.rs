@@ -9,7 +9,7 @@ use super::tensor::{epcomm_tensor, HostTensor};
 use crate::error::{Error, Result};
 use crate::group::host::{HostGroup, HostTransport};
 use crate::group::shm::ShmGroup;
-use crate::group::{Group, GroupOptions, P2p};
+use crate::group::{Group, GroupOptions, Op, P2p};
 use crate::num::FloatKind;
 
 /// A process group handle. Use it from one thread at a time (a second thread calling while a
@@ -318,6 +318,23 @@ pub(crate) unsafe fn with_group<T>(
     f(inner.as_mut())
 }
 
+/// Runs collective `op` on the group behind the handle: `f` checks the arguments (its outer
+/// error) and then runs the collective (its inner result). A rejected argument is reported to
+/// the peers too, which then fail at once naming this rank instead of waiting for it.
+unsafe fn with_collective<T>(
+    group: *const epcomm_group,
+    op: Op,
+    f: impl FnOnce(&mut dyn Group) -> Result<Result<T>>,
+) -> Result<T> {
+    // SAFETY: caller contract.
+    unsafe {
+        with_group(group, |g| match f(g) {
+            Ok(r) => r,
+            Err(e) => Err(g.reject(op, e)),
+        })
+    }
+}
+
 /// Writes this process's rank in the group.
 ///
 /// # Safety
@@ -397,10 +414,10 @@ pub unsafe extern "C" fn epcomm_group_all_gatherv(
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract for every pointer below.
-        let inp = unsafe { HostTensor::from_ffi(input, "input") }?;
-        let out = unsafe { HostTensor::from_ffi(output, "output") }?;
         unsafe {
-            with_group(group, |g| {
+            with_collective(group, Op::AllGatherv, |g| {
+                let inp = HostTensor::from_ffi(input, "input")?;
+                let out = HostTensor::from_ffi(output, "output")?;
                 let sizes = counts_arg(sizes, g.size(), "sizes")?;
                 inp.check_rows_like(&out)?;
                 inp.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
@@ -408,7 +425,7 @@ pub unsafe extern "C" fn epcomm_group_all_gatherv(
                 inp.check_disjoint(&out)?;
                 let rb = inp.row_bytes();
                 let byte_sizes: Vec<usize> = sizes.iter().map(|s| s * rb).collect();
-                g.all_gatherv(inp.as_slice(), &byte_sizes, out.as_mut_slice())
+                Ok(g.all_gatherv(inp.as_slice(), &byte_sizes, out.as_mut_slice()))
             })
         }
     })
@@ -429,28 +446,28 @@ pub unsafe extern "C" fn epcomm_group_reduce_scatterv(
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract for every pointer below.
-        let inp = unsafe { HostTensor::from_ffi(input, "input") }?;
-        let out = unsafe { HostTensor::from_ffi(output, "output") }?;
-        let kind = FloatKind::from_dtype(inp.dtype).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "tensor 'input' has dtype {}; reduce_scatterv expects torch.float32, torch.bfloat16 or torch.float16",
-                inp.dtype.torch_name()
-            ))
-        })?;
         unsafe {
-            with_group(group, |g| {
+            with_collective(group, Op::ReduceScatterv, |g| {
+                let inp = HostTensor::from_ffi(input, "input")?;
+                let out = HostTensor::from_ffi(output, "output")?;
+                let kind = FloatKind::from_dtype(inp.dtype).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "tensor 'input' has dtype {}; reduce_scatterv expects torch.float32, torch.bfloat16 or torch.float16",
+                        inp.dtype.torch_name()
+                    ))
+                })?;
                 let sizes = counts_arg(sizes, g.size(), "sizes")?;
                 inp.check_rows_like(&out)?;
                 inp.check_rows(total(&sizes, "sizes")?, "sum(sizes)")?;
                 out.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
                 inp.check_disjoint(&out)?;
-                g.reduce_scatterv(
+                Ok(g.reduce_scatterv(
                     inp.as_slice(),
                     &sizes,
                     inp.row_elems(),
                     kind,
                     out.as_mut_slice(),
-                )
+                ))
             })
         }
     })
@@ -472,10 +489,10 @@ pub unsafe extern "C" fn epcomm_group_all_to_allv(
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract for every pointer below.
-        let inp = unsafe { HostTensor::from_ffi(input, "input") }?;
-        let out = unsafe { HostTensor::from_ffi(output, "output") }?;
         unsafe {
-            with_group(group, |g| {
+            with_collective(group, Op::AllToAllv, |g| {
+                let inp = HostTensor::from_ffi(input, "input")?;
+                let out = HostTensor::from_ffi(output, "output")?;
                 let sc = counts_arg(send_counts, g.size(), "send_counts")?;
                 let rc = counts_arg(recv_counts, g.size(), "recv_counts")?;
                 inp.check_rows_like(&out)?;
@@ -492,7 +509,7 @@ pub unsafe extern "C" fn epcomm_group_all_to_allv(
                 let rb = inp.row_bytes();
                 let sb: Vec<usize> = sc.iter().map(|c| c * rb).collect();
                 let rbv: Vec<usize> = rc.iter().map(|c| c * rb).collect();
-                g.all_to_allv(inp.as_slice(), &sb, out.as_mut_slice(), &rbv)
+                Ok(g.all_to_allv(inp.as_slice(), &sb, out.as_mut_slice(), &rbv))
             })
         }
     })
@@ -528,60 +545,63 @@ pub unsafe extern "C" fn epcomm_group_send_recv(
     num_ops: usize,
 ) -> i32 {
     guard::call(|| {
-        let raw: &[epcomm_p2p_op] = if num_ops == 0 {
-            &[]
-        } else if ops.is_null() {
-            return Err(Error::NullPointer("ops"));
-        } else {
-            // SAFETY: num_ops entries (caller contract).
-            unsafe { std::slice::from_raw_parts(ops, num_ops) }
-        };
-        let mut tensors = Vec::with_capacity(raw.len());
-        for (i, o) in raw.iter().enumerate() {
-            // SAFETY: caller contract.
-            let t = unsafe { HostTensor::from_ffi(o.tensor, "ops[i].tensor") }.map_err(
-                |e| match e {
-                    Error::NullPointer(_) => Error::InvalidArgument(format!(
-                        "ops[{i}].tensor (or its shape/data) is NULL; expected a tensor"
-                    )),
-                    other => other,
-                },
-            )?;
-            if o.kind != EPCOMM_P2P_SEND && o.kind != EPCOMM_P2P_RECV {
-                return Err(Error::InvalidArgument(format!(
-                    "ops[{i}].kind is {}; expected EPCOMM_P2P_SEND (0) or EPCOMM_P2P_RECV (1)",
-                    o.kind
-                )));
-            }
-            let peer = index_arg(o.peer, "peer")?;
-            tensors.push((o.kind, peer, t));
-        }
-        for (i, (ki, _, ti)) in tensors.iter().enumerate() {
-            for (kj, _, tj) in &tensors[i + 1..] {
-                if *ki == EPCOMM_P2P_RECV || *kj == EPCOMM_P2P_RECV {
-                    ti.check_disjoint(tj)?;
-                }
-            }
-        }
-        // SAFETY: each tensor is valid for the call and receive buffers do not overlap others.
-        let mut p2p: Vec<P2p<'_>> = tensors
-            .iter()
-            .map(|(k, peer, t)| unsafe {
-                if *k == EPCOMM_P2P_SEND {
-                    P2p::Send {
-                        peer: *peer,
-                        data: t.as_slice(),
-                    }
+        // SAFETY: caller contract for every pointer; each tensor is valid for the call and
+        // receive buffers do not overlap others (checked below).
+        unsafe {
+            with_collective(group, Op::SendRecv, |g| {
+                let raw: &[epcomm_p2p_op] = if num_ops == 0 {
+                    &[]
+                } else if ops.is_null() {
+                    return Err(Error::NullPointer("ops"));
                 } else {
-                    P2p::Recv {
-                        peer: *peer,
-                        data: t.as_mut_slice(),
+                    // SAFETY: num_ops entries (caller contract).
+                    std::slice::from_raw_parts(ops, num_ops)
+                };
+                let mut tensors = Vec::with_capacity(raw.len());
+                for (i, o) in raw.iter().enumerate() {
+                    let t =
+                        HostTensor::from_ffi(o.tensor, "ops[i].tensor").map_err(|e| match e {
+                            Error::NullPointer(_) => Error::InvalidArgument(format!(
+                                "ops[{i}].tensor (or its shape/data) is NULL; expected a tensor"
+                            )),
+                            other => other,
+                        })?;
+                    if o.kind != EPCOMM_P2P_SEND && o.kind != EPCOMM_P2P_RECV {
+                        return Err(Error::InvalidArgument(format!(
+                            "ops[{i}].kind is {}; expected EPCOMM_P2P_SEND (0) or EPCOMM_P2P_RECV (1)",
+                            o.kind
+                        )));
+                    }
+                    let peer = index_arg(o.peer, "peer")?;
+                    tensors.push((o.kind, peer, t));
+                }
+                for (i, (ki, _, ti)) in tensors.iter().enumerate() {
+                    for (kj, _, tj) in &tensors[i + 1..] {
+                        if *ki == EPCOMM_P2P_RECV || *kj == EPCOMM_P2P_RECV {
+                            ti.check_disjoint(tj)?;
+                        }
                     }
                 }
+                // Each tensor is valid for the call; receive buffers overlap no other (above).
+                let mut p2p: Vec<P2p<'_>> = tensors
+                    .iter()
+                    .map(|(k, peer, t)| {
+                        if *k == EPCOMM_P2P_SEND {
+                            P2p::Send {
+                                peer: *peer,
+                                data: t.as_slice(),
+                            }
+                        } else {
+                            P2p::Recv {
+                                peer: *peer,
+                                data: t.as_mut_slice(),
+                            }
+                        }
+                    })
+                    .collect();
+                Ok(g.send_recv(&mut p2p))
             })
-            .collect();
-        // SAFETY: caller contract.
-        unsafe { with_group(group, |g| g.send_recv(&mut p2p)) }
+        }
     })
 }
 
@@ -597,9 +617,13 @@ pub unsafe extern "C" fn epcomm_group_broadcast(
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract.
-        let t = unsafe { HostTensor::from_ffi(tensor, "tensor") }?;
-        let root = index_arg(root, "root")?;
-        unsafe { with_group(group, |g| g.broadcast(root, t.as_mut_slice())) }
+        unsafe {
+            with_collective(group, Op::Broadcast, |g| {
+                let t = HostTensor::from_ffi(tensor, "tensor")?;
+                let root = index_arg(root, "root")?;
+                Ok(g.broadcast(root, t.as_mut_slice()))
+            })
+        }
     })
 }
 
@@ -616,21 +640,32 @@ pub unsafe extern "C" fn epcomm_group_all_gather(
     output: *mut c_void,
 ) -> i32 {
     guard::call(|| {
-        if bytes > 0 && input.is_null() {
-            return Err(Error::NullPointer("input"));
-        }
-        if output.is_null() {
-            return Err(Error::NullPointer("output"));
-        }
         // SAFETY: caller contract.
         unsafe {
-            with_group(group, |g| {
+            with_collective(group, Op::AllGatherv, |g| {
+                if bytes > 0 && input.is_null() {
+                    return Err(Error::NullPointer("input"));
+                }
+                if output.is_null() {
+                    return Err(Error::NullPointer("output"));
+                }
+                let world = g.size();
+                let Some(total) = bytes
+                    .checked_mul(world)
+                    .filter(|&t| t <= isize::MAX as usize)
+                else {
+                    return Err(Error::InvalidArgument(format!(
+                        "all_gather: bytes is {bytes}; expected at most {} (world_size {world} times bytes must fit in the largest buffer, {} bytes)",
+                        isize::MAX as usize / world,
+                        isize::MAX
+                    )));
+                };
                 let inp: &[u8] = if bytes == 0 {
                     &[]
                 } else {
                     std::slice::from_raw_parts(input.cast(), bytes)
                 };
-                let out = std::slice::from_raw_parts_mut(output.cast::<u8>(), bytes * g.size());
+                let out = std::slice::from_raw_parts_mut(output.cast::<u8>(), total);
                 let (a0, a1) = (input as usize, input as usize + bytes);
                 let (b0, b1) = (output as usize, output as usize + out.len());
                 if bytes > 0 && a0 < b1 && b0 < a1 {
@@ -639,7 +674,7 @@ pub unsafe extern "C" fn epcomm_group_all_gather(
                             .into(),
                     ));
                 }
-                g.all_gather(inp, out)
+                Ok(g.all_gather(inp, out))
             })
         }
     })

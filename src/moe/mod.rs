@@ -109,7 +109,20 @@ pub struct Manager {
     expert_counts: Vec<u32>,
 }
 
-const HEADER_WORDS: usize = 12;
+const HEADER_WORDS: usize = 14;
+
+/// A dtype as one header word (code, bits, lanes).
+fn dtype_word(d: DType) -> u64 {
+    u64::from(d.code) << 32 | u64::from(d.bits) << 16 | u64::from(d.lanes)
+}
+
+fn dtype_of_word(w: u64) -> DType {
+    DType {
+        code: (w >> 32) as u8,
+        bits: (w >> 16) as u8,
+        lanes: w as u16,
+    }
+}
 
 /// Largest number of (physical) experts a manager accepts.
 pub const MAX_EXPERTS: usize = 1 << 20;
@@ -327,6 +340,8 @@ impl Manager {
             c.expert_dtype as u64,
             u64::from(c.apply_router_weight_on_input),
             self.backend as u64,
+            dtype_word(c.hidden_dtype),
+            dtype_word(c.out_dtype.dtype()),
         ]
     }
 
@@ -368,13 +383,27 @@ impl Manager {
             "expert dtype",
             "apply_router_weight_on_input",
             "backend",
+            "hidden dtype",
+            "out dtype",
         ];
+        // Dtypes by name (word 9 is a FloatKind, words 12 and 13 DType words).
+        let show = |i: usize, w: u64| match i {
+            9 => [FloatKind::F32, FloatKind::Bf16, FloatKind::F16]
+                .into_iter()
+                .find(|k| *k as u64 == w)
+                .map_or_else(|| w.to_string(), |k| k.dtype().torch_name()),
+            12 | 13 => dtype_of_word(w).torch_name(),
+            _ => w.to_string(),
+        };
         for (r, h) in headers.iter().enumerate() {
             for i in 2..HEADER_WORDS {
                 if h[i] != mine[i] {
                     return Err(Error::InvalidArgument(format!(
                         "{what}: rank {r} has {} = {} but rank {} has {}; every rank must create the manager with the same backend and configuration",
-                        NAMES[i], h[i], self.rank, mine[i]
+                        NAMES[i],
+                        show(i, h[i]),
+                        self.rank,
+                        show(i, mine[i])
                     )));
                 }
             }
