@@ -19,7 +19,8 @@
 //! `cargo test --test fault_campaign` runs the CI size (40 runs per class, `EPCOMM_TIMEOUT_S=1`)
 //! and prints the table; `scripts/fault-campaign.sh [RUNS]` the long one. Variables:
 //! `EPCOMM_CAMPAIGN_RUNS` (runs per class), `EPCOMM_CAMPAIGN_SEED`, `EPCOMM_CAMPAIGN_CLASSES`
-//! (comma-separated names), `EPCOMM_CAMPAIGN_STRICT=1` (the classes listed in
+//! (comma-separated names), `EPCOMM_CAMPAIGN_FAULTS` (comma-separated KILL, STOP, TERM, INT:
+//! the signals drawn from), `EPCOMM_CAMPAIGN_STRICT=1` (the classes listed in
 //! `EXPECTED_TO_FAIL` fail too instead of printing a SKIPPED line).
 
 mod campaign;
@@ -345,14 +346,14 @@ fn calibrate(class: Class, t: &mut Tally) -> Duration {
 }
 
 /// One run of a signal class.
-fn signal_run(class: Class, n: u64, window: Duration, rng: &mut Rng) -> Tally {
+fn signal_run(class: Class, n: u64, window: Duration, faults: &[Fault], rng: &mut Rng) -> Tally {
     let mut t = Tally {
         runs: 1,
         ..Tally::default()
     };
     let group = ranks::unique("fc", &format!("{}{n}", class.name()));
     let victim = rng.below(WORLD as u64) as usize;
-    let fault = Fault::ALL[rng.below(Fault::ALL.len() as u64) as usize];
+    let fault = faults[rng.below(faults.len() as u64) as usize];
     let direct = rng.below(2) == 0;
     let delay = Duration::from_millis(rng.below(window.as_millis() as u64 + 1));
     let what = format!(
@@ -697,8 +698,23 @@ fn fault_campaign() {
             .collect(),
         _ => Class::ALL.to_vec(),
     };
+    let faults: Vec<Fault> = match std::env::var("EPCOMM_CAMPAIGN_FAULTS") {
+        Ok(list) if !list.is_empty() => list
+            .split(',')
+            .map(|f| {
+                Fault::ALL
+                    .into_iter()
+                    .find(|x| x.name() == f.trim())
+                    .unwrap_or_else(|| {
+                        panic!("unknown fault {f:?}; expected KILL, STOP, TERM or INT")
+                    })
+            })
+            .collect(),
+        _ => Fault::ALL.to_vec(),
+    };
     show(&format!(
-        "fault campaign: {runs} run(s) per class, seed {seed} (EPCOMM_CAMPAIGN_SEED={seed} repeats it), EPCOMM_TIMEOUT_S={}\n",
+        "fault campaign: {runs} run(s) per class, signals {}, seed {seed} (EPCOMM_CAMPAIGN_SEED={seed} repeats it), EPCOMM_TIMEOUT_S={}\n",
+        faults.iter().map(|f| f.name()).collect::<Vec<_>>().join(","),
         TIMEOUT.as_secs()
     ));
     let started = Instant::now();
@@ -710,7 +726,7 @@ fn fault_campaign() {
         for n in 0..runs {
             let t = match class {
                 Class::Moe | Class::Eplb | Class::Collectives => {
-                    signal_run(class, n, window, &mut rng)
+                    signal_run(class, n, window, &faults, &mut rng)
                 }
                 Class::SameName => same_name_run(n, window, &mut rng),
                 Class::Tamper => tamper_run(n, window, &mut rng),
