@@ -1,6 +1,6 @@
-//! Ranks that disagree: every rank gets an error before any data moves (the full message
-//! checked on every rank), at once (no waiting for the timeout), and the group stays usable: a
-//! correct op follows on the same handles.
+//! Ranks that disagree, or one rank whose arguments fail its own checks: every rank gets an
+//! error before any data moves (the full message checked on every rank), at once (no waiting
+//! for the timeout), and the group stays usable: a correct op follows on the same handles.
 //! Ranks are threads of this process, over shared memory.
 
 mod ranks;
@@ -11,9 +11,9 @@ use epcomm::dtype::{Code, DType};
 use epcomm::eplb::communicator::{self, EplbCommunicator};
 use epcomm::eplb::rearrange::{rearrange, rearrange_typed};
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::GroupOptions;
+use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::{Manager, MoeConfig};
-use epcomm::num::FloatKind;
+use epcomm::num::{self, FloatKind};
 use epcomm::select::eplb::DeviceKind;
 
 /// Far above how long any of these calls may take: an error must not wait for it.
@@ -52,6 +52,144 @@ fn message(r: &epcomm::Result<()>) -> String {
         Ok(()) => "ok".to_owned(),
         Err(e) => format!("{:?}: {e}", e.status()),
     }
+}
+
+#[test]
+fn broadcast_with_different_roots_fails_on_every_rank_then_works() {
+    let (name, res) = on_group("bcast", 2, |rank, g| {
+        let mut data = vec![rank as u8 + 1; 16];
+        let bad = g.broadcast(rank, &mut data);
+        let untouched = data == vec![rank as u8 + 1; 16];
+        let mut data = vec![rank as u8 + 1; 16];
+        let good = g.broadcast(1, &mut data).map(|()| data);
+        (message(&bad), untouched, good.unwrap())
+    });
+    for (rank, ((bad, untouched, good), took)) in res.into_iter().enumerate() {
+        assert_eq!(
+            bad,
+            format!("InvalidArgument: broadcast: ranks of group '{name}' disagree on root: rank 0 passes 0 but rank 1 passes 1; every rank must pass the same root (no data was exchanged)"),
+            "rank {rank}"
+        );
+        assert!(untouched, "rank {rank}: data moved");
+        assert_eq!(good, vec![2u8; 16], "rank {rank}");
+        assert!(took < FAST, "rank {rank} took {took:?}");
+    }
+}
+
+#[test]
+fn reduce_scatterv_with_different_dtypes_fails_on_every_rank_then_works() {
+    // float32 x 4 on rank 0, bfloat16 x 8 on rank 1: the same bytes, different sums.
+    let (name, res) = on_group("rsv", 2, |rank, g| {
+        let (kind, elems) = if rank == 0 {
+            (FloatKind::F32, 4)
+        } else {
+            (FloatKind::Bf16, 8)
+        };
+        let input = num::from_f32(&vec![1.0; 2 * elems], kind);
+        let mut out = vec![0u8; elems * kind.size()];
+        let bad = g.reduce_scatterv(&input, &[1, 1], elems, kind, &mut out);
+        let input = num::from_f32(&[1.0; 8], FloatKind::F32);
+        let mut out = vec![0u8; 16];
+        let good = g
+            .reduce_scatterv(&input, &[1, 1], 4, FloatKind::F32, &mut out)
+            .map(|()| num::to_f32(&out, FloatKind::F32));
+        (message(&bad), good.unwrap())
+    });
+    for (rank, ((bad, good), took)) in res.into_iter().enumerate() {
+        assert_eq!(
+            bad,
+            format!("InvalidArgument: reduce_scatterv: ranks of group '{name}' disagree on dtype: rank 0 passes float32 but rank 1 passes bfloat16; every rank must pass the same dtype (no data was exchanged)"),
+            "rank {rank}"
+        );
+        assert_eq!(good, vec![2.0; 4], "rank {rank}");
+        assert!(took < FAST, "rank {rank} took {took:?}");
+    }
+}
+
+#[test]
+fn a_rank_that_rejects_its_arguments_fails_its_peers_at_once() {
+    let (name, res) = on_group("reject", 3, |rank, g| {
+        // Rank 1 passes an input of the wrong length.
+        let input = vec![rank as u8; if rank == 1 { 4 } else { 8 }];
+        let mut out = vec![0u8; 24];
+        let bad = g.all_gatherv(&input, &[8, 8, 8], &mut out);
+        let input = vec![rank as u8; 8];
+        let good = g.all_gatherv(&input, &[8, 8, 8], &mut out).map(|()| out);
+        (message(&bad), good.unwrap())
+    });
+    for (rank, ((bad, good), took)) in res.into_iter().enumerate() {
+        let want = if rank == 1 {
+            "InvalidArgument: all_gatherv: input has 4 bytes; expected 8 (sizes[1])".to_owned()
+        } else {
+            format!("InvalidArgument: all_gatherv: rank 1 of group '{name}' rejected its arguments (see that rank's error); no data was exchanged")
+        };
+        assert_eq!(bad, want, "rank {rank}");
+        let expect: Vec<u8> = (0..3u8).flat_map(|r| [r; 8]).collect();
+        assert_eq!(good, expect, "rank {rank}");
+        assert!(
+            took < FAST,
+            "rank {rank} took {took:?} (waited for the timeout?)"
+        );
+    }
+}
+
+#[test]
+fn all_gather_of_2_pow_63_bytes_is_an_argument_error_on_every_rank() {
+    use epcomm::ffi::group::{
+        epcomm_group, epcomm_group_all_gather, epcomm_group_create_shm, epcomm_group_destroy,
+    };
+    let name = ranks::unique("ag", "huge");
+    let c_name = std::ffi::CString::new(name.clone()).unwrap();
+    let res = ranks::on_threads(2, move |rank| {
+        let mut g: *mut epcomm_group = std::ptr::null_mut();
+        // SAFETY: valid name and out pointer; null options = defaults.
+        let rc = unsafe {
+            epcomm_group_create_shm(c_name.as_ptr(), rank as i32, 2, std::ptr::null(), &mut g)
+        };
+        assert_eq!(rc, 0);
+        let input = [rank as u8; 8];
+        let mut out = [0u8; 16];
+        let bytes = if rank == 0 { 1usize << 63 } else { 8 };
+        let start = Instant::now();
+        // SAFETY: rank 1's buffers fit; rank 0's size is rejected before any access.
+        let rc = unsafe {
+            epcomm_group_all_gather(g, input.as_ptr().cast(), bytes, out.as_mut_ptr().cast())
+        };
+        // SAFETY: a NUL-terminated string owned by this thread, copied at once.
+        let msg =
+            unsafe { std::ffi::CStr::from_ptr(epcomm::ffi::error::epcomm_last_error_message()) }
+                .to_string_lossy()
+                .into_owned();
+        let took = start.elapsed();
+        // SAFETY: as above, a valid size on both ranks.
+        let good = unsafe {
+            epcomm_group_all_gather(g, input.as_ptr().cast(), 8, out.as_mut_ptr().cast())
+        };
+        // SAFETY: the handle is live.
+        unsafe { epcomm_group_destroy(g) };
+        (rc, msg, took, good, out)
+    });
+    for (rank, (rc, msg, took, good, out)) in res.into_iter().enumerate() {
+        assert_eq!(
+            rc,
+            epcomm::Status::InvalidArgument as i32,
+            "rank {rank}: {msg}"
+        );
+        let want = if rank == 0 {
+            format!(
+                "all_gather: bytes is 9223372036854775808; expected at most {} (world_size 2 times bytes must fit in the largest buffer, {} bytes)",
+                isize::MAX as usize / 2,
+                isize::MAX
+            )
+        } else {
+            format!("all_gatherv: rank 0 of group '{name}' rejected its arguments (see that rank's error); no data was exchanged")
+        };
+        assert_eq!(msg, want, "rank {rank}");
+        assert!(took < FAST, "rank {rank} took {took:?}");
+        assert_eq!(good, 0, "rank {rank}");
+        assert_eq!(out, [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]);
+    }
+    assert!(ranks::shm_leftovers(&name).is_empty());
 }
 
 // ---- MoE managers that disagree on dtypes ---------------------------------------------------

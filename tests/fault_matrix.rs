@@ -786,7 +786,20 @@ fn check_killed(case: &str, victim: usize, survivors: &[Outcome], named: &str, a
 fn check_mismatch(case: &str, outcomes: &[Outcome], all: &str) {
     let why = match case {
         "order" | "order_dispatch" => "every rank must call the same collectives in the same order",
-        "sizes" => "(ranks disagree on sizes)",
+        "sizes" => {
+            // Every rank sees the same published sizes and says the same, before data moves.
+            for o in outcomes {
+                assert_eq!(o.status, Status::InvalidArgument as i32, "{o:?}\n{all}");
+                assert!(
+                    o.message.starts_with("all_gatherv: ranks of group '")
+                        && o.message.ends_with(
+                            "' disagree on sum(sizes): rank 0 passes 24 but rank 1 passes 32; every rank must pass the same sum(sizes) (no data was exchanged)"
+                        ),
+                    "{o:?}\n{all}"
+                );
+            }
+            "disagree on sum(sizes)"
+        }
         "config" => "every rank must create the manager with the same backend and configuration",
         other => panic!("unknown case {other}"),
     };

@@ -26,6 +26,7 @@
 //! bounded by the timeout and checks peers' liveness (pid gone or zombie, or the peer marked
 //! itself failed/left) about every 50 ms.
 
+mod agree;
 mod segment;
 
 pub use self::segment::pin_current_thread;
@@ -102,9 +103,80 @@ struct Slot {
     direct_ok: AtomicU32,
     /// Address of a private probe word (holding `token`) for the direct-read check.
     probe_addr: AtomicU64,
+    /// Rank 0's slot only: the group's decision word, the latest op decided and how
+    /// (see [`Decision`]). Every rank obeys it, so all reach the same outcome for every op.
+    decision: AtomicU64,
+    /// `n << 8 | verdict` of the op `n` this rank published: [`VERDICT_OK`] or
+    /// [`VERDICT_REJECTED`] (its arguments failed its own checks; it sends nothing).
+    verdict: AtomicU64,
+    /// The op's parameters every rank must agree on (root, dtype, sizes digest, ...).
+    params: [AtomicU64; PARAMS],
 }
 // SAFETY: atomics only; all-zero means an empty slot.
 unsafe impl SharedAtomics for Slot {}
+
+/// Parameter words per op that every rank compares before any data moves.
+const PARAMS: usize = 5;
+const VERDICT_OK: u64 = 1;
+const VERDICT_REJECTED: u64 = 2;
+
+// The decision word: outcome (2 bits) | cause (6 bits) | blamed rank + 1 (12 bits) | op (44).
+// 0 is "op 0 (the join) committed". A rank takes part in op n only after it saw op n - 1
+// committed, so a word for a later op implies that every earlier op was committed.
+const OUTCOME_COMMIT: u64 = 1;
+const OUTCOME_ABORT: u64 = 2;
+const OP_BITS: u64 = 44;
+const OP_MASK: u64 = (1 << OP_BITS) - 1;
+
+/// Why an op was aborted: the first failure, which every rank reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// The blamed rank's process is gone.
+    Died = 1,
+    /// The blamed rank did not arrive within the timeout.
+    Stalled = 2,
+    /// An error on the blamed rank aborted the op.
+    Failed = 3,
+    /// The blamed rank destroyed its handle.
+    Left = 4,
+}
+
+impl Cause {
+    fn from_code(c: u64) -> Cause {
+        [Cause::Died, Cause::Stalled, Cause::Left]
+            .into_iter()
+            .find(|x| *x as u64 == c)
+            .unwrap_or(Cause::Failed)
+    }
+}
+
+/// The outcome of one op, as the decision word says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decision {
+    Pending,
+    Commit,
+    Abort { rank: usize, cause: Cause },
+}
+
+fn abort_word(n: u64, rank: usize, cause: Cause) -> u64 {
+    OUTCOME_ABORT << 62 | (cause as u64) << 56 | ((rank as u64 + 1) & 0xfff) << OP_BITS | n
+}
+
+/// What decision word `d` says about op `n`.
+fn decoded(d: u64, n: u64) -> Decision {
+    let op = d & OP_MASK;
+    let aborted = d >> 62 == OUTCOME_ABORT;
+    if op > n || (op == n && !aborted) {
+        return Decision::Commit;
+    }
+    if !aborted {
+        return Decision::Pending;
+    }
+    Decision::Abort {
+        rank: (((d >> OP_BITS) & 0xfff) as usize).saturating_sub(1),
+        cause: Cause::from_code((d >> 56) & 0x3f),
+    }
+}
 
 /// Where a rank's data segment is: the creator's descriptor number and the file's identity,
 /// which peers check when they open it. `gen` is stored last (release).
@@ -845,6 +917,18 @@ impl ShmGroup {
             if let Some(r) =
                 (0..self.world).find(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_FAILED)
             {
+                // A rank that failed because another died: name the dead one, as that rank does.
+                if let Some(d) = (0..self.world).find(|&d| {
+                    let s = self.slot(d);
+                    s.state.load(Ordering::Acquire) == SLOT_ACTIVE
+                        && !pid_alive(s.pid.load(Ordering::Acquire))
+                }) {
+                    return Err(Error::PeerFailure(format!(
+                        "rank {d} of group '{}' died (pid {} is gone) while the group was joining",
+                        self.name,
+                        self.slot(d).pid.load(Ordering::Acquire)
+                    )));
+                }
                 return Err(Error::PeerFailure(format!(
                     "rank {r} of group '{}' failed while joining (see that rank's error)",
                     self.name
@@ -953,6 +1037,10 @@ impl ShmGroup {
     /// released safely. (Other processes read through the kernel, which fails cleanly, and they
     /// then see this rank as failed before their op completes.)
     fn fail(&mut self, e: Error) -> Error {
+        if self.broken.is_none() && self.seq > 0 {
+            // Abort the op in progress unless it was decided already, so no peer commits it.
+            let _ = self.decide(self.seq, abort_word(self.seq, self.rank, Cause::Failed));
+        }
         if self.broken.is_none() {
             self.broken = Some(e.to_string());
             self.mark(SLOT_FAILED);
@@ -1007,30 +1095,133 @@ impl ShmGroup {
     }
 
     fn check_peers(&self, op: Op, n: u64, pending: &[usize]) -> Result<()> {
-        for &p in pending {
+        match self.failed_peer(pending) {
+            Some((p, cause)) => Err(self.failure_error(op, n, p, cause)),
+            None => Ok(()),
+        }
+    }
+
+    /// The first failure among `pending`: a rank that died (its region is then removed, so
+    /// the crash leaves nothing in /dev/shm), else one that left or failed. A pending rank that
+    /// failed may have failed because another rank died: then the dead one is named.
+    fn failed_peer(&self, pending: &[usize]) -> Option<(usize, Cause)> {
+        let dead = |p: usize| {
             let s = self.slot(p);
             let pid = s.pid.load(Ordering::Acquire);
-            let what = match s.state.load(Ordering::Acquire) {
-                SLOT_LEFT => Some("left (destroyed its group handle)".to_owned()),
-                SLOT_FAILED => Some("failed (an error on that rank aborted its group)".into()),
-                _ if !pid_alive(pid) => {
-                    // Clean up its region so the crash leaves nothing in /dev/shm.
-                    let gen = s.data_gen.load(Ordering::Acquire);
-                    Segment::unlink(&Self::data_name(&self.name, self.session, p, gen, pid));
-                    Some(format!("died (pid {pid} is gone)"))
+            // A rank that failed or left and then exited did not die: it said so first.
+            let gone =
+                s.state.load(Ordering::Acquire) == SLOT_ACTIVE && pid != 0 && !pid_alive(pid);
+            if gone {
+                let gen = s.data_gen.load(Ordering::Acquire);
+                Segment::unlink(&Self::data_name(&self.name, self.session, p, gen, pid));
+            }
+            gone
+        };
+        if let Some(&p) = pending.iter().find(|&&p| dead(p)) {
+            return Some((p, Cause::Died));
+        }
+        let (p, cause) =
+            pending
+                .iter()
+                .find_map(|&p| match self.slot(p).state.load(Ordering::Acquire) {
+                    SLOT_LEFT => Some((p, Cause::Left)),
+                    SLOT_FAILED => Some((p, Cause::Failed)),
+                    _ => None,
+                })?;
+        let me = self.rank;
+        match (0..self.world).find(|&d| d != me && d != p && dead(d)) {
+            Some(d) if cause == Cause::Failed => Some((d, Cause::Died)),
+            Some(_) | None => Some((p, cause)),
+        }
+    }
+
+    /// The error every rank reports for a failure of rank `p` (the first failure of op `n`).
+    fn failure_error(&self, op: Op, n: u64, p: usize, cause: Cause) -> Error {
+        let (name, me, what) = (&self.name, self.rank, op.name());
+        let timeout = self.opts.timeout.as_secs_f64();
+        match cause {
+            Cause::Stalled if p == me => Error::PeerFailure(format!(
+                "rank {me} of group '{name}' (this rank) was late for {what} (op #{n}): the other ranks timed out after {timeout:.1} s waiting for it and aborted the op"
+            )),
+            Cause::Stalled => Error::Timeout(format!(
+                "timed out after {timeout:.1} s in {what} of group '{name}' (op #{n}) waiting for rank(s) {p}"
+            )),
+            Cause::Died => Error::PeerFailure(format!(
+                "rank {p} of group '{name}' died (pid {} is gone) during {what} (op #{n}, seen from rank {me})",
+                self.slot(p).pid.load(Ordering::Acquire)
+            )),
+            Cause::Failed => Error::PeerFailure(format!(
+                "rank {p} of group '{name}' failed (an error on that rank aborted its group) during {what} (op #{n}, seen from rank {me})"
+            )),
+            Cause::Left => Error::PeerFailure(format!(
+                "rank {p} of group '{name}' left (destroyed its group handle) during {what} (op #{n}, seen from rank {me})"
+            )),
+        }
+    }
+
+    /// The group's decision word (in rank 0's slot).
+    fn decision_word(&self) -> &AtomicU64 {
+        &self.slot(0).decision
+    }
+
+    /// Decides op `n` as `want` unless it is decided already; returns the decision.
+    fn decide(&self, n: u64, want: u64) -> Decision {
+        let word = self.decision_word();
+        loop {
+            let d = word.load(Ordering::Acquire);
+            match decoded(d, n) {
+                Decision::Pending => {
+                    if word
+                        .compare_exchange(d, want, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        return decoded(want, n);
+                    }
                 }
-                _ => None,
-            };
-            if let Some(what) = what {
-                return Err(Error::PeerFailure(format!(
-                    "rank {p} of group '{}' {what} during {} (op #{n}, seen from rank {})",
-                    self.name,
-                    op.name(),
-                    self.rank
-                )));
+                decided => return decided,
             }
         }
-        Ok(())
+    }
+
+    /// Waits until `ready(peer slot)` holds for every peer or op `n` is committed. A failed,
+    /// dead or stalled peer aborts op `n` (unless it was decided first); the error then names
+    /// the first failure, the same on every rank.
+    fn wait_op(&mut self, op: Op, n: u64, ready: impl Fn(&Slot) -> bool) -> Result<()> {
+        let deadline = Deadline::new(self.opts.timeout);
+        let mut backoff = Backoff::new();
+        let mut last_check = Instant::now();
+        loop {
+            let decided = match decoded(self.decision_word().load(Ordering::Acquire), n) {
+                Decision::Pending => {
+                    let pending: Vec<usize> = (0..self.world)
+                        .filter(|&p| p != self.rank && !ready(self.slot(p)))
+                        .collect();
+                    if pending.is_empty() {
+                        return Ok(());
+                    }
+                    if last_check.elapsed() >= LIVENESS_PERIOD {
+                        last_check = Instant::now();
+                        if let Some((p, cause)) = self.failed_peer(&pending) {
+                            self.decide(n, abort_word(n, p, cause))
+                        } else if deadline.expired() {
+                            self.decide(n, abort_word(n, pending[0], Cause::Stalled))
+                        } else {
+                            Decision::Pending
+                        }
+                    } else {
+                        Decision::Pending
+                    }
+                }
+                decided => decided,
+            };
+            match decided {
+                Decision::Pending => backoff.snooze(),
+                Decision::Commit => return Ok(()),
+                Decision::Abort { rank, cause } => {
+                    return Err(self.failure_error(op, n, rank, cause))
+                }
+            }
+        }
     }
 
     /// Makes this rank's region at least `bytes` long (a new generation if needed).
@@ -1079,17 +1270,42 @@ impl ShmGroup {
         Ok(())
     }
 
-    /// Starts op `n`: waits until every peer consumed op n-1, so this rank's region is free.
+    /// Starts op `n`. Op n-1 was committed, so every peer consumed it and this rank's region
+    /// is free; a peer may have aborted op n already.
     fn begin(&mut self, op: Op) -> Result<u64> {
         self.check_usable(op)?;
         let n = self.seq + 1;
-        self.wait_peers(op, n, |s| s.consumed.load(Ordering::Acquire) >= n - 1)?;
-        Ok(n)
+        self.seq = n;
+        match decoded(self.decision_word().load(Ordering::Acquire), n) {
+            Decision::Abort { rank, cause } => Err(self.failure_error(op, n, rank, cause)),
+            Decision::Pending | Decision::Commit => Ok(n),
+        }
     }
 
     /// Publishes op `n`: metadata words, then the payload (copied into this rank's region) or,
     /// in direct mode, a table of (address, length) of the caller's buffers.
     fn publish(&mut self, op: Op, n: u64, meta: &[u64], payload: &[&[u8]]) -> Result<()> {
+        self.publish_as(op, n, VERDICT_OK, &[], meta, payload)
+    }
+
+    /// Publishes op `n` with this rank's verdict on its own arguments and the parameters every
+    /// rank must agree on (zero-padded to [`PARAMS`] words).
+    fn publish_as(
+        &mut self,
+        op: Op,
+        n: u64,
+        verdict: u64,
+        params: &[u64],
+        meta: &[u64],
+        payload: &[&[u8]],
+    ) -> Result<()> {
+        {
+            let slot = self.slot(self.rank);
+            for (i, w) in slot.params.iter().enumerate() {
+                w.store(params.get(i).copied().unwrap_or(0), Ordering::Relaxed);
+            }
+            slot.verdict.store(n << 8 | verdict, Ordering::Relaxed);
+        }
         let payload_len: usize = payload.iter().map(|p| p.len()).sum();
         let meta_off = OP_HEADER_BYTES;
         let payload_off = align64(meta_off + meta.len() * 8);
@@ -1135,7 +1351,7 @@ impl ShmGroup {
 
     /// Waits for every peer's op `n`, checks they are in the same primitive, and maps regions.
     fn gather_published(&mut self, op: Op, n: u64) -> Result<()> {
-        self.wait_peers(op, n, |s| s.published.load(Ordering::Acquire) >= n)?;
+        self.wait_op(op, n, |s| s.published.load(Ordering::Acquire) >= n)?;
         for p in 0..self.world {
             if p == self.rank {
                 continue;
@@ -1281,35 +1497,52 @@ impl ShmGroup {
         Ok((meta, payload))
     }
 
-    /// Ends op `n`: waits until every peer consumed it, so a rank never returns success while
-    /// a peer rejected the same op, and (direct mode) the caller's buffers are no longer read.
+    /// Ends op `n`: this rank is prepared (it read all it needs; `consumed = n`); the op commits
+    /// once every rank is prepared, or aborts on a failure or timeout, whichever rank decides
+    /// first, and every rank obeys that decision. So a late rank never commits what the others
+    /// aborted, and a rank that dies right after the commit does not undo it for the others
+    /// (they see the death at the next op). On commit no peer reads the caller's buffers any
+    /// more (direct mode).
     fn finish(&mut self, op: Op, n: u64) -> Result<()> {
         self.slot(self.rank).consumed.store(n, Ordering::Release);
-        self.seq = n;
-        self.wait_peers(op, n, |s| s.consumed.load(Ordering::Acquire) >= n)?;
-        self.exposed = None;
-        Ok(())
+        self.wait_op(op, n, |s| s.consumed.load(Ordering::Acquire) >= n)?;
+        match self.decide(n, OUTCOME_COMMIT << 62 | n) {
+            Decision::Commit => {
+                self.exposed = None;
+                Ok(())
+            }
+            Decision::Abort { rank, cause } => Err(self.failure_error(op, n, rank, cause)),
+            Decision::Pending => Err(Error::Internal(format!(
+                "{}: op #{n} of group '{}' is undecided after its decision",
+                op.name(),
+                self.name
+            ))),
+        }
     }
 
-    /// Runs `f`; an error breaks the group (peers see this rank as failed).
-    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
-        f(self).map_err(|e| self.fail(e))
-    }
-
-    /// Runs one op: begin, publish, wait for peers, `read`, finish.
-    fn run(
-        &mut self,
-        op: Op,
-        meta: &[u64],
-        payload: &[&[u8]],
-        read: impl FnOnce(&Self) -> Result<()>,
-    ) -> Result<()> {
-        self.guarded(|g| {
-            let n = g.begin(op)?;
-            g.publish(op, n, meta, payload)?;
-            g.gather_published(op, n)?;
-            read(g)?;
-            g.finish(op, n)
+    /// Runs `f`; an error aborts the op and breaks the group (peers see this rank as failed).
+    /// Where a peer's failure decided the op first, or the error is a failed read of a peer
+    /// that died, the error names that peer: every rank blames the first failure.
+    fn guarded<T>(&mut self, op: Op, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        f(self).map_err(|e| {
+            if self.broken.is_some() || self.seq == 0 {
+                return self.fail(e);
+            }
+            let n = self.seq;
+            let peer_error = matches!(e, Error::PeerFailure(_) | Error::Timeout(_));
+            let dead = (0..self.world)
+                .find(|&p| p != self.rank && !pid_alive(self.slot(p).pid.load(Ordering::Acquire)));
+            let want = match dead {
+                Some(p) if peer_error => abort_word(n, p, Cause::Died),
+                _ => abort_word(n, self.rank, Cause::Failed),
+            };
+            let e = match self.decide(n, want) {
+                Decision::Abort { rank, cause } if peer_error && rank != self.rank => {
+                    self.failure_error(op, n, rank, cause)
+                }
+                Decision::Abort { .. } | Decision::Commit | Decision::Pending => e,
+            };
+            self.fail(e)
         })
     }
 }
@@ -1425,17 +1658,27 @@ impl Group for ShmGroup {
     }
 
     fn barrier(&mut self) -> Result<()> {
-        self.run(Op::Barrier, &[], &[], |_| Ok(()))
+        self.run_agreed(Op::Barrier, Ok(()), &[], &[], &[], |_| Ok(()))
+    }
+
+    fn reject(&mut self, op: Op, e: Error) -> Error {
+        self.reject_op(op, e)
     }
 
     fn all_gatherv(&mut self, input: &[u8], sizes: &[usize], output: &mut [u8]) -> Result<()> {
         let op = Op::AllGatherv;
         self.check_usable(op)?;
-        let total = check_sizes("sizes", op, sizes, self.world)?;
         let me = self.rank;
-        check_len("input", op, input.len(), sizes[me], &format!("sizes[{me}]"))?;
-        check_len("output", op, output.len(), total, "sum(sizes)")?;
-        self.run(op, &[], &[input], |g| {
+        let local = check_sizes("sizes", op, sizes, self.world).and_then(|total| {
+            check_len("input", op, input.len(), sizes[me], &format!("sizes[{me}]"))?;
+            check_len("output", op, output.len(), total, "sum(sizes)")?;
+            Ok(total)
+        });
+        let params = [
+            agree::number("sum(sizes)", *local.as_ref().unwrap_or(&0)),
+            agree::list("sizes", sizes),
+        ];
+        self.run_agreed(op, local.map(drop), &params, &[], &[input], |g| {
             let mut off = 0;
             for (p, &len) in sizes.iter().enumerate() {
                 let dst = &mut output[off..off + len];
@@ -1465,9 +1708,10 @@ impl Group for ShmGroup {
         kind: FloatKind,
         output: &mut [u8],
     ) -> Result<()> {
-        self.check_usable(Op::ReduceScatterv)?;
+        let op = Op::ReduceScatterv;
+        self.check_usable(op)?;
         let me = self.rank;
-        let (row_bytes, first_row) = check_reduce_scatterv(
+        let local = check_reduce_scatterv(
             me,
             self.world,
             input.len(),
@@ -1475,8 +1719,18 @@ impl Group for ShmGroup {
             row_elems,
             kind,
             output.len(),
-        )?;
-        self.run(Op::ReduceScatterv, &[], &[input], |g| {
+        );
+        let (row_bytes, first_row) = *local.as_ref().unwrap_or(&(0, 0));
+        let params = [
+            agree::dtype("dtype", kind),
+            agree::number("row_elems", row_elems),
+            agree::number(
+                "sum(rows)",
+                rows.iter().fold(0usize, |a, &r| a.wrapping_add(r)),
+            ),
+            agree::list("rows", rows),
+        ];
+        self.run_agreed(op, local.map(drop), &params, &[], &[input], |g| {
             let mut sources: Vec<Payload<'_>> = Vec::with_capacity(g.world);
             for p in 0..g.world {
                 if p == me {
@@ -1507,13 +1761,15 @@ impl Group for ShmGroup {
     ) -> Result<()> {
         let op = Op::AllToAllv;
         self.check_usable(op)?;
-        let send_total = check_sizes("send_sizes", op, send_sizes, self.world)?;
-        let recv_total = check_sizes("recv_sizes", op, recv_sizes, self.world)?;
-        check_len("send", op, send.len(), send_total, "sum(send_sizes)")?;
-        check_len("recv", op, recv.len(), recv_total, "sum(recv_sizes)")?;
+        let local = (|| {
+            let send_total = check_sizes("send_sizes", op, send_sizes, self.world)?;
+            let recv_total = check_sizes("recv_sizes", op, recv_sizes, self.world)?;
+            check_len("send", op, send.len(), send_total, "sum(send_sizes)")?;
+            check_len("recv", op, recv.len(), recv_total, "sum(recv_sizes)")
+        })();
         let me = self.rank;
         let meta: Vec<u64> = send_sizes.iter().map(|&s| s as u64).collect();
-        self.run(op, &meta, &[send], |g| {
+        self.run_agreed(op, local, &[], &meta, &[send], |g| {
             let mut off = 0;
             for (p, &len) in recv_sizes.iter().enumerate() {
                 let dst = &mut recv[off..off + len];
@@ -1535,9 +1791,11 @@ impl Group for ShmGroup {
     fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
         let op = Op::SendRecv;
         self.check_usable(op)?;
-        check_p2p(ops, self.rank, self.world)?;
+        if let Err(e) = check_p2p(ops, self.rank, self.world) {
+            return Err(self.reject_op(op, e));
+        }
         let me = self.rank;
-        self.guarded(|g| {
+        self.guarded(op, |g| {
             let n = g.begin(op)?;
             {
                 // Metadata: (peer, bytes) per send in issue order; payload: the sends.
@@ -1552,6 +1810,10 @@ impl Group for ShmGroup {
                 g.publish(op, n, &meta, &parts)?;
             }
             g.gather_published(op, n)?;
+            if let Err(e) = g.verdict(op, n, &[]) {
+                g.finish(op, n)?;
+                return Err(e);
+            }
             let mut matched = vec![0usize; g.world]; // receives matched so far, per source
             for o in ops.iter_mut() {
                 let P2p::Recv { peer, data } = o else { continue };
@@ -1614,10 +1876,14 @@ impl Group for ShmGroup {
         if !self.direct {
             return rows::exchange_packed(self, src, row_bytes, give, dst, take);
         }
-        rows::check_exchange(self.rank, self.world, src, row_bytes, give, dst, take)?;
+        if let Err(e) = rows::check_exchange(self.rank, self.world, src, row_bytes, give, dst, take)
+        {
+            return Err(self.reject_op(op, e));
+        }
         let me = self.rank;
         let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
-        self.run(op, &meta, &[src, &index_bytes], |g| {
+        let params = [agree::number("row_bytes", row_bytes)];
+        self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
             for (p, take_p) in take.iter().enumerate() {
                 let (their_meta, payload) = g.parts(p)?;
                 let src_idx = rows::read_index_list(
@@ -1656,12 +1922,20 @@ impl Group for ShmGroup {
             return rows::reduce_packed(self, src, kind, row_elems, give, out, out_kind, take);
         }
         let row_bytes = row_elems * kind.size();
-        let out_rows = rows::check_reduce(
+        let out_rows = match rows::check_reduce(
             self.world, src, row_bytes, row_elems, give, out, out_kind, take,
-        )?;
+        ) {
+            Ok(r) => r,
+            Err(e) => return Err(self.reject_op(op, e)),
+        };
         let me = self.rank;
         let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
-        self.run(op, &meta, &[src, &index_bytes], |g| {
+        let params = [
+            agree::dtype("row dtype", kind),
+            agree::number("row_elems", row_elems),
+            agree::dtype("output dtype", out_kind),
+        ];
+        self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
             // Each peer's payload and the source rows it gives this rank, read once.
             let mut payloads = Vec::with_capacity(g.world);
             for (p, take_p) in take.iter().enumerate() {
@@ -1705,23 +1979,22 @@ impl Group for ShmGroup {
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
         let op = Op::Broadcast;
         self.check_usable(op)?;
-        check_rank("root", op, root, self.world)?;
+        let local = check_rank("root", op, root, self.world);
         let me = self.rank;
         let mine: Vec<u8> = if me == root {
             data.to_vec()
         } else {
             Vec::new()
         };
-        self.run(op, &[root as u64], &[&mine], |g| {
+        let params = [
+            agree::number("root", root),
+            agree::number("byte count", data.len()),
+        ];
+        self.run_agreed(op, local, &params, &[root as u64], &[&mine], |g| {
             if me == root {
                 return Ok(());
             }
-            let (meta, payload) = g.parts(root)?;
-            if meta.first().copied() != Some(root as u64) {
-                return Err(Error::InvalidArgument(format!(
-                    "broadcast: ranks disagree on the root (rank {me} uses {root})"
-                )));
-            }
+            let (_, payload) = g.parts(root)?;
             if payload.len() != data.len() {
                 return Err(Error::InvalidArgument(format!(
                     "broadcast: root {root} sent {} bytes but rank {me} expects {}",
