@@ -624,6 +624,24 @@ fn bad_input_fails_on_every_rank_without_hanging() {
         "dispatch: rank 0 rejected its input (see that rank's error); no data was exchanged"
     );
 
+    // T > M with ids that are also bad (too few of them): the token count is checked first,
+    // before topk_ids is read at all.
+    let res = on_ranks(2, |r, g| {
+        let mut m =
+            Manager::new("deepep_low_latency", cfg(4, 1, 2, FloatKind::F32, 2), r, 2).unwrap();
+        let t = if r == 0 { 3 } else { 1 };
+        let x = vec![0u8; t * 2 * 4];
+        let ids = if r == 0 { vec![9; 1] } else { vec![0; t] };
+        m.dispatch(g, &x, &ids, &vec![1.0; t], &[])
+            .unwrap_err()
+            .to_string()
+    });
+    assert_eq!(res[0], "dispatch: rank 0 has 3 tokens, more than max_tokens_per_rank = 2 of the deepep_low_latency backend (EXPERT_MAJOR buffers hold M tokens per source rank)");
+    assert_eq!(
+        res[1],
+        "dispatch: rank 0 rejected its input (see that rank's error); no data was exchanged"
+    );
+
     // Managers created with different configurations.
     let res = on_ranks(2, |r, g| {
         let mut m = Manager::new(

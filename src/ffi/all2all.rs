@@ -362,6 +362,8 @@ pub unsafe extern "C" fn epcomm_all2all_dispatch(
                         &format!("[T, {}] (T tokens of hidden_size)", cfg.hidden),
                     )?;
                     let t = x.rows();
+                    // Before topk_ids is read: its rows may not exist beyond M.
+                    mgr.check_tokens(t)?;
                     check_2d(
                         &ids,
                         Some(t),

@@ -582,6 +582,7 @@ impl Manager {
             )));
         }
         let t = hidden.len() / rb;
+        self.check_tokens(t)?;
         if topk_ids.len() != t * k {
             return Err(Error::InvalidArgument(format!(
                 "topk_ids has {} entries; expected T x top_k = {t} x {k}",
@@ -611,6 +612,12 @@ impl Manager {
             }
         }
         let counts = plan::validate_ids(topk_ids, k, self.cfg.num_experts)?;
+        self.expert_counts = counts;
+        Ok(t)
+    }
+
+    /// Checks a dispatch's token count against the buffers (before any id is read).
+    pub fn check_tokens(&self, t: usize) -> Result<()> {
         let m = self.cfg.max_tokens_per_rank;
         if matches!(self.layout, Layout::ExpertMajor | Layout::RankMajor) && t > m {
             return Err(Error::InvalidArgument(format!(
@@ -620,8 +627,7 @@ impl Manager {
                 self.layout.name()
             )));
         }
-        self.expert_counts = counts;
-        Ok(t)
+        Ok(())
     }
 
     /// Tokens this rank routed to each physical expert in the last dispatch (counted while the
