@@ -30,6 +30,7 @@ mod ranks;
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
 
@@ -119,8 +120,72 @@ impl Ended {
     }
 }
 
-fn spawn(class: Class, group: &str, rank: usize, world: usize, job: u64, direct: bool) -> Child {
+/// A job's start gate: its ranks start (process start-up, which a loaded machine can stretch
+/// past the 1 s timeout) and wait; the parent opens the gate once all are ready, so the random
+/// moments count from a common start and a slow spawn is not taken for a fault.
+struct Gate {
+    path: String,
+    world: usize,
+}
+
+/// How long the ranks of a job may take to start.
+const START_LIMIT: Duration = Duration::from_secs(30);
+
+impl Gate {
+    fn new(group: &str, job: u64, world: usize) -> Gate {
+        let path = std::env::temp_dir()
+            .join(format!("{group}-{job}.gate"))
+            .display()
+            .to_string();
+        Gate { path, world }
+    }
+
+    /// Waits until every rank of `kids` is at the gate (or one ended, or `START_LIMIT`).
+    fn wait_ready(&self, kids: &mut [Kid]) {
+        let limit = Instant::now() + START_LIMIT;
+        while Instant::now() < limit
+            && !(0..self.world).all(|r| Path::new(&format!("{}.{r}.ready", self.path)).exists())
+            && kids
+                .iter_mut()
+                .all(|(_, _, c)| c.try_wait().unwrap().is_none())
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Lets the waiting ranks go; returns when.
+    fn open(&self) -> Instant {
+        std::fs::write(format!("{}.go", self.path), b"go").expect("open the start gate");
+        Instant::now()
+    }
+
+    /// `wait_ready`, then `open`.
+    fn start(&self, kids: &mut [Kid]) -> Instant {
+        self.wait_ready(kids);
+        self.open()
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(format!("{}.go", self.path));
+        for r in 0..self.world {
+            let _ = std::fs::remove_file(format!("{}.{r}.ready", self.path));
+        }
+    }
+}
+
+fn spawn(
+    class: Class,
+    group: &str,
+    rank: usize,
+    world: usize,
+    job: u64,
+    direct: bool,
+    gate: &Gate,
+) -> Child {
     let mut env = vec![
+        ("FC_GATE", gate.path.clone()),
         ("FC_CLASS", class.name().to_owned()),
         ("FC_GROUP", group.to_owned()),
         ("FC_RANK", rank.to_string()),
@@ -323,10 +388,11 @@ fn calibrate(class: Class, t: &mut Tally) -> Duration {
         Class::Moe | Class::Eplb | Class::Collectives | Class::Tamper => WORLD,
     };
     let group = ranks::unique("fc", &format!("{}cal", class.name()));
-    let start = Instant::now();
-    let kids: Vec<Kid> = (0..world)
-        .map(|r| (r, 1, spawn(class, &group, r, world, 1, true)))
+    let gate = Gate::new(&group, 1, world);
+    let mut kids: Vec<Kid> = (0..world)
+        .map(|r| (r, 1, spawn(class, &group, r, world, 1, true, &gate)))
         .collect();
+    let start = gate.start(&mut kids);
     let ended = wait_ended(kids, start + RUN_DEADLINE);
     let last = ended.iter().map(|e| e.at).max().unwrap_or(start);
     let what = format!("{} clean run ({group})", class.name());
@@ -362,10 +428,11 @@ fn signal_run(class: Class, n: u64, window: Duration, faults: &[Fault], rng: &mu
         fault.name(),
         if direct { "direct" } else { "staged" }
     );
-    let start = Instant::now();
+    let gate = Gate::new(&group, 0, WORLD);
     let mut kids: Vec<Kid> = (0..WORLD)
-        .map(|r| (r, 0, spawn(class, &group, r, WORLD, 0, direct)))
+        .map(|r| (r, 0, spawn(class, &group, r, WORLD, 0, direct, &gate)))
         .collect();
+    let start = gate.start(&mut kids);
     std::thread::sleep(delay);
     let fault_at = Instant::now();
     let victim_pid = kids[victim].2.id();
@@ -414,9 +481,10 @@ fn signal_run(class: Class, n: u64, window: Duration, faults: &[Fault], rng: &mu
         if hit && !e.killed_at_deadline && e.at > from + 2 * TIMEOUT + MARGIN {
             t.hangs += 1;
             t.notes.push(format!(
-                "{what}: rank {} ended {:?} after the fault",
+                "{what}: rank {} ended {:?} after the fault; the ranks: {}",
                 e.rank,
-                e.at - fault_at
+                e.at - fault_at,
+                outcome_lines(&ended)
             ));
         }
     }
@@ -473,27 +541,31 @@ fn same_name_run(n: u64, window: Duration, rng: &mut Rng) -> Tally {
     let gap = Duration::from_millis(rng.below(window.as_millis() as u64 + 1));
     let direct = rng.below(2) == 0;
     let what = format!("same_name run {n} ({group}, job B {gap:?} after job A)");
-    let start = Instant::now();
-    let mut kids: Vec<Kid> = (0..SAME_NAME_WORLD)
-        .map(|r| {
-            (
-                r,
-                jobs[0],
-                spawn(Class::SameName, &group, r, SAME_NAME_WORLD, jobs[0], direct),
-            )
+    let gates = jobs.map(|j| Gate::new(&group, j, SAME_NAME_WORLD));
+    let mut job_kids: Vec<Vec<Kid>> = jobs
+        .iter()
+        .zip(&gates)
+        .map(|(&j, gate)| {
+            (0..SAME_NAME_WORLD)
+                .map(|r| {
+                    (
+                        r,
+                        j,
+                        spawn(Class::SameName, &group, r, SAME_NAME_WORLD, j, direct, gate),
+                    )
+                })
+                .collect()
         })
         .collect();
+    // Both jobs at their gates; A goes, then B `gap` later.
+    gates[1].wait_ready(&mut job_kids[1]);
+    let start = gates[0].start(&mut job_kids[0]);
     std::thread::sleep(gap);
-    let overlapped = kids
+    let overlapped = job_kids[0]
         .iter_mut()
         .all(|(_, _, c)| c.try_wait().unwrap().is_none());
-    kids.extend((0..SAME_NAME_WORLD).map(|r| {
-        (
-            r,
-            jobs[1],
-            spawn(Class::SameName, &group, r, SAME_NAME_WORLD, jobs[1], direct),
-        )
-    }));
+    gates[1].open();
+    let kids: Vec<Kid> = job_kids.into_iter().flatten().collect();
     let ended = wait_ended(kids, start + RUN_DEADLINE);
     let all = describe_all(&ended);
     if overlapped {
@@ -516,8 +588,11 @@ fn same_name_run(n: u64, window: Duration, rng: &mut Rng) -> Tally {
                 }
                 if e.at > start + gap + 2 * TIMEOUT + MARGIN + Duration::from_secs(1) {
                     t.hangs += 1;
-                    t.notes
-                        .push(format!("{w}: ended {:?} after the start", e.at - start));
+                    t.notes.push(format!(
+                        "{w}: ended {:?} after the start; the ranks: {}",
+                        e.at - start,
+                        outcome_lines(&ended)
+                    ));
                 }
                 reports.push((e.rank, r));
             }
@@ -595,10 +670,17 @@ fn tamper_run(n: u64, window: Duration, rng: &mut Rng) -> Tally {
     let group = ranks::unique("fc", &format!("tamper{n}"));
     let delay = Duration::from_millis(rng.below(window.as_millis() as u64 + 1));
     let direct = rng.below(2) == 0;
-    let start = Instant::now();
-    let kids: Vec<Kid> = (0..WORLD)
-        .map(|r| (r, 0, spawn(Class::Tamper, &group, r, WORLD, 0, direct)))
+    let gate = Gate::new(&group, 0, WORLD);
+    let mut kids: Vec<Kid> = (0..WORLD)
+        .map(|r| {
+            (
+                r,
+                0,
+                spawn(Class::Tamper, &group, r, WORLD, 0, direct, &gate),
+            )
+        })
         .collect();
+    let start = gate.start(&mut kids);
     // Half the runs strike as soon as a segment appears (the join window: after creation the
     // names may be gone), half at a random moment of the work.
     let at_first_sight = rng.below(2) == 0;

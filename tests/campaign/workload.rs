@@ -2,6 +2,9 @@
 //! OK result checked against a reference, reported as `FC_RESULT` (and `FC_EPLB`, `FC_JOBS`)
 //! lines on stdout.
 
+use std::path::Path;
+use std::time::{Duration, Instant};
+
 use epcomm::eplb::communicator::{self, EplbCommunicator};
 use epcomm::eplb::policy::rebalance_experts;
 use epcomm::eplb::rearrange::rearrange;
@@ -62,6 +65,18 @@ pub fn run_rank() {
         .ok()
         .and_then(|j| j.parse().ok())
         .unwrap_or(0);
+    if let Ok(gate) = std::env::var("FC_GATE") {
+        // At the start gate: the parent lets every rank of the job go at once.
+        std::fs::write(format!("{gate}.{rank}.ready"), b"ready").expect("reach the start gate");
+        let limit = Instant::now() + Duration::from_secs(60);
+        while !Path::new(&format!("{gate}.go")).exists() {
+            if Instant::now() > limit {
+                println!("\n{RESULT}err 0 0 0 the campaign's start gate {gate} never opened");
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
     let mut done = 0u64;
     let mut eplb_progress = None;
     let r = (|| -> Result<(), StepError> {
