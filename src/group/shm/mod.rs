@@ -1536,8 +1536,14 @@ impl ShmGroup {
                 Some(p) if peer_error => abort_word(n, p, Cause::Died),
                 _ => abort_word(n, self.rank, Cause::Failed),
             };
+            // The first failure explains a failed read of a peer (it may have exited since) and
+            // any error of a late rank (it may have read buffers its peers reused); an argument
+            // error every rank detects alike keeps its own message.
             let e = match self.decide(n, want) {
-                Decision::Abort { rank, cause } if peer_error && rank != self.rank => {
+                Decision::Abort { rank, cause }
+                    if !(rank == self.rank && cause == Cause::Failed)
+                        && (peer_error || cause != Cause::Failed) =>
+                {
                     self.failure_error(op, n, rank, cause)
                 }
                 Decision::Abort { .. } | Decision::Commit | Decision::Pending => e,
