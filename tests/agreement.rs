@@ -375,3 +375,59 @@ fn eplb_with_different_new_maps_fails_on_every_rank_with_its_layer_report() {
         "InvalidArgument: rearrange: ranks disagree on the new placement: rank 0 and rank 1 pass different ones; every rank must pass the same (EPLB rearrangement: no layer was changed)",
     );
 }
+
+#[test]
+fn a_rank_with_bad_row_lists_fails_its_peers_at_once_in_both_modes() {
+    for direct in [true, false] {
+        let name = ranks::unique("ag", if direct { "rows-d" } else { "rows-r" });
+        let n = name.clone();
+        let res = ranks::on_threads(2, move |rank| {
+            let opts = GroupOptions {
+                timeout: TIMEOUT,
+                direct_reads: direct,
+                ..GroupOptions::default()
+            };
+            let mut g = ShmGroup::join(&n, rank, 2, opts).expect("join");
+            let src = vec![rank as u8 + 1; 2 * 4];
+            let mut dst = vec![0u8; 2 * 4];
+            // Rank 1 gives row 5 of its 2 rows.
+            let give = if rank == 1 {
+                vec![vec![5], vec![]]
+            } else {
+                vec![vec![], vec![0]]
+            };
+            let take = if rank == 1 {
+                vec![vec![0], vec![]]
+            } else {
+                vec![vec![], vec![0]]
+            };
+            let start = Instant::now();
+            let bad = g.exchange_rows(&src, 4, &give, &mut dst, &take);
+            let took = start.elapsed();
+            let give = vec![vec![0], vec![1]];
+            let take = vec![vec![0], vec![1]];
+            let good = g
+                .exchange_rows(&src, 4, &give, &mut dst, &take)
+                .map(|()| dst);
+            (message(&bad), took, good.unwrap(), g.direct())
+        });
+        for (rank, (bad, took, good, mode)) in res.into_iter().enumerate() {
+            assert_eq!(mode, direct, "rank {rank}");
+            if rank == 0 {
+                assert_eq!(
+                    bad,
+                    format!("InvalidArgument: exchange_rows: rank 1 of group '{name}' rejected its arguments (see that rank's error); no data was exchanged"),
+                    "rank {rank} (direct {direct})"
+                );
+            } else {
+                assert_eq!(
+                    bad,
+                    "InvalidArgument: exchange_rows: give[0][0] = 5 is out of range; the buffer has 2 rows",
+                    "rank {rank}"
+                );
+            }
+            assert!(took < FAST, "rank {rank} took {took:?}");
+            assert_eq!(good, [[1u8; 4], [2; 4]].concat(), "rank {rank}");
+        }
+    }
+}

@@ -14,7 +14,10 @@ pub(crate) fn exchange_packed<G: Group + ?Sized>(
     dst: &mut [u8],
     take: &[Vec<u32>],
 ) -> Result<()> {
-    check_exchange(g.rank(), g.size(), src, row_bytes, give, dst, take)?;
+    // A rejected argument is the peers' error too: they wait in the same all_to_allv.
+    if let Err(e) = check_exchange(g.rank(), g.size(), src, row_bytes, give, dst, take) {
+        return Err(g.reject(Op::AllToAllv, e));
+    }
     let (send, send_sizes) = pack(src, row_bytes, give);
     let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
     let mut recv = vec![0u8; recv_sizes.iter().sum()];
@@ -37,7 +40,7 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
     take: &[Vec<(u32, f32)>],
 ) -> Result<()> {
     let row_bytes = row_elems * kind.size();
-    let out_rows = check_reduce(
+    let out_rows = match check_reduce(
         g.size(),
         src,
         row_bytes,
@@ -46,7 +49,10 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
         out,
         out_kind,
         take,
-    )?;
+    ) {
+        Ok(r) => r,
+        Err(e) => return Err(g.reject(Op::AllToAllv, e)),
+    };
     let (send, send_sizes) = pack(src, row_bytes, give);
     let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
     let mut recv = vec![0u8; recv_sizes.iter().sum()];
