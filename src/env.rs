@@ -49,7 +49,7 @@ pub const CACHE_DIR: &str = "EPCOMM_CACHE_DIR";
 
 /// The largest `EPCOMM_TIMEOUT_S` (the bound `epcomm_group_options.timeout_s` has too): larger
 /// values would overflow the deadline arithmetic.
-const MAX_TIMEOUT_S: f64 = 1e9;
+pub const MAX_TIMEOUT_S: f64 = 1e9;
 
 /// The value of `var`: `None` when unset or empty (after trimming), `Err` with the raw value
 /// when it is not UTF-8.

@@ -872,3 +872,45 @@ fn a_failed_join_leaves_nothing_behind() {
         shm_leftovers(&group)
     );
 }
+
+/// A timeout beyond the cap (1e20 s, infinity, 1e300) is an argument error naming the value
+/// (in exponent form, not 300 digits) and the cap, never a panic in the duration arithmetic;
+/// the cap itself is accepted.
+#[test]
+fn huge_timeouts_are_argument_errors_naming_the_cap() {
+    use epcomm::ffi::group::{
+        epcomm_group, epcomm_group_create_shm, epcomm_group_destroy, epcomm_group_options,
+        epcomm_group_options_init,
+    };
+    let name = std::ffi::CString::new(unique("huge-timeout")).unwrap();
+    for t in [1e20, f64::INFINITY, 1e300] {
+        let mut o: epcomm_group_options = unsafe { std::mem::zeroed() };
+        // SAFETY: a writable options struct.
+        unsafe { epcomm_group_options_init(&mut o) };
+        o.timeout_s = t;
+        let mut g: *mut epcomm_group = std::ptr::null_mut();
+        // SAFETY: valid name, options and out pointer.
+        let rc = unsafe { epcomm_group_create_shm(name.as_ptr(), 0, 1, &o, &mut g) };
+        // SAFETY: a NUL-terminated string owned by this thread, copied at once.
+        let msg =
+            unsafe { std::ffi::CStr::from_ptr(epcomm::ffi::error::epcomm_last_error_message()) }
+                .to_string_lossy()
+                .into_owned();
+        assert_eq!(rc, Status::InvalidArgument as i32, "{t}: {msg}");
+        assert_eq!(
+            msg,
+            format!("options->timeout_s is {t:e}; expected seconds (> 0, at most 1e9), or <= 0 for the default")
+        );
+        assert!(g.is_null());
+    }
+    let mut o: epcomm_group_options = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { epcomm_group_options_init(&mut o) };
+    o.timeout_s = 1e9;
+    let mut g: *mut epcomm_group = std::ptr::null_mut();
+    // SAFETY: as above.
+    let rc = unsafe { epcomm_group_create_shm(name.as_ptr(), 0, 1, &o, &mut g) };
+    assert_eq!(rc, 0);
+    // SAFETY: the handle is live.
+    unsafe { epcomm_group_destroy(g) };
+}
