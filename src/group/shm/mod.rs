@@ -50,6 +50,14 @@ use crate::num::{self, FloatKind};
 const MAGIC: u64 = 0x6570_636f_6d6d_0004; // "epcomm" + layout version 4
 const LAYOUT_VERSION: u32 = 4;
 const HEADER_BYTES: usize = 4096;
+/// `Header::conflict_pid` once the group formed without a conflict.
+const FORMED: u64 = u64::MAX;
+/// Bounds of the settle time: after every rank joined, a group keeps its rendezvous record
+/// for three times the spread of its ranks' arrivals, within these bounds, so that the ranks of
+/// another job started at about the same time under the same name meet it and both jobs fail
+/// instead of forming mixed groups.
+const SETTLE_MIN: Duration = Duration::from_millis(20);
+const SETTLE_MAX: Duration = Duration::from_secs(1);
 /// Largest world size the shm transport accepts.
 pub const MAX_WORLD: usize = 1024;
 const OP_HEADER_BYTES: usize = 64;
@@ -69,7 +77,8 @@ struct Header {
     /// When rank 0 created the segment (ns since the Unix epoch).
     created_ns: AtomicU64,
     /// pid of a process of another job that tried to join this group under the same name
-    /// (0 = none): the group must not form.
+    /// (0 = none): the group must not form. Rank 0 sets [`FORMED`] once the group has waited
+    /// out its settle time; the first to set the word decides, so every rank agrees.
     conflict_pid: AtomicU64,
 }
 // SAFETY: atomics only; all-zero is the valid "uninitialised" state.
@@ -188,6 +197,9 @@ struct DataDesc {
     ino: AtomicU64,
     bytes: AtomicU64,
     gen: AtomicU64,
+    /// When this rank called join (ns since the Unix epoch): the spread of the ranks' arrivals
+    /// sets how long the group waits for a conflicting job to show up.
+    started_ns: AtomicU64,
 }
 // SAFETY: atomics only; all-zero means "not created yet".
 unsafe impl SharedAtomics for DataDesc {}
@@ -220,10 +232,20 @@ fn check_map_budget(name: &str, rank: usize, world: usize) -> Result<()> {
     else {
         return Ok(());
     };
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        return Ok(());
+    // One count of this process's mappings serves the thread ranks joining at about the same
+    // time (each adds its share), so 1024 of them do not each read /proc/self/maps.
+    static COUNTED: Mutex<Option<(Instant, usize)>> = Mutex::new(None);
+    let mut counted = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    let used = match *counted {
+        Some((at, n)) if at.elapsed() < Duration::from_millis(200) => n,
+        _ => {
+            let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+                return Ok(());
+            };
+            maps.lines().count()
+        }
     };
-    let used = maps.lines().count();
+    *counted = Some((Instant::now(), used + 2));
     // Growth remaps one region at a time; keep a margin for the process's own allocations.
     let need = world + 2 + 256;
     if used + need > limit {
@@ -414,8 +436,19 @@ struct Backoff {
     start: Instant,
 }
 
+/// Threads of this process waiting in a Backoff now: long waits sleep in proportion, so 1024
+/// thread ranks polling 1024 slots each do not starve the ones that have work.
+static WAITING: AtomicU64 = AtomicU64::new(0);
+
+impl Drop for Backoff {
+    fn drop(&mut self) {
+        WAITING.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl Backoff {
     fn new() -> Self {
+        WAITING.fetch_add(1, Ordering::Relaxed);
         Backoff {
             iter: 0,
             start: Instant::now(),
@@ -427,8 +460,14 @@ impl Backoff {
             std::hint::spin_loop();
         } else if self.start.elapsed() < Duration::from_millis(2) {
             std::thread::yield_now();
-        } else {
+        } else if self.start.elapsed() < Duration::from_millis(50) {
             std::thread::sleep(Duration::from_micros(50));
+        } else {
+            // A long wait (ranks still starting, a slow peer): wake less often, the more so the
+            // more threads of this process wait, so they leave the CPU to the ones with work.
+            let waiting = WAITING.load(Ordering::Relaxed).max(1);
+            let us = (waiting * 32).clamp(1000, 50_000);
+            std::thread::sleep(Duration::from_micros(us));
         }
     }
 }
@@ -459,6 +498,7 @@ impl ShmGroup {
         check_map_budget(name, rank, world)?;
         let control_name = format!("/epcomm.{name}");
         let deadline = Deadline::new(opts.timeout);
+        let started_ns = now_ns();
         let pid = std::process::id();
         let token = random_u64();
         let abandon = |e: Error| {
@@ -498,7 +538,12 @@ impl ShmGroup {
             // Another live process holds this rank: another job uses the name (or this job
             // started the rank twice). Neither may form a group with the other's ranks.
             let header: &Header = control.at(0);
-            header.conflict_pid.store(u64::from(pid), Ordering::Release);
+            let _ = header.conflict_pid.compare_exchange(
+                0,
+                u64::from(pid),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
             return Err(abandon(Error::InvalidState(format!(
                 "group name '{name}' is in use by another job: rank {rank} is already taken (by pid {other}); each rank joins once, and jobs that run at the same time need distinct group names"
             ))));
@@ -528,6 +573,7 @@ impl ShmGroup {
         slot.data_bytes.store(capacity as u64, Ordering::Relaxed);
         slot.data_gen.store(1, Ordering::Relaxed);
         let desc: &DataDesc = control.at(desc_offset(world, rank));
+        desc.started_ns.store(started_ns, Ordering::Relaxed);
         publish_desc(desc, &data, 1);
         slot.pid.store(pid, Ordering::Relaxed);
         slot.state.store(SLOT_ACTIVE, Ordering::Release);
@@ -555,6 +601,7 @@ impl ShmGroup {
         };
         crate::fault::point("join");
         if let Err(e) = g.wait_joined(&deadline) {
+            let e = g.conflict_or(e);
             if matches!(e, Error::Timeout(_)) {
                 // The others wait for the same missing ranks and time out on their own, naming
                 // them; marking this rank failed (or letting it look dead once it exits) would
@@ -563,12 +610,12 @@ impl ShmGroup {
                 g.mark(SLOT_GAVE_UP);
                 return Err(e);
             }
+            g.linger_on_conflict();
             return Err(g.fail(e));
         }
-        if let Err(e) = g.agree_direct() {
-            return Err(g.fail(e));
-        }
-        if let Err(e) = g.check_conflict() {
+        if let Err(e) = g.agree_direct().and_then(|()| g.settle()) {
+            let e = g.conflict_or(e);
+            g.linger_on_conflict();
             return Err(g.fail(e));
         }
         // Every rank mapped every segment (agree_direct maps them before it reports): from here
@@ -717,8 +764,12 @@ impl ShmGroup {
         }
         if let Some(seg) = Self::map_control(r, HEADER_BYTES) {
             let h: &Header = seg.at(0);
-            h.conflict_pid
-                .store(u64::from(std::process::id()), Ordering::Release);
+            let _ = h.conflict_pid.compare_exchange(
+                0,
+                u64::from(std::process::id()),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
         }
     }
 
@@ -817,7 +868,7 @@ impl ShmGroup {
     /// Fails if a process of another job met this group (its record or a taken slot).
     fn check_conflict(&self) -> Result<()> {
         match self.header().conflict_pid.load(Ordering::Acquire) {
-            0 => Ok(()),
+            0 | FORMED => Ok(()),
             pid => Err(Error::InvalidState(format!(
                 "group name '{}' is in use by another job: pid {pid} tried to join this group under the same name, so rank {} refuses to form it; jobs that run at the same time need distinct group names",
                 self.name, self.rank
@@ -839,6 +890,95 @@ impl ShmGroup {
     fn local_table(&self, p: usize, n: u64) -> Option<Vec<(u64, usize)>> {
         let t = self.tables[p].lock().unwrap_or_else(|e| e.into_inner());
         (t.0 == n).then(|| t.1.clone())
+    }
+
+    /// What explains a failed join best: a conflict with another job, else a rank that died
+    /// (a rank that failed because of that death would otherwise be blamed), else `e`.
+    fn conflict_or(&self, e: Error) -> Error {
+        if let Err(c) = self.check_conflict() {
+            return c;
+        }
+        // Only a rank still marked active can have died unannounced: one that failed or left
+        // marked its slot first (and may have exited since).
+        let dead = (0..self.world).find(|&d| {
+            let s = self.slot(d);
+            let pid = s.pid.load(Ordering::Acquire);
+            d != self.rank
+                && s.state.load(Ordering::Acquire) == SLOT_ACTIVE
+                && pid != 0
+                && !pid_alive(pid)
+        });
+        match (dead, &e) {
+            (Some(d), Error::PeerFailure(_)) => Error::PeerFailure(format!(
+                "rank {d} of group '{}' died (pid {} is gone) while the group was joining",
+                self.name,
+                self.slot(d).pid.load(Ordering::Acquire)
+            )),
+            _ => e,
+        }
+    }
+
+    /// Three times the spread of the ranks' arrivals so far, within the settle bounds.
+    fn settle_time(&self) -> Duration {
+        let first = (0..self.world)
+            .map(|r| self.desc(r).started_ns.load(Ordering::Relaxed))
+            .filter(|&t| t != 0)
+            .min()
+            .unwrap_or(0);
+        let spread = Duration::from_nanos(now_ns().saturating_sub(first));
+        (spread * 3).clamp(SETTLE_MIN, SETTLE_MAX)
+    }
+
+    /// Rank 0 of a group another job met keeps its record a settle time longer before it fails,
+    /// so the rest of that job meets it too and fails saying so (instead of forming a group
+    /// with this job's leftover ranks or waiting for them).
+    fn linger_on_conflict(&self) {
+        let c = self.header().conflict_pid.load(Ordering::Acquire);
+        if self.rank == 0 && c != 0 && c != FORMED {
+            std::thread::sleep(self.settle_time());
+        }
+    }
+
+    /// Waits out the settle time (rank 0) or for rank 0's verdict (the others), with the record
+    /// and descriptors still open, so a job that started at about the same time under the same
+    /// name meets this group; then the group forms unless such a job marked it.
+    fn settle(&self) -> Result<()> {
+        let h = self.header();
+        if self.rank == 0 {
+            let until = Instant::now() + self.settle_time();
+            while Instant::now() < until && h.conflict_pid.load(Ordering::Acquire) == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let _ = h
+                .conflict_pid
+                .compare_exchange(0, FORMED, Ordering::AcqRel, Ordering::Acquire);
+            return self.check_conflict();
+        }
+        let deadline = Deadline::new(SETTLE_MAX + self.opts.timeout);
+        let mut last_check = Instant::now();
+        while h.conflict_pid.load(Ordering::Acquire) == 0 {
+            if last_check.elapsed() >= LIVENESS_PERIOD {
+                last_check = Instant::now();
+                let s = self.slot(0);
+                let pid = s.pid.load(Ordering::Acquire);
+                if s.state.load(Ordering::Acquire) != SLOT_ACTIVE || !pid_alive(pid) {
+                    return Err(Error::PeerFailure(format!(
+                        "rank 0 of group '{}' (pid {pid}) failed or died while the group was forming (seen from rank {})",
+                        self.name, self.rank
+                    )));
+                }
+                if deadline.expired() {
+                    return Err(Error::Timeout(format!(
+                        "timed out after {:.1} s waiting for rank 0 of group '{}' to complete its creation (rank {})",
+                        deadline.timeout.as_secs_f64(),
+                        self.name,
+                        self.rank
+                    )));
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.check_conflict()
     }
 
     /// Maps rank `p`'s current data segment unless it is mapped already; a failure says what

@@ -397,6 +397,11 @@ pub fn pid_alive(pid: u32) -> bool {
     if pid == 0 {
         return false;
     }
+    if pid == std::process::id() {
+        // A thread rank of this process: alive while we are (and no /proc read per check,
+        // which for 1024 thread ranks would be a million reads per liveness round).
+        return true;
+    }
     // SAFETY: kill with signal 0 only checks for existence/permission.
     let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
     if rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
