@@ -13,6 +13,7 @@
 #   CLASSES  comma-separated: moe,eplb,collectives,same_name,tamper (default all; or
 #            EPCOMM_CAMPAIGN_CLASSES)
 #   EPCOMM_CAMPAIGN_FAULTS=KILL,STOP (any of KILL, STOP, TERM, INT) limits the signals drawn;
+#   EPCOMM_CAMPAIGN_TIMEOUT_S=N sets the ranks' timeout (default 1 s);
 #   EPCOMM_CAMPAIGN_SEED=N repeats a campaign; EPCOMM_CAMPAIGN_VERBOSE=1 prints one line per
 #   signal run; EPCOMM_CAMPAIGN_RELEASE=1 uses a release build.
 # e.g. the EPLB figure over stalls and kills: EPCOMM_CAMPAIGN_FAULTS=KILL,STOP scripts/fault-campaign.sh 200 eplb
