@@ -165,3 +165,33 @@ fn a_record_with_a_wide_mode_is_refused() {
     }
     std::fs::remove_file(&path).unwrap();
 }
+
+/// Unique group ids (as `ncclGetUniqueId`): two groups made from two ids at the same time, with
+/// the same ranks, never meet; each id is new; an id that was not made by `UniqueId::new` is
+/// refused, naming what was expected.
+#[test]
+fn groups_from_unique_ids_never_meet() {
+    use epcomm::group::shm::UniqueId;
+    let ids = [UniqueId::new().unwrap(), UniqueId::new().unwrap()];
+    assert_ne!(ids[0], ids[1]);
+    let results = ranks::on_threads(4, move |t| {
+        let (job, rank) = (t / 2, t % 2);
+        let mut g = ShmGroup::join_unique(&ids[job], rank, 2, GroupOptions::default()).unwrap();
+        let mut seen = [0u8; 2];
+        g.all_gatherv(&[b'A' + job as u8], &[1, 1], &mut seen)
+            .unwrap();
+        (job, seen)
+    });
+    for (job, seen) in results {
+        let own = b'A' + job as u8;
+        assert_eq!(seen, [own, own], "job {job} saw {seen:?}");
+    }
+    let mut bad = UniqueId::new().unwrap();
+    bad.0[0] = b'x';
+    let e = ShmGroup::join_unique(&bad, 0, 1, GroupOptions::default()).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert_eq!(
+        e.to_string(),
+        "unique group id is not one made by UniqueId::new / epcomm_group_unique_id: it starts with \"xpcomm-uid1:\"; expected \"epcomm-uid1:\", 32 lowercase hex digits and zero bytes"
+    );
+}

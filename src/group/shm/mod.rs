@@ -373,6 +373,60 @@ fn sys_err(what: String, e: std::io::Error) -> Error {
     Error::System(format!("{what}: {e}"))
 }
 
+/// Bytes of a unique group id, as `ncclUniqueId`.
+pub const UNIQUE_ID_BYTES: usize = 128;
+const UNIQUE_ID_TAG: &[u8] = b"epcomm-uid1:";
+
+/// A group id made by one rank ([`UniqueId::new`]) and passed to the others by the host's own
+/// means (as `ncclGetUniqueId`): groups made from distinct ids never meet, whatever names other
+/// jobs use, so names need not be unique.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UniqueId(pub [u8; UNIQUE_ID_BYTES]);
+
+impl UniqueId {
+    /// A fresh id: 128 random bits from the kernel (getrandom).
+    pub fn new() -> Result<UniqueId> {
+        let mut random = [0u8; 16];
+        let mut got = 0;
+        while got < random.len() {
+            // SAFETY: writes at most the remaining bytes of `random`.
+            let n = unsafe {
+                libc::getrandom(random[got..].as_mut_ptr().cast(), random.len() - got, 0)
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(sys_err("cannot make a unique group id (getrandom)".into(), e));
+            }
+            got += n as usize;
+        }
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        id[..UNIQUE_ID_TAG.len()].copy_from_slice(UNIQUE_ID_TAG);
+        let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
+        id[UNIQUE_ID_TAG.len()..UNIQUE_ID_TAG.len() + 32].copy_from_slice(hex.as_bytes());
+        Ok(UniqueId(id))
+    }
+
+    /// The group name the id stands for (`uid-` and its 32 hex digits).
+    pub fn group_name(&self) -> Result<String> {
+        let b = &self.0;
+        let t = UNIQUE_ID_TAG.len();
+        let hex = &b[t..t + 32];
+        let valid = b.starts_with(UNIQUE_ID_TAG)
+            && hex.iter().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+            && b[t + 32..].iter().all(|&c| c == 0);
+        if !valid {
+            return Err(Error::InvalidArgument(format!(
+                "unique group id is not one made by UniqueId::new / epcomm_group_unique_id: it starts with {:?}; expected \"epcomm-uid1:\", 32 lowercase hex digits and zero bytes",
+                String::from_utf8_lossy(&b[..t.min(b.len())])
+            )));
+        }
+        Ok(format!("uid-{}", String::from_utf8_lossy(hex)))
+    }
+}
+
 /// A rank's membership in a shared-memory group.
 pub struct ShmGroup {
     name: String,
@@ -627,6 +681,17 @@ impl ShmGroup {
             g.control_unlinked = true;
         }
         Ok(g)
+    }
+
+    /// Joins the group of unique id `id` (made by one rank with [`UniqueId::new`] and passed to
+    /// the others): as [`ShmGroup::join`] with the name the id stands for.
+    pub fn join_unique(
+        id: &UniqueId,
+        rank: usize,
+        world: usize,
+        opts: GroupOptions,
+    ) -> Result<ShmGroup> {
+        Self::join(&id.group_name()?, rank, world, opts)
     }
 
     fn data_name(name: &str, session: u64, rank: usize, gen: u64, pid: u32) -> String {
