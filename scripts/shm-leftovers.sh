@@ -14,4 +14,4 @@ export EPCOMM_LEFTOVER_RUNS="${1:-${EPCOMM_LEFTOVER_RUNS:-300}}"
 export EPCOMM_IDENTITY_RUNS="${EPCOMM_IDENTITY_RUNS:-$EPCOMM_LEFTOVER_RUNS}"
 if [ -n "${2:-}" ]; then export EPCOMM_LEFTOVER_SEED="$2"; fi
 cargo test --release --test shm_leftovers --test shm_identity -- --include-ignored --nocapture --test-threads=1 2>&1 \
-    | grep -E '^shm_|^test result|panicked|FAILED'
+    | grep -E 'shm_(identity|leftovers): |^test result|panicked|FAILED|^error'
