@@ -246,9 +246,13 @@ fn check_map_budget(name: &str, rank: usize, world: usize) -> Result<()> {
         }
     };
     *counted = Some((Instant::now(), used + 2));
-    // Growth remaps one region at a time; keep a margin for the process's own allocations.
-    let need = world + 2 + 256;
-    if used + need > limit {
+    map_budget(name, rank, world, used, limit)
+}
+
+/// Whether `world + 2` more mappings fit under `limit` with `used` taken (and a margin of 256
+/// for growth, which remaps one region at a time, and the process's own allocations).
+fn map_budget(name: &str, rank: usize, world: usize, used: usize, limit: usize) -> Result<()> {
+    if used + world + 2 + 256 > limit {
         return Err(Error::System(format!(
             "group '{name}' needs up to {} memory mappings on rank {rank}, but this process already has {used} of the vm.max_map_count limit of {limit} (raise it with sysctl vm.max_map_count, or run fewer ranks per process)",
             world + 2
@@ -1735,8 +1739,23 @@ impl ShmGroup {
             }
             let n = self.seq;
             let peer_error = matches!(e, Error::PeerFailure(_) | Error::Timeout(_));
-            let dead = (0..self.world)
-                .find(|&p| p != self.rank && !pid_alive(self.slot(p).pid.load(Ordering::Acquire)));
+            let find_dead = |g: &Self| {
+                (0..g.world)
+                    .find(|&p| p != g.rank && !pid_alive(g.slot(p).pid.load(Ordering::Acquire)))
+            };
+            let mut dead = find_dead(self);
+            // A read of a peer that is being killed can fail before its death shows (its memory
+            // goes first): wait a little for the death or another rank's decision, so this rank
+            // does not blame itself for the peer's end.
+            let since = Instant::now();
+            while peer_error
+                && dead.is_none()
+                && since.elapsed() < 4 * LIVENESS_PERIOD
+                && decoded(self.decision_word().load(Ordering::Acquire), n) == Decision::Pending
+            {
+                std::thread::sleep(Duration::from_millis(1));
+                dead = find_dead(self);
+            }
             let want = match dead {
                 Some(p) if peer_error => abort_word(n, p, Cause::Died),
                 _ => abort_word(n, self.rank, Cause::Failed),
@@ -2421,5 +2440,53 @@ impl Drop for ShmGroup {
         {
             self.unlink_own_control();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The mapping limit is an error at creation naming the need, the use and the limit.
+    #[test]
+    fn map_budget_names_the_limit() {
+        assert!(map_budget("g", 3, 1024, 1000, 65530).is_ok());
+        let e = map_budget("g", 3, 1024, 64500, 65530).unwrap_err();
+        assert_eq!(e.status(), crate::Status::System);
+        assert_eq!(
+            e.to_string(),
+            "group 'g' needs up to 1026 memory mappings on rank 3, but this process already has 64500 of the vm.max_map_count limit of 65530 (raise it with sysctl vm.max_map_count, or run fewer ranks per process)"
+        );
+    }
+
+    /// A record reads back whole; a partial, altered or foreign one is not taken for a record;
+    /// an older layout's first fields (version, world, creator) still read.
+    #[test]
+    fn records_round_trip_and_reject_partial_ones() {
+        let r = Record {
+            version: LAYOUT_VERSION,
+            world: 3,
+            creator: 1234,
+            fd: 7,
+            key: (11, 22),
+            session: 0xabcdef,
+            created_ns: 99,
+        };
+        let b = r.encode();
+        assert_eq!(b.len(), RECORD_BYTES);
+        let d = Record::decode(&b).unwrap();
+        assert_eq!(
+            (d.world, d.creator, d.fd, d.key, d.session, d.created_ns),
+            (3, 1234, 7, (11, 22), 0xabcdef, 99)
+        );
+        assert!(Record::decode(&b[..40]).is_none());
+        let mut altered = b.clone();
+        altered[44] ^= 1;
+        assert!(Record::decode(&altered).is_none());
+        assert!(Record::decode(&[0u8; RECORD_BYTES]).is_none());
+        let mut old = b.clone();
+        old[8..12].copy_from_slice(&3u32.to_ne_bytes());
+        let o = Record::decode(&old[..24]).unwrap();
+        assert_eq!((o.version, o.world, o.creator), (3, 3, 1234));
     }
 }
