@@ -5,7 +5,7 @@
 # moment; two jobs with one group name; the group's /dev/shm segments overwritten or truncated)
 # and prints the summary table (class, runs, hit, crashes, hangs, leftovers, silent_wrong,
 # divergent, misblamed, mixed_groups). Exits non-zero when any rule was broken in any class
-# (EPCOMM_CAMPAIGN_STRICT=1: the classes the CI test lists as expected to fail count too).
+# (EPCOMM_CAMPAIGN_STRICT=1: the rules the CI test lists as expected to fail count too).
 # CI runs the short version: cargo test --test fault_campaign (40 runs per class).
 #
 # usage: scripts/fault-campaign.sh [RUNS [CLASSES]]

@@ -189,6 +189,44 @@ pub fn ranks_named(message: &str) -> Vec<usize> {
     named
 }
 
+/// A rule a run can break (a column of the table), or `Info` for a note that breaks none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    Crashes,
+    Hangs,
+    Leftovers,
+    SilentWrong,
+    Divergent,
+    Misblamed,
+    MixedGroups,
+    Info,
+}
+
+impl Rule {
+    pub const VIOLATIONS: [Rule; 7] = [
+        Rule::Crashes,
+        Rule::Hangs,
+        Rule::Leftovers,
+        Rule::SilentWrong,
+        Rule::Divergent,
+        Rule::Misblamed,
+        Rule::MixedGroups,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Rule::Crashes => "crashes",
+            Rule::Hangs => "hangs",
+            Rule::Leftovers => "leftovers",
+            Rule::SilentWrong => "silent_wrong",
+            Rule::Divergent => "divergent",
+            Rule::Misblamed => "misblamed",
+            Rule::MixedGroups => "mixed_groups",
+            Rule::Info => "info",
+        }
+    }
+}
+
 /// The counts the table shows for one class.
 #[derive(Clone, Debug, Default)]
 pub struct Tally {
@@ -211,19 +249,31 @@ pub struct Tally {
     pub mixed_groups: u64,
     /// The longest a survivor took to end after the fault reached its peer (signal classes).
     pub slowest: Duration,
-    /// One line per violation, for the failure message.
-    pub notes: Vec<String>,
+    /// What each violation was, for the failure message.
+    pub notes: Vec<(Rule, String)>,
 }
 
 impl Tally {
+    /// Runs that broke `rule`.
+    pub fn count(&self, rule: Rule) -> u64 {
+        match rule {
+            Rule::Crashes => self.crashes,
+            Rule::Hangs => self.hangs,
+            Rule::Leftovers => self.leftovers,
+            Rule::SilentWrong => self.silent_wrong,
+            Rule::Divergent => self.divergent,
+            Rule::Misblamed => self.misblamed,
+            Rule::MixedGroups => self.mixed_groups,
+            Rule::Info => 0,
+        }
+    }
+
     pub fn violations(&self) -> u64 {
-        self.crashes
-            + self.hangs
-            + self.leftovers
-            + self.silent_wrong
-            + self.divergent
-            + self.misblamed
-            + self.mixed_groups
+        Rule::VIOLATIONS.iter().map(|&r| self.count(r)).sum()
+    }
+
+    pub fn note(&mut self, rule: Rule, text: String) {
+        self.notes.push((rule, text));
     }
 
     pub fn add(&mut self, o: &Tally) {
