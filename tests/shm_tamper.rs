@@ -405,3 +405,52 @@ fn a_segment_cannot_be_truncated() {
     assert_eq!(results.len(), 2);
     assert!(shm_leftovers(&group).is_empty());
 }
+
+/// A rendezvous record overwritten with random bytes (or truncated) during the join window is
+/// still removed by the rank 0 that created it: the ranks time out (the record no longer names
+/// rank 0's segment) and nothing is left in /dev/shm.
+#[test]
+fn an_overwritten_record_is_still_removed() {
+    for truncate in [false, true] {
+        let group = ranks::unique("ta", "record");
+        let path = format!("/dev/shm/epcomm.{group}");
+        let opts = GroupOptions {
+            timeout: Duration::from_millis(800),
+            ..GroupOptions::default()
+        };
+        let (g0, o0) = (group.clone(), opts.clone());
+        let rank0 = std::thread::spawn(move || ShmGroup::join(&g0, 0, 2, o0).map(|_| ()));
+        let start = Instant::now();
+        while !std::path::Path::new(&path).exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "no record appeared"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let f = File::options().write(true).open(&path).unwrap();
+        if truncate {
+            f.set_len(0).unwrap();
+        } else {
+            let mut rng = 77u64;
+            let junk: Vec<u8> = (0..64).map(|_| xorshift(&mut rng) as u8).collect();
+            f.write_at(&junk, 0).unwrap();
+        }
+        drop(f);
+        let e1 = ShmGroup::join(&group, 1, 2, opts).unwrap_err();
+        let e0 = rank0.join().unwrap().unwrap_err();
+        assert_eq!(e0.status(), epcomm::Status::Timeout, "{e0}");
+        assert_eq!(e1.status(), epcomm::Status::Timeout, "{e1}");
+        assert_eq!(
+            e1.to_string(),
+            format!(
+                "timed out after 0.8 s waiting for rank 0 to create group '{group}' (rank 1 of 2)"
+            )
+        );
+        assert!(
+            shm_leftovers(&group).is_empty(),
+            "truncate={truncate}: left {:?}",
+            shm_leftovers(&group)
+        );
+    }
+}

@@ -80,6 +80,10 @@ struct Header {
     /// (0 = none): the group must not form. Rank 0 sets [`FORMED`] once the group has waited
     /// out its settle time; the first to set the word decides, so every rank agrees.
     conflict_pid: AtomicU64,
+    /// The identity (st_dev, st_ino) of the rendezvous record rank 0 created, so it is removed
+    /// even when another process overwrote or truncated its contents.
+    record_dev: AtomicU64,
+    record_ino: AtomicU64,
 }
 // SAFETY: atomics only; all-zero is the valid "uninitialised" state.
 unsafe impl SharedAtomics for Header {}
@@ -402,7 +406,10 @@ impl UniqueId {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(sys_err("cannot make a unique group id (getrandom)".into(), e));
+                return Err(sys_err(
+                    "cannot make a unique group id (getrandom)".into(),
+                    e,
+                ));
             }
             got += n as usize;
         }
@@ -419,7 +426,9 @@ impl UniqueId {
         let t = UNIQUE_ID_TAG.len();
         let hex = &b[t..t + 32];
         let valid = b.starts_with(UNIQUE_ID_TAG)
-            && hex.iter().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+            && hex
+                .iter()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
             && b[t + 32..].iter().all(|&c| c == 0);
         if !valid {
             return Err(Error::InvalidArgument(format!(
@@ -781,7 +790,9 @@ impl ShmGroup {
         .encode();
         loop {
             match Segment::create_record(control_name, &record) {
-                Ok(()) => {
+                Ok(key) => {
+                    h.record_dev.store(key.0, Ordering::Relaxed);
+                    h.record_ino.store(key.1, Ordering::Release);
                     Self::remove_stale_data(name);
                     return Ok(seg);
                 }
@@ -820,10 +831,28 @@ impl ShmGroup {
 
     /// Maps the control segment a record names (None if it is gone or not the one named).
     fn map_control(r: &Record, min_len: usize) -> Option<Segment> {
-        let seg = Segment::open_peer("control", r.creator, r.fd, r.key, min_len).ok()?;
+        Self::try_map_control(r, min_len).ok()
+    }
+
+    /// Maps the control segment a record names, or says why not.
+    fn try_map_control(r: &Record, min_len: usize) -> std::result::Result<Segment, String> {
+        let seg = Segment::open_peer("control", r.creator, r.fd, r.key, min_len).map_err(|e| {
+            format!(
+                "cannot open /proc/{}/fd/{} (the control segment of rank 0): {e}",
+                r.creator, r.fd
+            )
+        })?;
         let h: &Header = seg.at(0);
-        (h.magic.load(Ordering::Acquire) == MAGIC && h.session.load(Ordering::Acquire) == r.session)
-            .then_some(seg)
+        if h.magic.load(Ordering::Acquire) == MAGIC
+            && h.session.load(Ordering::Acquire) == r.session
+        {
+            Ok(seg)
+        } else {
+            Err(format!(
+                "/proc/{}/fd/{} is not the control segment its record names",
+                r.creator, r.fd
+            ))
+        }
     }
 
     /// Tells the live group behind record `r` that another job met it, so it does not form.
@@ -852,6 +881,8 @@ impl ShmGroup {
         let mut backoff = Backoff::new();
         // A record created after this rank started waiting is this group's.
         let started_ns = now_ns();
+        // Why rank 0's live segment could not be mapped, for the timeout's message.
+        let mut unmapped: Option<String> = None;
         loop {
             if let Some(r) = Self::read_record(name, control_name)? {
                 let alive = pid_alive(r.creator);
@@ -873,7 +904,11 @@ impl ShmGroup {
                 }
                 if r.version == LAYOUT_VERSION && alive {
                     // A failure to map it means rank 0 just finished (or died): look again.
-                    if let Some(seg) = Self::map_control(&r, HEADER_BYTES) {
+                    let mapped = Self::try_map_control(&r, HEADER_BYTES);
+                    if let Err(why) = &mapped {
+                        unmapped = Some(why.clone());
+                    }
+                    if let Ok(seg) = mapped {
                         let h: &Header = seg.at(0);
                         let their_world = h.world.load(Ordering::Relaxed) as usize;
                         if their_world != world {
@@ -898,8 +933,9 @@ impl ShmGroup {
                         Self::remove_stale_data(name);
                     }
                 }
+                let why = unmapped.map(|w| format!("; last: {w}")).unwrap_or_default();
                 return Err(Error::Timeout(format!(
-                    "timed out after {:.1} s waiting for rank 0 to create group '{name}' (rank {rank} of {world})",
+                    "timed out after {:.1} s waiting for rank 0 to create group '{name}' (rank {rank} of {world}){why}",
                     deadline.timeout.as_secs_f64()
                 )));
             }
@@ -922,10 +958,21 @@ impl ShmGroup {
     /// Unlinks the rendezvous record if it still belongs to this group's session (a new group
     /// of the same name may have replaced it).
     fn unlink_own_control(&self) {
-        if let Ok(Some(r)) = Self::read_record(&self.name, &self.control_name) {
-            if r.session == self.session {
-                Segment::unlink(&self.control_name);
+        let h = self.header();
+        let created = (
+            h.record_dev.load(Ordering::Relaxed),
+            h.record_ino.load(Ordering::Acquire),
+        );
+        let ours = match Self::read_record(&self.name, &self.control_name) {
+            Ok(Some(r)) => r.session == self.session,
+            // Unreadable as a record (overwritten, truncated): still ours if it is the file
+            // rank 0 created.
+            Ok(None) | Err(_) => {
+                created != (0, 0) && Segment::record_key(&self.control_name) == Some(created)
             }
+        };
+        if ours {
+            Segment::unlink(&self.control_name);
         }
     }
 

@@ -254,8 +254,8 @@ impl Segment {
     }
 
     /// Creates the rendezvous record `name` (a small named object, mode 0600) holding
-    /// `bytes`; AlreadyExists if the name is taken.
-    pub fn create_record(name: &str, bytes: &[u8]) -> io::Result<()> {
+    /// `bytes`; AlreadyExists if the name is taken. Returns the file's identity.
+    pub fn create_record(name: &str, bytes: &[u8]) -> io::Result<FileKey> {
         let c = cname(name)?;
         // SAFETY: valid C string; O_EXCL makes creation atomic.
         let fd = unsafe {
@@ -280,7 +280,20 @@ impl Segment {
             Segment::unlink(name);
             return Err(e);
         }
-        Ok(())
+        let st = fstat(fd.0)?;
+        Ok((st.st_dev, st.st_ino))
+    }
+
+    /// The identity of the file named `name` now (None if there is none).
+    pub fn record_key(name: &str) -> Option<FileKey> {
+        let c = cname(name).ok()?;
+        // SAFETY: valid C string.
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW, 0) };
+        if fd < 0 {
+            return None;
+        }
+        let fd = Fd(fd);
+        fstat(fd.0).ok().map(|st| (st.st_dev, st.st_ino))
     }
 
     /// Reads up to `max` bytes of the rendezvous record `name` (never mapped, so a
