@@ -289,6 +289,17 @@ fn view_tensor(
     }
 }
 
+/// Checks topk_ids' dtype (int32 or int64) without reading it.
+fn check_ids_dtype(t: &HostTensor) -> Result<()> {
+    match (t.dtype.code(), t.dtype.bits) {
+        (Some(Code::Int), 32 | 64) => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "tensor 'topk_ids' has dtype {}; expected torch.int32 or torch.int64",
+            t.dtype.torch_name()
+        ))),
+    }
+}
+
 pub(crate) fn ids_arg(t: &HostTensor) -> Result<Vec<i64>> {
     let bytes = unsafe { t.as_slice() };
     match (t.dtype.code(), t.dtype.bits) {
@@ -362,8 +373,6 @@ pub unsafe extern "C" fn epcomm_all2all_dispatch(
                         &format!("[T, {}] (T tokens of hidden_size)", cfg.hidden),
                     )?;
                     let t = x.rows();
-                    // Before topk_ids is read: its rows may not exist beyond M.
-                    mgr.check_tokens(t)?;
                     check_2d(
                         &ids,
                         Some(t),
@@ -382,12 +391,7 @@ pub unsafe extern "C" fn epcomm_all2all_dispatch(
                             w.dtype.torch_name()
                         )));
                     }
-                    let ids_v = ids_arg(&ids)?;
-                    let w_v: Vec<f32> = w
-                        .as_slice()
-                        .chunks_exact(4)
-                        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
-                        .collect();
+                    check_ids_dtype(&ids)?;
                     if num_extras != cfg.extra_row_bytes.len() {
                         return Err(Error::InvalidArgument(format!(
                             "num_extras is {num_extras}; the manager was created for {}",
@@ -412,6 +416,15 @@ pub unsafe extern "C" fn epcomm_all2all_dispatch(
                             ex.push(e);
                         }
                     }
+                    // The token count before topk_ids and topk_weights are read: rows beyond
+                    // what the buffers hold are never touched.
+                    mgr.check_tokens(t)?;
+                    let ids_v = ids_arg(&ids)?;
+                    let w_v: Vec<f32> = w
+                        .as_slice()
+                        .chunks_exact(4)
+                        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+                        .collect();
                     Ok((out, x, ids_v, w_v, ex))
                 })();
                 let (out, x, ids_v, w_v, ex) = match parsed {
