@@ -82,12 +82,6 @@ const EXPECTED_TO_FAIL: &[(Class, Rule, &str)] = &[
          \"rank R ... failed (an error on that rank aborted its group)\", after a peer died \
          under direct reads",
     ),
-    (
-        Class::Tamper,
-        Rule::Leftovers,
-        "a rendezvous record overwritten or truncated during the join window stays in /dev/shm \
-         (the ranks no longer recognise it as theirs and leave it)",
-    ),
 ];
 
 /// A child rank. Does nothing unless started by the campaign (`FC_CLASS` set).
