@@ -167,7 +167,7 @@ pub fn ranks_named(message: &str) -> Vec<usize> {
     while let Some(i) = rest.find("rank") {
         let before = &rest[..i];
         rest = &rest[i + 4..];
-        if before.ends_with("seen from ") || before.ends_with("_") {
+        if before.ends_with("seen from ") {
             continue;
         }
         let list = rest.strip_prefix("(s) ").or_else(|| rest.strip_prefix(' '));
@@ -354,5 +354,24 @@ mod tests {
             vec![1, 2]
         );
         assert_eq!(ranks_named("group 'g' is unusable"), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn eplb_layers_done_reads_the_layer_report() {
+        use super::workload::eplb_layers_done;
+        assert_eq!(
+            eplb_layers_done("x (EPLB rearrangement: no layer was changed)"),
+            Some(0)
+        );
+        assert_eq!(
+            eplb_layers_done(
+                "x (EPLB rearrangement: layers before 2 were rearranged; layer 2 and later keep the old placement)"
+            ),
+            Some(2)
+        );
+        assert_eq!(
+            eplb_layers_done("send_recv: rank 1 sent 2 message(s)"),
+            None
+        );
     }
 }
