@@ -1395,6 +1395,13 @@ impl ShmGroup {
     fn failure_error(&self, op: Op, n: u64, p: usize, cause: Cause) -> Error {
         let (name, me, what) = (&self.name, self.rank, op.name());
         let timeout = self.opts.timeout.as_secs_f64();
+        if p >= self.world {
+            // Only a process that wrote into the control segment can name a rank out of range.
+            return Error::PeerFailure(format!(
+                "{what} (op #{n}) of group '{name}' was aborted by a decision word naming rank {p}, outside the group of {} ranks (the control segment was altered; seen from rank {me})",
+                self.world
+            ));
+        }
         match cause {
             Cause::Stalled if p == me => Error::PeerFailure(format!(
                 "rank {me} of group '{name}' (this rank) was late for {what} (op #{n}): the other ranks timed out after {timeout:.1} s waiting for it and aborted the op"
@@ -2493,6 +2500,22 @@ impl Drop for ShmGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A forged decision word naming a rank outside the group is an error, never a panic.
+    #[test]
+    fn a_decision_word_naming_a_rank_out_of_range_is_an_error() {
+        let name = format!("unit-forged-decision-{}", std::process::id());
+        let mut g = ShmGroup::join(&name, 0, 1, GroupOptions::default()).unwrap();
+        g.barrier().unwrap();
+        g.decision_word()
+            .store(abort_word(2, 1000, Cause::Died), Ordering::Release);
+        let e = g.barrier().unwrap_err();
+        assert_eq!(e.status(), crate::Status::PeerFailure);
+        assert_eq!(
+            e.to_string(),
+            format!("barrier (op #2) of group '{name}' was aborted by a decision word naming rank 1000, outside the group of 1 ranks (the control segment was altered; seen from rank 0)")
+        );
+    }
 
     /// The mapping limit is an error at creation naming the need, the use and the limit.
     #[test]
