@@ -600,7 +600,7 @@ typedef struct epcomm_group_options {
    */
   uint64_t initial_capacity_bytes;
   /**
-   * Upper bound of a rank's shared region (0 = no bound but /dev/shm's free space).
+   * Upper bound of a rank's shared region (0 = no bound but the memory available).
    */
   uint64_t max_capacity_bytes;
   /**

@@ -137,8 +137,8 @@ Seconds every wait of the shared-memory group may take before it fails with a ti
 .TP
 .B EPCOMM_SHM_DIRECT
 \fB1\fR (the default): peers read each other's buffers in place (process_vm_readv) where the
-kernel allows it. \fB0\fR: the shared-memory group stages every contribution in its /dev/shm
-regions; the benchmarks then also check /dev/shm's free space before a case.
+kernel allows it. \fB0\fR: the shared-memory group stages every contribution in its shared
+regions (memory-backed, counted in the benchmarks' memory check).
 .TP
 .B EPCOMM_NVRTC_PATH
 The NVRTC library file, or a directory holding libnvrtc.so.*, for the GPU path; when set it is

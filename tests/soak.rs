@@ -61,12 +61,13 @@ fn fd_count() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
-/// Mappings of epcomm shared-memory segments in this process.
+/// Mappings of epcomm shared-memory segments in this process (sealed memfds, which
+/// /proc/self/maps shows as `/memfd:epcomm.…`).
 fn shm_mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps")
         .unwrap()
         .lines()
-        .filter(|l| l.contains("/dev/shm/epcomm."))
+        .filter(|l| l.contains("/memfd:epcomm."))
         .count()
 }
 
@@ -202,6 +203,11 @@ fn rss_fds_and_shm_stay_flat() {
     let s = on_two_threads(move |rank, mark| {
         let experts = ToyExperts::new(EXPERTS, HIDDEN, 11);
         let mut g = ShmGroup::join(&name, rank, WORLD, opts()).unwrap();
+        // The mapping count below must see the group's segments, or it proves nothing.
+        assert!(
+            shm_mappings() > 0,
+            "no /memfd:epcomm. mapping while a group is open"
+        );
         let mut managers: Vec<Manager> = BACKENDS
             .iter()
             .map(|b| Manager::new(b, cfg(), rank, WORLD).unwrap())

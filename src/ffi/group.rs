@@ -29,7 +29,7 @@ pub struct epcomm_group_options {
     pub timeout_s: f64,
     /// Initial bytes of each rank's shared region (shm; 0 = default 4 MiB). Grows on demand.
     pub initial_capacity_bytes: u64,
-    /// Upper bound of a rank's shared region (0 = no bound but /dev/shm's free space).
+    /// Upper bound of a rank's shared region (0 = no bound but the memory available).
     pub max_capacity_bytes: u64,
     /// The group is an elastic (stateless) EP group.
     pub elastic: bool,

@@ -23,7 +23,7 @@ pub struct GroupOptions {
     pub timeout: Duration,
     /// Initial bytes of each rank's shared region (shm); it grows on demand.
     pub initial_capacity: usize,
-    /// Upper bound for a rank's region (0 = only /dev/shm's free space); a request beyond it is
+    /// Upper bound for a rank's region (0 = only the memory available); a request beyond it is
     /// an error naming both sizes.
     pub max_capacity: usize,
     /// The group is an elastic (stateless) EP group.

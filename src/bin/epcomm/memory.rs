@@ -2,25 +2,11 @@
 //! case that does not fit is refused with one line instead of failing (or waking the
 //! out-of-memory killer) half-way.
 
-/// Whether the shared-memory group stages data in its /dev/shm regions: the ranks' buffers
-/// then live there too. By default (direct mode) peers read each other's buffers in place.
+/// Whether the shared-memory group stages data in its shared regions: the ranks' contributions
+/// are then copied there too (memory-backed segments, charged to the machine's memory). By
+/// default (direct mode) peers read each other's buffers in place.
 pub fn region_mode() -> bool {
     !epcomm::env::shm_direct()
-}
-
-/// Free bytes of /dev/shm (what an unprivileged process may still allocate there).
-pub fn shm_free() -> Option<u64> {
-    let path = c"/dev/shm";
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `path` is NUL-terminated and `st` is a writable statvfs.
-    if unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled `st`.
-    let st = unsafe { st.assume_init() };
-    // fsblkcnt_t and c_ulong are 32 bits on some targets.
-    #[allow(clippy::unnecessary_cast)]
-    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
 /// `bytes` with a decimal unit, e.g. `15.0 GB`.
@@ -35,18 +21,18 @@ pub fn human(bytes: u64) -> String {
     }
 }
 
-/// What one case needs on each rank: process memory, and (in region mode) /dev/shm.
+/// What one case needs on each rank: process memory, and (in region mode) its shared region.
 pub struct Need {
     /// Bytes of memory per rank, all buffers of the case at its peak.
     pub memory: u64,
-    /// Bytes per rank in /dev/shm when the group stages data there.
+    /// Bytes per rank of the shared region when the group stages data there.
     pub shm: u64,
     /// How the figure is made up, for the refusal line (e.g. "of which 15.0 GB the layout's buffers").
     pub detail: String,
 }
 
-/// `None` when `ranks` ranks of `need` fit in MemAvailable (and /dev/shm in region mode);
-/// otherwise the one line that refuses `what`, naming the options in `shrink`.
+/// `None` when `ranks` ranks of `need` (with the shared region in region mode) fit in
+/// MemAvailable; otherwise the one line that refuses `what`, naming the options in `shrink`.
 pub fn refusal(what: &str, need: &Need, ranks: usize, shrink: &str) -> Option<String> {
     let n = ranks as u64;
     let shm = if region_mode() { need.shm } else { 0 };
@@ -63,17 +49,6 @@ pub fn refusal(what: &str, need: &Need, ranks: usize, shrink: &str) -> Option<St
                 human(per_rank),
                 human(avail)
             ));
-        }
-    }
-    if shm > 0 {
-        if let Some(free) = shm_free() {
-            if shm.saturating_mul(n) > free {
-                return Some(format!(
-                    "refused {what}: needs {shm} bytes per rank ({}) of /dev/shm x {ranks} ranks (EPCOMM_SHM_DIRECT=0), more than its {} free; lower {shrink}",
-                    human(shm),
-                    human(free)
-                ));
-            }
         }
     }
     None
