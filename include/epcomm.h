@@ -287,6 +287,11 @@
 #define EPCOMM_NCCL_UNIQUE_ID_BYTES 128
 
 /**
+ * Bytes of an `epcomm_unique_id` (as NCCL's `NCCL_UNIQUE_ID_BYTES`).
+ */
+#define EPCOMM_UNIQUE_ID_BYTES 128
+
+/**
  * Point-to-point operation kind: send.
  */
 #define EPCOMM_P2P_SEND 0
@@ -614,6 +619,15 @@ typedef struct epcomm_group_options {
    */
   bool disable_direct_reads;
 } epcomm_group_options;
+
+/**
+ * A group id made by one rank with `epcomm_group_unique_id` and passed to the others by the
+ * host's own means (MPI_Bcast, a TCP store, torch.distributed), as `ncclUniqueId`: groups made
+ * from distinct ids never meet, so they need no unique name. Plain bytes: copy it freely.
+ */
+typedef struct epcomm_unique_id {
+  uint8_t internal[EPCOMM_UNIQUE_ID_BYTES];
+} epcomm_unique_id;
 
 /**
  * Host send: deliver `bytes` bytes at `data` to rank `peer`; return 0 on success.
@@ -1163,6 +1177,26 @@ int32_t epcomm_group_options_init(struct epcomm_group_options *options);
  * writable.
  */
 int32_t epcomm_group_create_shm(const char *name, int32_t rank, int32_t world_size, const struct epcomm_group_options *options, struct epcomm_group **out);
+
+/**
+ * Makes a fresh group id (128 random bits from the kernel) into `*out`, on one rank; the other
+ * ranks get it from that rank and all call `epcomm_group_create_shm_unique` with it.
+ *
+ * # Safety
+ * `out` is NULL or writable.
+ */
+int32_t epcomm_group_unique_id(struct epcomm_unique_id *out);
+
+/**
+ * As `epcomm_group_create_shm`, for the group of the id `*id` made by
+ * `epcomm_group_unique_id` instead of a name. An id that was not made by it (altered, or
+ * zeroed) is `EPCOMM_ERROR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `id` is NULL or points to a readable id; `options` is NULL or valid; `out` is NULL or
+ * writable.
+ */
+int32_t epcomm_group_create_shm_unique(const struct epcomm_unique_id *id, int32_t rank, int32_t world_size, const struct epcomm_group_options *options, struct epcomm_group **out);
 
 /**
  * Creates a group over the host's transport. `callbacks` is copied; `user_data` must stay

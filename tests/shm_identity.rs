@@ -195,3 +195,82 @@ fn groups_from_unique_ids_never_meet() {
         "unique group id is not one made by UniqueId::new / epcomm_group_unique_id: it starts with \"xpcomm-uid1:\"; expected \"epcomm-uid1:\", 32 lowercase hex digits and zero bytes"
     );
 }
+
+/// The C ABI of unique ids: rank 0 makes one, the other rank receives it by the host's means (a
+/// channel here), both create from it and exchange data; NULL and zeroed ids are errors.
+#[test]
+fn unique_ids_through_the_c_abi() {
+    use epcomm::ffi::error::epcomm_last_error_message;
+    use epcomm::ffi::group::{
+        epcomm_group, epcomm_group_all_gather, epcomm_group_create_shm_unique,
+        epcomm_group_destroy, epcomm_group_unique_id, epcomm_unique_id, EPCOMM_UNIQUE_ID_BYTES,
+    };
+    let last_error = || {
+        // SAFETY: a NUL-terminated string owned by this thread, copied at once.
+        unsafe { std::ffi::CStr::from_ptr(epcomm_last_error_message()) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    let (tx, rx) = std::sync::mpsc::channel::<epcomm_unique_id>();
+    let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
+    let results = ranks::on_threads(2, move |rank| {
+        let id = if rank == 0 {
+            let mut id = epcomm_unique_id {
+                internal: [0; EPCOMM_UNIQUE_ID_BYTES],
+            };
+            // SAFETY: `id` is writable.
+            assert_eq!(unsafe { epcomm_group_unique_id(&mut id) }, 0);
+            tx.send(id).unwrap();
+            id
+        } else {
+            rx.lock().unwrap().recv().unwrap()
+        };
+        let mut g: *mut epcomm_group = std::ptr::null_mut();
+        // SAFETY: a valid id and out pointer; NULL options are the defaults.
+        let rc = unsafe {
+            epcomm_group_create_shm_unique(&id, rank as i32, 2, std::ptr::null(), &mut g)
+        };
+        assert_eq!(rc, 0, "{}", last_error());
+        let input = [b'a' + rank as u8; 4];
+        let mut out = [0u8; 8];
+        // SAFETY: the handle is live and the buffers have the sizes passed.
+        let rc = unsafe {
+            epcomm_group_all_gather(g, input.as_ptr().cast(), 4, out.as_mut_ptr().cast())
+        };
+        // SAFETY: the handle is live.
+        unsafe { epcomm_group_destroy(g) };
+        (rc, out)
+    });
+    for (rank, (rc, out)) in results.into_iter().enumerate() {
+        assert_eq!((rc, &out), (0, b"aaaabbbb"), "rank {rank}");
+    }
+
+    let mut g: *mut epcomm_group = std::ptr::null_mut();
+    // SAFETY: NULL id, valid out pointer.
+    let rc =
+        unsafe { epcomm_group_create_shm_unique(std::ptr::null(), 0, 1, std::ptr::null(), &mut g) };
+    assert_eq!(
+        (rc, last_error().as_str()),
+        (Status::NullPointer as i32, "argument 'id' must not be NULL")
+    );
+    // SAFETY: NULL out pointer.
+    let rc = unsafe { epcomm_group_unique_id(std::ptr::null_mut()) };
+    assert_eq!(
+        (rc, last_error().as_str()),
+        (
+            Status::NullPointer as i32,
+            "argument 'out' must not be NULL"
+        )
+    );
+    let zero = epcomm_unique_id {
+        internal: [0; EPCOMM_UNIQUE_ID_BYTES],
+    };
+    // SAFETY: a readable id and a valid out pointer.
+    let rc = unsafe { epcomm_group_create_shm_unique(&zero, 0, 1, std::ptr::null(), &mut g) };
+    assert_eq!(rc, Status::InvalidArgument as i32);
+    assert_eq!(
+        last_error(),
+        "unique group id is not one made by UniqueId::new / epcomm_group_unique_id: it starts with \"\\0\\0\\0\\0\\0\\0\\0\\0\\0\\0\\0\\0\"; expected \"epcomm-uid1:\", 32 lowercase hex digits and zero bytes"
+    );
+    assert!(g.is_null(), "no handle on failure");
+}

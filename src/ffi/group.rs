@@ -8,7 +8,7 @@ use super::guard;
 use super::tensor::{epcomm_tensor, HostTensor};
 use crate::error::{Error, Result};
 use crate::group::host::{HostGroup, HostTransport};
-use crate::group::shm::ShmGroup;
+use crate::group::shm::{ShmGroup, UniqueId, UNIQUE_ID_BYTES};
 use crate::group::{Group, GroupOptions, Op, P2p};
 use crate::num::FloatKind;
 
@@ -130,6 +130,64 @@ pub unsafe extern "C" fn epcomm_group_create_shm(
         let rank = index_arg(rank, "rank")?;
         let world = index_arg(world_size, "world_size")?;
         let g = ShmGroup::join(name, rank, world, opts)?;
+        finish_create(Box::new(g), out);
+        Ok(())
+    })
+}
+
+/// Bytes of an `epcomm_unique_id` (as NCCL's `NCCL_UNIQUE_ID_BYTES`).
+pub const EPCOMM_UNIQUE_ID_BYTES: usize = 128;
+const _: () = assert!(EPCOMM_UNIQUE_ID_BYTES == UNIQUE_ID_BYTES);
+
+/// A group id made by one rank with `epcomm_group_unique_id` and passed to the others by the
+/// host's own means (MPI_Bcast, a TCP store, torch.distributed), as `ncclUniqueId`: groups made
+/// from distinct ids never meet, so they need no unique name. Plain bytes: copy it freely.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct epcomm_unique_id {
+    pub internal: [u8; EPCOMM_UNIQUE_ID_BYTES],
+}
+
+/// Makes a fresh group id (128 random bits from the kernel) into `*out`, on one rank; the other
+/// ranks get it from that rank and all call `epcomm_group_create_shm_unique` with it.
+///
+/// # Safety
+/// `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_unique_id(out: *mut epcomm_unique_id) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        *out = epcomm_unique_id {
+            internal: UniqueId::new()?.0,
+        };
+        Ok(())
+    })
+}
+
+/// As `epcomm_group_create_shm`, for the group of the id `*id` made by
+/// `epcomm_group_unique_id` instead of a name. An id that was not made by it (altered, or
+/// zeroed) is `EPCOMM_ERROR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `id` is NULL or points to a readable id; `options` is NULL or valid; `out` is NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_create_shm_unique(
+    id: *const epcomm_unique_id,
+    rank: i32,
+    world_size: i32,
+    options: *const epcomm_group_options,
+    out: *mut *mut epcomm_group,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let id = unsafe { id.as_ref() }.ok_or(Error::NullPointer("id"))?;
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        let opts = unsafe { options_arg(options) }?;
+        let rank = index_arg(rank, "rank")?;
+        let world = index_arg(world_size, "world_size")?;
+        let g = ShmGroup::join_unique(&UniqueId(id.internal), rank, world, opts)?;
         finish_create(Box::new(g), out);
         Ok(())
     })
