@@ -3,7 +3,7 @@
 //! | Variable | Accepted values | Unset or empty | Invalid value |
 //! |---|---|---|---|
 //! | `EPCOMM_LOG_LEVEL` | `error`, `warn` (or `warning`), `info`, `debug`, any case | `warn` | `warn` |
-//! | `EPCOMM_TIMEOUT_S` | seconds, `0 < s <= 1e9`, fractions allowed (`2.5`) | 60 s | 60 s |
+//! | `EPCOMM_TIMEOUT_S` | seconds, `0 < s <= 86400` (one day), fractions allowed (`2.5`) | 60 s | 60 s |
 //! | `EPCOMM_SHM_DIRECT` | `1` (peers read buffers directly where the kernel allows), `0` (stage through shared memory) | `1` | `1` |
 //! | `EPCOMM_NO_SIMD` | `1` (scalar kernels only), `0` (AVX2 kernels where the CPU has them) | `0` | `1` |
 //! | `EPCOMM_FAULT_POINT` | one of [`crate::fault::POINTS`] (test use: the process kills itself there) | no fault | no fault |
@@ -13,7 +13,7 @@
 //! Values other than paths are trimmed of surrounding whitespace; an empty value counts as unset. A value
 //! outside what is accepted logs one warning per process and variable that names the variable,
 //! the value, what is accepted and what is used instead, for example
-//! `invalid EPCOMM_TIMEOUT_S='abc' (expected seconds > 0, at most 1e9); using the default 60 s`.
+//! `invalid EPCOMM_TIMEOUT_S='abc' (expected seconds > 0, at most 86400 (one day)); using the default 60 s`.
 //! An invalid `EPCOMM_NO_SIMD` turns the AVX2 kernels off, as any value did before `0` and `1`
 //! were told apart: whoever sets it means to turn them off.
 //!
@@ -47,9 +47,10 @@ pub const NVRTC_PATH: &str = "EPCOMM_NVRTC_PATH";
 /// The on-disk cache of compiled GPU kernels.
 pub const CACHE_DIR: &str = "EPCOMM_CACHE_DIR";
 
-/// The largest `EPCOMM_TIMEOUT_S` (the bound `epcomm_group_options.timeout_s` has too): larger
-/// values would overflow the deadline arithmetic.
-pub const MAX_TIMEOUT_S: f64 = 1e9;
+/// The largest `EPCOMM_TIMEOUT_S` (the bound `epcomm_group_options.timeout_s` has too): one
+/// day. A longer bound is no bound in practice (a hung peer would never be reported), and far
+/// larger values would overflow the deadline arithmetic.
+pub const MAX_TIMEOUT_S: f64 = 86400.0;
 
 /// The value of `var`: `None` when unset or empty (after trimming), `Err` with the raw value
 /// when it is not UTF-8.
@@ -117,7 +118,12 @@ pub fn timeout() -> Option<Duration> {
             "the default {} s",
             crate::group::DEFAULT_TIMEOUT.as_secs_f64()
         );
-        warn_invalid(TIMEOUT_S, v, "seconds > 0, at most 1e9", &instead);
+        warn_invalid(
+            TIMEOUT_S,
+            v,
+            "seconds > 0, at most 86400 (one day)",
+            &instead,
+        );
         None
     };
     match read(TIMEOUT_S)? {

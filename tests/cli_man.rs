@@ -133,7 +133,7 @@ Log threshold of the library: \fBerror\fR, \fBwarn\fR (or \fBwarning\fR; the def
 .TP
 .B EPCOMM_TIMEOUT_S
 Seconds every wait of the shared-memory group may take before it fails with a timeout
-(fractions allowed, at most 1e9; default 60).
+(fractions allowed, at most 86400, one day; default 60).
 .TP
 .B EPCOMM_SHM_DIRECT
 \fB1\fR (the default): peers read each other's buffers in place (process_vm_readv) where the

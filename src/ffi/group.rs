@@ -77,7 +77,7 @@ unsafe fn options_arg(options: *const epcomm_group_options) -> Result<GroupOptio
     let max = crate::env::MAX_TIMEOUT_S;
     if c.timeout_s.is_nan() || c.timeout_s > max {
         return Err(Error::InvalidArgument(format!(
-            "options->timeout_s is {:e}; expected seconds (> 0, at most {max:e}), or <= 0 for the default",
+            "options->timeout_s is {:e}; expected seconds (> 0, at most {max}, one day), or <= 0 for the default",
             c.timeout_s
         )));
     }
