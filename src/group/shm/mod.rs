@@ -1154,6 +1154,20 @@ impl ShmGroup {
         self.slot(self.rank).state.store(state, Ordering::Release);
     }
 
+    /// The error naming a rank that claimed its slot and whose process is gone, if any.
+    fn dead_while_joining(&self) -> Option<Error> {
+        let r = (0..self.world).find(|&r| {
+            let s = self.slot(r);
+            s.state.load(Ordering::Acquire) == SLOT_ACTIVE
+                && !pid_alive(s.pid.load(Ordering::Acquire))
+        })?;
+        Some(Error::PeerFailure(format!(
+            "rank {r} of group '{}' died (pid {} is gone) while the group was joining",
+            self.name,
+            self.slot(r).pid.load(Ordering::Acquire)
+        )))
+    }
+
     fn wait_joined(&self, deadline: &Deadline) -> Result<()> {
         let mut backoff = Backoff::new();
         let mut last_check = Instant::now();
@@ -1174,16 +1188,8 @@ impl ShmGroup {
                 (0..self.world).find(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_FAILED)
             {
                 // A rank that failed because another died: name the dead one, as that rank does.
-                if let Some(d) = (0..self.world).find(|&d| {
-                    let s = self.slot(d);
-                    s.state.load(Ordering::Acquire) == SLOT_ACTIVE
-                        && !pid_alive(s.pid.load(Ordering::Acquire))
-                }) {
-                    return Err(Error::PeerFailure(format!(
-                        "rank {d} of group '{}' died (pid {} is gone) while the group was joining",
-                        self.name,
-                        self.slot(d).pid.load(Ordering::Acquire)
-                    )));
+                if let Some(e) = self.dead_while_joining() {
+                    return Err(e);
                 }
                 return Err(Error::PeerFailure(format!(
                     "rank {r} of group '{}' failed while joining (see that rank's error)",
@@ -1216,16 +1222,8 @@ impl ShmGroup {
             }
             if last_check.elapsed() >= LIVENESS_PERIOD {
                 last_check = Instant::now();
-                if let Some(r) = (0..self.world).find(|&r| {
-                    let s = self.slot(r);
-                    s.state.load(Ordering::Acquire) == SLOT_ACTIVE
-                        && !pid_alive(s.pid.load(Ordering::Acquire))
-                }) {
-                    return Err(Error::PeerFailure(format!(
-                        "rank {r} of group '{}' died (pid {} is gone) while the group was joining",
-                        self.name,
-                        self.slot(r).pid.load(Ordering::Acquire)
-                    )));
+                if let Some(e) = self.dead_while_joining() {
+                    return Err(e);
                 }
                 if deadline.expired() {
                     return Err(Error::Timeout(format!(
