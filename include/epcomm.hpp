@@ -187,6 +187,20 @@ public:
         check(epcomm_group_create_shm(name.c_str(), rank, world_size, options, &g));
         return Group(g);
     }
+    /// A fresh group id (as ncclGetUniqueId): made on one rank, passed to the others by the
+    /// host's own means, then given to `shm_unique` on every rank.
+    static epcomm_unique_id unique_id() {
+        epcomm_unique_id id;
+        check(epcomm_group_unique_id(&id));
+        return id;
+    }
+    /// Creates or joins the shared-memory group of the id `id` (no name needed).
+    static Group shm_unique(const epcomm_unique_id &id, int32_t rank, int32_t world_size,
+                            const epcomm_group_options *options = nullptr) {
+        epcomm_group *g = nullptr;
+        check(epcomm_group_create_shm_unique(&id, rank, world_size, options, &g));
+        return Group(g);
+    }
     /// A group over the host's transport callbacks.
     static Group host(const epcomm_host_callbacks &callbacks, const std::string &name, int32_t rank,
                       int32_t world_size, const epcomm_group_options *options = nullptr) {

@@ -44,6 +44,20 @@ int main(int argc, char **argv) {
     }
 
     {
+        const epcomm_unique_id id = epcomm::Group::unique_id();
+        epcomm::Group g = epcomm::Group::shm_unique(id, 0, 1);
+        CHECK(g.rank() == 0 && g.size() == 1);
+        epcomm_unique_id zero{};
+        try {
+            epcomm::Group::shm_unique(zero, 0, 1);
+            CHECK(false);
+        } catch (const epcomm::Error &e) {
+            CHECK(e.status() == EPCOMM_ERROR_INVALID_ARGUMENT);
+            CHECK(std::string(e.what()).rfind("unique group id is not one made by", 0) == 0);
+        }
+    }
+
+    {
         epcomm::Group g = epcomm::Group::shm(name, 0, 1);
         CHECK(g.rank() == 0 && g.size() == 1);
         epcomm_moe_config cfg = epcomm::moe_config();
