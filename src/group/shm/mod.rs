@@ -1319,15 +1319,20 @@ impl ShmGroup {
         e
     }
 
+    /// The peers for which `ready(peer slot)` does not hold yet.
+    fn pending_peers(&self, ready: &impl Fn(&Slot) -> bool) -> Vec<usize> {
+        (0..self.world)
+            .filter(|&p| p != self.rank && !ready(self.slot(p)))
+            .collect()
+    }
+
     /// Waits until `ready(peer slot)` holds for every peer.
     fn wait_peers(&mut self, op: Op, n: u64, ready: impl Fn(&Slot) -> bool) -> Result<()> {
         let deadline = Deadline::new(self.opts.timeout);
         let mut backoff = Backoff::new();
         let mut last_check = Instant::now();
         loop {
-            let pending: Vec<usize> = (0..self.world)
-                .filter(|&p| p != self.rank && !ready(self.slot(p)))
-                .collect();
+            let pending = self.pending_peers(&ready);
             if pending.is_empty() {
                 return Ok(());
             }
@@ -1454,14 +1459,17 @@ impl ShmGroup {
         loop {
             let decided = match decoded(self.decision_word().load(Ordering::Acquire), n) {
                 Decision::Pending => {
-                    let pending: Vec<usize> = (0..self.world)
-                        .filter(|&p| p != self.rank && !ready(self.slot(p)))
-                        .collect();
-                    if pending.is_empty() {
+                    // The spin path allocates nothing: the pending list is made only for the
+                    // liveness check.
+                    if (0..self.world).all(|p| p == self.rank || ready(self.slot(p))) {
                         return Ok(());
                     }
                     if last_check.elapsed() >= LIVENESS_PERIOD {
                         last_check = Instant::now();
+                        let pending = self.pending_peers(&ready);
+                        if pending.is_empty() {
+                            return Ok(());
+                        }
                         if let Some((p, cause)) = self.failed_peer(&pending) {
                             self.decide(n, abort_word(n, p, cause))
                         } else if deadline.expired() {
@@ -1473,7 +1481,7 @@ impl ShmGroup {
                         Decision::Pending
                     }
                 }
-                decided => decided,
+                d @ (Decision::Commit | Decision::Abort { .. }) => d,
             };
             match decided {
                 Decision::Pending => backoff.snooze(),
