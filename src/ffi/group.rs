@@ -105,6 +105,28 @@ fn finish_create(g: Box<dyn Group>, out: &mut *mut epcomm_group) {
     }));
 }
 
+/// The shared steps of the shm create calls: out, options, rank and world checked in the C
+/// order, then `join`.
+///
+/// # Safety
+/// `options` is NULL or valid; `out` is NULL or writable.
+unsafe fn create_shm_with(
+    rank: i32,
+    world_size: i32,
+    options: *const epcomm_group_options,
+    out: *mut *mut epcomm_group,
+    join: impl FnOnce(usize, usize, GroupOptions) -> Result<ShmGroup>,
+) -> Result<()> {
+    // SAFETY: caller contract.
+    let out = unsafe { guard::out_arg(out, "out") }?;
+    let opts = unsafe { options_arg(options) }?;
+    let rank = index_arg(rank, "rank")?;
+    let world = index_arg(world_size, "world_size")?;
+    let g = join(rank, world, opts)?;
+    finish_create(Box::new(g), out);
+    Ok(())
+}
+
 /// Creates (rank 0) or joins (other ranks) the shared-memory group `name` of `world_size`
 /// ranks on this host (processes or threads) and returns once all ranks joined. `options` may
 /// be NULL for the defaults. Errors: bad arguments, a world size that differs between ranks,
@@ -125,13 +147,11 @@ pub unsafe extern "C" fn epcomm_group_create_shm(
     guard::call(|| {
         // SAFETY: caller contract.
         let name = unsafe { guard::str_arg(name, "name") }?;
-        let out = unsafe { guard::out_arg(out, "out") }?;
-        let opts = unsafe { options_arg(options) }?;
-        let rank = index_arg(rank, "rank")?;
-        let world = index_arg(world_size, "world_size")?;
-        let g = ShmGroup::join(name, rank, world, opts)?;
-        finish_create(Box::new(g), out);
-        Ok(())
+        unsafe {
+            create_shm_with(rank, world_size, options, out, |r, w, o| {
+                ShmGroup::join(name, r, w, o)
+            })
+        }
     })
 }
 
@@ -182,14 +202,16 @@ pub unsafe extern "C" fn epcomm_group_create_shm_unique(
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract.
-        let id = unsafe { id.as_ref() }.ok_or(Error::NullPointer("id"))?;
-        let out = unsafe { guard::out_arg(out, "out") }?;
-        let opts = unsafe { options_arg(options) }?;
-        let rank = index_arg(rank, "rank")?;
-        let world = index_arg(world_size, "world_size")?;
-        let g = ShmGroup::join_unique(&UniqueId(id.internal), rank, world, opts)?;
-        finish_create(Box::new(g), out);
-        Ok(())
+        let id = UniqueId(
+            unsafe { id.as_ref() }
+                .ok_or(Error::NullPointer("id"))?
+                .internal,
+        );
+        unsafe {
+            create_shm_with(rank, world_size, options, out, |r, w, o| {
+                ShmGroup::join_unique(&id, r, w, o)
+            })
+        }
     })
 }
 
