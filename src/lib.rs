@@ -5,6 +5,7 @@
 //! Rust with no FFI types; `ffi` holds every `extern "C"` item; `probe` finds optional native
 //! libraries.
 
+pub mod bytes;
 pub mod copy;
 pub mod dtype;
 pub mod env;
