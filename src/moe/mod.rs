@@ -9,6 +9,7 @@
 //! [`Group::reduce_rows`]: each source pulls the expert outputs of its tokens from the holders
 //! and sums them in f32, in rank order (deterministic), writing f32, bf16 or f16.
 
+pub mod layout;
 pub mod plan;
 pub mod reference;
 
