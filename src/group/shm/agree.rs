@@ -7,7 +7,8 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{ShmGroup, PARAMS, VERDICT_OK, VERDICT_REJECTED};
+use super::layout::{PARAMS, VERDICT_OK, VERDICT_REJECTED};
+use super::ShmGroup;
 use crate::error::{Error, Result};
 use crate::group::Op;
 use crate::num::FloatKind;

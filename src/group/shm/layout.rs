@@ -1,0 +1,143 @@
+//! The control segment's layout: a header, one slot of counters per rank and one data
+//! descriptor per rank, all shared atomics; and the op header at the start of each rank's
+//! data segment.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use super::segment::{Segment, SharedAtomics};
+use super::ShmGroup;
+
+pub(super) const MAGIC: u64 = 0x6570_636f_6d6d_0004; // "epcomm" + layout version 4
+pub(super) const LAYOUT_VERSION: u32 = 4;
+pub(super) const HEADER_BYTES: usize = 4096;
+/// `Header::conflict_pid` once the group formed without a conflict.
+pub(super) const FORMED: u64 = u64::MAX;
+pub(super) const OP_HEADER_BYTES: usize = 64;
+
+#[repr(C, align(64))]
+pub(super) struct Header {
+    pub(super) magic: AtomicU64,
+    pub(super) version: AtomicU32,
+    pub(super) world: AtomicU32,
+    pub(super) creator_pid: AtomicU32,
+    pub(super) _pad: AtomicU32,
+    pub(super) session: AtomicU64,
+    /// A rank that tried to join with another world size: rank + 1 (0 = none).
+    pub(super) mismatch_rank: AtomicU64,
+    pub(super) mismatch_world: AtomicU64,
+    /// When rank 0 created the segment (ns since the Unix epoch).
+    pub(super) created_ns: AtomicU64,
+    /// pid of a process of another job that tried to join this group under the same name
+    /// (0 = none): the group must not form. Rank 0 sets [`FORMED`] once the group has waited
+    /// out its settle time; the first to set the word decides, so every rank agrees.
+    pub(super) conflict_pid: AtomicU64,
+    /// The identity (st_dev, st_ino) of the rendezvous record rank 0 created, so it is removed
+    /// even when another process overwrote or truncated its contents.
+    pub(super) record_dev: AtomicU64,
+    pub(super) record_ino: AtomicU64,
+}
+// SAFETY: atomics only; all-zero is the valid "uninitialised" state.
+unsafe impl SharedAtomics for Header {}
+
+pub(super) const SLOT_EMPTY: u32 = 0;
+pub(super) const SLOT_ACTIVE: u32 = 1;
+pub(super) const SLOT_LEFT: u32 = 2;
+pub(super) const SLOT_FAILED: u32 = 3;
+/// Gave up waiting for the others to join (timed out); not a failure the others report.
+pub(super) const SLOT_GAVE_UP: u32 = 4;
+
+pub(super) fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+#[repr(C, align(128))]
+pub(super) struct Slot {
+    pub(super) token: AtomicU64,
+    pub(super) pid: AtomicU32,
+    pub(super) state: AtomicU32,
+    pub(super) data_gen: AtomicU64,
+    pub(super) data_bytes: AtomicU64,
+    pub(super) published: AtomicU64,
+    pub(super) consumed: AtomicU64,
+    pub(super) op_kind: AtomicU32,
+    /// Direct reads of this rank's memory work for peers: 0 unknown, 1 yes, 2 no.
+    pub(super) direct_ok: AtomicU32,
+    /// Address of a private probe word (holding `token`) for the direct-read check.
+    pub(super) probe_addr: AtomicU64,
+    /// Rank 0's slot only: the group's decision word, the latest op decided and how
+    /// (see [`Decision`]). Every rank obeys it, so all reach the same outcome for every op.
+    pub(super) decision: AtomicU64,
+    /// `n << 8 | verdict` of the op `n` this rank published: [`VERDICT_OK`] or
+    /// [`VERDICT_REJECTED`] (its arguments failed its own checks; it sends nothing).
+    pub(super) verdict: AtomicU64,
+    /// The op's parameters every rank must agree on (root, dtype, sizes digest, ...).
+    pub(super) params: [AtomicU64; PARAMS],
+}
+// SAFETY: atomics only; all-zero means an empty slot.
+unsafe impl SharedAtomics for Slot {}
+
+/// Parameter words per op that every rank compares before any data moves.
+pub(super) const PARAMS: usize = 5;
+pub(super) const VERDICT_OK: u64 = 1;
+pub(super) const VERDICT_REJECTED: u64 = 2;
+
+/// Where a rank's data segment is: the creator's descriptor number and the file's identity,
+/// which peers check when they open it. `gen` is stored last (release).
+#[repr(C, align(64))]
+pub(super) struct DataDesc {
+    pub(super) fd: AtomicU32,
+    pub(super) _pad: AtomicU32,
+    pub(super) dev: AtomicU64,
+    pub(super) ino: AtomicU64,
+    pub(super) bytes: AtomicU64,
+    pub(super) gen: AtomicU64,
+    /// When this rank called join (ns since the Unix epoch): the spread of the ranks' arrivals
+    /// sets how long the group waits for a conflicting job to show up.
+    pub(super) started_ns: AtomicU64,
+}
+// SAFETY: atomics only; all-zero means "not created yet".
+unsafe impl SharedAtomics for DataDesc {}
+
+pub(super) fn control_bytes(world: usize) -> usize {
+    HEADER_BYTES + world * (std::mem::size_of::<Slot>() + std::mem::size_of::<DataDesc>())
+}
+
+pub(super) fn desc_offset(world: usize, r: usize) -> usize {
+    HEADER_BYTES + world * std::mem::size_of::<Slot>() + r * std::mem::size_of::<DataDesc>()
+}
+
+/// Tells peers where segment `seg` (generation `gen`) is.
+pub(super) fn publish_desc(d: &DataDesc, seg: &Segment, gen: u64) {
+    d.fd.store(seg.fd().unwrap_or(0), Ordering::Relaxed);
+    d.dev.store(seg.key().0, Ordering::Relaxed);
+    d.ino.store(seg.key().1, Ordering::Relaxed);
+    d.bytes.store(seg.len() as u64, Ordering::Relaxed);
+    d.gen.store(gen, Ordering::Release);
+}
+
+pub(super) fn align64(x: usize) -> usize {
+    (x + 63) & !63
+}
+
+impl ShmGroup {
+    pub(super) fn header(&self) -> &Header {
+        self.control.at(0)
+    }
+
+    pub(super) fn slot(&self, r: usize) -> &Slot {
+        self.control
+            .at(HEADER_BYTES + r * std::mem::size_of::<Slot>())
+    }
+
+    /// The data descriptor of rank `r`.
+    pub(super) fn desc(&self, r: usize) -> &DataDesc {
+        self.control.at(desc_offset(self.world, r))
+    }
+
+    pub(super) fn mark(&self, state: u32) {
+        self.slot(self.rank).state.store(state, Ordering::Release);
+    }
+}

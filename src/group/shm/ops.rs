@@ -1,0 +1,378 @@
+//! The collectives: the [`Group`] trait over the protocol.
+
+use super::agree;
+use super::payload::{reduce_into, Payload};
+use super::ShmGroup;
+use crate::error::{Error, Result};
+use crate::group::rows;
+use crate::group::{
+    check_len, check_p2p, check_rank, check_reduce_scatterv, check_sizes, Group, Op, P2p,
+};
+use crate::num::FloatKind;
+
+impl Group for ShmGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.world
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn elastic(&self) -> bool {
+        self.opts.elastic
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.run_agreed(Op::Barrier, Ok(()), &[], &[], &[], |_| Ok(()))
+    }
+
+    fn reject(&mut self, op: Op, e: Error) -> Error {
+        self.reject_op(op, e)
+    }
+
+    fn all_gatherv(&mut self, input: &[u8], sizes: &[usize], output: &mut [u8]) -> Result<()> {
+        let op = Op::AllGatherv;
+        self.check_usable(op)?;
+        let me = self.rank;
+        let local = check_sizes("sizes", op, sizes, self.world).and_then(|total| {
+            check_len("input", op, input.len(), sizes[me], &format!("sizes[{me}]"))?;
+            check_len("output", op, output.len(), total, "sum(sizes)")?;
+            Ok(total)
+        });
+        let params = [
+            agree::number("sum(sizes)", *local.as_ref().unwrap_or(&0)),
+            agree::list("sizes", sizes),
+        ];
+        self.run_agreed(op, local.map(drop), &params, &[], &[input], |g| {
+            let mut off = 0;
+            for (p, &len) in sizes.iter().enumerate() {
+                let dst = &mut output[off..off + len];
+                if p == me {
+                    dst.copy_from_slice(input);
+                } else {
+                    let (_, data) = g.parts(p)?;
+                    if data.len() != len {
+                        return Err(Error::InvalidArgument(format!(
+                            "all_gatherv: rank {p} contributed {} bytes but sizes[{p}] on rank {me} is {len} (ranks disagree on sizes)",
+                            data.len()
+                        )));
+                    }
+                    data.copy_to(0, dst)?;
+                }
+                off += len;
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce_scatterv(
+        &mut self,
+        input: &[u8],
+        rows: &[usize],
+        row_elems: usize,
+        kind: FloatKind,
+        output: &mut [u8],
+    ) -> Result<()> {
+        let op = Op::ReduceScatterv;
+        self.check_usable(op)?;
+        let me = self.rank;
+        let local = check_reduce_scatterv(
+            me,
+            self.world,
+            input.len(),
+            rows,
+            row_elems,
+            kind,
+            output.len(),
+        );
+        let (row_bytes, first_row) = *local.as_ref().unwrap_or(&(0, 0));
+        let params = [
+            agree::dtype("dtype", kind),
+            agree::number("row_elems", row_elems),
+            agree::number(
+                "sum(rows)",
+                rows.iter().fold(0usize, |a, &r| a.wrapping_add(r)),
+            ),
+            agree::list("rows", rows),
+        ];
+        self.run_agreed(op, local.map(drop), &params, &[], &[input], |g| {
+            let mut sources: Vec<Payload<'_>> = Vec::with_capacity(g.world);
+            for p in 0..g.world {
+                if p == me {
+                    sources.push(Payload::Region(input));
+                } else {
+                    let (_, data) = g.parts(p)?;
+                    if data.len() != input.len() {
+                        return Err(Error::InvalidArgument(format!(
+                            "reduce_scatterv: rank {p} contributed {} bytes but rank {me} expects {} (ranks disagree on rows or row size)",
+                            data.len(),
+                            input.len()
+                        )));
+                    }
+                    sources.push(data);
+                }
+            }
+            let start = first_row * row_bytes;
+            reduce_into(&sources, start, kind, output)
+        })
+    }
+
+    fn all_to_allv(
+        &mut self,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Result<()> {
+        let op = Op::AllToAllv;
+        self.check_usable(op)?;
+        let local = (|| {
+            let send_total = check_sizes("send_sizes", op, send_sizes, self.world)?;
+            let recv_total = check_sizes("recv_sizes", op, recv_sizes, self.world)?;
+            check_len("send", op, send.len(), send_total, "sum(send_sizes)")?;
+            check_len("recv", op, recv.len(), recv_total, "sum(recv_sizes)")
+        })();
+        let me = self.rank;
+        let meta: Vec<u64> = send_sizes.iter().map(|&s| s as u64).collect();
+        self.run_agreed(op, local, &[], &meta, &[send], |g| {
+            let mut off = 0;
+            for (p, &len) in recv_sizes.iter().enumerate() {
+                let dst = &mut recv[off..off + len];
+                off += len;
+                let (their_sizes, data) = g.parts(p)?;
+                let theirs = their_sizes[me] as usize;
+                if theirs != len {
+                    return Err(Error::InvalidArgument(format!(
+                        "all_to_allv: rank {p} sends {theirs} bytes to rank {me} but recv_sizes[{p}] on rank {me} is {len}"
+                    )));
+                }
+                let start: usize = their_sizes[..me].iter().map(|&s| s as usize).sum();
+                data.copy_to(start, dst)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+        let op = Op::SendRecv;
+        self.check_usable(op)?;
+        if let Err(e) = check_p2p(ops, self.rank, self.world) {
+            return Err(self.reject_op(op, e));
+        }
+        let me = self.rank;
+        self.guarded(op, |g| {
+            let n = g.begin(op)?;
+            {
+                // Metadata: (peer, bytes) per send in issue order; payload: the sends.
+                let mut meta = Vec::new();
+                let mut parts: Vec<&[u8]> = Vec::new();
+                for o in ops.iter() {
+                    if let P2p::Send { peer, data } = o {
+                        meta.extend([*peer as u64, data.len() as u64]);
+                        parts.push(data);
+                    }
+                }
+                g.publish(op, n, &meta, &parts)?;
+            }
+            g.gather_published(op, n)?;
+            if let Err(e) = g.verdict(op, n, &[]) {
+                g.finish(op, n)?;
+                return Err(e);
+            }
+            let mut matched = vec![0usize; g.world]; // receives matched so far, per source
+            for o in ops.iter_mut() {
+                let P2p::Recv { peer, data } = o else { continue };
+                let p = *peer;
+                let j = matched[p];
+                let (their_meta, their_payload) = g.parts(p)?;
+                // The j-th send from p to this rank.
+                let mut off = 0usize;
+                let mut found = None;
+                let mut seen = 0usize;
+                for pair in their_meta.chunks_exact(2) {
+                    let (dst, len) = (pair[0] as usize, pair[1] as usize);
+                    if dst == me {
+                        if seen == j {
+                            found = Some((off, len));
+                            break;
+                        }
+                        seen += 1;
+                    }
+                    off += len;
+                }
+                let Some((off, len)) = found else {
+                    return Err(Error::InvalidArgument(format!(
+                        "send_recv: rank {me} posted receive #{j} from rank {p}, but rank {p} posted only {seen} send(s) to rank {me}"
+                    )));
+                };
+                if len != data.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "send_recv: receive #{j} on rank {me} from rank {p} has {} bytes but the matching send has {len} bytes",
+                        data.len()
+                    )));
+                }
+                their_payload.copy_to(off, data)?;
+                matched[p] += 1;
+            }
+            // Every message sent to this rank must have been received.
+            for (p, &got) in matched.iter().enumerate() {
+                let (their_meta, _) = g.parts(p)?;
+                let sent = their_meta.chunks_exact(2).filter(|pair| pair[0] as usize == me).count();
+                if sent != got {
+                    return Err(Error::InvalidArgument(format!(
+                        "send_recv: rank {p} sent {sent} message(s) to rank {me}, but rank {me} posted {got} receive(s) from it"
+                    )));
+                }
+            }
+            g.finish(op, n)
+        })
+    }
+
+    fn exchange_rows(
+        &mut self,
+        src: &[u8],
+        row_bytes: usize,
+        give: &[Vec<u32>],
+        dst: &mut [u8],
+        take: &[Vec<u32>],
+    ) -> Result<()> {
+        let op = Op::ExchangeRows;
+        self.check_usable(op)?;
+        if !self.direct {
+            return rows::exchange_packed(self, src, row_bytes, give, dst, take);
+        }
+        if let Err(e) = rows::check_exchange(self.rank, self.world, src, row_bytes, give, dst, take)
+        {
+            return Err(self.reject_op(op, e));
+        }
+        let me = self.rank;
+        let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        let params = [agree::number("row_bytes", row_bytes)];
+        self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
+            for (p, take_p) in take.iter().enumerate() {
+                let (their_meta, payload) = g.parts(p)?;
+                let src_idx = rows::read_index_list(
+                    op,
+                    &their_meta,
+                    p,
+                    me,
+                    row_bytes,
+                    take_p.len(),
+                    |o, b| payload.copy_to(o, b),
+                )?;
+                let ranges: Vec<(usize, usize, usize)> = src_idx
+                    .iter()
+                    .zip(take_p)
+                    .map(|(&s, &d)| (s as usize * row_bytes, d as usize * row_bytes, row_bytes))
+                    .collect();
+                payload.copy_scattered(dst, &ranges)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce_rows(
+        &mut self,
+        src: &[u8],
+        kind: FloatKind,
+        row_elems: usize,
+        give: &[Vec<u32>],
+        out: &mut [u8],
+        out_kind: FloatKind,
+        take: &[Vec<(u32, f32)>],
+    ) -> Result<()> {
+        let op = Op::ReduceRows;
+        self.check_usable(op)?;
+        if !self.direct {
+            return rows::reduce_packed(self, src, kind, row_elems, give, out, out_kind, take);
+        }
+        let row_bytes = row_elems * kind.size();
+        let out_rows = match rows::check_reduce(
+            self.world, src, row_bytes, row_elems, give, out, out_kind, take,
+        ) {
+            Ok(r) => r,
+            Err(e) => return Err(self.reject_op(op, e)),
+        };
+        let me = self.rank;
+        let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        let params = [
+            agree::dtype("row dtype", kind),
+            agree::number("row_elems", row_elems),
+            agree::dtype("output dtype", out_kind),
+        ];
+        self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
+            // Each peer's payload and the source rows it gives this rank, read once.
+            let mut payloads = Vec::with_capacity(g.world);
+            for (p, take_p) in take.iter().enumerate() {
+                let (their_meta, payload) = g.parts(p)?;
+                let idx = rows::read_index_list(
+                    op,
+                    &their_meta,
+                    p,
+                    me,
+                    row_bytes,
+                    take_p.len(),
+                    |o, b| payload.copy_to(o, b),
+                )?;
+                payloads.push((payload, idx));
+            }
+            let by_row = rows::ByRow::new(take, out_rows);
+            let mut ranges = Vec::new();
+            rows::reduce_blocked(
+                kind,
+                row_elems,
+                &by_row,
+                out,
+                out_kind,
+                Some((me, src, give[me].as_slice())),
+                |peer: usize, positions: &[u32], scratch: &mut [u8]| {
+                    let (payload, idx) = &payloads[peer];
+                    ranges.clear();
+                    ranges.extend(positions.iter().enumerate().map(|(i, &pos)| {
+                        (
+                            idx[pos as usize] as usize * row_bytes,
+                            i * row_bytes,
+                            row_bytes,
+                        )
+                    }));
+                    payload.copy_scattered(scratch, &ranges)
+                },
+            )
+        })
+    }
+
+    fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
+        let op = Op::Broadcast;
+        self.check_usable(op)?;
+        let local = check_rank("root", op, root, self.world);
+        let me = self.rank;
+        let mine: Vec<u8> = if me == root {
+            data.to_vec()
+        } else {
+            Vec::new()
+        };
+        let params = [
+            agree::number("root", root),
+            agree::number("byte count", data.len()),
+        ];
+        self.run_agreed(op, local, &params, &[root as u64], &[&mine], |g| {
+            if me == root {
+                return Ok(());
+            }
+            let (_, payload) = g.parts(root)?;
+            if payload.len() != data.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "broadcast: root {root} sent {} bytes but rank {me} expects {}",
+                    payload.len(),
+                    data.len()
+                )));
+            }
+            payload.copy_to(0, data)
+        })
+    }
+}

@@ -1,0 +1,414 @@
+//! Payload movement: reading a rank's published op (metadata words and payload, every word
+//! checked), copying from a region or straight from a peer's memory (direct mode), and
+//! summing sources.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use super::layout::{align64, OP_HEADER_BYTES};
+use super::segment::{copy_from_process, copy_scattered_from_process};
+use super::ShmGroup;
+use crate::error::{Error, Result};
+use crate::group::Op;
+use crate::num::{self, FloatKind};
+
+impl ShmGroup {
+    /// Records the buffers of op `n` (direct mode) where thread ranks of this process read them.
+    pub(super) fn note_table(&self, n: u64, payload: &[&[u8]]) {
+        let mut t = self.tables[self.rank]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        t.0 = n;
+        t.1.clear();
+        t.1.extend(payload.iter().map(|b| (b.as_ptr() as u64, b.len())));
+    }
+
+    /// The buffers thread rank `p` of this process recorded for op `n`.
+    fn local_table(&self, p: usize, n: u64) -> Option<Vec<(u64, usize)>> {
+        let t = self.tables[p].lock().unwrap_or_else(|e| e.into_inner());
+        (t.0 == n).then(|| t.1.clone())
+    }
+
+    /// Rank p's published metadata words and payload for the current op (p may be this rank).
+    /// Every word read from the segment is checked against the segment's size and against what
+    /// a rank may publish for this op, so a segment another process altered is an error naming
+    /// the rank, never an allocation of its choosing, a panic or a fault.
+    pub(super) fn parts(&self, p: usize) -> Result<(Vec<u64>, Payload<'_>)> {
+        let seg = if p == self.rank {
+            &self.data
+        } else {
+            match self.peers[p].as_ref() {
+                Some((_, seg)) => seg,
+                None => {
+                    return Err(Error::Internal(format!(
+                        "the region of rank {p} of group '{}' is not mapped on rank {}",
+                        self.name, self.rank
+                    )))
+                }
+            }
+        };
+        let bad = |what: String| {
+            Error::PeerFailure(format!(
+                "the shared-memory region of rank {p} of group '{}' (memfd {}) holds an invalid op header: {what}; another process may have written to it (seen from rank {})",
+                self.name,
+                seg.name().trim_start_matches('/'),
+                self.rank
+            ))
+        };
+        let mut head = [0u8; 40];
+        seg.read(0, &mut head);
+        let word = |i: usize| u64::from_ne_bytes(head[i..i + 8].try_into().unwrap());
+        let kind = u32::from_ne_bytes(head[0..4].try_into().unwrap());
+        let direct = u32::from_ne_bytes(head[4..8].try_into().unwrap());
+        let (n, payload_len, meta_len, pieces) = (word(8), word(16), word(24), word(32));
+        let expected = self.slot(p).op_kind.load(Ordering::Acquire);
+        if kind != expected {
+            return Err(bad(format!(
+                "operation code {kind}, but the rank's slot says {expected}"
+            )));
+        }
+        // The op this rank published last is the one being read.
+        let current = self.slot(self.rank).published.load(Ordering::Acquire);
+        if n != current {
+            return Err(bad(format!("op #{n}, expected op #{current}")));
+        }
+        if direct != u32::from(self.direct) {
+            return Err(bad(format!(
+                "mode word {direct}, expected {}",
+                u32::from(self.direct)
+            )));
+        }
+        let room = seg.len() - OP_HEADER_BYTES;
+        if meta_len > (room / 8) as u64 {
+            return Err(bad(format!(
+                "{meta_len} metadata words, more than the {} bytes of the region hold",
+                seg.len()
+            )));
+        }
+        let meta_len = meta_len as usize;
+        let mut meta_bytes = vec![0u8; meta_len * 8];
+        seg.read(OP_HEADER_BYTES, &mut meta_bytes);
+        let meta: Vec<u64> = meta_bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        let payload_off = align64(OP_HEADER_BYTES + meta_len * 8);
+        let left = seg.len().saturating_sub(payload_off);
+        let payload_len = usize::try_from(payload_len).unwrap_or(usize::MAX);
+        let payload = if self.direct {
+            if pieces > (left / 16) as u64 {
+                return Err(bad(format!(
+                    "{pieces} buffer addresses, more than the {} bytes of the region hold",
+                    seg.len()
+                )));
+            }
+            let pid = self.slot(p).pid.load(Ordering::Acquire);
+            let local = pid == self.pid;
+            let table: Vec<(u64, usize)> = if local {
+                // A thread rank's buffers are followed only as its owner recorded them in this
+                // process's memory: a forged address must not fault this process.
+                match self.local_table(p, n) {
+                    Some(t) => t,
+                    None => {
+                        return Err(bad(format!(
+                            "no buffers of op #{n} were published by rank {p} in this process"
+                        )))
+                    }
+                }
+            } else {
+                let mut raw = vec![0u8; pieces as usize * 16];
+                seg.read(payload_off, &mut raw);
+                raw.chunks_exact(16)
+                    .map(|c| {
+                        let w = |i: usize| u64::from_ne_bytes(c[i..i + 8].try_into().unwrap());
+                        (w(0), usize::try_from(w(8)).unwrap_or(usize::MAX))
+                    })
+                    .collect()
+            };
+            let total = table.iter().try_fold(0usize, |acc, &(addr, len)| {
+                addr.checked_add(len as u64)?;
+                acc.checked_add(len)
+            });
+            if total != Some(payload_len) {
+                return Err(bad(format!(
+                    "buffers of {total:?} bytes in all, but a payload of {payload_len} bytes"
+                )));
+            }
+            Payload::Direct {
+                rank: p,
+                pid,
+                local,
+                pieces: table,
+                len: payload_len,
+            }
+        } else {
+            if payload_len > left {
+                return Err(bad(format!(
+                    "a payload of {payload_len} bytes at offset {payload_off}, past the end of the region ({} bytes)",
+                    seg.len()
+                )));
+            }
+            Payload::Region(seg.view(payload_off, payload_len))
+        };
+        check_meta(Op::from_code(kind), &meta, payload_len, self.world).map_err(bad)?;
+        Ok((meta, payload))
+    }
+}
+
+/// Checks the metadata words a rank published for `op` against its payload of `payload_len`
+/// bytes, so the collectives can index and sum them without overflow or out-of-range access.
+fn check_meta(
+    op: Option<Op>,
+    meta: &[u64],
+    payload_len: usize,
+    world: usize,
+) -> std::result::Result<(), String> {
+    pub(super) fn sum(mut words: impl Iterator<Item = u64>) -> Option<u64> {
+        words.try_fold(0u64, |a, w| a.checked_add(w))
+    }
+    let total = payload_len as u64;
+    match op {
+        None => Err("an unknown operation".into()),
+        Some(Op::AllToAllv) => {
+            if meta.len() != world {
+                return Err(format!("{} send sizes for {world} ranks", meta.len()));
+            }
+            match sum(meta.iter().copied()) {
+                Some(s) if s == total => Ok(()),
+                s => Err(format!(
+                    "send sizes summing to {s:?}, but a payload of {total} bytes"
+                )),
+            }
+        }
+        Some(Op::SendRecv) => {
+            if meta.len() % 2 != 0 {
+                return Err(format!("{} message words (expected pairs)", meta.len()));
+            }
+            if let Some(pair) = meta.chunks_exact(2).find(|pair| pair[0] >= world as u64) {
+                return Err(format!("a message to rank {} of {world}", pair[0]));
+            }
+            match sum(meta.chunks_exact(2).map(|pair| pair[1])) {
+                Some(s) if s == total => Ok(()),
+                s => Err(format!(
+                    "messages of {s:?} bytes in all, but a payload of {total} bytes"
+                )),
+            }
+        }
+        Some(Op::ExchangeRows | Op::ReduceRows) => {
+            if meta.len() != 2 + 2 * world {
+                return Err(format!("{} row-index words for {world} ranks", meta.len()));
+            }
+            let src = meta[1];
+            let index_bytes = total
+                .checked_sub(src)
+                .ok_or_else(|| format!("a source of {src} bytes in a payload of {total} bytes"))?;
+            for (r, pair) in meta[2..].chunks_exact(2).enumerate() {
+                let end = pair[0].checked_add(pair[1]).and_then(|x| x.checked_mul(4));
+                if end.is_none_or(|e| e > index_bytes) {
+                    return Err(format!(
+                        "row list for rank {r} at {} with {} rows, past the {index_bytes} bytes of row indices",
+                        pair[0], pair[1]
+                    ));
+                }
+            }
+            Ok(())
+        }
+        Some(Op::Broadcast) => match meta.len() {
+            1 => Ok(()),
+            k => Err(format!("{k} root words (expected 1)")),
+        },
+        Some(Op::Join | Op::Barrier | Op::AllGatherv | Op::ReduceScatterv | Op::Leave) => Ok(()),
+    }
+}
+
+/// Buffer tables of the thread ranks of one process, per group session: rank r's entry holds
+/// (op, (address, length) of each buffer). Private memory, so no other process can forge it.
+pub(super) type LocalTables = Vec<Mutex<(u64, Vec<(u64, usize)>)>>;
+
+pub(super) fn local_tables(session: u64, world: usize) -> Arc<LocalTables> {
+    static ALL: OnceLock<Mutex<HashMap<u64, Weak<LocalTables>>>> = OnceLock::new();
+    let mut all = ALL
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(t) = all.get(&session).and_then(Weak::upgrade) {
+        return t;
+    }
+    all.retain(|_, w| w.strong_count() > 0);
+    let t: Arc<LocalTables> = Arc::new((0..world).map(|_| Mutex::new((0, Vec::new()))).collect());
+    all.insert(session, Arc::downgrade(&t));
+    t
+}
+
+/// A read of `len` bytes at `offset` of a payload (or buffer) of `size` bytes: the ranks'
+/// published sizes disagree with what this read needs.
+fn out_of_payload(offset: usize, len: usize, size: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "a read of {len} bytes at offset {offset} goes past the end of a rank's published data ({size} bytes); the ranks disagree on sizes"
+    ))
+}
+
+/// A rank's contribution to the current op: bytes in its shared region, or (direct mode)
+/// ranges of its own memory to copy from.
+pub(super) enum Payload<'a> {
+    Region(&'a [u8]),
+    Direct {
+        rank: usize,
+        pid: u32,
+        local: bool,
+        pieces: Vec<(u64, usize)>,
+        len: usize,
+    },
+}
+
+impl Payload<'_> {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Payload::Region(b) => b.len(),
+            Payload::Direct { len, .. } => *len,
+        }
+    }
+
+    /// Copies `dst.len()` bytes starting at byte `offset` of the payload into `dst`.
+    pub(super) fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        match self {
+            Payload::Region(b) => {
+                let src = offset
+                    .checked_add(dst.len())
+                    .and_then(|end| b.get(offset..end))
+                    .ok_or_else(|| out_of_payload(offset, dst.len(), b.len()))?;
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+            Payload::Direct {
+                rank,
+                pid,
+                local,
+                pieces,
+                len,
+            } => {
+                if offset.checked_add(dst.len()).is_none_or(|end| end > *len) {
+                    return Err(out_of_payload(offset, dst.len(), *len));
+                }
+                let (mut piece_start, mut done) = (0usize, 0usize);
+                for &(addr, plen) in pieces {
+                    let want = offset + done;
+                    if done == dst.len() {
+                        break;
+                    }
+                    if want < piece_start + plen {
+                        let within = want - piece_start;
+                        let n = (plen - within).min(dst.len() - done);
+                        copy_from_process(
+                            *pid,
+                            *local,
+                            addr + within as u64,
+                            &mut dst[done..done + n],
+                        )
+                        .map_err(|e| {
+                            Error::PeerFailure(format!(
+                                "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
+                            ))
+                        })?;
+                        done += n;
+                    }
+                    piece_start += plen;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Payload<'_> {
+    /// Copies ranges (payload offset, offset in `dst`, length) of the payload into `dst`; each
+    /// range lies within one published buffer.
+    pub(super) fn copy_scattered(
+        &self,
+        dst: &mut [u8],
+        ranges: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        match self {
+            Payload::Region(b) => {
+                for &(src, off, len) in ranges {
+                    let from = src
+                        .checked_add(len)
+                        .and_then(|end| b.get(src..end))
+                        .ok_or_else(|| out_of_payload(src, len, b.len()))?;
+                    let size = dst.len();
+                    let to = off
+                        .checked_add(len)
+                        .and_then(|end| dst.get_mut(off..end))
+                        .ok_or_else(|| out_of_payload(off, len, size))?;
+                    to.copy_from_slice(from);
+                }
+                Ok(())
+            }
+            Payload::Direct {
+                rank,
+                pid,
+                local,
+                pieces,
+                ..
+            } => {
+                let mut remote = Vec::with_capacity(ranges.len());
+                for &(src, off, len) in ranges {
+                    let mut start = 0usize;
+                    let addr = pieces.iter().find_map(|&(addr, plen)| {
+                        let hit = src >= start && src.saturating_add(len) <= start + plen;
+                        let a = addr + (src - start.min(src)) as u64;
+                        start += plen;
+                        hit.then_some(a)
+                    });
+                    let addr = addr.ok_or_else(|| out_of_payload(src, len, self.len()))?;
+                    if off.checked_add(len).is_none_or(|end| end > dst.len()) {
+                        return Err(out_of_payload(off, len, dst.len()));
+                    }
+                    remote.push((addr, off, len));
+                }
+                copy_scattered_from_process(*pid, *local, dst, &remote).map_err(|e| {
+                    Error::PeerFailure(format!(
+                        "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
+                    ))
+                })
+            }
+        }
+    }
+}
+
+/// Sums `out.len()` bytes (elements of `kind`) starting at byte `start` of every source, in
+/// source order, accumulating in f32, and stores the result in `out`. Works in cache-sized
+/// chunks; direct sources are copied chunk by chunk into a small buffer first.
+pub(super) fn reduce_into(
+    sources: &[Payload<'_>],
+    start: usize,
+    kind: FloatKind,
+    out: &mut [u8],
+) -> Result<()> {
+    const CHUNK: usize = 8192; // elements
+    let es = kind.size();
+    let elems = out.len() / es;
+    let mut acc = vec![0f32; CHUNK.min(elems)];
+    let mut scratch = vec![0u8; CHUNK.min(elems) * es];
+    let mut e0 = 0;
+    while e0 < elems {
+        let n = CHUNK.min(elems - e0);
+        let acc = &mut acc[..n];
+        acc.fill(0.0);
+        let (b0, b1) = (start + e0 * es, start + (e0 + n) * es);
+        for src in sources {
+            match src {
+                Payload::Region(b) => num::accumulate(acc, &b[b0..b1], kind),
+                direct => {
+                    let tmp = &mut scratch[..n * es];
+                    direct.copy_to(b0, tmp)?;
+                    num::accumulate(acc, tmp, kind);
+                }
+            }
+        }
+        num::store(acc, &mut out[e0 * es..(e0 + n) * es], kind);
+        e0 += n;
+    }
+    Ok(())
+}

@@ -1,0 +1,534 @@
+//! Rendezvous: group names and unique ids, the record `/dev/shm/epcomm.{name}` naming rank 0's
+//! control segment, and creating or opening that segment (stale records, layouts, conflicts
+//! with another job under the same name).
+
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::layout::{control_bytes, now_ns, Header, HEADER_BYTES, LAYOUT_VERSION, MAGIC};
+use super::segment::{self, pid_alive, Segment};
+use super::wait::{Backoff, Deadline};
+use super::ShmGroup;
+use crate::error::{Error, Result};
+
+/// A rank maps the control segment and every rank's data segment (at most `world + 1` new
+/// mappings; thread ranks of one process share them). Refuses a group that would exceed
+/// `vm.max_map_count` with the mappings this process already has, so the limit is an error
+/// here instead of a failed mmap (or an abort) later.
+pub(super) fn check_map_budget(name: &str, rank: usize, world: usize) -> Result<()> {
+    let Some(limit) = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+    else {
+        return Ok(());
+    };
+    // One count of this process's mappings serves the thread ranks joining at about the same
+    // time (each adds its share), so 1024 of them do not each read /proc/self/maps.
+    static COUNTED: Mutex<Option<(Instant, usize)>> = Mutex::new(None);
+    let mut counted = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    let used = match *counted {
+        Some((at, n)) if at.elapsed() < Duration::from_millis(200) => n,
+        _ => {
+            let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+                return Ok(());
+            };
+            maps.lines().count()
+        }
+    };
+    *counted = Some((Instant::now(), used + 2));
+    map_budget(name, rank, world, used, limit)
+}
+
+/// Whether `world + 2` more mappings fit under `limit` with `used` taken (and a margin of 256
+/// for growth, which remaps one region at a time, and the process's own allocations).
+fn map_budget(name: &str, rank: usize, world: usize, used: usize, limit: usize) -> Result<()> {
+    if used + world + 2 + 256 > limit {
+        return Err(Error::System(format!(
+            "group '{name}' needs up to {} memory mappings on rank {rank}, but this process already has {used} of the vm.max_map_count limit of {limit} (raise it with sysctl vm.max_map_count, or run fewer ranks per process)",
+            world + 2
+        )));
+    }
+    Ok(())
+}
+
+/// The rendezvous record `/dev/shm/epcomm.{name}`: where rank 0's control segment is. Written
+/// once with one pwrite and read with pread (never mapped); a checksum tells a complete record
+/// from one being written.
+#[derive(Clone, Copy, Debug)]
+struct Record {
+    version: u32,
+    world: u32,
+    creator: u32,
+    fd: u32,
+    key: segment::FileKey,
+    session: u64,
+    created_ns: u64,
+}
+
+const RECORD_BYTES: usize = 64;
+
+fn record_checksum(b: &[u8]) -> u64 {
+    b[..56].chunks_exact(8).fold(0xcbf2_9ce4_8422_2325, |h, c| {
+        (h ^ u64::from_ne_bytes(c.try_into().unwrap())).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+impl Record {
+    fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(RECORD_BYTES);
+        b.extend(MAGIC.to_ne_bytes());
+        b.extend(self.version.to_ne_bytes());
+        b.extend(self.world.to_ne_bytes());
+        b.extend(self.creator.to_ne_bytes());
+        b.extend(self.fd.to_ne_bytes());
+        b.extend(self.key.0.to_ne_bytes());
+        b.extend(self.key.1.to_ne_bytes());
+        b.extend(self.session.to_ne_bytes());
+        b.extend(self.created_ns.to_ne_bytes());
+        let sum = record_checksum(&b);
+        b.extend(sum.to_ne_bytes());
+        b
+    }
+
+    /// A complete record of any epcomm layout (the first fields have kept their places since
+    /// layout 3, whose control segment sat under this name), or None for a partial or foreign
+    /// one.
+    fn decode(b: &[u8]) -> Option<Record> {
+        let u32_at = |i: usize| {
+            b.get(i..i + 4)
+                .map(|w| u32::from_ne_bytes(w.try_into().unwrap()))
+        };
+        let u64_at = |i: usize| {
+            b.get(i..i + 8)
+                .map(|w| u64::from_ne_bytes(w.try_into().unwrap()))
+        };
+        if u64_at(0)? >> 16 != MAGIC >> 16 {
+            return None;
+        }
+        let version = u32_at(8)?;
+        let mut r = Record {
+            version,
+            world: u32_at(12)?,
+            creator: u32_at(16)?,
+            fd: 0,
+            key: (0, 0),
+            session: 0,
+            created_ns: 0,
+        };
+        if version != LAYOUT_VERSION {
+            return Some(r);
+        }
+        if b.len() < RECORD_BYTES || u64_at(56)? != record_checksum(b) {
+            return None;
+        }
+        r.fd = u32_at(20)?;
+        r.key = (u64_at(24)?, u64_at(32)?);
+        r.session = u64_at(40)?;
+        r.created_ns = u64_at(48)?;
+        Some(r)
+    }
+}
+
+/// Group names: 1..=64 of [A-Za-z0-9_.-], so they are valid shm names on every system.
+pub(super) fn check_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "group name '{name}' is not valid: expected 1 to 64 characters from A-Z, a-z, 0-9, '_', '.', '-'"
+        )))
+    }
+}
+
+pub(super) fn random_u64() -> u64 {
+    use std::collections::hash_map::RandomState;
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish() | 1
+}
+
+pub(super) fn sys_err(what: String, e: std::io::Error) -> Error {
+    Error::System(format!("{what}: {e}"))
+}
+
+/// Bytes of a unique group id, as `ncclUniqueId`.
+pub const UNIQUE_ID_BYTES: usize = 128;
+const UNIQUE_ID_TAG: &[u8] = b"epcomm-uid1:";
+
+/// A group id made by one rank ([`UniqueId::new`]) and passed to the others by the host's own
+/// means (as `ncclGetUniqueId`): groups made from distinct ids never meet, whatever names other
+/// jobs use, so names need not be unique.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UniqueId(pub [u8; UNIQUE_ID_BYTES]);
+
+impl UniqueId {
+    /// A fresh id: 128 random bits from the kernel (getrandom).
+    pub fn new() -> Result<UniqueId> {
+        let mut random = [0u8; 16];
+        let mut got = 0;
+        while got < random.len() {
+            // SAFETY: writes at most the remaining bytes of `random`.
+            let n = unsafe {
+                libc::getrandom(random[got..].as_mut_ptr().cast(), random.len() - got, 0)
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(sys_err(
+                    "cannot make a unique group id (getrandom)".into(),
+                    e,
+                ));
+            }
+            got += n as usize;
+        }
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        id[..UNIQUE_ID_TAG.len()].copy_from_slice(UNIQUE_ID_TAG);
+        let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
+        id[UNIQUE_ID_TAG.len()..UNIQUE_ID_TAG.len() + 32].copy_from_slice(hex.as_bytes());
+        Ok(UniqueId(id))
+    }
+
+    /// The group name the id stands for (`uid-` and its 32 hex digits).
+    pub fn group_name(&self) -> Result<String> {
+        let b = &self.0;
+        let t = UNIQUE_ID_TAG.len();
+        let hex = &b[t..t + 32];
+        let valid = b.starts_with(UNIQUE_ID_TAG)
+            && hex
+                .iter()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+            && b[t + 32..].iter().all(|&c| c == 0);
+        if !valid {
+            return Err(Error::InvalidArgument(format!(
+                "unique group id is not one made by UniqueId::new / epcomm_group_unique_id: it starts with {:?}; expected \"epcomm-uid1:\", 32 lowercase hex digits and zero bytes",
+                String::from_utf8_lossy(&b[..t.min(b.len())])
+            )));
+        }
+        Ok(format!("uid-{}", String::from_utf8_lossy(hex)))
+    }
+}
+
+impl ShmGroup {
+    pub(super) fn data_name(name: &str, session: u64, rank: usize, gen: u64, pid: u32) -> String {
+        format!("/epcomm.{name}.{session:016x}.{rank}.{gen}.{pid}")
+    }
+
+    /// Removes data segments of dead processes left by crashed runs of this group name (named
+    /// segments of epcomm releases before layout 4; later ones leave none).
+    fn remove_stale_data(name: &str) {
+        let prefix = format!("epcomm.{name}.");
+        let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+            return;
+        };
+        for entry in dir.flatten() {
+            let file = entry.file_name();
+            let Some(file) = file.to_str() else { continue };
+            let Some(rest) = file.strip_prefix(&prefix) else {
+                continue;
+            };
+            // {session}.{rank}.{gen}.{pid}
+            let parts: Vec<&str> = rest.split('.').collect();
+            if parts.len() != 4 {
+                continue;
+            }
+            if let Ok(pid) = parts[3].parse::<u32>() {
+                if !pid_alive(pid) {
+                    Segment::unlink(&format!("/{file}"));
+                }
+            }
+        }
+    }
+
+    /// The rendezvous record of `name`: Ok(None) if there is none (or only a partial one).
+    fn read_record(name: &str, control_name: &str) -> Result<Option<Record>> {
+        match Segment::read_record(control_name, RECORD_BYTES) {
+            Ok(None) => Ok(None),
+            Ok(Some(b)) => Ok(Record::decode(&b).or_else(|| {
+                // Being written this very moment, or garbage: look again after a beat.
+                std::thread::sleep(Duration::from_millis(20));
+                Segment::read_record(control_name, RECORD_BYTES)
+                    .ok()
+                    .flatten()
+                    .and_then(|b| Record::decode(&b))
+            })),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(Error::InvalidState(
+                format!("group name '{name}' is in use by another job or user, refused: {e}"),
+            )),
+            Err(e) => Err(sys_err(format!("cannot read /dev/shm{control_name}"), e)),
+        }
+    }
+
+    pub(super) fn create_control(
+        name: &str,
+        control_name: &str,
+        world: usize,
+        deadline: &Deadline,
+    ) -> Result<Segment> {
+        let bytes = control_bytes(world);
+        let seg = Segment::create(&format!("{control_name}.control"), bytes).map_err(|e| {
+            sys_err(
+                format!("cannot create shared memory {control_name} ({bytes} bytes)"),
+                e,
+            )
+        })?;
+        let session = random_u64();
+        let created_ns = now_ns();
+        let h: &Header = seg.at(0);
+        h.version.store(LAYOUT_VERSION, Ordering::Relaxed);
+        h.world.store(world as u32, Ordering::Relaxed);
+        h.creator_pid.store(std::process::id(), Ordering::Relaxed);
+        h.session.store(session, Ordering::Relaxed);
+        h.created_ns.store(created_ns, Ordering::Relaxed);
+        h.magic.store(MAGIC, Ordering::Release);
+        let record = Record {
+            version: LAYOUT_VERSION,
+            world: world as u32,
+            creator: std::process::id(),
+            fd: seg.fd().unwrap_or(0),
+            key: seg.key(),
+            session,
+            created_ns,
+        }
+        .encode();
+        loop {
+            match Segment::create_record(control_name, &record) {
+                Ok(key) => {
+                    h.record_dev.store(key.0, Ordering::Relaxed);
+                    h.record_ino.store(key.1, Ordering::Release);
+                    Self::remove_stale_data(name);
+                    return Ok(seg);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    // Someone else's record: stale (its creator is gone, or it is garbage) or
+                    // live (another job with the same name is joining).
+                    if let Some(r) = Self::read_record(name, control_name)? {
+                        if pid_alive(r.creator) {
+                            Self::mark_conflict(&r, world);
+                            return Err(Error::InvalidState(format!(
+                                "group name '{name}' is in use by another job: its rank 0 (pid {}) is still waiting for its ranks to join; jobs that run at the same time need distinct group names",
+                                r.creator
+                            )));
+                        }
+                    }
+                    crate::log::info(&format!(
+                        "replacing stale shared-memory segment {control_name} left by a crashed run"
+                    ));
+                    Segment::unlink(control_name);
+                }
+                Err(e) => {
+                    return Err(sys_err(
+                        format!("cannot create shared memory {control_name}"),
+                        e,
+                    ))
+                }
+            }
+            if deadline.expired() {
+                return Err(Error::Timeout(format!(
+                    "timed out after {:.1} s creating group '{name}'",
+                    deadline.timeout.as_secs_f64()
+                )));
+            }
+        }
+    }
+
+    /// Maps the control segment a record names (None if it is gone or not the one named).
+    fn map_control(r: &Record, min_len: usize) -> Option<Segment> {
+        Self::try_map_control(r, min_len).ok()
+    }
+
+    /// Maps the control segment a record names, or says why not.
+    fn try_map_control(r: &Record, min_len: usize) -> std::result::Result<Segment, String> {
+        let seg = Segment::open_peer("control", r.creator, r.fd, r.key, min_len).map_err(|e| {
+            format!(
+                "cannot open /proc/{}/fd/{} (the control segment of rank 0): {e}",
+                r.creator, r.fd
+            )
+        })?;
+        let h: &Header = seg.at(0);
+        if h.magic.load(Ordering::Acquire) == MAGIC
+            && h.session.load(Ordering::Acquire) == r.session
+        {
+            Ok(seg)
+        } else {
+            Err(format!(
+                "/proc/{}/fd/{} is not the control segment its record names",
+                r.creator, r.fd
+            ))
+        }
+    }
+
+    /// Tells the live group behind record `r` that another job met it, so it does not form.
+    fn mark_conflict(r: &Record, _world: usize) {
+        if r.version != LAYOUT_VERSION {
+            return;
+        }
+        if let Some(seg) = Self::map_control(r, HEADER_BYTES) {
+            let h: &Header = seg.at(0);
+            let _ = h.conflict_pid.compare_exchange(
+                0,
+                u64::from(std::process::id()),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+    }
+
+    pub(super) fn open_control(
+        name: &str,
+        control_name: &str,
+        rank: usize,
+        world: usize,
+        deadline: &Deadline,
+    ) -> Result<Segment> {
+        let mut backoff = Backoff::new();
+        // A record created after this rank started waiting is this group's.
+        let started_ns = now_ns();
+        // Why rank 0's live segment could not be mapped, for the timeout's message.
+        let mut unmapped: Option<String> = None;
+        loop {
+            if let Some(r) = Self::read_record(name, control_name)? {
+                let alive = pid_alive(r.creator);
+                if r.version != LAYOUT_VERSION && alive {
+                    return Err(Error::InvalidArgument(format!(
+                        "group '{name}' was created by an epcomm with shared-memory layout {}; this epcomm uses layout {LAYOUT_VERSION}",
+                        r.version
+                    )));
+                }
+                if r.version == LAYOUT_VERSION && !alive && r.created_ns >= started_ns {
+                    // Created for this join, then rank 0 died: not a stale segment to wait
+                    // out. Remove what the dead creator left.
+                    Segment::unlink(control_name);
+                    Self::remove_stale_data(name);
+                    return Err(Error::PeerFailure(format!(
+                        "rank 0 of group '{name}' died (pid {} is gone) while the group was joining",
+                        r.creator
+                    )));
+                }
+                if r.version == LAYOUT_VERSION && alive {
+                    // A failure to map it means rank 0 just finished (or died): look again.
+                    let mapped = Self::try_map_control(&r, HEADER_BYTES);
+                    if let Err(why) = &mapped {
+                        unmapped = Some(why.clone());
+                    }
+                    if let Ok(seg) = mapped {
+                        let h: &Header = seg.at(0);
+                        let their_world = h.world.load(Ordering::Relaxed) as usize;
+                        if their_world != world {
+                            h.mismatch_world.store(world as u64, Ordering::Relaxed);
+                            h.mismatch_rank.store(rank as u64 + 1, Ordering::Release);
+                            return Err(Error::InvalidArgument(format!(
+                                "rank {rank} joined group '{name}' with world_size {world}, but rank 0 created it with world_size {their_world}"
+                            )));
+                        }
+                        if seg.len() >= control_bytes(world) {
+                            return Ok(seg);
+                        }
+                    }
+                }
+                // Stale (creator gone): wait for this job's rank 0.
+            }
+            if deadline.expired() {
+                // A record whose creator is gone serves nobody: remove it on the way out.
+                if let Ok(Some(r)) = Self::read_record(name, control_name) {
+                    if !pid_alive(r.creator) {
+                        Segment::unlink(control_name);
+                        Self::remove_stale_data(name);
+                    }
+                }
+                let why = unmapped.map(|w| format!("; last: {w}")).unwrap_or_default();
+                return Err(Error::Timeout(format!(
+                    "timed out after {:.1} s waiting for rank 0 to create group '{name}' (rank {rank} of {world}){why}",
+                    deadline.timeout.as_secs_f64()
+                )));
+            }
+            backoff.snooze();
+            if backoff.iter > 64 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// Unlinks the rendezvous record if it still belongs to this group's session (a new group
+    /// of the same name may have replaced it).
+    pub(super) fn unlink_own_control(&self) {
+        let h = self.header();
+        let created = (
+            h.record_dev.load(Ordering::Relaxed),
+            h.record_ino.load(Ordering::Acquire),
+        );
+        let ours = match Self::read_record(&self.name, &self.control_name) {
+            Ok(Some(r)) => r.session == self.session,
+            // Unreadable as a record (overwritten, truncated): still ours if it is the file
+            // rank 0 created.
+            Ok(None) | Err(_) => {
+                created != (0, 0) && Segment::record_key(&self.control_name) == Some(created)
+            }
+        };
+        if ours {
+            Segment::unlink(&self.control_name);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The mapping limit is an error at creation naming the need, the use and the limit.
+    #[test]
+    fn map_budget_names_the_limit() {
+        assert!(map_budget("g", 3, 1024, 1000, 65530).is_ok());
+        let e = map_budget("g", 3, 1024, 64500, 65530).unwrap_err();
+        assert_eq!(e.status(), crate::Status::System);
+        assert_eq!(
+            e.to_string(),
+            "group 'g' needs up to 1026 memory mappings on rank 3, but this process already has 64500 of the vm.max_map_count limit of 65530 (raise it with sysctl vm.max_map_count, or run fewer ranks per process)"
+        );
+    }
+
+    /// A record reads back whole; a partial, altered or foreign one is not taken for a record;
+    /// an older layout's first fields (version, world, creator) still read.
+    #[test]
+    fn records_round_trip_and_reject_partial_ones() {
+        let r = Record {
+            version: LAYOUT_VERSION,
+            world: 3,
+            creator: 1234,
+            fd: 7,
+            key: (11, 22),
+            session: 0xabcdef,
+            created_ns: 99,
+        };
+        let b = r.encode();
+        assert_eq!(b.len(), RECORD_BYTES);
+        let d = Record::decode(&b).unwrap();
+        assert_eq!(
+            (d.world, d.creator, d.fd, d.key, d.session, d.created_ns),
+            (3, 1234, 7, (11, 22), 0xabcdef, 99)
+        );
+        assert!(Record::decode(&b[..40]).is_none());
+        let mut altered = b.clone();
+        altered[44] ^= 1;
+        assert!(Record::decode(&altered).is_none());
+        assert!(Record::decode(&[0u8; RECORD_BYTES]).is_none());
+        let mut old = b.clone();
+        old[8..12].copy_from_slice(&3u32.to_ne_bytes());
+        let o = Record::decode(&old[..24]).unwrap();
+        assert_eq!((o.version, o.world, o.creator), (3, 3, 1234));
+    }
+}
