@@ -505,7 +505,7 @@ fn host_transport_errors_are_reported() {
     let mut g = HostGroup::new(Box::new(Broken), "h", 0, 2, false).unwrap();
     let e = g.barrier().unwrap_err();
     assert_eq!(e.status(), Status::Runtime);
-    assert_eq!(e.to_string(), "host transport send to rank 1 failed during all_gatherv of group 'h' on rank 0: connection reset");
+    assert_eq!(e.to_string(), "host transport send to rank 1 failed during barrier of group 'h' on rank 0: connection reset");
     let e = g.barrier().unwrap_err();
     assert_eq!(e.status(), Status::InvalidState);
 }

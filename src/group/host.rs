@@ -5,8 +5,16 @@
 //! Pairwise exchanges follow a round-robin tournament: in each round every rank has at most one
 //! partner, and the lower rank of a pair sends first while the higher one receives first. That
 //! is deadlock-free even when the host's send blocks until the matching receive is posted.
+//!
+//! Every op starts with an all_gather of a fixed-size header from every rank (its verdict on
+//! its own arguments, the op, the parameters all ranks must pass alike); all_to_allv and
+//! send_recv then gather the size lists. Every rank checks the same headers in the same
+//! order, so a rank's bad arguments, a disagreement or a rank calling another collective is
+//! the same error on every rank before any data moves, and the group stays usable.
 
+use super::agree::{self, Param, MAX_PARAMS};
 use super::{check_len, check_p2p, check_rank, check_reduce_scatterv, check_sizes, Group, Op, P2p};
+use crate::bytes;
 use crate::error::{Error, Result};
 use crate::num::{self, FloatKind};
 
@@ -24,7 +32,9 @@ pub trait HostTransport: Send {
     ) -> Option<std::result::Result<(), String>> {
         None
     }
-    /// A barrier. `None` = not provided.
+    /// A barrier. `None` = not provided. Not called: every collective, the barrier included,
+    /// starts with an all_gather of the ranks' op headers, which synchronizes them and finds a
+    /// rank that called another collective. Kept so existing transports still compile.
     fn barrier(&mut self) -> Option<std::result::Result<(), String>> {
         None
     }
@@ -168,14 +178,163 @@ impl HostGroup {
     }
 }
 
-fn u64s(words: &[u64]) -> Vec<u8> {
-    words.iter().flat_map(|w| w.to_ne_bytes()).collect()
+/// Words of the fixed-size header every rank contributes to the all_gather that starts every
+/// op: tag and verdict, op code, two op-specific counts, then the agreed parameters.
+const HEADER_WORDS: usize = 4 + MAX_PARAMS;
+/// High bits of word 0 ("ephd"): a header from anything else is a broken host transport.
+const HEADER_TAG: u64 = 0x6570_6864 << 32;
+const VERDICT_OK: u64 = 1;
+const VERDICT_REJECTED: u64 = 2;
+
+/// Every rank's header of one op, in rank order.
+struct Headers(Vec<u64>);
+
+impl Headers {
+    fn word(&self, p: usize, i: usize) -> u64 {
+        self.0[p * HEADER_WORDS + i]
+    }
+    /// Rank p's op-specific count `i` (0 or 1).
+    fn count(&self, p: usize, i: usize) -> usize {
+        self.word(p, 2 + i) as usize
+    }
 }
 
-fn from_u64s(bytes: &[u8]) -> Vec<u64> {
-    bytes
-        .chunks_exact(8)
-        .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+impl HostGroup {
+    /// Gathers `mine` (the same length on every rank) from every rank into `out`: the host's
+    /// all_gather when it has one, else the tournament.
+    fn gather(&mut self, op: Op, mine: &[u8], out: &mut [u8]) -> Result<()> {
+        if let Some(r) = self.transport.all_gather(mine, out) {
+            return r.map_err(|e| self.host_err(op, "all_gather", e));
+        }
+        self.gather_v(op, mine, &vec![mine.len(); self.world], out)
+    }
+
+    /// Concatenates every rank's `mine` (`sizes[p]` bytes on rank p) into `out`, rank order.
+    fn gather_v(&mut self, op: Op, mine: &[u8], sizes: &[usize], out: &mut [u8]) -> Result<()> {
+        let offsets = bytes_before(sizes);
+        let me = self.rank;
+        out[offsets[me]..offsets[me] + sizes[me]].copy_from_slice(mine);
+        self.rounds(|g, p| g.exchange(op, p, mine, &mut out[offsets[p]..offsets[p] + sizes[p]]))
+    }
+
+    /// Starts `op` on every rank: gathers the headers, then checks that every rank called `op`
+    /// and (when this rank's own checks passed) that no peer rejected its arguments and all
+    /// agree on `params`. Every rank sees the same headers, so every rank reaches the same
+    /// verdict before any data moves; a rejection or a disagreement leaves the group usable.
+    fn agree(
+        &mut self,
+        op: Op,
+        local: &Result<()>,
+        params: &[Param],
+        counts: [usize; 2],
+    ) -> Result<Headers> {
+        debug_assert!(params.len() <= MAX_PARAMS);
+        let mut mine = [0u64; HEADER_WORDS];
+        mine[0] = HEADER_TAG
+            | if local.is_ok() {
+                VERDICT_OK
+            } else {
+                VERDICT_REJECTED
+            };
+        mine[1] = op as u64;
+        mine[2] = counts[0] as u64;
+        mine[3] = counts[1] as u64;
+        for (w, p) in mine[4..].iter_mut().zip(params) {
+            *w = p.value;
+        }
+        let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
+        self.gather(op, bytes::as_bytes(&mine), &mut all)?;
+        let heads = Headers(bytes::to_vec(&all));
+        self.check_ops(op, &heads)?;
+        if let Err(e) = local {
+            return Err(e.clone());
+        }
+        let rejected = |p: usize| heads.word(p, 0) & 0xff == VERDICT_REJECTED;
+        let value = |p: usize, i: usize| heads.word(p, 4 + i);
+        let seen = agree::Seen {
+            world: self.world,
+            rejected: &rejected,
+            value: &value,
+        };
+        agree::verdict(op, &self.name, self.rank, params, &seen)?;
+        Ok(heads)
+    }
+
+    /// Every header is well formed and names the same op as rank 0's.
+    fn check_ops(&self, op: Op, heads: &Headers) -> Result<()> {
+        let ops: Vec<Option<Op>> = (0..self.world)
+            .map(|p| {
+                let w0 = heads.word(p, 0);
+                let well_formed =
+                    w0 & !0xff == HEADER_TAG && matches!(w0 & 0xff, VERDICT_OK | VERDICT_REJECTED);
+                well_formed
+                    .then(|| u32::try_from(heads.word(p, 1)).ok().and_then(Op::from_code))
+                    .flatten()
+            })
+            .collect();
+        if let Some(p) = ops.iter().position(Option::is_none) {
+            return Err(self.host_err(
+                op,
+                "all_gather",
+                format!("rank {p} delivered a malformed op header (the host transport garbled the bytes, or rank {p} runs another library)"),
+            ));
+        }
+        let first = ops[0];
+        if let Some(p) = ops.iter().position(|o| *o != first) {
+            let name = |o: Option<Op>| o.map_or("?", Op::name);
+            return Err(Error::InvalidArgument(format!(
+                "{}: ranks of group '{}' called different collectives: rank 0 calls {} but rank {p} calls {}; every rank must call the same collectives in the same order (no data was exchanged)",
+                op.name(),
+                self.name,
+                name(first),
+                name(ops[p])
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs `op`: its agreement (`local` = this rank's own checks), then `f` with the headers
+    /// when every rank accepted and agreed.
+    fn run<T>(
+        &mut self,
+        op: Op,
+        local: Result<()>,
+        params: &[Param],
+        counts: [usize; 2],
+        f: impl FnOnce(&mut Self, &Headers) -> Result<T>,
+    ) -> Result<T> {
+        self.guarded(op, |g| {
+            let heads = g.agree(op, &local, params, counts)?;
+            f(g, &heads)
+        })
+    }
+}
+
+/// The byte offset of each rank's chunk in a concatenation of `sizes`.
+fn bytes_before(sizes: &[usize]) -> Vec<usize> {
+    sizes
+        .iter()
+        .scan(0, |acc, &s| {
+            let o = *acc;
+            *acc += s;
+            Some(o)
+        })
+        .collect()
+}
+
+/// The byte range of chunk `r` in a concatenation of `sizes`.
+fn chunk(sizes: &[usize], r: usize) -> std::ops::Range<usize> {
+    let s: usize = sizes[..r].iter().sum();
+    s..s + sizes[r]
+}
+
+/// This rank's sends (`Send`) or receives, as (peer, bytes) in issue order.
+fn p2p_list(ops: &[P2p<'_>], sends: bool) -> Vec<(usize, usize)> {
+    ops.iter()
+        .filter_map(|o| match o {
+            P2p::Send { peer, data } => sends.then_some((*peer, data.len())),
+            P2p::Recv { peer, data } => (!sends).then_some((*peer, data.len())),
+        })
         .collect()
 }
 
@@ -196,36 +355,36 @@ impl Group for HostGroup {
         self.elastic
     }
 
+    /// The header all_gather alone: it returns once every rank has sent its header, and it
+    /// finds a rank that called another collective.
     fn barrier(&mut self) -> Result<()> {
-        self.guarded(Op::Barrier, |g| match g.transport.barrier() {
-            Some(r) => r.map_err(|e| g.host_err(Op::Barrier, "barrier", e)),
-            None => {
-                let mut out = vec![0u8; g.world];
-                g.all_gather(&[1], &mut out)
-            }
-        })
+        self.run(Op::Barrier, Ok(()), &[], [0, 0], |_, _| Ok(()))
+    }
+
+    fn reject(&mut self, op: Op, e: Error) -> Error {
+        if self.broken.is_some() {
+            return e;
+        }
+        match self.run(op, Err(e), &[], [0, 0], |_, _| Ok(())) {
+            Err(e) => e,
+            Ok(()) => Error::Internal(format!("{}: a rejected op succeeded", op.name())),
+        }
     }
 
     fn all_gatherv(&mut self, input: &[u8], sizes: &[usize], output: &mut [u8]) -> Result<()> {
         let op = Op::AllGatherv;
-        let total = check_sizes("sizes", op, sizes, self.world)?;
         let me = self.rank;
-        check_len("input", op, input.len(), sizes[me], &format!("sizes[{me}]"))?;
-        check_len("output", op, output.len(), total, "sum(sizes)")?;
-        let offsets: Vec<usize> = sizes
-            .iter()
-            .scan(0, |acc, &s| {
-                let o = *acc;
-                *acc += s;
-                Some(o)
-            })
-            .collect();
-        output[offsets[me]..offsets[me] + sizes[me]].copy_from_slice(input);
-        self.guarded(op, |g| {
-            g.rounds(|g, p| {
-                let dst = &mut output[offsets[p]..offsets[p] + sizes[p]];
-                g.exchange(op, p, input, dst)
-            })
+        let local = check_sizes("sizes", op, sizes, self.world).and_then(|total| {
+            check_len("input", op, input.len(), sizes[me], &format!("sizes[{me}]"))?;
+            check_len("output", op, output.len(), total, "sum(sizes)")?;
+            Ok(total)
+        });
+        let params = [
+            agree::number("sum(sizes)", *local.as_ref().unwrap_or(&0)),
+            agree::list("sizes", sizes),
+        ];
+        self.run(op, local.map(drop), &params, [0, 0], |g, _| {
+            g.gather_v(op, input, sizes, output)
         })
     }
 
@@ -237,8 +396,9 @@ impl Group for HostGroup {
         kind: FloatKind,
         output: &mut [u8],
     ) -> Result<()> {
+        let op = Op::ReduceScatterv;
         let me = self.rank;
-        let (row_bytes, _) = check_reduce_scatterv(
+        let local = check_reduce_scatterv(
             me,
             self.world,
             input.len(),
@@ -246,17 +406,27 @@ impl Group for HostGroup {
             row_elems,
             kind,
             output.len(),
-        )?;
+        );
+        let row_bytes = local.as_ref().map_or(0, |&(b, _)| b);
+        let params = [
+            agree::dtype("dtype", kind),
+            agree::number("row_elems", row_elems),
+            agree::number(
+                "sum(rows)",
+                rows.iter().fold(0usize, |a, &r| a.wrapping_add(r)),
+            ),
+            agree::list("rows", rows),
+        ];
         let slice = |r: usize| {
             let start: usize = rows[..r].iter().sum::<usize>() * row_bytes;
             start..start + rows[r] * row_bytes
         };
         // Every rank's contribution to this rank's slice, then a sum in rank order.
         let mut parts = vec![Vec::new(); self.world];
-        self.guarded(Op::ReduceScatterv, |g| {
+        self.run(op, local.map(drop), &params, [0, 0], |g, _| {
             g.rounds(|g, p| {
                 let mut theirs = vec![0u8; rows[me] * row_bytes];
-                g.exchange(Op::ReduceScatterv, p, &input[slice(p)], &mut theirs)?;
+                g.exchange(op, p, &input[slice(p)], &mut theirs)?;
                 parts[p] = theirs;
                 Ok(())
             })
@@ -278,101 +448,36 @@ impl Group for HostGroup {
         recv_sizes: &[usize],
     ) -> Result<()> {
         let op = Op::AllToAllv;
-        let st = check_sizes("send_sizes", op, send_sizes, self.world)?;
-        let rt = check_sizes("recv_sizes", op, recv_sizes, self.world)?;
-        check_len("send", op, send.len(), st, "sum(send_sizes)")?;
-        check_len("recv", op, recv.len(), rt, "sum(recv_sizes)")?;
-        let off = |sizes: &[usize], r: usize| -> std::ops::Range<usize> {
-            let s: usize = sizes[..r].iter().sum();
-            s..s + sizes[r]
-        };
-        let me = self.rank;
-        if send_sizes[me] != recv_sizes[me] {
-            return Err(Error::InvalidArgument(format!(
-                "all_to_allv: rank {me} sends {} bytes to itself but expects {}",
-                send_sizes[me], recv_sizes[me]
-            )));
-        }
-        recv[off(recv_sizes, me)].copy_from_slice(&send[off(send_sizes, me)]);
-        self.guarded(op, |g| {
+        let world = self.world;
+        let local = (|| {
+            let st = check_sizes("send_sizes", op, send_sizes, world)?;
+            let rt = check_sizes("recv_sizes", op, recv_sizes, world)?;
+            check_len("send", op, send.len(), st, "sum(send_sizes)")?;
+            check_len("recv", op, recv.len(), rt, "sum(recv_sizes)")
+        })();
+        self.run(op, local, &[], [0, 0], |g, _| {
+            g.agree_size_matrix(send_sizes, recv_sizes)?;
+            let me = g.rank;
+            recv[chunk(recv_sizes, me)].copy_from_slice(&send[chunk(send_sizes, me)]);
             g.rounds(|g, p| {
-                // Sizes first, so a disagreement is an error and never a hang or corruption.
-                let mut theirs = [0u8; 8];
-                g.exchange(op, p, &(send_sizes[p] as u64).to_ne_bytes(), &mut theirs)?;
-                let theirs = u64::from_ne_bytes(theirs) as usize;
-                if theirs != recv_sizes[p] {
-                    return Err(Error::InvalidArgument(format!(
-                        "all_to_allv: rank {p} sends {theirs} bytes to rank {me} but recv_sizes[{p}] on rank {me} is {}",
-                        recv_sizes[p]
-                    )));
-                }
-                g.exchange(op, p, &send[off(send_sizes, p)], &mut recv[off(recv_sizes, p)])
+                g.exchange(
+                    op,
+                    p,
+                    &send[chunk(send_sizes, p)],
+                    &mut recv[chunk(recv_sizes, p)],
+                )
             })
         })
     }
 
     fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
         let op = Op::SendRecv;
-        check_p2p(ops, self.rank, self.world)?;
         let me = self.rank;
-        // Self-sends pair with self-receives in order.
-        let self_sends: Vec<Vec<u8>> = ops
-            .iter()
-            .filter_map(|o| match o {
-                P2p::Send { peer, data } if *peer == me => Some(data.to_vec()),
-                _ => None,
-            })
-            .collect();
-        let mut k = 0;
-        for o in ops.iter_mut() {
-            if let P2p::Recv { peer, data } = o {
-                if *peer == me {
-                    let src = self_sends.get(k).ok_or_else(|| {
-                        Error::InvalidArgument(format!(
-                            "send_recv: rank {me} posted receive #{k} from itself but only {} send(s) to itself",
-                            self_sends.len()
-                        ))
-                    })?;
-                    if src.len() != data.len() {
-                        return Err(Error::InvalidArgument(format!(
-                            "send_recv: receive #{k} on rank {me} from rank {me} has {} bytes but the matching send has {} bytes",
-                            data.len(),
-                            src.len()
-                        )));
-                    }
-                    data.copy_from_slice(src);
-                    k += 1;
-                }
-            }
-        }
-        self.guarded(op, |g| {
+        let local = check_p2p(ops, me, self.world).and_then(|()| copy_self_sends(ops, me));
+        let (sends, recvs) = (p2p_list(ops, true), p2p_list(ops, false));
+        self.run(op, local, &[], [sends.len(), recvs.len()], |g, heads| {
+            g.agree_messages(heads, &sends, &recvs)?;
             g.rounds(|g, p| {
-                // Exchange the list of message sizes, then the messages, lower rank first.
-                let out_sizes: Vec<u64> = ops
-                    .iter()
-                    .filter_map(|o| match o {
-                        P2p::Send { peer, data } if *peer == p => Some(data.len() as u64),
-                        _ => None,
-                    })
-                    .collect();
-                let in_sizes: Vec<u64> = ops
-                    .iter()
-                    .filter_map(|o| match o {
-                        P2p::Recv { peer, data } if *peer == p => Some(data.len() as u64),
-                        _ => None,
-                    })
-                    .collect();
-                let mut theirs_n = [0u8; 8];
-                g.exchange(op, p, &(out_sizes.len() as u64).to_ne_bytes(), &mut theirs_n)?;
-                let theirs_n = u64::from_ne_bytes(theirs_n) as usize;
-                let mut theirs = vec![0u8; theirs_n * 8];
-                g.exchange(op, p, &u64s(&out_sizes), &mut theirs)?;
-                let theirs = from_u64s(&theirs);
-                if theirs != in_sizes {
-                    return Err(Error::InvalidArgument(format!(
-                        "send_recv: rank {p} sends messages of {theirs:?} bytes to rank {me}, but rank {me} posted receives of {in_sizes:?} bytes"
-                    )));
-                }
                 if me < p {
                     g.send_all_to(ops, p)?;
                 }
@@ -393,9 +498,13 @@ impl Group for HostGroup {
 
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
         let op = Op::Broadcast;
-        check_rank("root", op, root, self.world)?;
+        let local = check_rank("root", op, root, self.world);
+        let params = [
+            agree::number("root", root),
+            agree::number("byte count", data.len()),
+        ];
         let me = self.rank;
-        self.guarded(op, |g| {
+        self.run(op, local, &params, [0, 0], |g, _| {
             if me == root {
                 for p in (0..g.world).filter(|&p| p != root) {
                     g.send(op, p, data)?;
@@ -409,27 +518,134 @@ impl Group for HostGroup {
 
     fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Result<()> {
         let op = Op::AllGatherv;
-        check_len(
-            "out",
-            op,
-            out.len(),
-            mine.len() * self.world,
-            "world_size * len(mine)",
-        )?;
-        let provided = self.guarded(op, |g| {
-            g.transport
-                .all_gather(mine, out)
-                .map(|r| r.map_err(|e| g.host_err(op, "all_gather", e)))
-                .transpose()
-        })?;
-        match provided {
-            Some(()) => Ok(()),
-            None => {
-                let sizes = vec![mine.len(); self.world];
-                self.all_gatherv(mine, &sizes, out)
+        let local = mine
+            .len()
+            .checked_mul(self.world)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "all_gatherv: {} bytes times world_size {} overflows",
+                    mine.len(),
+                    self.world
+                ))
+            })
+            .and_then(|n| check_len("out", op, out.len(), n, "world_size * len(mine)"));
+        let params = [agree::number("byte count", mine.len())];
+        self.run(op, local, &params, [0, 0], |g, _| g.gather(op, mine, out))
+    }
+}
+
+impl HostGroup {
+    /// all_to_allv: gathers every rank's send and receive sizes and checks every pair in the
+    /// same order on every rank (rank r's send_sizes[p] against rank p's recv_sizes[r]).
+    fn agree_size_matrix(&mut self, send_sizes: &[usize], recv_sizes: &[usize]) -> Result<()> {
+        let world = self.world;
+        let mine: Vec<u64> = send_sizes
+            .iter()
+            .chain(recv_sizes)
+            .map(|&s| s as u64)
+            .collect();
+        let mut all = vec![0u8; mine.len() * 8 * world];
+        self.gather(Op::AllToAllv, bytes::as_bytes(&mine), &mut all)?;
+        let all: Vec<u64> = bytes::to_vec(&all);
+        let sent = |r: usize, p: usize| all[r * 2 * world + p];
+        let expected = |p: usize, r: usize| all[p * 2 * world + world + r];
+        for r in 0..world {
+            for p in 0..world {
+                let (s, e) = (sent(r, p), expected(p, r));
+                if s == e {
+                    continue;
+                }
+                return Err(Error::InvalidArgument(if r == p {
+                    format!("all_to_allv: rank {r} sends {s} bytes to itself but expects {e}; no data was exchanged")
+                } else {
+                    format!("all_to_allv: rank {r} sends {s} bytes to rank {p} but recv_sizes[{r}] on rank {p} is {e}; no data was exchanged")
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// send_recv: gathers every rank's message lists (the counts came with the headers) and
+    /// checks every ordered pair in the same order on every rank.
+    fn agree_messages(
+        &mut self,
+        heads: &Headers,
+        sends: &[(usize, usize)],
+        recvs: &[(usize, usize)],
+    ) -> Result<()> {
+        let world = self.world;
+        let words = |l: &[(usize, usize)]| -> Vec<u64> {
+            l.iter().flat_map(|&(p, n)| [p as u64, n as u64]).collect()
+        };
+        let mine: Vec<u64> = [words(sends), words(recvs)].concat();
+        let sizes: Vec<usize> = (0..world)
+            .map(|p| 16 * (heads.count(p, 0) + heads.count(p, 1)))
+            .collect();
+        let mut all = vec![0u8; sizes.iter().sum()];
+        self.gather_v(Op::SendRecv, bytes::as_bytes(&mine), &sizes, &mut all)?;
+        let all: Vec<u64> = bytes::to_vec(&all);
+        let start = bytes_before(&sizes);
+        // Rank p's sends (`which` 0) or receives (1) that name peer q, as byte counts.
+        let lens = |p: usize, which: usize, q: usize| -> Vec<u64> {
+            let w = &all[start[p] / 8..];
+            let (n0, n1) = (heads.count(p, 0), heads.count(p, 1));
+            let list = if which == 0 {
+                &w[..2 * n0]
+            } else {
+                &w[2 * n0..2 * (n0 + n1)]
+            };
+            list.chunks_exact(2)
+                .filter(|m| m[0] == q as u64)
+                .map(|m| m[1])
+                .collect()
+        };
+        for a in 0..world {
+            for b in (0..world).filter(|&b| b != a) {
+                let (out, inn) = (lens(a, 0, b), lens(b, 1, a));
+                if out != inn {
+                    return Err(Error::InvalidArgument(format!(
+                        "send_recv: rank {a} sends messages of {out:?} bytes to rank {b}, but rank {b} posted receives of {inn:?} bytes; no data was exchanged"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Fills this rank's receives from itself with its sends to itself, in order (a local check:
+/// the counts and sizes must match).
+fn copy_self_sends(ops: &mut [P2p<'_>], me: usize) -> Result<()> {
+    let self_sends: Vec<Vec<u8>> = ops
+        .iter()
+        .filter_map(|o| match o {
+            P2p::Send { peer, data } if *peer == me => Some(data.to_vec()),
+            _ => None,
+        })
+        .collect();
+    let mut k = 0;
+    for o in ops.iter_mut() {
+        if let P2p::Recv { peer, data } = o {
+            if *peer == me {
+                let src = self_sends.get(k).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "send_recv: rank {me} posted receive #{k} from itself but only {} send(s) to itself",
+                        self_sends.len()
+                    ))
+                })?;
+                if src.len() != data.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "send_recv: receive #{k} on rank {me} from rank {me} has {} bytes but the matching send has {} bytes",
+                        data.len(),
+                        src.len()
+                    )));
+                }
+                data.copy_from_slice(src);
+                k += 1;
             }
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 //! Every primitive is collective: all ranks call it, in the same order. Buffers are bytes; the
 //! caller converts rows to bytes. Reductions sum in f32 in rank order (deterministic).
 
+mod agree;
 pub mod host;
 pub mod rows;
 pub mod shm;

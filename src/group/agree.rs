@@ -1,0 +1,148 @@
+//! Agreement before any data moves, the part every transport shares: the parameters all ranks
+//! must pass alike (root, dtype, row size, a digest of a size list), and the one wording of a
+//! rejection or a disagreement. Each transport gathers every rank's verdict and values its own
+//! way (shm: the op header in shared memory; host: one all_gather of a fixed-size header) and
+//! then calls [`verdict`], which checks them in the same order on every rank, so every rank
+//! reaches the same outcome.
+
+use super::Op;
+use crate::error::{Error, Result};
+use crate::num::FloatKind;
+
+/// The most parameters one op agrees on.
+pub(crate) const MAX_PARAMS: usize = 5;
+
+/// How a parameter is shown in a disagreement message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Show {
+    Number,
+    Dtype,
+    /// A digest of a list: the message says the lists differ.
+    List,
+}
+
+/// One parameter every rank must pass alike.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Param {
+    pub name: &'static str,
+    pub value: u64,
+    pub show: Show,
+}
+
+pub(crate) fn number(name: &'static str, v: usize) -> Param {
+    Param {
+        name,
+        value: v as u64,
+        show: Show::Number,
+    }
+}
+
+pub(crate) fn dtype(name: &'static str, k: FloatKind) -> Param {
+    Param {
+        name,
+        value: k as u64 + 1,
+        show: Show::Dtype,
+    }
+}
+
+/// A list by its FNV-1a digest (length included).
+pub(crate) fn list(name: &'static str, v: &[usize]) -> Param {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for x in std::iter::once(v.len()).chain(v.iter().copied()) {
+        for b in (x as u64).to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    Param {
+        name,
+        value: h,
+        show: Show::List,
+    }
+}
+
+fn dtype_name(v: u64) -> &'static str {
+    [FloatKind::F32, FloatKind::Bf16, FloatKind::F16]
+        .into_iter()
+        .find(|k| *k as u64 + 1 == v)
+        .map_or("an unknown dtype", FloatKind::name)
+}
+
+/// What one op's agreement sees of the ranks: whether rank p rejected its own arguments, and
+/// the value rank p passes for parameter i.
+pub(crate) struct Seen<'a> {
+    pub world: usize,
+    pub rejected: &'a dyn Fn(usize) -> bool,
+    pub value: &'a dyn Fn(usize, usize) -> u64,
+}
+
+/// The verdict of one op, the same on every rank that sees the same values: a peer (other than
+/// `me`) rejected its arguments, or the ranks disagree on a parameter (rank 0's value against
+/// the first rank passing another).
+pub(crate) fn verdict(op: Op, group: &str, me: usize, params: &[Param], seen: &Seen) -> Result<()> {
+    let what = op.name();
+    if let Some(p) = (0..seen.world).find(|&p| p != me && (seen.rejected)(p)) {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: rank {p} of group '{group}' rejected its arguments (see that rank's error); no data was exchanged"
+        )));
+    }
+    for (i, param) in params.iter().enumerate() {
+        let value = |p: usize| (seen.value)(p, i);
+        let v0 = value(0);
+        let Some(p) = (1..seen.world).find(|&p| value(p) != v0) else {
+            continue;
+        };
+        let pn = param.name;
+        let detail = match param.show {
+            Show::Number => format!("rank 0 passes {v0} but rank {p} passes {}", value(p)),
+            Show::Dtype => format!(
+                "rank 0 passes {} but rank {p} passes {}",
+                dtype_name(v0),
+                dtype_name(value(p))
+            ),
+            Show::List => format!("rank 0 and rank {p} pass different lists"),
+        };
+        return Err(disagree(op, group, pn, &detail));
+    }
+    Ok(())
+}
+
+/// The one wording of a disagreement on `what_differs` (`detail` says how).
+pub(crate) fn disagree(op: Op, group: &str, what_differs: &str, detail: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "{}: ranks of group '{group}' disagree on {what_differs}: {detail}; every rank must pass the same {what_differs} (no data was exchanged)",
+        op.name()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_rejecting_peer_then_the_first_differing_parameter() {
+        let params = [number("root", 0), dtype("dtype", FloatKind::F32)];
+        let vals = [[0u64, 1], [0, 2], [1, 2]];
+        let seen = |rej: &'static [usize]| {
+            move |me: usize| {
+                let rejected = |p: usize| rej.contains(&p);
+                let value = |p: usize, i: usize| vals[p][i];
+                let seen = Seen {
+                    world: 3,
+                    rejected: &rejected,
+                    value: &value,
+                };
+                verdict(Op::Broadcast, "g", me, &params, &seen)
+                    .unwrap_err()
+                    .to_string()
+            }
+        };
+        assert_eq!(
+            seen(&[2])(0),
+            "broadcast: rank 2 of group 'g' rejected its arguments (see that rank's error); no data was exchanged"
+        );
+        assert_eq!(
+            seen(&[])(1),
+            "broadcast: ranks of group 'g' disagree on root: rank 0 passes 0 but rank 2 passes 1; every rank must pass the same root (no data was exchanged)"
+        );
+    }
+}
