@@ -1,11 +1,14 @@
 //! All2all managers: MoE dispatch and combine by vLLM backend name.
 
-use std::ffi::{c_char, c_void};
+use std::ffi::c_char;
 use std::sync::Mutex;
 
 use super::group::{epcomm_group, with_group};
-use super::tensor::{epcomm_device, epcomm_tensor, HostTensor};
+use super::handle::{Exclusive, Handle};
+use super::moe_args::{combine_args, ids_arg, DispatchArgs, DispatchParts, OutputViews, Part};
+use super::tensor::{epcomm_tensor, Memory};
 use super::{epcomm_dtype, guard};
+use crate::bytes;
 use crate::dtype::{Code, DType};
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -170,9 +173,11 @@ pub struct epcomm_all2all_stats {
     pub combine_seconds: f64,
 }
 
-struct Views {
-    shapes: Vec<Vec<i64>>,
-    extras: Vec<epcomm_tensor>,
+/// What a call on an all2all handle borrows: the manager and the arrays its last outputs
+/// point into.
+pub(crate) struct State {
+    mgr: Manager,
+    views: OutputViews,
     stats: [Vec<u64>; 5],
 }
 
@@ -180,7 +185,20 @@ struct Views {
 /// group. Use from one thread at a time; the group must outlive it.
 pub struct epcomm_all2all {
     group: *const epcomm_group,
-    inner: Mutex<(Manager, Views)>,
+    inner: Mutex<State>,
+}
+
+impl Handle for epcomm_all2all {
+    const ARG: &'static str = "a2a";
+}
+
+impl Exclusive for epcomm_all2all {
+    type State = State;
+    const BUSY: &'static str =
+        "the all2all handle is in use by another thread; use it from one thread at a time";
+    fn state(&self) -> &Mutex<State> {
+        &self.inner
+    }
 }
 
 /// Creates a manager for `backend` (any name vLLM accepts; `naive`/`pplx` fall back to
@@ -207,15 +225,16 @@ pub unsafe extern "C" fn epcomm_all2all_create(
         let cfg = unsafe { config_arg(config) }?;
         let (rank, world) = unsafe { with_group(group, |g| Ok((g.rank(), g.size()))) }?;
         let mgr = Manager::new(name, cfg, rank, world)?;
-        let views = Views {
-            shapes: Vec::new(),
-            extras: Vec::new(),
+        let state = State {
+            mgr,
+            views: OutputViews::default(),
             stats: Default::default(),
         };
-        *out = Box::into_raw(Box::new(epcomm_all2all {
+        *out = epcomm_all2all {
             group,
-            inner: Mutex::new((mgr, views)),
-        }));
+            inner: Mutex::new(state),
+        }
+        .into_raw();
         Ok(())
     })
 }
@@ -226,107 +245,20 @@ pub unsafe extern "C" fn epcomm_all2all_create(
 /// `a2a` is NULL or a handle from epcomm_all2all_create, not used after this call.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_all2all_destroy(a2a: *mut epcomm_all2all) {
-    guard::call_or((), || {
-        if !a2a.is_null() {
-            // SAFETY: from Box::into_raw, destroyed once (caller contract).
-            drop(unsafe { Box::from_raw(a2a) });
-        }
-    })
+    // SAFETY: caller contract.
+    guard::call_or((), || unsafe { epcomm_all2all::destroy(a2a) })
 }
 
-impl epcomm_all2all {
-    /// The manager and its views, for one call; another thread's call in progress is an error
-    /// (a handle serves one thread at a time), not a wait.
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, (Manager, Views)>> {
-        self.inner
-            .try_lock()
-            .or_else(super::guard::recover_poisoned)
-            .map_err(|_| {
-                Error::InvalidState(
-                    "the all2all handle is in use by another thread; use it from one thread at a time"
-                        .into(),
-                )
-            })
-    }
-}
-
+/// Runs `f` with the manager's state and its group.
+///
+/// # Safety
+/// `a2a` is NULL or a live handle whose group is live.
 unsafe fn with_manager<T>(
     a2a: *const epcomm_all2all,
-    f: impl FnOnce(&mut Manager, &mut Views, &mut dyn Group) -> Result<T>,
+    f: impl FnOnce(&mut State, &mut dyn Group) -> Result<T>,
 ) -> Result<T> {
-    // SAFETY: caller contract: a live handle.
-    let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-    let mut inner = h.lock()?;
-    let (mgr, views) = &mut *inner;
-    // SAFETY: the group outlives the manager (documented contract).
-    unsafe { with_group(h.group, |g| f(mgr, views, g)) }
-}
-
-/// A host tensor view; `shapes` keeps the shape array alive (inner buffers never move).
-fn view_tensor(
-    shapes: &mut Vec<Vec<i64>>,
-    data: *const u8,
-    dtype: DType,
-    dims: &[usize],
-) -> epcomm_tensor {
-    shapes.push(dims.iter().map(|&d| d as i64).collect());
-    let shape = shapes.last_mut().expect("just pushed");
-    epcomm_tensor {
-        data: data as *mut c_void,
-        device: epcomm_device {
-            device_type: super::EPCOMM_DEVICE_CPU,
-            device_id: 0,
-        },
-        ndim: shape.len() as i32,
-        dtype: epcomm_dtype {
-            code: dtype.code,
-            bits: dtype.bits,
-            lanes: dtype.lanes,
-        },
-        shape: shape.as_mut_ptr(),
-        strides: std::ptr::null_mut(),
-        byte_offset: 0,
-    }
-}
-
-/// Checks topk_ids' dtype (int32 or int64) without reading it.
-fn check_ids_dtype(t: &HostTensor) -> Result<()> {
-    match (t.dtype.code(), t.dtype.bits) {
-        (Some(Code::Int), 32 | 64) => Ok(()),
-        _ => Err(Error::InvalidArgument(format!(
-            "tensor 'topk_ids' has dtype {}; expected torch.int32 or torch.int64",
-            t.dtype.torch_name()
-        ))),
-    }
-}
-
-pub(crate) fn ids_arg(t: &HostTensor) -> Result<Vec<i64>> {
-    let bytes = unsafe { t.as_slice() };
-    match (t.dtype.code(), t.dtype.bits) {
-        (Some(Code::Int), 32) => Ok(bytes
-            .chunks_exact(4)
-            .map(|c| i32::from_ne_bytes(c.try_into().unwrap()) as i64)
-            .collect()),
-        (Some(Code::Int), 64) => Ok(bytes
-            .chunks_exact(8)
-            .map(|c| i64::from_ne_bytes(c.try_into().unwrap()))
-            .collect()),
-        _ => Err(Error::InvalidArgument(format!(
-            "tensor 'topk_ids' has dtype {}; expected torch.int32 or torch.int64",
-            t.dtype.torch_name()
-        ))),
-    }
-}
-
-fn check_2d(t: &HostTensor, rows: Option<usize>, cols: usize, what: &str) -> Result<()> {
-    let ok = t.shape.len() == 2 && t.shape[1] == cols && rows.is_none_or(|r| t.shape[0] == r);
-    if !ok {
-        return Err(Error::InvalidArgument(format!(
-            "tensor '{}' has shape {:?}; expected {what}",
-            t.name, t.shape
-        )));
-    }
-    Ok(())
+    // SAFETY: caller contract; the group outlives the manager (documented contract).
+    unsafe { epcomm_all2all::with(a2a, |h, st| with_group(h.group, |g| f(st, g))) }
 }
 
 /// Dispatches this rank's tokens (collective): `hidden` [T, hidden_size] of hidden_dtype,
@@ -352,95 +284,77 @@ pub unsafe extern "C" fn epcomm_all2all_dispatch(
     guard::call(|| {
         // SAFETY: caller contract for every pointer below.
         unsafe {
-            with_manager(a2a, |mgr, views, g| {
-                let parsed = (|| -> Result<_> {
-                    let out = guard::out_arg(out, "out")?;
-                    let cfg = mgr.config();
-                    let x = HostTensor::from_ffi(hidden, "hidden")?;
-                    let ids = HostTensor::from_ffi(topk_ids, "topk_ids")?;
-                    let w = HostTensor::from_ffi(topk_weights, "topk_weights")?;
-                    if x.dtype != cfg.hidden_dtype {
-                        return Err(Error::InvalidArgument(format!(
-                            "tensor 'hidden' has dtype {}; the manager was created for {}",
-                            x.dtype.torch_name(),
-                            cfg.hidden_dtype.torch_name()
-                        )));
-                    }
-                    check_2d(
-                        &x,
-                        None,
-                        cfg.hidden,
-                        &format!("[T, {}] (T tokens of hidden_size)", cfg.hidden),
-                    )?;
-                    let t = x.rows();
-                    check_2d(
-                        &ids,
-                        Some(t),
-                        cfg.top_k,
-                        &format!("[{t}, {}] (T, top_k)", cfg.top_k),
-                    )?;
-                    check_2d(
-                        &w,
-                        Some(t),
-                        cfg.top_k,
-                        &format!("[{t}, {}] (T, top_k)", cfg.top_k),
-                    )?;
-                    if w.dtype != DType::F32 {
-                        return Err(Error::InvalidArgument(format!(
-                            "tensor 'topk_weights' has dtype {}; expected torch.float32",
-                            w.dtype.torch_name()
-                        )));
-                    }
-                    check_ids_dtype(&ids)?;
-                    if num_extras != cfg.extra_row_bytes.len() {
-                        return Err(Error::InvalidArgument(format!(
-                            "num_extras is {num_extras}; the manager was created for {}",
-                            cfg.extra_row_bytes.len()
-                        )));
-                    }
-                    let mut ex = Vec::with_capacity(num_extras);
-                    if num_extras > 0 {
-                        if extras.is_null() {
-                            return Err(Error::NullPointer("extras"));
-                        }
-                        for i in 0..num_extras {
-                            let e = HostTensor::from_ffi(extras.add(i), "extras[i]")?;
-                            if e.rows() != t || e.row_bytes() != cfg.extra_row_bytes[i] {
-                                return Err(Error::InvalidArgument(format!(
-                                    "tensor 'extras[{i}]' has shape {:?} ({} bytes per row); expected {t} rows of {} bytes",
-                                    e.shape,
-                                    e.row_bytes(),
-                                    cfg.extra_row_bytes[i]
-                                )));
-                            }
-                            ex.push(e);
-                        }
-                    }
-                    // The token count before topk_ids and topk_weights are read: rows beyond
-                    // what the buffers hold are never touched.
-                    mgr.check_tokens(t)?;
-                    let ids_v = ids_arg(&ids)?;
-                    let w_v: Vec<f32> = w
-                        .as_slice()
-                        .chunks_exact(4)
-                        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
-                        .collect();
-                    Ok((out, x, ids_v, w_v, ex))
-                })();
-                let (out, x, ids_v, w_v, ex) = match parsed {
-                    Ok(p) => p,
-                    Err(e) => return Err(mgr.reject_dispatch(g, e)),
-                };
-                let ex_slices: Vec<&[u8]> = ex.iter().map(|e| e.as_slice()).collect();
-                mgr.dispatch(g, x.as_slice(), &ids_v, &w_v, &ex_slices)?;
-                *out = describe(mgr, views);
+            with_manager(a2a, |st, g| {
+                let checked = host_dispatch(
+                    &st.mgr,
+                    hidden,
+                    topk_ids,
+                    topk_weights,
+                    extras,
+                    num_extras,
+                    out,
+                );
+                let (out, d) = checked.map_err(|e| st.mgr.reject_dispatch(g, e))?;
+                let ex: Vec<&[u8]> = d.args.extras.iter().map(|e| e.as_slice()).collect();
+                st.mgr
+                    .dispatch(g, d.args.hidden.as_slice(), &d.ids, &d.weights, &ex)?;
+                *out = describe(&st.mgr, &mut st.views);
                 Ok(())
             })
         }
     })
 }
 
-fn describe(mgr: &Manager, views: &mut Views) -> epcomm_dispatch_output {
+/// A host dispatch's checked tensors and its routing, read.
+struct HostDispatch {
+    args: DispatchArgs,
+    ids: Vec<i64>,
+    weights: Vec<f32>,
+}
+
+/// Every check of a host dispatch (before anything collective), then the routing read.
+///
+/// # Safety
+/// As epcomm_all2all_dispatch.
+unsafe fn host_dispatch<'a>(
+    mgr: &Manager,
+    hidden: *const epcomm_tensor,
+    topk_ids: *const epcomm_tensor,
+    topk_weights: *const epcomm_tensor,
+    extras: *const epcomm_tensor,
+    num_extras: usize,
+    out: *mut epcomm_dispatch_output,
+) -> Result<(&'a mut epcomm_dispatch_output, HostDispatch)> {
+    // SAFETY: caller contract for every pointer.
+    let (out, args) = unsafe {
+        (
+            guard::out_arg(out, "out")?,
+            DispatchArgs::parse(
+                mgr.config(),
+                Memory::Host,
+                hidden,
+                topk_ids,
+                topk_weights,
+                extras,
+                num_extras,
+            )?,
+        )
+    };
+    // The token count before topk_ids and topk_weights are read: rows beyond what the buffers
+    // hold are never touched.
+    mgr.check_tokens(args.tokens())?;
+    // SAFETY: host tensors valid for reads during the call (caller contract).
+    let (ids, weights) = unsafe {
+        (
+            ids_arg(&args.topk_ids)?,
+            bytes::to_vec::<f32>(args.topk_weights.as_slice()),
+        )
+    };
+    Ok((out, HostDispatch { args, ids, weights }))
+}
+
+/// The last dispatch's buffers as C views.
+fn describe(mgr: &Manager, views: &mut OutputViews) -> epcomm_dispatch_output {
     let v = mgr.view();
     let cfg = mgr.config();
     let k = cfg.top_k;
@@ -452,54 +366,29 @@ fn describe(mgr: &Manager, views: &mut Views) -> epcomm_dispatch_output {
         Layout::ExpertPacked => (vec![0], vec![rows]),
         Layout::ExpertMajor | Layout::MoonepSlots => (vec![0], vec![0]),
     };
-    let mut shapes = Vec::with_capacity(7 + v.extras.len());
-    let s = &mut shapes;
-    let u8t = DType::new(Code::UInt, 8);
-    views.extras = v
-        .extras
-        .iter()
-        .zip(&cfg.extra_row_bytes)
-        .map(|(buf, &rb)| {
-            let mut dims = v.shape[..v.shape.len() - 1].to_vec();
-            dims.push(rb);
-            view_tensor(s, buf.as_ptr(), u8t, &dims)
-        })
-        .collect();
-    let out = epcomm_dispatch_output {
-        layout: v.layout as i32,
+    let part = |addr: *const u8, dtype, dims| Part {
+        addr: addr as usize,
+        dtype,
+        dims,
+    };
+    let flat = |addr: *const u8, dtype, len| Part::flat(addr as usize, dtype, len);
+    let parts = DispatchParts {
+        layout: v.layout,
         received_rows: v.received_rows as i64,
-        hidden: view_tensor(s, v.hidden.as_ptr(), cfg.hidden_dtype, v.shape),
-        topk_ids: view_tensor(s, v.topk_ids.as_ptr().cast(), DType::I64, &ids_dims),
-        topk_weights: view_tensor(s, v.topk_weights.as_ptr().cast(), DType::F32, &w_dims),
-        counts: view_tensor(s, v.counts.as_ptr().cast(), DType::I32, &[v.counts.len()]),
-        expert_offsets: view_tensor(
-            s,
+        hidden: part(v.hidden.as_ptr(), cfg.hidden_dtype, v.shape.to_vec()),
+        topk_ids: part(v.topk_ids.as_ptr().cast(), DType::I64, ids_dims),
+        topk_weights: part(v.topk_weights.as_ptr().cast(), DType::F32, w_dims),
+        counts: flat(v.counts.as_ptr().cast(), DType::I32, v.counts.len()),
+        expert_offsets: flat(
             v.expert_offsets.as_ptr().cast(),
             DType::I64,
-            &[v.expert_offsets.len()],
+            v.expert_offsets.len(),
         ),
-        src_rank: view_tensor(
-            s,
-            v.src_rank.as_ptr().cast(),
-            DType::I32,
-            &[v.src_rank.len()],
-        ),
-        src_token: view_tensor(
-            s,
-            v.src_token.as_ptr().cast(),
-            DType::I32,
-            &[v.src_token.len()],
-        ),
-        extras: if views.extras.is_empty() {
-            std::ptr::null()
-        } else {
-            views.extras.as_ptr()
-        },
-        num_extras: views.extras.len(),
+        src_rank: flat(v.src_rank.as_ptr().cast(), DType::I32, v.src_rank.len()),
+        src_token: flat(v.src_token.as_ptr().cast(), DType::I32, v.src_token.len()),
+        extras: v.extras.iter().map(|b| b.as_ptr() as usize).collect(),
     };
-    // Moving the outer vector keeps every shape buffer where the tensors point.
-    views.shapes = shapes;
-    out
+    views.describe(&parts, &cfg.extra_row_bytes, Memory::Host)
 }
 
 /// Brings the expert outputs home and reduces them (collective). `expert_output` has the shape
@@ -519,49 +408,17 @@ pub unsafe extern "C" fn epcomm_all2all_combine(
     guard::call(|| {
         // SAFETY: caller contract for every pointer below.
         unsafe {
-            with_manager(a2a, |mgr, _, g| {
-                let parsed = (|| -> Result<_> {
-                    let cfg = mgr.config();
-                    let y = HostTensor::from_ffi(expert_output, "expert_output")?;
-                    let o = HostTensor::from_ffi(output, "output")?;
-                    if y.dtype != cfg.expert_dtype.dtype() {
-                        return Err(Error::InvalidArgument(format!(
-                            "tensor 'expert_output' has dtype {}; the manager was created for {}",
-                            y.dtype.torch_name(),
-                            cfg.expert_dtype.dtype().torch_name()
-                        )));
-                    }
-                    if o.dtype != cfg.out_dtype.dtype() {
-                        return Err(Error::InvalidArgument(format!(
-                            "tensor 'output' has dtype {}; the manager was created for {}",
-                            o.dtype.torch_name(),
-                            cfg.out_dtype.dtype().torch_name()
-                        )));
-                    }
-                    if let Some(rows) = mgr.combine_rows() {
-                        let want = rows * cfg.hidden;
-                        if y.shape.last() != Some(&cfg.hidden)
-                            || y.bytes / (y.dtype.bits as usize / 8) != want
-                        {
-                            return Err(Error::InvalidArgument(format!(
-                                "tensor 'expert_output' has shape {:?}; expected the shape of the dispatch output ({rows} rows of {})",
-                                y.shape, cfg.hidden
-                            )));
-                        }
-                        check_2d(
-                            &o,
-                            Some(mgr.tokens()),
-                            cfg.hidden,
-                            &format!("[{}, {}] (T, hidden_size)", mgr.tokens(), cfg.hidden),
-                        )?;
-                    }
-                    y.check_disjoint(&o)?;
-                    Ok((y, o))
-                })();
-                let (y, o) = match parsed {
-                    Ok(p) => p,
-                    Err(e) => return Err(mgr.reject_combine(g, e)),
-                };
+            with_manager(a2a, |st, g| {
+                let mgr = &mut st.mgr;
+                let dispatched = mgr.combine_rows().map(|rows| (rows, mgr.tokens()));
+                let (y, o) = combine_args(
+                    mgr.config(),
+                    Memory::Host,
+                    expert_output,
+                    output,
+                    dispatched,
+                )
+                .map_err(|e| mgr.reject_combine(g, e))?;
                 mgr.combine(g, y.as_slice(), o.as_mut_slice())
             })
         }
@@ -574,14 +431,16 @@ pub unsafe extern "C" fn epcomm_all2all_combine(
 /// `a2a` is NULL or a live handle.
 pub(crate) unsafe fn expert_counts(a2a: *const epcomm_all2all) -> Result<Vec<u32>> {
     // SAFETY: caller contract.
-    let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-    let inner = h.lock()?;
-    if inner.0.expert_counts().is_empty() {
-        return Err(Error::InvalidState(
-            "the manager has not dispatched yet: record its load after a dispatch".into(),
-        ));
+    unsafe {
+        epcomm_all2all::with(a2a, |_, st| {
+            if st.mgr.expert_counts().is_empty() {
+                return Err(Error::InvalidState(
+                    "the manager has not dispatched yet: record its load after a dispatch".into(),
+                ));
+            }
+            Ok(st.mgr.expert_counts().to_vec())
+        })
     }
-    Ok(inner.0.expert_counts().to_vec())
 }
 
 /// Declares a MoE layer's top_k and num_experts (physical). The flashinfer_nvlink_one_sided
@@ -598,9 +457,7 @@ pub unsafe extern "C" fn epcomm_all2all_check_layer(
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract.
-        let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-        let inner = h.lock()?;
-        inner.0.check_layer(top_k, num_experts)
+        unsafe { epcomm_all2all::with(a2a, |_, st| st.mgr.check_layer(top_k, num_experts)) }
     })
 }
 
@@ -658,33 +515,34 @@ pub unsafe extern "C" fn epcomm_all2all_get_stats(
     guard::call(|| {
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(stats_out, "stats_out") }?;
-        let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-        let mut inner = h.lock()?;
-        let (mgr, views) = &mut *inner;
-        let s = mgr.stats().clone();
-        let world = s.tokens_sent.len().max(1);
-        let pad = |v: &Vec<u64>| {
-            let mut v = v.clone();
-            v.resize(world, 0);
-            v
-        };
-        views.stats = [
-            pad(&s.tokens_sent),
-            pad(&s.tokens_received),
-            pad(&s.bytes_sent),
-            pad(&s.bytes_received),
-            pad(&s.combine_bytes_received),
-        ];
-        *out = epcomm_all2all_stats {
-            world_size: s.tokens_sent.len() as i32,
-            tokens_sent: views.stats[0].as_ptr(),
-            tokens_received: views.stats[1].as_ptr(),
-            bytes_sent: views.stats[2].as_ptr(),
-            bytes_received: views.stats[3].as_ptr(),
-            combine_bytes_received: views.stats[4].as_ptr(),
-            dispatch_seconds: s.dispatch_time.as_secs_f64(),
-            combine_seconds: s.combine_time.as_secs_f64(),
-        };
-        Ok(())
+        unsafe { epcomm_all2all::with(a2a, |_, st| Ok(write_stats(st, out))) }
     })
+}
+
+/// Points `out` at the stats of the last calls, padded to the world size, kept in `st`.
+fn write_stats(st: &mut State, out: &mut epcomm_all2all_stats) {
+    let s = st.mgr.stats().clone();
+    let world = s.tokens_sent.len().max(1);
+    let pad = |v: &Vec<u64>| {
+        let mut v = v.clone();
+        v.resize(world, 0);
+        v
+    };
+    st.stats = [
+        pad(&s.tokens_sent),
+        pad(&s.tokens_received),
+        pad(&s.bytes_sent),
+        pad(&s.bytes_received),
+        pad(&s.combine_bytes_received),
+    ];
+    *out = epcomm_all2all_stats {
+        world_size: s.tokens_sent.len() as i32,
+        tokens_sent: st.stats[0].as_ptr(),
+        tokens_received: st.stats[1].as_ptr(),
+        bytes_sent: st.stats[2].as_ptr(),
+        bytes_received: st.stats[3].as_ptr(),
+        combine_bytes_received: st.stats[4].as_ptr(),
+        dispatch_seconds: s.dispatch_time.as_secs_f64(),
+        combine_seconds: s.combine_time.as_secs_f64(),
+    };
 }

@@ -7,8 +7,10 @@ use std::sync::Mutex;
 use super::all2all::epcomm_all2all;
 use super::group::{epcomm_group, with_group};
 use super::guard;
+use super::handle::{Exclusive, Handle};
+use super::moe_args::ids_arg;
 use super::select::{epcomm_eplb_select_request, SelectArgs};
-use super::tensor::{epcomm_tensor, HostTensor};
+use super::tensor::{epcomm_tensor, HostTensor, Memory};
 use crate::eplb::communicator::{self, EplbCommunicator};
 use crate::eplb::load::LoadState;
 use crate::eplb::rearrange;
@@ -23,7 +25,7 @@ struct Queued {
     tensors: Vec<HostTensor>,
 }
 
-struct CommState {
+pub(crate) struct CommState {
     comm: Box<dyn EplbCommunicator>,
     queued: Vec<Queued>,
 }
@@ -33,6 +35,18 @@ struct CommState {
 pub struct epcomm_eplb_communicator {
     group: *const epcomm_group,
     inner: Mutex<CommState>,
+}
+
+impl Handle for epcomm_eplb_communicator {
+    const ARG: &'static str = "comm";
+}
+
+impl Exclusive for epcomm_eplb_communicator {
+    type State = CommState;
+    const BUSY: &'static str = "the EPLB communicator is in use by another thread";
+    fn state(&self) -> &Mutex<CommState> {
+        &self.inner
+    }
 }
 
 /// Builds the EPLB communicator vLLM's factory would choose for `request` (name or automatic,
@@ -63,13 +77,14 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_create(
             args.nccl_available,
             args.nixl_available,
         )?;
-        *out = Box::into_raw(Box::new(epcomm_eplb_communicator {
+        *out = epcomm_eplb_communicator {
             group,
             inner: Mutex::new(CommState {
                 comm,
                 queued: Vec::new(),
             }),
-        }));
+        }
+        .into_raw();
         Ok(())
     })
 }
@@ -80,28 +95,21 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_create(
 /// `comm` is NULL or a handle from epcomm_eplb_communicator_create, not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_communicator_destroy(comm: *mut epcomm_eplb_communicator) {
-    guard::call_or((), || {
-        if !comm.is_null() {
-            // SAFETY: from Box::into_raw, destroyed once (caller contract).
-            drop(unsafe { Box::from_raw(comm) });
-        }
-    })
+    // SAFETY: caller contract.
+    guard::call_or((), || unsafe { epcomm_eplb_communicator::destroy(comm) })
 }
 
+/// Runs `f` with the communicator's state and its group's handle (locked by `f` when it needs
+/// it, so a queue is taken even when the group is busy).
+///
+/// # Safety
+/// `comm` is NULL or a live handle.
 unsafe fn with_comm<T>(
     comm: *const epcomm_eplb_communicator,
     f: impl FnOnce(&mut CommState, *const epcomm_group) -> Result<T>,
 ) -> Result<T> {
-    // SAFETY: caller contract: a live handle.
-    let c = unsafe { comm.as_ref() }.ok_or(Error::NullPointer("comm"))?;
-    let mut inner = c
-        .inner
-        .try_lock()
-        .or_else(super::guard::recover_poisoned)
-        .map_err(|_| {
-            Error::InvalidState("the EPLB communicator is in use by another thread".into())
-        })?;
-    f(&mut inner, c.group)
+    // SAFETY: caller contract.
+    unsafe { epcomm_eplb_communicator::with(comm, |h, c| f(c, h.group)) }
 }
 
 unsafe fn queue(
@@ -113,17 +121,13 @@ unsafe fn queue(
 ) -> Result<()> {
     let peer = usize::try_from(peer)
         .map_err(|_| Error::InvalidArgument(format!("peer rank is {peer}; expected >= 0")))?;
-    if num_tensors > 0 && tensors.is_null() {
-        return Err(Error::NullPointer("tensors"));
-    }
-    let mut ts = Vec::with_capacity(num_tensors);
-    for i in 0..num_tensors {
-        // SAFETY: num_tensors entries (caller contract).
-        ts.push(unsafe { HostTensor::from_ffi(tensors.add(i), "tensors[i]") }?);
-    }
+    // SAFETY: num_tensors descriptors (caller contract).
+    let ts = unsafe {
+        Memory::Host.tensors(tensors, num_tensors, "tensors", "tensors[i]", |_, _| Ok(()))
+    }?;
     // SAFETY: caller contract.
     unsafe {
-        with_comm(comm, |c, _| {
+        epcomm_eplb_communicator::with(comm, |_, c| {
             c.queued.push(Queued {
                 send,
                 peer,
@@ -291,72 +295,39 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange(
                 count(new_slots, "new_slots")?,
             );
             // SAFETY: caller contract for every pointer below.
-            let old = unsafe { maps(old_phy2log, l, os, "old_phy2log") }?;
-            let new = unsafe { maps(new_phy2log, l, ns, "new_phy2log") }?;
-            if num_tensors == 0 {
-                return Err(Error::InvalidArgument(
-                    "num_tensors is 0; expected the number of weight tensors per layer".into(),
-                ));
-            }
-            if weights.is_null() {
-                return Err(Error::NullPointer("weights"));
-            }
-            let mut tensors = Vec::with_capacity(l * num_tensors);
-            for i in 0..l * num_tensors {
-                tensors.push(unsafe { HostTensor::from_ffi(weights.add(i), "weights[i]") }?);
-            }
-            for (i, a) in tensors.iter().enumerate() {
-                for b in &tensors[i + 1..] {
-                    a.check_disjoint(b)?;
-                }
-            }
-            let row_bytes: Vec<usize> = tensors[..num_tensors]
-                .iter()
-                .map(HostTensor::row_bytes)
-                .collect();
-            for (i, t) in tensors.iter().enumerate() {
-                if t.row_bytes() != row_bytes[i % num_tensors] {
-                    return Err(Error::InvalidArgument(format!(
-                        "weights[{i}] has rows of {} bytes but tensor {} of layer 0 has {}; every layer must have the same tensors",
-                        t.row_bytes(),
-                        i % num_tensors,
-                        row_bytes[i % num_tensors]
-                    )));
-                }
-            }
-            let mapping: Option<Vec<i64>> = if rank_mapping.is_null() {
-                None
-            } else {
-                Some(unsafe { std::slice::from_raw_parts(rank_mapping, rank_mapping_len) }.to_vec())
+            let (old, new, layers) = unsafe {
+                (
+                    maps(old_phy2log, l, os, "old_phy2log")?,
+                    maps(new_phy2log, l, ns, "new_phy2log")?,
+                    LayerWeights::parse(weights, l, num_tensors)?,
+                )
             };
-            let dtypes: Vec<crate::dtype::DType> =
-                tensors[..num_tensors].iter().map(|t| t.dtype).collect();
-            let views: Vec<Vec<&mut [u8]>> = tensors
-                .chunks(num_tensors)
-                .map(|layer| layer.iter().map(|t| unsafe { t.as_mut_slice() }).collect())
-                .collect();
-            Ok((old, new, views, row_bytes, mapping, dtypes))
+            let mapping = (!rank_mapping.is_null()).then(|| {
+                // SAFETY: non-NULL with rank_mapping_len entries (caller contract).
+                unsafe { std::slice::from_raw_parts(rank_mapping, rank_mapping_len) }.to_vec()
+            });
+            Ok((old, new, layers, mapping))
         })();
+        // SAFETY: caller contract: a live handle whose group is live.
         let summary = unsafe {
             with_comm(comm, |c, group| {
                 with_group(group, |g| {
-                    let (old, new, mut views, row_bytes, mapping, dtypes) = match prepared {
-                        Ok(p) => p,
-                        Err(e) => return Err(rearrange::reject_rearrange(g, e)),
-                    };
+                    let (old, new, w, mapping) =
+                        prepared.map_err(|e| rearrange::reject_rearrange(g, e))?;
                     rearrange::rearrange_typed(
                         g,
                         c.comm.as_mut(),
                         &old,
                         &new,
-                        &mut views,
-                        &row_bytes,
+                        &mut w.views(),
+                        &w.row_bytes,
                         mapping.as_deref(),
-                        &dtypes,
+                        &w.dtypes,
                     )
                 })
             })
         }?;
+        // SAFETY: NULL or writable (caller contract).
         if let Some(out) = unsafe { summary_out.as_mut() } {
             *out = epcomm_eplb_summary {
                 layers_changed: summary.layers_changed as i64,
@@ -369,6 +340,78 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange(
     })
 }
 
+/// The weight tensors of a rearrangement: `per_layer` tensors per layer, layer-major, every
+/// layer with the first layer's row sizes; no two overlap.
+struct LayerWeights {
+    tensors: Vec<HostTensor>,
+    per_layer: usize,
+    row_bytes: Vec<usize>,
+    dtypes: Vec<crate::dtype::DType>,
+}
+
+impl LayerWeights {
+    /// # Safety
+    /// `weights` is NULL or holds `layers * per_layer` valid host tensor descriptors.
+    unsafe fn parse(
+        weights: *const epcomm_tensor,
+        layers: usize,
+        per_layer: usize,
+    ) -> Result<LayerWeights> {
+        if per_layer == 0 {
+            return Err(Error::InvalidArgument(
+                "num_tensors is 0; expected the number of weight tensors per layer".into(),
+            ));
+        }
+        // SAFETY: caller contract.
+        let tensors = unsafe {
+            Memory::Host.tensors(
+                weights,
+                layers * per_layer,
+                "weights",
+                "weights[i]",
+                |_, _| Ok(()),
+            )
+        }?;
+        for (i, a) in tensors.iter().enumerate() {
+            for b in &tensors[i + 1..] {
+                a.check_disjoint(b)?;
+            }
+        }
+        let first = &tensors[..per_layer];
+        let row_bytes: Vec<usize> = first.iter().map(HostTensor::row_bytes).collect();
+        for (i, t) in tensors.iter().enumerate() {
+            let want = row_bytes[i % per_layer];
+            if t.row_bytes() != want {
+                return Err(Error::InvalidArgument(format!(
+                    "weights[{i}] has rows of {} bytes but tensor {} of layer 0 has {want}; every layer must have the same tensors",
+                    t.row_bytes(),
+                    i % per_layer,
+                )));
+            }
+        }
+        let dtypes = first.iter().map(|t| t.dtype).collect();
+        Ok(LayerWeights {
+            tensors,
+            per_layer,
+            row_bytes,
+            dtypes,
+        })
+    }
+
+    /// Every layer's tensors as mutable bytes.
+    ///
+    /// # Safety
+    /// The tensors' memory is valid for writes and used by nobody else during the borrow
+    /// (the tensors were checked not to overlap).
+    unsafe fn views(&self) -> Vec<Vec<&mut [u8]>> {
+        self.tensors
+            .chunks(self.per_layer)
+            // SAFETY: caller contract.
+            .map(|layer| layer.iter().map(|t| unsafe { t.as_mut_slice() }).collect())
+            .collect()
+    }
+}
+
 /// One rank's transfer plan for one layer (see epcomm_eplb_plan_layer).
 pub struct epcomm_eplb_layer_plan {
     plan: LayerPlan,
@@ -377,6 +420,11 @@ pub struct epcomm_eplb_layer_plan {
     sends: Vec<i64>,
     recvs: Vec<i64>,
     duplicates: Vec<i64>,
+}
+
+/// Immutable once made: borrowed without a lock.
+impl Handle for epcomm_eplb_layer_plan {
+    const ARG: &'static str = "plan";
 }
 
 /// Views of a layer plan; valid until the plan is destroyed.
@@ -432,14 +480,15 @@ pub unsafe extern "C" fn epcomm_eplb_plan_layer(
                 .flat_map(|&(a, b, c)| [a, b as i64, c as i64])
                 .collect()
         };
-        *out = Box::into_raw(Box::new(epcomm_eplb_layer_plan {
+        *out = epcomm_eplb_layer_plan {
             unchanged: plan.unchanged.iter().map(|&u| u8::from(u)).collect(),
             local_copies: flat2(&plan.local_copies),
             sends: flat3(&plan.sends),
             recvs: flat3(&plan.recvs),
             duplicates: flat2(&plan.duplicates),
             plan,
-        }));
+        }
+        .into_raw();
         Ok(())
     })
 }
@@ -456,7 +505,7 @@ pub unsafe extern "C" fn epcomm_eplb_layer_plan_view(
     guard::call(|| {
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(view_out, "view_out") }?;
-        let p = unsafe { plan.as_ref() }.ok_or(Error::NullPointer("plan"))?;
+        let p = unsafe { epcomm_eplb_layer_plan::from_ptr(plan) }?;
         *out = epcomm_eplb_plan_view {
             num_slots: p.unchanged.len() as i64,
             unchanged: p.unchanged.as_ptr(),
@@ -479,17 +528,25 @@ pub unsafe extern "C" fn epcomm_eplb_layer_plan_view(
 /// `plan` is NULL or from epcomm_eplb_plan_layer, not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_layer_plan_destroy(plan: *mut epcomm_eplb_layer_plan) {
-    guard::call_or((), || {
-        if !plan.is_null() {
-            // SAFETY: from Box::into_raw, destroyed once.
-            drop(unsafe { Box::from_raw(plan) });
-        }
-    })
+    // SAFETY: caller contract.
+    guard::call_or((), || unsafe { epcomm_eplb_layer_plan::destroy(plan) })
 }
 
 /// Expert-load statistics of one model on one rank (window, schedule, balancedness log).
 pub struct epcomm_eplb_state {
     inner: Mutex<LoadState>,
+}
+
+impl Handle for epcomm_eplb_state {
+    const ARG: &'static str = "state";
+}
+
+impl Exclusive for epcomm_eplb_state {
+    type State = LoadState;
+    const BUSY: &'static str = "the EPLB state is in use by another thread";
+    fn state(&self) -> &Mutex<LoadState> {
+        &self.inner
+    }
 }
 
 /// Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts.
@@ -524,9 +581,10 @@ pub unsafe extern "C" fn epcomm_eplb_state_create(
             count(num_layers, "num_layers")?,
             count(num_physical, "num_physical")?,
         )?;
-        *out = Box::into_raw(Box::new(epcomm_eplb_state {
+        *out = epcomm_eplb_state {
             inner: Mutex::new(state),
-        }));
+        }
+        .into_raw();
         Ok(())
     })
 }
@@ -537,26 +595,20 @@ pub unsafe extern "C" fn epcomm_eplb_state_create(
 /// `state` is NULL or from epcomm_eplb_state_create, not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_state_destroy(state: *mut epcomm_eplb_state) {
-    guard::call_or((), || {
-        if !state.is_null() {
-            // SAFETY: from Box::into_raw, destroyed once.
-            drop(unsafe { Box::from_raw(state) });
-        }
-    })
+    // SAFETY: caller contract.
+    guard::call_or((), || unsafe { epcomm_eplb_state::destroy(state) })
 }
 
+/// Runs `f` with the load statistics behind `state`.
+///
+/// # Safety
+/// `state` is NULL or a live handle.
 unsafe fn with_state<T>(
     state: *const epcomm_eplb_state,
     f: impl FnOnce(&mut LoadState) -> Result<T>,
 ) -> Result<T> {
     // SAFETY: caller contract.
-    let s = unsafe { state.as_ref() }.ok_or(Error::NullPointer("state"))?;
-    let mut inner = s
-        .inner
-        .try_lock()
-        .or_else(super::guard::recover_poisoned)
-        .map_err(|_| Error::InvalidState("the EPLB state is in use by another thread".into()))?;
-    f(&mut inner)
+    unsafe { epcomm_eplb_state::with(state, |_, s| f(s)) }
 }
 
 /// Adds the expert load of the manager's last dispatch to layer `layer` of this step (the
@@ -594,7 +646,8 @@ pub unsafe extern "C" fn epcomm_eplb_state_record(
             .map_err(|_| Error::InvalidArgument(format!("layer is {layer}; expected >= 0")))?;
         // SAFETY: caller contract.
         let t = unsafe { HostTensor::from_ffi(topk_ids, "topk_ids") }?;
-        let ids = super::all2all::ids_arg(&t)?;
+        // SAFETY: a host tensor valid for reads (caller contract).
+        let ids = unsafe { ids_arg(&t) }?;
         unsafe { with_state(state, |s| s.record_ids(layer, &ids)) }
     })
 }

@@ -12,11 +12,14 @@
 //! Status: the device side has never run on a GPU; see docs/gpu.md.
 
 use std::ffi::{c_char, c_void};
+use std::sync::Mutex;
 
 use super::all2all::{config_arg, epcomm_dispatch_output, epcomm_moe_config};
 use super::guard;
+use super::handle::{Exclusive, Handle};
 use super::tensor::epcomm_tensor;
 use crate::error::{Error, Result};
+use crate::moe::MoeConfig;
 
 /// Counts mode: exact sizes, one host sync per dispatch (the counts); not capturable.
 pub const EPCOMM_GPU_MODE_COUNTS: i32 = 0;
@@ -90,7 +93,20 @@ pub unsafe extern "C" fn epcomm_nccl_unique_id(out: *mut u8) -> i32 {
 /// by one thread at a time (like an NCCL communicator); every rank calls dispatch and combine
 /// in the same order.
 pub struct epcomm_gpu_all2all {
-    inner: std::sync::Mutex<imp::Handle>,
+    inner: Mutex<imp::GpuState>,
+}
+
+impl Handle for epcomm_gpu_all2all {
+    const ARG: &'static str = "a2a";
+}
+
+impl Exclusive for epcomm_gpu_all2all {
+    type State = imp::GpuState;
+    const BUSY: &'static str =
+        "the GPU all2all handle is in use by another thread; use it from one thread at a time";
+    fn state(&self) -> &Mutex<imp::GpuState> {
+        &self.inner
+    }
 }
 
 fn mode_arg(mode: i32) -> Result<()> {
@@ -108,6 +124,38 @@ fn device_arg(device: i32) -> Result<()> {
             "device is {device}; expected a CUDA device ordinal >= 0"
         )));
     }
+    Ok(())
+}
+
+/// The shared steps of the create calls, in the C checks' order: backend, out, config, the
+/// call's own `checks`, mode, device; then `make` builds the manager.
+///
+/// # Safety
+/// `backend` is NULL or a NUL-terminated string; `config` NULL or valid; `out` NULL or writable.
+unsafe fn create_with(
+    backend: *const c_char,
+    config: *const epcomm_moe_config,
+    out: *mut *mut epcomm_gpu_all2all,
+    checks: impl FnOnce() -> Result<()>,
+    mode: i32,
+    device: i32,
+    make: impl FnOnce(&str, MoeConfig) -> Result<imp::GpuState>,
+) -> Result<()> {
+    // SAFETY: caller contract for every pointer.
+    let (name, out, cfg) = unsafe {
+        (
+            guard::str_arg(backend, "backend")?,
+            guard::out_arg(out, "out")?,
+            config_arg(config)?,
+        )
+    };
+    checks()?;
+    mode_arg(mode)?;
+    device_arg(device)?;
+    *out = epcomm_gpu_all2all {
+        inner: Mutex::new(make(name, cfg)?),
+    }
+    .into_raw();
     Ok(())
 }
 
@@ -132,11 +180,7 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_create(
     mode: i32,
     out: *mut *mut epcomm_gpu_all2all,
 ) -> i32 {
-    guard::call(|| {
-        // SAFETY: caller contract for every pointer.
-        let name = unsafe { guard::str_arg(backend, "backend") }?;
-        let out = unsafe { guard::out_arg(out, "out") }?;
-        let cfg = unsafe { config_arg(config) }?;
+    let checks = || {
         if unique_id.is_null() {
             return Err(Error::NullPointer("unique_id"));
         }
@@ -145,15 +189,17 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_create(
                 "rank {rank} is not in a group of {world_size} ranks"
             )));
         }
-        mode_arg(mode)?;
-        device_arg(device)?;
-        // SAFETY: 128 readable bytes (caller contract).
-        let id = unsafe { std::slice::from_raw_parts(unique_id, 128) };
-        let h = imp::create_from_id(name, cfg, id, rank, world_size, device, mode)?;
-        *out = Box::into_raw(Box::new(epcomm_gpu_all2all {
-            inner: std::sync::Mutex::new(h),
-        }));
         Ok(())
+    };
+    guard::call(|| {
+        // SAFETY: caller contract for every pointer.
+        unsafe {
+            create_with(backend, config, out, checks, mode, device, |name, cfg| {
+                // SAFETY: non-NULL (checked) with 128 readable bytes (caller contract).
+                let id = std::slice::from_raw_parts(unique_id, 128);
+                imp::create_from_id(name, cfg, id, rank, world_size, device, mode)
+            })
+        }
     })
 }
 
@@ -173,22 +219,20 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_create_from_comm(
     mode: i32,
     out: *mut *mut epcomm_gpu_all2all,
 ) -> i32 {
-    guard::call(|| {
-        // SAFETY: caller contract for every pointer.
-        let name = unsafe { guard::str_arg(backend, "backend") }?;
-        let out = unsafe { guard::out_arg(out, "out") }?;
-        let cfg = unsafe { config_arg(config) }?;
+    let checks = || {
         if nccl_comm.is_null() {
             return Err(Error::NullPointer("nccl_comm"));
         }
-        mode_arg(mode)?;
-        device_arg(device)?;
-        // SAFETY: caller contract: a live communicator that outlives the manager.
-        let h = unsafe { imp::create_from_comm(name, cfg, nccl_comm, device, mode) }?;
-        *out = Box::into_raw(Box::new(epcomm_gpu_all2all {
-            inner: std::sync::Mutex::new(h),
-        }));
         Ok(())
+    };
+    guard::call(|| {
+        // SAFETY: caller contract for every pointer; the communicator is live and outlives
+        // the manager.
+        unsafe {
+            create_with(backend, config, out, checks, mode, device, |name, cfg| {
+                imp::create_from_comm(name, cfg, nccl_comm, device, mode)
+            })
+        }
     })
 }
 
@@ -200,31 +244,20 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_create_from_comm(
 /// `a2a` is NULL or a handle from epcomm_gpu_all2all_create*, not used after this call.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_gpu_all2all_destroy(a2a: *mut epcomm_gpu_all2all) {
-    guard::call_or((), || {
-        if !a2a.is_null() {
-            // SAFETY: from Box::into_raw, destroyed once (caller contract).
-            drop(unsafe { Box::from_raw(a2a) });
-        }
-    })
+    // SAFETY: caller contract.
+    guard::call_or((), || unsafe { epcomm_gpu_all2all::destroy(a2a) })
 }
 
-fn with_handle<T>(
+/// Runs `f` with the GPU manager behind `a2a`.
+///
+/// # Safety
+/// `a2a` is NULL or a live handle.
+unsafe fn with_handle<T>(
     a2a: *const epcomm_gpu_all2all,
-    f: impl FnOnce(&mut imp::Handle) -> Result<T>,
+    f: impl FnOnce(&mut imp::GpuState) -> Result<T>,
 ) -> Result<T> {
-    // SAFETY: caller contract: NULL or a live handle.
-    let h = unsafe { a2a.as_ref() }.ok_or(Error::NullPointer("a2a"))?;
-    let mut g = h
-        .inner
-        .try_lock()
-        .or_else(super::guard::recover_poisoned)
-        .map_err(|_| {
-            Error::InvalidState(
-                "the GPU all2all handle is in use by another thread; use it from one thread at a time"
-                    .into(),
-            )
-        })?;
-    f(&mut g)
+    // SAFETY: caller contract.
+    unsafe { epcomm_gpu_all2all::with(a2a, |_, h| f(h)) }
 }
 
 /// Dispatches this rank's tokens (collective) on the host's `stream` (a `cudaStream_t`; NULL =
@@ -259,10 +292,10 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_dispatch(
         if num_extras > 0 && extras.is_null() {
             return Err(Error::NullPointer("extras"));
         }
-        with_handle(a2a, |h| {
-            // SAFETY: caller contract for every pointer.
-            let o = unsafe {
-                imp::dispatch(
+        // SAFETY: caller contract for every pointer; `out` is non-NULL (checked) and writable.
+        unsafe {
+            with_handle(a2a, |h| {
+                *out = imp::dispatch(
                     h,
                     stream,
                     hidden,
@@ -270,12 +303,10 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_dispatch(
                     topk_weights,
                     extras,
                     num_extras,
-                )
-            }?;
-            // SAFETY: checked non-NULL; caller contract: writable.
-            unsafe { *out = o };
-            Ok(())
-        })
+                )?;
+                Ok(())
+            })
+        }
     })
 }
 
@@ -293,12 +324,8 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_combine(
     expert_output: *const epcomm_tensor,
     output: *const epcomm_tensor,
 ) -> i32 {
-    guard::call(|| {
-        // SAFETY: caller contract.
-        with_handle(a2a, |h| unsafe {
-            imp::combine(h, stream, expert_output, output)
-        })
-    })
+    // SAFETY: caller contract.
+    guard::call(|| unsafe { with_handle(a2a, |h| imp::combine(h, stream, expert_output, output)) })
 }
 
 /// Synchronises `stream` and reports the device error word of the last dispatch/combine (bad
@@ -312,7 +339,8 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_check_error(
     a2a: *mut epcomm_gpu_all2all,
     stream: *mut c_void,
 ) -> i32 {
-    guard::call(|| with_handle(a2a, |h| imp::check_error(h, stream)))
+    // SAFETY: caller contract.
+    guard::call(|| unsafe { with_handle(a2a, |h| imp::check_error(h, stream)) })
 }
 
 /// A device tensor the kernels read or write element by element (topk_ids, topk_weights,
@@ -334,32 +362,32 @@ mod imp {
     use super::*;
 
     /// Never constructed in a build without NCCL.
-    pub struct Handle;
+    pub struct GpuState;
 
     pub fn create_from_id(
         _: &str,
-        _: crate::moe::MoeConfig,
+        _: MoeConfig,
         _: &[u8],
         _: i32,
         _: i32,
         _: i32,
         _: i32,
-    ) -> Result<Handle> {
+    ) -> Result<GpuState> {
         Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
     }
 
     pub unsafe fn create_from_comm(
         _: &str,
-        _: crate::moe::MoeConfig,
+        _: MoeConfig,
         _: *mut c_void,
         _: i32,
         _: i32,
-    ) -> Result<Handle> {
+    ) -> Result<GpuState> {
         Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
     }
 
     pub unsafe fn dispatch(
-        _: &mut Handle,
+        _: &mut GpuState,
         _: *mut c_void,
         _: *const epcomm_tensor,
         _: *const epcomm_tensor,
@@ -371,7 +399,7 @@ mod imp {
     }
 
     pub unsafe fn combine(
-        _: &mut Handle,
+        _: &mut GpuState,
         _: *mut c_void,
         _: *const epcomm_tensor,
         _: *const epcomm_tensor,
@@ -379,7 +407,7 @@ mod imp {
         Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
     }
 
-    pub fn check_error(_: &mut Handle, _: *mut c_void) -> Result<()> {
+    pub fn check_error(_: &mut GpuState, _: *mut c_void) -> Result<()> {
         Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
     }
 }
@@ -387,20 +415,21 @@ mod imp {
 #[cfg(feature = "nccl")]
 mod imp {
     use super::*;
-    use crate::dtype::{Code, DType};
-    use crate::ffi::epcomm_dtype;
-    use crate::ffi::tensor::{epcomm_device, HostTensor};
+    use crate::dtype::DType;
+    use crate::ffi::moe_args::{
+        combine_args, DispatchArgs, DispatchParts, IdWidth, OutputViews, Part,
+    };
+    use crate::ffi::tensor::{HostTensor, Memory};
     use crate::gpu::driver::{Device, PrimaryContext, Stream};
     use crate::gpu::kernels::IdDtype;
     use crate::gpu::nccl::{NcclComm, NcclUniqueId};
-    use crate::gpu::transport::{DispatchInput, GpuManager, GpuMode};
-    use crate::moe::MoeConfig;
+    use crate::gpu::transport::{DispatchInput, GpuDispatch, GpuManager, GpuMode};
 
-    pub struct Handle {
+    /// What a call on a GPU all2all handle borrows.
+    pub struct GpuState {
         mgr: GpuManager,
         device: i32,
-        shapes: Vec<Vec<i64>>,
-        extras: Vec<epcomm_tensor>,
+        views: OutputViews,
     }
 
     fn cuda_ready() -> Result<()> {
@@ -424,6 +453,14 @@ mod imp {
         Ok(ctx)
     }
 
+    fn state(mgr: GpuManager, device: i32) -> GpuState {
+        GpuState {
+            mgr,
+            device,
+            views: OutputViews::default(),
+        }
+    }
+
     pub fn create_from_id(
         name: &str,
         cfg: MoeConfig,
@@ -432,7 +469,7 @@ mod imp {
         world: i32,
         device: i32,
         mode: i32,
-    ) -> Result<Handle> {
+    ) -> Result<GpuState> {
         // Validate the configuration before the (blocking, collective) communicator init.
         crate::moe::Manager::new(name, cfg.clone(), rank as usize, world as usize)?;
         cuda_ready()?;
@@ -440,12 +477,7 @@ mod imp {
         let id = NcclUniqueId::from_bytes(id)?;
         let comm = NcclComm::init_rank(&id, rank as usize, world as usize)?;
         let mgr = GpuManager::new(name, cfg, Box::new(comm), device as usize, gpu_mode(mode))?;
-        Ok(Handle {
-            mgr,
-            device,
-            shapes: Vec::new(),
-            extras: Vec::new(),
-        })
+        Ok(state(mgr, device))
     }
 
     pub unsafe fn create_from_comm(
@@ -454,57 +486,16 @@ mod imp {
         comm: *mut c_void,
         device: i32,
         mode: i32,
-    ) -> Result<Handle> {
+    ) -> Result<GpuState> {
         cuda_ready()?;
         let _ctx = bind(device)?;
         // SAFETY: caller contract: a live communicator of the loaded NCCL.
         let comm = unsafe { NcclComm::adopt(comm) }?;
         let mgr = GpuManager::new(name, cfg, Box::new(comm), device as usize, gpu_mode(mode))?;
-        Ok(Handle {
-            mgr,
-            device,
-            shapes: Vec::new(),
-            extras: Vec::new(),
-        })
+        Ok(state(mgr, device))
     }
 
-    fn view(
-        shapes: &mut Vec<Vec<i64>>,
-        ptr: u64,
-        dtype: DType,
-        dims: &[usize],
-        device: i32,
-    ) -> epcomm_tensor {
-        shapes.push(dims.iter().map(|&d| d as i64).collect());
-        let shape = shapes.last_mut().expect("just pushed");
-        epcomm_tensor {
-            data: ptr as *mut c_void,
-            device: epcomm_device {
-                device_type: crate::ffi::EPCOMM_DEVICE_CUDA,
-                device_id: device,
-            },
-            ndim: shape.len() as i32,
-            dtype: epcomm_dtype {
-                code: dtype.code,
-                bits: dtype.bits,
-                lanes: dtype.lanes,
-            },
-            shape: shape.as_mut_ptr(),
-            strides: std::ptr::null_mut(),
-            byte_offset: 0,
-        }
-    }
-
-    fn check_2d(t: &HostTensor, rows: usize, cols: usize, what: &str) -> Result<()> {
-        if t.shape.len() != 2 || t.shape[0] != rows || t.shape[1] != cols {
-            return Err(Error::InvalidArgument(format!(
-                "tensor '{}' has shape {:?}; expected {what}",
-                t.name, t.shape
-            )));
-        }
-        Ok(())
-    }
-
+    /// A device address for the manager (0 for an empty tensor).
     fn addr(t: &HostTensor) -> u64 {
         if t.bytes == 0 {
             0
@@ -514,7 +505,7 @@ mod imp {
     }
 
     pub unsafe fn dispatch(
-        h: &mut Handle,
+        h: &mut GpuState,
         stream: *mut c_void,
         hidden: *const epcomm_tensor,
         topk_ids: *const epcomm_tensor,
@@ -524,198 +515,90 @@ mod imp {
     ) -> Result<epcomm_dispatch_output> {
         // SAFETY: caller contract: NULL or a live stream of this device.
         let s = unsafe { Stream::borrowed(stream) };
+        let mem = Memory::Cuda(h.device);
+        let cfg = h.mgr.config();
         // SAFETY: the descriptors as this function's contract.
-        let checked =
-            unsafe { dispatch_input(h, hidden, topk_ids, topk_weights, extras, num_extras) };
-        let input = match checked {
-            Ok(i) => i,
-            // The peers are told before they wait for this rank in the counts all-gather.
-            Err(e) => return Err(h.mgr.reject_dispatch(&s, e)),
-        };
-        let dev = h.device;
-        let cfg = h.mgr.config().clone();
-        let o = h.mgr.dispatch(&s, &input)?;
-        let sh = &o.shape;
-        let mut shapes = Vec::new();
-        let empty = |shapes: &mut Vec<Vec<i64>>, dt| view(shapes, 0, dt, &[0], dev);
-        let hidden_v = view(&mut shapes, o.hidden, cfg.hidden_dtype, &sh.hidden, dev);
-        let ids_v = if sh.topk_ids.is_empty() {
-            empty(&mut shapes, DType::I64)
-        } else {
-            view(&mut shapes, o.topk_ids, DType::I64, &sh.topk_ids, dev)
-        };
-        let w_v = if sh.topk_weights.is_empty() {
-            empty(&mut shapes, DType::F32)
-        } else {
-            view(
-                &mut shapes,
-                o.topk_weights,
-                DType::F32,
-                &sh.topk_weights,
-                dev,
-            )
-        };
-        let counts_v = view(&mut shapes, o.counts, DType::I32, &[sh.counts], dev);
-        let offs_v = view(
-            &mut shapes,
-            o.expert_offsets,
-            DType::I32,
-            &[sh.expert_offsets],
-            dev,
-        );
-        let sr_v = view(&mut shapes, o.src_rank, DType::I32, &[sh.src], dev);
-        let st_v = view(&mut shapes, o.src_token, DType::I32, &[sh.src], dev);
-        let u8t = DType::new(Code::UInt, 8);
-        let mut extras_v = Vec::new();
-        for (i, &p) in o.extras.iter().enumerate() {
-            let mut dims = sh.hidden.clone();
-            *dims.last_mut().expect("hidden has a last dimension") = cfg.extra_row_bytes[i];
-            extras_v.push(view(&mut shapes, p, u8t, &dims, dev));
+        let checked = unsafe {
+            DispatchArgs::parse(cfg, mem, hidden, topk_ids, topk_weights, extras, num_extras)
         }
-        h.shapes = shapes;
-        h.extras = extras_v;
-        Ok(epcomm_dispatch_output {
-            layout: sh.layout as i32,
-            received_rows: if sh.received_rows == usize::MAX {
-                -1
-            } else {
-                sh.received_rows as i64
+        .and_then(device_input);
+        // The peers are told before they wait for this rank in the counts all-gather.
+        let input = checked.map_err(|e| h.mgr.reject_dispatch(&s, e))?;
+        let o = h.mgr.dispatch(&s, &input)?;
+        Ok(describe(h, &o))
+    }
+
+    /// The GPU's own requirement on checked dispatch tensors (aligned elements), then their
+    /// device addresses.
+    fn device_input(a: DispatchArgs) -> Result<DispatchInput> {
+        let (ids, w) = (&a.topk_ids, &a.topk_weights);
+        let id_bytes = ids.dtype.bits as usize / 8;
+        check_element_alignment("topk_ids", ids.ptr as usize, id_bytes, ids.bytes)?;
+        check_element_alignment("topk_weights", w.ptr as usize, 4, w.bytes)?;
+        Ok(DispatchInput {
+            hidden: addr(&a.hidden),
+            topk_ids: addr(ids),
+            id_dtype: match a.id_width {
+                IdWidth::I32 => IdDtype::I32,
+                IdWidth::I64 => IdDtype::I64,
             },
-            hidden: hidden_v,
-            topk_ids: ids_v,
-            topk_weights: w_v,
-            counts: counts_v,
-            expert_offsets: offs_v,
-            src_rank: sr_v,
-            src_token: st_v,
-            extras: h.extras.as_ptr(),
-            num_extras: h.extras.len(),
+            topk_weights: addr(w),
+            tokens: a.tokens(),
+            extras: a.extras.iter().map(addr).collect(),
         })
     }
 
-    /// The checks of a dispatch's tensors, before anything collective.
-    unsafe fn dispatch_input(
-        h: &Handle,
-        hidden: *const epcomm_tensor,
-        topk_ids: *const epcomm_tensor,
-        topk_weights: *const epcomm_tensor,
-        extras: *const epcomm_tensor,
-        num_extras: usize,
-    ) -> Result<DispatchInput> {
-        let dev = h.device;
-        let cfg = h.mgr.config().clone();
-        let k = cfg.top_k;
-        // SAFETY (tensor descriptors): caller contract.
-        let x = unsafe { HostTensor::from_ffi_cuda(hidden, "hidden", dev) }?;
-        let ids = unsafe { HostTensor::from_ffi_cuda(topk_ids, "topk_ids", dev) }?;
-        let w = unsafe { HostTensor::from_ffi_cuda(topk_weights, "topk_weights", dev) }?;
-        let t = x.rows();
-        if x.dtype != cfg.hidden_dtype || x.row_elems() != cfg.hidden {
-            return Err(Error::InvalidArgument(format!(
-                "tensor 'hidden' has shape {:?} and dtype {}; expected [T, {}] of {}",
-                x.shape,
-                x.dtype.torch_name(),
-                cfg.hidden,
-                cfg.hidden_dtype.torch_name()
-            )));
-        }
-        check_2d(&ids, t, k, &format!("[{t}, {k}] (T x top_k)"))?;
-        check_2d(&w, t, k, &format!("[{t}, {k}] (T x top_k)"))?;
-        let id_dtype = match (ids.dtype.code(), ids.dtype.bits) {
-            (Some(Code::Int), 32) => IdDtype::I32,
-            (Some(Code::Int), 64) => IdDtype::I64,
-            _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "tensor 'topk_ids' has dtype {}; expected torch.int32 or torch.int64",
-                    ids.dtype.torch_name()
-                )))
-            }
+    /// A dispatch's device buffers as CUDA views; a part the layout does not produce is an
+    /// empty `[0]` view at address 0.
+    fn describe(h: &mut GpuState, o: &GpuDispatch) -> epcomm_dispatch_output {
+        let sh = &o.shape;
+        let part = |addr: u64, dtype, dims: &[usize]| match dims.is_empty() {
+            true => Part::flat(0, dtype, 0),
+            false => Part {
+                addr: addr as usize,
+                dtype,
+                dims: dims.to_vec(),
+            },
         };
-        if w.dtype != DType::F32 {
-            return Err(Error::InvalidArgument(format!(
-                "tensor 'topk_weights' has dtype {}; expected torch.float32",
-                w.dtype.torch_name()
-            )));
-        }
-        check_element_alignment(
-            "topk_ids",
-            ids.ptr as usize,
-            ids.dtype.bits as usize / 8,
-            ids.bytes,
-        )?;
-        check_element_alignment("topk_weights", w.ptr as usize, 4, w.bytes)?;
-        if num_extras != cfg.extra_row_bytes.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{num_extras} extra payloads given, the manager was created for {}",
-                cfg.extra_row_bytes.len()
-            )));
-        }
-        let mut xs = Vec::new();
-        for i in 0..num_extras {
-            // SAFETY: num_extras descriptors (caller contract).
-            let e = unsafe { HostTensor::from_ffi_cuda(extras.add(i), "extras[i]", dev) }?;
-            if e.rows() != t || e.row_bytes() != cfg.extra_row_bytes[i] {
-                return Err(Error::InvalidArgument(format!(
-                    "tensor 'extras[{i}]' has shape {:?}; expected {t} rows of {} bytes",
-                    e.shape, cfg.extra_row_bytes[i]
-                )));
-            }
-            xs.push(addr(&e));
-        }
-        Ok(DispatchInput {
-            hidden: addr(&x),
-            topk_ids: addr(&ids),
-            id_dtype,
-            topk_weights: addr(&w),
-            tokens: t,
-            extras: xs,
-        })
+        let flat = |addr: u64, dtype, len| Part::flat(addr as usize, dtype, len);
+        let cfg = h.mgr.config();
+        let parts = DispatchParts {
+            layout: sh.layout,
+            received_rows: i64::try_from(sh.received_rows).unwrap_or(-1),
+            hidden: part(o.hidden, cfg.hidden_dtype, &sh.hidden),
+            topk_ids: part(o.topk_ids, DType::I64, &sh.topk_ids),
+            topk_weights: part(o.topk_weights, DType::F32, &sh.topk_weights),
+            counts: flat(o.counts, DType::I32, sh.counts),
+            expert_offsets: flat(o.expert_offsets, DType::I32, sh.expert_offsets),
+            src_rank: flat(o.src_rank, DType::I32, sh.src),
+            src_token: flat(o.src_token, DType::I32, sh.src),
+            extras: o.extras.iter().map(|&p| p as usize).collect(),
+        };
+        h.views
+            .describe(&parts, &cfg.extra_row_bytes, Memory::Cuda(h.device))
     }
 
     pub unsafe fn combine(
-        h: &mut Handle,
+        h: &mut GpuState,
         stream: *mut c_void,
         expert_output: *const epcomm_tensor,
         output: *const epcomm_tensor,
     ) -> Result<()> {
-        let dev = h.device;
-        let cfg = h.mgr.config().clone();
-        // SAFETY (tensor descriptors): caller contract.
-        let y = unsafe { HostTensor::from_ffi_cuda(expert_output, "expert_output", dev) }?;
-        let o = unsafe { HostTensor::from_ffi_cuda(output, "output", dev) }?;
-        let shape = h.mgr.last_shape().cloned().ok_or_else(|| {
-            Error::InvalidState("combine called without a dispatch before it".into())
-        })?;
-        if y.dtype != cfg.expert_dtype.dtype() {
-            return Err(Error::InvalidArgument(format!(
-                "tensor 'expert_output' has dtype {}; the manager was created for {}",
-                y.dtype.torch_name(),
-                cfg.expert_dtype.dtype().torch_name()
-            )));
-        }
-        if y.bytes != shape.buffer_rows * cfg.hidden * cfg.expert_dtype.size() {
-            return Err(Error::InvalidArgument(format!(
-                "tensor 'expert_output' has shape {:?}; expected the dispatch output's shape {:?}",
-                y.shape, shape.hidden
-            )));
-        }
-        let t = h.mgr.last_tokens().unwrap_or(0);
-        if o.dtype != cfg.out_dtype.dtype() || o.row_elems() != cfg.hidden || o.rows() != t {
-            return Err(Error::InvalidArgument(format!(
-                "tensor 'output' has shape {:?} and dtype {}; expected [{t}, {}] (the dispatch's T) of {}",
-                o.shape,
-                o.dtype.torch_name(),
-                cfg.hidden,
-                cfg.out_dtype.dtype().torch_name()
-            )));
-        }
-        check_element_alignment("output", o.ptr as usize, cfg.out_dtype.size(), o.bytes)?;
+        let (mgr, mem) = (&mut h.mgr, Memory::Cuda(h.device));
+        let dispatched = mgr
+            .last_shape()
+            .map(|s| (s.buffer_rows, mgr.last_tokens().unwrap_or(0)));
+        // SAFETY: the descriptors as this function's contract.
+        let (y, o) = unsafe { combine_args(mgr.config(), mem, expert_output, output, dispatched) }?;
+        let out_elem = mgr.config().out_dtype.size();
+        check_element_alignment("output", o.ptr as usize, out_elem, o.bytes)?;
         // SAFETY: caller contract: NULL or a live stream of this device.
         let s = unsafe { Stream::borrowed(stream) };
-        h.mgr.combine(&s, addr(&y), addr(&o))
+        // Without a dispatch before it, the manager's combine is the invalid-state error.
+        mgr.combine(&s, addr(&y), addr(&o))
     }
 
-    pub fn check_error(h: &mut Handle, stream: *mut c_void) -> Result<()> {
+    pub fn check_error(h: &mut GpuState, stream: *mut c_void) -> Result<()> {
         // SAFETY: caller contract: NULL or a live stream of this device.
         let s = unsafe { Stream::borrowed(stream) };
         h.mgr.check_device_error(&s)

@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::guard;
+use super::handle::{Exclusive, Handle};
 use super::tensor::{epcomm_tensor, HostTensor};
 use crate::error::{Error, Result};
 use crate::group::host::{HostGroup, HostTransport};
@@ -17,6 +18,19 @@ use crate::num::FloatKind;
 /// ranks in the same order.
 pub struct epcomm_group {
     inner: Mutex<Box<dyn Group>>,
+}
+
+impl Handle for epcomm_group {
+    const ARG: &'static str = "group";
+}
+
+impl Exclusive for epcomm_group {
+    type State = Box<dyn Group>;
+    const BUSY: &'static str =
+        "the group handle is in use by another thread; use a group from one thread at a time";
+    fn state(&self) -> &Mutex<Box<dyn Group>> {
+        &self.inner
+    }
 }
 
 /// Options for group creation; initialise with epcomm_group_options_init.
@@ -100,9 +114,10 @@ fn index_arg(v: i32, what: &str) -> Result<usize> {
 }
 
 fn finish_create(g: Box<dyn Group>, out: &mut *mut epcomm_group) {
-    *out = Box::into_raw(Box::new(epcomm_group {
+    *out = epcomm_group {
         inner: Mutex::new(g),
-    }));
+    }
+    .into_raw();
 }
 
 /// The shared steps of the shm create calls: out, options, rank and world checked in the C
@@ -371,32 +386,20 @@ pub unsafe extern "C" fn epcomm_group_create_host(
 /// `group` is NULL or a handle from epcomm_group_create_*, not used after this call.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_group_destroy(group: *mut epcomm_group) {
-    guard::call_or((), || {
-        if !group.is_null() {
-            // SAFETY: the handle came from Box::into_raw and is destroyed once (caller contract).
-            drop(unsafe { Box::from_raw(group) });
-        }
-    })
+    // SAFETY: caller contract.
+    guard::call_or((), || unsafe { epcomm_group::destroy(group) })
 }
 
 /// Runs `f` on the group behind the handle.
+///
+/// # Safety
+/// `group` is NULL or a live handle.
 pub(crate) unsafe fn with_group<T>(
     group: *const epcomm_group,
     f: impl FnOnce(&mut dyn Group) -> Result<T>,
 ) -> Result<T> {
-    // SAFETY: caller contract: a live handle.
-    let g = unsafe { group.as_ref() }.ok_or(Error::NullPointer("group"))?;
-    let mut inner = g
-        .inner
-        .try_lock()
-        .or_else(super::guard::recover_poisoned)
-        .map_err(|_| {
-            Error::InvalidState(
-            "the group handle is in use by another thread; use a group from one thread at a time"
-                .into(),
-        )
-        })?;
-    f(inner.as_mut())
+    // SAFETY: caller contract: NULL or a live handle.
+    unsafe { epcomm_group::with(group, |_, g| f(g.as_mut())) }
 }
 
 /// Runs collective `op` on the group behind the handle: `f` checks the arguments (its outer

@@ -128,17 +128,3 @@ pub(crate) fn static_cstr(s: &'static str) -> *const c_char {
         .or_insert_with(|| Box::leak(to_cstring(s).into_boxed_c_str()))
         .as_ptr()
 }
-
-/// `Mutex::try_lock` treats a lock poisoned by a caught panic as an error; the handle's state is
-/// still consistent (every operation records its failures), so take the guard back.
-pub(crate) fn recover_poisoned<T>(
-    e: std::sync::TryLockError<std::sync::MutexGuard<'_, T>>,
-) -> std::result::Result<
-    std::sync::MutexGuard<'_, T>,
-    std::sync::TryLockError<std::sync::MutexGuard<'_, T>>,
-> {
-    match e {
-        std::sync::TryLockError::Poisoned(p) => Ok(p.into_inner()),
-        other => Err(other),
-    }
-}

@@ -4,6 +4,8 @@
 #![allow(non_camel_case_types)]
 
 mod guard;
+mod handle;
+mod moe_args;
 
 pub mod all2all;
 pub mod config;
@@ -174,6 +176,16 @@ pub struct epcomm_dtype {
     pub bits: u8,
     /// Vector lanes (1 for scalars).
     pub lanes: u16,
+}
+
+impl From<crate::dtype::DType> for epcomm_dtype {
+    fn from(d: crate::dtype::DType) -> Self {
+        epcomm_dtype {
+            code: d.code,
+            bits: d.bits,
+            lanes: d.lanes,
+        }
+    }
 }
 
 impl From<epcomm_dtype> for crate::dtype::DType {

@@ -70,6 +70,116 @@ fn device_name(t: i32) -> String {
     }
 }
 
+/// The extents as sizes; a negative one is an error naming its dimension.
+fn dims_arg(raw: &[i64], name: &str) -> Result<Vec<usize>> {
+    raw.iter()
+        .enumerate()
+        .map(|(i, &d)| {
+            usize::try_from(d).map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "tensor '{name}' has shape {raw:?}: dimension {i} is negative"
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Bytes of a compact tensor, or `None` above 2^62; the row size must fit even without rows.
+fn byte_size(shape: &[usize], elem: usize) -> Option<usize> {
+    let row = shape[1..]
+        .iter()
+        .try_fold(elem, |a, &d| a.checked_mul(d))
+        .filter(|&b| b <= 1 << 62)?;
+    row.checked_mul(shape[0]).filter(|&b| b <= 1 << 62)
+}
+
+/// Strides must be row-major, except along dimensions of extent 0 or 1 (never stepped).
+fn check_row_major(shape: &[i64], strides: &[i64], name: &str) -> Result<()> {
+    let n = shape.len();
+    let mut expect = vec![0i64; n];
+    let mut acc = 1i64;
+    for i in (0..n).rev() {
+        expect[i] = acc;
+        acc = acc.saturating_mul(shape[i].max(1));
+    }
+    if (0..n).all(|i| shape[i] <= 1 || strides[i] == expect[i]) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "tensor '{name}' is not contiguous: strides {strides:?} for shape {shape:?}; expected row-major strides {expect:?}"
+    )))
+}
+
+/// Where the tensors of a call must live: host memory (`epcomm_*` host functions) or one CUDA
+/// device (the GPU all2all handle's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Memory {
+    /// Host-accessible memory.
+    Host,
+    /// Device memory of this CUDA ordinal.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    Cuda(i32),
+}
+
+impl Memory {
+    /// Validates `t` as a tensor in this memory.
+    ///
+    /// # Safety
+    /// As [`HostTensor::from_ffi`].
+    pub(crate) unsafe fn tensor(
+        self,
+        t: *const epcomm_tensor,
+        name: &'static str,
+    ) -> Result<HostTensor> {
+        match self {
+            // SAFETY: caller contract.
+            Memory::Host => unsafe { HostTensor::from_ffi(t, name) },
+            // SAFETY: caller contract.
+            Memory::Cuda(device) => unsafe { HostTensor::from_ffi_cuda(t, name, device) },
+        }
+    }
+
+    /// The DLPack device of views into this memory.
+    pub(crate) fn device(self) -> epcomm_device {
+        match self {
+            Memory::Host => epcomm_device {
+                device_type: super::EPCOMM_DEVICE_CPU,
+                device_id: 0,
+            },
+            Memory::Cuda(device_id) => epcomm_device {
+                device_type: super::EPCOMM_DEVICE_CUDA,
+                device_id,
+            },
+        }
+    }
+
+    /// `n` tensors at `p` (NULL only when `n` is 0: else `what` is the NULL argument), each
+    /// named `item` and checked by `each` as soon as it is validated.
+    ///
+    /// # Safety
+    /// `p` is NULL or holds `n` descriptors valid as for [`HostTensor::from_ffi`].
+    pub(crate) unsafe fn tensors(
+        self,
+        p: *const epcomm_tensor,
+        n: usize,
+        what: &'static str,
+        item: &'static str,
+        mut each: impl FnMut(usize, &HostTensor) -> Result<()>,
+    ) -> Result<Vec<HostTensor>> {
+        if n > 0 && p.is_null() {
+            return Err(Error::NullPointer(what));
+        }
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            // SAFETY: n descriptors at p (caller contract).
+            let t = unsafe { self.tensor(p.add(i), item) }?;
+            each(i, &t)?;
+            out.push(t);
+        }
+        Ok(out)
+    }
+}
+
 impl HostTensor {
     /// Validates `t` as a contiguous tensor in host-accessible memory.
     ///
@@ -95,7 +205,6 @@ impl HostTensor {
         unsafe { Self::validate(t, name) }
     }
 
-    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     /// Validates `t` as a contiguous CUDA device tensor (`kDLCUDA` = 2) on device `device`;
     /// `ptr` is then a device address, never dereferenced on the host.
     ///
@@ -145,46 +254,16 @@ impl HostTensor {
         let n = t.ndim as usize;
         // SAFETY: shape has ndim entries (caller contract).
         let raw_shape = unsafe { std::slice::from_raw_parts(t.shape, n) };
-        let mut shape = Vec::with_capacity(n);
-        for (i, &d) in raw_shape.iter().enumerate() {
-            if d < 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "tensor '{name}' has shape {raw_shape:?}: dimension {i} is negative"
-                )));
-            }
-            shape.push(d as usize);
-        }
-        let elem = dtype.bits as usize / 8;
-        let too_large = || {
+        let shape = dims_arg(raw_shape, name)?;
+        let numel = byte_size(&shape, dtype.bits as usize / 8).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "tensor '{name}' has shape {raw_shape:?}: too large (more than 2^62 bytes)"
             ))
-        };
-        // The row size must fit even when there are no rows.
-        let row_bytes = shape[1..]
-            .iter()
-            .try_fold(elem, |a, &d| a.checked_mul(d))
-            .filter(|&b| b <= 1 << 62)
-            .ok_or_else(too_large)?;
-        let numel = row_bytes
-            .checked_mul(shape[0])
-            .filter(|&b| b <= 1 << 62)
-            .ok_or_else(too_large)?;
-        if !t.strides.is_null() {
+        })?;
+        if !t.strides.is_null() && numel > 0 {
             // SAFETY: strides has ndim entries when non-NULL (caller contract).
             let strides = unsafe { std::slice::from_raw_parts(t.strides, n) };
-            let mut expect = vec![0i64; n];
-            let mut acc = 1i64;
-            for i in (0..n).rev() {
-                expect[i] = acc;
-                acc = acc.saturating_mul(raw_shape[i].max(1));
-            }
-            let ok = (0..n).all(|i| raw_shape[i] <= 1 || strides[i] == expect[i]);
-            if !ok && numel > 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "tensor '{name}' is not contiguous: strides {strides:?} for shape {raw_shape:?}; expected row-major strides {expect:?}"
-                )));
-            }
+            check_row_major(raw_shape, strides, name)?;
         }
         if t.data.is_null() && numel > 0 {
             return Err(Error::NullPointer(field_name(name, "data")));
