@@ -304,11 +304,12 @@ impl Contract {
     }
 
     /// The buffer rows holding local expert `j`'s rows, from the dispatch's `counts` and
-    /// `expert_offsets`; `None` for layouts whose rows are not grouped by expert.
+    /// `expert_offsets` (`bucket_rows` = M·R, the rows of one fixed bucket); `None` for the
+    /// layouts whose rows are not grouped by expert, or when the outputs do not say.
     pub fn expert_rows(
         &self,
-        geo: &Geometry,
         j: usize,
+        bucket_rows: usize,
         counts: &[i32],
         offsets: &[i64],
     ) -> Option<Range<usize>> {
@@ -316,7 +317,7 @@ impl Contract {
             Unit::EveryToken | Unit::Token => None,
             Unit::TokenExpert => match self.capacity {
                 Capacity::PerLocalExpert => {
-                    let start = j * geo.max_tokens * geo.world;
+                    let start = j * bucket_rows;
                     Some(start..start + usize::try_from(*counts.get(j)?).ok()?)
                 }
                 Capacity::Exact | Capacity::PerSourceRank => {
@@ -366,9 +367,9 @@ mod tests {
         assert_eq!(c.worst_case_rows(&g, 3), Some(12));
         let s = c.shapes(&g, 1, 4);
         assert_eq!((s.topk_weights, s.expert_offsets, s.src), (vec![4], 3, 4));
-        assert_eq!(c.expert_rows(&g, 1, &[], &[0, 2, 4]), Some(2..4));
+        assert_eq!(c.expert_rows(1, 0, &[], &[0, 2, 4]), Some(2..4));
         let m = require(Layout::ExpertMajor).unwrap();
-        assert_eq!(m.expert_rows(&g, 1, &[2, 2], &[]), Some(6..8));
+        assert_eq!(m.expert_rows(1, 6, &[2, 2], &[]), Some(6..8));
         assert_eq!(m.hidden_shape(&g, 1, 12), vec![2, 6, 1]);
         assert_eq!(
             require(Layout::TokenMajor).unwrap().meta_bytes_per_row(2),

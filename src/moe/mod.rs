@@ -15,13 +15,15 @@ pub mod reference;
 
 use std::time::{Duration, Instant};
 
+use crate::bytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::log;
 use crate::num::{self, FloatKind};
 use crate::select::all2all::{self, Backend, Layout};
-use plan::{Geometry, Plan, Routing};
+use layout::{Contract, Geometry, Ids, Shapes};
+use plan::{Plan, Routing};
 
 /// What a manager is built for (fixed for its lifetime).
 #[derive(Debug, Clone, PartialEq)]
@@ -96,7 +98,7 @@ pub struct DispatchView<'a> {
 #[derive(Debug)]
 pub struct Manager {
     backend: Backend,
-    layout: Layout,
+    contract: Contract,
     cfg: MoeConfig,
     rank: usize,
     world: usize,
@@ -158,9 +160,7 @@ impl Manager {
         let _rank = crate::log::rank_scope(rank);
         let backend = all2all::resolve(backend)?;
         let layout = backend.layout();
-        if backend == Backend::Moonep {
-            return Err(Error::MoonEpUnavailable);
-        }
+        let contract = layout::require(layout)?;
         if cfg.apply_router_weight_on_input && cfg.top_k != 1 {
             return Err(Error::Assertion(
                 "apply_router_weight_on_input is only implemented for topk=1".into(),
@@ -219,8 +219,7 @@ impl Manager {
                 hd.torch_name()
             ));
         }
-        if matches!(layout, Layout::ExpertMajor | Layout::RankMajor) && cfg.max_tokens_per_rank == 0
-        {
+        if contract.fixed_capacity() && cfg.max_tokens_per_rank == 0 {
             return bad(format!(
                 "max_tokens_per_rank is 0: the {} backend ({} layout) needs the fixed capacity M of tokens per rank",
                 backend.name(),
@@ -234,13 +233,10 @@ impl Manager {
             top_k: cfg.top_k,
             max_tokens: cfg.max_tokens_per_rank,
         };
-        if matches!(layout, Layout::ExpertMajor | Layout::RankMajor) {
-            let per_source = (world as u64).saturating_mul(geo.max_tokens as u64);
-            let rows = if layout == Layout::ExpertMajor {
-                per_source.saturating_mul(geo.experts_per_rank as u64)
-            } else {
-                per_source
-            };
+        if contract.fixed_capacity() {
+            let rows = contract
+                .worst_case_rows(&geo, 0)
+                .map_or(u64::MAX, |r| r as u64);
             let per_row = (cfg.row_bytes() + cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
             let need = rows.saturating_mul(per_row);
             if let Some(avail) = crate::probe::available_memory() {
@@ -256,7 +252,7 @@ impl Manager {
         log::log_once(log::Level::Info, &all2all::using_manager_info(backend));
         Ok(Manager {
             backend,
-            layout,
+            contract,
             cfg,
             rank,
             world,
@@ -276,7 +272,12 @@ impl Manager {
     }
 
     pub fn layout(&self) -> Layout {
-        self.layout
+        self.contract.layout
+    }
+
+    /// The contract of the layout.
+    pub fn contract(&self) -> &Contract {
+        &self.contract
     }
 
     pub fn config(&self) -> &MoeConfig {
@@ -310,7 +311,7 @@ impl Manager {
     /// Bytes of the dispatch receive buffers (hidden rows and extras) for `tokens` tokens per
     /// rank in the worst case, before anything is allocated.
     pub fn buffer_bytes(&self, tokens: usize) -> Option<usize> {
-        buffer_bytes(self.layout, &self.cfg, self.world, tokens)
+        buffer_bytes(self.contract.layout, &self.cfg, self.world, tokens)
     }
 
     fn check_group(&self, g: &dyn Group) -> Result<()> {
@@ -335,7 +336,7 @@ impl Manager {
             c.num_experts as u64,
             c.row_bytes() as u64,
             c.max_tokens_per_rank as u64,
-            self.layout as u64,
+            self.contract.layout as u64,
             c.extra_row_bytes.len() as u64,
             c.extra_row_bytes.iter().map(|&b| b as u64).sum(),
             c.expert_dtype as u64,
@@ -353,16 +354,13 @@ impl Manager {
         what: &str,
         mine: [u64; HEADER_WORDS],
     ) -> Result<Vec<[u64; HEADER_WORDS]>> {
-        let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_ne_bytes()).collect();
-        let mut all = vec![0u8; bytes.len() * self.world];
-        g.all_gather(&bytes, &mut all)?;
+        let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
+        g.all_gather(bytes::as_bytes(&mine), &mut all)?;
         let headers: Vec<[u64; HEADER_WORDS]> = all
             .chunks_exact(HEADER_WORDS * 8)
             .map(|c| {
                 let mut h = [0u64; HEADER_WORDS];
-                for (i, w) in c.chunks_exact(8).enumerate() {
-                    h[i] = u64::from_ne_bytes(w.try_into().unwrap());
-                }
+                h.iter_mut().zip(bytes::words(c)).for_each(|(h, w)| *h = w);
                 h
             })
             .collect();
@@ -452,75 +450,97 @@ impl Manager {
         let headers = self.agree(g, "dispatch", self.header(true, t))?;
         crate::fault::point("dispatch:after_counts");
         let counts: Vec<usize> = headers.iter().map(|h| h[1] as usize).collect();
-        let m = self.cfg.max_tokens_per_rank;
-        if matches!(self.layout, Layout::ExpertMajor | Layout::RankMajor) {
-            if let Some(r) = counts.iter().position(|&c| c > m) {
-                return Err(Error::InvalidArgument(format!(
-                    "dispatch: rank {r} has {} tokens, more than max_tokens_per_rank = {m} of the {} backend ({} buffers hold M tokens per source rank)",
-                    counts[r],
-                    self.backend.name(),
-                    self.layout.name()
-                )));
-            }
+        if let Some(r) = counts.iter().position(|&c| !self.fits(c)) {
+            return Err(self.too_many_tokens(r, counts[r]));
         }
-
-        // Gather every rank's routing: ids (as i64) and weights, K of each per token.
-        let k = self.cfg.top_k;
-        let mut mine = Vec::with_capacity(t * k * 12);
-        mine.extend(topk_ids.iter().flat_map(|i| i.to_ne_bytes()));
-        mine.extend(topk_weights.iter().flat_map(|w| w.to_ne_bytes()));
-        let sizes: Vec<usize> = counts.iter().map(|&c| c * k * 12).collect();
-        let mut gathered = vec![0u8; sizes.iter().sum()];
-        g.all_gatherv(&mine, &sizes, &mut gathered)?;
-        let mut all = Vec::with_capacity(self.world);
-        let mut off = 0;
-        for &c in &counts {
-            let ids: Vec<i64> = gathered[off..off + c * k * 8]
-                .chunks_exact(8)
-                .map(|b| i64::from_ne_bytes(b.try_into().unwrap()))
-                .collect();
-            off += c * k * 8;
-            let weights: Vec<f32> = gathered[off..off + c * k * 4]
-                .chunks_exact(4)
-                .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
-                .collect();
-            off += c * k * 4;
-            all.push(Routing {
-                t: c,
-                k,
-                ids,
-                weights,
-            });
-        }
+        let all = self.gather_routing(g, &counts, topk_ids, topk_weights)?;
         let plan = plan::build(
-            self.layout,
+            self.contract.layout,
             &self.geo,
             self.rank,
             &all,
             self.cfg.apply_router_weight_on_input,
         );
+        self.move_rows(g, &plan, hidden, topk_weights, extras)?;
+        self.record_dispatch_stats(&plan);
+        self.shape = self
+            .contract
+            .hidden_shape(&self.geo, self.cfg.hidden, plan.buffer_rows);
+        self.tokens = t;
+        self.plan = Some(plan);
+        self.stats.dispatch_time = start.elapsed();
+        Ok(self.view())
+    }
 
-        // Move the rows: hidden (weighted first if asked), then every extra payload.
+    /// Whether `t` tokens of one rank fit the buffers (always, in the exact-size layouts).
+    fn fits(&self, t: usize) -> bool {
+        !self.contract.fixed_capacity() || t <= self.cfg.max_tokens_per_rank
+    }
+
+    fn too_many_tokens(&self, rank: usize, t: usize) -> Error {
+        Error::InvalidArgument(format!(
+            "dispatch: rank {rank} has {t} tokens, more than max_tokens_per_rank = {} of the {} backend ({} buffers hold M tokens per source rank)",
+            self.cfg.max_tokens_per_rank,
+            self.backend.name(),
+            self.contract.layout.name()
+        ))
+    }
+
+    /// Every rank's routing (ids as i64 and weights, K of each per token), all-gathered.
+    fn gather_routing(
+        &self,
+        g: &mut dyn Group,
+        counts: &[usize],
+        topk_ids: &[i64],
+        topk_weights: &[f32],
+    ) -> Result<Vec<Routing>> {
+        let k = self.cfg.top_k;
+        let mut mine = Vec::with_capacity(topk_ids.len() * 12);
+        mine.extend_from_slice(bytes::as_bytes(topk_ids));
+        mine.extend_from_slice(bytes::as_bytes(topk_weights));
+        let sizes: Vec<usize> = counts.iter().map(|&c| c * k * 12).collect();
+        let mut gathered = vec![0u8; sizes.iter().sum()];
+        g.all_gatherv(&mine, &sizes, &mut gathered)?;
+        let mut rest = &gathered[..];
+        let mut all = Vec::with_capacity(self.world);
+        for &c in counts {
+            let (ids, tail) = rest.split_at(c * k * 8);
+            let (weights, tail) = tail.split_at(c * k * 4);
+            rest = tail;
+            all.push(Routing {
+                t: c,
+                k,
+                ids: bytes::to_vec(ids),
+                weights: bytes::to_vec(weights),
+            });
+        }
+        Ok(all)
+    }
+
+    /// Moves the rows: hidden (weighted first if asked), then every extra payload.
+    fn move_rows(
+        &mut self,
+        g: &mut dyn Group,
+        plan: &Plan,
+        hidden: &[u8],
+        topk_weights: &[f32],
+        extras: &[&[u8]],
+    ) -> Result<()> {
         let row_bytes = self.cfg.row_bytes();
         let scaled;
         let src: &[u8] = if self.cfg.apply_router_weight_on_input {
-            let kind = FloatKind::from_dtype(self.cfg.hidden_dtype).expect("checked at creation");
-            let mut vals = num::to_f32(hidden, kind);
-            for (row, w) in vals.chunks_mut(self.cfg.hidden).zip(topk_weights) {
-                row.iter_mut().for_each(|x| *x *= w);
-            }
-            scaled = num::from_f32(&vals, kind);
+            scaled = self.weighted(hidden, topk_weights)?;
             &scaled
         } else {
             hidden
         };
+        let hidden_len = plan.buffer_rows * row_bytes;
         ensure_len(
             &mut self.hidden,
-            plan.buffer_rows * row_bytes,
+            hidden_len,
             self.world,
             "the dispatch receive buffer",
         )?;
-        let hidden_len = plan.buffer_rows * row_bytes;
         g.exchange_rows(
             src,
             row_bytes,
@@ -544,26 +564,30 @@ impl Manager {
             buf.truncate(plan.buffer_rows * rb);
             g.exchange_rows(data, rb, &plan.give, buf, &plan.take)?;
         }
+        Ok(())
+    }
 
-        let per_row = (row_bytes + self.cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
-        self.stats.tokens_sent = plan.give.iter().map(|v| v.len() as u64).collect();
-        self.stats.tokens_received = plan.take.iter().map(|v| v.len() as u64).collect();
-        self.stats.bytes_sent = self.stats.tokens_sent.iter().map(|n| n * per_row).collect();
-        self.stats.bytes_received = self
-            .stats
-            .tokens_received
-            .iter()
-            .map(|n| n * per_row)
-            .collect();
-        self.shape = match self.layout {
-            Layout::ExpertMajor => vec![self.geo.experts_per_rank, m * self.world, self.cfg.hidden],
-            Layout::RankMajor => vec![self.world, m, self.cfg.hidden],
-            _ => vec![plan.buffer_rows, self.cfg.hidden],
-        };
-        self.tokens = t;
-        self.plan = Some(plan);
-        self.stats.dispatch_time = start.elapsed();
-        Ok(self.view())
+    /// The hidden rows multiplied by their (top-1) weight (apply_router_weight_on_input).
+    fn weighted(&self, hidden: &[u8], topk_weights: &[f32]) -> Result<Vec<u8>> {
+        let kind = FloatKind::from_dtype(self.cfg.hidden_dtype).ok_or_else(|| {
+            Error::Internal("apply_router_weight_on_input on a non-float hidden dtype".into())
+        })?;
+        let mut vals = num::to_f32(hidden, kind);
+        for (row, w) in vals.chunks_mut(self.cfg.hidden).zip(topk_weights) {
+            row.iter_mut().for_each(|x| *x *= w);
+        }
+        Ok(num::from_f32(&vals, kind))
+    }
+
+    fn record_dispatch_stats(&mut self, plan: &Plan) {
+        let per_row =
+            (self.cfg.row_bytes() + self.cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
+        let rows = |v: &[Vec<u32>]| -> Vec<u64> { v.iter().map(|x| x.len() as u64).collect() };
+        let s = &mut self.stats;
+        s.tokens_sent = rows(&plan.give);
+        s.tokens_received = rows(&plan.take);
+        s.bytes_sent = s.tokens_sent.iter().map(|n| n * per_row).collect();
+        s.bytes_received = s.tokens_received.iter().map(|n| n * per_row).collect();
     }
 
     fn validate_dispatch(
@@ -619,16 +643,11 @@ impl Manager {
 
     /// Checks a dispatch's token count against the buffers (before any id is read).
     pub fn check_tokens(&self, t: usize) -> Result<()> {
-        let m = self.cfg.max_tokens_per_rank;
-        if matches!(self.layout, Layout::ExpertMajor | Layout::RankMajor) && t > m {
-            return Err(Error::InvalidArgument(format!(
-                "dispatch: rank {} has {t} tokens, more than max_tokens_per_rank = {m} of the {} backend ({} buffers hold M tokens per source rank)",
-                self.rank,
-                self.backend.name(),
-                self.layout.name()
-            )));
+        if self.fits(t) {
+            Ok(())
+        } else {
+            Err(self.too_many_tokens(self.rank, t))
         }
-        Ok(())
     }
 
     /// Tokens this rank routed to each physical expert in the last dispatch (counted while the
@@ -653,12 +672,9 @@ impl Manager {
             src_token: Vec::new(),
         };
         let p = self.plan.as_ref().unwrap_or(&EMPTY);
-        let with_ids = matches!(
-            self.layout,
-            Layout::TokenMajor | Layout::RankMajor | Layout::Replicated
-        );
+        let with_ids = self.contract.topk_ids != Ids::None;
         DispatchView {
-            layout: self.layout,
+            layout: self.contract.layout,
             hidden: &self.hidden[..p.buffer_rows * self.cfg.row_bytes()],
             shape: &self.shape,
             received_rows: p.received_rows,
@@ -670,6 +686,14 @@ impl Manager {
             src_token: &p.src_token,
             extras: &self.extras,
         }
+    }
+
+    /// The shapes of the last dispatch's outputs (all empty before one).
+    pub fn output_shapes(&self) -> Shapes {
+        self.plan.as_ref().map_or_else(Shapes::default, |p| {
+            self.contract
+                .shapes(&self.geo, self.cfg.hidden, p.buffer_rows)
+        })
     }
 
     /// Rows (of `hidden` elements) combine expects: the dispatch buffer's rows.
@@ -700,7 +724,10 @@ impl Manager {
         }
         self.agree(g, "combine", self.header(true, self.tokens))?;
         crate::fault::point("combine");
-        let plan = self.plan.as_ref().expect("validated");
+        let plan = self
+            .plan
+            .as_ref()
+            .ok_or_else(|| Error::Internal("combine: the dispatch plan went missing".into()))?;
         let h = self.cfg.hidden;
         g.reduce_rows(
             expert_output,
@@ -754,24 +781,24 @@ impl Manager {
 /// extras and per-row metadata), plus combine's accumulator, before anything is allocated;
 /// `None` when the figure does not fit in 64 bits.
 pub fn buffer_bytes(layout: Layout, cfg: &MoeConfig, world: usize, tokens: usize) -> Option<usize> {
-    let el = cfg.num_experts / world.max(1);
-    let m = if cfg.max_tokens_per_rank > 0 {
-        cfg.max_tokens_per_rank
-    } else {
-        tokens
+    let geo = Geometry {
+        world,
+        num_experts: cfg.num_experts,
+        experts_per_rank: cfg.num_experts / world.max(1),
+        top_k: cfg.top_k,
+        max_tokens: if cfg.max_tokens_per_rank > 0 {
+            cfg.max_tokens_per_rank
+        } else {
+            tokens
+        },
     };
-    let k = cfg.top_k;
-    let rows = match layout {
-        Layout::Replicated | Layout::TokenMajor => world.checked_mul(tokens)?,
-        Layout::ExpertMajor => el.checked_mul(m)?.checked_mul(world)?,
-        Layout::ExpertPacked => world.checked_mul(tokens)?.checked_mul(k.min(el))?,
-        Layout::RankMajor => world.checked_mul(m)?,
-        Layout::MoonepSlots => 0,
-    };
-    let meta_per_row = match layout {
-        Layout::ExpertMajor => 0,
-        Layout::ExpertPacked => 12,
-        _ => k.checked_mul(12)?,
+    // MoonEP's buffers are not epcomm's: only combine's accumulator counts.
+    let (rows, meta_per_row) = match layout::contract(layout) {
+        Some(c) => (
+            c.worst_case_rows(&geo, tokens)?,
+            c.meta_bytes_per_row(cfg.top_k)?,
+        ),
+        None => (0, 0),
     };
     let extras = cfg
         .extra_row_bytes

@@ -6,6 +6,7 @@
 //! index; expert layouts (EXPERT_MAJOR, EXPERT_PACKED) by local expert, then source rank, then
 //! source token index.
 
+use super::layout::{self, Contract, Counts, Unit};
 use crate::error::{Error, Result};
 use crate::select::all2all::Layout;
 
@@ -52,31 +53,7 @@ pub fn validate_ids(ids: &[i64], k: usize, num_experts: usize) -> Result<Vec<u32
     Ok(counts)
 }
 
-/// Geometry shared by every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Geometry {
-    pub world: usize,
-    pub num_experts: usize,
-    pub experts_per_rank: usize,
-    pub top_k: usize,
-    /// Capacity per source rank (EXPERT_MAJOR, RANK_MAJOR).
-    pub max_tokens: usize,
-}
-
-impl Geometry {
-    pub fn owner(&self, e: i64) -> usize {
-        e as usize / self.experts_per_rank
-    }
-
-    /// Rows of the dispatch buffer on a rank, for `n_rows` actual rows (exact-size layouts).
-    pub fn buffer_rows(&self, layout: Layout, n_rows: usize) -> usize {
-        match layout {
-            Layout::ExpertMajor => self.experts_per_rank * self.max_tokens * self.world,
-            Layout::RankMajor => self.world * self.max_tokens,
-            _ => n_rows,
-        }
-    }
-}
+pub use super::layout::Geometry;
 
 /// What this rank does in one dispatch/combine.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -113,160 +90,214 @@ pub fn build(
     all: &[Routing],
     weights_on_input: bool,
 ) -> Plan {
-    let (world, el, k) = (geo.world, geo.experts_per_rank, geo.top_k);
-    let first_local = (me * el) as i64;
-    let local = |e: i64| e >= first_local && e < first_local + el as i64;
-    let goes_to =
-        |r: &Routing, t: usize, d: usize| r.ids_of(t).iter().any(|&e| e >= 0 && geo.owner(e) == d);
-    let w_eff = |w: f32| if weights_on_input { 1.0 } else { w };
+    let world = geo.world;
     let mut p = Plan {
         give: vec![Vec::new(); world],
         take: vec![Vec::new(); world],
         combine_take: vec![Vec::new(); world],
         ..Plan::default()
     };
-    let mine = &all[me];
-
-    // Sender side and combine weights: this rank's tokens, in each receiver's order.
+    let Some(contract) = layout::contract(layout) else {
+        return p;
+    };
+    let b = Builder {
+        contract,
+        geo,
+        me,
+        all,
+        weights_on_input,
+    };
     for d in 0..world {
-        match layout {
-            Layout::Replicated => {
+        b.send_side(d, &mut p);
+    }
+    // The receive side is each layout's own placement.
+    match layout {
+        Layout::Replicated => b.receive_replicated(&mut p),
+        Layout::TokenMajor => b.receive_token_major(&mut p),
+        Layout::ExpertMajor | Layout::ExpertPacked => b.receive_by_expert(&mut p),
+        Layout::RankMajor => b.receive_rank_major(&mut p),
+        Layout::MoonepSlots => {}
+    }
+    p
+}
+
+/// What every part of [`build`] reads.
+struct Builder<'a> {
+    contract: Contract,
+    geo: &'a Geometry,
+    me: usize,
+    all: &'a [Routing],
+    weights_on_input: bool,
+}
+
+impl Builder<'_> {
+    /// A received or combine weight (1.0 when the weights were applied on the input).
+    fn w_eff(&self, w: f32) -> f32 {
+        if self.weights_on_input {
+            1.0
+        } else {
+            w
+        }
+    }
+
+    fn goes_to(&self, r: &Routing, t: usize, d: usize) -> bool {
+        r.ids_of(t)
+            .iter()
+            .any(|&e| e >= 0 && self.geo.owner(e) == d)
+    }
+
+    /// This rank's first local expert.
+    fn first_local(&self) -> i64 {
+        (self.me * self.geo.experts_per_rank) as i64
+    }
+
+    /// Sender side and combine weights: this rank's tokens, in receiver `d`'s order.
+    fn send_side(&self, d: usize, p: &mut Plan) {
+        let mine = &self.all[self.me];
+        let c = &self.contract;
+        match c.unit {
+            Unit::EveryToken | Unit::Token => {
                 for t in 0..mine.t {
-                    p.give[d].push(t as u32);
-                    // The holder returns partial sums of its experts (weights applied there).
-                    p.combine_take[d].push((t as u32, 1.0));
-                }
-            }
-            Layout::TokenMajor | Layout::RankMajor => {
-                for t in 0..mine.t {
-                    if goes_to(mine, t, d) {
+                    if c.unit == Unit::EveryToken || self.goes_to(mine, t, d) {
                         p.give[d].push(t as u32);
-                        p.combine_take[d].push((t as u32, 1.0));
+                        // The holder returns rows with the weights already applied.
+                        p.combine_take[d].push((t as u32, c.combine_weight(1.0)));
                     }
                 }
             }
-            Layout::ExpertMajor | Layout::ExpertPacked => {
+            Unit::TokenExpert => {
+                let el = self.geo.experts_per_rank;
                 for j in 0..el {
                     let e = (d * el + j) as i64;
                     for t in 0..mine.t {
                         if let Some(kk) = mine.ids_of(t).iter().position(|&x| x == e) {
+                            let w = self.w_eff(mine.weights_of(t)[kk]);
                             p.give[d].push(t as u32);
-                            p.combine_take[d].push((t as u32, w_eff(mine.weights_of(t)[kk])));
+                            p.combine_take[d].push((t as u32, c.combine_weight(w)));
                         }
                     }
                 }
             }
-            Layout::MoonepSlots => {}
         }
     }
 
-    // Receiver side: rows from every source, in this rank's buffer order.
-    match layout {
-        Layout::Replicated => {
-            let mut row = 0u32;
-            for (s, r) in all.iter().enumerate() {
-                for t in 0..r.t {
-                    p.take[s].push(row);
-                    row += 1;
-                    p.row_ids.extend_from_slice(r.ids_of(t));
-                    p.row_weights
-                        .extend(r.weights_of(t).iter().map(|&w| w_eff(w)));
-                }
-            }
-            p.received_rows = row as usize;
-            p.buffer_rows = row as usize;
-        }
-        Layout::TokenMajor => {
-            p.counts = vec![0; el];
-            let mut row = 0u32;
-            for (s, r) in all.iter().enumerate() {
-                for t in 0..r.t {
-                    if !goes_to(r, t, me) {
-                        continue;
-                    }
-                    p.take[s].push(row);
-                    row += 1;
-                    for (&e, &w) in r.ids_of(t).iter().zip(r.weights_of(t)) {
-                        if e >= 0 && local(e) {
-                            p.row_ids.push(e);
-                            p.row_weights.push(w_eff(w));
-                            p.counts[(e - first_local) as usize] += 1;
-                        } else {
-                            p.row_ids.push(-1);
-                            p.row_weights.push(0.0);
-                        }
-                    }
-                }
-            }
-            p.received_rows = row as usize;
-            p.buffer_rows = row as usize;
-        }
-        Layout::ExpertMajor | Layout::ExpertPacked => {
-            let cap = geo.max_tokens * world;
-            p.counts = vec![0; el];
-            p.offsets = vec![0; el + 1];
-            let mut packed_row = 0u32;
-            for j in 0..el {
-                let e = first_local + j as i64;
-                let mut c = 0u32;
-                for (s, r) in all.iter().enumerate() {
-                    for t in 0..r.t {
-                        if let Some(kk) = r.ids_of(t).iter().position(|&x| x == e) {
-                            let row = if layout == Layout::ExpertMajor {
-                                (j * cap) as u32 + c
-                            } else {
-                                p.row_weights.push(w_eff(r.weights_of(t)[kk]));
-                                p.src_rank.push(s as i32);
-                                p.src_token.push(t as i32);
-                                packed_row + c
-                            };
-                            p.take[s].push(row);
-                            c += 1;
-                        }
-                    }
-                }
-                p.counts[j] = c as i32;
-                packed_row += c;
-                p.offsets[j + 1] = packed_row as i64;
-            }
-            p.received_rows = packed_row as usize;
-            p.buffer_rows = geo.buffer_rows(layout, packed_row as usize);
-            if layout == Layout::ExpertMajor {
-                p.offsets.clear();
-            } else {
-                p.counts.clear();
+    /// Every token of every rank, ids and weights as sent.
+    fn receive_replicated(&self, p: &mut Plan) {
+        let mut row = 0u32;
+        for (s, r) in self.all.iter().enumerate() {
+            for t in 0..r.t {
+                p.take[s].push(row);
+                row += 1;
+                p.row_ids.extend_from_slice(r.ids_of(t));
+                p.row_weights
+                    .extend(r.weights_of(t).iter().map(|&w| self.w_eff(w)));
             }
         }
-        Layout::RankMajor => {
-            let m = geo.max_tokens;
-            p.counts = vec![0; world];
-            p.row_ids = vec![-1; world * m * k];
-            p.row_weights = vec![0.0; world * m * k];
-            for (s, r) in all.iter().enumerate() {
-                let mut c = 0usize;
-                for t in 0..r.t {
-                    if !goes_to(r, t, me) {
-                        continue;
-                    }
-                    let row = s * m + c;
-                    p.take[s].push(row as u32);
-                    p.row_ids[row * k..(row + 1) * k].copy_from_slice(r.ids_of(t));
-                    for (dst, &w) in p.row_weights[row * k..(row + 1) * k]
-                        .iter_mut()
-                        .zip(r.weights_of(t))
-                    {
-                        *dst = w_eff(w);
-                    }
-                    c += 1;
-                }
-                p.counts[s] = c as i32;
-                p.received_rows += c;
-            }
-            p.buffer_rows = world * m;
-        }
-        Layout::MoonepSlots => {}
+        p.received_rows = row as usize;
+        p.buffer_rows = row as usize;
     }
-    p
+
+    /// Each token once per rank it goes to, the ids this rank owns kept.
+    fn receive_token_major(&self, p: &mut Plan) {
+        let el = self.geo.experts_per_rank;
+        let first_local = self.first_local();
+        let local = |e: i64| e >= first_local && e < first_local + el as i64;
+        p.counts = vec![0; el];
+        let mut row = 0u32;
+        for (s, r) in self.all.iter().enumerate() {
+            for t in 0..r.t {
+                if !self.goes_to(r, t, self.me) {
+                    continue;
+                }
+                p.take[s].push(row);
+                row += 1;
+                for (&e, &w) in r.ids_of(t).iter().zip(r.weights_of(t)) {
+                    if e >= 0 && local(e) {
+                        p.row_ids.push(e);
+                        p.row_weights.push(self.w_eff(w));
+                        p.counts[(e - first_local) as usize] += 1;
+                    } else {
+                        p.row_ids.push(-1);
+                        p.row_weights.push(0.0);
+                    }
+                }
+            }
+        }
+        p.received_rows = row as usize;
+        p.buffer_rows = row as usize;
+    }
+
+    /// One row per (token, local expert), grouped by expert: fixed buckets (EXPERT_MAJOR) or
+    /// packed (EXPERT_PACKED, with weights and sources per row).
+    fn receive_by_expert(&self, p: &mut Plan) {
+        let (el, c) = (self.geo.experts_per_rank, &self.contract);
+        let bucket = self.geo.max_tokens * self.geo.world;
+        let fixed = c.fixed_capacity();
+        p.counts = vec![0; el];
+        p.offsets = vec![0; el + 1];
+        let mut packed_row = 0u32;
+        for j in 0..el {
+            let e = self.first_local() + j as i64;
+            let mut n = 0u32;
+            for (s, r) in self.all.iter().enumerate() {
+                for t in 0..r.t {
+                    let Some(kk) = r.ids_of(t).iter().position(|&x| x == e) else {
+                        continue;
+                    };
+                    let row = if fixed {
+                        (j * bucket) as u32 + n
+                    } else {
+                        p.row_weights.push(self.w_eff(r.weights_of(t)[kk]));
+                        p.src_rank.push(s as i32);
+                        p.src_token.push(t as i32);
+                        packed_row + n
+                    };
+                    p.take[s].push(row);
+                    n += 1;
+                }
+            }
+            p.counts[j] = n as i32;
+            packed_row += n;
+            p.offsets[j + 1] = packed_row as i64;
+        }
+        p.received_rows = packed_row as usize;
+        p.buffer_rows = c.buffer_rows(self.geo, packed_row as usize);
+        if !c.expert_offsets {
+            p.offsets.clear();
+        }
+        if c.counts == Counts::None {
+            p.counts.clear();
+        }
+    }
+
+    /// A region of M rows per source rank, ids and weights as sent, padding rows all -1.
+    fn receive_rank_major(&self, p: &mut Plan) {
+        let (world, m, k) = (self.geo.world, self.geo.max_tokens, self.geo.top_k);
+        p.counts = vec![0; world];
+        p.row_ids = vec![-1; world * m * k];
+        p.row_weights = vec![0.0; world * m * k];
+        for (s, r) in self.all.iter().enumerate() {
+            let mut n = 0usize;
+            for t in 0..r.t {
+                if !self.goes_to(r, t, self.me) {
+                    continue;
+                }
+                let row = s * m + n;
+                p.take[s].push(row as u32);
+                p.row_ids[row * k..(row + 1) * k].copy_from_slice(r.ids_of(t));
+                for (dst, &w) in p.row_weights[row * k..(row + 1) * k]
+                    .iter_mut()
+                    .zip(r.weights_of(t))
+                {
+                    *dst = self.w_eff(w);
+                }
+                n += 1;
+            }
+            p.counts[s] = n as i32;
+            p.received_rows += n;
+        }
+        p.buffer_rows = self.contract.buffer_rows(self.geo, 0);
+    }
 }
 
 #[cfg(test)]

@@ -2,9 +2,9 @@
 //! benchmarks and the tests: expert e computes `y = a_e ⊙ x + b_e` (per-expert weight and bias
 //! vectors), and a token's MoE output is `Σ_k w_k · f_{e_k}(x)`.
 
+use super::layout::{self, WeightsBy};
 use super::DispatchView;
 use crate::num::{self, FloatKind};
-use crate::select::all2all::Layout;
 
 /// Per-expert elementwise affine maps.
 #[derive(Debug, Clone, PartialEq)]
@@ -97,14 +97,17 @@ impl ToyExperts {
     ) -> Vec<f32> {
         let h = self.hidden;
         let el = self.num_experts / world;
-        let first = (rank * el) as i64;
-        let owned = |e: i64| e >= first && e < first + el as i64;
+        let first = rank * el;
         let x = num::to_f32(view.hidden, hidden_kind);
         let rows = x.len() / h;
         let mut y = vec![0f32; rows * h];
+        let Some(c) = layout::contract(view.layout) else {
+            return y;
+        };
         let row = |r: usize| &x[r * h..(r + 1) * h];
-        match view.layout {
-            Layout::Replicated | Layout::TokenMajor | Layout::RankMajor => {
+        match c.weights_by {
+            WeightsBy::Holder => {
+                let owned = |e: i64| e >= first as i64 && e < (first + el) as i64;
                 for r in 0..rows {
                     let (ids, ws) = (
                         &view.topk_ids[r * k..(r + 1) * k],
@@ -118,26 +121,15 @@ impl ToyExperts {
                     }
                 }
             }
-            Layout::ExpertMajor => {
-                let cap = rows / el.max(1);
-                for (j, &c) in view.counts.iter().enumerate() {
-                    for r in j * cap..j * cap + c as usize {
-                        self.apply_add(first as usize + j, row(r), 1.0, &mut y[r * h..(r + 1) * h]);
-                    }
-                }
-            }
-            Layout::ExpertPacked => {
+            WeightsBy::Source => {
+                let bucket = rows / el.max(1);
                 for j in 0..el {
-                    let (a, b) = (
-                        view.expert_offsets[j] as usize,
-                        view.expert_offsets[j + 1] as usize,
-                    );
-                    for r in a..b {
-                        self.apply_add(first as usize + j, row(r), 1.0, &mut y[r * h..(r + 1) * h]);
+                    let at = c.expert_rows(j, bucket, view.counts, view.expert_offsets);
+                    for r in at.unwrap_or_default() {
+                        self.apply_add(first + j, row(r), 1.0, &mut y[r * h..(r + 1) * h]);
                     }
                 }
             }
-            Layout::MoonepSlots => {}
         }
         y
     }
