@@ -40,8 +40,9 @@ impl HostTransport for ChannelTransport {
         }
         let world = self.to.len();
         // Unbounded channels: send to everyone first, then receive from everyone.
+        let me = self.rank;
         let sent = (0..world)
-            .filter(|&p| p != self.rank)
+            .filter(|&p| p != me)
             .try_for_each(|p| self.send(p, mine));
         Some(sent.and_then(|()| {
             let n = mine.len();
