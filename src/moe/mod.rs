@@ -153,6 +153,97 @@ fn ensure_len(buf: &mut Vec<u8>, len: usize, ranks: usize, what: &str) -> Result
     Ok(())
 }
 
+/// The checks of a configuration that depend on no layout (their order decides which error a
+/// configuration with several faults gets, so it stays as it is).
+fn check_config(cfg: &MoeConfig, rank: usize, world: usize) -> Result<()> {
+    if cfg.apply_router_weight_on_input && cfg.top_k != 1 {
+        return Err(Error::Assertion(
+            "apply_router_weight_on_input is only implemented for topk=1".into(),
+        ));
+    }
+    let bad = |m: String| Err(Error::InvalidArgument(m));
+    if world == 0 || rank >= world {
+        return bad(format!("rank {rank} is not in a group of {world} ranks"));
+    }
+    if cfg.num_experts == 0 || cfg.num_experts % world != 0 {
+        return bad(format!(
+            "num_experts is {}: expected a positive multiple of the EP size ({world}) so every rank owns E/R experts (add redundant experts to make it divisible)",
+            cfg.num_experts
+        ));
+    }
+    if cfg.top_k == 0 || cfg.top_k > cfg.num_experts {
+        return bad(format!(
+            "top_k is {}: expected 1..={} (num_experts)",
+            cfg.top_k, cfg.num_experts
+        ));
+    }
+    if cfg.hidden == 0 {
+        return bad("hidden_size is 0: expected at least 1".into());
+    }
+    // Bounds that keep every size computation in range (far above real models).
+    for (what, v, max) in [
+        ("num_experts", cfg.num_experts, MAX_EXPERTS),
+        ("hidden_size", cfg.hidden, 1 << 30),
+        ("max_tokens_per_rank", cfg.max_tokens_per_rank, 1 << 30),
+    ] {
+        if v > max {
+            return bad(format!("{what} is {v}: expected at most {max}"));
+        }
+    }
+    if let Some((i, &b)) = cfg
+        .extra_row_bytes
+        .iter()
+        .enumerate()
+        .find(|(_, &b)| b > 1 << 30)
+    {
+        return bad(format!(
+            "extra_row_bytes[{i}] is {b}: expected at most {}",
+            1usize << 30
+        ));
+    }
+    let hd = cfg.hidden_dtype;
+    if hd.lanes != 1 || hd.bits == 0 || hd.bits % 8 != 0 {
+        return bad(format!(
+            "hidden dtype {} is not a scalar type of whole bytes",
+            hd.torch_name()
+        ));
+    }
+    if cfg.apply_router_weight_on_input && FloatKind::from_dtype(hd).is_none() {
+        return bad(format!(
+            "apply_router_weight_on_input needs float32, bfloat16 or float16 hidden rows, got {}",
+            hd.torch_name()
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses fixed-capacity buffers that cannot fit in the memory of this host's ranks.
+fn check_memory(
+    contract: &Contract,
+    cfg: &MoeConfig,
+    geo: &Geometry,
+    backend: Backend,
+) -> Result<()> {
+    let (layout, world) = (contract.layout, geo.world);
+    if contract.fixed_capacity() {
+        let rows = contract
+            .worst_case_rows(geo, 0)
+            .map_or(u64::MAX, |r| r as u64);
+        let per_row = (cfg.row_bytes() + cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
+        let need = rows.saturating_mul(per_row);
+        if let Some(avail) = crate::probe::available_memory() {
+            if need.saturating_mul(world as u64) > avail {
+                return Err(Error::InvalidArgument(format!(
+                    "the {} layout of {} needs {need} bytes of receive buffers on each of {world} ranks ({rows} rows of {per_row} bytes: E_local x M x R for EXPERT_MAJOR, R x M for RANK_MAJOR), more than the {avail} bytes of memory available; lower max_tokens_per_rank",
+                    layout.name(),
+                    backend.name()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Manager {
     /// Creates a manager for `backend` (any name vLLM accepts) on a group of `world` ranks, of
     /// which this is `rank`. Logs `Using {ManagerClass} all2all manager.` once.
@@ -161,70 +252,13 @@ impl Manager {
         let backend = all2all::resolve(backend)?;
         let layout = backend.layout();
         let contract = layout::require(layout)?;
-        if cfg.apply_router_weight_on_input && cfg.top_k != 1 {
-            return Err(Error::Assertion(
-                "apply_router_weight_on_input is only implemented for topk=1".into(),
-            ));
-        }
-        let bad = |m: String| Err(Error::InvalidArgument(m));
-        if world == 0 || rank >= world {
-            return bad(format!("rank {rank} is not in a group of {world} ranks"));
-        }
-        if cfg.num_experts == 0 || cfg.num_experts % world != 0 {
-            return bad(format!(
-                "num_experts is {}: expected a positive multiple of the EP size ({world}) so every rank owns E/R experts (add redundant experts to make it divisible)",
-                cfg.num_experts
-            ));
-        }
-        if cfg.top_k == 0 || cfg.top_k > cfg.num_experts {
-            return bad(format!(
-                "top_k is {}: expected 1..={} (num_experts)",
-                cfg.top_k, cfg.num_experts
-            ));
-        }
-        if cfg.hidden == 0 {
-            return bad("hidden_size is 0: expected at least 1".into());
-        }
-        // Bounds that keep every size computation in range (far above real models).
-        for (what, v, max) in [
-            ("num_experts", cfg.num_experts, MAX_EXPERTS),
-            ("hidden_size", cfg.hidden, 1 << 30),
-            ("max_tokens_per_rank", cfg.max_tokens_per_rank, 1 << 30),
-        ] {
-            if v > max {
-                return bad(format!("{what} is {v}: expected at most {max}"));
-            }
-        }
-        if let Some((i, &b)) = cfg
-            .extra_row_bytes
-            .iter()
-            .enumerate()
-            .find(|(_, &b)| b > 1 << 30)
-        {
-            return bad(format!(
-                "extra_row_bytes[{i}] is {b}: expected at most {}",
-                1usize << 30
-            ));
-        }
-        let hd = cfg.hidden_dtype;
-        if hd.lanes != 1 || hd.bits == 0 || hd.bits % 8 != 0 {
-            return bad(format!(
-                "hidden dtype {} is not a scalar type of whole bytes",
-                hd.torch_name()
-            ));
-        }
-        if cfg.apply_router_weight_on_input && FloatKind::from_dtype(hd).is_none() {
-            return bad(format!(
-                "apply_router_weight_on_input needs float32, bfloat16 or float16 hidden rows, got {}",
-                hd.torch_name()
-            ));
-        }
+        check_config(&cfg, rank, world)?;
         if contract.fixed_capacity() && cfg.max_tokens_per_rank == 0 {
-            return bad(format!(
+            return Err(Error::InvalidArgument(format!(
                 "max_tokens_per_rank is 0: the {} backend ({} layout) needs the fixed capacity M of tokens per rank",
                 backend.name(),
                 layout.name()
-            ));
+            )));
         }
         let geo = Geometry {
             world,
@@ -233,22 +267,7 @@ impl Manager {
             top_k: cfg.top_k,
             max_tokens: cfg.max_tokens_per_rank,
         };
-        if contract.fixed_capacity() {
-            let rows = contract
-                .worst_case_rows(&geo, 0)
-                .map_or(u64::MAX, |r| r as u64);
-            let per_row = (cfg.row_bytes() + cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
-            let need = rows.saturating_mul(per_row);
-            if let Some(avail) = crate::probe::available_memory() {
-                if need.saturating_mul(world as u64) > avail {
-                    return bad(format!(
-                        "the {} layout of {} needs {need} bytes of receive buffers on each of {world} ranks ({rows} rows of {per_row} bytes: E_local x M x R for EXPERT_MAJOR, R x M for RANK_MAJOR), more than the {avail} bytes of memory available; lower max_tokens_per_rank",
-                        layout.name(),
-                        backend.name()
-                    ));
-                }
-            }
-        }
+        check_memory(&contract, &cfg, &geo, backend)?;
         log::log_once(log::Level::Info, &all2all::using_manager_info(backend));
         Ok(Manager {
             backend,

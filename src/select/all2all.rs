@@ -286,7 +286,8 @@ pub fn resolve(name: &str) -> Result<Backend> {
     if let Some(w) = &r.warning {
         match r.kind {
             NameKind::Alias => log::log_once(log::Level::Warn, w),
-            _ => log::warn(w),
+            // Only removed names warn besides the alias.
+            NameKind::Canonical | NameKind::Removed => log::warn(w),
         }
     }
     Ok(r.backend)

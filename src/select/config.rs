@@ -427,9 +427,11 @@ fn check_inner(
             warnings.extend(resolved.warning.clone());
             Backend::AllgatherReducescatter.name()
         }
-        _ => all2all::lookup(&c.all2all_backend)
-            .map(|n| n.name)
-            .unwrap_or(resolved.backend.name()),
+        all2all::NameKind::Canonical | all2all::NameKind::Alias => {
+            all2all::lookup(&c.all2all_backend)
+                .map(|n| n.name)
+                .unwrap_or(resolved.backend.name())
+        }
     };
 
     // VllmConfig: microbatching (DBO).
