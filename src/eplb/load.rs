@@ -41,13 +41,13 @@ pub fn balancedness_line(
 }
 
 fn all_reduce_sum(g: &mut dyn Group, v: &[i64]) -> Result<Vec<i64>> {
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
-    let mut all = vec![0u8; bytes.len() * g.size()];
-    g.all_gather(&bytes, &mut all)?;
+    let mine = crate::bytes::as_bytes(v);
+    let mut all = vec![0u8; mine.len() * g.size()];
+    g.all_gather(mine, &mut all)?;
     let mut sum = vec![0i64; v.len()];
-    for chunk in all.chunks_exact(bytes.len().max(1)) {
-        for (s, c) in sum.iter_mut().zip(chunk.chunks_exact(8)) {
-            *s += i64::from_ne_bytes(c.try_into().unwrap());
+    for chunk in all.chunks_exact(mine.len().max(1)) {
+        for (s, x) in sum.iter_mut().zip(crate::bytes::words::<i64>(chunk)) {
+            *s += x;
         }
     }
     Ok(sum)

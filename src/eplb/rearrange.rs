@@ -270,8 +270,8 @@ fn agree(g: &mut dyn Group, mine: &[u64; 8]) -> Result<()> {
         .chunks_exact(64)
         .map(|c| {
             let mut h = [0u64; 8];
-            for (w, b) in h.iter_mut().zip(c.chunks_exact(8)) {
-                *w = u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+            for (w, x) in h.iter_mut().zip(crate::bytes::words::<u64>(c)) {
+                *w = u64::from_le(x);
             }
             h
         })
