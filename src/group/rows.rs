@@ -2,6 +2,7 @@
 //! weighted accumulation.
 
 use super::{Group, Op};
+use crate::bytes;
 use crate::error::{Error, Result};
 use crate::num::{self, FloatKind};
 
@@ -145,13 +146,21 @@ pub(crate) fn reduce_blocked(
     let block = ((256 << 10) / (row_elems * 4)).clamp(1, out_rows);
     let (mut acc, mut scratch) = BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()));
     acc.resize(COLUMN_CHUNK.min(row_elems), 0.0);
-    let result = reduce_blocks(
+    let plan = Reduction {
         kind,
         row_elems,
+        row_bytes: row_elems * kind.size(),
+        out_kind,
+        out_row_bytes: row_elems * out_kind.size(),
+        local,
+        // An output much larger than the caches is written past them (see
+        // num::store_streaming); a small one stays cached for the caller's next read.
+        streaming: out_rows * row_elems * out_kind.size() >= crate::copy::STREAMING_MIN_BYTES,
+    };
+    let result = reduce_blocks(
+        &plan,
         by_row,
         out,
-        out_kind,
-        local,
         &mut fetch,
         block,
         &mut acc,
@@ -164,29 +173,38 @@ pub(crate) fn reduce_blocked(
 /// Elements per accumulator chunk (8 KiB of f32: stays in L1 with the rows being added).
 const COLUMN_CHUNK: usize = 2048;
 
-#[allow(clippy::too_many_arguments)]
-fn reduce_blocks(
+/// What stays the same over all blocks of one reduction.
+struct Reduction<'a> {
     kind: FloatKind,
     row_elems: usize,
+    row_bytes: usize,
+    out_kind: FloatKind,
+    out_row_bytes: usize,
+    /// (this rank, its source rows, the rows it gives itself): read in place, never fetched.
+    local: Option<(usize, &'a [u8], &'a [u32])>,
+    streaming: bool,
+}
+
+/// Per-block bookkeeping, kept across blocks so steady state allocates nothing.
+#[derive(Default)]
+struct Fetched {
+    /// Entry i of the block landed at scratch row `slots[i]`.
+    slots: Vec<usize>,
+    positions: Vec<u32>,
+    which: Vec<usize>,
+}
+
+fn reduce_blocks(
+    plan: &Reduction<'_>,
     by_row: &ByRow,
     out: &mut [u8],
-    out_kind: FloatKind,
-    local: Option<(usize, &[u8], &[u32])>,
     fetch: &mut impl FnMut(usize, &[u32], &mut [u8]) -> Result<()>,
     block: usize,
     acc: &mut [f32],
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let out_rows = by_row.offsets.len() - 1;
-    let es = kind.size();
-    let row_bytes = row_elems * es;
-    let out_row_bytes = row_elems * out_kind.size();
-    // An output much larger than the caches is written past them (see num::store_streaming);
-    // a small one stays cached for the caller's next read.
-    let streaming = out_rows * out_row_bytes >= crate::copy::STREAMING_MIN_BYTES;
-    let mut slots: Vec<usize> = Vec::new();
-    let mut positions: Vec<u32> = Vec::new();
-    let mut which: Vec<usize> = Vec::new();
+    let mut fetched = Fetched::default();
     let peers = by_row
         .entries
         .iter()
@@ -197,79 +215,132 @@ fn reduce_blocks(
         let b1 = (b0 + block).min(out_rows);
         let (e0, e1) = (by_row.offsets[b0], by_row.offsets[b1]);
         let entries = &by_row.entries[e0..e1];
-        scratch.resize(entries.len() * row_bytes, 0);
-        slots.clear();
-        slots.resize(entries.len(), 0);
-        // One fetch per peer, into consecutive scratch rows.
-        let mut next = 0usize;
-        for peer in 0..peers {
-            if local.is_some_and(|l| l.0 == peer) {
-                continue;
-            }
-            positions.clear();
-            which.clear();
-            for (i, e) in entries.iter().enumerate() {
-                if e.0 as usize == peer {
-                    positions.push(e.1);
-                    which.push(i);
-                }
-            }
-            if positions.is_empty() {
-                continue;
-            }
-            let n = positions.len();
-            fetch(
-                peer,
-                &positions,
-                &mut scratch[next * row_bytes..(next + n) * row_bytes],
-            )?;
-            for (k, &i) in which.iter().enumerate() {
-                slots[i] = next + k;
-            }
-            next += n;
-        }
-        // Row by row, in column chunks whose f32 accumulator stays in L1 while every
-        // contribution is added (the same additions in the same order as whole rows).
-        let out_es = out_kind.size();
+        fetch_block(plan, entries, peers, fetch, scratch, &mut fetched)?;
+        let rows = BlockRows {
+            entries,
+            slots: &fetched.slots,
+            scratch,
+        };
         for r in b0..b1 {
             let entries_r = by_row.offsets[r] - e0..by_row.offsets[r + 1] - e0;
-            for c0 in (0..row_elems).step_by(COLUMN_CHUNK) {
-                let c1 = (c0 + COLUMN_CHUNK).min(row_elems);
-                let a = &mut acc[..c1 - c0];
-                if entries_r.is_empty() {
-                    a.fill(0.0);
-                }
-                for i in entries_r.clone() {
-                    let (peer, pos, w) = entries[i];
-                    let row = match local {
-                        // This rank's own rows are read in place.
-                        Some((me, src, give_me)) if me == peer as usize => {
-                            let sr = give_me[pos as usize] as usize;
-                            &src[sr * row_bytes..(sr + 1) * row_bytes]
-                        }
-                        _ => &scratch[slots[i] * row_bytes..(slots[i] + 1) * row_bytes],
-                    };
-                    let part = &row[c0 * es..c1 * es];
-                    if i == entries_r.start {
-                        num::assign_scaled(a, part, kind, w);
-                    } else {
-                        add_row(a, part, kind, w);
-                    }
-                }
-                let base = r * out_row_bytes;
-                let dst = &mut out[base + c0 * out_es..base + c1 * out_es];
-                if streaming {
-                    num::store_streaming(a, dst, out_kind);
-                } else {
-                    num::store(a, dst, out_kind);
-                }
-            }
+            sum_row(plan, r, entries_r, &rows, acc, out);
         }
     }
-    if streaming {
+    if plan.streaming {
         crate::copy::streaming_fence();
     }
     Ok(())
+}
+
+/// Fetches the rows of one block's `entries` from every peer but this rank: one fetch per
+/// peer, into consecutive rows of `scratch`.
+fn fetch_block(
+    plan: &Reduction<'_>,
+    entries: &[(u32, u32, f32)],
+    peers: usize,
+    fetch: &mut impl FnMut(usize, &[u32], &mut [u8]) -> Result<()>,
+    scratch: &mut Vec<u8>,
+    fetched: &mut Fetched,
+) -> Result<()> {
+    let row_bytes = plan.row_bytes;
+    let Fetched {
+        slots,
+        positions,
+        which,
+    } = fetched;
+    scratch.resize(entries.len() * row_bytes, 0);
+    slots.clear();
+    slots.resize(entries.len(), 0);
+    let mut next = 0usize;
+    for peer in 0..peers {
+        if plan.local.is_some_and(|l| l.0 == peer) {
+            continue;
+        }
+        positions.clear();
+        which.clear();
+        for (i, e) in entries.iter().enumerate() {
+            if e.0 as usize == peer {
+                positions.push(e.1);
+                which.push(i);
+            }
+        }
+        if positions.is_empty() {
+            continue;
+        }
+        let n = positions.len();
+        fetch(
+            peer,
+            positions,
+            &mut scratch[next * row_bytes..(next + n) * row_bytes],
+        )?;
+        for (k, &i) in which.iter().enumerate() {
+            slots[i] = next + k;
+        }
+        next += n;
+    }
+    Ok(())
+}
+
+/// One block's contributions (peer, position, weight) and where `fetch_block` put their rows.
+struct BlockRows<'b> {
+    entries: &'b [(u32, u32, f32)],
+    slots: &'b [usize],
+    scratch: &'b [u8],
+}
+
+/// Output row `r` from its contributions `entries[entries_r]`, in column chunks whose f32
+/// accumulator stays in L1 while every contribution is added (the same additions in the same
+/// order as whole rows).
+fn sum_row(
+    plan: &Reduction<'_>,
+    r: usize,
+    entries_r: std::ops::Range<usize>,
+    block: &BlockRows<'_>,
+    acc: &mut [f32],
+    out: &mut [u8],
+) {
+    let BlockRows {
+        entries,
+        slots,
+        scratch,
+    } = *block;
+    let (kind, row_bytes, es, out_es) = (
+        plan.kind,
+        plan.row_bytes,
+        plan.kind.size(),
+        plan.out_kind.size(),
+    );
+    for c0 in (0..plan.row_elems).step_by(COLUMN_CHUNK) {
+        let c1 = (c0 + COLUMN_CHUNK).min(plan.row_elems);
+        let a = &mut acc[..c1 - c0];
+        if entries_r.is_empty() {
+            a.fill(0.0);
+        }
+        for i in entries_r.clone() {
+            let (peer, pos, w) = entries[i];
+            let row = match plan.local {
+                // This rank's own rows are read in place.
+                Some((me, src, give_me)) if me == peer as usize => {
+                    let sr = give_me[pos as usize] as usize;
+                    &src[sr * row_bytes..(sr + 1) * row_bytes]
+                }
+                _ => &scratch[slots[i] * row_bytes..(slots[i] + 1) * row_bytes],
+            };
+            let part = &row[c0 * es..c1 * es];
+            if i == entries_r.start {
+                num::assign_scaled(a, part, kind, w);
+            } else {
+                add_row(a, part, kind, w);
+            }
+        }
+        let base = r * plan.out_row_bytes;
+        let dst = &mut out[base + c0 * out_es..base + c1 * out_es];
+        if plan.streaming {
+            num::store_streaming(a, dst, plan.out_kind);
+        } else {
+            num::store(a, dst, plan.out_kind);
+        }
+    }
 }
 
 fn rename_mismatch(e: Error, op: &str) -> Error {
@@ -324,10 +395,7 @@ pub(crate) fn read_index_list(
     }
     let mut buf = vec![0u8; count * 4];
     copy(src_len + off * 4, &mut buf)?;
-    let idx: Vec<u32> = buf
-        .chunks_exact(4)
-        .map(|c| u32::from_ne_bytes(c.try_into().unwrap()))
-        .collect();
+    let idx: Vec<u32> = bytes::to_vec(&buf);
     let rows = src_len.checked_div(row_bytes).unwrap_or(0);
     if let Some(bad) = idx.iter().find(|&&i| i as usize >= rows) {
         return Err(Error::InvalidArgument(format!(
@@ -426,7 +494,7 @@ pub(crate) fn check_reduce(
 }
 
 /// Packs rows `give[p]` of `src` for every peer, in peer order; returns the bytes per peer.
-pub(crate) fn pack(src: &[u8], row_bytes: usize, give: &[Vec<u32>]) -> (Vec<u8>, Vec<usize>) {
+fn pack(src: &[u8], row_bytes: usize, give: &[Vec<u32>]) -> (Vec<u8>, Vec<usize>) {
     let sizes: Vec<usize> = give.iter().map(|g| g.len() * row_bytes).collect();
     let mut out = Vec::with_capacity(sizes.iter().sum());
     for list in give {
@@ -439,7 +507,7 @@ pub(crate) fn pack(src: &[u8], row_bytes: usize, give: &[Vec<u32>]) -> (Vec<u8>,
 }
 
 /// Writes packed rows (peer order) to rows `take[p]` of `dst`.
-pub(crate) fn unpack(packed: &[u8], row_bytes: usize, take: &[Vec<u32>], dst: &mut [u8]) {
+fn unpack(packed: &[u8], row_bytes: usize, take: &[Vec<u32>], dst: &mut [u8]) {
     let mut off = 0;
     for list in take {
         for &r in list {
@@ -451,7 +519,7 @@ pub(crate) fn unpack(packed: &[u8], row_bytes: usize, take: &[Vec<u32>], dst: &m
 }
 
 /// Adds one row (elements of `kind`) times `w` to `acc_row`.
-pub(crate) fn add_row(acc_row: &mut [f32], row: &[u8], kind: FloatKind, w: f32) {
+fn add_row(acc_row: &mut [f32], row: &[u8], kind: FloatKind, w: f32) {
     if w == 1.0 {
         num::accumulate(acc_row, row, kind);
     } else {

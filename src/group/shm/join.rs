@@ -4,7 +4,10 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::layout::*;
+use super::layout::{
+    desc_offset, now_ns, publish_desc, slot_offset, DataDesc, Header, Slot, FORMED,
+    OP_HEADER_BYTES, SLOT_ACTIVE, SLOT_EMPTY, SLOT_FAILED, SLOT_GAVE_UP, SLOT_LEFT,
+};
 use super::payload::local_tables;
 use super::rendezvous::{check_map_budget, check_name, random_u64, sys_err, UniqueId};
 use super::segment::{copy_from_process, pid_alive, Segment};
@@ -22,101 +25,56 @@ const SETTLE_MAX: Duration = Duration::from_secs(1);
 /// Largest world size the shm transport accepts.
 pub const MAX_WORLD: usize = 1024;
 
+/// The arguments of a join that no peer is needed to check.
+fn check_join_args(name: &str, rank: usize, world: usize, opts: &GroupOptions) -> Result<()> {
+    check_name(name)?;
+    if world == 0 || world > MAX_WORLD {
+        return Err(Error::InvalidArgument(format!(
+            "world_size is {world}; expected 1..={MAX_WORLD}"
+        )));
+    }
+    if rank >= world {
+        return Err(Error::InvalidArgument(format!(
+            "rank is {rank}; expected 0 <= rank < world_size ({world})"
+        )));
+    }
+    // From here on this thread works as `rank`: its log lines say so.
+    crate::log::set_thread_rank(Some(rank));
+    if opts.max_capacity != 0 && opts.initial_capacity > opts.max_capacity {
+        return Err(Error::InvalidArgument(format!(
+            "initial capacity {} bytes exceeds the maximum capacity {} bytes",
+            opts.initial_capacity, opts.max_capacity
+        )));
+    }
+    Ok(())
+}
+
+/// A join that failed before the group formed: rank 0 removes the record it created.
+fn abandon(rank: usize, control_name: &str, e: Error) -> Error {
+    if rank == 0 {
+        Segment::unlink(control_name);
+    }
+    e
+}
+
 impl ShmGroup {
     /// Creates (rank 0) or joins (other ranks) the group `name` of `world` ranks; returns once
     /// every rank has joined.
     pub fn join(name: &str, rank: usize, world: usize, opts: GroupOptions) -> Result<ShmGroup> {
-        check_name(name)?;
-        if world == 0 || world > MAX_WORLD {
-            return Err(Error::InvalidArgument(format!(
-                "world_size is {world}; expected 1..={MAX_WORLD}"
-            )));
-        }
-        if rank >= world {
-            return Err(Error::InvalidArgument(format!(
-                "rank is {rank}; expected 0 <= rank < world_size ({world})"
-            )));
-        }
-        // From here on this thread works as `rank`: its log lines say so.
-        crate::log::set_thread_rank(Some(rank));
-        if opts.max_capacity != 0 && opts.initial_capacity > opts.max_capacity {
-            return Err(Error::InvalidArgument(format!(
-                "initial capacity {} bytes exceeds the maximum capacity {} bytes",
-                opts.initial_capacity, opts.max_capacity
-            )));
-        }
+        check_join_args(name, rank, world, &opts)?;
         check_map_budget(name, rank, world)?;
         let control_name = format!("/epcomm.{name}");
         let deadline = Deadline::new(opts.timeout);
         let started_ns = now_ns();
         let pid = std::process::id();
         let token = random_u64();
-        let abandon = |e: Error| {
-            if rank == 0 {
-                Segment::unlink(&control_name);
-            }
-            e
-        };
-        // Open (or create) the control segment and claim the slot. A slot held by a dead or
-        // failed process belongs to an earlier attempt that is being torn down: wait for the
-        // next segment instead of failing.
-        let control = loop {
-            let control = if rank == 0 {
-                Self::create_control(name, &control_name, world, &deadline)?
-            } else {
-                Self::open_control(name, &control_name, rank, world, &deadline)?
-            };
-            let slot: &Slot = control.at(HEADER_BYTES + rank * std::mem::size_of::<Slot>());
-            if slot
-                .token
-                .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                break control;
-            }
-            let other = slot.pid.load(Ordering::Acquire);
-            let failed_attempt = (0..world).any(|r| {
-                let s: &Slot = control.at(HEADER_BYTES + r * std::mem::size_of::<Slot>());
-                let p = s.pid.load(Ordering::Acquire);
-                s.state.load(Ordering::Acquire) == SLOT_FAILED || (p != 0 && !pid_alive(p))
-            });
-            if rank != 0 && failed_attempt && !deadline.expired() {
-                drop(control);
-                std::thread::sleep(Duration::from_millis(20));
-                continue;
-            }
-            // Another live process holds this rank: another job uses the name (or this job
-            // started the rank twice). Neither may form a group with the other's ranks.
-            let header: &Header = control.at(0);
-            let _ = header.conflict_pid.compare_exchange(
-                0,
-                u64::from(pid),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-            return Err(abandon(Error::InvalidState(format!(
-                "group name '{name}' is in use by another job: rank {rank} is already taken (by pid {other}); each rank joins once, and jobs that run at the same time need distinct group names"
-            ))));
-        };
+        let control = Self::claim_slot(name, &control_name, rank, world, token, &deadline)?;
         let header: &Header = control.at(0);
         let session = header.session.load(Ordering::Acquire);
-        let slot: &Slot = control.at(HEADER_BYTES + rank * std::mem::size_of::<Slot>());
-        slot.pid.store(pid, Ordering::Release);
         let capacity = opts.initial_capacity.max(4096);
-        let data_name = Self::data_name(name, session, rank, 1, pid);
-        let data = match Segment::create(&data_name, capacity) {
-            Ok(d) => d,
-            Err(e) => {
-                // Tell the others this rank failed, so they stop waiting for it.
-                slot.state.store(SLOT_FAILED, Ordering::Release);
-                return Err(abandon(sys_err(
-                    format!(
-                        "cannot create the shared-memory region of rank {rank} ({capacity} bytes)"
-                    ),
-                    e,
-                )));
-            }
-        };
+        let region = Self::create_region(&control, name, rank, session, capacity);
+        let data = region.map_err(|e| abandon(rank, &control_name, e))?;
+        let slot: &Slot = control.at(slot_offset(rank));
         let probe = Box::new(token);
         slot.probe_addr
             .store(&*probe as *const u64 as u64, Ordering::Relaxed);
@@ -128,7 +86,7 @@ impl ShmGroup {
         slot.pid.store(pid, Ordering::Relaxed);
         slot.state.store(SLOT_ACTIVE, Ordering::Release);
 
-        let mut g = ShmGroup {
+        let g = ShmGroup {
             name: name.to_owned(),
             rank,
             world,
@@ -149,34 +107,112 @@ impl ShmGroup {
             grown_at: 0,
             tables: local_tables(session, world),
         };
+        g.form(&deadline)
+    }
+
+    /// Opens (or creates) the control segment and claims `rank`'s slot with `token`. A slot
+    /// held by a dead or failed process belongs to an earlier attempt that is being torn down:
+    /// wait for the next segment instead of failing.
+    fn claim_slot(
+        name: &str,
+        control_name: &str,
+        rank: usize,
+        world: usize,
+        token: u64,
+        deadline: &Deadline,
+    ) -> Result<Segment> {
+        loop {
+            let control = if rank == 0 {
+                Self::create_control(name, control_name, world, deadline)?
+            } else {
+                Self::open_control(name, control_name, rank, world, deadline)?
+            };
+            let slot: &Slot = control.at(slot_offset(rank));
+            if slot
+                .token
+                .compare_exchange(0, token, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Ok(control);
+            }
+            let other = slot.pid.load(Ordering::Acquire);
+            let failed_attempt = (0..world).any(|r| {
+                let s: &Slot = control.at(slot_offset(r));
+                let p = s.pid.load(Ordering::Acquire);
+                s.state.load(Ordering::Acquire) == SLOT_FAILED || (p != 0 && !pid_alive(p))
+            });
+            if rank != 0 && failed_attempt && !deadline.expired() {
+                drop(control);
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            // Another live process holds this rank: another job uses the name (or this job
+            // started the rank twice). Neither may form a group with the other's ranks.
+            let header: &Header = control.at(0);
+            let _ = header.conflict_pid.compare_exchange(
+                0,
+                u64::from(std::process::id()),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            return Err(abandon(rank, control_name, Error::InvalidState(format!(
+                "group name '{name}' is in use by another job: rank {rank} is already taken (by pid {other}); each rank joins once, and jobs that run at the same time need distinct group names"
+            ))));
+        }
+    }
+
+    /// Creates `rank`'s first data segment (`capacity` bytes) once its slot is claimed; a
+    /// failure marks the slot failed, so the others stop waiting for this rank.
+    fn create_region(
+        control: &Segment,
+        name: &str,
+        rank: usize,
+        session: u64,
+        capacity: usize,
+    ) -> Result<Segment> {
+        let pid = std::process::id();
+        let slot: &Slot = control.at(slot_offset(rank));
+        slot.pid.store(pid, Ordering::Release);
+        Segment::create(&Self::data_name(name, session, rank, 1, pid), capacity).map_err(|e| {
+            slot.state.store(SLOT_FAILED, Ordering::Release);
+            sys_err(
+                format!("cannot create the shared-memory region of rank {rank} ({capacity} bytes)"),
+                e,
+            )
+        })
+    }
+
+    /// Waits for every rank, agrees on direct reads and settles; then closes what could
+    /// still reach the group by name or descriptor.
+    fn form(mut self, deadline: &Deadline) -> Result<ShmGroup> {
         crate::fault::point("join");
-        if let Err(e) = g.wait_joined(&deadline) {
-            let e = g.conflict_or(e);
+        if let Err(e) = self.wait_joined(deadline) {
+            let e = self.conflict_or(e);
             if matches!(e, Error::Timeout(_)) {
                 // The others wait for the same missing ranks and time out on their own, naming
                 // them; marking this rank failed (or letting it look dead once it exits) would
                 // only blur their message.
-                g.broken = Some(e.to_string());
-                g.mark(SLOT_GAVE_UP);
+                self.broken = Some(e.to_string());
+                self.mark(SLOT_GAVE_UP);
                 return Err(e);
             }
-            g.linger_on_conflict();
-            return Err(g.fail(e));
+            self.linger_on_conflict();
+            return Err(self.fail(e));
         }
-        if let Err(e) = g.agree_direct().and_then(|()| g.settle()) {
-            let e = g.conflict_or(e);
-            g.linger_on_conflict();
-            return Err(g.fail(e));
+        if let Err(e) = self.agree_direct().and_then(|()| self.settle()) {
+            let e = self.conflict_or(e);
+            self.linger_on_conflict();
+            return Err(self.fail(e));
         }
         // Every rank mapped every segment (agree_direct maps them before it reports): from here
         // on nothing of the group is reachable by name or descriptor.
-        g.data.close_fd();
-        g.control.close_fd();
-        if rank == 0 {
-            g.unlink_own_control();
-            g.control_unlinked = true;
+        self.data.close_fd();
+        self.control.close_fd();
+        if self.rank == 0 {
+            self.unlink_own_control();
+            self.control_unlinked = true;
         }
-        Ok(g)
+        Ok(self)
     }
 
     /// Joins the group of unique id `id` (made by one rank with [`UniqueId::new`] and passed to

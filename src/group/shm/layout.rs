@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::segment::{Segment, SharedAtomics};
 use super::ShmGroup;
+use crate::bytes;
 
 pub(super) const MAGIC: u64 = 0x6570_636f_6d6d_0004; // "epcomm" + layout version 4
 pub(super) const LAYOUT_VERSION: u32 = 4;
@@ -68,7 +69,7 @@ pub(super) struct Slot {
     /// Address of a private probe word (holding `token`) for the direct-read check.
     pub(super) probe_addr: AtomicU64,
     /// Rank 0's slot only: the group's decision word, the latest op decided and how
-    /// (see [`Decision`]). Every rank obeys it, so all reach the same outcome for every op.
+    /// (see [`Decision`](super::decision::Decision)). Every rank obeys it, so all reach the same outcome for every op.
     pub(super) decision: AtomicU64,
     /// `n << 8 | verdict` of the op `n` this rank published: [`VERDICT_OK`] or
     /// [`VERDICT_REJECTED`] (its arguments failed its own checks; it sends nothing).
@@ -105,6 +106,12 @@ pub(super) fn control_bytes(world: usize) -> usize {
     HEADER_BYTES + world * (std::mem::size_of::<Slot>() + std::mem::size_of::<DataDesc>())
 }
 
+/// Where rank `r`'s slot is in the control segment.
+pub(super) fn slot_offset(r: usize) -> usize {
+    HEADER_BYTES + r * std::mem::size_of::<Slot>()
+}
+
+/// Where rank `r`'s data descriptor is in the control segment of a group of `world` ranks.
 pub(super) fn desc_offset(world: usize, r: usize) -> usize {
     HEADER_BYTES + world * std::mem::size_of::<Slot>() + r * std::mem::size_of::<DataDesc>()
 }
@@ -118,6 +125,51 @@ pub(super) fn publish_desc(d: &DataDesc, seg: &Segment, gen: u64) {
     d.gen.store(gen, Ordering::Release);
 }
 
+/// The op header at the start of a rank's data segment: what the rank published for op `n`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct OpHead {
+    /// The primitive ([`Op`](crate::group::Op) code).
+    pub(super) kind: u32,
+    /// 1 if the payload is a table of the rank's buffers (direct mode), else 0.
+    pub(super) direct: u32,
+    pub(super) n: u64,
+    pub(super) payload_len: u64,
+    pub(super) meta_len: u64,
+    /// How many buffers the payload is made of.
+    pub(super) pieces: u64,
+}
+
+impl OpHead {
+    /// Bytes of the encoded header (within the [`OP_HEADER_BYTES`] reserved for it).
+    pub(super) const BYTES: usize = 40;
+
+    pub(super) fn encode(&self) -> [u8; OpHead::BYTES] {
+        let mut b = [0u8; OpHead::BYTES];
+        b[..8].copy_from_slice(bytes::as_bytes(&[self.kind, self.direct]));
+        b[8..].copy_from_slice(bytes::as_bytes(&[
+            self.n,
+            self.payload_len,
+            self.meta_len,
+            self.pieces,
+        ]));
+        b
+    }
+
+    pub(super) fn decode(b: &[u8; OpHead::BYTES]) -> OpHead {
+        // Every offset lies within the array, so no word is missing.
+        let w32 = |i| bytes::word_at::<u32>(b, i).unwrap_or(0);
+        let w64 = |i| bytes::word_at::<u64>(b, i).unwrap_or(0);
+        OpHead {
+            kind: w32(0),
+            direct: w32(4),
+            n: w64(8),
+            payload_len: w64(16),
+            meta_len: w64(24),
+            pieces: w64(32),
+        }
+    }
+}
+
 pub(super) fn align64(x: usize) -> usize {
     (x + 63) & !63
 }
@@ -128,8 +180,7 @@ impl ShmGroup {
     }
 
     pub(super) fn slot(&self, r: usize) -> &Slot {
-        self.control
-            .at(HEADER_BYTES + r * std::mem::size_of::<Slot>())
+        self.control.at(slot_offset(r))
     }
 
     /// The data descriptor of rank `r`.

@@ -6,9 +6,10 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use super::layout::{align64, OP_HEADER_BYTES};
-use super::segment::{copy_from_process, copy_scattered_from_process};
+use super::layout::{align64, OpHead, OP_HEADER_BYTES};
+use super::segment::{copy_from_process, copy_scattered_from_process, Segment};
 use super::ShmGroup;
+use crate::bytes;
 use crate::error::{Error, Result};
 use crate::group::Op;
 use crate::num::{self, FloatKind};
@@ -35,19 +36,7 @@ impl ShmGroup {
     /// a rank may publish for this op, so a segment another process altered is an error naming
     /// the rank, never an allocation of its choosing, a panic or a fault.
     pub(super) fn parts(&self, p: usize) -> Result<(Vec<u64>, Payload<'_>)> {
-        let seg = if p == self.rank {
-            &self.data
-        } else {
-            match self.peers[p].as_ref() {
-                Some((_, seg)) => seg,
-                None => {
-                    return Err(Error::Internal(format!(
-                        "the region of rank {p} of group '{}' is not mapped on rank {}",
-                        self.name, self.rank
-                    )))
-                }
-            }
-        };
+        let seg = self.published_segment(p)?;
         let bad = |what: String| {
             Error::PeerFailure(format!(
                 "the shared-memory region of rank {p} of group '{}' (memfd {}) holds an invalid op header: {what}; another process may have written to it (seen from rank {})",
@@ -56,104 +45,142 @@ impl ShmGroup {
                 self.rank
             ))
         };
-        let mut head = [0u8; 40];
-        seg.read(0, &mut head);
-        let word = |i: usize| u64::from_ne_bytes(head[i..i + 8].try_into().unwrap());
-        let kind = u32::from_ne_bytes(head[0..4].try_into().unwrap());
-        let direct = u32::from_ne_bytes(head[4..8].try_into().unwrap());
-        let (n, payload_len, meta_len, pieces) = (word(8), word(16), word(24), word(32));
+        let mut raw = [0u8; OpHead::BYTES];
+        seg.read(0, &mut raw);
+        let head = OpHead::decode(&raw);
+        self.check_head(p, seg.len(), &head).map_err(bad)?;
+        let meta_len = head.meta_len as usize;
+        let mut meta_bytes = vec![0u8; meta_len * 8];
+        seg.read(OP_HEADER_BYTES, &mut meta_bytes);
+        let meta: Vec<u64> = bytes::to_vec(&meta_bytes);
+        let payload_off = align64(OP_HEADER_BYTES + meta_len * 8);
+        let payload_len = usize::try_from(head.payload_len).unwrap_or(usize::MAX);
+        let payload = if self.direct {
+            self.direct_payload(p, seg, &head, payload_off, payload_len)
+        } else {
+            region_payload(seg, payload_off, payload_len)
+        }
+        .map_err(bad)?;
+        check_meta(Op::from_code(head.kind), &meta, payload_len, self.world).map_err(bad)?;
+        Ok((meta, payload))
+    }
+
+    /// The segment rank `p` published the current op in.
+    fn published_segment(&self, p: usize) -> Result<&Segment> {
+        if p == self.rank {
+            return Ok(&self.data);
+        }
+        match self.peers[p].as_ref() {
+            Some((_, seg)) => Ok(seg),
+            None => Err(Error::Internal(format!(
+                "the region of rank {p} of group '{}' is not mapped on rank {}",
+                self.name, self.rank
+            ))),
+        }
+    }
+
+    /// Checks rank `p`'s op header against its slot, this rank's op and mode, and the size of
+    /// its segment (`seg_len` bytes).
+    fn check_head(
+        &self,
+        p: usize,
+        seg_len: usize,
+        head: &OpHead,
+    ) -> std::result::Result<(), String> {
+        let (kind, n, direct, meta_len) = (head.kind, head.n, head.direct, head.meta_len);
         let expected = self.slot(p).op_kind.load(Ordering::Acquire);
         if kind != expected {
-            return Err(bad(format!(
+            return Err(format!(
                 "operation code {kind}, but the rank's slot says {expected}"
-            )));
+            ));
         }
         // The op this rank published last is the one being read.
         let current = self.slot(self.rank).published.load(Ordering::Acquire);
         if n != current {
-            return Err(bad(format!("op #{n}, expected op #{current}")));
+            return Err(format!("op #{n}, expected op #{current}"));
         }
         if direct != u32::from(self.direct) {
-            return Err(bad(format!(
+            return Err(format!(
                 "mode word {direct}, expected {}",
                 u32::from(self.direct)
-            )));
+            ));
         }
-        let room = seg.len() - OP_HEADER_BYTES;
+        let room = seg_len - OP_HEADER_BYTES;
         if meta_len > (room / 8) as u64 {
-            return Err(bad(format!(
-                "{meta_len} metadata words, more than the {} bytes of the region hold",
-                seg.len()
-            )));
+            return Err(format!(
+                "{meta_len} metadata words, more than the {seg_len} bytes of the region hold"
+            ));
         }
-        let meta_len = meta_len as usize;
-        let mut meta_bytes = vec![0u8; meta_len * 8];
-        seg.read(OP_HEADER_BYTES, &mut meta_bytes);
-        let meta: Vec<u64> = meta_bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
-            .collect();
-        let payload_off = align64(OP_HEADER_BYTES + meta_len * 8);
-        let left = seg.len().saturating_sub(payload_off);
-        let payload_len = usize::try_from(payload_len).unwrap_or(usize::MAX);
-        let payload = if self.direct {
-            if pieces > (left / 16) as u64 {
-                return Err(bad(format!(
-                    "{pieces} buffer addresses, more than the {} bytes of the region hold",
-                    seg.len()
-                )));
-            }
-            let pid = self.slot(p).pid.load(Ordering::Acquire);
-            let local = pid == self.pid;
-            let table: Vec<(u64, usize)> = if local {
-                // A thread rank's buffers are followed only as its owner recorded them in this
-                // process's memory: a forged address must not fault this process.
-                match self.local_table(p, n) {
-                    Some(t) => t,
-                    None => {
-                        return Err(bad(format!(
-                            "no buffers of op #{n} were published by rank {p} in this process"
-                        )))
-                    }
-                }
-            } else {
-                let mut raw = vec![0u8; pieces as usize * 16];
-                seg.read(payload_off, &mut raw);
-                raw.chunks_exact(16)
-                    .map(|c| {
-                        let w = |i: usize| u64::from_ne_bytes(c[i..i + 8].try_into().unwrap());
-                        (w(0), usize::try_from(w(8)).unwrap_or(usize::MAX))
-                    })
-                    .collect()
-            };
-            let total = table.iter().try_fold(0usize, |acc, &(addr, len)| {
-                addr.checked_add(len as u64)?;
-                acc.checked_add(len)
-            });
-            if total != Some(payload_len) {
-                return Err(bad(format!(
-                    "buffers of {total:?} bytes in all, but a payload of {payload_len} bytes"
-                )));
-            }
-            Payload::Direct {
-                rank: p,
-                pid,
-                local,
-                pieces: table,
-                len: payload_len,
-            }
-        } else {
-            if payload_len > left {
-                return Err(bad(format!(
-                    "a payload of {payload_len} bytes at offset {payload_off}, past the end of the region ({} bytes)",
-                    seg.len()
-                )));
-            }
-            Payload::Region(seg.view(payload_off, payload_len))
-        };
-        check_meta(Op::from_code(kind), &meta, payload_len, self.world).map_err(bad)?;
-        Ok((meta, payload))
+        Ok(())
     }
+
+    /// Rank `p`'s payload in direct mode: the table of its buffers at `payload_off` of `seg`
+    /// (or, for a thread rank of this process, as its owner recorded it), `payload_len` bytes
+    /// in all.
+    fn direct_payload(
+        &self,
+        p: usize,
+        seg: &Segment,
+        head: &OpHead,
+        payload_off: usize,
+        payload_len: usize,
+    ) -> std::result::Result<Payload<'static>, String> {
+        let (n, pieces) = (head.n, head.pieces);
+        let left = seg.len().saturating_sub(payload_off);
+        if pieces > (left / 16) as u64 {
+            return Err(format!(
+                "{pieces} buffer addresses, more than the {} bytes of the region hold",
+                seg.len()
+            ));
+        }
+        let pid = self.slot(p).pid.load(Ordering::Acquire);
+        let local = pid == self.pid;
+        let table: Vec<(u64, usize)> = if local {
+            // A thread rank's buffers are followed only as its owner recorded them in this
+            // process's memory: a forged address must not fault this process.
+            self.local_table(p, n).ok_or_else(|| {
+                format!("no buffers of op #{n} were published by rank {p} in this process")
+            })?
+        } else {
+            let mut raw = vec![0u8; pieces as usize * 16];
+            seg.read(payload_off, &mut raw);
+            bytes::words::<[u64; 2]>(&raw)
+                .map(|[addr, len]| (addr, usize::try_from(len).unwrap_or(usize::MAX)))
+                .collect()
+        };
+        let total = table.iter().try_fold(0usize, |acc, &(addr, len)| {
+            addr.checked_add(len as u64)?;
+            acc.checked_add(len)
+        });
+        if total != Some(payload_len) {
+            return Err(format!(
+                "buffers of {total:?} bytes in all, but a payload of {payload_len} bytes"
+            ));
+        }
+        Ok(Payload::Direct {
+            rank: p,
+            pid,
+            local,
+            pieces: table,
+            len: payload_len,
+        })
+    }
+}
+
+/// The payload of `payload_len` bytes at `payload_off` of region `seg` (region mode).
+fn region_payload(
+    seg: &Segment,
+    payload_off: usize,
+    payload_len: usize,
+) -> std::result::Result<Payload<'_>, String> {
+    let left = seg.len().saturating_sub(payload_off);
+    if payload_len > left {
+        return Err(format!(
+            "a payload of {payload_len} bytes at offset {payload_off}, past the end of the region ({} bytes)",
+            seg.len()
+        ));
+    }
+    Ok(Payload::Region(seg.view(payload_off, payload_len)))
 }
 
 /// Checks the metadata words a rank published for `op` against its payload of `payload_len`

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::decision::{abort_word, decoded, Cause, Decision, OUTCOME_COMMIT};
 use super::layout::{
-    align64, publish_desc, Slot, OP_HEADER_BYTES, SLOT_ACTIVE, SLOT_FAILED, VERDICT_OK,
+    align64, publish_desc, OpHead, Slot, OP_HEADER_BYTES, SLOT_ACTIVE, SLOT_FAILED, VERDICT_OK,
 };
 use super::rendezvous::sys_err;
 use super::segment::Segment;
@@ -248,14 +248,15 @@ impl ShmGroup {
             payload_len
         };
         self.reserve(payload_off + region_bytes)?;
-        let mut head = [0u8; 40];
-        head[0..4].copy_from_slice(&(op as u32).to_ne_bytes());
-        head[4..8].copy_from_slice(&u32::from(self.direct).to_ne_bytes());
-        head[8..16].copy_from_slice(&n.to_ne_bytes());
-        head[16..24].copy_from_slice(&(payload_len as u64).to_ne_bytes());
-        head[24..32].copy_from_slice(&(meta.len() as u64).to_ne_bytes());
-        head[32..40].copy_from_slice(&(payload.len() as u64).to_ne_bytes());
-        self.data.write(0, &head);
+        let head = OpHead {
+            kind: op as u32,
+            direct: u32::from(self.direct),
+            n,
+            payload_len: payload_len as u64,
+            meta_len: meta.len() as u64,
+            pieces: payload.len() as u64,
+        };
+        self.data.write(0, &head.encode());
         let meta_bytes: Vec<u8> = meta.iter().flat_map(|m| m.to_ne_bytes()).collect();
         self.data.write(meta_off, &meta_bytes);
         if self.direct {

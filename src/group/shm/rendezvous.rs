@@ -10,6 +10,7 @@ use super::layout::{control_bytes, now_ns, Header, HEADER_BYTES, LAYOUT_VERSION,
 use super::segment::{self, pid_alive, Segment};
 use super::wait::{Backoff, Deadline};
 use super::ShmGroup;
+use crate::bytes;
 use crate::error::{Error, Result};
 
 /// A rank maps the control segment and every rank's data segment (at most `world + 1` new
@@ -68,9 +69,10 @@ struct Record {
 
 const RECORD_BYTES: usize = 64;
 
+/// FNV-1a over the record's first 56 bytes (its words before the checksum); `b` holds them.
 fn record_checksum(b: &[u8]) -> u64 {
-    b[..56].chunks_exact(8).fold(0xcbf2_9ce4_8422_2325, |h, c| {
-        (h ^ u64::from_ne_bytes(c.try_into().unwrap())).wrapping_mul(0x100_0000_01b3)
+    bytes::words::<u64>(&b[..56]).fold(0xcbf2_9ce4_8422_2325, |h, w| {
+        (h ^ w).wrapping_mul(0x100_0000_01b3)
     })
 }
 
@@ -95,14 +97,8 @@ impl Record {
     /// layout 3, whose control segment sat under this name), or None for a partial or foreign
     /// one.
     fn decode(b: &[u8]) -> Option<Record> {
-        let u32_at = |i: usize| {
-            b.get(i..i + 4)
-                .map(|w| u32::from_ne_bytes(w.try_into().unwrap()))
-        };
-        let u64_at = |i: usize| {
-            b.get(i..i + 8)
-                .map(|w| u64::from_ne_bytes(w.try_into().unwrap()))
-        };
+        let u32_at = |i: usize| bytes::word_at::<u32>(b, i);
+        let u64_at = |i: usize| bytes::word_at::<u64>(b, i);
         if u64_at(0)? >> 16 != MAGIC >> 16 {
             return None;
         }
@@ -318,7 +314,7 @@ impl ShmGroup {
                     // live (another job with the same name is joining).
                     if let Some(r) = Self::read_record(name, control_name)? {
                         if pid_alive(r.creator) {
-                            Self::mark_conflict(&r, world);
+                            Self::mark_conflict(&r);
                             return Err(Error::InvalidState(format!(
                                 "group name '{name}' is in use by another job: its rank 0 (pid {}) is still waiting for its ranks to join; jobs that run at the same time need distinct group names",
                                 r.creator
@@ -346,11 +342,6 @@ impl ShmGroup {
         }
     }
 
-    /// Maps the control segment a record names (None if it is gone or not the one named).
-    fn map_control(r: &Record, min_len: usize) -> Option<Segment> {
-        Self::try_map_control(r, min_len).ok()
-    }
-
     /// Maps the control segment a record names, or says why not.
     fn try_map_control(r: &Record, min_len: usize) -> std::result::Result<Segment, String> {
         let seg = Segment::open_peer("control", r.creator, r.fd, r.key, min_len).map_err(|e| {
@@ -373,11 +364,11 @@ impl ShmGroup {
     }
 
     /// Tells the live group behind record `r` that another job met it, so it does not form.
-    fn mark_conflict(r: &Record, _world: usize) {
+    fn mark_conflict(r: &Record) {
         if r.version != LAYOUT_VERSION {
             return;
         }
-        if let Some(seg) = Self::map_control(r, HEADER_BYTES) {
+        if let Ok(seg) = Self::try_map_control(r, HEADER_BYTES) {
             let h: &Header = seg.at(0);
             let _ = h.conflict_pid.compare_exchange(
                 0,

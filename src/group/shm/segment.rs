@@ -37,7 +37,7 @@ impl Drop for Mapping {
 }
 
 /// (st_dev, st_ino) of a segment's file.
-pub type FileKey = (u64, u64);
+pub(super) type FileKey = (u64, u64);
 
 fn registry() -> &'static Mutex<HashMap<FileKey, Weak<Mapping>>> {
     static MAPS: OnceLock<Mutex<HashMap<FileKey, Weak<Mapping>>>> = OnceLock::new();
@@ -59,7 +59,7 @@ fn register(key: FileKey, map: &Arc<Mapping>) {
 
 /// A mapped shared-memory segment.
 #[derive(Debug)]
-pub struct Segment {
+pub(super) struct Segment {
     name: String,
     map: Arc<Mapping>,
     key: FileKey,
@@ -149,7 +149,7 @@ impl Segment {
     /// Creates a sealed memfd segment of `len` bytes (`label` names it in /proc/PID/maps and in
     /// messages). The memory is reserved up front (posix_fallocate), so a lack of memory is an
     /// error here and never a SIGBUS later.
-    pub fn create(label: &str, len: usize) -> io::Result<Segment> {
+    pub(super) fn create(label: &str, len: usize) -> io::Result<Segment> {
         if let Some(avail) = memory_available() {
             if len as u64 > avail {
                 return Err(io::Error::new(
@@ -173,11 +173,13 @@ impl Segment {
         if unsafe { libc::ftruncate(fd.0, len as libc::off_t) } != 0 {
             return Err(io::Error::last_os_error());
         }
+        // SAFETY: fd is a valid descriptor we own.
         let rc = unsafe { libc::posix_fallocate(fd.0, 0, len as libc::off_t) };
         if rc != 0 {
             return Err(io::Error::from_raw_os_error(rc));
         }
         let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: fd is a valid descriptor we own; F_ADD_SEALS takes an int.
         if unsafe { libc::fcntl(fd.0, libc::F_ADD_SEALS, seals) } != 0 {
             return Err(io::Error::last_os_error());
         }
@@ -200,7 +202,7 @@ impl Segment {
     /// the file `key`, owned by this user with mode 0600, sealed against shrinking, and at
     /// least `min_len` bytes long. A segment this process already maps (a thread rank's) is
     /// shared, not mapped again.
-    pub fn open_peer(
+    pub(super) fn open_peer(
         label: &str,
         pid: u32,
         fd: u32,
@@ -255,7 +257,7 @@ impl Segment {
 
     /// Creates the rendezvous record `name` (a small named object, mode 0600) holding
     /// `bytes`; AlreadyExists if the name is taken. Returns the file's identity.
-    pub fn create_record(name: &str, bytes: &[u8]) -> io::Result<FileKey> {
+    pub(super) fn create_record(name: &str, bytes: &[u8]) -> io::Result<FileKey> {
         let c = cname(name)?;
         // SAFETY: valid C string; O_EXCL makes creation atomic.
         let fd = unsafe {
@@ -285,7 +287,7 @@ impl Segment {
     }
 
     /// The identity of the file named `name` now (None if there is none).
-    pub fn record_key(name: &str) -> Option<FileKey> {
+    pub(super) fn record_key(name: &str) -> Option<FileKey> {
         let c = cname(name).ok()?;
         // SAFETY: valid C string.
         let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW, 0) };
@@ -299,7 +301,7 @@ impl Segment {
     /// Reads up to `max` bytes of the rendezvous record `name` (never mapped, so a
     /// truncation cannot fault); `Ok(None)` if it does not exist. A record owned by another
     /// user or with a mode wider than 0600 is PermissionDenied.
-    pub fn read_record(name: &str, max: usize) -> io::Result<Option<Vec<u8>>> {
+    pub(super) fn read_record(name: &str, max: usize) -> io::Result<Option<Vec<u8>>> {
         let c = cname(name)?;
         // SAFETY: valid C string.
         let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW, 0) };
@@ -324,34 +326,34 @@ impl Segment {
     }
 
     /// Removes a name (mappings stay valid). Missing names are fine.
-    pub fn unlink(name: &str) {
+    pub(super) fn unlink(name: &str) {
         if let Ok(c) = cname(name) {
             // SAFETY: valid C string.
             unsafe { libc::shm_unlink(c.as_ptr()) };
         }
     }
 
-    pub fn name(&self) -> &str {
+    pub(super) fn name(&self) -> &str {
         &self.name
     }
 
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.map.len
     }
 
     /// The file identity peers check when they open the segment.
-    pub fn key(&self) -> FileKey {
+    pub(super) fn key(&self) -> FileKey {
         self.key
     }
 
     /// The creator's descriptor number, while it is open.
-    pub fn fd(&self) -> Option<u32> {
+    pub(super) fn fd(&self) -> Option<u32> {
         self.fd.as_ref().map(|f| f.0 as u32)
     }
 
     /// Closes the creator's descriptor once every peer has mapped the segment: from then on
     /// nothing but the mappings reaches it.
-    pub fn close_fd(&mut self) {
+    pub(super) fn close_fd(&mut self) {
         self.fd = None;
     }
 
@@ -360,7 +362,7 @@ impl Segment {
     }
 
     /// A reference to a `T` at `offset`. `T` must consist of atomics only (shared mutation).
-    pub fn at<T: SharedAtomics>(&self, offset: usize) -> &T {
+    pub(super) fn at<T: SharedAtomics>(&self, offset: usize) -> &T {
         assert!(offset + std::mem::size_of::<T>() <= self.len());
         assert_eq!(
             (self.ptr() as usize + offset) % std::mem::align_of::<T>(),
@@ -372,7 +374,7 @@ impl Segment {
     }
 
     /// Copies `src` into the segment at `offset`.
-    pub fn write(&self, offset: usize, src: &[u8]) {
+    pub(super) fn write(&self, offset: usize, src: &[u8]) {
         assert!(offset + src.len() <= self.len(), "shm write out of bounds");
         // SAFETY: in bounds (checked); the protocol gives this rank exclusive write access to
         // the range until it publishes.
@@ -380,7 +382,7 @@ impl Segment {
     }
 
     /// Copies from the segment at `offset` into `dst`.
-    pub fn read(&self, offset: usize, dst: &mut [u8]) {
+    pub(super) fn read(&self, offset: usize, dst: &mut [u8]) {
         assert!(offset + dst.len() <= self.len(), "shm read out of bounds");
         // SAFETY: in bounds (checked); the writer published the range before this read and
         // does not touch it until this rank reports it consumed.
@@ -391,7 +393,7 @@ impl Segment {
 
     /// A read-only view of `len` bytes at `offset`, valid while the protocol keeps the range
     /// stable (between the writer's publish and this rank's consume).
-    pub fn view(&self, offset: usize, len: usize) -> &[u8] {
+    pub(super) fn view(&self, offset: usize, len: usize) -> &[u8] {
         assert!(offset + len <= self.len(), "shm view out of bounds");
         // SAFETY: in bounds (checked); stability is guaranteed by the publish/consume protocol.
         unsafe { std::slice::from_raw_parts(self.ptr().add(offset), len) }
@@ -403,10 +405,10 @@ impl Segment {
 ///
 /// # Safety
 /// Implementors must contain only atomic integers (any mix) and be valid when all-zero.
-pub unsafe trait SharedAtomics {}
+pub(super) unsafe trait SharedAtomics {}
 
 /// Whether process `pid` is alive (not gone and not a zombie).
-pub fn pid_alive(pid: u32) -> bool {
+pub(super) fn pid_alive(pid: u32) -> bool {
     if pid == 0 {
         return false;
     }
@@ -453,7 +455,7 @@ pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
 /// the peer is a thread of this process, else one `process_vm_readv` (cross-memory attach: a
 /// single copy, no staging). The peer keeps the memory alive and unchanged until this rank
 /// reports the op consumed (publish/consume protocol).
-pub fn copy_from_process(
+pub(super) fn copy_from_process(
     pid: u32,
     same_process: bool,
     remote: u64,
@@ -503,16 +505,28 @@ pub fn copy_from_process(
 /// Copies several ranges of process `pid` into `dst`: `ranges` holds (remote address, offset in
 /// `dst`, length). Adjacent ranges are merged and the rest batched (up to 1024 per
 /// `process_vm_readv`), so scattered rows cost few system calls and one copy each.
-pub fn copy_scattered_from_process(
+pub(super) fn copy_scattered_from_process(
     pid: u32,
     same_process: bool,
     dst: &mut [u8],
     ranges: &[(u64, usize, usize)],
 ) -> io::Result<()> {
-    // Merge ranges that are contiguous on both sides.
+    let merged = merge_ranges(dst.len(), ranges);
+    if same_process {
+        return copy_local_ranges(pid, dst, &merged);
+    }
+    const BATCH: usize = 1024;
+    for chunk in merged.chunks(BATCH) {
+        read_batch(pid, dst, chunk)?;
+    }
+    Ok(())
+}
+
+/// `ranges` without empty ones, those contiguous on both sides merged.
+fn merge_ranges(dst_len: usize, ranges: &[(u64, usize, usize)]) -> Vec<(u64, usize, usize)> {
     let mut merged: Vec<(u64, usize, usize)> = Vec::with_capacity(ranges.len());
     for &(addr, off, len) in ranges {
-        assert!(off + len <= dst.len(), "scattered copy out of bounds");
+        assert!(off + len <= dst_len, "scattered copy out of bounds");
         if len == 0 {
             continue;
         }
@@ -521,75 +535,78 @@ pub fn copy_scattered_from_process(
             _ => merged.push((addr, off, len)),
         }
     }
-    if same_process {
-        // A transfer far larger than the caches is written past them (no read-for-ownership
-        // of destination lines; see crate::copy).
-        let total: usize = merged.iter().map(|m| m.2).sum();
-        for &(addr, off, len) in &merged {
-            if total >= crate::copy::STREAMING_MIN_BYTES {
-                // SAFETY: as in copy_from_process: the range belongs to a live buffer its
-                // owner does not modify until the op is consumed, and it does not overlap `dst`.
-                let src = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len) };
-                crate::copy::copy_streaming(&mut dst[off..off + len], src);
-            } else {
-                copy_from_process(pid, true, addr, &mut dst[off..off + len])?;
-            }
-        }
+    merged
+}
+
+/// Copies `merged` ranges of this process's memory (`pid` is this process) into `dst`. A transfer far larger than the
+/// caches is written past them (no read-for-ownership of destination lines; see crate::copy).
+fn copy_local_ranges(pid: u32, dst: &mut [u8], merged: &[(u64, usize, usize)]) -> io::Result<()> {
+    let total: usize = merged.iter().map(|m| m.2).sum();
+    for &(addr, off, len) in merged {
         if total >= crate::copy::STREAMING_MIN_BYTES {
-            crate::copy::streaming_fence();
+            // SAFETY: as in copy_from_process: the range belongs to a live buffer its
+            // owner does not modify until the op is consumed, and it does not overlap `dst`.
+            let src = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len) };
+            crate::copy::copy_streaming(&mut dst[off..off + len], src);
+        } else {
+            copy_from_process(pid, true, addr, &mut dst[off..off + len])?;
         }
-        return Ok(());
     }
-    const BATCH: usize = 1024;
+    if total >= crate::copy::STREAMING_MIN_BYTES {
+        crate::copy::streaming_fence();
+    }
+    Ok(())
+}
+
+/// One `process_vm_readv` of the ranges `chunk` of process `pid` into `dst` (each within `dst`,
+/// disjoint); a partial transfer is finished range by range.
+fn read_batch(pid: u32, dst: &mut [u8], chunk: &[(u64, usize, usize)]) -> io::Result<()> {
     let base = dst.as_mut_ptr();
-    for chunk in merged.chunks(BATCH) {
-        let local: Vec<libc::iovec> = chunk
-            .iter()
-            // SAFETY: off + len <= dst.len() (asserted above).
-            .map(|&(_, off, len)| libc::iovec {
-                iov_base: unsafe { base.add(off) }.cast(),
-                iov_len: len,
-            })
-            .collect();
-        let remote: Vec<libc::iovec> = chunk
-            .iter()
-            .map(|&(addr, _, len)| libc::iovec {
-                iov_base: addr as usize as *mut libc::c_void,
-                iov_len: len,
-            })
-            .collect();
-        let want: usize = chunk.iter().map(|c| c.2).sum();
-        // SAFETY: the local iovecs cover disjoint writable parts of `dst`; the kernel checks
-        // the remote ones.
-        let n = unsafe {
-            libc::process_vm_readv(
-                pid as libc::pid_t,
-                local.as_ptr(),
-                local.len() as libc::c_ulong,
-                remote.as_ptr(),
-                remote.len() as libc::c_ulong,
-                0,
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if n as usize != want {
-            // A partial transfer: finish range by range.
-            let mut done = n as usize;
-            for &(addr, off, len) in chunk {
-                if done >= len {
-                    done -= len;
-                    continue;
-                }
-                copy_from_process(
-                    pid,
-                    false,
-                    addr + done as u64,
-                    &mut dst[off + done..off + len],
-                )?;
-                done = 0;
+    let local: Vec<libc::iovec> = chunk
+        .iter()
+        // SAFETY: off + len <= dst.len() (asserted by merge_ranges).
+        .map(|&(_, off, len)| libc::iovec {
+            iov_base: unsafe { base.add(off) }.cast(),
+            iov_len: len,
+        })
+        .collect();
+    let remote: Vec<libc::iovec> = chunk
+        .iter()
+        .map(|&(addr, _, len)| libc::iovec {
+            iov_base: addr as usize as *mut libc::c_void,
+            iov_len: len,
+        })
+        .collect();
+    let want: usize = chunk.iter().map(|c| c.2).sum();
+    // SAFETY: the local iovecs cover disjoint writable parts of `dst`; the kernel checks
+    // the remote ones.
+    let n = unsafe {
+        libc::process_vm_readv(
+            pid as libc::pid_t,
+            local.as_ptr(),
+            local.len() as libc::c_ulong,
+            remote.as_ptr(),
+            remote.len() as libc::c_ulong,
+            0,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n as usize != want {
+        let mut done = n as usize;
+        for &(addr, off, len) in chunk {
+            if done >= len {
+                done -= len;
+                continue;
             }
+            copy_from_process(
+                pid,
+                false,
+                addr + done as u64,
+                &mut dst[off + done..off + len],
+            )?;
+            done = 0;
         }
     }
     Ok(())
