@@ -17,10 +17,11 @@ use std::time::Duration;
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
 
+use epcomm::moe::layout::{self, Capacity, Contract, Counts, Ids, Unit, Weights, WeightsBy};
 use epcomm::moe::reference::{unit, ToyExperts};
 use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
-use epcomm::select::all2all::{Layout, ACCEPTED_NAMES};
+use epcomm::select::all2all::{Backend, Layout, ACCEPTED_NAMES};
 use epcomm::Status;
 
 fn opts() -> GroupOptions {
@@ -270,6 +271,7 @@ fn run_case(name: &'static str, c: Case) {
         let v = m.dispatch(g, &x, &ids, &ws, &[]).unwrap();
         check_layout(&c, r, &v);
         let y = experts.run_local(&v, c.kind, r, c.world, c.k);
+        check_shapes(&m);
         let y = num::from_f32(&y, c.kind);
         let t = tokens_of(&c, r);
         let mut out = vec![0u8; t * c.hidden * c.kind.size()];
@@ -750,4 +752,203 @@ fn dispatch_and_combine_across_processes() {
             assert!(k.success(), "{name}: {}{}", k.stdout, k.stderr);
         }
     }
+}
+
+// ---- the layout tables of docs/design.md, rendered from moe::layout ------------------------------
+
+/// The row count of a layout's buffer, as the docs write it.
+fn rows_symbol(c: &Contract) -> &'static str {
+    match c.capacity {
+        Capacity::Exact => match c.unit {
+            Unit::EveryToken => "ΣT",
+            Unit::Token => "N_recv",
+            Unit::TokenExpert => "N_rows",
+        },
+        Capacity::PerSourceRank => "R·M",
+        Capacity::PerLocalExpert => "E_local·M·R",
+    }
+}
+
+/// `[dims]` in the docs' notation, or "empty".
+fn dims(d: &[&str]) -> String {
+    if d.is_empty() {
+        "empty".into()
+    } else {
+        format!("`[{}]`", d.join(", "))
+    }
+}
+
+fn received_symbol(c: &Contract) -> &'static str {
+    match c.capacity {
+        Capacity::Exact => rows_symbol(c),
+        Capacity::PerSourceRank | Capacity::PerLocalExpert => match c.counts {
+            Counts::PerSourceRank => "Σ recv_counts",
+            Counts::PerLocalExpert => "Σ counts",
+            Counts::None => "not stated",
+        },
+    }
+}
+
+/// The table of which outputs exist, one column per implemented layout.
+fn outputs_table() -> String {
+    let all: Vec<Contract> = layout::all().collect();
+    let mut t = String::from("| output |");
+    for c in &all {
+        t += &format!(" {} |", c.layout.name());
+    }
+    t += "\n|---|";
+    t += &"---|".repeat(all.len());
+    let mut line = |name: &str, cell: &dyn Fn(&Contract) -> String| {
+        t += &format!("\n| {name} |");
+        for c in &all {
+            t += &format!(" {} |", cell(c));
+        }
+    };
+    line("`hidden`", &|c| match c.capacity {
+        Capacity::Exact => dims(&[rows_symbol(c), "H"]),
+        Capacity::PerSourceRank => dims(&["R", "M", "H"]),
+        Capacity::PerLocalExpert => dims(&["E_local", "M·R", "H"]),
+    });
+    line("`topk_ids` (int64)", &|c| match c.topk_ids {
+        Ids::None => dims(&[]),
+        Ids::AsSent | Ids::Local => dims(&[rows_symbol(c), "K"]),
+    });
+    line("`topk_weights` (f32)", &|c| match c.topk_weights {
+        Weights::None => dims(&[]),
+        Weights::PerId => dims(&[rows_symbol(c), "K"]),
+        Weights::PerRow => dims(&[rows_symbol(c)]),
+    });
+    line("`counts` (int32)", &|c| match c.counts {
+        Counts::None => dims(&[]),
+        Counts::PerLocalExpert => dims(&["E_local"]),
+        Counts::PerSourceRank => dims(&["R"]),
+    });
+    let offsets = |c: &Contract| {
+        dims(if c.expert_offsets {
+            &["E_local + 1"]
+        } else {
+            &[]
+        })
+    };
+    line("`expert_offsets` (int64 host, int32 GPU)", &offsets);
+    let src = |c: &Contract| {
+        if c.src {
+            dims(&[rows_symbol(c)])
+        } else {
+            dims(&[])
+        }
+    };
+    line("`src_rank`, `src_token` (int32)", &src);
+    line("`received_rows`", &|c| received_symbol(c).to_string());
+    t + "\n"
+}
+
+/// Metadata bytes per received row as `a·K + b`, checked against the library's figure.
+fn meta_symbol(c: &Contract) -> String {
+    let per_k = match c.topk_ids {
+        Ids::None => 0,
+        Ids::AsSent | Ids::Local => 8,
+    } + match c.topk_weights {
+        Weights::PerId => 4,
+        Weights::None | Weights::PerRow => 0,
+    };
+    let fixed = match c.topk_weights {
+        Weights::PerRow => 4,
+        Weights::None | Weights::PerId => 0,
+    } + if c.src { 8 } else { 0 };
+    for k in 1..5 {
+        assert_eq!(c.meta_bytes_per_row(k), Some(per_k * k + fixed));
+    }
+    match (per_k, fixed) {
+        (0, b) => b.to_string(),
+        (a, 0) => format!("{a}·K"),
+        (a, b) => format!("{a}·K + {b}"),
+    }
+}
+
+/// The table of each layout's contract facts.
+fn contract_table() -> String {
+    let mut t = String::from(
+        "| layout | backends | one row per | buffer rows | top-k weights applied by | metadata bytes per row | worst-case rows (T tokens per rank) |\n|---|---|---|---|---|---|---|\n",
+    );
+    for c in layout::all() {
+        let backends: Vec<String> = Backend::ALL
+            .iter()
+            .filter(|b| b.layout() == c.layout)
+            .map(|b| format!("`{}`", b.name()))
+            .collect();
+        let unit = match c.unit {
+            Unit::EveryToken => "token of every rank",
+            Unit::Token => "(source, token) routed to this rank",
+            Unit::TokenExpert => "(source, token, local expert)",
+        };
+        let capacity = match c.capacity {
+            Capacity::Exact => "exact".to_string(),
+            Capacity::PerSourceRank => "fixed: M per source rank, T > M is an error".into(),
+            Capacity::PerLocalExpert => "fixed: M·R per local expert, T > M is an error".into(),
+        };
+        let by = match c.weights_by {
+            WeightsBy::Holder => "holder",
+            WeightsBy::Source => "source",
+        };
+        let worst = match c.capacity {
+            Capacity::Exact => match c.unit {
+                Unit::EveryToken | Unit::Token => "R·T",
+                Unit::TokenExpert => "R·T·min(K, E_local)",
+            },
+            Capacity::PerSourceRank | Capacity::PerLocalExpert => rows_symbol(&c),
+        };
+        t += &format!(
+            "| {} | {} | {unit} | {} ({capacity}) | {by} | {} | {worst} |\n",
+            c.layout.name(),
+            backends.join(", "),
+            rows_symbol(&c),
+            meta_symbol(&c),
+        );
+    }
+    t
+}
+
+/// Replaces the text between `<!-- {tag} -->` and `<!-- /{tag} -->` in `doc` by `body`.
+fn splice(doc: &str, tag: &str, body: &str) -> String {
+    let (open, close) = (format!("<!-- {tag} -->\n"), format!("<!-- /{tag} -->"));
+    let a = doc
+        .find(&open)
+        .unwrap_or_else(|| panic!("docs/design.md lacks {open}"))
+        + open.len();
+    let b = doc
+        .find(&close)
+        .unwrap_or_else(|| panic!("docs/design.md lacks {close}"));
+    format!("{}{body}{}", &doc[..a], &doc[b..])
+}
+
+/// docs/design.md's layout tables are rendered from `moe::layout`, so they cannot drift from the
+/// contract the code follows: this test fails when they differ (regenerate them with
+/// `BLESS=1 cargo test --test moe design_md`).
+#[test]
+fn design_md_layout_tables_match_the_contracts() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/design.md");
+    let doc = std::fs::read_to_string(path).unwrap();
+    let want = splice(&doc, "layout-contracts", &contract_table());
+    let want = splice(&want, "layout-outputs", &outputs_table());
+    if std::env::var_os("BLESS").is_some() {
+        std::fs::write(path, &want).unwrap();
+    } else {
+        assert!(
+            doc == want,
+            "docs/design.md's layout tables are stale: run BLESS=1 cargo test --test moe design_md"
+        );
+    }
+}
+
+/// The shapes the contract states are the lengths of the outputs the manager returns.
+fn check_shapes(m: &Manager) {
+    let (v, s) = (m.view(), m.output_shapes());
+    let len = |d: &[usize]| if d.is_empty() { 0 } else { d.iter().product() };
+    assert_eq!(v.shape, &s.hidden[..], "{:?}", v.layout);
+    assert_eq!(v.topk_ids.len(), len(&s.topk_ids), "{:?}", v.layout);
+    assert_eq!(v.topk_weights.len(), len(&s.topk_weights), "{:?}", v.layout);
+    assert_eq!(v.counts.len(), s.counts, "{:?}", v.layout);
+    assert_eq!(v.expert_offsets.len(), s.expert_offsets, "{:?}", v.layout);
+    assert_eq!((v.src_rank.len(), v.src_token.len()), (s.src, s.src));
 }
