@@ -2,12 +2,10 @@
 //!
 //! `Display` is the message a caller sees: where vLLM raises an error for the same condition the
 //! text is vLLM's, byte for byte (typos included). Each error maps to a [`Status`] (the C status
-//! code) and to the Python exception class vLLM raises ([`Error::exception`]). Suggestions live in
-//! [`Error::hint`] and are never part of the message.
+//! code) and to the Python exception class vLLM raises ([`Error::exception`]). Suggestions live with
+//! the selection tables (`select::hint`) and are never part of the message.
 
 use thiserror::Error;
-
-use crate::select::suggest;
 
 /// Status codes returned by every fallible C function (`int32_t`, 0 = success).
 ///
@@ -246,60 +244,5 @@ impl Error {
     /// The Python exception class vLLM raises for this error.
     pub fn exception(&self) -> &'static str {
         self.status().exception().unwrap_or("RuntimeError")
-    }
-
-    /// Optional remediation advice, never part of the message.
-    pub fn hint(&self) -> Option<String> {
-        use crate::select::all2all::ACCEPTED_NAMES;
-        use crate::select::eplb::COMMUNICATOR_NAMES;
-        match self {
-            Error::UnknownAll2AllBackend { name } => Some(suggest::did_you_mean(
-                name,
-                ACCEPTED_NAMES.iter().map(|n| n.name),
-                "valid all2all backends",
-            )),
-            Error::UnknownEplbCommunicator { backend } => Some(suggest::did_you_mean(
-                backend,
-                COMMUNICATOR_NAMES.iter().copied(),
-                "valid EPLB communicators",
-            )),
-            Error::UnknownConfigKey {
-                key, candidates, ..
-            } => Some(suggest::did_you_mean(
-                key,
-                candidates.iter().copied(),
-                "valid keys",
-            )),
-            Error::MicrobatchingBackend { .. } => Some(
-                "use --all2all-backend=deepep_low_latency, deepep_high_throughput or nixl_ep, or disable DBO".into(),
-            ),
-            Error::FaultToleranceBackend { .. } => {
-                Some("use --all2all-backend=deepep_low_latency or nixl_ep".into())
-            }
-            Error::LoraEpBackend { .. } => {
-                Some("use --all2all-backend=allgather_reducescatter with LoRA".into())
-            }
-            Error::AsyncEplbCommunicator { .. } => Some(
-                "set eplb_config.communicator to 'torch_gloo' or 'nixl', unset it, or set eplb_config.use_async=false".into(),
-            ),
-            Error::ElasticEpCommunicator { .. } => Some(
-                "set eplb_config.communicator to 'pynccl' or 'nixl' (or unset it) with elastic EP".into(),
-            ),
-            Error::PyncclUnavailable => Some(
-                "build epcomm with --features nccl and make libnccl.so.2 loadable (LD_LIBRARY_PATH or VLLM_NCCL_SO_PATH)".into(),
-            ),
-            Error::NixlUnavailable => {
-                Some("install NIXL (libnixl.so on the library path) or pick another communicator".into())
-            }
-            Error::ElasticAsyncNeedsNixl => {
-                Some("install NIXL or set eplb_config.use_async=false".into())
-            }
-            Error::EplbNeedsExpertParallel => Some("set enable_expert_parallel=true".into()),
-            Error::RedundantWithoutEplb { .. } => Some(
-                "set enable_eplb=true or eplb_config.num_redundant_experts=0".into(),
-            ),
-            Error::ElasticNeedsEplb => Some("set enable_eplb=true".into()),
-            _ => None,
-        }
     }
 }

@@ -5,6 +5,7 @@ use epcomm::dtype::{Code, DType};
 use epcomm::select::all2all::{self, Backend, Layout, NameKind};
 use epcomm::select::config::{self, EplbConfig};
 use epcomm::select::eplb::{self, Communicator, DeviceKind, SelectRequest};
+use epcomm::select::Hint;
 use epcomm::{Error, Status};
 
 fn assert_err(e: &Error, status: Status, exception: &str, message: &str) {

@@ -8,6 +8,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};
 
 use crate::error::{Error, Result, Status};
+use crate::select::Hint;
 
 struct LastError {
     message: CString,
@@ -23,7 +24,7 @@ fn to_cstring(s: &str) -> CString {
 }
 
 /// Records `e` as this thread's last error.
-pub(crate) fn set_last_error(e: &Error) {
+fn set_last_error(e: &Error) {
     let last = LastError {
         message: to_cstring(&e.to_string()),
         hint: e.hint().map(|h| to_cstring(&h)),

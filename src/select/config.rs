@@ -13,6 +13,7 @@ use serde_json::{Map, Value};
 use super::all2all::{self, Backend, Layout};
 use super::eplb::{self, Communicator, DeviceKind, SelectRequest};
 use super::suggest;
+use super::Hint;
 use crate::error::{Error, Result};
 use crate::log;
 

@@ -4,3 +4,6 @@ pub mod all2all;
 pub mod config;
 pub mod eplb;
 pub mod suggest;
+pub mod hint;
+
+pub use hint::Hint;

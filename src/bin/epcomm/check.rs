@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 
 use epcomm::select::all2all::{self, ACCEPTED_NAMES};
 use epcomm::select::config;
+use epcomm::select::Hint;
 use epcomm::{log, probe, Error};
 
 use crate::cli::CheckArgs;
