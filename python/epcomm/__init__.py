@@ -165,6 +165,10 @@ class _DispatchOutput(ctypes.Structure):
     ]
 
 
+# The dispatch outputs every layout returns (empty where its contract has none), as the C
+# struct lists them.
+_OUTPUT_TENSORS = tuple(name for name, kind in _DispatchOutput._fields_ if kind is _Tensor)
+
 _LOG_FN = ctypes.CFUNCTYPE(None, i32, cp, vp)
 
 
@@ -580,8 +584,7 @@ class All2All:
             raise
         _check(lib.epcomm_all2all_dispatch(
             self._h, args[0].ptr, args[1].ptr, args[2].ptr, None, 0, ctypes.byref(out)))
-        views = {name: _to_numpy(getattr(out, name)) for name in (
-            "hidden", "topk_ids", "topk_weights", "counts", "expert_offsets", "src_rank", "src_token")}
+        views = {name: _to_numpy(getattr(out, name)) for name in _OUTPUT_TENSORS}
         views["layout"] = out.layout
         views["received_rows"] = out.received_rows
         return views

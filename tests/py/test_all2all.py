@@ -46,12 +46,6 @@ except ImportError:
     )
     sys.exit(1)
 
-LAYOUT_REPLICATED = 0
-LAYOUT_TOKEN_MAJOR = 1
-LAYOUT_EXPERT_MAJOR = 2
-LAYOUT_EXPERT_PACKED = 3
-LAYOUT_RANK_MAJOR = 4
-
 class MoeConfig(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
@@ -113,10 +107,23 @@ def _signatures():
         "epcomm_all2all_combine": (i32, [vp, tp, tp]),
         "epcomm_all2all_check_layer": (i32, [vp, i64, i64]),
         "epcomm_all2all_get_stats": (i32, [vp, ctypes.POINTER(Stats)]),
+        "epcomm_all2all_layout_name": (cstr, [i32]),
     }
 
 
 LIB = load_library(GROUP_SIGNATURES, _signatures())
+
+# The EPCOMM_LAYOUT_* values by name, from the library itself (NULL past the last layout).
+LAYOUTS = {}
+for _code in range(64):
+    _name = LIB.epcomm_all2all_layout_name(_code)
+    if _name:
+        LAYOUTS[_name.decode()] = _code
+LAYOUT_REPLICATED = LAYOUTS["REPLICATED"]
+LAYOUT_TOKEN_MAJOR = LAYOUTS["TOKEN_MAJOR"]
+LAYOUT_EXPERT_MAJOR = LAYOUTS["EXPERT_MAJOR"]
+LAYOUT_EXPERT_PACKED = LAYOUTS["EXPERT_PACKED"]
+LAYOUT_RANK_MAJOR = LAYOUTS["RANK_MAJOR"]
 
 # Every group name this script uses starts with this (epcomm_testlib.unique_name).
 NAME_PREFIX = "pya2a"
