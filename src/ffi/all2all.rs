@@ -4,8 +4,10 @@ use std::ffi::c_char;
 use std::sync::Mutex;
 
 use super::group::{epcomm_group, with_group};
-use super::handle::{Exclusive, Handle};
-use super::moe_args::{combine_args, ids_arg, DispatchArgs, DispatchParts, OutputViews, Part};
+use super::handle::{exclusive_handle, Exclusive, Handle};
+use super::moe_args::{
+    combine_args, ids_arg, DispatchArgs, DispatchParts, DispatchTensors, OutputViews, Part,
+};
 use super::tensor::{epcomm_tensor, Memory};
 use super::{epcomm_dtype, guard};
 use crate::bytes;
@@ -188,18 +190,12 @@ pub struct epcomm_all2all {
     inner: Mutex<State>,
 }
 
-impl Handle for epcomm_all2all {
-    const ARG: &'static str = "a2a";
-}
-
-impl Exclusive for epcomm_all2all {
-    type State = State;
-    const BUSY: &'static str =
-        "the all2all handle is in use by another thread; use it from one thread at a time";
-    fn state(&self) -> &Mutex<State> {
-        &self.inner
-    }
-}
+exclusive_handle!(
+    epcomm_all2all,
+    "a2a",
+    State,
+    "the all2all handle is in use by another thread; use it from one thread at a time"
+);
 
 /// Creates a manager for `backend` (any name vLLM accepts; `naive`/`pplx` fall back to
 /// allgather_reducescatter with vLLM's warning) over `group`. Logs
@@ -285,15 +281,14 @@ pub unsafe extern "C" fn epcomm_all2all_dispatch(
         // SAFETY: caller contract for every pointer below.
         unsafe {
             with_manager(a2a, |st, g| {
-                let checked = host_dispatch(
-                    &st.mgr,
+                let tensors = DispatchTensors {
                     hidden,
                     topk_ids,
                     topk_weights,
                     extras,
                     num_extras,
-                    out,
-                );
+                };
+                let checked = host_dispatch(&st.mgr, tensors, out);
                 let (out, d) = checked.map_err(|e| st.mgr.reject_dispatch(g, e))?;
                 let ex: Vec<&[u8]> = d.args.extras.iter().map(|e| e.as_slice()).collect();
                 st.mgr
@@ -318,26 +313,14 @@ struct HostDispatch {
 /// As epcomm_all2all_dispatch.
 unsafe fn host_dispatch<'a>(
     mgr: &Manager,
-    hidden: *const epcomm_tensor,
-    topk_ids: *const epcomm_tensor,
-    topk_weights: *const epcomm_tensor,
-    extras: *const epcomm_tensor,
-    num_extras: usize,
+    tensors: DispatchTensors,
     out: *mut epcomm_dispatch_output,
 ) -> Result<(&'a mut epcomm_dispatch_output, HostDispatch)> {
     // SAFETY: caller contract for every pointer.
     let (out, args) = unsafe {
         (
             guard::out_arg(out, "out")?,
-            DispatchArgs::parse(
-                mgr.config(),
-                Memory::Host,
-                hidden,
-                topk_ids,
-                topk_weights,
-                extras,
-                num_extras,
-            )?,
+            DispatchArgs::parse(mgr.config(), Memory::Host, tensors)?,
         )
     };
     // The token count before topk_ids and topk_weights are read: rows beyond what the buffers
@@ -515,12 +498,13 @@ pub unsafe extern "C" fn epcomm_all2all_get_stats(
     guard::call(|| {
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(stats_out, "stats_out") }?;
-        unsafe { epcomm_all2all::with(a2a, |_, st| Ok(write_stats(st, out))) }
+        *out = unsafe { epcomm_all2all::with(a2a, |_, st| Ok(stats_view(st))) }?;
+        Ok(())
     })
 }
 
-/// Points `out` at the stats of the last calls, padded to the world size, kept in `st`.
-fn write_stats(st: &mut State, out: &mut epcomm_all2all_stats) {
+/// The stats of the last calls, padded to the world size, as views of arrays kept in `st`.
+fn stats_view(st: &mut State) -> epcomm_all2all_stats {
     let s = st.mgr.stats().clone();
     let world = s.tokens_sent.len().max(1);
     let pad = |v: &Vec<u64>| {
@@ -535,7 +519,7 @@ fn write_stats(st: &mut State, out: &mut epcomm_all2all_stats) {
         pad(&s.bytes_received),
         pad(&s.combine_bytes_received),
     ];
-    *out = epcomm_all2all_stats {
+    epcomm_all2all_stats {
         world_size: s.tokens_sent.len() as i32,
         tokens_sent: st.stats[0].as_ptr(),
         tokens_received: st.stats[1].as_ptr(),
@@ -544,5 +528,5 @@ fn write_stats(st: &mut State, out: &mut epcomm_all2all_stats) {
         combine_bytes_received: st.stats[4].as_ptr(),
         dispatch_seconds: s.dispatch_time.as_secs_f64(),
         combine_seconds: s.combine_time.as_secs_f64(),
-    };
+    }
 }

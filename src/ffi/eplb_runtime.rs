@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use super::all2all::epcomm_all2all;
 use super::group::{epcomm_group, with_group};
 use super::guard;
-use super::handle::{Exclusive, Handle};
+use super::handle::{exclusive_handle, Exclusive, Handle};
 use super::moe_args::ids_arg;
 use super::select::{epcomm_eplb_select_request, SelectArgs};
 use super::tensor::{epcomm_tensor, HostTensor, Memory};
@@ -37,17 +37,12 @@ pub struct epcomm_eplb_communicator {
     inner: Mutex<CommState>,
 }
 
-impl Handle for epcomm_eplb_communicator {
-    const ARG: &'static str = "comm";
-}
-
-impl Exclusive for epcomm_eplb_communicator {
-    type State = CommState;
-    const BUSY: &'static str = "the EPLB communicator is in use by another thread";
-    fn state(&self) -> &Mutex<CommState> {
-        &self.inner
-    }
-}
+exclusive_handle!(
+    epcomm_eplb_communicator,
+    "comm",
+    CommState,
+    "the EPLB communicator is in use by another thread"
+);
 
 /// Builds the EPLB communicator vLLM's factory would choose for `request` (name or automatic,
 /// elastic group, device of the expert weights, dtypes, NCCL/NIXL availability) over `group`,
@@ -403,7 +398,7 @@ impl LayerWeights {
     /// # Safety
     /// The tensors' memory is valid for writes and used by nobody else during the borrow
     /// (the tensors were checked not to overlap).
-    unsafe fn views(&self) -> Vec<Vec<&mut [u8]>> {
+    unsafe fn views<'a>(&self) -> Vec<Vec<&'a mut [u8]>> {
         self.tensors
             .chunks(self.per_layer)
             // SAFETY: caller contract.
@@ -537,17 +532,12 @@ pub struct epcomm_eplb_state {
     inner: Mutex<LoadState>,
 }
 
-impl Handle for epcomm_eplb_state {
-    const ARG: &'static str = "state";
-}
-
-impl Exclusive for epcomm_eplb_state {
-    type State = LoadState;
-    const BUSY: &'static str = "the EPLB state is in use by another thread";
-    fn state(&self) -> &Mutex<LoadState> {
-        &self.inner
-    }
-}
+exclusive_handle!(
+    epcomm_eplb_state,
+    "state",
+    LoadState,
+    "the EPLB state is in use by another thread"
+);
 
 /// Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts.
 /// `eplb_config_json` is vLLM's EPLBConfig as JSON (NULL = defaults: window_size 1000,

@@ -16,7 +16,8 @@ use std::sync::Mutex;
 
 use super::all2all::{config_arg, epcomm_dispatch_output, epcomm_moe_config};
 use super::guard;
-use super::handle::{Exclusive, Handle};
+use super::handle::{exclusive_handle, Exclusive, Handle};
+use super::moe_args::DispatchTensors;
 use super::tensor::epcomm_tensor;
 use crate::error::{Error, Result};
 use crate::moe::MoeConfig;
@@ -96,18 +97,12 @@ pub struct epcomm_gpu_all2all {
     inner: Mutex<imp::GpuState>,
 }
 
-impl Handle for epcomm_gpu_all2all {
-    const ARG: &'static str = "a2a";
-}
-
-impl Exclusive for epcomm_gpu_all2all {
-    type State = imp::GpuState;
-    const BUSY: &'static str =
-        "the GPU all2all handle is in use by another thread; use it from one thread at a time";
-    fn state(&self) -> &Mutex<imp::GpuState> {
-        &self.inner
-    }
-}
+exclusive_handle!(
+    epcomm_gpu_all2all,
+    "a2a",
+    imp::GpuState,
+    "the GPU all2all handle is in use by another thread; use it from one thread at a time"
+);
 
 fn mode_arg(mode: i32) -> Result<()> {
     if !(EPCOMM_GPU_MODE_COUNTS..=EPCOMM_GPU_MODE_CAPACITY).contains(&mode) {
@@ -295,15 +290,14 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_dispatch(
         // SAFETY: caller contract for every pointer; `out` is non-NULL (checked) and writable.
         unsafe {
             with_handle(a2a, |h| {
-                *out = imp::dispatch(
-                    h,
-                    stream,
+                let tensors = DispatchTensors {
                     hidden,
                     topk_ids,
                     topk_weights,
                     extras,
                     num_extras,
-                )?;
+                };
+                *out = imp::dispatch(h, stream, tensors)?;
                 Ok(())
             })
         }
@@ -361,10 +355,14 @@ fn check_element_alignment(name: &str, addr: usize, elem_bytes: usize, bytes: us
 mod imp {
     use super::*;
 
-    /// Never constructed in a build without NCCL.
-    pub struct GpuState;
+    /// Never constructed in a build without NCCL: the create calls fail.
+    pub(crate) enum GpuState {}
 
-    pub fn create_from_id(
+    fn unavailable<T>() -> Result<T> {
+        Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
+    }
+
+    pub(super) fn create_from_id(
         _: &str,
         _: MoeConfig,
         _: &[u8],
@@ -373,42 +371,38 @@ mod imp {
         _: i32,
         _: i32,
     ) -> Result<GpuState> {
-        Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
+        unavailable()
     }
 
-    pub unsafe fn create_from_comm(
+    pub(super) unsafe fn create_from_comm(
         _: &str,
         _: MoeConfig,
         _: *mut c_void,
         _: i32,
         _: i32,
     ) -> Result<GpuState> {
-        Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
+        unavailable()
     }
 
-    pub unsafe fn dispatch(
-        _: &mut GpuState,
+    pub(super) unsafe fn dispatch(
+        h: &mut GpuState,
         _: *mut c_void,
-        _: *const epcomm_tensor,
-        _: *const epcomm_tensor,
-        _: *const epcomm_tensor,
-        _: *const epcomm_tensor,
-        _: usize,
+        _: DispatchTensors,
     ) -> Result<epcomm_dispatch_output> {
-        Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
+        match *h {}
     }
 
-    pub unsafe fn combine(
-        _: &mut GpuState,
+    pub(super) unsafe fn combine(
+        h: &mut GpuState,
         _: *mut c_void,
         _: *const epcomm_tensor,
         _: *const epcomm_tensor,
     ) -> Result<()> {
-        Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
+        match *h {}
     }
 
-    pub fn check_error(_: &mut GpuState, _: *mut c_void) -> Result<()> {
-        Err(Error::Unavailable(NO_NCCL_FEATURE.into()))
+    pub(super) fn check_error(h: &mut GpuState, _: *mut c_void) -> Result<()> {
+        match *h {}
     }
 }
 
@@ -426,7 +420,7 @@ mod imp {
     use crate::gpu::transport::{DispatchInput, GpuDispatch, GpuManager, GpuMode};
 
     /// What a call on a GPU all2all handle borrows.
-    pub struct GpuState {
+    pub(crate) struct GpuState {
         mgr: GpuManager,
         device: i32,
         views: OutputViews,
@@ -461,7 +455,7 @@ mod imp {
         }
     }
 
-    pub fn create_from_id(
+    pub(super) fn create_from_id(
         name: &str,
         cfg: MoeConfig,
         id: &[u8],
@@ -480,7 +474,7 @@ mod imp {
         Ok(state(mgr, device))
     }
 
-    pub unsafe fn create_from_comm(
+    pub(super) unsafe fn create_from_comm(
         name: &str,
         cfg: MoeConfig,
         comm: *mut c_void,
@@ -504,24 +498,17 @@ mod imp {
         }
     }
 
-    pub unsafe fn dispatch(
+    pub(super) unsafe fn dispatch(
         h: &mut GpuState,
         stream: *mut c_void,
-        hidden: *const epcomm_tensor,
-        topk_ids: *const epcomm_tensor,
-        topk_weights: *const epcomm_tensor,
-        extras: *const epcomm_tensor,
-        num_extras: usize,
+        tensors: DispatchTensors,
     ) -> Result<epcomm_dispatch_output> {
         // SAFETY: caller contract: NULL or a live stream of this device.
         let s = unsafe { Stream::borrowed(stream) };
         let mem = Memory::Cuda(h.device);
         let cfg = h.mgr.config();
         // SAFETY: the descriptors as this function's contract.
-        let checked = unsafe {
-            DispatchArgs::parse(cfg, mem, hidden, topk_ids, topk_weights, extras, num_extras)
-        }
-        .and_then(device_input);
+        let checked = unsafe { DispatchArgs::parse(cfg, mem, tensors) }.and_then(device_input);
         // The peers are told before they wait for this rank in the counts all-gather.
         let input = checked.map_err(|e| h.mgr.reject_dispatch(&s, e))?;
         let o = h.mgr.dispatch(&s, &input)?;
@@ -578,7 +565,7 @@ mod imp {
             .describe(&parts, &cfg.extra_row_bytes, Memory::Cuda(h.device))
     }
 
-    pub unsafe fn combine(
+    pub(super) unsafe fn combine(
         h: &mut GpuState,
         stream: *mut c_void,
         expert_output: *const epcomm_tensor,
@@ -598,7 +585,7 @@ mod imp {
         mgr.combine(&s, addr(&y), addr(&o))
     }
 
-    pub fn check_error(h: &mut GpuState, stream: *mut c_void) -> Result<()> {
+    pub(super) fn check_error(h: &mut GpuState, stream: *mut c_void) -> Result<()> {
         // SAFETY: caller contract: NULL or a live stream of this device.
         let s = unsafe { Stream::borrowed(stream) };
         h.mgr.check_device_error(&s)

@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::guard;
-use super::handle::{Exclusive, Handle};
+use super::handle::{exclusive_handle, Exclusive, Handle};
 use super::tensor::{epcomm_tensor, HostTensor};
 use crate::error::{Error, Result};
 use crate::group::host::{HostGroup, HostTransport};
@@ -20,18 +20,12 @@ pub struct epcomm_group {
     inner: Mutex<Box<dyn Group>>,
 }
 
-impl Handle for epcomm_group {
-    const ARG: &'static str = "group";
-}
-
-impl Exclusive for epcomm_group {
-    type State = Box<dyn Group>;
-    const BUSY: &'static str =
-        "the group handle is in use by another thread; use a group from one thread at a time";
-    fn state(&self) -> &Mutex<Box<dyn Group>> {
-        &self.inner
-    }
-}
+exclusive_handle!(
+    epcomm_group,
+    "group",
+    Box<dyn Group>,
+    "the group handle is in use by another thread; use a group from one thread at a time"
+);
 
 /// Options for group creation; initialise with epcomm_group_options_init.
 #[repr(C)]

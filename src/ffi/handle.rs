@@ -74,6 +74,26 @@ pub(crate) trait Exclusive: Handle {
     }
 }
 
+/// Implements [`Handle`] and [`Exclusive`] for a handle struct whose state is the `Mutex` in
+/// its field `inner`: `$arg` is the C argument a NULL handle is reported as, `$busy` the
+/// concurrent-use message.
+macro_rules! exclusive_handle {
+    ($ty:ident, $arg:literal, $state:ty, $busy:expr) => {
+        impl $crate::ffi::handle::Handle for $ty {
+            const ARG: &'static str = $arg;
+        }
+
+        impl $crate::ffi::handle::Exclusive for $ty {
+            type State = $state;
+            const BUSY: &'static str = $busy;
+            fn state(&self) -> &std::sync::Mutex<$state> {
+                &self.inner
+            }
+        }
+    };
+}
+pub(crate) use exclusive_handle;
+
 /// `Mutex::try_lock` treats a lock poisoned by a caught panic as an error; the handle's state is
 /// still consistent (every operation records its failures), so take the guard back.
 fn recover_poisoned<T>(
@@ -89,17 +109,10 @@ fn recover_poisoned<T>(
 mod tests {
     use super::*;
 
-    struct Counter(Mutex<u32>);
-    impl Handle for Counter {
-        const ARG: &'static str = "counter";
+    struct Counter {
+        inner: Mutex<u32>,
     }
-    impl Exclusive for Counter {
-        type State = u32;
-        const BUSY: &'static str = "the counter is in use";
-        fn state(&self) -> &Mutex<u32> {
-            &self.0
-        }
-    }
+    exclusive_handle!(Counter, "counter", u32, "the counter is in use");
 
     #[test]
     fn null_busy_poisoned_and_destroy() {
@@ -107,7 +120,10 @@ mod tests {
         unsafe {
             let e = Counter::with(std::ptr::null(), |_, _| Ok(())).unwrap_err();
             assert!(matches!(e, Error::NullPointer("counter")));
-            let p = Counter(Mutex::new(0)).into_raw();
+            let p = Counter {
+                inner: Mutex::new(0),
+            }
+            .into_raw();
             let e = Counter::with(p, |h, _| h.lock().map(|_| ())).unwrap_err();
             assert_eq!(e.to_string(), "the counter is in use");
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -48,7 +48,7 @@ pub(crate) unsafe fn ids_arg(t: &HostTensor) -> Result<Vec<i64>> {
 }
 
 /// `t` is `[rows, cols]` (any rows when `rows` is `None`), else an error expecting `what`.
-pub(crate) fn check_2d(t: &HostTensor, rows: Option<usize>, cols: usize, what: &str) -> Result<()> {
+fn check_2d(t: &HostTensor, rows: Option<usize>, cols: usize, what: &str) -> Result<()> {
     let ok = t.shape.len() == 2 && t.shape[1] == cols && rows.is_none_or(|r| t.shape[0] == r);
     if !ok {
         return Err(Error::InvalidArgument(format!(
@@ -72,6 +72,21 @@ fn check_created_for(t: &HostTensor, want: DType) -> Result<()> {
     Ok(())
 }
 
+/// A dispatch's tensor descriptors as C passed them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DispatchTensors {
+    /// `hidden`.
+    pub hidden: *const epcomm_tensor,
+    /// `topk_ids`.
+    pub topk_ids: *const epcomm_tensor,
+    /// `topk_weights`.
+    pub topk_weights: *const epcomm_tensor,
+    /// `extras` (NULL when `num_extras` is 0).
+    pub extras: *const epcomm_tensor,
+    /// Entries of `extras`.
+    pub num_extras: usize,
+}
+
 /// A dispatch's tensors, checked against the manager's configuration; nothing read yet.
 pub(crate) struct DispatchArgs {
     /// `[T, hidden_size]` of hidden_dtype.
@@ -92,22 +107,20 @@ impl DispatchArgs {
     /// dtype and shape, the ids' and weights' shapes and dtypes, then the extras.
     ///
     /// # Safety
-    /// Pointers are NULL or valid descriptors; `extras` is NULL or holds `num_extras`.
+    /// The pointers of `d` are NULL or valid descriptors; `extras` is NULL or holds
+    /// `num_extras`.
     pub(crate) unsafe fn parse(
         cfg: &MoeConfig,
         mem: Memory,
-        hidden: *const epcomm_tensor,
-        topk_ids: *const epcomm_tensor,
-        topk_weights: *const epcomm_tensor,
-        extras: *const epcomm_tensor,
-        num_extras: usize,
+        d: DispatchTensors,
     ) -> Result<DispatchArgs> {
+        let (extras, num_extras) = (d.extras, d.num_extras);
         // SAFETY: caller contract for the three descriptors.
         let (x, ids, w) = unsafe {
             (
-                mem.tensor(hidden, "hidden")?,
-                mem.tensor(topk_ids, "topk_ids")?,
-                mem.tensor(topk_weights, "topk_weights")?,
+                mem.tensor(d.hidden, "hidden")?,
+                mem.tensor(d.topk_ids, "topk_ids")?,
+                mem.tensor(d.topk_weights, "topk_weights")?,
             )
         };
         check_created_for(&x, cfg.hidden_dtype)?;

@@ -210,7 +210,7 @@ impl HostTensor {
     ///
     /// # Safety
     /// As [`HostTensor::from_ffi`] for the descriptor (shape/strides); the data is not touched.
-    pub unsafe fn from_ffi_cuda(
+    unsafe fn from_ffi_cuda(
         t: *const epcomm_tensor,
         name: &'static str,
         device: i32,
