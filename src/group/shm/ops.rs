@@ -1,9 +1,9 @@
 //! The collectives: the [`Group`] trait over the protocol.
 
-use super::agree;
 use super::payload::{reduce_into, Payload};
 use super::ShmGroup;
 use crate::error::{Error, Result};
+use crate::group::agree;
 use crate::group::rows;
 use crate::group::{
     check_len, check_p2p, check_rank, check_reduce_scatterv, check_sizes, Group, Op, P2p,
@@ -250,21 +250,11 @@ impl Group for ShmGroup {
         {
             return Err(self.reject_op(op, e));
         }
-        let me = self.rank;
         let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
         let params = [agree::number("row_bytes", row_bytes)];
         self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
             for (p, take_p) in take.iter().enumerate() {
-                let (their_meta, payload) = g.parts(p)?;
-                let src_idx = rows::read_index_list(
-                    op,
-                    &their_meta,
-                    p,
-                    me,
-                    row_bytes,
-                    take_p.len(),
-                    |o, b| payload.copy_to(o, b),
-                )?;
+                let (payload, src_idx) = g.rows_from(op, p, row_bytes, take_p.len())?;
                 let ranges: Vec<(usize, usize, usize)> = src_idx
                     .iter()
                     .zip(take_p)
@@ -309,17 +299,7 @@ impl Group for ShmGroup {
             // Each peer's payload and the source rows it gives this rank, read once.
             let mut payloads = Vec::with_capacity(g.world);
             for (p, take_p) in take.iter().enumerate() {
-                let (their_meta, payload) = g.parts(p)?;
-                let idx = rows::read_index_list(
-                    op,
-                    &their_meta,
-                    p,
-                    me,
-                    row_bytes,
-                    take_p.len(),
-                    |o, b| payload.copy_to(o, b),
-                )?;
-                payloads.push((payload, idx));
+                payloads.push(g.rows_from(op, p, row_bytes, take_p.len())?);
             }
             let by_row = rows::ByRow::new(take, out_rows);
             let mut ranges = Vec::new();

@@ -11,7 +11,7 @@ use super::segment::{copy_from_process, copy_scattered_from_process, Segment};
 use super::ShmGroup;
 use crate::bytes;
 use crate::error::{Error, Result};
-use crate::group::Op;
+use crate::group::{rows, Op};
 use crate::num::{self, FloatKind};
 
 impl ShmGroup {
@@ -63,6 +63,22 @@ impl ShmGroup {
         .map_err(bad)?;
         check_meta(Op::from_code(head.kind), &meta, payload_len, self.world).map_err(bad)?;
         Ok((meta, payload))
+    }
+
+    /// Rank `p`'s payload and the `count` source rows (of `row_bytes`) it gives this rank, as
+    /// published with [`rows::index_table`] for `op`.
+    pub(super) fn rows_from(
+        &self,
+        op: Op,
+        p: usize,
+        row_bytes: usize,
+        count: usize,
+    ) -> Result<(Payload<'_>, Vec<u32>)> {
+        let (meta, payload) = self.parts(p)?;
+        let idx = rows::read_index_list(op, &meta, p, self.rank, row_bytes, count, |o, b| {
+            payload.copy_to(o, b)
+        })?;
+        Ok((payload, idx))
     }
 
     /// The segment rank `p` published the current op in.
@@ -276,6 +292,13 @@ fn out_of_payload(offset: usize, len: usize, size: usize) -> Error {
     ))
 }
 
+/// A failed read straight from rank `rank`'s memory (process `pid`).
+fn direct_read_failed(rank: usize, pid: u32, e: std::io::Error) -> Error {
+    Error::PeerFailure(format!(
+        "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
+    ))
+}
+
 /// A rank's contribution to the current op: bytes in its shared region, or (direct mode)
 /// ranges of its own memory to copy from.
 pub(super) enum Payload<'a> {
@@ -333,11 +356,7 @@ impl Payload<'_> {
                             addr + within as u64,
                             &mut dst[done..done + n],
                         )
-                        .map_err(|e| {
-                            Error::PeerFailure(format!(
-                                "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
-                            ))
-                        })?;
+                        .map_err(|e| direct_read_failed(*rank, *pid, e))?;
                         done += n;
                     }
                     piece_start += plen;
@@ -394,11 +413,8 @@ impl Payload<'_> {
                     }
                     remote.push((addr, off, len));
                 }
-                copy_scattered_from_process(*pid, *local, dst, &remote).map_err(|e| {
-                    Error::PeerFailure(format!(
-                        "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
-                    ))
-                })
+                copy_scattered_from_process(*pid, *local, dst, &remote)
+                    .map_err(|e| direct_read_failed(*rank, *pid, e))
             }
         }
     }
