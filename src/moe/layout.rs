@@ -329,19 +329,19 @@ impl Contract {
     }
 }
 
+/// The worked example's geometry (docs/design.md, section 3): R = 2, E = 4, K = 2, M = 3.
+#[cfg(test)]
+pub(super) const WORKED_EXAMPLE: Geometry = Geometry {
+    world: 2,
+    num_experts: 4,
+    experts_per_rank: 2,
+    top_k: 2,
+    max_tokens: 3,
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn geo() -> Geometry {
-        Geometry {
-            world: 2,
-            num_experts: 4,
-            experts_per_rank: 2,
-            top_k: 2,
-            max_tokens: 3,
-        }
-    }
 
     #[test]
     fn every_layout_but_moonep_has_a_contract() {
@@ -357,7 +357,7 @@ mod tests {
 
     #[test]
     fn sizes_follow_the_worked_example() {
-        let g = geo();
+        let g = WORKED_EXAMPLE;
         let rows = |l| require(l).map(|c| c.buffer_rows(&g, 4));
         assert_eq!(rows(Layout::ExpertMajor), Ok(12));
         assert_eq!(rows(Layout::RankMajor), Ok(6));

@@ -774,26 +774,32 @@ impl Manager {
             ));
         };
         let h = self.cfg.hidden;
-        let want_in = plan.buffer_rows * h * self.cfg.expert_dtype.size();
-        if expert_output.len() != want_in {
-            return Err(Error::InvalidArgument(format!(
-                "expert_output has {} bytes; expected {} rows x {h} {} elements = {want_in} bytes (the shape of the dispatch output)",
-                expert_output.len(),
-                plan.buffer_rows,
-                self.cfg.expert_dtype.name()
-            )));
-        }
-        let want_out = self.tokens * h * self.cfg.out_dtype.size();
-        if out.len() != want_out {
-            return Err(Error::InvalidArgument(format!(
-                "output has {} bytes; expected T x hidden = {} x {h} {} elements = {want_out} bytes",
-                out.len(),
-                self.tokens,
-                self.cfg.out_dtype.name()
-            )));
-        }
-        Ok(())
+        let (ek, ok) = (self.cfg.expert_dtype, self.cfg.out_dtype);
+        let want_in = plan.buffer_rows * h * ek.size();
+        byte_len("expert_output", expert_output.len(), want_in, || {
+            let rows = plan.buffer_rows;
+            format!("{rows} rows x {h} {} elements = {want_in} bytes (the shape of the dispatch output)", ek.name())
+        })?;
+        let want_out = self.tokens * h * ok.size();
+        byte_len("output", out.len(), want_out, || {
+            let t = self.tokens;
+            format!(
+                "T x hidden = {t} x {h} {} elements = {want_out} bytes",
+                ok.name()
+            )
+        })
     }
+}
+
+/// `what` must have `want` bytes; the error says what was `expected`.
+fn byte_len(what: &str, got: usize, want: usize, expected: impl FnOnce() -> String) -> Result<()> {
+    if got == want {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "{what} has {got} bytes; expected {}",
+        expected()
+    )))
 }
 
 /// Worst-case bytes of the dispatch receive buffers for `tokens` tokens per rank (hidden rows,

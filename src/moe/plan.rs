@@ -322,16 +322,6 @@ mod tests {
         ]
     }
 
-    fn geo() -> Geometry {
-        Geometry {
-            world: 2,
-            num_experts: 4,
-            experts_per_rank: 2,
-            top_k: 2,
-            max_tokens: 3,
-        }
-    }
-
     /// The source token of every received row, as (source, token), in buffer order.
     fn rows(
         p: &Plan,
@@ -352,25 +342,27 @@ mod tests {
     fn plans(layout: Layout) -> Vec<Plan> {
         let all = example();
         (0..2)
-            .map(|me| build(layout, &geo(), me, &all, false))
+            .map(|me| build(layout, &layout::WORKED_EXAMPLE, me, &all, false))
+            .collect()
+    }
+
+    /// (buffer row, x) of every row rank `me` received, in buffer order.
+    fn landed(plans: &[Plan], me: usize) -> Vec<(u32, i32)> {
+        rows(&plans[me], &example(), |s| plans[s].give[me].clone())
+            .iter()
+            .map(|&(s, t, row)| (row, [[10, 11, 12], [20, 21, 0]][s][t as usize]))
             .collect()
     }
 
     #[test]
     fn token_major_matches_the_worked_example() {
         let p = plans(Layout::TokenMajor);
-        let all = example();
-        let x = |p: &Plan, me: usize| -> Vec<i32> {
-            rows(p, &all, |s| plans(Layout::TokenMajor)[s].give[me].clone())
-                .iter()
-                .map(|&(s, t, _)| [[10, 11, 12], [20, 21, 0]][s][t as usize])
-                .collect()
-        };
-        assert_eq!(x(&p[0], 0), vec![10, 11, 21]);
+        let x = |me: usize| -> Vec<i32> { landed(&p, me).iter().map(|l| l.1).collect() };
+        assert_eq!(x(0), vec![10, 11, 21]);
         assert_eq!(p[0].row_ids, vec![0, -1, 1, 0, 1, -1]);
         assert_eq!(p[0].row_weights, vec![0.5, 0.0, 0.25, 0.75, 1.0, 0.0]);
         assert_eq!(p[0].counts, vec![2, 2]);
-        assert_eq!(x(&p[1], 1), vec![10, 12, 20]);
+        assert_eq!(x(1), vec![10, 12, 20]);
         assert_eq!(p[1].row_ids, vec![-1, 2, 3, -1, 2, 3]);
         assert_eq!(p[1].row_weights, vec![0.0, 0.5, 1.0, 0.0, 0.5, 0.5]);
         assert_eq!(p[1].counts, vec![2, 2]);
@@ -378,7 +370,6 @@ mod tests {
 
     #[test]
     fn expert_layouts_match_the_worked_example() {
-        let all = example();
         let major = plans(Layout::ExpertMajor);
         assert_eq!(major[0].counts, vec![2, 2]);
         assert_eq!(major[1].counts, vec![2, 2]);
@@ -387,36 +378,23 @@ mod tests {
         assert_eq!(packed[0].offsets, vec![0, 2, 4]);
         assert_eq!(packed[0].row_weights, vec![0.5, 0.75, 0.25, 1.0]);
         assert_eq!(packed[1].row_weights, vec![0.5, 0.5, 1.0, 0.5]);
-        let xs = |plans: &[Plan], me: usize| -> Vec<(u32, i32)> {
-            rows(&plans[me], &all, |s| plans[s].give[me].clone())
-                .iter()
-                .map(|&(s, t, row)| (row, [[10, 11, 12], [20, 21, 0]][s][t as usize]))
-                .collect()
-        };
         // Buckets of capacity M*R = 6: expert 0 rows 0.., expert 1 rows 6...
-        assert_eq!(xs(&major, 0), vec![(0, 10), (1, 11), (6, 11), (7, 21)]);
-        assert_eq!(xs(&major, 1), vec![(0, 10), (1, 20), (6, 12), (7, 20)]);
-        assert_eq!(xs(&packed, 0), vec![(0, 10), (1, 11), (2, 11), (3, 21)]);
-        assert_eq!(xs(&packed, 1), vec![(0, 10), (1, 20), (2, 12), (3, 20)]);
+        assert_eq!(landed(&major, 0), vec![(0, 10), (1, 11), (6, 11), (7, 21)]);
+        assert_eq!(landed(&major, 1), vec![(0, 10), (1, 20), (6, 12), (7, 20)]);
+        assert_eq!(landed(&packed, 0), vec![(0, 10), (1, 11), (2, 11), (3, 21)]);
+        assert_eq!(landed(&packed, 1), vec![(0, 10), (1, 20), (2, 12), (3, 20)]);
         assert_eq!(packed[1].src_rank, vec![0, 1, 0, 1]);
         assert_eq!(packed[1].src_token, vec![0, 0, 2, 0]);
     }
 
     #[test]
     fn rank_major_matches_the_worked_example() {
-        let all = example();
         let p = plans(Layout::RankMajor);
         assert_eq!(p[0].counts, vec![2, 1]);
         assert_eq!(p[1].counts, vec![2, 1]);
-        let xs = |me: usize| -> Vec<(u32, i32)> {
-            rows(&p[me], &all, |s| p[s].give[me].clone())
-                .iter()
-                .map(|&(s, t, row)| (row, [[10, 11, 12], [20, 21, 0]][s][t as usize]))
-                .collect()
-        };
         // Regions of capacity M = 3.
-        assert_eq!(xs(0), vec![(0, 10), (1, 11), (3, 21)]);
-        assert_eq!(xs(1), vec![(0, 10), (1, 12), (3, 20)]);
+        assert_eq!(landed(&p, 0), vec![(0, 10), (1, 11), (3, 21)]);
+        assert_eq!(landed(&p, 1), vec![(0, 10), (1, 12), (3, 20)]);
         assert_eq!(&p[0].row_ids[..4], &[0, 2, 1, 0]);
         assert_eq!(
             &p[0].row_ids[4..6],
