@@ -6,6 +6,7 @@
 //!   (one host sync per dispatch) and capacity mode (no host sync, CUDA-graph capturable).
 
 pub mod gate;
+pub mod pipeline;
 pub mod plan;
 
 #[cfg(feature = "cuda")]
@@ -13,7 +14,8 @@ pub mod local;
 #[cfg(feature = "nccl")]
 mod manager;
 #[cfg(feature = "nccl")]
-pub use manager::{DispatchInput, GpuDispatch, GpuManager, GpuMode};
+pub use manager::GpuManager;
+pub use pipeline::{DispatchInput, GpuDispatch, GpuMode};
 
 /// How a [`GpuManager`] moves bytes between ranks: NCCL (any topology), or the in-process
 /// [`local::LocalFabric`] (ranks as threads sharing one GPU, for tests; NCCL refuses two ranks
