@@ -10,7 +10,7 @@ use super::guard;
 use super::handle::{exclusive_handle, Exclusive, Handle};
 use super::moe_args::ids_arg;
 use super::select::{epcomm_eplb_select_request, SelectArgs};
-use super::tensor::{epcomm_tensor, HostTensor, Memory};
+use super::tensor::{check_writes_disjoint, epcomm_tensor, HostTensor, Memory};
 use crate::eplb::communicator::{self, EplbCommunicator};
 use crate::eplb::load::LoadState;
 use crate::eplb::rearrange;
@@ -184,35 +184,15 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_execute(
         unsafe {
             with_comm(comm, |c, group| {
                 let queued = std::mem::take(&mut c.queued);
-                let recv: Vec<&HostTensor> = queued
-                    .iter()
-                    .filter(|q| !q.send)
-                    .flat_map(|q| q.tensors.iter())
-                    .collect();
-                let all: Vec<&HostTensor> = queued.iter().flat_map(|q| q.tensors.iter()).collect();
-                for r in &recv {
-                    for o in &all {
-                        if !std::ptr::eq(*r, *o) {
-                            r.check_disjoint(o)?;
-                        }
-                    }
-                }
-                let mut ops: Vec<P2p<'_>> = Vec::new();
-                for q in &queued {
-                    for t in &q.tensors {
-                        ops.push(if q.send {
-                            P2p::Send {
-                                peer: q.peer,
-                                data: t.as_slice(),
-                            }
-                        } else {
-                            P2p::Recv {
-                                peer: q.peer,
-                                data: t.as_mut_slice(),
-                            }
-                        });
-                    }
-                }
+                let each = || {
+                    queued
+                        .iter()
+                        .flat_map(|q| q.tensors.iter().map(move |t| (q, t)))
+                };
+                let writes: Vec<_> = each().map(|(q, t)| (!q.send, t)).collect();
+                check_writes_disjoint(&writes)?;
+                // Queued tensors are valid until now; receives overlap no other (above).
+                let mut ops: Vec<P2p<'_>> = each().map(|(q, t)| t.p2p(q.send, q.peer)).collect();
                 with_group(group, |g| c.comm.execute(g, &mut ops))
             })
         }
@@ -367,11 +347,8 @@ impl LayerWeights {
                 |_, _| Ok(()),
             )
         }?;
-        for (i, a) in tensors.iter().enumerate() {
-            for b in &tensors[i + 1..] {
-                a.check_disjoint(b)?;
-            }
-        }
+        let writes: Vec<_> = tensors.iter().map(|t| (true, t)).collect();
+        check_writes_disjoint(&writes)?;
         let first = &tensors[..per_layer];
         let row_bytes: Vec<usize> = first.iter().map(HostTensor::row_bytes).collect();
         for (i, t) in tensors.iter().enumerate() {

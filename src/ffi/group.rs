@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::guard;
 use super::handle::{exclusive_handle, Exclusive, Handle};
-use super::tensor::{epcomm_tensor, HostTensor};
+use super::tensor::{check_writes_disjoint, epcomm_tensor, HostTensor};
 use crate::error::{Error, Result};
 use crate::group::host::{HostGroup, HostTransport};
 use crate::group::shm::{ShmGroup, UniqueId, UNIQUE_ID_BYTES};
@@ -396,21 +396,54 @@ pub(crate) unsafe fn with_group<T>(
     unsafe { epcomm_group::with(group, |_, g| f(g.as_mut())) }
 }
 
-/// Runs collective `op` on the group behind the handle: `f` checks the arguments (its outer
-/// error) and then runs the collective (its inner result). A rejected argument is reported to
-/// the peers too, which then fail at once naming this rank instead of waiting for it.
-unsafe fn with_collective<T>(
+/// The entry point of collective `op` on the group behind the handle: `f` checks the
+/// arguments (its outer error) and then runs the collective (its inner result). A rejected
+/// argument is reported to the peers too, which then fail at once naming this rank instead of
+/// waiting for it.
+///
+/// # Safety
+/// `group` is NULL or a live handle.
+unsafe fn collective(
     group: *const epcomm_group,
     op: Op,
-    f: impl FnOnce(&mut dyn Group) -> Result<Result<T>>,
-) -> Result<T> {
+    f: impl FnOnce(&mut dyn Group) -> Result<Result<()>>,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        unsafe {
+            with_group(group, |g| match f(g) {
+                Ok(r) => r,
+                Err(e) => Err(g.reject(op, e)),
+            })
+        }
+    })
+}
+
+/// Runs a collective over an `input` and an `output` host tensor: both validated (in that
+/// order), then `f` checks the rest (its outer error, reported to the peers) and runs it.
+///
+/// # Safety
+/// `group` is NULL or a live handle; the tensors are NULL or valid descriptors.
+unsafe fn rows_collective(
+    group: *const epcomm_group,
+    op: Op,
+    input: *const epcomm_tensor,
+    output: *const epcomm_tensor,
+    f: impl FnOnce(&mut dyn Group, HostTensor, HostTensor) -> Result<Result<()>>,
+) -> i32 {
     // SAFETY: caller contract.
     unsafe {
-        with_group(group, |g| match f(g) {
-            Ok(r) => r,
-            Err(e) => Err(g.reject(op, e)),
+        collective(group, op, |g| {
+            let inp = HostTensor::from_ffi(input, "input")?;
+            let out = HostTensor::from_ffi(output, "output")?;
+            f(g, inp, out)
         })
     }
+}
+
+/// Row counts as byte counts.
+fn byte_counts(rows: &[usize], row_bytes: usize) -> Vec<usize> {
+    rows.iter().map(|r| r * row_bytes).collect()
 }
 
 /// Writes this process's rank in the group.
@@ -490,23 +523,18 @@ pub unsafe extern "C" fn epcomm_group_all_gatherv(
     sizes: *const i64,
     output: *const epcomm_tensor,
 ) -> i32 {
-    guard::call(|| {
-        // SAFETY: caller contract for every pointer below.
-        unsafe {
-            with_collective(group, Op::AllGatherv, |g| {
-                let inp = HostTensor::from_ffi(input, "input")?;
-                let out = HostTensor::from_ffi(output, "output")?;
-                let sizes = counts_arg(sizes, g.size(), "sizes")?;
-                inp.check_rows_like(&out)?;
-                inp.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
-                out.check_rows(total(&sizes, "sizes")?, "sum(sizes)")?;
-                inp.check_disjoint(&out)?;
-                let rb = inp.row_bytes();
-                let byte_sizes: Vec<usize> = sizes.iter().map(|s| s * rb).collect();
-                Ok(g.all_gatherv(inp.as_slice(), &byte_sizes, out.as_mut_slice()))
-            })
-        }
-    })
+    // SAFETY: caller contract for every pointer.
+    unsafe {
+        rows_collective(group, Op::AllGatherv, input, output, |g, inp, out| {
+            let sizes = counts_arg(sizes, g.size(), "sizes")?;
+            inp.check_rows_like(&out)?;
+            inp.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
+            out.check_rows(total(&sizes, "sizes")?, "sum(sizes)")?;
+            inp.check_disjoint(&out)?;
+            let byte_sizes = byte_counts(&sizes, inp.row_bytes());
+            Ok(g.all_gatherv(inp.as_slice(), &byte_sizes, out.as_mut_slice()))
+        })
+    }
 }
 
 /// Sums every rank's `input` (sum(sizes) rows) and writes this rank's slice (sizes[rank]
@@ -522,33 +550,24 @@ pub unsafe extern "C" fn epcomm_group_reduce_scatterv(
     sizes: *const i64,
     output: *const epcomm_tensor,
 ) -> i32 {
-    guard::call(|| {
-        // SAFETY: caller contract for every pointer below.
-        unsafe {
-            with_collective(group, Op::ReduceScatterv, |g| {
-                let inp = HostTensor::from_ffi(input, "input")?;
-                let out = HostTensor::from_ffi(output, "output")?;
-                let kind = FloatKind::from_dtype(inp.dtype).ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "tensor 'input' has dtype {}; reduce_scatterv expects torch.float32, torch.bfloat16 or torch.float16",
-                        inp.dtype.torch_name()
-                    ))
-                })?;
-                let sizes = counts_arg(sizes, g.size(), "sizes")?;
-                inp.check_rows_like(&out)?;
-                inp.check_rows(total(&sizes, "sizes")?, "sum(sizes)")?;
-                out.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
-                inp.check_disjoint(&out)?;
-                Ok(g.reduce_scatterv(
-                    inp.as_slice(),
-                    &sizes,
-                    inp.row_elems(),
-                    kind,
-                    out.as_mut_slice(),
+    // SAFETY: caller contract for every pointer.
+    unsafe {
+        rows_collective(group, Op::ReduceScatterv, input, output, |g, inp, out| {
+            let kind = FloatKind::from_dtype(inp.dtype).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "tensor 'input' has dtype {}; reduce_scatterv expects torch.float32, torch.bfloat16 or torch.float16",
+                    inp.dtype.torch_name()
                 ))
-            })
-        }
-    })
+            })?;
+            let sizes = counts_arg(sizes, g.size(), "sizes")?;
+            inp.check_rows_like(&out)?;
+            inp.check_rows(total(&sizes, "sizes")?, "sum(sizes)")?;
+            out.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
+            inp.check_disjoint(&out)?;
+            let (x, elems) = (inp.as_slice(), inp.row_elems());
+            Ok(g.reduce_scatterv(x, &sizes, elems, kind, out.as_mut_slice()))
+        })
+    }
 }
 
 /// Sends send_counts[p] consecutive rows of `input` to each rank p (in rank order) and receives
@@ -565,32 +584,29 @@ pub unsafe extern "C" fn epcomm_group_all_to_allv(
     output: *const epcomm_tensor,
     recv_counts: *const i64,
 ) -> i32 {
-    guard::call(|| {
-        // SAFETY: caller contract for every pointer below.
-        unsafe {
-            with_collective(group, Op::AllToAllv, |g| {
-                let inp = HostTensor::from_ffi(input, "input")?;
-                let out = HostTensor::from_ffi(output, "output")?;
-                let sc = counts_arg(send_counts, g.size(), "send_counts")?;
-                let rc = counts_arg(recv_counts, g.size(), "recv_counts")?;
-                inp.check_rows_like(&out)?;
-                inp.check_rows(total(&sc, "send_counts")?, "sum(send_counts)")?;
-                out.check_rows(total(&rc, "recv_counts")?, "sum(recv_counts)")?;
-                let me = g.rank();
-                if sc[me] != rc[me] {
-                    return Err(Error::InvalidArgument(format!(
-                        "all_to_allv: rank {me} sends {} rows to itself but expects {} (send_counts[{me}] != recv_counts[{me}])",
-                        sc[me], rc[me]
-                    )));
-                }
-                inp.check_disjoint(&out)?;
-                let rb = inp.row_bytes();
-                let sb: Vec<usize> = sc.iter().map(|c| c * rb).collect();
-                let rbv: Vec<usize> = rc.iter().map(|c| c * rb).collect();
-                Ok(g.all_to_allv(inp.as_slice(), &sb, out.as_mut_slice(), &rbv))
-            })
-        }
-    })
+    // SAFETY: caller contract for every pointer.
+    unsafe {
+        rows_collective(group, Op::AllToAllv, input, output, |g, inp, out| {
+            let sc = counts_arg(send_counts, g.size(), "send_counts")?;
+            let rc = counts_arg(recv_counts, g.size(), "recv_counts")?;
+            inp.check_rows_like(&out)?;
+            inp.check_rows(total(&sc, "send_counts")?, "sum(send_counts)")?;
+            out.check_rows(total(&rc, "recv_counts")?, "sum(recv_counts)")?;
+            let me = g.rank();
+            if sc[me] != rc[me] {
+                return Err(Error::InvalidArgument(format!(
+                    "all_to_allv: rank {me} sends {} rows to itself but expects {} (send_counts[{me}] != recv_counts[{me}])",
+                    sc[me], rc[me]
+                )));
+            }
+            inp.check_disjoint(&out)?;
+            let (sb, rb) = (
+                byte_counts(&sc, inp.row_bytes()),
+                byte_counts(&rc, inp.row_bytes()),
+            );
+            Ok(g.all_to_allv(inp.as_slice(), &sb, out.as_mut_slice(), &rb))
+        })
+    }
 }
 
 /// Point-to-point operation kind: send.
@@ -622,65 +638,48 @@ pub unsafe extern "C" fn epcomm_group_send_recv(
     ops: *const epcomm_p2p_op,
     num_ops: usize,
 ) -> i32 {
-    guard::call(|| {
-        // SAFETY: caller contract for every pointer; each tensor is valid for the call and
-        // receive buffers do not overlap others (checked below).
-        unsafe {
-            with_collective(group, Op::SendRecv, |g| {
-                let raw: &[epcomm_p2p_op] = if num_ops == 0 {
-                    &[]
-                } else if ops.is_null() {
-                    return Err(Error::NullPointer("ops"));
-                } else {
-                    // SAFETY: num_ops entries (caller contract).
-                    std::slice::from_raw_parts(ops, num_ops)
-                };
-                let mut tensors = Vec::with_capacity(raw.len());
-                for (i, o) in raw.iter().enumerate() {
-                    let t =
-                        HostTensor::from_ffi(o.tensor, "ops[i].tensor").map_err(|e| match e {
-                            Error::NullPointer(_) => Error::InvalidArgument(format!(
-                                "ops[{i}].tensor (or its shape/data) is NULL; expected a tensor"
-                            )),
-                            other => other,
-                        })?;
-                    if o.kind != EPCOMM_P2P_SEND && o.kind != EPCOMM_P2P_RECV {
-                        return Err(Error::InvalidArgument(format!(
-                            "ops[{i}].kind is {}; expected EPCOMM_P2P_SEND (0) or EPCOMM_P2P_RECV (1)",
-                            o.kind
-                        )));
-                    }
-                    let peer = index_arg(o.peer, "peer")?;
-                    tensors.push((o.kind, peer, t));
+    // SAFETY: caller contract for every pointer; each tensor is valid for the call and
+    // receive buffers do not overlap others (checked below).
+    unsafe {
+        collective(group, Op::SendRecv, |g| {
+            let raw: &[epcomm_p2p_op] = if num_ops == 0 {
+                &[]
+            } else if ops.is_null() {
+                return Err(Error::NullPointer("ops"));
+            } else {
+                // SAFETY: num_ops entries (caller contract).
+                std::slice::from_raw_parts(ops, num_ops)
+            };
+            let mut tensors = Vec::with_capacity(raw.len());
+            for (i, o) in raw.iter().enumerate() {
+                let t = HostTensor::from_ffi(o.tensor, "ops[i].tensor").map_err(|e| match e {
+                    Error::NullPointer(_) => Error::InvalidArgument(format!(
+                        "ops[{i}].tensor (or its shape/data) is NULL; expected a tensor"
+                    )),
+                    other => other,
+                })?;
+                if o.kind != EPCOMM_P2P_SEND && o.kind != EPCOMM_P2P_RECV {
+                    return Err(Error::InvalidArgument(format!(
+                        "ops[{i}].kind is {}; expected EPCOMM_P2P_SEND (0) or EPCOMM_P2P_RECV (1)",
+                        o.kind
+                    )));
                 }
-                for (i, (ki, _, ti)) in tensors.iter().enumerate() {
-                    for (kj, _, tj) in &tensors[i + 1..] {
-                        if *ki == EPCOMM_P2P_RECV || *kj == EPCOMM_P2P_RECV {
-                            ti.check_disjoint(tj)?;
-                        }
-                    }
-                }
-                // Each tensor is valid for the call; receive buffers overlap no other (above).
-                let mut p2p: Vec<P2p<'_>> = tensors
-                    .iter()
-                    .map(|(k, peer, t)| {
-                        if *k == EPCOMM_P2P_SEND {
-                            P2p::Send {
-                                peer: *peer,
-                                data: t.as_slice(),
-                            }
-                        } else {
-                            P2p::Recv {
-                                peer: *peer,
-                                data: t.as_mut_slice(),
-                            }
-                        }
-                    })
-                    .collect();
-                Ok(g.send_recv(&mut p2p))
-            })
-        }
-    })
+                let peer = index_arg(o.peer, "peer")?;
+                tensors.push((o.kind, peer, t));
+            }
+            let writes: Vec<_> = tensors
+                .iter()
+                .map(|(k, _, t)| (*k == EPCOMM_P2P_RECV, t))
+                .collect();
+            check_writes_disjoint(&writes)?;
+            // Each tensor is valid for the call; receive buffers overlap no other (above).
+            let mut p2p: Vec<P2p<'_>> = tensors
+                .iter()
+                .map(|(k, peer, t)| t.p2p(*k == EPCOMM_P2P_SEND, *peer))
+                .collect();
+            Ok(g.send_recv(&mut p2p))
+        })
+    }
 }
 
 /// Copies `tensor` of rank `root` into `tensor` on every other rank (same byte size).
@@ -693,16 +692,14 @@ pub unsafe extern "C" fn epcomm_group_broadcast(
     tensor: *const epcomm_tensor,
     root: i32,
 ) -> i32 {
-    guard::call(|| {
-        // SAFETY: caller contract.
-        unsafe {
-            with_collective(group, Op::Broadcast, |g| {
-                let t = HostTensor::from_ffi(tensor, "tensor")?;
-                let root = index_arg(root, "root")?;
-                Ok(g.broadcast(root, t.as_mut_slice()))
-            })
-        }
-    })
+    // SAFETY: caller contract.
+    unsafe {
+        collective(group, Op::Broadcast, |g| {
+            let t = HostTensor::from_ffi(tensor, "tensor")?;
+            let root = index_arg(root, "root")?;
+            Ok(g.broadcast(root, t.as_mut_slice()))
+        })
+    }
 }
 
 /// Gathers `bytes` bytes from every rank into `output` (world_size * bytes, rank order): for
@@ -717,45 +714,43 @@ pub unsafe extern "C" fn epcomm_group_all_gather(
     bytes: usize,
     output: *mut c_void,
 ) -> i32 {
-    guard::call(|| {
-        // SAFETY: caller contract.
-        unsafe {
-            with_collective(group, Op::AllGatherv, |g| {
-                if bytes > 0 && input.is_null() {
-                    return Err(Error::NullPointer("input"));
-                }
-                if output.is_null() {
-                    return Err(Error::NullPointer("output"));
-                }
-                let world = g.size();
-                let Some(total) = bytes
-                    .checked_mul(world)
-                    .filter(|&t| t <= isize::MAX as usize)
-                else {
-                    return Err(Error::InvalidArgument(format!(
-                        "all_gather: bytes is {bytes}; expected at most {} (world_size {world} times bytes must fit in the largest buffer, {} bytes)",
-                        isize::MAX as usize / world,
-                        isize::MAX
-                    )));
-                };
-                let inp: &[u8] = if bytes == 0 {
-                    &[]
-                } else {
-                    std::slice::from_raw_parts(input.cast(), bytes)
-                };
-                let out = std::slice::from_raw_parts_mut(output.cast::<u8>(), total);
-                let (a0, a1) = (input as usize, input as usize + bytes);
-                let (b0, b1) = (output as usize, output as usize + out.len());
-                if bytes > 0 && a0 < b1 && b0 < a1 {
-                    return Err(Error::InvalidArgument(
-                        "buffers 'input' and 'output' overlap; in-place operation is not supported"
-                            .into(),
-                    ));
-                }
-                Ok(g.all_gather(inp, out))
-            })
-        }
-    })
+    // SAFETY: caller contract.
+    unsafe {
+        collective(group, Op::AllGatherv, |g| {
+            if bytes > 0 && input.is_null() {
+                return Err(Error::NullPointer("input"));
+            }
+            if output.is_null() {
+                return Err(Error::NullPointer("output"));
+            }
+            let world = g.size();
+            let Some(total) = bytes
+                .checked_mul(world)
+                .filter(|&t| t <= isize::MAX as usize)
+            else {
+                return Err(Error::InvalidArgument(format!(
+                    "all_gather: bytes is {bytes}; expected at most {} (world_size {world} times bytes must fit in the largest buffer, {} bytes)",
+                    isize::MAX as usize / world,
+                    isize::MAX
+                )));
+            };
+            let inp: &[u8] = if bytes == 0 {
+                &[]
+            } else {
+                std::slice::from_raw_parts(input.cast(), bytes)
+            };
+            let out = std::slice::from_raw_parts_mut(output.cast::<u8>(), total);
+            let (a0, a1) = (input as usize, input as usize + bytes);
+            let (b0, b1) = (output as usize, output as usize + out.len());
+            if bytes > 0 && a0 < b1 && b0 < a1 {
+                return Err(Error::InvalidArgument(
+                    "buffers 'input' and 'output' overlap; in-place operation is not supported"
+                        .into(),
+                ));
+            }
+            Ok(g.all_gather(inp, out))
+        })
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use std::ffi::c_void;
 use super::epcomm_dtype;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::group::P2p;
 
 /// Where a tensor lives: DLPack's `DLDevice`.
 #[repr(C)]
@@ -312,6 +313,26 @@ impl HostTensor {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
     }
 
+    /// The tensor as one operation of a send/recv batch: sent from, or received into.
+    ///
+    /// # Safety
+    /// As [`HostTensor::as_slice`] for a send, [`HostTensor::as_mut_slice`] for a receive.
+    pub(crate) unsafe fn p2p<'a>(&self, send: bool, peer: usize) -> P2p<'a> {
+        if send {
+            // SAFETY: caller contract.
+            P2p::Send {
+                peer,
+                data: unsafe { self.as_slice() },
+            }
+        } else {
+            // SAFETY: caller contract.
+            P2p::Recv {
+                peer,
+                data: unsafe { self.as_mut_slice() },
+            }
+        }
+    }
+
     /// Errors if the two tensors' bytes overlap (in-place use is not supported).
     pub fn check_disjoint(&self, other: &HostTensor) -> Result<()> {
         let (a0, a1) = (self.ptr as usize, self.ptr as usize + self.bytes);
@@ -357,4 +378,16 @@ impl HostTensor {
         }
         Ok(())
     }
+}
+
+/// Errors if a tensor that is written (`true`) overlaps another tensor of the same call.
+pub(crate) fn check_writes_disjoint(tensors: &[(bool, &HostTensor)]) -> Result<()> {
+    for (i, &(wa, a)) in tensors.iter().enumerate() {
+        for &(wb, b) in &tensors[i + 1..] {
+            if wa || wb {
+                a.check_disjoint(b)?;
+            }
+        }
+    }
+    Ok(())
 }
