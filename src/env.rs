@@ -110,14 +110,15 @@ pub fn log_level() -> (Level, Option<String>) {
     }
 }
 
+/// The bound on every wait of a group unless `EPCOMM_TIMEOUT_S` or the group's options say
+/// otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// `EPCOMM_TIMEOUT_S` as a duration; `None` when unset or invalid (the caller's default,
-/// [`crate::group::DEFAULT_TIMEOUT`], applies).
+/// [`DEFAULT_TIMEOUT`], applies).
 pub fn timeout() -> Option<Duration> {
     let bad = |v: &str| {
-        let instead = format!(
-            "the default {} s",
-            crate::group::DEFAULT_TIMEOUT.as_secs_f64()
-        );
+        let instead = format!("the default {} s", DEFAULT_TIMEOUT.as_secs_f64());
         warn_invalid(
             TIMEOUT_S,
             v,
@@ -164,12 +165,13 @@ pub fn no_simd() -> bool {
     flag(NO_SIMD, true).unwrap_or(false)
 }
 
-/// `EPCOMM_FAULT_POINT`: the point where this process is to kill itself, if a valid one is set.
-pub fn fault_point() -> Option<&'static str> {
-    let expected = || format!("one of {}", crate::fault::POINTS.join(", "));
+/// `EPCOMM_FAULT_POINT`: the point where this process is to kill itself, if it names one of
+/// `points` (the fault module's list, passed in so that this leaf imports nothing above it).
+pub fn fault_point(points: &[&'static str]) -> Option<&'static str> {
+    let expected = || format!("one of {}", points.join(", "));
     match read(FAULT_POINT)? {
         Ok(v) => {
-            let point = crate::fault::POINTS.iter().copied().find(|p| *p == v);
+            let point = points.iter().copied().find(|p| *p == v);
             if point.is_none() {
                 warn_invalid(FAULT_POINT, &v, &expected(), "no fault point");
             }

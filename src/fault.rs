@@ -17,7 +17,7 @@ pub const POINTS: [&str; 6] = [
 
 fn armed() -> Option<&'static str> {
     static POINT: OnceLock<Option<&'static str>> = OnceLock::new();
-    *POINT.get_or_init(crate::env::fault_point)
+    *POINT.get_or_init(|| crate::env::fault_point(&POINTS))
 }
 
 /// Kills this process if `EPCOMM_FAULT_POINT` names `name` (one of [`POINTS`]).

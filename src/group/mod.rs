@@ -14,8 +14,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::num::FloatKind;
 
-/// Default timeout of every wait, unless `EPCOMM_TIMEOUT_S` or the options say otherwise.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+pub use crate::env::DEFAULT_TIMEOUT;
 
 /// Options shared by all transports.
 #[derive(Debug, Clone, PartialEq)]
