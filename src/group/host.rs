@@ -619,8 +619,8 @@ fn copy_self_sends(ops: &mut [P2p<'_>], me: usize) -> Result<()> {
     let self_sends: Vec<Vec<u8>> = ops
         .iter()
         .filter_map(|o| match o {
-            P2p::Send { peer, data } if *peer == me => Some(data.to_vec()),
-            _ => None,
+            P2p::Send { peer, data } => (*peer == me).then(|| data.to_vec()),
+            P2p::Recv { .. } => None,
         })
         .collect();
     let mut k = 0;
