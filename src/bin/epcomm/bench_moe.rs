@@ -347,6 +347,271 @@ fn row_text(cols: [&str; 11]) -> String {
     s
 }
 
+/// The header lines of the text table.
+fn print_header(p: &Params) {
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let tol = tolerance(p.kind);
+    let oversub = if p.ranks > ncpu {
+        ", oversubscribed"
+    } else {
+        ""
+    };
+    println!(
+        "# epcomm bench moe: dispatch + combine over shared memory, {} ranks (processes, one per core{oversub})",
+        p.ranks
+    );
+    println!(
+        "# hidden {} {}, {} experts, top-{}, {} routing, {} iterations after {} warm-up; times: median over iterations of the slowest rank",
+        p.hidden, p.kind.name(), p.experts, p.topk, p.routing.name(), p.iters, p.warmup
+    );
+    println!("# size: bytes per rank of dispatch + combine (its rank-deduplicated rows out, the same rows back); time = dispatch + combine");
+    println!(
+        "# algbw = size / time; busbw = algbw * (n-1)/n with n = {} ranks (nccl-tests' alltoall); memcpy: one copy of the bytes dispatch received, same run",
+        p.ranks
+    );
+    println!("# #wrong: elements of the combined output (toy experts on the received rows) off the single-process float32 reference by more than {tol:.0e} relative, all ranks");
+    println!("#");
+    println!(
+        "# {}",
+        row_text([
+            "backend",
+            "T",
+            "size(B)",
+            "dispatch(us)",
+            "combine(us)",
+            "time(us)",
+            "p99(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)",
+            "memcpy(us)",
+            "#wrong"
+        ])
+    );
+}
+
+/// A progress bar on a terminal, a hidden one elsewhere.
+fn progress_bar(cases: usize) -> indicatif::ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let b = indicatif::ProgressBar::new(cases as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} cases {msg}",
+    ) {
+        b.set_style(style);
+    }
+    b.enable_steady_tick(std::time::Duration::from_millis(200));
+    b
+}
+
+/// The parent's side of a run: the ranks' lines per case, and the cases reported so far.
+struct Collector<'a> {
+    p: &'a Params,
+    json_out: bool,
+    cases: Vec<(String, usize)>,
+    bar: indicatif::ProgressBar,
+    /// Per case: each rank's SAMPLE fields, or the refusal line.
+    samples: Vec<Vec<Option<Vec<String>>>>,
+    refused: Vec<Option<String>>,
+    /// The first case not reported yet.
+    next: usize,
+    rows: Vec<Measured>,
+    json: Vec<serde_json::Value>,
+    chart: Vec<crate::plot::Series>,
+    roofline: Vec<(f64, f64)>,
+}
+
+impl Collector<'_> {
+    fn new(p: &Params, json_out: bool) -> Collector<'_> {
+        let cases = p.cases();
+        Collector {
+            p,
+            json_out,
+            bar: progress_bar(cases.len()),
+            samples: vec![vec![None; p.ranks]; cases.len()],
+            refused: vec![None; cases.len()],
+            cases,
+            next: 0,
+            rows: Vec::new(),
+            json: Vec::new(),
+            chart: Vec::new(),
+            roofline: Vec::new(),
+        }
+    }
+
+    /// Takes one line of rank `rank`'s stdout.
+    fn take(&mut self, rank: usize, line: &str) {
+        let mut f = line.split_whitespace();
+        let (tag, idx) = (f.next(), f.next().and_then(|s| s.parse::<usize>().ok()));
+        let Some(i) = idx.filter(|&i| i < self.cases.len()) else {
+            return;
+        };
+        match tag {
+            Some("START") => self
+                .bar
+                .set_message(format!("{} T={}", self.cases[i].0, self.cases[i].1)),
+            Some("REFUSED") => {
+                self.refused[i] = Some(line.splitn(3, ' ').nth(2).unwrap_or("").into())
+            }
+            Some("SAMPLE") => {
+                self.samples[i][rank] =
+                    Some(line.split_whitespace().skip(1).map(String::from).collect())
+            }
+            _ => return,
+        }
+        self.report_complete();
+    }
+
+    /// Reports every case that is complete, in order, as soon as it is.
+    fn report_complete(&mut self) {
+        while self.next < self.cases.len() {
+            if let Some(why) = &self.refused[self.next] {
+                self.bar.suspend(|| eprintln!("epcomm bench moe: {why}"));
+            } else if self.samples[self.next].iter().all(Option::is_some) {
+                let fields: Vec<Vec<String>> =
+                    self.samples[self.next].iter().flatten().cloned().collect();
+                let r = measure(self.p, &fields);
+                self.report(r);
+            } else {
+                break;
+            }
+            self.next += 1;
+            self.bar.inc(1);
+        }
+    }
+
+    /// One measured case: its table line or JSON object, and its chart points.
+    fn report(&mut self, r: Measured) {
+        let n = self.p.ranks as f64;
+        let algbw = r.size / r.pair / 1e9;
+        let busbw = algbw * (n - 1.0) / n;
+        if self.json_out {
+            self.json.push(serde_json::json!({
+                "backend": r.name, "tokens": r.t, "ranks": self.p.ranks,
+                "size_bytes": r.size, "time_us": r.pair * 1e6,
+                "algbw_gbps": algbw, "busbw_gbps": busbw, "wrong": r.wrong,
+                "dispatch_ms": r.dispatch * 1e3, "combine_ms": r.combine * 1e3,
+                "pair_ms": r.pair * 1e3, "pair_p99_ms": r.pair_p99 * 1e3,
+                "gbps_dedup": algbw, "gbps_per_expert": r.size_per_expert / r.pair / 1e9,
+                "memcpy_ms": r.memcpy * 1e3,
+            }));
+        } else {
+            let us = |s: f64| format!("{:.1}", s * 1e6);
+            let text = row_text([
+                &r.name,
+                &r.t.to_string(),
+                &format!("{:.0}", r.size),
+                &us(r.dispatch),
+                &us(r.combine),
+                &us(r.pair),
+                &us(r.pair_p99),
+                &format!("{algbw:.2}"),
+                &format!("{busbw:.2}"),
+                &us(r.memcpy),
+                &r.wrong.to_string(),
+            ]);
+            self.bar.suspend(|| {
+                println!("  {text}");
+                let _ = std::io::stdout().flush();
+            });
+        }
+        match self.chart.iter_mut().find(|s| s.label == r.name) {
+            Some(s) => s.points.push((r.t as f64, algbw)),
+            None => self.chart.push(crate::plot::Series {
+                label: r.name.clone(),
+                points: vec![(r.t as f64, algbw)],
+                dashed: false,
+            }),
+        }
+        if !self.roofline.iter().any(|x| x.0 == r.t as f64) && r.memcpy > 0.0 {
+            self.roofline
+                .push((r.t as f64, r.size / 2.0 / r.memcpy / 1e9));
+        }
+        self.rows.push(r);
+    }
+
+    /// The closing lines (or the JSON array), the chart, and the exit code.
+    fn finish(self, svg: Option<&str>, failed_ranks: usize) -> ExitCode {
+        let (p, n) = (self.p, self.p.ranks as f64);
+        let wrong: u64 = self
+            .rows
+            .iter()
+            .map(|r| r.wrong)
+            .fold(0, u64::saturating_add);
+        let n_refused = self.refused.iter().flatten().count();
+        if self.json_out {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::Value::Array(self.json))
+                    .unwrap_or_default()
+            );
+        } else {
+            let avg = self
+                .rows
+                .iter()
+                .map(|r| r.size / r.pair / 1e9 * (n - 1.0) / n)
+                .sum::<f64>()
+                / self.rows.len().max(1) as f64;
+            crate::stats::nccl_summary(wrong, avg);
+            if n_refused > 0 {
+                println!(
+                    "# {n_refused} of {} cases refused for memory (see stderr)",
+                    self.cases.len()
+                );
+            }
+        }
+        if let Some(path) = svg {
+            if let Err(e) = write_chart(p, path, self.chart, self.roofline) {
+                eprintln!("epcomm: cannot write {path}: {e}");
+                return ExitCode::from(1);
+            }
+        }
+        if failed_ranks > 0 || self.next < self.cases.len() {
+            eprintln!("epcomm: {failed_ranks} benchmark rank(s) failed (their errors are above)");
+            ExitCode::from(1)
+        } else if wrong > 0 {
+            eprintln!("epcomm: {wrong} wrong values in the combined outputs");
+            ExitCode::from(1)
+        } else if self.rows.is_empty() {
+            eprintln!("epcomm: every case was refused; nothing was measured");
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+/// The SVG chart: one line per backend, and the memcpy roofline dashed.
+fn write_chart(
+    p: &Params,
+    path: &str,
+    mut chart: Vec<crate::plot::Series>,
+    mut roofline: Vec<(f64, f64)>,
+) -> std::io::Result<()> {
+    roofline.sort_by(|a, b| a.0.total_cmp(&b.0));
+    chart.push(crate::plot::Series {
+        label: "memcpy (same bytes)".into(),
+        points: roofline,
+        dashed: true,
+    });
+    let title = format!(
+        "dispatch+combine, {} ranks, H={} {}, E={}, top-{}, {} routing",
+        p.ranks,
+        p.hidden,
+        p.kind.name(),
+        p.experts,
+        p.topk,
+        p.routing.name()
+    );
+    let svg = crate::plot::line_chart(
+        &title,
+        "tokens per rank (T)",
+        "GB/s per rank (algbw: rank-deduplicated bytes)",
+        &chart,
+    );
+    std::fs::write(path, svg)
+}
+
 /// `epcomm bench moe`.
 pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
     let p = match params(a) {
@@ -356,213 +621,27 @@ pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
     if let Some(code) = crate::ranks::as_rank(|rank, group| rank_main(&p, rank, group)) {
         return code;
     }
-    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cases = p.cases();
-    let n = p.ranks as f64;
-    let tol = tolerance(p.kind);
     if !a.json {
-        let oversub = if p.ranks > ncpu {
-            ", oversubscribed"
-        } else {
-            ""
-        };
-        println!(
-            "# epcomm bench moe: dispatch + combine over shared memory, {} ranks (processes, one per core{oversub})",
-            p.ranks
-        );
-        println!(
-            "# hidden {} {}, {} experts, top-{}, {} routing, {} iterations after {} warm-up; times: median over iterations of the slowest rank",
-            p.hidden, p.kind.name(), p.experts, p.topk, p.routing.name(), p.iters, p.warmup
-        );
-        println!("# size: bytes per rank of dispatch + combine (its rank-deduplicated rows out, the same rows back); time = dispatch + combine");
-        println!(
-            "# algbw = size / time; busbw = algbw * (n-1)/n with n = {} ranks (nccl-tests' alltoall); memcpy: one copy of the bytes dispatch received, same run",
-            p.ranks
-        );
-        println!("# #wrong: elements of the combined output (toy experts on the received rows) off the single-process float32 reference by more than {tol:.0e} relative, all ranks");
-        println!("#");
-        println!(
-            "# {}",
-            row_text([
-                "backend",
-                "T",
-                "size(B)",
-                "dispatch(us)",
-                "combine(us)",
-                "time(us)",
-                "p99(us)",
-                "algbw(GB/s)",
-                "busbw(GB/s)",
-                "memcpy(us)",
-                "#wrong"
-            ])
-        );
+        print_header(&p);
     }
     let _ = std::io::stdout().flush();
-    let bar = if std::io::stderr().is_terminal() {
-        let b = indicatif::ProgressBar::new(cases.len() as u64);
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} cases {msg}",
-        ) {
-            b.set_style(style);
-        }
-        b.enable_steady_tick(std::time::Duration::from_millis(200));
-        b
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let mut c = Collector::new(&p, a.json);
     let ranks = match crate::ranks::Ranks::spawn(p.ranks, "benchmoe", &[]) {
         Ok(r) => r,
         Err(e) => {
-            bar.finish_and_clear();
+            c.bar.finish_and_clear();
             eprintln!("epcomm: {e}");
             return ExitCode::from(1);
         }
     };
-    // Per case: each rank's SAMPLE fields, or the refusal line.
-    let mut samples: Vec<Vec<Option<Vec<String>>>> = vec![vec![None; p.ranks]; cases.len()];
-    let mut refused: Vec<Option<String>> = vec![None; cases.len()];
-    let mut next = 0;
-    let mut rows: Vec<Measured> = Vec::new();
-    let mut json = Vec::new();
-    let mut chart: Vec<crate::plot::Series> = Vec::new();
-    let mut roofline: Vec<(f64, f64)> = Vec::new();
     while let Some((rank, line)) = ranks.next_line() {
-        let mut f = line.split_whitespace();
-        let (tag, idx) = (f.next(), f.next().and_then(|s| s.parse::<usize>().ok()));
-        let Some(i) = idx.filter(|&i| i < cases.len()) else {
-            continue;
-        };
-        match tag {
-            Some("START") => bar.set_message(format!("{} T={}", cases[i].0, cases[i].1)),
-            Some("REFUSED") => refused[i] = Some(line.splitn(3, ' ').nth(2).unwrap_or("").into()),
-            Some("SAMPLE") => {
-                samples[i][rank] = Some(line.split_whitespace().skip(1).map(String::from).collect())
-            }
-            _ => continue,
-        }
-        // Print every case that is complete, in order, as soon as it is.
-        while next < cases.len() {
-            if let Some(why) = &refused[next] {
-                bar.suspend(|| eprintln!("epcomm bench moe: {why}"));
-            } else if samples[next].iter().all(Option::is_some) {
-                let fields: Vec<Vec<String>> = samples[next].iter().flatten().cloned().collect();
-                let r = measure(&p, &fields);
-                let algbw = r.size / r.pair / 1e9;
-                let busbw = algbw * (n - 1.0) / n;
-                if a.json {
-                    json.push(serde_json::json!({
-                        "backend": r.name, "tokens": r.t, "ranks": p.ranks,
-                        "size_bytes": r.size, "time_us": r.pair * 1e6,
-                        "algbw_gbps": algbw, "busbw_gbps": busbw, "wrong": r.wrong,
-                        "dispatch_ms": r.dispatch * 1e3, "combine_ms": r.combine * 1e3,
-                        "pair_ms": r.pair * 1e3, "pair_p99_ms": r.pair_p99 * 1e3,
-                        "gbps_dedup": algbw, "gbps_per_expert": r.size_per_expert / r.pair / 1e9,
-                        "memcpy_ms": r.memcpy * 1e3,
-                    }));
-                } else {
-                    let us = |s: f64| format!("{:.1}", s * 1e6);
-                    let text = row_text([
-                        &r.name,
-                        &r.t.to_string(),
-                        &format!("{:.0}", r.size),
-                        &us(r.dispatch),
-                        &us(r.combine),
-                        &us(r.pair),
-                        &us(r.pair_p99),
-                        &format!("{algbw:.2}"),
-                        &format!("{busbw:.2}"),
-                        &us(r.memcpy),
-                        &r.wrong.to_string(),
-                    ]);
-                    bar.suspend(|| {
-                        println!("  {text}");
-                        let _ = std::io::stdout().flush();
-                    });
-                }
-                match chart.iter_mut().find(|s| s.label == r.name) {
-                    Some(s) => s.points.push((r.t as f64, algbw)),
-                    None => chart.push(crate::plot::Series {
-                        label: r.name.clone(),
-                        points: vec![(r.t as f64, algbw)],
-                        dashed: false,
-                    }),
-                }
-                if !roofline.iter().any(|x| x.0 == r.t as f64) && r.memcpy > 0.0 {
-                    roofline.push((r.t as f64, r.size / 2.0 / r.memcpy / 1e9));
-                }
-                rows.push(r);
-            } else {
-                break;
-            }
-            next += 1;
-            bar.inc(1);
-        }
+        c.take(rank, &line);
     }
-    bar.finish_and_clear();
+    c.bar.finish_and_clear();
     let failed_ranks = ranks
         .wait()
         .iter()
         .filter(|s| !s.as_ref().is_ok_and(|s| s.success()))
         .count();
-    let wrong: u64 = rows.iter().map(|r| r.wrong).fold(0, u64::saturating_add);
-    let n_refused = refused.iter().flatten().count();
-    if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::Value::Array(json)).unwrap_or_default()
-        );
-    } else {
-        let avg = rows
-            .iter()
-            .map(|r| r.size / r.pair / 1e9 * (n - 1.0) / n)
-            .sum::<f64>()
-            / rows.len().max(1) as f64;
-        crate::stats::nccl_summary(wrong, avg);
-        if n_refused > 0 {
-            println!(
-                "# {n_refused} of {} cases refused for memory (see stderr)",
-                cases.len()
-            );
-        }
-    }
-    if let Some(path) = &a.svg {
-        roofline.sort_by(|a, b| a.0.total_cmp(&b.0));
-        chart.push(crate::plot::Series {
-            label: "memcpy (same bytes)".into(),
-            points: roofline,
-            dashed: true,
-        });
-        let title = format!(
-            "dispatch+combine, {} ranks, H={} {}, E={}, top-{}, {} routing",
-            p.ranks,
-            p.hidden,
-            p.kind.name(),
-            p.experts,
-            p.topk,
-            p.routing.name()
-        );
-        let svg = crate::plot::line_chart(
-            &title,
-            "tokens per rank (T)",
-            "GB/s per rank (algbw: rank-deduplicated bytes)",
-            &chart,
-        );
-        if let Err(e) = std::fs::write(path, svg) {
-            eprintln!("epcomm: cannot write {path}: {e}");
-            return ExitCode::from(1);
-        }
-    }
-    if failed_ranks > 0 || next < cases.len() {
-        eprintln!("epcomm: {failed_ranks} benchmark rank(s) failed (their errors are above)");
-        ExitCode::from(1)
-    } else if wrong > 0 {
-        eprintln!("epcomm: {wrong} wrong values in the combined outputs");
-        ExitCode::from(1)
-    } else if rows.is_empty() {
-        eprintln!("epcomm: every case was refused; nothing was measured");
-        ExitCode::from(1)
-    } else {
-        ExitCode::SUCCESS
-    }
+    c.finish(a.svg.as_deref(), failed_ranks)
 }

@@ -218,6 +218,163 @@ enum Outcome {
     Unavailable,
 }
 
+/// What the rank processes reported.
+struct Reports {
+    /// Per backend (in the order asked), each rank's result line.
+    rows: Vec<(String, Vec<Row>)>,
+    /// Backends epcomm has no kernels for.
+    unavailable: Vec<String>,
+    /// The first failure reported for a backend.
+    failures: Vec<(String, String)>,
+    /// Whether a rank process failed.
+    rank_failed: bool,
+}
+
+impl Reports {
+    fn new(p: &Params) -> Reports {
+        // A backend whose manager cannot exist here is unavailable whatever the ranks did
+        // (creating a manager only validates; nothing is allocated before the first dispatch).
+        let unavailable = p
+            .backends
+            .iter()
+            .filter(|name| {
+                matches!(
+                    Manager::new(name, p.config(), 0, p.ranks),
+                    Err(Error::MoonEpUnavailable)
+                )
+            })
+            .cloned()
+            .collect();
+        Reports {
+            rows: p.backends.iter().map(|b| (b.clone(), Vec::new())).collect(),
+            unavailable,
+            failures: Vec::new(),
+            rank_failed: false,
+        }
+    }
+
+    /// Takes one line of a rank's stdout.
+    fn take(&mut self, line: &str) {
+        if let Some(rest) = line.strip_prefix("RESULT ") {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            if let (Some(slot), [_, e, d, c, t, b]) =
+                (self.rows.iter_mut().find(|r| r.0 == f[0]), f.as_slice())
+            {
+                slot.1.push(Row {
+                    err: e.parse().unwrap_or(f32::INFINITY),
+                    dispatch: d.parse().unwrap_or(0.0),
+                    combine: c.parse().unwrap_or(0.0),
+                    tokens: t.parse().unwrap_or(0),
+                    bytes: b.parse().unwrap_or(0),
+                });
+            }
+        } else if let Some(name) = line.strip_prefix("UNAVAILABLE ") {
+            if !self.unavailable.iter().any(|s| s == name) {
+                self.unavailable.push(name.to_owned());
+            }
+        } else if let Some(rest) = line.strip_prefix("FAIL ") {
+            let (name, why) = rest.split_once(' ').unwrap_or((rest, ""));
+            if !self.failures.iter().any(|f| f.0 == name) {
+                self.failures.push((name.to_owned(), why.to_owned()));
+            }
+        }
+    }
+
+    /// What became of backend `name`, whose ranks reported `r`.
+    fn outcome(&self, p: &Params, name: &str, r: &[Row]) -> Outcome {
+        let tol = crate::stats::tolerance(p.kind);
+        if self.unavailable.iter().any(|u| u == name) {
+            Outcome::Unavailable
+        } else if let Some((_, why)) = self.failures.iter().find(|f| f.0 == name) {
+            Outcome::Failed(why.clone())
+        } else if r.len() != p.ranks {
+            Outcome::Failed(format!(
+                "{} of {} ranks finished (see the rank errors above)",
+                r.len(),
+                p.ranks
+            ))
+        } else {
+            let err = r.iter().map(|x| x.err).fold(0.0, f32::max);
+            if err <= tol {
+                Outcome::Passed
+            } else {
+                Outcome::Failed(format!("max relative error {err:.2e} above {tol:.0e}"))
+            }
+        }
+    }
+}
+
+/// One line of the table.
+fn print_row(p: &Params, name: &str, r: &[Row], outcome: &Outcome) {
+    let layout = all2all::resolve_quiet(name).map_or("?", |x| x.backend.layout().name());
+    match outcome {
+        Outcome::Unavailable => {
+            println!("{name:<28} {layout:<14} unavailable: MoonEP kernels are not part of epcomm")
+        }
+        Outcome::Failed(why) if r.len() != p.ranks => {
+            println!("{name:<28} {layout:<14} FAILED: {why}")
+        }
+        Outcome::Passed | Outcome::Failed(_) => {
+            // Wall time of a step is the slowest rank's.
+            let time = r.iter().map(|x| x.dispatch + x.combine).fold(0.0, f64::max);
+            let tokens: u64 = r.iter().map(|x| x.tokens).sum();
+            let bytes: u64 = r.iter().map(|x| x.bytes).sum();
+            let err = r.iter().map(|x| x.err).fold(0.0, f32::max);
+            println!(
+                "{:<28} {:<14} {:>12.0} {:>9.2} {:>12.2e} {:>10.2}  {}",
+                name,
+                layout,
+                tokens as f64 / time,
+                bytes as f64 / time / 1e9,
+                err,
+                time * 1e3 / p.steps as f64,
+                match outcome {
+                    Outcome::Passed => "ok",
+                    Outcome::Failed(_) | Outcome::Unavailable => "FAILED",
+                }
+            );
+        }
+    }
+}
+
+/// The closing lines and the exit code.
+fn summary(p: &Params, reports: &Reports, outcomes: &[Outcome]) -> ExitCode {
+    let (mut ran, mut passed) = (0, 0);
+    for o in outcomes {
+        match o {
+            Outcome::Passed => (ran, passed) = (ran + 1, passed + 1),
+            Outcome::Failed(_) => ran += 1,
+            Outcome::Unavailable => {}
+        }
+    }
+    println!(
+        "\nEvery rank's combined output was compared with a single-process float32 reference (tolerance {:.0e} relative for {}).",
+        crate::stats::tolerance(p.kind),
+        p.kind.name()
+    );
+    let plural = if ran == 1 { "" } else { "s" };
+    let mut summary = format!("{ran} backend{plural} ran, {passed} passed");
+    let unavailable = &reports.unavailable;
+    if !unavailable.is_empty() {
+        summary.push_str(&format!(
+            "; {} unavailable ({})",
+            unavailable.len(),
+            unavailable.join(", ")
+        ));
+    }
+    println!("{summary}");
+    if ran == 0 {
+        eprintln!("epcomm demo: no backend ran");
+        ExitCode::from(1)
+    } else if passed < ran || reports.rank_failed {
+        eprintln!("epcomm demo: FAILED");
+        ExitCode::from(1)
+    } else {
+        println!("All checks passed.");
+        ExitCode::SUCCESS
+    }
+}
+
 /// `epcomm demo`.
 pub fn cmd_demo(a: &DemoArgs) -> ExitCode {
     let p = match params(a) {
@@ -245,138 +402,20 @@ pub fn cmd_demo(a: &DemoArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let mut rows: Vec<(String, Vec<Row>)> =
-        p.backends.iter().map(|b| (b.clone(), Vec::new())).collect();
-    // A backend whose manager cannot exist here is unavailable whatever the ranks did (creating
-    // a manager only validates; nothing is allocated before the first dispatch).
-    let mut unavailable: Vec<String> = p
-        .backends
-        .iter()
-        .filter(|name| {
-            let cfg = p.config();
-            if let Err(Error::MoonEpUnavailable) = Manager::new(name, cfg, 0, p.ranks) {
-                return true;
-            }
-            false
-        })
-        .cloned()
-        .collect();
-    let mut failures: Vec<(String, String)> = Vec::new();
-    let mut rank_failed = false;
+    let mut reports = Reports::new(&p);
     for out in outputs {
-        rank_failed |= !out.success;
-        for line in out.stdout.lines() {
-            if let Some(rest) = line.strip_prefix("RESULT ") {
-                let f: Vec<&str> = rest.split_whitespace().collect();
-                if let (Some(slot), [_, e, d, c, t, b]) =
-                    (rows.iter_mut().find(|r| r.0 == f[0]), f.as_slice())
-                {
-                    slot.1.push(Row {
-                        err: e.parse().unwrap_or(f32::INFINITY),
-                        dispatch: d.parse().unwrap_or(0.0),
-                        combine: c.parse().unwrap_or(0.0),
-                        tokens: t.parse().unwrap_or(0),
-                        bytes: b.parse().unwrap_or(0),
-                    });
-                }
-            } else if let Some(name) = line.strip_prefix("UNAVAILABLE ") {
-                if !unavailable.iter().any(|s| s == name) {
-                    unavailable.push(name.to_owned());
-                }
-            } else if let Some(rest) = line.strip_prefix("FAIL ") {
-                let (name, why) = rest.split_once(' ').unwrap_or((rest, ""));
-                if !failures.iter().any(|f| f.0 == name) {
-                    failures.push((name.to_owned(), why.to_owned()));
-                }
-            }
-        }
+        reports.rank_failed |= !out.success;
+        out.stdout.lines().for_each(|line| reports.take(line));
     }
     println!(
         "\n{:<28} {:<14} {:>12} {:>9} {:>12} {:>10}  check",
         "backend", "layout", "tokens/s", "GB/s", "max rel err", "ms/step"
     );
-    let tol = crate::stats::tolerance(p.kind);
     let mut outcomes = Vec::new();
-    for (name, r) in &rows {
-        let layout = all2all::resolve_quiet(name).map_or("?", |x| x.backend.layout().name());
-        let outcome = if unavailable.contains(name) {
-            Outcome::Unavailable
-        } else if let Some((_, why)) = failures.iter().find(|f| &f.0 == name) {
-            Outcome::Failed(why.clone())
-        } else if r.len() != p.ranks {
-            Outcome::Failed(format!(
-                "{} of {} ranks finished (see the rank errors above)",
-                r.len(),
-                p.ranks
-            ))
-        } else {
-            let err = r.iter().map(|x| x.err).fold(0.0, f32::max);
-            if err <= tol {
-                Outcome::Passed
-            } else {
-                Outcome::Failed(format!("max relative error {err:.2e} above {tol:.0e}"))
-            }
-        };
-        match &outcome {
-            Outcome::Unavailable => println!(
-                "{name:<28} {layout:<14} unavailable: MoonEP kernels are not part of epcomm"
-            ),
-            Outcome::Failed(why) if r.len() != p.ranks => {
-                println!("{name:<28} {layout:<14} FAILED: {why}")
-            }
-            Outcome::Passed | Outcome::Failed(_) => {
-                // Wall time of a step is the slowest rank's.
-                let time = r.iter().map(|x| x.dispatch + x.combine).fold(0.0, f64::max);
-                let tokens: u64 = r.iter().map(|x| x.tokens).sum();
-                let bytes: u64 = r.iter().map(|x| x.bytes).sum();
-                let err = r.iter().map(|x| x.err).fold(0.0, f32::max);
-                println!(
-                    "{:<28} {:<14} {:>12.0} {:>9.2} {:>12.2e} {:>10.2}  {}",
-                    name,
-                    layout,
-                    tokens as f64 / time,
-                    bytes as f64 / time / 1e9,
-                    err,
-                    time * 1e3 / p.steps as f64,
-                    match outcome {
-                        Outcome::Passed => "ok",
-                        Outcome::Failed(_) | Outcome::Unavailable => "FAILED",
-                    }
-                );
-            }
-        }
+    for (name, r) in &reports.rows {
+        let outcome = reports.outcome(&p, name, r);
+        print_row(&p, name, r, &outcome);
         outcomes.push(outcome);
     }
-    let (mut ran, mut passed) = (0, 0);
-    for o in &outcomes {
-        match o {
-            Outcome::Passed => (ran, passed) = (ran + 1, passed + 1),
-            Outcome::Failed(_) => ran += 1,
-            Outcome::Unavailable => {}
-        }
-    }
-    println!(
-        "\nEvery rank's combined output was compared with a single-process float32 reference (tolerance {tol:.0e} relative for {}).",
-        p.kind.name()
-    );
-    let plural = if ran == 1 { "" } else { "s" };
-    let mut summary = format!("{ran} backend{plural} ran, {passed} passed");
-    if !unavailable.is_empty() {
-        summary.push_str(&format!(
-            "; {} unavailable ({})",
-            unavailable.len(),
-            unavailable.join(", ")
-        ));
-    }
-    println!("{summary}");
-    if ran == 0 {
-        eprintln!("epcomm demo: no backend ran");
-        ExitCode::from(1)
-    } else if passed < ran || rank_failed {
-        eprintln!("epcomm demo: FAILED");
-        ExitCode::from(1)
-    } else {
-        println!("All checks passed.");
-        ExitCode::SUCCESS
-    }
+    summary(&p, &reports, &outcomes)
 }
