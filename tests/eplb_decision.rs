@@ -11,17 +11,17 @@
 //! runs is `EPLB_DECISION_RUNS` (default 30, in CI), the random moments come from
 //! `EPLB_DECISION_SEED` (default: the clock; printed); `scripts/eplb-decision.sh` runs more.
 
+mod common;
 mod ranks;
 
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use epcomm::eplb::communicator::{self, EplbCommunicator};
 use epcomm::eplb::rearrange::rearrange;
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
-use epcomm::select::eplb::DeviceKind;
 
+use common::eplb_fixture::{self, Weights};
 use ranks::{shm_leftovers, wait_all, Finished};
 
 const WORLD: usize = 3;
@@ -35,44 +35,15 @@ const STOPPED: Duration = Duration::from_millis(1300);
 const PHASE_DEADLINE: Duration = Duration::from_secs(30);
 const CHILD_TEST: &str = "rank_process";
 
-fn expert_row(e: i64, l: usize, t: usize) -> Vec<u8> {
-    (0..ROW_BYTES[t])
-        .map(|i| (e as usize * 31 + l * 7 + t * 3 + i) as u8)
-        .collect()
-}
-
-fn layer_tensors(map: &[i64], l: usize, rank: usize) -> Vec<Vec<u8>> {
-    let n_local = map.len() / WORLD;
-    (0..ROW_BYTES.len())
-        .map(|t| {
-            map[rank * n_local..(rank + 1) * n_local]
-                .iter()
-                .flat_map(|&e| expert_row(e, l, t))
-                .collect()
-        })
-        .collect()
-}
-
-fn old_map() -> Vec<i64> {
-    (0..PHYSICAL).map(|i| (i % LOGICAL) as i64).collect()
-}
+const WEIGHTS: Weights = Weights {
+    world: WORLD,
+    row_bytes: &ROW_BYTES,
+};
 
 /// Layer l: the old map rotated by l + 1 slots, so every layer moves experts between ranks.
 fn new_map(l: usize) -> Vec<i64> {
-    let old = old_map();
+    let old = &eplb_fixture::modulo_placement(1, PHYSICAL, LOGICAL)[0];
     (0..PHYSICAL).map(|i| old[(i + l + 1) % PHYSICAL]).collect()
-}
-
-fn eplb_comm() -> Box<dyn EplbCommunicator> {
-    communicator::create(
-        Some("torch_gloo"),
-        false,
-        DeviceKind::Cpu,
-        &[],
-        false,
-        false,
-    )
-    .unwrap()
 }
 
 fn env(key: &str) -> String {
@@ -88,12 +59,10 @@ fn rank_process() {
         return;
     };
     let rank: usize = env("ED_RANK").parse().unwrap();
-    let old: Vec<Vec<i64>> = (0..LAYERS).map(|_| old_map()).collect();
+    let old = eplb_fixture::modulo_placement(LAYERS, PHYSICAL, LOGICAL);
     let new: Vec<Vec<i64>> = (0..LAYERS).map(new_map).collect();
-    let mut w: Vec<Vec<Vec<u8>>> = (0..LAYERS)
-        .map(|l| layer_tensors(&old[l], l, rank))
-        .collect();
-    let mut c = eplb_comm();
+    let mut w = WEIGHTS.all(&old, rank);
+    let mut c = eplb_fixture::gloo_cpu().unwrap();
     // Ready; then wait for the others, so a slow start (a loaded machine) is not a stall.
     let ready = env("ED_READY");
     std::fs::write(format!("{ready}.{rank}"), b"ready").unwrap();
@@ -109,24 +78,10 @@ fn rank_process() {
     std::fs::write(format!("{ready}.started.{rank}"), b"started").unwrap();
     let start = Instant::now();
     let r = {
-        let mut views: Vec<Vec<&mut [u8]>> = w
-            .iter_mut()
-            .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
-            .collect();
+        let mut views = eplb_fixture::views(&mut w);
         rearrange(&mut g, c.as_mut(), &old, &new, &mut views, &ROW_BYTES, None)
     };
-    let pattern: String = (0..LAYERS)
-        .map(|l| {
-            let is_new = w[l] == layer_tensors(&new[l], l, rank);
-            let is_old = w[l] == layer_tensors(&old[l], l, rank);
-            match (is_new, is_old) {
-                (true, true) => 'B',
-                (true, false) => 'N',
-                (false, true) => 'O',
-                (false, false) => 'X',
-            }
-        })
-        .collect();
+    let pattern = WEIGHTS.pattern(&w, &old, &new, rank);
     println!("\nED_MS {}", start.elapsed().as_millis());
     println!("\nED_LAYERS {pattern}");
     match r {

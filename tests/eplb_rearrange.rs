@@ -3,17 +3,19 @@
 //! maps move nothing; scale-down and scale-up through a rank mapping; a rank that dies
 //! mid-transfer leaves every survivor's weights unchanged.
 
+mod common;
 mod ranks;
 
 use std::time::Duration;
 
 use epcomm::eplb::communicator::{self, EplbCommunicator};
-use epcomm::eplb::policy::rebalance_experts;
 use epcomm::eplb::rearrange::rearrange;
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
 use epcomm::select::eplb::DeviceKind;
 use epcomm::Status;
+
+use common::eplb_fixture::{self, Weights};
 
 const ROW_BYTES: [usize; 2] = [16, 40];
 const LAYERS: usize = 3;
@@ -26,67 +28,26 @@ fn opts() -> GroupOptions {
     }
 }
 
-/// The bytes of expert `e`'s row of tensor `t` in layer `l`.
-fn row(e: i64, l: usize, t: usize) -> Vec<u8> {
-    (0..ROW_BYTES[t])
-        .map(|i| {
-            if e < 0 {
-                0xAB
-            } else {
-                (e as usize * 31 + l * 7 + t * 3 + i) as u8
-            }
-        })
-        .collect()
-}
-
 /// This rank's tensors for a placement: weights[l][t] = rows of its slots.
 fn tensors(map: &[Vec<i64>], rank: usize, world: usize) -> Vec<Vec<Vec<u8>>> {
-    let n_local = map[0].len() / world;
-    (0..LAYERS)
-        .map(|l| {
-            (0..ROW_BYTES.len())
-                .map(|t| {
-                    map[l][rank * n_local..(rank + 1) * n_local]
-                        .iter()
-                        .flat_map(|&e| row(e, l, t))
-                        .collect()
-                })
-                .collect()
-        })
-        .collect()
+    let w = Weights {
+        world,
+        row_bytes: &ROW_BYTES,
+    };
+    w.all(map, rank)
 }
 
 fn initial(physical: usize) -> Vec<Vec<i64>> {
-    (0..LAYERS)
-        .map(|_| (0..physical).map(|i| (i % LOGICAL) as i64).collect())
-        .collect()
+    eplb_fixture::modulo_placement(LAYERS, physical, LOGICAL)
 }
 
 fn balanced(physical: usize, world: usize, seed: u64) -> Vec<Vec<i64>> {
-    let w: Vec<Vec<f32>> = (0..LAYERS)
-        .map(|l| {
-            (0..LOGICAL)
-                .map(|e| ((e * 37 + l * 11 + seed as usize * 5) % 23) as f32 * 10.0)
-                .collect()
-        })
-        .collect();
-    rebalance_experts(&w, physical, 1, 1, world, None)
-        .unwrap()
-        .into_iter()
-        .map(|r| r.into_iter().map(|x| x as i64).collect())
-        .collect()
+    let load = eplb_fixture::skewed_load(LAYERS, LOGICAL, seed as usize, 0.0);
+    eplb_fixture::rebalanced(&load, physical, world)
 }
 
 fn comm() -> Box<dyn EplbCommunicator> {
-    communicator::create(
-        Some("torch_gloo"),
-        false,
-        DeviceKind::Cpu,
-        &[],
-        false,
-        false,
-    )
-    .unwrap()
+    eplb_fixture::gloo_cpu().unwrap()
 }
 
 /// Runs a rearrangement on `world` threads; returns every rank's weights afterwards.
@@ -115,10 +76,7 @@ fn run(
         };
         let mut c = comm();
         let sent = {
-            let mut views: Vec<Vec<&mut [u8]>> = w
-                .iter_mut()
-                .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
-                .collect();
+            let mut views = eplb_fixture::views(&mut w);
             rearrange(
                 &mut g,
                 c.as_mut(),
@@ -243,10 +201,7 @@ fn a_rank_dying_mid_transfer_leaves_survivors_unchanged() {
         let before = w.clone();
         let mut c = comm();
         let r = {
-            let mut views: Vec<Vec<&mut [u8]>> = w
-                .iter_mut()
-                .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
-                .collect();
+            let mut views = eplb_fixture::views(&mut w);
             rearrange(&mut g, c.as_mut(), &old, &new, &mut views, &ROW_BYTES, None)
         };
         let e = r.unwrap_err();
@@ -290,10 +245,7 @@ fn weights_follow_the_new_placement_across_processes() {
         let mut w = tensors(&old, rank, world);
         let mut c = comm();
         {
-            let mut views: Vec<Vec<&mut [u8]>> = w
-                .iter_mut()
-                .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
-                .collect();
+            let mut views = eplb_fixture::views(&mut w);
             rearrange(&mut g, c.as_mut(), &old, &new, &mut views, &ROW_BYTES, None).unwrap();
         }
         assert!(w == tensors(&new, rank, world), "rank {rank} of {world}");

@@ -33,6 +33,7 @@
 //! `cargo test --test fault_matrix -- --nocapture` prints one line per rank and case with the
 //! status and the time the failing call took (the figures in docs/reliability.md).
 
+mod common;
 mod ranks;
 
 use std::os::unix::process::ExitStatusExt;
@@ -40,17 +41,15 @@ use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use epcomm::eplb::communicator::{self, EplbCommunicator};
-use epcomm::eplb::policy::rebalance_experts;
 use epcomm::eplb::rearrange::rearrange;
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::{unit, ToyExperts};
 use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
-use epcomm::select::eplb::DeviceKind;
 use epcomm::Status;
 
+use common::eplb_fixture::{self, Weights};
 use ranks::{shm_leftovers, wait_all, Finished};
 
 const WORLD: usize = 3;
@@ -146,67 +145,20 @@ fn dispatch_combine(g: &mut ShmGroup, rank: usize) -> epcomm::Result<()> {
     Ok(())
 }
 
-// EPLB: synthetic weights whose bytes encode (expert, layer, tensor, element), as in
-// tests/eplb_rearrange.rs.
+// EPLB: synthetic weights whose bytes encode (expert, layer, tensor, element)
+// (tests/common/eplb_fixture.rs).
 const ROW_BYTES: [usize; 2] = [16, 40];
 const PHYSICAL: usize = 12;
 const LOGICAL: usize = 8;
 
-fn expert_row(e: i64, l: usize, t: usize) -> Vec<u8> {
-    (0..ROW_BYTES[t])
-        .map(|i| {
-            if e < 0 {
-                0xAB
-            } else {
-                (e as usize * 31 + l * 7 + t * 3 + i) as u8
-            }
-        })
-        .collect()
-}
-
-fn layer_tensors(map: &[i64], l: usize, rank: usize) -> Vec<Vec<u8>> {
-    let n_local = map.len() / WORLD;
-    (0..ROW_BYTES.len())
-        .map(|t| {
-            map[rank * n_local..(rank + 1) * n_local]
-                .iter()
-                .flat_map(|&e| expert_row(e, l, t))
-                .collect()
-        })
-        .collect()
-}
-
-fn old_placement(layers: usize) -> Vec<Vec<i64>> {
-    (0..layers)
-        .map(|_| (0..PHYSICAL).map(|i| (i % LOGICAL) as i64).collect())
-        .collect()
-}
+const WEIGHTS: Weights = Weights {
+    world: WORLD,
+    row_bytes: &ROW_BYTES,
+};
 
 fn new_placement(layers: usize) -> Vec<Vec<i64>> {
-    let load: Vec<Vec<f32>> = (0..layers)
-        .map(|l| {
-            (0..LOGICAL)
-                .map(|e| ((e * 37 + l * 11 + 5) % 23) as f32 * 10.0 + 1.0)
-                .collect()
-        })
-        .collect();
-    rebalance_experts(&load, PHYSICAL, 1, 1, WORLD, None)
-        .unwrap()
-        .into_iter()
-        .map(|r| r.into_iter().map(|x| x as i64).collect())
-        .collect()
-}
-
-fn eplb_comm() -> Box<dyn EplbCommunicator> {
-    communicator::create(
-        Some("torch_gloo"),
-        false,
-        DeviceKind::Cpu,
-        &[],
-        false,
-        false,
-    )
-    .unwrap()
+    let load = eplb_fixture::skewed_load(layers, LOGICAL, 1, 1.0);
+    eplb_fixture::rebalanced(&load, PHYSICAL, WORLD)
 }
 
 // ---- the child side --------------------------------------------------------------------------
@@ -377,33 +329,17 @@ fn kill_case(group: &str, rank: usize, point: &str, layers: usize) {
             report(start, mode, r);
         }
         "eplb:before_staging" | "eplb:after_staging" => {
-            let (old, new) = (old_placement(layers), new_placement(layers));
-            let mut w: Vec<Vec<Vec<u8>>> = (0..layers)
-                .map(|l| layer_tensors(&old[l], l, rank))
-                .collect();
-            let mut c = eplb_comm();
+            let old = eplb_fixture::modulo_placement(layers, PHYSICAL, LOGICAL);
+            let new = new_placement(layers);
+            let mut w = WEIGHTS.all(&old, rank);
+            let mut c = eplb_fixture::gloo_cpu().unwrap();
             let start = Instant::now();
             let r = {
-                let mut views: Vec<Vec<&mut [u8]>> = w
-                    .iter_mut()
-                    .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
-                    .collect();
+                let mut views = eplb_fixture::views(&mut w);
                 rearrange(&mut g, c.as_mut(), &old, &new, &mut views, &ROW_BYTES, None)
             };
-            // Per layer: N = the new placement's bytes, O = the old one's, B = both (the layer
-            // does not change on this rank), X = anything else.
-            let pattern: String = (0..layers)
-                .map(|l| {
-                    let is_new = w[l] == layer_tensors(&new[l], l, rank);
-                    let is_old = w[l] == layer_tensors(&old[l], l, rank);
-                    match (is_new, is_old) {
-                        (true, true) => 'B',
-                        (true, false) => 'N',
-                        (false, true) => 'O',
-                        (false, false) => 'X',
-                    }
-                })
-                .collect();
+            // Per layer: N = the new placement's bytes, O = the old one's, B = both, X = else.
+            let pattern = WEIGHTS.pattern(&w, &old, &new, rank);
             println!("\nFM_LAYERS {pattern}");
             report(start, mode, r.map(drop));
         }

@@ -5,17 +5,15 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use epcomm::eplb::communicator::{self, EplbCommunicator};
-use epcomm::eplb::policy::rebalance_experts;
 use epcomm::eplb::rearrange::rearrange;
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::{unit, ToyExperts};
 use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
-use epcomm::select::eplb::DeviceKind;
 
 use super::{Class, EPLB, JOBS, RESULT};
+use crate::common::eplb_fixture::{self, Weights};
 
 /// Ranks of a signal or tamper run; a same-name run has two jobs of `SAME_NAME_WORLD`.
 pub const WORLD: usize = 3;
@@ -259,67 +257,21 @@ fn same_name(g: &mut ShmGroup, world: usize, job: u64, done: &mut u64) -> Result
     Ok(())
 }
 
-// EPLB: synthetic weights whose bytes encode (expert, layer, tensor, element), as in
-// tests/fault_matrix.rs.
+// EPLB: synthetic weights whose bytes encode (expert, layer, tensor, element)
+// (tests/common/eplb_fixture.rs).
 const ROW_BYTES: [usize; 2] = [16, 40];
 const PHYSICAL: usize = 12;
 const LOGICAL: usize = 8;
 pub const EPLB_LAYERS: usize = 3;
 
-fn expert_row(e: i64, l: usize, t: usize) -> Vec<u8> {
-    (0..ROW_BYTES[t])
-        .map(|i| {
-            if e < 0 {
-                0xAB
-            } else {
-                (e as usize * 31 + l * 7 + t * 3 + i) as u8
-            }
-        })
-        .collect()
-}
-
-fn layer_tensors(map: &[i64], l: usize, rank: usize) -> Vec<Vec<u8>> {
-    let n_local = map.len() / WORLD;
-    (0..ROW_BYTES.len())
-        .map(|t| {
-            map[rank * n_local..(rank + 1) * n_local]
-                .iter()
-                .flat_map(|&e| expert_row(e, l, t))
-                .collect()
-        })
-        .collect()
-}
-
-fn placement_a() -> Vec<Vec<i64>> {
-    (0..EPLB_LAYERS)
-        .map(|_| (0..PHYSICAL).map(|i| (i % LOGICAL) as i64).collect())
-        .collect()
-}
+const WEIGHTS: Weights = Weights {
+    world: WORLD,
+    row_bytes: &ROW_BYTES,
+};
 
 fn placement_b() -> Vec<Vec<i64>> {
-    let load: Vec<Vec<f32>> = (0..EPLB_LAYERS)
-        .map(|l| {
-            (0..LOGICAL)
-                .map(|e| ((e * 37 + l * 11 + 5) % 23) as f32 * 10.0 + 1.0)
-                .collect()
-        })
-        .collect();
-    rebalance_experts(&load, PHYSICAL, 1, 1, WORLD, None)
-        .unwrap()
-        .into_iter()
-        .map(|r| r.into_iter().map(|x| x as i64).collect())
-        .collect()
-}
-
-fn eplb_comm() -> Result<Box<dyn EplbCommunicator>, StepError> {
-    Ok(communicator::create(
-        Some("torch_gloo"),
-        false,
-        DeviceKind::Cpu,
-        &[],
-        false,
-        false,
-    )?)
+    let load = eplb_fixture::skewed_load(EPLB_LAYERS, LOGICAL, 1, 1.0);
+    eplb_fixture::rebalanced(&load, PHYSICAL, WORLD)
 }
 
 /// The layers a failed rearrangement reports as done: 0 for "no layer was changed", L for
@@ -351,18 +303,14 @@ fn eplb(
     done: &mut u64,
     progress: &mut Option<(u64, u64)>,
 ) -> Result<(), StepError> {
-    let (a, b) = (placement_a(), placement_b());
-    let mut w: Vec<Vec<Vec<u8>>> = (0..EPLB_LAYERS)
-        .map(|l| layer_tensors(&a[l], l, rank))
-        .collect();
-    let mut c = eplb_comm()?;
+    let a = eplb_fixture::modulo_placement(EPLB_LAYERS, PHYSICAL, LOGICAL);
+    let b = placement_b();
+    let mut w = WEIGHTS.all(&a, rank);
+    let mut c = eplb_fixture::gloo_cpu()?;
     for round in 0..steps(Class::Eplb) {
         let (from, to) = if round % 2 == 0 { (&a, &b) } else { (&b, &a) };
         let r = {
-            let mut views: Vec<Vec<&mut [u8]>> = w
-                .iter_mut()
-                .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
-                .collect();
+            let mut views = eplb_fixture::views(&mut w);
             rearrange(g, c.as_mut(), from, to, &mut views, &ROW_BYTES, None)
         };
         let layers_done = match &r {
@@ -378,7 +326,7 @@ fn eplb(
         *progress = Some((round, layers_done));
         for (l, layer) in w.iter().enumerate() {
             let want = if (l as u64) < layers_done { to } else { from };
-            if *layer != layer_tensors(&want[l], l, rank) {
+            if *layer != WEIGHTS.layer(&want[l], l, rank) {
                 return Err(StepError::Wrong(format!(
                     "round {round}: layer {l} holds neither placement as reported ({layers_done} layer(s) done)"
                 )));

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cuda_emu;
+pub mod eplb_fixture;
 pub mod python;
 pub mod skip;
 
