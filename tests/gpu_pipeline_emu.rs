@@ -77,8 +77,11 @@ const EL: usize = 2;
 const K: usize = 2;
 const M: usize = 3;
 
-/// The worked example: per rank (x, ids, weights) and the combine result.
-fn worked_example() -> [(Vec<f32>, Vec<i32>, Vec<f32>, Vec<f32>); R] {
+/// One rank of the worked example: x, ids, weights, and the combine result.
+type Example = (Vec<f32>, Vec<i32>, Vec<f32>, Vec<f32>);
+
+/// The worked example, per rank.
+fn worked_example() -> [Example; R] {
     [
         (
             vec![10., 11., 12.],
@@ -181,8 +184,8 @@ fn capacity_mode_worked_example_on_the_host() {
         );
         // Experts y = (e+1) x on the received rows of each bucket.
         let mut y = vec![0f32; rows.len()];
-        for j in 0..EL {
-            for i in j * cap..j * cap + counts[j] as usize {
+        for (j, &c) in counts.iter().enumerate() {
+            for i in j * cap..j * cap + c as usize {
                 y[i] = (r.d * EL + j + 1) as f32 * rows[i];
             }
         }
