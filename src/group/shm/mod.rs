@@ -25,6 +25,21 @@
 //! group conflicted, so neither job forms a group with the other's ranks. Every wait is
 //! bounded by the timeout and checks peers' liveness (pid gone or zombie, or the peer marked
 //! itself failed/left) about every 50 ms.
+//!
+//! Files, one idea each (this file holds the handle and the wiring):
+//!
+//! | file | holds |
+//! |---|---|
+//! | `segment.rs` | sealed memfd segments, the rendezvous file, `pid_alive`, cross-process copies: the transport's `unsafe` |
+//! | `layout.rs` | the control segment's layout (header, slots, data descriptors, slot states) and the op header |
+//! | `rendezvous.rs` | group names, unique ids, the rendezvous record, creating or opening rank 0's control segment |
+//! | `join.rs` | joining (claim a slot, wait for every rank, settle, agree on direct reads) and leaving (drop) |
+//! | `wait.rs` | deadlines, the backoff, the liveness period |
+//! | `protocol.rs` | the per-op protocol: begin, publish, wait for peers, finish; growing a region |
+//! | `decision.rs` | the decision word and blame: the first failure, named the same on every rank |
+//! | `agree.rs` | the verdict on the ranks' arguments before any data moves (through `group::agree`) |
+//! | `payload.rs` | reading a rank's published op (every word checked), copying and summing payloads |
+//! | `ops.rs` | the collectives: the `Group` trait over the protocol |
 
 mod agree;
 mod decision;
