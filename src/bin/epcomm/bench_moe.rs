@@ -18,7 +18,7 @@ use std::time::Instant;
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
 use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::{unit, ToyExperts};
-use epcomm::moe::{self, Manager, MoeConfig};
+use epcomm::moe::{self, layout, Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
 use epcomm::select::all2all::{self, Backend};
 
@@ -54,15 +54,16 @@ fn params(a: &MoeArgs) -> Result<Params, String> {
         warmup: a.warmup,
     };
     if p.backends == ["all"] {
+        // Every backend whose layout epcomm implements.
         p.backends = Backend::ALL
             .iter()
-            .filter(|b| **b != Backend::Moonep)
+            .filter(|b| layout::contract(b.layout()).is_some())
             .map(|b| b.name().to_owned())
             .collect();
     }
     for b in &p.backends {
         let r = all2all::resolve_quiet(b).map_err(|e| format!("--backend: {e}"))?;
-        if r.backend == Backend::Moonep {
+        if layout::contract(r.backend.layout()).is_none() {
             return Err("--backend moonep: MoonEP kernels are not part of epcomm".into());
         }
     }
