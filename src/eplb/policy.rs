@@ -1,11 +1,16 @@
-//! vLLM's default EPLB policy (DeepSeek's algorithm, `DefaultEplbPolicy`), bit for bit:
-//! balanced packing, replication by load per replica, the hierarchical placement (groups to
-//! nodes, replicas within nodes, replicas to GPUs), the global fallback, keeping experts in
-//! their old GPU slots, and the logical maps.
+//! vLLM's default EPLB policy (DeepSeek's algorithm, `DefaultEplbPolicy` of v0.33.0): balanced
+//! packing, replication by load per replica, the hierarchical placement (groups to nodes,
+//! replicas within nodes, replicas to GPUs), the global fallback, keeping experts in their old
+//! GPU slots, and the logical maps; each step is its own public function, as vLLM's classmethods.
 //!
 //! Arithmetic follows vLLM's numpy code: loads are float32, sums over a group use numpy's
-//! pairwise float32 summation, load per replica and pack weights are float64, sorts are stable
-//! descending (equal loads keep ascending index), and ties pick the first minimum/maximum.
+//! pairwise float32 summation, load per replica and pack weights are float64, and ties pick the
+//! first minimum/maximum. The one deliberate difference is the packing order: vLLM sorts with
+//! numpy's default `np.argsort(-weight)`, which is not stable (on x86 numpy dispatches it to SIMD
+//! sorting networks, so vLLM's own order of tied loads depends on the CPU and numpy version);
+//! epcomm sorts stably (equal loads keep ascending index), so its result is the same on every
+//! machine and equals vLLM's with `kind="stable"`. Without ties in the packed loads the result
+//! is vLLM's, bit for bit; with ties it is one of the placements vLLM can return.
 
 use crate::error::{Error, Result};
 use crate::log;
@@ -136,7 +141,7 @@ impl Replicas {
     /// Replicates the experts `w` into `num_phy` slots: the first slots are the experts
     /// themselves; each extra slot goes to the expert with the largest load per replica (the first
     /// on ties). Fills `phy2mlog` (physical → logical) and `mlogcnt` (replicas per logical).
-    fn replicate(&mut self, w: &[f32], num_phy: usize) {
+    fn replicate(&mut self, w: &[f64], num_phy: usize) {
         let nl = w.len();
         self.phy2mlog.clear();
         self.phy2mlog.extend(0..nl);
@@ -145,7 +150,7 @@ impl Replicas {
         // Load per replica, updated only for the expert that gains a replica (same division, so
         // the same float64 values as recomputing them all).
         self.per_replica.clear();
-        self.per_replica.extend(w.iter().map(|&x| x as f64));
+        self.per_replica.extend_from_slice(w);
         for _ in nl..num_phy {
             let mut best = 0;
             let mut best_v = f64::NEG_INFINITY;
@@ -157,7 +162,7 @@ impl Replicas {
             }
             self.phy2mlog.push(best);
             self.mlogcnt[best] += 1;
-            self.per_replica[best] = w[best] as f64 / self.mlogcnt[best] as f64;
+            self.per_replica[best] = w[best] / self.mlogcnt[best] as f64;
         }
     }
 }
@@ -170,9 +175,74 @@ fn assertion(cond: bool, what: impl FnOnce() -> String) -> Result<()> {
     }
 }
 
-/// The hierarchical policy for `weight` (`layers` rows of `num_logical` f32 loads):
-/// `num_physical` slots, `num_groups` expert groups, `num_nodes` nodes, `num_gpus` GPUs.
-/// Returns physical → logical per layer.
+/// The common length of the rows of a 2-D argument (vLLM's arrays are rectangular; ragged rows
+/// are a ValueError naming the row).
+fn row_len<T>(rows: &[Vec<T>], what: &str) -> Result<usize> {
+    let n = rows.first().map_or(0, Vec::len);
+    match rows.iter().position(|r| r.len() != n) {
+        None => Ok(n),
+        Some(bad) => Err(Error::InvalidArgument(format!(
+            "{what} row {bad} has {} entries; row 0 has {n}",
+            rows[bad].len()
+        ))),
+    }
+}
+
+/// vLLM's `balanced_packing`: packs the `n` weighted items of each row of `weight` into
+/// `num_packs` packs of `n / num_packs` items, heaviest first, each to the lightest pack that
+/// still has room (the first such on ties). Returns (pack index, rank in pack) per item. Equal
+/// weights are taken in ascending index (a stable sort; see the module doc).
+pub fn balanced_packing(
+    weight: &[Vec<f64>],
+    num_packs: usize,
+) -> Result<(Vec<Vec<usize>>, Vec<Vec<usize>>)> {
+    let n = row_len(weight, "weight")?;
+    assertion(num_packs > 0 && n % num_packs == 0, || {
+        format!("num_groups % num_packs == 0 ({n} % {num_packs})")
+    })?;
+    let mut packer = Packer::default();
+    let (mut packs, mut ranks) = (
+        Vec::with_capacity(weight.len()),
+        Vec::with_capacity(weight.len()),
+    );
+    for w in weight {
+        let (mut pi, mut rk) = (Vec::new(), Vec::new());
+        packer.pack(w, num_packs, &mut pi, &mut rk);
+        packs.push(pi);
+        ranks.push(rk);
+    }
+    Ok((packs, ranks))
+}
+
+/// vLLM's `replicate_experts`: replicates the experts of each row of `weight` into `num_phy`
+/// slots; the first slots are the experts themselves, each extra slot goes to the expert with
+/// the largest load per replica (the first on ties). Returns (physical → logical, replicas per
+/// logical).
+pub fn replicate_experts(
+    weight: &[Vec<f64>],
+    num_phy: usize,
+) -> Result<(Vec<Vec<usize>>, Vec<Vec<usize>>)> {
+    let num_log = row_len(weight, "weight")?;
+    assertion(num_phy >= num_log, || {
+        format!("num_redundant >= 0 ({num_phy} - {num_log})")
+    })?;
+    let mut reps = Replicas::default();
+    let (mut phy2log, mut logcnt) = (
+        Vec::with_capacity(weight.len()),
+        Vec::with_capacity(weight.len()),
+    );
+    for w in weight {
+        reps.replicate(w, num_phy);
+        phy2log.push(reps.phy2mlog.clone());
+        logcnt.push(reps.mlogcnt.clone());
+    }
+    Ok((phy2log, logcnt))
+}
+
+/// vLLM's `rebalance_experts_hierarchical` for `weight` (`layers` rows of `num_logical` f32
+/// loads): `num_physical` slots, `num_groups` expert groups, `num_nodes` nodes, `num_gpus` GPUs.
+/// Returns physical → logical per layer. vLLM's asserts are AssertionErrors in its order (vLLM's
+/// bare `assert` has no text; epcomm's message is the asserted condition with its values).
 pub fn rebalance_hierarchical(
     weight: &[Vec<f32>],
     num_physical: usize,
@@ -180,7 +250,7 @@ pub fn rebalance_hierarchical(
     num_nodes: usize,
     num_gpus: usize,
 ) -> Result<Vec<Vec<usize>>> {
-    let e = weight.first().map_or(0, Vec::len);
+    let e = row_len(weight, "weight")?;
     let (p, g, n, r) = (num_physical, num_groups, num_nodes, num_gpus);
     assertion(g > 0 && e % g == 0, || {
         format!("num_logical_experts % num_groups == 0 ({e} % {g})")
@@ -272,14 +342,14 @@ fn place_layers(weight: &[Vec<f32>], d: Dims) -> Vec<Vec<usize>> {
         for node in 0..n {
             // 2. Replicas within the node.
             tpm.clear();
-            tpm.extend((0..en).map(|i| w[mlog2log[node * en + i]]));
+            tpm.extend((0..en).map(|i| w[mlog2log[node * en + i]] as f64));
             reps.replicate(&tpm, pn);
             // 3. Physical experts onto the node's GPUs by load per replica.
             tpp.clear();
             tpp.extend(
                 reps.phy2mlog
                     .iter()
-                    .map(|&m| tpm[m] as f64 / reps.mlogcnt[m] as f64),
+                    .map(|&m| tpm[m] / reps.mlogcnt[m] as f64),
             );
             packer.pack(&tpp, r / n, &mut pi, &mut rk);
             for x in 0..pn {
@@ -296,47 +366,130 @@ fn place_layers(weight: &[Vec<f32>], d: Dims) -> Vec<Vec<usize>> {
     out
 }
 
-/// Keeps experts that stay on a GPU in their old slots (first unused match); the others fill
-/// the free slots in order. Only reorders within each GPU's block.
-pub fn preserve_intragpu_slots(new: &mut [Vec<usize>], num_gpus: usize, old: &[Vec<usize>]) {
+/// vLLM's `preserve_intragpu_slots`: within each GPU's block of `P / num_ranks` slots, an
+/// expert the new map keeps on that GPU takes its old slot (the first unused match), and the
+/// others fill the remaining slots in order. Values are compared only, so any value (vLLM's -1
+/// for an unused slot included) may appear in either map. Does nothing when `num_ranks` is 0 or
+/// does not divide the slots, as vLLM.
+pub fn preserve_intragpu_slots<T: Copy + PartialEq>(
+    new: &mut [Vec<T>],
+    num_ranks: usize,
+    old: &[Vec<T>],
+) {
     let p = new.first().map_or(0, Vec::len);
-    if num_gpus == 0 || p % num_gpus != 0 {
+    if num_ranks == 0 || p % num_ranks != 0 || p == 0 {
         return;
     }
-    let s = p / num_gpus;
+    let s = p / num_ranks;
+    let (mut used, mut kept, mut block) = (vec![false; s], vec![false; s], Vec::with_capacity(s));
     for (row, old_row) in new.iter_mut().zip(old) {
-        for gpu in 0..num_gpus {
-            let block = &row[gpu * s..(gpu + 1) * s];
-            let old_block = &old_row[gpu * s..(gpu + 1) * s];
-            let mut used = vec![false; s];
-            let mut out: Vec<Option<usize>> = vec![None; s];
-            for (slot, &want) in old_block.iter().enumerate() {
-                if let Some(j) = (0..s).find(|&j| !used[j] && block[j] == want) {
+        for (gpu_new, gpu_old) in row.chunks_mut(s).zip(old_row.chunks(s)) {
+            block.clear();
+            block.extend_from_slice(gpu_new);
+            used.fill(false);
+            kept.fill(false);
+            for (slot, want) in gpu_old.iter().enumerate() {
+                if let Some(j) = (0..s).find(|&j| !used[j] && block[j] == *want) {
                     used[j] = true;
-                    out[slot] = Some(want);
+                    kept[slot] = true;
+                    gpu_new[slot] = block[j];
                 }
             }
-            let mut rest = (0..s).filter(|&j| !used[j]).map(|j| block[j]);
-            let filled: Vec<usize> = out
-                .into_iter()
-                .map(|o| o.unwrap_or_else(|| rest.next().expect("as many free slots as unused")))
-                .collect();
-            row[gpu * s..(gpu + 1) * s].copy_from_slice(&filled);
+            let rest = (0..s).filter(|&j| !used[j]).map(|j| block[j]);
+            for (slot, x) in (0..s).filter(|&k| !kept[k]).zip(rest) {
+                gpu_new[slot] = x;
+            }
         }
     }
 }
 
-/// The caller's warning when GPUs do not divide into nodes (vLLM's text).
+/// The caller's warning when GPUs do not divide into nodes (vLLM's text; vLLM formats it after
+/// setting the node count to 1, so `num_nodes` is the count used).
 pub fn nodes_warning(num_gpus: usize, num_nodes: usize) -> String {
     format!(
         "num_gpus % num_nodes != 0, not using hierarchical rearrangement algorithm.\nnum_gpus={num_gpus}, num_nodes={num_nodes}"
     )
 }
 
-/// vLLM's `rebalance_experts`: `weight` holds integer token counts per logical expert and
-/// layer (converted to float32 as vLLM does). Falls back to one node (with vLLM's warning) when
-/// GPUs do not divide into nodes, and to the global policy when groups do not divide into
-/// nodes; keeps old slots when `old` is given. Returns physical → logical per layer.
+/// What [`rebalance`] does when the ranks do not divide into nodes (R % N != 0).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NodeFallback {
+    /// `DefaultEplbPolicy.rebalance_experts` as it is: with G % N == 0 the hierarchical step
+    /// asserts R % N == 0 (AssertionError); with G % N != 0 the global policy runs.
+    #[default]
+    Policy,
+    /// The rule of vLLM's caller (`EplbState.rearrange`) applied first: R % N != 0 (or N = 0)
+    /// logs its warning once ([`nodes_warning`]) and uses one node.
+    OneNode,
+}
+
+/// The placement asked of the policy (the scalar arguments of vLLM's `rebalance_experts`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Physical expert slots in all (P, a multiple of the ranks).
+    pub num_replicas: usize,
+    /// Expert groups (G).
+    pub num_groups: usize,
+    /// Nodes (N).
+    pub num_nodes: usize,
+    /// Ranks, i.e. GPUs (R).
+    pub num_ranks: usize,
+}
+
+/// vLLM's `DefaultEplbPolicy.rebalance_experts`: `weight` holds token counts per logical expert
+/// and layer (as float32, as vLLM converts them). The hierarchical policy when groups divide into
+/// nodes, else the global one (G = N = 1); with `old` [layers, P], experts that stay on a GPU keep
+/// their old slots (negative old entries, vLLM's -1 for an unused slot, match nothing). `fallback`
+/// chooses whether the eplb_state caller's one-node rule applies first. Returns physical →
+/// logical per layer.
+pub fn rebalance(
+    weight: &[Vec<f32>],
+    shape: Placement,
+    old: Option<&[Vec<i64>]>,
+    fallback: NodeFallback,
+) -> Result<Vec<Vec<usize>>> {
+    let Placement {
+        num_replicas: p,
+        num_groups: g,
+        num_nodes: mut n,
+        num_ranks: r,
+    } = shape;
+    match fallback {
+        NodeFallback::OneNode if n == 0 || r % n != 0 => {
+            n = 1;
+            log::log_once(log::Level::Warn, &nodes_warning(r, n));
+        }
+        NodeFallback::OneNode | NodeFallback::Policy => {}
+    }
+    assertion(n > 0, || format!("num_groups % num_nodes == 0 ({g} % {n})"))?;
+    let mut map = if g % n == 0 {
+        rebalance_hierarchical(weight, p, g, n, r)?
+    } else {
+        rebalance_hierarchical(weight, p, 1, 1, r)?
+    };
+    if let Some(old) = old {
+        if old.len() != map.len() || old.iter().any(|row| row.len() != p) {
+            return Err(Error::InvalidArgument(format!(
+                "old_global_expert_indices must have the shape of the new map [{}, {p}]",
+                map.len()
+            )));
+        }
+        // A negative old entry (an unused slot) becomes a value no new expert has.
+        let old: Vec<Vec<usize>> = old
+            .iter()
+            .map(|row| {
+                row.iter()
+                    .map(|&x| usize::try_from(x).unwrap_or(usize::MAX))
+                    .collect()
+            })
+            .collect();
+        preserve_intragpu_slots(&mut map, r, &old);
+    }
+    Ok(map)
+}
+
+/// [`rebalance`] as vLLM's caller `EplbState.rearrange` runs it ([`NodeFallback::OneNode`]),
+/// with an old map of expert ids: the composition epcomm's earlier callers rely on.
 pub fn rebalance_experts(
     weight: &[Vec<f32>],
     num_replicas: usize,
@@ -345,34 +498,40 @@ pub fn rebalance_experts(
     num_gpus: usize,
     old: Option<&[Vec<usize>]>,
 ) -> Result<Vec<Vec<usize>>> {
-    let mut nodes = num_nodes;
-    if nodes == 0 || num_gpus % nodes != 0 {
-        log::log_once(log::Level::Warn, &nodes_warning(num_gpus, num_nodes));
-        nodes = 1;
-    }
-    let mut map = if num_groups > 0 && num_groups % nodes == 0 {
-        rebalance_hierarchical(weight, num_replicas, num_groups, nodes, num_gpus)?
-    } else {
-        rebalance_hierarchical(weight, num_replicas, 1, 1, num_gpus)?
+    let old: Option<Vec<Vec<i64>>> = old.map(|rows| {
+        rows.iter()
+            .map(|row| {
+                row.iter()
+                    .map(|&x| i64::try_from(x).unwrap_or(-1))
+                    .collect()
+            })
+            .collect()
+    });
+    let shape = Placement {
+        num_replicas,
+        num_groups,
+        num_nodes,
+        num_ranks: num_gpus,
     };
-    if let Some(old) = old {
-        preserve_intragpu_slots(&mut map, num_gpus, old);
-    }
-    Ok(map)
+    rebalance(weight, shape, old.as_deref(), NodeFallback::OneNode)
 }
 
-/// Replica counts per logical expert and the logical → physical map (ascending slots, padded
-/// with -1 to the largest replica count of any expert in any layer).
-pub fn compute_logical_maps(
-    phy2log: &[Vec<usize>],
+/// Replica counts and logical → physical maps: `logcnt[l][x]` and `log2phy[l][x]` (ascending
+/// slots, padded with -1 to the largest count of any expert in any layer, vLLM's `max_replicas`).
+pub type LogicalMaps = (Vec<Vec<usize>>, Vec<Vec<Vec<i64>>>);
+
+/// The logical maps of `phy2log`, where `expert` reads a slot (`None` = an unused slot).
+fn maps_of<T: Copy>(
+    phy2log: &[Vec<T>],
     num_logical: usize,
-) -> (Vec<Vec<usize>>, Vec<Vec<Vec<i64>>>) {
+    expert: impl Fn(T) -> Option<usize>,
+) -> LogicalMaps {
     let counts: Vec<Vec<usize>> = phy2log
         .iter()
         .map(|row| {
             let mut c = vec![0; num_logical];
-            for &e in row {
-                c[e] += 1;
+            for x in row.iter().filter_map(|&v| expert(v)) {
+                c[x] += 1;
             }
             c
         })
@@ -383,14 +542,42 @@ pub fn compute_logical_maps(
         .map(|row| {
             let mut m = vec![vec![-1i64; width]; num_logical];
             let mut fill = vec![0usize; num_logical];
-            for (slot, &e) in row.iter().enumerate() {
-                m[e][fill[e]] = slot as i64;
-                fill[e] += 1;
+            for (slot, x) in row.iter().enumerate() {
+                if let Some(x) = expert(*x) {
+                    m[x][fill[x]] = slot as i64;
+                    fill[x] += 1;
+                }
             }
             m
         })
         .collect();
     (counts, maps)
+}
+
+/// Replica counts per logical expert and the logical → physical map of a map without unused
+/// slots (every id below `num_logical`).
+pub fn compute_logical_maps(phy2log: &[Vec<usize>], num_logical: usize) -> LogicalMaps {
+    maps_of(phy2log, num_logical, Some)
+}
+
+/// vLLM's `compute_logical_maps`: as [`compute_logical_maps`], where a negative slot (vLLM's -1
+/// after a scale-up) is unused and counted nowhere; the width is the largest replica count
+/// (vLLM's `max(logcnt)`, 0 when every slot is unused). An id at or above `num_logical` is an
+/// InvalidArgument naming it (vLLM's scatter raises torch's index error there).
+pub fn logical_maps(phy2log: &[Vec<i64>], num_logical: usize) -> Result<LogicalMaps> {
+    for (l, row) in phy2log.iter().enumerate() {
+        if let Some((slot, &bad)) = row
+            .iter()
+            .enumerate()
+            .find(|(_, &x)| x >= 0 && x as u64 >= num_logical as u64)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "phy2log[{l}][{slot}] is {bad}; expected a logical expert id in [0, {num_logical}) \
+                 or -1 for an unused slot"
+            )));
+        }
+    }
+    Ok(maps_of(phy2log, num_logical, |x| usize::try_from(x).ok()))
 }
 
 /// The smallest number of redundant experts that makes the physical experts divisible by the
