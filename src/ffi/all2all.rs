@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use super::group::{epcomm_group, with_group};
 use super::handle::{exclusive_handle, Exclusive, Handle};
 use super::moe_args::{
-    combine_args, ids_arg, DispatchArgs, DispatchParts, DispatchTensors, OutputViews, Part,
+    combine_args, ids_arg, DispatchArgs, DispatchParts, DispatchTensors, OutputAddrs, OutputViews,
 };
 use super::tensor::{epcomm_tensor, Memory};
 use super::{epcomm_dtype, guard};
@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::moe::{self, Manager, MoeConfig};
 use crate::num::FloatKind;
-use crate::select::all2all::{self, Layout};
+use crate::select::all2all;
 
 /// What an all2all manager is built for; initialise with epcomm_moe_config_init.
 #[repr(C)]
@@ -336,42 +336,28 @@ unsafe fn host_dispatch<'a>(
     Ok((out, HostDispatch { args, ids, weights }))
 }
 
-/// The last dispatch's buffers as C views.
+/// The last dispatch's buffers as C views, shaped by the layout's contract.
 fn describe(mgr: &Manager, views: &mut OutputViews) -> epcomm_dispatch_output {
     let v = mgr.view();
-    let cfg = mgr.config();
-    let k = cfg.top_k;
-    let rows: usize = v.shape[..v.shape.len() - 1].iter().product();
-    let (ids_dims, w_dims) = match v.layout {
-        Layout::TokenMajor | Layout::RankMajor | Layout::Replicated => {
-            (vec![rows, k], vec![rows, k])
-        }
-        Layout::ExpertPacked => (vec![0], vec![rows]),
-        Layout::ExpertMajor | Layout::MoonepSlots => (vec![0], vec![0]),
-    };
-    let part = |addr: *const u8, dtype, dims| Part {
-        addr: addr as usize,
-        dtype,
-        dims,
-    };
-    let flat = |addr: *const u8, dtype, len| Part::flat(addr as usize, dtype, len);
+    let at = |p: *const u8| p as usize;
     let parts = DispatchParts {
         layout: v.layout,
         received_rows: v.received_rows as i64,
-        hidden: part(v.hidden.as_ptr(), cfg.hidden_dtype, v.shape.to_vec()),
-        topk_ids: part(v.topk_ids.as_ptr().cast(), DType::I64, ids_dims),
-        topk_weights: part(v.topk_weights.as_ptr().cast(), DType::F32, w_dims),
-        counts: flat(v.counts.as_ptr().cast(), DType::I32, v.counts.len()),
-        expert_offsets: flat(
-            v.expert_offsets.as_ptr().cast(),
-            DType::I64,
-            v.expert_offsets.len(),
-        ),
-        src_rank: flat(v.src_rank.as_ptr().cast(), DType::I32, v.src_rank.len()),
-        src_token: flat(v.src_token.as_ptr().cast(), DType::I32, v.src_token.len()),
-        extras: v.extras.iter().map(|b| b.as_ptr() as usize).collect(),
+        shapes: mgr.output_shapes(),
+        hidden_dtype: mgr.config().hidden_dtype,
+        offsets_dtype: DType::I64,
+        at: OutputAddrs {
+            hidden: at(v.hidden.as_ptr()),
+            topk_ids: at(v.topk_ids.as_ptr().cast()),
+            topk_weights: at(v.topk_weights.as_ptr().cast()),
+            counts: at(v.counts.as_ptr().cast()),
+            expert_offsets: at(v.expert_offsets.as_ptr().cast()),
+            src_rank: at(v.src_rank.as_ptr().cast()),
+            src_token: at(v.src_token.as_ptr().cast()),
+            extras: v.extras.iter().map(|b| at(b.as_ptr())).collect(),
+        },
     };
-    views.describe(&parts, &cfg.extra_row_bytes, Memory::Host)
+    views.describe(&parts, &mgr.config().extra_row_bytes, Memory::Host)
 }
 
 /// Brings the expert outputs home and reduces them (collective). `expert_output` has the shape

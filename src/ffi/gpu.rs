@@ -411,13 +411,14 @@ mod imp {
     use super::*;
     use crate::dtype::DType;
     use crate::ffi::moe_args::{
-        combine_args, DispatchArgs, DispatchParts, IdWidth, OutputViews, Part,
+        combine_args, DispatchArgs, DispatchParts, IdWidth, OutputAddrs, OutputViews,
     };
     use crate::ffi::tensor::{HostTensor, Memory};
     use crate::gpu::driver::{Device, PrimaryContext, Stream};
     use crate::gpu::kernels::IdDtype;
     use crate::gpu::nccl::{NcclComm, NcclUniqueId};
     use crate::gpu::transport::{DispatchInput, GpuDispatch, GpuManager, GpuMode};
+    use crate::moe::layout::Shapes;
 
     /// What a call on a GPU all2all handle borrows.
     pub(crate) struct GpuState {
@@ -535,34 +536,38 @@ mod imp {
         })
     }
 
-    /// A dispatch's device buffers as CUDA views; a part the layout does not produce is an
-    /// empty `[0]` view at address 0.
+    /// A dispatch's device buffers as CUDA views (a buffer the layout does not produce is
+    /// at address 0).
     fn describe(h: &mut GpuState, o: &GpuDispatch) -> epcomm_dispatch_output {
         let sh = &o.shape;
-        let part = |addr: u64, dtype, dims: &[usize]| match dims.is_empty() {
-            true => Part::flat(0, dtype, 0),
-            false => Part {
-                addr: addr as usize,
-                dtype,
-                dims: dims.to_vec(),
-            },
-        };
-        let flat = |addr: u64, dtype, len| Part::flat(addr as usize, dtype, len);
-        let cfg = h.mgr.config();
+        let at = |a: u64| a as usize;
         let parts = DispatchParts {
             layout: sh.layout,
             received_rows: i64::try_from(sh.received_rows).unwrap_or(-1),
-            hidden: part(o.hidden, cfg.hidden_dtype, &sh.hidden),
-            topk_ids: part(o.topk_ids, DType::I64, &sh.topk_ids),
-            topk_weights: part(o.topk_weights, DType::F32, &sh.topk_weights),
-            counts: flat(o.counts, DType::I32, sh.counts),
-            expert_offsets: flat(o.expert_offsets, DType::I32, sh.expert_offsets),
-            src_rank: flat(o.src_rank, DType::I32, sh.src),
-            src_token: flat(o.src_token, DType::I32, sh.src),
-            extras: o.extras.iter().map(|&p| p as usize).collect(),
+            shapes: Shapes {
+                hidden: sh.hidden.clone(),
+                topk_ids: sh.topk_ids.clone(),
+                topk_weights: sh.topk_weights.clone(),
+                counts: sh.counts,
+                expert_offsets: sh.expert_offsets,
+                src: sh.src,
+            },
+            hidden_dtype: h.mgr.config().hidden_dtype,
+            offsets_dtype: DType::I32,
+            at: OutputAddrs {
+                hidden: at(o.hidden),
+                topk_ids: at(o.topk_ids),
+                topk_weights: at(o.topk_weights),
+                counts: at(o.counts),
+                expert_offsets: at(o.expert_offsets),
+                src_rank: at(o.src_rank),
+                src_token: at(o.src_token),
+                extras: o.extras.iter().map(|&a| at(a)).collect(),
+            },
         };
+        let mem = Memory::Cuda(h.device);
         h.views
-            .describe(&parts, &cfg.extra_row_bytes, Memory::Cuda(h.device))
+            .describe(&parts, &h.mgr.config().extra_row_bytes, mem)
     }
 
     pub(super) unsafe fn combine(

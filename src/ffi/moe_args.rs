@@ -9,6 +9,7 @@ use super::tensor::{epcomm_device, epcomm_tensor, HostTensor, Memory};
 use crate::bytes;
 use crate::dtype::{Code, DType};
 use crate::error::{Error, Result};
+use crate::moe::layout::Shapes;
 use crate::moe::MoeConfig;
 use crate::select::all2all::Layout;
 
@@ -207,49 +208,41 @@ pub(crate) unsafe fn combine_args(
     Ok((y, o))
 }
 
-/// One buffer of a dispatch output: where it is, its element type and extents.
-pub(crate) struct Part {
-    /// Host pointer or device address.
-    pub addr: usize,
-    /// Element type.
-    pub dtype: DType,
-    /// Extents.
-    pub dims: Vec<usize>,
+/// Where each buffer of a dispatch output is: host pointers or device addresses.
+pub(crate) struct OutputAddrs {
+    /// Received rows.
+    pub hidden: usize,
+    /// Per-row ids.
+    pub topk_ids: usize,
+    /// Per-row (or per-id) weights.
+    pub topk_weights: usize,
+    /// Per-expert or per-rank counts.
+    pub counts: usize,
+    /// EXPERT_PACKED offsets.
+    pub expert_offsets: usize,
+    /// EXPERT_PACKED source rank per row.
+    pub src_rank: usize,
+    /// EXPERT_PACKED source token per row.
+    pub src_token: usize,
+    /// Extra payload buffers, rows laid out like `hidden`, in the config's order.
+    pub extras: Vec<usize>,
 }
 
-impl Part {
-    /// A one-dimensional buffer of `len` elements.
-    pub(crate) fn flat(addr: usize, dtype: DType, len: usize) -> Part {
-        Part {
-            addr,
-            dtype,
-            dims: vec![len],
-        }
-    }
-}
-
-/// A dispatch output before it is described to C.
+/// A dispatch output before it is described to C: the layout's shapes (the contract's
+/// [`Shapes`]) and where the buffers are.
 pub(crate) struct DispatchParts {
     /// The backend's layout.
     pub layout: Layout,
     /// Rows received (-1: known only on the device).
     pub received_rows: i64,
-    /// Received rows.
-    pub hidden: Part,
-    /// Per-row ids.
-    pub topk_ids: Part,
-    /// Per-row weights.
-    pub topk_weights: Part,
-    /// Per-expert or per-rank counts.
-    pub counts: Part,
-    /// EXPERT_PACKED offsets.
-    pub expert_offsets: Part,
-    /// EXPERT_PACKED source rank per row.
-    pub src_rank: Part,
-    /// EXPERT_PACKED source token per row.
-    pub src_token: Part,
-    /// Extra payload buffers, rows laid out like `hidden`, in the config's order.
-    pub extras: Vec<usize>,
+    /// The outputs' shapes; an empty one is not produced by the layout.
+    pub shapes: Shapes,
+    /// The hidden rows' element type.
+    pub hidden_dtype: DType,
+    /// `expert_offsets`' element type (int64 on the host, int32 on the GPU).
+    pub offsets_dtype: DType,
+    /// The buffers.
+    pub at: OutputAddrs,
 }
 
 /// The shape arrays and extra descriptors a described dispatch output points into; the
@@ -261,62 +254,79 @@ pub(crate) struct OutputViews {
 }
 
 impl OutputViews {
-    /// A compact tensor view of `p` on `device`; its shape array lives in `self.shapes`.
-    fn tensor(&mut self, p: &Part, device: epcomm_device) -> epcomm_tensor {
-        let mut shape: Vec<i64> = p.dims.iter().map(|&d| d as i64).collect();
+    /// A compact tensor view of `dims` at `addr`; its shape array lives in `self.shapes`.
+    fn tensor(
+        &mut self,
+        addr: usize,
+        dtype: DType,
+        dims: &[usize],
+        dev: epcomm_device,
+    ) -> epcomm_tensor {
+        let mut shape: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
         let (ptr, ndim) = (shape.as_mut_ptr(), shape.len() as i32);
         // Moving the vector keeps its buffer where `ptr` points.
         self.shapes.push(shape);
         epcomm_tensor {
-            data: p.addr as *mut c_void,
-            device,
+            data: addr as *mut c_void,
+            device: dev,
             ndim,
-            dtype: p.dtype.into(),
+            dtype: dtype.into(),
             shape: ptr,
             strides: std::ptr::null_mut(),
             byte_offset: 0,
         }
     }
 
-    /// Describes `parts` to C (views the earlier output's become invalid); each extra payload
-    /// is `hidden`'s rows of `extra_row_bytes[i]` uint8.
+    /// Describes `p` to C (the earlier output's views become invalid): an output the layout
+    /// does not produce is an empty `[0]` view; extra payload i is `hidden`'s rows of
+    /// `extra_row_bytes[i]` uint8.
     pub(crate) fn describe(
         &mut self,
-        parts: &DispatchParts,
+        p: &DispatchParts,
         extra_row_bytes: &[usize],
         mem: Memory,
     ) -> epcomm_dispatch_output {
-        let dev = mem.device();
+        let (dev, sh, at) = (mem.device(), &p.shapes, &p.at);
+        let or_empty = |dims: &[usize]| {
+            if dims.is_empty() {
+                vec![0]
+            } else {
+                dims.to_vec()
+            }
+        };
         self.shapes.clear();
-        let rows = &parts.hidden.dims[..parts.hidden.dims.len().saturating_sub(1)];
-        let extras: Vec<epcomm_tensor> = parts
+        let rows = &sh.hidden[..sh.hidden.len().saturating_sub(1)];
+        let u8t = DType::new(Code::UInt, 8);
+        let extras: Vec<epcomm_tensor> = at
             .extras
             .iter()
             .zip(extra_row_bytes)
             .map(|(&addr, &rb)| {
-                let dims = rows.iter().copied().chain([rb]).collect();
-                let u8t = DType::new(Code::UInt, 8);
-                self.tensor(
-                    &Part {
-                        addr,
-                        dtype: u8t,
-                        dims,
-                    },
-                    dev,
-                )
+                let dims: Vec<usize> = rows.iter().copied().chain([rb]).collect();
+                self.tensor(addr, u8t, &dims, dev)
             })
             .collect();
         self.extras = extras;
         epcomm_dispatch_output {
-            layout: parts.layout as i32,
-            received_rows: parts.received_rows,
-            hidden: self.tensor(&parts.hidden, dev),
-            topk_ids: self.tensor(&parts.topk_ids, dev),
-            topk_weights: self.tensor(&parts.topk_weights, dev),
-            counts: self.tensor(&parts.counts, dev),
-            expert_offsets: self.tensor(&parts.expert_offsets, dev),
-            src_rank: self.tensor(&parts.src_rank, dev),
-            src_token: self.tensor(&parts.src_token, dev),
+            layout: p.layout as i32,
+            received_rows: p.received_rows,
+            hidden: self.tensor(at.hidden, p.hidden_dtype, &sh.hidden, dev),
+            topk_ids: self.tensor(at.topk_ids, DType::I64, &or_empty(&sh.topk_ids), dev),
+            topk_weights: self.tensor(
+                at.topk_weights,
+                DType::F32,
+                &or_empty(&sh.topk_weights),
+                dev,
+            ),
+            counts: self.tensor(at.counts, DType::I32, &[sh.counts], dev),
+            expert_offsets: self.tensor(
+                at.expert_offsets,
+                p.offsets_dtype,
+                &[sh.expert_offsets],
+                dev,
+            ),
+            src_rank: self.tensor(at.src_rank, DType::I32, &[sh.src], dev),
+            src_token: self.tensor(at.src_token, DType::I32, &[sh.src], dev),
             extras: if self.extras.is_empty() {
                 std::ptr::null()
             } else {
