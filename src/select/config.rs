@@ -373,6 +373,42 @@ fn check_inner(
     let nixl = c.nixl_available.unwrap_or(nixl_probe);
     let nccl = c.nccl_available.unwrap_or(nccl_probe);
     let resolved = all2all::resolve_quiet(&c.all2all_backend)?;
+    check_parallel(c, nixl)?;
+    let effective_name = effective_name(c, &resolved, warnings);
+    check_features(c, &resolved, effective_name)?;
+
+    // Engine start: EPLB communicator factory.
+    let (eplb_communicator, eplb_communicator_auto) = if c.enable_eplb {
+        let device = DeviceKind::from_platform(&c.platform).unwrap_or(DeviceKind::Cuda);
+        let (sel, forced) = eplb::select_outcome(&SelectRequest {
+            requested: c.eplb_config.communicator.as_deref(),
+            elastic: c.enable_elastic_ep,
+            device,
+            weight_dtypes: &[],
+            nccl_available: nccl,
+            nixl_available: nixl,
+        });
+        warnings.extend(forced);
+        let sel = sel?;
+        infos.push(eplb::initialized_info(sel.communicator));
+        (Some(sel.communicator), sel.auto_selected)
+    } else {
+        (None, false)
+    };
+
+    let manager_class = all2all_manager(c, &resolved, effective_name, warnings, infos);
+    Ok(Resolution {
+        backend: resolved.backend,
+        effective_name,
+        manager_class,
+        layout: resolved.backend.layout(),
+        eplb_communicator,
+        eplb_communicator_auto,
+    })
+}
+
+/// `EPLBConfig`'s validators and `ParallelConfig`'s checks (elastic EP, EPLB), in vLLM's order.
+fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
     let e = &c.eplb_config;
     let (tp, dp, pp, pcp) = (
         c.tensor_parallel_size,
@@ -423,7 +459,16 @@ fn check_inner(
             n: e.num_redundant_experts,
         });
     }
-    let effective_name: &'static str = match resolved.kind {
+    Ok(())
+}
+
+/// The name vLLM's messages use: a removed name's fallback (logging W2), else the name given.
+fn effective_name(
+    c: &VllmConfig,
+    resolved: &all2all::Resolved,
+    warnings: &mut Vec<String>,
+) -> &'static str {
+    match resolved.kind {
         all2all::NameKind::Removed => {
             warnings.extend(resolved.warning.clone());
             Backend::AllgatherReducescatter.name()
@@ -433,12 +478,15 @@ fn check_inner(
                 .map(|n| n.name)
                 .unwrap_or(resolved.backend.name())
         }
-    };
+    }
+}
 
+/// The feature gates: microbatching (DBO), MoE LoRA with EP, fault tolerance.
+fn check_features(c: &VllmConfig, resolved: &all2all::Resolved, name: &str) -> Result<()> {
     // VllmConfig: microbatching (DBO).
     if c.enable_dbo && !resolved.backend.supports_microbatching() {
         return Err(Error::MicrobatchingBackend {
-            backend: effective_name.to_owned(),
+            backend: name.to_owned(),
         });
     }
     // Fused MoE LoRA with EP.
@@ -447,36 +495,27 @@ fn check_inner(
         && resolved.backend != Backend::AllgatherReducescatter
     {
         return Err(Error::LoraEpBackend {
-            backend: effective_name.to_owned(),
+            backend: name.to_owned(),
         });
     }
     // Fault tolerance (worker sentinel).
     if c.enable_fault_tolerance && !resolved.backend.supports_fault_tolerance() {
         return Err(Error::FaultToleranceBackend {
-            backend: effective_name.to_owned(),
+            backend: name.to_owned(),
         });
     }
+    Ok(())
+}
 
-    // Engine start: EPLB communicator factory.
-    let (eplb_communicator, eplb_communicator_auto) = if c.enable_eplb {
-        let device = DeviceKind::from_platform(&c.platform).unwrap_or(DeviceKind::Cuda);
-        let (sel, forced) = eplb::select_outcome(&SelectRequest {
-            requested: e.communicator.as_deref(),
-            elastic: c.enable_elastic_ep,
-            device,
-            weight_dtypes: &[],
-            nccl_available: nccl,
-            nixl_available: nixl,
-        });
-        warnings.extend(forced);
-        let sel = sel?;
-        infos.push(eplb::initialized_info(sel.communicator));
-        (Some(sel.communicator), sel.auto_selected)
-    } else {
-        (None, false)
-    };
-
-    // Engine start: the all2all manager.
+/// Engine start: the all2all manager the platform builds (its class), with the platform
+/// fallback's or the alias's warning and the `Using ... manager` info.
+fn all2all_manager(
+    c: &VllmConfig,
+    resolved: &all2all::Resolved,
+    effective_name: &str,
+    warnings: &mut Vec<String>,
+    infos: &mut Vec<String>,
+) -> &'static str {
     let (backend, manager_class) =
         match all2all::platform_fallback_warning(effective_name, resolved.backend, &c.platform) {
             Some(w) => {
@@ -498,15 +537,7 @@ fn check_inner(
         "xpu" => "Using AgRs manager on XPU device.".to_owned(),
         _ => all2all::using_manager_info(backend),
     });
-
-    Ok(Resolution {
-        backend: resolved.backend,
-        effective_name,
-        manager_class,
-        layout: resolved.backend.layout(),
-        eplb_communicator,
-        eplb_communicator_auto,
-    })
+    manager_class
 }
 
 /// Parses and checks a JSON configuration; logs the warnings (and infos) vLLM would log.
