@@ -271,6 +271,14 @@
 #define EPCOMM_DEVICE_ONEAPI 14
 
 /**
+ * `flags` bit of [`epcomm_eplb_rebalance_experts`]: apply vLLM's eplb_state caller rule first —
+ * when num_ranks % num_nodes != 0, log "num_gpus % num_nodes != 0, not using hierarchical
+ * rearrangement algorithm." once and use one node (without it that case is vLLM's policy
+ * AssertionError whenever groups divide into nodes).
+ */
+#define EPCOMM_EPLB_ONE_NODE_FALLBACK 1
+
+/**
  * Counts mode: exact sizes, one host sync per dispatch (the counts); not capturable.
  */
 #define EPCOMM_GPU_MODE_COUNTS 0
@@ -870,6 +878,95 @@ int32_t epcomm_eplb_logical_maps(const int64_t *phy2log, int64_t num_layers, int
  * `out` is NULL or writable.
  */
 int32_t epcomm_eplb_min_redundant_experts(int64_t num_logical, int64_t ep_size, int64_t *out);
+
+/**
+ * vLLM's `DefaultEplbPolicy.rebalance_experts`: `weight` [num_layers, num_logical_experts] token
+ * counts (float32, as vLLM converts them) → `phy2log_out` [num_layers, num_replicas]. The
+ * hierarchical policy when num_groups % num_nodes == 0, else the global one (one group, one
+ * node); vLLM's asserts (E % G, G % N, R % N, P % R, P >= E) are EPCOMM_ERROR_ASSERTION in
+ * vLLM's order (vLLM's bare `assert` has no text; the message states the condition). With
+ * `old_phy2log` [num_layers, num_replicas] (NULL = none) experts that stay on a rank keep their
+ * old slots (`preserve_intragpu_slots`); a negative old entry (vLLM's -1, an unused slot after a
+ * scale-up) matches no expert. `flags`: 0, or EPCOMM_EPLB_ONE_NODE_FALLBACK for vLLM's
+ * eplb_state rule. Bit-exact with vLLM when the packed loads have no ties; with ties epcomm
+ * takes equal loads in ascending index (stable), where vLLM's unstable numpy sort differs
+ * between machines (docs/api.md, "Ties").
+ *
+ * # Safety
+ * `weight` holds num_layers*num_logical_experts floats; `old_phy2log` is NULL or holds, and
+ * `phy2log_out` has room for, num_layers*num_replicas int64.
+ */
+int32_t epcomm_eplb_rebalance_experts(const float *weight, int64_t num_layers, int64_t num_logical_experts, int64_t num_replicas, int64_t num_groups, int64_t num_nodes, int64_t num_ranks, const int64_t *old_phy2log, uint32_t flags, int64_t *phy2log_out);
+
+/**
+ * vLLM's `rebalance_experts_hierarchical`: `weight` [num_layers, num_logical_experts] (float32)
+ * → `phy2log_out` [num_layers, num_physical_experts], groups packed onto nodes, replicas made
+ * within each node, physical experts packed onto the node's GPUs. vLLM's asserts are
+ * EPCOMM_ERROR_ASSERTION. Bit-exact with vLLM when the packed loads have no ties (see
+ * epcomm_eplb_rebalance_experts).
+ *
+ * # Safety
+ * `weight` holds num_layers*num_logical_experts floats; `phy2log_out` has room for
+ * num_layers*num_physical_experts int64.
+ */
+int32_t epcomm_eplb_rebalance_experts_hierarchical(const float *weight, int64_t num_layers, int64_t num_logical_experts, int64_t num_physical_experts, int64_t num_groups, int64_t num_nodes, int64_t num_gpus, int64_t *phy2log_out);
+
+/**
+ * vLLM's `balanced_packing`: packs the num_items weighted items of each of the num_rows rows of
+ * `weight` (float64) into num_packs packs of num_items / num_packs items, heaviest first, each
+ * to the lightest pack with room (the first on ties). Writes `pack_index_out` and
+ * `rank_in_pack_out` [num_rows, num_items]. num_items % num_packs != 0 is
+ * EPCOMM_ERROR_ASSERTION. Bit-exact with vLLM when a row has no tied weights; tied weights are
+ * taken in ascending index (stable), where vLLM's unstable `np.argsort` differs between machines.
+ *
+ * # Safety
+ * `weight` holds num_rows*num_items doubles; both outputs have room for num_rows*num_items int64.
+ */
+int32_t epcomm_eplb_balanced_packing(const double *weight, int64_t num_rows, int64_t num_items, int64_t num_packs, int64_t *pack_index_out, int64_t *rank_in_pack_out);
+
+/**
+ * vLLM's `replicate_experts`: replicates the num_logical experts of each of the num_rows rows of
+ * `weight` (float64) into num_physical slots, each extra slot to the expert with the largest
+ * load per replica (the first on ties, as numpy's argmax). Writes `phy2log_out` [num_rows,
+ * num_physical] and `logcnt_out` [num_rows, num_logical]. num_physical < num_logical is
+ * EPCOMM_ERROR_ASSERTION. Bit-exact with vLLM.
+ *
+ * # Safety
+ * `weight` holds num_rows*num_logical doubles; the outputs have room for the sizes above.
+ */
+int32_t epcomm_eplb_replicate_experts(const double *weight, int64_t num_rows, int64_t num_logical, int64_t num_physical, int64_t *phy2log_out, int64_t *logcnt_out);
+
+/**
+ * vLLM's `preserve_intragpu_slots`: reorders each rank's block of num_physical / num_ranks slots
+ * of `phy2log` [num_layers, num_physical] so that an expert that stays on the rank keeps its slot
+ * of `old_phy2log` (same shape; the first unused match), the others filling the remaining slots
+ * in order; the result goes to `phy2log_out` (which may be `phy2log` itself). Values are only
+ * compared, so -1 (an unused slot) may appear in either map. num_ranks <= 0 or not dividing
+ * num_physical copies `phy2log` unchanged, as vLLM. Bit-exact with vLLM.
+ *
+ * # Safety
+ * `phy2log`, `old_phy2log` and `phy2log_out` hold num_layers*num_physical int64.
+ */
+int32_t epcomm_eplb_preserve_intragpu_slots(const int64_t *phy2log, int64_t num_layers, int64_t num_physical, int64_t num_ranks, const int64_t *old_phy2log, int64_t *phy2log_out);
+
+/**
+ * vLLM's `compute_logical_maps`: from `phy2log` [num_layers, num_physical] (a negative entry,
+ * vLLM's -1, is an unused slot and counted nowhere) writes the replica count per logical expert
+ * `logcnt_out` [num_layers, num_logical], the width W = the largest replica count (vLLM's
+ * max(logcnt); 0 when every slot is unused) to `max_replicas_out`, and, when `log2phy_out` is
+ * not NULL, the logical → physical map [num_layers, num_logical, W] (ascending slots, padded
+ * with -1) into its `log2phy_capacity` int64. W <= num_physical, so a buffer of
+ * num_layers*num_logical*num_physical always fits; else call once with `log2phy_out` NULL to
+ * learn W. A capacity below num_layers*num_logical*W, or an id >= num_logical, is
+ * EPCOMM_ERROR_INVALID_ARGUMENT (vLLM's scatter raises torch's index error for the latter).
+ * Bit-exact with vLLM.
+ *
+ * # Safety
+ * `phy2log` holds num_layers*num_physical int64; `logcnt_out` has room for
+ * num_layers*num_logical; `log2phy_out` is NULL or has room for `log2phy_capacity` int64;
+ * `max_replicas_out` is writable.
+ */
+int32_t epcomm_eplb_compute_logical_maps(const int64_t *phy2log, int64_t num_layers, int64_t num_physical, int64_t num_logical, int64_t *logcnt_out, int64_t *log2phy_out, int64_t log2phy_capacity, int64_t *max_replicas_out);
 
 /**
  * Builds the EPLB communicator vLLM's factory would choose for `request` (name or automatic,

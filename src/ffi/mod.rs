@@ -10,6 +10,7 @@ mod moe_args;
 pub mod all2all;
 pub mod config;
 pub mod eplb;
+pub mod eplb_algo;
 pub mod eplb_runtime;
 pub mod error;
 pub mod gpu;

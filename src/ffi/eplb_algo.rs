@@ -1,0 +1,369 @@
+//! EPLB: vLLM v0.33.0's policy steps one by one (`DefaultEplbPolicy`'s classmethods and
+//! `compute_logical_maps`), each as its own entry point.
+//!
+//! What is bit-exact with vLLM: `replicate_experts`, `preserve_intragpu_slots` and
+//! `compute_logical_maps` always (their ties are resolved by numpy's first-maximum rule or by
+//! slot order, the same everywhere). `balanced_packing` and everything built on it
+//! (`rebalance_experts_hierarchical`, `rebalance_experts`) whenever the loads being packed have no
+//! ties. With tied loads vLLM's result depends on the machine: it sorts with numpy's default
+//! `np.argsort(-weight)`, which is not stable, and on x86 numpy runs it with SIMD sorting
+//! networks, so the order of equal loads differs between CPUs and numpy builds. epcomm takes
+//! equal loads in ascending index (vLLM with `kind="stable"`): the same result on every machine,
+//! one of those vLLM can return. Integer token counts tie often, so expect different (equally
+//! balanced) placements from vLLM on real loads.
+
+use super::guard;
+use crate::eplb::policy::{self, NodeFallback, Placement};
+use crate::error::{Error, Result};
+
+/// `flags` bit of [`epcomm_eplb_rebalance_experts`]: apply vLLM's eplb_state caller rule first —
+/// when num_ranks % num_nodes != 0, log "num_gpus % num_nodes != 0, not using hierarchical
+/// rearrangement algorithm." once and use one node (without it that case is vLLM's policy
+/// AssertionError whenever groups divide into nodes).
+pub const EPCOMM_EPLB_ONE_NODE_FALLBACK: u32 = 1;
+
+/// Entries of one argument at most (bounds the allocations a wrong size could ask for).
+const MAX_ENTRIES: usize = 1 << 40;
+
+/// A positive dimension argument.
+fn size(v: i64, what: &str) -> Result<usize> {
+    match usize::try_from(v) {
+        Ok(x) if x > 0 => Ok(x),
+        _ => Err(Error::InvalidArgument(format!(
+            "{what} is {v}; expected a positive value"
+        ))),
+    }
+}
+
+/// `rows × cols` entries, bounded by [`MAX_ENTRIES`].
+fn area(rows: usize, cols: usize, what: &str) -> Result<usize> {
+    rows.checked_mul(cols)
+        .filter(|&n| n <= MAX_ENTRIES)
+        .ok_or_else(|| Error::InvalidArgument(format!("{what} is too large")))
+}
+
+/// Fails with a NULL-pointer error for the first NULL among `ptrs`.
+fn non_null(ptrs: &[(bool, &'static str)]) -> Result<()> {
+    match ptrs.iter().find(|(null, _)| *null) {
+        Some((_, what)) => Err(Error::NullPointer(what)),
+        None => Ok(()),
+    }
+}
+
+/// The `rows × cols` values at `p` as rows.
+///
+/// # Safety
+/// `p` is non-NULL and holds `rows * cols` values.
+unsafe fn read_rows<T: Copy>(p: *const T, rows: usize, cols: usize) -> Vec<Vec<T>> {
+    // SAFETY: the caller's contract.
+    let flat = unsafe { std::slice::from_raw_parts(p, rows * cols) };
+    flat.chunks(cols.max(1)).map(<[T]>::to_vec).collect()
+}
+
+/// Writes `rows` (each `cols` values) to `out` as int64.
+///
+/// # Safety
+/// `out` is non-NULL, has room for `rows.len() * cols` int64 and overlaps no live slice.
+unsafe fn write_rows<T: Copy>(out: *mut i64, rows: &[Vec<T>], cols: usize, to_i64: fn(T) -> i64) {
+    // SAFETY: the caller's contract.
+    let dst = unsafe { std::slice::from_raw_parts_mut(out, rows.len() * cols) };
+    for (d, &s) in dst.iter_mut().zip(rows.iter().flatten()) {
+        *d = to_i64(s);
+    }
+}
+
+fn id(x: usize) -> i64 {
+    x as i64
+}
+
+/// vLLM's `DefaultEplbPolicy.rebalance_experts`: `weight` [num_layers, num_logical_experts] token
+/// counts (float32, as vLLM converts them) → `phy2log_out` [num_layers, num_replicas]. The
+/// hierarchical policy when num_groups % num_nodes == 0, else the global one (one group, one
+/// node); vLLM's asserts (E % G, G % N, R % N, P % R, P >= E) are EPCOMM_ERROR_ASSERTION in
+/// vLLM's order (vLLM's bare `assert` has no text; the message states the condition). With
+/// `old_phy2log` [num_layers, num_replicas] (NULL = none) experts that stay on a rank keep their
+/// old slots (`preserve_intragpu_slots`); a negative old entry (vLLM's -1, an unused slot after a
+/// scale-up) matches no expert. `flags`: 0, or EPCOMM_EPLB_ONE_NODE_FALLBACK for vLLM's
+/// eplb_state rule. Bit-exact with vLLM when the packed loads have no ties; with ties epcomm
+/// takes equal loads in ascending index (stable), where vLLM's unstable numpy sort differs
+/// between machines (docs/api.md, "Ties").
+///
+/// # Safety
+/// `weight` holds num_layers*num_logical_experts floats; `old_phy2log` is NULL or holds, and
+/// `phy2log_out` has room for, num_layers*num_replicas int64.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_rebalance_experts(
+    weight: *const f32,
+    num_layers: i64,
+    num_logical_experts: i64,
+    num_replicas: i64,
+    num_groups: i64,
+    num_nodes: i64,
+    num_ranks: i64,
+    old_phy2log: *const i64,
+    flags: u32,
+    phy2log_out: *mut i64,
+) -> i32 {
+    guard::call(|| {
+        let (l, e) = (
+            size(num_layers, "num_layers")?,
+            size(num_logical_experts, "num_logical_experts")?,
+        );
+        let shape = Placement {
+            num_replicas: size(num_replicas, "num_replicas")?,
+            num_groups: size(num_groups, "num_groups")?,
+            num_nodes: size(num_nodes, "num_nodes")?,
+            num_ranks: size(num_ranks, "num_ranks")?,
+        };
+        let fallback = match flags {
+            0 => NodeFallback::Policy,
+            EPCOMM_EPLB_ONE_NODE_FALLBACK => NodeFallback::OneNode,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "flags is {other}; expected 0 or EPCOMM_EPLB_ONE_NODE_FALLBACK (1)"
+                )))
+            }
+        };
+        non_null(&[
+            (weight.is_null(), "weight"),
+            (phy2log_out.is_null(), "phy2log_out"),
+        ])?;
+        let p = shape.num_replicas;
+        area(l, e, "num_layers * num_logical_experts")?;
+        area(l, p, "num_layers * num_replicas")?;
+        // SAFETY: the caller's contract (sizes above).
+        let rows = unsafe { read_rows(weight, l, e) };
+        // SAFETY: the caller's contract.
+        let old = (!old_phy2log.is_null()).then(|| unsafe { read_rows(old_phy2log, l, p) });
+        let map = policy::rebalance(&rows, shape, old.as_deref(), fallback)?;
+        // SAFETY: the caller's contract; written only on success.
+        unsafe { write_rows(phy2log_out, &map, p, id) };
+        Ok(())
+    })
+}
+
+/// vLLM's `rebalance_experts_hierarchical`: `weight` [num_layers, num_logical_experts] (float32)
+/// → `phy2log_out` [num_layers, num_physical_experts], groups packed onto nodes, replicas made
+/// within each node, physical experts packed onto the node's GPUs. vLLM's asserts are
+/// EPCOMM_ERROR_ASSERTION. Bit-exact with vLLM when the packed loads have no ties (see
+/// epcomm_eplb_rebalance_experts).
+///
+/// # Safety
+/// `weight` holds num_layers*num_logical_experts floats; `phy2log_out` has room for
+/// num_layers*num_physical_experts int64.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_rebalance_experts_hierarchical(
+    weight: *const f32,
+    num_layers: i64,
+    num_logical_experts: i64,
+    num_physical_experts: i64,
+    num_groups: i64,
+    num_nodes: i64,
+    num_gpus: i64,
+    phy2log_out: *mut i64,
+) -> i32 {
+    guard::call(|| {
+        let (l, e) = (
+            size(num_layers, "num_layers")?,
+            size(num_logical_experts, "num_logical_experts")?,
+        );
+        let p = size(num_physical_experts, "num_physical_experts")?;
+        let g = size(num_groups, "num_groups")?;
+        let (n, r) = (size(num_nodes, "num_nodes")?, size(num_gpus, "num_gpus")?);
+        non_null(&[
+            (weight.is_null(), "weight"),
+            (phy2log_out.is_null(), "phy2log_out"),
+        ])?;
+        area(l, e, "num_layers * num_logical_experts")?;
+        area(l, p, "num_layers * num_physical_experts")?;
+        // SAFETY: the caller's contract (sizes above).
+        let rows = unsafe { read_rows(weight, l, e) };
+        let map = policy::rebalance_hierarchical(&rows, p, g, n, r)?;
+        // SAFETY: the caller's contract; written only on success.
+        unsafe { write_rows(phy2log_out, &map, p, id) };
+        Ok(())
+    })
+}
+
+/// vLLM's `balanced_packing`: packs the num_items weighted items of each of the num_rows rows of
+/// `weight` (float64) into num_packs packs of num_items / num_packs items, heaviest first, each
+/// to the lightest pack with room (the first on ties). Writes `pack_index_out` and
+/// `rank_in_pack_out` [num_rows, num_items]. num_items % num_packs != 0 is
+/// EPCOMM_ERROR_ASSERTION. Bit-exact with vLLM when a row has no tied weights; tied weights are
+/// taken in ascending index (stable), where vLLM's unstable `np.argsort` differs between machines.
+///
+/// # Safety
+/// `weight` holds num_rows*num_items doubles; both outputs have room for num_rows*num_items int64.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_balanced_packing(
+    weight: *const f64,
+    num_rows: i64,
+    num_items: i64,
+    num_packs: i64,
+    pack_index_out: *mut i64,
+    rank_in_pack_out: *mut i64,
+) -> i32 {
+    guard::call(|| {
+        let (x, n) = (size(num_rows, "num_rows")?, size(num_items, "num_items")?);
+        let m = size(num_packs, "num_packs")?;
+        non_null(&[
+            (weight.is_null(), "weight"),
+            (pack_index_out.is_null(), "pack_index_out"),
+            (rank_in_pack_out.is_null(), "rank_in_pack_out"),
+        ])?;
+        area(x, n, "num_rows * num_items")?;
+        // SAFETY: the caller's contract (sizes above).
+        let rows = unsafe { read_rows(weight, x, n) };
+        let (packs, ranks) = policy::balanced_packing(&rows, m)?;
+        // SAFETY: the caller's contract; written only on success.
+        unsafe {
+            write_rows(pack_index_out, &packs, n, id);
+            write_rows(rank_in_pack_out, &ranks, n, id);
+        }
+        Ok(())
+    })
+}
+
+/// vLLM's `replicate_experts`: replicates the num_logical experts of each of the num_rows rows of
+/// `weight` (float64) into num_physical slots, each extra slot to the expert with the largest
+/// load per replica (the first on ties, as numpy's argmax). Writes `phy2log_out` [num_rows,
+/// num_physical] and `logcnt_out` [num_rows, num_logical]. num_physical < num_logical is
+/// EPCOMM_ERROR_ASSERTION. Bit-exact with vLLM.
+///
+/// # Safety
+/// `weight` holds num_rows*num_logical doubles; the outputs have room for the sizes above.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_replicate_experts(
+    weight: *const f64,
+    num_rows: i64,
+    num_logical: i64,
+    num_physical: i64,
+    phy2log_out: *mut i64,
+    logcnt_out: *mut i64,
+) -> i32 {
+    guard::call(|| {
+        let (x, e) = (
+            size(num_rows, "num_rows")?,
+            size(num_logical, "num_logical")?,
+        );
+        let p = size(num_physical, "num_physical")?;
+        non_null(&[
+            (weight.is_null(), "weight"),
+            (phy2log_out.is_null(), "phy2log_out"),
+            (logcnt_out.is_null(), "logcnt_out"),
+        ])?;
+        area(x, e, "num_rows * num_logical")?;
+        area(x, p, "num_rows * num_physical")?;
+        // SAFETY: the caller's contract (sizes above).
+        let rows = unsafe { read_rows(weight, x, e) };
+        let (phy2log, logcnt) = policy::replicate_experts(&rows, p)?;
+        // SAFETY: the caller's contract; written only on success.
+        unsafe {
+            write_rows(phy2log_out, &phy2log, p, id);
+            write_rows(logcnt_out, &logcnt, e, id);
+        }
+        Ok(())
+    })
+}
+
+/// vLLM's `preserve_intragpu_slots`: reorders each rank's block of num_physical / num_ranks slots
+/// of `phy2log` [num_layers, num_physical] so that an expert that stays on the rank keeps its slot
+/// of `old_phy2log` (same shape; the first unused match), the others filling the remaining slots
+/// in order; the result goes to `phy2log_out` (which may be `phy2log` itself). Values are only
+/// compared, so -1 (an unused slot) may appear in either map. num_ranks <= 0 or not dividing
+/// num_physical copies `phy2log` unchanged, as vLLM. Bit-exact with vLLM.
+///
+/// # Safety
+/// `phy2log`, `old_phy2log` and `phy2log_out` hold num_layers*num_physical int64.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_preserve_intragpu_slots(
+    phy2log: *const i64,
+    num_layers: i64,
+    num_physical: i64,
+    num_ranks: i64,
+    old_phy2log: *const i64,
+    phy2log_out: *mut i64,
+) -> i32 {
+    guard::call(|| {
+        let (l, p) = (
+            size(num_layers, "num_layers")?,
+            size(num_physical, "num_physical")?,
+        );
+        non_null(&[
+            (phy2log.is_null(), "phy2log"),
+            (old_phy2log.is_null(), "old_phy2log"),
+            (phy2log_out.is_null(), "phy2log_out"),
+        ])?;
+        area(l, p, "num_layers * num_physical")?;
+        // SAFETY: the caller's contract; both are copied before the output is borrowed, so the
+        // output may alias the input.
+        let (mut map, old) = unsafe { (read_rows(phy2log, l, p), read_rows(old_phy2log, l, p)) };
+        policy::preserve_intragpu_slots(&mut map, usize::try_from(num_ranks).unwrap_or(0), &old);
+        // SAFETY: the caller's contract; no slice of the inputs is alive.
+        unsafe { write_rows(phy2log_out, &map, p, |x| x) };
+        Ok(())
+    })
+}
+
+/// vLLM's `compute_logical_maps`: from `phy2log` [num_layers, num_physical] (a negative entry,
+/// vLLM's -1, is an unused slot and counted nowhere) writes the replica count per logical expert
+/// `logcnt_out` [num_layers, num_logical], the width W = the largest replica count (vLLM's
+/// max(logcnt); 0 when every slot is unused) to `max_replicas_out`, and, when `log2phy_out` is
+/// not NULL, the logical → physical map [num_layers, num_logical, W] (ascending slots, padded
+/// with -1) into its `log2phy_capacity` int64. W <= num_physical, so a buffer of
+/// num_layers*num_logical*num_physical always fits; else call once with `log2phy_out` NULL to
+/// learn W. A capacity below num_layers*num_logical*W, or an id >= num_logical, is
+/// EPCOMM_ERROR_INVALID_ARGUMENT (vLLM's scatter raises torch's index error for the latter).
+/// Bit-exact with vLLM.
+///
+/// # Safety
+/// `phy2log` holds num_layers*num_physical int64; `logcnt_out` has room for
+/// num_layers*num_logical; `log2phy_out` is NULL or has room for `log2phy_capacity` int64;
+/// `max_replicas_out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_compute_logical_maps(
+    phy2log: *const i64,
+    num_layers: i64,
+    num_physical: i64,
+    num_logical: i64,
+    logcnt_out: *mut i64,
+    log2phy_out: *mut i64,
+    log2phy_capacity: i64,
+    max_replicas_out: *mut i64,
+) -> i32 {
+    guard::call(|| {
+        let (l, p) = (
+            size(num_layers, "num_layers")?,
+            size(num_physical, "num_physical")?,
+        );
+        let e = size(num_logical, "num_logical")?;
+        non_null(&[
+            (phy2log.is_null(), "phy2log"),
+            (logcnt_out.is_null(), "logcnt_out"),
+            (max_replicas_out.is_null(), "max_replicas_out"),
+        ])?;
+        area(l, p, "num_layers * num_physical")?;
+        let el = area(l, e, "num_layers * num_logical")?;
+        // SAFETY: the caller's contract (sizes above).
+        let rows = unsafe { read_rows(phy2log, l, p) };
+        let (logcnt, log2phy) = policy::logical_maps(&rows, e)?;
+        let width = logcnt.iter().flatten().copied().max().unwrap_or(0);
+        let need = area(el, width, "num_layers * num_logical * max_replicas")?;
+        if !log2phy_out.is_null() && usize::try_from(log2phy_capacity).unwrap_or(0) < need {
+            return Err(Error::InvalidArgument(format!(
+                "log2phy_capacity is {log2phy_capacity}; the map needs {need} int64 \
+                 ([{l}, {e}, {width}])"
+            )));
+        }
+        // SAFETY: the caller's contract; written only on success.
+        unsafe {
+            *max_replicas_out = width as i64;
+            write_rows(logcnt_out, &logcnt, e, id);
+            if !log2phy_out.is_null() {
+                let flat: Vec<Vec<i64>> = log2phy.into_iter().flatten().collect();
+                write_rows(log2phy_out, &flat, width, |x| x);
+            }
+        }
+        Ok(())
+    })
+}
