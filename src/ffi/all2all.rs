@@ -107,17 +107,12 @@ pub(crate) unsafe fn config_arg(config: *const epcomm_moe_config) -> Result<MoeC
             std::mem::size_of::<epcomm_moe_config>()
         )));
     }
-    let extras: Vec<usize> = if c.num_extras == 0 {
-        Vec::new()
-    } else if c.extra_row_bytes.is_null() {
-        return Err(Error::NullPointer("config->extra_row_bytes"));
-    } else {
-        // SAFETY: num_extras entries (caller contract).
-        unsafe { std::slice::from_raw_parts(c.extra_row_bytes, c.num_extras) }
+    // SAFETY: num_extras entries (caller contract).
+    let extras =
+        unsafe { guard::slice_arg(c.extra_row_bytes, c.num_extras, "config->extra_row_bytes") }?
             .iter()
             .map(|&b| nonneg(b, "extra_row_bytes[i]"))
-            .collect::<Result<_>>()?
-    };
+            .collect::<Result<Vec<usize>>>()?;
     Ok(MoeConfig {
         num_experts: nonneg(c.num_experts, "num_experts")?
             + nonneg(c.num_redundant_experts, "num_redundant_experts")?,

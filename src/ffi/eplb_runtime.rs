@@ -222,11 +222,8 @@ unsafe fn maps(
     slots: usize,
     what: &'static str,
 ) -> Result<Vec<Vec<i64>>> {
-    if p.is_null() {
-        return Err(Error::NullPointer(what));
-    }
-    // SAFETY: layers * slots entries (caller contract).
-    let v = unsafe { std::slice::from_raw_parts(p, layers * slots) };
+    // SAFETY: layers * slots (at least 1) entries (caller contract).
+    let v = unsafe { guard::slice_arg(p, layers * slots, what) }?;
     if let Some((i, &bad)) = v.iter().enumerate().find(|(_, &x)| x < -1) {
         return Err(Error::InvalidArgument(format!(
             "{what}[{i}] is {bad}; expected a logical expert id or -1"

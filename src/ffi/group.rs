@@ -495,11 +495,8 @@ fn total(counts: &[usize], what: &str) -> Result<usize> {
 
 /// Reads `world` row counts.
 unsafe fn counts_arg(p: *const i64, world: usize, what: &'static str) -> Result<Vec<usize>> {
-    if p.is_null() {
-        return Err(Error::NullPointer(what));
-    }
-    // SAFETY: `world` entries (caller contract).
-    let raw = unsafe { std::slice::from_raw_parts(p, world) };
+    // SAFETY: `world` (at least 1) entries (caller contract).
+    let raw = unsafe { guard::slice_arg(p, world, what) }?;
     raw.iter()
         .enumerate()
         .map(|(i, &c)| {
@@ -642,14 +639,7 @@ pub unsafe extern "C" fn epcomm_group_send_recv(
     // receive buffers do not overlap others (checked below).
     unsafe {
         collective(group, Op::SendRecv, |g| {
-            let raw: &[epcomm_p2p_op] = if num_ops == 0 {
-                &[]
-            } else if ops.is_null() {
-                return Err(Error::NullPointer("ops"));
-            } else {
-                // SAFETY: num_ops entries (caller contract).
-                std::slice::from_raw_parts(ops, num_ops)
-            };
+            let raw = guard::slice_arg(ops, num_ops, "ops")?;
             let mut tensors = Vec::with_capacity(raw.len());
             for (i, o) in raw.iter().enumerate() {
                 let t = HostTensor::from_ffi(o.tensor, "ops[i].tensor").map_err(|e| match e {

@@ -108,6 +108,34 @@ pub(crate) unsafe fn str_arg<'a>(p: *const c_char, what: &'static str) -> Result
         .map_err(|_| Error::InvalidArgument(format!("argument '{what}' is not valid UTF-8")))
 }
 
+/// A static name as a C string for a name getter: NULL when there is none (an unknown code)
+/// and after a caught panic.
+pub(crate) fn name_or_null(name: impl FnOnce() -> Option<&'static str>) -> *const c_char {
+    call_or(std::ptr::null(), || {
+        name().map_or(std::ptr::null(), static_cstr)
+    })
+}
+
+/// `n` entries at `p`; NULL is allowed only when `n` is 0 (else the NULL-pointer error naming
+/// `what`).
+///
+/// # Safety
+/// `p` is NULL or valid for reads of `n` entries that outlive the call.
+pub(crate) unsafe fn slice_arg<'a, T>(
+    p: *const T,
+    n: usize,
+    what: &'static str,
+) -> Result<&'a [T]> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(Error::NullPointer(what));
+    }
+    // SAFETY: non-NULL with n entries (caller contract).
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
 /// A required output pointer.
 ///
 /// # Safety

@@ -24,13 +24,16 @@ pub(crate) enum IdWidth {
 
 /// Checks topk_ids' dtype (int32 or int64) without reading it.
 pub(crate) fn id_width(t: &HostTensor) -> Result<IdWidth> {
-    match (t.dtype.code() == Some(Code::Int), t.dtype.bits) {
-        (true, 32) => Ok(IdWidth::I32),
-        (true, 64) => Ok(IdWidth::I64),
-        _ => Err(Error::InvalidArgument(format!(
+    let int = t.dtype.code() == Some(Code::Int);
+    if int && t.dtype.bits == 32 {
+        Ok(IdWidth::I32)
+    } else if int && t.dtype.bits == 64 {
+        Ok(IdWidth::I64)
+    } else {
+        Err(Error::InvalidArgument(format!(
             "tensor 'topk_ids' has dtype {}; expected torch.int32 or torch.int64",
             t.dtype.torch_name()
-        ))),
+        )))
     }
 }
 

@@ -76,19 +76,14 @@ pub unsafe extern "C" fn epcomm_all2all_backend_is_known(name: *const c_char) ->
 /// not one.
 #[no_mangle]
 pub extern "C" fn epcomm_all2all_backend_name(backend: i32) -> *const c_char {
-    guard::call_or(std::ptr::null(), || {
-        Backend::from_code(backend).map_or(std::ptr::null(), |b| guard::static_cstr(b.name()))
-    })
+    guard::name_or_null(|| Backend::from_code(backend).map(|b| b.name()))
 }
 
 /// vLLM's manager class for a backend (e.g. "DeepEPLLAll2AllManager"), or NULL if `backend` is
 /// not an EPCOMM_ALL2ALL_* value.
 #[no_mangle]
 pub extern "C" fn epcomm_all2all_backend_manager_class(backend: i32) -> *const c_char {
-    guard::call_or(std::ptr::null(), || {
-        Backend::from_code(backend)
-            .map_or(std::ptr::null(), |b| guard::static_cstr(b.manager_class()))
-    })
+    guard::name_or_null(|| Backend::from_code(backend).map(|b| b.manager_class()))
 }
 
 /// The EPCOMM_LAYOUT_* a backend's dispatch/combine use.
@@ -108,9 +103,7 @@ pub unsafe extern "C" fn epcomm_all2all_backend_layout(backend: i32, layout_out:
 /// The name of an EPCOMM_LAYOUT_* value ("REPLICATED", "TOKEN_MAJOR", ...), or NULL.
 #[no_mangle]
 pub extern "C" fn epcomm_all2all_layout_name(layout: i32) -> *const c_char {
-    guard::call_or(std::ptr::null(), || {
-        Layout::from_code(layout).map_or(std::ptr::null(), |l| guard::static_cstr(l.name()))
-    })
+    guard::name_or_null(|| Layout::from_code(layout).map(|l| l.name()))
 }
 
 /// How many names epcomm_all2all_name_info can describe.
@@ -238,17 +231,12 @@ impl SelectArgs {
             // SAFETY: non-NULL, NUL-terminated per the field doc.
             Some(unsafe { guard::str_arg(req.communicator, "request->communicator") }?.to_owned())
         };
-        let dtypes: Vec<DType> = if req.num_weight_dtypes == 0 {
-            Vec::new()
-        } else if req.weight_dtypes.is_null() {
-            return Err(Error::NullPointer("request->weight_dtypes"));
-        } else {
-            // SAFETY: non-NULL with num_weight_dtypes entries per the field doc.
-            unsafe { std::slice::from_raw_parts(req.weight_dtypes, req.num_weight_dtypes) }
-                .iter()
-                .map(|d| DType::from(*d))
-                .collect()
-        };
+        let (p, n) = (req.weight_dtypes, req.num_weight_dtypes);
+        // SAFETY: num_weight_dtypes entries per the field doc.
+        let dtypes: Vec<DType> = unsafe { guard::slice_arg(p, n, "request->weight_dtypes") }?
+            .iter()
+            .map(|d| DType::from(*d))
+            .collect();
         Ok(SelectArgs {
             requested,
             elastic: req.elastic,
@@ -282,17 +270,11 @@ impl SelectArgs {
 /// The name of an EPCOMM_EPLB_* communicator (static string), or NULL.
 #[no_mangle]
 pub extern "C" fn epcomm_eplb_communicator_name(communicator: i32) -> *const c_char {
-    guard::call_or(std::ptr::null(), || {
-        Communicator::from_code(communicator)
-            .map_or(std::ptr::null(), |c| guard::static_cstr(c.name()))
-    })
+    guard::name_or_null(|| Communicator::from_code(communicator).map(|c| c.name()))
 }
 
 /// vLLM's class for an EPCOMM_EPLB_* communicator (e.g. "PyNcclEplbCommunicator"), or NULL.
 #[no_mangle]
 pub extern "C" fn epcomm_eplb_communicator_class(communicator: i32) -> *const c_char {
-    guard::call_or(std::ptr::null(), || {
-        Communicator::from_code(communicator)
-            .map_or(std::ptr::null(), |c| guard::static_cstr(c.class_name()))
-    })
+    guard::name_or_null(|| Communicator::from_code(communicator).map(|c| c.class_name()))
 }
