@@ -16,6 +16,7 @@
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{decode_error_word, DeviceError, SCAN_TILE};
 use crate::gpu::nccl::plan::{ExchangePlan, LocalCopy, PeerTransfer};
+use crate::moe::layout::{self, Capacity, Unit};
 use crate::select::all2all::Layout;
 
 /// Offset of `T` in the counts row.
@@ -323,111 +324,85 @@ pub struct ShapeGeometry {
     pub max_tokens_per_rank: usize,
 }
 
-/// The dispatch output shapes of `layout` on `geo.rank` for the gathered counts; errors when a
-/// fixed-capacity layout would overflow (naming the source rank), as the CPU path does.
-pub fn dispatch_shape(layout: Layout, geo: &ShapeGeometry, g: &Gathered) -> Result<DispatchShape> {
-    let (r, d, k, h, m) = (
-        geo.world,
-        geo.rank,
-        geo.top_k,
-        geo.hidden,
-        geo.max_tokens_per_rank,
-    );
-    let el = geo.num_experts / r;
-    let col = |mat: &[i32]| -> usize { (0..r).map(|s| mat[s * r + d] as usize).sum() };
-    let mut s = DispatchShape {
-        layout,
-        received_rows: 0,
-        buffer_rows: 0,
-        hidden: Vec::new(),
-        topk_ids: Vec::new(),
-        topk_weights: Vec::new(),
-        counts: 0,
-        expert_offsets: 0,
-        src: 0,
-    };
-    match layout {
-        Layout::Replicated => {
-            let n = g.tokens.iter().sum();
-            s.received_rows = n;
-            s.buffer_rows = n;
-            s.hidden = vec![n, h];
-            s.topk_ids = vec![n, k];
-            s.topk_weights = vec![n, k];
-        }
-        Layout::TokenMajor => {
-            let n = col(&g.rank_counts);
-            s.received_rows = n;
-            s.buffer_rows = n;
-            s.hidden = vec![n, h];
-            s.topk_ids = vec![n, k];
-            s.topk_weights = vec![n, k];
-            s.counts = el;
-        }
-        Layout::ExpertMajor => {
-            for src in 0..r {
-                if g.tokens[src] > m {
-                    return Err(Error::InvalidArgument(format!(
-                        "rank {src} dispatches {} tokens, more than max_tokens_per_rank = {m}",
-                        g.tokens[src]
-                    )));
-                }
-            }
-            s.received_rows = col(&g.pair_counts());
-            s.buffer_rows = el * m * r;
-            s.hidden = vec![el, m * r, h];
-            s.counts = el;
-        }
-        Layout::ExpertPacked => {
-            let n = col(&g.pair_counts());
-            s.received_rows = n;
-            s.buffer_rows = n;
-            s.hidden = vec![n, h];
-            s.topk_weights = vec![n];
-            s.expert_offsets = el + 1;
-            s.src = n;
-        }
-        Layout::RankMajor => {
-            // As the CPU path: T > M is an error even when every destination gets ≤ M rows.
-            for src in 0..r {
-                if g.tokens[src] > m {
-                    return Err(Error::InvalidArgument(format!(
-                        "rank {src} dispatches {} tokens, more than max_tokens_per_rank = {m}",
-                        g.tokens[src]
-                    )));
-                }
-                let c = g.rank_counts[src * r + d] as usize;
-                if c > m {
-                    return Err(Error::InvalidArgument(format!(
-                        "rank {src} sends {c} tokens to rank {d}, more than max_tokens_per_rank = {m}"
-                    )));
-                }
-            }
-            s.received_rows = col(&g.rank_counts);
-            s.buffer_rows = r * m;
-            s.hidden = vec![r, m, h];
-            s.topk_ids = vec![r * m, k];
-            s.topk_weights = vec![r * m, k];
-            s.counts = r;
-        }
-        Layout::MoonepSlots => {
-            return Err(Error::NotImplemented(
-                "the GPU path has no MoonEP layout".into(),
-            ))
+impl ShapeGeometry {
+    /// The same sizes as the layout contract's geometry.
+    pub fn layout_geometry(&self) -> layout::Geometry {
+        layout::Geometry {
+            world: self.world,
+            num_experts: self.num_experts,
+            experts_per_rank: self.num_experts / self.world.max(1),
+            top_k: self.top_k,
+            max_tokens: self.max_tokens_per_rank,
         }
     }
-    Ok(s)
+}
+
+/// The dispatch output shapes of `layout` on `geo.rank` for the gathered counts; errors when a
+/// fixed-capacity layout would overflow (naming the source rank), as the CPU path does. The
+/// shapes follow the layout's contract ([`layout::Contract::shapes`]).
+pub fn dispatch_shape(layout: Layout, geo: &ShapeGeometry, g: &Gathered) -> Result<DispatchShape> {
+    let c = layout::contract(layout)
+        .ok_or_else(|| Error::NotImplemented("the GPU path has no MoonEP layout".into()))?;
+    check_capacity(&c, geo, g)?;
+    let (r, d) = (geo.world, geo.rank);
+    let col = |mat: &[i32]| -> usize { (0..r).map(|s| mat[s * r + d] as usize).sum() };
+    let received_rows = match c.unit {
+        Unit::EveryToken => g.tokens.iter().sum(),
+        Unit::Token => col(&g.rank_counts),
+        Unit::TokenExpert => col(&g.pair_counts()),
+    };
+    let lg = geo.layout_geometry();
+    let buffer_rows = c.buffer_rows(&lg, received_rows);
+    let sh = c.shapes(&lg, geo.hidden, buffer_rows);
+    Ok(DispatchShape {
+        layout,
+        received_rows,
+        buffer_rows,
+        hidden: sh.hidden,
+        topk_ids: sh.topk_ids,
+        topk_weights: sh.topk_weights,
+        counts: sh.counts,
+        expert_offsets: sh.expert_offsets,
+        src: sh.src,
+    })
+}
+
+/// The fixed-capacity rules on the gathered counts: T ≤ M on every source rank (as the CPU
+/// path: even when every destination gets ≤ M rows), and ≤ M rows from each source in a
+/// RANK_MAJOR region.
+fn check_capacity(c: &layout::Contract, geo: &ShapeGeometry, g: &Gathered) -> Result<()> {
+    let (r, d, m) = (geo.world, geo.rank, geo.max_tokens_per_rank);
+    if !c.fixed_capacity() {
+        return Ok(());
+    }
+    for src in 0..r {
+        if g.tokens[src] > m {
+            return Err(Error::InvalidArgument(format!(
+                "rank {src} dispatches {} tokens, more than max_tokens_per_rank = {m}",
+                g.tokens[src]
+            )));
+        }
+        let n = g.rank_counts[src * r + d] as usize;
+        if c.capacity == Capacity::PerSourceRank && n > m {
+            return Err(Error::InvalidArgument(format!(
+                "rank {src} sends {n} tokens to rank {d}, more than max_tokens_per_rank = {m}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The matrix of rows the combine exchange moves (`[src * world + dst]`, src = the expert
 /// rank sending results back): the transpose of the rows dispatch moved for the token layouts,
 /// of the (token, k) pairs for the expert layouts.
 pub fn combine_counts(layout: Layout, g: &Gathered) -> Vec<i32> {
-    match layout {
-        Layout::Replicated => transpose(&g.replicated_counts(), g.world),
-        Layout::ExpertMajor | Layout::ExpertPacked => transpose(&g.pair_counts(), g.world),
-        _ => transpose(&g.rank_counts, g.world),
-    }
+    let moved = match layout::contract(layout).map(|c| c.unit) {
+        Some(Unit::EveryToken) => g.replicated_counts(),
+        // MOONEP_SLOTS has no GPU dispatch (dispatch_shape refuses it); rows as moved.
+        Some(Unit::Token) | None => g.rank_counts.clone(),
+        Some(Unit::TokenExpert) => g.pair_counts(),
+    };
+    transpose(&moved, g.world)
 }
 
 /// Capacity mode (no host sync, CUDA-graph capturable): which layouts it serves. Only

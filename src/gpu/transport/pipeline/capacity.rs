@@ -12,7 +12,6 @@ use super::{pack, Ctx, DispatchInput, GpuDispatch, Pipeline, State, Wire};
 use crate::error::{Error, Result};
 use crate::gpu::nccl::plan::counts_plan;
 use crate::gpu::transport::plan::{broadcast_plan, scan_scratch_elems, DispatchShape};
-use crate::select::all2all::Layout;
 
 /// The static arrays of one configuration: pair positions 0, 1, 2, … (iota), the receive
 /// offsets 0, M, 2M, …, scan scratch, the error word.
@@ -63,14 +62,11 @@ fn statics(p: &Pipeline, c: &mut Ctx, t: usize) -> Result<Statics> {
 /// the buckets, the source side of combine.
 pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<GpuDispatch> {
     let cfg = p.config();
-    let (r, d, e) = (p.world(), p.rank(), cfg.num_experts);
+    let (r, e) = (p.world(), cfg.num_experts);
     let el = e / r;
     let (t, m) = (inp.tokens, cfg.max_tokens_per_rank);
-    if t > m {
-        return Err(Error::InvalidArgument(format!(
-            "rank {d} dispatches {t} tokens, more than max_tokens_per_rank = {m}"
-        )));
-    }
+    // The CPU manager's check and wording (T > M on this rank).
+    p.cpu.check_tokens(t)?;
     let s = statics(p, c, t)?;
     // Validation only (bad ids → error word; read it with check_device_error).
     c.run(c.k.layout(
@@ -89,16 +85,18 @@ pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Re
     let (hidden, extras, counts) = receive(p, c, &wire, &s)?;
     combine_source(p, c, &wire, &s)?;
     let cap = m * r;
+    let geo = p.geometry().layout_geometry();
+    let sh = p.contract().shapes(&geo, cfg.hidden, el * cap);
     let shape = DispatchShape {
-        layout: Layout::ExpertMajor,
+        layout: p.layout(),
         received_rows: usize::MAX,
         buffer_rows: el * cap,
-        hidden: vec![el, cap, cfg.hidden],
-        topk_ids: Vec::new(),
-        topk_weights: Vec::new(),
-        counts: el,
-        expert_offsets: 0,
-        src: 0,
+        hidden: sh.hidden,
+        topk_ids: sh.topk_ids,
+        topk_weights: sh.topk_weights,
+        counts: sh.counts,
+        expert_offsets: sh.expert_offsets,
+        src: sh.src,
     };
     p.state = Some(State {
         tokens: t,

@@ -10,7 +10,7 @@
 //! Combine mirrors it with the transposed matrix: `ep_combine_return_*` on the expert rank,
 //! the reverse exchange, then `ep_weighted_combine` (expert layouts) or `ep_sum_ranks`.
 
-use super::{pack, Ctx, DispatchInput, Executor, GpuDispatch, Pipeline, State, Wire};
+use super::{pack, Ctx, DispatchInput, Executor, Family, GpuDispatch, Pipeline, State, Wire};
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{encode_error_word, ERR_HOST_REJECTED};
 use crate::gpu::nccl::plan::counts_plan;
@@ -18,7 +18,7 @@ use crate::gpu::transport::plan::{
     broadcast_plan, combine_counts, counts_row_len, dispatch_shape, recv_offsets,
     row_expert_counts, scan_scratch_elems, DispatchShape, Gathered, ROW_ERROR, ROW_RANK_COUNTS,
 };
-use crate::select::all2all::Layout;
+use crate::moe::layout::{Unit, WeightsBy};
 
 /// A counts-mode dispatch (steps 1–6 of the module doc).
 pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<GpuDispatch> {
@@ -38,9 +38,14 @@ pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Re
     Ok(o)
 }
 
-/// Whether combine returns one row per (token, local expert): the source applies the weights.
-fn expert_layout(layout: Layout) -> bool {
-    matches!(layout, Layout::ExpertMajor | Layout::ExpertPacked)
+/// Whether one row travels per (token, local expert): the layout needs the pair flags.
+fn per_pair(p: &Pipeline) -> bool {
+    p.contract().unit == Unit::TokenExpert
+}
+
+/// Whether every token goes to every rank (packed once, broadcast).
+fn every_token(p: &Pipeline) -> bool {
+    p.contract().unit == Unit::EveryToken
 }
 
 /// Steps 1–3: this rank's counts row, the all-gather, the host sync, the checks.
@@ -53,7 +58,7 @@ fn gather(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<Gathered> {
     let all = c.buf("counts_all", 4 * row_len * r)?;
     let err = c.buf("err", 8)?;
     let rank_flag = c.buf("rank_flag", 4 * r * t)?;
-    let pair_flag = if expert_layout(p.layout()) {
+    let pair_flag = if per_pair(p) {
         c.buf("pair_flag", 4 * r * t * k)?
     } else {
         0
@@ -121,7 +126,7 @@ fn send(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput, g: &Gathered) -> Result<
     let (r, d, k) = (p.world(), p.rank(), cfg.top_k);
     let el = cfg.num_experts / r;
     let t = inp.tokens;
-    let replicated = p.layout() == Layout::Replicated;
+    let replicated = every_token(p);
     let matrix = if replicated {
         g.replicated_counts()
     } else {
@@ -182,14 +187,13 @@ fn receive(
     }?;
     let mut o = GpuDispatch::rows(shape, &[sent.wire.recvs[0]]);
     o.extras = sent.wire.recvs[4..].to_vec();
-    match p.layout() {
-        Layout::Replicated | Layout::TokenMajor => unpack_tokens(p, c, sent, &mut o)?,
-        Layout::ExpertMajor | Layout::ExpertPacked => {
+    match p.family {
+        Family::Tokens => unpack_tokens(p, c, sent, &mut o)?,
+        Family::Buckets | Family::Packed => {
             unpack_experts(p, c, sent, d_off, &mut o)?;
             combine_source(p, c, inp, sent.scratch)?;
         }
-        Layout::RankMajor => unpack_rank_major(p, c, sent, d_off, &mut o)?,
-        Layout::MoonepSlots => return Err(Error::MoonEpUnavailable),
+        Family::Regions => unpack_rank_major(p, c, sent, d_off, &mut o)?,
     }
     Ok(o)
 }
@@ -206,7 +210,7 @@ fn unpack_tokens(p: &Pipeline, c: &mut Ctx, sent: &Sent, o: &mut GpuDispatch) ->
             "dispatch wire without its row buffers".into(),
         ));
     };
-    let replicated = p.layout() == Layout::Replicated;
+    let replicated = every_token(p);
     let out_ids = c.buf("out_ids", 8 * n_recv * k)?;
     let out_w = c.buf("out_w", 4 * n_recv * k)?;
     let (el_u, rank_u) = if replicated {
@@ -265,7 +269,7 @@ fn unpack_experts(
     c.run(c.k.scan(eflag, epos, el * n_recv, sent.scratch))?;
     c.run(c.k.scan(rpflag, rppos, n_recv * k, sent.scratch))?;
     let recv5 = [rows, ids, w, src, d_off];
-    if p.layout() == Layout::ExpertMajor {
+    if p.family == Family::Buckets {
         let cap = cfg.max_tokens_per_rank * r;
         let counts = c.buf("out_counts", 4 * el)?;
         let err = c.buf("err", 8)?;
@@ -453,10 +457,9 @@ fn return_rows(
     let (r, d) = (p.world(), p.rank());
     let el = cfg.num_experts / r;
     let erb = p.expert_row_bytes();
-    let layout = p.layout();
-    match layout {
-        Layout::Replicated | Layout::TokenMajor => Ok(expert_output),
-        Layout::RankMajor => {
+    match p.family {
+        Family::Tokens => Ok(expert_output),
+        Family::Regions => {
             let send = c.buf("comb_send", n_back * erb)?;
             let d_off = c.buf("recv_offsets", 4 * (r + 1))?;
             let m = cfg.max_tokens_per_rank as i32;
@@ -470,12 +473,12 @@ fn return_rows(
             ))?;
             Ok(send)
         }
-        Layout::ExpertMajor | Layout::ExpertPacked => {
+        Family::Buckets | Family::Packed => {
             let send = c.buf("comb_send", n_back * erb)?;
             let ids = c.buf("recv1", 0)?;
             let epos = c.buf("expert_pos", 0)?;
             let rppos = c.buf("recv_pair_pos", 0)?;
-            let cap = if layout == Layout::ExpertMajor {
+            let cap = if p.family == Family::Buckets {
                 cfg.max_tokens_per_rank * r
             } else {
                 0
@@ -494,7 +497,6 @@ fn return_rows(
             ))?;
             Ok(send)
         }
-        Layout::MoonepSlots => Err(Error::MoonEpUnavailable),
     }
 }
 
@@ -502,18 +504,19 @@ fn return_rows(
 fn reduce(p: &Pipeline, c: &mut Ctx, t: usize, recv: u64, out: u64) -> Result<()> {
     let (r, h) = (p.world() as i32, p.config().hidden as i32);
     let t = t as i32;
-    match p.layout() {
-        Layout::Replicated => c.run(c.k.sum_ranks(recv, 0, 0, t, r, h, out)),
-        Layout::TokenMajor | Layout::RankMajor => {
+    match p.contract().weights_by {
+        // Holder-weighted rows: a plain sum per token (REPLICATED: every rank's row of every
+        // token, no flags).
+        WeightsBy::Holder if every_token(p) => c.run(c.k.sum_ranks(recv, 0, 0, t, r, h, out)),
+        WeightsBy::Holder => {
             let flag = c.buf("rank_flag", 0)?;
             let pos = c.buf("send_pos", 0)?;
             c.run(c.k.sum_ranks(recv, flag, pos, t, r, h, out))
         }
-        Layout::ExpertMajor | Layout::ExpertPacked => {
+        WeightsBy::Source => {
             let crow = c.buf("combine_rows", 0)?;
             let w = c.buf("weights_copy", 0)?;
             c.run(c.k.weighted_combine(recv, crow, w, t, h, out))
         }
-        Layout::MoonepSlots => Err(Error::MoonEpUnavailable),
     }
 }

@@ -20,6 +20,7 @@ use crate::gpu::nccl::plan::{ExchangeOptions, ExchangePlan};
 use crate::gpu::transport::plan::{
     self, capacity_supported, DispatchShape, Gathered, ShapeGeometry,
 };
+use crate::moe::layout::{self, Capacity, Contract, Unit};
 use crate::moe::{Manager, MoeConfig};
 use crate::select::all2all::{Backend, Layout};
 
@@ -282,11 +283,45 @@ fn to_i32(v: usize, what: &str) -> Result<i32> {
     })
 }
 
+/// The kernels a layout's contract takes on the GPU (the receive side's unpack and combine's
+/// return and reduction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    /// Exact rows per (source, token), or every token (REPLICATED, TOKEN_MAJOR).
+    Tokens,
+    /// M-row regions per source rank (RANK_MAJOR).
+    Regions,
+    /// M·R-row buckets per local expert (EXPERT_MAJOR).
+    Buckets,
+    /// Exact rows per (token, local expert), grouped by expert (EXPERT_PACKED).
+    Packed,
+}
+
+impl Family {
+    /// The family of `c`; a contract the GPU kernels do not implement is an error.
+    fn of(c: &Contract) -> Result<Family> {
+        match (c.unit, c.capacity) {
+            (Unit::EveryToken | Unit::Token, Capacity::Exact) => Ok(Family::Tokens),
+            (Unit::Token, Capacity::PerSourceRank) => Ok(Family::Regions),
+            (Unit::TokenExpert, Capacity::PerLocalExpert) => Ok(Family::Buckets),
+            (Unit::TokenExpert, Capacity::Exact) => Ok(Family::Packed),
+            (Unit::EveryToken, Capacity::PerSourceRank | Capacity::PerLocalExpert)
+            | (Unit::Token, Capacity::PerLocalExpert)
+            | (Unit::TokenExpert, Capacity::PerSourceRank) => Err(Error::NotImplemented(format!(
+                "the GPU path has no kernels for the {} layout",
+                c.layout.name()
+            ))),
+        }
+    }
+}
+
 /// The GPU manager's pipeline: configuration, mode, and what combine needs from the last
 /// dispatch. Device-independent: an [`Executor`] does the work.
 #[derive(Debug)]
 pub struct Pipeline {
     cpu: Manager,
+    contract: Contract,
+    family: Family,
     rank: usize,
     world: usize,
     mode: GpuMode,
@@ -318,9 +353,9 @@ impl Pipeline {
                 cfg.top_k
             )));
         }
-        if cpu.backend() == Backend::Moonep {
-            return Err(Error::MoonEpUnavailable);
-        }
+        // MOONEP_SLOTS: the CPU manager refused it already, with the same error.
+        let contract = layout::require(cpu.layout())?;
+        let family = Family::of(&contract)?;
         if mode == GpuMode::Capacity && !capacity_supported(cpu.layout()) {
             return Err(Error::NotImplemented(format!(
                 "capacity mode (no host sync, CUDA graphs) is implemented for the EXPERT_MAJOR layout only (deepep_low_latency, nixl_ep); {} uses {}",
@@ -342,6 +377,8 @@ impl Pipeline {
         )?;
         Ok(Pipeline {
             cpu,
+            contract,
+            family,
             rank,
             world,
             mode,
@@ -361,6 +398,11 @@ impl Pipeline {
     /// The layout.
     pub fn layout(&self) -> Layout {
         self.cpu.layout()
+    }
+
+    /// The layout's contract.
+    pub fn contract(&self) -> &Contract {
+        &self.contract
     }
 
     /// The configuration.
