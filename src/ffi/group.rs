@@ -280,44 +280,26 @@ fn host_rc(rc: i32) -> std::result::Result<(), String> {
 
 impl HostTransport for CallbackTransport {
     fn send(&mut self, peer: usize, data: &[u8]) -> std::result::Result<(), String> {
-        let f = self.0.send.ok_or("no send callback")?;
+        let (f, user) = (self.0.send.ok_or("no send callback")?, self.0.user_data);
+        let (p, n) = (data.as_ptr().cast(), data.len());
         // SAFETY: the host's callback with its own user data; the buffer is valid for the call.
-        host_rc(unsafe {
-            f(
-                self.0.user_data,
-                peer as i32,
-                data.as_ptr().cast(),
-                data.len(),
-            )
-        })
+        host_rc(unsafe { f(user, peer as i32, p, n) })
     }
     fn recv(&mut self, peer: usize, data: &mut [u8]) -> std::result::Result<(), String> {
-        let f = self.0.recv.ok_or("no recv callback")?;
-        // SAFETY: as above; the buffer is writable for `len` bytes.
-        host_rc(unsafe {
-            f(
-                self.0.user_data,
-                peer as i32,
-                data.as_mut_ptr().cast(),
-                data.len(),
-            )
-        })
+        let (f, user) = (self.0.recv.ok_or("no recv callback")?, self.0.user_data);
+        let (p, n) = (data.as_mut_ptr().cast(), data.len());
+        // SAFETY: as above; the buffer is writable for `n` bytes.
+        host_rc(unsafe { f(user, peer as i32, p, n) })
     }
     fn all_gather(
         &mut self,
         mine: &[u8],
         out: &mut [u8],
     ) -> Option<std::result::Result<(), String>> {
-        let f = self.0.all_gather?;
-        // SAFETY: as above; `out` holds world * len bytes (checked by the caller).
-        Some(host_rc(unsafe {
-            f(
-                self.0.user_data,
-                mine.as_ptr().cast(),
-                mine.len(),
-                out.as_mut_ptr().cast(),
-            )
-        }))
+        let (f, user) = (self.0.all_gather?, self.0.user_data);
+        let (p, n, o) = (mine.as_ptr().cast(), mine.len(), out.as_mut_ptr().cast());
+        // SAFETY: as above; `out` holds world * n bytes (checked by the caller).
+        Some(host_rc(unsafe { f(user, p, n, o) }))
     }
     fn barrier(&mut self) -> Option<std::result::Result<(), String>> {
         let f = self.0.barrier?;
