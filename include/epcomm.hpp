@@ -1,6 +1,6 @@
 // epcomm.hpp: a header-only C++17 wrapper over epcomm.h.
 //
-// RAII handles (Group, All2All, EplbCommunicator), exceptions carrying the status, vLLM's
+// RAII handles (Group, All2All), exceptions carrying the status, vLLM's
 // message, the hint and the Python exception class vLLM raises, and tensor helpers that build
 // the DLPack-layout epcomm_tensor from pointers, std::vector or (C++20) std::span.
 //
@@ -57,6 +57,32 @@ inline void check(int32_t status) {
 }
 
 inline std::string version() { return epcomm_version(); }
+
+/// The one owner of a C handle (move-only): released with `Destroy` (NULL-safe) when it goes.
+template <class T, void (*Destroy)(T *)> class Owned {
+public:
+    Owned() noexcept = default;
+    explicit Owned(T *p) noexcept : p_(p) {}
+    Owned(Owned &&o) noexcept : p_(o.p_) { o.p_ = nullptr; }
+    Owned &operator=(Owned &&o) noexcept {
+        if (this != &o) {
+            Destroy(p_);
+            p_ = o.p_;
+            o.p_ = nullptr;
+        }
+        return *this;
+    }
+    Owned(const Owned &) = delete;
+    Owned &operator=(const Owned &) = delete;
+    ~Owned() { Destroy(p_); }
+
+    T *get() const noexcept { return p_; }
+    /// Where a create call writes the new handle.
+    T **out() noexcept { return &p_; }
+
+private:
+    T *p_ = nullptr;
+};
 
 // ---- element types --------------------------------------------------------------------------
 
@@ -208,47 +234,34 @@ public:
         check(epcomm_group_create_host(&callbacks, name.c_str(), rank, world_size, options, &g));
         return Group(g);
     }
-    Group(Group &&o) noexcept : g_(o.g_) { o.g_ = nullptr; }
-    Group &operator=(Group &&o) noexcept {
-        if (this != &o) {
-            epcomm_group_destroy(g_);
-            g_ = o.g_;
-            o.g_ = nullptr;
-        }
-        return *this;
-    }
-    Group(const Group &) = delete;
-    Group &operator=(const Group &) = delete;
-    ~Group() { epcomm_group_destroy(g_); }
-
-    epcomm_group *get() const noexcept { return g_; }
+    epcomm_group *get() const noexcept { return g_.get(); }
     int32_t rank() const {
         int32_t r = -1;
-        check(epcomm_group_rank(g_, &r));
+        check(epcomm_group_rank(g_.get(), &r));
         return r;
     }
     int32_t size() const {
         int32_t s = -1;
-        check(epcomm_group_size(g_, &s));
+        check(epcomm_group_size(g_.get(), &s));
         return s;
     }
-    void barrier() { check(epcomm_group_barrier(g_)); }
+    void barrier() { check(epcomm_group_barrier(g_.get())); }
     void all_gatherv(const Tensor &input, const std::vector<int64_t> &sizes, const Tensor &output) {
-        check(epcomm_group_all_gatherv(g_, input.get(), sizes.data(), output.get()));
+        check(epcomm_group_all_gatherv(g_.get(), input.get(), sizes.data(), output.get()));
     }
     void reduce_scatterv(const Tensor &input, const std::vector<int64_t> &sizes, const Tensor &output) {
-        check(epcomm_group_reduce_scatterv(g_, input.get(), sizes.data(), output.get()));
+        check(epcomm_group_reduce_scatterv(g_.get(), input.get(), sizes.data(), output.get()));
     }
     void all_to_allv(const Tensor &input, const std::vector<int64_t> &send_counts, const Tensor &output,
                      const std::vector<int64_t> &recv_counts) {
-        check(epcomm_group_all_to_allv(g_, input.get(), send_counts.data(), output.get(),
+        check(epcomm_group_all_to_allv(g_.get(), input.get(), send_counts.data(), output.get(),
                                        recv_counts.data()));
     }
-    void broadcast(const Tensor &t, int32_t root) { check(epcomm_group_broadcast(g_, t.get(), root)); }
+    void broadcast(const Tensor &t, int32_t root) { check(epcomm_group_broadcast(g_.get(), t.get(), root)); }
 
 private:
     explicit Group(epcomm_group *g) : g_(g) {}
-    epcomm_group *g_;
+    Owned<epcomm_group, epcomm_group_destroy> g_;
 };
 
 // ---- all2all ----------------------------------------------------------------------------------
@@ -264,43 +277,31 @@ inline epcomm_moe_config moe_config() {
 class All2All {
 public:
     All2All(const Group &group, const std::string &backend, const epcomm_moe_config &config) {
-        check(epcomm_all2all_create(group.get(), backend.c_str(), &config, &a_));
+        check(epcomm_all2all_create(group.get(), backend.c_str(), &config, a_.out()));
     }
-    All2All(All2All &&o) noexcept : a_(o.a_) { o.a_ = nullptr; }
-    All2All &operator=(All2All &&o) noexcept {
-        if (this != &o) {
-            epcomm_all2all_destroy(a_);
-            a_ = o.a_;
-            o.a_ = nullptr;
-        }
-        return *this;
-    }
-    All2All(const All2All &) = delete;
-    All2All &operator=(const All2All &) = delete;
-    ~All2All() { epcomm_all2all_destroy(a_); }
 
-    epcomm_all2all *get() const noexcept { return a_; }
+    epcomm_all2all *get() const noexcept { return a_.get(); }
     /// Dispatches (collective); the returned views stay valid until the next call.
     epcomm_dispatch_output dispatch(const Tensor &hidden, const Tensor &topk_ids, const Tensor &topk_weights) {
         epcomm_dispatch_output out{};
-        check(epcomm_all2all_dispatch(a_, hidden.get(), topk_ids.get(), topk_weights.get(), nullptr, 0, &out));
+        check(epcomm_all2all_dispatch(a_.get(), hidden.get(), topk_ids.get(), topk_weights.get(), nullptr, 0, &out));
         return out;
     }
     /// Combines (collective): expert outputs in the dispatch output's shape → [T, hidden].
     void combine(const Tensor &expert_output, const Tensor &output) {
-        check(epcomm_all2all_combine(a_, expert_output.get(), output.get()));
+        check(epcomm_all2all_combine(a_.get(), expert_output.get(), output.get()));
     }
     void check_layer(int64_t top_k, int64_t num_experts) const {
-        check(epcomm_all2all_check_layer(a_, top_k, num_experts));
+        check(epcomm_all2all_check_layer(a_.get(), top_k, num_experts));
     }
     epcomm_all2all_stats stats() const {
         epcomm_all2all_stats s{};
-        check(epcomm_all2all_get_stats(a_, &s));
+        check(epcomm_all2all_get_stats(a_.get(), &s));
         return s;
     }
 
 private:
-    epcomm_all2all *a_ = nullptr;
+    Owned<epcomm_all2all, epcomm_all2all_destroy> a_;
 };
 
 // ---- EPLB -------------------------------------------------------------------------------------
