@@ -60,21 +60,26 @@ fn rank_main(group: &str, rank: usize, p: &GroupArgs) -> Result<(Vec<f64>, Vec<f
     Ok((a2a, copy, wrong))
 }
 
+/// In a rank process: the rank's samples on stdout, for the parent.
+fn rank_report(p: &GroupArgs, rank: usize, group: &str) -> ExitCode {
+    match rank_main(group, rank, p) {
+        Ok((a, c, wrong)) => {
+            println!("A2A {}", encode(&a));
+            println!("COPY {}", encode(&c));
+            println!("WRONG {wrong}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("rank {rank}: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 /// `epcomm bench group`.
 pub fn cmd_group(p: &GroupArgs) -> ExitCode {
     if let Some((rank, group)) = crate::ranks::this_rank() {
-        return match rank_main(&group, rank, p) {
-            Ok((a, c, wrong)) => {
-                println!("A2A {}", encode(&a));
-                println!("COPY {}", encode(&c));
-                println!("WRONG {wrong}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("rank {rank}: {e}");
-                ExitCode::from(1)
-            }
-        };
+        return rank_report(p, rank, &group);
     }
     let bytes = (p.mib << 20) / p.ranks * p.ranks;
     // Send and receive buffers, then the memcpy's two (the shm region holds one contribution).
@@ -106,10 +111,20 @@ pub fn cmd_group(p: &GroupArgs) -> ExitCode {
             .parse::<u64>()
             .unwrap_or(u64::MAX / 4);
     }
+    report(p, bytes, &a2a, &copy, wrong);
+    if wrong > 0 {
+        eprintln!("epcomm: {wrong} wrong bytes received");
+        return ExitCode::from(1);
+    }
+    ExitCode::SUCCESS
+}
+
+/// The JSON object or the nccl-tests style table of one run.
+fn report(p: &GroupArgs, bytes: usize, a2a: &[Vec<f64>], copy: &[Vec<f64>], wrong: u64) {
     let size = bytes as f64;
     let n = p.ranks as f64;
-    let (am, ap) = median_p99(slowest(&a2a));
-    let (cm, cp) = median_p99(slowest(&copy));
+    let (am, ap) = median_p99(slowest(a2a));
+    let (cm, cp) = median_p99(slowest(copy));
     let algbw = size / am / 1e9;
     let busbw = algbw * (n - 1.0) / n;
     if p.json {
@@ -164,9 +179,4 @@ pub fn cmd_group(p: &GroupArgs) -> ExitCode {
         println!("# time ratio all_to_allv / memcpy: {:.2}", am / cm);
         crate::stats::nccl_summary(wrong, busbw);
     }
-    if wrong > 0 {
-        eprintln!("epcomm: {wrong} wrong bytes received");
-        return ExitCode::from(1);
-    }
-    ExitCode::SUCCESS
 }

@@ -189,10 +189,22 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let wrong = report(p, (pm, pp, &shape), &outputs);
+    if wrong > 0 {
+        eprintln!("epcomm: {wrong} wrong bytes in the placed experts");
+        return ExitCode::from(1);
+    }
+    ExitCode::SUCCESS
+}
+
+/// The JSON object or the nccl-tests style table of the transfer (and the policy's figures, in
+/// JSON); returns the wrong bytes.
+fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankOutput]) -> u64 {
+    let (pm, pp, shape) = policy;
     let mut xfer = Vec::new();
     let mut copy = Vec::new();
     let (mut moved, mut received, mut wrong) = (0u64, 0u64, 0u64);
-    for out in &outputs {
+    for out in outputs {
         let text = &out.stdout;
         xfer.push(decode(tagged(text, "XFER ")));
         copy.push(decode(tagged(text, "COPY ")));
@@ -261,9 +273,5 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
         println!("# transfer/memcpy bandwidth: {:.2}", cm / xm);
         crate::stats::nccl_summary(wrong, busbw);
     }
-    if wrong > 0 {
-        eprintln!("epcomm: {wrong} wrong bytes in the placed experts");
-        return ExitCode::from(1);
-    }
-    ExitCode::SUCCESS
+    wrong
 }

@@ -26,28 +26,55 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// The plot area and its scales: log2 x in `[x0, x1]`, linear y in `[0, ymax]`.
+struct Frame {
+    x0: f64,
+    x1: f64,
+    ymax: f64,
+    pw: f64,
+    ph: f64,
+}
+
+impl Frame {
+    fn new(series: &[Series]) -> Frame {
+        let pts = series.iter().flat_map(|s| s.points.iter());
+        let xs: Vec<f64> = pts.clone().map(|p| p.0.max(1.0).log2()).collect();
+        let (x0, x1) = xs
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+                (a.min(x), b.max(x))
+            });
+        let (x0, x1) = if x0.is_finite() && x1 > x0 {
+            (x0, x1)
+        } else {
+            (0.0, x0.max(0.0) + 1.0)
+        };
+        let ymax = pts
+            .map(|p| p.1)
+            .filter(|y| y.is_finite())
+            .fold(0.0, f64::max);
+        let ymax = if ymax > 0.0 { ymax * 1.1 } else { 1.0 };
+        Frame {
+            x0,
+            x1,
+            ymax,
+            pw: W - LEFT - RIGHT,
+            ph: H - TOP - BOTTOM,
+        }
+    }
+
+    fn px(&self, x: f64) -> f64 {
+        LEFT + (x.max(1.0).log2() - self.x0) / (self.x1 - self.x0) * self.pw
+    }
+
+    fn py(&self, y: f64) -> f64 {
+        TOP + self.ph - y / self.ymax * self.ph
+    }
+}
+
 /// Renders `series` with a log2 x axis (x > 0) and a linear y axis from 0.
 pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
-    let pts = series.iter().flat_map(|s| s.points.iter());
-    let xs: Vec<f64> = pts.clone().map(|p| p.0.max(1.0).log2()).collect();
-    let (x0, x1) = xs
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
-            (a.min(x), b.max(x))
-        });
-    let (x0, x1) = if x0.is_finite() && x1 > x0 {
-        (x0, x1)
-    } else {
-        (0.0, x0.max(0.0) + 1.0)
-    };
-    let ymax = pts
-        .map(|p| p.1)
-        .filter(|y| y.is_finite())
-        .fold(0.0, f64::max);
-    let ymax = if ymax > 0.0 { ymax * 1.1 } else { 1.0 };
-    let (pw, ph) = (W - LEFT - RIGHT, H - TOP - BOTTOM);
-    let px = |x: f64| LEFT + (x.max(1.0).log2() - x0) / (x1 - x0) * pw;
-    let py = |y: f64| TOP + ph - y / ymax * ph;
+    let f = Frame::new(series);
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -57,28 +84,38 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) 
     let _ = writeln!(
         s,
         r#"<text x="{}" y="22" text-anchor="middle" font-size="14">{}</text>"#,
-        LEFT + pw / 2.0,
+        LEFT + f.pw / 2.0,
         esc(title)
     );
-    // Axes, y grid and ticks.
+    axes(&mut s, &f, x_label, y_label);
+    for (i, ser) in series.iter().enumerate() {
+        line(&mut s, &f, i, ser);
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// The axes, the y grid and both axes' ticks and labels.
+fn axes(s: &mut String, f: &Frame, x_label: &str, y_label: &str) {
+    let (pw, ph) = (f.pw, f.ph);
     for i in 0..=5 {
-        let y = ymax * i as f64 / 5.0;
+        let y = f.ymax * i as f64 / 5.0;
         let _ = writeln!(
             s,
             r##"<line x1="{LEFT}" x2="{0}" y1="{1:.1}" y2="{1:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end">{y:.1}</text>"##,
             LEFT + pw,
-            py(y),
+            f.py(y),
             LEFT - 6.0,
-            py(y) + 4.0
+            f.py(y) + 4.0
         );
     }
-    let mut tick = 2f64.powf(x0.floor());
-    while tick.log2() <= x1 + 1e-9 {
-        if tick.log2() >= x0 - 1e-9 {
+    let mut tick = 2f64.powf(f.x0.floor());
+    while tick.log2() <= f.x1 + 1e-9 {
+        if tick.log2() >= f.x0 - 1e-9 {
             let _ = writeln!(
                 s,
                 r#"<text x="{:.1}" y="{}" text-anchor="middle">{tick}</text>"#,
-                px(tick),
+                f.px(tick),
                 TOP + ph + 18.0
             );
         }
@@ -103,42 +140,42 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) 
         TOP + ph / 2.0,
         esc(y_label)
     );
-    for (i, ser) in series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        let dash = if ser.dashed {
-            r#" stroke-dasharray="6,4""#
-        } else {
-            ""
-        };
-        let path: Vec<String> = ser
-            .points
-            .iter()
-            .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
-            .collect();
+}
+
+/// Series `i`: its polyline, its points and its legend entry.
+fn line(s: &mut String, f: &Frame, i: usize, ser: &Series) {
+    let color = COLORS[i % COLORS.len()];
+    let dash = if ser.dashed {
+        r#" stroke-dasharray="6,4""#
+    } else {
+        ""
+    };
+    let path: Vec<String> = ser
+        .points
+        .iter()
+        .map(|&(x, y)| format!("{:.1},{:.1}", f.px(x), f.py(y)))
+        .collect();
+    let _ = writeln!(
+        s,
+        r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
+        path.join(" ")
+    );
+    for &(x, y) in &ser.points {
         let _ = writeln!(
             s,
-            r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
-            path.join(" ")
-        );
-        for &(x, y) in &ser.points {
-            let _ = writeln!(
-                s,
-                r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#,
-                px(x),
-                py(y)
-            );
-        }
-        let ly = TOP + 10.0 + 18.0 * i as f64;
-        let lx = LEFT + pw + 14.0;
-        let _ = writeln!(
-            s,
-            r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
-            lx + 22.0,
-            lx + 28.0,
-            ly + 4.0,
-            esc(&ser.label)
+            r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#,
+            f.px(x),
+            f.py(y)
         );
     }
-    s.push_str("</svg>\n");
-    s
+    let ly = TOP + 10.0 + 18.0 * i as f64;
+    let lx = LEFT + f.pw + 14.0;
+    let _ = writeln!(
+        s,
+        r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
+        lx + 22.0,
+        lx + 28.0,
+        ly + 4.0,
+        esc(&ser.label)
+    );
 }
