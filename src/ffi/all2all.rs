@@ -276,13 +276,8 @@ pub unsafe extern "C" fn epcomm_all2all_dispatch(
         // SAFETY: caller contract for every pointer below.
         unsafe {
             with_manager(a2a, |st, g| {
-                let tensors = DispatchTensors {
-                    hidden,
-                    topk_ids,
-                    topk_weights,
-                    extras,
-                    num_extras,
-                };
+                let tensors =
+                    DispatchTensors::new(hidden, topk_ids, topk_weights, extras, num_extras);
                 let checked = host_dispatch(&st.mgr, tensors, out);
                 let (out, d) = checked.map_err(|e| st.mgr.reject_dispatch(g, e))?;
                 let ex: Vec<&[u8]> = d.args.extras.iter().map(|e| e.as_slice()).collect();

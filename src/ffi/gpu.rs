@@ -290,13 +290,8 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_dispatch(
         // SAFETY: caller contract for every pointer; `out` is non-NULL (checked) and writable.
         unsafe {
             with_handle(a2a, |h| {
-                let tensors = DispatchTensors {
-                    hidden,
-                    topk_ids,
-                    topk_weights,
-                    extras,
-                    num_extras,
-                };
+                let tensors =
+                    DispatchTensors::new(hidden, topk_ids, topk_weights, extras, num_extras);
                 *out = imp::dispatch(h, stream, tensors)?;
                 Ok(())
             })

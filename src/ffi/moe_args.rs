@@ -91,6 +91,25 @@ pub(crate) struct DispatchTensors {
     pub num_extras: usize,
 }
 
+impl DispatchTensors {
+    /// The descriptors in the C argument order.
+    pub(crate) fn new(
+        hidden: *const epcomm_tensor,
+        topk_ids: *const epcomm_tensor,
+        topk_weights: *const epcomm_tensor,
+        extras: *const epcomm_tensor,
+        num_extras: usize,
+    ) -> DispatchTensors {
+        DispatchTensors {
+            hidden,
+            topk_ids,
+            topk_weights,
+            extras,
+            num_extras,
+        }
+    }
+}
+
 /// A dispatch's tensors, checked against the manager's configuration; nothing read yet.
 pub(crate) struct DispatchArgs {
     /// `[T, hidden_size]` of hidden_dtype.
