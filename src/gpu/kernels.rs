@@ -443,318 +443,324 @@ const fn u(name: &'static str) -> Param {
     }
 }
 
-/// Sender layout: `rank_flag[R*T]`, `pair_flag[R*T*TOPK]`, `rank_counts[R]`,
-/// `expert_counts[E]` (EPLB load), validation into `err`. Thread per token.
-pub const EP_LAYOUT: KernelSig = KernelSig {
-    name: "ep_layout",
-    module: Module::Layout,
-    params: &[
-        p("topk_ids", Elem::Id),
-        i("T"),
-        i("E"),
-        i("E_local"),
-        i("R"),
-        w("rank_flag", Elem::I32),
-        wn("pair_flag", Elem::I32),
-        wn("rank_counts", Elem::I32),
-        wn("expert_counts", Elem::I32),
-        wn("err", Elem::U64),
-    ],
-    grid: "thread per token",
-};
+/// One kernel argument. Device pointers are `u64` addresses (0 = NULL).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arg {
+    /// A device pointer.
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `unsigned long long`.
+    U64(u64),
+}
 
-/// `rows[T*TOPK]` = row of (t, k) in the combine receive buffer, -1 if masked.
-pub const EP_PAIR_ROWS: KernelSig = KernelSig {
-    name: "ep_pair_rows",
-    module: Module::Layout,
-    params: &[
-        p("topk_ids", Elem::Id),
-        i("T"),
-        i("E"),
-        i("E_local"),
-        p("pair_pos", Elem::I32),
-        w("rows", Elem::I32),
-    ],
-    grid: "thread per (t, k)",
-};
+impl Arg {
+    /// The 8-byte parameter slot `cuLaunchKernel` reads (an `int` is the slot's low 4
+    /// bytes, little-endian).
+    pub fn slot(self) -> u64 {
+        match self {
+            Arg::Ptr(p) | Arg::U64(p) => p,
+            Arg::I32(v) => u64::from(v as u32),
+        }
+    }
+}
 
-/// Receiver flags: `expert_flag[E_local*N]`, `pair_flag[N*TOPK]`, `local_counts[E_local]`.
-pub const EP_RECV_FLAGS: KernelSig = KernelSig {
-    name: "ep_recv_flags",
-    module: Module::Layout,
-    params: &[
-        p("recv_ids", Elem::I32),
-        i("N"),
-        i("E_local"),
-        i("rank"),
-        wn("expert_flag", Elem::I32),
-        wn("pair_flag", Elem::I32),
-        wn("local_counts", Elem::I32),
-    ],
-    grid: "thread per received row",
-};
+/// The Rust type of a parameter kind (`p`, `w`, `pn`, `wn`: pointers; `i`: int; `u`: u64).
+macro_rules! arg_type {
+    (i) => {
+        i32
+    };
+    (u) => {
+        u64
+    };
+    ($ptr:ident) => {
+        u64
+    };
+}
 
-/// Exclusive scan of one [`SCAN_TILE`] per block; `out[n]` = (tile-local) total.
-/// Launch with exactly [`SCAN_THREADS`] threads and `ceil(n / SCAN_TILE)` blocks (≥ 1).
-pub const EP_SCAN_BLOCK: KernelSig = KernelSig {
-    name: "ep_scan_block",
-    module: Module::Scan,
-    params: &[
-        p("in", Elem::I32),
-        w("out", Elem::I32),
-        u("n"),
-        wn("block_sums", Elem::I32),
-    ],
-    grid: "block per 1024-element tile, 256 threads",
-};
+/// The [`Arg`] of a value of a parameter kind.
+macro_rules! arg_of {
+    (i, $v:expr) => {
+        Arg::I32($v)
+    };
+    (u, $v:expr) => {
+        Arg::U64($v)
+    };
+    ($ptr:ident, $v:expr) => {
+        Arg::Ptr($v)
+    };
+}
 
-/// Adds each tile's offset (`offsets[tile]`, the scanned `block_sums`) to `out[0..=n]`.
-pub const EP_SCAN_ADD: KernelSig = KernelSig {
-    name: "ep_scan_add",
-    module: Module::Scan,
-    params: &[w("out", Elem::I32), u("n"), p("offsets", Elem::I32)],
-    grid: "thread per element",
-};
+/// The parameter's name in the `.cu` source: the field's, unless renamed (`in` is a Rust
+/// keyword).
+macro_rules! c_name {
+    ($field:ident) => {
+        stringify!($field)
+    };
+    ($field:ident, $name:literal) => {
+        $name
+    };
+}
 
-/// Rows (+ wire ids, weights, source token) into the send buffer grouped by destination.
-pub const EP_PACK: KernelSig = KernelSig {
-    name: "ep_pack",
-    module: Module::Pack,
-    params: &[
-        p("rows", Elem::U8),
-        u("row_bytes"),
-        pn("topk_ids", Elem::Id),
-        pn("topk_weights", Elem::F32),
-        i("T"),
-        i("R"),
-        p("rank_flag", Elem::I32),
-        p("send_pos", Elem::I32),
-        w("send_rows", Elem::U8),
-        wn("send_ids", Elem::I32),
-        wn("send_weights", Elem::F32),
-        wn("send_src", Elem::I32),
-    ],
-    grid: "warp per (rank, token)",
-};
+/// The one declaration of every entry point: from it come the [`KernelSig`] table (checked
+/// against the `.cu` sources by tests/gpu_kernels.rs) and a typed argument struct whose
+/// fields are the parameters in order (`args()` gives the launch's [`Arg`]s), which the
+/// launch builders of [`crate::gpu::calls`] take.
+macro_rules! entry_points {
+    ($(
+        $(#[doc = $doc:literal])*
+        $sig:ident / $args:ident = $name:literal in $module:ident, $grid:literal {
+            $( $field:ident $(= $cname:literal)? : $kind:ident $(($elem:ident))? ),* $(,)?
+        }
+    )*) => {
+        $(
+            $(#[doc = $doc])*
+            pub const $sig: KernelSig = KernelSig {
+                name: $name,
+                module: Module::$module,
+                params: &[ $( $kind(c_name!($field $(, $cname)?) $(, Elem::$elem)?) ),* ],
+                grid: $grid,
+            };
 
-/// Byte copy with the whole grid (self traffic, REPLICATED all-gather).
-pub const EP_LOCAL_COPY: KernelSig = KernelSig {
-    name: "ep_local_copy",
-    module: Module::Pack,
-    params: &[w("dst", Elem::U8), p("src", Elem::U8), u("bytes")],
-    grid: "thread per 16/4/1-byte unit",
-};
+            #[doc = concat!("The arguments of `", $name, "`, in its order (the `.cu` names).")]
+            #[allow(non_snake_case)]
+            #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+            pub struct $args {
+                $(
+                    #[doc = concat!("`", c_name!($field $(, $cname)?), "`.")]
+                    pub $field: arg_type!($kind),
+                )*
+            }
 
-/// TOKEN_MAJOR: rows (optional copy), filtered ids (-1) and weights (0).
-pub const EP_UNPACK_TOKEN_MAJOR: KernelSig = KernelSig {
-    name: "ep_unpack_token_major",
-    module: Module::Unpack,
-    params: &[
-        p("recv_rows", Elem::U8),
-        p("recv_ids", Elem::I32),
-        p("recv_w", Elem::F32),
-        i("N"),
-        u("row_bytes"),
-        i("E_local"),
-        i("rank"),
-        wn("out_rows", Elem::U8),
-        w("out_ids", Elem::Id),
-        w("out_w", Elem::F32),
-    ],
-    grid: "warp per received row",
-};
+            impl $args {
+                /// The launch arguments, in the entry point's order.
+                pub fn args(&self) -> Vec<Arg> {
+                    vec![ $( arg_of!($kind, self.$field) ),* ]
+                }
+            }
+        )*
 
-/// EXPERT_MAJOR: fixed-capacity buckets `[E_local, capacity, row]` + `counts[E_local]`.
-pub const EP_UNPACK_EXPERT_MAJOR: KernelSig = KernelSig {
-    name: "ep_unpack_expert_major",
-    module: Module::Unpack,
-    params: &[
-        p("recv_rows", Elem::U8),
-        p("recv_ids", Elem::I32),
-        p("recv_w", Elem::F32),
-        p("recv_src", Elem::I32),
-        p("recv_offsets", Elem::I32),
-        i("N"),
-        i("R"),
-        u("row_bytes"),
-        i("E_local"),
-        i("rank"),
-        p("expert_flag", Elem::I32),
-        p("expert_pos", Elem::I32),
-        i("capacity"),
-        w("out_rows", Elem::U8),
-        w("counts", Elem::I32),
-        wn("out_w", Elem::F32),
-        wn("out_src_rank", Elem::I32),
-        wn("out_src_token", Elem::I32),
-        wn("err", Elem::U64),
-    ],
-    grid: "warp per (local expert, received row)",
-};
+        /// Every entry point.
+        pub const ALL_KERNELS: &[&KernelSig] = &[ $( &$sig ),* ];
+    };
+}
 
-/// EXPERT_PACKED: exact rows grouped by expert + `expert_offsets[E_local+1]`, weight, source.
-pub const EP_UNPACK_EXPERT_PACKED: KernelSig = KernelSig {
-    name: "ep_unpack_expert_packed",
-    module: Module::Unpack,
-    params: &[
-        p("recv_rows", Elem::U8),
-        p("recv_ids", Elem::I32),
-        p("recv_w", Elem::F32),
-        p("recv_src", Elem::I32),
-        p("recv_offsets", Elem::I32),
-        i("N"),
-        i("R"),
-        u("row_bytes"),
-        i("E_local"),
-        i("rank"),
-        p("expert_flag", Elem::I32),
-        p("expert_pos", Elem::I32),
-        w("out_rows", Elem::U8),
-        w("expert_offsets", Elem::I32),
-        wn("out_w", Elem::F32),
-        wn("out_src_rank", Elem::I32),
-        wn("out_src_token", Elem::I32),
-    ],
-    grid: "warp per (local expert, received row)",
-};
+entry_points! {
+    /// Sender layout: `rank_flag[R*T]`, `pair_flag[R*T*TOPK]`, `rank_counts[R]`,
+    /// `expert_counts[E]` (EPLB load), validation into `err`. Thread per token.
+    EP_LAYOUT / LayoutArgs = "ep_layout" in Layout, "thread per token" {
+        topk_ids: p(Id),
+        T: i,
+        E: i,
+        E_local: i,
+        R: i,
+        rank_flag: w(I32),
+        pair_flag: wn(I32),
+        rank_counts: wn(I32),
+        expert_counts: wn(I32),
+        err: wn(U64),
+    }
 
-/// RANK_MAJOR: `[R, M, row]`, ids/weights (padding ids -1), `recv_counts[R]`.
-pub const EP_UNPACK_RANK_MAJOR: KernelSig = KernelSig {
-    name: "ep_unpack_rank_major",
-    module: Module::Unpack,
-    params: &[
-        p("recv_rows", Elem::U8),
-        p("recv_ids", Elem::I32),
-        p("recv_w", Elem::F32),
-        p("recv_offsets", Elem::I32),
-        i("R"),
-        i("M"),
-        u("row_bytes"),
-        w("out_rows", Elem::U8),
-        w("out_ids", Elem::Id),
-        w("out_w", Elem::F32),
-        w("recv_counts", Elem::I32),
-        wn("err", Elem::U64),
-    ],
-    grid: "warp per (source, slot)",
-};
+    /// `rows[T*TOPK]` = row of (t, k) in the combine receive buffer, -1 if masked.
+    EP_PAIR_ROWS / PairRowsArgs = "ep_pair_rows" in Layout, "thread per (t, k)" {
+        topk_ids: p(Id),
+        T: i,
+        E: i,
+        E_local: i,
+        pair_pos: p(I32),
+        rows: w(I32),
+    }
 
-/// Expert layouts: expert output rows back into wire order (per (row, k) pair).
-pub const EP_COMBINE_RETURN_EXPERT: KernelSig = KernelSig {
-    name: "ep_combine_return_expert",
-    module: Module::Combine,
-    params: &[
-        p("y", Elem::U8),
-        u("row_bytes"),
-        p("recv_ids", Elem::I32),
-        i("N"),
-        i("E_local"),
-        i("rank"),
-        p("expert_pos", Elem::I32),
-        i("capacity"),
-        p("pair_pos", Elem::I32),
-        w("send_rows", Elem::U8),
-    ],
-    grid: "warp per (received row, k)",
-};
+    /// Receiver flags: `expert_flag[E_local*N]`, `pair_flag[N*TOPK]`, `local_counts[E_local]`.
+    EP_RECV_FLAGS / RecvFlagsArgs = "ep_recv_flags" in Layout, "thread per received row" {
+        recv_ids: p(I32),
+        N: i,
+        E_local: i,
+        rank: i,
+        expert_flag: wn(I32),
+        pair_flag: wn(I32),
+        local_counts: wn(I32),
+    }
 
-/// RANK_MAJOR: `[R, M, row]` back into wire order.
-pub const EP_COMBINE_RETURN_RANK_MAJOR: KernelSig = KernelSig {
-    name: "ep_combine_return_rank_major",
-    module: Module::Combine,
-    params: &[
-        p("y", Elem::U8),
-        u("row_bytes"),
-        p("recv_offsets", Elem::I32),
-        i("R"),
-        i("M"),
-        w("send_rows", Elem::U8),
-    ],
-    grid: "warp per (source, slot)",
-};
+    /// Exclusive scan of one [`SCAN_TILE`] per block; `out[n]` = (tile-local) total.
+    /// Launch with exactly [`SCAN_THREADS`] threads and `ceil(n / SCAN_TILE)` blocks (≥ 1).
+    EP_SCAN_BLOCK / ScanBlockArgs = "ep_scan_block" in Scan, "block per 1024-element tile, 256 threads" {
+        input = "in": p(I32),
+        out: w(I32),
+        n: u,
+        block_sums: wn(I32),
+    }
 
-/// `out[t] = Σ_k w[t,k]·y[rows[t,k]]`, f32, fixed k order.
-pub const EP_WEIGHTED_COMBINE: KernelSig = KernelSig {
-    name: "ep_weighted_combine",
-    module: Module::Combine,
-    params: &[
-        p("y", Elem::In),
-        p("rows", Elem::I32),
-        p("w", Elem::F32),
-        i("T"),
-        i("H"),
-        w("out", Elem::Out),
-    ],
-    grid: "block per token, threads over H",
-};
+    /// Adds each tile's offset (`offsets[tile]`, the scanned `block_sums`) to `out[0..=n]`.
+    EP_SCAN_ADD / ScanAddArgs = "ep_scan_add" in Scan, "thread per element" {
+        out: w(I32),
+        n: u,
+        offsets: p(I32),
+    }
 
-/// `out[t] = Σ_r y[row(r, t)]` in rank order (unweighted).
-pub const EP_SUM_RANKS: KernelSig = KernelSig {
-    name: "ep_sum_ranks",
-    module: Module::Combine,
-    params: &[
-        p("y", Elem::In),
-        pn("rank_flag", Elem::I32),
-        pn("send_pos", Elem::I32),
-        i("T"),
-        i("R"),
-        i("H"),
-        w("out", Elem::Out),
-    ],
-    grid: "block per token, threads over H",
-};
+    /// Rows (+ wire ids, weights, source token) into the send buffer grouped by destination.
+    EP_PACK / PackArgs = "ep_pack" in Pack, "warp per (rank, token)" {
+        rows: p(U8),
+        row_bytes: u,
+        topk_ids: pn(Id),
+        topk_weights: pn(F32),
+        T: i,
+        R: i,
+        rank_flag: p(I32),
+        send_pos: p(I32),
+        send_rows: w(U8),
+        send_ids: wn(I32),
+        send_weights: wn(F32),
+        send_src: wn(I32),
+    }
 
-/// `epoch[0] += 1`.
-pub const EP_EPOCH_BUMP: KernelSig = KernelSig {
-    name: "ep_epoch_bump",
-    module: Module::Signal,
-    params: &[w("epoch", Elem::U32)],
-    grid: "one thread",
-};
+    /// Byte copy with the whole grid (self traffic, REPLICATED all-gather).
+    EP_LOCAL_COPY / LocalCopyArgs = "ep_local_copy" in Pack, "thread per 16/4/1-byte unit" {
+        dst: w(U8),
+        src: p(U8),
+        bytes: u,
+    }
 
-/// Release-store `*epoch` into each peer's flag slot (`peer_flags[r]` = device address, 0 = skip).
-pub const EP_SIGNAL: KernelSig = KernelSig {
-    name: "ep_signal",
-    module: Module::Signal,
-    params: &[p("peer_flags", Elem::U64), i("R"), p("epoch", Elem::U32)],
-    grid: "thread per peer",
-};
+    /// TOKEN_MAJOR: rows (optional copy), filtered ids (-1) and weights (0).
+    EP_UNPACK_TOKEN_MAJOR / UnpackTokenMajorArgs = "ep_unpack_token_major" in Unpack, "warp per received row" {
+        recv_rows: p(U8),
+        recv_ids: p(I32),
+        recv_w: p(F32),
+        N: i,
+        row_bytes: u,
+        E_local: i,
+        rank: i,
+        out_rows: wn(U8),
+        out_ids: w(Id),
+        out_w: w(F32),
+    }
 
-/// Acquire-spin until `flags[r] >= *epoch`, bounded by `timeout_ns` of `%globaltimer`.
-pub const EP_WAIT: KernelSig = KernelSig {
-    name: "ep_wait",
-    module: Module::Signal,
-    params: &[
-        p("flags", Elem::U32),
-        i("R"),
-        p("epoch", Elem::U32),
-        u("timeout_ns"),
-        wn("err", Elem::U64),
-    ],
-    grid: "thread per peer",
-};
+    /// EXPERT_MAJOR: fixed-capacity buckets `[E_local, capacity, row]` + `counts[E_local]`.
+    EP_UNPACK_EXPERT_MAJOR / UnpackExpertMajorArgs = "ep_unpack_expert_major" in Unpack, "warp per (local expert, received row)" {
+        recv_rows: p(U8),
+        recv_ids: p(I32),
+        recv_w: p(F32),
+        recv_src: p(I32),
+        recv_offsets: p(I32),
+        N: i,
+        R: i,
+        row_bytes: u,
+        E_local: i,
+        rank: i,
+        expert_flag: p(I32),
+        expert_pos: p(I32),
+        capacity: i,
+        out_rows: w(U8),
+        counts: w(I32),
+        out_w: wn(F32),
+        out_src_rank: wn(I32),
+        out_src_token: wn(I32),
+        err: wn(U64),
+    }
 
-/// Every entry point.
-pub const ALL_KERNELS: [&KernelSig; 18] = [
-    &EP_LAYOUT,
-    &EP_PAIR_ROWS,
-    &EP_RECV_FLAGS,
-    &EP_SCAN_BLOCK,
-    &EP_SCAN_ADD,
-    &EP_PACK,
-    &EP_LOCAL_COPY,
-    &EP_UNPACK_TOKEN_MAJOR,
-    &EP_UNPACK_EXPERT_MAJOR,
-    &EP_UNPACK_EXPERT_PACKED,
-    &EP_UNPACK_RANK_MAJOR,
-    &EP_COMBINE_RETURN_EXPERT,
-    &EP_COMBINE_RETURN_RANK_MAJOR,
-    &EP_WEIGHTED_COMBINE,
-    &EP_SUM_RANKS,
-    &EP_EPOCH_BUMP,
-    &EP_SIGNAL,
-    &EP_WAIT,
-];
+    /// EXPERT_PACKED: exact rows grouped by expert + `expert_offsets[E_local+1]`, weight, source.
+    EP_UNPACK_EXPERT_PACKED / UnpackExpertPackedArgs = "ep_unpack_expert_packed" in Unpack, "warp per (local expert, received row)" {
+        recv_rows: p(U8),
+        recv_ids: p(I32),
+        recv_w: p(F32),
+        recv_src: p(I32),
+        recv_offsets: p(I32),
+        N: i,
+        R: i,
+        row_bytes: u,
+        E_local: i,
+        rank: i,
+        expert_flag: p(I32),
+        expert_pos: p(I32),
+        out_rows: w(U8),
+        expert_offsets: w(I32),
+        out_w: wn(F32),
+        out_src_rank: wn(I32),
+        out_src_token: wn(I32),
+    }
+
+    /// RANK_MAJOR: `[R, M, row]`, ids/weights (padding ids -1), `recv_counts[R]`.
+    EP_UNPACK_RANK_MAJOR / UnpackRankMajorArgs = "ep_unpack_rank_major" in Unpack, "warp per (source, slot)" {
+        recv_rows: p(U8),
+        recv_ids: p(I32),
+        recv_w: p(F32),
+        recv_offsets: p(I32),
+        R: i,
+        M: i,
+        row_bytes: u,
+        out_rows: w(U8),
+        out_ids: w(Id),
+        out_w: w(F32),
+        recv_counts: w(I32),
+        err: wn(U64),
+    }
+
+    /// Expert layouts: expert output rows back into wire order (per (row, k) pair).
+    EP_COMBINE_RETURN_EXPERT / CombineReturnExpertArgs = "ep_combine_return_expert" in Combine, "warp per (received row, k)" {
+        y: p(U8),
+        row_bytes: u,
+        recv_ids: p(I32),
+        N: i,
+        E_local: i,
+        rank: i,
+        expert_pos: p(I32),
+        capacity: i,
+        pair_pos: p(I32),
+        send_rows: w(U8),
+    }
+
+    /// RANK_MAJOR: `[R, M, row]` back into wire order.
+    EP_COMBINE_RETURN_RANK_MAJOR / CombineReturnRankMajorArgs = "ep_combine_return_rank_major" in Combine, "warp per (source, slot)" {
+        y: p(U8),
+        row_bytes: u,
+        recv_offsets: p(I32),
+        R: i,
+        M: i,
+        send_rows: w(U8),
+    }
+
+    /// `out[t] = Σ_k w[t,k]·y[rows[t,k]]`, f32, fixed k order.
+    EP_WEIGHTED_COMBINE / WeightedCombineArgs = "ep_weighted_combine" in Combine, "block per token, threads over H" {
+        y: p(In),
+        rows: p(I32),
+        w: p(F32),
+        T: i,
+        H: i,
+        out: w(Out),
+    }
+
+    /// `out[t] = Σ_r y[row(r, t)]` in rank order (unweighted).
+    EP_SUM_RANKS / SumRanksArgs = "ep_sum_ranks" in Combine, "block per token, threads over H" {
+        y: p(In),
+        rank_flag: pn(I32),
+        send_pos: pn(I32),
+        T: i,
+        R: i,
+        H: i,
+        out: w(Out),
+    }
+
+    /// `epoch[0] += 1`.
+    EP_EPOCH_BUMP / EpochBumpArgs = "ep_epoch_bump" in Signal, "one thread" {
+        epoch: w(U32),
+    }
+
+    /// Release-store `*epoch` into each peer's flag slot (`peer_flags[r]` = device address, 0 = skip).
+    EP_SIGNAL / SignalArgs = "ep_signal" in Signal, "thread per peer" {
+        peer_flags: p(U64),
+        R: i,
+        epoch: p(U32),
+    }
+
+    /// Acquire-spin until `flags[r] >= *epoch`, bounded by `timeout_ns` of `%globaltimer`.
+    EP_WAIT / WaitArgs = "ep_wait" in Signal, "thread per peer" {
+        flags: p(U32),
+        R: i,
+        epoch: p(U32),
+        timeout_ns: u,
+        err: wn(U64),
+    }
+}
 
 /// Parses the `extern "C" __global__` entry points of a CUDA source: (name, [(type, name)]).
 /// Used by the tests to check the [`KernelSig`] tables against the `.cu` files.

@@ -14,7 +14,8 @@
 //! expert layouts return in combine.
 
 use crate::error::{Error, Result};
-use crate::gpu::kernels::{decode_error_word, DeviceError, SCAN_TILE};
+pub use crate::gpu::calls::{blocks_for, scan_blocks, scan_levels, scan_scratch_elems};
+use crate::gpu::kernels::{decode_error_word, DeviceError};
 use crate::gpu::nccl::plan::{ExchangePlan, LocalCopy, PeerTransfer};
 use crate::moe::layout::{self, Capacity, Unit};
 use crate::select::all2all::Layout;
@@ -162,39 +163,6 @@ pub fn recv_offsets(m: &[i32], world: usize, dst: usize) -> Vec<i32> {
         off.push(acc);
     }
     off
-}
-
-/// Element counts of each level of the recursive scan of `n` int32: `[n, tiles(n),
-/// tiles(tiles(n)), …]`, stopping at the first level that fits one tile. `ep_scan_block` runs
-/// on every level (block sums of level i are the input of level i+1), then `ep_scan_add` walks
-/// back down adding each tile's offset.
-pub fn scan_levels(n: usize) -> Vec<usize> {
-    let tile = SCAN_TILE as usize;
-    let mut v = vec![n];
-    let mut cur = n;
-    while cur > tile {
-        cur = cur.div_ceil(tile);
-        v.push(cur);
-    }
-    v
-}
-
-/// Blocks of `ep_scan_block` for `n` elements (at least 1, so `out[0]` is written for n = 0).
-pub fn scan_blocks(n: usize) -> u32 {
-    n.div_ceil(SCAN_TILE as usize).max(1) as u32
-}
-
-/// int32 scratch a scan of `n` needs beyond its output: one `tiles + 1` array per level above
-/// the first (the block sums, scanned in place into that level's tile offsets).
-pub fn scan_scratch_elems(n: usize) -> usize {
-    scan_levels(n)[1..].iter().map(|&m| m + 1).sum()
-}
-
-/// Blocks for a grid-stride kernel: `units` work items of `per_block` each, capped at
-/// `max_blocks` (≥ 1 block, so kernels that write a header for empty input still run).
-pub fn blocks_for(units: u64, per_block: u64, max_blocks: u32) -> u32 {
-    let b = units.div_ceil(per_block.max(1));
-    b.clamp(1, u64::from(max_blocks.max(1))) as u32
 }
 
 /// A broadcast exchange: every rank sends the same `rows[rank]` rows (offset 0 of its send

@@ -7,9 +7,13 @@
 //! fixed positions (the "iota" pair positions). Bad ids and full buckets land in the device
 //! error word, read by `GpuManager::check_device_error`.
 
-use super::counts::{payloads, unpack_buckets, Buckets};
+use super::counts::{payloads, unpack_buckets};
 use super::{pack, Ctx, DispatchInput, GpuDispatch, Pipeline, State, Wire};
 use crate::error::{Error, Result};
+use crate::gpu::kernels::{
+    CombineReturnExpertArgs, LayoutArgs, PairRowsArgs, RecvFlagsArgs, UnpackExpertMajorArgs,
+    WeightedCombineArgs,
+};
 use crate::gpu::nccl::plan::counts_plan;
 use crate::gpu::transport::plan::{broadcast_plan, scan_scratch_elems, DispatchShape};
 
@@ -69,18 +73,18 @@ pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Re
     p.cpu.check_tokens(t)?;
     let s = statics(p, c, t)?;
     // Validation only (bad ids → error word; read it with check_device_error).
-    c.run(c.k.layout(
-        inp.topk_ids,
-        t as i32,
-        e as i32,
-        el as i32,
-        r as i32,
-        s.rank_flag,
-        0,
-        0,
-        0,
-        s.err,
-    ))?;
+    c.run(c.k.layout(LayoutArgs {
+        topk_ids: inp.topk_ids,
+        T: t as i32,
+        E: e as i32,
+        E_local: el as i32,
+        R: r as i32,
+        rank_flag: s.rank_flag,
+        pair_flag: 0,
+        rank_counts: 0,
+        expert_counts: 0,
+        err: s.err,
+    }))?;
     let wire = send(p, c, inp, &s)?;
     let (hidden, extras, counts) = receive(p, c, &wire, &s)?;
     combine_source(p, c, &wire, &s)?;
@@ -144,20 +148,40 @@ fn receive(p: &Pipeline, c: &mut Ctx, wire: &Wire, s: &Statics) -> Result<(u64, 
     let eflag = c.buf("cap_expert_flag", 4 * el * n)?;
     let epos = c.buf("cap_expert_pos", 4 * (el * n + 1))?;
     let counts = c.buf("cap_counts", 4 * el)?;
-    c.run(c.k.recv_flags(ids, n as i32, el as i32, d as i32, eflag, 0, 0))?;
+    c.run(c.k.recv_flags(RecvFlagsArgs {
+        recv_ids: ids,
+        N: n as i32,
+        E_local: el as i32,
+        rank: d as i32,
+        expert_flag: eflag,
+        pair_flag: 0,
+        local_counts: 0,
+    }))?;
     c.run(c.k.scan(eflag, epos, el * n, s.scratch))?;
     let cap = m * r;
     let outs = wire.outputs(c, "cap_out_rows", el * cap)?;
-    let at = Buckets {
-        recv5: [0, ids, w, src, s.d_off],
-        n: n as i32,
-        eflag,
-        epos,
-        cap,
+    let at = UnpackExpertMajorArgs {
+        recv_rows: 0,
+        recv_ids: ids,
+        recv_w: w,
+        recv_src: src,
+        recv_offsets: s.d_off,
+        N: n as i32,
+        R: r as i32,
+        row_bytes: 0,
+        E_local: el as i32,
+        rank: d as i32,
+        expert_flag: eflag,
+        expert_pos: epos,
+        capacity: cap as i32,
+        out_rows: 0,
         counts,
+        out_w: 0,
+        out_src_rank: 0,
+        out_src_token: 0,
         err: s.err,
     };
-    unpack_buckets(p, c, &at, &outs)?;
+    unpack_buckets(c, at, &outs)?;
     let (hidden, extras) = payloads(&outs);
     Ok((hidden, extras, counts))
 }
@@ -170,15 +194,15 @@ fn combine_source(p: &Pipeline, c: &mut Ctx, wire: &Wire, s: &Statics) -> Result
     let el = e / p.world();
     let crow = c.buf("cap_combine_rows", 4 * m * k)?;
     let wcopy = c.buf("cap_weights", 4 * m * k)?;
-    c.run(c.k.pair_rows(
-        true,
-        wire.sends[1],
-        m as i32,
-        e as i32,
-        el as i32,
-        s.iota,
-        crow,
-    ))?;
+    let rows = PairRowsArgs {
+        topk_ids: wire.sends[1],
+        T: m as i32,
+        E: e as i32,
+        E_local: el as i32,
+        pair_pos: s.iota,
+        rows: crow,
+    };
+    c.run(c.k.pair_rows(true, rows))?;
     // SAFETY: the padded weights slab (m*k f32).
     unsafe { c.x.copy(wcopy, wire.sends[2], 4 * m * k) }
 }
@@ -202,21 +226,27 @@ pub(super) fn combine(
     let iota = c.buf("cap_iota", 0)?;
     let crow = c.buf("cap_combine_rows", 0)?;
     let w = c.buf("cap_weights", 0)?;
-    c.run(c.k.combine_return_expert(
-        expert_output,
-        erb as u64,
-        ids,
-        st.n_recv as i32,
-        el as i32,
-        d as i32,
-        epos,
-        (m * r) as i32,
-        iota,
-        send,
-    ))?;
+    c.run(c.k.combine_return_expert(CombineReturnExpertArgs {
+        y: expert_output,
+        row_bytes: erb as u64,
+        recv_ids: ids,
+        N: st.n_recv as i32,
+        E_local: el as i32,
+        rank: d as i32,
+        expert_pos: epos,
+        capacity: (m * r) as i32,
+        pair_pos: iota,
+        send_rows: send,
+    }))?;
     let cm = vec![(m * k) as i32; r * r];
     let plan = counts_plan(&cm, r, d, erb, p.opts)?;
     c.exchange(&[(plan, send, recv)])?;
-    let (t, h) = (st.tokens as i32, cfg.hidden as i32);
-    c.run(c.k.weighted_combine(recv, crow, w, t, h, out))
+    c.run(c.k.weighted_combine(WeightedCombineArgs {
+        y: recv,
+        rows: crow,
+        w,
+        T: st.tokens as i32,
+        H: cfg.hidden as i32,
+        out,
+    }))
 }

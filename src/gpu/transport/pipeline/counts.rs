@@ -12,7 +12,11 @@
 
 use super::{pack, Ctx, DispatchInput, Executor, Family, GpuDispatch, Pipeline, State, Wire};
 use crate::error::{Error, Result};
-use crate::gpu::kernels::{encode_error_word, ERR_HOST_REJECTED};
+use crate::gpu::kernels::{
+    encode_error_word, CombineReturnExpertArgs, CombineReturnRankMajorArgs, LayoutArgs,
+    PairRowsArgs, RecvFlagsArgs, SumRanksArgs, UnpackExpertMajorArgs, UnpackExpertPackedArgs,
+    UnpackRankMajorArgs, UnpackTokenMajorArgs, WeightedCombineArgs, ERR_HOST_REJECTED,
+};
 use crate::gpu::nccl::plan::counts_plan;
 use crate::gpu::transport::plan::{
     broadcast_plan, combine_counts, counts_row_len, dispatch_shape, recv_offsets,
@@ -69,18 +73,18 @@ fn gather(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<Gathered> {
         c.x.fill8(err, 0, 8)?;
         c.x.upload(row, &(t as i32).to_ne_bytes(), "h_tokens")?;
     }
-    c.run(c.k.layout(
-        inp.topk_ids,
-        t as i32,
-        e as i32,
-        (e / r) as i32,
-        r as i32,
+    c.run(c.k.layout(LayoutArgs {
+        topk_ids: inp.topk_ids,
+        T: t as i32,
+        E: e as i32,
+        E_local: (e / r) as i32,
+        R: r as i32,
         rank_flag,
         pair_flag,
-        row + 4 * ROW_RANK_COUNTS as u64,
-        row + 4 * row_expert_counts(r) as u64,
+        rank_counts: row + 4 * ROW_RANK_COUNTS as u64,
+        expert_counts: row + 4 * row_expert_counts(r) as u64,
         err,
-    ))?;
+    }))?;
     // SAFETY: err (8 bytes) into the row's two error slots; `all` holds R rows.
     unsafe {
         c.x.copy(row + 4 * ROW_ERROR as u64, err, 8)?;
@@ -219,22 +223,30 @@ fn unpack_tokens(p: &Pipeline, c: &mut Ctx, sent: &Sent, o: &mut GpuDispatch) ->
         let counts = c.buf("out_counts", 4 * el)?;
         // SAFETY: el int32.
         unsafe { c.x.fill8(counts, 0, 4 * el) }?;
-        c.run(c.k.recv_flags(ids, n_recv as i32, el as i32, d as i32, 0, 0, counts))?;
+        c.run(c.k.recv_flags(RecvFlagsArgs {
+            recv_ids: ids,
+            N: n_recv as i32,
+            E_local: el as i32,
+            rank: d as i32,
+            expert_flag: 0,
+            pair_flag: 0,
+            local_counts: counts,
+        }))?;
         o.counts = counts;
         (el, d)
     };
-    c.run(c.k.unpack_token_major(
-        rows,
-        ids,
-        w,
-        n_recv as i32,
-        p.row_bytes() as u64,
-        el_u as i32,
-        rank_u as i32,
-        0,
+    c.run(c.k.unpack_token_major(UnpackTokenMajorArgs {
+        recv_rows: rows,
+        recv_ids: ids,
+        recv_w: w,
+        N: n_recv as i32,
+        row_bytes: p.row_bytes() as u64,
+        E_local: el_u as i32,
+        rank: rank_u as i32,
+        out_rows: 0,
         out_ids,
         out_w,
-    ))?;
+    }))?;
     o.topk_ids = out_ids;
     // REPLICATED is an all-gather: weights arrive unchanged (a masked id keeps its weight, as
     // on the CPU path); TOKEN_MAJOR zeroes the non-local ones.
@@ -265,25 +277,44 @@ fn unpack_experts(
     let rpflag = c.buf("recv_pair_flag", 4 * n_recv * k)?;
     let rppos = c.buf("recv_pair_pos", 4 * (n_recv * k + 1))?;
     let n = n_recv as i32;
-    c.run(c.k.recv_flags(ids, n, el as i32, d as i32, eflag, rpflag, 0))?;
+    c.run(c.k.recv_flags(RecvFlagsArgs {
+        recv_ids: ids,
+        N: n,
+        E_local: el as i32,
+        rank: d as i32,
+        expert_flag: eflag,
+        pair_flag: rpflag,
+        local_counts: 0,
+    }))?;
     c.run(c.k.scan(eflag, epos, el * n_recv, sent.scratch))?;
     c.run(c.k.scan(rpflag, rppos, n_recv * k, sent.scratch))?;
-    let recv5 = [rows, ids, w, src, d_off];
     if p.family == Family::Buckets {
         let cap = cfg.max_tokens_per_rank * r;
         let counts = c.buf("out_counts", 4 * el)?;
         let err = c.buf("err", 8)?;
         let outs = sent.wire.outputs(c, "out_rows", el * cap)?;
-        let at = Buckets {
-            recv5,
-            n,
-            eflag,
-            epos,
-            cap,
+        let at = UnpackExpertMajorArgs {
+            recv_rows: rows,
+            recv_ids: ids,
+            recv_w: w,
+            recv_src: src,
+            recv_offsets: d_off,
+            N: n,
+            R: r as i32,
+            row_bytes: 0,
+            E_local: el as i32,
+            rank: d as i32,
+            expert_flag: eflag,
+            expert_pos: epos,
+            capacity: cap as i32,
+            out_rows: 0,
             counts,
+            out_w: 0,
+            out_src_rank: 0,
+            out_src_token: 0,
             err,
         };
-        unpack_buckets(p, c, &at, &outs)?;
+        unpack_buckets(c, at, &outs)?;
         (o.hidden, o.extras) = payloads(&outs);
         o.counts = counts;
         return Ok(());
@@ -294,13 +325,26 @@ fn unpack_experts(
     let sr = c.buf("out_src_rank", 4 * nr)?;
     let st = c.buf("out_src_token", 4 * nr)?;
     let outs = sent.wire.outputs(c, "out_rows", nr)?;
-    for &(src_rows, wb, out_rows) in &outs {
-        let mut r5 = recv5;
-        r5[0] = src_rows;
-        c.run(c.k.unpack_expert_packed(
-            r5, n, r as i32, wb as u64, el as i32, d as i32, eflag, epos, out_rows, offs, out_w,
-            sr, st,
-        ))?;
+    for &(recv_rows, wb, out_rows) in &outs {
+        c.run(c.k.unpack_expert_packed(UnpackExpertPackedArgs {
+            recv_rows,
+            recv_ids: ids,
+            recv_w: w,
+            recv_src: src,
+            recv_offsets: d_off,
+            N: n,
+            R: r as i32,
+            row_bytes: wb as u64,
+            E_local: el as i32,
+            rank: d as i32,
+            expert_flag: eflag,
+            expert_pos: epos,
+            out_rows,
+            expert_offsets: offs,
+            out_w,
+            out_src_rank: sr,
+            out_src_token: st,
+        }))?;
     }
     (o.hidden, o.extras) = payloads(&outs);
     o.expert_offsets = offs;
@@ -316,47 +360,20 @@ pub(super) fn payloads(outs: &[(u64, usize, u64)]) -> (u64, Vec<u64>) {
     (it.next().unwrap_or(0), it.collect())
 }
 
-/// Where `ep_unpack_expert_major` reads and counts (both modes).
-pub(super) struct Buckets {
-    /// rows (replaced per payload), ids, weights, source token, receive offsets.
-    pub recv5: [u64; 5],
-    pub n: i32,
-    pub eflag: u64,
-    pub epos: u64,
-    pub cap: usize,
-    pub counts: u64,
-    pub err: u64,
-}
-
-/// EXPERT_MAJOR's buckets of `cap` rows per local expert, one launch per row payload.
+/// EXPERT_MAJOR's buckets, one `ep_unpack_expert_major` per row payload (both modes): `at`
+/// with each payload's receive rows, row bytes and output buckets.
 pub(super) fn unpack_buckets(
-    p: &Pipeline,
     c: &mut Ctx,
-    at: &Buckets,
+    at: UnpackExpertMajorArgs,
     outs: &[(u64, usize, u64)],
 ) -> Result<()> {
-    let (r, d) = (p.world(), p.rank());
-    let el = p.config().num_experts / r;
-    for &(src_rows, wb, out_rows) in outs {
-        let mut r5 = at.recv5;
-        r5[0] = src_rows;
-        c.run(c.k.unpack_expert_major(
-            r5,
-            at.n,
-            r as i32,
-            wb as u64,
-            el as i32,
-            d as i32,
-            at.eflag,
-            at.epos,
-            at.cap as i32,
+    for &(recv_rows, wb, out_rows) in outs {
+        c.run(c.k.unpack_expert_major(UnpackExpertMajorArgs {
+            recv_rows,
+            row_bytes: wb as u64,
             out_rows,
-            at.counts,
-            0,
-            0,
-            0,
-            at.err,
-        ))?;
+            ..at
+        }))?;
     }
     Ok(())
 }
@@ -372,15 +389,15 @@ fn combine_source(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput, scratch: u64) 
     let crow = c.buf("combine_rows", 4 * t * k)?;
     let wcopy = c.buf("weights_copy", 4 * t * k)?;
     c.run(c.k.scan(pair_flag, ppos, r * t * k, scratch))?;
-    c.run(c.k.pair_rows(
-        false,
-        inp.topk_ids,
-        t as i32,
-        e as i32,
-        (e / r) as i32,
-        ppos,
-        crow,
-    ))?;
+    let rows = PairRowsArgs {
+        topk_ids: inp.topk_ids,
+        T: t as i32,
+        E: e as i32,
+        E_local: (e / r) as i32,
+        pair_pos: ppos,
+        rows: crow,
+    };
+    c.run(c.k.pair_rows(false, rows))?;
     if t * k > 0 {
         // SAFETY: t*k f32 in both.
         unsafe { c.x.copy(wcopy, inp.topk_weights, 4 * t * k) }?;
@@ -408,11 +425,21 @@ fn unpack_rank_major(
     let counts = c.buf("out_counts", 4 * r)?;
     let err = c.buf("err", 8)?;
     let outs = sent.wire.outputs(c, "out_rows", r * m)?;
-    for &(src_rows, wb, out_rows) in &outs {
-        c.run(c.k.unpack_rank_major(
-            src_rows, ids, w, d_off, r as i32, m as i32, wb as u64, out_rows, out_ids, out_w,
-            counts, err,
-        ))?;
+    for &(recv_rows, wb, out_rows) in &outs {
+        c.run(c.k.unpack_rank_major(UnpackRankMajorArgs {
+            recv_rows,
+            recv_ids: ids,
+            recv_w: w,
+            recv_offsets: d_off,
+            R: r as i32,
+            M: m as i32,
+            row_bytes: wb as u64,
+            out_rows,
+            out_ids,
+            out_w,
+            recv_counts: counts,
+            err,
+        }))?;
     }
     (o.hidden, o.extras) = payloads(&outs);
     o.topk_ids = out_ids;
@@ -463,14 +490,14 @@ fn return_rows(
             let send = c.buf("comb_send", n_back * erb)?;
             let d_off = c.buf("recv_offsets", 4 * (r + 1))?;
             let m = cfg.max_tokens_per_rank as i32;
-            c.run(c.k.combine_return_rank_major(
-                expert_output,
-                erb as u64,
-                d_off,
-                r as i32,
-                m,
-                send,
-            ))?;
+            c.run(c.k.combine_return_rank_major(CombineReturnRankMajorArgs {
+                y: expert_output,
+                row_bytes: erb as u64,
+                recv_offsets: d_off,
+                R: r as i32,
+                M: m,
+                send_rows: send,
+            }))?;
             Ok(send)
         }
         Family::Buckets | Family::Packed => {
@@ -483,18 +510,18 @@ fn return_rows(
             } else {
                 0
             };
-            c.run(c.k.combine_return_expert(
-                expert_output,
-                erb as u64,
-                ids,
-                st.n_recv as i32,
-                el as i32,
-                d as i32,
-                epos,
-                cap as i32,
-                rppos,
-                send,
-            ))?;
+            c.run(c.k.combine_return_expert(CombineReturnExpertArgs {
+                y: expert_output,
+                row_bytes: erb as u64,
+                recv_ids: ids,
+                N: st.n_recv as i32,
+                E_local: el as i32,
+                rank: d as i32,
+                expert_pos: epos,
+                capacity: cap as i32,
+                pair_pos: rppos,
+                send_rows: send,
+            }))?;
             Ok(send)
         }
     }
@@ -504,19 +531,35 @@ fn return_rows(
 fn reduce(p: &Pipeline, c: &mut Ctx, t: usize, recv: u64, out: u64) -> Result<()> {
     let (r, h) = (p.world() as i32, p.config().hidden as i32);
     let t = t as i32;
+    let sum = |rank_flag, send_pos| SumRanksArgs {
+        y: recv,
+        rank_flag,
+        send_pos,
+        T: t,
+        R: r,
+        H: h,
+        out,
+    };
     match p.contract().weights_by {
         // Holder-weighted rows: a plain sum per token (REPLICATED: every rank's row of every
         // token, no flags).
-        WeightsBy::Holder if every_token(p) => c.run(c.k.sum_ranks(recv, 0, 0, t, r, h, out)),
+        WeightsBy::Holder if every_token(p) => c.run(c.k.sum_ranks(sum(0, 0))),
         WeightsBy::Holder => {
             let flag = c.buf("rank_flag", 0)?;
             let pos = c.buf("send_pos", 0)?;
-            c.run(c.k.sum_ranks(recv, flag, pos, t, r, h, out))
+            c.run(c.k.sum_ranks(sum(flag, pos)))
         }
         WeightsBy::Source => {
             let crow = c.buf("combine_rows", 0)?;
             let w = c.buf("weights_copy", 0)?;
-            c.run(c.k.weighted_combine(recv, crow, w, t, h, out))
+            c.run(c.k.weighted_combine(WeightedCombineArgs {
+                y: recv,
+                rows: crow,
+                w,
+                T: t,
+                H: h,
+                out,
+            }))
         }
     }
 }

@@ -15,7 +15,7 @@ mod counts;
 
 use crate::error::{Error, Result};
 use crate::gpu::calls::{Call, Calls};
-use crate::gpu::kernels::{IdDtype, MAX_TOPK};
+use crate::gpu::kernels::{IdDtype, PackArgs, MAX_TOPK};
 use crate::gpu::nccl::plan::{ExchangeOptions, ExchangePlan};
 use crate::gpu::transport::plan::{
     self, capacity_supported, DispatchShape, Gathered, ShapeGeometry,
@@ -250,24 +250,39 @@ fn pack(
     send_pos: u64,
     wire: &Wire,
 ) -> Result<()> {
-    let (t, r) = (inp.tokens as i32, ranks as i32);
-    let s = &wire.sends;
-    c.run(c.k.pack(
-        inp.hidden,
-        wire.widths[0] as u64,
-        inp.topk_ids,
-        inp.topk_weights,
-        t,
-        r,
-        flags,
+    let [send_rows, send_ids, send_weights, send_src, ..] = wire.sends[..] else {
+        return Err(Error::Internal(
+            "dispatch wire without its row buffers".into(),
+        ));
+    };
+    let hidden = PackArgs {
+        rows: inp.hidden,
+        row_bytes: wire.widths[0] as u64,
+        topk_ids: inp.topk_ids,
+        topk_weights: inp.topk_weights,
+        T: inp.tokens as i32,
+        R: ranks as i32,
+        rank_flag: flags,
         send_pos,
-        s[0],
-        s[1],
-        s[2],
-        s[3],
-    ))?;
-    for ((&x, &wb), &send) in inp.extras.iter().zip(extra_row_bytes).zip(&s[4..]) {
-        c.run(c.k.pack(x, wb as u64, 0, 0, t, r, flags, send_pos, send, 0, 0, 0))?;
+        send_rows,
+        send_ids,
+        send_weights,
+        send_src,
+    };
+    c.run(c.k.pack(hidden))?;
+    // Extras: the same rows, no metadata.
+    for ((&x, &wb), &send) in inp.extras.iter().zip(extra_row_bytes).zip(&wire.sends[4..]) {
+        c.run(c.k.pack(PackArgs {
+            rows: x,
+            row_bytes: wb as u64,
+            topk_ids: 0,
+            topk_weights: 0,
+            send_rows: send,
+            send_ids: 0,
+            send_weights: 0,
+            send_src: 0,
+            ..hidden
+        }))?;
     }
     Ok(())
 }
