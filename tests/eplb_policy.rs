@@ -1,9 +1,11 @@
-//! vLLM's EPLB policy: the test vectors of vLLM's tests/distributed/test_eplb_algo.py
-//! and invariants on random loads for many (L, E, P, G, N, R) shapes.
+//! vLLM's EPLB policy: the test vectors of vLLM's tests/distributed/test_eplb_algo.py, vLLM
+//! v0.33.0's results for each policy step, the one-node option, and invariants on random loads
+//! for many (L, E, P, G, N, R) shapes.
 
 use epcomm::eplb::policy::{
-    compute_logical_maps, min_redundant_experts, np_sum_f32, preserve_intragpu_slots,
-    rebalance_experts,
+    balanced_packing, compute_logical_maps, logical_maps, min_redundant_experts, np_sum_f32,
+    preserve_intragpu_slots, rebalance, rebalance_experts, rebalance_hierarchical,
+    replicate_experts, NodeFallback, Placement,
 };
 use epcomm::Status;
 
@@ -198,4 +200,195 @@ fn invariants_on_random_loads() {
             }
         }
     }
+}
+
+// ---- vLLM v0.33.0's policy steps one by one -------------------------------------------------
+// Vectors from v0.33.0's `DefaultEplbPolicy` (default.py) and tests/distributed/test_eplb_algo.py.
+// Where a vector has tied loads, it is vLLM's result with `np.argsort(..., kind="stable")`
+// (epcomm's documented order; vLLM's default unstable sort may order ties otherwise).
+
+fn placement(
+    num_replicas: usize,
+    num_groups: usize,
+    num_nodes: usize,
+    num_ranks: usize,
+) -> Placement {
+    Placement {
+        num_replicas,
+        num_groups,
+        num_nodes,
+        num_ranks,
+    }
+}
+
+#[test]
+fn vllm_balanced_packing_and_replicate_experts() {
+    let (packs, ranks) = balanced_packing(&[vec![5.0, 3.0, 9.0, 1.0, 7.0, 2.0]], 3).unwrap();
+    assert_eq!(packs, vec![vec![2, 2, 0, 0, 1, 1]]);
+    assert_eq!(ranks, vec![vec![0, 1, 0, 1, 0, 1]]);
+    let (p2l, cnt) = replicate_experts(&[vec![10.0, 4.0, 7.0]], 6).unwrap();
+    assert_eq!(p2l, vec![vec![0, 1, 2, 0, 2, 0]]);
+    assert_eq!(cnt, vec![vec![3, 1, 2]]);
+    // vLLM's asserts: num_groups % num_packs == 0, num_redundant >= 0.
+    let e = balanced_packing(&[vec![1.0; 6]], 4).unwrap_err();
+    assert_eq!(
+        (e.exception(), e.to_string().as_str()),
+        ("AssertionError", "num_groups % num_packs == 0 (6 % 4)")
+    );
+    let e = replicate_experts(&[vec![1.0; 6]], 5).unwrap_err();
+    assert_eq!(
+        (e.exception(), e.to_string().as_str()),
+        ("AssertionError", "num_redundant >= 0 (5 - 6)")
+    );
+}
+
+#[test]
+fn vllm_preserve_intragpu_slots_cases() {
+    // (num_ranks, old, new, vLLM's result): test_eplb_algo.py's simple, duplicates and
+    // skewed_expert cases, then -1 (unused) slots in both maps.
+    let cases: [(usize, Vec<i64>, Vec<i64>, Vec<i64>); 4] = [
+        (
+            2,
+            vec![0, 1, 2, 3, 4, 5, 6, 7],
+            vec![1, 5, 0, 4, 6, 2, 7, 3],
+            vec![0, 1, 5, 4, 2, 3, 6, 7],
+        ),
+        (
+            2,
+            vec![0, 1, 0, 2, 3, 4, 5, 6, 1, 2],
+            vec![0, 5, 4, 0, 1, 6, 2, 3, 2, 1],
+            vec![0, 1, 0, 5, 4, 3, 2, 6, 1, 2],
+        ),
+        (
+            3,
+            vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3],
+            vec![0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3, 0],
+            vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3],
+        ),
+        (
+            2,
+            vec![-1, 1, -1, 3, 4, -1],
+            vec![1, 0, 2, 3, -1, 4],
+            vec![0, 1, 2, 3, 4, -1],
+        ),
+    ];
+    for (n, old, new, want) in cases {
+        let mut map = vec![new];
+        preserve_intragpu_slots(&mut map, n, &[old]);
+        assert_eq!(map, vec![want]);
+    }
+    // Ranks that do not divide the slots (or none): unchanged, as vLLM.
+    for n in [0, 4] {
+        let mut map = vec![vec![1, 0, 2, 3, 5, 4]];
+        preserve_intragpu_slots(&mut map, n, &[vec![0, 1, 2, 3, 4, 5]]);
+        assert_eq!(map, vec![vec![1, 0, 2, 3, 5, 4]]);
+    }
+}
+
+#[test]
+fn vllm_logical_maps_with_unused_slots() {
+    // test_compute_logical_maps_with_negative_indices: the width is max(logcnt) = 1.
+    let (cnt, maps) =
+        logical_maps(&[vec![0, 1, -1, 2, 3, -1], vec![3, -1, 2, 1, 0, -1]], 4).unwrap();
+    assert_eq!(cnt, vec![vec![1; 4]; 2]);
+    assert_eq!(
+        maps,
+        vec![
+            vec![vec![0], vec![1], vec![3], vec![4]],
+            vec![vec![4], vec![3], vec![2], vec![0]]
+        ]
+    );
+    // Every slot unused: width 0. An id at or above num_logical names the slot.
+    let (cnt, maps) = logical_maps(&[vec![-1, -1]], 2).unwrap();
+    assert_eq!((cnt, maps), (vec![vec![0, 0]], vec![vec![vec![], vec![]]]));
+    let e = logical_maps(&[vec![0, 2]], 2).unwrap_err();
+    assert_eq!(
+        (e.exception(), e.to_string().as_str()),
+        (
+            "ValueError",
+            "phy2log[0][1] is 2; expected a logical expert id in [0, 2) or -1 for an unused slot"
+        )
+    );
+    // Without unused slots the two functions agree.
+    let p2l = vec![vec![0usize, 1, 2, 3, 0, 1], vec![0, 2, 0, 1, 0, 3]];
+    let as_i64: Vec<Vec<i64>> = p2l
+        .iter()
+        .map(|r| r.iter().map(|&x| x as i64).collect())
+        .collect();
+    assert_eq!(
+        logical_maps(&as_i64, 4).unwrap(),
+        compute_logical_maps(&p2l, 4)
+    );
+}
+
+#[test]
+fn policy_entry_point_and_the_one_node_option() {
+    // G % N != 0 and R % N != 0: vLLM's policy goes global (G = N = 1); the eplb_state rule
+    // first folds to one node and keeps the 3 groups.
+    let w = f32s(&[&[28, 20, 6, 2, 0, 2, 7, 49, 9, 32, 37, 11]]);
+    let shape = placement(15, 3, 2, 5);
+    let vllm_policy = vec![vec![0, 8, 3, 7, 9, 4, 7, 11, 6, 1, 9, 2, 10, 10, 5]];
+    let eplb_state = vec![vec![0, 8, 5, 7, 9, 4, 7, 11, 6, 1, 9, 2, 10, 10, 3]];
+    assert_eq!(
+        rebalance(&w, shape, None, NodeFallback::Policy).unwrap(),
+        vllm_policy
+    );
+    assert_eq!(
+        rebalance(&w, shape, None, NodeFallback::OneNode).unwrap(),
+        eplb_state
+    );
+    assert_eq!(
+        rebalance_experts(&w, 15, 3, 2, 5, None).unwrap(),
+        eplb_state
+    );
+    assert_eq!(rebalance_hierarchical(&w, 15, 3, 1, 5).unwrap(), eplb_state);
+
+    // G % N == 0 but R % N != 0: vLLM's policy asserts; the option uses one node.
+    let w = f32s(&[&[1, 2, 3, 4, 5, 6, 7, 8]]);
+    let e = rebalance(&w, placement(12, 2, 2, 3), None, NodeFallback::Policy).unwrap_err();
+    assert_eq!(
+        (e.exception(), e.to_string().as_str()),
+        ("AssertionError", "num_gpus % num_nodes == 0 (3 % 2)")
+    );
+    let folded = rebalance(&w, placement(12, 2, 2, 3), None, NodeFallback::OneNode).unwrap();
+    assert_eq!(folded, rebalance_hierarchical(&w, 12, 2, 1, 3).unwrap());
+    assert_eq!(
+        epcomm::eplb::policy::nodes_warning(3, 1),
+        "num_gpus % num_nodes != 0, not using hierarchical rearrangement algorithm.\nnum_gpus=3, num_nodes=1"
+    );
+}
+
+#[test]
+fn old_map_with_unused_slots_keeps_the_others_in_place() {
+    // vLLM v0.33.0 (default sort; these loads have no ties) with an old map of a scale-up.
+    let w = f32s(&[&[
+        37, 5, 81, 12, 64, 29, 93, 48, 71, 2, 56, 18, 88, 41, 7, 66, 23, 99, 14, 52, 35, 77, 60, 9,
+    ]]);
+    let old: Vec<i64> = vec![
+        0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1, 12, 13, 14, 15, 16, 17, -1, -1, 18,
+        19, 20, 21, 22, 23,
+    ];
+    let got = rebalance(
+        &w,
+        placement(30, 3, 2, 5),
+        Some(&[old]),
+        NodeFallback::Policy,
+    )
+    .unwrap();
+    assert_eq!(
+        got,
+        vec![vec![
+            15, 6, 2, 3, 8, 18, 4, 2, 6, 5, 8, 1, 22, 11, 7, 21, 23, 13, 14, 10, 16, 17, 12, 0, 17,
+            19, 20, 21, 12, 9
+        ]]
+    );
+    // An old map of another shape is refused.
+    let e = rebalance(
+        &w,
+        placement(30, 3, 2, 5),
+        Some(&[vec![0; 29]]),
+        NodeFallback::Policy,
+    )
+    .unwrap_err();
+    assert_eq!(e.exception(), "ValueError");
 }

@@ -631,5 +631,6 @@ def eplb_rebalance(weight, num_replicas, num_groups, num_nodes, num_ranks, old_p
     return [list(out[i * num_replicas:(i + 1) * num_replicas]) for i in range(layers)]
 
 
+from . import eplb_algo  # noqa: E402,F401  (vLLM's EPLB policy steps)
 # Loaded at import, so a missing library is reported by `import epcomm` itself.
 load_library()

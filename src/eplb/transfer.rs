@@ -41,6 +41,12 @@ fn ranks_with(map: &[i64], n_local: usize, e: i64) -> Vec<usize> {
 
 /// The plan of rank `rank` for one layer, from the old and new physical → logical maps (`-1`
 /// = an empty slot). Both maps have `ranks * n_local` slots.
+///
+/// A new map that needs an expert no rank holds in the old map is an InvalidArgument error
+/// ("expert {e} is needed on rank {r} but no rank holds it in the old placement"). vLLM
+/// v0.33.0's `rebalance_execute` skips such an expert silently and later fills the slot from a
+/// receive-buffer row nothing was written to; epcomm refuses the layer instead, so no slot ever
+/// holds unwritten weights.
 pub fn plan_layer(old: &[i64], new: &[i64], n_local: usize, rank: usize) -> Result<LayerPlan> {
     if old.len() != new.len() || n_local == 0 || old.len() % n_local != 0 {
         return Err(Error::InvalidArgument(format!(
@@ -68,9 +74,13 @@ pub fn plan_layer(old: &[i64], new: &[i64], n_local: usize, rank: usize) -> Resu
         ..LayerPlan::default()
     };
     for i in 0..n_local {
-        if !unchanged[i] && received_locally[i] {
-            p.local_copies
-                .push((i, first_old_row(new_local[i]).expect("held locally")));
+        // A slot received locally holds an expert of the old local block: `first_old_row` finds it.
+        if let (false, true, Some(src)) = (
+            unchanged[i],
+            received_locally[i],
+            first_old_row(new_local[i]),
+        ) {
+            p.local_copies.push((i, src));
         }
     }
     let pairing = |e: i64| {
@@ -95,10 +105,10 @@ pub fn plan_layer(old: &[i64], new: &[i64], n_local: usize, rank: usize) -> Resu
             continue;
         }
         let k = d.len() / s.len();
-        let pos = s
-            .iter()
-            .position(|&r| r == rank)
-            .expect("this rank holds e");
+        // `e` comes from this rank's old block, so the rank is among its holders `s`.
+        let Some(pos) = s.iter().position(|&r| r == rank) else {
+            continue;
+        };
         for &dst in &d[pos * k..(pos + 1) * k] {
             p.sends.push((e, row, dst));
         }
@@ -127,10 +137,11 @@ pub fn plan_layer(old: &[i64], new: &[i64], n_local: usize, rank: usize) -> Resu
             )));
         }
         let k = d.len() / s.len();
-        let q = d
-            .iter()
-            .position(|&r| r == rank)
-            .expect("this rank needs e");
+        let Some(q) = d.iter().position(|&r| r == rank) else {
+            return Err(Error::Internal(format!(
+                "expert {e} is new to rank {rank} but the rank is not among its receivers"
+            )));
+        };
         let src = if q < s.len() * k {
             s[q / k]
         } else {
@@ -261,5 +272,19 @@ mod tests {
         assert_eq!(o, vec![0, 1, 2, 3, -1, -1]);
         assert_eq!(n, vec![0, 1, 2, 3, 1, 2]);
         assert!(apply_rank_mapping(&[0, 1], &[0, 1], 2, &[0, 1]).is_err());
+    }
+
+    /// vLLM skips an expert no rank holds (and fills its slot from an unwritten buffer row);
+    /// epcomm refuses the layer on the rank that needs it, and plans the others as usual.
+    #[test]
+    fn an_expert_nobody_holds_is_refused() {
+        let (old, new) = ([0, 1, 2, 3], [0, 1, 2, 4]);
+        let e = plan_layer(&old, &new, 2, 1).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "expert 4 is needed on rank 1 but no rank holds it in the old placement"
+        );
+        assert_eq!(e.exception(), "ValueError");
+        assert!(plan_layer(&old, &new, 2, 0).unwrap().is_noop());
     }
 }

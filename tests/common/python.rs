@@ -11,9 +11,16 @@
 //! remembered for ten minutes (`target/epcomm-test-venv.failed`) so each test binary does not
 //! wait on it again.
 //!
+//! vLLM's own EPLB tests (tests/eplb_vllm_algo.rs) also need torch and pytest: [`torch_or_skip`]
+//! uses the interpreter when it imports them, else installs them into the same venv (torch's CPU
+//! build from its CPU index, else torch from PyPI, whose Linux build also runs without a GPU;
+//! bounded in time, failures remembered as above in `target/epcomm-test-venv-torch.failed`).
+//!
 //! Variables: `EPCOMM_TEST_NO_PROVISION=1` never makes the venv (the do-without path);
-//! `EPCOMM_REQUIRE_PYTHON=1` turns a missing interpreter into a failure and
-//! `EPCOMM_REQUIRE_NUMPY=1` a missing package (numpy, setuptools, wheel) into one.
+//! `EPCOMM_REQUIRE_PYTHON=1` turns a missing interpreter into a failure,
+//! `EPCOMM_REQUIRE_NUMPY=1` a missing package (numpy, setuptools, wheel) into one and
+//! `EPCOMM_REQUIRE_TORCH=1` a missing torch or pytest into one. `EPCOMM_TORCH_INDEX_URL`
+//! replaces the CPU index torch is tried from first.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -48,6 +55,13 @@ const PIP_TIMEOUT: Duration = Duration::from_secs(300);
 const PIP_SOCKET_TIMEOUT_S: &str = "15";
 /// How long a failed provisioning attempt is not retried.
 const RETRY_AFTER: Duration = Duration::from_secs(600);
+/// Imports what vLLM's EPLB tests need.
+const TORCH_CHECK: &str = "import torch, numpy, pytest";
+/// Where torch's CPU-only build is tried from first (`EPCOMM_TORCH_INDEX_URL` replaces it).
+const TORCH_CPU_INDEX: &str = "https://download.pytorch.org/whl/cpu";
+/// How long each `pip install` of torch may take (PyPI's build is several GB with its CUDA
+/// libraries).
+const TORCH_TIMEOUT: Duration = Duration::from_secs(1200);
 
 /// The interpreter the Python tests run, and what it lacks.
 #[derive(Debug)]
@@ -246,26 +260,7 @@ fn provision(base: &Path, about: &str) -> Result<PathBuf, String> {
     if same_base && run_code(&python, check).is_ok() {
         return Ok(python);
     }
-    // A recent failure is not retried (each test binary would wait on it again), unless a
-    // REQUIRE variable asks for the real outcome.
-    if !required("EPCOMM_REQUIRE_NUMPY") {
-        if let Ok(meta) = std::fs::metadata(&failed) {
-            let recent = meta
-                .modified()
-                .ok()
-                .and_then(|m| SystemTime::now().duration_since(m).ok())
-                .is_some_and(|age| age < RETRY_AFTER);
-            if recent {
-                let why = std::fs::read_to_string(&failed).unwrap_or_default();
-                return Err(format!(
-                    "{} (from an attempt less than {} minutes ago; delete {} to retry now)",
-                    why.trim_end(),
-                    RETRY_AFTER.as_secs() / 60,
-                    failed.display()
-                ));
-            }
-        }
-    }
+    recent_failure(&failed, "EPCOMM_REQUIRE_NUMPY")?;
     let result = make_venv(base, &venv, &python, check);
     match &result {
         Ok(_) => {
@@ -278,6 +273,147 @@ fn provision(base: &Path, about: &str) -> Result<PathBuf, String> {
         }
     }
     result.map(|()| python)
+}
+
+/// `Err(why)` when the attempt that `failed` records is less than [`RETRY_AFTER`] old (each test
+/// binary would wait on it again), unless the REQUIRE variable `require` asks for the real
+/// outcome.
+fn recent_failure(failed: &Path, require: &str) -> Result<(), String> {
+    if required(require) {
+        return Ok(());
+    }
+    let recent = std::fs::metadata(failed)
+        .ok()
+        .and_then(|meta| meta.modified().ok())
+        .and_then(|m| SystemTime::now().duration_since(m).ok())
+        .is_some_and(|age| age < RETRY_AFTER);
+    if !recent {
+        return Ok(());
+    }
+    let why = std::fs::read_to_string(failed).unwrap_or_default();
+    Err(format!(
+        "{} (from an attempt less than {} minutes ago; delete {} to retry now)",
+        why.trim_end(),
+        RETRY_AFTER.as_secs() / 60,
+        failed.display()
+    ))
+}
+
+/// The interpreter for vLLM's EPLB tests (torch, numpy, pytest), found or provisioned once per
+/// test binary, or why there is none.
+pub fn torch_env() -> Result<&'static Path, &'static str> {
+    static ENV: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    ENV.get_or_init(find_torch)
+        .as_ref()
+        .map(PathBuf::as_path)
+        .map_err(|why| why.as_str())
+}
+
+/// The interpreter for `test` when it imports torch, numpy and pytest, or `None` after a SKIPPED
+/// line (a failure when `EPCOMM_REQUIRE_TORCH=1`).
+pub fn torch_or_skip(test: &str) -> Option<&'static Path> {
+    match torch_env() {
+        Ok(p) => Some(p),
+        Err(why) => {
+            assert!(
+                !required("EPCOMM_REQUIRE_TORCH"),
+                "EPCOMM_REQUIRE_TORCH is set but {why}"
+            );
+            skipped(test, why);
+            None
+        }
+    }
+}
+
+fn find_torch() -> Result<PathBuf, String> {
+    let (exe, about) = base()?;
+    if run_code(&exe, TORCH_CHECK).is_ok() {
+        return Ok(exe);
+    }
+    if required("EPCOMM_TEST_NO_PROVISION") {
+        return Err(format!(
+            "{} cannot `{TORCH_CHECK}` and EPCOMM_TEST_NO_PROVISION is set (pip install torch \
+             --index-url {TORCH_CPU_INDEX}; pip install numpy pytest)",
+            exe.display()
+        ));
+    }
+    let python = provision(&exe, &about)?;
+    if run_code(&python, TORCH_CHECK).is_ok() {
+        return Ok(python);
+    }
+    let failed = target_dir().join("epcomm-test-venv-torch.failed");
+    let _lock = lock_file(&target_dir().join("epcomm-test-venv.lock"));
+    if run_code(&python, TORCH_CHECK).is_ok() {
+        return Ok(python);
+    }
+    recent_failure(&failed, "EPCOMM_REQUIRE_TORCH")?;
+    match install_torch(&python) {
+        Ok(()) => {
+            let _ = std::fs::remove_file(&failed);
+            Ok(python)
+        }
+        Err(why) => {
+            let _ = std::fs::write(&failed, &why);
+            Err(why)
+        }
+    }
+}
+
+/// `python -m pip install ARGS` (bounded by `timeout`); `Err` with pip's last line.
+fn pip_install(python: &Path, args: &[&str], timeout: Duration) -> Result<(), String> {
+    let mut cmd = Command::new(python);
+    cmd.args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+    ])
+    .args([
+        "--no-input",
+        "--timeout",
+        PIP_SOCKET_TIMEOUT_S,
+        "--retries",
+        "1",
+    ])
+    .args(args)
+    .env_remove("PYTHONPATH");
+    let out = run_with_timeout(cmd, timeout);
+    match out.status {
+        _ if out.success() => Ok(()),
+        Some(_) => Err(last_line(&out.stdout, &out.stderr)),
+        None => Err(format!("did not finish in {} s", timeout.as_secs())),
+    }
+}
+
+/// Installs pytest and torch (the CPU build from its index, else PyPI's) into the venv.
+fn install_torch(python: &Path) -> Result<(), String> {
+    let started = Instant::now();
+    pip_install(python, &["pytest"], PIP_TIMEOUT)
+        .map_err(|e| format!("`pip install pytest` into the test venv failed: {e}"))?;
+    let index = std::env::var("EPCOMM_TORCH_INDEX_URL").unwrap_or_else(|_| TORCH_CPU_INDEX.into());
+    let from = match pip_install(python, &["torch", "--index-url", &index], TORCH_TIMEOUT) {
+        Ok(()) => format!("torch (CPU build) from {index}"),
+        Err(cpu) => {
+            pip_install(python, &["torch"], TORCH_TIMEOUT).map_err(|pypi| {
+                format!(
+                    "installing torch into the test venv failed: from {index}: {cpu}; from \
+                     PyPI: {pypi}"
+                )
+            })?;
+            format!("torch from PyPI ({index} failed: {cpu})")
+        }
+    };
+    run_code(python, TORCH_CHECK)
+        .map_err(|e| format!("the test venv cannot `{TORCH_CHECK}` after installing: {e}"))?;
+    let note = format!(
+        "installed pytest and {from} into {} in {:.0} s\n",
+        python.display(),
+        started.elapsed().as_secs_f64()
+    );
+    // Shown in normal output: a test run that downloads packages should say so.
+    std::io::Write::write_all(&mut std::io::stderr(), note.as_bytes()).ok();
+    Ok(())
 }
 
 fn make_venv(base: &Path, venv: &Path, python: &Path, check: &str) -> Result<(), String> {

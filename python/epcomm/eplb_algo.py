@@ -1,0 +1,174 @@
+"""vLLM v0.33.0's EPLB policy steps (``DefaultEplbPolicy``'s classmethods and
+``compute_logical_maps``), one function each, over epcomm's C entry points.
+
+Arguments are numpy arrays, CPU torch tensors or nested lists; results are numpy int64 arrays
+(numpy is needed by this module only, imported on first use). Errors are vLLM's classes
+(AssertionError for its asserts) with epcomm's messages.
+
+Ties: ``balanced_packing`` and the policies built on it take equal loads in ascending index (a
+stable sort). vLLM sorts with numpy's default, unstable ``np.argsort``, whose order of equal
+loads differs between CPUs and numpy builds, so on tied loads the placements may differ from
+vLLM's (they are equally balanced); without ties they are identical. ``replicate_experts``,
+``preserve_intragpu_slots`` and ``compute_logical_maps`` are always identical.
+"""
+
+import ctypes
+
+from . import _check, load_library
+
+__all__ = [
+    "ONE_NODE_FALLBACK",
+    "balanced_packing",
+    "replicate_experts",
+    "rebalance_experts_hierarchical",
+    "preserve_intragpu_slots",
+    "rebalance_experts",
+    "compute_logical_maps",
+]
+
+#: ``flags`` bit: vLLM's eplb_state caller rule (num_ranks % num_nodes != 0 → warning, one node).
+ONE_NODE_FALLBACK = 1
+
+_i64, _u32 = ctypes.c_int64, ctypes.c_uint32
+_P = ctypes.c_void_p
+_SIGNATURES = {
+    "epcomm_eplb_rebalance_experts": [_P] + [_i64] * 6 + [_P, _u32, _P],
+    "epcomm_eplb_rebalance_experts_hierarchical": [_P] + [_i64] * 6 + [_P],
+    "epcomm_eplb_balanced_packing": [_P, _i64, _i64, _i64, _P, _P],
+    "epcomm_eplb_replicate_experts": [_P, _i64, _i64, _i64, _P, _P],
+    "epcomm_eplb_preserve_intragpu_slots": [_P, _i64, _i64, _i64, _P, _P],
+    "epcomm_eplb_compute_logical_maps": [_P, _i64, _i64, _i64, _P, _P, _i64, _P],
+}
+_DECLARED = None
+
+
+def _lib():
+    global _DECLARED
+    if _DECLARED is None:
+        lib = load_library()
+        for name, args in _SIGNATURES.items():
+            f = getattr(lib, name)
+            f.restype = ctypes.c_int32
+            f.argtypes = args
+        _DECLARED = lib
+    return _DECLARED
+
+
+def _array(x, dtype):
+    """A C-contiguous 2-D numpy array of ``dtype`` (torch tensors go through ``.cpu()``)."""
+    import numpy as np
+
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        x = x.detach().cpu().numpy()
+    a = np.ascontiguousarray(np.asarray(x), dtype=dtype)
+    if a.ndim != 2:
+        raise ValueError(f"expected a 2-D array, got shape {a.shape}")
+    return a
+
+
+def _empty(shape):
+    import numpy as np
+
+    return np.empty(shape, dtype=np.int64)
+
+
+def _ptr(a):
+    return None if a is None else a.ctypes.data
+
+
+def balanced_packing(weight, num_packs):
+    """vLLM's ``balanced_packing``: weight [X, n] → (pack_index, rank_in_pack), each [X, n]."""
+    import numpy as np
+
+    w = _array(weight, np.float64)
+    pack, rank = _empty(w.shape), _empty(w.shape)
+    _check(_lib().epcomm_eplb_balanced_packing(
+        _ptr(w), w.shape[0], w.shape[1], num_packs, _ptr(pack), _ptr(rank)))
+    return pack, rank
+
+
+def replicate_experts(weight, num_phy):
+    """vLLM's ``replicate_experts``: weight [X, num_log] → (phy2log [X, num_phy], logcnt
+    [X, num_log])."""
+    import numpy as np
+
+    w = _array(weight, np.float64)
+    phy2log, logcnt = _empty((w.shape[0], num_phy)), _empty(w.shape)
+    _check(_lib().epcomm_eplb_replicate_experts(
+        _ptr(w), w.shape[0], w.shape[1], num_phy, _ptr(phy2log), _ptr(logcnt)))
+    return phy2log, logcnt
+
+
+def rebalance_experts_hierarchical(weight, num_physical_experts, num_groups, num_nodes, num_gpus):
+    """vLLM's ``rebalance_experts_hierarchical``: weight [layers, logical] → phy2log
+    [layers, num_physical_experts]."""
+    import numpy as np
+
+    w = _array(weight, np.float32)
+    out = _empty((w.shape[0], num_physical_experts))
+    _check(_lib().epcomm_eplb_rebalance_experts_hierarchical(
+        _ptr(w), w.shape[0], w.shape[1], num_physical_experts, num_groups, num_nodes, num_gpus,
+        _ptr(out)))
+    return out
+
+
+def preserve_intragpu_slots(phy2log, num_ranks, old_phy2log):
+    """vLLM's ``preserve_intragpu_slots``: phy2log reordered within each rank so that experts
+    that stay keep their old slots (a new array; -1 may appear in either map)."""
+    import numpy as np
+
+    new, old = _array(phy2log, np.int64), _array(old_phy2log, np.int64)
+    if old.shape != new.shape:
+        raise ValueError(f"old_phy2log has shape {old.shape}; phy2log has {new.shape}")
+    out = _empty(new.shape)
+    _check(_lib().epcomm_eplb_preserve_intragpu_slots(
+        _ptr(new), new.shape[0], new.shape[1], num_ranks, _ptr(old), _ptr(out)))
+    return out
+
+
+def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
+                      old_global_expert_indices=None, one_node_fallback=False):
+    """vLLM's ``DefaultEplbPolicy.rebalance_experts``: weight [layers, logical] token counts →
+    phy2log [layers, num_replicas]. ``old_global_expert_indices`` (same shape as the result,
+    -1 = unused slot) keeps experts in their old slots; ``one_node_fallback`` applies vLLM's
+    eplb_state caller rule first (num_ranks % num_nodes != 0 → warning, one node)."""
+    import numpy as np
+
+    w = _array(weight, np.float32)
+    out = _empty((w.shape[0], num_replicas))
+    old = None
+    if old_global_expert_indices is not None:
+        old = _array(old_global_expert_indices, np.int64)
+        if old.shape != out.shape:
+            raise ValueError(
+                f"old_global_expert_indices has shape {old.shape}; expected {out.shape}")
+    flags = ONE_NODE_FALLBACK if one_node_fallback else 0
+    _check(_lib().epcomm_eplb_rebalance_experts(
+        _ptr(w), w.shape[0], w.shape[1], num_replicas, num_groups, num_nodes, num_ranks,
+        _ptr(old), flags, _ptr(out)))
+    return out
+
+
+def compute_logical_maps(physical_to_logical_map, num_logical_experts):
+    """vLLM's ``compute_logical_maps``: phy2log [layers, P] (or [P] for one layer; -1 = unused
+    slot) → (log2phy [layers, E, max_replicas], logcnt [layers, E]), max_replicas being the
+    largest replica count, as vLLM derives it."""
+    import numpy as np
+
+    src = np.asarray(physical_to_logical_map.detach().cpu().numpy()
+                     if hasattr(physical_to_logical_map, "detach") else physical_to_logical_map)
+    per_layer = src.ndim == 1
+    p2l = _array(src[None, :] if per_layer else src, np.int64)
+    layers, physical = p2l.shape
+    logcnt = _empty((layers, num_logical_experts))
+    log2phy = _empty((layers, num_logical_experts, physical))
+    width = ctypes.c_int64()
+    _check(_lib().epcomm_eplb_compute_logical_maps(
+        _ptr(p2l), layers, physical, num_logical_experts, _ptr(logcnt), _ptr(log2phy),
+        log2phy.size, ctypes.addressof(width)))
+    w = width.value
+    log2phy = np.ascontiguousarray(log2phy.reshape(-1)[: layers * num_logical_experts * w]
+                                   .reshape(layers, num_logical_experts, w))
+    if per_layer:
+        return log2phy[0], logcnt[0]
+    return log2phy, logcnt

@@ -1,0 +1,156 @@
+//! vLLM v0.33.0's own, unmodified `tests/distributed/test_eplb_algo.py`, run with pytest against
+//! epcomm through the stand-in `vllm` package in tests/py/vllm_eplb_shim (its classmethods call
+//! epcomm's Python package, `python/epcomm/eplb_algo.py`, over the C ABI).
+//!
+//! The file comes from v0.33.0's sdist: `EPCOMM_VLLM_SRC` names an unpacked source tree, else
+//! `scripts/fetch-vllm-sdist.sh 0.33.0 target/vllm-src` brings it (PyPI, once). Its SHA-256 is
+//! checked, so the run is of the released file. Without the network the test prints a SKIPPED
+//! line; `EPCOMM_REQUIRE_VLLM_SRC=1` makes that a failure. The interpreter needs torch, numpy and
+//! pytest (`common::python::torch_or_skip`, `EPCOMM_REQUIRE_TORCH=1`).
+//!
+//! Of vLLM's 15 tests all pass; the CUDA and XPU cases of `test_device_compatibility` skip
+//! themselves (pytest's count: 15 passed, 2 skipped).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::python::torch_or_skip;
+use common::skip::{required, skipped};
+use common::*;
+
+/// The release the file is taken from, and the file's SHA-256 in that release's sdist.
+const VLLM_VERSION: &str = "0.33.0";
+const TEST_FILE: &str = "tests/distributed/test_eplb_algo.py";
+const TEST_FILE_SHA256: &str = "9d8521e77d0c933674f04c8245dba7482fede1f6594bf4d04bdfb03d1cc42489";
+/// What pytest reports for the file: vLLM's 15 tests pass, the CUDA and XPU cases skip.
+const PASSED: usize = 15;
+const SKIPPED: usize = 2;
+
+/// How long fetching the sdist may take (a scratch venv, build tools, a ~50 MB download).
+const FETCH_TIMEOUT: Duration = Duration::from_secs(600);
+const PYTEST_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// vLLM's source tree: `EPCOMM_VLLM_SRC`, else the sdist fetched under target/; `Err(why)` when
+/// it cannot be had.
+fn vllm_tree(python: &Path) -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os("EPCOMM_VLLM_SRC") {
+        return Ok(PathBuf::from(dir));
+    }
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf);
+    let dest = target.join("vllm-src");
+    let _lock = common::python::lock_file(&target.join("vllm-src.lock"));
+    let mut cmd = Command::new("bash");
+    cmd.arg(manifest_dir().join("scripts/fetch-vllm-sdist.sh"))
+        .arg(VLLM_VERSION)
+        .arg(&dest)
+        .env("PYTHON", python);
+    let out = run_with_timeout(cmd, FETCH_TIMEOUT);
+    if !out.success() {
+        let last = out
+            .stderr
+            .trim_end()
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_owned();
+        return Err(format!(
+            "vLLM {VLLM_VERSION}'s sdist could not be fetched (offline?): {last}; set \
+             EPCOMM_VLLM_SRC to an unpacked vllm-{VLLM_VERSION} tree, or run \
+             scripts/fetch-vllm-sdist.sh {VLLM_VERSION} DIR where PyPI is reachable"
+        ));
+    }
+    Ok(PathBuf::from(out.stdout.trim_end()))
+}
+
+fn sha256(python: &Path, file: &Path) -> String {
+    let code = format!(
+        "import hashlib; print(hashlib.sha256(open({:?}, 'rb').read()).hexdigest())",
+        file.display().to_string()
+    );
+    common::python::run_code(python, &code)
+        .unwrap_or_else(|e| panic!("sha256 of {}: {e}", file.display()))
+        .trim()
+        .to_owned()
+}
+
+/// The count pytest's summary line gives for `what` ("passed", "skipped", "failed").
+fn count(summary: &str, what: &str) -> usize {
+    summary
+        .split([',', ' '])
+        .collect::<Vec<_>>()
+        .windows(2)
+        .find(|w| w[1] == what)
+        .and_then(|w| w[0].parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn vllm_test_eplb_algo_passes_against_epcomm() {
+    const TEST: &str = "vllm_test_eplb_algo_passes_against_epcomm";
+    let Some(python) = torch_or_skip(TEST) else {
+        return;
+    };
+    let tree = match vllm_tree(python) {
+        Ok(tree) => tree,
+        Err(why) => {
+            assert!(
+                !required("EPCOMM_REQUIRE_VLLM_SRC"),
+                "EPCOMM_REQUIRE_VLLM_SRC is set but {why}"
+            );
+            skipped(TEST, &why);
+            return;
+        }
+    };
+    let src = tree.join(TEST_FILE);
+    assert_eq!(
+        sha256(python, &src),
+        TEST_FILE_SHA256,
+        "{} is not v{VLLM_VERSION}'s file",
+        src.display()
+    );
+    // A directory of its own: vLLM's conftest.py and pytest settings stay out of the run.
+    let dir = out_dir("vllm-eplb-algo");
+    let file = dir.join("test_eplb_algo.py");
+    std::fs::copy(&src, &file).expect("copy the test file");
+    let shim = manifest_dir().join("tests/py/vllm_eplb_shim");
+    let path = std::env::join_paths([shim, manifest_dir().join("python")]).expect("PYTHONPATH");
+    let mut cmd = Command::new(python);
+    cmd.current_dir(&dir)
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--noconftest",
+        ])
+        .arg(&file)
+        .env("PYTHONPATH", path)
+        .env("EPCOMM_LIBRARY", cdylib())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env_remove("EPCOMM_LOG_LEVEL");
+    let out = run_with_timeout(cmd, PYTEST_TIMEOUT);
+    let what = format!("pytest {TEST_FILE} (vLLM {VLLM_VERSION}) against epcomm");
+    assert!(out.success(), "{}", out.describe(&what));
+    let summary = out
+        .stdout
+        .lines()
+        .rev()
+        .find(|l| l.contains(" passed"))
+        .unwrap_or("")
+        .to_owned();
+    assert_eq!(
+        (count(&summary, "passed"), count(&summary, "skipped")),
+        (PASSED, SKIPPED),
+        "{summary}\n{}",
+        out.describe(&what)
+    );
+    assert_eq!(count(&summary, "failed"), 0, "{summary}");
+    println!("{what}: {summary}");
+}
