@@ -128,7 +128,7 @@ fn dtype_of_word(w: u64) -> DType {
 }
 
 /// Largest number of (physical) experts a manager accepts.
-pub const MAX_EXPERTS: usize = 1 << 20;
+const MAX_EXPERTS: usize = 1 << 20;
 
 /// Grows a manager-owned buffer to at least `len` bytes (it never shrinks, so steady-state calls
 /// neither allocate nor zero-fill), failing with a clear error (instead of the out-of-memory

@@ -20,11 +20,11 @@ pub struct Routing {
 }
 
 impl Routing {
-    pub fn ids_of(&self, t: usize) -> &[i64] {
+    fn ids_of(&self, t: usize) -> &[i64] {
         &self.ids[t * self.k..(t + 1) * self.k]
     }
 
-    pub fn weights_of(&self, t: usize) -> &[f32] {
+    fn weights_of(&self, t: usize) -> &[f32] {
         &self.weights[t * self.k..(t + 1) * self.k]
     }
 }

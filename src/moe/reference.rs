@@ -41,7 +41,7 @@ impl ToyExperts {
     }
 
     /// `y += w * f_e(x)`.
-    pub fn apply_add(&self, e: usize, x: &[f32], w: f32, y: &mut [f32]) {
+    fn apply_add(&self, e: usize, x: &[f32], w: f32, y: &mut [f32]) {
         let (a, b) = (
             &self.scale[e * self.hidden..(e + 1) * self.hidden],
             &self.bias[e * self.hidden..(e + 1) * self.hidden],

@@ -238,7 +238,7 @@ impl Layout {
 pub const W1_FLASHINFER_ALL2ALLV: &str = "'flashinfer_all2allv' is deprecated and has been renamed to'flashinfer_nvlink_two_sided'. It will be removed in a futurerelease.";
 
 /// The W2 warning for a removed backend name.
-pub fn removed_backend_warning(name: &str) -> String {
+fn removed_backend_warning(name: &str) -> String {
     format!(
         "The '{name}' all2all backend has been removed. Falling back to 'allgather_reducescatter'."
     )

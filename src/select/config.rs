@@ -47,7 +47,7 @@ impl Default for EplbConfig {
 }
 
 /// Largest `num_redundant_experts` vLLM accepts.
-pub const MAX_REDUNDANT_EXPERTS: i64 = 1023;
+const MAX_REDUNDANT_EXPERTS: i64 = 1023;
 
 impl EplbConfig {
     /// vLLM's `EPLBConfig._validate_eplb_config` (after the field bounds), in order.
