@@ -90,6 +90,26 @@ pub enum KernelId {
 }
 
 impl KernelId {
+    /// Every kernel a configuration loads, in declaration order (`id as usize` indexes it).
+    pub const ALL: [KernelId; 16] = [
+        KernelId::Layout,
+        KernelId::PairRows,
+        KernelId::PairRowsWire,
+        KernelId::RecvFlags,
+        KernelId::ScanBlock,
+        KernelId::ScanAdd,
+        KernelId::Pack,
+        KernelId::LocalCopy,
+        KernelId::UnpackTokenMajor,
+        KernelId::UnpackExpertMajor,
+        KernelId::UnpackExpertPacked,
+        KernelId::UnpackRankMajor,
+        KernelId::CombineReturnExpert,
+        KernelId::CombineReturnRankMajor,
+        KernelId::WeightedCombine,
+        KernelId::SumRanks,
+    ];
+
     /// The entry point's parameter table.
     pub fn sig(self) -> &'static KernelSig {
         match self {
@@ -318,5 +338,17 @@ impl Calls {
             return Vec::new();
         }
         call(kernel, grid, BLOCK, args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_ids_index_their_table() {
+        for (i, id) in KernelId::ALL.iter().enumerate() {
+            assert_eq!(*id as usize, i, "{id:?}");
+        }
     }
 }

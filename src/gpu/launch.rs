@@ -18,7 +18,9 @@ use std::ffi::c_void;
 
 use crate::error::{Error, Result};
 use crate::gpu::driver::{self, Device, Function, LaunchDims, Module as CuModule, Stream};
-use crate::gpu::kernels::{self, decode_error_word, FloatDtype, IdDtype, KernelSig, Variant};
+use crate::gpu::kernels::{
+    self, decode_error_word, FloatDtype, IdDtype, KernelSig, Module, Variant,
+};
 use crate::gpu::nvrtc::Compiler;
 
 pub use crate::gpu::calls::{check_args, Arg, Call, Calls, KernelId, BLOCK};
@@ -105,23 +107,62 @@ pub struct Kernels {
     pub arch: String,
     /// Grid cap (blocks) of the grid-stride kernels.
     pub max_blocks: u32,
-    layout: Kernel,
-    pair_rows: Kernel,
-    recv_flags: Kernel,
+    /// One per [`KernelId::ALL`], in that order.
+    loaded: Vec<Kernel>,
+}
+
+/// The compiled modules of one configuration.
+struct Modules {
+    layout: CuModule,
     /// `ep_layout`/`ep_pair_rows` of the int32 variant (wire ids, capacity mode).
-    pair_rows_wire: Kernel,
-    scan_block: Kernel,
-    scan_add: Kernel,
-    pack: Kernel,
-    local_copy: Kernel,
-    unpack_token_major: Kernel,
-    unpack_expert_major: Kernel,
-    unpack_expert_packed: Kernel,
-    unpack_rank_major: Kernel,
-    combine_return_expert: Kernel,
-    combine_return_rank_major: Kernel,
-    weighted_combine: Kernel,
-    sum_ranks: Kernel,
+    layout_wire: CuModule,
+    scan: CuModule,
+    pack: CuModule,
+    unpack: CuModule,
+    combine: CuModule,
+}
+
+impl Modules {
+    fn load(config: &KernelConfig, arch: &str) -> Result<Modules> {
+        let k = config.top_k;
+        let layout = load_variant(Variant::layout(config.id_dtype, k), arch)?;
+        let layout_wire = if config.id_dtype == IdDtype::I32 {
+            layout.clone()
+        } else {
+            load_variant(Variant::layout(IdDtype::I32, k), arch)?
+        };
+        Ok(Modules {
+            layout,
+            layout_wire,
+            scan: load_variant(Variant::scan(), arch)?,
+            pack: load_variant(Variant::pack(config.id_dtype, k), arch)?,
+            // Outputs carry int64 ids, like the CPU path's views.
+            unpack: load_variant(Variant::unpack(IdDtype::I64, k), arch)?,
+            combine: load_variant(
+                Variant::combine(config.expert_dtype, config.out_dtype, k),
+                arch,
+            )?,
+        })
+    }
+
+    /// The module that defines `id` (its table's module; the wire variant for
+    /// [`KernelId::PairRowsWire`]).
+    fn of(&self, id: KernelId) -> Result<&CuModule> {
+        if id == KernelId::PairRowsWire {
+            return Ok(&self.layout_wire);
+        }
+        match id.sig().module {
+            Module::Layout => Ok(&self.layout),
+            Module::Scan => Ok(&self.scan),
+            Module::Pack => Ok(&self.pack),
+            Module::Unpack => Ok(&self.unpack),
+            Module::Combine => Ok(&self.combine),
+            Module::Signal => Err(Error::Internal(format!(
+                "{}: the signal module is not part of a configuration's kernels",
+                id.sig().name
+            ))),
+        }
+    }
 }
 
 impl Kernels {
@@ -130,44 +171,16 @@ impl Kernels {
     pub fn load(device: &Device, config: KernelConfig) -> Result<Kernels> {
         let arch = arch_for(device.compute_capability()?);
         let sms = device.sm_count().unwrap_or(16).max(1) as u32;
-        let k = config.top_k;
-        let layout = load_variant(Variant::layout(config.id_dtype, k), &arch)?;
-        let layout_wire = if config.id_dtype == IdDtype::I32 {
-            layout.clone()
-        } else {
-            load_variant(Variant::layout(IdDtype::I32, k), &arch)?
-        };
-        let scan = load_variant(Variant::scan(), &arch)?;
-        let pack = load_variant(Variant::pack(config.id_dtype, k), &arch)?;
-        // Outputs carry int64 ids, like the CPU path's views.
-        let unpack = load_variant(Variant::unpack(IdDtype::I64, k), &arch)?;
-        let combine = load_variant(
-            Variant::combine(config.expert_dtype, config.out_dtype, k),
-            &arch,
-        )?;
+        let modules = Modules::load(&config, &arch)?;
+        let loaded = KernelId::ALL
+            .iter()
+            .map(|&id| Kernel::load(modules.of(id)?, id.sig()))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Kernels {
             config,
             arch,
             max_blocks: sms * 8,
-            layout: Kernel::load(&layout, &kernels::EP_LAYOUT)?,
-            pair_rows: Kernel::load(&layout, &kernels::EP_PAIR_ROWS)?,
-            recv_flags: Kernel::load(&layout, &kernels::EP_RECV_FLAGS)?,
-            pair_rows_wire: Kernel::load(&layout_wire, &kernels::EP_PAIR_ROWS)?,
-            scan_block: Kernel::load(&scan, &kernels::EP_SCAN_BLOCK)?,
-            scan_add: Kernel::load(&scan, &kernels::EP_SCAN_ADD)?,
-            pack: Kernel::load(&pack, &kernels::EP_PACK)?,
-            local_copy: Kernel::load(&pack, &kernels::EP_LOCAL_COPY)?,
-            unpack_token_major: Kernel::load(&unpack, &kernels::EP_UNPACK_TOKEN_MAJOR)?,
-            unpack_expert_major: Kernel::load(&unpack, &kernels::EP_UNPACK_EXPERT_MAJOR)?,
-            unpack_expert_packed: Kernel::load(&unpack, &kernels::EP_UNPACK_EXPERT_PACKED)?,
-            unpack_rank_major: Kernel::load(&unpack, &kernels::EP_UNPACK_RANK_MAJOR)?,
-            combine_return_expert: Kernel::load(&combine, &kernels::EP_COMBINE_RETURN_EXPERT)?,
-            combine_return_rank_major: Kernel::load(
-                &combine,
-                &kernels::EP_COMBINE_RETURN_RANK_MAJOR,
-            )?,
-            weighted_combine: Kernel::load(&combine, &kernels::EP_WEIGHTED_COMBINE)?,
-            sum_ranks: Kernel::load(&combine, &kernels::EP_SUM_RANKS)?,
+            loaded,
         })
     }
 
@@ -179,31 +192,16 @@ impl Kernels {
         }
     }
 
-    fn kernel(&self, id: KernelId) -> &Kernel {
-        match id {
-            KernelId::Layout => &self.layout,
-            KernelId::PairRows => &self.pair_rows,
-            KernelId::PairRowsWire => &self.pair_rows_wire,
-            KernelId::RecvFlags => &self.recv_flags,
-            KernelId::ScanBlock => &self.scan_block,
-            KernelId::ScanAdd => &self.scan_add,
-            KernelId::Pack => &self.pack,
-            KernelId::LocalCopy => &self.local_copy,
-            KernelId::UnpackTokenMajor => &self.unpack_token_major,
-            KernelId::UnpackExpertMajor => &self.unpack_expert_major,
-            KernelId::UnpackExpertPacked => &self.unpack_expert_packed,
-            KernelId::UnpackRankMajor => &self.unpack_rank_major,
-            KernelId::CombineReturnExpert => &self.combine_return_expert,
-            KernelId::CombineReturnRankMajor => &self.combine_return_rank_major,
-            KernelId::WeightedCombine => &self.weighted_combine,
-            KernelId::SumRanks => &self.sum_ranks,
-        }
+    fn kernel(&self, id: KernelId) -> Result<&Kernel> {
+        self.loaded
+            .get(id as usize)
+            .ok_or_else(|| Error::Internal(format!("{}: not loaded", id.sig().name)))
     }
 
     /// Issues `calls` in order on `s`.
     pub fn run(&self, calls: &[Call], s: &Stream) -> Result<()> {
         for c in calls {
-            self.kernel(c.kernel).launch(c.grid, c.block, &c.args, s)?;
+            self.kernel(c.kernel)?.launch(c.grid, c.block, &c.args, s)?;
         }
         Ok(())
     }
