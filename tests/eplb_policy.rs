@@ -246,7 +246,8 @@ fn vllm_balanced_packing_and_replicate_experts() {
 fn vllm_preserve_intragpu_slots_cases() {
     // (num_ranks, old, new, vLLM's result): test_eplb_algo.py's simple, duplicates and
     // skewed_expert cases, then -1 (unused) slots in both maps.
-    let cases: [(usize, Vec<i64>, Vec<i64>, Vec<i64>); 4] = [
+    type Case = (usize, Vec<i64>, Vec<i64>, Vec<i64>);
+    let cases: [Case; 4] = [
         (
             2,
             vec![0, 1, 2, 3, 4, 5, 6, 7],

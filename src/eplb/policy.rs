@@ -188,14 +188,15 @@ fn row_len<T>(rows: &[Vec<T>], what: &str) -> Result<usize> {
     }
 }
 
+/// Two per-row index arrays: (pack index, rank in pack) or (physical → logical, replicas per
+/// logical).
+pub type Pairs = (Vec<Vec<usize>>, Vec<Vec<usize>>);
+
 /// vLLM's `balanced_packing`: packs the `n` weighted items of each row of `weight` into
 /// `num_packs` packs of `n / num_packs` items, heaviest first, each to the lightest pack that
 /// still has room (the first such on ties). Returns (pack index, rank in pack) per item. Equal
 /// weights are taken in ascending index (a stable sort; see the module doc).
-pub fn balanced_packing(
-    weight: &[Vec<f64>],
-    num_packs: usize,
-) -> Result<(Vec<Vec<usize>>, Vec<Vec<usize>>)> {
+pub fn balanced_packing(weight: &[Vec<f64>], num_packs: usize) -> Result<Pairs> {
     let n = row_len(weight, "weight")?;
     assertion(num_packs > 0 && n % num_packs == 0, || {
         format!("num_groups % num_packs == 0 ({n} % {num_packs})")
@@ -218,10 +219,7 @@ pub fn balanced_packing(
 /// slots; the first slots are the experts themselves, each extra slot goes to the expert with
 /// the largest load per replica (the first on ties). Returns (physical → logical, replicas per
 /// logical).
-pub fn replicate_experts(
-    weight: &[Vec<f64>],
-    num_phy: usize,
-) -> Result<(Vec<Vec<usize>>, Vec<Vec<usize>>)> {
+pub fn replicate_experts(weight: &[Vec<f64>], num_phy: usize) -> Result<Pairs> {
     let num_log = row_len(weight, "weight")?;
     assertion(num_phy >= num_log, || {
         format!("num_redundant >= 0 ({num_phy} - {num_log})")
