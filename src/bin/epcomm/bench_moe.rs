@@ -19,40 +19,18 @@ use epcomm::group::shm::{pin_current_thread, ShmGroup};
 use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::{unit, ToyExperts};
 use epcomm::moe::{self, layout, Manager, MoeConfig};
-use epcomm::num::{self, FloatKind};
+use epcomm::num;
 use epcomm::select::all2all::{self, Backend};
 
 use crate::cli::{BenchRouting, MoeArgs};
 use crate::memory::{self, Need};
 use crate::stats::{decode, encode, median_p99, slowest, time_memcpy, tolerance};
 
-#[derive(Clone, Debug)]
-struct Params {
-    backends: Vec<String>,
-    ranks: usize,
-    tokens: Vec<usize>,
-    hidden: usize,
-    experts: usize,
-    topk: usize,
-    kind: FloatKind,
-    routing: BenchRouting,
-    iters: usize,
-    warmup: usize,
-}
+/// The benchmark's parameters: its arguments, with `all` expanded and the shape checked.
+type Params = MoeArgs;
 
 fn params(a: &MoeArgs) -> Result<Params, String> {
-    let mut p = Params {
-        backends: a.backends.clone(),
-        ranks: a.ranks,
-        tokens: a.tokens.clone(),
-        hidden: a.hidden,
-        experts: a.experts,
-        topk: a.topk,
-        kind: a.kind,
-        routing: a.routing,
-        iters: a.iters,
-        warmup: a.warmup,
-    };
+    let mut p = a.clone();
     if p.backends == ["all"] {
         // Every backend whose layout epcomm implements.
         p.backends = Backend::ALL
@@ -71,7 +49,7 @@ fn params(a: &MoeArgs) -> Result<Params, String> {
     Ok(p)
 }
 
-impl Params {
+impl MoeArgs {
     /// The cases in the order they run: every T of each backend.
     fn cases(&self) -> Vec<(String, usize)> {
         self.backends
@@ -615,13 +593,10 @@ fn write_chart(
 
 /// `epcomm bench moe`.
 pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
-    let p = match params(a) {
+    let p = match crate::ranks::start(params(a), rank_main) {
         Ok(p) => p,
-        Err(e) => return crate::usage_error(&e),
+        Err(code) => return code,
     };
-    if let Some(code) = crate::ranks::as_rank(|rank, group| rank_main(&p, rank, group)) {
-        return code;
-    }
     if !a.json {
         print_header(&p);
     }

@@ -9,43 +9,18 @@ use epcomm::group::shm::ShmGroup;
 use epcomm::group::GroupOptions;
 use epcomm::moe::reference::{unit, ToyExperts};
 use epcomm::moe::{Manager, MoeConfig};
-use epcomm::num::{self, FloatKind};
+use epcomm::num;
 use epcomm::select::all2all::{self, Backend};
 use epcomm::Error;
 
 use crate::cli::{DemoArgs, DemoRouting};
 
-#[derive(Clone, Debug)]
-struct Params {
-    backends: Vec<String>,
-    ranks: usize,
-    tokens: usize,
-    hidden: usize,
-    experts: usize,
-    topk: usize,
-    kind: FloatKind,
-    seed: u64,
-    steps: usize,
-    skewed: bool,
-}
+/// The demo's parameters: its arguments, with `all` expanded and the shape checked.
+type Params = DemoArgs;
 
 /// The demo's parameters, with the checks clap's per-option parsers cannot make.
 fn params(a: &DemoArgs) -> Result<Params, String> {
-    let mut p = Params {
-        backends: a.backends.clone(),
-        ranks: a.ranks,
-        tokens: a.tokens,
-        hidden: a.hidden,
-        experts: a.experts,
-        topk: a.topk,
-        kind: a.kind,
-        seed: a.seed,
-        steps: a.steps,
-        skewed: match a.routing {
-            DemoRouting::Skewed => true,
-            DemoRouting::Uniform => false,
-        },
-    };
+    let mut p = a.clone();
     crate::ranks::check_expert_shape(p.experts, p.ranks, p.topk)?;
     if p.backends == ["all"] {
         p.backends = Backend::ALL.iter().map(|b| b.name().to_owned()).collect();
@@ -56,7 +31,14 @@ fn params(a: &DemoArgs) -> Result<Params, String> {
     Ok(p)
 }
 
-impl Params {
+impl DemoArgs {
+    fn skewed(&self) -> bool {
+        match self.routing {
+            DemoRouting::Skewed => true,
+            DemoRouting::Uniform => false,
+        }
+    }
+
     /// The managers' configuration.
     fn config(&self) -> MoeConfig {
         MoeConfig {
@@ -84,7 +66,7 @@ fn routing(p: &Params, rank: usize, step: usize, t: usize) -> (Vec<i64>, Vec<f32
     let cdf: Vec<f32> = {
         let w: Vec<f32> = (0..p.experts)
             .map(|e| {
-                if p.skewed {
+                if p.skewed() {
                     1.0 / ((e + 1) as f32).powf(1.1)
                 } else {
                     1.0
@@ -377,13 +359,10 @@ fn summary(p: &Params, reports: &Reports, outcomes: &[Outcome]) -> ExitCode {
 
 /// `epcomm demo`.
 pub fn cmd_demo(a: &DemoArgs) -> ExitCode {
-    let p = match params(a) {
+    let p = match crate::ranks::start(params(a), rank_main) {
         Ok(p) => p,
-        Err(e) => return crate::usage_error(&e),
+        Err(code) => return code,
     };
-    if let Some(code) = crate::ranks::as_rank(|rank, group| rank_main(&p, rank, group)) {
-        return code;
-    }
     println!(
         "epcomm demo: {} ranks (processes) over shared memory, ~{} tokens/rank, hidden {}, {} experts, top-{}, {}, {} routing, {} steps per backend",
         p.ranks,
@@ -392,7 +371,7 @@ pub fn cmd_demo(a: &DemoArgs) -> ExitCode {
         p.experts,
         p.topk,
         p.kind.name(),
-        if p.skewed { "skewed" } else { "uniform" },
+        if p.skewed() { "skewed" } else { "uniform" },
         p.steps
     );
     let outputs = match crate::ranks::run(p.ranks, "demo", &[("EPCOMM_LOG_LEVEL", "error")]) {

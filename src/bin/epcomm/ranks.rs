@@ -30,6 +30,19 @@ pub fn as_rank(
     })
 }
 
+/// The start of a command that runs on rank processes: its parameters (a usage error ends the
+/// command), and in a rank process the rank's work (whose exit code ends it).
+pub fn start<P>(
+    params: Result<P, String>,
+    rank_main: impl FnOnce(&P, usize, &str) -> Result<(), String>,
+) -> Result<P, std::process::ExitCode> {
+    let p = params.map_err(|e| crate::usage_error(&e))?;
+    match as_rank(|rank, group| rank_main(&p, rank, group)) {
+        Some(code) => Err(code),
+        None => Ok(p),
+    }
+}
+
 /// Running rank processes: their stdout lines as they come, then their exit statuses.
 pub struct Ranks {
     children: Vec<Child>,
