@@ -69,25 +69,26 @@ pub struct Stats {
 }
 
 /// The receive side of the last dispatch (owned by the manager, valid until the next call).
+/// Which outputs exist and their shapes are the layout's [`layout::Contract`]
+/// ([`Manager::output_shapes`]); an output the layout does not produce is empty.
 #[derive(Debug, Clone, Copy)]
 pub struct DispatchView<'a> {
     pub layout: Layout,
-    /// Hidden rows: `[rows, hidden]` (EXPERT_MAJOR: `[E_local, M*R, hidden]`, RANK_MAJOR:
-    /// `[R, M, hidden]`), element type `hidden_dtype`.
+    /// Hidden rows of element type `hidden_dtype`, shaped `shape`.
     pub hidden: &'a [u8],
     /// The shape of `hidden` (and, with the last dimension replaced, of the extras).
     pub shape: &'a [usize],
     /// Rows actually received (≤ rows of the buffer for fixed-capacity layouts).
     pub received_rows: usize,
-    /// Ids per row: `[rows, K]` (TOKEN_MAJOR, RANK_MAJOR, REPLICATED); empty otherwise.
+    /// Ids per row ([`layout::Ids`]).
     pub topk_ids: &'a [i64],
-    /// Weights: `[rows, K]` (TOKEN_MAJOR, RANK_MAJOR, REPLICATED) or `[rows]` (EXPERT_PACKED).
+    /// Weights per id or per row ([`layout::Weights`]).
     pub topk_weights: &'a [f32],
-    /// TOKEN_MAJOR tokens_per_local_expert, EXPERT_MAJOR counts, RANK_MAJOR recv_counts.
+    /// Rows per local expert or per source rank ([`layout::Counts`]).
     pub counts: &'a [i32],
-    /// EXPERT_PACKED expert_offsets `[E_local + 1]`.
+    /// `expert_offsets [E_local + 1]`: where each local expert's rows start.
     pub expert_offsets: &'a [i64],
-    /// EXPERT_PACKED source rank and token of each row.
+    /// Source rank and token of each row.
     pub src_rank: &'a [i32],
     pub src_token: &'a [i32],
     /// Extra payload rows, same row layout as `hidden`.
