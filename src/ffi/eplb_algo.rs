@@ -76,6 +76,41 @@ fn id(x: usize) -> i64 {
     x as i64
 }
 
+/// One output of [`run_pairs`]: the pointer, its argument name, its entries per row.
+type Out = (*mut i64, &'static str, usize);
+
+/// The steps from float64 rows to two per-row index arrays (`balanced_packing`,
+/// `replicate_experts`): checks the pointers and sizes, runs `step` on the `rows × cols`
+/// weights, then writes both results (only on success).
+///
+/// # Safety
+/// A non-NULL `weight` holds rows*cols doubles; a non-NULL output has room for rows times its
+/// entries per row.
+unsafe fn run_pairs(
+    weight: *const f64,
+    (rows, cols): (usize, usize),
+    outs: [Out; 2],
+    step: impl FnOnce(&[Vec<f64>]) -> Result<policy::Pairs>,
+) -> Result<()> {
+    let [(a, a_name, a_cols), (b, b_name, b_cols)] = outs;
+    non_null(&[
+        (weight.is_null(), "weight"),
+        (a.is_null(), a_name),
+        (b.is_null(), b_name),
+    ])?;
+    for n in [cols, a_cols, b_cols] {
+        area(rows, n, "num_rows * entries per row")?;
+    }
+    // SAFETY: the caller's contract (sizes checked above).
+    let (first, second) = step(&unsafe { read_rows(weight, rows, cols) })?;
+    // SAFETY: the caller's contract; written only on success.
+    unsafe {
+        write_rows(a, &first, a_cols, id);
+        write_rows(b, &second, b_cols, id);
+    }
+    Ok(())
+}
+
 /// vLLM's `DefaultEplbPolicy.rebalance_experts`: `weight` [num_layers, num_logical_experts] token
 /// counts (float32, as vLLM converts them) → `phy2log_out` [num_layers, num_replicas]. The
 /// hierarchical policy when num_groups % num_nodes == 0, else the global one (one group, one
@@ -206,21 +241,16 @@ pub unsafe extern "C" fn epcomm_eplb_balanced_packing(
     guard::call(|| {
         let (x, n) = (size(num_rows, "num_rows")?, size(num_items, "num_items")?);
         let m = size(num_packs, "num_packs")?;
-        non_null(&[
-            (weight.is_null(), "weight"),
-            (pack_index_out.is_null(), "pack_index_out"),
-            (rank_in_pack_out.is_null(), "rank_in_pack_out"),
-        ])?;
-        area(x, n, "num_rows * num_items")?;
+        let outs = [
+            (pack_index_out, "pack_index_out", n),
+            (rank_in_pack_out, "rank_in_pack_out", n),
+        ];
         // SAFETY: the caller's contract (sizes above).
-        let rows = unsafe { read_rows(weight, x, n) };
-        let (packs, ranks) = policy::balanced_packing(&rows, m)?;
-        // SAFETY: the caller's contract; written only on success.
         unsafe {
-            write_rows(pack_index_out, &packs, n, id);
-            write_rows(rank_in_pack_out, &ranks, n, id);
+            run_pairs(weight, (x, n), outs, |rows| {
+                policy::balanced_packing(rows, m)
+            })
         }
-        Ok(())
     })
 }
 
@@ -247,22 +277,16 @@ pub unsafe extern "C" fn epcomm_eplb_replicate_experts(
             size(num_logical, "num_logical")?,
         );
         let p = size(num_physical, "num_physical")?;
-        non_null(&[
-            (weight.is_null(), "weight"),
-            (phy2log_out.is_null(), "phy2log_out"),
-            (logcnt_out.is_null(), "logcnt_out"),
-        ])?;
-        area(x, e, "num_rows * num_logical")?;
-        area(x, p, "num_rows * num_physical")?;
+        let outs = [
+            (phy2log_out, "phy2log_out", p),
+            (logcnt_out, "logcnt_out", e),
+        ];
         // SAFETY: the caller's contract (sizes above).
-        let rows = unsafe { read_rows(weight, x, e) };
-        let (phy2log, logcnt) = policy::replicate_experts(&rows, p)?;
-        // SAFETY: the caller's contract; written only on success.
         unsafe {
-            write_rows(phy2log_out, &phy2log, p, id);
-            write_rows(logcnt_out, &logcnt, e, id);
+            run_pairs(weight, (x, e), outs, |rows| {
+                policy::replicate_experts(rows, p)
+            })
         }
-        Ok(())
     })
 }
 

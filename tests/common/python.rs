@@ -432,33 +432,13 @@ fn make_venv(base: &Path, venv: &Path, python: &Path, check: &str) -> Result<(),
             first_paragraph(&out.stdout, &out.stderr)
         ));
     }
-    let mut cmd = Command::new(python);
-    cmd.args([
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--no-input",
-        "--timeout",
-        PIP_SOCKET_TIMEOUT_S,
-        "--retries",
-        "1",
-    ])
-    .args(PACKAGES)
-    .env_remove("PYTHONPATH");
-    let out = run_with_timeout(cmd, PIP_TIMEOUT);
-    if !out.success() {
-        let how = match out.status {
-            Some(_) => last_line(&out.stdout, &out.stderr),
-            None => format!("did not finish in {} s", PIP_TIMEOUT.as_secs()),
-        };
-        return Err(format!(
+    pip_install(python, PACKAGES, PIP_TIMEOUT).map_err(|how| {
+        format!(
             "`pip install {}` into {} failed (PyPI unreachable?): {how}",
             PACKAGES.join(" "),
             venv.display()
-        ));
-    }
+        )
+    })?;
     run_code(python, check).map_err(|e| format!("the new venv cannot `{check}`: {e}"))?;
     let note = format!(
         "made {} with {} in {:.0} s\n",
