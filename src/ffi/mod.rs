@@ -1,6 +1,11 @@
 //! The C ABI. Every `extern "C"` item of epcomm lives here; each is thin: it checks pointers,
 //! converts arguments, calls the safe core and records the error. `include/epcomm.h` is
 //! generated from this module by cbindgen.
+//!
+//! The shared pieces: `guard` (catch_unwind, last error, string/slice/output arguments),
+//! `handle` (every opaque handle's create, NULL check, one-thread-at-a-time borrow and
+//! destroy), `tensor` (DLPack descriptors checked in host or device memory) and `moe_args`
+//! (the dispatch/combine checks and output views of the host and GPU entry points).
 #![allow(non_camel_case_types)]
 
 mod guard;
