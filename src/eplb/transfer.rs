@@ -83,73 +83,112 @@ pub fn plan_layer(old: &[i64], new: &[i64], n_local: usize, rank: usize) -> Resu
             p.local_copies.push((i, src));
         }
     }
-    let pairing = |e: i64| {
-        let s = ranks_with(old, n_local, e);
-        let d: Vec<usize> = ranks_with(new, n_local, e)
+    let maps = Maps {
+        old,
+        new,
+        n_local,
+        rank,
+    };
+    p.sends = maps.sends(old_local);
+    let (recvs, duplicates) = maps.recvs(new_local, &received_locally)?;
+    p.recvs = recvs;
+    p.duplicates = duplicates;
+    Ok(p)
+}
+
+/// A rank's receives and duplicates, as in [`LayerPlan`].
+type Receives = (Vec<(i64, usize, usize)>, Vec<(usize, usize)>);
+
+/// One layer's old and new maps as one rank plans them.
+struct Maps<'a> {
+    old: &'a [i64],
+    new: &'a [i64],
+    n_local: usize,
+    rank: usize,
+}
+
+impl Maps<'_> {
+    /// vLLM's pairing for expert `e`: the ranks holding it before (senders) and the ranks that
+    /// hold it only after (receivers), ascending.
+    fn pairing(&self, e: i64) -> (Vec<usize>, Vec<usize>) {
+        let s = ranks_with(self.old, self.n_local, e);
+        let d: Vec<usize> = ranks_with(self.new, self.n_local, e)
             .into_iter()
             .filter(|r| !s.contains(r))
             .collect();
         (s, d)
-    };
-    // Sends: every expert this rank held, ascending, from its first slot.
-    let mut held: Vec<(i64, usize)> = Vec::new();
-    for (i, &e) in old_local.iter().enumerate() {
-        if e >= 0 && !held.iter().any(|h| h.0 == e) {
-            held.push((e, i));
-        }
     }
-    held.sort();
-    for (e, row) in held {
-        let (s, d) = pairing(e);
-        if s.is_empty() || d.is_empty() {
-            continue;
+
+    /// Sends: every expert this rank held, ascending, from its first slot, to its share of the
+    /// receivers.
+    fn sends(&self, old_local: &[i64]) -> Vec<(i64, usize, usize)> {
+        let mut held: Vec<(i64, usize)> = Vec::new();
+        for (i, &e) in old_local.iter().enumerate() {
+            if e >= 0 && !held.iter().any(|h| h.0 == e) {
+                held.push((e, i));
+            }
         }
-        let k = d.len() / s.len();
-        // `e` comes from this rank's old block, so the rank is among its holders `s`.
-        let Some(pos) = s.iter().position(|&r| r == rank) else {
-            continue;
-        };
-        for &dst in &d[pos * k..(pos + 1) * k] {
-            p.sends.push((e, row, dst));
+        held.sort();
+        let mut sends = Vec::new();
+        for (e, row) in held {
+            let (s, d) = self.pairing(e);
+            if s.is_empty() || d.is_empty() {
+                continue;
+            }
+            let k = d.len() / s.len();
+            // `e` comes from this rank's old block, so the rank is among its holders `s`.
+            let Some(pos) = s.iter().position(|&r| r == self.rank) else {
+                continue;
+            };
+            for &dst in &d[pos * k..(pos + 1) * k] {
+                sends.push((e, row, dst));
+            }
+            if let Some(&dst) = d.get(s.len() * k + pos) {
+                sends.push((e, row, dst));
+            }
         }
-        if let Some(&dst) = d.get(s.len() * k + pos) {
-            p.sends.push((e, row, dst));
-        }
+        sends
     }
-    // Receives: experts new to this rank, ascending, into their first slot; the rest duplicate.
-    let mut primaries: Vec<(i64, usize)> = Vec::new();
-    for i in 0..n_local {
-        let e = new_local[i];
-        if received_locally[i] || e == -1 {
-            continue;
+
+    /// Receives: experts new to this rank, ascending, into their first slot (with the sender
+    /// vLLM pairs it with); further slots of the same expert duplicate that slot.
+    fn recvs(&self, new_local: &[i64], received_locally: &[bool]) -> Result<Receives> {
+        let (mut primaries, mut duplicates): (Vec<(i64, usize)>, _) = (Vec::new(), Vec::new());
+        for (i, &e) in new_local.iter().enumerate() {
+            if received_locally[i] || e == -1 {
+                continue;
+            }
+            match primaries.iter().find(|x| x.0 == e) {
+                Some(&(_, primary)) => duplicates.push((i, primary)),
+                None => primaries.push((e, i)),
+            }
         }
-        match primaries.iter().find(|x| x.0 == e) {
-            Some(&(_, primary)) => p.duplicates.push((i, primary)),
-            None => primaries.push((e, i)),
+        primaries.sort();
+        let mut recvs = Vec::with_capacity(primaries.len());
+        for (e, row) in primaries {
+            let (s, d) = self.pairing(e);
+            if s.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "expert {e} is needed on rank {} but no rank holds it in the old placement",
+                    self.rank
+                )));
+            }
+            let k = d.len() / s.len();
+            let Some(q) = d.iter().position(|&r| r == self.rank) else {
+                return Err(Error::Internal(format!(
+                    "expert {e} is new to rank {} but the rank is not among its receivers",
+                    self.rank
+                )));
+            };
+            let src = if q < s.len() * k {
+                s[q / k]
+            } else {
+                s[q - s.len() * k]
+            };
+            recvs.push((e, row, src));
         }
+        Ok((recvs, duplicates))
     }
-    primaries.sort();
-    for (e, row) in primaries {
-        let (s, d) = pairing(e);
-        if s.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "expert {e} is needed on rank {rank} but no rank holds it in the old placement"
-            )));
-        }
-        let k = d.len() / s.len();
-        let Some(q) = d.iter().position(|&r| r == rank) else {
-            return Err(Error::Internal(format!(
-                "expert {e} is new to rank {rank} but the rank is not among its receivers"
-            )));
-        };
-        let src = if q < s.len() * k {
-            s[q / k]
-        } else {
-            s[q - s.len() * k]
-        };
-        p.recvs.push((e, row, src));
-    }
-    Ok(p)
 }
 
 /// Widens maps for a change of EP size. `mapping[old_rank]` is the new rank (or -1 if
