@@ -11,7 +11,6 @@
 //! (`cudaStream_t` is the same handle as `CUstream`) and borrowed.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
 
@@ -693,7 +692,6 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 const EVENT_DISABLE_TIMING: c_uint = 2;
-const EVENT_INTERPROCESS: c_uint = 4;
 
 impl Event {
     fn with_flags(flags: c_uint) -> Result<Event> {
@@ -711,11 +709,6 @@ impl Event {
     /// A new event; `timing` enables [`Event::elapsed_ms`] (slightly slower record).
     pub fn new(timing: bool) -> Result<Event> {
         Event::with_flags(if timing { 0 } else { EVENT_DISABLE_TIMING })
-    }
-
-    /// An interprocess event (no timing), shareable with [`ipc_event_handle`].
-    pub fn interprocess() -> Result<Event> {
-        Event::with_flags(EVENT_DISABLE_TIMING | EVENT_INTERPROCESS)
     }
 
     /// `cuEventRecord` on `stream`.
@@ -775,7 +768,7 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         let e = self.raw;
-        // SAFETY: created by us (or opened from an IPC handle), destroyed once.
+        // SAFETY: created by us, destroyed once.
         quietly(|| unsafe {
             let _ = sys::cuEventDestroy_v2(e);
         });
@@ -784,158 +777,13 @@ impl Drop for Event {
 
 // ---- VMM ------------------------------------------------------------------------------------
 
-const HANDLE_POSIX_FD: sys::CUmemAllocationHandleType =
-    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-const HANDLE_FABRIC: sys::CUmemAllocationHandleType =
-    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
-
-fn location(device: i32) -> sys::CUmemLocation {
-    sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: device,
-    }
-}
-
-fn alloc_prop(device: i32, fabric: bool) -> sys::CUmemAllocationProp {
-    // SAFETY: a plain C struct whose all-zero value is valid (INVALID enum values, NULL).
-    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    p.requestedHandleTypes = if fabric {
-        sys::CUmemAllocationHandleType_enum(HANDLE_POSIX_FD.0 | HANDLE_FABRIC.0)
-    } else {
-        HANDLE_POSIX_FD
-    };
-    p.location = location(device);
-    p
-}
-
-/// The recommended VMM granularity for POSIX-fd shareable allocations on `device`.
-pub fn vmm_granularity(device: &Device) -> Result<usize> {
-    guarded("cuMemGetAllocationGranularity", || {
-        let prop = alloc_prop(device.ordinal, false);
-        let mut g = 0usize;
-        // SAFETY: valid prop, writable output.
-        check(
-            unsafe {
-                sys::cuMemGetAllocationGranularity(
-                    &mut g,
-                    &prop,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-                )
-            },
-            "cuMemGetAllocationGranularity",
-        )?;
-        Ok(g.max(1))
-    })
-}
-
-/// A physical VMM allocation (`cuMemCreate`, exportable as a POSIX fd); released on drop.
-/// Mappings keep the memory alive after the handle is released.
-#[derive(Debug)]
-pub struct VmmAllocation {
-    handle: sys::CUmemGenericAllocationHandle,
-    bytes: usize,
-}
-
-impl VmmAllocation {
-    /// Allocates at least `bytes` on `device` (rounded up to the granularity). With `fabric`,
-    /// asks for a fabric handle too and retries POSIX-fd only when the driver refuses (as
-    /// DeepEP and `ncclMemAlloc` do).
-    pub fn create(device: &Device, bytes: usize, fabric: bool) -> Result<VmmAllocation> {
-        let g = vmm_granularity(device)?;
-        let bytes = crate::gpu::nccl::plan::align_up(bytes.max(1), g.next_power_of_two())
-            .ok_or_else(|| Error::InvalidArgument(format!("VMM allocation of {bytes} bytes")))?;
-        guarded("cuMemCreate", || {
-            let attempt = |fab: bool| {
-                let prop = alloc_prop(device.ordinal, fab);
-                let mut h: sys::CUmemGenericAllocationHandle = 0;
-                // SAFETY: valid prop, writable output.
-                let rc = unsafe { sys::cuMemCreate(&mut h, bytes, &prop, 0) };
-                (rc, h)
-            };
-            let (mut rc, mut h) = attempt(fabric);
-            if fabric
-                && matches!(
-                    rc,
-                    sys::CUresult::CUDA_ERROR_NOT_PERMITTED
-                        | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
-                )
-            {
-                (rc, h) = attempt(false);
-            }
-            check(rc, &format!("cuMemCreate({bytes} bytes)"))?;
-            Ok(VmmAllocation { handle: h, bytes })
-        })
-    }
-
-    /// Exports a POSIX fd for the allocation (send it with SCM_RIGHTS).
-    pub fn export_fd(&self) -> Result<OwnedFd> {
-        guarded("cuMemExportToShareableHandle", || {
-            let mut fd: c_int = -1;
-            // SAFETY: for POSIX_FILE_DESCRIPTOR the output is an int.
-            check(
-                unsafe {
-                    sys::cuMemExportToShareableHandle(
-                        (&mut fd as *mut c_int).cast(),
-                        self.handle,
-                        HANDLE_POSIX_FD,
-                        0,
-                    )
-                },
-                "cuMemExportToShareableHandle(POSIX_FD)",
-            )?;
-            // SAFETY: a new fd owned by the caller from now on.
-            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-        })
-    }
-
-    /// Imports a peer's allocation of `bytes` from its fd (the fd may be closed afterwards).
-    pub fn import_fd(fd: BorrowedFd<'_>, bytes: usize) -> Result<VmmAllocation> {
-        guarded("cuMemImportFromShareableHandle", || {
-            let mut h: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: for POSIX_FILE_DESCRIPTOR the handle argument is the fd cast to a pointer.
-            check(
-                unsafe {
-                    sys::cuMemImportFromShareableHandle(
-                        &mut h,
-                        fd.as_raw_fd() as isize as *mut c_void,
-                        HANDLE_POSIX_FD,
-                    )
-                },
-                "cuMemImportFromShareableHandle(POSIX_FD)",
-            )?;
-            Ok(VmmAllocation { handle: h, bytes })
-        })
-    }
-
-    /// The size (granularity-rounded).
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    /// The raw handle.
-    pub fn handle(&self) -> sys::CUmemGenericAllocationHandle {
-        self.handle
-    }
-}
-
-impl Drop for VmmAllocation {
-    fn drop(&mut self) {
-        let h = self.handle;
-        // SAFETY: created/imported by us, released once.
-        quietly(|| unsafe {
-            let _ = sys::cuMemRelease(h);
-        });
-    }
-}
-
-/// A reserved virtual address range (all ranks' workspaces are mapped into one); unmaps what
-/// it mapped and frees the range on drop.
+/// A reserved virtual address range (`cuMemAddressReserve`), freed on drop. The start of the
+/// VMM path the one-sided transport will use to map every rank's workspace into one range
+/// (`crate::gpu::onesided` module doc); tests/gpu_host.rs checks its "unavailable" error.
 #[derive(Debug)]
 pub struct VaRange {
     base: u64,
     bytes: usize,
-    mapped: Vec<(usize, usize)>,
 }
 
 impl VaRange {
@@ -948,11 +796,7 @@ impl VaRange {
                 unsafe { sys::cuMemAddressReserve(&mut base, bytes, align, 0, 0) },
                 &format!("cuMemAddressReserve({bytes} bytes)"),
             )?;
-            Ok(VaRange {
-                base,
-                bytes,
-                mapped: Vec::new(),
-            })
+            Ok(VaRange { base, bytes })
         })
     }
 
@@ -960,164 +804,14 @@ impl VaRange {
     pub fn base(&self) -> u64 {
         self.base
     }
-
-    /// Maps all of `alloc` at `offset` and grants `device` read/write access; returns the
-    /// address.
-    pub fn map(&mut self, offset: usize, alloc: &VmmAllocation, device: &Device) -> Result<u64> {
-        let end = offset.checked_add(alloc.bytes);
-        if end.is_none_or(|e| e > self.bytes) {
-            return Err(Error::InvalidArgument(format!(
-                "VMM map: {} bytes at offset {offset} exceed the reserved {} bytes",
-                alloc.bytes, self.bytes
-            )));
-        }
-        let addr = self.base + offset as u64;
-        guarded("cuMemMap", || {
-            // SAFETY: inside the reserved range; a valid allocation handle.
-            check(
-                unsafe { sys::cuMemMap(addr, alloc.bytes, 0, alloc.handle, 0) },
-                "cuMemMap",
-            )
-        })?;
-        self.mapped.push((offset, alloc.bytes));
-        let access = sys::CUmemAccessDesc {
-            location: location(device.ordinal),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        guarded("cuMemSetAccess", || {
-            // SAFETY: a mapped range; one valid descriptor.
-            check(
-                unsafe { sys::cuMemSetAccess(addr, alloc.bytes, &access, 1) },
-                "cuMemSetAccess",
-            )
-        })?;
-        Ok(addr)
-    }
-
-    /// Unmaps the mapping made at `offset`.
-    pub fn unmap(&mut self, offset: usize) -> Result<()> {
-        let i = self
-            .mapped
-            .iter()
-            .position(|m| m.0 == offset)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!("VMM unmap: nothing mapped at offset {offset}"))
-            })?;
-        let (off, len) = self.mapped.remove(i);
-        let addr = self.base + off as u64;
-        guarded("cuMemUnmap", || {
-            // SAFETY: a range we mapped.
-            check(unsafe { sys::cuMemUnmap(addr, len) }, "cuMemUnmap")
-        })
-    }
 }
 
 impl Drop for VaRange {
     fn drop(&mut self) {
         let (base, bytes) = (self.base, self.bytes);
-        let mapped = std::mem::take(&mut self.mapped);
-        // SAFETY: ranges we mapped inside a range we reserved; each released once.
+        // SAFETY: a range we reserved, released once.
         quietly(|| unsafe {
-            for (off, len) in mapped {
-                let _ = sys::cuMemUnmap(base + off as u64, len);
-            }
             let _ = sys::cuMemAddressFree(base, bytes);
         });
     }
-}
-
-// ---- legacy IPC -----------------------------------------------------------------------------
-
-/// Bytes of `CUipcMemHandle` / `CUipcEventHandle`.
-pub const IPC_HANDLE_BYTES: usize = 64;
-
-fn handle_bytes(reserved: &[c_char; IPC_HANDLE_BYTES]) -> [u8; IPC_HANDLE_BYTES] {
-    reserved.map(|c| c as u8)
-}
-
-fn handle_chars(bytes: &[u8; IPC_HANDLE_BYTES]) -> [c_char; IPC_HANDLE_BYTES] {
-    bytes.map(|b| b as c_char)
-}
-
-/// The IPC handle of a `cuMemAlloc` allocation (`cuIpcGetMemHandle`), as plain bytes.
-pub fn ipc_mem_handle(ptr: u64) -> Result<[u8; IPC_HANDLE_BYTES]> {
-    guarded("cuIpcGetMemHandle", || {
-        // SAFETY: plain data.
-        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-        // SAFETY: writable output; `ptr` is checked by the driver.
-        check(
-            unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) },
-            "cuIpcGetMemHandle",
-        )?;
-        Ok(handle_bytes(&h.reserved))
-    })
-}
-
-/// A peer's allocation opened from its IPC handle (closed on drop; never open your own).
-#[derive(Debug)]
-pub struct IpcMapping {
-    ptr: u64,
-}
-
-impl IpcMapping {
-    /// `cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS` (required).
-    pub fn open(handle: &[u8; IPC_HANDLE_BYTES]) -> Result<IpcMapping> {
-        guarded("cuIpcOpenMemHandle", || {
-            let h = sys::CUipcMemHandle {
-                reserved: handle_chars(handle),
-            };
-            let mut ptr: sys::CUdeviceptr = 0;
-            // SAFETY: writable output; flag 1 = LAZY_ENABLE_PEER_ACCESS.
-            check(
-                unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, 1) },
-                "cuIpcOpenMemHandle",
-            )?;
-            Ok(IpcMapping { ptr })
-        })
-    }
-
-    /// The address in this process.
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-}
-
-impl Drop for IpcMapping {
-    fn drop(&mut self) {
-        let p = self.ptr;
-        // SAFETY: opened by us, closed once.
-        quietly(|| unsafe {
-            let _ = sys::cuIpcCloseMemHandle(p);
-        });
-    }
-}
-
-/// The IPC handle of an [`Event::interprocess`] event.
-pub fn ipc_event_handle(event: &Event) -> Result<[u8; IPC_HANDLE_BYTES]> {
-    guarded("cuIpcGetEventHandle", || {
-        // SAFETY: plain data.
-        let mut h: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
-        // SAFETY: writable output, valid event.
-        check(
-            unsafe { sys::cuIpcGetEventHandle(&mut h, event.raw) },
-            "cuIpcGetEventHandle",
-        )?;
-        Ok(handle_bytes(&h.reserved))
-    })
-}
-
-/// Opens a peer's interprocess event (wait on it with [`Stream::wait_event`]).
-pub fn open_ipc_event(handle: &[u8; IPC_HANDLE_BYTES]) -> Result<Event> {
-    guarded("cuIpcOpenEventHandle", || {
-        let h = sys::CUipcEventHandle {
-            reserved: handle_chars(handle),
-        };
-        let mut raw: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: writable output.
-        check(
-            unsafe { sys::cuIpcOpenEventHandle(&mut raw, h) },
-            "cuIpcOpenEventHandle",
-        )?;
-        Ok(Event { raw })
-    })
 }

@@ -5,7 +5,7 @@
 //! and loads them into the current (primary) context. The launches themselves are built as data
 //! by the typed builders of [`Calls`] ([`Kernels::calls`]), which size the grid from the
 //! table's `grid` rule: threads per token/row, a warp per row, a block per token, or
-//! [`SCAN_THREADS`]-thread tiles for the scan, which recurses over block sums for arrays longer
+//! [`SCAN_THREADS`](crate::gpu::kernels::SCAN_THREADS)-thread tiles for the scan, which recurses over block sums for arrays longer
 //! than one tile. [`Kernels::run`] issues them, checking each against the entry point's
 //! [`KernelSig`] parameter table (count and kind; a mismatch is an internal error, never a bad
 //! launch). [`read_error_word`] copies the device error word back and maps it through

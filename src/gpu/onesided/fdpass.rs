@@ -21,8 +21,6 @@ use crate::error::{Error, Result};
 
 /// Most fds one message may carry.
 pub const MAX_FDS_PER_MESSAGE: usize = 16;
-/// Largest message (bytes) the receive side accepts.
-pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 /// Largest per-rank payload in the rendezvous.
 pub const MAX_PAYLOAD_BYTES: usize = 4096;
 

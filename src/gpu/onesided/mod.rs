@@ -8,11 +8,21 @@
 //! - [`DeviceError`]: the error word's layout and its decoding into a status naming the peer.
 //! - [`PeerTable`]: R base pointers and how each was obtained.
 //! - [`fdpass`]: SCM_RIGHTS fd passing and the group rendezvous over a Unix socket.
-//! - `vmm` (`cuda` feature): allocate, export, all-gather and map every rank's workspace.
+//!
+//! Status: **not wired yet**; nothing in the library calls this module. Its caller will be a
+//! one-sided [`crate::gpu::transport::Fabric`] for ranks on one node (the
+//! `flashinfer_nvlink_one_sided` transport, and capacity mode without NCCL): it reserves one
+//! VA range ([`crate::gpu::driver::VaRange`]), exports each rank's `cuMemCreate` workspace as a
+//! POSIX fd and all-gathers the fds with [`fdpass::exchange_fds`], maps every peer's workspace
+//! at [`WorkspaceLayout`] strides into a [`PeerTable`], and orders writes with the
+//! `ep_signal`/`ep_wait` kernels (kernels/signal.cu) over [`Epoch`] flags, decoding timeouts
+//! with [`DeviceError`]. Until then tests/gpu_host.rs covers every item here on the CPU:
+//! `workspace_layout_is_aligned_and_disjoint`, `epochs_skip_zero_and_compare_across_wraparound`,
+//! `device_error_words`, `peer_table`, `scm_rights_over_a_socket_pair`,
+//! `oversized_message_is_an_error_and_fds_are_closed` and the `rendezvous_*` tests (threads
+//! and a child process).
 
 pub mod fdpass;
-#[cfg(feature = "cuda")]
-pub mod vmm;
 
 use crate::error::{Error, Result};
 use crate::gpu::nccl::plan::align_up;
@@ -380,7 +390,3 @@ impl PeerTable {
             .collect()
     }
 }
-
-/// Bytes of a legacy CUDA IPC memory or event handle (`CUipcMemHandle`), exchanged as plain
-/// bytes over the rendezvous.
-pub const IPC_HANDLE_BYTES: usize = 64;

@@ -1,9 +1,12 @@
 //! The GPU transports' host side.
 //!
-//! - [`plan`]: pure planning (counts row, matrices, offsets, scan levels, grid sizes, output
-//!   shapes per layout); always built and unit-tested on the CPU.
-//! - `GpuManager` (`nccl` feature): the NCCL two-sided pipeline of every layout, counts mode
-//!   (one host sync per dispatch) and capacity mode (no host sync, CUDA-graph capturable).
+//! - [`plan`]: pure planning (counts row, matrices, offsets, output shapes per layout); always
+//!   built and unit-tested on the CPU.
+//! - [`pipeline`]: every step of dispatch and combine, counts mode (one host sync per
+//!   dispatch) and capacity mode (no host sync, CUDA-graph capturable), over the
+//!   [`pipeline::Executor`] interface; always built, run on the host by the emulation tests.
+//! - `GpuManager` (`nccl` feature): the pipeline with its CUDA executor over a `Fabric`.
+//! - [`gate`]: the failing host barrier of the thread-rank fabrics.
 
 pub mod gate;
 pub mod pipeline;

@@ -6,8 +6,8 @@
 //! compiled for the host, exchanges as host copies), so the emulation checks the code a device
 //! runs, not a copy of it. Pure: always built, no CUDA needed.
 //!
-//! - [`counts`]: counts mode (one host sync per dispatch; every layout).
-//! - [`capacity`]: capacity mode (no host sync; EXPERT_MAJOR only).
+//! - `counts`: counts mode (one host sync per dispatch; every layout).
+//! - `capacity`: capacity mode (no host sync; EXPERT_MAJOR only).
 //! - here: the configuration checks, the wire buffers and the steps both modes share.
 
 mod capacity;
