@@ -59,17 +59,7 @@ impl MoeArgs {
     }
 
     fn config(&self, t: usize) -> MoeConfig {
-        MoeConfig {
-            num_experts: self.experts,
-            top_k: self.topk,
-            hidden: self.hidden,
-            hidden_dtype: self.kind.dtype(),
-            expert_dtype: self.kind,
-            out_dtype: self.kind,
-            max_tokens_per_rank: t,
-            extra_row_bytes: vec![],
-            apply_router_weight_on_input: false,
-        }
+        crate::ranks::moe_config(self.experts, self.topk, self.hidden, self.kind, t)
     }
 
     /// Memory one rank needs for a case at its peak: the layout's buffers `b`, plus the

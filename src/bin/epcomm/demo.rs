@@ -41,17 +41,7 @@ impl DemoArgs {
 
     /// The managers' configuration.
     fn config(&self) -> MoeConfig {
-        MoeConfig {
-            num_experts: self.experts,
-            top_k: self.topk,
-            hidden: self.hidden,
-            hidden_dtype: self.kind.dtype(),
-            expert_dtype: self.kind,
-            out_dtype: self.kind,
-            max_tokens_per_rank: self.tokens,
-            extra_row_bytes: vec![],
-            apply_router_weight_on_input: false,
-        }
+        crate::ranks::moe_config(self.experts, self.topk, self.hidden, self.kind, self.tokens)
     }
 }
 

@@ -150,3 +150,25 @@ pub fn check_expert_shape(experts: usize, ranks: usize, topk: usize) -> Result<(
     }
     Ok(())
 }
+
+/// The manager configuration of `demo` and `bench moe`: one float kind for the hidden rows, the
+/// expert outputs and the result; no extras; M = `max_tokens`.
+pub fn moe_config(
+    experts: usize,
+    topk: usize,
+    hidden: usize,
+    kind: epcomm::num::FloatKind,
+    max_tokens: usize,
+) -> epcomm::moe::MoeConfig {
+    epcomm::moe::MoeConfig {
+        num_experts: experts,
+        top_k: topk,
+        hidden,
+        hidden_dtype: kind.dtype(),
+        expert_dtype: kind,
+        out_dtype: kind,
+        max_tokens_per_rank: max_tokens,
+        extra_row_bytes: vec![],
+        apply_router_weight_on_input: false,
+    }
+}
