@@ -249,28 +249,12 @@ pub fn rebalance_hierarchical(
     num_gpus: usize,
 ) -> Result<Vec<Vec<usize>>> {
     let e = row_len(weight, "weight")?;
-    let (p, g, n, r) = (num_physical, num_groups, num_nodes, num_gpus);
-    assertion(g > 0 && e % g == 0, || {
-        format!("num_logical_experts % num_groups == 0 ({e} % {g})")
-    })?;
-    assertion(n > 0 && g % n == 0, || {
-        format!("num_groups % num_nodes == 0 ({g} % {n})")
-    })?;
-    assertion(r > 0 && r % n == 0, || {
-        format!("num_gpus % num_nodes == 0 ({r} % {n})")
-    })?;
-    assertion(p % r == 0, || {
-        format!("num_physical_experts % num_gpus == 0 ({p} % {r})")
-    })?;
-    assertion(p >= e, || {
-        format!("num_physical_experts >= num_logical_experts ({p} >= {e})")
-    })?;
-    let dims = Dims { e, p, g, n, r };
+    let dims = check_dims(e, num_physical, num_groups, num_nodes, num_gpus)?;
     // Layers are independent: large policies are split over a few threads (same result).
     let threads = std::thread::available_parallelism()
         .map_or(1, |t| t.get())
         .min(MAX_POLICY_THREADS)
-        .min(weight.len() * p / MIN_SLOTS_PER_THREAD);
+        .min(weight.len() * dims.p / MIN_SLOTS_PER_THREAD);
     if threads > 1 {
         let chunk = weight.len().div_ceil(threads);
         let parts: Option<Vec<Vec<Vec<usize>>>> = std::thread::scope(|sc| {
@@ -293,6 +277,27 @@ pub fn rebalance_hierarchical(
         }
     }
     Ok(place_layers(weight, dims))
+}
+
+/// vLLM's asserts of the hierarchical step, in its order, for `e` logical experts, `p` slots,
+/// `g` groups, `n` nodes and `r` GPUs.
+fn check_dims(e: usize, p: usize, g: usize, n: usize, r: usize) -> Result<Dims> {
+    assertion(g > 0 && e % g == 0, || {
+        format!("num_logical_experts % num_groups == 0 ({e} % {g})")
+    })?;
+    assertion(n > 0 && g % n == 0, || {
+        format!("num_groups % num_nodes == 0 ({g} % {n})")
+    })?;
+    assertion(r > 0 && r % n == 0, || {
+        format!("num_gpus % num_nodes == 0 ({r} % {n})")
+    })?;
+    assertion(p % r == 0, || {
+        format!("num_physical_experts % num_gpus == 0 ({p} % {r})")
+    })?;
+    assertion(p >= e, || {
+        format!("num_physical_experts >= num_logical_experts ({p} >= {e})")
+    })?;
+    Ok(Dims { e, p, g, n, r })
 }
 
 /// Above this many physical slots per thread (layers × P), the policy uses threads.
@@ -593,7 +598,7 @@ pub fn min_redundant_experts(num_logical: usize, ep_size: usize) -> usize {
 #[cfg(test)]
 mod reference {
     use super::np_sum_f32;
-    use crate::error::{Error, Result};
+    use crate::error::Result;
 
     /// Packs `n` weighted items of each row into `m` packs of `n/m` items, heaviest first, each to
     /// the lightest pack that still has room. Returns (pack index, rank in pack) per item.
@@ -679,14 +684,6 @@ mod reference {
         inv
     }
 
-    fn assertion(cond: bool, what: &str) -> Result<()> {
-        if cond {
-            Ok(())
-        } else {
-            Err(Error::Assertion(what.to_owned()))
-        }
-    }
-
     /// The hierarchical policy for `weight` (`layers` rows of `num_logical` f32 loads):
     /// `num_physical` slots, `num_groups` expert groups, `num_nodes` nodes, `num_gpus` GPUs.
     /// Returns physical → logical per layer.
@@ -698,27 +695,8 @@ mod reference {
         num_gpus: usize,
     ) -> Result<Vec<Vec<usize>>> {
         let e = weight.first().map_or(0, Vec::len);
-        let (p, g, n, r) = (num_physical, num_groups, num_nodes, num_gpus);
-        assertion(
-            g > 0 && e % g == 0,
-            &format!("num_logical_experts % num_groups == 0 ({e} % {g})"),
-        )?;
-        assertion(
-            n > 0 && g % n == 0,
-            &format!("num_groups % num_nodes == 0 ({g} % {n})"),
-        )?;
-        assertion(
-            r > 0 && r % n == 0,
-            &format!("num_gpus % num_nodes == 0 ({r} % {n})"),
-        )?;
-        assertion(
-            p % r == 0,
-            &format!("num_physical_experts % num_gpus == 0 ({p} % {r})"),
-        )?;
-        assertion(
-            p >= e,
-            &format!("num_physical_experts >= num_logical_experts ({p} >= {e})"),
-        )?;
+        let super::Dims { p, g, n, r, .. } =
+            super::check_dims(e, num_physical, num_groups, num_nodes, num_gpus)?;
         let gs = e / g;
         let gpn = g / n;
         let ppg = p / r;
