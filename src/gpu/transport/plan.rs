@@ -275,6 +275,29 @@ pub struct DispatchShape {
     pub src: usize,
 }
 
+impl DispatchShape {
+    /// The shape of a buffer of `buffer_rows` rows, `received_rows` of them received, with the
+    /// contract's output shapes `sh`.
+    pub fn new(
+        layout: Layout,
+        received_rows: usize,
+        buffer_rows: usize,
+        sh: layout::Shapes,
+    ) -> DispatchShape {
+        DispatchShape {
+            layout,
+            received_rows,
+            buffer_rows,
+            hidden: sh.hidden,
+            topk_ids: sh.topk_ids,
+            topk_weights: sh.topk_weights,
+            counts: sh.counts,
+            expert_offsets: sh.expert_offsets,
+            src: sh.src,
+        }
+    }
+}
+
 /// The geometry a shape depends on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShapeGeometry {
@@ -322,17 +345,7 @@ pub fn dispatch_shape(layout: Layout, geo: &ShapeGeometry, g: &Gathered) -> Resu
     let lg = geo.layout_geometry();
     let buffer_rows = c.buffer_rows(&lg, received_rows);
     let sh = c.shapes(&lg, geo.hidden, buffer_rows);
-    Ok(DispatchShape {
-        layout,
-        received_rows,
-        buffer_rows,
-        hidden: sh.hidden,
-        topk_ids: sh.topk_ids,
-        topk_weights: sh.topk_weights,
-        counts: sh.counts,
-        expert_offsets: sh.expert_offsets,
-        src: sh.src,
-    })
+    Ok(DispatchShape::new(layout, received_rows, buffer_rows, sh))
 }
 
 /// The fixed-capacity rules on the gathered counts: T ≤ M on every source rank (as the CPU

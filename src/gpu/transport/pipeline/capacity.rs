@@ -7,12 +7,11 @@
 //! fixed positions (the "iota" pair positions). Bad ids and full buckets land in the device
 //! error word, read by `GpuManager::check_device_error`.
 
-use super::counts::{payloads, unpack_buckets};
+use super::counts::{payloads, unpack_buckets, Selected};
 use super::{pack, Ctx, DispatchInput, GpuDispatch, Pipeline, State, Wire};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::gpu::kernels::{
-    CombineReturnExpertArgs, LayoutArgs, PairRowsArgs, RecvFlagsArgs, UnpackExpertMajorArgs,
-    WeightedCombineArgs,
+    CombineReturnExpertArgs, LayoutArgs, PairRowsArgs, RecvFlagsArgs, WeightedCombineArgs,
 };
 use crate::gpu::nccl::plan::counts_plan;
 use crate::gpu::transport::plan::{broadcast_plan, scan_scratch_elems, DispatchShape};
@@ -91,17 +90,8 @@ pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Re
     let cap = m * r;
     let geo = p.geometry().layout_geometry();
     let sh = p.contract().shapes(&geo, cfg.hidden, el * cap);
-    let shape = DispatchShape {
-        layout: p.layout(),
-        received_rows: usize::MAX,
-        buffer_rows: el * cap,
-        hidden: sh.hidden,
-        topk_ids: sh.topk_ids,
-        topk_weights: sh.topk_weights,
-        counts: sh.counts,
-        expert_offsets: sh.expert_offsets,
-        src: sh.src,
-    };
+    // The received rows are only on the device (counts).
+    let shape = DispatchShape::new(p.layout(), usize::MAX, el * cap, sh);
     p.state = Some(State {
         tokens: t,
         id_dtype: inp.id_dtype,
@@ -140,11 +130,7 @@ fn receive(p: &Pipeline, c: &mut Ctx, wire: &Wire, s: &Statics) -> Result<(u64, 
     let (r, d, m) = (p.world(), p.rank(), cfg.max_tokens_per_rank);
     let el = cfg.num_experts / r;
     let n = r * m;
-    let [_, ids, w, src, ..] = wire.recvs[..] else {
-        return Err(Error::Internal(
-            "dispatch wire without its row buffers".into(),
-        ));
-    };
+    let [_, ids, w, src] = wire.recv_meta()?;
     let eflag = c.buf("cap_expert_flag", 4 * el * n)?;
     let epos = c.buf("cap_expert_pos", 4 * (el * n + 1))?;
     let counts = c.buf("cap_counts", 4 * el)?;
@@ -158,30 +144,17 @@ fn receive(p: &Pipeline, c: &mut Ctx, wire: &Wire, s: &Statics) -> Result<(u64, 
         local_counts: 0,
     }))?;
     c.run(c.k.scan(eflag, epos, el * n, s.scratch))?;
-    let cap = m * r;
-    let outs = wire.outputs(c, "cap_out_rows", el * cap)?;
-    let at = UnpackExpertMajorArgs {
-        recv_rows: 0,
-        recv_ids: ids,
-        recv_w: w,
-        recv_src: src,
-        recv_offsets: s.d_off,
-        N: n as i32,
-        R: r as i32,
-        row_bytes: 0,
-        E_local: el as i32,
-        rank: d as i32,
-        expert_flag: eflag,
-        expert_pos: epos,
-        capacity: cap as i32,
-        out_rows: 0,
-        counts,
-        out_w: 0,
-        out_src_rank: 0,
-        out_src_token: 0,
-        err: s.err,
+    let outs = wire.outputs(c, "cap_out_rows", el * m * r)?;
+    let sel = Selected {
+        ids,
+        w,
+        src,
+        offsets: s.d_off,
+        n,
+        eflag,
+        epos,
     };
-    unpack_buckets(c, at, &outs)?;
+    unpack_buckets(p, c, &sel, &outs, counts, s.err)?;
     let (hidden, extras) = payloads(&outs);
     Ok((hidden, extras, counts))
 }

@@ -209,11 +209,7 @@ fn unpack_tokens(p: &Pipeline, c: &mut Ctx, sent: &Sent, o: &mut GpuDispatch) ->
     let (d, k, e) = (p.rank(), cfg.top_k, cfg.num_experts);
     let el = e / p.world();
     let n_recv = sent.n_recv;
-    let [rows, ids, w, ..] = sent.wire.recvs[..] else {
-        return Err(Error::Internal(
-            "dispatch wire without its row buffers".into(),
-        ));
-    };
+    let [rows, ids, w, _] = sent.wire.recv_meta()?;
     let replicated = every_token(p);
     let out_ids = c.buf("out_ids", 8 * n_recv * k)?;
     let out_w = c.buf("out_w", 4 * n_recv * k)?;
@@ -266,59 +262,55 @@ fn unpack_experts(
     let cfg = p.config();
     let (r, d, k) = (p.world(), p.rank(), cfg.top_k);
     let el = cfg.num_experts / r;
-    let n_recv = sent.n_recv;
-    let [rows, ids, w, src, ..] = sent.wire.recvs[..] else {
-        return Err(Error::Internal(
-            "dispatch wire without its row buffers".into(),
-        ));
-    };
-    let eflag = c.buf("expert_flag", 4 * el * n_recv)?;
-    let epos = c.buf("expert_pos", 4 * (el * n_recv + 1))?;
-    let rpflag = c.buf("recv_pair_flag", 4 * n_recv * k)?;
-    let rppos = c.buf("recv_pair_pos", 4 * (n_recv * k + 1))?;
-    let n = n_recv as i32;
+    let n = sent.n_recv;
+    let [_, ids, w, src] = sent.wire.recv_meta()?;
+    let eflag = c.buf("expert_flag", 4 * el * n)?;
+    let epos = c.buf("expert_pos", 4 * (el * n + 1))?;
+    let rpflag = c.buf("recv_pair_flag", 4 * n * k)?;
+    let rppos = c.buf("recv_pair_pos", 4 * (n * k + 1))?;
     c.run(c.k.recv_flags(RecvFlagsArgs {
         recv_ids: ids,
-        N: n,
+        N: n as i32,
         E_local: el as i32,
         rank: d as i32,
         expert_flag: eflag,
         pair_flag: rpflag,
         local_counts: 0,
     }))?;
-    c.run(c.k.scan(eflag, epos, el * n_recv, sent.scratch))?;
-    c.run(c.k.scan(rpflag, rppos, n_recv * k, sent.scratch))?;
+    c.run(c.k.scan(eflag, epos, el * n, sent.scratch))?;
+    c.run(c.k.scan(rpflag, rppos, n * k, sent.scratch))?;
+    let sel = Selected {
+        ids,
+        w,
+        src,
+        offsets: d_off,
+        n,
+        eflag,
+        epos,
+    };
     if p.family == Family::Buckets {
         let cap = cfg.max_tokens_per_rank * r;
         let counts = c.buf("out_counts", 4 * el)?;
         let err = c.buf("err", 8)?;
         let outs = sent.wire.outputs(c, "out_rows", el * cap)?;
-        let at = UnpackExpertMajorArgs {
-            recv_rows: rows,
-            recv_ids: ids,
-            recv_w: w,
-            recv_src: src,
-            recv_offsets: d_off,
-            N: n,
-            R: r as i32,
-            row_bytes: 0,
-            E_local: el as i32,
-            rank: d as i32,
-            expert_flag: eflag,
-            expert_pos: epos,
-            capacity: cap as i32,
-            out_rows: 0,
-            counts,
-            out_w: 0,
-            out_src_rank: 0,
-            out_src_token: 0,
-            err,
-        };
-        unpack_buckets(c, at, &outs)?;
+        unpack_buckets(p, c, &sel, &outs, counts, err)?;
         (o.hidden, o.extras) = payloads(&outs);
         o.counts = counts;
         return Ok(());
     }
+    unpack_packed(p, c, sent, &sel, o)
+}
+
+/// EXPERT_PACKED: exact rows grouped by expert, offsets, per-row weight and source.
+fn unpack_packed(
+    p: &Pipeline,
+    c: &mut Ctx,
+    sent: &Sent,
+    sel: &Selected,
+    o: &mut GpuDispatch,
+) -> Result<()> {
+    let (r, d) = (p.world(), p.rank());
+    let el = p.config().num_experts / r;
     let nr = o.shape.received_rows;
     let offs = c.buf("out_offsets", 4 * (el + 1))?;
     let out_w = c.buf("out_w", 4 * nr)?;
@@ -328,17 +320,17 @@ fn unpack_experts(
     for &(recv_rows, wb, out_rows) in &outs {
         c.run(c.k.unpack_expert_packed(UnpackExpertPackedArgs {
             recv_rows,
-            recv_ids: ids,
-            recv_w: w,
-            recv_src: src,
-            recv_offsets: d_off,
-            N: n,
+            recv_ids: sel.ids,
+            recv_w: sel.w,
+            recv_src: sel.src,
+            recv_offsets: sel.offsets,
+            N: sel.n as i32,
             R: r as i32,
             row_bytes: wb as u64,
             E_local: el as i32,
             rank: d as i32,
-            expert_flag: eflag,
-            expert_pos: epos,
+            expert_flag: sel.eflag,
+            expert_pos: sel.epos,
             out_rows,
             expert_offsets: offs,
             out_w,
@@ -354,28 +346,61 @@ fn unpack_experts(
     Ok(())
 }
 
+/// What the expert layouts' receive side selects from (both modes): the wire's ids, weights,
+/// source tokens and receive offsets of `n` rows, the (local expert, row) flags and their
+/// scanned positions.
+pub(super) struct Selected {
+    pub ids: u64,
+    pub w: u64,
+    pub src: u64,
+    pub offsets: u64,
+    pub n: usize,
+    pub eflag: u64,
+    pub epos: u64,
+}
+
+/// EXPERT_MAJOR's buckets of M·R rows per local expert (both modes): one
+/// `ep_unpack_expert_major` per row payload `outs` (received rows, row bytes, buckets).
+pub(super) fn unpack_buckets(
+    p: &Pipeline,
+    c: &mut Ctx,
+    sel: &Selected,
+    outs: &[(u64, usize, u64)],
+    counts: u64,
+    err: u64,
+) -> Result<()> {
+    let (r, d) = (p.world(), p.rank());
+    let el = p.config().num_experts / r;
+    for &(recv_rows, wb, out_rows) in outs {
+        c.run(c.k.unpack_expert_major(UnpackExpertMajorArgs {
+            recv_rows,
+            recv_ids: sel.ids,
+            recv_w: sel.w,
+            recv_src: sel.src,
+            recv_offsets: sel.offsets,
+            N: sel.n as i32,
+            R: r as i32,
+            row_bytes: wb as u64,
+            E_local: el as i32,
+            rank: d as i32,
+            expert_flag: sel.eflag,
+            expert_pos: sel.epos,
+            capacity: (p.config().max_tokens_per_rank * r) as i32,
+            out_rows,
+            counts,
+            out_w: 0,
+            out_src_rank: 0,
+            out_src_token: 0,
+            err,
+        }))?;
+    }
+    Ok(())
+}
+
 /// The unpacked row payloads as the dispatch's outputs: (hidden, extras).
 pub(super) fn payloads(outs: &[(u64, usize, u64)]) -> (u64, Vec<u64>) {
     let mut it = outs.iter().map(|o| o.2);
     (it.next().unwrap_or(0), it.collect())
-}
-
-/// EXPERT_MAJOR's buckets, one `ep_unpack_expert_major` per row payload (both modes): `at`
-/// with each payload's receive rows, row bytes and output buckets.
-pub(super) fn unpack_buckets(
-    c: &mut Ctx,
-    at: UnpackExpertMajorArgs,
-    outs: &[(u64, usize, u64)],
-) -> Result<()> {
-    for &(recv_rows, wb, out_rows) in outs {
-        c.run(c.k.unpack_expert_major(UnpackExpertMajorArgs {
-            recv_rows,
-            row_bytes: wb as u64,
-            out_rows,
-            ..at
-        }))?;
-    }
-    Ok(())
 }
 
 /// The source side of combine (expert layouts): where each (t, k) result will land, and the
@@ -415,11 +440,7 @@ fn unpack_rank_major(
 ) -> Result<()> {
     let cfg = p.config();
     let (r, k, m) = (p.world(), cfg.top_k, cfg.max_tokens_per_rank);
-    let [_, ids, w, ..] = sent.wire.recvs[..] else {
-        return Err(Error::Internal(
-            "dispatch wire without its row buffers".into(),
-        ));
-    };
+    let [_, ids, w, _] = sent.wire.recv_meta()?;
     let out_ids = c.buf("out_ids", 8 * r * m * k)?;
     let out_w = c.buf("out_w", 4 * r * m * k)?;
     let counts = c.buf("out_counts", 4 * r)?;

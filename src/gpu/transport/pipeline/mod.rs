@@ -209,6 +209,16 @@ impl Wire {
         })
     }
 
+    /// The receive buffers of rows, ids, weights and source tokens.
+    fn recv_meta(&self) -> Result<[u64; 4]> {
+        match self.recvs[..] {
+            [rows, ids, w, src, ..] => Ok([rows, ids, w, src]),
+            _ => Err(Error::Internal(
+                "dispatch wire without its row buffers".into(),
+            )),
+        }
+    }
+
     /// The row payloads (hidden, then each extra) as (received rows, row bytes).
     fn payloads(&self) -> impl Iterator<Item = (usize, u64, usize)> + '_ {
         self.widths
