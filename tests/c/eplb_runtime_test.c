@@ -360,6 +360,24 @@ static void test_rearrange(comm_t *comm) {
                                     weights, 1, NULL, 0, NULL),
               EPCOMM_OK, NULL);
 
+    /* The ranks disagree on the weight dtype (same bytes: float32 on rank 0, int32 on rank 1):
+     * the same error on both ranks before any data moves, the weights unchanged. */
+    {
+        float before[RA_LAYERS][RA_LOCAL * RA_COLS];
+        tensor_t typed[RA_LAYERS];
+        memcpy(before, w, sizeof before);
+        for (l = 0; l < RA_LAYERS; l++) {
+            typed[l] = make_tensor(w[l], g_rank == 0 ? DL_FLOAT : DL_INT, 32, 2, shape);
+        }
+        CHECK_ERR(epcomm_eplb_rearrange(comm, new_map, old_map, RA_LAYERS, RA_SLOTS, RA_SLOTS,
+                                        typed, 1, NULL, 0, NULL),
+                  EPCOMM_ERROR_INVALID_ARGUMENT,
+                  "rearrange: ranks disagree on the weight dtypes: rank 0 and rank 1 pass "
+                  "different ones; every rank must pass the same (EPLB rearrangement: no layer "
+                  "was changed)");
+        CHECK(memcmp(before, w, sizeof before) == 0);
+    }
+
     /* Argument errors (before any communication). */
     CHECK_ERR(epcomm_eplb_rearrange(comm, NULL, new_map, RA_LAYERS, RA_SLOTS, RA_SLOTS, weights,
                                     1, NULL, 0, NULL),
