@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::layout::{SLOT_ACTIVE, SLOT_FAILED, SLOT_LEFT};
-use super::segment::{pid_alive, Segment};
+use super::segment::{memory_gone, pid_alive, Segment};
 use super::wait::LIVENESS_PERIOD;
 use super::ShmGroup;
 use crate::error::{Error, Result};
@@ -79,8 +79,9 @@ impl ShmGroup {
             let s = self.slot(p);
             let pid = s.pid.load(Ordering::Acquire);
             // A rank that failed or left and then exited did not die: it said so first.
-            let gone =
-                s.state.load(Ordering::Acquire) == SLOT_ACTIVE && pid != 0 && !pid_alive(pid);
+            let gone = s.state.load(Ordering::Acquire) == SLOT_ACTIVE
+                && pid != 0
+                && (!pid_alive(pid) || self.exiting(p));
             if gone {
                 let gen = s.data_gen.load(Ordering::Acquire);
                 Segment::unlink(&Self::data_name(&self.name, self.session, p, gen, pid));
@@ -103,6 +104,17 @@ impl ShmGroup {
             Some(d) if cause == Cause::Failed => Some((d, Cause::Died)),
             Some(_) | None => Some((p, cause)),
         }
+    }
+
+    /// Whether rank `p`, still marked active, is a process that is exiting: its memory is gone
+    /// though its pid does not show dead yet (a killed process loses its memory first).
+    fn exiting(&self, p: usize) -> bool {
+        let s = self.slot(p);
+        s.state.load(Ordering::Acquire) == SLOT_ACTIVE
+            && memory_gone(
+                s.pid.load(Ordering::Acquire),
+                s.probe_addr.load(Ordering::Acquire),
+            )
     }
 
     /// The error every rank reports for a failure of rank `p` (the first failure of op `n`).
@@ -175,8 +187,10 @@ impl ShmGroup {
             let n = self.seq;
             let peer_error = matches!(e, Error::PeerFailure(_) | Error::Timeout(_));
             let find_dead = |g: &Self| {
-                (0..g.world)
-                    .find(|&p| p != g.rank && !pid_alive(g.slot(p).pid.load(Ordering::Acquire)))
+                (0..g.world).find(|&p| {
+                    p != g.rank
+                        && (!pid_alive(g.slot(p).pid.load(Ordering::Acquire)) || g.exiting(p))
+                })
             };
             let mut dead = find_dead(self);
             // A read of a peer that is being killed can fail before its death shows (its memory

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::layout::{
-    desc_offset, now_ns, publish_desc, slot_offset, DataDesc, Header, Slot, FORMED,
+    desc_offset, now_ns, publish_desc, slot_offset, DataDesc, Header, Slot, ABANDONED, FORMED,
     OP_HEADER_BYTES, SLOT_ACTIVE, SLOT_EMPTY, SLOT_FAILED, SLOT_GAVE_UP, SLOT_LEFT,
 };
 use super::payload::local_tables;
@@ -228,8 +228,16 @@ impl ShmGroup {
 
     /// Fails if a process of another job met this group (its record or a taken slot).
     fn check_conflict(&self) -> Result<()> {
+        let (name, me) = (&self.name, self.rank);
+        let waited = (SETTLE_MAX + self.opts.timeout).as_secs_f64();
         match self.header().conflict_pid.load(Ordering::Acquire) {
             0 | FORMED => Ok(()),
+            ABANDONED if me == 0 => Err(Error::PeerFailure(format!(
+                "rank 0 of group '{name}' (this rank) was late completing its creation: the other ranks timed out after {waited:.1} s waiting for it"
+            ))),
+            ABANDONED => Err(Error::Timeout(format!(
+                "timed out after {waited:.1} s waiting for rank 0 of group '{name}' to complete its creation (rank {me})"
+            ))),
             pid => Err(Error::InvalidState(format!(
                 "group name '{}' is in use by another job: pid {pid} tried to join this group under the same name, so rank {} refuses to form it; jobs that run at the same time need distinct group names",
                 self.name, self.rank
@@ -243,22 +251,8 @@ impl ShmGroup {
         if let Err(c) = self.check_conflict() {
             return c;
         }
-        // Only a rank still marked active can have died unannounced: one that failed or left
-        // marked its slot first (and may have exited since).
-        let dead = (0..self.world).find(|&d| {
-            let s = self.slot(d);
-            let pid = s.pid.load(Ordering::Acquire);
-            d != self.rank
-                && s.state.load(Ordering::Acquire) == SLOT_ACTIVE
-                && pid != 0
-                && !pid_alive(pid)
-        });
-        match (dead, &e) {
-            (Some(d), Error::PeerFailure(_)) => Error::PeerFailure(format!(
-                "rank {d} of group '{}' died (pid {} is gone) while the group was joining",
-                self.name,
-                self.slot(d).pid.load(Ordering::Acquire)
-            )),
+        match (self.dead_while_joining(), &e) {
+            (Some(dead), Error::PeerFailure(_)) => dead,
             _ => e,
         }
     }
@@ -279,7 +273,7 @@ impl ShmGroup {
     /// with this job's leftover ranks or waiting for them).
     fn linger_on_conflict(&self) {
         let c = self.header().conflict_pid.load(Ordering::Acquire);
-        if self.rank == 0 && c != 0 && c != FORMED {
+        if self.rank == 0 && !matches!(c, 0 | FORMED | ABANDONED) {
             std::thread::sleep(self.settle_time());
         }
     }
@@ -312,13 +306,16 @@ impl ShmGroup {
                         self.name, self.rank
                     )));
                 }
+                // Giving up is a decision too: rank 0 either formed the group first or finds
+                // it abandoned, so no rank forms a group another rank left.
                 if deadline.expired() {
-                    return Err(Error::Timeout(format!(
-                        "timed out after {:.1} s waiting for rank 0 of group '{}' to complete its creation (rank {})",
-                        deadline.timeout.as_secs_f64(),
-                        self.name,
-                        self.rank
-                    )));
+                    let _ = h.conflict_pid.compare_exchange(
+                        0,
+                        ABANDONED,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                    break;
                 }
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -379,17 +376,25 @@ impl ShmGroup {
         }
     }
 
-    /// The error naming a rank that claimed its slot and whose process is gone, if any.
+    /// The error naming a rank that died while the group was joining, if any: one that is
+    /// joining or joined (its slot empty or active) and whose process is gone. A rank that
+    /// failed, left or gave up said so first (and may have exited since). Rank 0 is known by
+    /// its pid as the segment's creator before it claimed its slot, so its death in the join
+    /// window names it, not the ranks that then never arrive.
     fn dead_while_joining(&self) -> Option<Error> {
-        let r = (0..self.world).find(|&r| {
+        let gone = |r: usize| {
             let s = self.slot(r);
-            s.state.load(Ordering::Acquire) == SLOT_ACTIVE
-                && !pid_alive(s.pid.load(Ordering::Acquire))
-        })?;
+            let pid = match s.pid.load(Ordering::Acquire) {
+                0 if r == 0 => self.header().creator_pid.load(Ordering::Acquire),
+                pid => pid,
+            };
+            let joining = matches!(s.state.load(Ordering::Acquire), SLOT_EMPTY | SLOT_ACTIVE);
+            (joining && pid != 0 && !pid_alive(pid)).then_some((r, pid))
+        };
+        let (r, pid) = (0..self.world).find_map(gone)?;
         Some(Error::PeerFailure(format!(
-            "rank {r} of group '{}' died (pid {} is gone) while the group was joining",
-            self.name,
-            self.slot(r).pid.load(Ordering::Acquire)
+            "rank {r} of group '{}' died (pid {pid} is gone) while the group was joining",
+            self.name
         )))
     }
 
@@ -427,14 +432,17 @@ impl ShmGroup {
             let gave_up = (0..self.world)
                 .find(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_GAVE_UP);
             match (gave_up, missing.is_empty()) {
-                // Another rank timed out waiting for the same missing ranks: so does this one.
+                // Another rank timed out waiting for the same missing ranks: so does this one,
+                // unless one of them died (then it names that rank, as the others do).
                 (Some(_), false) => {
-                    return Err(Error::Timeout(format!(
-                        "timed out after {:.1} s waiting for rank(s) {} to join group '{}'",
-                        deadline.timeout.as_secs_f64(),
-                        list(&missing),
-                        self.name
-                    )))
+                    return Err(self.dead_while_joining().unwrap_or_else(|| {
+                        Error::Timeout(format!(
+                            "timed out after {:.1} s waiting for rank(s) {} to join group '{}'",
+                            deadline.timeout.as_secs_f64(),
+                            list(&missing),
+                            self.name
+                        ))
+                    }))
                 }
                 (Some(r), true) => {
                     return Err(Error::PeerFailure(format!(

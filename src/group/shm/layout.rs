@@ -13,6 +13,9 @@ pub(super) const LAYOUT_VERSION: u32 = 4;
 pub(super) const HEADER_BYTES: usize = 4096;
 /// `Header::conflict_pid` once the group formed without a conflict.
 pub(super) const FORMED: u64 = u64::MAX;
+/// `Header::conflict_pid` once a rank timed out waiting for rank 0 to set [`FORMED`]: the group
+/// does not form, on any rank.
+pub(super) const ABANDONED: u64 = u64::MAX - 1;
 pub(super) const OP_HEADER_BYTES: usize = 64;
 
 #[repr(C, align(64))]
@@ -30,7 +33,8 @@ pub(super) struct Header {
     pub(super) created_ns: AtomicU64,
     /// pid of a process of another job that tried to join this group under the same name
     /// (0 = none): the group must not form. Rank 0 sets [`FORMED`] once the group has waited
-    /// out its settle time; the first to set the word decides, so every rank agrees.
+    /// out its settle time, a rank tired of waiting for that sets [`ABANDONED`]; the first to
+    /// set the word decides, so every rank agrees.
     pub(super) conflict_pid: AtomicU64,
     /// The identity (st_dev, st_ino) of the rendezvous record rank 0 created, so it is removed
     /// even when another process overwrote or truncated its contents.

@@ -432,6 +432,20 @@ pub(super) fn pid_alive(pid: u32) -> bool {
     }
 }
 
+/// Whether another process `pid` has no memory left to read at `addr`: it is gone or exiting.
+/// A process killed with a signal loses its memory before it shows as a zombie, so a peer whose
+/// read of it failed learns of the death at once instead of taking it for its own failure.
+pub(super) fn memory_gone(pid: u32, addr: u64) -> bool {
+    if pid == 0 || pid == std::process::id() {
+        return false;
+    }
+    let mut byte = [0u8; 1];
+    matches!(
+        copy_from_process(pid, false, addr, &mut byte),
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH)
+    )
+}
+
 /// Pins the calling thread to one CPU (benchmarks pin one rank per core).
 pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
     // SAFETY: cpu_set_t is plain data; CPU_SET writes within it for cpu < CPU_SETSIZE (checked).
@@ -638,5 +652,29 @@ mod tests {
             }
             assert_eq!(&dst[rows * row..], &src[..2 * row]);
         }
+    }
+
+    /// A killed process that is not reaped yet (a zombie) has no memory: that is what a peer
+    /// reading it sees at once; a live one (stopped or not) is not taken for gone.
+    #[test]
+    fn memory_gone_tells_a_killed_process_from_a_live_one() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        assert!(!memory_gone(pid, 0x1000));
+        assert!(!memory_gone(std::process::id(), 0));
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) };
+        assert!(!memory_gone(pid, 0x1000));
+        // SAFETY: as above.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !memory_gone(pid, 0x1000) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(memory_gone(pid, 0x1000));
+        child.wait().unwrap();
     }
 }
