@@ -653,14 +653,18 @@ typedef int32_t (*epcomm_host_recv_fn)(void *user_data, int32_t peer, void *data
 typedef int32_t (*epcomm_host_all_gather_fn)(void *user_data, const void *input, size_t bytes, void *output);
 
 /**
- * Host barrier; return 0 on success.
+ * Host barrier; return 0 on success. Not called (see `epcomm_host_callbacks`); kept so
+ * existing hosts still compile.
  */
 typedef int32_t (*epcomm_host_barrier_fn)(void *user_data);
 
 /**
  * The host's own transport (e.g. torch.distributed or MPI). `send` and `recv` are required and
- * blocking; `all_gather` and `barrier` are optional (NULL: built from send/recv). epcomm
- * orders pairwise exchanges so that blocking rendezvous sends cannot deadlock.
+ * blocking; `all_gather` is optional (NULL: built from send/recv). epcomm orders pairwise
+ * exchanges so that blocking rendezvous sends cannot deadlock. Every collective starts with an
+ * all_gather of a small header from every rank, so a rank's bad arguments, a disagreement on a
+ * parameter or a rank calling another collective is the same error on every rank before any
+ * data moves; that all_gather is also the barrier, so `barrier` is never called.
  */
 typedef struct epcomm_host_callbacks {
   /**

@@ -246,12 +246,16 @@ pub type epcomm_host_all_gather_fn = Option<
         output: *mut c_void,
     ) -> i32,
 >;
-/// Host barrier; return 0 on success.
+/// Host barrier; return 0 on success. Not called (see `epcomm_host_callbacks`); kept so
+/// existing hosts still compile.
 pub type epcomm_host_barrier_fn = Option<unsafe extern "C" fn(user_data: *mut c_void) -> i32>;
 
 /// The host's own transport (e.g. torch.distributed or MPI). `send` and `recv` are required and
-/// blocking; `all_gather` and `barrier` are optional (NULL: built from send/recv). epcomm
-/// orders pairwise exchanges so that blocking rendezvous sends cannot deadlock.
+/// blocking; `all_gather` is optional (NULL: built from send/recv). epcomm orders pairwise
+/// exchanges so that blocking rendezvous sends cannot deadlock. Every collective starts with an
+/// all_gather of a small header from every rank, so a rank's bad arguments, a disagreement on a
+/// parameter or a rank calling another collective is the same error on every rank before any
+/// data moves; that all_gather is also the barrier, so `barrier` is never called.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct epcomm_host_callbacks {
