@@ -5,7 +5,7 @@
 //! then calls [`verdict`], which checks them in the same order on every rank, so every rank
 //! reaches the same outcome.
 
-use super::Op;
+use super::{check_len, check_rank, check_reduce_scatterv, check_sizes, Op};
 use crate::error::{Error, Result};
 use crate::num::FloatKind;
 
@@ -112,6 +112,57 @@ pub(crate) fn disagree(op: Op, group: &str, what_differs: &str, detail: &str) ->
         "{}: ranks of group '{group}' disagree on {what_differs}: {detail}; every rank must pass the same {what_differs} (no data was exchanged)",
         op.name()
     ))
+}
+
+/// all_gatherv's checks of this rank's own arguments, and the parameters every rank must pass
+/// alike (the same for every transport).
+pub(crate) fn all_gatherv_args(
+    me: usize,
+    world: usize,
+    input_len: usize,
+    sizes: &[usize],
+    output_len: usize,
+) -> (Result<()>, [Param; 2]) {
+    let op = Op::AllGatherv;
+    let local = check_sizes("sizes", op, sizes, world).and_then(|total| {
+        check_len("input", op, input_len, sizes[me], &format!("sizes[{me}]"))?;
+        check_len("output", op, output_len, total, "sum(sizes)")?;
+        Ok(total)
+    });
+    let params = [
+        number("sum(sizes)", *local.as_ref().unwrap_or(&0)),
+        list("sizes", sizes),
+    ];
+    (local.map(drop), params)
+}
+
+/// reduce_scatterv's own checks (`Ok((row_bytes, first_row))`) and agreed parameters.
+pub(crate) fn reduce_scatterv_args(
+    me: usize,
+    world: usize,
+    input_len: usize,
+    rows: &[usize],
+    row_elems: usize,
+    kind: FloatKind,
+    output_len: usize,
+) -> (Result<(usize, usize)>, [Param; 4]) {
+    let local = check_reduce_scatterv(me, world, input_len, rows, row_elems, kind, output_len);
+    let params = [
+        dtype("dtype", kind),
+        number("row_elems", row_elems),
+        number(
+            "sum(rows)",
+            rows.iter().fold(0usize, |a, &r| a.wrapping_add(r)),
+        ),
+        list("rows", rows),
+    ];
+    (local, params)
+}
+
+/// broadcast's own checks and agreed parameters.
+pub(crate) fn broadcast_args(world: usize, root: usize, len: usize) -> (Result<()>, [Param; 2]) {
+    let local = check_rank("root", Op::Broadcast, root, world);
+    (local, [number("root", root), number("byte count", len)])
 }
 
 #[cfg(test)]

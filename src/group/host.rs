@@ -13,7 +13,7 @@
 //! the same error on every rank before any data moves, and the group stays usable.
 
 use super::agree::{self, Param, MAX_PARAMS};
-use super::{check_len, check_p2p, check_rank, check_reduce_scatterv, check_sizes, Group, Op, P2p};
+use super::{check_len, check_p2p, check_sizes, Group, Op, P2p};
 use crate::bytes;
 use crate::error::{Error, Result};
 use crate::num::{self, FloatKind};
@@ -373,17 +373,9 @@ impl Group for HostGroup {
 
     fn all_gatherv(&mut self, input: &[u8], sizes: &[usize], output: &mut [u8]) -> Result<()> {
         let op = Op::AllGatherv;
-        let me = self.rank;
-        let local = check_sizes("sizes", op, sizes, self.world).and_then(|total| {
-            check_len("input", op, input.len(), sizes[me], &format!("sizes[{me}]"))?;
-            check_len("output", op, output.len(), total, "sum(sizes)")?;
-            Ok(total)
-        });
-        let params = [
-            agree::number("sum(sizes)", *local.as_ref().unwrap_or(&0)),
-            agree::list("sizes", sizes),
-        ];
-        self.run(op, local.map(drop), &params, [0, 0], |g, _| {
+        let (local, params) =
+            agree::all_gatherv_args(self.rank, self.world, input.len(), sizes, output.len());
+        self.run(op, local, &params, [0, 0], |g, _| {
             g.gather_v(op, input, sizes, output)
         })
     }
@@ -398,7 +390,7 @@ impl Group for HostGroup {
     ) -> Result<()> {
         let op = Op::ReduceScatterv;
         let me = self.rank;
-        let local = check_reduce_scatterv(
+        let (local, params) = agree::reduce_scatterv_args(
             me,
             self.world,
             input.len(),
@@ -408,15 +400,6 @@ impl Group for HostGroup {
             output.len(),
         );
         let row_bytes = local.as_ref().map_or(0, |&(b, _)| b);
-        let params = [
-            agree::dtype("dtype", kind),
-            agree::number("row_elems", row_elems),
-            agree::number(
-                "sum(rows)",
-                rows.iter().fold(0usize, |a, &r| a.wrapping_add(r)),
-            ),
-            agree::list("rows", rows),
-        ];
         let slice = |r: usize| {
             let start: usize = rows[..r].iter().sum::<usize>() * row_bytes;
             start..start + rows[r] * row_bytes
@@ -498,11 +481,7 @@ impl Group for HostGroup {
 
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
         let op = Op::Broadcast;
-        let local = check_rank("root", op, root, self.world);
-        let params = [
-            agree::number("root", root),
-            agree::number("byte count", data.len()),
-        ];
+        let (local, params) = agree::broadcast_args(self.world, root, data.len());
         let me = self.rank;
         self.run(op, local, &params, [0, 0], |g, _| {
             if me == root {
