@@ -251,7 +251,9 @@ pub fn check_index_limits(
     )
 }
 
-/// What a GPU dispatch returns on one rank, as shapes (element counts per dimension).
+/// What a GPU dispatch returns on one rank, as shapes (element counts per dimension): the
+/// layout contract's output shapes ([`layout::Shapes`], read through `Deref`: `hidden`,
+/// `topk_ids`, `topk_weights`, `counts`, `expert_offsets`, `src`) and the row counts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DispatchShape {
     /// The layout.
@@ -261,39 +263,32 @@ pub struct DispatchShape {
     pub received_rows: usize,
     /// Rows of the combine input, i.e. of `hidden` flattened over its leading dimensions.
     pub buffer_rows: usize,
-    /// `hidden`'s shape (elements; the last dimension is `hidden`).
-    pub hidden: Vec<usize>,
-    /// int64 `topk_ids` shape (empty vector = not produced).
-    pub topk_ids: Vec<usize>,
-    /// float32 `topk_weights` shape.
-    pub topk_weights: Vec<usize>,
-    /// int32 counts length (TOKEN_MAJOR/EXPERT_MAJOR: E_local; RANK_MAJOR: R; else 0).
-    pub counts: usize,
-    /// int32 expert offsets length (EXPERT_PACKED: E_local + 1; else 0).
-    pub expert_offsets: usize,
-    /// int32 source rank/token per row length (EXPERT_PACKED: rows; else 0).
-    pub src: usize,
+    /// The outputs' shapes (an empty vector or 0 = not produced).
+    pub shapes: layout::Shapes,
+}
+
+impl std::ops::Deref for DispatchShape {
+    type Target = layout::Shapes;
+
+    fn deref(&self) -> &layout::Shapes {
+        &self.shapes
+    }
 }
 
 impl DispatchShape {
     /// The shape of a buffer of `buffer_rows` rows, `received_rows` of them received, with the
-    /// contract's output shapes `sh`.
+    /// contract's output shapes.
     pub fn new(
         layout: Layout,
         received_rows: usize,
         buffer_rows: usize,
-        sh: layout::Shapes,
+        shapes: layout::Shapes,
     ) -> DispatchShape {
         DispatchShape {
             layout,
             received_rows,
             buffer_rows,
-            hidden: sh.hidden,
-            topk_ids: sh.topk_ids,
-            topk_weights: sh.topk_weights,
-            counts: sh.counts,
-            expert_offsets: sh.expert_offsets,
-            src: sh.src,
+            shapes,
         }
     }
 }
