@@ -8,11 +8,11 @@
 //! error word, read by `GpuManager::check_device_error`.
 
 use super::counts::{payloads, unpack_buckets, Selected};
-use super::{pack, Ctx, DispatchInput, GpuDispatch, Pipeline, State, Wire};
-use crate::error::Result;
-use crate::gpu::kernels::{
-    CombineReturnExpertArgs, LayoutArgs, PairRowsArgs, RecvFlagsArgs, WeightedCombineArgs,
+use super::{
+    pack, return_pairs, weighted_sum, Ctx, DispatchInput, GpuDispatch, Pipeline, State, Wire,
 };
+use crate::error::Result;
+use crate::gpu::kernels::{LayoutArgs, PairRowsArgs, RecvFlagsArgs};
 use crate::gpu::nccl::plan::counts_plan;
 use crate::gpu::transport::plan::{broadcast_plan, scan_scratch_elems, DispatchShape};
 
@@ -190,7 +190,6 @@ pub(super) fn combine(
 ) -> Result<()> {
     let cfg = p.config();
     let (r, d, k, m) = (p.world(), p.rank(), cfg.top_k, cfg.max_tokens_per_rank);
-    let el = cfg.num_experts / r;
     let erb = p.expert_row_bytes();
     let send = c.buf("cap_comb_send", r * m * k * erb)?;
     let recv = c.buf("cap_comb_recv", r * m * k * erb)?;
@@ -199,27 +198,9 @@ pub(super) fn combine(
     let iota = c.buf("cap_iota", 0)?;
     let crow = c.buf("cap_combine_rows", 0)?;
     let w = c.buf("cap_weights", 0)?;
-    c.run(c.k.combine_return_expert(CombineReturnExpertArgs {
-        y: expert_output,
-        row_bytes: erb as u64,
-        recv_ids: ids,
-        N: st.n_recv as i32,
-        E_local: el as i32,
-        rank: d as i32,
-        expert_pos: epos,
-        capacity: (m * r) as i32,
-        pair_pos: iota,
-        send_rows: send,
-    }))?;
+    return_pairs(p, c, st, expert_output, [ids, epos, iota], m * r, send)?;
     let cm = vec![(m * k) as i32; r * r];
     let plan = counts_plan(&cm, r, d, erb, p.opts)?;
     c.exchange(&[(plan, send, recv)])?;
-    c.run(c.k.weighted_combine(WeightedCombineArgs {
-        y: recv,
-        rows: crow,
-        w,
-        T: st.tokens as i32,
-        H: cfg.hidden as i32,
-        out,
-    }))
+    weighted_sum(c, p, st.tokens, recv, crow, w, out)
 }

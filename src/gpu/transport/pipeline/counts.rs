@@ -10,12 +10,15 @@
 //! Combine mirrors it with the transposed matrix: `ep_combine_return_*` on the expert rank,
 //! the reverse exchange, then `ep_weighted_combine` (expert layouts) or `ep_sum_ranks`.
 
-use super::{pack, Ctx, DispatchInput, Executor, Family, GpuDispatch, Pipeline, State, Wire};
+use super::{
+    pack, return_pairs, weighted_sum, Ctx, DispatchInput, Executor, Family, GpuDispatch, Pipeline,
+    State, Wire,
+};
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
-    encode_error_word, CombineReturnExpertArgs, CombineReturnRankMajorArgs, LayoutArgs,
-    PairRowsArgs, RecvFlagsArgs, SumRanksArgs, UnpackExpertMajorArgs, UnpackExpertPackedArgs,
-    UnpackRankMajorArgs, UnpackTokenMajorArgs, WeightedCombineArgs, ERR_HOST_REJECTED,
+    encode_error_word, CombineReturnRankMajorArgs, LayoutArgs, PairRowsArgs, RecvFlagsArgs,
+    SumRanksArgs, UnpackExpertMajorArgs, UnpackExpertPackedArgs, UnpackRankMajorArgs,
+    UnpackTokenMajorArgs, ERR_HOST_REJECTED,
 };
 use crate::gpu::nccl::plan::counts_plan;
 use crate::gpu::transport::plan::{
@@ -502,8 +505,7 @@ fn return_rows(
     n_back: usize,
 ) -> Result<u64> {
     let cfg = p.config();
-    let (r, d) = (p.world(), p.rank());
-    let el = cfg.num_experts / r;
+    let r = p.world();
     let erb = p.expert_row_bytes();
     match p.family {
         Family::Tokens => Ok(expert_output),
@@ -531,18 +533,7 @@ fn return_rows(
             } else {
                 0
             };
-            c.run(c.k.combine_return_expert(CombineReturnExpertArgs {
-                y: expert_output,
-                row_bytes: erb as u64,
-                recv_ids: ids,
-                N: st.n_recv as i32,
-                E_local: el as i32,
-                rank: d as i32,
-                expert_pos: epos,
-                capacity: cap as i32,
-                pair_pos: rppos,
-                send_rows: send,
-            }))?;
+            return_pairs(p, c, st, expert_output, [ids, epos, rppos], cap, send)?;
             Ok(send)
         }
     }
@@ -573,14 +564,7 @@ fn reduce(p: &Pipeline, c: &mut Ctx, t: usize, recv: u64, out: u64) -> Result<()
         WeightsBy::Source => {
             let crow = c.buf("combine_rows", 0)?;
             let w = c.buf("weights_copy", 0)?;
-            c.run(c.k.weighted_combine(WeightedCombineArgs {
-                y: recv,
-                rows: crow,
-                w,
-                T: t,
-                H: h,
-                out,
-            }))
+            weighted_sum(c, p, t as usize, recv, crow, w, out)
         }
     }
 }

@@ -15,7 +15,9 @@ mod counts;
 
 use crate::error::{Error, Result};
 use crate::gpu::calls::{Call, Calls};
-use crate::gpu::kernels::{IdDtype, PackArgs, MAX_TOPK};
+use crate::gpu::kernels::{
+    CombineReturnExpertArgs, IdDtype, PackArgs, WeightedCombineArgs, MAX_TOPK,
+};
 use crate::gpu::nccl::plan::{ExchangeOptions, ExchangePlan};
 use crate::gpu::transport::plan::{
     self, capacity_supported, DispatchShape, Gathered, ShapeGeometry,
@@ -295,6 +297,54 @@ fn pack(
         }))?;
     }
     Ok(())
+}
+
+/// `ep_combine_return_expert` (expert layouts, both modes): the rows of `y` back into wire
+/// order in `send`, one per (received row, k) this rank owns; `at` = the receive ids, the
+/// (local expert, row) positions and the pair positions; `capacity` = bucket rows (0: packed).
+fn return_pairs(
+    p: &Pipeline,
+    c: &mut Ctx,
+    st: &State,
+    y: u64,
+    at: [u64; 3],
+    capacity: usize,
+    send: u64,
+) -> Result<()> {
+    let [recv_ids, expert_pos, pair_pos] = at;
+    c.run(c.k.combine_return_expert(CombineReturnExpertArgs {
+        y,
+        row_bytes: p.expert_row_bytes() as u64,
+        recv_ids,
+        N: st.n_recv as i32,
+        E_local: (p.config().num_experts / p.world()) as i32,
+        rank: p.rank() as i32,
+        expert_pos,
+        capacity: capacity as i32,
+        pair_pos,
+        send_rows: send,
+    }))
+}
+
+/// `ep_weighted_combine` (source-weighted layouts, both modes): `out[t] = Σ_k w[t,k] ·
+/// y[rows[t,k]]` for `t` tokens.
+fn weighted_sum(
+    c: &mut Ctx,
+    p: &Pipeline,
+    t: usize,
+    y: u64,
+    rows: u64,
+    w: u64,
+    out: u64,
+) -> Result<()> {
+    c.run(c.k.weighted_combine(WeightedCombineArgs {
+        y,
+        rows,
+        w,
+        T: t as i32,
+        H: p.config().hidden as i32,
+        out,
+    }))
 }
 
 /// The int32 `v` as a kernel argument, or an error naming `what` (the kernels index with
