@@ -336,7 +336,9 @@ impl Stream {
     pub fn ensure_not_capturing(&self) -> Result<()> {
         match self.capture_status()? {
             CaptureStatus::None => Ok(()),
-            _ => Err(Error::InvalidState(CAPTURE_SYNC_MESSAGE.into())),
+            CaptureStatus::Active | CaptureStatus::Invalidated => {
+                Err(Error::InvalidState(CAPTURE_SYNC_MESSAGE.into()))
+            }
         }
     }
 

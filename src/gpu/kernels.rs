@@ -941,7 +941,11 @@ impl DeviceError {
         match self {
             DeviceError::WaitTimeout { .. } => Error::Timeout(self.to_string()),
             DeviceError::Unknown { .. } => Error::Internal(self.to_string()),
-            _ => Error::InvalidArgument(self.to_string()),
+            DeviceError::IdOutOfRange { .. }
+            | DeviceError::DuplicateId { .. }
+            | DeviceError::Capacity { .. }
+            | DeviceError::RankCapacity { .. }
+            | DeviceError::HostRejected => Error::InvalidArgument(self.to_string()),
         }
     }
 }

@@ -104,19 +104,13 @@ mod imp {
     }
 
     fn as_i32(b: &[u8]) -> Vec<i32> {
-        b.chunks_exact(4)
-            .map(|c| i32::from_ne_bytes(c.try_into().unwrap()))
-            .collect()
+        epcomm::bytes::to_vec(b)
     }
     fn as_i64(b: &[u8]) -> Vec<i64> {
-        b.chunks_exact(8)
-            .map(|c| i64::from_ne_bytes(c.try_into().unwrap()))
-            .collect()
+        epcomm::bytes::to_vec(b)
     }
     fn as_f32(b: &[u8]) -> Vec<f32> {
-        b.chunks_exact(4)
-            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
-            .collect()
+        epcomm::bytes::to_vec(b)
     }
 
     /// One rank's inputs.

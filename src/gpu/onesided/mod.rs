@@ -240,8 +240,11 @@ impl DeviceError {
 
     /// From the 16 bytes read back (native endianness, as the device wrote them).
     pub fn from_bytes(b: &[u8; ERROR_WORD_BYTES]) -> DeviceError {
-        let w = |i: usize| u32::from_ne_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
-        DeviceError::from_words([w(0), w(1), w(2), w(3)])
+        let mut w = [0u32; 4];
+        for (slot, v) in w.iter_mut().zip(crate::bytes::words::<u32>(b)) {
+            *slot = v;
+        }
+        DeviceError::from_words(w)
     }
 
     /// The status for this word on rank `rank`, or `Ok` when it holds no error.
