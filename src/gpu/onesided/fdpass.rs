@@ -357,7 +357,6 @@ pub fn exchange_fds(
             payload.len()
         )));
     }
-    let deadline = Instant::now() + timeout;
     let name = rendezvous_socket_name(group);
     let (addr, addr_len) = abstract_addr(&name)?;
     if world == 1 {
@@ -367,152 +366,210 @@ pub fn exchange_fds(
             payload: payload.to_vec(),
         }]);
     }
+    let m = Meeting {
+        group,
+        rank,
+        world,
+        fd,
+        payload,
+        addr,
+        addr_len,
+        deadline: Instant::now() + timeout,
+        timeout,
+    };
     if rank == 0 {
-        serve(
-            group, world, fd, payload, &addr, addr_len, deadline, timeout,
-        )
+        m.serve()
     } else {
-        join(
-            group, rank, world, fd, payload, &addr, addr_len, deadline, timeout,
-        )
+        m.join()
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn serve(
-    group: &str,
+/// One rank's side of a rendezvous: who it is, what it brings, where rank 0 listens, and the
+/// bound on the whole exchange.
+struct Meeting<'a> {
+    group: &'a str,
+    rank: usize,
     world: usize,
-    own_fd: Option<BorrowedFd<'_>>,
-    payload: &[u8],
-    addr: &libc::sockaddr_un,
+    fd: Option<BorrowedFd<'a>>,
+    payload: &'a [u8],
+    addr: libc::sockaddr_un,
     addr_len: libc::socklen_t,
     deadline: Instant,
     timeout: Duration,
-) -> Result<Vec<PeerFd>> {
-    let listener = seqpacket_socket()?;
-    // SAFETY: `addr` is a valid sockaddr_un of `addr_len` bytes.
-    let rc = unsafe {
-        libc::bind(
-            listener.as_raw_fd(),
-            (addr as *const libc::sockaddr_un).cast(),
-            addr_len,
-        )
-    };
-    if rc != 0 {
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EADDRINUSE) {
-            return Err(Error::InvalidState(format!(
-                "fd rendezvous of group '{group}': the socket name is in use (is another group with this name running?)"
-            )));
-        }
-        return Err(sys_err("bind(fd rendezvous socket)", e));
-    }
-    // SAFETY: a bound socket.
-    if unsafe { libc::listen(listener.as_raw_fd(), world as c_int) } != 0 {
-        return Err(sys_err(
-            "listen(fd rendezvous socket)",
-            io::Error::last_os_error(),
-        ));
-    }
+}
+
+/// The entries gathered so far, by rank; this rank's own (without its fd) is there already.
+fn own_entry(world: usize, rank: usize, payload: &[u8]) -> Vec<Option<PeerFd>> {
     let mut entries: Vec<Option<PeerFd>> = (0..world).map(|_| None).collect();
-    entries[0] = Some(PeerFd {
-        rank: 0,
+    entries[rank] = Some(PeerFd {
+        rank,
         fd: None,
         payload: payload.to_vec(),
     });
-    let mut conns: Vec<(usize, OwnedFd)> = Vec::new();
-    let mut buf = vec![0u8; HEADER_BYTES + MAX_PAYLOAD_BYTES];
-    let result = (|| -> Result<()> {
-        while conns.len() + 1 < world {
-            if wait_readable(listener.as_raw_fd(), Some(deadline)).is_err() {
-                let missing: Vec<String> = (1..world)
-                    .filter(|r| entries[*r].is_none())
-                    .map(|r| r.to_string())
-                    .collect();
-                return Err(Error::Timeout(format!(
-                    "fd rendezvous of group '{group}': rank(s) {} did not join within {timeout:?}",
-                    missing.join(", ")
-                )));
-            }
-            // SAFETY: NULL address outputs are allowed.
-            let c = unsafe {
-                libc::accept4(
-                    listener.as_raw_fd(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    libc::SOCK_CLOEXEC,
-                )
-            };
-            if c < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted || e.kind() == io::ErrorKind::WouldBlock {
+    entries
+}
+
+impl Meeting<'_> {
+    /// Rank 0: listen, admit every other rank's hello, send each rank every other entry; on a
+    /// failure, tell the ranks already connected.
+    fn serve(&self) -> Result<Vec<PeerFd>> {
+        let listener = self.listen()?;
+        let mut entries = own_entry(self.world, 0, self.payload);
+        let mut conns: Vec<(usize, OwnedFd)> = Vec::new();
+        let result = (|| -> Result<()> {
+            while conns.len() + 1 < self.world {
+                let Some((m, conn)) = self.accept_hello(&listener, &entries)? else {
                     continue;
-                }
-                return Err(sys_err("accept(fd rendezvous socket)", e));
+                };
+                self.admit(&m, &conn, &entries)?;
+                entries[m.rank] = Some(PeerFd {
+                    rank: m.rank,
+                    fd: m.fd,
+                    payload: m.payload,
+                });
+                conns.push((m.rank, conn));
             }
-            // SAFETY: freshly accepted, owned here.
-            let conn = unsafe { OwnedFd::from_raw_fd(c) };
-            let got = recv_inner(conn.as_raw_fd(), &mut buf, Some(deadline));
-            let msg = match got {
-                Ok(r) => decode(&buf[..r.len], r.fds),
-                Err(RecvFail::TimedOut) => {
-                    return Err(Error::Timeout(format!(
-                        "fd rendezvous of group '{group}': a rank connected but sent nothing within {timeout:?}"
-                    )))
-                }
-                // A client that gave up (its own timeout) and closed: not fatal for the others.
-                Err(_) => continue,
-            };
-            let Some(m) = msg.filter(|m| m.kind == KIND_HELLO) else {
-                return Err(Error::InvalidArgument(format!(
-                    "fd rendezvous of group '{group}': a malformed message arrived (not an epcomm rank?)"
-                )));
-            };
-            if m.world != world {
-                let r = m.rank;
+            self.send_entries(&conns, &entries)
+        })();
+        if let Err(e) = &result {
+            // Tell the ranks already connected, so they fail now with the same reason.
+            let text = e.to_string();
+            for (_, conn) in &conns {
                 let _ = send_with_fds(
                     conn.as_fd_ref(),
-                    &encode(
-                        KIND_ABORT,
-                        0,
-                        world,
-                        false,
-                        format!(
-                            "rank {r} joined with world size {} but rank 0 has {world}",
-                            m.world
-                        )
-                        .as_bytes(),
-                    ),
+                    &encode(KIND_ABORT, 0, self.world, false, text.as_bytes()),
                     &[],
                 );
-                return Err(Error::InvalidArgument(format!(
-                    "fd rendezvous of group '{group}': rank {r} joined with world size {}, rank 0 has {world}",
-                    m.world
-                )));
             }
-            if m.rank == 0 || m.rank >= world || entries[m.rank].is_some() {
-                return Err(Error::InvalidArgument(format!(
-                    "fd rendezvous of group '{group}': rank {} joined twice or is out of range for world size {world}",
-                    m.rank
-                )));
-            }
-            entries[m.rank] = Some(PeerFd {
-                rank: m.rank,
-                fd: m.fd,
-                payload: m.payload,
-            });
-            conns.push((m.rank, conn));
         }
-        // Everyone joined: send each rank every other rank's entry.
-        for (dst, conn) in &conns {
+        result?;
+        Ok(entries.into_iter().flatten().collect())
+    }
+
+    /// The bound, listening socket of rank 0.
+    fn listen(&self) -> Result<OwnedFd> {
+        let group = self.group;
+        let listener = seqpacket_socket()?;
+        // SAFETY: `addr` is a valid sockaddr_un of `addr_len` bytes.
+        let rc = unsafe {
+            libc::bind(
+                listener.as_raw_fd(),
+                (&self.addr as *const libc::sockaddr_un).cast(),
+                self.addr_len,
+            )
+        };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EADDRINUSE) {
+                return Err(Error::InvalidState(format!(
+                    "fd rendezvous of group '{group}': the socket name is in use (is another group with this name running?)"
+                )));
+            }
+            return Err(sys_err("bind(fd rendezvous socket)", e));
+        }
+        // SAFETY: a bound socket.
+        if unsafe { libc::listen(listener.as_raw_fd(), self.world as c_int) } != 0 {
+            return Err(sys_err(
+                "listen(fd rendezvous socket)",
+                io::Error::last_os_error(),
+            ));
+        }
+        Ok(listener)
+    }
+
+    /// The next connection and its hello; `None` for an interrupted accept or a client that
+    /// gave up and closed (not fatal for the others).
+    fn accept_hello(
+        &self,
+        listener: &OwnedFd,
+        entries: &[Option<PeerFd>],
+    ) -> Result<Option<(Msg, OwnedFd)>> {
+        let (group, timeout) = (self.group, self.timeout);
+        if wait_readable(listener.as_raw_fd(), Some(self.deadline)).is_err() {
+            let missing: Vec<String> = (1..self.world)
+                .filter(|r| entries[*r].is_none())
+                .map(|r| r.to_string())
+                .collect();
+            return Err(Error::Timeout(format!(
+                "fd rendezvous of group '{group}': rank(s) {} did not join within {timeout:?}",
+                missing.join(", ")
+            )));
+        }
+        // SAFETY: NULL address outputs are allowed.
+        let c = unsafe {
+            libc::accept4(
+                listener.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_CLOEXEC,
+            )
+        };
+        if c < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted || e.kind() == io::ErrorKind::WouldBlock {
+                return Ok(None);
+            }
+            return Err(sys_err("accept(fd rendezvous socket)", e));
+        }
+        // SAFETY: freshly accepted, owned here.
+        let conn = unsafe { OwnedFd::from_raw_fd(c) };
+        let mut buf = vec![0u8; HEADER_BYTES + MAX_PAYLOAD_BYTES];
+        let msg = match recv_inner(conn.as_raw_fd(), &mut buf, Some(self.deadline)) {
+            Ok(r) => decode(&buf[..r.len], r.fds),
+            Err(RecvFail::TimedOut) => {
+                return Err(Error::Timeout(format!(
+                    "fd rendezvous of group '{group}': a rank connected but sent nothing within {timeout:?}"
+                )))
+            }
+            // A client that gave up (its own timeout) and closed: not fatal for the others.
+            Err(RecvFail::Closed | RecvFail::Truncated | RecvFail::Io(_)) => return Ok(None),
+        };
+        let Some(m) = msg.filter(|m| m.kind == KIND_HELLO) else {
+            return Err(Error::InvalidArgument(format!(
+                "fd rendezvous of group '{group}': a malformed message arrived (not an epcomm rank?)"
+            )));
+        };
+        Ok(Some((m, conn)))
+    }
+
+    /// Checks a hello against the group: the same world size (else the joiner is told why),
+    /// a rank in range that has not joined yet.
+    fn admit(&self, m: &Msg, conn: &OwnedFd, entries: &[Option<PeerFd>]) -> Result<()> {
+        let (group, world) = (self.group, self.world);
+        if m.world != world {
+            let r = m.rank;
+            let why = format!(
+                "rank {r} joined with world size {} but rank 0 has {world}",
+                m.world
+            );
+            let abort = encode(KIND_ABORT, 0, world, false, why.as_bytes());
+            let _ = send_with_fds(conn.as_fd_ref(), &abort, &[]);
+            return Err(Error::InvalidArgument(format!(
+                "fd rendezvous of group '{group}': rank {r} joined with world size {}, rank 0 has {world}",
+                m.world
+            )));
+        }
+        if m.rank == 0 || m.rank >= world || entries[m.rank].is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "fd rendezvous of group '{group}': rank {} joined twice or is out of range for world size {world}",
+                m.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Everyone joined: each rank gets every other rank's entry.
+    fn send_entries(&self, conns: &[(usize, OwnedFd)], entries: &[Option<PeerFd>]) -> Result<()> {
+        let group = self.group;
+        for (dst, conn) in conns {
             for e in entries.iter().flatten().filter(|e| e.rank != *dst) {
                 // Rank 0's own fd is the caller's (borrowed); the others were received.
                 let fds: Vec<BorrowedFd<'_>> = if e.rank == 0 {
-                    own_fd.into_iter().collect()
+                    self.fd.into_iter().collect()
                 } else {
                     e.fd.iter().map(|f| f.as_fd_ref()).collect()
                 };
-                let m = encode(KIND_ENTRY, e.rank, world, !fds.is_empty(), &e.payload);
+                let m = encode(KIND_ENTRY, e.rank, self.world, !fds.is_empty(), &e.payload);
                 send_with_fds(conn.as_fd_ref(), &m, &fds).map_err(|err| {
                     Error::PeerFailure(format!(
                         "fd rendezvous of group '{group}': sending to rank {dst} failed: {err}"
@@ -521,83 +578,80 @@ fn serve(
             }
         }
         Ok(())
-    })();
-    if let Err(e) = &result {
-        // Tell the ranks already connected, so they fail now with the same reason.
-        let text = e.to_string();
-        for (_, conn) in &conns {
-            let _ = send_with_fds(
-                conn.as_fd_ref(),
-                &encode(KIND_ABORT, 0, world, false, text.as_bytes()),
-                &[],
+    }
+
+    /// A rank other than 0: connect, send the hello, receive every other rank's entry.
+    fn join(&self) -> Result<Vec<PeerFd>> {
+        let (group, rank) = (self.group, self.rank);
+        let sock = self.connect()?;
+        let fds: Vec<BorrowedFd<'_>> = self.fd.into_iter().collect();
+        send_with_fds(
+            sock.as_fd_ref(),
+            &encode(KIND_HELLO, rank, self.world, !fds.is_empty(), self.payload),
+            &fds,
+        )
+        .map_err(|e| {
+            Error::PeerFailure(format!(
+                "fd rendezvous of group '{group}': rank {rank} could not send to rank 0: {e}"
+            ))
+        })?;
+        let mut entries = own_entry(self.world, rank, self.payload);
+        let mut buf = vec![0u8; HEADER_BYTES + MAX_PAYLOAD_BYTES];
+        for _ in 1..self.world {
+            let m = self.receive_entry(&sock, &mut buf)?;
+            if m.rank >= self.world || m.rank == rank || entries[m.rank].is_some() {
+                return Err(unexpected_entry(group, m.rank));
+            }
+            debug_assert_eq!(m.has_fd, m.fd.is_some());
+            entries[m.rank] = Some(PeerFd {
+                rank: m.rank,
+                fd: m.fd,
+                payload: m.payload,
+            });
+        }
+        Ok(entries.into_iter().flatten().collect())
+    }
+
+    /// A socket connected to rank 0, which may not listen yet: retried until the deadline.
+    fn connect(&self) -> Result<OwnedFd> {
+        let (group, rank, timeout) = (self.group, self.rank, self.timeout);
+        loop {
+            let s = seqpacket_socket()?;
+            // SAFETY: valid address of `addr_len` bytes.
+            let rc = unsafe {
+                libc::connect(
+                    s.as_raw_fd(),
+                    (&self.addr as *const libc::sockaddr_un).cast(),
+                    self.addr_len,
+                )
+            };
+            if rc == 0 {
+                return Ok(s);
+            }
+            let e = io::Error::last_os_error();
+            let retry = matches!(
+                e.raw_os_error(),
+                Some(libc::ECONNREFUSED)
+                    | Some(libc::ENOENT)
+                    | Some(libc::EAGAIN)
+                    | Some(libc::EINTR)
             );
+            if !retry {
+                return Err(sys_err("connect(fd rendezvous socket)", e));
+            }
+            if Instant::now() >= self.deadline {
+                return Err(Error::Timeout(format!(
+                    "fd rendezvous of group '{group}': rank {rank} could not reach rank 0 within {timeout:?} (rank 0 not started or stuck)"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
-    result?;
-    Ok(entries.into_iter().flatten().collect())
-}
 
-#[allow(clippy::too_many_arguments)]
-fn join(
-    group: &str,
-    rank: usize,
-    world: usize,
-    fd: Option<BorrowedFd<'_>>,
-    payload: &[u8],
-    addr: &libc::sockaddr_un,
-    addr_len: libc::socklen_t,
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<Vec<PeerFd>> {
-    // Rank 0 may not listen yet: retry until the deadline.
-    let sock = loop {
-        let s = seqpacket_socket()?;
-        // SAFETY: valid address of `addr_len` bytes.
-        let rc = unsafe {
-            libc::connect(
-                s.as_raw_fd(),
-                (addr as *const libc::sockaddr_un).cast(),
-                addr_len,
-            )
-        };
-        if rc == 0 {
-            break s;
-        }
-        let e = io::Error::last_os_error();
-        let retry = matches!(
-            e.raw_os_error(),
-            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) | Some(libc::EAGAIN) | Some(libc::EINTR)
-        );
-        if !retry {
-            return Err(sys_err("connect(fd rendezvous socket)", e));
-        }
-        if Instant::now() >= deadline {
-            return Err(Error::Timeout(format!(
-                "fd rendezvous of group '{group}': rank {rank} could not reach rank 0 within {timeout:?} (rank 0 not started or stuck)"
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
-    send_with_fds(
-        sock.as_fd_ref(),
-        &encode(KIND_HELLO, rank, world, !fds.is_empty(), payload),
-        &fds,
-    )
-    .map_err(|e| {
-        Error::PeerFailure(format!(
-            "fd rendezvous of group '{group}': rank {rank} could not send to rank 0: {e}"
-        ))
-    })?;
-    let mut entries: Vec<Option<PeerFd>> = (0..world).map(|_| None).collect();
-    entries[rank] = Some(PeerFd {
-        rank,
-        fd: None,
-        payload: payload.to_vec(),
-    });
-    let mut buf = vec![0u8; HEADER_BYTES + MAX_PAYLOAD_BYTES];
-    for _ in 1..world {
-        let r = recv_inner(sock.as_raw_fd(), &mut buf, Some(deadline)).map_err(|f| match f {
+    /// The next entry rank 0 sends (an abort is its error).
+    fn receive_entry(&self, sock: &OwnedFd, buf: &mut [u8]) -> Result<Msg> {
+        let (group, rank, timeout) = (self.group, self.rank, self.timeout);
+        let r = recv_inner(sock.as_raw_fd(), buf, Some(self.deadline)).map_err(|f| match f {
             RecvFail::TimedOut => Error::Timeout(format!(
                 "fd rendezvous of group '{group}': rank {rank} got no answer from rank 0 within {timeout:?} (other ranks missing?)"
             )),
@@ -620,20 +674,17 @@ fn join(
                 String::from_utf8_lossy(&m.payload)
             )));
         }
-        if m.kind != KIND_ENTRY || m.rank >= world || m.rank == rank || entries[m.rank].is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "fd rendezvous of group '{group}': unexpected entry for rank {} from rank 0",
-                m.rank
-            )));
+        if m.kind != KIND_ENTRY {
+            return Err(unexpected_entry(group, m.rank));
         }
-        debug_assert_eq!(m.has_fd, m.fd.is_some());
-        entries[m.rank] = Some(PeerFd {
-            rank: m.rank,
-            fd: m.fd,
-            payload: m.payload,
-        });
+        Ok(m)
     }
-    Ok(entries.into_iter().flatten().collect())
+}
+
+fn unexpected_entry(group: &str, rank: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "fd rendezvous of group '{group}': unexpected entry for rank {rank} from rank 0"
+    ))
 }
 
 /// `BorrowedFd` from an `OwnedFd` without the `AsFd` import dance at every call site.
