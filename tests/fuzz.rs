@@ -3368,7 +3368,10 @@ fn check_buffer_bytes(c: &MoeCase) -> Result<(), String> {
             "deepep_low_latency" | "nixl_ep" => EPCOMM_LAYOUT_EXPERT_MAJOR,
             "deepep_v2" => EPCOMM_LAYOUT_EXPERT_PACKED,
             "moonep" => EPCOMM_LAYOUT_MOONEP_SLOTS,
-            _ => EPCOMM_LAYOUT_RANK_MAJOR,
+            "flashinfer_all2allv"
+            | "flashinfer_nvlink_two_sided"
+            | "flashinfer_nvlink_one_sided" => EPCOMM_LAYOUT_RANK_MAJOR,
+            other => panic!("the model has no layout for backend {other}: add it"),
         });
     let want: Result<u128, i32> = (|| {
         if text.is_none() {
@@ -3415,12 +3418,16 @@ fn check_buffer_bytes(c: &MoeCase) -> Result<(), String> {
             EPCOMM_LAYOUT_EXPERT_MAJOR => mul(mul(el, m), world),
             EPCOMM_LAYOUT_EXPERT_PACKED => mul(mul(world, tokens), k.min(el)),
             EPCOMM_LAYOUT_RANK_MAJOR => mul(world, m),
-            _ => 0,
+            EPCOMM_LAYOUT_MOONEP_SLOTS => 0,
+            other => panic!("the model has no row count for layout {other}: add it"),
         };
         let meta = match layout {
-            EPCOMM_LAYOUT_EXPERT_MAJOR => 0,
+            EPCOMM_LAYOUT_EXPERT_MAJOR | EPCOMM_LAYOUT_MOONEP_SLOTS => 0,
             EPCOMM_LAYOUT_EXPERT_PACKED => 12,
-            _ => k * 12,
+            EPCOMM_LAYOUT_REPLICATED | EPCOMM_LAYOUT_TOKEN_MAJOR | EPCOMM_LAYOUT_RANK_MAJOR => {
+                k * 12
+            }
+            other => panic!("the model has no metadata size for layout {other}: add it"),
         };
         let row = c.hidden as u128 * (c.hidden_dtype.1 as u128 / 8)
             + extras.iter().map(|&b| b as u128).sum::<u128>()
