@@ -108,6 +108,53 @@ pub(crate) unsafe fn local_copies(items: &[(ExchangePlan, u64, u64)], s: &Stream
     Ok(())
 }
 
+impl LocalFabric {
+    /// Enqueues the copies of peer `p`'s rows for this rank (its `slot`, ready) into this
+    /// rank's receive buffers of `items`; the first mismatch or failure is the error.
+    ///
+    /// # Safety
+    /// As [`Fabric::exchange`]: every buffer holds what its plan says, on every rank.
+    unsafe fn copy_from(
+        &self,
+        p: usize,
+        slot: &Slot,
+        items: &[(ExchangePlan, u64, u64)],
+        s: &Stream,
+    ) -> Result<()> {
+        for ((mine, _, recv), (theirs, send, _)) in items.iter().zip(&slot.items) {
+            let Some(rv) = mine.recvs.iter().find(|t| t.peer == p) else {
+                continue;
+            };
+            let Some(sd) = theirs.sends.iter().find(|t| t.peer == self.rank) else {
+                return Err(Error::Internal(format!(
+                    "local fabric: rank {p} sends nothing to rank {} but a receive was planned",
+                    self.rank
+                )));
+            };
+            if sd.bytes != rv.bytes {
+                return Err(Error::Internal(format!(
+                    "local fabric: rank {p} sends {} bytes to rank {}, which expects {}",
+                    sd.bytes, self.rank, rv.bytes
+                )));
+            }
+            if rv.bytes == 0 {
+                continue;
+            }
+            // SAFETY: both buffers were sized from the plans (caller contract of every rank);
+            // the peer's rows are ready (the caller waited on its event).
+            unsafe {
+                memcpy_dtod_async(
+                    recv + rv.offset as u64,
+                    send + sd.offset as u64,
+                    rv.bytes,
+                    s,
+                )
+            }?;
+        }
+        Ok(())
+    }
+}
+
 impl Fabric for LocalFabric {
     fn rank(&self) -> usize {
         self.rank
@@ -160,40 +207,9 @@ impl Fabric for LocalFabric {
                     break;
                 }
             }
-            for ((mine, _, recv), (theirs, send, _)) in items.iter().zip(&slot.items) {
-                let Some(rv) = mine.recvs.iter().find(|t| t.peer == p) else {
-                    continue;
-                };
-                let Some(sd) = theirs.sends.iter().find(|t| t.peer == self.rank) else {
-                    result = Err(Error::Internal(format!(
-                        "local fabric: rank {p} sends nothing to rank {} but a receive was planned",
-                        self.rank
-                    )));
-                    break;
-                };
-                if sd.bytes != rv.bytes {
-                    result = Err(Error::Internal(format!(
-                        "local fabric: rank {p} sends {} bytes to rank {}, which expects {}",
-                        sd.bytes, self.rank, rv.bytes
-                    )));
-                    break;
-                }
-                if rv.bytes == 0 {
-                    continue;
-                }
-                // SAFETY: both buffers were sized from the plans (caller contract of every
-                // rank); the peer's rows are ready (event waited above).
-                if let Err(e) = unsafe {
-                    memcpy_dtod_async(
-                        recv + rv.offset as u64,
-                        send + sd.offset as u64,
-                        rv.bytes,
-                        s,
-                    )
-                } {
-                    result = Err(e);
-                    break;
-                }
+            // SAFETY: caller contract (Fabric::exchange), on every rank.
+            if let Err(e) = unsafe { self.copy_from(p, slot, items, s) } {
+                result = Err(e);
             }
         }
         if result.is_ok() {
