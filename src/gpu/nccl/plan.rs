@@ -145,63 +145,79 @@ pub fn counts_plan(
             ))
         })
     };
-    let bytes_of = |n: usize| {
-        n.checked_mul(row_bytes)
-            .ok_or_else(|| overflow("a transfer"))
-    };
-
-    let mut plan = ExchangePlan {
+    let geo = (world, rank, row_bytes);
+    // Send side: this rank's row of the matrix, laid out by destination.
+    let send = Side::lay_out(geo, opts, |dst| rows(rank, dst), "the send buffer")?;
+    // Receive side: this rank's column, laid out by source.
+    let recv = Side::lay_out(geo, opts, |src| rows(src, rank), "the receive buffer")?;
+    let self_bytes = recv.rows[rank] * row_bytes;
+    let local = (!opts.self_via_nccl && self_bytes > 0).then(|| LocalCopy {
+        send_offset: send.offsets[rank],
+        recv_offset: recv.offsets[rank],
+        bytes: self_bytes,
+    });
+    Ok(ExchangePlan {
         rank,
         world,
         row_bytes,
-        ..ExchangePlan::default()
-    };
-    // Send side: this rank's row of the matrix, laid out by destination.
-    let mut send_off = 0usize;
-    let mut self_send = 0usize;
-    for dst in 0..world {
-        let bytes = bytes_of(rows(rank, dst)?)?;
-        if dst == rank {
-            self_send = send_off;
+        sends: send.transfers,
+        recvs: recv.transfers,
+        local,
+        send_bytes: send.bytes,
+        recv_bytes: recv.bytes,
+        recv_rows: recv.rows,
+    })
+}
+
+/// One side (send or receive) of a counts-mode plan: each peer's rows laid out by peer.
+struct Side {
+    /// What NCCL moves (the self slot only with `self_via_nccl`; empty ones only with
+    /// zero-size p2p).
+    transfers: Vec<PeerTransfer>,
+    /// Byte offset of each peer's rows.
+    offsets: Vec<usize>,
+    /// Rows of each peer.
+    rows: Vec<usize>,
+    /// Bytes of the buffer.
+    bytes: usize,
+}
+
+impl Side {
+    /// The side of `rank` (of `world`, rows of `row_bytes`) whose peer `p` has `rows_of(p)`
+    /// rows; `buffer` names it when its size overflows.
+    fn lay_out(
+        (world, rank, row_bytes): (usize, usize, usize),
+        opts: ExchangeOptions,
+        mut rows_of: impl FnMut(usize) -> Result<usize>,
+        buffer: &str,
+    ) -> Result<Side> {
+        let mut side = Side {
+            transfers: Vec::new(),
+            offsets: Vec::with_capacity(world),
+            rows: Vec::with_capacity(world),
+            bytes: 0,
+        };
+        for peer in 0..world {
+            let n = rows_of(peer)?;
+            let bytes = n
+                .checked_mul(row_bytes)
+                .ok_or_else(|| overflow("a transfer"))?;
+            side.offsets.push(side.bytes);
+            side.rows.push(n);
+            if (peer != rank || opts.self_via_nccl) && (bytes > 0 || opts.zero_size_p2p) {
+                side.transfers.push(PeerTransfer {
+                    peer,
+                    offset: side.bytes,
+                    bytes,
+                });
+            }
+            side.bytes = side
+                .bytes
+                .checked_add(bytes)
+                .ok_or_else(|| overflow(buffer))?;
         }
-        if (dst != rank || opts.self_via_nccl) && (bytes > 0 || opts.zero_size_p2p) {
-            plan.sends.push(PeerTransfer {
-                peer: dst,
-                offset: send_off,
-                bytes,
-            });
-        }
-        send_off = send_off
-            .checked_add(bytes)
-            .ok_or_else(|| overflow("the send buffer"))?;
+        Ok(side)
     }
-    // Receive side: this rank's column, laid out by source.
-    let mut recv_off = 0usize;
-    for src in 0..world {
-        let n = rows(src, rank)?;
-        let bytes = bytes_of(n)?;
-        plan.recv_rows.push(n);
-        if src == rank && !opts.self_via_nccl && bytes > 0 {
-            plan.local = Some(LocalCopy {
-                send_offset: self_send,
-                recv_offset: recv_off,
-                bytes,
-            });
-        }
-        if (src != rank || opts.self_via_nccl) && (bytes > 0 || opts.zero_size_p2p) {
-            plan.recvs.push(PeerTransfer {
-                peer: src,
-                offset: recv_off,
-                bytes,
-            });
-        }
-        recv_off = recv_off
-            .checked_add(bytes)
-            .ok_or_else(|| overflow("the receive buffer"))?;
-    }
-    plan.send_bytes = send_off;
-    plan.recv_bytes = recv_off;
-    Ok(plan)
 }
 
 /// Bytes of the in-band count header at the start of every capacity-mode slab: one `u32` row
