@@ -173,13 +173,13 @@ impl ShmGroup {
                 "buffers of {total:?} bytes in all, but a payload of {payload_len} bytes"
             ));
         }
-        Ok(Payload::Direct {
+        Ok(Payload::Direct(Direct {
             rank: p,
             pid,
             local,
             pieces: table,
             len: payload_len,
-        })
+        }))
     }
 }
 
@@ -292,31 +292,29 @@ fn out_of_payload(offset: usize, len: usize, size: usize) -> Error {
     ))
 }
 
-/// A failed read straight from rank `rank`'s memory (process `pid`).
-fn direct_read_failed(rank: usize, pid: u32, e: std::io::Error) -> Error {
-    Error::PeerFailure(format!(
-        "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
-    ))
-}
-
 /// A rank's contribution to the current op: bytes in its shared region, or (direct mode)
 /// ranges of its own memory to copy from.
 pub(super) enum Payload<'a> {
     Region(&'a [u8]),
-    Direct {
-        rank: usize,
-        pid: u32,
-        local: bool,
-        pieces: Vec<(u64, usize)>,
-        len: usize,
-    },
+    Direct(Direct),
+}
+
+/// A rank's buffers as it published them for direct reads.
+pub(super) struct Direct {
+    rank: usize,
+    pid: u32,
+    /// A thread rank of this process: plain copies.
+    local: bool,
+    /// (address, length) of each buffer, in payload order.
+    pieces: Vec<(u64, usize)>,
+    len: usize,
 }
 
 impl Payload<'_> {
     pub(super) fn len(&self) -> usize {
         match self {
             Payload::Region(b) => b.len(),
-            Payload::Direct { len, .. } => *len,
+            Payload::Direct(d) => d.len,
         }
     }
 
@@ -331,43 +329,10 @@ impl Payload<'_> {
                 dst.copy_from_slice(src);
                 Ok(())
             }
-            Payload::Direct {
-                rank,
-                pid,
-                local,
-                pieces,
-                len,
-            } => {
-                if offset.checked_add(dst.len()).is_none_or(|end| end > *len) {
-                    return Err(out_of_payload(offset, dst.len(), *len));
-                }
-                let (mut piece_start, mut done) = (0usize, 0usize);
-                for &(addr, plen) in pieces {
-                    let want = offset + done;
-                    if done == dst.len() {
-                        break;
-                    }
-                    if want < piece_start + plen {
-                        let within = want - piece_start;
-                        let n = (plen - within).min(dst.len() - done);
-                        copy_from_process(
-                            *pid,
-                            *local,
-                            addr + within as u64,
-                            &mut dst[done..done + n],
-                        )
-                        .map_err(|e| direct_read_failed(*rank, *pid, e))?;
-                        done += n;
-                    }
-                    piece_start += plen;
-                }
-                Ok(())
-            }
+            Payload::Direct(d) => d.copy_to(offset, dst),
         }
     }
-}
 
-impl Payload<'_> {
     /// Copies ranges (payload offset, offset in `dst`, length) of the payload into `dst`; each
     /// range lies within one published buffer.
     pub(super) fn copy_scattered(
@@ -391,32 +356,68 @@ impl Payload<'_> {
                 }
                 Ok(())
             }
-            Payload::Direct {
-                rank,
-                pid,
-                local,
-                pieces,
-                ..
-            } => {
-                let mut remote = Vec::with_capacity(ranges.len());
-                for &(src, off, len) in ranges {
-                    let mut start = 0usize;
-                    let addr = pieces.iter().find_map(|&(addr, plen)| {
-                        let hit = src >= start && src.saturating_add(len) <= start + plen;
-                        let a = addr + (src - start.min(src)) as u64;
-                        start += plen;
-                        hit.then_some(a)
-                    });
-                    let addr = addr.ok_or_else(|| out_of_payload(src, len, self.len()))?;
-                    if off.checked_add(len).is_none_or(|end| end > dst.len()) {
-                        return Err(out_of_payload(off, len, dst.len()));
-                    }
-                    remote.push((addr, off, len));
-                }
-                copy_scattered_from_process(*pid, *local, dst, &remote)
-                    .map_err(|e| direct_read_failed(*rank, *pid, e))
-            }
+            Payload::Direct(d) => d.copy_scattered(dst, ranges),
         }
+    }
+}
+
+impl Direct {
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if offset
+            .checked_add(dst.len())
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(out_of_payload(offset, dst.len(), self.len));
+        }
+        let (mut piece_start, mut done) = (0usize, 0usize);
+        for &(addr, plen) in &self.pieces {
+            let want = offset + done;
+            if done == dst.len() {
+                break;
+            }
+            if want < piece_start + plen {
+                let within = want - piece_start;
+                let n = (plen - within).min(dst.len() - done);
+                copy_from_process(
+                    self.pid,
+                    self.local,
+                    addr + within as u64,
+                    &mut dst[done..done + n],
+                )
+                .map_err(|e| self.read_failed(e))?;
+                done += n;
+            }
+            piece_start += plen;
+        }
+        Ok(())
+    }
+
+    fn copy_scattered(&self, dst: &mut [u8], ranges: &[(usize, usize, usize)]) -> Result<()> {
+        let mut remote = Vec::with_capacity(ranges.len());
+        for &(src, off, len) in ranges {
+            let mut start = 0usize;
+            let addr = self.pieces.iter().find_map(|&(addr, plen)| {
+                let hit = src >= start && src.saturating_add(len) <= start + plen;
+                let a = addr + (src - start.min(src)) as u64;
+                start += plen;
+                hit.then_some(a)
+            });
+            let addr = addr.ok_or_else(|| out_of_payload(src, len, self.len))?;
+            if off.checked_add(len).is_none_or(|end| end > dst.len()) {
+                return Err(out_of_payload(off, len, dst.len()));
+            }
+            remote.push((addr, off, len));
+        }
+        copy_scattered_from_process(self.pid, self.local, dst, &remote)
+            .map_err(|e| self.read_failed(e))
+    }
+
+    /// A failed read straight from the rank's memory.
+    fn read_failed(&self, e: std::io::Error) -> Error {
+        let (rank, pid) = (self.rank, self.pid);
+        Error::PeerFailure(format!(
+            "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
+        ))
     }
 }
 
@@ -443,9 +444,9 @@ pub(super) fn reduce_into(
         for src in sources {
             match src {
                 Payload::Region(b) => num::accumulate(acc, &b[b0..b1], kind),
-                direct => {
+                Payload::Direct(d) => {
                     let tmp = &mut scratch[..n * es];
-                    direct.copy_to(b0, tmp)?;
+                    d.copy_to(b0, tmp)?;
                     num::accumulate(acc, tmp, kind);
                 }
             }
