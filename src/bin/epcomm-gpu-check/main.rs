@@ -103,6 +103,52 @@ mod imp {
         Ok(v)
     }
 
+    /// One rank's inputs on the device (hidden rows as `hk`, int64 ids, f32 weights) and the
+    /// dispatch input over them (the buffers live as long as this).
+    struct DeviceInputs {
+        _x: DeviceMemory,
+        _ids: DeviceMemory,
+        _w: DeviceMemory,
+        input: DispatchInput,
+    }
+
+    fn device_inputs(
+        x: &[f32],
+        ids: &[i64],
+        w: &[f32],
+        tokens: usize,
+        hk: FloatKind,
+        s: &Stream,
+    ) -> Result<DeviceInputs> {
+        let xd = upload(&num::from_f32(x, hk), s)?;
+        let idd = upload(epcomm::bytes::as_bytes(ids), s)?;
+        let wd = upload(&num::from_f32(w, FloatKind::F32), s)?;
+        let input = DispatchInput {
+            hidden: xd.ptr(),
+            topk_ids: idd.ptr(),
+            id_dtype: IdDtype::I64,
+            topk_weights: wd.ptr(),
+            tokens,
+            extras: vec![],
+        };
+        Ok(DeviceInputs {
+            _x: xd,
+            _ids: idd,
+            _w: wd,
+            input,
+        })
+    }
+
+    /// The results of rank threads, a panicked rank as an internal error.
+    fn join_ranks<T>(hs: Vec<std::thread::ScopedJoinHandle<'_, Result<T>>>) -> Vec<Result<T>> {
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Internal("rank thread panicked".into())))
+            })
+            .collect()
+    }
+
     fn as_i32(b: &[u8]) -> Vec<i32> {
         epcomm::bytes::to_vec(b)
     }
@@ -472,7 +518,6 @@ mod imp {
                 i
             })
             .collect();
-        let hk = FloatKind::from_dtype(cfg.hidden_dtype).expect("float");
         let fabrics: Vec<Box<dyn Fabric>> = if nccl {
             match nccl_single() {
                 Ok(c) => vec![c],
@@ -504,16 +549,35 @@ mod imp {
                     })
                 })
                 .collect();
-            hs.into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::Internal("rank thread panicked".into())))
-                })
-                .collect()
+            join_ranks(hs)
         });
+        let (pass, ranks) = judge_case(results, &inputs, &experts, cfg, layout);
+        let v = json!({
+            "backend": backend, "layout": layout.name(), "world": world, "tokens": t,
+            "hidden": cfg.hidden, "top_k": k, "experts": cfg.num_experts,
+            "dtypes": format!("{}/{}/{}", cfg.hidden_dtype.torch_name(), cfg.expert_dtype.name(), cfg.out_dtype.name()),
+            "ids": format!("{id_dtype:?}"), "mode": format!("{mode:?}"),
+            "transport": if nccl { "nccl" } else { "local-threads" },
+            "pass": pass, "seconds": start.elapsed().as_secs_f64(), "ranks": ranks,
+        });
+        record(&v);
+        v
+    }
+
+    /// Each rank's combine against the toy experts' f32 reference (bit-exact where the GPU
+    /// sums in the reference's order), and its dispatch against the CPU path's: (pass, ranks).
+    fn judge_case(
+        results: Vec<Result<RankOut>>,
+        inputs: &[Inputs],
+        experts: &ToyExperts,
+        cfg: &MoeConfig,
+        layout: Layout,
+    ) -> (bool, Vec<Value>) {
+        let k = cfg.top_k;
+        let hk = FloatKind::from_dtype(cfg.hidden_dtype).expect("float");
         let mut ranks = Vec::new();
         let mut pass = true;
-        for (r, (res, inp)) in results.into_iter().zip(&inputs).enumerate() {
+        for (r, (res, inp)) in results.into_iter().zip(inputs).enumerate() {
             match res {
                 Ok(o) => {
                     // The reference sees the hidden rows as the device saw them (rounded).
@@ -536,16 +600,7 @@ mod imp {
                 }
             }
         }
-        let v = json!({
-            "backend": backend, "layout": layout.name(), "world": world, "tokens": t,
-            "hidden": cfg.hidden, "top_k": k, "experts": cfg.num_experts,
-            "dtypes": format!("{}/{}/{}", cfg.hidden_dtype.torch_name(), cfg.expert_dtype.name(), cfg.out_dtype.name()),
-            "ids": format!("{id_dtype:?}"), "mode": format!("{mode:?}"),
-            "transport": if nccl { "nccl" } else { "local-threads" },
-            "pass": pass, "seconds": start.elapsed().as_secs_f64(), "ranks": ranks,
-        });
-        record(&v);
-        v
+        (pass, ranks)
     }
 
     fn nccl_single() -> Result<Box<dyn Fabric>> {
@@ -621,70 +676,16 @@ mod imp {
         for (layout, exp) in want {
             let backend = LAYOUTS.iter().find(|(_, l)| *l == layout).unwrap().0;
             let fabrics = local_group(2);
-            let res: Vec<Result<(Vec<f32>, Vec<i32>)>> = std::thread::scope(|sc| {
+            let res = std::thread::scope(|sc| {
                 let hs: Vec<_> = fabrics
                     .into_iter()
                     .enumerate()
                     .map(|(r, f)| {
                         let (cfg, x, ids, w) = (&cfg, &x[r], &ids[r], &w[r]);
-                        sc.spawn(move || -> Result<(Vec<f32>, Vec<i32>)> {
-                            let _c = ctx()?;
-                            let s = Stream::create()?;
-                            let mut mgr = GpuManager::new(
-                                backend,
-                                cfg.clone(),
-                                Box::new(f),
-                                0,
-                                GpuMode::Counts,
-                            )?;
-                            let xd = upload(&num::from_f32(x, FloatKind::F32), &s)?;
-                            let idb: Vec<u8> = ids.iter().flat_map(|v| v.to_ne_bytes()).collect();
-                            let idd = upload(&idb, &s)?;
-                            let wd = upload(&num::from_f32(w, FloatKind::F32), &s)?;
-                            let d = mgr.dispatch(
-                                &s,
-                                &DispatchInput {
-                                    hidden: xd.ptr(),
-                                    topk_ids: idd.ptr(),
-                                    id_dtype: IdDtype::I64,
-                                    topk_weights: wd.ptr(),
-                                    tokens: x.len(),
-                                    extras: vec![],
-                                },
-                            )?;
-                            let rows = d.shape.buffer_rows;
-                            let hid = as_f32(&download(d.hidden, 4 * rows, &s)?);
-                            let counts = as_i32(&download(d.counts, 4 * d.shape.counts, &s)?);
-                            // Keep only received rows (buckets/regions: the first `count`).
-                            let got = match layout {
-                                Layout::ExpertMajor => {
-                                    let cap = rows / 2;
-                                    (0..2)
-                                        .flat_map(|j| {
-                                            hid[j * cap..j * cap + counts[j] as usize].to_vec()
-                                        })
-                                        .collect()
-                                }
-                                Layout::RankMajor => {
-                                    let m = rows / 2;
-                                    (0..2)
-                                        .flat_map(|s2| {
-                                            hid[s2 * m..s2 * m + counts[s2] as usize].to_vec()
-                                        })
-                                        .collect()
-                                }
-                                _ => hid,
-                            };
-                            Ok((got, counts))
-                        })
+                        sc.spawn(move || worked_rank(backend, cfg, f, x, ids, w))
                     })
                     .collect();
-                hs.into_iter()
-                    .map(|h| {
-                        h.join()
-                            .unwrap_or_else(|_| Err(Error::Internal("rank panicked".into())))
-                    })
-                    .collect()
+                join_ranks(hs)
             });
             let mut pass = true;
             let mut ranks = Vec::new();
@@ -708,6 +709,37 @@ mod imp {
             out.push(v);
         }
         out
+    }
+
+    /// One rank of the worked example: the received hidden rows (buckets and regions: only
+    /// the first `count` rows of each) and the counts.
+    fn worked_rank(
+        backend: &str,
+        cfg: &MoeConfig,
+        f: impl Fabric + 'static,
+        x: &[f32],
+        ids: &[i64],
+        w: &[f32],
+    ) -> Result<(Vec<f32>, Vec<i32>)> {
+        let _c = ctx()?;
+        let s = Stream::create()?;
+        let mut mgr = GpuManager::new(backend, cfg.clone(), Box::new(f), 0, GpuMode::Counts)?;
+        let inp = device_inputs(x, ids, w, x.len(), FloatKind::F32, &s)?;
+        let d = mgr.dispatch(&s, &inp.input)?;
+        let rows = d.shape.buffer_rows;
+        let hid = as_f32(&download(d.hidden, 4 * rows, &s)?);
+        let counts = as_i32(&download(d.counts, 4 * d.shape.counts, &s)?);
+        if !mgr.contract().fixed_capacity() {
+            return Ok((hid, counts));
+        }
+        // Fixed capacity: one equal region per count (local expert or source rank).
+        let region = rows / counts.len().max(1);
+        let got = counts
+            .iter()
+            .enumerate()
+            .flat_map(|(j, &c)| hid[j * region..j * region + c as usize].to_vec())
+            .collect();
+        Ok((got, counts))
     }
 
     fn phase_kernels(quick: bool) -> Value {
@@ -849,29 +881,19 @@ mod imp {
                 GpuMode::Capacity,
             )?;
             let inp = gen_inputs(99, t, h, k, e);
-            let x = upload(&num::from_f32(&inp.x, FloatKind::Bf16), &s)?;
-            let idb: Vec<u8> = inp.ids.iter().flat_map(|v| v.to_ne_bytes()).collect();
-            let ids = upload(&idb, &s)?;
-            let w = upload(&num::from_f32(&inp.w, FloatKind::F32), &s)?;
-            let input = DispatchInput {
-                hidden: x.ptr(),
-                topk_ids: ids.ptr(),
-                id_dtype: IdDtype::I64,
-                topk_weights: w.ptr(),
-                tokens: t,
-                extras: vec![],
-            };
+            let dev = device_inputs(&inp.x, &inp.ids, &inp.w, t, FloatKind::Bf16, &s)?;
+            let input = &dev.input;
             // Expert outputs: the received rows themselves (identity experts) — the graph
             // replays dispatch + combine on fixed buffers.
             let out = DeviceMemory::alloc(t * h * 2)?;
-            let d = mgr.dispatch(&s, &input)?;
+            let d = mgr.dispatch(&s, input)?;
             mgr.combine(&s, d.hidden, out.ptr())?;
             s.synchronize()?;
             mgr.check_device_error(&s)?;
             let want = download(out.ptr(), t * h * 2, &s)?;
             // Capture.
             let graph = capture(&s, || {
-                let d = mgr.dispatch(&s, &input)?;
+                let d = mgr.dispatch(&s, input)?;
                 mgr.combine(&s, d.hidden, out.ptr())
             })?;
             let mut replays_ok = 0;
@@ -884,20 +906,7 @@ mod imp {
                     replays_ok += 1;
                 }
             }
-            // Reference: with identity experts, out[t] = Σ_k w_k x_t in f32 (then bf16).
-            let xr = num::to_f32(&num::from_f32(&inp.x, FloatKind::Bf16), FloatKind::Bf16);
-            let mut r = vec![0f32; t * h];
-            for tok in 0..t {
-                for kk in 0..k {
-                    if inp.ids[tok * k + kk] >= 0 {
-                        let wk = inp.w[tok * k + kk];
-                        for i in 0..h {
-                            r[tok * h + i] += wk * xr[tok * h + i];
-                        }
-                    }
-                }
-            }
-            let rr = num::to_f32(&num::from_f32(&r, FloatKind::Bf16), FloatKind::Bf16);
+            let rr = identity_reference(&inp, t, h, k);
             let c = compare(&num::to_f32(&want, FloatKind::Bf16), &rr, false, 2e-2);
             Ok(
                 json!({"case": "capacity_graph_replay", "replays": 10, "replays_equal": replays_ok,
@@ -909,6 +918,24 @@ mod imp {
         );
         record(&v);
         v
+    }
+
+    /// With identity experts, combine's `out[t] = Σ_k w_k x_t` in f32 (then bf16), over the
+    /// bf16-rounded rows.
+    fn identity_reference(inp: &Inputs, t: usize, h: usize, k: usize) -> Vec<f32> {
+        let xr = num::to_f32(&num::from_f32(&inp.x, FloatKind::Bf16), FloatKind::Bf16);
+        let mut r = vec![0f32; t * h];
+        for tok in 0..t {
+            for kk in 0..k {
+                if inp.ids[tok * k + kk] >= 0 {
+                    let wk = inp.w[tok * k + kk];
+                    for i in 0..h {
+                        r[tok * h + i] += wk * xr[tok * h + i];
+                    }
+                }
+            }
+        }
+        num::to_f32(&num::from_f32(&r, FloatKind::Bf16), FloatKind::Bf16)
     }
 
     /// A captured CUDA graph (instantiated), via the driver API.
@@ -1026,24 +1053,14 @@ mod imp {
                 let mut mgr =
                     GpuManager::new(backend, cfg.clone(), nccl_single()?, 0, GpuMode::Counts)?;
                 let inp = gen_inputs(5, t, h, k, e);
-                let x = upload(&num::from_f32(&inp.x, FloatKind::Bf16), &s)?;
-                let idb: Vec<u8> = inp.ids.iter().flat_map(|v| v.to_ne_bytes()).collect();
-                let ids = upload(&idb, &s)?;
-                let w = upload(&num::from_f32(&inp.w, FloatKind::F32), &s)?;
-                let input = DispatchInput {
-                    hidden: x.ptr(),
-                    topk_ids: ids.ptr(),
-                    id_dtype: IdDtype::I64,
-                    topk_weights: w.ptr(),
-                    tokens: t,
-                    extras: vec![],
-                };
+                let dev = device_inputs(&inp.x, &inp.ids, &inp.w, t, FloatKind::Bf16, &s)?;
+                let input = &dev.input;
                 let out = DeviceMemory::alloc(t * h * 2)?;
                 let mut best = f64::MAX;
                 let mut moved = 0usize;
                 for _ in 0..4 {
                     let st = Instant::now();
-                    let d = mgr.dispatch(&s, &input)?;
+                    let d = mgr.dispatch(&s, input)?;
                     let y = DeviceMemory::alloc(d.shape.buffer_rows * h * 2)?;
                     mgr.combine(&s, y.ptr(), out.ptr())?;
                     s.synchronize()?;

@@ -28,6 +28,7 @@ use crate::gpu::transport::local::local_copies;
 use crate::gpu::transport::pipeline::{DispatchInput, Executor, GpuDispatch, GpuMode, Pipeline};
 use crate::gpu::transport::plan::DispatchShape;
 use crate::gpu::transport::Fabric;
+use crate::moe::layout::Contract;
 use crate::moe::MoeConfig;
 use crate::num::FloatKind;
 use crate::select::all2all::{Backend, Layout};
@@ -282,6 +283,11 @@ impl GpuManager {
     /// The layout.
     pub fn layout(&self) -> Layout {
         self.pipe.layout()
+    }
+
+    /// The layout's contract.
+    pub fn contract(&self) -> &Contract {
+        self.pipe.contract()
     }
 
     /// The configuration.
