@@ -40,13 +40,8 @@ pub struct DeviceCaps {
 }
 
 impl DeviceCaps {
-    /// Whether two processes may share the device (compute mode DEFAULT).
-    pub fn multi_process(&self) -> bool {
-        self.compute_mode == 0
-    }
-
     /// The compute mode's name.
-    pub fn compute_mode_name(&self) -> &'static str {
+    fn compute_mode_name(&self) -> &'static str {
         match self.compute_mode {
             0 => "default",
             1 => "exclusive_thread",

@@ -261,7 +261,7 @@ impl Drop for PrimaryContext {
 
 /// Capture state of a stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CaptureStatus {
+enum CaptureStatus {
     /// Not capturing.
     None,
     /// Capturing into a graph.
@@ -313,7 +313,7 @@ impl Stream {
     }
 
     /// `cuStreamIsCapturing`.
-    pub fn capture_status(&self) -> Result<CaptureStatus> {
+    fn capture_status(&self) -> Result<CaptureStatus> {
         guarded("cuStreamIsCapturing", || {
             let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
             // SAFETY: a valid stream, writable output.
@@ -615,23 +615,6 @@ impl Function {
     /// The raw `CUfunction`.
     pub fn raw(&self) -> sys::CUfunction {
         self.raw
-    }
-
-    /// Allows up to `bytes` of dynamic shared memory (above the 48 KiB default).
-    pub fn set_max_dynamic_shared(&self, bytes: u32) -> Result<()> {
-        guarded("cuFuncSetAttribute", || {
-            // SAFETY: a valid function.
-            check(
-                unsafe {
-                    sys::cuFuncSetAttribute(
-                        self.raw,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        bytes as c_int,
-                    )
-                },
-                "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
-            )
-        })
     }
 }
 

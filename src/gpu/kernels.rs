@@ -46,7 +46,7 @@ pub const MAX_TOPK: u32 = 32;
 /// [`Variant`] constructors; the code is the same apart from unrolling). Kept to two so the
 /// check stays fast on 2 cores; TOPK=32 was checked by hand (NVRTC 12.8, sm_90: no spills,
 /// 80 registers in `ep_layout`, 96 in `ep_weighted_combine`).
-pub const CI_TOPK: [u32; 2] = [1, 8];
+const CI_TOPK: [u32; 2] = [1, 8];
 /// Threads per block `ep_scan_block` must be launched with.
 pub const SCAN_THREADS: u32 = 256;
 /// Elements one `ep_scan_block` block scans (`SCAN_THREADS * 4`).

@@ -241,7 +241,7 @@ pub fn read_error_word(err: u64, s: &Stream) -> Result<()> {
 }
 
 /// `Ok` for 0, else the decoded device error as an [`Error`].
-pub fn error_from_word(word: u64) -> Result<()> {
+fn error_from_word(word: u64) -> Result<()> {
     match decode_error_word(word) {
         None => Ok(()),
         Some(e) => Err(e.to_error()),

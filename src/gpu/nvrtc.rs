@@ -25,11 +25,9 @@ use crate::error::{Error, Result};
 use crate::probe::{self, leak, Library};
 
 /// Environment variable naming the NVRTC library file or its directory.
-pub const ENV_NVRTC_PATH: &str = crate::env::NVRTC_PATH;
-/// Environment variable naming the on-disk kernel cache directory.
-pub const ENV_CACHE_DIR: &str = crate::env::CACHE_DIR;
+const ENV_NVRTC_PATH: &str = crate::env::NVRTC_PATH;
 /// Library names tried (in this order) when `EPCOMM_NVRTC_PATH` is not set.
-pub const DEFAULT_NAMES: [&str; 3] = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"];
+const DEFAULT_NAMES: [&str; 3] = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"];
 
 type Program = *mut c_void;
 type FnVersion = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;

@@ -35,9 +35,9 @@ pub type NcclCommRaw = *mut c_void;
 pub type StreamRaw = *mut c_void;
 
 /// `ncclSuccess`.
-pub const NCCL_SUCCESS: NcclResult = 0;
+const NCCL_SUCCESS: NcclResult = 0;
 /// `ncclInProgress` (non-blocking communicators).
-pub const NCCL_IN_PROGRESS: NcclResult = 7;
+const NCCL_IN_PROGRESS: NcclResult = 7;
 
 /// `ncclUniqueId`: 128 opaque bytes, created on one rank and shared with the others.
 #[repr(C)]

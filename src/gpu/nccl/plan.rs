@@ -222,9 +222,9 @@ impl Side {
 
 /// Bytes of the in-band count header at the start of every capacity-mode slab: one `u32` row
 /// count, padded so the rows that follow start 16-byte aligned (vectorised copies).
-pub const CAPACITY_HEADER_BYTES: usize = 16;
+const CAPACITY_HEADER_BYTES: usize = 16;
 /// Alignment of every capacity-mode slab.
-pub const CAPACITY_SLAB_ALIGN: usize = 16;
+const CAPACITY_SLAB_ALIGN: usize = 16;
 
 /// Rounds `n` up to a multiple of `align` (a power of two); `None` on overflow.
 pub fn align_up(n: usize, align: usize) -> Option<usize> {

@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 
 /// Most fds one message may carry.
-pub const MAX_FDS_PER_MESSAGE: usize = 16;
+const MAX_FDS_PER_MESSAGE: usize = 16;
 /// Largest per-rank payload in the rendezvous.
-pub const MAX_PAYLOAD_BYTES: usize = 4096;
+const MAX_PAYLOAD_BYTES: usize = 4096;
 
 const MAGIC: u32 = 0x6570_6664; // "epfd"
 const KIND_HELLO: u32 = 1;
@@ -248,7 +248,7 @@ pub fn recv_with_fds(
 }
 
 /// The abstract socket name (without the leading NUL) of `group`'s fd rendezvous.
-pub fn rendezvous_socket_name(group: &str) -> String {
+fn rendezvous_socket_name(group: &str) -> String {
     format!("epcomm.{group}.fds")
 }
 

@@ -36,7 +36,7 @@ struct Shared {
 }
 
 /// Bound on one barrier wait of the local fabric.
-pub const LOCAL_TIMEOUT: Duration = Duration::from_secs(120);
+const LOCAL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// One rank of an in-process group (see the module doc).
 pub struct LocalFabric {

@@ -325,12 +325,6 @@ impl GpuManager {
         self.pipe.last_shape()
     }
 
-    /// Compiles and loads the kernels for `id` now (group creation time, not the hot path).
-    pub fn warm_kernels(&mut self, id: IdDtype) -> Result<()> {
-        self.ctx.set_current()?;
-        self.kernels.get(id).map(|_| ())
-    }
-
     /// The pipeline and its CUDA executor on `s`.
     fn split<'a>(&'a mut self, s: &'a Stream) -> (&'a mut Pipeline, Cuda<'a>) {
         let x = Cuda {
