@@ -3,18 +3,18 @@
 //! for the timeout), and the group stays usable: a correct op follows on the same handles.
 //! Ranks are threads of this process, over shared memory.
 
+mod common;
 mod ranks;
 
 use std::time::{Duration, Instant};
 
 use epcomm::dtype::{Code, DType};
-use epcomm::eplb::communicator::{self, EplbCommunicator};
+use epcomm::eplb::communicator::EplbCommunicator;
 use epcomm::eplb::rearrange::{rearrange, rearrange_typed};
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
-use epcomm::select::eplb::DeviceKind;
 
 /// Far above how long any of these calls may take: an error must not wait for it.
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -260,15 +260,7 @@ fn managers_with_different_hidden_dtypes_fail_dispatch_on_every_rank() {
 const SLOTS: usize = 4; // 2 ranks x 2 local experts
 
 fn eplb_comm() -> Box<dyn EplbCommunicator> {
-    communicator::create(
-        Some("torch_gloo"),
-        false,
-        DeviceKind::Cpu,
-        &[],
-        false,
-        false,
-    )
-    .unwrap()
+    common::eplb_fixture::gloo_cpu().unwrap()
 }
 
 /// Rank `rank`'s weights for `layers` layers of `map`: one tensor, 8-byte rows = the expert id.
