@@ -251,9 +251,9 @@ impl ShmGroup {
         if let Err(c) = self.check_conflict() {
             return c;
         }
-        match (self.dead_while_joining(), &e) {
-            (Some(dead), Error::PeerFailure(_)) => dead,
-            _ => e,
+        match self.dead_while_joining() {
+            Some(dead) if matches!(e, Error::PeerFailure(_)) => dead,
+            Some(_) | None => e,
         }
     }
 
