@@ -570,7 +570,7 @@ impl Pipeline {
         let cfg = self.cpu.config();
         if input.extras.len() != cfg.extra_row_bytes.len() {
             return Err(Error::InvalidArgument(format!(
-                "{} extra payloads given, the manager was created for {}",
+                "{} extra payloads given; the manager was created for {}",
                 input.extras.len(),
                 cfg.extra_row_bytes.len()
             )));
