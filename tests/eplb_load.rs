@@ -32,8 +32,12 @@ fn group(world: usize) -> Vec<ShmGroup> {
     })
 }
 
+/// The log sink is process-wide: the tests that install one take turns.
+static SINK: Mutex<()> = Mutex::new(());
+
 #[test]
 fn schedule_window_and_logging() {
+    let _sink = SINK.lock().unwrap_or_else(|e| e.into_inner());
     let cfg = EplbConfig {
         window_size: 2,
         step_interval: 8,
@@ -133,4 +137,51 @@ fn logical_load_sums_over_ranks_and_dispatch_records_without_a_second_pass() {
     for h in handles {
         assert_eq!(h.join().unwrap(), vec![vec![2.0, 2.0, 2.0, 1.0]]);
     }
+}
+
+/// vLLM's `_compute_eplb_load_stats`: the sum over layers of each layer's max over ranks (not
+/// the max over ranks of tokens summed over layers). Here rank 0 is the busiest in layer 0 and
+/// rank 1 in layer 1: avg 2 + 2, max 4 + 4, balancedness 0.5 (tokens summed over layers would
+/// say 1.0).
+#[test]
+fn balancedness_sums_each_layers_busiest_rank_as_vllm_does() {
+    let _sink = SINK.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = EplbConfig {
+        log_balancedness: true,
+        ..EplbConfig::default()
+    };
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let s2 = seen.clone();
+    log::set_sink(Some(Arc::new(move |l, m| {
+        if l == Level::Info && m.starts_with("EPLB step") {
+            s2.lock().unwrap().push(m.to_owned());
+        }
+    })));
+    let groups = group(2);
+    let handles: Vec<_> = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut g)| {
+            let cfg = cfg.clone();
+            std::thread::spawn(move || {
+                let mut s = LoadState::new(&cfg, "toy", 2, 4).unwrap();
+                if rank == 0 {
+                    s.record_ids(0, &[0, 1, 0, 1]).unwrap(); // slots 0, 1: rank 0
+                    s.record_ids(1, &[2, 3, 2, 3]).unwrap(); // slots 2, 3: rank 1
+                }
+                s.step(&mut g, false, true).unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let lines = seen.lock().unwrap().clone();
+    log::set_sink(None);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains(": avg_tokens=4.00, max_tokens=8, balancedness=0.5000, "),
+        "{}",
+        lines[0]
+    );
 }

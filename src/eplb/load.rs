@@ -40,6 +40,22 @@ pub fn balancedness_line(
     )
 }
 
+/// vLLM's `_compute_eplb_load_stats` over the summed pass (`layers x physical` slots, `world`
+/// ranks): each layer's tokens per rank, then the sum over layers of the mean over ranks and the
+/// sum over layers of the max over ranks, in float32 as vLLM's tensors are.
+fn load_stats(total: &[i64], physical: usize, world: usize) -> (f64, f64) {
+    let per_rank = physical / world.max(1);
+    let (mut avg, mut max) = (0f32, 0f32);
+    for layer in total.chunks(physical.max(1)) {
+        let tokens: Vec<f32> = (0..world)
+            .map(|r| layer[r * per_rank..(r + 1) * per_rank].iter().sum::<i64>() as f32)
+            .collect();
+        avg += tokens.iter().sum::<f32>() / world.max(1) as f32;
+        max += tokens.iter().copied().fold(0f32, f32::max);
+    }
+    (f64::from(avg), f64::from(max))
+}
+
 fn all_reduce_sum(g: &mut dyn Group, v: &[i64]) -> Result<Vec<i64>> {
     let mine = crate::bytes::as_bytes(v);
     let mut all = vec![0u8; mine.len() * g.size()];
@@ -152,19 +168,9 @@ impl LoadState {
         }
         if log_stats && self.log_balancedness && self.step % self.log_interval == 0 {
             let total = all_reduce_sum(g, &self.pass)?;
-            let world = g.size();
-            let per_rank_slots = self.physical / world.max(1);
-            let mut tokens = vec![0i64; world];
-            for layer in total.chunks(self.physical) {
-                for (r, t) in tokens.iter_mut().enumerate() {
-                    *t += layer[r * per_rank_slots..(r + 1) * per_rank_slots]
-                        .iter()
-                        .sum::<i64>();
-                }
-            }
-            let max = tokens.iter().copied().max().unwrap_or(0);
-            let avg = tokens.iter().sum::<i64>() as f64 / world as f64;
-            let bal = if max == 0 { 0.0 } else { avg / max as f64 };
+            let (avg, max) = load_stats(&total, self.physical, g.size());
+            let bal = if max > 0.0 { avg / max } else { 0.0 };
+            let max = max as i64;
             if g.rank() == 0 {
                 log::info(&balancedness_line(
                     self.step,
