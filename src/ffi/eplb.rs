@@ -17,13 +17,16 @@ fn checked_len(a: usize, b: usize, what: &str) -> Result<usize> {
         .ok_or_else(|| Error::InvalidArgument(format!("{what} is too large")))
 }
 
-/// Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm), bit for bit:
-/// `weight` is [num_layers, num_logical_experts] token counts (as float), the result
+/// Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm) as vLLM's
+/// eplb_state caller runs it (epcomm_eplb_rebalance_experts with
+/// EPCOMM_EPLB_ONE_NODE_FALLBACK; old ids must lie in [0, E)): `weight` is [num_layers, num_logical_experts] token counts (as float), the result
 /// `phy2log_out` [num_layers, num_replicas] maps every physical slot to a logical expert. Uses
 /// the hierarchical policy when groups divide into nodes, else the global one; when
 /// num_ranks % num_nodes != 0 it uses one node and logs vLLM's warning. With `old_phy2log`
 /// (NULL = none), experts that stay on a GPU keep their old slots. Violated preconditions
-/// (E % G, G % N, R % N, P % R) are EPCOMM_ERROR_ASSERTION, as vLLM's asserts.
+/// (E % G, G % N, R % N, P % R) are EPCOMM_ERROR_ASSERTION, as vLLM's asserts. Bit-exact with
+/// vLLM when the packed loads have no ties; with ties epcomm takes equal loads in ascending
+/// index (stable), where vLLM's unstable numpy sort differs between machines (docs/api.md).
 ///
 /// # Safety
 /// `weight` holds num_layers*num_logical_experts floats; `old_phy2log` is NULL or holds and
