@@ -1,0 +1,271 @@
+"""Loading libepcomm and declaring its C ABI (include/epcomm.h) for ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Iterator, Optional, Tuple
+
+#: The package's version (setuptools reads it here); ``epcomm.__version__`` is the loaded
+#: library's own, which a package carrying its library matches.
+PACKAGE_VERSION = "0.1.0"
+
+logger = logging.getLogger("epcomm")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _soname() -> str:
+    """The installed library's SONAME: libepcomm.so.0.MINOR while the version is 0.x."""
+    major, minor = PACKAGE_VERSION.split(".")[:2]
+    return f"libepcomm.so.0.{minor}" if major == "0" else f"libepcomm.so.{major}"
+
+
+def _candidates() -> Iterator[Tuple[str, str]]:
+    """(what, path) pairs in the order they are tried; EPCOMM_LIBRARY, when set, is the only one
+    (a library asked for by name is not silently replaced by another)."""
+    env = os.environ.get("EPCOMM_LIBRARY")
+    if env:
+        yield "EPCOMM_LIBRARY", env
+        return
+    yield "the copy carried by the package", os.path.join(_HERE, "libepcomm.so")
+    # Bare names: the dynamic loader searches LD_LIBRARY_PATH, its cache (ldconfig) and the
+    # default directories.
+    yield "the system library path", _soname()
+    yield "the system library path", "libepcomm.so"
+
+
+_LIB: Optional[ctypes.CDLL] = None
+
+
+def load_library() -> ctypes.CDLL:
+    """Loads libepcomm once: the file ``EPCOMM_LIBRARY`` names when it is set, else the copy the
+    package carries, else the system library path (the SONAME, then libepcomm.so). Raises
+    ImportError listing every attempt when none loads."""
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    errors = []
+    for what, path in _candidates():
+        if os.sep in path and not os.path.exists(path):
+            errors.append(f"{path} ({what}): no such file")
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            errors.append(f"{path} ({what}): {e}")
+            continue
+        try:
+            _declare(lib)
+        except AttributeError as e:  # an older libepcomm without a function this one calls
+            errors.append(f"{path} ({what}): not this version's library ({e})")
+            continue
+        _LIB = lib
+        lib.epcomm_set_log_callback(_log_bridge, None)
+        return lib
+    raise ImportError(
+        "epcomm cannot load libepcomm. Tried:\n  "
+        + "\n  ".join(errors)
+        + "\nFix: install the library (make install, then ldconfig, or put its directory on "
+        "LD_LIBRARY_PATH), set EPCOMM_LIBRARY to the path of libepcomm.so, or reinstall this "
+        "package from a repository with a built library (cargo build --release, then "
+        "pip install ./python) so that it carries one."
+    )
+
+
+i32, i64, sz = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
+vp, cp = ctypes.c_void_p, ctypes.c_char_p
+i64p = ctypes.POINTER(ctypes.c_int64)
+
+#: EPCOMM_UNIQUE_ID_BYTES.
+UNIQUE_ID_BYTES = 128
+#: EPCOMM_DEVICE_CPU.
+DEVICE_CPU = 1
+
+
+class DType(ctypes.Structure):
+    """epcomm_dtype (DLPack's DLDataType)."""
+
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class Tensor(ctypes.Structure):
+    """DLPack's DLTensor (epcomm_tensor)."""
+
+    _fields_ = [
+        ("data", vp),
+        ("device_type", i32),
+        ("device_id", i32),
+        ("ndim", i32),
+        ("dtype", DType),
+        ("shape", i64p),
+        ("strides", i64p),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class GroupOptions(ctypes.Structure):
+    """epcomm_group_options."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("timeout_s", ctypes.c_double),
+        ("initial_capacity_bytes", ctypes.c_uint64),
+        ("max_capacity_bytes", ctypes.c_uint64),
+        ("elastic", ctypes.c_bool),
+        ("disable_direct_reads", ctypes.c_bool),
+    ]
+
+
+class UniqueId(ctypes.Structure):
+    """epcomm_unique_id: plain bytes one rank makes and the host passes to the others."""
+
+    _fields_ = [("internal", ctypes.c_uint8 * UNIQUE_ID_BYTES)]
+
+
+SEND_FN = ctypes.CFUNCTYPE(i32, vp, i32, vp, sz)
+RECV_FN = ctypes.CFUNCTYPE(i32, vp, i32, vp, sz)
+ALL_GATHER_FN = ctypes.CFUNCTYPE(i32, vp, vp, sz, vp)
+BARRIER_FN = ctypes.CFUNCTYPE(i32, vp)
+
+
+class HostCallbacks(ctypes.Structure):
+    """epcomm_host_callbacks."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("user_data", vp),
+        ("send", SEND_FN),
+        ("recv", RECV_FN),
+        ("all_gather", ALL_GATHER_FN),
+        ("barrier", BARRIER_FN),
+    ]
+
+
+class MoeConfig(ctypes.Structure):
+    """epcomm_moe_config."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("num_experts", i64),
+        ("num_redundant_experts", i64),
+        ("top_k", i64),
+        ("hidden_size", i64),
+        ("hidden_dtype", DType),
+        ("expert_dtype", DType),
+        ("out_dtype", DType),
+        ("max_tokens_per_rank", i64),
+        ("extra_row_bytes", i64p),
+        ("num_extras", sz),
+        ("apply_router_weight_on_input", ctypes.c_bool),
+    ]
+
+
+class DispatchOutput(ctypes.Structure):
+    """epcomm_dispatch_output."""
+
+    _fields_ = [
+        ("layout", i32),
+        ("received_rows", i64),
+        ("hidden", Tensor),
+        ("topk_ids", Tensor),
+        ("topk_weights", Tensor),
+        ("counts", Tensor),
+        ("expert_offsets", Tensor),
+        ("src_rank", Tensor),
+        ("src_token", Tensor),
+        ("extras", vp),
+        ("num_extras", sz),
+    ]
+
+
+class EplbSelectRequest(ctypes.Structure):
+    """epcomm_eplb_select_request."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("communicator", cp),
+        ("elastic", ctypes.c_bool),
+        ("device_type", i32),
+        ("weight_dtypes", ctypes.POINTER(DType)),
+        ("num_weight_dtypes", sz),
+        ("nccl_available", i32),
+        ("nixl_available", i32),
+    ]
+
+
+class EplbSummary(ctypes.Structure):
+    """epcomm_eplb_summary: what a rearrangement did."""
+
+    _fields_ = [
+        ("layers_changed", i64),
+        ("rows_sent", i64),
+        ("rows_received", i64),
+        ("rows_copied_locally", i64),
+    ]
+
+
+LOG_FN = ctypes.CFUNCTYPE(None, i32, cp, vp)
+
+
+def _signatures() -> dict:
+    T = ctypes.POINTER(Tensor)
+    P = ctypes.POINTER
+    opts = P(GroupOptions)
+    return {
+        "epcomm_version": (cp, []),
+        "epcomm_last_error_message": (cp, []),
+        "epcomm_last_error_hint": (cp, []),
+        "epcomm_clear_last_error": (None, []),
+        "epcomm_status_exception": (cp, [i32]),
+        "epcomm_status_string": (cp, [i32]),
+        "epcomm_set_log_callback": (None, [LOG_FN, vp]),
+        "epcomm_set_log_level": (i32, [i32]),
+        "epcomm_all2all_backend_resolve": (i32, [cp, P(i32)]),
+        "epcomm_all2all_backend_name": (cp, [i32]),
+        "epcomm_config_check": (i32, [cp]),
+        "epcomm_config_check_report": (i32, [cp, cp, sz, P(sz)]),
+        "epcomm_group_options_init": (i32, [opts]),
+        "epcomm_group_create_shm": (i32, [cp, i32, i32, opts, P(vp)]),
+        "epcomm_group_unique_id": (i32, [P(UniqueId)]),
+        "epcomm_group_create_shm_unique": (i32, [P(UniqueId), i32, i32, opts, P(vp)]),
+        "epcomm_group_create_host": (i32, [P(HostCallbacks), cp, i32, i32, opts, P(vp)]),
+        "epcomm_group_destroy": (None, [vp]),
+        "epcomm_group_rank": (i32, [vp, P(i32)]),
+        "epcomm_group_size": (i32, [vp, P(i32)]),
+        "epcomm_group_barrier": (i32, [vp]),
+        "epcomm_group_all_gatherv": (i32, [vp, T, i64p, T]),
+        "epcomm_group_reduce_scatterv": (i32, [vp, T, i64p, T]),
+        "epcomm_moe_config_init": (i32, [P(MoeConfig)]),
+        "epcomm_all2all_create": (i32, [vp, cp, P(MoeConfig), P(vp)]),
+        "epcomm_all2all_destroy": (None, [vp]),
+        "epcomm_all2all_dispatch": (i32, [vp, T, T, T, T, sz, P(DispatchOutput)]),
+        "epcomm_all2all_combine": (i32, [vp, T, T]),
+        "epcomm_cuda_caps": (i32, [cp, sz, P(sz)]),
+        "epcomm_eplb_rebalance": (
+            i32,
+            [P(ctypes.c_float), i64, i64, i64, i64, i64, i64, i64p, i64p],
+        ),
+        "epcomm_eplb_communicator_create": (i32, [vp, P(EplbSelectRequest), P(vp)]),
+        "epcomm_eplb_communicator_destroy": (None, [vp]),
+        "epcomm_eplb_rearrange": (
+            i32,
+            [vp, i64p, i64p, i64, i64, i64, T, sz, i64p, sz, P(EplbSummary)],
+        ),
+    }
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    for name, (res, args) in _signatures().items():
+        f = getattr(lib, name)
+        f.restype = res
+        f.argtypes = args
+
+
+_LEVELS = {1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO, 4: logging.DEBUG}
+
+
+@LOG_FN
+def _log_bridge(level, message, _user):
+    logger.log(_LEVELS.get(level, logging.INFO), message.decode("utf-8", "replace"))

@@ -1,0 +1,123 @@
+"""EPLB: vLLM's default rebalancing policy and moving expert weights between ranks."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Dict, List, Optional, Sequence
+
+from ._lib import DEVICE_CPU, EplbSelectRequest, EplbSummary, Tensor, load_library, vp
+from ._tensor import Arg
+from .errors import InvalidArgumentError, check
+from .group import Group
+
+
+def eplb_rebalance(
+    weight: Sequence[Sequence[float]],
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_ranks: int,
+    old_phy2log: Optional[Sequence[Sequence[int]]] = None,
+) -> List[List[int]]:
+    """vLLM's default EPLB policy: weight [layers, logical] → phy2log [layers, num_replicas]."""
+    rows = [list(map(float, r)) for r in weight]
+    layers, logical = len(rows), len(rows[0])
+    w = (ctypes.c_float * (layers * logical))(*[x for r in rows for x in r])
+    out = (ctypes.c_int64 * (layers * num_replicas))()
+    old = None
+    if old_phy2log is not None:
+        flat = [int(x) for r in old_phy2log for x in r]
+        old = (ctypes.c_int64 * (layers * num_replicas))(*flat)
+    check(
+        load_library().epcomm_eplb_rebalance(
+            w, layers, logical, num_replicas, num_groups, num_nodes, num_ranks, old, out
+        )
+    )
+    return [list(out[i * num_replicas : (i + 1) * num_replicas]) for i in range(layers)]
+
+
+def _maps(maps: Sequence[Sequence[int]], what: str) -> "tuple[Any, int, int]":
+    """A [layers, slots] map as a C int64 array, with its layers and slots."""
+    rows = [[int(x) for x in r] for r in maps]
+    slots = len(rows[0]) if rows else 0
+    if any(len(r) != slots for r in rows):
+        raise InvalidArgumentError(f"{what}: every layer must have {slots} slots", 2)
+    flat = [x for r in rows for x in r]
+    return (ctypes.c_int64 * max(len(flat), 1))(*flat), len(rows), slots
+
+
+class EplbCommunicator:
+    """vLLM's EPLB communicator over ``group``, chosen by vLLM's rules (``communicator``: a
+    name such as "torch_gloo", or None for automatic selection) for CPU weights. A context
+    manager; ``close()`` may be called any number of times."""
+
+    def __init__(self, group: Group, communicator: Optional[str] = None, elastic: bool = False):
+        self._h = vp()
+        req = EplbSelectRequest()
+        req.struct_size = ctypes.sizeof(EplbSelectRequest)
+        req.communicator = communicator.encode() if communicator else None
+        req.elastic = elastic
+        req.device_type = DEVICE_CPU
+        h = vp()
+        group.check(
+            load_library().epcomm_eplb_communicator_create(
+                group.handle, ctypes.byref(req), ctypes.byref(h)
+            )
+        )
+        self._h, self._group = h, group
+
+    def rearrange(
+        self,
+        old_phy2log: Sequence[Sequence[int]],
+        new_phy2log: Sequence[Sequence[int]],
+        weights: Sequence[Sequence[Any]],
+        rank_mapping: Optional[Sequence[int]] = None,
+    ) -> Dict[str, int]:
+        """Moves every layer's expert weights from the old to the new placement (collective).
+        ``weights[layer]`` lists that layer's writable weight tensors (numpy arrays or
+        contiguous CPU torch tensors), this rank's local experts along dimension 0; they are
+        updated in place. Returns the summary (layers_changed, rows_sent, rows_received,
+        rows_copied_locally)."""
+        old, layers, old_slots = _maps(old_phy2log, "old_phy2log")
+        new, new_layers, new_slots = _maps(new_phy2log, "new_phy2log")
+        if new_layers != layers or len(weights) != layers:
+            raise InvalidArgumentError(
+                f"old_phy2log has {layers} layers, new_phy2log {new_layers}, weights "
+                f"{len(weights)}; expected the same number",
+                2,
+            )
+        per_layer = len(weights[0]) if layers else 0
+        args = [Arg(t, f"weights[{l}][{i}]", output=True) for l, ws in enumerate(weights)
+                for i, t in enumerate(ws)]
+        if any(a.copy_into is not None for a in args):
+            raise InvalidArgumentError("weights must be C-contiguous in native byte order", 2)
+        tensors = (Tensor * max(len(args), 1))(*[a.ptr.contents for a in args])
+        mapping = None
+        if rank_mapping is not None:
+            mapping = (ctypes.c_int64 * len(rank_mapping))(*[int(r) for r in rank_mapping])
+        summary = EplbSummary()
+        self._group.check(
+            load_library().epcomm_eplb_rearrange(
+                self._h, old, new, layers, old_slots, new_slots, tensors, per_layer,
+                mapping, len(rank_mapping or ()), ctypes.byref(summary),
+            )
+        )
+        return {name: getattr(summary, name) for name, _ in EplbSummary._fields_}
+
+    def close(self) -> None:
+        """Releases the communicator (idempotent)."""
+        if self._h:
+            load_library().epcomm_eplb_communicator_destroy(self._h)
+            self._h = vp()
+
+    def __enter__(self) -> "EplbCommunicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,290 @@
+"""Process groups: shared memory on one host (by name or by a unique id), or the host's own
+transport (Python callables, or a torch.distributed process group) across hosts."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, List, Optional, Sequence
+
+from ._lib import (
+    ALL_GATHER_FN,
+    BARRIER_FN,
+    RECV_FN,
+    SEND_FN,
+    UNIQUE_ID_BYTES,
+    GroupOptions,
+    HostCallbacks,
+    UniqueId,
+    i32,
+    load_library,
+    vp,
+)
+from ._tensor import Arg
+from .errors import InvalidArgumentError, check, make_error
+
+#: send(peer, data): deliver the bytes of ``data`` (a memoryview) to group rank ``peer``.
+SendFn = Callable[[int, memoryview], None]
+#: recv(peer, out): fill ``out`` (a writable memoryview) with bytes from group rank ``peer``.
+RecvFn = Callable[[int, memoryview], None]
+#: all_gather(data, out): every rank's ``data`` into ``out`` (world_size * len(data), rank order).
+AllGatherFn = Callable[[memoryview, memoryview], None]
+
+
+def _options(timeout_s: Optional[float]) -> GroupOptions:
+    opts = GroupOptions()
+    check(load_library().epcomm_group_options_init(ctypes.byref(opts)))
+    if timeout_s is not None:
+        opts.timeout_s = float(timeout_s)
+    return opts
+
+
+def _view(address: Optional[int], nbytes: int) -> memoryview:
+    """The ``nbytes`` bytes at ``address`` as a writable memoryview, without a copy."""
+    if nbytes == 0 or not address:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+class _HostTransport:
+    """The C callbacks over Python callables. An exception in a callable is kept (the first
+    one) and turned into a non-zero return, which fails the epcomm call on this rank; the
+    group then raises an epcomm.Error naming it."""
+
+    def __init__(
+        self, send: SendFn, recv: RecvFn, all_gather: Optional[AllGatherFn], world_size: int
+    ):
+        self.world_size = world_size
+        self.error: Optional[BaseException] = None
+        self._send, self._recv, self._all_gather = send, recv, all_gather
+        # The ctypes function objects must live as long as the group.
+        self._fns = (
+            SEND_FN(self._on_send),
+            RECV_FN(self._on_recv),
+            ALL_GATHER_FN(self._on_all_gather) if all_gather else ALL_GATHER_FN(),
+        )
+        self.callbacks = HostCallbacks(
+            ctypes.sizeof(HostCallbacks), None, *self._fns, BARRIER_FN()
+        )
+
+    def _guard(self, fn: Callable[..., Any], *args: Any) -> int:
+        try:
+            fn(*args)
+            return 0
+        except BaseException as e:  # noqa: BLE001 -- an exception must not cross the C frames
+            if self.error is None:
+                self.error = e
+            return 1
+
+    def _on_send(self, _user: Any, peer: int, data: Optional[int], nbytes: int) -> int:
+        return self._guard(self._send, peer, _view(data, nbytes))
+
+    def _on_recv(self, _user: Any, peer: int, data: Optional[int], nbytes: int) -> int:
+        return self._guard(self._recv, peer, _view(data, nbytes))
+
+    def _on_all_gather(
+        self, _user: Any, data: Optional[int], nbytes: int, out: Optional[int]
+    ) -> int:
+        whole = _view(out, nbytes * self.world_size)
+        return self._guard(self._all_gather, _view(data, nbytes), whole)
+
+    def raise_for(self, status: int) -> None:
+        """Raises the epcomm error for ``status``; a callable's exception is its cause and is
+        named in the message."""
+        if status == 0:
+            return
+        err, cause = make_error(status), self.error
+        self.error = None
+        if cause is not None:
+            err = type(err)(
+                f"{err.message}; the Python callback raised {type(cause).__name__}: {cause}",
+                err.status,
+                err.hint,
+            )
+            raise err from cause
+        raise err
+
+
+class Group:
+    """A process group. ``Group(name, rank, world_size)`` (or ``Group.shm``) is a shared-memory
+    group of processes or threads on one host; ``Group.shm_unique`` one found by an id instead
+    of a name; ``Group.host`` and ``Group.from_torch`` run over the host's own transport, across
+    machines. A context manager; ``close()`` may be called any number of times."""
+
+    def __init__(
+        self, name: str, rank: int, world_size: int, timeout_s: Optional[float] = None
+    ):
+        h = vp()
+        opts = _options(timeout_s)
+        self._transport: Optional[_HostTransport] = None
+        self._h = vp()
+        check(
+            load_library().epcomm_group_create_shm(
+                name.encode(), rank, world_size, ctypes.byref(opts), ctypes.byref(h)
+            )
+        )
+        self._h = h
+
+    @classmethod
+    def _adopt(cls, h: vp, transport: Optional[_HostTransport]) -> "Group":
+        g = cls.__new__(cls)
+        g._h, g._transport = h, transport
+        return g
+
+    @classmethod
+    def shm(
+        cls, name: str, rank: int, world_size: int, timeout_s: Optional[float] = None
+    ) -> "Group":
+        """Creates (rank 0) or joins the shared-memory group ``name`` on this host."""
+        return cls(name, rank, world_size, timeout_s)
+
+    @staticmethod
+    def unique_id() -> bytes:
+        """A fresh group id (bytes) for ``shm_unique``: made on one rank, passed to the others
+        by the host's means (a TCP store, torch.distributed, a pipe)."""
+        uid = UniqueId()
+        check(load_library().epcomm_group_unique_id(ctypes.byref(uid)))
+        return bytes(uid.internal)
+
+    @classmethod
+    def shm_unique(
+        cls, unique_id: bytes, rank: int, world_size: int, timeout_s: Optional[float] = None
+    ) -> "Group":
+        """As ``shm``, for the group of ``unique_id`` (from ``Group.unique_id()``)."""
+        raw = bytes(unique_id)
+        if len(raw) != UNIQUE_ID_BYTES:
+            raise InvalidArgumentError(
+                f"unique_id has {len(raw)} bytes; expected {UNIQUE_ID_BYTES} "
+                "(the bytes Group.unique_id() returned)",
+                2,
+            )
+        uid = UniqueId.from_buffer_copy(raw)
+        opts, h = _options(timeout_s), vp()
+        check(
+            load_library().epcomm_group_create_shm_unique(
+                ctypes.byref(uid), rank, world_size, ctypes.byref(opts), ctypes.byref(h)
+            )
+        )
+        return cls._adopt(h, None)
+
+    @classmethod
+    def host(
+        cls,
+        send: SendFn,
+        recv: RecvFn,
+        all_gather: Optional[AllGatherFn] = None,
+        *,
+        rank: int,
+        world_size: int,
+        name: str = "host",
+        timeout_s: Optional[float] = None,
+    ) -> "Group":
+        """A group over the host's transport: blocking ``send(peer, data)`` and
+        ``recv(peer, out)`` (memoryviews of bytes; peers are ranks of this group) and, when
+        given, ``all_gather(data, out)`` (else built from send/recv). An exception in one of
+        them fails the call with an epcomm.Error (RuntimeError) naming it, never a crash."""
+        transport = _HostTransport(send, recv, all_gather, world_size)
+        opts, h = _options(timeout_s), vp()
+        check(
+            load_library().epcomm_group_create_host(
+                ctypes.byref(transport.callbacks),
+                name.encode(),
+                rank,
+                world_size,
+                ctypes.byref(opts),
+                ctypes.byref(h),
+            )
+        )
+        return cls._adopt(h, transport)
+
+    @classmethod
+    def from_torch(
+        cls, process_group: Any = None, *, name: str = "torch", timeout_s: Optional[float] = None
+    ) -> "Group":
+        """A host-transport group over a torch.distributed process group (default: the world):
+        send/recv/all_gather of CPU uint8 tensors (gloo). The ranks are the process group's;
+        a peer's failure surfaces as an epcomm.Error when torch.distributed reports it (within
+        the process group's own timeout)."""
+        from ._torch import TorchTransport
+
+        t = TorchTransport(process_group)
+        return cls.host(
+            t.send,
+            t.recv,
+            t.all_gather,
+            rank=t.rank,
+            world_size=t.world_size,
+            name=name,
+            timeout_s=timeout_s,
+        )
+
+    def check(self, status: int) -> None:
+        """Raises the epcomm error for a call's ``status`` (naming a failed callback's
+        exception, for a host-transport group)."""
+        if self._transport is not None:
+            self._transport.raise_for(status)
+        else:
+            check(status)
+
+    @property
+    def handle(self) -> vp:
+        """The C handle (epcomm_group *)."""
+        if not self._h:
+            raise InvalidArgumentError("the group is closed", 2)
+        return self._h
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        r = i32()
+        check(load_library().epcomm_group_rank(self.handle, ctypes.byref(r)))
+        return r.value
+
+    @property
+    def size(self) -> int:
+        """The number of ranks."""
+        s = i32()
+        check(load_library().epcomm_group_size(self.handle, ctypes.byref(s)))
+        return s.value
+
+    def barrier(self) -> None:
+        """Waits for every rank (collective)."""
+        self.check(load_library().epcomm_group_barrier(self.handle))
+
+    def _gather_like(self, fn_name: str, x: Any, sizes: Sequence[int], out_rows: int) -> Any:
+        import numpy as np
+
+        a = Arg(np.asarray(x), "x")  # compact, native byte order
+        out = np.empty((int(out_rows),) + a.array.shape[1:], a.array.dtype)
+        s = (ctypes.c_int64 * len(sizes))(*sizes)
+        fn = getattr(load_library(), fn_name)
+        self.check(fn(self.handle, a.ptr, s, Arg(out, "out", output=True).ptr))
+        return out
+
+    def all_gatherv(self, x: Any, sizes: Sequence[int]) -> Any:
+        """Concatenates every rank's rows (numpy) in rank order."""
+        return self._gather_like("epcomm_group_all_gatherv", x, sizes, sum(sizes))
+
+    def reduce_scatterv(self, x: Any, sizes: Sequence[int]) -> Any:
+        """Sums every rank's rows and returns this rank's slice (float32/float16)."""
+        return self._gather_like("epcomm_group_reduce_scatterv", x, sizes, sizes[self.rank])
+
+    def close(self) -> None:
+        """Leaves the group (idempotent)."""
+        if self._h:
+            load_library().epcomm_group_destroy(self._h)
+            self._h = vp()
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+__all__: List[str] = ["Group", "SendFn", "RecvFn", "AllGatherFn"]
