@@ -1,7 +1,10 @@
 //! The Python scripts in tests/py, run against the built library through ctypes the way a
 //! binding uses it: test_ctypes.py (selection, config checks, errors as Python exceptions),
 //! test_group.py (groups with multiprocessing ranks and host callbacks), test_all2all.py
-//! (dispatch/combine with numpy arrays as DLPack tensors), test_eplb.py (vLLM's EPLB vectors).
+//! (dispatch/combine with numpy arrays as DLPack tensors), test_eplb.py (vLLM's EPLB vectors);
+//! and the epcomm package itself (python/ on PYTHONPATH): test_package.py (errors, groups,
+//! dtypes, context managers) and, with torch, test_torch_group.py (`Group.from_torch` over gloo
+//! with 2 and 4 ranks in their own IPC and mount namespaces, against the shm group's results).
 //! Each script bounds its own multi-process cases; the timeouts here bound whole runs.
 //!
 //! The interpreter is `common::python::env()`'s: `$PYTHON`/python3, or a venv under target/ with
@@ -14,10 +17,20 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::python::{numpy_or_skip, python_or_skip};
+use common::python::{numpy_or_skip, python_or_skip, torch_or_skip};
 use common::*;
 
 fn run_script(python: &Path, script: &str, timeout: Duration) {
+    run_script_with(python, script, timeout, None);
+}
+
+/// As `run_script`, with `python/` (the epcomm package) on PYTHONPATH for scripts that
+/// import it.
+fn run_package_script(python: &Path, script: &str, timeout: Duration) {
+    run_script_with(python, script, timeout, Some(&manifest_dir().join("python")));
+}
+
+fn run_script_with(python: &Path, script: &str, timeout: Duration, path: Option<&Path>) {
     let lib = cdylib();
     let mut cmd = Command::new(python);
     cmd.current_dir(manifest_dir())
@@ -29,6 +42,9 @@ fn run_script(python: &Path, script: &str, timeout: Duration) {
         .env_remove("PYTHONPATH")
         .env_remove("EPCOMM_LOG_LEVEL")
         .env_remove("EPCOMM_TIMEOUT_S");
+    if let Some(path) = path {
+        cmd.env("PYTHONPATH", path);
+    }
     let out = run_with_timeout(cmd, timeout);
     assert!(
         out.success(),
@@ -68,5 +84,19 @@ fn python_ctypes_eplb() {
 fn python_ctypes_all2all() {
     if let Some(py) = numpy_or_skip("python_ctypes_all2all") {
         run_script(&py.exe, "test_all2all.py", Duration::from_secs(300));
+    }
+}
+
+#[test]
+fn python_package_api() {
+    if let Some(py) = numpy_or_skip("python_package_api") {
+        run_package_script(&py.exe, "test_package.py", Duration::from_secs(180));
+    }
+}
+
+#[test]
+fn python_group_from_torch() {
+    if let Some(py) = torch_or_skip("python_group_from_torch") {
+        run_package_script(py, "test_torch_group.py", Duration::from_secs(400));
     }
 }

@@ -1,0 +1,261 @@
+"""The epcomm package's own API: exceptions (an epcomm.Error and vLLM's class at once), groups
+(shm by name and by unique id, host callbacks over Python callables), dtype names, versions,
+context managers, numpy imported only when used.
+
+    PYTHONPATH=python EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_package.py -v
+"""
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import unittest
+
+import epcomm
+
+DBO_MESSAGE = (
+    "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, and "
+    "nixl_ep all2all backends. allgather_reducescatter is not supported. To fix use "
+    "--all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, or "
+    "--all2all-backend=nixl_ep and install the matching kernels."
+)
+ELASTIC_LB_MESSAGE = (
+    "Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. "
+    "Elastic EP relies on a single API server and core client to coordinate scale up/down."
+)
+ACCEPTED_DTYPES = (
+    "bf16, bfloat16, f16, f32, float, float16, float32, fp16, fp32, half, int, int32, int64, "
+    "long, uint8"
+)
+
+
+def unique(tag):
+    return f"pkg-{tag}-{os.getpid()}"
+
+
+def run_threads(world, fn):
+    """fn(rank) on `world` threads; returns the results by rank, re-raising the first error."""
+    results, errors = {}, {}
+
+    def body(rank):
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[min(errors)]
+    return results
+
+
+class QueueTransport:
+    """send/recv between threads over one queue per (source, destination) pair."""
+
+    def __init__(self, world):
+        self.q = {(s, d): queue.Queue() for s in range(world) for d in range(world)}
+
+    def for_rank(self, rank):
+        def send(peer, data):
+            self.q[(rank, peer)].put(bytes(data))
+
+        def recv(peer, out):
+            out[:] = self.q[(peer, rank)].get(timeout=30)
+
+        return send, recv
+
+
+class ErrorTest(unittest.TestCase):
+    def assert_error(self, cm, builtin, status, message):
+        e = cm.exception
+        self.assertIsInstance(e, epcomm.Error)
+        self.assertIsInstance(e, builtin)
+        self.assertEqual((e.status, e.message, str(e)), (status, message, message))
+
+    def test_value_error_with_hint(self):
+        with self.assertRaises(epcomm.Error) as cm:
+            epcomm.resolve_backend("flashinfer-nvlink-2s")
+        self.assert_error(cm, ValueError, 2, "Unknown all2all backend: flashinfer-nvlink-2s")
+        self.assertEqual(cm.exception.hint, "did you mean 'flashinfer_nvlink_two_sided'?")
+        self.assertIsInstance(cm.exception, epcomm.InvalidArgumentError)
+
+    def test_assertion_error(self):
+        with self.assertRaises(AssertionError) as cm:
+            epcomm.check_config({"enable_dbo": True})
+        self.assert_error(cm, AssertionError, 3, DBO_MESSAGE)
+
+    def test_not_implemented_error(self):
+        config = {
+            "enable_eplb": True,
+            "enable_elastic_ep": True,
+            "enable_expert_parallel": True,
+            "data_parallel_size": 2,
+            "data_parallel_external_lb": True,
+        }
+        with self.assertRaises(NotImplementedError) as cm:
+            epcomm.check_config(config)
+        self.assert_error(cm, NotImplementedError, 4, ELASTIC_LB_MESSAGE)
+
+    def test_runtime_error(self):
+        config = {
+            "enable_eplb": True,
+            "enable_expert_parallel": True,
+            "data_parallel_size": 2,
+            "eplb_config": {"use_async": False, "communicator": "pynccl"},
+            "nccl_available": False,
+        }
+        with self.assertRaises(RuntimeError) as cm:
+            epcomm.check_config(config)
+        self.assert_error(cm, RuntimeError, 6,
+                          "EPLB communicator 'pynccl' requested but unavailable.")
+
+    def test_timeout_error(self):
+        name = unique("timeout")
+        with self.assertRaises(TimeoutError) as cm:
+            epcomm.Group.shm(name, 0, 2, timeout_s=0.3)
+        self.assert_error(
+            cm, TimeoutError, 7,
+            f"timed out after 0.3 s waiting for rank(s) 1 to join group '{name}'",
+        )
+
+    def test_error_is_an_exception(self):
+        self.assertTrue(issubclass(epcomm.Error, Exception))
+        try:
+            epcomm.resolve_backend("bogus")
+        except epcomm.Error as e:
+            self.assertEqual(e.message, "Unknown all2all backend: bogus")
+
+
+class DTypeTest(unittest.TestCase):
+    def test_names(self):
+        for names, want in (
+            (("bfloat16", "bf16", "BF16"), "bfloat16"),
+            (("float32", "fp32", "float"), "float32"),
+            (("float16", "fp16", "half"), "float16"),
+            (("int32",), "int32"),
+            (("int64", "long"), "int64"),
+        ):
+            for name in names:
+                self.assertEqual(epcomm.dtype_name(name), want, name)
+
+    def test_numpy_dtypes(self):
+        import numpy as np
+
+        self.assertEqual(epcomm.dtype_name(np.float32), "float32")
+        self.assertEqual(epcomm.dtype_name(np.dtype("float16")), "float16")
+        self.assertEqual(epcomm.dtype_name(np.int64), "int64")
+
+    def test_unknown(self):
+        with self.assertRaises(ValueError) as cm:
+            epcomm.dtype_name("float8")
+        self.assertEqual(
+            str(cm.exception),
+            f"unsupported dtype 'float8'; expected one of {ACCEPTED_DTYPES} "
+            "(or the torch/numpy dtype)",
+        )
+        self.assertIsInstance(cm.exception, epcomm.Error)
+
+    def test_all2all_takes_a_dtype_name(self):
+        with epcomm.Group.shm(unique("dtype"), 0, 1) as g:
+            with epcomm.All2All(g, "deepep_low_latency", num_experts=2, top_k=1,
+                                hidden_size=4, dtype="bf16", max_tokens_per_rank=2) as a:
+                a.close()  # idempotent with the context manager's
+
+
+class PackageTest(unittest.TestCase):
+    def test_versions_and_py_typed(self):
+        self.assertEqual(epcomm.__version__, epcomm.version())
+        self.assertEqual(epcomm.__version__, "0.1.0")
+        here = os.path.dirname(epcomm.__file__)
+        self.assertTrue(os.path.isfile(os.path.join(here, "py.typed")))
+
+    def test_numpy_is_imported_only_when_used(self):
+        code = (
+            "import sys, epcomm\n"
+            "epcomm.resolve_backend('deepep_low_latency')\n"
+            "g = epcomm.Group.shm('pkg-lazy-%d' % __import__('os').getpid(), 0, 1)\n"
+            "g.close()\n"
+            "print('numpy' in sys.modules)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+        self.assertEqual((out.returncode, out.stdout), (0, "False\n"), out.stderr)
+
+
+class GroupTest(unittest.TestCase):
+    def test_shm_context_manager_and_close(self):
+        with epcomm.Group.shm(unique("ctx"), 0, 1) as g:
+            self.assertEqual((g.rank, g.size), (0, 1))
+        g.close()  # again: a no-op
+        with self.assertRaises(ValueError) as cm:
+            g.barrier()
+        self.assertEqual(str(cm.exception), "the group is closed")
+
+    def test_shm_unique(self):
+        uid = epcomm.Group.unique_id()
+        self.assertIsInstance(uid, bytes)
+        self.assertEqual(len(uid), 128)
+        self.assertNotEqual(uid, epcomm.Group.unique_id())
+
+        def rank(r):
+            import numpy as np
+
+            with epcomm.Group.shm_unique(uid, r, 2, timeout_s=30) as g:
+                return g.all_gatherv(np.full((1, 2), r, np.float32), [1, 1]).tolist()
+
+        self.assertEqual(run_threads(2, rank), {r: [[0.0, 0.0], [1.0, 1.0]] for r in (0, 1)})
+
+    def test_shm_unique_rejects_a_short_id(self):
+        with self.assertRaises(ValueError) as cm:
+            epcomm.Group.shm_unique(b"abc", 0, 1)
+        self.assertEqual(
+            str(cm.exception),
+            "unique_id has 3 bytes; expected 128 (the bytes Group.unique_id() returned)",
+        )
+
+    def test_host_callbacks(self):
+        t = QueueTransport(2)
+
+        def rank(r):
+            import numpy as np
+
+            send, recv = t.for_rank(r)
+            with epcomm.Group.host(send, recv, rank=r, world_size=2, name="q") as g:
+                self.assertEqual((g.rank, g.size), (r, 2))
+                rows = np.arange(2 * (r + 1), dtype=np.float32).reshape(r + 1, 2) + 10 * r
+                return g.all_gatherv(rows, [1, 2]).tolist()
+
+        want = [[0.0, 1.0], [10.0, 11.0], [12.0, 13.0]]
+        self.assertEqual(run_threads(2, rank), {0: want, 1: want})
+
+    def test_host_callback_exception_is_an_epcomm_error(self):
+        def send(peer, data):
+            raise ConnectionError(f"no route to rank {peer}")
+
+        def recv(peer, out):
+            raise ConnectionError(f"no route to rank {peer}")
+
+        def all_gather(data, out):
+            raise ConnectionError("all_gather is down")
+
+        with epcomm.Group.host(send, recv, all_gather, rank=0, world_size=2, name="down") as g:
+            with self.assertRaises(RuntimeError) as cm:
+                g.barrier()
+        e = cm.exception
+        self.assertIsInstance(e, epcomm.Error)
+        self.assertEqual(
+            str(e),
+            "host transport all_gather failed during barrier of group 'down' on rank 0: "
+            "callback returned 1; the Python callback raised ConnectionError: all_gather is "
+            "down",
+        )
+        self.assertIsInstance(e.__cause__, ConnectionError)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,261 @@
+"""epcomm.Group.from_torch: a host-transport group over torch.distributed (gloo on 127.0.0.1).
+
+With 2 and 4 ranks, each a real process that, where `unshare` is permitted, runs in its own IPC
+and mount namespace with a private /dev/shm (so the ranks cannot share memory: each checks it
+cannot see the others' files there), dispatch + combine through one backend of every layout and
+an EPLB rearrangement give byte-identical results to the shared-memory group's on the same
+inputs. A dead peer surfaces on the survivor as an epcomm.Error within gloo's (short) timeout.
+
+    PYTHONPATH=python EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_torch_group.py -v
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+# One backend per layout: REPLICATED, TOKEN_MAJOR, EXPERT_MAJOR, EXPERT_PACKED, RANK_MAJOR.
+BACKENDS = (
+    "allgather_reducescatter",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "deepep_v2",
+    "flashinfer_nvlink_two_sided",
+)
+EXPERT_MAJOR, RANK_MAJOR = 2, 4  # layouts whose buckets have padding rows
+E, K, H, M = 8, 2, 8, 8  # experts, top-k, hidden size, max tokens per rank
+LAYERS, LOCAL_SLOTS, COLS = 2, 2, 4
+# How long one rank may take, and gloo's own timeout (what fires for a dead peer).
+RANK_TIMEOUT_S = 120
+GLOO_TIMEOUT_S = 10
+SHM_PROBE = "/dev/shm/epcomm-torch-group-probe-%d"
+
+# ---- a rank ---------------------------------------------------------------------------------
+
+
+def inputs(rank, world):
+    import numpy as np
+
+    rng = np.random.default_rng(1000 * world + rank)
+    t = 3 + rank
+    x = rng.standard_normal((t, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(t)]).astype(np.int64)
+    ids[-1, -1] = -1  # an unused slot
+    w = rng.random((t, K)).astype(np.float32)
+    return x, ids, w
+
+
+def valid_rows(d):
+    """The dispatch outputs without bucket padding (whose bytes are unspecified)."""
+    import numpy as np
+
+    v = {k: d[k] for k in ("hidden", "topk_ids", "topk_weights", "counts", "expert_offsets",
+                           "src_rank", "src_token")}
+    if d["layout"] in (EXPERT_MAJOR, RANK_MAJOR):
+        buckets = d["hidden"].shape[0]
+        mask = np.arange(d["hidden"].shape[1])[None, :] < d["counts"][:, None]
+        v["hidden"] = d["hidden"][mask]
+        for k in ("topk_ids", "topk_weights"):
+            if d[k].size:
+                v[k] = d[k].reshape((buckets, -1) + d[k].shape[1:])[mask]
+    return v
+
+
+def all2all_results(epcomm, g, rank, world):
+    import numpy as np
+
+    out = {}
+    x, ids, w = inputs(rank, world)
+    for backend in BACKENDS:
+        with epcomm.All2All(g, backend, num_experts=E, top_k=K, hidden_size=H,
+                            max_tokens_per_rank=M) as a:
+            d = a.dispatch(x, ids, w)
+            for k, arr in valid_rows(d).items():
+                out[f"{backend}.dispatch.{k}"] = np.ascontiguousarray(arr).tobytes().hex()
+            y = d["hidden"].astype(np.float32) * 2
+            if d["layout"] in (EXPERT_MAJOR, RANK_MAJOR):
+                mask = np.arange(y.shape[1])[None, :] < d["counts"][:, None]
+                y[~mask] = 0
+            combined = np.zeros_like(x)
+            a.combine(y, combined)
+            out[f"{backend}.combine"] = combined.tobytes().hex()
+    return out
+
+
+def eplb_results(epcomm, g, rank, world):
+    import numpy as np
+
+    slots = LOCAL_SLOTS * world
+    old = [list(range(slots)) for _ in range(LAYERS)]
+    rng = np.random.default_rng(world)
+    new = [rng.permutation(slots).tolist() for _ in range(LAYERS)]
+    weights = []
+    for layer in range(LAYERS):
+        mine = old[layer][rank * LOCAL_SLOTS:(rank + 1) * LOCAL_SLOTS]
+        t = np.array([[e * 100 + layer * 10 + c for c in range(COLS)] for e in mine],
+                     np.float32)
+        weights.append([t])
+    with epcomm.EplbCommunicator(g) as comm:
+        summary = comm.rearrange(old, new, weights)
+    out = {f"eplb.layer{l}": weights[l][0].tobytes().hex() for l in range(LAYERS)}
+    out["eplb.summary"] = json.dumps(summary, sort_keys=True)
+    return out
+
+
+def init_torch(rank, world, port):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+    return dist
+
+
+def shm_isolated(dist, rank, world):
+    """How many of the other ranks' files this rank sees in /dev/shm (0 when isolated)."""
+    with open(SHM_PROBE % rank, "w") as f:
+        f.write("x")
+    dist.barrier()
+    seen = sum(os.path.exists(SHM_PROBE % r) for r in range(world) if r != rank)
+    dist.barrier()
+    os.unlink(SHM_PROBE % rank)
+    return seen
+
+
+def rank_main(mode, rank, world, where):
+    import epcomm
+
+    out = {}
+    if mode == "shm":
+        g = epcomm.Group.shm(where, rank, world, timeout_s=60)
+    else:
+        dist = init_torch(rank, world, int(where))
+        out["others_in_dev_shm"] = shm_isolated(dist, rank, world)
+        g = epcomm.Group.from_torch()
+    with g:
+        if mode == "dead":
+            return dead_peer(epcomm, g, rank)
+        assert (g.rank, g.size) == (rank, world)
+        out.update(all2all_results(epcomm, g, rank, world))
+        out.update(eplb_results(epcomm, g, rank, world))
+    return out
+
+
+def dead_peer(epcomm, g, rank):
+    """Rank 1 dies after the group formed; rank 0's next collective must fail with an
+    epcomm.Error (not hang, not crash) within gloo's timeout."""
+    g.barrier()
+    if rank == 1:
+        os._exit(0)
+    import numpy as np
+
+    start = time.monotonic()
+    try:
+        g.all_gatherv(np.ones((1, 4), np.float32), [1, 1])
+        return {"raised": None}
+    except epcomm.Error as e:
+        return {"raised": type(e).__name__, "runtime": isinstance(e, RuntimeError),
+                "message": str(e), "status": e.status,
+                "cause": type(e.__cause__).__name__, "seconds": time.monotonic() - start}
+
+
+# ---- the driver -----------------------------------------------------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unshare_prefix():
+    """The command prefix that runs a rank in its own IPC and mount namespace with a private
+    /dev/shm, or None where that is not permitted (then the ranks say so in the test output)."""
+    if shutil.which("unshare") is None:
+        return None
+    script = 'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"'
+    prefix = ["unshare", "--ipc", "--mount", "sh", "-c", script]
+    ok = subprocess.run(prefix + ["true"], capture_output=True, timeout=30).returncode == 0
+    return prefix if ok else None
+
+
+def run_ranks(test, mode, world, where, prefix=None, expect_exit=None):
+    """Runs `world` rank processes; returns their results by rank."""
+    tmp = tempfile.mkdtemp(prefix="epcomm-torch-group-")
+    procs = []
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    for rank in range(world):
+        out = os.path.join(tmp, f"{rank}.json")
+        cmd = (prefix or []) + [sys.executable, os.path.abspath(__file__), "--rank", mode,
+                                str(rank), str(world), str(where), out]
+        procs.append((subprocess.Popen(cmd, env=env), out))
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    results = {}
+    for rank, (p, out) in enumerate(procs):
+        try:
+            rc = p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:
+                q.kill()
+            test.fail(f"{mode} world {world}: rank {rank} still running after {RANK_TIMEOUT_S} s")
+        if expect_exit is None or rank not in expect_exit:
+            test.assertEqual(rc, 0, f"{mode} world {world}: rank {rank} exited with {rc}")
+            with open(out) as f:
+                results[rank] = json.load(f)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+class FromTorchTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.prefix = unshare_prefix()
+        if cls.prefix is None:
+            print("NOTE: unshare --ipc --mount is not permitted here: the torch ranks share "
+                  "/dev/shm (the host group still uses only torch.distributed)", file=sys.stderr)
+
+    def check_world(self, world):
+        torch_runs = run_ranks(self, "torch", world, free_port(), self.prefix)
+        shm_runs = run_ranks(self, "shm", world, f"torch-ref-{os.getpid()}-{world}")
+        for rank in range(world):
+            got, want = dict(torch_runs[rank]), shm_runs[rank]
+            seen = got.pop("others_in_dev_shm")
+            if self.prefix is not None:
+                self.assertEqual(seen, 0, f"rank {rank} sees other ranks' /dev/shm")
+            self.assertEqual(sorted(got), sorted(want))
+            for key in sorted(want):
+                self.assertEqual(got[key], want[key], f"world {world} rank {rank}: {key}")
+
+    def test_two_ranks_match_shm(self):
+        self.check_world(2)
+
+    def test_four_ranks_match_shm(self):
+        self.check_world(4)
+
+    def test_dead_peer_is_an_epcomm_error(self):
+        r = run_ranks(self, "dead", 2, free_port(), self.prefix, expect_exit={1})[0]
+        self.assertEqual(r["raised"], "EpcommRuntimeError", r)
+        self.assertTrue(r["runtime"], r)
+        self.assertEqual(r["status"], 5, r)
+        # The rest is gloo's own text (which names the peer's address).
+        prefix = ("host transport all_gather failed during all_gatherv of group 'torch' on "
+                  "rank 0: callback returned 1; the Python callback raised RuntimeError: ")
+        self.assertTrue(r["message"].startswith(prefix), r["message"])
+        self.assertEqual(r["cause"], "RuntimeError", r)
+        self.assertLess(r["seconds"], GLOO_TIMEOUT_S + 20, r)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        mode, rank, world, where, path = sys.argv[2:7]
+        result = rank_main(mode, int(rank), int(world), where)
+        with open(path, "w") as f:
+            json.dump(result, f)
+        sys.exit(0)
+    unittest.main()
