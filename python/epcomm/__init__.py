@@ -16,6 +16,7 @@ import ctypes
 import json
 from typing import Any, Dict, Union
 
+from ._dlpack import Buffer
 from ._lib import load_library, logger
 from ._tensor import dtype_name
 from .all2all import All2All
@@ -47,6 +48,7 @@ __all__ = [
     "dtype_name",
     "Group",
     "All2All",
+    "Buffer",
     "EplbCommunicator",
     "eplb_rebalance",
     "load_library",

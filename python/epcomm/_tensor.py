@@ -4,7 +4,7 @@ the library as DLPack DLTensors without copies, dtype names, and copies of epcom
 from __future__ import annotations
 
 import ctypes
-from typing import Any, List, Optional
+from typing import Any, List
 
 from ._lib import DType, Tensor, cp, i64p, vp
 from .errors import InvalidArgumentError
@@ -237,7 +237,3 @@ def to_numpy(t: Tensor) -> Any:
     buf = (ctypes.c_char * (n * np.dtype(kind).itemsize)).from_address(t.data)
     return np.frombuffer(buf, kind).reshape(shape).copy()
 
-
-def optional_arg(obj: Optional[Any], what: str) -> Optional[Arg]:
-    """``Arg(obj)``, or None for None."""
-    return None if obj is None else Arg(obj, what)

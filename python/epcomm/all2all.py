@@ -6,6 +6,7 @@ import ctypes
 from typing import Any, Dict
 
 from ._lib import DispatchOutput, MoeConfig, Tensor, load_library, vp
+from ._dlpack import Buffer
 from ._tensor import Arg, dtype_struct, to_numpy
 from .errors import check
 from .group import Group
@@ -54,9 +55,13 @@ class All2All:
         self._h = h
         self._group = group  # the group must outlive the manager
 
-    def dispatch(self, hidden: Any, topk_ids: Any, topk_weights: Any) -> Dict[str, Any]:
-        """Dispatches this rank's tokens (collective); returns a dict of numpy copies of the
-        layout's outputs, with "layout" and "received_rows"."""
+    def dispatch(
+        self, hidden: Any, topk_ids: Any, topk_weights: Any, views: bool = False
+    ) -> Dict[str, Any]:
+        """Dispatches this rank's tokens (collective); returns a dict of the layout's outputs,
+        with "layout" and "received_rows": numpy copies, or with ``views=True`` ``Buffer``s
+        (``__dlpack__``: ``torch.from_dlpack`` views them without a copy) valid until the next
+        dispatch or close."""
         lib = load_library()
         out = DispatchOutput()
         try:
@@ -75,10 +80,11 @@ class All2All:
                 self._h, args[0].ptr, args[1].ptr, args[2].ptr, None, 0, ctypes.byref(out)
             )
         )
-        views: Dict[str, Any] = {name: to_numpy(getattr(out, name)) for name in OUTPUT_TENSORS}
-        views["layout"] = out.layout
-        views["received_rows"] = out.received_rows
-        return views
+        wrap = (lambda t: Buffer(t, self)) if views else to_numpy
+        result: Dict[str, Any] = {name: wrap(getattr(out, name)) for name in OUTPUT_TENSORS}
+        result["layout"] = out.layout
+        result["received_rows"] = out.received_rows
+        return result
 
     def combine(self, expert_output: Any, out: Any) -> Any:
         """Combines expert outputs (the dispatch output's shape) into `out` ([T, hidden]), in

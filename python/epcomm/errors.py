@@ -25,24 +25,22 @@ class Error(Exception):
         self.hint = hint
 
 
-class InvalidArgumentError(Error, ValueError):
-    """A bad argument (EPCOMM_ERROR_INVALID_ARGUMENT, EPCOMM_ERROR_NULL_POINTER)."""
+def _both(builtin: type, doc: str) -> Type[Error]:
+    """A class that is an Error and ``builtin``, named as ``builtin`` (so a traceback, or code
+    reading ``type(e).__name__``, shows vLLM's class name)."""
+    return type(builtin.__name__, (Error, builtin), {"__doc__": doc, "__module__": __name__})
 
 
-class EpcommAssertionError(Error, AssertionError):
-    """A condition vLLM asserts (EPCOMM_ERROR_ASSERTION)."""
-
-
-class EpcommNotImplementedError(Error, NotImplementedError):
-    """What vLLM does not implement either (EPCOMM_ERROR_NOT_IMPLEMENTED)."""
-
-
-class EpcommRuntimeError(Error, RuntimeError):
-    """A failure at run time: a peer, the transport, an unavailable backend, an internal error."""
-
-
-class EpcommTimeoutError(Error, TimeoutError):
-    """A peer that did not arrive in time (EPCOMM_ERROR_TIMEOUT)."""
+#: A bad argument (EPCOMM_ERROR_INVALID_ARGUMENT, EPCOMM_ERROR_NULL_POINTER): a ValueError.
+InvalidArgumentError = _both(ValueError, "A bad argument: an epcomm.Error and a ValueError.")
+#: A condition vLLM asserts (EPCOMM_ERROR_ASSERTION): an AssertionError.
+EpcommAssertionError = _both(AssertionError, "A failed assertion vLLM makes too.")
+#: What vLLM does not implement either (EPCOMM_ERROR_NOT_IMPLEMENTED).
+EpcommNotImplementedError = _both(NotImplementedError, "What vLLM does not implement either.")
+#: A failure at run time: a peer, the transport, an unavailable backend, an internal error.
+EpcommRuntimeError = _both(RuntimeError, "A failure at run time (a peer, the transport, ...).")
+#: A peer that did not arrive in time (EPCOMM_ERROR_TIMEOUT): a TimeoutError.
+EpcommTimeoutError = _both(TimeoutError, "A peer that did not arrive in time.")
 
 
 # Keyed by the builtin class name epcomm_status_exception returns.

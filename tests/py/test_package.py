@@ -187,6 +187,53 @@ class PackageTest(unittest.TestCase):
         self.assertEqual((out.returncode, out.stdout), (0, "False\n"), out.stderr)
 
 
+class ViewsTest(unittest.TestCase):
+    """dispatch(views=True): Buffers that numpy and torch view through DLPack without copies."""
+
+    def dispatch(self, a, np):
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        ids = np.array([[0, 1], [2, 3]], np.int64)
+        return a.dispatch(x, ids, np.ones((2, 2), np.float32), views=True)
+
+    def test_numpy_views_share_memory(self):
+        import numpy as np
+
+        with epcomm.Group.shm(unique("views"), 0, 1) as g, epcomm.All2All(
+            g, "deepep_high_throughput", num_experts=4, top_k=2, hidden_size=4,
+            max_tokens_per_rank=4,
+        ) as a:
+            d = self.dispatch(a, np)
+            self.assertEqual(repr(d["hidden"]), "epcomm.Buffer(shape=(2, 4), dtype=float32)")
+            self.assertEqual(d["hidden"].__dlpack_device__(), (1, 0))
+            h = np.from_dlpack(d["hidden"])
+            self.assertEqual(h.tolist(), [[0, 1, 2, 3], [4, 5, 6, 7]])
+            # epcomm's memory itself (numpy marks a pre-1.0 DLPack import read-only).
+            self.assertEqual(h.ctypes.data, d["hidden"]._data)
+            self.assertEqual(d["hidden"].numpy().tolist(), h.tolist())
+            self.assertEqual(np.from_dlpack(d["counts"]).tolist(), [1, 1, 1, 1])
+            self.assertEqual(np.from_dlpack(d["src_rank"]).shape, (0,))
+
+    def test_torch_views_bfloat16(self):
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("SKIPPED: torch is not installed")
+        self.assertEqual(epcomm.dtype_name(torch.bfloat16), "bfloat16")
+        self.assertEqual(epcomm.dtype_name(torch.half), "float16")
+        with epcomm.Group.shm(unique("tviews"), 0, 1) as g, epcomm.All2All(
+            g, "deepep_high_throughput", num_experts=4, top_k=2, hidden_size=4,
+            dtype=torch.bfloat16, max_tokens_per_rank=4,
+        ) as a:
+            x = torch.arange(8, dtype=torch.bfloat16).reshape(2, 4)
+            d = a.dispatch(x, torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2), views=True)
+            h = torch.from_dlpack(d["hidden"])
+            self.assertEqual(h.dtype, torch.bfloat16)
+            self.assertTrue(torch.equal(h, x))
+            self.assertEqual(h.data_ptr(), d["hidden"]._data)
+            h[0, 0] = 42  # the same memory: a second view sees the write
+            self.assertEqual(torch.from_dlpack(d["hidden"])[0, 0].item(), 42)
+
+
 class GroupTest(unittest.TestCase):
     def test_shm_context_manager_and_close(self):
         with epcomm.Group.shm(unique("ctx"), 0, 1) as g:
