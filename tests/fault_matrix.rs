@@ -50,6 +50,7 @@ use epcomm::num::{self, FloatKind};
 use epcomm::Status;
 
 use common::eplb_fixture::{self, Weights};
+use common::moe_fixture::{round_trip_error, Tokens};
 use ranks::{shm_leftovers, wait_all, Finished};
 
 const WORLD: usize = 3;
@@ -125,19 +126,8 @@ fn dispatch_combine(g: &mut ShmGroup, rank: usize) -> epcomm::Result<()> {
     let experts = ToyExperts::new(EXPERTS, HIDDEN, 7);
     let mut m = Manager::new(BACKEND, moe_cfg(HIDDEN), rank, WORLD)?;
     let (x, ids, ws) = tokens(rank, HIDDEN);
-    let xb = num::from_f32(&x, FloatKind::F32);
-    let v = m.dispatch(g, &xb, &ids, &ws, &[])?;
-    let y = experts.run_local(&v, FloatKind::F32, rank, WORLD, TOP_K);
-    let y = num::from_f32(&y, FloatKind::F32);
-    let mut out = vec![0u8; x.len() * 4];
-    m.combine(g, &y, &mut out)?;
-    let got = num::to_f32(&out, FloatKind::F32);
-    let want = experts.reference(&x, &ids, &ws, TOP_K, false);
-    let err = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
-        .fold(0f32, f32::max);
+    let t = Tokens { x, ids, ws };
+    let err = round_trip_error(&mut m, g, &experts, &t, (rank, WORLD, TOP_K))?;
     assert!(
         err <= 1e-5,
         "rank {rank}: combine differs from the reference by {err}"

@@ -14,6 +14,7 @@ use epcomm::num::{self, FloatKind};
 
 use super::{Class, EPLB, JOBS, RESULT};
 use crate::common::eplb_fixture::{self, Weights};
+use crate::common::moe_fixture::{round_trip_error, Tokens};
 
 /// Ranks of a signal or tamper run; a same-name run has two jobs of `SAME_NAME_WORLD`.
 pub const WORLD: usize = 3;
@@ -132,19 +133,8 @@ fn moe(g: &mut ShmGroup, rank: usize, done: &mut u64) -> Result<(), StepError> {
     let mut m = Manager::new(BACKEND, moe_cfg(), rank, WORLD)?;
     for step in 0..steps(Class::Moe) {
         let (x, ids, ws) = tokens(rank, step);
-        let xb = num::from_f32(&x, FloatKind::F32);
-        let v = m.dispatch(g, &xb, &ids, &ws, &[])?;
-        let y = experts.run_local(&v, FloatKind::F32, rank, WORLD, TOP_K);
-        let y = num::from_f32(&y, FloatKind::F32);
-        let mut out = vec![0u8; x.len() * 4];
-        m.combine(g, &y, &mut out)?;
-        let got = num::to_f32(&out, FloatKind::F32);
-        let want = experts.reference(&x, &ids, &ws, TOP_K, false);
-        let err = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
-            .fold(0f32, f32::max);
+        let t = Tokens { x, ids, ws };
+        let err = round_trip_error(&mut m, g, &experts, &t, (rank, WORLD, TOP_K))?;
         if err > 1e-5 {
             return Err(StepError::Wrong(format!(
                 "step {step}: combine differs from the reference by {err}"
