@@ -5,9 +5,7 @@ use super::ShmGroup;
 use crate::error::{Error, Result};
 use crate::group::agree;
 use crate::group::rows;
-use crate::group::{
-    check_len, check_p2p, check_rank, check_reduce_scatterv, check_sizes, Group, Op, P2p,
-};
+use crate::group::{check_len, check_p2p, check_sizes, Group, Op, P2p};
 use crate::num::FloatKind;
 
 impl Group for ShmGroup {
@@ -39,16 +37,9 @@ impl Group for ShmGroup {
         let op = Op::AllGatherv;
         self.check_usable(op)?;
         let me = self.rank;
-        let local = check_sizes("sizes", op, sizes, self.world).and_then(|total| {
-            check_len("input", op, input.len(), sizes[me], &format!("sizes[{me}]"))?;
-            check_len("output", op, output.len(), total, "sum(sizes)")?;
-            Ok(total)
-        });
-        let params = [
-            agree::number("sum(sizes)", *local.as_ref().unwrap_or(&0)),
-            agree::list("sizes", sizes),
-        ];
-        self.run_agreed(op, local.map(drop), &params, &[], &[input], |g| {
+        let (local, params) =
+            agree::all_gatherv_args(me, self.world, input.len(), sizes, output.len());
+        self.run_agreed(op, local, &params, &[], &[input], |g| {
             let mut off = 0;
             for (p, &len) in sizes.iter().enumerate() {
                 let dst = &mut output[off..off + len];
@@ -81,7 +72,7 @@ impl Group for ShmGroup {
         let op = Op::ReduceScatterv;
         self.check_usable(op)?;
         let me = self.rank;
-        let local = check_reduce_scatterv(
+        let (local, params) = agree::reduce_scatterv_args(
             me,
             self.world,
             input.len(),
@@ -91,15 +82,6 @@ impl Group for ShmGroup {
             output.len(),
         );
         let (row_bytes, first_row) = *local.as_ref().unwrap_or(&(0, 0));
-        let params = [
-            agree::dtype("dtype", kind),
-            agree::number("row_elems", row_elems),
-            agree::number(
-                "sum(rows)",
-                rows.iter().fold(0usize, |a, &r| a.wrapping_add(r)),
-            ),
-            agree::list("rows", rows),
-        ];
         self.run_agreed(op, local.map(drop), &params, &[], &[input], |g| {
             let mut sources: Vec<Payload<'_>> = Vec::with_capacity(g.world);
             for p in 0..g.world {
@@ -329,17 +311,13 @@ impl Group for ShmGroup {
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
         let op = Op::Broadcast;
         self.check_usable(op)?;
-        let local = check_rank("root", op, root, self.world);
+        let (local, params) = agree::broadcast_args(self.world, root, data.len());
         let me = self.rank;
         let mine: Vec<u8> = if me == root {
             data.to_vec()
         } else {
             Vec::new()
         };
-        let params = [
-            agree::number("root", root),
-            agree::number("byte count", data.len()),
-        ];
         self.run_agreed(op, local, &params, &[root as u64], &[&mine], |g| {
             if me == root {
                 return Ok(());
