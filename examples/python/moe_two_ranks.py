@@ -8,7 +8,9 @@ and [70, 42] on rank 1 whatever the backend's layout.
 """
 import multiprocessing as mp
 import os
+import queue
 import sys
+import time
 
 import numpy as np
 
@@ -17,6 +19,7 @@ import epcomm
 X = [np.array([[10], [11], [12]], np.float32), np.array([[20], [21]], np.float32)]
 IDS = [np.array([[0, 2], [1, 0], [3, -1]], np.int32), np.array([[2, 3], [1, -1]], np.int32)]
 W = [np.array([[.5, .5], [.25, .75], [1, 0]], np.float32), np.array([[.5, .5], [1, 0]], np.float32)]
+TIMEOUT_S = 60
 
 
 def expert_side(rank, d):
@@ -43,14 +46,29 @@ def expert_side(rank, d):
 
 
 def rank_main(rank, backend, name, q):
-    g = epcomm.Group(name, rank, 2)
-    a = epcomm.All2All(g, backend, num_experts=4, top_k=2, hidden_size=1, max_tokens_per_rank=3)
-    d = a.dispatch(X[rank], IDS[rank], W[rank])
-    out = np.zeros_like(X[rank])
-    a.combine(expert_side(rank, d), out)
-    a.close()
-    g.close()
+    with epcomm.Group.shm(name, rank, 2, timeout_s=TIMEOUT_S) as g, epcomm.All2All(
+        g, backend, num_experts=4, top_k=2, hidden_size=1, max_tokens_per_rank=3
+    ) as a:
+        d = a.dispatch(X[rank], IDS[rank], W[rank])
+        out = np.zeros_like(X[rank])
+        a.combine(expert_side(rank, d), out)
     q.put((rank, out.ravel().tolist()))
+
+
+def collect(procs, q):
+    """Each rank's result; stops at once when a rank exits without one."""
+    results, deadline = {}, time.monotonic() + TIMEOUT_S
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, values = q.get(timeout=0.2)
+            results[rank] = values
+        except queue.Empty:
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                sys.exit(f"rank {failed[0]} failed (exit code {procs[failed[0]].exitcode})")
+    if len(results) < len(procs):
+        sys.exit(f"no result from every rank within {TIMEOUT_S} s")
+    return results
 
 
 if __name__ == "__main__":
@@ -60,8 +78,12 @@ if __name__ == "__main__":
     procs = [mp.Process(target=rank_main, args=(r, backend, name, q)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(q.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        results = collect(procs, q)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
     print(f"{backend}: rank 0 -> {results[0]}, rank 1 -> {results[1]}")
     sys.exit(0 if results[0] == [20.0, 13.75, 48.0] and results[1] == [70.0, 42.0] else 1)

@@ -251,6 +251,22 @@ class FromTorchTest(unittest.TestCase):
         self.assertLess(r["seconds"], GLOO_TIMEOUT_S + 20, r)
 
 
+class ExampleTest(unittest.TestCase):
+    """examples/python/torch_two_ranks.py gives the worked example's results on every layout."""
+
+    def test_torch_two_ranks(self):
+        here = os.path.dirname(os.path.abspath(__file__))
+        example = os.path.join(here, "..", "..", "examples", "python", "torch_two_ranks.py")
+        for backend in BACKENDS:
+            out = subprocess.run([sys.executable, example, backend], capture_output=True,
+                                 text=True, timeout=RANK_TIMEOUT_S)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertEqual(
+                out.stdout,
+                f"{backend}: rank 0 -> [20.0, 13.75, 48.0], rank 1 -> [70.0, 42.0]\n",
+            )
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         mode, rank, world, where, path = sys.argv[2:7]
