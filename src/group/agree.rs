@@ -5,7 +5,7 @@
 //! then calls [`verdict`], which checks them in the same order on every rank, so every rank
 //! reaches the same outcome.
 
-use super::{check_len, check_rank, check_reduce_scatterv, check_sizes, Op};
+use super::{check_len, check_rank, check_reduce_scatterv, check_sizes, Op, P2p};
 use crate::error::{Error, Result};
 use crate::num::FloatKind;
 
@@ -163,6 +163,96 @@ pub(crate) fn reduce_scatterv_args(
 pub(crate) fn broadcast_args(world: usize, root: usize, len: usize) -> (Result<()>, [Param; 2]) {
     let local = check_rank("root", Op::Broadcast, root, world);
     (local, [number("root", root), number("byte count", len)])
+}
+
+/// all_to_allv: every pair checked in the same order on every rank — rank r's
+/// `send_sizes[p]` (`sent(r, p)`) against rank p's `recv_sizes[r]` (`expected(p, r)`).
+pub(crate) fn check_size_matrix(
+    world: usize,
+    sent: &dyn Fn(usize, usize) -> u64,
+    expected: &dyn Fn(usize, usize) -> u64,
+) -> Result<()> {
+    for r in 0..world {
+        for p in 0..world {
+            let (s, e) = (sent(r, p), expected(p, r));
+            if s == e {
+                continue;
+            }
+            return Err(Error::InvalidArgument(if r == p {
+                format!("all_to_allv: rank {r} sends {s} bytes to itself but expects {e}; no data was exchanged")
+            } else {
+                format!("all_to_allv: rank {r} sends {s} bytes to rank {p} but recv_sizes[{r}] on rank {p} is {e}; no data was exchanged")
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// A rank's send_recv batch as words every rank can check: `[sends, receives, (peer, bytes)
+/// per send in issue order, (peer, bytes) per receive in issue order]`.
+pub(crate) fn p2p_words(ops: &[P2p<'_>]) -> Vec<u64> {
+    let pair = |peer: &usize, len: usize| [*peer as u64, len as u64];
+    let sends: Vec<u64> = ops
+        .iter()
+        .flat_map(|o| match o {
+            P2p::Send { peer, data } => Some(pair(peer, data.len())),
+            P2p::Recv { .. } => None,
+        })
+        .flatten()
+        .collect();
+    let recvs: Vec<u64> = ops
+        .iter()
+        .flat_map(|o| match o {
+            P2p::Send { .. } => None,
+            P2p::Recv { peer, data } => Some(pair(peer, data.len())),
+        })
+        .flatten()
+        .collect();
+    let mut w = vec![(sends.len() / 2) as u64, (recvs.len() / 2) as u64];
+    w.extend(sends);
+    w.extend(recvs);
+    w
+}
+
+/// The byte counts of the sends (`sends` true) or receives in [`p2p_words`] `w` that name
+/// `peer`, in issue order; `None` when `w` is not well formed.
+fn p2p_lens(w: &[u64], sends: bool, peer: usize) -> Option<Vec<u64>> {
+    let (ns, nr) = (*w.first()? as usize, *w.get(1)? as usize);
+    let all = w.get(2..2 + 2 * (ns.checked_add(nr)?))?;
+    let list = if sends {
+        &all[..2 * ns]
+    } else {
+        &all[2 * ns..]
+    };
+    Some(
+        list.chunks_exact(2)
+            .filter(|m| m[0] == peer as u64)
+            .map(|m| m[1])
+            .collect(),
+    )
+}
+
+/// send_recv: for every ordered pair (a, b), a ≠ b, in the same order on every rank, the
+/// sizes of a's messages to b must be those of b's receives from a (`lists(p)` = rank p's
+/// [`p2p_words`]).
+pub(crate) fn check_messages(world: usize, lists: &dyn Fn(usize) -> Vec<u64>) -> Result<()> {
+    let all: Vec<Vec<u64>> = (0..world).map(lists).collect();
+    for a in 0..world {
+        for b in (0..world).filter(|&b| b != a) {
+            let (out, inn) = (p2p_lens(&all[a], true, b), p2p_lens(&all[b], false, a));
+            let (Some(out), Some(inn)) = (out, inn) else {
+                return Err(Error::Internal(format!(
+                    "send_recv: the message list of rank {a} or {b} is malformed"
+                )));
+            };
+            if out != inn {
+                return Err(Error::InvalidArgument(format!(
+                    "send_recv: rank {a} sends messages of {out:?} bytes to rank {b}, but rank {b} posted receives of {inn:?} bytes; no data was exchanged"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -328,16 +328,6 @@ fn chunk(sizes: &[usize], r: usize) -> std::ops::Range<usize> {
     s..s + sizes[r]
 }
 
-/// This rank's sends (`Send`) or receives, as (peer, bytes) in issue order.
-fn p2p_list(ops: &[P2p<'_>], sends: bool) -> Vec<(usize, usize)> {
-    ops.iter()
-        .filter_map(|o| match o {
-            P2p::Send { peer, data } => sends.then_some((*peer, data.len())),
-            P2p::Recv { peer, data } => (!sends).then_some((*peer, data.len())),
-        })
-        .collect()
-}
-
 impl Group for HostGroup {
     fn rank(&self) -> usize {
         self.rank
@@ -457,9 +447,10 @@ impl Group for HostGroup {
         let op = Op::SendRecv;
         let me = self.rank;
         let local = check_p2p(ops, me, self.world).and_then(|()| copy_self_sends(ops, me));
-        let (sends, recvs) = (p2p_list(ops, true), p2p_list(ops, false));
-        self.run(op, local, &[], [sends.len(), recvs.len()], |g, heads| {
-            g.agree_messages(heads, &sends, &recvs)?;
+        let words = agree::p2p_words(ops);
+        let counts = [words[0] as usize, words[1] as usize];
+        self.run(op, local, &[], counts, |g, heads| {
+            g.agree_messages(heads, &words)?;
             g.rounds(|g, p| {
                 if me < p {
                     g.send_all_to(ops, p)?;
@@ -528,67 +519,20 @@ impl HostGroup {
         let all: Vec<u64> = bytes::to_vec(&all);
         let sent = |r: usize, p: usize| all[r * 2 * world + p];
         let expected = |p: usize, r: usize| all[p * 2 * world + world + r];
-        for r in 0..world {
-            for p in 0..world {
-                let (s, e) = (sent(r, p), expected(p, r));
-                if s == e {
-                    continue;
-                }
-                return Err(Error::InvalidArgument(if r == p {
-                    format!("all_to_allv: rank {r} sends {s} bytes to itself but expects {e}; no data was exchanged")
-                } else {
-                    format!("all_to_allv: rank {r} sends {s} bytes to rank {p} but recv_sizes[{r}] on rank {p} is {e}; no data was exchanged")
-                }));
-            }
-        }
-        Ok(())
+        agree::check_size_matrix(world, &sent, &expected)
     }
 
-    /// send_recv: gathers every rank's message lists (the counts came with the headers) and
-    /// checks every ordered pair in the same order on every rank.
-    fn agree_messages(
-        &mut self,
-        heads: &Headers,
-        sends: &[(usize, usize)],
-        recvs: &[(usize, usize)],
-    ) -> Result<()> {
-        let world = self.world;
-        let words = |l: &[(usize, usize)]| -> Vec<u64> {
-            l.iter().flat_map(|&(p, n)| [p as u64, n as u64]).collect()
-        };
-        let mine: Vec<u64> = [words(sends), words(recvs)].concat();
-        let sizes: Vec<usize> = (0..world)
-            .map(|p| 16 * (heads.count(p, 0) + heads.count(p, 1)))
+    /// send_recv: gathers every rank's message lists (`agree::p2p_words`; their lengths came
+    /// with the headers) and checks every ordered pair in the same order on every rank.
+    fn agree_messages(&mut self, heads: &Headers, mine: &[u64]) -> Result<()> {
+        let sizes: Vec<usize> = (0..self.world)
+            .map(|p| 8 * (2 + 2 * (heads.count(p, 0) + heads.count(p, 1))))
             .collect();
         let mut all = vec![0u8; sizes.iter().sum()];
-        self.gather_v(Op::SendRecv, bytes::as_bytes(&mine), &sizes, &mut all)?;
-        let all: Vec<u64> = bytes::to_vec(&all);
+        self.gather_v(Op::SendRecv, bytes::as_bytes(mine), &sizes, &mut all)?;
         let start = bytes_before(&sizes);
-        // Rank p's sends (`which` 0) or receives (1) that name peer q, as byte counts.
-        let lens = |p: usize, which: usize, q: usize| -> Vec<u64> {
-            let w = &all[start[p] / 8..];
-            let (n0, n1) = (heads.count(p, 0), heads.count(p, 1));
-            let list = if which == 0 {
-                &w[..2 * n0]
-            } else {
-                &w[2 * n0..2 * (n0 + n1)]
-            };
-            list.chunks_exact(2)
-                .filter(|m| m[0] == q as u64)
-                .map(|m| m[1])
-                .collect()
-        };
-        for a in 0..world {
-            for b in (0..world).filter(|&b| b != a) {
-                let (out, inn) = (lens(a, 0, b), lens(b, 1, a));
-                if out != inn {
-                    return Err(Error::InvalidArgument(format!(
-                        "send_recv: rank {a} sends messages of {out:?} bytes to rank {b}, but rank {b} posted receives of {inn:?} bytes; no data was exchanged"
-                    )));
-                }
-            }
-        }
-        Ok(())
+        let lists = |p: usize| bytes::to_vec(&all[start[p]..start[p] + sizes[p]]);
+        agree::check_messages(self.world, &lists)
     }
 }
 
