@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Dict
 
+from ._handle import Handle
 from ._lib import DispatchOutput, MoeConfig, Tensor, load_library, vp
 from ._dlpack import Buffer
 from ._tensor import Arg, dtype_struct, to_numpy
@@ -16,10 +17,12 @@ from .group import Group
 OUTPUT_TENSORS = tuple(name for name, kind in DispatchOutput._fields_ if kind is Tensor)
 
 
-class All2All:
+class All2All(Handle):
     """A MoE dispatch/combine manager for a vLLM all2all backend name over ``group``. Dtypes
     are names ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", ...), torch dtypes or
     numpy dtypes. A context manager; ``close()`` may be called any number of times."""
+
+    _DESTROY = "epcomm_all2all_destroy"
 
     def __init__(
         self,
@@ -101,21 +104,3 @@ class All2All:
         self._group.check(lib.epcomm_all2all_combine(self._h, a.ptr, o.ptr))
         o.finish()
         return out
-
-    def close(self) -> None:
-        """Releases the manager (idempotent); its group stays open."""
-        if self._h:
-            load_library().epcomm_all2all_destroy(self._h)
-            self._h = vp()
-
-    def __enter__(self) -> "All2All":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

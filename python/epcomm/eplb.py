@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Dict, List, Optional, Sequence
 
+from ._handle import Handle
 from ._lib import DEVICE_CPU, EplbSelectRequest, EplbSummary, Tensor, load_library, vp
 from ._tensor import Arg
 from .errors import InvalidArgumentError, check
@@ -46,10 +47,12 @@ def _maps(maps: Sequence[Sequence[int]], what: str) -> "tuple[Any, int, int]":
     return (ctypes.c_int64 * max(len(flat), 1))(*flat), len(rows), slots
 
 
-class EplbCommunicator:
+class EplbCommunicator(Handle):
     """vLLM's EPLB communicator over ``group``, chosen by vLLM's rules (``communicator``: a
     name such as "torch_gloo", or None for automatic selection) for CPU weights. A context
     manager; ``close()`` may be called any number of times."""
+
+    _DESTROY = "epcomm_eplb_communicator_destroy"
 
     def __init__(self, group: Group, communicator: Optional[str] = None, elastic: bool = False):
         self._h = vp()
@@ -103,21 +106,3 @@ class EplbCommunicator:
             )
         )
         return {name: getattr(summary, name) for name, _ in EplbSummary._fields_}
-
-    def close(self) -> None:
-        """Releases the communicator (idempotent)."""
-        if self._h:
-            load_library().epcomm_eplb_communicator_destroy(self._h)
-            self._h = vp()
-
-    def __enter__(self) -> "EplbCommunicator":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

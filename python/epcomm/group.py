@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Callable, List, Optional, Sequence
 
+from ._handle import Handle
 from ._lib import (
     ALL_GATHER_FN,
     BARRIER_FN,
@@ -104,11 +105,13 @@ class _HostTransport:
         raise err
 
 
-class Group:
+class Group(Handle):
     """A process group. ``Group(name, rank, world_size)`` (or ``Group.shm``) is a shared-memory
     group of processes or threads on one host; ``Group.shm_unique`` one found by an id instead
     of a name; ``Group.host`` and ``Group.from_torch`` run over the host's own transport, across
     machines. A context manager; ``close()`` may be called any number of times."""
+
+    _DESTROY = "epcomm_group_destroy"
 
     def __init__(
         self, name: str, rank: int, world_size: int, timeout_s: Optional[float] = None
@@ -267,24 +270,6 @@ class Group:
     def reduce_scatterv(self, x: Any, sizes: Sequence[int]) -> Any:
         """Sums every rank's rows and returns this rank's slice (float32/float16)."""
         return self._gather_like("epcomm_group_reduce_scatterv", x, sizes, sizes[self.rank])
-
-    def close(self) -> None:
-        """Leaves the group (idempotent)."""
-        if self._h:
-            load_library().epcomm_group_destroy(self._h)
-            self._h = vp()
-
-    def __enter__(self) -> "Group":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 __all__: List[str] = ["Group", "SendFn", "RecvFn", "AllGatherFn"]

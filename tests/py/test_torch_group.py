@@ -196,16 +196,25 @@ def run_ranks(test, mode, world, where, prefix=None, expect_exit=None):
                                 str(rank), str(world), str(where), out]
         procs.append((subprocess.Popen(cmd, env=env), out))
     deadline = time.monotonic() + RANK_TIMEOUT_S
+    codes = {}
+    try:
+        for rank, (p, _) in enumerate(procs):
+            try:
+                codes[rank] = p.wait(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+    finally:  # no rank outlives the test, whatever happened
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     results = {}
-    for rank, (p, out) in enumerate(procs):
-        try:
-            rc = p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q, _ in procs:
-                q.kill()
+    for rank, (_, out) in enumerate(procs):
+        if rank not in codes:
             test.fail(f"{mode} world {world}: rank {rank} still running after {RANK_TIMEOUT_S} s")
         if expect_exit is None or rank not in expect_exit:
-            test.assertEqual(rc, 0, f"{mode} world {world}: rank {rank} exited with {rc}")
+            test.assertEqual(codes[rank], 0, f"{mode} world {world}: rank {rank} exited with "
+                             f"{codes[rank]}")
             with open(out) as f:
                 results[rank] = json.load(f)
     shutil.rmtree(tmp, ignore_errors=True)
