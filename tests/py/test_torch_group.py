@@ -4,7 +4,8 @@ With 2 and 4 ranks, each a real process that, where `unshare` is permitted, runs
 and mount namespace with a private /dev/shm (so the ranks cannot share memory: each checks it
 cannot see the others' files there), dispatch + combine through one backend of every layout and
 an EPLB rearrangement give byte-identical results to the shared-memory group's on the same
-inputs. A dead peer surfaces on the survivor as an epcomm.Error within gloo's (short) timeout.
+inputs. A dead peer, or one that stops answering, surfaces on the survivor as an epcomm.Error
+(at once, or when gloo's short timeout fires).
 
     PYTHONPATH=python EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_torch_group.py -v
 """
@@ -12,6 +13,7 @@ inputs. A dead peer surfaces on the survivor as an epcomm.Error within gloo's (s
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -139,19 +141,22 @@ def rank_main(mode, rank, world, where):
         out["others_in_dev_shm"] = shm_isolated(dist, rank, world)
         g = epcomm.Group.from_torch()
     with g:
-        if mode == "dead":
-            return dead_peer(epcomm, g, rank)
+        if mode in ("dead", "stopped"):
+            return lost_peer(epcomm, g, rank, mode)
         assert (g.rank, g.size) == (rank, world)
         out.update(all2all_results(epcomm, g, rank, world))
         out.update(eplb_results(epcomm, g, rank, world))
     return out
 
 
-def dead_peer(epcomm, g, rank):
-    """Rank 1 dies after the group formed; rank 0's next collective must fail with an
-    epcomm.Error (not hang, not crash) within gloo's timeout."""
+def lost_peer(epcomm, g, rank, mode):
+    """Rank 1 dies ("dead") or stops answering ("stopped": SIGSTOP) after the group formed;
+    rank 0's next collective must fail with an epcomm.Error (not hang, not crash): at once when
+    the connection closes, else when gloo's own timeout fires."""
     g.barrier()
     if rank == 1:
+        if mode == "stopped":
+            os.kill(os.getpid(), signal.SIGSTOP)
         os._exit(0)
     import numpy as np
 
@@ -199,6 +204,9 @@ def run_ranks(test, mode, world, where, prefix=None, expect_exit=None):
     codes = {}
     try:
         for rank, (p, _) in enumerate(procs):
+            if expect_exit is not None and rank in expect_exit:
+                codes[rank] = None  # dies or stops by design; killed below if still there
+                continue
             try:
                 codes[rank] = p.wait(timeout=max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -247,8 +255,8 @@ class FromTorchTest(unittest.TestCase):
     def test_four_ranks_match_shm(self):
         self.check_world(4)
 
-    def test_dead_peer_is_an_epcomm_error(self):
-        r = run_ranks(self, "dead", 2, free_port(), self.prefix, expect_exit={1})[0]
+    def lost_peer(self, mode, gloo_message, at_least_s):
+        r = run_ranks(self, mode, 2, free_port(), self.prefix, expect_exit={1})[0]
         self.assertEqual(r["raised"], "RuntimeError", r)
         self.assertTrue(r["runtime"], r)
         self.assertEqual(r["status"], 5, r)
@@ -256,8 +264,16 @@ class FromTorchTest(unittest.TestCase):
         prefix = ("host transport all_gather failed during all_gatherv of group 'torch' on "
                   "rank 0: callback returned 1; the Python callback raised RuntimeError: ")
         self.assertTrue(r["message"].startswith(prefix), r["message"])
+        self.assertIn(gloo_message, r["message"])
         self.assertEqual(r["cause"], "RuntimeError", r)
+        self.assertGreaterEqual(r["seconds"], at_least_s, r)
         self.assertLess(r["seconds"], GLOO_TIMEOUT_S + 20, r)
+
+    def test_dead_peer_is_an_epcomm_error(self):
+        self.lost_peer("dead", "Connection closed by peer", 0)
+
+    def test_stopped_peer_is_an_epcomm_error_after_gloo_timeout(self):
+        self.lost_peer("stopped", "Timed out", GLOO_TIMEOUT_S - 1)
 
 
 class ExampleTest(unittest.TestCase):
