@@ -27,7 +27,12 @@ fn run_script(python: &Path, script: &str, timeout: Duration) {
 /// As `run_script`, with `python/` (the epcomm package) on PYTHONPATH for scripts that
 /// import it.
 fn run_package_script(python: &Path, script: &str, timeout: Duration) {
-    run_script_with(python, script, timeout, Some(&manifest_dir().join("python")));
+    run_script_with(
+        python,
+        script,
+        timeout,
+        Some(&manifest_dir().join("python")),
+    );
 }
 
 fn run_script_with(python: &Path, script: &str, timeout: Duration, path: Option<&Path>) {
