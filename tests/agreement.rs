@@ -423,3 +423,58 @@ fn a_rank_with_bad_row_lists_fails_its_peers_at_once_in_both_modes() {
         }
     }
 }
+
+/// Send and receive sizes that do not pair up (all_to_allv, send_recv): every rank checks every
+/// rank's sizes before any data moves, so every rank gets the same error naming the pair, no
+/// buffer is written, and the group stays usable.
+#[test]
+fn mismatched_sizes_fail_on_every_rank_before_data_moves_then_work() {
+    let (_, res) = on_group("sizes", 2, |rank, g| {
+        let (send_sizes, recv_sizes): (&[usize], &[usize]) = if rank == 0 {
+            (&[1, 2], &[1, 1])
+        } else {
+            (&[1, 1], &[3, 1])
+        };
+        let send = vec![rank as u8 + 1; send_sizes.iter().sum()];
+        let mut recv = vec![0u8; recv_sizes.iter().sum()];
+        let a2a = message(&g.all_to_allv(&send, send_sizes, &mut recv, recv_sizes));
+        let a2a_untouched = recv.iter().all(|&b| b == 0);
+        let data = [5u8; 4];
+        let mut buf = [0u8; 8];
+        let p2p = message(&if rank == 0 {
+            g.send_recv(&mut [epcomm::group::P2p::Send {
+                peer: 1,
+                data: &data,
+            }])
+        } else {
+            g.send_recv(&mut [epcomm::group::P2p::Recv {
+                peer: 0,
+                data: &mut buf,
+            }])
+        });
+        // A send to itself that no receive matches.
+        let own = message(&g.send_recv(&mut [epcomm::group::P2p::Send {
+            peer: rank,
+            data: &data,
+        }]));
+        let mut got = [0u8; 2];
+        let good = message(&g.all_to_allv(
+            &[rank as u8 * 2, rank as u8 * 2 + 1],
+            &[1, 1],
+            &mut got,
+            &[1, 1],
+        ));
+        (a2a, a2a_untouched, p2p, buf, own, good, got)
+    });
+    for (rank, ((a2a, untouched, p2p, buf, own, good, got), took)) in res.into_iter().enumerate() {
+        assert_eq!(a2a, "InvalidArgument: all_to_allv: rank 0 sends 2 bytes to rank 1 but recv_sizes[0] on rank 1 is 3; no data was exchanged", "rank {rank}");
+        assert!(untouched, "rank {rank} received data");
+        assert_eq!(p2p, "InvalidArgument: send_recv: rank 0 sends messages of [4] bytes to rank 1, but rank 1 posted receives of [8] bytes; no data was exchanged", "rank {rank}");
+        assert_eq!(buf, [0; 8]);
+        // Both ranks' own checks find it (each rank's own error; the group stays usable).
+        assert_eq!(own, format!("InvalidArgument: send_recv: rank {rank} sends itself messages of [4] bytes but posts receives from itself of [] bytes"));
+        assert_eq!(good, "ok", "rank {rank}");
+        assert_eq!(got, [rank as u8, 2 + rank as u8]);
+        assert!(took < FAST, "rank {rank} took {took:?}");
+    }
+}

@@ -30,6 +30,24 @@ impl ShmGroup {
         payload: &[&[u8]],
         read: impl FnOnce(&Self) -> Result<()>,
     ) -> Result<()> {
+        self.run_checked(op, local, params, meta, payload, |_| Ok(()), read)
+    }
+
+    /// [`ShmGroup::run_agreed`] with one more check every rank makes alike once all accepted
+    /// and agreed (`check`, over every rank's published metadata, e.g. that each pair's sizes
+    /// match); when it fails, no data is read, the op still completes on every rank and the
+    /// group stays usable.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run_checked(
+        &mut self,
+        op: Op,
+        local: Result<()>,
+        params: &[Param],
+        meta: &[u64],
+        payload: &[&[u8]],
+        check: impl FnOnce(&Self) -> Result<()>,
+        read: impl FnOnce(&Self) -> Result<()>,
+    ) -> Result<()> {
         self.check_usable(op)?;
         debug_assert!(params.len() <= PARAMS);
         let values: Vec<u64> = params.iter().map(|p| p.value).collect();
@@ -42,7 +60,13 @@ impl ShmGroup {
                 g.publish_as(op, n, VERDICT_OK, &values, meta, payload)?;
             }
             g.gather_published(op, n)?;
-            let verdict = g.verdict(op, n, params);
+            let verdict = g.verdict(op, n, params).and_then(|()| {
+                if rejected {
+                    Ok(())
+                } else {
+                    check(g)
+                }
+            });
             if verdict.is_ok() && !rejected {
                 read(g)?;
             }

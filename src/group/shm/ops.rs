@@ -120,19 +120,26 @@ impl Group for ShmGroup {
             check_len("recv", op, recv.len(), recv_total, "sum(recv_sizes)")
         })();
         let me = self.rank;
-        let meta: Vec<u64> = send_sizes.iter().map(|&s| s as u64).collect();
-        self.run_agreed(op, local, &[], &meta, &[send], |g| {
+        let world = self.world;
+        let meta: Vec<u64> = send_sizes
+            .iter()
+            .chain(recv_sizes)
+            .map(|&s| s as u64)
+            .collect();
+        let check = |g: &Self| {
+            let sizes: Vec<Vec<u64>> = (0..world)
+                .map(|p| g.parts(p).map(|(m, _)| m))
+                .collect::<Result<_>>()?;
+            let sent = |r: usize, p: usize| sizes[r][p];
+            let expected = |p: usize, r: usize| sizes[p][world + r];
+            agree::check_size_matrix(world, &sent, &expected)
+        };
+        self.run_checked(op, local, &[], &meta, &[send], check, |g| {
             let mut off = 0;
             for (p, &len) in recv_sizes.iter().enumerate() {
                 let dst = &mut recv[off..off + len];
                 off += len;
                 let (their_sizes, data) = g.parts(p)?;
-                let theirs = their_sizes[me] as usize;
-                if theirs != len {
-                    return Err(Error::InvalidArgument(format!(
-                        "all_to_allv: rank {p} sends {theirs} bytes to rank {me} but recv_sizes[{p}] on rank {me} is {len}"
-                    )));
-                }
                 let start: usize = their_sizes[..me].iter().map(|&s| s as usize).sum();
                 data.copy_to(start, dst)?;
             }
@@ -143,75 +150,38 @@ impl Group for ShmGroup {
     fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
         let op = Op::SendRecv;
         self.check_usable(op)?;
-        if let Err(e) = check_p2p(ops, self.rank, self.world) {
-            return Err(self.reject_op(op, e));
+        let (me, world) = (self.rank, self.world);
+        let local = check_p2p(ops, me, world);
+        let meta = agree::p2p_words(ops);
+        // The sends (payload, issue order) and the receive buffers, borrowed apart.
+        let mut sends: Vec<&[u8]> = Vec::new();
+        let mut recvs: Vec<(usize, &mut [u8])> = Vec::new();
+        for o in ops.iter_mut() {
+            match o {
+                P2p::Send { data, .. } => sends.push(data),
+                P2p::Recv { peer, data } => recvs.push((*peer, &mut **data)),
+            }
         }
-        let me = self.rank;
-        self.guarded(op, |g| {
-            let n = g.begin(op)?;
-            {
-                // Metadata: (peer, bytes) per send in issue order; payload: the sends.
-                let mut meta = Vec::new();
-                let mut parts: Vec<&[u8]> = Vec::new();
-                for o in ops.iter() {
-                    if let P2p::Send { peer, data } = o {
-                        meta.extend([*peer as u64, data.len() as u64]);
-                        parts.push(data);
-                    }
-                }
-                g.publish(op, n, &meta, &parts)?;
-            }
-            g.gather_published(op, n)?;
-            if let Err(e) = g.verdict(op, n, &[]) {
-                g.finish(op, n)?;
-                return Err(e);
-            }
-            let mut matched = vec![0usize; g.world]; // receives matched so far, per source
-            for o in ops.iter_mut() {
-                let P2p::Recv { peer, data } = o else { continue };
-                let p = *peer;
-                let j = matched[p];
+        let check = |g: &Self| {
+            let lists: Vec<Vec<u64>> = (0..world)
+                .map(|p| g.parts(p).map(|(m, _)| m))
+                .collect::<Result<_>>()?;
+            agree::check_messages(world, &|p| lists[p].clone())
+        };
+        self.run_checked(op, local, &[], &meta, &sends, check, |g| {
+            let mut matched = vec![0usize; world]; // receives matched so far, per source
+            for (p, data) in recvs {
                 let (their_meta, their_payload) = g.parts(p)?;
-                // The j-th send from p to this rank.
-                let mut off = 0usize;
-                let mut found = None;
-                let mut seen = 0usize;
-                for pair in their_meta.chunks_exact(2) {
-                    let (dst, len) = (pair[0] as usize, pair[1] as usize);
-                    if dst == me {
-                        if seen == j {
-                            found = Some((off, len));
-                            break;
-                        }
-                        seen += 1;
-                    }
-                    off += len;
-                }
-                let Some((off, len)) = found else {
-                    return Err(Error::InvalidArgument(format!(
-                        "send_recv: rank {me} posted receive #{j} from rank {p}, but rank {p} posted only {seen} send(s) to rank {me}"
-                    )));
-                };
-                if len != data.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "send_recv: receive #{j} on rank {me} from rank {p} has {} bytes but the matching send has {len} bytes",
-                        data.len()
-                    )));
-                }
+                let off = send_offset(&their_meta, me, matched[p]).ok_or_else(|| {
+                    Error::Internal(format!(
+                        "send_recv: rank {p}'s send #{} to rank {me} vanished after the check",
+                        matched[p]
+                    ))
+                })?;
                 their_payload.copy_to(off, data)?;
                 matched[p] += 1;
             }
-            // Every message sent to this rank must have been received.
-            for (p, &got) in matched.iter().enumerate() {
-                let (their_meta, _) = g.parts(p)?;
-                let sent = their_meta.chunks_exact(2).filter(|pair| pair[0] as usize == me).count();
-                if sent != got {
-                    return Err(Error::InvalidArgument(format!(
-                        "send_recv: rank {p} sent {sent} message(s) to rank {me}, but rank {me} posted {got} receive(s) from it"
-                    )));
-                }
-            }
-            g.finish(op, n)
+            Ok(())
         })
     }
 
@@ -333,4 +303,21 @@ impl Group for ShmGroup {
             payload.copy_to(0, data)
         })
     }
+}
+
+/// The payload offset of the `j`-th send to `dst` in a rank's [`agree::p2p_words`] `meta`.
+fn send_offset(meta: &[u64], dst: usize, j: usize) -> Option<usize> {
+    let sends = meta.get(2..2 + 2 * usize::try_from(*meta.first()?).ok()?)?;
+    let mut off = 0usize;
+    let mut seen = 0usize;
+    for pair in sends.chunks_exact(2) {
+        if pair[0] as usize == dst {
+            if seen == j {
+                return Some(off);
+            }
+            seen += 1;
+        }
+        off = off.checked_add(usize::try_from(pair[1]).ok()?)?;
+    }
+    None
 }

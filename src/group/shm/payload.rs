@@ -214,10 +214,11 @@ fn check_meta(
     match op {
         None => Err("an unknown operation".into()),
         Some(Op::AllToAllv) => {
-            if meta.len() != world {
-                return Err(format!("{} send sizes for {world} ranks", meta.len()));
+            // send_sizes then recv_sizes, one per rank each.
+            if meta.len() != 2 * world {
+                return Err(format!("{} size words for {world} ranks", meta.len()));
             }
-            match sum(meta.iter().copied()) {
+            match sum(meta[..world].iter().copied()) {
                 Some(s) if s == total => Ok(()),
                 s => Err(format!(
                     "send sizes summing to {s:?}, but a payload of {total} bytes"
@@ -225,13 +226,22 @@ fn check_meta(
             }
         }
         Some(Op::SendRecv) => {
-            if meta.len() % 2 != 0 {
-                return Err(format!("{} message words (expected pairs)", meta.len()));
+            // group::agree::p2p_words: [sends, receives, (peer, bytes) per send, per receive].
+            let words = |c: &[u64]| c[0].checked_add(c[1])?.checked_mul(2)?.checked_add(2);
+            if meta.len() < 2 || words(meta) != Some(meta.len() as u64) {
+                return Err(format!(
+                    "{} message words that are not [sends, receives, pairs]",
+                    meta.len()
+                ));
             }
-            if let Some(pair) = meta.chunks_exact(2).find(|pair| pair[0] >= world as u64) {
-                return Err(format!("a message to rank {} of {world}", pair[0]));
+            if let Some(pair) = meta[2..]
+                .chunks_exact(2)
+                .find(|pair| pair[0] >= world as u64)
+            {
+                return Err(format!("a message to or from rank {} of {world}", pair[0]));
             }
-            match sum(meta.chunks_exact(2).map(|pair| pair[1])) {
+            let sends = &meta[2..2 + 2 * meta[0] as usize];
+            match sum(sends.chunks_exact(2).map(|pair| pair[1])) {
                 Some(s) if s == total => Ok(()),
                 s => Err(format!(
                     "messages of {s:?} bytes in all, but a payload of {total} bytes"

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::decision::{abort_word, decoded, Cause, Decision, OUTCOME_COMMIT};
 use super::layout::{
-    align64, publish_desc, OpHead, Slot, OP_HEADER_BYTES, SLOT_ACTIVE, SLOT_FAILED, VERDICT_OK,
+    align64, publish_desc, OpHead, Slot, OP_HEADER_BYTES, SLOT_ACTIVE, SLOT_FAILED,
 };
 use super::rendezvous::sys_err;
 use super::segment::Segment;
@@ -209,20 +209,10 @@ impl ShmGroup {
         }
     }
 
-    /// Publishes op `n`: metadata words, then the payload (copied into this rank's region) or,
-    /// in direct mode, a table of (address, length) of the caller's buffers.
-    pub(super) fn publish(
-        &mut self,
-        op: Op,
-        n: u64,
-        meta: &[u64],
-        payload: &[&[u8]],
-    ) -> Result<()> {
-        self.publish_as(op, n, VERDICT_OK, &[], meta, payload)
-    }
-
-    /// Publishes op `n` with this rank's verdict on its own arguments and the parameters every
-    /// rank must agree on (zero-padded to [`PARAMS`](super::layout::PARAMS) words).
+    /// Publishes op `n`: this rank's verdict on its own arguments, the parameters every rank
+    /// must agree on (zero-padded to [`PARAMS`](super::layout::PARAMS) words), metadata words,
+    /// then the payload (copied into this rank's region) or, in direct mode, a table of
+    /// (address, length) of the caller's buffers.
     pub(super) fn publish_as(
         &mut self,
         op: Op,
