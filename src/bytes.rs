@@ -29,6 +29,17 @@ pub fn as_bytes<T: Pod>(values: &[T]) -> &[u8] {
     bytemuck::cast_slice(values)
 }
 
+/// FNV-1a over the little-endian bytes of `words`: the digest ranks compare to agree on a list
+/// (the same on every machine and every run).
+pub fn fnv1a(words: impl IntoIterator<Item = u64>) -> u64 {
+    words
+        .into_iter()
+        .flat_map(u64::to_le_bytes)
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -42,6 +53,8 @@ mod tests {
         assert_eq!(word_at::<u64>(b, 8), Some(u64::MAX));
         assert_eq!(word_at::<u64>(b, 17), None);
         assert_eq!(word_at::<u64>(b, usize::MAX), None);
+        assert_eq!(fnv1a([]), 0xcbf2_9ce4_8422_2325);
+        assert_ne!(fnv1a([1, 2]), fnv1a([2, 1]));
         let f = [1.5f32, -2.0];
         assert_eq!(to_vec::<f32>(as_bytes(&f)), f);
     }

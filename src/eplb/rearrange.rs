@@ -146,60 +146,65 @@ pub fn rearrange_typed(
             rank_mapping,
         )
     });
-    let digest = |words: &mut dyn Iterator<Item = u64>| {
-        words.fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
-            w.to_le_bytes()
-                .iter()
-                .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-        })
-    };
-    let maps_digest = |m: &[Vec<i64>]| {
-        digest(
-            &mut m
-                .iter()
-                .flat_map(|l| std::iter::once(l.len() as u64).chain(l.iter().map(|&x| x as u64))),
-        )
-    };
-    let header = [
-        u64::from(plans.is_ok()),
-        old.len() as u64,
-        row_bytes.len() as u64,
-        digest(&mut row_bytes.iter().map(|&b| b as u64)),
-        digest(
-            &mut dtypes
-                .iter()
-                .map(|d| u64::from(d.code) << 32 | u64::from(d.bits) << 16 | u64::from(d.lanes)),
-        ),
-        maps_digest(old),
-        maps_digest(new),
-        rank_mapping.map_or(0, |m| 1 + digest(&mut m.iter().map(|&x| x as u64))),
-    ];
+    let header = header(plans.is_ok(), old, new, row_bytes, dtypes, rank_mapping);
     let agreed = agree(g, &header);
     let plans = match (plans, agreed) {
         (Err(e), _) => return Err(e),
         (Ok(_), Err(e)) => return Err(with_progress(e, 0)),
         (Ok(p), Ok(())) => p,
     };
-    let mut summary = Summary::default();
-    // The staging buffers (one layer of this rank's weights, like vLLM's expert_weights_buffer)
-    // are kept per thread for the next rearrangement: allocating and zero-filling them on
-    // every call cost more than the transfer itself.
+    with_staging(row_bytes.len(), |staging| {
+        let mut summary = Summary::default();
+        rearrange_layers(g, comm, &plans, weights, row_bytes, staging, &mut summary)
+            .map(|()| summary)
+    })
+}
+
+/// What every rank must rearrange alike, as the words of the agreement header: this rank's
+/// verdict, the layer count, digests of the row sizes, dtypes, maps and rank mapping.
+fn header(
+    ok: bool,
+    old: &[Vec<i64>],
+    new: &[Vec<i64>],
+    row_bytes: &[usize],
+    dtypes: &[DType],
+    rank_mapping: Option<&[i64]>,
+) -> [u64; 8] {
+    use crate::bytes::fnv1a;
+    let maps = |m: &[Vec<i64>]| {
+        fnv1a(
+            m.iter()
+                .flat_map(|l| std::iter::once(l.len() as u64).chain(l.iter().map(|&x| x as u64))),
+        )
+    };
+    [
+        u64::from(ok),
+        old.len() as u64,
+        row_bytes.len() as u64,
+        fnv1a(row_bytes.iter().map(|&b| b as u64)),
+        fnv1a(
+            dtypes
+                .iter()
+                .map(|d| u64::from(d.code) << 32 | u64::from(d.bits) << 16 | u64::from(d.lanes)),
+        ),
+        maps(old),
+        maps(new),
+        rank_mapping.map_or(0, |m| 1 + fnv1a(m.iter().map(|&x| x as u64))),
+    ]
+}
+
+/// Runs `f` with `tensors` staging buffers (one layer of this rank's weights, like vLLM's
+/// expert_weights_buffer), kept per thread for the next rearrangement: allocating and
+/// zero-filling them on every call cost more than the transfer itself.
+fn with_staging<T>(tensors: usize, f: impl FnOnce(&mut [Vec<u8>]) -> T) -> T {
     thread_local! {
         static STAGING: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     let mut staging = STAGING.with(|s| std::mem::take(&mut *s.borrow_mut()));
-    staging.resize_with(row_bytes.len(), Vec::new);
-    let result = rearrange_layers(
-        g,
-        comm,
-        &plans,
-        weights,
-        row_bytes,
-        &mut staging,
-        &mut summary,
-    );
+    staging.resize_with(tensors, Vec::new);
+    let result = f(&mut staging);
     STAGING.with(|s| *s.borrow_mut() = staging);
-    result.map(|()| summary)
+    result
 }
 
 /// The plan of every layer on this rank, checking the arguments.

@@ -47,12 +47,11 @@ pub(crate) fn dtype(name: &'static str, k: FloatKind) -> Param {
 
 /// A list by its FNV-1a digest (length included).
 pub(crate) fn list(name: &'static str, v: &[usize]) -> Param {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for x in std::iter::once(v.len()).chain(v.iter().copied()) {
-        for b in (x as u64).to_le_bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
+    let h = crate::bytes::fnv1a(
+        std::iter::once(v.len())
+            .chain(v.iter().copied())
+            .map(|x| x as u64),
+    );
     Param {
         name,
         value: h,
