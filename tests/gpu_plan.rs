@@ -5,7 +5,7 @@
 use epcomm::gpu::kernels::{encode_error_word, DeviceError, ERR_DUPLICATE_ID, SCAN_TILE};
 use epcomm::gpu::nccl::plan::{counts_plan, ExchangeOptions};
 use epcomm::gpu::transport::plan::*;
-use epcomm::select::all2all::Layout;
+use epcomm::select::all2all::{Backend, Layout};
 
 /// What `ep_layout` + the error copy put into one rank's counts row.
 fn counts_row(ids: &[i64], k: usize, world: usize, experts: usize, err: u64) -> Vec<i32> {
@@ -45,6 +45,7 @@ fn geo(rank: usize, m: usize) -> ShapeGeometry {
         top_k: 2,
         hidden: 1,
         max_tokens_per_rank: m,
+        backend: Backend::FlashinferNvlinkTwoSided,
     }
 }
 
@@ -103,10 +104,14 @@ fn shapes_match_the_worked_example() {
 #[test]
 fn fixed_capacity_overflow_names_the_rank() {
     let g = worked();
+    // The CPU manager's wording (one home: moe::too_many_tokens).
+    let want = |m: usize, backend: &str, layout: &str| {
+        format!("dispatch: rank 0 has 3 tokens, more than max_tokens_per_rank = {m} of the {backend} backend ({layout} buffers hold M tokens per source rank)")
+    };
     let e = dispatch_shape(Layout::RankMajor, &geo(0, 1), &g).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "rank 0 dispatches 3 tokens, more than max_tokens_per_rank = 1"
+        want(1, "flashinfer_nvlink_two_sided", "RANK_MAJOR")
     );
     // T > M is an error even when no destination receives more than M rows (rank 0 sends 2
     // of its 3 tokens to each rank): the CPU path rejects it, so the GPU path must too.
@@ -114,14 +119,15 @@ fn fixed_capacity_overflow_names_the_rank() {
         let e = dispatch_shape(Layout::RankMajor, &geo(rank, 2), &g).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "rank 0 dispatches 3 tokens, more than max_tokens_per_rank = 2"
+            want(2, "flashinfer_nvlink_two_sided", "RANK_MAJOR")
         );
     }
-    let e = dispatch_shape(Layout::ExpertMajor, &geo(1, 2), &g).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "rank 0 dispatches 3 tokens, more than max_tokens_per_rank = 2"
-    );
+    let ll = ShapeGeometry {
+        backend: Backend::DeepepLowLatency,
+        ..geo(1, 2)
+    };
+    let e = dispatch_shape(Layout::ExpertMajor, &ll, &g).unwrap_err();
+    assert_eq!(e.to_string(), want(2, "deepep_low_latency", "EXPERT_MAJOR"));
 }
 
 #[test]
@@ -313,6 +319,7 @@ fn shapes_agree_with_a_direct_count() {
                 top_k: k,
                 hidden: 8,
                 max_tokens_per_rank: m,
+                backend: Backend::FlashinferNvlinkTwoSided,
             };
             let owned = |e: i64| e >= 0 && e as usize / el == d;
             let token_rows: usize = ranks_ids

@@ -498,12 +498,13 @@ impl Manager {
     }
 
     fn too_many_tokens(&self, rank: usize, t: usize) -> Error {
-        Error::InvalidArgument(format!(
-            "dispatch: rank {rank} has {t} tokens, more than max_tokens_per_rank = {} of the {} backend ({} buffers hold M tokens per source rank)",
+        too_many_tokens(
+            rank,
+            t,
             self.cfg.max_tokens_per_rank,
-            self.backend.name(),
-            self.contract.layout.name()
-        ))
+            self.backend,
+            self.contract.layout,
+        )
     }
 
     /// Every rank's routing (ids as i64 and weights, K of each per token), all-gathered.
@@ -837,4 +838,20 @@ pub fn buffer_bytes(layout: Layout, cfg: &MoeConfig, world: usize, tokens: usize
         .checked_add(meta_per_row)?;
     rows.checked_mul(row)?
         .checked_add(tokens.checked_mul(cfg.hidden)?.checked_mul(4)?)
+}
+
+/// The one wording of a rank dispatching more than M tokens in a fixed-capacity layout (the
+/// CPU manager and the GPU pipeline).
+pub(crate) fn too_many_tokens(
+    rank: usize,
+    t: usize,
+    max_tokens_per_rank: usize,
+    backend: Backend,
+    layout: Layout,
+) -> Error {
+    Error::InvalidArgument(format!(
+        "dispatch: rank {rank} has {t} tokens, more than max_tokens_per_rank = {max_tokens_per_rank} of the {} backend ({} buffers hold M tokens per source rank)",
+        backend.name(),
+        layout.name()
+    ))
 }

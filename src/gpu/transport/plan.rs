@@ -18,7 +18,7 @@ pub use crate::gpu::calls::{blocks_for, scan_blocks, scan_levels, scan_scratch_e
 use crate::gpu::kernels::{decode_error_word, DeviceError};
 use crate::gpu::nccl::plan::{ExchangePlan, LocalCopy, PeerTransfer};
 use crate::moe::layout::{self, Capacity, Unit};
-use crate::select::all2all::Layout;
+use crate::select::all2all::{Backend, Layout};
 
 /// Offset of `T` in the counts row.
 pub const ROW_TOKENS: usize = 0;
@@ -308,6 +308,8 @@ pub struct ShapeGeometry {
     pub hidden: usize,
     /// M (fixed-capacity layouts).
     pub max_tokens_per_rank: usize,
+    /// The backend name (for the capacity error, worded as the CPU manager words it).
+    pub backend: Backend,
 }
 
 impl ShapeGeometry {
@@ -353,10 +355,13 @@ fn check_capacity(c: &layout::Contract, geo: &ShapeGeometry, g: &Gathered) -> Re
     }
     for src in 0..r {
         if g.tokens[src] > m {
-            return Err(Error::InvalidArgument(format!(
-                "rank {src} dispatches {} tokens, more than max_tokens_per_rank = {m}",
-                g.tokens[src]
-            )));
+            return Err(crate::moe::too_many_tokens(
+                src,
+                g.tokens[src],
+                m,
+                geo.backend,
+                c.layout,
+            ));
         }
         let n = g.rank_counts[src * r + d] as usize;
         if c.capacity == Capacity::PerSourceRank && n > m {

@@ -543,6 +543,7 @@ impl Pipeline {
             top_k: c.top_k,
             hidden: c.hidden,
             max_tokens_per_rank: c.max_tokens_per_rank,
+            backend: self.cpu.backend(),
         }
     }
 
