@@ -413,7 +413,6 @@ mod imp {
     use crate::gpu::kernels::IdDtype;
     use crate::gpu::nccl::{NcclComm, NcclUniqueId};
     use crate::gpu::transport::{DispatchInput, GpuDispatch, GpuManager, GpuMode};
-    use crate::moe::layout::Shapes;
 
     /// What a call on a GPU all2all handle borrows.
     pub(crate) struct GpuState {
@@ -539,14 +538,7 @@ mod imp {
         let parts = DispatchParts {
             layout: sh.layout,
             received_rows: i64::try_from(sh.received_rows).unwrap_or(-1),
-            shapes: Shapes {
-                hidden: sh.hidden.clone(),
-                topk_ids: sh.topk_ids.clone(),
-                topk_weights: sh.topk_weights.clone(),
-                counts: sh.counts,
-                expert_offsets: sh.expert_offsets,
-                src: sh.src,
-            },
+            shapes: sh.shapes.clone(),
             hidden_dtype: h.mgr.config().hidden_dtype,
             offsets_dtype: DType::I32,
             at: OutputAddrs {
