@@ -65,7 +65,11 @@ fn move_layer(
             .collect();
         for &(_, row, src) in &plan.recvs {
             for rows in recv_rows.iter_mut() {
-                let data = rows[row].take().expect("primary rows are distinct");
+                let data = rows[row].take().ok_or_else(|| {
+                    Error::Internal(format!(
+                        "rearrange: the plan receives into slot {row} twice"
+                    ))
+                })?;
                 ops.push(P2p::Recv { peer: src, data });
             }
         }
