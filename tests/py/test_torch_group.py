@@ -208,6 +208,7 @@ def unshare_prefix():
 def run_ranks(test, mode, world, where, prefix=None, expect_exit=None):
     """Runs `world` rank processes; returns their results by rank."""
     tmp = tempfile.mkdtemp(prefix="epcomm-torch-group-")
+    test.addCleanup(shutil.rmtree, tmp, True)
     procs = []
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     for rank in range(world):
@@ -240,7 +241,6 @@ def run_ranks(test, mode, world, where, prefix=None, expect_exit=None):
                              f"{codes[rank]}")
             with open(out) as f:
                 results[rank] = json.load(f)
-    shutil.rmtree(tmp, ignore_errors=True)
     return results
 
 
