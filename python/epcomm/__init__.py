@@ -20,7 +20,7 @@ from ._dlpack import Buffer
 from ._lib import load_library, logger
 from ._tensor import dtype_name
 from .all2all import All2All
-from .eplb import EplbCommunicator, eplb_rebalance
+from .eplb import EplbCommunicator, EplbState, eplb_rebalance
 from .errors import (
     EpcommAssertionError,
     EpcommNotImplementedError,
@@ -50,6 +50,7 @@ __all__ = [
     "All2All",
     "Buffer",
     "EplbCommunicator",
+    "EplbState",
     "eplb_rebalance",
     "load_library",
     "logger",

@@ -249,6 +249,15 @@ def _signatures() -> dict:
         ),
         "epcomm_eplb_communicator_create": (i32, [vp, P(EplbSelectRequest), P(vp)]),
         "epcomm_eplb_communicator_destroy": (None, [vp]),
+        "epcomm_eplb_state_create": (i32, [cp, cp, i64, i64, P(vp)]),
+        "epcomm_eplb_state_destroy": (None, [vp]),
+        "epcomm_eplb_state_record_dispatch": (i32, [vp, i64, vp]),
+        "epcomm_eplb_state_record": (i32, [vp, i64, T]),
+        "epcomm_eplb_state_step": (i32, [vp, vp, ctypes.c_bool, ctypes.c_bool, P(ctypes.c_bool)]),
+        "epcomm_eplb_state_logical_load": (
+            i32,
+            [vp, vp, i64p, i64, i64, i64, P(ctypes.c_float)],
+        ),
         "epcomm_eplb_rearrange": (
             i32,
             [vp, i64p, i64p, i64, i64, i64, T, sz, i64p, sz, P(EplbSummary)],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 from typing import Any, Dict, List, Optional, Sequence
 
 from ._handle import Handle
@@ -106,3 +107,53 @@ class EplbCommunicator(Handle):
             )
         )
         return {name: getattr(summary, name) for name, _ in EplbSummary._fields_}
+
+
+class EplbState(Handle):
+    """vLLM's EPLB load statistics for ``num_layers`` MoE layers of ``num_physical`` experts:
+    record each step's load, end the step, and read the window's load per logical expert (for
+    ``eplb_rebalance``). ``eplb_config`` is vLLM's EPLBConfig (a dict or JSON; None: vLLM's
+    defaults); ``model_name`` labels vLLM's log lines. A context manager; ``close()`` may be called any number of times."""
+
+    _DESTROY = "epcomm_eplb_state_destroy"
+
+    def __init__(self, num_layers: int, num_physical: int, eplb_config: Any = None,
+                 model_name: str = ""):
+        self._h = vp()
+        text = None
+        if eplb_config is not None:
+            text = (eplb_config if isinstance(eplb_config, str) else json.dumps(eplb_config))
+        h = vp()
+        check(load_library().epcomm_eplb_state_create(
+            text.encode() if text is not None else None,
+            model_name.encode(),
+            num_layers, num_physical, ctypes.byref(h),
+        ))
+        self._h = h
+        self.num_layers, self.num_physical = num_layers, num_physical
+
+    def record(self, layer: int, topk_ids: Any) -> None:
+        """Adds one token per valid id of ``topk_ids`` (int32/int64, -1 ignored) to ``layer``."""
+        check(load_library().epcomm_eplb_state_record(self._h, layer, Arg(topk_ids, "topk_ids").ptr))
+
+    def record_dispatch(self, layer: int, a2a: Any) -> None:
+        """Adds the load of ``a2a``'s last dispatch to ``layer`` (no second pass over the ids)."""
+        check(load_library().epcomm_eplb_state_record_dispatch(self._h, layer, a2a._h))
+
+    def step(self, group: Group, is_dummy: bool = False, log_stats: bool = False) -> bool:
+        """Ends a forward step (collective when logging balancedness); True when a
+        rearrangement is due."""
+        due = ctypes.c_bool()
+        group.check(load_library().epcomm_eplb_state_step(
+            self._h, group.handle, is_dummy, log_stats, ctypes.byref(due)))
+        return due.value
+
+    def logical_load(self, group: Group, phy2log: Sequence[Sequence[int]],
+                     num_logical: int) -> List[List[float]]:
+        """The window's load per logical expert, summed over the window and every rank
+        (collective): [num_layers, num_logical], ready for ``eplb_rebalance``."""
+        maps, layers, slots = _maps(phy2log, "phy2log")
+        load = (ctypes.c_float * max(layers * num_logical, 1))()
+        group.check(load_library().epcomm_eplb_state_logical_load(
+            self._h, group.handle, maps, layers, slots, num_logical, load))
+        return [list(load[l * num_logical:(l + 1) * num_logical]) for l in range(layers)]

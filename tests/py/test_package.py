@@ -234,6 +234,37 @@ class ViewsTest(unittest.TestCase):
             self.assertEqual(torch.from_dlpack(d["hidden"])[0, 0].item(), 42)
 
 
+class EplbStateTest(unittest.TestCase):
+    """EplbState: recorded load (ids or a dispatch), steps, the window's logical load."""
+
+    def test_record_step_and_logical_load(self):
+        import numpy as np
+
+        identity = [[0, 1, 2, 3], [0, 1, 2, 3]]
+        with epcomm.Group.shm(unique("state"), 0, 1) as g, epcomm.EplbState(2, 4) as st:
+            st.record(0, np.array([[0, 1], [1, -1]], np.int64))
+            st.record(1, np.array([[3, 3]], np.int32))
+            self.assertFalse(st.step(g))
+            want = [[1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]]
+            self.assertEqual(st.logical_load(g, identity, 4), want)
+            with epcomm.All2All(g, "deepep_high_throughput", num_experts=4, top_k=2,
+                                hidden_size=2, max_tokens_per_rank=2) as a:
+                a.dispatch(np.ones((1, 2), np.float32), np.array([[2, 3]]),
+                           np.ones((1, 2), np.float32))
+                st.record_dispatch(0, a)
+            self.assertFalse(st.step(g))
+            want[0][2:] = [1.0, 1.0]
+            self.assertEqual(st.logical_load(g, identity, 4), want)
+            # vLLM's first rearrangement is due after step_interval / 4 = 750 steps.
+            due = [st.step(g) for _ in range(748)]
+            self.assertEqual(due.index(True), 747)
+
+    def test_bad_config(self):
+        with self.assertRaises(ValueError) as cm:
+            epcomm.EplbState(2, 4, {"window_size": -1})
+        self.assertEqual(str(cm.exception), "eplb_config.window_size: Input should be greater than 0")
+
+
 class GroupTest(unittest.TestCase):
     def test_shm_context_manager_and_close(self):
         with epcomm.Group.shm(unique("ctx"), 0, 1) as g:
