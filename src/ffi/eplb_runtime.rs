@@ -516,7 +516,8 @@ exclusive_handle!(
 /// Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts.
 /// `eplb_config_json` is vLLM's EPLBConfig as JSON (NULL = defaults: window_size 1000,
 /// step_interval 3000, ...), validated as epcomm_config_check does. The first rearrangement is
-/// due after step_interval / 4 steps, as in vLLM.
+/// due after step_interval / 4 steps, as in vLLM. `model_name` (required; NULL is
+/// EPCOMM_ERROR_NULL_POINTER) names the model in vLLM's balancedness line.
 ///
 /// # Safety
 /// Strings are NULL or NUL-terminated; `out` is NULL or writable.
