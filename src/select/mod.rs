@@ -3,7 +3,7 @@
 pub mod all2all;
 pub mod config;
 pub mod eplb;
-pub mod suggest;
 pub mod hint;
+pub mod suggest;
 
 pub use hint::Hint;

@@ -60,13 +60,9 @@ impl ShmGroup {
                 g.publish_as(op, n, VERDICT_OK, &values, meta, payload)?;
             }
             g.gather_published(op, n)?;
-            let verdict = g.verdict(op, n, params).and_then(|()| {
-                if rejected {
-                    Ok(())
-                } else {
-                    check(g)
-                }
-            });
+            let verdict =
+                g.verdict(op, n, params)
+                    .and_then(|()| if rejected { Ok(()) } else { check(g) });
             if verdict.is_ok() && !rejected {
                 read(g)?;
             }
