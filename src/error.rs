@@ -105,6 +105,9 @@ pub enum Error {
     },
     #[error("MoonEP not available. Install it from https://github.com/MoonshotAI/MoonEP.")]
     MoonEpUnavailable,
+    /// vLLM's `PassThroughAll2AllManager.get_handle`: `passthrough` has no exchange.
+    #[error("passthrough has no all2all handle: dispatch and combine run inside the MoE backend.")]
+    PassthroughNoHandle,
 
     // ---- EPLB communicator factory ------------------------------------------------------------
     #[error("Unknown EPLB communicator backend: {backend}")]
@@ -226,9 +229,11 @@ impl Error {
             | OneSidedHeterogeneous { .. }
             | MoonEpUnavailable
             | Assertion(_) => Status::Assertion,
-            PyncclDeviceType { .. } | PyncclDtypes { .. } | NixlDeviceType { .. } | Runtime(_) => {
-                Status::Runtime
-            }
+            PyncclDeviceType { .. }
+            | PyncclDtypes { .. }
+            | NixlDeviceType { .. }
+            | PassthroughNoHandle
+            | Runtime(_) => Status::Runtime,
             PyncclUnavailable | NixlUnavailable | Unavailable(_) => Status::Unavailable,
             PyncclInit { .. } | NixlInit { .. } => Status::Runtime,
             ElasticExternalLb | NotImplemented(_) => Status::NotImplemented,

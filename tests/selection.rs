@@ -223,6 +223,44 @@ fn moonep_unavailable_message() {
     );
 }
 
+#[test]
+fn passthrough_is_accepted_but_has_no_handle() {
+    // v0.33.0's All2AllBackend literal ends with "passthrough".
+    let names: Vec<&str> = all2all::vllm_names().collect();
+    assert_eq!(names.len(), all2all::ACCEPTED_NAMES.len() + 1);
+    assert_eq!(names.last(), Some(&"passthrough"));
+    let text =
+        "passthrough has no all2all handle: dispatch and combine run inside the MoE backend.";
+    let e = all2all::resolve_quiet("passthrough").unwrap_err();
+    assert_err(&e, Status::Runtime, "RuntimeError", text);
+    assert_eq!(all2all::resolve("passthrough").unwrap_err(), e);
+    assert_eq!(all2all::resolve_config("passthrough"), Ok(None));
+    let o = check(r#"{"all2all_backend": "passthrough"}"#);
+    let r = o.result.unwrap();
+    assert_eq!((r.backend, r.layout), (None, None));
+    assert_eq!(r.effective_name, "passthrough");
+    assert_eq!(r.manager_class, "PassThroughAll2AllManager");
+    assert!(o.warnings.is_empty());
+    assert_eq!(
+        o.infos,
+        vec!["Using PassThroughAll2AllManager all2all manager.".to_owned()]
+    );
+    // vLLM's CPU communicator builds AgRs for every name but naive/allgather_reducescatter.
+    let o = check(r#"{"all2all_backend": "passthrough", "platform": "cpu"}"#);
+    assert_eq!(o.result.unwrap().manager_class, "AgRsAll2AllManager");
+    assert_eq!(o.warnings, vec!["`passthrough` all2all manager is not supported on CPU. Falling back to `allgather_reducescatter` manager.".to_owned()]);
+    // Not in vLLM's fault-tolerance set.
+    let e = check_err(r#"{"all2all_backend": "passthrough", "enable_fault_tolerance": true}"#);
+    assert_err(&e, Status::InvalidArgument, "ValueError", "Fault tolerance requires an FT-capable all2all backend (one of ['deepep_low_latency', 'nixl_ep']), but got 'passthrough'.");
+    // A typo suggests it like any other name.
+    let e = all2all::resolve_quiet("passthru").unwrap_err();
+    assert!(
+        e.hint().unwrap().contains("'passthrough'"),
+        "{:?}",
+        e.hint()
+    );
+}
+
 // ---- all2all feature gates through the config checker -------------------------------------------
 
 fn check(json: &str) -> config::CheckOutcome {
@@ -280,7 +318,7 @@ fn moe_lora_with_ep_requires_agrs() {
 fn config_resolution_and_warnings() {
     let o = check(r#"{"all2all_backend": "pplx"}"#);
     let r = o.result.unwrap();
-    assert_eq!(r.backend, Backend::AllgatherReducescatter);
+    assert_eq!(r.backend, Some(Backend::AllgatherReducescatter));
     assert_eq!(r.effective_name, "allgather_reducescatter");
     assert_eq!(o.warnings, vec!["The 'pplx' all2all backend has been removed. Falling back to 'allgather_reducescatter'.".to_owned()]);
     assert_eq!(

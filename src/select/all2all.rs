@@ -126,6 +126,24 @@ pub const ACCEPTED_NAMES: [AcceptedName; 13] = [
     ),
 ];
 
+/// vLLM's `passthrough` name (`PassThroughAll2AllManager`, last in vLLM's literal): the MoE
+/// backend dispatches and combines itself. epcomm builds no exchange for it, so it has no
+/// [`Backend`] value, no [`Layout`] and no C ABI code; it is not in [`ACCEPTED_NAMES`] (whose
+/// entries each resolve to an exchange). The configuration check accepts it.
+pub const PASSTHROUGH: &str = "passthrough";
+
+/// The class vLLM builds for [`PASSTHROUGH`].
+pub const PASSTHROUGH_MANAGER_CLASS: &str = "PassThroughAll2AllManager";
+
+/// Every name vLLM's `All2AllBackend` literal accepts, in vLLM's order: [`ACCEPTED_NAMES`],
+/// then [`PASSTHROUGH`].
+pub fn vllm_names() -> impl Iterator<Item = &'static str> + Clone {
+    ACCEPTED_NAMES
+        .iter()
+        .map(|n| n.name)
+        .chain(std::iter::once(PASSTHROUGH))
+}
+
 /// vLLM's default (`ParallelConfig.all2all_backend`).
 pub const DEFAULT_BACKEND: Backend = Backend::AllgatherReducescatter;
 
@@ -262,8 +280,13 @@ pub struct Resolved {
     pub warning: Option<String>,
 }
 
-/// Resolves a name without logging.
+/// Resolves a name to its exchange backend without logging. [`PASSTHROUGH`] has none: it gives
+/// vLLM's `get_handle` RuntimeError ([`Error::PassthroughNoHandle`]); use [`resolve_config`]
+/// where vLLM accepts it.
 pub fn resolve_quiet(name: &str) -> Result<Resolved> {
+    if name == PASSTHROUGH {
+        return Err(Error::PassthroughNoHandle);
+    }
     let entry = lookup(name).ok_or_else(|| Error::UnknownAll2AllBackend {
         name: name.to_owned(),
     })?;
@@ -277,6 +300,15 @@ pub fn resolve_quiet(name: &str) -> Result<Resolved> {
         kind: entry.kind,
         warning,
     })
+}
+
+/// Resolves a configured name as vLLM's config and communicator do: `None` for [`PASSTHROUGH`]
+/// (accepted, no exchange), otherwise as [`resolve_quiet`].
+pub fn resolve_config(name: &str) -> Result<Option<Resolved>> {
+    if name == PASSTHROUGH {
+        return Ok(None);
+    }
+    resolve_quiet(name).map(Some)
 }
 
 /// Resolves a name and logs vLLM's warning: W1 once per process (vLLM's `warning_once`), W2
@@ -295,9 +327,13 @@ pub fn resolve(name: &str) -> Result<Backend> {
 
 /// What vLLM's CPU and XPU communicators log when asked for a backend they cannot build: they
 /// warn and use the AgRs manager instead. `None` on CUDA/ROCm or for AgRs itself.
-/// `name` is the configured name (as vLLM prints it).
-pub fn platform_fallback_warning(name: &str, backend: Backend, platform: &str) -> Option<String> {
-    if backend == Backend::AllgatherReducescatter {
+/// `name` is the configured name (as vLLM prints it); `backend` is `None` for [`PASSTHROUGH`].
+pub fn platform_fallback_warning(
+    name: &str,
+    backend: Option<Backend>,
+    platform: &str,
+) -> Option<String> {
+    if backend == Some(Backend::AllgatherReducescatter) {
         return None;
     }
     match platform {

@@ -280,7 +280,7 @@ pub fn parse(json: &str) -> Result<VllmConfig> {
         match f {
             "all2all_backend" => {
                 let name = get_str(v, f)?;
-                all2all::resolve_quiet(&name)?;
+                all2all::resolve_config(&name)?;
                 c.all2all_backend = name;
             }
             "enable_expert_parallel" => c.enable_expert_parallel = get_bool(v, f)?,
@@ -329,13 +329,14 @@ pub fn parse(json: &str) -> Result<VllmConfig> {
 /// What a valid configuration resolves to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Resolution {
-    /// The all2all backend the name resolves to.
-    pub backend: Backend,
+    /// The all2all backend the name resolves to; `None` for `passthrough` (no exchange).
+    pub backend: Option<Backend>,
     /// The name after vLLM's rewrites (removed names become `allgather_reducescatter`).
     pub effective_name: &'static str,
     /// The manager class the engine builds on this platform.
     pub manager_class: &'static str,
-    pub layout: Layout,
+    /// The layout contract; `None` for `passthrough`.
+    pub layout: Option<Layout>,
     /// The EPLB communicator (when EPLB is enabled).
     pub eplb_communicator: Option<Communicator>,
     pub eplb_communicator_auto: bool,
@@ -372,10 +373,11 @@ fn check_inner(
 ) -> Result<Resolution> {
     let nixl = c.nixl_available.unwrap_or(nixl_probe);
     let nccl = c.nccl_available.unwrap_or(nccl_probe);
-    let resolved = all2all::resolve_quiet(&c.all2all_backend)?;
+    let resolved = all2all::resolve_config(&c.all2all_backend)?;
+    let backend = resolved.as_ref().map(|r| r.backend);
     check_parallel(c, nixl)?;
-    let effective_name = effective_name(c, &resolved, warnings);
-    check_features(c, &resolved, effective_name)?;
+    let effective_name = effective_name(c, resolved.as_ref(), warnings);
+    check_features(c, backend, effective_name)?;
 
     // Engine start: EPLB communicator factory.
     let (eplb_communicator, eplb_communicator_auto) = if c.enable_eplb {
@@ -396,12 +398,12 @@ fn check_inner(
         (None, false)
     };
 
-    let manager_class = all2all_manager(c, &resolved, effective_name, warnings, infos);
+    let manager_class = all2all_manager(c, resolved.as_ref(), effective_name, warnings, infos);
     Ok(Resolution {
-        backend: resolved.backend,
+        backend,
         effective_name,
         manager_class,
-        layout: resolved.backend.layout(),
+        layout: backend.map(Backend::layout),
         eplb_communicator,
         eplb_communicator_auto,
     })
@@ -465,9 +467,12 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
 /// The name vLLM's messages use: a removed name's fallback (logging W2), else the name given.
 fn effective_name(
     c: &VllmConfig,
-    resolved: &all2all::Resolved,
+    resolved: Option<&all2all::Resolved>,
     warnings: &mut Vec<String>,
 ) -> &'static str {
+    let Some(resolved) = resolved else {
+        return all2all::PASSTHROUGH;
+    };
     match resolved.kind {
         all2all::NameKind::Removed => {
             warnings.extend(resolved.warning.clone());
@@ -482,24 +487,23 @@ fn effective_name(
 }
 
 /// The feature gates: microbatching (DBO), MoE LoRA with EP, fault tolerance.
-fn check_features(c: &VllmConfig, resolved: &all2all::Resolved, name: &str) -> Result<()> {
+/// `backend` is `None` for `passthrough`, which is in none of vLLM's backend sets.
+fn check_features(c: &VllmConfig, backend: Option<Backend>, name: &str) -> Result<()> {
     // VllmConfig: microbatching (DBO).
-    if c.enable_dbo && !resolved.backend.supports_microbatching() {
+    if c.enable_dbo && !backend.is_some_and(Backend::supports_microbatching) {
         return Err(Error::MicrobatchingBackend {
             backend: name.to_owned(),
         });
     }
     // Fused MoE LoRA with EP.
-    if c.enable_lora
-        && c.enable_expert_parallel
-        && resolved.backend != Backend::AllgatherReducescatter
+    if c.enable_lora && c.enable_expert_parallel && backend != Some(Backend::AllgatherReducescatter)
     {
         return Err(Error::LoraEpBackend {
             backend: name.to_owned(),
         });
     }
     // Fault tolerance (worker sentinel).
-    if c.enable_fault_tolerance && !resolved.backend.supports_fault_tolerance() {
+    if c.enable_fault_tolerance && !backend.is_some_and(Backend::supports_fault_tolerance) {
         return Err(Error::FaultToleranceBackend {
             backend: name.to_owned(),
         });
@@ -511,31 +515,32 @@ fn check_features(c: &VllmConfig, resolved: &all2all::Resolved, name: &str) -> R
 /// fallback's or the alias's warning and the `Using ... manager` info.
 fn all2all_manager(
     c: &VllmConfig,
-    resolved: &all2all::Resolved,
+    resolved: Option<&all2all::Resolved>,
     effective_name: &str,
     warnings: &mut Vec<String>,
     infos: &mut Vec<String>,
 ) -> &'static str {
-    let (backend, manager_class) =
-        match all2all::platform_fallback_warning(effective_name, resolved.backend, &c.platform) {
+    let backend = resolved.map(|r| r.backend);
+    let manager_class =
+        match all2all::platform_fallback_warning(effective_name, backend, &c.platform) {
             Some(w) => {
                 warnings.push(w);
-                (
-                    Backend::AllgatherReducescatter,
-                    Backend::AllgatherReducescatter.manager_class(),
-                )
+                Backend::AllgatherReducescatter.manager_class()
             }
-            None => {
-                if resolved.kind == all2all::NameKind::Alias {
-                    warnings.extend(resolved.warning.clone());
+            None => match resolved {
+                Some(r) => {
+                    if r.kind == all2all::NameKind::Alias {
+                        warnings.extend(r.warning.clone());
+                    }
+                    r.backend.manager_class()
                 }
-                (resolved.backend, resolved.backend.manager_class())
-            }
+                None => all2all::PASSTHROUGH_MANAGER_CLASS,
+            },
         };
     infos.push(match c.platform.as_str() {
         "cpu" => "Using allgather_reducescatter all2all manager.".to_owned(),
         "xpu" => "Using AgRs manager on XPU device.".to_owned(),
-        _ => all2all::using_manager_info(backend),
+        _ => format!("Using {manager_class} all2all manager."),
     });
     manager_class
 }
@@ -566,10 +571,13 @@ impl CheckOutcome {
         match &self.result {
             Ok(r) => {
                 m.insert("ok".into(), true.into());
-                m.insert("all2all_backend".into(), r.backend.name().into());
+                m.insert(
+                    "all2all_backend".into(),
+                    r.backend.map_or(all2all::PASSTHROUGH, Backend::name).into(),
+                );
                 m.insert("effective_name".into(), r.effective_name.into());
                 m.insert("manager_class".into(), r.manager_class.into());
-                m.insert("layout".into(), r.layout.name().into());
+                m.insert("layout".into(), r.layout.map(Layout::name).into());
                 m.insert(
                     "eplb_communicator".into(),
                     r.eplb_communicator.map(|c| c.name()).into(),

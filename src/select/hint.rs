@@ -2,7 +2,7 @@
 //! mistyped names, read from the selection tables, and the fix for each configuration rule.
 //! It lives with `select` so that `error` depends on nothing above it.
 
-use super::all2all::ACCEPTED_NAMES;
+use super::all2all;
 use super::eplb::COMMUNICATOR_NAMES;
 use super::suggest;
 use crate::error::Error;
@@ -24,7 +24,7 @@ pub fn hint(error: &Error) -> Option<String> {
     match error {
         Error::UnknownAll2AllBackend { name } => Some(suggest::did_you_mean(
         name,
-        ACCEPTED_NAMES.iter().map(|n| n.name),
+        all2all::vllm_names(),
         "valid all2all backends",
         )),
         Error::UnknownEplbCommunicator { backend } => Some(suggest::did_you_mean(

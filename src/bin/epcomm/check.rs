@@ -96,7 +96,7 @@ pub fn cmd_check(args: &CheckArgs) -> ExitCode {
                     "all2all backend:   {} -> {} (layout {})",
                     r.effective_name,
                     r.manager_class,
-                    r.layout.name()
+                    r.layout.map_or("none: no exchange", all2all::Layout::name)
                 );
                 match r.eplb_communicator {
                     Some(c) => println!(
@@ -171,7 +171,19 @@ pub fn cmd_backends(json_out: bool) -> ExitCode {
             n.backend.manager_class()
         );
     }
+    println!(
+        "{:<30} {:<10} {:<30} {:<14} {}",
+        all2all::PASSTHROUGH,
+        "canonical",
+        "(no exchange)",
+        "-",
+        all2all::PASSTHROUGH_MANAGER_CLASS
+    );
     println!();
+    println!(
+        "{}: the MoE backend dispatches and combines itself; epcomm creates no exchange for it.",
+        all2all::PASSTHROUGH
+    );
     println!(
         "Default: {}. Names are exact and case-sensitive, as in vLLM.",
         all2all::DEFAULT_BACKEND.name()
