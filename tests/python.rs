@@ -4,7 +4,9 @@
 //! (dispatch/combine with numpy arrays as DLPack tensors), test_eplb.py (vLLM's EPLB vectors);
 //! and the epcomm package itself (python/ on PYTHONPATH): test_package.py (errors, groups,
 //! dtypes, context managers) and, with torch, test_torch_group.py (`Group.from_torch` over gloo
-//! with 2 and 4 ranks in their own IPC and mount namespaces, against the shm group's results).
+//! with 2 and 4 ranks in their own IPC and mount namespaces, against the shm group's results)
+//! and test_vllm.py (`epcomm.vllm`'s all2all manager and EPLB communicator against a plain-torch
+//! reference of vLLM's AgRsAll2AllManager).
 //! Each script bounds its own multi-process cases; the timeouts here bound whole runs.
 //!
 //! The interpreter is `common::python::env()`'s: `$PYTHON`/python3, or a venv under target/ with
@@ -103,5 +105,12 @@ fn python_package_api() {
 fn python_group_from_torch() {
     if let Some(py) = torch_or_skip("python_group_from_torch") {
         run_package_script(py, "test_torch_group.py", Duration::from_secs(400));
+    }
+}
+
+#[test]
+fn python_vllm_integration() {
+    if let Some(py) = torch_or_skip("python_vllm_integration") {
+        run_package_script(py, "test_vllm.py", Duration::from_secs(300));
     }
 }

@@ -69,6 +69,36 @@ class EplbCommunicator(Handle):
             )
         )
         self._h, self._group = h, group
+        self._pending: List[Any] = []  # queued tensors, kept alive until execute()
+
+    def _queue(self, fn_name: str, tensors: Sequence[Any], peer: int, expert: int,
+               output: bool) -> None:
+        args = [Arg(t, f"tensors[{i}]", output=output) for i, t in enumerate(tensors)]
+        if any(a.copy_into is not None for a in args):
+            raise InvalidArgumentError("tensors must be C-contiguous in native byte order", 2)
+        c = (Tensor * max(len(args), 1))(*[a.ptr.contents for a in args])
+        check(getattr(load_library(), fn_name)(self._h, c, len(args), peer, expert))
+        # The library reads and writes these tensors' memory at execute().
+        self._pending.append((args, c))
+
+    def add_send(self, tensors: Sequence[Any], dst_rank: int, expert_id: int) -> None:
+        """Queues sending one expert's rows (one tensor per weight tensor; numpy arrays or
+        contiguous CPU torch tensors) to group rank ``dst_rank``; they must stay unchanged until
+        ``execute()``. Sends and receives pair by order per pair of ranks."""
+        self._queue("epcomm_eplb_communicator_add_send", tensors, dst_rank, expert_id, False)
+
+    def add_recv(self, tensors: Sequence[Any], src_rank: int, expert_id: int) -> None:
+        """Queues receiving one expert's rows from group rank ``src_rank`` into ``tensors``
+        (writable, contiguous), filled in place by ``execute()``."""
+        self._queue("epcomm_eplb_communicator_add_recv", tensors, src_rank, expert_id, True)
+
+    def execute(self) -> None:
+        """Runs every queued send and receive (collective: every rank of the group calls it)
+        and clears the queue, also on failure."""
+        try:
+            self._group.check(load_library().epcomm_eplb_communicator_execute(self._h))
+        finally:
+            self._pending.clear()
 
     def rearrange(
         self,

@@ -205,16 +205,17 @@ def unshare_prefix():
     return prefix if ok else None
 
 
-def run_ranks(test, mode, world, where, prefix=None, expect_exit=None):
-    """Runs `world` rank processes; returns their results by rank."""
+def run_ranks(test, mode, world, where, prefix=None, expect_exit=None, script=None):
+    """Runs `world` rank processes of `script` (default: this file, whose `--rank` entry
+    calls rank_main); returns their results by rank."""
     tmp = tempfile.mkdtemp(prefix="epcomm-torch-group-")
     test.addCleanup(shutil.rmtree, tmp, True)
     procs = []
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     for rank in range(world):
         out = os.path.join(tmp, f"{rank}.json")
-        cmd = (prefix or []) + [sys.executable, os.path.abspath(__file__), "--rank", mode,
-                                str(rank), str(world), str(where), out]
+        cmd = (prefix or []) + [sys.executable, script or os.path.abspath(__file__), "--rank",
+                                mode, str(rank), str(world), str(where), out]
         procs.append((subprocess.Popen(cmd, env=env), out))
     deadline = time.monotonic() + RANK_TIMEOUT_S
     codes = {}

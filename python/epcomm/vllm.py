@@ -1,0 +1,293 @@
+"""vLLM integration: an all2all manager and an EPLB communicator with vLLM v0.33.0's interfaces.
+
+``EpcommAll2AllManager`` has the interface of vLLM's ``All2AllManagerBase`` and the semantics
+of its ``AgRsAll2AllManager`` (the manager vLLM's CPU backend selects): dispatch all-gathers
+``hidden_states``, ``topk_weights``, ``topk_ids`` and the extra tensors along dimension 0 in
+rank order, with each rank's own token count; combine sums the ranks' ``[sum(sizes), ...]``
+tensors and returns this rank's rows (a reduce-scatter). ``EpcommEplbCommunicator`` has the
+interface of vLLM's ``EplbCommunicator`` (add_send/add_recv/execute). Both take torch CPU
+tensors and run over epcomm groups made from the torch.distributed CPU (gloo) group vLLM hands
+them: ``transport="torch"`` (across hosts) or ``"shm"`` (one host, shared memory). Neither
+imports vLLM. docs/vllm.md shows how a vLLM CPU deployment installs them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ._lib import load_library
+from ._tensor import Arg
+from .all2all import All2All
+from .eplb import EplbCommunicator
+from .errors import InvalidArgumentError
+from .group import Group
+
+#: sizes(num_local_tokens) -> every rank's token count (vLLM: the DP metadata's chunk sizes).
+SizesFn = Callable[[int], List[int]]
+
+TRANSPORTS = ("torch", "shm")
+
+
+def group_for(process_group: Any, transport: str = "torch", name: str = "vllm",
+              timeout_s: Optional[float] = None) -> Group:
+    """An epcomm group with the ranks of a torch.distributed CPU ``process_group``: over the
+    group itself (``"torch"``: send/recv/all_gather, across hosts) or over shared memory
+    (``"shm"``: every rank on this host; the group id travels over ``process_group``)."""
+    if transport == "torch":
+        return Group.from_torch(process_group, name=name, timeout_s=timeout_s)
+    if transport != "shm":
+        raise InvalidArgumentError(
+            f"unknown transport {transport!r}; expected one of {', '.join(TRANSPORTS)}", 2
+        )
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    uid = [Group.unique_id() if rank == 0 else None]
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast_object_list(uid, src=src, group=process_group)
+    return Group.shm_unique(uid[0], rank, world, timeout_s=timeout_s)
+
+
+def _row_elems(t: Any) -> int:
+    n = 1
+    for d in t.shape[1:]:
+        n *= int(d)
+    return n
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+class _Collectives:
+    """all_gatherv / reduce_scatterv of torch CPU tensors over one epcomm group."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.rank, self.world_size = group.rank, group.size
+
+    def _call(self, fn_name: str, x: Any, sizes: Sequence[int], out: Any) -> Any:
+        s = (ctypes.c_int64 * len(sizes))(*[int(n) for n in sizes])
+        a, o = Arg(x, "input"), Arg(out, "output", output=True)
+        self.group.check(getattr(load_library(), fn_name)(self.group.handle, a.ptr, s, o.ptr))
+        return out
+
+    def token_counts(self, n: int) -> List[int]:
+        """Every rank's ``n``, in rank order (collective)."""
+        torch = _torch()
+        mine = torch.tensor([n], dtype=torch.int64)
+        out = torch.empty(self.world_size, dtype=torch.int64)
+        return self._call("epcomm_group_all_gatherv", mine, [1] * self.world_size, out).tolist()
+
+    def all_gatherv(self, t: Any, sizes: Sequence[int]) -> Any:
+        """Every rank's rows of ``t`` (any dtype) concatenated in rank order; rows move as
+        bytes, so the dtype and row shape come back as they went."""
+        torch = _torch()
+        row_bytes = _row_elems(t) * t.element_size()
+        mine = t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+        out = torch.empty((sum(sizes), row_bytes), dtype=torch.uint8)
+        self._call("epcomm_group_all_gatherv", mine, sizes, out)
+        return out.view(t.dtype).reshape((sum(sizes),) + tuple(t.shape[1:]))
+
+    def reduce_scatterv(self, t: Any, sizes: Sequence[int]) -> Any:
+        """The sum over ranks of ``t`` (``sum(sizes)`` rows; float32/bfloat16/float16,
+        accumulated in float32 in rank order), this rank's ``sizes[rank]`` rows of it."""
+        torch = _torch()
+        out = torch.empty((sizes[self.rank],) + tuple(t.shape[1:]), dtype=t.dtype)
+        return self._call("epcomm_group_reduce_scatterv", t.contiguous(), sizes, out)
+
+
+def _same_host(process_group: Any) -> bool:
+    import torch.distributed as dist
+
+    names: List[Optional[str]] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(names, socket.gethostname(), group=process_group)
+    return len(set(names)) == 1
+
+
+class EpcommAll2AllManager:
+    """vLLM's ``AgRsAll2AllManager`` over epcomm, with ``All2AllManagerBase``'s interface.
+
+    ``cpu_group`` is the EP group's torch.distributed CPU group (the one vLLM passes its
+    managers); ``dp_group``, when given, is the DP group's, which vLLM's manager gathers over
+    when the input is not sequence parallel (without it, ``cpu_group`` is used: the same ranks
+    when tensor parallelism is 1). ``sizes`` gives every rank's token count (vLLM: the DP
+    metadata's chunk sizes); without it dispatch all-gathers the counts itself.
+    ``transport``: "torch" (over the groups themselves, across hosts) or "shm" (one host)."""
+
+    def __init__(
+        self,
+        cpu_group: Any,
+        tcp_store_group: Any = None,
+        *,
+        dp_group: Any = None,
+        sizes: Optional[SizesFn] = None,
+        transport: str = "torch",
+        timeout_s: Optional[float] = None,
+    ):
+        self.cpu_group, self.tcp_store_group = cpu_group, tcp_store_group
+        self._sizes_fn = sizes
+        self._ep = _Collectives(group_for(cpu_group, transport, "vllm-ep", timeout_s))
+        self._dp = (
+            _Collectives(group_for(dp_group, transport, "vllm-dp", timeout_s))
+            if dp_group is not None
+            else self._ep
+        )
+        self.rank, self.world_size = self._ep.rank, self._ep.world_size
+        self.dp_rank, self.dp_world_size = self._dp.rank, self._dp.world_size
+        self.internode = not _same_host(cpu_group)
+        self.support_fault_tolerance = False
+        self._handles: Dict[Tuple[Any, ...], All2All] = {}
+        # The sizes of the last dispatch per group, which its combine splits by.
+        self._last_sizes: Dict[int, List[int]] = {}
+
+    def _comm(self, is_sequence_parallel: bool) -> _Collectives:
+        return self._ep if is_sequence_parallel else self._dp
+
+    def _sizes(self, n: int, comm: _Collectives) -> List[int]:
+        sizes = self._sizes_fn(n) if self._sizes_fn is not None else comm.token_counts(n)
+        sizes = [int(s) for s in sizes]
+        assert len(sizes) == comm.world_size
+        assert sizes[comm.rank] == n
+        self._last_sizes[id(comm)] = sizes
+        return sizes
+
+    def _gather(self, tensors: List[Any], is_sequence_parallel: bool) -> List[Any]:
+        comm = self._comm(is_sequence_parallel)
+        sizes = self._sizes(tensors[0].shape[0], comm)
+        return [comm.all_gatherv(t, sizes) for t in tensors]
+
+    def get_handle(self, kwargs: Dict[str, Any]) -> All2All:
+        """An ``epcomm.All2All`` over the EP group for ``kwargs`` (its constructor's keyword
+        arguments; ``backend`` defaults to "allgather_reducescatter"), cached per kwargs as
+        vLLM's managers cache theirs."""
+        key = tuple(sorted((k, str(v)) for k, v in kwargs.items()))
+        if key not in self._handles:
+            args = dict(kwargs)
+            backend = args.pop("backend", "allgather_reducescatter")
+            self._handles[key] = All2All(self._ep.group, backend, **args)
+        return self._handles[key]
+
+    def dispatch_router_logits(
+        self,
+        hidden_states: Any,
+        router_logits: Any,
+        is_sequence_parallel: bool = False,
+        extra_tensors: Optional[List[Any]] = None,
+    ) -> Any:
+        """Gathers hidden_states, router_logits and the extra tensors from every rank."""
+        g = self._gather([hidden_states, router_logits] + list(extra_tensors or []),
+                         is_sequence_parallel)
+        if extra_tensors is not None:
+            return g[0], g[1], g[2:]
+        return g[0], g[1]
+
+    def dispatch(
+        self,
+        hidden_states: Any,
+        topk_weights: Any,
+        topk_ids: Any,
+        is_sequence_parallel: bool = False,
+        extra_tensors: Optional[List[Any]] = None,
+    ) -> Any:
+        """Gathers hidden_states, topk_weights, topk_ids and the extra tensors from every rank
+        (in rank order, dtypes kept); returns them in that order."""
+        g = self._gather([hidden_states, topk_weights, topk_ids] + list(extra_tensors or []),
+                         is_sequence_parallel)
+        if extra_tensors is None:
+            return g[0], g[1], g[2]
+        return g[0], g[1], g[2], g[3:]
+
+    def combine(self, hidden_states: Any, is_sequence_parallel: bool = False) -> Any:
+        """Sums every rank's ``hidden_states`` ([sum of the ranks' tokens, ...]) and returns this
+        rank's rows: the token counts of the last dispatch, or an equal split as vLLM's
+        manager uses without data parallelism."""
+        comm = self._comm(is_sequence_parallel)
+        rows = int(hidden_states.shape[0])
+        sizes = self._last_sizes.get(id(comm))
+        if sizes is None or sum(sizes) != rows:
+            if rows % comm.world_size:
+                raise InvalidArgumentError(
+                    f"combine: {rows} rows do not split evenly over {comm.world_size} ranks "
+                    "and no dispatch gave the ranks' token counts", 2
+                )
+            sizes = [rows // comm.world_size] * comm.world_size
+        return comm.reduce_scatterv(hidden_states, sizes)
+
+    def allocate_combine_input(self, shape: Any, dtype: Any, device: Any,
+                               is_sequence_parallel: bool = False) -> Any:
+        """None: combine takes any tensor (no symmetric buffer to hand out)."""
+        return None
+
+    def combine_into_output(self, hidden_states: Any, output: Any,
+                            is_sequence_parallel: bool = False) -> Any:
+        """``combine`` written into ``output``."""
+        output.copy_(self.combine(hidden_states, is_sequence_parallel))
+        return output
+
+    def set_num_sms(self, num_sms: int) -> None:
+        """No-op (no GPU)."""
+
+    def max_sms_used(self) -> Optional[int]:
+        """None, as vLLM's base class."""
+        return None
+
+    def destroy(self) -> None:
+        """Releases the cached handles and the groups (idempotent)."""
+        for h in self._handles.values():
+            h.close()
+        self._handles.clear()
+        self._dp.group.close()
+        self._ep.group.close()
+
+
+class EpcommEplbCommunicator:
+    """vLLM's ``EplbCommunicator`` interface (add_send/add_recv/execute) over epcomm's EPLB
+    communicator. ``group`` is an ``epcomm.Group`` or a torch.distributed CPU group (the EP
+    group's; made into an epcomm group with ``transport``); ranks are that group's ranks.
+    ``execute()`` is collective: every rank calls it, as vLLM's weight rearrangement does once
+    per layer. Tensors are CPU tensors (or numpy arrays), contiguous."""
+
+    def __init__(self, group: Any, stream: Any = None, *, communicator: Optional[str] = None,
+                 transport: str = "torch", timeout_s: Optional[float] = None):
+        self._own = not isinstance(group, Group)
+        self._group = group_for(group, transport, "vllm-eplb", timeout_s) if self._own else group
+        self._comm = EplbCommunicator(self._group, communicator)
+        self._stream = stream
+
+    def add_send(self, tensors: List[Any], dst_rank: int, expert_id: int) -> None:
+        """Queues sending one expert's tensors to ``dst_rank``."""
+        self._comm.add_send(tensors, dst_rank, expert_id)
+
+    def add_recv(self, tensors: List[Any], src_rank: int, expert_id: int) -> None:
+        """Queues receiving one expert's tensors from ``src_rank`` (filled in place)."""
+        self._comm.add_recv(tensors, src_rank, expert_id)
+
+    def execute(self) -> None:
+        """Completes every queued transfer; on return the received tensors hold the data."""
+        self._comm.execute()
+
+    def set_transfer_context(self, old_indices: Any, layer_idx: int) -> None:
+        """No-op, as in vLLM's base class."""
+
+    @property
+    def needs_profile_buffer_reservation(self) -> bool:
+        """True, as in vLLM's base class."""
+        return True
+
+    def set_stream(self, stream: Any) -> None:
+        """Kept for vLLM's interface; host transfers use no stream."""
+        self._stream = stream
+
+    def destroy(self) -> None:
+        """Releases the communicator (and the group made for it)."""
+        self._comm.close()
+        if self._own:
+            self._group.close()
+
+
+__all__ = ["EpcommAll2AllManager", "EpcommEplbCommunicator", "group_for", "TRANSPORTS"]

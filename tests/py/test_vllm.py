@@ -1,0 +1,194 @@
+"""epcomm.vllm: the all2all manager and the EPLB communicator with vLLM v0.33.0's interfaces.
+
+Two rank processes over gloo on 127.0.0.1 (each in its own IPC and mount namespace where
+`unshare` is permitted). EpcommAll2AllManager's dispatch, dispatch_router_logits and combine
+(with different token counts per rank, extra tensors, sequence parallel, both transports) must
+equal a plain-torch reference of what vLLM's AgRsAll2AllManager computes: all_gatherv of
+[hidden_states, topk_weights, topk_ids, *extra_tensors] in rank order, and reduce_scatterv of
+combine's input with the dispatch's token counts, written with torch.distributed collectives.
+EpcommEplbCommunicator must move expert weights from add_send to the matching add_recv.
+
+    PYTHONPATH=python EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_vllm.py -v
+"""
+
+import json
+import os
+import sys
+import unittest
+
+import test_torch_group as ranks
+
+H, K, E = 6, 2, 8  # hidden size, top-k, experts
+
+
+# ---- the plain-torch reference (AgRs semantics) ---------------------------------------------
+
+
+def ref_all_gatherv(dist, t, sizes):
+    """Every rank's rows of `t` in rank order (padded all_gather, then the padding dropped)."""
+    import torch
+
+    pad = max(sizes)
+    mine = torch.zeros((pad,) + tuple(t.shape[1:]), dtype=t.dtype)
+    mine[: t.shape[0]] = t
+    parts = [torch.empty_like(mine) for _ in sizes]
+    dist.all_gather(parts, mine)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+
+def ref_reduce_scatterv(dist, t, sizes, rank):
+    """The sum over ranks of `t`, this rank's `sizes[rank]` rows."""
+    total = t.clone()
+    dist.all_reduce(total)
+    start = sum(sizes[:rank])
+    return total[start : start + sizes[rank]]
+
+
+# ---- a rank ---------------------------------------------------------------------------------
+
+
+def rank_inputs(rank):
+    """Integer-valued floats, so sums are exact in any order."""
+    import torch
+
+    g = torch.Generator().manual_seed(7 + rank)
+    t = 2 + rank  # the ranks' token counts differ
+    hidden = torch.randint(-8, 8, (t, H), generator=g).to(torch.bfloat16)
+    weights = torch.rand((t, K), generator=g)
+    ids = torch.randint(0, E, (t, K), generator=g, dtype=torch.int32)
+    logits = torch.randn((t, E), generator=g)
+    scales = torch.randint(0, 255, (t, 3), generator=g, dtype=torch.uint8)
+    flags = torch.rand(t, generator=g) > 0.5
+    return hidden, weights, ids, logits, [scales, flags]
+
+
+def check_manager(dist, epcomm_vllm, rank, world, transport, mism):
+    import torch
+
+    hidden, weights, ids, logits, extras = rank_inputs(rank)
+    sizes = [2 + r for r in range(world)]
+    m = epcomm_vllm.EpcommAll2AllManager(dist.group.WORLD, transport=transport)
+
+    def same(name, got, want):
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            mism.append(f"{transport}: {name}: {got} != {want}")
+
+    assert (m.rank, m.world_size, m.dp_rank, m.dp_world_size) == (rank, world, rank, world)
+    assert m.internode is False
+
+    got = m.dispatch(hidden, weights, ids)
+    assert len(got) == 3
+    for name, g, t in zip(("hidden", "topk_weights", "topk_ids"), got, (hidden, weights, ids)):
+        same(f"dispatch {name}", g, ref_all_gatherv(dist, t, sizes))
+
+    got = m.dispatch(hidden, weights, ids.long(), extra_tensors=extras)
+    assert len(got) == 4 and isinstance(got[3], list) and len(got[3]) == 2
+    for i, t in enumerate([hidden, weights, ids.long()] + extras):
+        g = got[i] if i < 3 else got[3][i - 3]
+        same(f"dispatch with extras [{i}]", g, ref_all_gatherv(dist, t, sizes))
+
+    # vLLM's MoE computes on every gathered token; combine brings each rank its own back.
+    y = (got[0].float() * (rank + 1)).to(torch.bfloat16)
+    same("combine", m.combine(y), ref_reduce_scatterv(dist, y, sizes, rank))
+    y32 = got[0].float() + rank
+    out = torch.empty((sizes[rank], H))
+    r = m.combine_into_output(y32, out)
+    same("combine_into_output", r, ref_reduce_scatterv(dist, y32, sizes, rank))
+    assert r is out
+
+    g_h, g_l, g_x = m.dispatch_router_logits(hidden, logits, True, extra_tensors=extras[:1])
+    same("router_logits hidden", g_h, ref_all_gatherv(dist, hidden, sizes))
+    same("router_logits logits", g_l, ref_all_gatherv(dist, logits, sizes))
+    same("router_logits extra", g_x[0], ref_all_gatherv(dist, extras[0], sizes))
+    assert len(m.dispatch_router_logits(hidden, logits)) == 2
+    y = g_l * (rank + 2)
+    same("combine sequence parallel", m.combine(y, is_sequence_parallel=True),
+         ref_reduce_scatterv(dist, y, sizes, rank))
+
+    # Without a dispatch of that size, combine splits evenly (AgRs without DP metadata).
+    even = torch.arange(4 * world * H, dtype=torch.float32).reshape(4 * world, H) * (rank + 1)
+    same("combine even split", m.combine(even), ref_reduce_scatterv(dist, even, [4] * world,
+                                                                      rank))
+
+    a = m.get_handle({"num_experts": E, "top_k": K, "hidden_size": H})
+    assert a is m.get_handle({"num_experts": E, "top_k": K, "hidden_size": H})
+    assert m.allocate_combine_input((1, H), torch.float32, "cpu") is None
+    m.destroy()
+    m.destroy()  # idempotent
+
+
+def check_eplb(dist, epcomm_vllm, rank, world, mism):
+    """Each rank sends its two experts' weights (a float32 row and a bfloat16 matrix per
+    expert) to the next rank and receives the previous rank's into its buffers; expert ids
+    label the transfers, pairing is by order."""
+    import torch
+
+    def expert(r, e):
+        base = 100 * r + 10 * e
+        return [torch.arange(4, dtype=torch.float32) + base,
+                (torch.arange(6).reshape(2, 3) + base).to(torch.bfloat16)]
+
+    c = epcomm_vllm.EpcommEplbCommunicator(dist.group.WORLD)
+    assert c.needs_profile_buffer_reservation
+    c.set_stream(None)
+    c.set_transfer_context(None, 0)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    bufs = [[torch.zeros(4), torch.zeros((2, 3), dtype=torch.bfloat16)] for _ in range(2)]
+    for e in range(2):
+        c.add_send(expert(rank, e), nxt, 2 * rank + e)
+        c.add_recv(bufs[e], prv, 2 * prv + e)
+    c.execute()
+    for e in range(2):
+        for i, (got, want) in enumerate(zip(bufs[e], expert(prv, e))):
+            if not torch.equal(got, want):
+                mism.append(f"eplb expert {e} tensor {i}: {got} != {want}")
+    c.execute()  # an empty queue is a no-op on every rank
+    c.destroy()
+
+
+def rank_main(mode, rank, world, where):
+    import epcomm.vllm as epcomm_vllm
+
+    dist = ranks.init_torch(rank, world, int(where))
+    out = {"others_in_dev_shm": ranks.shm_isolated(dist, rank, world), "mismatches": []}
+    transports = ("torch", "shm") if mode == "both" else ("torch",)
+    for transport in transports:
+        check_manager(dist, epcomm_vllm, rank, world, transport, out["mismatches"])
+    check_eplb(dist, epcomm_vllm, rank, world, out["mismatches"])
+    return out
+
+
+# ---- the driver -----------------------------------------------------------------------------
+
+
+class VllmTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        ranks.keep_library()
+        cls.prefix = ranks.unshare_prefix()
+
+    def run_world(self, mode, world, prefix):
+        runs = ranks.run_ranks(self, mode, world, ranks.free_port(), prefix,
+                               script=os.path.abspath(__file__))
+        for rank in range(world):
+            self.assertEqual(runs[rank]["mismatches"], [], f"rank {rank}")
+        return runs
+
+    def test_two_ranks_torch_transport_isolated(self):
+        runs = self.run_world("torch", 2, self.prefix)
+        if self.prefix is not None:
+            for rank, r in runs.items():
+                self.assertEqual(r["others_in_dev_shm"], 0, f"rank {rank} sees /dev/shm")
+
+    def test_two_ranks_torch_and_shm_transports(self):
+        self.run_world("both", 2, None)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        mode, rank, world, where, path = sys.argv[2:7]
+        result = rank_main(mode, int(rank), int(world), where)
+        with open(path, "w") as f:
+            json.dump(result, f)
+        sys.exit(0)
+    unittest.main()
