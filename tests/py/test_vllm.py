@@ -118,30 +118,29 @@ def check_manager(dist, epcomm_vllm, rank, world, transport, mism):
 
 
 def check_eplb(dist, epcomm_vllm, rank, world, mism):
-    """Each rank sends its two experts' weights (a float32 row and a bfloat16 matrix per
-    expert) to the next rank and receives the previous rank's into its buffers; expert ids
-    label the transfers, pairing is by order."""
+    """As vLLM's rearrangement calls it: each rank sends its two local experts (row views of a
+    float32 [2, 4] and a bfloat16 [2, 2, 3] weight) to the next rank, which receives them into
+    row views of its buffers; expert ids label the transfers, pairing is by order."""
     import torch
 
-    def expert(r, e):
-        base = 100 * r + 10 * e
-        return [torch.arange(4, dtype=torch.float32) + base,
-                (torch.arange(6).reshape(2, 3) + base).to(torch.bfloat16)]
+    def weights(r):
+        base = 100 * r
+        return [torch.arange(8, dtype=torch.float32).reshape(2, 4) + base,
+                (torch.arange(12).reshape(2, 2, 3) + base).to(torch.bfloat16)]
 
     c = epcomm_vllm.EpcommEplbCommunicator(dist.group.WORLD)
     assert c.needs_profile_buffer_reservation
     c.set_stream(None)
     c.set_transfer_context(None, 0)
     nxt, prv = (rank + 1) % world, (rank - 1) % world
-    bufs = [[torch.zeros(4), torch.zeros((2, 3), dtype=torch.bfloat16)] for _ in range(2)]
+    mine, bufs = weights(rank), [torch.zeros(2, 4), torch.zeros((2, 2, 3), dtype=torch.bfloat16)]
     for e in range(2):
-        c.add_send(expert(rank, e), nxt, 2 * rank + e)
-        c.add_recv(bufs[e], prv, 2 * prv + e)
+        c.add_send([w[e] for w in mine], nxt, 2 * rank + e)
+        c.add_recv([b[e] for b in bufs], prv, 2 * prv + e)
     c.execute()
-    for e in range(2):
-        for i, (got, want) in enumerate(zip(bufs[e], expert(prv, e))):
-            if not torch.equal(got, want):
-                mism.append(f"eplb expert {e} tensor {i}: {got} != {want}")
+    for i, (got, want) in enumerate(zip(bufs, weights(prv))):
+        if not torch.equal(got, want):
+            mism.append(f"eplb weight {i}: {got} != {want}")
     c.execute()  # an empty queue is a no-op on every rank
     c.destroy()
 
