@@ -137,7 +137,7 @@ pub enum Error {
     #[error("log_balancedness_interval must be greater than 0.")]
     LogBalancednessInterval,
     #[error(
-        "Expert parallelism load balancing is only supported on CUDA devices or ROCm devices now."
+        "Expert parallelism load balancing is only supported on CUDA devices or ROCm devices or XPU devices now."
     )]
     EplbPlatform,
     #[error("enable_expert_parallel must be True to use EPLB.")]

@@ -4,7 +4,7 @@
 use epcomm::dtype::{Code, DType};
 use epcomm::select::all2all::{self, Backend, Layout, NameKind};
 use epcomm::select::config::{self, EplbConfig};
-use epcomm::select::eplb::{self, Communicator, DeviceKind, SelectRequest};
+use epcomm::select::eplb::{self, Choice, Communicator, DeviceKind, SelectRequest};
 use epcomm::select::Hint;
 use epcomm::{Error, Status};
 
@@ -747,15 +747,59 @@ fn malformed_json_is_a_clear_error() {
 }
 
 #[test]
-fn eplb_needs_cuda_or_rocm() {
+fn eplb_needs_cuda_rocm_or_xpu() {
+    // vLLM v0.33.0 text.
     let e = eplb_check(r#""platform": "cpu""#).result.unwrap_err();
     assert_err(
         &e,
         Status::InvalidArgument,
         "ValueError",
-        "Expert parallelism load balancing is only supported on CUDA devices or ROCm devices now.",
+        "Expert parallelism load balancing is only supported on CUDA devices or ROCm devices or XPU devices now.",
     );
     eplb_check(r#""platform": "rocm""#).result.unwrap();
+    eplb_check(r#""platform": "xpu""#).result.unwrap();
+}
+
+#[test]
+fn torch_xccl_is_auto_selected_on_xpu_and_never_built() {
+    assert_eq!(
+        eplb::VLLM_COMMUNICATOR_NAMES,
+        ["torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl"]
+    );
+    // The configuration: auto-selected on XPU even with NIXL present, announced as vLLM does.
+    let o = eplb_check(r#""platform": "xpu", "nixl_available": true"#);
+    let r = o.result.unwrap();
+    assert_eq!(r.eplb_communicator, Some(Choice::TorchXccl));
+    assert!(r.eplb_communicator_auto);
+    assert!(o.infos.contains(
+        &"Initialized EPLB communicator: TorchDistXCCLStagedEplbCommunicator.".to_owned()
+    ));
+    // Named explicitly: accepted by EPLBConfig's literal, async included.
+    let o = eplb_check(r#""eplb_config": {"communicator": "torch_xccl"}"#);
+    assert_eq!(o.result.unwrap().eplb_communicator, Some(Choice::TorchXccl));
+    // Elastic EP: vLLM's factory rejects it like any name but torch_nccl, pynccl, nixl.
+    let e = eplb::select(&SelectRequest {
+        elastic: true,
+        ..req(Some("torch_xccl"))
+    })
+    .unwrap_err();
+    assert_err(&e, Status::InvalidArgument, "ValueError", "Elastic EP requires 'torch_nccl', 'pynccl', or 'nixl' EPLB communicator (got 'torch_xccl').");
+    // The factory: chosen, but epcomm has no XCCL transport.
+    let xpu = SelectRequest {
+        device: DeviceKind::Xpu,
+        ..req(None)
+    };
+    let chosen = eplb::choose_outcome(&xpu).0.unwrap();
+    assert_eq!(
+        (chosen.communicator, chosen.auto_selected),
+        (Choice::TorchXccl, true)
+    );
+    let e = eplb::select(&xpu).unwrap_err();
+    assert_err(&e, Status::Unavailable, "RuntimeError", "EPLB communicator 'torch_xccl' (TorchDistXCCLStagedEplbCommunicator) needs XCCL on XPU devices; epcomm has no XCCL transport");
+    assert_eq!(eplb::select(&req(Some("torch_xccl"))).unwrap_err(), e);
+    // A typo suggests it.
+    let e = eplb::select(&req(Some("torch_xcc"))).unwrap_err();
+    assert!(e.hint().unwrap().contains("'torch_xccl'"), "{:?}", e.hint());
 }
 
 #[test]
@@ -831,7 +875,10 @@ fn elastic_async_eplb_needs_nixl() {
     let r = eplb_check(r#""enable_elastic_ep": true, "nixl_available": true"#)
         .result
         .unwrap();
-    assert_eq!(r.eplb_communicator, Some(Communicator::Nixl));
+    assert_eq!(
+        r.eplb_communicator,
+        Some(Choice::Communicator(Communicator::Nixl))
+    );
     assert!(r.eplb_communicator_auto);
 }
 
@@ -850,7 +897,7 @@ fn config_applies_the_factory_rules() {
     );
     assert_eq!(
         o.result.unwrap().eplb_communicator,
-        Some(Communicator::Pynccl)
+        Some(Choice::Communicator(Communicator::Pynccl))
     );
     // Elastic + torch_nccl: forced to pynccl with the warning.
     let o = eplb_check(
@@ -858,7 +905,7 @@ fn config_applies_the_factory_rules() {
     );
     assert_eq!(
         o.result.unwrap().eplb_communicator,
-        Some(Communicator::Pynccl)
+        Some(Choice::Communicator(Communicator::Pynccl))
     );
     assert_eq!(o.warnings, vec![eplb::W_ELASTIC_FORCES_PYNCCL.to_owned()]);
     // Elastic + torch_gloo: rejected.
@@ -876,7 +923,7 @@ fn config_applies_the_factory_rules() {
     let o = eplb_check(r#""nixl_available": false"#);
     assert_eq!(
         o.result.unwrap().eplb_communicator,
-        Some(Communicator::TorchGloo)
+        Some(Choice::Communicator(Communicator::TorchGloo))
     );
     assert!(o.infos.contains(
         &"Initialized EPLB communicator: TorchDistGlooStagedEplbCommunicator.".to_owned()

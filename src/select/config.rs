@@ -11,7 +11,7 @@
 use serde_json::{Map, Value};
 
 use super::all2all::{self, Backend, Layout};
-use super::eplb::{self, Communicator, DeviceKind, SelectRequest};
+use super::eplb::{self, Choice, DeviceKind, SelectRequest};
 use super::suggest;
 use super::Hint;
 use crate::error::{Error, Result};
@@ -234,7 +234,7 @@ fn parse_eplb_config(map: &Map<String, Value>) -> Result<EplbConfig> {
                     None
                 } else {
                     let name = get_str(v, f)?;
-                    if Communicator::from_name(&name).is_none() {
+                    if !eplb::is_vllm_name(&name) {
                         return Err(Error::UnknownEplbCommunicator { backend: name });
                     }
                     Some(name)
@@ -338,7 +338,7 @@ pub struct Resolution {
     /// The layout contract; `None` for `passthrough`.
     pub layout: Option<Layout>,
     /// The EPLB communicator (when EPLB is enabled).
-    pub eplb_communicator: Option<Communicator>,
+    pub eplb_communicator: Option<Choice>,
     pub eplb_communicator_auto: bool,
 }
 
@@ -382,7 +382,7 @@ fn check_inner(
     // Engine start: EPLB communicator factory.
     let (eplb_communicator, eplb_communicator_auto) = if c.enable_eplb {
         let device = DeviceKind::from_platform(&c.platform).unwrap_or(DeviceKind::Cuda);
-        let (sel, forced) = eplb::select_outcome(&SelectRequest {
+        let (sel, forced) = eplb::choose_outcome(&SelectRequest {
             requested: c.eplb_config.communicator.as_deref(),
             elastic: c.enable_elastic_ep,
             device,
@@ -392,7 +392,7 @@ fn check_inner(
         });
         warnings.extend(forced);
         let sel = sel?;
-        infos.push(eplb::initialized_info(sel.communicator));
+        infos.push(eplb::choice_initialized_info(sel.communicator));
         (Some(sel.communicator), sel.auto_selected)
     } else {
         (None, false)
@@ -446,7 +446,7 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
 
     // ParallelConfig._validate_parallel_config.
     if c.enable_eplb {
-        if !matches!(c.platform.as_str(), "cuda" | "rocm") {
+        if !matches!(c.platform.as_str(), "cuda" | "rocm" | "xpu") {
             return Err(Error::EplbPlatform);
         }
         if !c.enable_expert_parallel {

@@ -14,8 +14,55 @@ pub enum Communicator {
     Nixl = 3,
 }
 
-/// The names vLLM's `EPLBCommunicatorBackend` literal accepts.
+/// The names of [`Communicator`], in its (C ABI) order.
 pub const COMMUNICATOR_NAMES: [&str; 4] = ["torch_nccl", "torch_gloo", "pynccl", "nixl"];
+
+/// vLLM v0.33.0's `torch_xccl` (`TorchDistXCCLStagedEplbCommunicator`, XCCL P2P on XPU): vLLM's
+/// rules select it, but epcomm has no XCCL transport, so it is a [`Choice`] and not a
+/// [`Communicator`] (no C ABI code); building it fails with [`Error::Unavailable`].
+pub const TORCH_XCCL: &str = "torch_xccl";
+
+/// The names vLLM's `EPLBCommunicatorBackend` literal accepts, in vLLM's order.
+pub const VLLM_COMMUNICATOR_NAMES: [&str; 5] =
+    ["torch_nccl", "torch_gloo", TORCH_XCCL, "nixl", "pynccl"];
+
+/// What vLLM's rules choose: a [`Communicator`], or `torch_xccl`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Choice {
+    Communicator(Communicator),
+    /// [`TORCH_XCCL`]: named, never built.
+    TorchXccl,
+}
+
+impl Choice {
+    /// vLLM's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Choice::Communicator(c) => c.name(),
+            Choice::TorchXccl => TORCH_XCCL,
+        }
+    }
+
+    /// vLLM's class.
+    pub fn class_name(self) -> &'static str {
+        match self {
+            Choice::Communicator(c) => c.class_name(),
+            Choice::TorchXccl => "TorchDistXCCLStagedEplbCommunicator",
+        }
+    }
+}
+
+/// Whether `name` is in vLLM's `EPLBCommunicatorBackend` literal.
+pub fn is_vllm_name(name: &str) -> bool {
+    VLLM_COMMUNICATOR_NAMES.contains(&name)
+}
+
+/// The error for building `torch_xccl`: epcomm has no XCCL transport.
+pub fn xccl_unavailable() -> Error {
+    Error::Unavailable(format!(
+        "EPLB communicator '{TORCH_XCCL}' (TorchDistXCCLStagedEplbCommunicator) needs XCCL on XPU devices; epcomm has no XCCL transport"
+    ))
+}
 
 impl Communicator {
     pub const ALL: [Communicator; 4] = [
@@ -53,6 +100,11 @@ impl Communicator {
 
 /// The info line vLLM logs once a communicator is built.
 pub fn initialized_info(c: Communicator) -> String {
+    choice_initialized_info(Choice::Communicator(c))
+}
+
+/// [`initialized_info`] for any [`Choice`] (the configuration check reports `torch_xccl` too).
+pub fn choice_initialized_info(c: Choice) -> String {
     format!("Initialized EPLB communicator: {}.", c.class_name())
 }
 
@@ -145,18 +197,19 @@ pub struct SelectRequest<'a> {
     pub nixl_available: bool,
 }
 
-/// The factory's decision.
+/// The factory's decision, over what vLLM can choose ([`Choice`]) or what epcomm builds
+/// ([`Communicator`], the default).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Selection {
-    pub communicator: Communicator,
+pub struct Selection<C = Communicator> {
+    pub communicator: C,
     /// Chosen automatically (no name was configured).
     pub auto_selected: bool,
     /// Warnings vLLM logs on the way (e.g. the forced-to-pynccl warning).
     pub warnings: Vec<String>,
 }
 
-/// vLLM's automatic choice when no communicator is configured: NIXL if importable, else
-/// `pynccl` for elastic EP, else `torch_gloo`.
+/// vLLM's automatic choice when no communicator is configured off XPU: NIXL if importable,
+/// else `pynccl` for elastic EP, else `torch_gloo`.
 pub fn auto_select(elastic: bool, nixl_available: bool) -> Communicator {
     if nixl_available {
         Communicator::Nixl
@@ -164,6 +217,17 @@ pub fn auto_select(elastic: bool, nixl_available: bool) -> Communicator {
         Communicator::Pynccl
     } else {
         Communicator::TorchGloo
+    }
+}
+
+/// vLLM's automatic choice (`ParallelConfig.__post_init__`): `torch_xccl` on XPU, else
+/// [`auto_select`].
+pub fn auto_choice(device: DeviceKind, elastic: bool, nixl_available: bool) -> Choice {
+    match device {
+        DeviceKind::Xpu => Choice::TorchXccl,
+        DeviceKind::Cpu | DeviceKind::Cuda | DeviceKind::Rocm | DeviceKind::Other(_) => {
+            Choice::Communicator(auto_select(elastic, nixl_available))
+        }
     }
 }
 
@@ -177,10 +241,25 @@ pub fn select(req: &SelectRequest<'_>) -> Result<Selection> {
 /// Like [`select`], plus the warnings vLLM logs on the way even when the decision then fails
 /// (the forced-to-pynccl warning precedes pynccl's own checks).
 pub fn select_outcome(req: &SelectRequest<'_>) -> (Result<Selection>, Vec<String>) {
+    let (choice, warnings) = choose_outcome(req);
+    let built = choice.and_then(|s| match s.communicator {
+        Choice::Communicator(c) => Ok(Selection {
+            communicator: c,
+            auto_selected: s.auto_selected,
+            warnings: s.warnings,
+        }),
+        Choice::TorchXccl => Err(xccl_unavailable()),
+    });
+    (built, warnings)
+}
+
+/// Like [`select_outcome`], but `torch_xccl` is a choice, as in vLLM's configuration and
+/// factory, rather than an error.
+pub fn choose_outcome(req: &SelectRequest<'_>) -> (Result<Selection<Choice>>, Vec<String>) {
     let forced = req.elastic
         && req
             .requested
-            .unwrap_or(auto_select(req.elastic, req.nixl_available).name())
+            .unwrap_or(auto_choice(req.device, req.elastic, req.nixl_available).name())
             == "torch_nccl";
     let warnings = if forced {
         vec![W_ELASTIC_FORCES_PYNCCL.to_owned()]
@@ -190,16 +269,16 @@ pub fn select_outcome(req: &SelectRequest<'_>) -> (Result<Selection>, Vec<String
     (decide(req), warnings)
 }
 
-fn decide(req: &SelectRequest<'_>) -> Result<Selection> {
+fn decide(req: &SelectRequest<'_>) -> Result<Selection<Choice>> {
     let auto_selected = req.requested.is_none();
     let name: &str = match req.requested {
         Some(n) => n,
-        None => auto_select(req.elastic, req.nixl_available).name(),
+        None => auto_choice(req.device, req.elastic, req.nixl_available).name(),
     };
     let mut warnings = Vec::new();
     let done = |c: Communicator, warnings: Vec<String>| {
         Ok(Selection {
-            communicator: c,
+            communicator: Choice::Communicator(c),
             auto_selected,
             warnings,
         })
@@ -234,6 +313,11 @@ fn decide(req: &SelectRequest<'_>) -> Result<Selection> {
             done(Communicator::Nixl, warnings)
         }
         "torch_gloo" => done(Communicator::TorchGloo, warnings),
+        TORCH_XCCL => Ok(Selection {
+            communicator: Choice::TorchXccl,
+            auto_selected,
+            warnings,
+        }),
         "torch_nccl" => done(Communicator::TorchNccl, warnings),
         "pynccl" => {
             check_pynccl(req)?;

@@ -3,7 +3,7 @@
 //! It lives with `select` so that `error` depends on nothing above it.
 
 use super::all2all;
-use super::eplb::COMMUNICATOR_NAMES;
+use super::eplb::VLLM_COMMUNICATOR_NAMES;
 use super::suggest;
 use crate::error::Error;
 
@@ -29,7 +29,7 @@ pub fn hint(error: &Error) -> Option<String> {
         )),
         Error::UnknownEplbCommunicator { backend } => Some(suggest::did_you_mean(
         backend,
-        COMMUNICATOR_NAMES.iter().copied(),
+        VLLM_COMMUNICATOR_NAMES.iter().copied(),
         "valid EPLB communicators",
         )),
         Error::UnknownConfigKey {
