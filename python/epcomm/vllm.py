@@ -8,7 +8,7 @@ tensors and returns this rank's rows (a reduce-scatter). ``EpcommEplbCommunicato
 interface of vLLM's ``EplbCommunicator`` (add_send/add_recv/execute). Both take torch CPU
 tensors and run over epcomm groups made from the torch.distributed CPU (gloo) group vLLM hands
 them: ``transport="torch"`` (across hosts) or ``"shm"`` (one host, shared memory). Neither
-imports vLLM. docs/vllm.md shows how a vLLM CPU deployment installs them.
+imports vLLM; ``install()`` puts them in vLLM's place (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -290,4 +290,39 @@ class EpcommEplbCommunicator:
             self._group.close()
 
 
-__all__ = ["EpcommAll2AllManager", "EpcommEplbCommunicator", "group_for", "TRANSPORTS"]
+def install(eplb: bool = True) -> None:
+    """Makes vLLM, in this process, use epcomm where its CPU backend would use its own: the
+    all2all manager vLLM's communicators build for "allgather_reducescatter" (and "naive", and
+    every name on CPU) becomes ``EpcommAll2AllManager``, and, with ``eplb``, the EPLB
+    communicator for CPU expert weights becomes ``EpcommEplbCommunicator`` (vLLM's own factory
+    still serves device weights). Call it before vLLM creates its process groups, in every
+    process (a ``vllm.general_plugins`` entry point does that: docs/vllm.md)."""
+    import importlib
+
+    all2all = importlib.import_module("vllm.distributed.device_communicators.all2all")
+    all2all.AgRsAll2AllManager = EpcommAll2AllManager
+    if not eplb:
+        return
+    state = importlib.import_module("vllm.distributed.eplb.eplb_state")
+    original = state.create_eplb_communicator
+    if getattr(original, "_epcomm", False):
+        return  # installed already (plugins may load more than once)
+
+    def create_eplb_communicator(group_coordinator: Any, backend: str, expert_weights: Any,
+                                 expert_buffer: Any) -> Any:
+        first = expert_weights[0] if expert_weights else []
+        if first and first[0].device.type != "cpu":
+            return original(group_coordinator, backend, expert_weights, expert_buffer)
+        return EpcommEplbCommunicator(group_coordinator.cpu_group)
+
+    create_eplb_communicator._epcomm = True  # type: ignore[attr-defined]
+    state.create_eplb_communicator = create_eplb_communicator
+
+
+__all__ = [
+    "EpcommAll2AllManager",
+    "EpcommEplbCommunicator",
+    "group_for",
+    "install",
+    "TRANSPORTS",
+]

@@ -6,7 +6,9 @@ Two rank processes over gloo on 127.0.0.1 (each in its own IPC and mount namespa
 equal a plain-torch reference of what vLLM's AgRsAll2AllManager computes: all_gatherv of
 [hidden_states, topk_weights, topk_ids, *extra_tensors] in rank order, and reduce_scatterv of
 combine's input with the dispatch's token counts, written with torch.distributed collectives.
-EpcommEplbCommunicator must move expert weights from add_send to the matching add_recv.
+EpcommEplbCommunicator must move expert weights from add_send to the matching add_recv. Both
+are built the way vLLM builds its own once `epcomm.vllm.install()` has patched (stand-ins for)
+vLLM's two modules.
 
     PYTHONPATH=python EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_vllm.py -v
 """
@@ -14,6 +16,7 @@ EpcommEplbCommunicator must move expert weights from add_send to the matching ad
 import json
 import os
 import sys
+import types
 import unittest
 
 import test_torch_group as ranks
@@ -67,7 +70,12 @@ def check_manager(dist, epcomm_vllm, rank, world, transport, mism):
 
     hidden, weights, ids, logits, extras = rank_inputs(rank)
     sizes = [2 + r for r in range(world)]
-    m = epcomm_vllm.EpcommAll2AllManager(dist.group.WORLD, transport=transport)
+    if transport == "torch":  # as vLLM's CpuCommunicator builds it, once installed
+        m = sys.modules["vllm.distributed.device_communicators.all2all"].AgRsAll2AllManager(
+            dist.group.WORLD)
+    else:
+        m = epcomm_vllm.EpcommAll2AllManager(dist.group.WORLD, transport=transport)
+    assert isinstance(m, epcomm_vllm.EpcommAll2AllManager)
 
     def same(name, got, want):
         if got.dtype != want.dtype or not torch.equal(got, want):
@@ -128,7 +136,13 @@ def check_eplb(dist, epcomm_vllm, rank, world, mism):
         return [torch.arange(8, dtype=torch.float32).reshape(2, 4) + base,
                 (torch.arange(12).reshape(2, 2, 3) + base).to(torch.bfloat16)]
 
-    c = epcomm_vllm.EpcommEplbCommunicator(dist.group.WORLD)
+    # As vLLM's EplbState creates it, once installed (the EPLB group's CPU group).
+    make = sys.modules["vllm.distributed.eplb.eplb_state"].create_eplb_communicator
+    coordinator = types.SimpleNamespace(cpu_group=dist.group.WORLD)
+    c = make(coordinator, "torch_gloo", [weights(rank)], weights(rank))
+    assert isinstance(c, epcomm_vllm.EpcommEplbCommunicator)
+    device_weights = [[types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))]]
+    assert make(coordinator, "torch_nccl", device_weights, []) == "vllm's own"
     assert c.needs_profile_buffer_reservation
     c.set_stream(None)
     c.set_transfer_context(None, 0)
@@ -145,9 +159,23 @@ def check_eplb(dist, epcomm_vllm, rank, world, mism):
     c.destroy()
 
 
+def fake_vllm():
+    """The two vLLM modules epcomm.vllm.install() patches, as stand-ins (no vLLM install)."""
+    names = ["vllm", "vllm.distributed", "vllm.distributed.device_communicators",
+             "vllm.distributed.device_communicators.all2all", "vllm.distributed.eplb",
+             "vllm.distributed.eplb.eplb_state"]
+    for name in names:
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules[names[3]].AgRsAll2AllManager = None
+    sys.modules[names[5]].create_eplb_communicator = lambda *args: "vllm's own"
+
+
 def rank_main(mode, rank, world, where):
     import epcomm.vllm as epcomm_vllm
 
+    fake_vllm()
+    epcomm_vllm.install()
+    epcomm_vllm.install()  # plugins may be loaded more than once
     dist = ranks.init_torch(rank, world, int(where))
     out = {"others_in_dev_shm": ranks.shm_isolated(dist, rank, world), "mismatches": []}
     transports = ("torch", "shm") if mode == "both" else ("torch",)
