@@ -159,6 +159,12 @@ pub enum Error {
     /// A pydantic-style field error: `{field}\n  {message}`.
     #[error("{field}: {message}")]
     ConfigField { field: String, message: String },
+    /// `ParallelConfig._validate_parallel_config`.
+    #[error("data_parallel_external_lb can only be set when data_parallel_size > 1")]
+    ExternalLbNeedsDp,
+    /// `VllmConfig.__post_init__` for `moonep`.
+    #[error("The moonep all2all backend does not support EPLB yet: EPLB rearranges expert parameters in a layout MoonEP's replicated [E+B] weights do not follow. Disable --enable-eplb or use a different --all2all-backend.")]
+    MoonepEplb,
     /// A configuration key that does not exist.
     #[error("Unknown configuration key '{key}' ({valid})")]
     UnknownConfigKey {
@@ -222,6 +228,8 @@ impl Error {
             | ElasticPipeline { .. }
             | ElasticAsyncNeedsNixl
             | ConfigField { .. }
+            | ExternalLbNeedsDp
+            | MoonepEplb
             | UnknownConfigKey { .. }
             | InvalidArgument(_) => Status::InvalidArgument,
             MicrobatchingBackend { .. }

@@ -678,12 +678,20 @@ fn field_bounds_use_pydantics_phrase() {
             "eplb_config.num_redundant_experts: Input should be greater than or equal to 0",
         ),
         (
-            r#"{"eplb_config": {"num_redundant_experts": 1024}}"#,
-            "eplb_config.num_redundant_experts: Input should be less than or equal to 1023",
+            r#"{"tensor_parallel_size": 0}"#,
+            "tensor_parallel_size: Input should be greater than or equal to 1",
         ),
         (
-            r#"{"tensor_parallel_size": 0}"#,
-            "tensor_parallel_size: Input should be greater than 0",
+            r#"{"data_parallel_size": -1}"#,
+            "data_parallel_size: Input should be greater than or equal to 1",
+        ),
+        (
+            r#"{"pipeline_parallel_size": 0}"#,
+            "pipeline_parallel_size: Input should be greater than or equal to 1",
+        ),
+        (
+            r#"{"prefill_context_parallel_size": 0}"#,
+            "prefill_context_parallel_size: Input should be greater than or equal to 1",
         ),
         (
             r#"{"enable_eplb": "yes"}"#,
@@ -856,13 +864,53 @@ fn elastic_ep_rejects_pipeline_parallelism() {
 }
 
 #[test]
-fn elastic_ep_rejects_external_and_hybrid_lb() {
-    for key in ["data_parallel_external_lb", "data_parallel_hybrid_lb"] {
-        let e = eplb_check(&format!(r#""enable_elastic_ep": true, "{key}": true"#))
-            .result
-            .unwrap_err();
-        assert_err(&e, Status::NotImplemented, "NotImplementedError", "Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. Elastic EP relies on a single API server and core client to coordinate scale up/down.");
+fn elastic_ep_rejects_hybrid_lb_only() {
+    let e = eplb_check(r#""enable_elastic_ep": true, "data_parallel_hybrid_lb": true"#)
+        .result
+        .unwrap_err();
+    assert_err(&e, Status::NotImplemented, "NotImplementedError", "Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. Elastic EP relies on a single API server and core client to coordinate scale up/down.");
+    // vLLM v0.33.0 allows data_parallel_external_lb with elastic EP.
+    let r = eplb_check(
+        r#""enable_elastic_ep": true, "data_parallel_external_lb": true, "nixl_available": true"#,
+    )
+    .result
+    .unwrap();
+    assert_eq!(
+        r.eplb_communicator,
+        Some(Choice::Communicator(Communicator::Nixl))
+    );
+}
+
+#[test]
+fn num_redundant_experts_has_no_upper_bound() {
+    for n in [1023i64, 1024, i64::MAX] {
+        let json = format!(r#""eplb_config": {{"num_redundant_experts": {n}}}"#);
+        eplb_check(&json).result.unwrap();
     }
+}
+
+#[test]
+fn external_lb_needs_data_parallelism() {
+    let e = check_err(r#"{"data_parallel_external_lb": true}"#);
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "data_parallel_external_lb can only be set when data_parallel_size > 1",
+    );
+    check(r#"{"data_parallel_external_lb": true, "data_parallel_size": 2}"#)
+        .result
+        .unwrap();
+}
+
+#[test]
+fn moonep_does_not_support_eplb() {
+    let e = eplb_check(r#""all2all_backend": "moonep""#)
+        .result
+        .unwrap_err();
+    assert_err(&e, Status::InvalidArgument, "ValueError", "The moonep all2all backend does not support EPLB yet: EPLB rearranges expert parameters in a layout MoonEP's replicated [E+B] weights do not follow. Disable --enable-eplb or use a different --all2all-backend.");
+    // Without EPLB the configuration passes; building the manager is what fails.
+    check(r#"{"all2all_backend": "moonep"}"#).result.unwrap();
 }
 
 #[test]

@@ -46,9 +46,6 @@ impl Default for EplbConfig {
     }
 }
 
-/// Largest `num_redundant_experts` vLLM accepts.
-const MAX_REDUNDANT_EXPERTS: i64 = 1023;
-
 impl EplbConfig {
     /// vLLM's `EPLBConfig._validate_eplb_config` (after the field bounds), in order.
     pub fn validate(&self) -> Result<()> {
@@ -194,6 +191,18 @@ fn get_str(v: &Value, field: &str) -> Result<String> {
         .ok_or_else(|| field_error(field, "Input should be a valid string"))
 }
 
+/// pydantic's `Field(ge=1)`, as `ParallelConfig` declares its sizes.
+fn at_least_one(v: i64, field: &str) -> Result<i64> {
+    if v >= 1 {
+        Ok(v)
+    } else {
+        Err(field_error(
+            field,
+            "Input should be greater than or equal to 1",
+        ))
+    }
+}
+
 fn greater_than_zero(v: i64, field: &str) -> Result<i64> {
     if v > 0 {
         Ok(v)
@@ -214,12 +223,6 @@ fn parse_eplb_config(map: &Map<String, Value>) -> Result<EplbConfig> {
                 let n = get_int(v, f)?;
                 if n < 0 {
                     return Err(field_error(f, "Input should be greater than or equal to 0"));
-                }
-                if n > MAX_REDUNDANT_EXPERTS {
-                    return Err(field_error(
-                        f,
-                        format!("Input should be less than or equal to {MAX_REDUNDANT_EXPERTS}"),
-                    ));
                 }
                 c.num_redundant_experts = n;
             }
@@ -295,15 +298,11 @@ pub fn parse(json: &str) -> Result<VllmConfig> {
             "enable_dbo" => c.enable_dbo = get_bool(v, f)?,
             "enable_fault_tolerance" => c.enable_fault_tolerance = get_bool(v, f)?,
             "enable_lora" => c.enable_lora = get_bool(v, f)?,
-            "tensor_parallel_size" => {
-                c.tensor_parallel_size = greater_than_zero(get_int(v, f)?, f)?
-            }
-            "data_parallel_size" => c.data_parallel_size = greater_than_zero(get_int(v, f)?, f)?,
-            "pipeline_parallel_size" => {
-                c.pipeline_parallel_size = greater_than_zero(get_int(v, f)?, f)?
-            }
+            "tensor_parallel_size" => c.tensor_parallel_size = at_least_one(get_int(v, f)?, f)?,
+            "data_parallel_size" => c.data_parallel_size = at_least_one(get_int(v, f)?, f)?,
+            "pipeline_parallel_size" => c.pipeline_parallel_size = at_least_one(get_int(v, f)?, f)?,
             "prefill_context_parallel_size" => {
-                c.prefill_context_parallel_size = greater_than_zero(get_int(v, f)?, f)?
+                c.prefill_context_parallel_size = at_least_one(get_int(v, f)?, f)?
             }
             "data_parallel_external_lb" => c.data_parallel_external_lb = get_bool(v, f)?,
             "data_parallel_hybrid_lb" => c.data_parallel_hybrid_lb = get_bool(v, f)?,
@@ -436,7 +435,8 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
         if pp > 1 {
             return Err(Error::ElasticPipeline { pp });
         }
-        if c.data_parallel_external_lb || c.data_parallel_hybrid_lb {
+        // vLLM v0.33.0 allows data_parallel_external_lb with elastic EP.
+        if c.data_parallel_hybrid_lb {
             return Err(Error::ElasticExternalLb);
         }
         if e.use_async && !nixl {
@@ -445,6 +445,9 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
     }
 
     // ParallelConfig._validate_parallel_config.
+    if dp <= 1 && c.data_parallel_external_lb {
+        return Err(Error::ExternalLbNeedsDp);
+    }
     if c.enable_eplb {
         if !matches!(c.platform.as_str(), "cuda" | "rocm" | "xpu") {
             return Err(Error::EplbPlatform);
@@ -489,6 +492,10 @@ fn effective_name(
 /// The feature gates: microbatching (DBO), MoE LoRA with EP, fault tolerance.
 /// `backend` is `None` for `passthrough`, which is in none of vLLM's backend sets.
 fn check_features(c: &VllmConfig, backend: Option<Backend>, name: &str) -> Result<()> {
+    // VllmConfig: MoonEP's own checks (the dtype and placement ones have no input here).
+    if c.enable_eplb && backend == Some(Backend::Moonep) {
+        return Err(Error::MoonepEplb);
+    }
     // VllmConfig: microbatching (DBO).
     if c.enable_dbo && !backend.is_some_and(Backend::supports_microbatching) {
         return Err(Error::MicrobatchingBackend {
