@@ -882,6 +882,29 @@ fn elastic_ep_rejects_hybrid_lb_only() {
 }
 
 #[test]
+fn enable_migration_batching_is_accepted() {
+    let c = config::parse_eplb_config_json(r#"{"enable_migration_batching": true}"#).unwrap();
+    assert!(c.enable_migration_batching && c.migration_batching_enabled());
+    // vLLM's property: batching applies to async EPLB only.
+    let c = config::parse_eplb_config_json(
+        r#"{"enable_migration_batching": true, "use_async": false}"#,
+    )
+    .unwrap();
+    assert!(!c.migration_batching_enabled());
+    assert!(!EplbConfig::default().enable_migration_batching);
+    eplb_check(r#""eplb_config": {"enable_migration_batching": true}"#)
+        .result
+        .unwrap();
+    let e = check_err(r#"{"eplb_config": {"enable_migration_batching": 1}}"#);
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "eplb_config.enable_migration_batching: Input should be a valid boolean",
+    );
+}
+
+#[test]
 fn num_redundant_experts_has_no_upper_bound() {
     for n in [1023i64, 1024, i64::MAX] {
         let json = format!(r#""eplb_config": {{"num_redundant_experts": {n}}}"#);

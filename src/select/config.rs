@@ -29,6 +29,9 @@ pub struct EplbConfig {
     pub policy: String,
     /// `None` = automatic selection.
     pub communicator: Option<String>,
+    /// vLLM v0.33.0: batch async migrations so each rank talks to one peer at a time. Accepted
+    /// and validated here; ordering transfers by it is the rearrangement's job, not selection's.
+    pub enable_migration_batching: bool,
 }
 
 impl Default for EplbConfig {
@@ -42,7 +45,15 @@ impl Default for EplbConfig {
             use_async: true,
             policy: "default".into(),
             communicator: None,
+            enable_migration_batching: false,
         }
+    }
+}
+
+impl EplbConfig {
+    /// vLLM's `migration_batching_enabled`: batching applies to async EPLB only.
+    pub fn migration_batching_enabled(&self) -> bool {
+        self.use_async && self.enable_migration_batching
     }
 }
 
@@ -141,7 +152,7 @@ pub const CONFIG_KEYS: [&str; 18] = [
 ];
 
 /// Keys accepted inside `eplb_config`.
-pub const EPLB_CONFIG_KEYS: [&str; 8] = [
+pub const EPLB_CONFIG_KEYS: [&str; 9] = [
     "window_size",
     "step_interval",
     "num_redundant_experts",
@@ -150,6 +161,7 @@ pub const EPLB_CONFIG_KEYS: [&str; 8] = [
     "use_async",
     "policy",
     "communicator",
+    "enable_migration_batching",
 ];
 
 /// Platforms a configuration may name.
@@ -231,6 +243,7 @@ fn parse_eplb_config(map: &Map<String, Value>) -> Result<EplbConfig> {
                 c.log_balancedness_interval = greater_than_zero(get_int(v, f)?, f)?
             }
             "use_async" => c.use_async = get_bool(v, f)?,
+            "enable_migration_batching" => c.enable_migration_batching = get_bool(v, f)?,
             "policy" => c.policy = get_str(v, f)?,
             "communicator" => {
                 c.communicator = if v.is_null() {
