@@ -177,7 +177,7 @@ class ExceptionMappingTest(unittest.TestCase):
         self.assertEqual(str(cm.exception), "Unknown all2all backend: flashinfer-nvlink-2s")
         self.assertIn("flashinfer_nvlink_two_sided", cm.exception.epcomm_hint)
 
-    def test_elastic_ep_external_lb_is_not_implemented_error(self):
+    def test_elastic_ep_hybrid_lb_is_not_implemented_error(self):
         with self.assertRaises(NotImplementedError) as cm:
             config_check(
                 {
@@ -185,7 +185,7 @@ class ExceptionMappingTest(unittest.TestCase):
                     "enable_elastic_ep": True,
                     "enable_expert_parallel": True,
                     "data_parallel_size": 2,
-                    "data_parallel_external_lb": True,
+                    "data_parallel_hybrid_lb": True,
                 }
             )
         self.assertEqual(str(cm.exception), ELASTIC_LB_MESSAGE)

@@ -95,7 +95,7 @@ class ErrorTest(unittest.TestCase):
             "enable_elastic_ep": True,
             "enable_expert_parallel": True,
             "data_parallel_size": 2,
-            "data_parallel_external_lb": True,
+            "data_parallel_hybrid_lb": True,
         }
         with self.assertRaises(NotImplementedError) as cm:
             epcomm.check_config(config)
