@@ -49,7 +49,9 @@ def rank_main(rank, backend, name, q):
     with epcomm.Group.shm(name, rank, 2, timeout_s=TIMEOUT_S) as g, epcomm.All2All(
         g, backend, num_experts=4, top_k=2, hidden_size=1, max_tokens_per_rank=3
     ) as a:
-        d = a.dispatch(X[rank], IDS[rank], W[rank])
+        # Buffers over epcomm's memory; numpy views of them (no copies), valid until the next
+        # dispatch.
+        d = {k: np.asarray(v) for k, v in a.dispatch(X[rank], IDS[rank], W[rank]).items()}
         out = np.zeros_like(X[rank])
         a.combine(expert_side(rank, d), out)
     q.put((rank, out.ravel().tolist()))

@@ -7,7 +7,7 @@ import ctypes
 from typing import Any, Dict, Optional, Tuple
 
 from ._lib import DEVICE_CPU, DType, Tensor, i64p, vp
-from ._tensor import to_numpy
+from ._tensor import to_numpy, view_numpy
 
 _DTYPE_NAMES = {
     (2, 32): "float32",
@@ -51,7 +51,8 @@ class Buffer:
     """A read-write view of an output epcomm owns (dispatch's buffers). Valid until the
     manager's next dispatch or close, like the C ABI's views: a tensor made from it with
     ``torch.from_dlpack`` or ``numpy.from_dlpack`` shares the memory and must not be used
-    after that (copy it to keep it). ``numpy()`` returns a copy (bfloat16 as uint16 bits)."""
+    after that (copy it to keep it). ``numpy()`` returns a copy (bfloat16 as uint16 bits);
+    ``numpy.asarray(buffer)`` a view."""
 
     def __init__(self, tensor: Tensor, owner: Any):
         self._owner = owner  # the manager whose memory this is
@@ -85,6 +86,12 @@ class Buffer:
     def numpy(self) -> Any:
         """A numpy copy of the view (bfloat16 comes back as uint16 bits)."""
         return to_numpy(self._copy)
+
+    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> Any:
+        """``numpy.asarray(buffer)``: a numpy view of the memory (no copy; valid as long as the
+        buffer is), or a copy with ``copy=True``; bfloat16 as uint16 bits."""
+        a = to_numpy(self._copy) if copy else view_numpy(self._copy, self._owner)
+        return a if dtype is None else a.astype(dtype, copy=False)
 
     def __repr__(self) -> str:
         return f"epcomm.Buffer(shape={self.shape}, dtype={self.dtype})"

@@ -219,6 +219,12 @@ def dtype_struct(dtype: Any) -> DType:
 
 def to_numpy(t: Tensor) -> Any:
     """A numpy copy of an epcomm-owned tensor view (bfloat16 comes back as uint16 bits)."""
+    return view_numpy(t).copy()
+
+
+def view_numpy(t: Tensor, owner: Any = None) -> Any:
+    """A numpy view (no copy) of an epcomm-owned tensor (bfloat16 as uint16 bits), which keeps
+    ``owner`` (the manager) alive: valid until the manager's next dispatch."""
     import numpy as np
 
     shape = tuple(t.shape[i] for i in range(t.ndim))
@@ -235,5 +241,5 @@ def to_numpy(t: Tensor) -> Any:
     if n == 0 or not t.data:
         return np.zeros(shape, kind)
     buf = (ctypes.c_char * (n * np.dtype(kind).itemsize)).from_address(t.data)
-    return np.frombuffer(buf, kind).reshape(shape).copy()
-
+    buf._epcomm_owner = owner  # the array's base: what owns the memory lives as long
+    return np.frombuffer(buf, kind).reshape(shape)

@@ -59,12 +59,12 @@ class All2All(Handle):
         self._group = group  # the group must outlive the manager
 
     def dispatch(
-        self, hidden: Any, topk_ids: Any, topk_weights: Any, views: bool = False
+        self, hidden: Any, topk_ids: Any, topk_weights: Any, views: bool = True
     ) -> Dict[str, Any]:
         """Dispatches this rank's tokens (collective); returns a dict of the layout's outputs,
-        with "layout" and "received_rows": numpy copies, or with ``views=True`` ``Buffer``s
-        (``__dlpack__``: ``torch.from_dlpack`` views them without a copy) valid until the next
-        dispatch or close."""
+        with "layout" and "received_rows": ``Buffer``s over the manager's memory, valid until
+        the next dispatch or close (``torch.from_dlpack``, ``numpy.from_dlpack`` and
+        ``numpy.asarray`` view them without a copy), or with ``views=False`` numpy copies."""
         lib = load_library()
         out = DispatchOutput()
         try:
