@@ -5,6 +5,7 @@ context managers, numpy imported only when used.
     PYTHONPATH=python EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_package.py -v
 """
 
+import gc
 import os
 import queue
 import subprocess
@@ -188,7 +189,7 @@ class PackageTest(unittest.TestCase):
 
 
 class ViewsTest(unittest.TestCase):
-    """dispatch(views=True): Buffers that numpy and torch view through DLPack without copies."""
+    """dispatch's Buffers (the default): numpy and torch view them without copies."""
 
     def dispatch(self, a, np):
         x = np.arange(8, dtype=np.float32).reshape(2, 4)
@@ -212,6 +213,30 @@ class ViewsTest(unittest.TestCase):
             self.assertEqual(d["hidden"].numpy().tolist(), h.tolist())
             self.assertEqual(np.from_dlpack(d["counts"]).tolist(), [1, 1, 1, 1])
             self.assertEqual(np.from_dlpack(d["src_rank"]).shape, (0,))
+
+    def test_buffers_by_default_and_numpy_asarray_views(self):
+        import numpy as np
+
+        g = epcomm.Group.shm(unique("asarray"), 0, 1)
+        a = epcomm.All2All(g, "deepep_v2", num_experts=2, top_k=1, hidden_size=4)
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        d = a.dispatch(x, np.array([[1], [0]]), np.ones((2, 1), np.float32))
+        self.assertTrue(all(isinstance(d[k], epcomm.Buffer) for k in ("hidden", "counts")))
+        h = np.asarray(d["hidden"])
+        self.assertEqual(h.ctypes.data, d["hidden"]._data)  # a view, not a copy
+        self.assertEqual(h.tolist(), x[::-1].tolist())  # expert 0's row first
+        kept = np.asarray(d["expert_offsets"], copy=True)
+        self.assertTrue(kept.flags.owndata)
+        self.assertEqual(kept.tolist(), [0, 1, 2])
+        self.assertEqual(np.asarray(d["counts"]).shape, (0,))
+        copies = a.dispatch(x, np.array([[1], [0]]), np.ones((2, 1), np.float32), views=False)
+        self.assertIsInstance(copies["hidden"], np.ndarray)
+        del a, d, copies
+        gc.collect()
+        self.assertEqual(h.tolist(), x[::-1].tolist())  # the view keeps the manager alive
+        del h
+        gc.collect()
+        g.close()
 
     def test_torch_views_bfloat16(self):
         try:
