@@ -523,7 +523,8 @@ typedef struct epcomm_eplb_select_request {
    */
   uint32_t struct_size;
   /**
-   * The configured name ("torch_nccl", "torch_gloo", "pynccl", "nixl"); NULL = automatic.
+   * The configured name ("torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl");
+   * NULL = automatic.
    */
   const char *communicator;
   /**
@@ -839,7 +840,9 @@ int32_t epcomm_config_check(const char *config_json);
  * Checks a configuration like epcomm_config_check (without logging) and writes a JSON report:
  * {"ok": true, "all2all_backend", "manager_class", "layout", "eplb_communicator", ...,
  * "warnings": [...], "infos": [...]} or {"ok": false, "status", "exception", "message",
- * "hint", "warnings", "infos"}. Returns EPCOMM_OK whenever a report was produced (the verdict is
+ * "hint", "warnings", "infos"}. For `passthrough` "layout" is null (no exchange); on XPU with
+ * EPLB "eplb_communicator" may be "torch_xccl", which vLLM builds and epcomm does not. Returns
+ * EPCOMM_OK whenever a report was produced (the verdict is
  * inside it). Call with `buffer` NULL and `buffer_len` 0 to learn the size: `*report_len_out`
  * is the report's length without the terminating NUL; a non-NULL buffer must hold that plus 1.
  *
@@ -1448,7 +1451,11 @@ bool epcomm_nixl_available(void);
  * "has been removed" warning; `flashinfer_all2allv` resolves to
  * EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED with vLLM's deprecation warning (once per process).
  * An unknown name returns EPCOMM_ERROR_INVALID_ARGUMENT with the message
- * "Unknown all2all backend: {name}" and the closest valid names in the hint.
+ * "Unknown all2all backend: {name}" and the closest valid names in the hint. `passthrough`
+ * (vLLM v0.33.0: the MoE backend dispatches and combines itself) has no exchange and no
+ * EPCOMM_ALL2ALL_* value: it returns EPCOMM_ERROR_RUNTIME with vLLM's "passthrough has no
+ * all2all handle: dispatch and combine run inside the MoE backend." (epcomm_config_check
+ * accepts it).
  *
  * # Safety
  * `name` is NULL or a NUL-terminated string; `backend_out` is NULL or writable.
@@ -1456,8 +1463,9 @@ bool epcomm_nixl_available(void);
 int32_t epcomm_all2all_backend_resolve(const char *name, int32_t *backend_out);
 
 /**
- * Whether `name` is accepted as an all2all backend (including aliases and removed names).
- * NULL gives false. Logs nothing.
+ * Whether `name` resolves to an all2all backend (including aliases and removed names), i.e.
+ * whether epcomm_all2all_backend_resolve succeeds. `passthrough`, which vLLM accepts but which
+ * has no exchange, gives false. NULL gives false. Logs nothing.
  *
  * # Safety
  * `name` is NULL or a NUL-terminated string.
@@ -1507,6 +1515,9 @@ int32_t epcomm_all2all_name_info(size_t index, struct epcomm_all2all_name_desc *
  * Chooses the EPLB communicator with vLLM's `create_eplb_communicator` rules and messages
  * (elastic EP restrictions, the forced-to-pynccl warning, device and dtype checks, NCCL/NIXL
  * availability; automatic selection when no name is given) and writes EPCOMM_EPLB_*.
+ * `torch_xccl` (chosen by vLLM for XPU, and automatically on EPCOMM_DEVICE_ONEAPI weights) has
+ * no EPCOMM_EPLB_* value: epcomm has no XCCL transport, so it returns
+ * EPCOMM_ERROR_UNAVAILABLE.
  *
  * # Safety
  * `request` is NULL or a valid request whose pointers follow their field docs;

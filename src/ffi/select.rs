@@ -39,7 +39,11 @@ fn backend_arg(backend: i32) -> Result<Backend, Error> {
 /// "has been removed" warning; `flashinfer_all2allv` resolves to
 /// EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED with vLLM's deprecation warning (once per process).
 /// An unknown name returns EPCOMM_ERROR_INVALID_ARGUMENT with the message
-/// "Unknown all2all backend: {name}" and the closest valid names in the hint.
+/// "Unknown all2all backend: {name}" and the closest valid names in the hint. `passthrough`
+/// (vLLM v0.33.0: the MoE backend dispatches and combines itself) has no exchange and no
+/// EPCOMM_ALL2ALL_* value: it returns EPCOMM_ERROR_RUNTIME with vLLM's "passthrough has no
+/// all2all handle: dispatch and combine run inside the MoE backend." (epcomm_config_check
+/// accepts it).
 ///
 /// # Safety
 /// `name` is NULL or a NUL-terminated string; `backend_out` is NULL or writable.
@@ -57,8 +61,9 @@ pub unsafe extern "C" fn epcomm_all2all_backend_resolve(
     })
 }
 
-/// Whether `name` is accepted as an all2all backend (including aliases and removed names).
-/// NULL gives false. Logs nothing.
+/// Whether `name` resolves to an all2all backend (including aliases and removed names), i.e.
+/// whether epcomm_all2all_backend_resolve succeeds. `passthrough`, which vLLM accepts but which
+/// has no exchange, gives false. NULL gives false. Logs nothing.
 ///
 /// # Safety
 /// `name` is NULL or a NUL-terminated string.
@@ -148,7 +153,8 @@ pub unsafe extern "C" fn epcomm_all2all_name_info(
 pub struct epcomm_eplb_select_request {
     /// sizeof(epcomm_eplb_select_request); lets the struct grow.
     pub struct_size: u32,
-    /// The configured name ("torch_nccl", "torch_gloo", "pynccl", "nixl"); NULL = automatic.
+    /// The configured name ("torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl");
+    /// NULL = automatic.
     pub communicator: *const c_char,
     /// The EP group is an elastic (stateless) group.
     pub elastic: bool,
@@ -178,6 +184,9 @@ fn availability(v: i32, field: &str, probe: impl FnOnce() -> bool) -> Result<boo
 /// Chooses the EPLB communicator with vLLM's `create_eplb_communicator` rules and messages
 /// (elastic EP restrictions, the forced-to-pynccl warning, device and dtype checks, NCCL/NIXL
 /// availability; automatic selection when no name is given) and writes EPCOMM_EPLB_*.
+/// `torch_xccl` (chosen by vLLM for XPU, and automatically on EPCOMM_DEVICE_ONEAPI weights) has
+/// no EPCOMM_EPLB_* value: epcomm has no XCCL transport, so it returns
+/// EPCOMM_ERROR_UNAVAILABLE.
 ///
 /// # Safety
 /// `request` is NULL or a valid request whose pointers follow their field docs;

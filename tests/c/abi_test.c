@@ -701,6 +701,41 @@ static void test_null_arguments(void) {
     CHECK(out == EPCOMM_EPLB_TORCH_GLOO);
 }
 
+/* vLLM v0.33.0's passthrough and torch_xccl: accepted by the configuration check; passthrough
+ * has no exchange and torch_xccl no XCCL transport in epcomm. */
+static void test_v033_names(void) {
+    int32_t out = -77;
+    select_request_t req;
+
+    CHECK_ERR(epcomm_all2all_backend_resolve("passthrough", &out), EPCOMM_ERROR_RUNTIME,
+              "passthrough has no all2all handle: dispatch and combine run inside the MoE "
+              "backend.");
+    CHECK(out == -77);
+    CHECK(strcmp(epcomm_status_exception(EPCOMM_ERROR_RUNTIME), "RuntimeError") == 0);
+    CHECK(!epcomm_all2all_backend_is_known("passthrough"));
+    CHECK_ERR(epcomm_config_check("{\"all2all_backend\":\"passthrough\"}"), EPCOMM_OK, NULL);
+    CHECK_ERR(epcomm_config_check("{\"enable_eplb\":true,\"enable_expert_parallel\":true,"
+                                  "\"data_parallel_size\":2,\"platform\":\"xpu\"}"),
+              EPCOMM_OK, NULL);
+    CHECK_ERR(epcomm_config_check("{\"enable_eplb\":true,\"enable_expert_parallel\":true,"
+                                  "\"data_parallel_size\":2,\"platform\":\"cpu\"}"),
+              EPCOMM_ERROR_INVALID_ARGUMENT,
+              "Expert parallelism load balancing is only supported on CUDA devices or ROCm "
+              "devices or XPU devices now.");
+
+    init_request(&req);
+    req.communicator = "torch_xccl";
+    out = -77;
+    CHECK_ERR(epcomm_eplb_communicator_select(&req, &out), EPCOMM_ERROR_UNAVAILABLE,
+              "EPLB communicator 'torch_xccl' (TorchDistXCCLStagedEplbCommunicator) needs XCCL "
+              "on XPU devices; epcomm has no XCCL transport");
+    CHECK(out == -77);
+    init_request(&req);
+    req.device_type = EPCOMM_DEVICE_ONEAPI;
+    CHECK_ERR(epcomm_eplb_communicator_select(&req, &out), EPCOMM_ERROR_UNAVAILABLE, NULL);
+    CHECK(out == -77);
+}
+
 int main(void) {
     test_resolve_and_logging();
     test_unknown_names();
@@ -711,6 +746,7 @@ int main(void) {
     test_runtime_probes();
     test_config_logging();
     test_null_arguments();
+    test_v033_names();
 
     printf("%d passed, %d failed\n", g_passed, g_failed);
     return g_failed == 0 ? 0 : 1;
