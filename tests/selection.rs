@@ -267,6 +267,10 @@ fn check(json: &str) -> config::CheckOutcome {
     config::check_json(json, false, false)
 }
 
+fn check_ok(json: &str) -> config::Resolution {
+    check(json).result.expect(json)
+}
+
 fn check_err(json: &str) -> Error {
     check(json).result.expect_err(json)
 }
@@ -594,6 +598,10 @@ fn eplb_check(extra: &str) -> config::CheckOutcome {
     ))
 }
 
+fn eplb_err(extra: &str) -> Error {
+    eplb_check(extra).result.expect_err(extra)
+}
+
 #[test]
 fn eplb_config_defaults() {
     let c = EplbConfig::default();
@@ -865,9 +873,7 @@ fn elastic_ep_rejects_pipeline_parallelism() {
 
 #[test]
 fn elastic_ep_rejects_hybrid_lb_only() {
-    let e = eplb_check(r#""enable_elastic_ep": true, "data_parallel_hybrid_lb": true"#)
-        .result
-        .unwrap_err();
+    let e = eplb_err(r#""enable_elastic_ep": true, "data_parallel_hybrid_lb": true"#);
     assert_err(&e, Status::NotImplemented, "NotImplementedError", "Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. Elastic EP relies on a single API server and core client to coordinate scale up/down.");
     // vLLM v0.33.0 allows data_parallel_external_lb with elastic EP.
     let r = eplb_check(
@@ -921,19 +927,15 @@ fn external_lb_needs_data_parallelism() {
         "ValueError",
         "data_parallel_external_lb can only be set when data_parallel_size > 1",
     );
-    check(r#"{"data_parallel_external_lb": true, "data_parallel_size": 2}"#)
-        .result
-        .unwrap();
+    check_ok(r#"{"data_parallel_external_lb": true, "data_parallel_size": 2}"#);
 }
 
 #[test]
 fn moonep_does_not_support_eplb() {
-    let e = eplb_check(r#""all2all_backend": "moonep""#)
-        .result
-        .unwrap_err();
+    let e = eplb_err(r#""all2all_backend": "moonep""#);
     assert_err(&e, Status::InvalidArgument, "ValueError", "The moonep all2all backend does not support EPLB yet: EPLB rearranges expert parameters in a layout MoonEP's replicated [E+B] weights do not follow. Disable --enable-eplb or use a different --all2all-backend.");
     // Without EPLB the configuration passes; building the manager is what fails.
-    check(r#"{"all2all_backend": "moonep"}"#).result.unwrap();
+    check_ok(r#"{"all2all_backend": "moonep"}"#);
 }
 
 #[test]
