@@ -927,6 +927,10 @@ fn external_lb_needs_data_parallelism() {
         "ValueError",
         "data_parallel_external_lb can only be set when data_parallel_size > 1",
     );
+    assert_eq!(
+        e.hint().as_deref(),
+        Some("set data_parallel_size > 1 or data_parallel_external_lb=false")
+    );
     check_ok(r#"{"data_parallel_external_lb": true, "data_parallel_size": 2}"#);
 }
 

@@ -68,6 +68,35 @@ pub fn hint(error: &Error) -> Option<String> {
         "set enable_eplb=true or eplb_config.num_redundant_experts=0".into(),
         ),
         Error::ElasticNeedsEplb => Some("set enable_eplb=true".into()),
-        _ => None,
+        Error::ExternalLbNeedsDp => Some(
+            "set data_parallel_size > 1 or data_parallel_external_lb=false".into(),
+        ),
+        Error::MoonepEplb => Some("set enable_eplb=false or pick another all2all backend".into()),
+        Error::OneSidedHeterogeneous { .. }
+        | Error::MoonEpUnavailable
+        | Error::PassthroughNoHandle
+        | Error::PyncclDeviceType { .. }
+        | Error::PyncclDtypes { .. }
+        | Error::PyncclInit { .. }
+        | Error::NixlDeviceType { .. }
+        | Error::NixlInit { .. }
+        | Error::AsyncEplbPolicy
+        | Error::LogBalancednessInterval
+        | Error::EplbPlatform
+        | Error::EplbNeedsParallelism { .. }
+        | Error::ElasticPipeline { .. }
+        | Error::ElasticExternalLb
+        | Error::ConfigField { .. }
+        | Error::NullPointer(_)
+        | Error::InvalidArgument(_)
+        | Error::Assertion(_)
+        | Error::NotImplemented(_)
+        | Error::Unavailable(_)
+        | Error::Runtime(_)
+        | Error::Timeout(_)
+        | Error::PeerFailure(_)
+        | Error::InvalidState(_)
+        | Error::System(_)
+        | Error::Internal(_) => None,
     }
 }
