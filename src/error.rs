@@ -91,8 +91,13 @@ pub enum Error {
     // ---- all2all selection -------------------------------------------------------------------
     #[error("Unknown all2all backend: {name}")]
     UnknownAll2AllBackend { name: String },
-    #[error("Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, and nixl_ep all2all backends. {backend} is not supported. To fix use --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, or --all2all-backend=nixl_ep and install the matching kernels.")]
-    MicrobatchingBackend { backend: String },
+    /// vLLM v0.33.0's VllmConfig assertion; the supported set depends on the platform (ROCm
+    /// also runs `allgather_reducescatter` under DBO).
+    #[error("Microbatching currently only supports the {} all2all backends on this platform. {backend} is not supported. To fix use one of {} and install the matching kernels.", supported.join(", "), supported.iter().map(|b| format!("--all2all-backend={b}")).collect::<Vec<_>>().join(", "))]
+    MicrobatchingBackend {
+        backend: String,
+        supported: &'static [&'static str],
+    },
     #[error("Fault tolerance requires an FT-capable all2all backend (one of ['deepep_low_latency', 'nixl_ep']), but got '{backend}'.")]
     FaultToleranceBackend { backend: String },
     #[error("Fused MoE LoRA with EP currently only supports all2all_backend='allgather_reducescatter', got '{backend}'.")]
@@ -152,8 +157,8 @@ pub enum Error {
         "Elastic EP is not supported with pipeline parallelism (pipeline_parallel_size={pp})."
     )]
     ElasticPipeline { pp: i64 },
-    #[error("Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. Elastic EP relies on a single API server and core client to coordinate scale up/down.")]
-    ElasticExternalLb,
+    #[error("Elastic EP is not compatible with data_parallel_hybrid_lb. Elastic EP supports a single API server/core client path or data_parallel_external_lb, but not hybrid load balancing.")]
+    ElasticHybridLb,
     #[error("Elastic EP with async EPLB requires the NIXL package. Either install NIXL or set --eplb-config.use_async=false.")]
     ElasticAsyncNeedsNixl,
     /// A pydantic-style field error: `{field}\n  {message}`.
@@ -244,7 +249,7 @@ impl Error {
             | Runtime(_) => Status::Runtime,
             PyncclUnavailable | NixlUnavailable | Unavailable(_) => Status::Unavailable,
             PyncclInit { .. } | NixlInit { .. } => Status::Runtime,
-            ElasticExternalLb | NotImplemented(_) => Status::NotImplemented,
+            ElasticHybridLb | NotImplemented(_) => Status::NotImplemented,
             NullPointer(_) => Status::NullPointer,
             Timeout(_) => Status::Timeout,
             PeerFailure(_) => Status::PeerFailure,

@@ -54,7 +54,7 @@ fn check_reports_assertions_and_not_implemented() {
     assert_eq!(o.status.code(), Some(1));
     assert_eq!(
         stderr_lines(&o)[0],
-        "NotImplementedError: Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. Elastic EP relies on a single API server and core client to coordinate scale up/down."
+        "NotImplementedError: Elastic EP is not compatible with data_parallel_hybrid_lb. Elastic EP supports a single API server/core client path or data_parallel_external_lb, but not hybrid load balancing."
     );
 }
 

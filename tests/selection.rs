@@ -278,7 +278,7 @@ fn check_err(json: &str) -> Error {
 #[test]
 fn dbo_requires_a_microbatching_backend() {
     let e = check_err(r#"{"enable_dbo": true, "all2all_backend": "deepep_v2"}"#);
-    assert_err(&e, Status::Assertion, "AssertionError", "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, and nixl_ep all2all backends. deepep_v2 is not supported. To fix use --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, or --all2all-backend=nixl_ep and install the matching kernels.");
+    assert_err(&e, Status::Assertion, "AssertionError", "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, nixl_ep all2all backends on this platform. deepep_v2 is not supported. To fix use one of --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, --all2all-backend=nixl_ep and install the matching kernels.");
     // A removed name is rewritten first, so vLLM names the fallback.
     let e = check_err(r#"{"enable_dbo": true, "all2all_backend": "naive"}"#);
     assert!(
@@ -293,6 +293,16 @@ fn dbo_requires_a_microbatching_backend() {
         .result
         .unwrap();
     }
+    // vLLM v0.33.0: on ROCm the naive all-gather / reduce-scatter also runs under DBO, and the
+    // message lists ROCm's set.
+    check(
+        r#"{"enable_dbo": true, "all2all_backend": "allgather_reducescatter", "platform": "rocm"}"#,
+    )
+    .result
+    .unwrap();
+    let e =
+        check_err(r#"{"enable_dbo": true, "all2all_backend": "deepep_v2", "platform": "rocm"}"#);
+    assert_err(&e, Status::Assertion, "AssertionError", "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, nixl_ep, allgather_reducescatter all2all backends on this platform. deepep_v2 is not supported. To fix use one of --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, --all2all-backend=nixl_ep, --all2all-backend=allgather_reducescatter and install the matching kernels.");
 }
 
 #[test]
@@ -874,7 +884,7 @@ fn elastic_ep_rejects_pipeline_parallelism() {
 #[test]
 fn elastic_ep_rejects_hybrid_lb_only() {
     let e = eplb_err(r#""enable_elastic_ep": true, "data_parallel_hybrid_lb": true"#);
-    assert_err(&e, Status::NotImplemented, "NotImplementedError", "Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. Elastic EP relies on a single API server and core client to coordinate scale up/down.");
+    assert_err(&e, Status::NotImplemented, "NotImplementedError", "Elastic EP is not compatible with data_parallel_hybrid_lb. Elastic EP supports a single API server/core client path or data_parallel_external_lb, but not hybrid load balancing.");
     // vLLM v0.33.0 allows data_parallel_external_lb with elastic EP.
     let r = eplb_check(
         r#""enable_elastic_ep": true, "data_parallel_external_lb": true, "nixl_available": true"#,

@@ -212,14 +212,6 @@ impl Backend {
         }
     }
 
-    /// Backends that support DBO / microbatching.
-    pub fn supports_microbatching(self) -> bool {
-        matches!(
-            self,
-            Backend::DeepepLowLatency | Backend::DeepepHighThroughput | Backend::NixlEp
-        )
-    }
-
     /// vLLM's `FT_BACKEND_SET`.
     pub fn supports_fault_tolerance(self) -> bool {
         matches!(self, Backend::DeepepLowLatency | Backend::NixlEp)
@@ -344,5 +336,22 @@ pub fn platform_fallback_warning(
             "`{name}` all2all manager is not supported on XPU. Falling back to AgRs manager for XPU, which is the Default backend"
         )),
         _ => None,
+    }
+}
+
+/// The backends vLLM v0.33.0 runs under microbatching (DBO) on `platform`, in vLLM's order:
+/// ROCm also runs `allgather_reducescatter` (its all-gather / reduce-scatter on the comm stream).
+pub fn microbatching_backends(platform: &str) -> &'static [&'static str] {
+    const CUDA: &[&str] = &["deepep_low_latency", "deepep_high_throughput", "nixl_ep"];
+    const ROCM: &[&str] = &[
+        "deepep_low_latency",
+        "deepep_high_throughput",
+        "nixl_ep",
+        "allgather_reducescatter",
+    ];
+    if platform == "rocm" {
+        ROCM
+    } else {
+        CUDA
     }
 }

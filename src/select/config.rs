@@ -450,7 +450,7 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
         }
         // vLLM v0.33.0 allows data_parallel_external_lb with elastic EP.
         if c.data_parallel_hybrid_lb {
-            return Err(Error::ElasticExternalLb);
+            return Err(Error::ElasticHybridLb);
         }
         if e.use_async && !nixl {
             return Err(Error::ElasticAsyncNeedsNixl);
@@ -510,10 +510,14 @@ fn check_features(c: &VllmConfig, backend: Option<Backend>, name: &str) -> Resul
         return Err(Error::MoonepEplb);
     }
     // VllmConfig: microbatching (DBO).
-    if c.enable_dbo && !backend.is_some_and(Backend::supports_microbatching) {
-        return Err(Error::MicrobatchingBackend {
-            backend: name.to_owned(),
-        });
+    if c.enable_dbo {
+        let supported = all2all::microbatching_backends(&c.platform);
+        if !backend.is_some_and(|b| supported.contains(&b.name())) {
+            return Err(Error::MicrobatchingBackend {
+                backend: name.to_owned(),
+                supported,
+            });
+        }
     }
     // Fused MoE LoRA with EP.
     if c.enable_lora && c.enable_expert_parallel && backend != Some(Backend::AllgatherReducescatter)

@@ -85,7 +85,7 @@ pub fn hint(error: &Error) -> Option<String> {
         | Error::EplbPlatform
         | Error::EplbNeedsParallelism { .. }
         | Error::ElasticPipeline { .. }
-        | Error::ElasticExternalLb
+        | Error::ElasticHybridLb
         | Error::ConfigField { .. }
         | Error::NullPointer(_)
         | Error::InvalidArgument(_)

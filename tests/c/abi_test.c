@@ -312,9 +312,9 @@ static void test_backend_queries(void) {
 }
 
 static const char *const DBO_MESSAGE =
-    "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, and "
-    "nixl_ep all2all backends. allgather_reducescatter is not supported. To fix use "
-    "--all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, or "
+    "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, "
+    "nixl_ep all2all backends on this platform. allgather_reducescatter is not supported. To fix "
+    "use one of --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, "
     "--all2all-backend=nixl_ep and install the matching kernels.";
 
 static void test_config_check(void) {

@@ -45,9 +45,9 @@ W1 = (
     " It will be removed in a futurerelease."
 )
 DBO_MESSAGE = (
-    "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, and "
-    "nixl_ep all2all backends. allgather_reducescatter is not supported. To fix use "
-    "--all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, or "
+    "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, "
+    "nixl_ep all2all backends on this platform. allgather_reducescatter is not supported. To fix "
+    "use one of --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, "
     "--all2all-backend=nixl_ep and install the matching kernels."
 )
 FT_MESSAGE = (
@@ -55,8 +55,8 @@ FT_MESSAGE = (
     "'nixl_ep']), but got 'allgather_reducescatter'."
 )
 ELASTIC_LB_MESSAGE = (
-    "Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. "
-    "Elastic EP relies on a single API server and core client to coordinate scale up/down."
+    "Elastic EP is not compatible with data_parallel_hybrid_lb. Elastic EP supports a single "
+    "API server/core client path or data_parallel_external_lb, but not hybrid load balancing."
 )
 
 LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_char_p, ctypes.c_void_p)

@@ -16,14 +16,14 @@ import unittest
 import epcomm
 
 DBO_MESSAGE = (
-    "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, and "
-    "nixl_ep all2all backends. allgather_reducescatter is not supported. To fix use "
-    "--all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, or "
+    "Microbatching currently only supports the deepep_low_latency, deepep_high_throughput, "
+    "nixl_ep all2all backends on this platform. allgather_reducescatter is not supported. To fix "
+    "use one of --all2all-backend=deepep_low_latency, --all2all-backend=deepep_high_throughput, "
     "--all2all-backend=nixl_ep and install the matching kernels."
 )
 ELASTIC_LB_MESSAGE = (
-    "Elastic EP is not compatible with data_parallel_external_lb or data_parallel_hybrid_lb. "
-    "Elastic EP relies on a single API server and core client to coordinate scale up/down."
+    "Elastic EP is not compatible with data_parallel_hybrid_lb. Elastic EP supports a single "
+    "API server/core client path or data_parallel_external_lb, but not hybrid load balancing."
 )
 ACCEPTED_DTYPES = (
     "bf16, bfloat16, f16, f32, float, float16, float32, fp16, fp32, half, int, int32, int64, "
