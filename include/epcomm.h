@@ -749,7 +749,7 @@ int32_t epcomm_moe_config_init(struct epcomm_moe_config *config);
  * Creates a manager for `backend` (any name vLLM accepts; `naive`/`pplx` fall back to
  * allgather_reducescatter with vLLM's warning) over `group`. Logs
  * `Using {ManagerClass} all2all manager.`. `moonep` returns vLLM's "MoonEP not available"
- * assertion (not implemented yet). apply_router_weight_on_input with top_k != 1 is vLLM's
+ * RuntimeError (not implemented yet). apply_router_weight_on_input with top_k != 1 is vLLM's
  * AssertionError. Not collective; every rank must use the same backend and config (checked at
  * the first dispatch).
  *

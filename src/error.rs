@@ -102,7 +102,7 @@ pub enum Error {
     FaultToleranceBackend { backend: String },
     #[error("Fused MoE LoRA with EP currently only supports all2all_backend='allgather_reducescatter', got '{backend}'.")]
     LoraEpBackend { backend: String },
-    #[error("FlashInfer one-sided MoeAlltoAll does not support heterogeneous {field} across MoE layers (got {got}, was built with {built})")]
+    #[error("FlashInfer one-sided communication does not support heterogeneous {field} (got {got}, was built with {built})")]
     OneSidedHeterogeneous {
         field: &'static str,
         got: i64,
@@ -240,11 +240,11 @@ impl Error {
             MicrobatchingBackend { .. }
             | LoraEpBackend { .. }
             | OneSidedHeterogeneous { .. }
-            | MoonEpUnavailable
             | Assertion(_) => Status::Assertion,
             PyncclDeviceType { .. }
             | PyncclDtypes { .. }
             | NixlDeviceType { .. }
+            | MoonEpUnavailable
             | PassthroughNoHandle
             | Runtime(_) => Status::Runtime,
             PyncclUnavailable | NixlUnavailable | Unavailable(_) => Status::Unavailable,

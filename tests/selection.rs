@@ -204,21 +204,21 @@ fn one_sided_heterogeneous_assertions() {
         got: 6,
         built: 8,
     };
-    assert_err(&e, Status::Assertion, "AssertionError", "FlashInfer one-sided MoeAlltoAll does not support heterogeneous top_k across MoE layers (got 6, was built with 8)");
+    assert_err(&e, Status::Assertion, "AssertionError", "FlashInfer one-sided communication does not support heterogeneous top_k (got 6, was built with 8)");
     let e = Error::OneSidedHeterogeneous {
         field: "num_experts",
         got: 64,
         built: 256,
     };
-    assert_err(&e, Status::Assertion, "AssertionError", "FlashInfer one-sided MoeAlltoAll does not support heterogeneous num_experts across MoE layers (got 64, was built with 256)");
+    assert_err(&e, Status::Assertion, "AssertionError", "FlashInfer one-sided communication does not support heterogeneous num_experts (got 64, was built with 256)");
 }
 
 #[test]
 fn moonep_unavailable_message() {
     assert_err(
         &Error::MoonEpUnavailable,
-        Status::Assertion,
-        "AssertionError",
+        Status::Runtime,
+        "RuntimeError",
         "MoonEP not available. Install it from https://github.com/MoonshotAI/MoonEP.",
     );
 }

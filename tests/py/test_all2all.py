@@ -25,6 +25,7 @@ from epcomm_testlib import (  # noqa: E402
     DL_UINT,
     ERROR_ASSERTION,
     ERROR_INVALID_ARGUMENT,
+    ERROR_RUNTIME,
     GROUP_SIGNATURES,
     DType,
     Tensor,
@@ -722,17 +723,17 @@ class ErrorTest(unittest.TestCase):
             self.assertEqual(
                 rep["moonep"],
                 (
-                    "AssertionError",
+                    "RuntimeError",
                     "MoonEP not available. Install it from https://github.com/MoonshotAI/MoonEP.",
-                    ERROR_ASSERTION,
+                    ERROR_RUNTIME,
                 ),
             )
             self.assertEqual(
                 rep["check_layer"],
                 (
                     "AssertionError",
-                    "FlashInfer one-sided MoeAlltoAll does not support heterogeneous top_k "
-                    "across MoE layers (got 6, was built with 2)",
+                    "FlashInfer one-sided communication does not support heterogeneous top_k "
+                    "(got 6, was built with 2)",
                     ERROR_ASSERTION,
                 ),
             )
