@@ -232,10 +232,10 @@ fn p2p_lens(w: &[u64], sends: bool, peer: usize) -> Option<Vec<u64>> {
 }
 
 /// send_recv: for every ordered pair (a, b), a = b included, in the same order on every rank, the
-/// sizes of a's messages to b must be those of b's receives from a (`lists(p)` = rank p's
+/// sizes of a's messages to b must be those of b's receives from a (`lists[p]` = rank p's
 /// [`p2p_words`]).
-pub(crate) fn check_messages(world: usize, lists: &dyn Fn(usize) -> Vec<u64>) -> Result<()> {
-    let all: Vec<Vec<u64>> = (0..world).map(lists).collect();
+pub(crate) fn check_messages(lists: &[Vec<u64>]) -> Result<()> {
+    let (all, world) = (lists, lists.len());
     for a in 0..world {
         for b in 0..world {
             let (out, inn) = (p2p_lens(&all[a], true, b), p2p_lens(&all[b], false, a));

@@ -531,8 +531,10 @@ impl HostGroup {
         let mut all = vec![0u8; sizes.iter().sum()];
         self.gather_v(Op::SendRecv, bytes::as_bytes(mine), &sizes, &mut all)?;
         let start = bytes_before(&sizes);
-        let lists = |p: usize| bytes::to_vec(&all[start[p]..start[p] + sizes[p]]);
-        agree::check_messages(self.world, &lists)
+        let lists: Vec<Vec<u64>> = (0..self.world)
+            .map(|p| bytes::to_vec(&all[start[p]..start[p] + sizes[p]]))
+            .collect();
+        agree::check_messages(&lists)
     }
 }
 

@@ -166,20 +166,27 @@ impl Group for ShmGroup {
             let lists: Vec<Vec<u64>> = (0..world)
                 .map(|p| g.parts(p).map(|(m, _)| m))
                 .collect::<Result<_>>()?;
-            agree::check_messages(world, &|p| lists[p].clone())
+            agree::check_messages(&lists)
         };
         self.run_checked(op, local, &[], &meta, &sends, check, |g| {
-            let mut matched = vec![0usize; world]; // receives matched so far, per source
+            // Each source's published op is read once: its payload and, in order, the offsets
+            // of its sends to this rank.
+            let mut from: Vec<Option<(Payload<'_>, std::vec::IntoIter<usize>)>> =
+                (0..world).map(|_| None).collect();
             for (p, data) in recvs {
-                let (their_meta, their_payload) = g.parts(p)?;
-                let off = send_offset(&their_meta, me, matched[p]).ok_or_else(|| {
+                let (payload, offsets) = match &mut from[p] {
+                    Some(source) => source,
+                    slot => {
+                        let (meta, payload) = g.parts(p)?;
+                        slot.insert((payload, sends_to(&meta, me).into_iter()))
+                    }
+                };
+                let off = offsets.next().ok_or_else(|| {
                     Error::Internal(format!(
-                        "send_recv: rank {p}'s send #{} to rank {me} vanished after the check",
-                        matched[p]
+                        "send_recv: a send of rank {p} to rank {me} vanished after the check"
                     ))
                 })?;
-                their_payload.copy_to(off, data)?;
-                matched[p] += 1;
+                payload.copy_to(off, data)?;
             }
             Ok(())
         })
@@ -305,19 +312,18 @@ impl Group for ShmGroup {
     }
 }
 
-/// The payload offset of the `j`-th send to `dst` in a rank's [`agree::p2p_words`] `meta`.
-fn send_offset(meta: &[u64], dst: usize, j: usize) -> Option<usize> {
-    let sends = meta.get(2..2 + 2 * usize::try_from(*meta.first()?).ok()?)?;
+/// The payload offsets of the sends to `dst`, in issue order, in a rank's
+/// [`agree::p2p_words`] `meta` (checked by `check_meta`: the lengths sum to the payload).
+fn sends_to(meta: &[u64], dst: usize) -> Vec<usize> {
+    let n = meta.first().map_or(0, |&n| n as usize);
+    let sends = meta.get(2..2 + 2 * n).unwrap_or(&[]);
     let mut off = 0usize;
-    let mut seen = 0usize;
+    let mut out = Vec::new();
     for pair in sends.chunks_exact(2) {
         if pair[0] as usize == dst {
-            if seen == j {
-                return Some(off);
-            }
-            seen += 1;
+            out.push(off);
         }
-        off = off.checked_add(usize::try_from(pair[1]).ok()?)?;
+        off = off.saturating_add(pair[1] as usize);
     }
-    None
+    out
 }
