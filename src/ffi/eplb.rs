@@ -4,14 +4,16 @@ use super::guard;
 use crate::eplb::policy;
 use crate::error::{Error, Result};
 
-fn dim(v: i64, what: &str) -> Result<usize> {
+/// A positive dimension argument (shared with the policy steps in `eplb_algo`).
+pub(super) fn dim(v: i64, what: &str) -> Result<usize> {
     usize::try_from(v)
         .ok()
         .filter(|&x| x > 0)
         .ok_or_else(|| Error::InvalidArgument(format!("{what} is {v}; expected a positive value")))
 }
 
-fn checked_len(a: usize, b: usize, what: &str) -> Result<usize> {
+/// `a × b` entries, bounded by 2^40 (the allocations a wrong size could ask for).
+pub(super) fn checked_len(a: usize, b: usize, what: &str) -> Result<usize> {
     a.checked_mul(b)
         .filter(|&n| n <= (1usize << 40))
         .ok_or_else(|| Error::InvalidArgument(format!("{what} is too large")))

@@ -12,6 +12,7 @@
 //! one of those vLLM can return. Integer token counts tie often, so expect different (equally
 //! balanced) placements from vLLM on real loads.
 
+use super::eplb::{checked_len, dim};
 use super::guard;
 use crate::eplb::policy::{self, NodeFallback, Placement};
 use crate::error::{Error, Result};
@@ -21,26 +22,6 @@ use crate::error::{Error, Result};
 /// rearrangement algorithm." once and use one node (without it that case is vLLM's policy
 /// AssertionError whenever groups divide into nodes).
 pub const EPCOMM_EPLB_ONE_NODE_FALLBACK: u32 = 1;
-
-/// Entries of one argument at most (bounds the allocations a wrong size could ask for).
-const MAX_ENTRIES: usize = 1 << 40;
-
-/// A positive dimension argument.
-fn size(v: i64, what: &str) -> Result<usize> {
-    match usize::try_from(v) {
-        Ok(x) if x > 0 => Ok(x),
-        _ => Err(Error::InvalidArgument(format!(
-            "{what} is {v}; expected a positive value"
-        ))),
-    }
-}
-
-/// `rows × cols` entries, bounded by [`MAX_ENTRIES`].
-fn area(rows: usize, cols: usize, what: &str) -> Result<usize> {
-    rows.checked_mul(cols)
-        .filter(|&n| n <= MAX_ENTRIES)
-        .ok_or_else(|| Error::InvalidArgument(format!("{what} is too large")))
-}
 
 /// Fails with a NULL-pointer error for the first NULL among `ptrs`.
 fn non_null(ptrs: &[(bool, &'static str)]) -> Result<()> {
@@ -99,7 +80,7 @@ unsafe fn run_pairs(
         (b.is_null(), b_name),
     ])?;
     for n in [cols, a_cols, b_cols] {
-        area(rows, n, "num_rows * entries per row")?;
+        checked_len(rows, n, "num_rows * entries per row")?;
     }
     // SAFETY: the caller's contract (sizes checked above).
     let (first, second) = step(&unsafe { read_rows(weight, rows, cols) })?;
@@ -141,14 +122,14 @@ pub unsafe extern "C" fn epcomm_eplb_rebalance_experts(
 ) -> i32 {
     guard::call(|| {
         let (l, e) = (
-            size(num_layers, "num_layers")?,
-            size(num_logical_experts, "num_logical_experts")?,
+            dim(num_layers, "num_layers")?,
+            dim(num_logical_experts, "num_logical_experts")?,
         );
         let shape = Placement {
-            num_replicas: size(num_replicas, "num_replicas")?,
-            num_groups: size(num_groups, "num_groups")?,
-            num_nodes: size(num_nodes, "num_nodes")?,
-            num_ranks: size(num_ranks, "num_ranks")?,
+            num_replicas: dim(num_replicas, "num_replicas")?,
+            num_groups: dim(num_groups, "num_groups")?,
+            num_nodes: dim(num_nodes, "num_nodes")?,
+            num_ranks: dim(num_ranks, "num_ranks")?,
         };
         let fallback = match flags {
             0 => NodeFallback::Policy,
@@ -164,8 +145,8 @@ pub unsafe extern "C" fn epcomm_eplb_rebalance_experts(
             (phy2log_out.is_null(), "phy2log_out"),
         ])?;
         let p = shape.num_replicas;
-        area(l, e, "num_layers * num_logical_experts")?;
-        area(l, p, "num_layers * num_replicas")?;
+        checked_len(l, e, "num_layers * num_logical_experts")?;
+        checked_len(l, p, "num_layers * num_replicas")?;
         // SAFETY: the caller's contract (sizes above).
         let rows = unsafe { read_rows(weight, l, e) };
         // SAFETY: the caller's contract.
@@ -199,18 +180,18 @@ pub unsafe extern "C" fn epcomm_eplb_rebalance_experts_hierarchical(
 ) -> i32 {
     guard::call(|| {
         let (l, e) = (
-            size(num_layers, "num_layers")?,
-            size(num_logical_experts, "num_logical_experts")?,
+            dim(num_layers, "num_layers")?,
+            dim(num_logical_experts, "num_logical_experts")?,
         );
-        let p = size(num_physical_experts, "num_physical_experts")?;
-        let g = size(num_groups, "num_groups")?;
-        let (n, r) = (size(num_nodes, "num_nodes")?, size(num_gpus, "num_gpus")?);
+        let p = dim(num_physical_experts, "num_physical_experts")?;
+        let g = dim(num_groups, "num_groups")?;
+        let (n, r) = (dim(num_nodes, "num_nodes")?, dim(num_gpus, "num_gpus")?);
         non_null(&[
             (weight.is_null(), "weight"),
             (phy2log_out.is_null(), "phy2log_out"),
         ])?;
-        area(l, e, "num_layers * num_logical_experts")?;
-        area(l, p, "num_layers * num_physical_experts")?;
+        checked_len(l, e, "num_layers * num_logical_experts")?;
+        checked_len(l, p, "num_layers * num_physical_experts")?;
         // SAFETY: the caller's contract (sizes above).
         let rows = unsafe { read_rows(weight, l, e) };
         let map = policy::rebalance_hierarchical(&rows, p, g, n, r)?;
@@ -239,8 +220,8 @@ pub unsafe extern "C" fn epcomm_eplb_balanced_packing(
     rank_in_pack_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
-        let (x, n) = (size(num_rows, "num_rows")?, size(num_items, "num_items")?);
-        let m = size(num_packs, "num_packs")?;
+        let (x, n) = (dim(num_rows, "num_rows")?, dim(num_items, "num_items")?);
+        let m = dim(num_packs, "num_packs")?;
         let outs = [
             (pack_index_out, "pack_index_out", n),
             (rank_in_pack_out, "rank_in_pack_out", n),
@@ -272,11 +253,8 @@ pub unsafe extern "C" fn epcomm_eplb_replicate_experts(
     logcnt_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
-        let (x, e) = (
-            size(num_rows, "num_rows")?,
-            size(num_logical, "num_logical")?,
-        );
-        let p = size(num_physical, "num_physical")?;
+        let (x, e) = (dim(num_rows, "num_rows")?, dim(num_logical, "num_logical")?);
+        let p = dim(num_physical, "num_physical")?;
         let outs = [
             (phy2log_out, "phy2log_out", p),
             (logcnt_out, "logcnt_out", e),
@@ -310,15 +288,15 @@ pub unsafe extern "C" fn epcomm_eplb_preserve_intragpu_slots(
 ) -> i32 {
     guard::call(|| {
         let (l, p) = (
-            size(num_layers, "num_layers")?,
-            size(num_physical, "num_physical")?,
+            dim(num_layers, "num_layers")?,
+            dim(num_physical, "num_physical")?,
         );
         non_null(&[
             (phy2log.is_null(), "phy2log"),
             (old_phy2log.is_null(), "old_phy2log"),
             (phy2log_out.is_null(), "phy2log_out"),
         ])?;
-        area(l, p, "num_layers * num_physical")?;
+        checked_len(l, p, "num_layers * num_physical")?;
         // SAFETY: the caller's contract; both are copied before the output is borrowed, so the
         // output may alias the input.
         let (mut map, old) = unsafe { (read_rows(phy2log, l, p), read_rows(old_phy2log, l, p)) };
@@ -357,22 +335,22 @@ pub unsafe extern "C" fn epcomm_eplb_compute_logical_maps(
 ) -> i32 {
     guard::call(|| {
         let (l, p) = (
-            size(num_layers, "num_layers")?,
-            size(num_physical, "num_physical")?,
+            dim(num_layers, "num_layers")?,
+            dim(num_physical, "num_physical")?,
         );
-        let e = size(num_logical, "num_logical")?;
+        let e = dim(num_logical, "num_logical")?;
         non_null(&[
             (phy2log.is_null(), "phy2log"),
             (logcnt_out.is_null(), "logcnt_out"),
             (max_replicas_out.is_null(), "max_replicas_out"),
         ])?;
-        area(l, p, "num_layers * num_physical")?;
-        let el = area(l, e, "num_layers * num_logical")?;
+        checked_len(l, p, "num_layers * num_physical")?;
+        let el = checked_len(l, e, "num_layers * num_logical")?;
         // SAFETY: the caller's contract (sizes above).
         let rows = unsafe { read_rows(phy2log, l, p) };
         let (logcnt, log2phy) = policy::logical_maps(&rows, e)?;
         let width = logcnt.iter().flatten().copied().max().unwrap_or(0);
-        let need = area(el, width, "num_layers * num_logical * max_replicas")?;
+        let need = checked_len(el, width, "num_layers * num_logical * max_replicas")?;
         if !log2phy_out.is_null() && usize::try_from(log2phy_capacity).unwrap_or(0) < need {
             return Err(Error::InvalidArgument(format!(
                 "log2phy_capacity is {log2phy_capacity}; the map needs {need} int64 \
