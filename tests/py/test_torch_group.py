@@ -314,7 +314,9 @@ class ExampleTest(unittest.TestCase):
             )
 
 
-if __name__ == "__main__":
+def main(rank_main):
+    """A rank process (`--rank MODE RANK WORLD WHERE PATH`: `rank_main`'s result as JSON at PATH)
+    or, without `--rank`, the tests."""
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         mode, rank, world, where, path = sys.argv[2:7]
         result = rank_main(mode, int(rank), int(world), where)
@@ -322,3 +324,7 @@ if __name__ == "__main__":
             json.dump(result, f)
         sys.exit(0)
     unittest.main()
+
+
+if __name__ == "__main__":
+    main(rank_main)

@@ -13,7 +13,6 @@ vLLM's two modules.
     PYTHONPATH=python EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_vllm.py -v
 """
 
-import json
 import os
 import sys
 import types
@@ -212,10 +211,4 @@ class VllmTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
-        mode, rank, world, where, path = sys.argv[2:7]
-        result = rank_main(mode, int(rank), int(world), where)
-        with open(path, "w") as f:
-            json.dump(result, f)
-        sys.exit(0)
-    unittest.main()
+    ranks.main(rank_main)
