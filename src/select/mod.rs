@@ -5,5 +5,6 @@ pub mod config;
 pub mod eplb;
 pub mod hint;
 pub mod suggest;
+pub mod versions;
 
 pub use hint::Hint;
