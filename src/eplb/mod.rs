@@ -1,8 +1,10 @@
 //! Expert-parallel load balancing (docs/design.md, section 7): the rebalancing policy, the transfer
-//! plan, the communicators that move expert weights, and the rearrangement itself.
+//! plan, vLLM's migration scheduler (batches of transfers), the communicators that move expert
+//! weights, and the rearrangement itself.
 
 pub mod communicator;
 pub mod load;
+pub mod migration;
 pub mod policy;
 pub mod rearrange;
 pub mod transfer;

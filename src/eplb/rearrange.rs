@@ -2,8 +2,16 @@
 //! through an EPLB communicator. Receives and local copies land in a staging buffer; a layer's
 //! live weights change only after all of its transfers succeeded, so a failed or interrupted
 //! transfer leaves that layer (and every later one) exactly as it was.
+//!
+//! A layer's transfers run in one communicator execute, or, with migration batching (vLLM
+//! v0.33.0's `enable_migration_batching` under async EPLB), in one execute per batch of vLLM's
+//! migration scheduler ([`super::migration`]): each rank talks to at most one peer per execute.
+//! Both paths send the same rows from the same sources; only the order and grouping differ.
+
+use std::collections::HashMap;
 
 use super::communicator::EplbCommunicator;
+use super::migration::{schedule_migration_batches, Batches};
 use super::transfer::{apply_rank_mapping, plan_layer, LayerPlan};
 use crate::copy::{copy_streaming, streaming_fence};
 use crate::dtype::DType;
@@ -21,6 +29,93 @@ pub struct Summary {
     pub rows_sent: usize,
     pub rows_received: usize,
     pub rows_copied_locally: usize,
+    /// Communicator executes this rank ran: one per layer, or with migration batching one per
+    /// batch of each layer (a layer that moves nothing then has none).
+    pub executes: usize,
+}
+
+/// How a rearrangement runs; every rank must pass the same.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RearrangeOptions<'a> {
+    /// Old rank -> new rank or -1, for a change of EP size (see [`apply_rank_mapping`]).
+    pub rank_mapping: Option<&'a [i64]>,
+    /// The weight tensors' dtypes, one per tensor of a layer; empty when unknown.
+    pub dtypes: &'a [DType],
+    /// vLLM's `EPLBConfig.migration_batching_enabled` (`use_async and
+    /// enable_migration_batching`): run each layer's transfers batch by batch as vLLM
+    /// v0.33.0's migration scheduler orders them.
+    pub migration_batching: bool,
+}
+
+/// One transfer of a rank's plan: `Send(i)` is `plan.sends[i]`, `Recv(i)` is `plan.recvs[i]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Send(usize),
+    Recv(usize),
+}
+
+/// A layer's plan on this rank and its transfers, one list per communicator execute.
+#[derive(Debug, Clone)]
+struct LayerMoves {
+    plan: LayerPlan,
+    executes: Vec<Vec<Step>>,
+}
+
+/// The unbatched path: every send, then every receive, in one execute (vLLM's `move_to_buffer`).
+fn one_execute(plan: &LayerPlan) -> Vec<Vec<Step>> {
+    let sends = (0..plan.sends.len()).map(Step::Send);
+    vec![sends.chain((0..plan.recvs.len()).map(Step::Recv)).collect()]
+}
+
+/// The batched path (vLLM's `_execute_migration_batches`): per batch, this rank's sends or
+/// receives of its flow, experts in flow order. Every flow touching `me` must be a transfer of
+/// its plan and every transfer of the plan must be in one flow, so the batched path moves what
+/// the plan moves, from the same sources.
+fn batched_executes(plan: &LayerPlan, batches: &Batches, me: usize) -> Result<Vec<Vec<Step>>> {
+    let sends: HashMap<(i64, usize), usize> = plan
+        .sends
+        .iter()
+        .enumerate()
+        .map(|(i, s)| ((s.0, s.2), i))
+        .collect();
+    let recvs: HashMap<(i64, usize), usize> = plan
+        .recvs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| ((r.0, r.2), i))
+        .collect();
+    let mut used = 0;
+    let mut executes = Vec::with_capacity(batches.len());
+    for batch in batches {
+        let mut steps = Vec::new();
+        for f in batch {
+            let (table, peer, step): (_, _, fn(usize) -> Step) = if f.src_rank == me {
+                (&sends, f.dst_rank, Step::Send)
+            } else if f.dst_rank == me {
+                (&recvs, f.src_rank, Step::Recv)
+            } else {
+                continue;
+            };
+            for &e in &f.expert_ids {
+                let i = table.get(&(e, peer)).ok_or_else(|| {
+                    Error::Internal(format!(
+                        "rearrange: the migration schedule moves expert {e} between ranks {} and {} but rank {me}'s transfer plan does not",
+                        f.src_rank, f.dst_rank
+                    ))
+                })?;
+                steps.push(step(*i));
+                used += 1;
+            }
+        }
+        executes.push(steps);
+    }
+    if used != plan.sends.len() + plan.recvs.len() {
+        return Err(Error::Internal(format!(
+            "rearrange: the migration schedule covers {used} of the {} transfers of rank {me}'s plan",
+            plan.sends.len() + plan.recvs.len()
+        )));
+    }
+    Ok(executes)
 }
 
 fn rows_of(buf: &[u8], row_bytes: usize, r: usize) -> std::ops::Range<usize> {
@@ -28,15 +123,13 @@ fn rows_of(buf: &[u8], row_bytes: usize, r: usize) -> std::ops::Range<usize> {
     r * row_bytes..(r + 1) * row_bytes
 }
 
-/// Moves one layer per its plan.
-fn move_layer(
-    g: &mut dyn Group,
-    comm: &mut dyn EplbCommunicator,
+/// Local copies into the staging buffers (sized to the layer first).
+fn stage_local_copies(
     plan: &LayerPlan,
-    weights: &mut [&mut [u8]],
+    weights: &[&mut [u8]],
     row_bytes: &[usize],
     staging: &mut [Vec<u8>],
-) -> Result<()> {
+) {
     for ((buf, &rb), w) in staging.iter_mut().zip(row_bytes).zip(weights.iter()) {
         if buf.len() < w.len() {
             buf.resize(w.len(), 0);
@@ -47,36 +140,70 @@ fn move_layer(
         }
     }
     streaming_fence();
-    {
+}
+
+/// Runs the layer's transfers, one communicator execute per entry of `moves.executes`;
+/// receives land in the staging buffers.
+fn transfer(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    moves: &LayerMoves,
+    weights: &[&mut [u8]],
+    row_bytes: &[usize],
+    staging: &mut [Vec<u8>],
+) -> Result<()> {
+    let plan = &moves.plan;
+    // Receive rows are distinct primaries: split the staging buffers into disjoint rows.
+    let mut recv_rows: Vec<Vec<Option<&mut [u8]>>> = staging
+        .iter_mut()
+        .zip(row_bytes)
+        .map(|(buf, &rb)| buf.chunks_mut(rb.max(1)).map(Some).collect())
+        .collect();
+    crate::fault::point("eplb:before_staging");
+    for steps in &moves.executes {
         let mut ops: Vec<P2p<'_>> = Vec::new();
-        for &(_, row, dst) in &plan.sends {
-            for (w, &rb) in weights.iter().zip(row_bytes) {
-                ops.push(P2p::Send {
-                    peer: dst,
-                    data: &w[rows_of(w, rb, row)],
-                });
+        for &step in steps {
+            match step {
+                Step::Send(i) => {
+                    let (_, row, dst) = plan.sends[i];
+                    for (w, &rb) in weights.iter().zip(row_bytes) {
+                        ops.push(P2p::Send {
+                            peer: dst,
+                            data: &w[rows_of(w, rb, row)],
+                        });
+                    }
+                }
+                Step::Recv(i) => {
+                    let (_, row, src) = plan.recvs[i];
+                    for rows in recv_rows.iter_mut() {
+                        let data = rows[row].take().ok_or_else(|| {
+                            Error::Internal(format!(
+                                "rearrange: the plan receives into slot {row} twice"
+                            ))
+                        })?;
+                        ops.push(P2p::Recv { peer: src, data });
+                    }
+                }
             }
         }
-        // Receive rows are distinct primaries: split the staging buffers into disjoint rows.
-        let mut recv_rows: Vec<Vec<Option<&mut [u8]>>> = staging
-            .iter_mut()
-            .zip(row_bytes)
-            .map(|(buf, &rb)| buf.chunks_mut(rb.max(1)).map(Some).collect())
-            .collect();
-        for &(_, row, src) in &plan.recvs {
-            for rows in recv_rows.iter_mut() {
-                let data = rows[row].take().ok_or_else(|| {
-                    Error::Internal(format!(
-                        "rearrange: the plan receives into slot {row} twice"
-                    ))
-                })?;
-                ops.push(P2p::Recv { peer: src, data });
-            }
-        }
-        crate::fault::point("eplb:before_staging");
         comm.execute(g, &mut ops)?;
-        crate::fault::point("eplb:after_staging");
     }
+    crate::fault::point("eplb:after_staging");
+    Ok(())
+}
+
+/// Moves one layer per its plan.
+fn move_layer(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    moves: &LayerMoves,
+    weights: &mut [&mut [u8]],
+    row_bytes: &[usize],
+    staging: &mut [Vec<u8>],
+) -> Result<()> {
+    let plan = &moves.plan;
+    stage_local_copies(plan, weights, row_bytes, staging);
+    transfer(g, comm, moves, weights, row_bytes, staging)?;
     // Every transfer succeeded: apply.
     let primaries: Vec<usize> = plan.recvs.iter().map(|r| r.1).collect();
     for ((w, &rb), buf) in weights.iter_mut().zip(row_bytes).zip(staging.iter()) {
@@ -126,6 +253,25 @@ pub fn rearrange_typed(
     rank_mapping: Option<&[i64]>,
     dtypes: &[DType],
 ) -> Result<Summary> {
+    let options = RearrangeOptions {
+        rank_mapping,
+        dtypes,
+        migration_batching: false,
+    };
+    rearrange_with(g, comm, old, new, weights, row_bytes, &options)
+}
+
+/// [`rearrange`] with every option (the rank mapping, the dtypes, migration batching), which
+/// every rank must pass alike: a disagreement fails every rank before any layer moves.
+pub fn rearrange_with(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    old: &[Vec<i64>],
+    new: &[Vec<i64>],
+    weights: &mut [LayerWeights<'_>],
+    row_bytes: &[usize],
+    options: &RearrangeOptions<'_>,
+) -> Result<Summary> {
     let _rank = crate::log::rank_scope(g.rank());
     let shape = if old.len() != new.len() || old.len() != weights.len() {
         Err(Error::InvalidArgument(format!(
@@ -139,18 +285,9 @@ pub fn rearrange_typed(
     };
     // Every rank checks its own arguments, then all agree on what they rearrange before any
     // layer moves: a rank's rejection or a disagreement fails every rank, no layer changed.
-    let plans = shape.and_then(|()| {
-        plans(
-            g.rank(),
-            g.size(),
-            old,
-            new,
-            weights,
-            row_bytes,
-            rank_mapping,
-        )
-    });
-    let header = header(plans.is_ok(), old, new, row_bytes, dtypes, rank_mapping);
+    let (me, world) = (g.rank(), g.size());
+    let plans = shape.and_then(|()| plans(me, world, old, new, weights, row_bytes, options));
+    let header = header(plans.is_ok(), old, new, row_bytes, options);
     let agreed = agree(g, &header);
     let plans = match (plans, agreed) {
         (Err(e), _) => return Err(e),
@@ -164,16 +301,19 @@ pub fn rearrange_typed(
     })
 }
 
+/// The words of the agreement header.
+const WORDS: usize = 9;
+
 /// What every rank must rearrange alike, as the words of the agreement header: this rank's
-/// verdict, the layer count, digests of the row sizes, dtypes, maps and rank mapping.
+/// verdict, the layer count, digests of the row sizes, dtypes, maps and rank mapping, and
+/// whether migration batching is on (it sets how many executes each layer runs).
 fn header(
     ok: bool,
     old: &[Vec<i64>],
     new: &[Vec<i64>],
     row_bytes: &[usize],
-    dtypes: &[DType],
-    rank_mapping: Option<&[i64]>,
-) -> [u64; 8] {
+    options: &RearrangeOptions<'_>,
+) -> [u64; WORDS] {
     use crate::bytes::fnv1a;
     let maps = |m: &[Vec<i64>]| {
         fnv1a(
@@ -187,13 +327,17 @@ fn header(
         row_bytes.len() as u64,
         fnv1a(row_bytes.iter().map(|&b| b as u64)),
         fnv1a(
-            dtypes
+            options
+                .dtypes
                 .iter()
                 .map(|d| u64::from(d.code) << 32 | u64::from(d.bits) << 16 | u64::from(d.lanes)),
         ),
         maps(old),
         maps(new),
-        rank_mapping.map_or(0, |m| 1 + fnv1a(m.iter().map(|&x| x as u64))),
+        options
+            .rank_mapping
+            .map_or(0, |m| 1 + fnv1a(m.iter().map(|&x| x as u64))),
+        u64::from(options.migration_batching),
     ]
 }
 
@@ -211,7 +355,7 @@ fn with_staging<T>(tensors: usize, f: impl FnOnce(&mut [Vec<u8>]) -> T) -> T {
     result
 }
 
-/// The plan of every layer on this rank, checking the arguments.
+/// The plan of every layer on this rank and its executes, checking the arguments.
 fn plans(
     me: usize,
     world: usize,
@@ -219,8 +363,8 @@ fn plans(
     new: &[Vec<i64>],
     weights: &[LayerWeights<'_>],
     row_bytes: &[usize],
-    rank_mapping: Option<&[i64]>,
-) -> Result<Vec<LayerPlan>> {
+    options: &RearrangeOptions<'_>,
+) -> Result<Vec<LayerMoves>> {
     let mut plans = Vec::with_capacity(old.len());
     for (l, ((o, n), w)) in old.iter().zip(new).zip(weights).enumerate() {
         if w.len() != row_bytes.len() {
@@ -230,7 +374,7 @@ fn plans(
                 row_bytes.len()
             )));
         }
-        let (o, n) = match rank_mapping {
+        let (o, n) = match options.rank_mapping {
             Some(m) => {
                 let old_world = m.len();
                 let n_local = o.len() / old_world.max(1);
@@ -253,12 +397,19 @@ fn plans(
                 )));
             }
         }
-        plans.push(plan_layer(&o, &n, n_local, me)?);
+        // The plan refuses an expert no rank holds before the schedule (which skips it) is made.
+        let plan = plan_layer(&o, &n, n_local, me)?;
+        let executes = if options.migration_batching {
+            batched_executes(&plan, &schedule_migration_batches(n_local, &o, &n)?, me)?
+        } else {
+            one_execute(&plan)
+        };
+        plans.push(LayerMoves { plan, executes });
     }
     Ok(plans)
 }
 
-const HEADER: [&str; 8] = [
+const HEADER: [&str; WORDS] = [
     "",
     "the number of layers",
     "the number of weight tensors per layer",
@@ -267,18 +418,19 @@ const HEADER: [&str; 8] = [
     "the old placement",
     "the new placement",
     "the rank mapping",
+    "migration batching",
 ];
 
 /// Gathers every rank's header (its verdict and what it rearranges); any rank's rejection or
 /// a disagreement is an error, the same on every rank.
-fn agree(g: &mut dyn Group, mine: &[u64; 8]) -> Result<()> {
+fn agree(g: &mut dyn Group, mine: &[u64; WORDS]) -> Result<()> {
     let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
     let mut all = vec![0u8; bytes.len() * g.size()];
     g.all_gather(&bytes, &mut all)?;
-    let headers: Vec<[u64; 8]> = all
-        .chunks_exact(64)
+    let headers: Vec<[u64; WORDS]> = all
+        .chunks_exact(8 * WORDS)
         .map(|c| {
-            let mut h = [0u64; 8];
+            let mut h = [0u64; WORDS];
             for (w, x) in h.iter_mut().zip(crate::bytes::words::<u64>(c)) {
                 *w = u64::from_le(x);
             }
@@ -297,6 +449,11 @@ fn agree(g: &mut dyn Group, mine: &[u64; 8]) -> Result<()> {
         if let Some(p) = (1..headers.len()).find(|&p| headers[p][i] != v0) {
             let detail = match i {
                 1 | 2 => format!("rank 0 passes {v0} but rank {p} passes {}", headers[p][i]),
+                8 => format!(
+                    "rank 0 turns it {} but rank {p} turns it {}",
+                    on_off(v0),
+                    on_off(headers[p][i])
+                ),
                 _ => format!("rank 0 and rank {p} pass different ones"),
             };
             return Err(Error::InvalidArgument(format!(
@@ -307,10 +464,18 @@ fn agree(g: &mut dyn Group, mine: &[u64; 8]) -> Result<()> {
     Ok(())
 }
 
+fn on_off(v: u64) -> &'static str {
+    if v == 0 {
+        "off"
+    } else {
+        "on"
+    }
+}
+
 /// Takes part in a rearrangement as a rank whose arguments failed its own checks (`e`,
 /// returned): the peers fail at once naming this rank, and no layer changes anywhere.
 pub fn reject_rearrange(g: &mut dyn Group, e: Error) -> Error {
-    let _ = agree(g, &[0; 8]);
+    let _ = agree(g, &[0; WORDS]);
     e
 }
 
@@ -339,22 +504,24 @@ fn with_progress(e: Error, l: usize) -> Error {
 fn rearrange_layers(
     g: &mut dyn Group,
     comm: &mut dyn EplbCommunicator,
-    plans: &[LayerPlan],
+    plans: &[LayerMoves],
     weights: &mut [LayerWeights<'_>],
     row_bytes: &[usize],
     staging: &mut [Vec<u8>],
     summary: &mut Summary,
 ) -> Result<()> {
-    for (l, (plan, w)) in plans.iter().zip(weights.iter_mut()).enumerate() {
-        // The layer is applied only after its transfer op committed on every rank, so every
+    for (l, (moves, w)) in plans.iter().zip(weights.iter_mut()).enumerate() {
+        // The layer is applied only after its transfer ops committed on every rank, so every
         // rank reports the same layer.
-        move_layer(g, comm, plan, w, row_bytes, staging).map_err(|e| with_progress(e, l))?;
+        move_layer(g, comm, moves, w, row_bytes, staging).map_err(|e| with_progress(e, l))?;
+        let plan = &moves.plan;
         if !plan.is_noop() {
             summary.layers_changed += 1;
         }
         summary.rows_sent += plan.sends.len();
         summary.rows_received += plan.recvs.len() + plan.duplicates.len();
         summary.rows_copied_locally += plan.local_copies.len();
+        summary.executes += moves.executes.len();
     }
     Ok(())
 }
