@@ -246,6 +246,11 @@
 #define EPCOMM_EPLB_NIXL 3
 
 /**
+ * EPLB communicator `torch_xccl` (vLLM v0.33.0; host-staged in epcomm).
+ */
+#define EPCOMM_EPLB_TORCH_XCCL 4
+
+/**
  * Availability field value: probe this process.
  */
 #define EPCOMM_PROBE -1
@@ -841,9 +846,8 @@ int32_t epcomm_config_check(const char *config_json);
  * {"ok": true, "all2all_backend", "manager_class", "layout", "eplb_communicator", ...,
  * "warnings": [...], "infos": [...]} or {"ok": false, "status", "exception", "message",
  * "hint", "warnings", "infos"}. For `passthrough` "layout" is null (no exchange); on XPU with
- * EPLB "eplb_communicator" may be "torch_xccl", which vLLM builds and epcomm does not. Returns
- * EPCOMM_OK whenever a report was produced (the verdict is
- * inside it). Call with `buffer` NULL and `buffer_len` 0 to learn the size: `*report_len_out`
+ * EPLB "eplb_communicator" is "torch_xccl" (host-staged in epcomm). Returns EPCOMM_OK whenever
+ * a report was produced (the verdict is inside it). Call with `buffer` NULL and `buffer_len` 0 to learn the size: `*report_len_out`
  * is the report's length without the terminating NUL; a non-NULL buffer must hold that plus 1.
  *
  * # Safety
@@ -1515,9 +1519,9 @@ int32_t epcomm_all2all_name_info(size_t index, struct epcomm_all2all_name_desc *
  * Chooses the EPLB communicator with vLLM's `create_eplb_communicator` rules and messages
  * (elastic EP restrictions, the forced-to-pynccl warning, device and dtype checks, NCCL/NIXL
  * availability; automatic selection when no name is given) and writes EPCOMM_EPLB_*.
- * `torch_xccl` (chosen by vLLM for XPU, and automatically on EPCOMM_DEVICE_ONEAPI weights) has
- * no EPCOMM_EPLB_* value: epcomm has no XCCL transport, so it returns
- * EPCOMM_ERROR_UNAVAILABLE.
+ * `torch_xccl` (chosen by vLLM for XPU, and automatically on EPCOMM_DEVICE_ONEAPI weights) is
+ * EPCOMM_EPLB_TORCH_XCCL; creating it moves host memory only (XPU weights staged in host
+ * memory by the caller), as vLLM runs it on the CPU group for host tensors.
  *
  * # Safety
  * `request` is NULL or a valid request whose pointers follow their field docs;

@@ -1,11 +1,14 @@
 //! The EPLB communicator factory over its whole input matrix (vLLM's `create_eplb_communicator`,
-//! docs/design.md section 7): requested name (automatic, the four names, an unknown one) × elastic
-//! group × device (cpu, cuda) × NCCL usable × NIXL present. The expected outcome of every
+//! docs/design.md section 7): requested name (automatic, the five names, an unknown one) ×
+//! elastic group × device (cpu, cuda, xpu) × NCCL usable × NIXL present. The expected outcome of every
 //! combination is computed here from those rules, written out independently of
 //! `epcomm::select::eplb`, and `select` must agree exactly: communicator, warnings, error message
 //! and exception class. `communicator::create` must build what select chose where this build can
-//! (torch_gloo; torch_nccl on host tensors), report the unimplemented GPU transports otherwise, and
+//! (torch_gloo; torch_nccl and torch_xccl on host tensors), report the unimplemented GPU transports otherwise, and
 //! fail with select's exact error when select fails.
+
+mod common;
+mod ranks;
 
 use std::sync::{Arc, Mutex};
 
@@ -15,15 +18,16 @@ use epcomm::log::{self, Level};
 use epcomm::select::eplb::{self, Communicator, DeviceKind, SelectRequest};
 use epcomm::{Error, Status};
 
-const REQUESTED: [Option<&str>; 6] = [
+const REQUESTED: [Option<&str>; 7] = [
     None,
     Some("torch_nccl"),
     Some("torch_gloo"),
+    Some("torch_xccl"),
     Some("pynccl"),
     Some("nixl"),
     Some("bogus"),
 ];
-const DEVICES: [DeviceKind; 2] = [DeviceKind::Cpu, DeviceKind::Cuda];
+const DEVICES: [DeviceKind; 3] = [DeviceKind::Cpu, DeviceKind::Cuda, DeviceKind::Xpu];
 /// Dtypes NCCL moves on CUDA, so the pynccl dtype check never fires in this matrix.
 const WEIGHT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
 
@@ -57,11 +61,12 @@ fn runtime_error(message: &str) -> Expected {
     }
 }
 
-/// PyTorch's `device.type` for the two devices of the matrix.
+/// PyTorch's `device.type` for the devices of the matrix.
 fn device_type(device: DeviceKind) -> &'static str {
     match device {
         DeviceKind::Cpu => "cpu",
         DeviceKind::Cuda => "cuda",
+        DeviceKind::Xpu => "xpu",
         other => panic!("not in the matrix: {other:?}"),
     }
 }
@@ -88,7 +93,8 @@ fn build_nixl(device: DeviceKind, nixl: bool) -> Expected {
     if !nixl {
         return runtime_error("EPLB communicator 'nixl' requested but NIXL is unavailable.");
     }
-    if device == DeviceKind::Cpu {
+    // vLLM: `current_platform.is_cuda_alike() and tensor_device_type != "cpu"`.
+    if device != DeviceKind::Cuda {
         return runtime_error(&format!(
             "EPLB communicator 'nixl' supports only cuda-like devices (got {}).",
             device_type(device)
@@ -108,8 +114,10 @@ fn expected(
     nccl: bool,
     nixl: bool,
 ) -> Expected {
-    // Auto-selection: NIXL available → nixl; elastic → pynccl; else torch_gloo.
-    let name = requested.unwrap_or(if nixl {
+    // Auto-selection: XPU → torch_xccl; NIXL available → nixl; elastic → pynccl; else torch_gloo.
+    let name = requested.unwrap_or(if device == DeviceKind::Xpu {
+        "torch_xccl"
+    } else if nixl {
         "nixl"
     } else if elastic {
         "pynccl"
@@ -134,6 +142,10 @@ fn expected(
         "nixl" => build_nixl(device, nixl),
         "torch_gloo" => Expected::Built {
             communicator: Communicator::TorchGloo,
+            warnings: Vec::new(),
+        },
+        "torch_xccl" => Expected::Built {
+            communicator: Communicator::TorchXccl,
             warnings: Vec::new(),
         },
         "torch_nccl" => Expected::Built {
@@ -179,7 +191,7 @@ fn matrix() -> Vec<Case> {
             }
         }
     }
-    assert_eq!(v.len(), 6 * 2 * 2 * 2 * 2);
+    assert_eq!(v.len(), 7 * 2 * 3 * 2 * 2);
     v
 }
 
@@ -350,7 +362,8 @@ fn create_builds_what_select_chose_or_fails_like_it() {
             Ok(sel) => {
                 let c = sel.communicator;
                 let builds = c == Communicator::TorchGloo
-                    || (c == Communicator::TorchNccl && device == DeviceKind::Cpu);
+                    || (matches!(c, Communicator::TorchNccl | Communicator::TorchXccl)
+                        && device == DeviceKind::Cpu);
                 if builds {
                     built += 1;
                     let comm = got.unwrap_or_else(|e| panic!("{label}: create failed: {e}"));
@@ -368,8 +381,17 @@ fn create_builds_what_select_chose_or_fails_like_it() {
                     Err(e) => e,
                 };
                 match c {
+                    Communicator::TorchXccl => {
+                        assert_ne!(device, DeviceKind::Cpu, "{label}");
+                        assert_eq!(
+                            e.to_string(),
+                            format!("EPLB communicator 'torch_xccl' on {} tensors needs XCCL device P2P, which epcomm does not have; stage the expert weights in host memory (kDLCPU) and epcomm moves them over the group", device_type(device)),
+                            "{label}"
+                        );
+                        assert_eq!(e.exception(), "NotImplementedError", "{label}");
+                    }
                     Communicator::TorchNccl => {
-                        assert_eq!(device, DeviceKind::Cuda, "{label}");
+                        assert_ne!(device, DeviceKind::Cpu, "{label}");
                         assert!(matches!(e, Error::NotImplemented(_)), "{label}: {e:?}");
                         assert_eq!(e.status(), Status::NotImplemented, "{label}");
                         assert_eq!(e.exception(), "NotImplementedError", "{label}");
@@ -417,7 +439,50 @@ fn create_builds_what_select_chose_or_fails_like_it() {
         }
     }
     log::set_sink(None);
-    // torch_gloo: explicit or automatic, never elastic, 2 devices x 2 x 2 (x2 for auto without
-    // NIXL only); torch_nccl on cpu, not elastic: 4.
-    assert_eq!(built, 8 + 4 + 4, "combinations that build");
+    // torch_gloo: explicit, never elastic, 3 devices x 2 x 2; automatic without NIXL off XPU,
+    // not elastic: 2 devices x 2; torch_nccl and torch_xccl on cpu, not elastic: 4 each.
+    assert_eq!(built, 12 + 4 + 4 + 4, "combinations that build");
+}
+
+/// Every communicator that builds on host tensors moves the weights: a two-rank rearrangement
+/// over shared memory through each lands every row where the new placement says.
+#[test]
+fn host_communicators_move_the_weights() {
+    use common::eplb_fixture::{self, Weights};
+    use epcomm::eplb::rearrange::rearrange;
+    use epcomm::group::shm::ShmGroup;
+    use epcomm::group::GroupOptions;
+
+    const ROW_BYTES: [usize; 2] = [16, 40];
+    let world = 2;
+    let old = eplb_fixture::modulo_placement(2, 8, 6);
+    let load = eplb_fixture::skewed_load(2, 6, 3, 0.0);
+    let new = eplb_fixture::rebalanced(&load, 8, world);
+    assert_ne!(old, new);
+    let weights = Weights {
+        world,
+        row_bytes: &ROW_BYTES,
+    };
+    for name in ["torch_gloo", "torch_nccl", "torch_xccl"] {
+        let group = ranks::unique("f", "h");
+        let (old, to) = (old.clone(), new.clone());
+        let got = ranks::on_threads(world, move |r| {
+            let opts = GroupOptions {
+                timeout: std::time::Duration::from_secs(20),
+                ..GroupOptions::default()
+            };
+            let mut g = ShmGroup::join(&group, r, world, opts).unwrap();
+            let mut c = communicator::create(Some(name), false, DeviceKind::Cpu, &[], false, false)
+                .unwrap();
+            assert_eq!(c.kind().name(), name);
+            let mut w = weights.all(&old, r);
+            let mut views = eplb_fixture::views(&mut w);
+            rearrange(&mut g, c.as_mut(), &old, &to, &mut views, &ROW_BYTES, None).unwrap();
+            drop(views);
+            w
+        });
+        for (r, w) in got.iter().enumerate() {
+            assert_eq!(w, &weights.all(&new, r), "{name}: rank {r}");
+        }
+    }
 }

@@ -1,8 +1,9 @@
 //! EPLB communicators (vLLM's `create_eplb_communicator`): the factory's rules and messages come
 //! from [`crate::select::eplb`]; this module builds what was chosen.
 //!
-//! `torch_gloo` (and `torch_nccl` for host tensors, which vLLM runs on the CPU group too) move
-//! expert rows with the group's batched send/recv: over shared memory that is one copy per row.
+//! `torch_gloo` (and `torch_nccl` / `torch_xccl` for host tensors, which vLLM runs on the CPU
+//! group too) move expert rows with the group's batched send/recv: over shared memory that is one
+//! copy per row. XPU weights go through `torch_xccl` once the caller stages them in host memory.
 //! The NCCL- and NIXL-backed communicators need the GPU path and report that honestly.
 
 use crate::dtype::DType;
@@ -20,7 +21,7 @@ pub trait EplbCommunicator: Send + std::fmt::Debug {
 }
 
 /// Host-memory transfers over the group (vLLM's `TorchDistGlooStagedEplbCommunicator`, and
-/// `TorchDistNcclEplbCommunicator` on host tensors).
+/// `TorchDistNcclEplbCommunicator` / `TorchDistXCCLStagedEplbCommunicator` on host tensors).
 #[derive(Debug)]
 pub struct GroupCommunicator {
     kind: Communicator,
@@ -62,9 +63,11 @@ pub fn create(
         Communicator::TorchGloo => Box::new(GroupCommunicator {
             kind: Communicator::TorchGloo,
         }),
-        Communicator::TorchNccl if device == DeviceKind::Cpu => Box::new(GroupCommunicator {
-            kind: Communicator::TorchNccl,
-        }),
+        // vLLM runs both on the CPU group when the weights are host tensors.
+        c @ (Communicator::TorchNccl | Communicator::TorchXccl) if device == DeviceKind::Cpu => {
+            Box::new(GroupCommunicator { kind: c })
+        }
+        Communicator::TorchXccl => return Err(eplb::xccl_device_unavailable(device)),
         Communicator::TorchNccl => {
             return Err(Error::NotImplemented(format!(
                 "EPLB communicator 'torch_nccl' on {} tensors needs epcomm's NCCL transport, which is not implemented yet; use 'torch_gloo' (host-staged)",

@@ -32,9 +32,8 @@ pub unsafe extern "C" fn epcomm_config_check(config_json: *const c_char) -> i32 
 /// {"ok": true, "all2all_backend", "manager_class", "layout", "eplb_communicator", ...,
 /// "warnings": [...], "infos": [...]} or {"ok": false, "status", "exception", "message",
 /// "hint", "warnings", "infos"}. For `passthrough` "layout" is null (no exchange); on XPU with
-/// EPLB "eplb_communicator" may be "torch_xccl", which vLLM builds and epcomm does not. Returns
-/// EPCOMM_OK whenever a report was produced (the verdict is
-/// inside it). Call with `buffer` NULL and `buffer_len` 0 to learn the size: `*report_len_out`
+/// EPLB "eplb_communicator" is "torch_xccl" (host-staged in epcomm). Returns EPCOMM_OK whenever
+/// a report was produced (the verdict is inside it). Call with `buffer` NULL and `buffer_len` 0 to learn the size: `*report_len_out`
 /// is the report's length without the terminating NUL; a non-NULL buffer must hold that plus 1.
 ///
 /// # Safety

@@ -159,6 +159,8 @@ pub const EPCOMM_EPLB_TORCH_GLOO: i32 = 1;
 pub const EPCOMM_EPLB_PYNCCL: i32 = 2;
 /// EPLB communicator `nixl`.
 pub const EPCOMM_EPLB_NIXL: i32 = 3;
+/// EPLB communicator `torch_xccl` (vLLM v0.33.0; host-staged in epcomm).
+pub const EPCOMM_EPLB_TORCH_XCCL: i32 = 4;
 
 /// Availability field value: probe this process.
 pub const EPCOMM_PROBE: i32 = -1;
@@ -271,6 +273,7 @@ mod tests {
         assert_eq!(EPCOMM_NAME_REMOVED, NameKind::Removed as i32);
         assert_eq!(EPCOMM_EPLB_NIXL, Communicator::Nixl as i32);
         assert_eq!(EPCOMM_EPLB_TORCH_GLOO, Communicator::TorchGloo as i32);
+        assert_eq!(EPCOMM_EPLB_TORCH_XCCL, Communicator::TorchXccl as i32);
         assert_eq!(EPCOMM_LOG_DEBUG, crate::log::Level::Debug as i32);
     }
 }

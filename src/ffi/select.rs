@@ -184,9 +184,9 @@ fn availability(v: i32, field: &str, probe: impl FnOnce() -> bool) -> Result<boo
 /// Chooses the EPLB communicator with vLLM's `create_eplb_communicator` rules and messages
 /// (elastic EP restrictions, the forced-to-pynccl warning, device and dtype checks, NCCL/NIXL
 /// availability; automatic selection when no name is given) and writes EPCOMM_EPLB_*.
-/// `torch_xccl` (chosen by vLLM for XPU, and automatically on EPCOMM_DEVICE_ONEAPI weights) has
-/// no EPCOMM_EPLB_* value: epcomm has no XCCL transport, so it returns
-/// EPCOMM_ERROR_UNAVAILABLE.
+/// `torch_xccl` (chosen by vLLM for XPU, and automatically on EPCOMM_DEVICE_ONEAPI weights) is
+/// EPCOMM_EPLB_TORCH_XCCL; creating it moves host memory only (XPU weights staged in host
+/// memory by the caller), as vLLM runs it on the CPU group for host tensors.
 ///
 /// # Safety
 /// `request` is NULL or a valid request whose pointers follow their field docs;

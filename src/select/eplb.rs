@@ -12,43 +12,50 @@ pub enum Communicator {
     TorchGloo = 1,
     Pynccl = 2,
     Nixl = 3,
+    /// vLLM v0.33.0's `TorchDistXCCLStagedEplbCommunicator`: P2P on the EP group, which vLLM
+    /// takes as the CPU group for host tensors and the XCCL device group for XPU tensors. epcomm
+    /// moves host memory only (XPU weights staged in host memory by the caller).
+    TorchXccl = 4,
 }
 
 /// The names of [`Communicator`], in its (C ABI) order.
-pub const COMMUNICATOR_NAMES: [&str; 4] = ["torch_nccl", "torch_gloo", "pynccl", "nixl"];
+pub const COMMUNICATOR_NAMES: [&str; 5] =
+    ["torch_nccl", "torch_gloo", "pynccl", "nixl", TORCH_XCCL];
 
-/// vLLM v0.33.0's `torch_xccl` (`TorchDistXCCLStagedEplbCommunicator`, XCCL P2P on XPU): vLLM's
-/// rules select it, but epcomm has no XCCL transport, so it is a [`Choice`] and not a
-/// [`Communicator`] (no C ABI code); building it fails with [`Error::Unavailable`].
+/// vLLM v0.33.0's `torch_xccl` name.
 pub const TORCH_XCCL: &str = "torch_xccl";
 
 /// The names vLLM's `EPLBCommunicatorBackend` literal accepts, in vLLM's order.
 pub const VLLM_COMMUNICATOR_NAMES: [&str; 5] =
     ["torch_nccl", "torch_gloo", TORCH_XCCL, "nixl", "pynccl"];
 
-/// What vLLM's rules choose: a [`Communicator`], or `torch_xccl`.
+/// What vLLM's rules choose. Every choice is a [`Communicator`]; the wrapper stays for the
+/// configuration check's [`Resolution`](super::config::Resolution) API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Choice {
     Communicator(Communicator),
-    /// [`TORCH_XCCL`]: named, never built.
+    /// [`TORCH_XCCL`] (the same as `Communicator(Communicator::TorchXccl)`, kept for callers
+    /// that match on it).
     TorchXccl,
 }
 
 impl Choice {
+    /// The communicator chosen.
+    pub fn communicator(self) -> Communicator {
+        match self {
+            Choice::Communicator(c) => c,
+            Choice::TorchXccl => Communicator::TorchXccl,
+        }
+    }
+
     /// vLLM's name.
     pub fn name(self) -> &'static str {
-        match self {
-            Choice::Communicator(c) => c.name(),
-            Choice::TorchXccl => TORCH_XCCL,
-        }
+        self.communicator().name()
     }
 
     /// vLLM's class.
     pub fn class_name(self) -> &'static str {
-        match self {
-            Choice::Communicator(c) => c.class_name(),
-            Choice::TorchXccl => "TorchDistXCCLStagedEplbCommunicator",
-        }
+        self.communicator().class_name()
     }
 }
 
@@ -57,19 +64,21 @@ pub fn is_vllm_name(name: &str) -> bool {
     VLLM_COMMUNICATOR_NAMES.contains(&name)
 }
 
-/// The error for building `torch_xccl`: epcomm has no XCCL transport.
-pub fn xccl_unavailable() -> Error {
-    Error::Unavailable(format!(
-        "EPLB communicator '{TORCH_XCCL}' (TorchDistXCCLStagedEplbCommunicator) needs XCCL on XPU devices; epcomm has no XCCL transport"
+/// The error for `torch_xccl` on device memory: epcomm has no XCCL transport.
+pub fn xccl_device_unavailable(device: DeviceKind) -> Error {
+    Error::NotImplemented(format!(
+        "EPLB communicator '{TORCH_XCCL}' on {} tensors needs XCCL device P2P, which epcomm does not have; stage the expert weights in host memory (kDLCPU) and epcomm moves them over the group",
+        device.torch_name()
     ))
 }
 
 impl Communicator {
-    pub const ALL: [Communicator; 4] = [
+    pub const ALL: [Communicator; 5] = [
         Communicator::TorchNccl,
         Communicator::TorchGloo,
         Communicator::Pynccl,
         Communicator::Nixl,
+        Communicator::TorchXccl,
     ];
 
     pub fn from_code(code: i32) -> Option<Communicator> {
@@ -94,6 +103,7 @@ impl Communicator {
             Communicator::TorchGloo => "TorchDistGlooStagedEplbCommunicator",
             Communicator::Pynccl => "PyNcclEplbCommunicator",
             Communicator::Nixl => "NixlEplbCommunicator",
+            Communicator::TorchXccl => "TorchDistXCCLStagedEplbCommunicator",
         }
     }
 }
@@ -242,19 +252,15 @@ pub fn select(req: &SelectRequest<'_>) -> Result<Selection> {
 /// (the forced-to-pynccl warning precedes pynccl's own checks).
 pub fn select_outcome(req: &SelectRequest<'_>) -> (Result<Selection>, Vec<String>) {
     let (choice, warnings) = choose_outcome(req);
-    let built = choice.and_then(|s| match s.communicator {
-        Choice::Communicator(c) => Ok(Selection {
-            communicator: c,
-            auto_selected: s.auto_selected,
-            warnings: s.warnings,
-        }),
-        Choice::TorchXccl => Err(xccl_unavailable()),
+    let built = choice.map(|s| Selection {
+        communicator: s.communicator.communicator(),
+        auto_selected: s.auto_selected,
+        warnings: s.warnings,
     });
     (built, warnings)
 }
 
-/// Like [`select_outcome`], but `torch_xccl` is a choice, as in vLLM's configuration and
-/// factory, rather than an error.
+/// Like [`select_outcome`], with the decision as a [`Choice`] (the configuration check's type).
 pub fn choose_outcome(req: &SelectRequest<'_>) -> (Result<Selection<Choice>>, Vec<String>) {
     let forced = req.elastic
         && req

@@ -420,18 +420,20 @@ static void test_eplb_select(void) {
     struct log_capture cap;
     int32_t out;
     int32_t c;
-    static const char *const names[] = {"torch_nccl", "torch_gloo", "pynccl", "nixl"};
+    static const char *const names[] = {"torch_nccl", "torch_gloo", "pynccl", "nixl",
+                                        "torch_xccl"};
     static const char *const classes[] = {
         "TorchDistNcclEplbCommunicator", "TorchDistGlooStagedEplbCommunicator",
-        "PyNcclEplbCommunicator", "NixlEplbCommunicator"};
+        "PyNcclEplbCommunicator", "NixlEplbCommunicator", "TorchDistXCCLStagedEplbCommunicator"};
 
-    for (c = 0; c < 4; c++) {
+    for (c = 0; c < 5; c++) {
         CHECK_STR(epcomm_eplb_communicator_name(c), names[c]);
         CHECK_STR(epcomm_eplb_communicator_class(c), classes[c]);
     }
-    CHECK(epcomm_eplb_communicator_name(4) == NULL);
+    CHECK(EPCOMM_EPLB_TORCH_XCCL == 4);
+    CHECK(epcomm_eplb_communicator_name(5) == NULL);
     CHECK(epcomm_eplb_communicator_name(-1) == NULL);
-    CHECK(epcomm_eplb_communicator_class(4) == NULL);
+    CHECK(epcomm_eplb_communicator_class(5) == NULL);
     CHECK(epcomm_eplb_communicator_class(-1) == NULL);
 
     /* Automatic selection on CPU without NIXL: torch_gloo. */
@@ -702,7 +704,7 @@ static void test_null_arguments(void) {
 }
 
 /* vLLM v0.33.0's passthrough and torch_xccl: accepted by the configuration check; passthrough
- * has no exchange and torch_xccl no XCCL transport in epcomm. */
+ * has no exchange; torch_xccl is selected like vLLM (host-staged in epcomm). */
 static void test_v033_names(void) {
     int32_t out = -77;
     select_request_t req;
@@ -725,15 +727,14 @@ static void test_v033_names(void) {
 
     init_request(&req);
     req.communicator = "torch_xccl";
-    out = -77;
-    CHECK_ERR(epcomm_eplb_communicator_select(&req, &out), EPCOMM_ERROR_UNAVAILABLE,
-              "EPLB communicator 'torch_xccl' (TorchDistXCCLStagedEplbCommunicator) needs XCCL "
-              "on XPU devices; epcomm has no XCCL transport");
-    CHECK(out == -77);
+    CHECK_ERR(epcomm_eplb_communicator_select(&req, &out), EPCOMM_OK, NULL);
+    CHECK(out == EPCOMM_EPLB_TORCH_XCCL);
+    /* Automatic on oneAPI (XPU) weights, as vLLM picks it on XPU. */
     init_request(&req);
     req.device_type = EPCOMM_DEVICE_ONEAPI;
-    CHECK_ERR(epcomm_eplb_communicator_select(&req, &out), EPCOMM_ERROR_UNAVAILABLE, NULL);
-    CHECK(out == -77);
+    out = -77;
+    CHECK_ERR(epcomm_eplb_communicator_select(&req, &out), EPCOMM_OK, NULL);
+    CHECK(out == EPCOMM_EPLB_TORCH_XCCL);
 }
 
 int main(void) {
