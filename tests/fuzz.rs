@@ -297,7 +297,7 @@ const BACKEND_NAMES: [&str; 13] = [
     "flashinfer_nvlink_two_sided",
     "flashinfer_nvlink_one_sided",
 ];
-const COMMUNICATORS: [&str; 4] = ["torch_nccl", "torch_gloo", "pynccl", "nixl"];
+const COMMUNICATORS: [&str; 5] = ["torch_nccl", "torch_gloo", "pynccl", "nixl", "torch_xccl"];
 
 /// One random edit of a name: substitute, insert, delete, transpose, case, separators,
 /// whitespace, non-ASCII look-alikes.
@@ -1033,7 +1033,7 @@ fn check_select(c: &SelectCase) -> Result<(), String> {
         }
     }
     if rc == EPCOMM_OK {
-        if !(EPCOMM_EPLB_TORCH_NCCL..=EPCOMM_EPLB_NIXL).contains(&out) {
+        if !(EPCOMM_EPLB_TORCH_NCCL..=EPCOMM_EPLB_TORCH_XCCL).contains(&out) {
             return Err(format!("communicator {out}"));
         }
     } else if out != -77 {
