@@ -161,9 +161,16 @@ pub enum Error {
     ElasticHybridLb,
     #[error("Elastic EP with async EPLB requires the NIXL package. Either install NIXL or set --eplb-config.use_async=false.")]
     ElasticAsyncNeedsNixl,
-    /// A pydantic-style field error: `{field}\n  {message}`.
-    #[error("{field}: {message}")]
-    ConfigField { field: String, message: String },
+    /// Field validation failed the way pydantic fails it for vLLM's config dataclasses:
+    /// `message` is `str(ValidationError)` as pydantic 2.13 prints it (every field error, in
+    /// declaration order); `field` is the first error's location; `hint` is epcomm's advice
+    /// (the nearest valid key, the releases that accept a name), never part of the message.
+    #[error("{message}")]
+    ConfigField {
+        field: String,
+        message: String,
+        hint: Option<String>,
+    },
     /// `ParallelConfig._validate_parallel_config`.
     #[error("data_parallel_external_lb can only be set when data_parallel_size > 1")]
     ExternalLbNeedsDp,

@@ -5,6 +5,7 @@ use epcomm::dtype::{Code, DType};
 use epcomm::select::all2all::{self, Backend, Layout, NameKind};
 use epcomm::select::config::{self, EplbConfig};
 use epcomm::select::eplb::{self, Choice, Communicator, DeviceKind, SelectRequest};
+use epcomm::select::versions::{self, NameRule};
 use epcomm::select::Hint;
 use epcomm::{Error, Status};
 
@@ -627,22 +628,31 @@ fn eplb_config_defaults() {
 }
 
 #[test]
-fn async_eplb_needs_the_default_policy() {
-    let e = eplb_check(r#""eplb_config": {"policy": "custom"}"#)
-        .result
-        .unwrap_err();
+fn async_eplb_policy_rule_and_the_policy_literal() {
+    // From a configuration, EPLBPolicyOption's literal rejects any other policy before
+    // EPLBConfig's validator runs, with or without async.
+    let literal = "1 validation error for ParallelConfig\neplb_config.policy\n  Input should be 'default' [type=literal_error, input_value='custom', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error";
+    for extra in [
+        r#""eplb_config": {"policy": "custom"}"#,
+        r#""eplb_config": {"policy": "custom", "use_async": false}"#,
+    ] {
+        assert_err(
+            &eplb_err(extra),
+            Status::InvalidArgument,
+            "ValueError",
+            literal,
+        );
+    }
+    // The validator itself (reachable from code only: the literal has one member).
+    let c = EplbConfig {
+        policy: "custom".into(),
+        ..EplbConfig::default()
+    };
     assert_err(
-        &e,
+        &c.validate().unwrap_err(),
         Status::InvalidArgument,
         "ValueError",
         "Async EPLB is only supported with the default policy.",
-    );
-    let e = eplb_check(r#""eplb_config": {"policy": "custom", "use_async": false}"#)
-        .result
-        .unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "eplb_config.policy: Input should be 'default'"
     );
 }
 
@@ -676,7 +686,7 @@ fn log_balancedness_interval_rule() {
             .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "eplb_config.log_balancedness_interval: Input should be greater than 0"
+        "1 validation error for ParallelConfig\neplb_config.log_balancedness_interval\n  Input should be greater than 0 [type=greater_than, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than"
     );
 }
 
@@ -685,51 +695,51 @@ fn field_bounds_use_pydantics_phrase() {
     let cases = [
         (
             r#"{"eplb_config": {"window_size": 0}}"#,
-            "eplb_config.window_size: Input should be greater than 0",
+            "1 validation error for ParallelConfig\neplb_config.window_size\n  Input should be greater than 0 [type=greater_than, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than",
         ),
         (
             r#"{"eplb_config": {"step_interval": -3}}"#,
-            "eplb_config.step_interval: Input should be greater than 0",
+            "1 validation error for ParallelConfig\neplb_config.step_interval\n  Input should be greater than 0 [type=greater_than, input_value=-3, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than",
         ),
         (
             r#"{"eplb_config": {"num_redundant_experts": -1}}"#,
-            "eplb_config.num_redundant_experts: Input should be greater than or equal to 0",
+            "1 validation error for ParallelConfig\neplb_config.num_redundant_experts\n  Input should be greater than or equal to 0 [type=greater_than_equal, input_value=-1, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal",
         ),
         (
             r#"{"tensor_parallel_size": 0}"#,
-            "tensor_parallel_size: Input should be greater than or equal to 1",
+            "1 validation error for ParallelConfig\ntensor_parallel_size\n  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal",
         ),
         (
             r#"{"data_parallel_size": -1}"#,
-            "data_parallel_size: Input should be greater than or equal to 1",
+            "1 validation error for ParallelConfig\ndata_parallel_size\n  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=-1, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal",
         ),
         (
             r#"{"pipeline_parallel_size": 0}"#,
-            "pipeline_parallel_size: Input should be greater than or equal to 1",
+            "1 validation error for ParallelConfig\npipeline_parallel_size\n  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal",
         ),
         (
             r#"{"prefill_context_parallel_size": 0}"#,
-            "prefill_context_parallel_size: Input should be greater than or equal to 1",
+            "1 validation error for ParallelConfig\nprefill_context_parallel_size\n  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal",
         ),
         (
-            r#"{"enable_eplb": "yes"}"#,
-            "enable_eplb: Input should be a valid boolean",
+            r#"{"enable_eplb": "maybe"}"#,
+            "1 validation error for ParallelConfig\nenable_eplb\n  Input should be a valid boolean, unable to interpret input [type=bool_parsing, input_value='maybe', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/bool_parsing",
         ),
         (
             r#"{"data_parallel_size": 2.5}"#,
-            "data_parallel_size: Input should be a valid integer",
+            "1 validation error for ParallelConfig\ndata_parallel_size\n  Input should be a valid integer, got a number with a fractional part [type=int_from_float, input_value=2.5, input_type=float]\n    For further information visit https://errors.pydantic.dev/2.13/v/int_from_float",
         ),
         (
             r#"{"all2all_backend": 3}"#,
-            "all2all_backend: Input should be a valid string",
+            "1 validation error for ParallelConfig\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value=3, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error",
         ),
         (
             r#"{"eplb_config": []}"#,
-            "eplb_config: Input should be a valid dictionary",
+            "1 validation error for ParallelConfig\neplb_config\n  Input should be a dictionary or an instance of EPLBConfig [type=dataclass_type, input_value=[], input_type=list]\n    For further information visit https://errors.pydantic.dev/2.13/v/dataclass_type",
         ),
         (
             r#"{"platform": "tpu"}"#,
-            "platform: Input should be 'cuda', 'rocm', 'cpu' or 'xpu'",
+            "1 validation error for EpcommOptions\nplatform\n  Input should be 'cuda', 'rocm', 'cpu' or 'xpu' [type=literal_error, input_value='tpu', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error",
         ),
     ];
     for (json, msg) in cases {
@@ -738,21 +748,122 @@ fn field_bounds_use_pydantics_phrase() {
 }
 
 #[test]
-fn unknown_keys_name_the_nearest_valid_key() {
+fn lax_mode_coerces_as_pydantic_does() {
+    let c = config::parse(
+        r#"{"data_parallel_size": "4", "tensor_parallel_size": true, "pipeline_parallel_size": 2.0,
+            "prefill_context_parallel_size": " 1_0 ", "enable_expert_parallel": "yes",
+            "enable_eplb": 1, "eplb_config": {"use_async": "off", "window_size": "5.000"}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            c.data_parallel_size,
+            c.tensor_parallel_size,
+            c.pipeline_parallel_size,
+            c.prefill_context_parallel_size
+        ),
+        (4, 1, 2, 10)
+    );
+    assert!(c.enable_expert_parallel && c.enable_eplb && !c.eplb_config.use_async);
+    assert_eq!(c.eplb_config.window_size, 5);
+}
+
+#[test]
+fn every_field_error_in_declaration_order_then_unexpected_keywords() {
+    let e = check_err(
+        r#"{"foo": 1, "data_parallel_size": 0, "eplb_config": {"window_size": 0, "bar": 2}, "all2all_backend": "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"}"#,
+    );
+    assert_err(&e, Status::InvalidArgument, "ValueError", "5 validation errors for ParallelConfig\ndata_parallel_size\n  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal\neplb_config.window_size\n  Input should be greater than 0 [type=greater_than, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than\neplb_config.bar\n  Unexpected keyword argument [type=unexpected_keyword_argument, input_value=2, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value='xxxxxxxxxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxxxxxxx', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error\nfoo\n  Unexpected keyword argument [type=unexpected_keyword_argument, input_value=1, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument");
+    let Error::ConfigField { field, .. } = &e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(field, "data_parallel_size");
+}
+
+/// The hint a field error carries (`Hint::hint` returns it once select::hint reads it).
+fn field_hint(e: &Error) -> Option<&str> {
+    match e {
+        Error::ConfigField { hint, .. } => hint.as_deref(),
+        other => panic!("not a field error: {other:?}"),
+    }
+}
+
+#[test]
+fn unknown_keys_are_unexpected_keywords_with_the_nearest_key_as_hint() {
     let e = check_err(r#"{"enable_epl": true}"#);
     assert_err(
         &e,
         Status::InvalidArgument,
         "ValueError",
-        "Unknown configuration key 'enable_epl' (nearest valid key: 'enable_eplb')",
+        "1 validation error for ParallelConfig\nenable_epl\n  Unexpected keyword argument [type=unexpected_keyword_argument, input_value=True, input_type=bool]\n    For further information visit https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument",
     );
-    assert_eq!(e.hint().unwrap(), "did you mean 'enable_eplb'?");
+    assert_eq!(field_hint(&e), Some("did you mean 'enable_eplb'?"));
     let e = check_err(r#"{"eplb_config": {"windowsize": 10}}"#);
-    assert_eq!(e.to_string(), "Unknown configuration key 'eplb_config.windowsize' (nearest valid key: 'eplb_config.window_size')");
+    assert_eq!(e.to_string(), "1 validation error for ParallelConfig\neplb_config.windowsize\n  Unexpected keyword argument [type=unexpected_keyword_argument, input_value=10, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument");
+    assert_eq!(
+        field_hint(&e),
+        Some("did you mean 'eplb_config.window_size'?")
+    );
+    // A vLLM field epcomm does not model is not called unexpected: vLLM accepts it.
+    let e = check_err(r#"{"decode_context_parallel_size": 2}"#);
+    assert_err(&e, Status::InvalidArgument, "ValueError", "'decode_context_parallel_size' is a field of vLLM's ParallelConfig that epcomm's check does not model; remove it to check the rest");
+}
+
+#[test]
+fn unknown_names_are_rejected_by_the_configs_literals() {
     let e = check_err(r#"{"eplb_config": {"communicator": "gloo"}}"#);
-    assert_eq!(e.to_string(), "Unknown EPLB communicator backend: gloo");
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\neplb_config.communicator\n  Input should be 'torch_nccl', 'torch_gloo', 'torch_xccl', 'nixl' or 'pynccl' [type=literal_error, input_value='gloo', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
     let e = check_err(r#"{"all2all_backend": "deepep"}"#);
-    assert_eq!(e.to_string(), "Unknown all2all backend: deepep");
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value='deepep', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
+}
+
+#[test]
+fn vllm_version_key_selects_the_release() {
+    check_ok(r#"{"vllm_version": "0.33.0", "all2all_backend": "deepep_v2"}"#);
+    // An unknown release: versions::release's error, as it is.
+    let e = check_err(r#"{"vllm_version": "0.0.1"}"#);
+    assert_eq!(e, versions::release("0.0.1").unwrap_err());
+    let e = check_err(r#"{"vllm_version": 33}"#);
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for EpcommOptions\nvllm_version\n  Input should be a valid string [type=string_type, input_value=33, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/string_type");
+}
+
+#[test]
+fn an_older_release_rejects_newer_names_with_its_own_literals() {
+    // vLLM 0.20.0's All2AllBackend and EPLBCommunicatorBackend (vllm/config/parallel.py there).
+    let e = check_err(r#"{"vllm_version": "0.20.0", "all2all_backend": "deepep_v2"}"#);
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'mori', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided' or 'flashinfer_nvlink_one_sided' [type=literal_error, input_value='deepep_v2', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
+    let release = versions::release("0.20.0").unwrap();
+    let hint = versions::all2all_hint("deepep_v2", release);
+    assert!(hint.is_some());
+    assert_eq!(field_hint(&e), hint.as_deref());
+    let e =
+        check_err(r#"{"vllm_version": "0.20.0", "eplb_config": {"communicator": "torch_xccl"}}"#);
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\neplb_config.communicator\n  Input should be 'torch_nccl', 'torch_gloo', 'nixl' or 'pynccl' [type=literal_error, input_value='torch_xccl', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
+    assert_eq!(
+        field_hint(&e),
+        versions::eplb_hint("torch_xccl", release).as_deref()
+    );
+    // A release whose EPLBConfig has no communicator field: the key is an unexpected keyword.
+    let old = versions::releases()
+        .iter()
+        .rev()
+        .find(|r| r.eplb_communicators.is_empty() && r.all2all_rule == NameRule::Literal)
+        .expect("a Literal-era release without EPLB communicators");
+    let e = check_err(&format!(
+        r#"{{"vllm_version": "{}", "eplb_config": {{"communicator": "nixl"}}}}"#,
+        old.version
+    ));
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\neplb_config.communicator\n  Unexpected keyword argument [type=unexpected_keyword_argument, input_value='nixl', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument");
+    assert_eq!(field_hint(&e), versions::eplb_hint("nixl", old).as_deref());
+}
+
+#[test]
+fn eplb_config_alone_is_validated_as_eplb_config() {
+    let e = config::parse_eplb_config_json(r#"{"window_size": 0}"#).unwrap_err();
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for EPLBConfig\nwindow_size\n  Input should be greater than 0 [type=greater_than, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than");
+    // Its model validator keeps vLLM's raised text (no pydantic "Value error, " wrapper).
+    let e = config::parse_eplb_config_json(r#"{"communicator": "pynccl"}"#).unwrap_err();
+    assert_err(&e, Status::InvalidArgument, "ValueError", "pynccl communicator is incompatible with async EPLB due to NCCL multi-stream conflicts. Use 'torch_gloo' or 'nixl' instead, or leave communicator unset for automatic selection.");
 }
 
 #[test]
@@ -911,12 +1022,16 @@ fn enable_migration_batching_is_accepted() {
     eplb_check(r#""eplb_config": {"enable_migration_batching": true}"#)
         .result
         .unwrap();
-    let e = check_err(r#"{"eplb_config": {"enable_migration_batching": 1}}"#);
+    // pydantic's lax bool takes 1; 3 is refused.
+    eplb_check(r#""eplb_config": {"enable_migration_batching": 1}"#)
+        .result
+        .unwrap();
+    let e = check_err(r#"{"eplb_config": {"enable_migration_batching": 3}}"#);
     assert_err(
         &e,
         Status::InvalidArgument,
         "ValueError",
-        "eplb_config.enable_migration_batching: Input should be a valid boolean",
+        "1 validation error for ParallelConfig\neplb_config.enable_migration_batching\n  Input should be a valid boolean, unable to interpret input [type=bool_parsing, input_value=3, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/bool_parsing",
     );
 }
 

@@ -12,7 +12,9 @@ use serde_json::{Map, Value};
 
 use super::all2all::{self, Backend, Layout};
 use super::eplb::{self, Choice, DeviceKind, SelectRequest};
+use super::pydantic::{self, Fail, Json, LineError};
 use super::suggest;
+use super::versions::{self, NameRule, Release};
 use super::Hint;
 use crate::error::{Error, Result};
 use crate::log;
@@ -102,6 +104,8 @@ pub struct VllmConfig {
     pub nixl_available: Option<bool>,
     /// `None` = probe this process.
     pub nccl_available: Option<bool>,
+    /// The vLLM release whose names are checked (epcomm's `vllm_version` key).
+    pub vllm_version: String,
 }
 
 impl Default for VllmConfig {
@@ -125,6 +129,7 @@ impl Default for VllmConfig {
             num_experts: None,
             nixl_available: None,
             nccl_available: None,
+            vllm_version: versions::DEFAULT_VERSION.into(),
         }
     }
 }
@@ -167,173 +172,411 @@ pub const EPLB_CONFIG_KEYS: [&str; 9] = [
 /// Platforms a configuration may name.
 pub const PLATFORMS: [&str; 4] = ["cuda", "rocm", "cpu", "xpu"];
 
-fn field_error(field: &str, message: impl Into<String>) -> Error {
-    Error::ConfigField {
-        field: field.to_owned(),
-        message: message.into(),
+/// vLLM's `EPLBPolicyOption` literal.
+pub const EPLB_POLICIES: [&str; 1] = ["default"];
+
+/// The `ParallelConfig` fields epcomm models, in vLLM v0.33.0's declaration order
+/// (vllm/config/parallel.py): pydantic reports field errors in this order, then unexpected
+/// keywords in the order given.
+pub const PARALLEL_FIELDS: [&str; 13] = [
+    "pipeline_parallel_size",
+    "tensor_parallel_size",
+    "prefill_context_parallel_size",
+    "data_parallel_size",
+    "data_parallel_external_lb",
+    "data_parallel_hybrid_lb",
+    "enable_expert_parallel",
+    "enable_eplb",
+    "eplb_config",
+    "all2all_backend",
+    "enable_elastic_ep",
+    "enable_dbo",
+    "enable_fault_tolerance",
+];
+
+/// epcomm's own keys, none of them a `ParallelConfig` field: `vllm_version` (the release whose
+/// names are checked), `platform`, `num_experts`, `nixl_available` and `nccl_available` (facts
+/// vLLM finds at run time), and `enable_lora` (vLLM's `EngineArgs.enable_lora`, which makes a
+/// `LoRAConfig`). They are validated first, with pydantic's rules, as the dataclass
+/// [`EPCOMM_OPTIONS_CLASS`] (the release decides the literals of the rest).
+pub const EPCOMM_KEYS: [&str; 6] = [
+    "vllm_version",
+    "platform",
+    "num_experts",
+    "nixl_available",
+    "nccl_available",
+    "enable_lora",
+];
+
+/// The class name in the `ValidationError` text of [`EPCOMM_KEYS`].
+pub const EPCOMM_OPTIONS_CLASS: &str = "EpcommOptions";
+
+/// vLLM v0.33.0's other `ParallelConfig` fields: vLLM accepts them, epcomm does not check them,
+/// so a configuration naming one is refused with epcomm's own text rather than a pydantic
+/// `unexpected_keyword_argument` vLLM would not raise.
+pub const UNMODELLED_PARALLEL_FIELDS: [&str; 50] = [
+    "data_parallel_size_local",
+    "data_parallel_rank",
+    "data_parallel_rank_local",
+    "data_parallel_master_ip",
+    "data_parallel_rpc_port",
+    "dp_sync_interval",
+    "data_parallel_master_port",
+    "data_parallel_backend",
+    "is_moe_model",
+    "enable_hc_sp",
+    "enable_batch_sharded_sampling",
+    "enable_ep_weight_filter",
+    "expert_placement_strategy",
+    "max_parallel_loading_workers",
+    "disable_custom_all_reduce",
+    "enable_shm_tensor_arena",
+    "elastic_ep_max_dp_size",
+    "ubatch_size",
+    "dbo_decode_token_threshold",
+    "dbo_prefill_token_threshold",
+    "disable_nccl_for_dp_synchronization",
+    "ray_workers_use_nsight",
+    "ray_runtime_env",
+    "placement_group",
+    "distributed_executor_backend",
+    "worker_cls",
+    "worker_extension_cls",
+    "master_addr",
+    "master_port",
+    "node_rank",
+    "nnodes",
+    "numa_bind",
+    "numa_bind_nodes",
+    "numa_bind_cpus",
+    "assigned_physical_gpu_ids",
+    "distributed_timeout_seconds",
+    "cpu_distributed_timeout_seconds",
+    "world_size",
+    "rank",
+    "_data_parallel_master_port_list",
+    "_coord_store_port",
+    "decode_context_parallel_size",
+    "dcp_kv_cache_interleave_size",
+    "dcp_comm_backend",
+    "dcp_q_replicate",
+    "cp_kv_cache_interleave_size",
+    "_allow_auto_resolve_cp_interleave_size",
+    "data_parallel_index",
+    "_api_process_count",
+    "_api_process_rank",
+];
+
+/// One dataclass's keyword arguments being validated: each field is taken in declaration order,
+/// its error (if any) recorded; what is left are unexpected keywords.
+struct Fields<'e> {
+    items: Vec<(String, Json)>,
+    prefix: &'static str,
+    errors: &'e mut Vec<LineError>,
+    hints: &'e mut Vec<String>,
+}
+
+impl Fields<'_> {
+    fn take(&mut self, name: &str) -> Option<Json> {
+        let i = self.items.iter().position(|(k, _)| k == name)?;
+        Some(self.items.remove(i).1)
     }
-}
 
-fn unknown_key(key: &str, prefix: &str, valid: &'static [&'static str]) -> Error {
-    let nearest = suggest::closest(key, valid.iter().copied());
-    let shown = match nearest.first() {
-        Some(n) => format!("nearest valid key: '{prefix}{n}'"),
-        None => format!("valid keys: {}", valid.join(", ")),
-    };
-    Error::UnknownConfigKey {
-        key: format!("{prefix}{key}"),
-        valid: shown,
-        candidates: valid.to_vec(),
+    fn push(&mut self, name: &str, fail: Fail, input: Json) {
+        self.errors.push(LineError {
+            loc: format!("{}{name}", self.prefix),
+            fail,
+            input,
+        });
     }
-}
 
-fn get_bool(v: &Value, field: &str) -> Result<bool> {
-    v.as_bool()
-        .ok_or_else(|| field_error(field, "Input should be a valid boolean"))
-}
-
-fn get_int(v: &Value, field: &str) -> Result<i64> {
-    v.as_i64()
-        .ok_or_else(|| field_error(field, "Input should be a valid integer"))
-}
-
-fn get_str(v: &Value, field: &str) -> Result<String> {
-    v.as_str()
-        .map(str::to_owned)
-        .ok_or_else(|| field_error(field, "Input should be a valid string"))
-}
-
-/// pydantic's `Field(ge=1)`, as `ParallelConfig` declares its sizes.
-fn at_least_one(v: i64, field: &str) -> Result<i64> {
-    if v >= 1 {
-        Ok(v)
-    } else {
-        Err(field_error(
-            field,
-            "Input should be greater than or equal to 1",
-        ))
-    }
-}
-
-fn greater_than_zero(v: i64, field: &str) -> Result<i64> {
-    if v > 0 {
-        Ok(v)
-    } else {
-        Err(field_error(field, "Input should be greater than 0"))
-    }
-}
-
-fn parse_eplb_config(map: &Map<String, Value>) -> Result<EplbConfig> {
-    let mut c = EplbConfig::default();
-    for (key, v) in map {
-        let field = format!("eplb_config.{key}");
-        let f = field.as_str();
-        match key.as_str() {
-            "window_size" => c.window_size = greater_than_zero(get_int(v, f)?, f)?,
-            "step_interval" => c.step_interval = greater_than_zero(get_int(v, f)?, f)?,
-            "num_redundant_experts" => {
-                let n = get_int(v, f)?;
-                if n < 0 {
-                    return Err(field_error(f, "Input should be greater than or equal to 0"));
-                }
-                c.num_redundant_experts = n;
+    /// The field's value, or `default` when absent or invalid (the error is recorded).
+    fn get<T>(&mut self, name: &str, default: T, check: impl Fn(&Json) -> PyResult<T>) -> T {
+        let Some(v) = self.take(name) else {
+            return default;
+        };
+        match check(&v) {
+            Ok(t) => t,
+            Err(f) => {
+                self.push(name, f, v);
+                default
             }
-            "log_balancedness" => c.log_balancedness = get_bool(v, f)?,
-            "log_balancedness_interval" => {
-                c.log_balancedness_interval = greater_than_zero(get_int(v, f)?, f)?
-            }
-            "use_async" => c.use_async = get_bool(v, f)?,
-            "enable_migration_batching" => c.enable_migration_batching = get_bool(v, f)?,
-            "policy" => c.policy = get_str(v, f)?,
-            "communicator" => {
-                c.communicator = if v.is_null() {
-                    None
-                } else {
-                    let name = get_str(v, f)?;
-                    if !eplb::is_vllm_name(&name) {
-                        return Err(Error::UnknownEplbCommunicator { backend: name });
-                    }
-                    Some(name)
-                }
-            }
-            other => return Err(unknown_key(other, "eplb_config.", &EPLB_CONFIG_KEYS)),
         }
     }
-    Ok(c)
-}
 
-/// Parses vLLM's EPLBConfig given as a JSON object (field types, bounds and validators).
-pub fn parse_eplb_config_json(json: &str) -> Result<EplbConfig> {
-    let value: Value = serde_json::from_str(json)
-        .map_err(|e| Error::InvalidArgument(format!("eplb_config is not valid JSON: {e}")))?;
-    let map = value
-        .as_object()
-        .ok_or_else(|| field_error("eplb_config", "Input should be a valid dictionary"))?;
-    let c = parse_eplb_config(map)?;
-    c.validate()?;
-    if c.policy != "default" {
-        return Err(field_error(
-            "eplb_config.policy",
-            "Input should be 'default'",
-        ));
+    /// Records the keys left over as unexpected keywords (with the nearest valid key as hint).
+    fn finish(self, valid: &[&str]) {
+        let prefix = self.prefix;
+        for (key, v) in self.items {
+            let candidates: Vec<String> = valid.iter().map(|k| format!("{prefix}{k}")).collect();
+            let given = format!("{prefix}{key}");
+            if !suggest::closest(&given, candidates.iter().map(String::as_str)).is_empty() {
+                self.hints.push(suggest::did_you_mean(
+                    &given,
+                    candidates.iter().map(String::as_str),
+                    "valid keys",
+                ));
+            }
+            self.errors.push(LineError {
+                loc: given,
+                fail: pydantic::unexpected_keyword(),
+                input: v,
+            });
+        }
     }
+}
+
+type PyResult<T> = std::result::Result<T, Fail>;
+
+fn int_gt(bound: i64) -> impl Fn(&Json) -> PyResult<i64> {
+    move |v| pydantic::int(v).and_then(|n| pydantic::gt(n, bound))
+}
+
+fn int_ge(bound: i64) -> impl Fn(&Json) -> PyResult<i64> {
+    move |v| pydantic::int(v).and_then(|n| pydantic::ge(n, bound))
+}
+
+/// `T | None`: `None` passes.
+fn optional<T>(check: impl Fn(&Json) -> PyResult<T>) -> impl Fn(&Json) -> PyResult<Option<T>> {
+    move |v| match v {
+        Json::Null => Ok(None),
+        other => check(other).map(Some),
+    }
+}
+
+/// The error for failed field validation: pydantic's text for `class`, epcomm's hints apart.
+fn validation_error(class: &str, errors: &[LineError], hints: Vec<String>) -> Error {
+    Error::ConfigField {
+        field: errors.first().map(|e| e.loc.clone()).unwrap_or_default(),
+        message: pydantic::render(class, errors),
+        hint: if hints.is_empty() {
+            None
+        } else {
+            Some(hints.join("; "))
+        },
+    }
+}
+
+/// A single pydantic field error (for configurations built in code rather than parsed).
+fn field_error(class: &str, loc: &str, fail: Fail, input: Json) -> Error {
+    let errors = [LineError {
+        loc: loc.to_owned(),
+        fail,
+        input,
+    }];
+    validation_error(class, &errors, Vec::new())
+}
+
+/// `EPLBConfig`'s fields (v0.33.0 declaration order); `communicator`'s literal is `release`'s.
+fn eplb_fields(f: &mut Fields<'_>, release: &Release) -> EplbConfig {
+    let d = EplbConfig::default();
+    let communicators = release.eplb_communicators;
+    let c = EplbConfig {
+        window_size: f.get("window_size", d.window_size, int_gt(0)),
+        step_interval: f.get("step_interval", d.step_interval, int_gt(0)),
+        num_redundant_experts: f.get("num_redundant_experts", 0, int_ge(0)),
+        log_balancedness: f.get("log_balancedness", false, pydantic::bool),
+        log_balancedness_interval: f.get("log_balancedness_interval", 1, int_gt(0)),
+        use_async: f.get("use_async", d.use_async, pydantic::bool),
+        policy: f.get("policy", d.policy, |v| pydantic::literal(v, &EPLB_POLICIES)),
+        // A release without the field: the key stays and is an unexpected keyword.
+        communicator: if communicators.is_empty() {
+            None
+        } else {
+            let given = f.items.iter().find(|(k, _)| k == "communicator");
+            if let Some((_, Json::Str(name))) = given {
+                if !communicators.contains(&name.as_str()) {
+                    f.hints.extend(versions::eplb_hint(name, release));
+                }
+            }
+            f.get(
+                "communicator",
+                None,
+                optional(|v| pydantic::literal(v, communicators)),
+            )
+        },
+        enable_migration_batching: f.get("enable_migration_batching", false, pydantic::bool),
+    };
+    if communicators.is_empty() {
+        if let Some((_, Json::Str(name))) = f.items.iter().find(|(k, _)| k == "communicator") {
+            f.hints.extend(versions::eplb_hint(name, release));
+        }
+    }
+    c
+}
+
+fn eplb_keys(release: &Release) -> Vec<&'static str> {
+    EPLB_CONFIG_KEYS
+        .iter()
+        .copied()
+        .filter(|k| *k != "communicator" || !release.eplb_communicators.is_empty())
+        .collect()
+}
+
+/// Parses vLLM's `EPLBConfig` given as a JSON object (`EPLBConfig(**kwargs)`: field types,
+/// bounds, literals, then its model validator), for vLLM's default release.
+pub fn parse_eplb_config_json(json: &str) -> Result<EplbConfig> {
+    let Json::Dict(items) = parse_document(json, "eplb_config")? else {
+        return Err(Error::InvalidArgument(
+            "eplb_config must be a JSON object like {\"window_size\": 1000}".into(),
+        ));
+    };
+    let release = versions::release(versions::DEFAULT_VERSION)?;
+    let (mut errors, mut hints) = (Vec::new(), Vec::new());
+    let mut f = Fields {
+        items,
+        prefix: "",
+        errors: &mut errors,
+        hints: &mut hints,
+    };
+    let c = eplb_fields(&mut f, release);
+    f.finish(&eplb_keys(release));
+    if !errors.is_empty() {
+        return Err(validation_error("EPLBConfig", &errors, hints));
+    }
+    c.validate()?;
     Ok(c)
 }
 
-/// Parses a vLLM-style JSON configuration (field types and bounds only; rules come in [`check`]).
+/// serde_json checks the syntax (its message for bad JSON); the value keeps key order.
+fn parse_document(json: &str, what: &str) -> Result<Json> {
+    serde_json::from_str::<Value>(json)
+        .map_err(|e| Error::InvalidArgument(format!("{what} is not valid JSON: {e}")))?;
+    pydantic::parse_ordered(json)
+        .map_err(|e| Error::Internal(format!("{what}: valid JSON not re-read: {e}")))
+}
+
+/// epcomm's own keys ([`EPCOMM_KEYS`]); returns the release named by `vllm_version`.
+fn parse_options(c: &mut VllmConfig, items: Vec<(String, Json)>) -> Result<&'static Release> {
+    let (mut errors, mut hints) = (Vec::new(), Vec::new());
+    let mut f = Fields {
+        items,
+        prefix: "",
+        errors: &mut errors,
+        hints: &mut hints,
+    };
+    let version = f.get(
+        "vllm_version",
+        versions::DEFAULT_VERSION.to_owned(),
+        pydantic::string,
+    );
+    c.platform = f.get("platform", c.platform.clone(), |v| {
+        pydantic::literal(v, &PLATFORMS)
+    });
+    c.num_experts = f.get("num_experts", None, optional(int_gt(0)));
+    c.nixl_available = f.get("nixl_available", None, optional(pydantic::bool));
+    c.nccl_available = f.get("nccl_available", None, optional(pydantic::bool));
+    c.enable_lora = f.get("enable_lora", false, pydantic::bool);
+    f.finish(&EPCOMM_KEYS);
+    if !errors.is_empty() {
+        return Err(validation_error(EPCOMM_OPTIONS_CLASS, &errors, hints));
+    }
+    let release = versions::release(&version)?;
+    c.vllm_version = release.version.to_owned();
+    Ok(release)
+}
+
+/// `all2all_backend` as `release` declares it: its `Literal`, or a string checked later.
+fn all2all_field(f: &mut Fields<'_>, release: &Release) -> String {
+    let default = all2all::DEFAULT_BACKEND.name().to_owned();
+    match release.all2all_rule {
+        NameRule::Literal => {
+            if let Some((_, Json::Str(name))) = f.items.iter().find(|(k, _)| k == "all2all_backend")
+            {
+                if !release.all2all_names.contains(&name.as_str()) {
+                    f.hints.extend(versions::all2all_hint(name, release));
+                }
+            }
+            f.get("all2all_backend", default, |v| {
+                pydantic::literal(v, release.all2all_names)
+            })
+        }
+        NameRule::EnvChoices | NameRule::Communicator => {
+            f.get("all2all_backend", default, pydantic::string)
+        }
+    }
+}
+
+/// `ParallelConfig`'s fields epcomm models, in declaration order, with `release`'s literals.
+fn parallel_fields(c: &mut VllmConfig, f: &mut Fields<'_>, release: &Release) {
+    c.pipeline_parallel_size = f.get("pipeline_parallel_size", 1, int_ge(1));
+    c.tensor_parallel_size = f.get("tensor_parallel_size", 1, int_ge(1));
+    c.prefill_context_parallel_size = f.get("prefill_context_parallel_size", 1, int_ge(1));
+    c.data_parallel_size = f.get("data_parallel_size", 1, int_ge(1));
+    c.data_parallel_external_lb = f.get("data_parallel_external_lb", false, pydantic::bool);
+    c.data_parallel_hybrid_lb = f.get("data_parallel_hybrid_lb", false, pydantic::bool);
+    c.enable_expert_parallel = f.get("enable_expert_parallel", false, pydantic::bool);
+    c.enable_eplb = f.get("enable_eplb", false, pydantic::bool);
+    match f.take("eplb_config") {
+        None => {}
+        Some(Json::Dict(items)) => {
+            let mut nested = Fields {
+                items,
+                prefix: "eplb_config.",
+                errors: &mut *f.errors,
+                hints: &mut *f.hints,
+            };
+            c.eplb_config = eplb_fields(&mut nested, release);
+            nested.finish(&eplb_keys(release));
+        }
+        Some(other) => f.push("eplb_config", pydantic::dataclass_type("EPLBConfig"), other),
+    }
+    c.all2all_backend = all2all_field(f, release);
+    c.enable_elastic_ep = f.get("enable_elastic_ep", false, pydantic::bool);
+    c.enable_dbo = f.get("enable_dbo", false, pydantic::bool);
+    c.enable_fault_tolerance = f.get("enable_fault_tolerance", false, pydantic::bool);
+}
+
+/// Parses a vLLM-style JSON configuration: the object is `ParallelConfig`'s keyword arguments
+/// (plus [`EPCOMM_KEYS`]), validated as pydantic validates vLLM's dataclasses. Every field error
+/// is collected and the error's message is `str(ValidationError)` as vLLM's pinned pydantic
+/// (2.13) prints it. Validators (`EPLBConfig._validate_eplb_config`, `ParallelConfig`'s
+/// `__post_init__` and `_validate_parallel_config`) run later, in [`check`], and give the
+/// message vLLM's code raises without pydantic's `Value error, ...` wrapper: at the top level
+/// that wrapper's `input_value` is the `ArgsKwargs` of every keyword vLLM's `EngineArgs` passes,
+/// which a configuration file does not determine. A validator therefore never shares an error
+/// with field errors (pydantic would list a nested `EPLBConfig` validator's error beside them).
 pub fn parse(json: &str) -> Result<VllmConfig> {
-    let value: Value = serde_json::from_str(json)
-        .map_err(|e| Error::InvalidArgument(format!("configuration is not valid JSON: {e}")))?;
-    let map = value.as_object().ok_or_else(|| {
-        Error::InvalidArgument(
+    let Json::Dict(items) = parse_document(json, "configuration")? else {
+        return Err(Error::InvalidArgument(
             "configuration must be a JSON object like {\"all2all_backend\": \"deepep_low_latency\"}"
                 .into(),
-        )
-    })?;
+        ));
+    };
+    let (options, items): (Vec<_>, Vec<_>) = items
+        .into_iter()
+        .partition(|(k, _)| EPCOMM_KEYS.contains(&k.as_str()));
     let mut c = VllmConfig::default();
-    for (key, v) in map {
-        let f = key.as_str();
-        match f {
-            "all2all_backend" => {
-                let name = get_str(v, f)?;
-                all2all::resolve_config(&name)?;
-                c.all2all_backend = name;
-            }
-            "enable_expert_parallel" => c.enable_expert_parallel = get_bool(v, f)?,
-            "enable_eplb" => c.enable_eplb = get_bool(v, f)?,
-            "eplb_config" => {
-                let m = v
-                    .as_object()
-                    .ok_or_else(|| field_error(f, "Input should be a valid dictionary"))?;
-                c.eplb_config = parse_eplb_config(m)?;
-            }
-            "enable_elastic_ep" => c.enable_elastic_ep = get_bool(v, f)?,
-            "enable_dbo" => c.enable_dbo = get_bool(v, f)?,
-            "enable_fault_tolerance" => c.enable_fault_tolerance = get_bool(v, f)?,
-            "enable_lora" => c.enable_lora = get_bool(v, f)?,
-            "tensor_parallel_size" => c.tensor_parallel_size = at_least_one(get_int(v, f)?, f)?,
-            "data_parallel_size" => c.data_parallel_size = at_least_one(get_int(v, f)?, f)?,
-            "pipeline_parallel_size" => c.pipeline_parallel_size = at_least_one(get_int(v, f)?, f)?,
-            "prefill_context_parallel_size" => {
-                c.prefill_context_parallel_size = at_least_one(get_int(v, f)?, f)?
-            }
-            "data_parallel_external_lb" => c.data_parallel_external_lb = get_bool(v, f)?,
-            "data_parallel_hybrid_lb" => c.data_parallel_hybrid_lb = get_bool(v, f)?,
-            "platform" => {
-                let p = get_str(v, f)?;
-                if !PLATFORMS.contains(&p.as_str()) {
-                    return Err(field_error(
-                        f,
-                        "Input should be 'cuda', 'rocm', 'cpu' or 'xpu'",
-                    ));
-                }
-                c.platform = p;
-            }
-            "num_experts" => c.num_experts = Some(greater_than_zero(get_int(v, f)?, f)?),
-            "nixl_available" => c.nixl_available = Some(get_bool(v, f)?),
-            "nccl_available" => c.nccl_available = Some(get_bool(v, f)?),
-            other => return Err(unknown_key(other, "", &CONFIG_KEYS)),
-        }
+    let release = parse_options(&mut c, options)?;
+    if let Some((key, _)) = items
+        .iter()
+        .find(|(k, _)| UNMODELLED_PARALLEL_FIELDS.contains(&k.as_str()))
+    {
+        return Err(Error::InvalidArgument(format!(
+            "'{key}' is a field of vLLM's ParallelConfig that epcomm's check does not model; remove it to check the rest"
+        )));
+    }
+    let (mut errors, mut hints) = (Vec::new(), Vec::new());
+    let mut f = Fields {
+        items,
+        prefix: "",
+        errors: &mut errors,
+        hints: &mut hints,
+    };
+    parallel_fields(&mut c, &mut f, release);
+    let valid: Vec<&str> = PARALLEL_FIELDS
+        .iter()
+        .chain(&EPCOMM_KEYS)
+        .copied()
+        .collect();
+    f.finish(&valid);
+    if !errors.is_empty() {
+        return Err(validation_error("ParallelConfig", &errors, hints));
+    }
+    if release.all2all_rule != NameRule::Literal
+        && !release.all2all_names.contains(&c.all2all_backend.as_str())
+    {
+        return Err(versions::name_error(release, &c.all2all_backend));
     }
     Ok(c)
 }
@@ -433,10 +676,13 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
 
     // EPLBConfig validators.
     e.validate()?;
-    if e.policy != "default" {
+    // Parsed configurations hold a literal member already; built ones may not.
+    if let Err(fail) = pydantic::literal(&Json::Str(e.policy.clone()), &EPLB_POLICIES) {
         return Err(field_error(
+            "ParallelConfig",
             "eplb_config.policy",
-            "Input should be 'default'",
+            fail,
+            Json::Str(e.policy.clone()),
         ));
     }
 

@@ -4,6 +4,7 @@ pub mod all2all;
 pub mod config;
 pub mod eplb;
 pub mod hint;
+pub mod pydantic;
 pub mod suggest;
 pub mod versions;
 

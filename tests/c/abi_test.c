@@ -344,8 +344,16 @@ static void test_config_check(void) {
               EPCOMM_ERROR_INVALID_ARGUMENT,
               "Fault tolerance requires an FT-capable all2all backend (one of "
               "['deepep_low_latency', 'nixl_ep']), but got 'allgather_reducescatter'.");
+    /* An unknown name is refused by ParallelConfig's All2AllBackend literal (pydantic 2.13). */
     CHECK_ERR(epcomm_config_check("{\"all2all_backend\":\"bogus\"}"),
-              EPCOMM_ERROR_INVALID_ARGUMENT, "Unknown all2all backend: bogus");
+              EPCOMM_ERROR_INVALID_ARGUMENT,
+              "1 validation error for ParallelConfig\nall2all_backend\n"
+              "  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', "
+              "'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', "
+              "'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', "
+              "'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, "
+              "input_value='bogus', input_type=str]\n"
+              "    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
     CHECK_ERR(epcomm_config_check("not json"), EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
     CHECK_ERR(epcomm_config_check("[]"), EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
 

@@ -16,8 +16,13 @@
 //! build from its CPU index, else torch from PyPI, whose Linux build also runs without a GPU;
 //! bounded in time, failures remembered as above in `target/epcomm-test-venv-torch.failed`).
 //!
+//! The pydantic differential test (tests/pydantic_texts.rs) needs pydantic 2.13:
+//! [`pydantic_or_skip`] uses the interpreter when it imports pydantic 2.13.x, else installs
+//! `pydantic==2.13.5` (the release vLLM v0.33.0 pins in requirements/docs.txt) into the same venv
+//! (bounded in time; a failure is remembered in `target/epcomm-test-venv-pydantic.failed`).
+//!
 //! Variables: `EPCOMM_TEST_NO_PROVISION=1` never makes the venv (the do-without path);
-//! `EPCOMM_REQUIRE_PYTHON=1` turns a missing interpreter into a failure,
+//! `EPCOMM_REQUIRE_PYTHON=1` turns a missing interpreter (or pydantic) into a failure,
 //! `EPCOMM_REQUIRE_NUMPY=1` a missing package (numpy, setuptools, wheel) into one and
 //! `EPCOMM_REQUIRE_TORCH=1` a missing torch or pytest into one. `EPCOMM_TORCH_INDEX_URL`
 //! replaces the CPU index torch is tried from first.
@@ -297,6 +302,78 @@ fn recent_failure(failed: &Path, require: &str) -> Result<(), String> {
         RETRY_AFTER.as_secs() / 60,
         failed.display()
     ))
+}
+
+/// The pydantic release vLLM v0.33.0 pins (requirements/docs.txt).
+const PYDANTIC_PIN: &str = "pydantic==2.13.5";
+/// Imports pydantic 2.13.x (whose texts the configuration check reproduces).
+const PYDANTIC_CHECK: &str = "import pydantic, annotated_types; \
+    assert pydantic.VERSION.startswith('2.13.'), pydantic.VERSION";
+
+/// The interpreter for the pydantic differential test, found or provisioned once per test
+/// binary, or why there is none.
+pub fn pydantic_env() -> Result<&'static Path, &'static str> {
+    static ENV: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    ENV.get_or_init(find_pydantic)
+        .as_ref()
+        .map(PathBuf::as_path)
+        .map_err(|why| why.as_str())
+}
+
+/// The interpreter for `test` when it imports pydantic 2.13, or `None` after a SKIPPED line (a
+/// failure when `EPCOMM_REQUIRE_PYTHON=1`).
+pub fn pydantic_or_skip(test: &str) -> Option<&'static Path> {
+    match pydantic_env() {
+        Ok(p) => Some(p),
+        Err(why) => {
+            assert!(
+                !required("EPCOMM_REQUIRE_PYTHON"),
+                "EPCOMM_REQUIRE_PYTHON is set but {why}"
+            );
+            skipped(test, why);
+            None
+        }
+    }
+}
+
+fn find_pydantic() -> Result<PathBuf, String> {
+    let (exe, about) = base()?;
+    if run_code(&exe, PYDANTIC_CHECK).is_ok() {
+        return Ok(exe);
+    }
+    if required("EPCOMM_TEST_NO_PROVISION") {
+        return Err(format!(
+            "{} cannot import pydantic 2.13 and EPCOMM_TEST_NO_PROVISION is set (pip install \
+             {PYDANTIC_PIN})",
+            exe.display()
+        ));
+    }
+    let python = provision(&exe, &about)?;
+    let failed = target_dir().join("epcomm-test-venv-pydantic.failed");
+    let _lock = lock_file(&target_dir().join("epcomm-test-venv.lock"));
+    if run_code(&python, PYDANTIC_CHECK).is_ok() {
+        return Ok(python);
+    }
+    recent_failure(&failed, "EPCOMM_REQUIRE_PYTHON")?;
+    let installed = pip_install(&python, &[PYDANTIC_PIN], PIP_TIMEOUT)
+        .map_err(|e| format!("`pip install {PYDANTIC_PIN}` into the test venv failed: {e}"))
+        .and_then(|()| {
+            run_code(&python, PYDANTIC_CHECK)
+                .map_err(|e| format!("the test venv cannot import pydantic 2.13: {e}"))
+        });
+    match installed {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&failed);
+            let note = format!("installed {PYDANTIC_PIN} into {}\n", python.display());
+            // Shown in normal output: a test run that downloads packages should say so.
+            std::io::Write::write_all(&mut std::io::stderr(), note.as_bytes()).ok();
+            Ok(python)
+        }
+        Err(why) => {
+            let _ = std::fs::write(&failed, &why);
+            Err(why)
+        }
+    }
 }
 
 /// The interpreter for vLLM's EPLB tests (torch, numpy, pytest), found or provisioned once per
