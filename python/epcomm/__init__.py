@@ -14,13 +14,23 @@ from __future__ import annotations
 
 import ctypes
 import json
-from typing import Any, Dict, Union
+from typing import Any, Dict, List, Optional, Union
 
 from ._dlpack import Buffer
-from ._lib import load_library, logger
+from ._lib import NameDesc, i32, load_library, logger
 from ._tensor import dtype_name
-from .all2all import All2All
-from .eplb import EplbCommunicator, EplbState, eplb_rebalance
+from .all2all import All2All, buffer_bytes
+from .eplb import (
+    EplbCommunicator,
+    EplbState,
+    LayerPlan,
+    eplb_communicator_class,
+    eplb_rebalance,
+    logical_maps,
+    min_redundant_experts,
+    select_eplb_communicator,
+)
+from .gpu import GpuAll2All, cuda_check, nccl_unique_id, nccl_version, nixl_available
 from .errors import (
     EpcommAssertionError,
     EpcommNotImplementedError,
@@ -40,18 +50,35 @@ __all__ = [
     "EpcommRuntimeError",
     "EpcommTimeoutError",
     "version",
+    "abi_version",
     "resolve_backend",
+    "backend_is_known",
+    "backend_manager_class",
+    "backend_layout",
+    "all2all_names",
     "backends",
+    "check",
     "check_config",
     "config_report",
     "cuda_caps",
+    "cuda_check",
+    "nccl_version",
+    "nccl_unique_id",
+    "nixl_available",
     "dtype_name",
     "Group",
     "All2All",
+    "GpuAll2All",
+    "buffer_bytes",
     "Buffer",
     "EplbCommunicator",
     "EplbState",
+    "LayerPlan",
     "eplb_rebalance",
+    "eplb_communicator_class",
+    "logical_maps",
+    "min_redundant_experts",
+    "select_eplb_communicator",
     "load_library",
     "logger",
 ]
@@ -67,6 +94,59 @@ def version() -> str:
 # ---- selection and configuration ------------------------------------------------------------
 
 
+def abi_version() -> int:
+    """The ABI version the loaded library implements (EPCOMM_ABI_VERSION of its header)."""
+    return int(load_library().epcomm_abi_version())
+
+
+def _backend(name: str) -> int:
+    b = ctypes.c_int32()
+    _check(load_library().epcomm_all2all_backend_resolve(name.encode(), ctypes.byref(b)))
+    return b.value
+
+
+def backend_is_known(name: str) -> bool:
+    """Whether ``name`` resolves to an all2all backend (aliases and removed names included;
+    "passthrough", which has no exchange, is not); logs nothing."""
+    return bool(load_library().epcomm_all2all_backend_is_known(name.encode()))
+
+
+def backend_manager_class(name: str) -> str:
+    """vLLM's manager class for a backend name (e.g. "DeepEPLLAll2AllManager")."""
+    return load_library().epcomm_all2all_backend_manager_class(_backend(name)).decode()
+
+
+def backend_layout(name: str) -> str:
+    """The dispatch layout of a backend name ("REPLICATED", "TOKEN_MAJOR", "EXPERT_MAJOR",
+    "EXPERT_PACKED", "RANK_MAJOR", "MOONEP_SLOTS")."""
+    lib = load_library()
+    layout = i32()
+    _check(lib.epcomm_all2all_backend_layout(_backend(name), ctypes.byref(layout)))
+    return lib.epcomm_all2all_layout_name(layout.value).decode()
+
+
+_KINDS = {0: "canonical", 1: "alias", 2: "removed"}
+
+
+def all2all_names() -> List[Dict[str, str]]:
+    """Every name vLLM accepts as an all2all backend, in vLLM's order: "name", "backend" (the
+    canonical one it resolves to), "kind" ("canonical", "alias", "removed"), "layout",
+    "manager_class"."""
+    lib = load_library()
+    names = []
+    for i in range(lib.epcomm_all2all_name_count()):
+        d = NameDesc()
+        _check(lib.epcomm_all2all_name_info(i, ctypes.byref(d)))
+        names.append({
+            "name": d.name.decode(),
+            "backend": lib.epcomm_all2all_backend_name(d.backend).decode(),
+            "kind": _KINDS[d.kind],
+            "layout": lib.epcomm_all2all_layout_name(d.layout).decode(),
+            "manager_class": d.manager_class.decode(),
+        })
+    return names
+
+
 def resolve_backend(name: str) -> str:
     """The canonical all2all backend a vLLM name resolves to (logs vLLM's warnings)."""
     lib = load_library()
@@ -75,15 +155,37 @@ def resolve_backend(name: str) -> str:
     return lib.epcomm_all2all_backend_name(b.value).decode()
 
 
-def _json_text(config: Config) -> bytes:
-    return (config if isinstance(config, str) else json.dumps(config)).encode()
+def _json_text(config: Config, vllm_version: Optional[str] = None) -> bytes:
+    if vllm_version is None:
+        return (config if isinstance(config, str) else json.dumps(config)).encode()
+    obj = json.loads(config) if isinstance(config, str) else dict(config)
+    obj["vllm_version"] = _vllm_version(vllm_version)
+    return json.dumps(obj).encode()
 
 
-def config_report(config: Config) -> Dict[str, Any]:
+def _vllm_version(vllm_version: str) -> str:
+    """``"auto"``: the installed vllm distribution's version; any other string as it is."""
+    if vllm_version != "auto":
+        return vllm_version
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        raise EpcommRuntimeError(
+            'vllm_version="auto" reads the installed vllm package\'s version, but no vllm '
+            "package is installed in this Python environment; pass the version to check "
+            'against (e.g. vllm_version="0.33.0") or None for the library\'s default',
+            6,
+        ) from None
+
+
+def config_report(config: Config, vllm_version: Optional[str] = None) -> Dict[str, Any]:
     """Checks a vLLM-style configuration (dict or JSON) and returns epcomm's report (a dict with
-    "ok", the resolution or the error, "warnings" and "infos"); never raises for an invalid one."""
+    "ok", the resolution or the error, "warnings" and "infos"); never raises for an invalid one.
+    ``vllm_version`` as in ``check``."""
     lib = load_library()
-    text = _json_text(config)
+    text = _json_text(config, vllm_version)
     n = ctypes.c_size_t()
     _check(lib.epcomm_config_check_report(text, None, 0, ctypes.byref(n)))
     buf = ctypes.create_string_buffer(n.value + 1)
@@ -93,8 +195,18 @@ def config_report(config: Config) -> Dict[str, Any]:
 
 def check_config(config: Config) -> Dict[str, Any]:
     """Raises vLLM's exception for the first error of a configuration; returns the report."""
-    _check(load_library().epcomm_config_check(_json_text(config)))
-    return config_report(config)
+    return check(config)
+
+
+def check(config: Config, vllm_version: Optional[str] = None) -> Dict[str, Any]:
+    """Checks a vLLM-style configuration (dict or JSON) with the rules of ``vllm_version``:
+    raises vLLM's exception for the first error (logging vLLM's warnings), else returns the
+    report. ``vllm_version``: None = the library's default release, a string ("0.33.0") is
+    sent as the configuration's "vllm_version", "auto" = the installed vllm package's version
+    (an epcomm.Error, RuntimeError, when none is installed)."""
+    text = _json_text(config, vllm_version)
+    _check(load_library().epcomm_config_check(text))
+    return config_report(text.decode())
 
 
 def cuda_caps() -> Dict[str, Any]:

@@ -1,13 +1,19 @@
 """Views of epcomm-owned memory exported through DLPack (``__dlpack__``), so that
-``torch.from_dlpack(v)`` and ``numpy.from_dlpack(v)`` read it without a copy."""
+``torch.from_dlpack(v)`` and ``numpy.from_dlpack(v)`` read it without a copy.
+
+Each export is a DLManagedTensor (or, for a consumer asking for DLPack 1.x, a
+DLManagedTensorVersioned) in a capsule, following the DLPack spec's Python rules: a consumer
+renames the capsule "used_dltensor" ("used_dltensor_versioned") and calls the tensor's deleter
+when done; the capsule's destructor calls the deleter only while the capsule still has its
+original name, i.e. when nobody consumed it."""
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict, Optional, Tuple
+import struct
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._lib import DEVICE_CPU, DType, Tensor, i64p, vp
-from ._tensor import to_numpy, view_numpy
 
 _DTYPE_NAMES = {
     (2, 32): "float32",
@@ -16,24 +22,57 @@ _DTYPE_NAMES = {
     (0, 32): "int32",
     (0, 64): "int64",
     (1, 8): "uint8",
+    (1, 64): "uint64",
 }
+# memoryview formats per dtype; bfloat16 is read as its 16 bits.
+_FORMATS = {
+    "float32": "f",
+    "float16": "e",
+    "bfloat16": "H",
+    "int32": "i",
+    "int64": "q",
+    "uint8": "B",
+    "uint64": "Q",
+}
+_CODES = {name: code for code, name in _DTYPE_NAMES.items()}
 
 
 class _ManagedTensor(ctypes.Structure):
     """DLPack's (pre-1.0) DLManagedTensor; its deleter is declared below."""
 
 
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_ManagedTensor))
-_ManagedTensor._fields_ = [("dl_tensor", Tensor), ("manager_ctx", vp), ("deleter", _DELETER)]
+class _Version(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
 
-# Exported tensors by address: what keeps each DLManagedTensor (and its owner) alive until the
-# consumer calls its deleter.
+
+class _ManagedTensorVersioned(ctypes.Structure):
+    """DLPack 1.x's DLManagedTensorVersioned."""
+
+
+_DELETER = ctypes.CFUNCTYPE(None, vp)
+_ManagedTensor._fields_ = [("dl_tensor", Tensor), ("manager_ctx", vp), ("deleter", _DELETER)]
+_ManagedTensorVersioned._fields_ = [
+    ("version", _Version),
+    ("manager_ctx", vp),
+    ("deleter", _DELETER),
+    ("flags", ctypes.c_uint64),
+    ("dl_tensor", Tensor),
+]
+
+# Exported tensors by address: what keeps each managed tensor (and its owner) alive until its
+# deleter runs.
 _LIVE: Dict[int, Tuple[Any, ...]] = {}
 
 
+def live_exports() -> int:
+    """How many exports are waiting for their deleter (tests check that none leak)."""
+    return len(_LIVE)
+
+
 @_DELETER
-def _delete(managed):
-    _LIVE.pop(ctypes.addressof(managed.contents), None)
+def _delete(address: Optional[int]) -> None:
+    if address:
+        _LIVE.pop(address, None)
 
 
 def _api(name: str, res: Any, args: list) -> Any:
@@ -42,55 +81,149 @@ def _api(name: str, res: Any, args: list) -> Any:
     return f
 
 
-# No capsule destructor: a capsule no consumer took keeps its record (a few hundred bytes and
-# the manager) alive until exit; every consumer calls the deleter, which drops it.
-_capsule_new = _api("PyCapsule_New", ctypes.py_object, [vp, ctypes.c_char_p, vp])
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, vp)
+_capsule_new = _api("PyCapsule_New", ctypes.py_object, [vp, ctypes.c_char_p, _CAPSULE_DESTRUCTOR])
+# The destructor gets the capsule being deallocated: raw pointers, no new references to it.
+_capsule_is_valid = _api("PyCapsule_IsValid", ctypes.c_int, [vp, ctypes.c_char_p])
+_capsule_pointer = _api("PyCapsule_GetPointer", vp, [vp, ctypes.c_char_p])
+
+
+@_CAPSULE_DESTRUCTOR
+def _destroy_capsule(capsule: Optional[int]) -> None:
+    """An unconsumed capsule frees its tensor; a consumed one (renamed) leaves it to the
+    consumer, which calls the deleter itself."""
+    try:
+        for name in (b"dltensor", b"dltensor_versioned"):
+            if _capsule_is_valid(capsule, name):
+                _delete(_capsule_pointer(capsule, name))
+    except Exception:  # noqa: BLE001 -- at interpreter exit the module may be half torn down
+        pass
+
+
+# A capsule may outlive this module at interpreter exit: the destructor's thunk must not be
+# freed before it, so it gets one reference that is never dropped.
+ctypes.pythonapi.Py_IncRef.argtypes = [ctypes.py_object]
+ctypes.pythonapi.Py_IncRef(_destroy_capsule)
+
+
+def _shape_array(shape: Sequence[int]) -> Any:
+    return (ctypes.c_int64 * max(len(shape), 1))(*shape)
 
 
 class Buffer:
-    """A read-write view of an output epcomm owns (dispatch's buffers). Valid until the
-    manager's next dispatch or close, like the C ABI's views: a tensor made from it with
+    """A read-write view of an output epcomm returns (dispatch's buffers, statistics, plans,
+    maps, loads). A view of a manager's (or plan's) memory is valid until that object's next
+    call that replaces it or its close, like the C ABI's views: a tensor made from it with
     ``torch.from_dlpack`` or ``numpy.from_dlpack`` shares the memory and must not be used
-    after that (copy it to keep it). ``numpy()`` returns a copy (bfloat16 as uint16 bits);
-    ``numpy.asarray(buffer)`` a view."""
+    after that (copy it to keep it). Buffers that own their memory (maps, loads) stay valid
+    as long as they or a tensor made from them live. ``numpy()`` returns a copy (bfloat16 as
+    uint16 bits), ``numpy.asarray(buffer)`` a view, ``tolist()`` nested Python lists."""
 
     def __init__(self, tensor: Tensor, owner: Any):
-        self._owner = owner  # the manager whose memory this is
+        self._owner = owner  # what owns the memory (a manager, a plan, a ctypes array)
         self.shape: Tuple[int, ...] = tuple(tensor.shape[i] for i in range(tensor.ndim))
         self.dtype: str = _DTYPE_NAMES[(tensor.dtype.code, tensor.dtype.bits)]
         self._data: Optional[int] = tensor.data
         self._dtype = DType(tensor.dtype.code, tensor.dtype.bits, 1)
-        self._copy = Tensor.from_buffer_copy(tensor)
+        self._device = (tensor.device_type or DEVICE_CPU, tensor.device_id)
+
+    @classmethod
+    def view(cls, address: Optional[int], shape: Sequence[int], dtype: str,
+             owner: Any) -> "Buffer":
+        """A view of ``shape`` elements of ``dtype`` at ``address``, owned by ``owner``."""
+        dims = _shape_array(shape)
+        t = Tensor()
+        t.data = address or None
+        t.ndim = len(shape)
+        t.dtype = DType(*_CODES[dtype], 1)
+        t.shape = ctypes.cast(dims, i64p)
+        return cls(t, owner)
+
+    @classmethod
+    def owning(cls, array: Any, shape: Sequence[int], dtype: str) -> "Buffer":
+        """A Buffer over a ctypes array it keeps alive (``shape`` of ``dtype`` elements)."""
+        return cls.view(ctypes.addressof(array), shape, dtype, array)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the viewed memory."""
+        n = self._dtype.bits // 8
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
 
     def __dlpack_device__(self) -> Tuple[int, int]:
-        return (DEVICE_CPU, 0)
+        return self._device
 
-    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
-                   copy: Optional[bool] = None) -> Any:
-        """A "dltensor" capsule of this view (a DLPack 0.x export, which 1.x consumers take)."""
+    def _host(self, what: str) -> None:
+        if self._device[0] != DEVICE_CPU:
+            raise BufferError(f"{what} reads host memory; this buffer is on device "
+                              f"{self._device} (use torch.from_dlpack)")
+
+    def __dlpack__(self, stream: Any = None, max_version: Optional[Tuple[int, int]] = None,
+                   dl_device: Any = None, copy: Optional[bool] = None) -> Any:
+        """A capsule of this view: "dltensor_versioned" (DLPack 1.0, writable) for a consumer
+        whose ``max_version`` is 1.x or later, else "dltensor" (DLPack 0.x)."""
         if copy:
             raise BufferError("epcomm exports its buffers as they are (copy=True refused)")
-        shape = (ctypes.c_int64 * max(len(self.shape), 1))(*self.shape)
-        m = _ManagedTensor()
-        m.dl_tensor.data = self._data or None
-        m.dl_tensor.device_type, m.dl_tensor.device_id = DEVICE_CPU, 0
-        m.dl_tensor.ndim = len(self.shape)
-        m.dl_tensor.dtype = self._dtype
-        m.dl_tensor.shape = ctypes.cast(shape, i64p)
-        m.dl_tensor.strides = None
-        m.dl_tensor.byte_offset = 0
+        if dl_device is not None and tuple(dl_device) != self._device:
+            raise BufferError(f"this buffer is on device {self._device}; dl_device "
+                              f"{dl_device} refused (epcomm does not copy between devices)")
+        versioned = max_version is not None and max_version[0] >= 1
+        m: Any = _ManagedTensorVersioned() if versioned else _ManagedTensor()
+        if versioned:
+            m.version.major, m.version.minor = 1, 0
+            m.flags = 0  # writable, not a copy
+        shape = _shape_array(self.shape)
+        t = m.dl_tensor
+        t.data = self._data or None
+        t.device_type, t.device_id = self._device
+        t.ndim = len(self.shape)
+        t.dtype = self._dtype
+        t.shape = ctypes.cast(shape, i64p)
+        t.strides = None
+        t.byte_offset = 0
         m.deleter = _delete
         _LIVE[ctypes.addressof(m)] = (m, shape, self._owner)
-        return _capsule_new(ctypes.addressof(m), b"dltensor", None)
+        name = b"dltensor_versioned" if versioned else b"dltensor"
+        return _capsule_new(ctypes.addressof(m), name, _destroy_capsule)
+
+    def tolist(self) -> Any:
+        """The elements as nested Python lists (bfloat16 and float16 as floats); a copy."""
+        self._host("tolist()")
+        flat: List[Any] = []
+        if self.nbytes and self._data:
+            raw = ctypes.string_at(self._data, self.nbytes)
+            n = self.nbytes // (self._dtype.bits // 8)
+            flat = list(struct.unpack(f"={n}{_FORMATS[self.dtype]}", raw))
+        if self.dtype == "bfloat16":
+            flat = [struct.unpack("<f", struct.pack("<I", v << 16))[0] for v in flat]
+        for d in reversed(self.shape[1:]):
+            flat = [flat[i : i + d] for i in range(0, len(flat), d)]
+        return flat if self.shape else flat[0]
 
     def numpy(self) -> Any:
         """A numpy copy of the view (bfloat16 comes back as uint16 bits)."""
-        return to_numpy(self._copy)
+        return self.__array__().copy()
 
     def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> Any:
         """``numpy.asarray(buffer)``: a numpy view of the memory (no copy; valid as long as the
         buffer is), or a copy with ``copy=True``; bfloat16 as uint16 bits."""
-        a = to_numpy(self._copy) if copy else view_numpy(self._copy, self._owner)
+        import numpy as np
+
+        self._host("numpy")
+        kind = np.dtype(_FORMATS[self.dtype])
+        if not self.nbytes or not self._data:
+            a = np.zeros(self.shape, kind)
+        else:
+            raw = (ctypes.c_char * self.nbytes).from_address(self._data)
+            setattr(raw, "_epcomm_owner", self._owner)  # the array's base keeps the owner alive
+            a = np.frombuffer(raw, kind).reshape(self.shape)
+            if copy:
+                a = a.copy()
         return a if dtype is None else a.astype(dtype, copy=False)
 
     def __repr__(self) -> str:

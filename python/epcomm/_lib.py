@@ -74,8 +74,11 @@ def load_library() -> ctypes.CDLL:
     )
 
 
-i32, i64, sz = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
-vp, cp = ctypes.c_void_p, ctypes.c_char_p
+i32 = ctypes.c_int32
+i64 = ctypes.c_int64
+sz = ctypes.c_size_t
+vp = ctypes.c_void_p
+cp = ctypes.c_char_p
 i64p = ctypes.POINTER(ctypes.c_int64)
 
 #: EPCOMM_UNIQUE_ID_BYTES.
@@ -206,6 +209,56 @@ class EplbSummary(ctypes.Structure):
     ]
 
 
+class All2AllStats(ctypes.Structure):
+    """epcomm_all2all_stats: arrays of world_size entries, valid until the manager's next call."""
+
+    _fields_ = [
+        ("world_size", i32),
+        ("tokens_sent", ctypes.POINTER(ctypes.c_uint64)),
+        ("tokens_received", ctypes.POINTER(ctypes.c_uint64)),
+        ("bytes_sent", ctypes.POINTER(ctypes.c_uint64)),
+        ("bytes_received", ctypes.POINTER(ctypes.c_uint64)),
+        ("combine_bytes_received", ctypes.POINTER(ctypes.c_uint64)),
+        ("dispatch_seconds", ctypes.c_double),
+        ("combine_seconds", ctypes.c_double),
+    ]
+
+
+class PlanView(ctypes.Structure):
+    """epcomm_eplb_plan_view: views of a layer plan, valid until the plan is destroyed."""
+
+    _fields_ = [
+        ("num_slots", i64),
+        ("unchanged", ctypes.POINTER(ctypes.c_uint8)),
+        ("local_copies", i64p),
+        ("num_local_copies", i64),
+        ("sends", i64p),
+        ("num_sends", i64),
+        ("recvs", i64p),
+        ("num_recvs", i64),
+        ("duplicates", i64p),
+        ("num_duplicates", i64),
+    ]
+
+
+class NameDesc(ctypes.Structure):
+    """epcomm_all2all_name_desc: one name vLLM accepts as an all2all backend."""
+
+    _fields_ = [
+        ("name", cp),
+        ("backend", i32),
+        ("kind", i32),
+        ("layout", i32),
+        ("manager_class", cp),
+    ]
+
+
+class P2POp(ctypes.Structure):
+    """epcomm_p2p_op: one send (EPCOMM_P2P_SEND = 0) or receive (1) of a batch."""
+
+    _fields_ = [("kind", i32), ("peer", i32), ("tensor", ctypes.POINTER(Tensor))]
+
+
 LOG_FN = ctypes.CFUNCTYPE(None, i32, cp, vp)
 
 
@@ -265,6 +318,55 @@ def _signatures() -> dict:
             i32,
             [vp, i64p, i64p, i64, i64, i64, T, sz, i64p, sz, P(EplbSummary)],
         ),
+        **_more_signatures(),
+    }
+
+
+def _more_signatures() -> dict:
+    """Sizing, statistics, selection queries, group collectives, plans and the GPU entry
+    points (present in every build; without the cuda/nccl features they report unavailable)."""
+    T = ctypes.POINTER(Tensor)
+    P = ctypes.POINTER
+    u8p = P(ctypes.c_uint8)
+    return {
+        "epcomm_abi_version": (i32, []),
+        "epcomm_all2all_check_layer": (i32, [vp, i64, i64]),
+        "epcomm_all2all_buffer_bytes": (
+            i32,
+            [cp, P(MoeConfig), i32, i64, P(ctypes.c_uint64)],
+        ),
+        "epcomm_all2all_get_stats": (i32, [vp, P(All2AllStats)]),
+        "epcomm_all2all_backend_is_known": (ctypes.c_bool, [cp]),
+        "epcomm_all2all_backend_manager_class": (cp, [i32]),
+        "epcomm_all2all_backend_layout": (i32, [i32, P(i32)]),
+        "epcomm_all2all_layout_name": (cp, [i32]),
+        "epcomm_all2all_name_count": (sz, []),
+        "epcomm_all2all_name_info": (i32, [sz, P(NameDesc)]),
+        "epcomm_eplb_communicator_select": (i32, [P(EplbSelectRequest), P(i32)]),
+        "epcomm_eplb_communicator_name": (cp, [i32]),
+        "epcomm_eplb_communicator_class": (cp, [i32]),
+        "epcomm_eplb_logical_maps": (i32, [i64p, i64, i64, i64, i64, i64p, i64p]),
+        "epcomm_eplb_min_redundant_experts": (i32, [i64, i64, i64p]),
+        "epcomm_eplb_plan_layer": (i32, [i64p, i64p, i64, i64, i32, P(vp)]),
+        "epcomm_eplb_layer_plan_view": (i32, [vp, P(PlanView)]),
+        "epcomm_eplb_layer_plan_destroy": (None, [vp]),
+        "epcomm_group_all_to_allv": (i32, [vp, T, i64p, T, i64p]),
+        "epcomm_group_send_recv": (i32, [vp, P(P2POp), sz]),
+        "epcomm_group_broadcast": (i32, [vp, T, i32]),
+        "epcomm_group_all_gather": (i32, [vp, vp, sz, vp]),
+        "epcomm_nccl_version": (i32, [P(i32)]),
+        "epcomm_cuda_check": (i32, []),
+        "epcomm_nixl_available": (ctypes.c_bool, []),
+        "epcomm_nccl_unique_id": (i32, [u8p]),
+        "epcomm_gpu_all2all_create": (
+            i32,
+            [cp, P(MoeConfig), u8p, i32, i32, i32, i32, P(vp)],
+        ),
+        "epcomm_gpu_all2all_create_from_comm": (i32, [cp, P(MoeConfig), vp, i32, i32, P(vp)]),
+        "epcomm_gpu_all2all_destroy": (None, [vp]),
+        "epcomm_gpu_all2all_dispatch": (i32, [vp, vp, T, T, T, T, sz, P(DispatchOutput)]),
+        "epcomm_gpu_all2all_combine": (i32, [vp, vp, T, T]),
+        "epcomm_gpu_all2all_check_error": (i32, [vp, vp]),
     }
 
 
@@ -279,5 +381,5 @@ _LEVELS = {1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO, 4: logging.DEB
 
 
 @LOG_FN
-def _log_bridge(level, message, _user):
+def _log_bridge(level: int, message: bytes, _user: Optional[int]) -> None:
     logger.log(_LEVELS.get(level, logging.INFO), message.decode("utf-8", "replace"))

@@ -54,9 +54,11 @@ def is_numpy(obj: Any) -> bool:
 class Arg:
     """A tensor argument: keeps what the descriptor points into alive during the call.
 
-    An output (`output=True`) must be writable; one that is not C-contiguous or not in native
-    byte order is computed into a temporary array and copied into place by `finish()`, so the
-    library only ever writes compact native memory and the caller's array gets the result."""
+    An output (`output=True`) must be writable. A DLPack output (a torch tensor) is passed as
+    exported (a copy on export is refused here); the library writes it in place and refuses a
+    non-contiguous one itself, on every rank of the collective. A numpy output that is not C-contiguous or not in native byte order is
+    computed into a scratch array that `finish()` copies into the caller's array, so the caller's
+    array always holds the result."""
 
     def __init__(self, obj: Any, what: str, output: bool = False):
         self.keep: List[Any] = []
@@ -215,31 +217,3 @@ def dtype_struct(dtype: Any) -> DType:
     """The epcomm_dtype of a dtype name, torch dtype or numpy dtype."""
     code, bits = _DTYPES[dtype_name(dtype)]
     return DType(code, bits, 1)
-
-
-def to_numpy(t: Tensor) -> Any:
-    """A numpy copy of an epcomm-owned tensor view (bfloat16 comes back as uint16 bits)."""
-    return view_numpy(t).copy()
-
-
-def view_numpy(t: Tensor, owner: Any = None) -> Any:
-    """A numpy view (no copy) of an epcomm-owned tensor (bfloat16 as uint16 bits), which keeps
-    ``owner`` (the manager) alive: valid until the manager's next dispatch."""
-    import numpy as np
-
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    n = int(np.prod(shape)) if shape else 1
-    kinds = {
-        (2, 32): np.float32,
-        (2, 16): np.float16,
-        (4, 16): np.uint16,
-        (0, 32): np.int32,
-        (0, 64): np.int64,
-        (1, 8): np.uint8,
-    }
-    kind = kinds[(t.dtype.code, t.dtype.bits)]
-    if n == 0 or not t.data:
-        return np.zeros(shape, kind)
-    buf = (ctypes.c_char * (n * np.dtype(kind).itemsize)).from_address(t.data)
-    buf._epcomm_owner = owner  # the array's base: what owns the memory lives as long
-    return np.frombuffer(buf, kind).reshape(shape)

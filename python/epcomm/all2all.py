@@ -3,18 +3,59 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Sequence
 
-from ._handle import Handle
-from ._lib import DispatchOutput, MoeConfig, Tensor, load_library, vp
 from ._dlpack import Buffer
-from ._tensor import Arg, dtype_struct, to_numpy
+from ._handle import Handle
+from ._lib import All2AllStats, DispatchOutput, MoeConfig, Tensor, load_library, vp
+from ._tensor import Arg, dtype_struct
 from .errors import check
 from .group import Group
 
 # The dispatch outputs every layout returns (empty where its contract has none), as the C
 # struct lists them.
-OUTPUT_TENSORS = tuple(name for name, kind in DispatchOutput._fields_ if kind is Tensor)
+OUTPUT_TENSORS = tuple(f[0] for f in DispatchOutput._fields_ if f[1] is Tensor)
+_STATS_ARRAYS = tuple(f[0] for f in All2AllStats._fields_ if f[0] not in (
+    "world_size", "dispatch_seconds", "combine_seconds"))
+
+
+class _Config:
+    """An epcomm_moe_config and the extra-row array it points into."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, dtype: Any,
+                 expert_dtype: Any, out_dtype: Any, max_tokens_per_rank: int,
+                 num_redundant_experts: int, apply_router_weight_on_input: bool,
+                 extra_row_bytes: Sequence[int]):
+        cfg = MoeConfig()
+        check(load_library().epcomm_moe_config_init(ctypes.byref(cfg)))
+        cfg.num_experts, cfg.top_k, cfg.hidden_size = num_experts, top_k, hidden_size
+        cfg.num_redundant_experts = num_redundant_experts
+        cfg.hidden_dtype = dtype_struct(dtype)
+        cfg.expert_dtype = dtype_struct(expert_dtype or dtype)
+        cfg.out_dtype = dtype_struct(out_dtype or expert_dtype or dtype)
+        cfg.max_tokens_per_rank = max_tokens_per_rank
+        cfg.apply_router_weight_on_input = apply_router_weight_on_input
+        self.extras = (ctypes.c_int64 * max(len(extra_row_bytes), 1))(*extra_row_bytes)
+        cfg.num_extras = len(extra_row_bytes)
+        if extra_row_bytes:
+            cfg.extra_row_bytes = ctypes.cast(self.extras, ctypes.POINTER(ctypes.c_int64))
+        self.struct = cfg
+
+
+def buffer_bytes(backend: str, num_experts: int, top_k: int, hidden_size: int,
+                 world_size: int, tokens_per_rank: int, dtype: Any = "float32",
+                 expert_dtype: Any = None, out_dtype: Any = None, max_tokens_per_rank: int = 0,
+                 num_redundant_experts: int = 0, extra_row_bytes: Sequence[int] = ()) -> int:
+    """Bytes ``backend``'s dispatch buffers and combine accumulator need for
+    ``tokens_per_rank`` tokens on each of ``world_size`` ranks, in the worst case, before
+    anything is allocated (epcomm_all2all_buffer_bytes)."""
+    cfg = _Config(num_experts, top_k, hidden_size, dtype, expert_dtype, out_dtype,
+                  max_tokens_per_rank, num_redundant_experts, False, extra_row_bytes)
+    n = ctypes.c_uint64()
+    check(load_library().epcomm_all2all_buffer_bytes(
+        backend.encode(), ctypes.byref(cfg.struct), world_size, tokens_per_rank,
+        ctypes.byref(n)))
+    return n.value
 
 
 class All2All(Handle):
@@ -37,34 +78,33 @@ class All2All(Handle):
         max_tokens_per_rank: int = 0,
         num_redundant_experts: int = 0,
         apply_router_weight_on_input: bool = False,
+        extra_row_bytes: Sequence[int] = (),
     ):
         lib = load_library()
         self._h = vp()
-        cfg = MoeConfig()
-        check(lib.epcomm_moe_config_init(ctypes.byref(cfg)))
-        cfg.num_experts, cfg.top_k, cfg.hidden_size = num_experts, top_k, hidden_size
-        cfg.num_redundant_experts = num_redundant_experts
-        cfg.hidden_dtype = dtype_struct(dtype)
-        cfg.expert_dtype = dtype_struct(expert_dtype or dtype)
-        cfg.out_dtype = dtype_struct(out_dtype or expert_dtype or dtype)
-        cfg.max_tokens_per_rank = max_tokens_per_rank
-        cfg.apply_router_weight_on_input = apply_router_weight_on_input
+        cfg = _Config(num_experts, top_k, hidden_size, dtype, expert_dtype, out_dtype,
+                      max_tokens_per_rank, num_redundant_experts,
+                      apply_router_weight_on_input, extra_row_bytes)
         h = vp()
         group.check(
             lib.epcomm_all2all_create(
-                group.handle, backend.encode(), ctypes.byref(cfg), ctypes.byref(h)
+                group.handle, backend.encode(), ctypes.byref(cfg.struct), ctypes.byref(h)
             )
         )
         self._h = h
         self._group = group  # the group must outlive the manager
+        self.num_extras = len(extra_row_bytes)
 
     def dispatch(
-        self, hidden: Any, topk_ids: Any, topk_weights: Any, views: bool = True
+        self, hidden: Any, topk_ids: Any, topk_weights: Any,
+        extras: Optional[Sequence[Any]] = None, views: bool = True,
     ) -> Dict[str, Any]:
         """Dispatches this rank's tokens (collective); returns a dict of the layout's outputs,
-        with "layout" and "received_rows": ``Buffer``s over the manager's memory, valid until
-        the next dispatch or close (``torch.from_dlpack``, ``numpy.from_dlpack`` and
-        ``numpy.asarray`` view them without a copy), or with ``views=False`` numpy copies."""
+        with "layout", "received_rows" and "extras" (one per extra payload, uint8 rows laid out
+        like "hidden"): ``Buffer``s over the manager's memory, valid until the next dispatch or
+        close (``torch.from_dlpack``, ``numpy.from_dlpack`` and ``numpy.asarray`` view them
+        without a copy), or with ``views=False`` numpy copies. ``extras`` are this rank's
+        [T, extra_row_bytes[i]] payloads (any dtype of that many bytes per row)."""
         lib = load_library()
         out = DispatchOutput()
         try:
@@ -73,27 +113,57 @@ class All2All(Handle):
                 Arg(topk_ids, "topk_ids"),
                 Arg(topk_weights, "topk_weights"),
             ]
+            ex = [Arg(e, f"extras[{i}]") for i, e in enumerate(extras or ())]
         except (TypeError, ValueError):
             # The peers are already in this dispatch: a call the library rejects (no tensors)
             # tells them at once instead of leaving them to time out.
             lib.epcomm_all2all_dispatch(self._h, None, None, None, None, 0, ctypes.byref(out))
             raise
+        c_ex = (Tensor * max(len(ex), 1))(*[a.ptr.contents for a in ex])
         self._group.check(
             lib.epcomm_all2all_dispatch(
-                self._h, args[0].ptr, args[1].ptr, args[2].ptr, None, 0, ctypes.byref(out)
+                self._h, args[0].ptr, args[1].ptr, args[2].ptr, c_ex if ex else None, len(ex),
+                ctypes.byref(out),
             )
         )
-        wrap = (lambda t: Buffer(t, self)) if views else to_numpy
+        return self._outputs(out, views)
+
+    def _outputs(self, out: DispatchOutput, views: bool) -> Dict[str, Any]:
+        wrap = (lambda t: Buffer(t, self)) if views else (lambda t: Buffer(t, self).numpy())
         result: Dict[str, Any] = {name: wrap(getattr(out, name)) for name in OUTPUT_TENSORS}
         result["layout"] = out.layout
         result["received_rows"] = out.received_rows
+        extras = ctypes.cast(out.extras, ctypes.POINTER(Tensor))
+        result["extras"] = [wrap(extras[i]) for i in range(out.num_extras)]
         return result
 
+    def stats(self) -> Dict[str, Any]:
+        """Statistics of the last dispatch and combine: "world_size", per-peer "tokens_sent",
+        "tokens_received", "bytes_sent", "bytes_received", "combine_bytes_received" (uint64
+        ``Buffer``s, valid until the next call) and "dispatch_seconds", "combine_seconds"."""
+        st = All2AllStats()
+        check(load_library().epcomm_all2all_get_stats(self._h, ctypes.byref(st)))
+        n = st.world_size
+        result: Dict[str, Any] = {
+            name: Buffer.view(ctypes.cast(getattr(st, name), vp).value, (n,), "uint64", self)
+            for name in _STATS_ARRAYS
+        }
+        result.update(world_size=n, dispatch_seconds=st.dispatch_seconds,
+                      combine_seconds=st.combine_seconds)
+        return result
+
+    def check_layer(self, top_k: int, num_experts: int) -> None:
+        """Declares a MoE layer's top_k and (physical) num_experts: vLLM's AssertionError for
+        flashinfer_nvlink_one_sided when they differ from the manager's, else a ValueError."""
+        check(load_library().epcomm_all2all_check_layer(self._h, top_k, num_experts))
+
     def combine(self, expert_output: Any, out: Any) -> Any:
-        """Combines expert outputs (the dispatch output's shape) into `out` ([T, hidden]), in
-        place: any writable numpy array (C- or Fortran-order, strided, either byte order) or a
-        writable, contiguous __dlpack__ tensor. A read-only `out` is a ValueError on this rank
-        and the peers' combine fails at once ("rank R rejected its input")."""
+        """Combines expert outputs (the dispatch output's shape) into `out` ([T, hidden] of
+        out_dtype) and returns `out`: a writable, contiguous __dlpack__ tensor (a torch tensor)
+        is written in place, a writable numpy array of any order or byte order receives the
+        result. A read-only, non-contiguous or copied-on-export `out` is a ValueError on this
+        rank, a wrong dtype or shape the library's ValueError, and the peers' combine fails at
+        once ("rank R rejected its input")."""
         lib = load_library()
         try:
             a, o = Arg(expert_output, "expert_output"), Arg(out, "out", output=True)

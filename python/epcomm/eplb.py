@@ -4,43 +4,159 @@ from __future__ import annotations
 
 import ctypes
 import json
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ._dlpack import Buffer
 from ._handle import Handle
-from ._lib import DEVICE_CPU, EplbSelectRequest, EplbSummary, Tensor, load_library, vp
-from ._tensor import Arg
+from ._lib import (
+    DEVICE_CPU,
+    DType,
+    EplbSelectRequest,
+    EplbSummary,
+    PlanView,
+    Tensor,
+    i32,
+    load_library,
+    vp,
+)
+from ._tensor import Arg, dtype_struct
 from .errors import InvalidArgumentError, check
 from .group import Group
 
+#: EPCOMM_PROBE: let the library probe this process for NCCL/NIXL.
+PROBE = -1
+_DEVICES = {"cpu": 1, "cuda": 2, "rocm": 10, "xpu": 14}
+
 
 def eplb_rebalance(
-    weight: Sequence[Sequence[float]],
+    weight: Any,
     num_replicas: int,
     num_groups: int,
     num_nodes: int,
     num_ranks: int,
-    old_phy2log: Optional[Sequence[Sequence[int]]] = None,
-) -> List[List[int]]:
-    """vLLM's default EPLB policy: weight [layers, logical] → phy2log [layers, num_replicas]."""
-    rows = [list(map(float, r)) for r in weight]
+    old_phy2log: Any = None,
+) -> Buffer:
+    """vLLM's default EPLB policy: weight [layers, logical] (lists, numpy, torch or a Buffer)
+    → phy2log, an int64 Buffer [layers, num_replicas] (``.tolist()`` for lists)."""
+    rows = [list(map(float, r)) for r in _rows(weight)]
     layers, logical = len(rows), len(rows[0])
     w = (ctypes.c_float * (layers * logical))(*[x for r in rows for x in r])
     out = (ctypes.c_int64 * (layers * num_replicas))()
     old = None
     if old_phy2log is not None:
-        flat = [int(x) for r in old_phy2log for x in r]
+        flat = [int(x) for r in _rows(old_phy2log) for x in r]
         old = (ctypes.c_int64 * (layers * num_replicas))(*flat)
     check(
         load_library().epcomm_eplb_rebalance(
             w, layers, logical, num_replicas, num_groups, num_nodes, num_ranks, old, out
         )
     )
-    return [list(out[i * num_replicas : (i + 1) * num_replicas]) for i in range(layers)]
+    return Buffer.owning(out, (layers, num_replicas), "int64")
 
 
-def _maps(maps: Sequence[Sequence[int]], what: str) -> "tuple[Any, int, int]":
-    """A [layers, slots] map as a C int64 array, with its layers and slots."""
-    rows = [[int(x) for x in r] for r in maps]
+def _rows(x: Any) -> Any:
+    """Nested lists from lists, numpy arrays, torch tensors or Buffers."""
+    return x.tolist() if hasattr(x, "tolist") else x
+
+
+def logical_maps(phy2log: Any, num_logical: int, max_replicas: int) -> Tuple[Buffer, Buffer]:
+    """From physical → logical maps [layers, num_physical] (-1 = unused slot): the replica
+    count per logical expert (logcnt [layers, num_logical]) and the logical → physical map
+    (log2phy [layers, num_logical, max_replicas], ascending slots, -1 padded), as int64
+    Buffers. An expert with more than ``max_replicas`` replicas is a ValueError naming it."""
+    maps, layers, physical = _maps(phy2log, "phy2log")
+    logcnt = (ctypes.c_int64 * max(layers * num_logical, 1))()
+    log2phy = (ctypes.c_int64 * max(layers * num_logical * max_replicas, 1))()
+    check(load_library().epcomm_eplb_logical_maps(
+        maps, layers, physical, num_logical, max_replicas, logcnt, log2phy))
+    return (Buffer.owning(logcnt, (layers, num_logical), "int64"),
+            Buffer.owning(log2phy, (layers, num_logical, max_replicas), "int64"))
+
+
+def min_redundant_experts(num_logical: int, ep_size: int) -> int:
+    """The smallest num_redundant_experts that makes num_logical + redundant divisible by
+    ep_size."""
+    n = ctypes.c_int64()
+    check(load_library().epcomm_eplb_min_redundant_experts(num_logical, ep_size,
+                                                           ctypes.byref(n)))
+    return n.value
+
+
+def _address(p: Any) -> Optional[int]:
+    return ctypes.cast(p, vp).value
+
+
+class LayerPlan(Handle):
+    """One rank's transfer plan for one layer (vLLM's sender/receiver pairing), from the old
+    and new physical → logical maps of that layer (the same number of slots each). Its views
+    are ``Buffer``s of the plan's memory, valid until ``close()``: ``unchanged`` (uint8
+    [local slots], 1 = the slot keeps its expert) and int64 ``local_copies`` [n, 2]
+    (destination slot, source slot), ``sends`` [n, 3] (expert, source slot, destination rank),
+    ``recvs`` [n, 3] (expert, primary slot, source rank), ``duplicates`` [n, 2] (destination
+    slot, primary slot). A context manager."""
+
+    _DESTROY = "epcomm_eplb_layer_plan_destroy"
+
+    def __init__(self, old_phy2log: Sequence[int], new_phy2log: Sequence[int],
+                 slots_per_rank: int, rank: int):
+        self._h = vp()
+        old, _, n = _maps([_rows(old_phy2log)], "old_phy2log")
+        new, _, m = _maps([_rows(new_phy2log)], "new_phy2log")
+        if n != m:
+            raise InvalidArgumentError(
+                f"old_phy2log has {n} slots, new_phy2log {m}; expected the same number", 2)
+        lib = load_library()
+        h = vp()
+        check(lib.epcomm_eplb_plan_layer(old, new, n, slots_per_rank, rank, ctypes.byref(h)))
+        self._h = h
+        v = PlanView()
+        check(lib.epcomm_eplb_layer_plan_view(h, ctypes.byref(v)))
+        self.num_slots: int = v.num_slots
+        self.unchanged = Buffer.view(_address(v.unchanged), (v.num_slots,), "uint8", self)
+        self.local_copies = self._view(v.local_copies, v.num_local_copies, 2)
+        self.sends = self._view(v.sends, v.num_sends, 3)
+        self.recvs = self._view(v.recvs, v.num_recvs, 3)
+        self.duplicates = self._view(v.duplicates, v.num_duplicates, 2)
+
+    def _view(self, p: Any, rows: int, cols: int) -> Buffer:
+        return Buffer.view(_address(p), (rows, cols), "int64", self)
+
+
+def select_eplb_communicator(communicator: Optional[str] = None, device: str = "cpu",
+                             weight_dtypes: Sequence[Any] = (), elastic: bool = False,
+                             nccl_available: int = PROBE, nixl_available: int = PROBE) -> str:
+    """The EPLB communicator vLLM's ``create_eplb_communicator`` chooses (its rules and
+    messages): ``communicator`` is the configured name or None (automatic), ``device`` where
+    the weights live ("cpu", "cuda", "rocm", "xpu"), ``weight_dtypes`` the first layer's
+    weight dtypes; availability 1/0 or ``PROBE``. Returns the name ("torch_gloo", ...)."""
+    if device not in _DEVICES:
+        raise InvalidArgumentError(
+            f"unknown device {device!r}; expected one of {', '.join(_DEVICES)}", 2)
+    dts = (DType * max(len(weight_dtypes), 1))(*[dtype_struct(d) for d in weight_dtypes])
+    req = EplbSelectRequest(
+        ctypes.sizeof(EplbSelectRequest), communicator.encode() if communicator else None,
+        elastic, _DEVICES[device], dts, len(weight_dtypes), nccl_available, nixl_available,
+    )
+    out = i32()
+    lib = load_library()
+    check(lib.epcomm_eplb_communicator_select(ctypes.byref(req), ctypes.byref(out)))
+    return lib.epcomm_eplb_communicator_name(out.value).decode()
+
+
+def eplb_communicator_class(name: str) -> str:
+    """vLLM's class for an EPLB communicator name (e.g. "pynccl" → "PyNcclEplbCommunicator")."""
+    lib = load_library()
+    for value in range(16):
+        n = lib.epcomm_eplb_communicator_name(value)
+        if n is not None and n.decode() == name:
+            return lib.epcomm_eplb_communicator_class(value).decode()
+    raise InvalidArgumentError(f"unknown EPLB communicator {name!r}", 2)
+
+
+def _maps(maps: Any, what: str) -> "tuple[Any, int, int]":
+    """A [layers, slots] map (lists, numpy, torch or a Buffer) as a C int64 array, with its
+    layers and slots."""
+    rows = [[int(x) for x in r] for r in _rows(maps)]
     slots = len(rows[0]) if rows else 0
     if any(len(r) != slots for r in rows):
         raise InvalidArgumentError(f"{what}: every layer must have {slots} slots", 2)
@@ -136,7 +252,7 @@ class EplbCommunicator(Handle):
                 mapping, len(rank_mapping or ()), ctypes.byref(summary),
             )
         )
-        return {name: getattr(summary, name) for name, _ in EplbSummary._fields_}
+        return {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
 
 
 class EplbState(Handle):
@@ -179,11 +295,12 @@ class EplbState(Handle):
         return due.value
 
     def logical_load(self, group: Group, phy2log: Sequence[Sequence[int]],
-                     num_logical: int) -> List[List[float]]:
+                     num_logical: int) -> Buffer:
         """The window's load per logical expert, summed over the window and every rank
-        (collective): [num_layers, num_logical], ready for ``eplb_rebalance``."""
+        (collective): a float32 Buffer [num_layers, num_logical] (``.tolist()`` for lists),
+        ready for ``eplb_rebalance``."""
         maps, layers, slots = _maps(phy2log, "phy2log")
         load = (ctypes.c_float * max(layers * num_logical, 1))()
         group.check(load_library().epcomm_eplb_state_logical_load(
             self._h, group.handle, maps, layers, slots, num_logical, load))
-        return [list(load[l * num_logical:(l + 1) * num_logical]) for l in range(layers)]
+        return Buffer.owning(load, (layers, num_logical), "float32")

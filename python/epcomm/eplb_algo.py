@@ -13,6 +13,7 @@ vLLM's (they are equally balanced); without ties they are identical. ``replicate
 """
 
 import ctypes
+from typing import Any, Optional, Sequence, Tuple
 
 from . import _check, load_library
 
@@ -39,10 +40,10 @@ _SIGNATURES = {
     "epcomm_eplb_preserve_intragpu_slots": [_P, _i64, _i64, _i64, _P, _P],
     "epcomm_eplb_compute_logical_maps": [_P, _i64, _i64, _i64, _P, _P, _i64, _P],
 }
-_DECLARED = None
+_DECLARED: Optional[ctypes.CDLL] = None
 
 
-def _lib():
+def _lib() -> ctypes.CDLL:
     global _DECLARED
     if _DECLARED is None:
         lib = load_library()
@@ -54,7 +55,7 @@ def _lib():
     return _DECLARED
 
 
-def _array(x, dtype):
+def _array(x: Any, dtype: Any) -> Any:
     """A C-contiguous 2-D numpy array of ``dtype`` (torch tensors go through ``.cpu()``)."""
     import numpy as np
 
@@ -66,17 +67,17 @@ def _array(x, dtype):
     return a
 
 
-def _empty(shape):
+def _empty(shape: Sequence[int]) -> Any:
     import numpy as np
 
     return np.empty(shape, dtype=np.int64)
 
 
-def _ptr(a):
+def _ptr(a: Any) -> Optional[int]:
     return None if a is None else a.ctypes.data
 
 
-def balanced_packing(weight, num_packs):
+def balanced_packing(weight: Any, num_packs: int) -> Tuple[Any, Any]:
     """vLLM's ``balanced_packing``: weight [X, n] → (pack_index, rank_in_pack), each [X, n]."""
     import numpy as np
 
@@ -87,7 +88,7 @@ def balanced_packing(weight, num_packs):
     return pack, rank
 
 
-def replicate_experts(weight, num_phy):
+def replicate_experts(weight: Any, num_phy: int) -> Tuple[Any, Any]:
     """vLLM's ``replicate_experts``: weight [X, num_log] → (phy2log [X, num_phy], logcnt
     [X, num_log])."""
     import numpy as np
@@ -99,7 +100,8 @@ def replicate_experts(weight, num_phy):
     return phy2log, logcnt
 
 
-def rebalance_experts_hierarchical(weight, num_physical_experts, num_groups, num_nodes, num_gpus):
+def rebalance_experts_hierarchical(weight: Any, num_physical_experts: int, num_groups: int,
+                                   num_nodes: int, num_gpus: int) -> Any:
     """vLLM's ``rebalance_experts_hierarchical``: weight [layers, logical] → phy2log
     [layers, num_physical_experts]."""
     import numpy as np
@@ -112,7 +114,7 @@ def rebalance_experts_hierarchical(weight, num_physical_experts, num_groups, num
     return out
 
 
-def preserve_intragpu_slots(phy2log, num_ranks, old_phy2log):
+def preserve_intragpu_slots(phy2log: Any, num_ranks: int, old_phy2log: Any) -> Any:
     """vLLM's ``preserve_intragpu_slots``: phy2log reordered within each rank so that experts
     that stay keep their old slots (a new array; -1 may appear in either map)."""
     import numpy as np
@@ -126,8 +128,9 @@ def preserve_intragpu_slots(phy2log, num_ranks, old_phy2log):
     return out
 
 
-def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
-                      old_global_expert_indices=None, one_node_fallback=False):
+def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
+                      num_ranks: int, old_global_expert_indices: Any = None,
+                      one_node_fallback: bool = False) -> Any:
     """vLLM's ``DefaultEplbPolicy.rebalance_experts``: weight [layers, logical] token counts →
     phy2log [layers, num_replicas]. ``old_global_expert_indices`` (same shape as the result,
     -1 = unused slot) keeps experts in their old slots; ``one_node_fallback`` applies vLLM's
@@ -149,7 +152,8 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
     return out
 
 
-def compute_logical_maps(physical_to_logical_map, num_logical_experts):
+def compute_logical_maps(physical_to_logical_map: Any,
+                         num_logical_experts: int) -> Tuple[Any, Any]:
     """vLLM's ``compute_logical_maps``: phy2log [layers, P] (or [P] for one layer; -1 = unused
     slot) → (log2phy [layers, E, max_replicas], logcnt [layers, E]), max_replicas being the
     largest replica count, as vLLM derives it."""

@@ -4,7 +4,7 @@ transport (Python callables, or a torch.distributed process group) across hosts.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ._handle import Handle
 from ._lib import (
@@ -15,6 +15,7 @@ from ._lib import (
     UNIQUE_ID_BYTES,
     GroupOptions,
     HostCallbacks,
+    P2POp,
     UniqueId,
     i32,
     load_library,
@@ -86,6 +87,7 @@ class _HostTransport:
         self, _user: Any, data: Optional[int], nbytes: int, out: Optional[int]
     ) -> int:
         whole = _view(out, nbytes * self.world_size)
+        assert self._all_gather is not None  # the callback exists only with one
         return self._guard(self._all_gather, _view(data, nbytes), whole)
 
     def raise_for(self, status: int) -> None:
@@ -270,6 +272,69 @@ class Group(Handle):
     def reduce_scatterv(self, x: Any, sizes: Sequence[int]) -> Any:
         """Sums every rank's rows and returns this rank's slice (float32/float16)."""
         return self._gather_like("epcomm_group_reduce_scatterv", x, sizes, sizes[self.rank])
+
+    def _args(self, fn: Callable[..., int], reject: Tuple[Any, ...],
+              specs: Sequence[Tuple[Any, str, bool]]) -> List[Arg]:
+        """The tensor arguments of a collective; when one is refused here, the library is
+        called with ``reject`` (no tensors) so the peers fail at once instead of timing out."""
+        try:
+            return [Arg(t, what, output=out) for t, what, out in specs]
+        except (TypeError, ValueError):
+            fn(self.handle, *reject)
+            raise
+
+    def all_to_allv(self, x: Any, send_counts: Sequence[int], out: Any,
+                    recv_counts: Sequence[int]) -> Any:
+        """Sends ``send_counts[p]`` consecutive rows of ``x`` to each rank p and receives
+        ``recv_counts[p]`` rows from each into consecutive rows of ``out`` (same row shape and
+        dtype, written in place; contiguous); returns ``out`` (collective)."""
+        fn = load_library().epcomm_group_all_to_allv
+        sc = (ctypes.c_int64 * len(send_counts))(*send_counts)
+        rc = (ctypes.c_int64 * len(recv_counts))(*recv_counts)
+        a, o = self._args(fn, (None, sc, None, rc), [(x, "x", False), (out, "out", True)])
+        self.check(fn(self.handle, a.ptr, sc, o.ptr, rc))
+        o.finish()
+        return out
+
+    def send_recv(self, ops: Sequence[Tuple[str, int, Any]]) -> None:
+        """A batch of ("send" | "recv", peer, tensor) operations, like torch.distributed's
+        batch_isend_irecv: the j-th send from a to b fills the j-th receive on b from a (equal
+        byte sizes; received tensors are written in place). Collective: every rank calls it,
+        possibly with no operations."""
+        fn = load_library().epcomm_group_send_recv
+        kinds = {"send": 0, "recv": 1}
+        for kind, _, _ in ops:
+            if kind not in kinds:
+                fn(self.handle, None, 1)
+                raise InvalidArgumentError(f"unknown operation {kind!r}; expected 'send' or 'recv'", 2)
+        args = self._args(fn, (None, 1), [(t, f"ops[{i}]", k == "recv")
+                                          for i, (k, _, t) in enumerate(ops)])
+        c = (P2POp * max(len(ops), 1))(*[
+            P2POp(kinds[k], peer, a.ptr) for (k, peer, _), a in zip(ops, args)
+        ])
+        self.check(fn(self.handle, c if ops else None, len(ops)))
+        for a in args:
+            a.finish()
+
+    def broadcast(self, tensor: Any, root: int) -> Any:
+        """Copies rank ``root``'s ``tensor`` into ``tensor`` on every other rank (in place,
+        same byte size); returns ``tensor`` (collective)."""
+        fn = load_library().epcomm_group_broadcast
+        (a,) = self._args(fn, (None, root), [(tensor, "tensor", True)])
+        self.check(fn(self.handle, a.ptr, root))
+        a.finish()
+        return tensor
+
+    def all_gather(self, data: bytes) -> List[bytes]:
+        """Every rank's ``data`` (the same length on every rank), in rank order: for small
+        metadata such as counts (collective)."""
+        raw = bytes(data)
+        n, world = len(raw), self.size
+        out = (ctypes.c_char * max(n * world, 1))()
+        src = ctypes.create_string_buffer(raw, max(n, 1))
+        self.check(load_library().epcomm_group_all_gather(self.handle, src, n, out))
+        whole = bytes(out)[: n * world]
+        return [whole[r * n : (r + 1) * n] for r in range(world)]
 
 
 __all__: List[str] = ["Group", "SendFn", "RecvFn", "AllGatherFn"]
