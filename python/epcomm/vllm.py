@@ -44,7 +44,7 @@ def group_for(process_group: Any, transport: str = "torch", name: str = "vllm",
     import torch.distributed as dist
 
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-    uid = [Group.unique_id() if rank == 0 else None]
+    uid: List[Any] = [Group.unique_id() if rank == 0 else None]
     src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     dist.broadcast_object_list(uid, src=src, group=process_group)
     return Group.shm_unique(uid[0], rank, world, timeout_s=timeout_s)
@@ -72,8 +72,15 @@ class _Collectives:
 
     def _call(self, fn_name: str, x: Any, sizes: Sequence[int], out: Any) -> Any:
         s = (ctypes.c_int64 * len(sizes))(*[int(n) for n in sizes])
-        a, o = Arg(x, "input"), Arg(out, "output", output=True)
-        self.group.check(getattr(load_library(), fn_name)(self.group.handle, a.ptr, s, o.ptr))
+        fn = getattr(load_library(), fn_name)
+        try:
+            a, o = Arg(x, "input"), Arg(out, "output", output=True)
+        except (TypeError, ValueError):
+            # The peers are in this collective already: a call the library rejects (no
+            # tensors) fails theirs at once instead of leaving them to time out.
+            fn(self.group.handle, None, s, None)
+            raise
+        self.group.check(fn(self.group.handle, a.ptr, s, o.ptr))
         return out
 
     def token_counts(self, n: int) -> List[int]:
@@ -93,11 +100,13 @@ class _Collectives:
         self._call("epcomm_group_all_gatherv", mine, sizes, out)
         return out.view(t.dtype).reshape((sum(sizes),) + tuple(t.shape[1:]))
 
-    def reduce_scatterv(self, t: Any, sizes: Sequence[int]) -> Any:
+    def reduce_scatterv(self, t: Any, sizes: Sequence[int], out: Any = None) -> Any:
         """The sum over ranks of ``t`` (``sum(sizes)`` rows; float32/bfloat16/float16,
-        accumulated in float32 in rank order), this rank's ``sizes[rank]`` rows of it."""
+        accumulated in float32 in rank order), this rank's ``sizes[rank]`` rows of it, written
+        into ``out`` when given (contiguous, ``t``'s dtype and row shape)."""
         torch = _torch()
-        out = torch.empty((sizes[self.rank],) + tuple(t.shape[1:]), dtype=t.dtype)
+        if out is None:
+            out = torch.empty((sizes[self.rank],) + tuple(t.shape[1:]), dtype=t.dtype)
         return self._call("epcomm_group_reduce_scatterv", t.contiguous(), sizes, out)
 
 
@@ -207,6 +216,9 @@ class EpcommAll2AllManager:
         rank's rows: the token counts of the last dispatch, or an equal split as vLLM's
         manager uses without data parallelism."""
         comm = self._comm(is_sequence_parallel)
+        return comm.reduce_scatterv(hidden_states, self._combine_sizes(comm, hidden_states))
+
+    def _combine_sizes(self, comm: _Collectives, hidden_states: Any) -> List[int]:
         rows = int(hidden_states.shape[0])
         sizes = self._last_sizes.get(id(comm))
         if sizes is None or sum(sizes) != rows:
@@ -216,7 +228,7 @@ class EpcommAll2AllManager:
                     "and no dispatch gave the ranks' token counts", 2
                 )
             sizes = [rows // comm.world_size] * comm.world_size
-        return comm.reduce_scatterv(hidden_states, sizes)
+        return sizes
 
     def allocate_combine_input(self, shape: Any, dtype: Any, device: Any,
                                is_sequence_parallel: bool = False) -> Any:
@@ -225,9 +237,14 @@ class EpcommAll2AllManager:
 
     def combine_into_output(self, hidden_states: Any, output: Any,
                             is_sequence_parallel: bool = False) -> Any:
-        """``combine`` written into ``output``."""
-        output.copy_(self.combine(hidden_states, is_sequence_parallel))
-        return output
+        """``combine`` written into ``output`` in place (no temporary: vLLM's base class copies
+        ``combine``'s result; here the reduction lands in ``output`` itself). ``output`` must
+        be contiguous with ``hidden_states``' dtype and this rank's row count, else an
+        epcomm.Error (ValueError)."""
+        comm = self._comm(is_sequence_parallel)
+        return comm.reduce_scatterv(
+            hidden_states, self._combine_sizes(comm, hidden_states), out=output
+        )
 
     def set_num_sms(self, num_sms: int) -> None:
         """No-op (no GPU)."""
@@ -300,11 +317,11 @@ def install(eplb: bool = True) -> None:
     import importlib
 
     all2all = importlib.import_module("vllm.distributed.device_communicators.all2all")
-    all2all.AgRsAll2AllManager = EpcommAll2AllManager
+    setattr(all2all, "AgRsAll2AllManager", EpcommAll2AllManager)
     if not eplb:
         return
     state = importlib.import_module("vllm.distributed.eplb.eplb_state")
-    original = state.create_eplb_communicator
+    original = getattr(state, "create_eplb_communicator")
     if getattr(original, "_epcomm", False):
         return  # installed already (plugins may load more than once)
 
@@ -316,7 +333,7 @@ def install(eplb: bool = True) -> None:
         return EpcommEplbCommunicator(group_coordinator.cpu_group)
 
     create_eplb_communicator._epcomm = True  # type: ignore[attr-defined]
-    state.create_eplb_communicator = create_eplb_communicator
+    setattr(state, "create_eplb_communicator", create_eplb_communicator)
 
 
 __all__ = [

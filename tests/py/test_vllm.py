@@ -1,6 +1,6 @@
 """epcomm.vllm: the all2all manager and the EPLB communicator with vLLM v0.33.0's interfaces.
 
-Two rank processes over gloo on 127.0.0.1 (each in its own IPC and mount namespace where
+Two and four rank processes over gloo on 127.0.0.1 (each in its own IPC and mount namespace where
 `unshare` is permitted). EpcommAll2AllManager's dispatch, dispatch_router_logits and combine
 (with different token counts per rank, extra tensors, sequence parallel, both transports) must
 equal a plain-torch reference of what vLLM's AgRsAll2AllManager computes: all_gatherv of
@@ -58,7 +58,7 @@ def rank_inputs(rank):
     hidden = torch.randint(-8, 8, (t, H), generator=g).to(torch.bfloat16)
     weights = torch.rand((t, K), generator=g)
     ids = torch.randint(0, E, (t, K), generator=g, dtype=torch.int32)
-    logits = torch.randn((t, E), generator=g)
+    logits = torch.randint(-8, 8, (t, E), generator=g).float()
     scales = torch.randint(0, 255, (t, 3), generator=g, dtype=torch.uint8)
     flags = torch.rand(t, generator=g) > 0.5
     return hidden, weights, ids, logits, [scales, flags]
@@ -102,6 +102,7 @@ def check_manager(dist, epcomm_vllm, rank, world, transport, mism):
     r = m.combine_into_output(y32, out)
     same("combine_into_output", r, ref_reduce_scatterv(dist, y32, sizes, rank))
     assert r is out
+    check_output_rejected(m, y32, sizes[rank], mism)
 
     g_h, g_l, g_x = m.dispatch_router_logits(hidden, logits, True, extra_tensors=extras[:1])
     same("router_logits hidden", g_h, ref_all_gatherv(dist, hidden, sizes))
@@ -122,6 +123,26 @@ def check_manager(dist, epcomm_vllm, rank, world, transport, mism):
     assert m.allocate_combine_input((1, H), torch.float32, "cpu") is None
     m.destroy()
     m.destroy()  # idempotent
+
+
+def check_output_rejected(m, y32, rows, mism):
+    """combine_into_output writes its output in place: a non-contiguous or float64 output is
+    refused on every rank at once (no temporary copied into it)."""
+    import torch
+
+    import epcomm
+
+    cases = [
+        (torch.empty((H, rows)).t(), "tensor 'output' is not contiguous: strides [1, "),
+        (torch.empty((rows, H), dtype=torch.float64), "tensor 'output' has dtype torch.float64"),
+    ]
+    for bad, want in cases:
+        try:
+            m.combine_into_output(y32, bad)
+            mism.append(f"combine_into_output accepted {bad.dtype} strides {bad.stride()}")
+        except epcomm.Error as e:
+            if not (isinstance(e, ValueError) and str(e).startswith(want)):
+                mism.append(f"combine_into_output: {type(e).__name__}: {e}")
 
 
 def check_eplb(dist, epcomm_vllm, rank, world, mism):
@@ -208,6 +229,15 @@ class VllmTest(unittest.TestCase):
 
     def test_two_ranks_torch_and_shm_transports(self):
         self.run_world("both", 2, None)
+
+    def test_four_ranks_torch_transport_isolated(self):
+        runs = self.run_world("torch", 4, self.prefix)
+        if self.prefix is not None:
+            for rank, r in runs.items():
+                self.assertEqual(r["others_in_dev_shm"], 0, f"rank {rank} sees /dev/shm")
+
+    def test_four_ranks_torch_and_shm_transports(self):
+        self.run_world("both", 4, None)
 
 
 if __name__ == "__main__":
