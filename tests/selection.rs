@@ -815,6 +815,13 @@ fn unknown_names_are_rejected_by_the_configs_literals() {
     assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\neplb_config.communicator\n  Input should be 'torch_nccl', 'torch_gloo', 'torch_xccl', 'nixl' or 'pynccl' [type=literal_error, input_value='gloo', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
     let e = check_err(r#"{"all2all_backend": "deepep"}"#);
     assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value='deepep', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
+    // The hint: the nearest of the literal's members (no other release accepts these).
+    assert_eq!(
+        field_hint(&e),
+        Some("did you mean 'deepep_high_throughput' or 'deepep_low_latency' or 'deepep_v2'?")
+    );
+    let e = check_err(r#"{"eplb_config": {"communicator": "gloo"}}"#);
+    assert_eq!(field_hint(&e), Some("did you mean 'torch_gloo'?"));
 }
 
 #[test]

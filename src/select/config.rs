@@ -304,6 +304,25 @@ impl Fields<'_> {
         }
     }
 
+    /// When `field` holds a string `members` lacks: the hint `across` gives (the releases that
+    /// accept it), else the nearest of `members`.
+    fn name_hint(
+        &mut self,
+        field: &str,
+        members: &[&str],
+        what: &str,
+        across: impl Fn(&str) -> Option<String>,
+    ) {
+        let Some((_, Json::Str(name))) = self.items.iter().find(|(k, _)| k == field) else {
+            return;
+        };
+        if !members.contains(&name.as_str()) {
+            let hint = across(name)
+                .unwrap_or_else(|| suggest::did_you_mean(name, members.iter().copied(), what));
+            self.hints.push(hint);
+        }
+    }
+
     /// Records the keys left over as unexpected keywords (with the nearest valid key as hint).
     fn finish(self, valid: &[&str]) {
         let prefix = self.prefix;
@@ -383,12 +402,12 @@ fn eplb_fields(f: &mut Fields<'_>, release: &Release) -> EplbConfig {
         communicator: if communicators.is_empty() {
             None
         } else {
-            let given = f.items.iter().find(|(k, _)| k == "communicator");
-            if let Some((_, Json::Str(name))) = given {
-                if !communicators.contains(&name.as_str()) {
-                    f.hints.extend(versions::eplb_hint(name, release));
-                }
-            }
+            f.name_hint(
+                "communicator",
+                communicators,
+                "valid EPLB communicators",
+                |n| versions::eplb_hint(n, release),
+            );
             f.get(
                 "communicator",
                 None,
@@ -481,12 +500,12 @@ fn all2all_field(f: &mut Fields<'_>, release: &Release) -> String {
     let default = all2all::DEFAULT_BACKEND.name().to_owned();
     match release.all2all_rule {
         NameRule::Literal => {
-            if let Some((_, Json::Str(name))) = f.items.iter().find(|(k, _)| k == "all2all_backend")
-            {
-                if !release.all2all_names.contains(&name.as_str()) {
-                    f.hints.extend(versions::all2all_hint(name, release));
-                }
-            }
+            f.name_hint(
+                "all2all_backend",
+                release.all2all_names,
+                "valid all2all backends",
+                |n| versions::all2all_hint(n, release),
+            );
             f.get("all2all_backend", default, |v| {
                 pydantic::literal(v, release.all2all_names)
             })
