@@ -134,7 +134,8 @@ impl Default for VllmConfig {
     }
 }
 
-/// Top-level keys accepted in a configuration.
+/// The top-level keys `epcomm check` has a flag for: [`PARALLEL_FIELDS`] and [`EPCOMM_KEYS`]
+/// but `vllm_version` (which has its own option).
 pub const CONFIG_KEYS: [&str; 18] = [
     "all2all_backend",
     "enable_expert_parallel",
