@@ -332,6 +332,11 @@ typedef struct epcomm_eplb_communicator epcomm_eplb_communicator;
 typedef struct epcomm_eplb_layer_plan epcomm_eplb_layer_plan;
 
 /**
+ * One layer's migration schedule (epcomm_eplb_schedule_migration_batches); immutable.
+ */
+typedef struct epcomm_eplb_migration_schedule epcomm_eplb_migration_schedule;
+
+/**
  * Expert-load statistics of one model on one rank (window, schedule, balancedness log).
  */
 typedef struct epcomm_eplb_state epcomm_eplb_state;
@@ -520,6 +525,30 @@ typedef struct epcomm_all2all_stats {
 } epcomm_all2all_stats;
 
 /**
+ * Views of a migration schedule; valid until the schedule is destroyed.
+ */
+typedef struct epcomm_eplb_schedule_view {
+  int64_t num_batches;
+  /**
+   * num_batches + 1 offsets into the flows: batch b is flows batch_starts[b] up to
+   * batch_starts[b + 1].
+   */
+  const int64_t *batch_starts;
+  int64_t num_flows;
+  /**
+   * [num_flows, 2]: (source rank, destination rank), in vLLM's order.
+   */
+  const int64_t *flows;
+  /**
+   * num_flows + 1 offsets into expert_ids: flow f sends expert_ids[expert_starts[f]] up to
+   * expert_ids[expert_starts[f + 1]], ascending.
+   */
+  const int64_t *expert_starts;
+  int64_t num_expert_ids;
+  const int64_t *expert_ids;
+} epcomm_eplb_schedule_view;
+
+/**
  * What the EPLB communicator factory needs to decide.
  */
 typedef struct epcomm_eplb_select_request {
@@ -567,6 +596,32 @@ typedef struct epcomm_eplb_summary {
   int64_t rows_received;
   int64_t rows_copied_locally;
 } epcomm_eplb_summary;
+
+/**
+ * Options of epcomm_eplb_rearrange_with; initialise with epcomm_eplb_rearrange_options_init.
+ * Every rank must pass the same: a disagreement fails every rank before any layer moves.
+ */
+typedef struct epcomm_eplb_rearrange_options {
+  /**
+   * sizeof(epcomm_eplb_rearrange_options); lets the struct grow.
+   */
+  uint32_t struct_size;
+  /**
+   * Old rank → new rank or -1 (NULL = none), `rank_mapping_len` entries: a change of EP size,
+   * as in epcomm_eplb_rearrange.
+   */
+  const int64_t *rank_mapping;
+  size_t rank_mapping_len;
+  /**
+   * vLLM v0.33.0's `EPLBConfig.migration_batching_enabled` (`use_async and
+   * enable_migration_batching`; epcomm_eplb_state_migration_batching reads it from a state's
+   * config): run each layer's transfers in the batches of vLLM's migration scheduler
+   * (epcomm_eplb_schedule_migration_batches), one communicator execute per batch, so each
+   * rank talks to at most one peer at a time. The same rows move from the same sources as
+   * without it; a layer that moves nothing runs no execute.
+   */
+  bool migration_batching;
+} epcomm_eplb_rearrange_options;
 
 /**
  * Views of a layer plan; valid until the plan is destroyed.
@@ -983,6 +1038,37 @@ int32_t epcomm_eplb_preserve_intragpu_slots(const int64_t *phy2log, int64_t num_
 int32_t epcomm_eplb_compute_logical_maps(const int64_t *phy2log, int64_t num_layers, int64_t num_physical, int64_t num_logical, int64_t *logcnt_out, int64_t *log2phy_out, int64_t log2phy_capacity, int64_t *max_replicas_out);
 
 /**
+ * vLLM v0.33.0's `schedule_migration_batches` (vllm/distributed/eplb/migration_scheduler.py)
+ * for one layer: the old and new physical → logical maps (`num_slots` entries each,
+ * `slots_per_rank` per rank; only -1 is an empty slot, as in vLLM) give the remote copies; the
+ * copies between one directed rank pair form a flow (experts ascending); flows are placed by
+ * first fit into batches where each rank is in at most one flow. The senders are the unbatched
+ * path's (vLLM's balanced assignment). An expert no rank holds is skipped, as vLLM does;
+ * epcomm_eplb_rearrange refuses such a layer instead. The batches epcomm_eplb_rearrange_with
+ * runs with migration_batching.
+ *
+ * # Safety
+ * `old_phy2log` and `new_phy2log` hold num_slots entries; `out` is NULL or writable.
+ */
+int32_t epcomm_eplb_schedule_migration_batches(const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_slots, int64_t slots_per_rank, struct epcomm_eplb_migration_schedule **out);
+
+/**
+ * Describes a migration schedule.
+ *
+ * # Safety
+ * `schedule` is NULL or live; `view_out` is NULL or writable.
+ */
+int32_t epcomm_eplb_migration_schedule_view(const struct epcomm_eplb_migration_schedule *schedule, struct epcomm_eplb_schedule_view *view_out);
+
+/**
+ * Releases a migration schedule (NULL is a no-op).
+ *
+ * # Safety
+ * `schedule` is NULL or from epcomm_eplb_schedule_migration_batches, not used afterwards.
+ */
+void epcomm_eplb_migration_schedule_destroy(struct epcomm_eplb_migration_schedule *schedule);
+
+/**
  * Builds the EPLB communicator vLLM's factory would choose for `request` (name or automatic,
  * elastic group, device of the expert weights, dtypes, NCCL/NIXL availability) over `group`,
  * with vLLM's rules and messages, and logs `Initialized EPLB communicator: {Class}.`. On this
@@ -1040,12 +1126,31 @@ int32_t epcomm_eplb_communicator_execute(struct epcomm_eplb_communicator *comm);
  * timeout) leaves that layer and later ones exactly as they were; the error says which layers
  * were done. `rank_mapping` (old rank → new rank or -1; NULL = none) changes the EP size: with
  * one entry per rank of the group it is a scale-down (the old group moves), otherwise a
- * scale-up (the new group moves). `summary_out` may be NULL.
+ * scale-up (the new group moves). `summary_out` may be NULL. Each layer's transfers run in one
+ * communicator execute; epcomm_eplb_rearrange_with can batch them instead.
  *
  * # Safety
  * Pointers are NULL or valid for the sizes above; tensors describe host memory.
  */
 int32_t epcomm_eplb_rearrange(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, size_t num_tensors, const int64_t *rank_mapping, size_t rank_mapping_len, struct epcomm_eplb_summary *summary_out);
+
+/**
+ * Fills `options` with the defaults (no rank mapping, no batching) and struct_size.
+ *
+ * # Safety
+ * `options` is NULL or writable.
+ */
+int32_t epcomm_eplb_rearrange_options_init(struct epcomm_eplb_rearrange_options *options);
+
+/**
+ * epcomm_eplb_rearrange with `options` (NULL = the defaults): the rank mapping and migration
+ * batching. A bad `options` is reported to the peers as any other rejected argument.
+ *
+ * # Safety
+ * As epcomm_eplb_rearrange; `options` is NULL or valid, its rank_mapping NULL or valid for
+ * rank_mapping_len entries.
+ */
+int32_t epcomm_eplb_rearrange_with(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, size_t num_tensors, const struct epcomm_eplb_rearrange_options *options, struct epcomm_eplb_summary *summary_out);
 
 /**
  * Computes rank `rank`'s transfer plan for one layer from the old and new maps (`num_slots`
@@ -1091,6 +1196,18 @@ int32_t epcomm_eplb_state_create(const char *eplb_config_json, const char *model
  * `state` is NULL or from epcomm_eplb_state_create, not used afterwards.
  */
 void epcomm_eplb_state_destroy(struct epcomm_eplb_state *state);
+
+/**
+ * Sets `*enabled_out` to vLLM's `EPLBConfig.migration_batching_enabled` for the config the
+ * state was made with: `use_async and enable_migration_batching` (both from
+ * `eplb_config_json`; vLLM's defaults are use_async true, enable_migration_batching false).
+ * Pass it as epcomm_eplb_rearrange_options.migration_batching to rearrange as vLLM's async
+ * worker does.
+ *
+ * # Safety
+ * `state` is NULL or live; `enabled_out` is NULL or writable.
+ */
+int32_t epcomm_eplb_state_migration_batching(const struct epcomm_eplb_state *state, bool *enabled_out);
 
 /**
  * Adds the expert load of the manager's last dispatch to layer `layer` of this step (the

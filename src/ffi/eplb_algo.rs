@@ -14,6 +14,8 @@
 
 use super::eplb::{checked_len, dim};
 use super::guard;
+use super::handle::Handle;
+use crate::eplb::migration;
 use crate::eplb::policy::{self, NodeFallback, Placement};
 use crate::error::{Error, Result};
 
@@ -367,5 +369,129 @@ pub unsafe extern "C" fn epcomm_eplb_compute_logical_maps(
             }
         }
         Ok(())
+    })
+}
+
+/// One layer's migration schedule (epcomm_eplb_schedule_migration_batches); immutable.
+pub struct epcomm_eplb_migration_schedule {
+    batch_starts: Vec<i64>,
+    flows: Vec<i64>,
+    expert_starts: Vec<i64>,
+    expert_ids: Vec<i64>,
+}
+
+impl super::handle::Handle for epcomm_eplb_migration_schedule {
+    const ARG: &'static str = "schedule";
+}
+
+/// Views of a migration schedule; valid until the schedule is destroyed.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_eplb_schedule_view {
+    pub num_batches: i64,
+    /// num_batches + 1 offsets into the flows: batch b is flows batch_starts[b] up to
+    /// batch_starts[b + 1].
+    pub batch_starts: *const i64,
+    pub num_flows: i64,
+    /// [num_flows, 2]: (source rank, destination rank), in vLLM's order.
+    pub flows: *const i64,
+    /// num_flows + 1 offsets into expert_ids: flow f sends expert_ids[expert_starts[f]] up to
+    /// expert_ids[expert_starts[f + 1]], ascending.
+    pub expert_starts: *const i64,
+    pub num_expert_ids: i64,
+    pub expert_ids: *const i64,
+}
+
+/// vLLM v0.33.0's `schedule_migration_batches` (vllm/distributed/eplb/migration_scheduler.py)
+/// for one layer: the old and new physical → logical maps (`num_slots` entries each,
+/// `slots_per_rank` per rank; only -1 is an empty slot, as in vLLM) give the remote copies; the
+/// copies between one directed rank pair form a flow (experts ascending); flows are placed by
+/// first fit into batches where each rank is in at most one flow. The senders are the unbatched
+/// path's (vLLM's balanced assignment). An expert no rank holds is skipped, as vLLM does;
+/// epcomm_eplb_rearrange refuses such a layer instead. The batches epcomm_eplb_rearrange_with
+/// runs with migration_batching.
+///
+/// # Safety
+/// `old_phy2log` and `new_phy2log` hold num_slots entries; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_schedule_migration_batches(
+    old_phy2log: *const i64,
+    new_phy2log: *const i64,
+    num_slots: i64,
+    slots_per_rank: i64,
+    out: *mut *mut epcomm_eplb_migration_schedule,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        let (p, n) = (
+            dim(num_slots, "num_slots")?,
+            dim(slots_per_rank, "slots_per_rank")?,
+        );
+        checked_len(p, 1, "num_slots")?;
+        non_null(&[
+            (old_phy2log.is_null(), "old_phy2log"),
+            (new_phy2log.is_null(), "new_phy2log"),
+        ])?;
+        // SAFETY: num_slots entries each (caller contract).
+        let (old, new) = unsafe { (read_rows(old_phy2log, 1, p), read_rows(new_phy2log, 1, p)) };
+        let batches = migration::schedule_migration_batches(n, &old[0], &new[0])?;
+        let mut s = epcomm_eplb_migration_schedule {
+            batch_starts: vec![0],
+            flows: Vec::new(),
+            expert_starts: vec![0],
+            expert_ids: Vec::new(),
+        };
+        for f in batches.iter().flatten() {
+            s.flows.extend([f.src_rank as i64, f.dst_rank as i64]);
+            s.expert_ids.extend(&f.expert_ids);
+            s.expert_starts.push(s.expert_ids.len() as i64);
+        }
+        for b in &batches {
+            s.batch_starts
+                .push(s.batch_starts[s.batch_starts.len() - 1] + b.len() as i64);
+        }
+        *out = s.into_raw();
+        Ok(())
+    })
+}
+
+/// Describes a migration schedule.
+///
+/// # Safety
+/// `schedule` is NULL or live; `view_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_migration_schedule_view(
+    schedule: *const epcomm_eplb_migration_schedule,
+    view_out: *mut epcomm_eplb_schedule_view,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(view_out, "view_out") }?;
+        let s = unsafe { epcomm_eplb_migration_schedule::from_ptr(schedule) }?;
+        *out = epcomm_eplb_schedule_view {
+            num_batches: s.batch_starts.len() as i64 - 1,
+            batch_starts: s.batch_starts.as_ptr(),
+            num_flows: s.flows.len() as i64 / 2,
+            flows: s.flows.as_ptr(),
+            expert_starts: s.expert_starts.as_ptr(),
+            num_expert_ids: s.expert_ids.len() as i64,
+            expert_ids: s.expert_ids.as_ptr(),
+        };
+        Ok(())
+    })
+}
+
+/// Releases a migration schedule (NULL is a no-op).
+///
+/// # Safety
+/// `schedule` is NULL or from epcomm_eplb_schedule_migration_batches, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_migration_schedule_destroy(
+    schedule: *mut epcomm_eplb_migration_schedule,
+) {
+    // SAFETY: caller contract.
+    guard::call_or((), || unsafe {
+        epcomm_eplb_migration_schedule::destroy(schedule)
     })
 }

@@ -240,7 +240,8 @@ unsafe fn maps(
 /// timeout) leaves that layer and later ones exactly as they were; the error says which layers
 /// were done. `rank_mapping` (old rank → new rank or -1; NULL = none) changes the EP size: with
 /// one entry per rank of the group it is a scale-down (the old group moves), otherwise a
-/// scale-up (the new group moves). `summary_out` may be NULL.
+/// scale-up (the new group moves). `summary_out` may be NULL. Each layer's transfers run in one
+/// communicator execute; epcomm_eplb_rearrange_with can batch them instead.
 ///
 /// # Safety
 /// Pointers are NULL or valid for the sizes above; tensors describe host memory.
@@ -258,43 +259,206 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange(
     rank_mapping_len: usize,
     summary_out: *mut epcomm_eplb_summary,
 ) -> i32 {
+    let call = RearrangeCall {
+        old_phy2log,
+        new_phy2log,
+        num_layers,
+        old_slots,
+        new_slots,
+        weights,
+        num_tensors,
+    };
     guard::call(|| {
-        // Checked before the group is used; a rejection is reported to the peers too.
-        let prepared = (|| {
-            let l = count(num_layers, "num_layers")?;
-            let (os, ns) = (
-                count(old_slots, "old_slots")?,
-                count(new_slots, "new_slots")?,
-            );
-            // SAFETY: caller contract for every pointer below.
-            let (old, new, layers) = unsafe {
-                (
-                    maps(old_phy2log, l, os, "old_phy2log")?,
-                    maps(new_phy2log, l, ns, "new_phy2log")?,
-                    LayerWeights::parse(weights, l, num_tensors)?,
-                )
-            };
-            let mapping = (!rank_mapping.is_null()).then(|| {
-                // SAFETY: non-NULL with rank_mapping_len entries (caller contract).
-                unsafe { std::slice::from_raw_parts(rank_mapping, rank_mapping_len) }.to_vec()
-            });
-            Ok((old, new, layers, mapping))
-        })();
+        // SAFETY: NULL or rank_mapping_len entries (caller contract).
+        let mapping = unsafe { mapping_arg(rank_mapping, rank_mapping_len) };
+        // SAFETY: caller contract.
+        unsafe { call.run(comm, Ok((mapping, false)), summary_out) }
+    })
+}
+
+/// Options of epcomm_eplb_rearrange_with; initialise with epcomm_eplb_rearrange_options_init.
+/// Every rank must pass the same: a disagreement fails every rank before any layer moves.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_eplb_rearrange_options {
+    /// sizeof(epcomm_eplb_rearrange_options); lets the struct grow.
+    pub struct_size: u32,
+    /// Old rank → new rank or -1 (NULL = none), `rank_mapping_len` entries: a change of EP size,
+    /// as in epcomm_eplb_rearrange.
+    pub rank_mapping: *const i64,
+    pub rank_mapping_len: usize,
+    /// vLLM v0.33.0's `EPLBConfig.migration_batching_enabled` (`use_async and
+    /// enable_migration_batching`; epcomm_eplb_state_migration_batching reads it from a state's
+    /// config): run each layer's transfers in the batches of vLLM's migration scheduler
+    /// (epcomm_eplb_schedule_migration_batches), one communicator execute per batch, so each
+    /// rank talks to at most one peer at a time. The same rows move from the same sources as
+    /// without it; a layer that moves nothing runs no execute.
+    pub migration_batching: bool,
+}
+
+/// Fills `options` with the defaults (no rank mapping, no batching) and struct_size.
+///
+/// # Safety
+/// `options` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_rearrange_options_init(
+    options: *mut epcomm_eplb_rearrange_options,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(options, "options") }?;
+        *out = epcomm_eplb_rearrange_options {
+            struct_size: std::mem::size_of::<epcomm_eplb_rearrange_options>() as u32,
+            rank_mapping: std::ptr::null(),
+            rank_mapping_len: 0,
+            migration_batching: false,
+        };
+        Ok(())
+    })
+}
+
+/// epcomm_eplb_rearrange with `options` (NULL = the defaults): the rank mapping and migration
+/// batching. A bad `options` is reported to the peers as any other rejected argument.
+///
+/// # Safety
+/// As epcomm_eplb_rearrange; `options` is NULL or valid, its rank_mapping NULL or valid for
+/// rank_mapping_len entries.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_rearrange_with(
+    comm: *mut epcomm_eplb_communicator,
+    old_phy2log: *const i64,
+    new_phy2log: *const i64,
+    num_layers: i64,
+    old_slots: i64,
+    new_slots: i64,
+    weights: *const epcomm_tensor,
+    num_tensors: usize,
+    options: *const epcomm_eplb_rearrange_options,
+    summary_out: *mut epcomm_eplb_summary,
+) -> i32 {
+    let call = RearrangeCall {
+        old_phy2log,
+        new_phy2log,
+        num_layers,
+        old_slots,
+        new_slots,
+        weights,
+        num_tensors,
+    };
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let options = unsafe { rearrange_options_arg(options) };
+        // SAFETY: caller contract.
+        unsafe { call.run(comm, options, summary_out) }
+    })
+}
+
+/// A rank mapping argument: NULL = none, else `len` entries.
+///
+/// # Safety
+/// `p` is NULL or valid for `len` entries.
+unsafe fn mapping_arg(p: *const i64, len: usize) -> Option<Vec<i64>> {
+    // SAFETY: non-NULL with len entries (caller contract).
+    (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, len) }.to_vec())
+}
+
+/// The rank mapping and the batching flag of `options` (NULL = defaults).
+///
+/// # Safety
+/// `options` is NULL or valid, its rank_mapping NULL or valid for rank_mapping_len entries.
+unsafe fn rearrange_options_arg(
+    options: *const epcomm_eplb_rearrange_options,
+) -> Result<(Option<Vec<i64>>, bool)> {
+    // SAFETY: caller contract.
+    let Some(o) = (unsafe { options.as_ref() }) else {
+        return Ok((None, false));
+    };
+    let want = std::mem::size_of::<epcomm_eplb_rearrange_options>();
+    if (o.struct_size as usize) < want {
+        return Err(Error::InvalidArgument(format!(
+            "options->struct_size is {}: expected sizeof(epcomm_eplb_rearrange_options) = {want} (call epcomm_eplb_rearrange_options_init)",
+            o.struct_size
+        )));
+    }
+    // SAFETY: caller contract.
+    let mapping = unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) };
+    Ok((mapping, o.migration_batching))
+}
+
+/// The map and weight arguments of a rearrangement, as C passes them.
+struct RearrangeCall {
+    old_phy2log: *const i64,
+    new_phy2log: *const i64,
+    num_layers: i64,
+    old_slots: i64,
+    new_slots: i64,
+    weights: *const epcomm_tensor,
+    num_tensors: usize,
+}
+
+/// A rearrangement's checked arguments: old and new maps, weights, rank mapping, batching.
+type Prepared = (
+    Vec<Vec<i64>>,
+    Vec<Vec<i64>>,
+    LayerWeights,
+    Option<Vec<i64>>,
+    bool,
+);
+
+impl RearrangeCall {
+    /// Checks the arguments (before the group is used).
+    ///
+    /// # Safety
+    /// The pointers are NULL or valid for the sizes they are given with.
+    unsafe fn prepare(&self, options: Result<(Option<Vec<i64>>, bool)>) -> Result<Prepared> {
+        let l = count(self.num_layers, "num_layers")?;
+        let (os, ns) = (
+            count(self.old_slots, "old_slots")?,
+            count(self.new_slots, "new_slots")?,
+        );
+        // SAFETY: caller contract for every pointer below.
+        let (old, new, layers) = unsafe {
+            (
+                maps(self.old_phy2log, l, os, "old_phy2log")?,
+                maps(self.new_phy2log, l, ns, "new_phy2log")?,
+                LayerWeights::parse(self.weights, l, self.num_tensors)?,
+            )
+        };
+        let (mapping, batching) = options?;
+        Ok((old, new, layers, mapping, batching))
+    }
+
+    /// Runs the rearrangement; a rejected argument is reported to the peers too.
+    ///
+    /// # Safety
+    /// As epcomm_eplb_rearrange_with.
+    unsafe fn run(
+        &self,
+        comm: *mut epcomm_eplb_communicator,
+        options: Result<(Option<Vec<i64>>, bool)>,
+        summary_out: *mut epcomm_eplb_summary,
+    ) -> Result<()> {
+        // SAFETY: caller contract.
+        let prepared = unsafe { self.prepare(options) };
         // SAFETY: caller contract: a live handle whose group is live.
         let summary = unsafe {
             with_comm(comm, |c, group| {
                 with_group(group, |g| {
-                    let (old, new, w, mapping) =
+                    let (old, new, w, mapping, batching) =
                         prepared.map_err(|e| rearrange::reject_rearrange(g, e))?;
-                    rearrange::rearrange_typed(
+                    let options = rearrange::RearrangeOptions {
+                        rank_mapping: mapping.as_deref(),
+                        dtypes: &w.dtypes,
+                        migration_batching: batching,
+                    };
+                    rearrange::rearrange_with(
                         g,
                         c.comm.as_mut(),
                         &old,
                         &new,
                         &mut w.views(),
                         &w.row_bytes,
-                        mapping.as_deref(),
-                        &w.dtypes,
+                        &options,
                     )
                 })
             })
@@ -309,7 +473,7 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange(
             };
         }
         Ok(())
-    })
+    }
 }
 
 /// The weight tensors of a rearrangement: `per_layer` tensors per layer, layer-major, every
@@ -504,6 +668,8 @@ pub unsafe extern "C" fn epcomm_eplb_layer_plan_destroy(plan: *mut epcomm_eplb_l
 /// Expert-load statistics of one model on one rank (window, schedule, balancedness log).
 pub struct epcomm_eplb_state {
     inner: Mutex<LoadState>,
+    /// The config's `migration_batching_enabled` (fixed at creation).
+    migration_batching: bool,
 }
 
 exclusive_handle!(
@@ -548,6 +714,7 @@ pub unsafe extern "C" fn epcomm_eplb_state_create(
         )?;
         *out = epcomm_eplb_state {
             inner: Mutex::new(state),
+            migration_batching: cfg.migration_batching_enabled(),
         }
         .into_raw();
         Ok(())
@@ -562,6 +729,28 @@ pub unsafe extern "C" fn epcomm_eplb_state_create(
 pub unsafe extern "C" fn epcomm_eplb_state_destroy(state: *mut epcomm_eplb_state) {
     // SAFETY: caller contract.
     guard::call_or((), || unsafe { epcomm_eplb_state::destroy(state) })
+}
+
+/// Sets `*enabled_out` to vLLM's `EPLBConfig.migration_batching_enabled` for the config the
+/// state was made with: `use_async and enable_migration_batching` (both from
+/// `eplb_config_json`; vLLM's defaults are use_async true, enable_migration_batching false).
+/// Pass it as epcomm_eplb_rearrange_options.migration_batching to rearrange as vLLM's async
+/// worker does.
+///
+/// # Safety
+/// `state` is NULL or live; `enabled_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_state_migration_batching(
+    state: *const epcomm_eplb_state,
+    enabled_out: *mut bool,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(enabled_out, "enabled_out") }?;
+        // SAFETY: caller contract; the flag is immutable, so no lock is needed.
+        *out = unsafe { epcomm_eplb_state::from_ptr(state) }?.migration_batching;
+        Ok(())
+    })
 }
 
 /// Runs `f` with the load statistics behind `state`.

@@ -2,8 +2,9 @@
  * EPLB at run time through the C ABI: two real processes (forked ranks) form a shared-memory
  * group and use the EPLB communicator factory (vLLM's create_eplb_communicator rules and
  * messages), the communicator's add_send / add_recv / execute, a two-layer rearrangement of
- * expert weights, the per-rank transfer plan (vLLM's sender/receiver pairing), and
- * the load statistics (record, step with the balancedness log line, logical load). Built as C11
+ * expert weights (also batched as vLLM's migration scheduler orders it, with the options
+ * struct), the scheduler itself, the per-rank transfer plan (vLLM's sender/receiver pairing),
+ * and the load statistics (record, step with the balancedness log line, logical load). Built as C11
  * and (with -x c++) as C++17, under ASan+UBSan, by tests/c_eplb.rs.
  *
  * Usage: eplb_runtime_test GROUP_NAME
@@ -31,6 +32,9 @@ typedef struct epcomm_eplb_summary summary_t;
 typedef struct epcomm_eplb_layer_plan plan_t;
 typedef struct epcomm_eplb_plan_view plan_view_t;
 typedef struct epcomm_eplb_state state_t;
+typedef struct epcomm_eplb_rearrange_options rearrange_options_t;
+typedef struct epcomm_eplb_migration_schedule schedule_t;
+typedef struct epcomm_eplb_schedule_view schedule_view_t;
 
 #define WORLD 2
 
@@ -387,6 +391,143 @@ static void test_rearrange(comm_t *comm) {
               EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
 }
 
+/* ---- rearrange with migration batching ------------------------------------------------------- */
+
+/* 1 when rank g_rank's weights hold placement `map` (RA_LAYERS layers of RA_SLOTS slots). */
+static int holds(float w[RA_LAYERS][RA_LOCAL * RA_COLS], const int64_t *map) {
+    int l, s, c;
+    for (l = 0; l < RA_LAYERS; l++) {
+        for (s = 0; s < RA_LOCAL; s++) {
+            int expert = (int)map[l * RA_SLOTS + g_rank * RA_LOCAL + s];
+            for (c = 0; c < RA_COLS; c++) {
+                if (w[l][s * RA_COLS + c] != row_value(expert, l, c)) {
+                    printf("  rank %d: layer %d slot %d col %d = %g, expected expert %d\n",
+                           g_rank, l, s, c, (double)w[l][s * RA_COLS + c], expert);
+                    return 0;
+                }
+            }
+        }
+    }
+    return 1;
+}
+
+static void test_rearrange_batched(comm_t *comm) {
+    /* Layer 0 swaps the ranks' experts: vLLM's scheduler makes two batches (flow 0->1 with
+     * experts 0, 1, then flow 1->0 with experts 2, 3); layer 1 stays (no batch). */
+    static const int64_t old_map[RA_LAYERS * RA_SLOTS] = {0, 1, 2, 3, 0, 1, 2, 3};
+    static const int64_t new_map[RA_LAYERS * RA_SLOTS] = {2, 3, 0, 1, 0, 1, 2, 3};
+    static const int64_t identity[WORLD] = {0, 1};
+    float w[RA_LAYERS][RA_LOCAL * RA_COLS];
+    int64_t shape[2] = {RA_LOCAL, RA_COLS};
+    tensor_t weights[RA_LAYERS];
+    rearrange_options_t opts;
+    summary_t summary;
+    char want[256];
+    int l, s, c;
+
+    for (l = 0; l < RA_LAYERS; l++) {
+        for (s = 0; s < RA_LOCAL; s++) {
+            int expert = (int)old_map[l * RA_SLOTS + g_rank * RA_LOCAL + s];
+            for (c = 0; c < RA_COLS; c++) {
+                w[l][s * RA_COLS + c] = row_value(expert, l, c);
+            }
+        }
+        weights[l] = make_tensor(w[l], DL_FLOAT, 32, 2, shape);
+    }
+    memset(&opts, 0x5A, sizeof opts);
+    if (!CHECK_ERR(epcomm_eplb_rearrange_options_init(&opts), EPCOMM_OK, NULL)) {
+        return;
+    }
+    CHECK(opts.struct_size == sizeof opts);
+    CHECK(opts.rank_mapping == NULL && opts.rank_mapping_len == 0 && !opts.migration_batching);
+    opts.migration_batching = true;
+    memset(&summary, 0xAB, sizeof summary);
+    if (CHECK_ERR(epcomm_eplb_rearrange_with(comm, old_map, new_map, RA_LAYERS, RA_SLOTS,
+                                             RA_SLOTS, weights, 1, &opts, &summary),
+                  EPCOMM_OK, NULL)) {
+        CHECK(holds(w, new_map));
+        CHECK(summary.layers_changed == 1 && summary.rows_sent == 2);
+        CHECK(summary.rows_received == 2 && summary.rows_copied_locally == 0);
+    }
+    /* Back, batched, with the identity rank mapping in the options. */
+    opts.rank_mapping = identity;
+    opts.rank_mapping_len = WORLD;
+    if (CHECK_ERR(epcomm_eplb_rearrange_with(comm, new_map, old_map, RA_LAYERS, RA_SLOTS,
+                                             RA_SLOTS, weights, 1, &opts, NULL),
+                  EPCOMM_OK, NULL)) {
+        CHECK(holds(w, old_map));
+    }
+    /* NULL options: the defaults (unbatched, no mapping). */
+    if (CHECK_ERR(epcomm_eplb_rearrange_with(comm, old_map, new_map, RA_LAYERS, RA_SLOTS,
+                                             RA_SLOTS, weights, 1, NULL, NULL),
+                  EPCOMM_OK, NULL)) {
+        CHECK(holds(w, new_map));
+    }
+    /* The ranks disagree on batching: the same error on both, nothing moves. */
+    opts.rank_mapping = NULL;
+    opts.rank_mapping_len = 0;
+    opts.migration_batching = g_rank == 0;
+    CHECK_ERR(epcomm_eplb_rearrange_with(comm, new_map, old_map, RA_LAYERS, RA_SLOTS, RA_SLOTS,
+                                         weights, 1, &opts, NULL),
+              EPCOMM_ERROR_INVALID_ARGUMENT,
+              "rearrange: ranks disagree on migration batching: rank 0 turns it on but rank 1 "
+              "turns it off; every rank must pass the same (EPLB rearrangement: no layer was "
+              "changed)");
+    CHECK(holds(w, new_map));
+    /* Options from an older, smaller struct are refused (on every rank: both pass it). */
+    opts.struct_size = 0;
+    snprintf(want, sizeof want,
+             "options->struct_size is 0: expected sizeof(epcomm_eplb_rearrange_options) = %u "
+             "(call epcomm_eplb_rearrange_options_init)",
+             (unsigned)sizeof opts);
+    CHECK_ERR(epcomm_eplb_rearrange_with(comm, new_map, old_map, RA_LAYERS, RA_SLOTS, RA_SLOTS,
+                                         weights, 1, &opts, NULL),
+              EPCOMM_ERROR_INVALID_ARGUMENT, want);
+    CHECK(holds(w, new_map));
+    CHECK_ERR(epcomm_eplb_rearrange_options_init(NULL), EPCOMM_ERROR_NULL_POINTER, NULL);
+}
+
+/* ---- the migration scheduler ----------------------------------------------------------------- */
+
+static void test_schedule(void) {
+    /* vLLM's test_schedule_migration_batches_is_deterministic: transfers (src, dst, expert)
+     * (1,3,0) (2,4,1) (0,1,2) (0,2,3) (0,3,4) (0,4,5) placed by its _placements_for_transfers
+     * on 5 ranks of 4 slots. */
+    static const int64_t old_map[20] = {2, 3, 4, 5, 0, -1, -1, -1, 1, -1,
+                                        -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+    static const int64_t new_map[20] = {-1, -1, -1, -1, 2, -1, -1, -1, 3, -1,
+                                        -1, -1, 0, 4, -1, -1, 1, 5, -1, -1};
+    static const int64_t batch_starts[6] = {0, 2, 3, 4, 5, 6};
+    static const int64_t flows[12] = {1, 3, 2, 4, 0, 1, 0, 2, 0, 3, 0, 4};
+    static const int64_t expert_starts[7] = {0, 1, 2, 3, 4, 5, 6};
+    static const int64_t expert_ids[6] = {0, 1, 2, 3, 4, 5};
+    schedule_t *sch = NULL, *bad = NULL;
+    schedule_view_t v;
+
+    if (CHECK_ERR(epcomm_eplb_schedule_migration_batches(old_map, new_map, 20, 4, &sch),
+                  EPCOMM_OK, NULL)) {
+        memset(&v, 0, sizeof v);
+        if (CHECK_ERR(epcomm_eplb_migration_schedule_view(sch, &v), EPCOMM_OK, NULL)) {
+            CHECK(v.num_batches == 5 && v.num_flows == 6 && v.num_expert_ids == 6);
+            if (v.num_batches == 5 && v.num_flows == 6 && v.num_expert_ids == 6) {
+                CHECK(memcmp(v.batch_starts, batch_starts, sizeof batch_starts) == 0);
+                CHECK(memcmp(v.flows, flows, sizeof flows) == 0);
+                CHECK(memcmp(v.expert_starts, expert_starts, sizeof expert_starts) == 0);
+                CHECK(memcmp(v.expert_ids, expert_ids, sizeof expert_ids) == 0);
+            }
+        }
+    }
+    CHECK_ERR(epcomm_eplb_schedule_migration_batches(old_map, new_map, 20, 3, &bad),
+              EPCOMM_ERROR_INVALID_ARGUMENT,
+              "cannot reshape a map of 20 slots into blocks of 3 slots per rank");
+    CHECK(bad == NULL);
+    CHECK_ERR(epcomm_eplb_schedule_migration_batches(NULL, new_map, 20, 4, &bad),
+              EPCOMM_ERROR_NULL_POINTER, NULL);
+    CHECK_ERR(epcomm_eplb_migration_schedule_view(NULL, &v), EPCOMM_ERROR_NULL_POINTER, NULL);
+    epcomm_eplb_migration_schedule_destroy(sch);
+    epcomm_eplb_migration_schedule_destroy(NULL);
+}
+
 /* ---- plan_layer ------------------------------------------------------------------------------ */
 
 static void test_plan_layer(void) {
@@ -514,11 +655,39 @@ static void test_state(group_t *g) {
         }
         CHECK(bad == NULL);
     }
-    /* NULL config = vLLM's defaults. */
+    /* NULL config = vLLM's defaults: migration batching off. */
     if (CHECK_ERR(epcomm_eplb_state_create(NULL, "toy", 1, 4, &bad), EPCOMM_OK, NULL)) {
+        bool on = true;
         CHECK(bad != NULL);
+        if (CHECK_ERR(epcomm_eplb_state_migration_batching(bad, &on), EPCOMM_OK, NULL)) {
+            CHECK(!on);
+        }
+        CHECK_ERR(epcomm_eplb_state_migration_batching(bad, NULL), EPCOMM_ERROR_NULL_POINTER,
+                  NULL);
     }
     epcomm_eplb_state_destroy(bad);
+    /* vLLM's migration_batching_enabled: use_async (default true) and
+     * enable_migration_batching. */
+    {
+        static const char *configs[3] = {
+            "{\"enable_migration_batching\": true}",
+            "{\"use_async\": false, \"enable_migration_batching\": true}",
+            "{\"use_async\": true, \"enable_migration_batching\": false}",
+        };
+        static const bool expected[3] = {true, false, false};
+        int i;
+        for (i = 0; i < 3; i++) {
+            state_t *t = NULL;
+            bool on = !expected[i];
+            if (CHECK_ERR(epcomm_eplb_state_create(configs[i], "toy", 1, 4, &t), EPCOMM_OK,
+                          NULL) &&
+                CHECK_ERR(epcomm_eplb_state_migration_batching(t, &on), EPCOMM_OK, NULL)) {
+                CHECK(on == expected[i]);
+            }
+            epcomm_eplb_state_destroy(t);
+        }
+    }
+    CHECK_ERR(epcomm_eplb_state_migration_batching(NULL, NULL), EPCOMM_ERROR_NULL_POINTER, NULL);
     epcomm_eplb_state_destroy(s);
     epcomm_eplb_state_destroy(NULL);
 }
@@ -551,9 +720,12 @@ static int child_main(const char *name, int rank) {
         test_communicator(comm);
         CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
         test_rearrange(comm);
+        CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
+        test_rearrange_batched(comm);
     }
     CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
     test_plan_layer();
+    test_schedule();
     test_state(g);
     CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
 
