@@ -7,7 +7,9 @@ A new vLLM release is one command plus a review:
     git diff src/select/versions.rs         # review the new row: names, their status, the rule
 
 `--check` rewrites nothing and exits 1 when the file differs from what would be generated
-(`--only V,V` limits the run, and the check, to those releases' rows).
+(`--only V,V` limits the run, and the check, to those releases' rows). Exit status 2: a
+release's source has a shape the script does not know (read it, extend the script); 3: PyPI
+cannot be reached (and the cache lacks what is needed).
 
 For every final release on PyPI from the first one in which the all2all backend is configurable
 (the `VLLM_ALL2ALL_BACKEND` environment variable in vllm/envs.py, later
@@ -22,6 +24,7 @@ needed members are fetched with HTTP range requests. Only those members are kept
   - each name's status: canonical; alias (the communicator maps it onto another name's manager
     and warns that it is deprecated); removed (the configuration warns that it was removed and
     rewrites it to another backend),
+  - the default name (the field's default; the environment variable's where that is None),
   - the EPLB communicator names (the `EPLBCommunicatorBackend` Literal; none before it exists).
 Pre-releases and dev releases are skipped. Only the Python standard library is used.
 """
@@ -31,15 +34,22 @@ import ast
 import io
 import json
 import os
+import http.client
 import re
+import shutil
+import socket
 import struct
 import sys
 import tarfile
+import tempfile
+import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
 
 PYPI_JSON = "https://pypi.org/pypi/vllm/json"
+# What a missing or failing network raises (exit status 3, so a test can tell "offline").
+NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout)
 # The scan starts here; the script checks that this release has no configurable all2all
 # backend, so the first release that has one is found, not assumed.
 SCAN_FROM = "0.8.0"
@@ -186,21 +196,23 @@ def release_files(version, files, cache):
         found = sdist_members(info["url"], version)
     else:
         found = wheel_members(info["url"], info["size"])
-    tmp = where + ".partial"
+    os.makedirs(cache, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=version + ".", suffix=".partial", dir=cache)
     for name, data in found.items():
         path = os.path.join(tmp, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)
     meta = {"source": source, "file": info["filename"], "members": list(MEMBERS), "found": sorted(found)}
-    os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, "manifest.json"), "w") as f:
         json.dump(meta, f, indent=1)
+    # Another run may have put the same files in place meanwhile: either copy will do.
     if os.path.exists(where):
-        import shutil
-
-        shutil.rmtree(where)
-    os.rename(tmp, where)
+        shutil.rmtree(where, ignore_errors=True)
+    try:
+        os.rename(tmp, where)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
     return read_cached(where, meta), source
 
 
@@ -288,6 +300,13 @@ def message_template(joined, names):
     return "".join(out)
 
 
+def const_str(node):
+    """The value of a string constant."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    raise ReviewNeeded("not a string constant: %s" % ast.unparse(node))
+
+
 def call_name(call):
     """The called function's name (`f` of `f(...)` or `x.f(...)`)."""
     func = call.func
@@ -295,8 +314,8 @@ def call_name(call):
 
 
 def env_rule(src):
-    """How envs.py reads VLLM_ALL2ALL_BACKEND: None (absent), ("free",) (a plain getenv), or
-    ("choices", names, message) (env_with_choices, with the message it raises)."""
+    """How envs.py reads VLLM_ALL2ALL_BACKEND: None (absent), ("free", default) (a plain
+    getenv), or ("choices", names, message, default) (env_with_choices, with its message)."""
     tree = ast.parse(src)
     entry = None
     for node in ast.walk(tree):
@@ -308,13 +327,15 @@ def env_rule(src):
         return None
     if isinstance(entry, ast.Lambda) and isinstance(entry.body, ast.Call):
         if call_name(entry.body) == "getenv":
-            return ("free",)
+            return ("free", const_str(entry.body.args[1]))
     if isinstance(entry, ast.Call) and call_name(entry) == "env_with_choices":
         kw = {k.arg: k.value for k in entry.keywords}
         if "case_sensitive" in kw or len(entry.args) > 3:
             raise ReviewNeeded("env_with_choices with case_sensitive")
         choices = strings(entry.args[2] if len(entry.args) > 2 else kw["choices"])
-        return ("choices", choices, choices_message(tree, choices))
+        default = entry.args[1] if len(entry.args) > 1 else kw["default"]
+        default = None if isinstance(default, ast.Constant) and default.value is None else const_str(default)
+        return ("choices", choices, choices_message(tree, choices), default)
     raise ReviewNeeded("VLLM_ALL2ALL_BACKEND is read by %s" % ast.unparse(entry))
 
 
@@ -363,10 +384,29 @@ def literal_names(annotation, assigns):
 
 def class_field(cls, name):
     """The annotation of field `name` of class `cls`, or None."""
+    stmt = class_field_stmt(cls, name)
+    return None if stmt is None else stmt.annotation
+
+
+def class_field_stmt(cls, name):
+    """The declaration of field `name` of class `cls`, or None."""
     for stmt in cls.body:
         if isinstance(stmt, ast.AnnAssign) and getattr(stmt.target, "id", None) == name:
-            return stmt.annotation
+            return stmt
     return None
+
+
+def field_default(stmt, env):
+    """The default all2all name: the field's own (`= "x"`, `Field(default="x")`), else, where
+    it defaults to None, the environment variable's."""
+    value = stmt.value if stmt is not None else None
+    if isinstance(value, ast.Call) and call_name(value) == "Field":
+        value = {k.arg: k.value for k in value.keywords}.get("default")
+    if value is not None and not (isinstance(value, ast.Constant) and value.value is None):
+        return const_str(value)
+    if env is None or env[-1] is None:
+        raise ReviewNeeded("all2all_backend has no default")
+    return env[-1]
 
 
 def config_module(files):
@@ -471,7 +511,8 @@ def analyse(files):
     """The row of one release, or None where its all2all backend is not configurable."""
     env = env_rule(files["vllm/envs.py"])
     tree, assigns, classes = config_module(files)
-    field = class_field(classes["ParallelConfig"], "all2all_backend")
+    field_stmt = class_field_stmt(classes["ParallelConfig"], "all2all_backend")
+    field = None if field_stmt is None else field_stmt.annotation
     if field is None and env is None:
         return None
     cc_names, aliases, cc_message = communicator_facts(files[CUDA_COMMUNICATOR])
@@ -500,8 +541,12 @@ def analyse(files):
     if "EPLBConfig" in classes:
         ann = class_field(classes["EPLBConfig"], "communicator")
         eplb = literal_names(ann, assigns) if ann is not None else []
+    default = field_default(field_stmt, env)
+    if default not in names:
+        raise ReviewNeeded("the default '%s' is not an accepted name" % default)
     return {
         "rule": rule,
+        "default": default,
         "message": message,
         "names": names,
         "status": status,
@@ -543,6 +588,7 @@ def render_row(version, source, facts):
         lines.append("%sall2all_error: Some(%s)," % (ind, rust_str(msg)))
     else:
         lines += ["%sall2all_error: Some(" % ind, "%s    %s," % (ind, rust_str(msg)), ind + "),"]
+    lines.append("%sall2all_default: %s," % (ind, rust_str(facts["default"])))
     lines += rust_array("all2all_names", [rust_str(n) for n in facts["names"]], ind)
     lines += rust_array("all2all_status", ["NameKind::" + s for s in facts["status"]], ind)
     lines += rust_array("all2all_resolves", [rust_str(n) for n in facts["resolves"]], ind)
@@ -570,16 +616,17 @@ def release_list(cache):
     saved = os.path.join(cache, "pypi-vllm.json")
     try:
         rel = pypi_releases()
-    except OSError as e:
+    except NETWORK_ERRORS as e:
         if not os.path.exists(saved):
             raise
         print("gen-vllm-versions: PyPI unreachable (%s): using %s" % (e, saved), file=sys.stderr)
         with open(saved) as f:
             return json.load(f)
     os.makedirs(cache, exist_ok=True)
-    with open(saved + ".partial", "w") as f:
+    fd, tmp = tempfile.mkstemp(prefix="pypi-vllm.", suffix=".partial", dir=cache)
+    with os.fdopen(fd, "w") as f:
         json.dump(rel, f)
-    os.replace(saved + ".partial", saved)
+    os.replace(tmp, saved)
     return rel
 
 
@@ -628,8 +675,8 @@ def main():
     except ReviewNeeded as e:
         print("gen-vllm-versions: review needed: %s" % e, file=sys.stderr)
         return 2
-    except OSError as e:
-        print("gen-vllm-versions: cannot read PyPI or the cache: %s" % e, file=sys.stderr)
+    except NETWORK_ERRORS as e:
+        print("gen-vllm-versions: cannot reach PyPI: %s" % e, file=sys.stderr)
         return 3
     if args.check:
         stale = [r.split('"')[1] for r in rows if r not in region] if only else []

@@ -22,16 +22,32 @@ fn stderr_lines(o: &Output) -> Vec<String> {
         .collect()
 }
 
+/// v0.33.0's `All2AllBackend` literal as pydantic lists it.
+const V0_33_0_NAMES: &str = "'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', \
+'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', \
+'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', \
+'flashinfer_nvlink_one_sided' or 'passthrough'";
+
+/// pydantic's message for a name v0.33.0's `ParallelConfig.all2all_backend` refuses.
+fn literal_error(input: &str) -> String {
+    format!(
+        "1 validation error for ParallelConfig\nall2all_backend\n  Input should be \
+         {V0_33_0_NAMES} [type=literal_error, input_value='{input}', input_type=str]\n    \
+         For further information visit https://errors.pydantic.dev/2.13/v/literal_error"
+    )
+}
+
 #[test]
 fn check_reports_unknown_backend_with_hint() {
     let o = epcomm(&["check", "--all2all-backend", "flashinfer-nvlink-2s"]);
     assert_eq!(o.status.code(), Some(1));
-    let err = stderr_lines(&o);
     assert_eq!(
-        err[0],
-        "ValueError: Unknown all2all backend: flashinfer-nvlink-2s"
+        String::from_utf8_lossy(&o.stderr),
+        format!(
+            "ValueError: {}\nhint: did you mean 'flashinfer_nvlink_two_sided'?\n",
+            literal_error("flashinfer-nvlink-2s")
+        )
     );
-    assert_eq!(err[1], "hint: did you mean 'flashinfer_nvlink_two_sided'?");
 }
 
 #[test]
@@ -133,7 +149,11 @@ fn check_json_output() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["ok"], false);
     assert_eq!(v["exception"], "ValueError");
-    assert_eq!(v["message"], "Unknown all2all backend: mori");
+    assert_eq!(v["message"], literal_error("mori"));
+    assert_eq!(
+        v["hint"],
+        "'mori' was accepted up to vLLM 0.22.1; you target 0.33.0"
+    );
     assert_eq!(v["status"], 2);
 }
 
@@ -309,11 +329,34 @@ fn backends_lists_every_name() {
         assert!(out.contains(n.name), "{}", n.name);
     }
     assert!(out.contains("does not load DeepEP"));
+    assert!(out.starts_with(
+        "vLLM 0.33.0 (sdist): ParallelConfig.all2all_backend's Literal refuses any other name.\n"
+    ));
+    assert!(out.contains(
+        "\npassthrough                    canonical  passthrough                    -              PassThroughAll2AllManager\n"
+    ), "{out}");
+    assert!(
+        out.contains("\nEPLB communicators: torch_nccl, torch_gloo, torch_xccl, nixl, pynccl.\n")
+    );
     let o = epcomm(&["backends", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v.as_array().unwrap().len(), 13);
+    // v0.33.0's literal: the 13 names with an exchange, then passthrough, which has none.
+    assert_eq!(v.as_array().unwrap().len(), 14);
     assert_eq!(v[10]["name"], "flashinfer_all2allv");
     assert_eq!(v[10]["kind"], "alias");
+    assert_eq!(v[10]["resolves_to"], "flashinfer_nvlink_two_sided");
+    assert_eq!(
+        v[13],
+        serde_json::json!({
+            "name": "passthrough",
+            "kind": "canonical",
+            "resolves_to": "passthrough",
+            "backend": null,
+            "layout": null,
+            "manager_class": "PassThroughAll2AllManager",
+            "vllm_version": "0.33.0",
+        })
+    );
 }
 
 const DEMO_SMALL: [&str; 14] = [

@@ -5,8 +5,10 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use epcomm::select::all2all::{self, ACCEPTED_NAMES};
+use epcomm::select::all2all::{self, Layout, NameKind};
 use epcomm::select::config;
+use epcomm::select::suggest;
+use epcomm::select::versions::{self, NameRule, Release};
 use epcomm::select::Hint;
 use epcomm::{log, probe, Error};
 
@@ -64,6 +66,9 @@ fn config_from_args(a: &CheckArgs) -> Result<Value, String> {
     for (k, v) in &a.flags {
         base.insert(k.clone(), flag_value(v));
     }
+    if let Some(v) = &a.vllm_version {
+        base.insert("vllm_version".into(), Value::String(v.clone()));
+    }
     Ok(Value::Object(base))
 }
 
@@ -76,15 +81,24 @@ pub fn cmd_check(args: &CheckArgs) -> ExitCode {
     // Warnings are printed below, after the verdict line.
     log::set_sink(Some(Arc::new(|_, _| {})));
     let outcome = config::check_json(&cfg.to_string(), probe::nccl_usable(), probe::nixl_usable());
+    let hint = outcome
+        .result
+        .as_ref()
+        .err()
+        .and_then(|e| hint_for(&cfg, e));
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&outcome.to_json()).unwrap_or_default()
-        );
+        let mut v = outcome.to_json();
+        if let (Some(h), Some(m)) = (&hint, v.as_object_mut()) {
+            m.insert("hint".into(), h.as_str().into());
+        }
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     }
     match &outcome.result {
         Err(e) => {
-            print_error(e);
+            eprintln!("{}: {}", e.exception(), e);
+            if let Some(h) = hint {
+                eprintln!("hint: {h}");
+            }
             for w in &outcome.warnings {
                 eprintln!("warning: {w}");
             }
@@ -129,69 +143,200 @@ pub fn cmd_check(args: &CheckArgs) -> ExitCode {
     }
 }
 
-fn print_error(e: &Error) {
-    eprintln!("{}: {}", e.exception(), e);
-    if let Some(h) = e.hint() {
-        eprintln!("hint: {h}");
+/// The hint for `e`. For a name the targeted release rejects, the releases that accept it,
+/// else that release's nearest names: [`Hint`] alone would suggest v0.33.0's names for the
+/// rules without a `Literal` (envs.py's choices, the communicator's `Unknown all2all backend`),
+/// and has no advice of its own for a name a `Literal` refuses.
+fn hint_for(cfg: &Value, e: &Error) -> Option<String> {
+    let own = e.hint();
+    let target = cfg
+        .get("vllm_version")
+        .and_then(Value::as_str)
+        .unwrap_or(versions::DEFAULT_VERSION);
+    let Ok(release) = versions::release(target) else {
+        return own;
+    };
+    let field = if let Error::ConfigField { field, .. } = e {
+        field.as_str()
+    } else {
+        ""
+    };
+    if let Some(name) = cfg.get("all2all_backend").and_then(Value::as_str) {
+        if !release.accepts_all2all(name) {
+            let refused = match release.all2all_rule {
+                NameRule::Literal => field == "all2all_backend",
+                NameRule::EnvChoices | NameRule::Communicator => {
+                    versions::name_error(release, name) == *e
+                }
+            };
+            if refused {
+                let from_release = versions::name_error_hint(release, name);
+                return match release.all2all_rule {
+                    NameRule::Literal => own.or(Some(from_release)),
+                    NameRule::EnvChoices | NameRule::Communicator => Some(from_release),
+                };
+            }
+        }
+    }
+    let communicator = cfg
+        .pointer("/eplb_config/communicator")
+        .and_then(Value::as_str);
+    match communicator {
+        Some(name) if field.ends_with("communicator") && !release.accepts_eplb(name) => {
+            own.or_else(|| eplb_name_hint(release, name))
+        }
+        Some(_) | None => own,
     }
 }
 
-/// `epcomm backends`: every accepted name, its kind, what it resolves to.
-pub fn cmd_backends(json_out: bool) -> ExitCode {
-    if json_out {
-        let list: Vec<Value> = ACCEPTED_NAMES
-            .iter()
-            .map(|n| {
-                serde_json::json!({
-                    "name": n.name,
-                    "kind": n.kind.name(),
-                    "backend": n.backend.name(),
-                    "layout": n.backend.layout().name(),
-                    "manager_class": n.backend.manager_class(),
-                })
+/// The releases that accept the EPLB communicator `name`, else `release`'s nearest names.
+fn eplb_name_hint(release: &Release, name: &str) -> Option<String> {
+    versions::eplb_hint(name, release).or_else(|| {
+        (!release.eplb_communicators.is_empty()).then(|| {
+            suggest::did_you_mean(
+                name,
+                release.eplb_communicators.iter().copied(),
+                "valid EPLB communicators",
+            )
+        })
+    })
+}
+
+/// One listed name: its status and what it becomes in the release, and what epcomm runs for
+/// it (`None` where epcomm has no such backend).
+struct Listed {
+    name: &'static str,
+    kind: NameKind,
+    resolves: &'static str,
+    layout: Option<Layout>,
+    backend: Option<&'static str>,
+    manager_class: Option<&'static str>,
+}
+
+/// The names `release` accepts, with epcomm's backend for what each becomes there.
+fn listed(release: &'static Release) -> Vec<Listed> {
+    let statuses = release.all2all_status.iter().zip(release.all2all_resolves);
+    release
+        .all2all_names
+        .iter()
+        .zip(statuses)
+        .map(|(name, (kind, resolves))| {
+            let epcomm = all2all::lookup(resolves).map(|a| a.backend);
+            let passthrough = *resolves == all2all::PASSTHROUGH;
+            Listed {
+                name,
+                kind: *kind,
+                resolves,
+                layout: epcomm.map(|b| b.layout()),
+                backend: epcomm.map(|b| b.name()),
+                manager_class: epcomm
+                    .map(|b| b.manager_class())
+                    .or(passthrough.then_some(all2all::PASSTHROUGH_MANAGER_CLASS)),
+            }
+        })
+        .collect()
+}
+
+/// How `release` refuses an all2all name it does not accept.
+fn rule_text(release: &Release) -> &'static str {
+    match release.all2all_rule {
+        NameRule::Literal => "ParallelConfig.all2all_backend's Literal refuses any other name",
+        NameRule::EnvChoices => "envs.py refuses any other VLLM_ALL2ALL_BACKEND value",
+        NameRule::Communicator => {
+            "nothing checks VLLM_ALL2ALL_BACKEND: another name fails when the communicator is built"
+        }
+    }
+}
+
+/// `epcomm backends --json`: one object per all2all name.
+fn print_backends_json(release: &'static Release) {
+    let list: Vec<Value> = listed(release)
+        .iter()
+        .map(|n| {
+            serde_json::json!({
+                "name": n.name,
+                "kind": n.kind.name(),
+                "resolves_to": n.resolves,
+                "backend": n.backend,
+                "layout": n.layout.map(Layout::name),
+                "manager_class": n.manager_class,
+                "vllm_version": release.version,
             })
-            .collect();
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&Value::Array(list)).unwrap_or_default()
-        );
+        })
+        .collect();
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&Value::Array(list)).unwrap_or_default()
+    );
+}
+
+/// `epcomm backends`: the names a release accepts, their status there, what epcomm runs.
+pub fn cmd_backends(json_out: bool, version: &str) -> ExitCode {
+    let release = match versions::release(version) {
+        Ok(r) => r,
+        Err(e) => return crate::usage_error(&format!("argument --vllm-version: {e}")),
+    };
+    if json_out {
+        print_backends_json(release);
         return ExitCode::SUCCESS;
     }
+    println!(
+        "vLLM {} ({}): {}.",
+        release.version,
+        release.source.name(),
+        rule_text(release)
+    );
     println!(
         "{:<30} {:<10} {:<30} {:<14} manager class",
         "name", "kind", "resolves to", "layout"
     );
-    for n in ACCEPTED_NAMES.iter() {
+    for n in listed(release) {
+        let layout = n.layout.map_or("-", Layout::name);
+        let mut class = n
+            .manager_class
+            .unwrap_or("(epcomm has no such backend)")
+            .to_owned();
+        if let Some(b) = n.backend.filter(|b| *b != n.resolves) {
+            class.push_str(&format!(" (epcomm runs {b})"));
+        }
+        let kind = n.kind.name();
         println!(
-            "{:<30} {:<10} {:<30} {:<14} {}",
-            n.name,
-            n.kind.name(),
-            n.backend.name(),
-            n.backend.layout().name(),
-            n.backend.manager_class()
+            "{:<30} {kind:<10} {:<30} {layout:<14} {class}",
+            n.name, n.resolves
+        );
+    }
+    print_backends_notes(release);
+    ExitCode::SUCCESS
+}
+
+/// The lines after the table: EPLB communicators, the default, what a name means in epcomm.
+fn print_backends_notes(release: &Release) {
+    println!();
+    if release.eplb_communicators.is_empty() {
+        println!("EPLB communicators: not configurable in this release.");
+    } else {
+        println!(
+            "EPLB communicators: {}.",
+            release.eplb_communicators.join(", ")
         );
     }
     println!(
-        "{:<30} {:<10} {:<30} {:<14} {}",
-        all2all::PASSTHROUGH,
-        "canonical",
-        "(no exchange)",
-        "-",
-        all2all::PASSTHROUGH_MANAGER_CLASS
+        "Default: {}. Names are exact and case-sensitive, as in vLLM. Rules and messages other \
+         than the name sets follow v{}.",
+        release.all2all_default,
+        versions::DEFAULT_VERSION
     );
-    println!();
+    if release.accepts_all2all(all2all::PASSTHROUGH) {
+        println!(
+            "{}: the MoE backend dispatches and combines itself; epcomm creates no exchange for it.",
+            all2all::PASSTHROUGH
+        );
+    }
     println!(
-        "{}: the MoE backend dispatches and combines itself; epcomm creates no exchange for it.",
-        all2all::PASSTHROUGH
+        "Layout and manager class are epcomm's (vLLM v{}'s classes). A name selects a contract\n\
+         (buffer layout, who applies the top-k weights, where the reduction happens); epcomm\n\
+         implements every layout with its own kernels and transports and does not load DeepEP,\n\
+         FlashInfer, MoRI, NIXL-EP or MoonEP.",
+        versions::DEFAULT_VERSION
     );
-    println!(
-        "Default: {}. Names are exact and case-sensitive, as in vLLM.",
-        all2all::DEFAULT_BACKEND.name()
-    );
-    println!(
-        "A name selects a contract (buffer layout, who applies the top-k weights, where the\n\
-         reduction happens); epcomm implements every layout with its own kernels and transports\n\
-         and does not load DeepEP, FlashInfer, MoRI, NIXL-EP or MoonEP."
-    );
-    ExitCode::SUCCESS
 }

@@ -5,6 +5,7 @@ use clap::{Arg, ArgAction, ArgMatches, Args, Command, FromArgMatches, Parser, Su
 
 use epcomm::num::FloatKind;
 use epcomm::select::config::{CONFIG_KEYS, EPLB_CONFIG_KEYS};
+use epcomm::select::versions::{releases, DEFAULT_VERSION};
 
 /// vLLM's short flags, which are longer than one letter (argparse allows that, clap does not):
 /// `main` rewrites them to the long form before parsing.
@@ -53,11 +54,15 @@ pub struct Cli {
 pub enum Cmd {
     /// Check a vLLM configuration (JSON and vLLM-style flags) the way vLLM would at start-up
     Check(CheckArgs),
-    /// List every all2all backend name vLLM accepts and what it resolves to
+    /// List the all2all backend and EPLB communicator names a vLLM release accepts, with their
+    /// status there and what epcomm runs for them
     Backends {
-        /// Print the list as one JSON array
+        /// Print the all2all names as one JSON array
         #[arg(long)]
         json: bool,
+        #[arg(long = "vllm-version", value_name = "V", default_value = DEFAULT_VERSION,
+              help = vllm_version_short(), long_help = vllm_version_help())]
+        vllm_version: String,
     },
     /// Run MoE steps per backend on rank processes and check every output against a reference
     Demo(DemoArgs),
@@ -68,6 +73,26 @@ pub enum Cmd {
     },
     /// Print the version
     Version,
+}
+
+/// `--vllm-version`'s short help.
+fn vllm_version_short() -> String {
+    format!(
+        "vLLM release whose names apply; rules and messages other than the name sets follow \
+         v{DEFAULT_VERSION}"
+    )
+}
+
+/// `--vllm-version`'s long help, with the releases the table holds.
+fn vllm_version_help() -> String {
+    let all = releases();
+    format!(
+        "The vLLM release whose all2all backend and EPLB communicator names apply (0.31.0, \
+         v0.31.0 and 0.33.0+cu129 are accepted): every release from {} (VLLM_ALL2ALL_BACKEND) to \
+         {} is known. Rules and messages other than the name sets follow v{DEFAULT_VERSION}.",
+        all[0].version,
+        all[all.len() - 1].version
+    )
 }
 
 /// The benchmarks.
@@ -277,6 +302,8 @@ pub struct CheckArgs {
     pub flags: Vec<(String, String)>,
     /// `--eplb-config.KEY VALUE` pairs.
     pub eplb: Vec<(String, String)>,
+    /// `--vllm-version`: the release whose names are checked (the `vllm_version` key).
+    pub vllm_version: Option<String>,
 }
 
 /// The switches among the configuration keys: `--flag` means true, `--flag=false` false.
@@ -290,6 +317,9 @@ pub const BOOL_KEYS: [&str; 8] = [
     "data_parallel_external_lb",
     "data_parallel_hybrid_lb",
 ];
+
+/// Configuration keys whose flags are defined apart from the per-key loop.
+const OWN_FLAGS: [&str; 2] = ["eplb_config", "vllm_version"];
 
 /// (value name, help) of a configuration key's flag.
 fn key_help(key: &str) -> (&'static str, &'static str) {
@@ -339,6 +369,17 @@ impl Args for CheckArgs {
                     .help("Print the outcome as JSON on stdout"),
             )
             .arg(
+                Arg::new("vllm_version")
+                    .long("vllm-version")
+                    .value_name("V")
+                    // No clap default: it would override a `vllm_version` given in --config.
+                    .help(format!(
+                        "{} [default: {DEFAULT_VERSION}]",
+                        vllm_version_short()
+                    ))
+                    .long_help(vllm_version_help()),
+            )
+            .arg(
                 Arg::new("eplb_config")
                     .long("eplb-config")
                     .value_name("JSON")
@@ -346,7 +387,7 @@ impl Args for CheckArgs {
                         "vLLM's EPLBConfig as a JSON object; --eplb-config.KEY flags override it",
                     ),
             );
-        for key in CONFIG_KEYS.iter().filter(|k| **k != "eplb_config") {
+        for key in CONFIG_KEYS.iter().filter(|k| !OWN_FLAGS.contains(k)) {
             let (value, help) = key_help(key);
             let mut arg = Arg::new(*key).long(flag_name(key)).help(help);
             arg = if BOOL_KEYS.contains(key) {
@@ -387,9 +428,10 @@ impl FromArgMatches for CheckArgs {
         self.config = text("config");
         self.json = m.get_flag("json");
         self.eplb_config = text("eplb_config");
+        self.vllm_version = text("vllm_version");
         self.flags = CONFIG_KEYS
             .iter()
-            .filter(|k| **k != "eplb_config")
+            .filter(|k| !OWN_FLAGS.contains(k))
             .filter_map(|k| text(k).map(|v| ((*k).to_owned(), v)))
             .collect();
         self.eplb = EPLB_CONFIG_KEYS

@@ -111,7 +111,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Some(Cmd::Check(a)) => check::cmd_check(&a),
-        Some(Cmd::Backends { json }) => check::cmd_backends(json),
+        Some(Cmd::Backends { json, vllm_version }) => check::cmd_backends(json, &vllm_version),
         Some(Cmd::Demo(a)) => demo::cmd_demo(&a),
         Some(Cmd::Bench { which }) => match which {
             BenchCmd::Group(a) => bench::cmd_group(&a),

@@ -1,0 +1,323 @@
+//! The per-release name table (src/select/versions.rs) against PyPI, and the command line's
+//! `--vllm-version`.
+//!
+//! `scripts/gen-vllm-versions.py --check` reads every vLLM release from 0.9.0 on from PyPI (the
+//! sdists streamed, the wheel's Python files by HTTP range for 0.15.0 and 0.15.1, which have no
+//! sdist; about 80 s cold, seconds once its cache under target/tmp holds them) and fails when
+//! the committed table differs from what the releases' source says. Without network the test
+//! prints a SKIPPED line; `EPCOMM_REQUIRE_VLLM_SRC=1` makes that a failure. The command-line
+//! tests need nothing: they assert what each release's rule gives (pydantic's `literal_error`
+//! text, envs.py's `env_with_choices` text, cuda_communicator.py's `Unknown all2all backend`)
+//! and the hints naming the releases that accept a name.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use common::python::{lock_file, python_or_skip};
+use common::skip::{required, skipped};
+use common::{manifest_dir, run_with_timeout, RunOutput};
+
+/// The script's exit status when it cannot reach PyPI and its cache lacks what it needs.
+const OFFLINE: i32 = 3;
+/// A cold run reads about 43 releases; far below this on a working network.
+const SCRIPT_TIMEOUT: Duration = Duration::from_secs(600);
+
+fn cache() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("vllm-releases")
+}
+
+/// Runs the generator with `args`; `None` after a SKIPPED line when PyPI cannot be reached.
+fn generator(test: &str, args: &[&str]) -> Option<RunOutput> {
+    let python = python_or_skip(test)?;
+    // One run at a time on the shared cache (the tests of this binary, concurrent cargo runs).
+    std::fs::create_dir_all(cache()).expect("create the cache directory");
+    let _lock = lock_file(&cache().join(".lock"));
+    let mut cmd = Command::new(&python.exe);
+    cmd.arg(manifest_dir().join("scripts/gen-vllm-versions.py"))
+        .arg("--cache")
+        .arg(cache())
+        .args(args);
+    let out = run_with_timeout(cmd, SCRIPT_TIMEOUT);
+    if out.status.and_then(|s| s.code()) == Some(OFFLINE) {
+        let why = format!("PyPI is unreachable: {}", out.stderr.trim());
+        assert!(
+            !required("EPCOMM_REQUIRE_VLLM_SRC"),
+            "EPCOMM_REQUIRE_VLLM_SRC is set but {why}"
+        );
+        skipped(test, &why);
+        return None;
+    }
+    Some(out)
+}
+
+#[test]
+fn table_matches_every_release_on_pypi() {
+    let Some(out) = generator("table_matches_every_release_on_pypi", &["--check"]) else {
+        return;
+    };
+    assert!(
+        out.success(),
+        "{}",
+        out.describe("gen-vllm-versions.py --check")
+    );
+    let n = epcomm::select::versions::releases().len();
+    assert!(
+        out.stderr.contains(&format!("matches {n} releases")),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn check_fails_on_a_stale_row() {
+    const TEST: &str = "check_fails_on_a_stale_row";
+    let file = common::out_dir("versions-stale").join("versions.rs");
+    let text = std::fs::read_to_string(manifest_dir().join("src/select/versions.rs")).unwrap();
+    // 0.24.0 added deepep_v2: a 0.23.0 row with it in place of deepep_low_latency is stale.
+    let row = text.find("version: \"0.23.0\"").expect("0.23.0's row");
+    let (head, tail) = text.split_at(row);
+    let tail = tail.replacen("\"deepep_low_latency\",", "\"deepep_v2\",", 1);
+    let stale = format!("{head}{tail}");
+    std::fs::write(&file, stale).unwrap();
+    let file = file.to_str().unwrap();
+    let Some(out) = generator(TEST, &["--check", "--only", "0.23.0", "--file", file]) else {
+        return;
+    };
+    assert_eq!(out.status.and_then(|s| s.code()), Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("is out of date (0.23.0)"),
+        "{}",
+        out.stderr
+    );
+    let Some(out) = generator(TEST, &["--check", "--only", "0.24.0", "--file", file]) else {
+        return;
+    };
+    assert!(out.success(), "{}", out.describe("--only 0.24.0"));
+}
+
+fn epcomm(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_epcomm"))
+        .args(args)
+        .env_remove("EPCOMM_LOG_LEVEL")
+        .output()
+        .expect("run epcomm")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// pydantic's text for a name a release's `Literal` refuses.
+fn literal_error(names: &str, input: &str) -> String {
+    format!(
+        "ValueError: 1 validation error for ParallelConfig\n\
+         all2all_backend\n  \
+         Input should be {names} [type=literal_error, input_value='{input}', input_type=str]\n    \
+         For further information visit https://errors.pydantic.dev/2.13/v/literal_error\n"
+    )
+}
+
+#[test]
+fn check_gives_the_literal_error_of_the_targeted_release_and_when_the_name_came() {
+    let o = epcomm(&[
+        "check",
+        "--vllm-version",
+        "0.20.0",
+        "--config",
+        r#"{"all2all_backend": "deepep_v2"}"#,
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let names = "'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'mori', \
+                 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', \
+                 'flashinfer_nvlink_two_sided' or 'flashinfer_nvlink_one_sided'";
+    assert_eq!(
+        stderr(&o),
+        format!(
+            "{}hint: 'deepep_v2' is accepted from vLLM 0.24.0 on; you target 0.20.0\n",
+            literal_error(names, "deepep_v2")
+        )
+    );
+    // The same configuration for v0.33.0 (the default) is valid.
+    let o = epcomm(&["check", "--config", r#"{"all2all_backend": "deepep_v2"}"#]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+#[test]
+fn check_gives_envs_py_choices_error_for_0_11_0() {
+    let o = epcomm(&[
+        "check",
+        "--vllm-version=v0.11.0",
+        "--all2all-backend",
+        "nixl_ep",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o),
+        "ValueError: Invalid value 'nixl_ep' for VLLM_ALL2ALL_BACKEND. Valid options: ['naive', \
+         'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'allgather_reducescatter', \
+         'flashinfer_all2allv'].\n\
+         hint: 'nixl_ep' is accepted from vLLM 0.18.0 on; you target 0.11.0\n"
+    );
+}
+
+#[test]
+fn check_gives_the_communicator_error_before_envs_py_checked_the_name() {
+    let o = epcomm(&[
+        "check",
+        "--vllm-version",
+        "0.10.2",
+        "--all2all-backend",
+        "allgather_reducescatter",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o),
+        "ValueError: Unknown all2all backend: allgather_reducescatter\n\
+         hint: 'allgather_reducescatter' is accepted from vLLM 0.11.0 on; you target 0.10.2\n"
+    );
+    // A typo: the nearest of 0.10.2's own names, not v0.33.0's.
+    let o = epcomm(&[
+        "check",
+        "--vllm-version",
+        "0.10.2",
+        "--all2all-backend",
+        "deepep_low_latncy",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["message"], "Unknown all2all backend: deepep_low_latncy");
+    assert_eq!(v["hint"], "did you mean 'deepep_low_latency'?");
+}
+
+#[test]
+fn check_hints_for_removed_names_and_eplb_communicators() {
+    let o = epcomm(&[
+        "check",
+        "--vllm-version",
+        "0.33.0+cu129",
+        "--all2all-backend",
+        "mori",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.ends_with("hint: 'mori' was accepted up to vLLM 0.22.1; you target 0.33.0\n"),
+        "{err}"
+    );
+    let o = epcomm(&[
+        "check",
+        "--vllm-version",
+        "0.30.0",
+        "--enable-eplb",
+        "--enable-expert-parallel",
+        "-dp",
+        "2",
+        "--eplb-config.communicator",
+        "torch_xccl",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.starts_with("ValueError: 1 validation error for ParallelConfig\n"),
+        "{err}"
+    );
+    assert!(
+        err.ends_with("hint: 'torch_xccl' is accepted from vLLM 0.31.0 on; you target 0.30.0\n"),
+        "{err}"
+    );
+}
+
+#[test]
+fn check_flag_overrides_the_config_key_and_unknown_versions_name_neighbours() {
+    let o = epcomm(&[
+        "check",
+        "--config",
+        r#"{"vllm_version": "0.10.2", "all2all_backend": "allgather_reducescatter"}"#,
+        "--vllm-version",
+        "0.11.0",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = epcomm(&["check", "--vllm-version", "0.31.2"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o),
+        "ValueError: unknown vLLM version '0.31.2': the nearest known releases are 0.31.0 and \
+         0.32.0\n"
+    );
+}
+
+#[test]
+fn backends_lists_an_old_release() {
+    let o = epcomm(&["backends", "--vllm-version", "0.10.2"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let table = "\
+vLLM 0.10.2 (sdist): nothing checks VLLM_ALL2ALL_BACKEND: another name fails when the communicator is built.
+name                           kind       resolves to                    layout         manager class
+naive                          canonical  naive                          REPLICATED     AgRsAll2AllManager (epcomm runs allgather_reducescatter)
+pplx                           canonical  pplx                           REPLICATED     AgRsAll2AllManager (epcomm runs allgather_reducescatter)
+deepep_high_throughput         canonical  deepep_high_throughput         TOKEN_MAJOR    DeepEPHTAll2AllManager
+deepep_low_latency             canonical  deepep_low_latency             EXPERT_MAJOR   DeepEPLLAll2AllManager
+
+EPLB communicators: not configurable in this release.
+Default: naive. Names are exact and case-sensitive, as in vLLM. Rules and messages other than the name sets follow v0.33.0.
+";
+    assert!(out.starts_with(table), "{out}");
+    assert!(!out.contains("passthrough"), "{out}");
+}
+
+#[test]
+fn backends_json_for_a_release_with_mori_and_the_alias() {
+    let o = epcomm(&["backends", "--vllm-version", "0.18.0", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let names: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "naive",
+            "pplx",
+            "deepep_high_throughput",
+            "deepep_low_latency",
+            "mori",
+            "nixl_ep",
+            "allgather_reducescatter",
+            "flashinfer_all2allv",
+            "flashinfer_nvlink_two_sided",
+            "flashinfer_nvlink_one_sided"
+        ]
+    );
+    assert_eq!(v[1]["kind"], "removed");
+    assert_eq!(v[1]["resolves_to"], "allgather_reducescatter");
+    assert_eq!(v[4]["kind"], "canonical");
+    assert_eq!(v[4]["backend"], serde_json::Value::Null);
+    assert_eq!(v[4]["layout"], serde_json::Value::Null);
+    assert_eq!(v[7]["kind"], "alias");
+    assert_eq!(v[7]["resolves_to"], "flashinfer_nvlink_two_sided");
+    assert_eq!(v[7]["layout"], "RANK_MAJOR");
+    assert!(v
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|e| e["vllm_version"] == "0.18.0"));
+}
+
+#[test]
+fn backends_refuses_an_unknown_version_as_a_usage_error() {
+    let o = epcomm(&["backends", "--vllm-version", "0.34.0"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        stderr(&o),
+        "epcomm: error: argument --vllm-version: unknown vLLM version '0.34.0': the newest known \
+         release is 0.33.0 (scripts/gen-vllm-versions.py adds newer ones)\n"
+    );
+}
