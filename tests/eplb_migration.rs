@@ -12,7 +12,9 @@
 //! reimplement vLLM's code rather than call epcomm's.
 //!
 //! Beyond vLLM's cases: batches vLLM's own scheduler computed for random maps (embedded below,
-//! with the generator that made the maps), property tests (each rank in at most one flow per
+//! with the generator that made the maps), vLLM v0.33.0's unmodified `migration_scheduler.py`
+//! run against epcomm's Python wrapper on 3000 random layers (needs numpy and vLLM's sdist; a
+//! SKIPPED line without them), property tests (each rank in at most one flow per
 //! batch; every needed copy delivered once; the same sources as the transfer plan), more than 64
 //! ranks, and the batched rearrangement on 2 and 4 ranks, byte-identical to the unbatched one.
 
@@ -20,6 +22,8 @@ mod common;
 mod ranks;
 
 use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use epcomm::eplb::communicator::EplbCommunicator;
@@ -35,6 +39,9 @@ use epcomm::select::eplb::Communicator;
 use epcomm::Status;
 
 use common::eplb_fixture::{self, Weights};
+use common::python::numpy_or_skip;
+use common::skip::{required, skipped};
+use common::{cdylib, manifest_dir, run_with_timeout};
 
 // ---- helpers ported from vLLM's test file ----------------------------------------------------
 
@@ -691,4 +698,199 @@ fn an_expert_nobody_holds_is_refused_when_batching() {
             "expert 4 is needed on rank 1 but no rank holds it in the old placement",
         ]
     );
+}
+
+/// Rearranges on `world` threads with a rank mapping; `start[r]` is rank r's weights before.
+fn run_mapped(
+    start: Vec<Vec<Vec<Vec<u8>>>>,
+    old: Vec<Vec<i64>>,
+    new: Vec<Vec<i64>>,
+    mapping: Vec<i64>,
+    migration_batching: bool,
+) -> Vec<Vec<Vec<Vec<u8>>>> {
+    let (world, name) = (start.len(), ranks::unique("e", "migmap"));
+    ranks::on_threads(world, move |r| {
+        let opts = GroupOptions {
+            timeout: Duration::from_secs(20),
+            ..GroupOptions::default()
+        };
+        let mut g = ShmGroup::join(&name, r, world, opts).unwrap();
+        let mut w = start[r].clone();
+        let mut c = eplb_fixture::gloo_cpu().unwrap();
+        let options = RearrangeOptions {
+            rank_mapping: Some(&mapping),
+            migration_batching,
+            ..RearrangeOptions::default()
+        };
+        let mut views = eplb_fixture::views(&mut w);
+        rearrange_with(
+            &mut g,
+            c.as_mut(),
+            &old,
+            &new,
+            &mut views,
+            &[16, 40],
+            &options,
+        )
+        .unwrap();
+        drop(views);
+        w
+    })
+}
+
+#[test]
+fn batched_scale_down_and_scale_up() {
+    const ROW_BYTES: &[usize] = &[16, 40];
+    let at = |world| Weights {
+        world,
+        row_bytes: ROW_BYTES,
+    };
+    let load = eplb_fixture::skewed_load(3, 8, 9, 0.0);
+    // Scale-down 4 -> 2: ranks 1 and 3 leave; the old group of 4 moves.
+    let old = eplb_fixture::modulo_placement(3, 16, 8);
+    let new = eplb_fixture::rebalanced(&load, 8, 2);
+    let start: Vec<_> = (0..4).map(|r| at(4).all(&old, r)).collect();
+    let mapping = vec![0, -1, 1, -1];
+    let plain = run_mapped(
+        start.clone(),
+        old.clone(),
+        new.clone(),
+        mapping.clone(),
+        false,
+    );
+    let batched = run_mapped(start, old, new.clone(), mapping, true);
+    assert!(
+        batched == plain,
+        "scale-down: batched and unbatched weights differ"
+    );
+    assert!(batched[0] == at(2).all(&new, 0) && batched[2] == at(2).all(&new, 1));
+    // Scale-up 2 -> 4: new ranks 2 and 3 start empty; the new group of 4 moves.
+    let old = eplb_fixture::modulo_placement(3, 8, 8);
+    let new = eplb_fixture::rebalanced(&load, 16, 4);
+    let empty = at(2).all(&[vec![-1; 8], vec![-1; 8], vec![-1; 8]], 0);
+    let start: Vec<_> = (0..4)
+        .map(|r| {
+            if r < 2 {
+                at(2).all(&old, r)
+            } else {
+                empty.clone()
+            }
+        })
+        .collect();
+    let plain = run_mapped(start.clone(), old.clone(), new.clone(), vec![0, 1], false);
+    let batched = run_mapped(start, old, new.clone(), vec![0, 1], true);
+    assert!(
+        batched == plain,
+        "scale-up: batched and unbatched weights differ"
+    );
+    for (r, w) in batched.iter().enumerate() {
+        assert!(*w == at(4).all(&new, r), "scale-up: rank {r}");
+    }
+}
+
+// ---- vLLM's own scheduler against epcomm's, through Python -----------------------------------
+
+const VLLM_VERSION: &str = "0.33.0";
+const SCHEDULER: &str = "vllm/distributed/eplb/migration_scheduler.py";
+/// The SHA-256 of `SCHEDULER` in vLLM 0.33.0's sdist.
+const SCHEDULER_SHA256: &str = "c7ce0aef974a83bdc000cb2bbbcbe8e689db8aaa64327ed9066a622f91eaef21";
+
+/// vLLM's source tree: `EPCOMM_VLLM_SRC`, else the sdist fetched under target/ (as
+/// tests/eplb_vllm_algo.rs does); `Err(why)` when it cannot be had.
+fn vllm_tree(python: &Path) -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os("EPCOMM_VLLM_SRC") {
+        return Ok(PathBuf::from(dir));
+    }
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf);
+    let _lock = common::python::lock_file(&target.join("vllm-src.lock"));
+    let mut cmd = Command::new("bash");
+    cmd.arg(manifest_dir().join("scripts/fetch-vllm-sdist.sh"))
+        .arg(VLLM_VERSION)
+        .arg(target.join("vllm-src"))
+        .env("PYTHON", python);
+    let out = run_with_timeout(cmd, Duration::from_secs(600));
+    if !out.success() {
+        let last = out
+            .stderr
+            .trim_end()
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_owned();
+        return Err(format!(
+            "vLLM {VLLM_VERSION}'s sdist could not be fetched (offline?): {last}; set \
+             EPCOMM_VLLM_SRC to an unpacked vllm-{VLLM_VERSION} tree"
+        ));
+    }
+    Ok(PathBuf::from(out.stdout.trim_end()))
+}
+
+/// Loads vLLM's module from its file, draws random layers (empty slots, replicas, experts
+/// nobody holds, up to 150 ranks) and compares its batches with epcomm's.
+const DIFFERENTIAL: &str = r#"
+import hashlib, importlib.util, sys
+import numpy as np
+from epcomm import eplb_algo
+path, want_sha = sys.argv[1], sys.argv[2]
+assert hashlib.sha256(open(path, "rb").read()).hexdigest() == want_sha, "not v0.33.0's file"
+spec = importlib.util.spec_from_file_location("migration_scheduler", path)
+ms = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ms)
+rng = np.random.default_rng(16)
+cases = batches = 0
+for case in range(3000):
+    ranks = int(rng.integers(1, 150 if case % 20 == 0 else 12))
+    n_local = int(rng.integers(1, 5))
+    logical = int(rng.integers(1, ranks * n_local + 3))
+    empty = float(rng.random() * 0.4)
+    def draw():
+        m = rng.integers(0, logical, size=ranks * n_local)
+        m[rng.random(ranks * n_local) < empty] = -1
+        return m.astype(np.int64)
+    old, new = draw(), draw()
+    theirs = [[(f.src_rank, f.dst_rank, f.expert_ids) for f in b]
+              for b in ms.schedule_migration_batches(n_local, old, new)]
+    ours = eplb_algo.schedule_migration_batches(n_local, old, new)
+    assert ours == theirs, (case, n_local, old.tolist(), new.tolist(), ours, theirs)
+    cases += 1
+    batches += len(ours)
+print(f"{cases} layers agree ({batches} batches)")
+"#;
+
+#[test]
+fn vllms_scheduler_agrees_on_random_layers() {
+    const TEST: &str = "vllms_scheduler_agrees_on_random_layers";
+    let Some(python) = numpy_or_skip(TEST) else {
+        return;
+    };
+    let tree = match vllm_tree(&python.exe) {
+        Ok(tree) => tree,
+        Err(why) => {
+            assert!(
+                !required("EPCOMM_REQUIRE_VLLM_SRC"),
+                "EPCOMM_REQUIRE_VLLM_SRC is set but {why}"
+            );
+            skipped(TEST, &why);
+            return;
+        }
+    };
+    let mut cmd = Command::new(&python.exe);
+    cmd.arg("-c")
+        .arg(DIFFERENTIAL)
+        .arg(tree.join(SCHEDULER))
+        .arg(SCHEDULER_SHA256)
+        .env("PYTHONPATH", manifest_dir().join("python"))
+        .env("EPCOMM_LIBRARY", cdylib())
+        .env("PYTHONDONTWRITEBYTECODE", "1");
+    let out = run_with_timeout(cmd, Duration::from_secs(300));
+    let what = format!("vLLM {VLLM_VERSION}'s {SCHEDULER} against epcomm");
+    assert!(out.success(), "{}", out.describe(&what));
+    assert!(
+        out.stdout.starts_with("3000 layers agree"),
+        "{}",
+        out.describe(&what)
+    );
+    println!("{what}: {}", out.stdout.trim());
 }

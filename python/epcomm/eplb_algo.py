@@ -25,6 +25,7 @@ __all__ = [
     "preserve_intragpu_slots",
     "rebalance_experts",
     "compute_logical_maps",
+    "schedule_migration_batches",
 ]
 
 #: ``flags`` bit: vLLM's eplb_state caller rule (num_ranks % num_nodes != 0 → warning, one node).
@@ -176,3 +177,48 @@ def compute_logical_maps(physical_to_logical_map: Any,
     if per_layer:
         return log2phy[0], logcnt[0]
     return log2phy, logcnt
+
+
+def schedule_migration_batches(num_local_experts: int, old_indices: Any,
+                               new_indices: Any) -> "list[list[Tuple[int, int, Tuple[int, ...]]]]":
+    """vLLM v0.33.0's ``schedule_migration_batches`` (migration_scheduler.py) for one layer:
+    old and new phy2log [P] (-1 = empty slot) → batches of flows ``(src_rank, dst_rank,
+    expert_ids)``, the fields of vLLM's ``MigrationFlow``; no rank is in two flows of a batch.
+    The batches ``EplbCommunicator.rearrange`` runs with migration batching."""
+    import numpy as np
+
+    def flat(x: Any) -> Any:
+        if hasattr(x, "detach") and hasattr(x, "cpu"):
+            x = x.detach().cpu().numpy()
+        return np.ascontiguousarray(np.asarray(x), dtype=np.int64)
+
+    old, new = flat(old_indices), flat(new_indices)
+    assert old.shape == new.shape, (
+        f"old_indices.shape == new_indices.shape ({old.shape} != {new.shape})")
+    old, new = old.reshape(-1), new.reshape(-1)
+    lib = _lib()
+    sched, view = lib.epcomm_eplb_schedule_migration_batches, lib.epcomm_eplb_migration_schedule_view
+    sched.restype = view.restype = ctypes.c_int32
+    sched.argtypes = [_P, _P, _i64, _i64, _P]
+    view.argtypes = [_P, _P]
+    lib.epcomm_eplb_migration_schedule_destroy.argtypes = [_P]
+    lib.epcomm_eplb_migration_schedule_destroy.restype = None
+
+    class View(ctypes.Structure):
+        _fields_ = [(name, t) for name, t in (
+            ("num_batches", _i64), ("batch_starts", ctypes.POINTER(_i64)),
+            ("num_flows", _i64), ("flows", ctypes.POINTER(_i64)),
+            ("expert_starts", ctypes.POINTER(_i64)), ("num_expert_ids", _i64),
+            ("expert_ids", ctypes.POINTER(_i64)))]
+
+    handle, v = ctypes.c_void_p(), View()
+    _check(sched(_ptr(old), _ptr(new), old.size, num_local_experts, ctypes.addressof(handle)))
+    try:
+        _check(view(handle, ctypes.addressof(v)))
+        flows = [(int(v.flows[2 * f]), int(v.flows[2 * f + 1]),
+                  tuple(int(v.expert_ids[i])
+                        for i in range(v.expert_starts[f], v.expert_starts[f + 1])))
+                 for f in range(v.num_flows)]
+        return [flows[v.batch_starts[b]:v.batch_starts[b + 1]] for b in range(v.num_batches)]
+    finally:
+        lib.epcomm_eplb_migration_schedule_destroy(handle)
