@@ -3,10 +3,12 @@
 //! test_group.py (groups with multiprocessing ranks and host callbacks), test_all2all.py
 //! (dispatch/combine with numpy arrays as DLPack tensors), test_eplb.py (vLLM's EPLB vectors);
 //! and the epcomm package itself (python/ on PYTHONPATH): test_package.py (errors, groups,
-//! dtypes, context managers) and, with torch, test_torch_group.py (`Group.from_torch` over gloo
-//! with 2 and 4 ranks in their own IPC and mount namespaces, against the shm group's results)
-//! and test_vllm.py (`epcomm.vllm`'s all2all manager and EPLB communicator against a plain-torch
-//! reference of vLLM's AgRsAll2AllManager).
+//! dtypes, context managers) and, with torch, test_outputs.py (DLPack capsule lifetimes,
+//! outputs as DLPack producers, out= tensors in place, the rest of the wrapped C ABI),
+//! test_torch_group.py (`Group.from_torch` over gloo with 2 and 4 ranks in their
+//! own IPC and mount namespaces, against the shm group's results)
+//! and test_vllm.py (`epcomm.vllm`'s all2all manager and EPLB communicator with 2 and 4 ranks
+//! against a plain-torch reference of vLLM's AgRsAll2AllManager).
 //! Each script bounds its own multi-process cases; the timeouts here bound whole runs.
 //!
 //! The interpreter is `common::python::env()`'s: `$PYTHON`/python3, or a venv under target/ with
@@ -98,6 +100,13 @@ fn python_ctypes_all2all() {
 fn python_package_api() {
     if let Some(py) = numpy_or_skip("python_package_api") {
         run_package_script(&py.exe, "test_package.py", Duration::from_secs(180));
+    }
+}
+
+#[test]
+fn python_package_outputs() {
+    if let Some(py) = torch_or_skip("python_package_outputs") {
+        run_package_script(py, "test_outputs.py", Duration::from_secs(180));
     }
 }
 
