@@ -51,6 +51,20 @@ fn check_reports_unknown_backend_with_hint() {
 }
 
 #[test]
+fn check_prints_the_field_errors_hint() {
+    let o = epcomm(&["check", "--config", r#"{"tensor_parallel_sise": 2}"#]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        "ValueError: 1 validation error for ParallelConfig\ntensor_parallel_sise\n  Unexpected \
+         keyword argument [type=unexpected_keyword_argument, input_value=2, input_type=int]\n    \
+         For further information visit \
+         https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument\n\
+         hint: did you mean 'tensor_parallel_size'?\n"
+    );
+}
+
+#[test]
 fn check_reports_assertions_and_not_implemented() {
     let o = epcomm(&["check", "--all2all-backend=deepep_v2", "--enable-dbo"]);
     assert_eq!(o.status.code(), Some(1));

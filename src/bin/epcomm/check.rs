@@ -148,18 +148,18 @@ pub fn cmd_check(args: &CheckArgs) -> ExitCode {
 /// rules without a `Literal` (envs.py's choices, the communicator's `Unknown all2all backend`),
 /// and has no advice of its own for a name a `Literal` refuses.
 fn hint_for(cfg: &Value, e: &Error) -> Option<String> {
-    let own = e.hint();
+    // A field error carries the configuration check's own advice (Hint has none for it).
+    let (field, own) = if let Error::ConfigField { field, hint, .. } = e {
+        (field.as_str(), hint.clone())
+    } else {
+        ("", e.hint())
+    };
     let target = cfg
         .get("vllm_version")
         .and_then(Value::as_str)
         .unwrap_or(versions::DEFAULT_VERSION);
     let Ok(release) = versions::release(target) else {
         return own;
-    };
-    let field = if let Error::ConfigField { field, .. } = e {
-        field.as_str()
-    } else {
-        ""
     };
     if let Some(name) = cfg.get("all2all_backend").and_then(Value::as_str) {
         if !release.accepts_all2all(name) {
