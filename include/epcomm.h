@@ -528,12 +528,18 @@ typedef struct epcomm_all2all_stats {
  * Views of a migration schedule; valid until the schedule is destroyed.
  */
 typedef struct epcomm_eplb_schedule_view {
+  /**
+   * Batches (0 when nothing moves).
+   */
   int64_t num_batches;
   /**
    * num_batches + 1 offsets into the flows: batch b is flows batch_starts[b] up to
    * batch_starts[b + 1].
    */
   const int64_t *batch_starts;
+  /**
+   * Flows, over all batches.
+   */
   int64_t num_flows;
   /**
    * [num_flows, 2]: (source rank, destination rank), in vLLM's order.
@@ -544,7 +550,13 @@ typedef struct epcomm_eplb_schedule_view {
    * expert_ids[expert_starts[f + 1]], ascending.
    */
   const int64_t *expert_starts;
+  /**
+   * Expert ids, over all flows.
+   */
   int64_t num_expert_ids;
+  /**
+   * The flows' experts, flow after flow.
+   */
   const int64_t *expert_ids;
 } epcomm_eplb_schedule_view;
 
@@ -611,6 +623,9 @@ typedef struct epcomm_eplb_rearrange_options {
    * as in epcomm_eplb_rearrange.
    */
   const int64_t *rank_mapping;
+  /**
+   * Entries of `rank_mapping`.
+   */
   size_t rank_mapping_len;
   /**
    * vLLM v0.33.0's `EPLBConfig.migration_batching_enabled` (`use_async and

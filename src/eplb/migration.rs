@@ -19,7 +19,9 @@ use crate::error::{Error, Result};
 /// Expert transfers between one directed rank pair (vLLM's `MigrationFlow`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MigrationFlow {
+    /// The rank that sends (holds the experts in the old map).
     pub src_rank: usize,
+    /// The rank that receives (gains the experts in the new map).
     pub dst_rank: usize,
     /// The experts sent from `src_rank` to `dst_rank`, ascending.
     pub expert_ids: Vec<i64>,

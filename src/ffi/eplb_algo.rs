@@ -388,17 +388,21 @@ impl super::handle::Handle for epcomm_eplb_migration_schedule {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct epcomm_eplb_schedule_view {
+    /// Batches (0 when nothing moves).
     pub num_batches: i64,
     /// num_batches + 1 offsets into the flows: batch b is flows batch_starts[b] up to
     /// batch_starts[b + 1].
     pub batch_starts: *const i64,
+    /// Flows, over all batches.
     pub num_flows: i64,
     /// [num_flows, 2]: (source rank, destination rank), in vLLM's order.
     pub flows: *const i64,
     /// num_flows + 1 offsets into expert_ids: flow f sends expert_ids[expert_starts[f]] up to
     /// expert_ids[expert_starts[f + 1]], ascending.
     pub expert_starts: *const i64,
+    /// Expert ids, over all flows.
     pub num_expert_ids: i64,
+    /// The flows' experts, flow after flow.
     pub expert_ids: *const i64,
 }
 

@@ -286,6 +286,7 @@ pub struct epcomm_eplb_rearrange_options {
     /// Old rank → new rank or -1 (NULL = none), `rank_mapping_len` entries: a change of EP size,
     /// as in epcomm_eplb_rearrange.
     pub rank_mapping: *const i64,
+    /// Entries of `rank_mapping`.
     pub rank_mapping_len: usize,
     /// vLLM v0.33.0's `EPLBConfig.migration_batching_enabled` (`use_async and
     /// enable_migration_batching`; epcomm_eplb_state_migration_batching reads it from a state's
