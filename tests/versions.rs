@@ -330,3 +330,106 @@ fn backends_refuses_an_unknown_version_as_a_usage_error() {
          release is 0.33.0 (scripts/gen-vllm-versions.py adds newer ones)\n"
     );
 }
+
+/// The script's readers on small sources shaped like each era's (no network): what it finds,
+/// and that a shape it does not know stops it with a review request instead of a guess.
+const ERAS: &str = r#"
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("gen", sys.argv[1])
+gen = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gen)
+CC = "vllm/distributed/device_communicators/cuda_communicator.py"
+def run(files):
+    try:
+        return gen.analyse(files)
+    except gen.ReviewNeeded as e:
+        return "review: %s" % e
+getenv = {
+    "vllm/envs.py": 'import os\nenvironment_variables = {\n'
+        '    "VLLM_ALL2ALL_BACKEND": lambda: os.getenv("VLLM_ALL2ALL_BACKEND", "naive"),\n}\n',
+    "vllm/config.py": "class ParallelConfig:\n    tensor_parallel_size: int = 1\n",
+    CC: "def build(envs):\n"
+        "    all2all_backend = envs.VLLM_ALL2ALL_BACKEND\n"
+        "    if all2all_backend == 'naive':\n        pass\n"
+        "    elif all2all_backend == 'pplx':\n        pass\n"
+        "    else:\n"
+        "        raise ValueError(f'Unknown all2all backend: {all2all_backend}')\n",
+}
+choices = dict(getenv)
+choices["vllm/envs.py"] = (
+    "def env_with_choices(env_name, default, choices, case_sensitive=True):\n"
+    "    def get():\n"
+    "        actual_choices = choices\n"
+    "        value = 'x'\n"
+    "        if value not in actual_choices:\n"
+    "            raise ValueError(f\"Invalid value '{value}' for {env_name}. \"\n"
+    "                             f\"Valid options: {actual_choices}.\")\n"
+    "    return get\n"
+    "environment_variables = {\n"
+    "    'VLLM_ALL2ALL_BACKEND': env_with_choices('VLLM_ALL2ALL_BACKEND', 'pplx',\n"
+    "                                             ['pplx', 'naive']),\n}\n")
+literal = {
+    "vllm/envs.py": "environment_variables = {}\n",
+    "vllm/config/parallel.py": "from pydantic import Field\n"
+        "All2AllBackend = Literal['naive', 'x', 'y_old', 'y']\n"
+        "EPLBCommunicatorBackend = Literal['a', 'b']\n"
+        "class EPLBConfig:\n    communicator: EPLBCommunicatorBackend | None = None\n"
+        "class ParallelConfig:\n"
+        "    all2all_backend: All2AllBackend = 'x'\n"
+        "    def __post_init__(self):\n"
+        "        if self.all2all_backend in ['naive']:\n"
+        "            logger.warning(\"The '%s' all2all backend has been removed.\", 'naive')\n"
+        "            self.all2all_backend = 'x'\n",
+    CC: "class C:\n"
+        "    def make(self):\n"
+        "        if self.all2all_backend == 'x':\n            pass\n"
+        "        elif self.all2all_backend == 'y_old' or self.all2all_backend == 'y':\n"
+        "            if self.all2all_backend == 'y_old':\n"
+        "                logger.warning_once(\"'y_old' is deprecated, use 'y'\")\n"
+        "        else:\n"
+        "            raise ValueError(f'Unknown all2all backend: {self.all2all_backend}')\n",
+}
+unbuilt = dict(literal)
+unbuilt["vllm/config/parallel.py"] = literal["vllm/config/parallel.py"].replace("'y']", "'y', 'z']")
+before = dict(getenv)
+before["vllm/envs.py"] = "environment_variables = {}\n"
+print(json.dumps([run(f) for f in (getenv, choices, literal, unbuilt, before)]))
+"#;
+
+#[test]
+fn generator_reads_each_era_from_source() {
+    let Some(python) = python_or_skip("generator_reads_each_era_from_source") else {
+        return;
+    };
+    let mut cmd = Command::new(&python.exe);
+    cmd.arg("-c")
+        .arg(ERAS)
+        .arg(manifest_dir().join("scripts/gen-vllm-versions.py"));
+    let out = run_with_timeout(cmd, Duration::from_secs(60));
+    assert!(out.success(), "{}", out.describe("the era cases"));
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("one JSON line");
+    let expected = serde_json::json!([
+        {
+            "rule": "Communicator", "default": "naive",
+            "message": "Unknown all2all backend: {name}",
+            "names": ["naive", "pplx"], "status": ["Canonical", "Canonical"],
+            "resolves": ["naive", "pplx"], "eplb": [],
+        },
+        {
+            "rule": "EnvChoices", "default": "pplx",
+            "message": "Invalid value '{name}' for VLLM_ALL2ALL_BACKEND. Valid options: \
+                        ['pplx', 'naive'].",
+            "names": ["pplx", "naive"], "status": ["Canonical", "Canonical"],
+            "resolves": ["pplx", "naive"], "eplb": [],
+        },
+        {
+            "rule": "Literal", "default": "x", "message": null,
+            "names": ["naive", "x", "y_old", "y"],
+            "status": ["Removed", "Canonical", "Alias", "Canonical"],
+            "resolves": ["x", "x", "y", "y"], "eplb": ["a", "b"],
+        },
+        "review: 'z' is accepted but neither built nor rewritten",
+        null,
+    ]);
+    assert_eq!(v, expected);
+}
