@@ -5,7 +5,8 @@
 //! sdists streamed, the wheel's Python files by HTTP range for 0.15.0 and 0.15.1, which have no
 //! sdist; about 80 s cold, seconds once its cache under target/tmp holds them) and fails when a
 //! committed row differs from what its release's source says. Without network the test
-//! prints a SKIPPED line; `EPCOMM_REQUIRE_VLLM_SRC=1` makes that a failure. The command-line
+//! prints a SKIPPED line; `EPCOMM_REQUIRE_VLLM_SRC=1` makes that a failure. The script's
+//! readers are also run offline on small sources shaped like each era's. The command-line
 //! tests need nothing: they assert what each release's rule gives (pydantic's `literal_error`
 //! text, envs.py's `env_with_choices` text, cuda_communicator.py's `Unknown all2all backend`)
 //! and the hints naming the releases that accept a name.
