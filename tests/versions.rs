@@ -251,6 +251,16 @@ fn check_flag_overrides_the_config_key_and_unknown_versions_name_neighbours() {
         "0.11.0",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.starts_with(
+            "vLLM release:      0.11.0 (its names; other rules and messages follow v0.33.0)\n"
+        ),
+        "{out}"
+    );
+    let o = epcomm(&["check", "--vllm-version", "v0.24.0+cu128", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["vllm_version"], "0.24.0");
     let o = epcomm(&["check", "--vllm-version", "0.31.2"]);
     assert_eq!(o.status.code(), Some(1));
     assert_eq!(

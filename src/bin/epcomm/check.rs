@@ -72,6 +72,13 @@ fn config_from_args(a: &CheckArgs) -> Result<Value, String> {
     Ok(Value::Object(base))
 }
 
+/// The release `cfg` targets (its `vllm_version`, else the default), as written.
+fn target_version(cfg: &Value) -> &str {
+    cfg.get("vllm_version")
+        .and_then(Value::as_str)
+        .unwrap_or(versions::DEFAULT_VERSION)
+}
+
 /// `epcomm check`: exit 0 and the resolved setup, or vLLM's exception line, a hint and exit 1.
 pub fn cmd_check(args: &CheckArgs) -> ExitCode {
     let cfg = match config_from_args(args) {
@@ -86,10 +93,17 @@ pub fn cmd_check(args: &CheckArgs) -> ExitCode {
         .as_ref()
         .err()
         .and_then(|e| hint_for(&cfg, e));
+    // Set once the configuration passed, so the release is a known one.
+    let release = versions::release(target_version(&cfg)).ok();
     if args.json {
         let mut v = outcome.to_json();
-        if let (Some(h), Some(m)) = (&hint, v.as_object_mut()) {
-            m.insert("hint".into(), h.as_str().into());
+        if let Some(m) = v.as_object_mut() {
+            if let Some(h) = &hint {
+                m.insert("hint".into(), h.as_str().into());
+            }
+            if let (Some(r), true) = (release, outcome.result.is_ok()) {
+                m.insert("vllm_version".into(), r.version.into());
+            }
         }
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     }
@@ -106,41 +120,54 @@ pub fn cmd_check(args: &CheckArgs) -> ExitCode {
         }
         Ok(r) => {
             if !args.json {
-                println!(
-                    "all2all backend:   {} -> {} (layout {})",
-                    r.effective_name,
-                    r.manager_class,
-                    r.layout.map_or("none: no exchange", all2all::Layout::name)
+                print_resolution(
+                    r,
+                    &outcome,
+                    release.map_or(versions::DEFAULT_VERSION, |r| r.version),
                 );
-                match r.eplb_communicator {
-                    Some(c) => println!(
-                        "EPLB communicator: {} -> {}{}",
-                        c.name(),
-                        c.class_name(),
-                        if r.eplb_communicator_auto {
-                            " (auto-selected)"
-                        } else {
-                            ""
-                        }
-                    ),
-                    None => println!("EPLB communicator: none (EPLB disabled)"),
-                }
-                if outcome.warnings.is_empty() {
-                    println!("warnings:          none");
-                } else {
-                    println!("warnings:");
-                    for w in &outcome.warnings {
-                        println!("  WARNING {w}");
-                    }
-                }
-                for i in &outcome.infos {
-                    println!("  INFO {i}");
-                }
-                println!("OK: configuration is valid");
             }
             ExitCode::SUCCESS
         }
     }
+}
+
+/// `epcomm check`'s report of a valid configuration.
+fn print_resolution(r: &config::Resolution, outcome: &config::CheckOutcome, version: &str) {
+    println!(
+        "vLLM release:      {version} (its names; other rules and messages follow v{})",
+        versions::DEFAULT_VERSION
+    );
+    println!(
+        "all2all backend:   {} -> {} (layout {})",
+        r.effective_name,
+        r.manager_class,
+        r.layout.map_or("none: no exchange", all2all::Layout::name)
+    );
+    match r.eplb_communicator {
+        Some(c) => println!(
+            "EPLB communicator: {} -> {}{}",
+            c.name(),
+            c.class_name(),
+            if r.eplb_communicator_auto {
+                " (auto-selected)"
+            } else {
+                ""
+            }
+        ),
+        None => println!("EPLB communicator: none (EPLB disabled)"),
+    }
+    if outcome.warnings.is_empty() {
+        println!("warnings:          none");
+    } else {
+        println!("warnings:");
+        for w in &outcome.warnings {
+            println!("  WARNING {w}");
+        }
+    }
+    for i in &outcome.infos {
+        println!("  INFO {i}");
+    }
+    println!("OK: configuration is valid");
 }
 
 /// The hint for `e`. For a name the targeted release rejects, the releases that accept it,
@@ -154,11 +181,7 @@ fn hint_for(cfg: &Value, e: &Error) -> Option<String> {
     } else {
         ("", e.hint())
     };
-    let target = cfg
-        .get("vllm_version")
-        .and_then(Value::as_str)
-        .unwrap_or(versions::DEFAULT_VERSION);
-    let Ok(release) = versions::release(target) else {
+    let Ok(release) = versions::release(target_version(cfg)) else {
         return own;
     };
     if let Some(name) = cfg.get("all2all_backend").and_then(Value::as_str) {
