@@ -12,8 +12,6 @@
 //! names from `EPLBConfig.communicator`'s `Literal`. A new vLLM release is one run of the script
 //! plus a review of the new row.
 
-use std::cmp::Ordering;
-
 use super::all2all::NameKind;
 use crate::error::{Error, Result};
 
@@ -139,39 +137,60 @@ fn normalize(version: &str) -> &str {
 /// The release named `version` (`0.31.2`, `v0.31.2`, `0.33.0+cu129`); for one the table does
 /// not hold, an error naming the nearest releases it does.
 pub fn release(version: &str) -> Result<&'static Release> {
-    let key = version_key(normalize(version)).ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "invalid vLLM version '{version}': expected a release number such as {DEFAULT_VERSION}"
-        ))
-    })?;
-    let order = |r: &Release| version_key(r.version).map(|k| k.cmp(&key));
-    if let Some(r) = RELEASES.iter().find(|r| order(r) == Some(Ordering::Equal)) {
-        return Ok(r);
+    let v = normalize(version);
+    if let Some(key) = version_key(v) {
+        let same = |r: &&Release| version_key(r.version).is_some_and(|k| k.cmp(&key).is_eq());
+        return RELEASES
+            .iter()
+            .find(same)
+            .ok_or_else(|| Error::InvalidArgument(unknown_version(version, &key, false)));
     }
-    Err(Error::InvalidArgument(unknown_version(version, &key)))
+    match prerelease_base(v).and_then(version_key) {
+        Some(key) => Err(Error::InvalidArgument(unknown_version(version, &key, true))),
+        None => Err(Error::InvalidArgument(format!(
+            "invalid vLLM version '{version}': expected a release number such as {DEFAULT_VERSION}"
+        ))),
+    }
 }
 
-/// The text for a version the table does not hold: the releases on either side of it.
-fn unknown_version(version: &str, key: &[u64]) -> String {
+/// The release a pre-release or development build leads to (`0.34.0rc1`, `0.11.1.dev5` ->
+/// `0.34.0`, `0.11.1`), `None` for anything else.
+fn prerelease_base(v: &str) -> Option<&str> {
+    let end = v.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+    let tag = v[end..].trim_start_matches(['.', '-', '_']);
+    ["dev", "rc", "a", "b", "c", "pre", "alpha", "beta"]
+        .iter()
+        .any(|t| tag.starts_with(t))
+        .then(|| v[..end].trim_end_matches('.'))
+}
+
+/// The text for a version the table does not hold: the releases on either side of it. A
+/// pre-release (`pre`) comes before the release `key` names.
+fn unknown_version(version: &str, key: &[u64], pre: bool) -> String {
     let below = RELEASES
         .iter()
         .rev()
         .find(|r| version_key(r.version).is_some_and(|k| k.as_slice() < key));
-    let above = RELEASES
-        .iter()
-        .find(|r| version_key(r.version).is_some_and(|k| k.as_slice() > key));
+    let above = RELEASES.iter().find(|r| {
+        version_key(r.version).is_some_and(|k| k.as_slice() > key || (pre && k.as_slice() == key))
+    });
     let (first, last) = (oldest().version, newest().version);
+    let what = if pre {
+        "a pre-release or development build; the table holds final releases only, and "
+    } else {
+        ""
+    };
     match (below, above) {
         (Some(b), Some(a)) => format!(
-            "unknown vLLM version '{version}': the nearest known releases are {} and {}",
+            "unknown vLLM version '{version}': {what}the nearest known releases are {} and {}",
             b.version, a.version
         ),
         (None, _) => format!(
-            "unknown vLLM version '{version}': the all2all backend is configurable from vLLM \
-             {first} on (VLLM_ALL2ALL_BACKEND); known releases: {first} to {last}"
+            "unknown vLLM version '{version}': {what}the all2all backend is configurable from \
+             vLLM {first} on (VLLM_ALL2ALL_BACKEND); known releases: {first} to {last}"
         ),
         (Some(_), None) => format!(
-            "unknown vLLM version '{version}': the newest known release is {last} \
+            "unknown vLLM version '{version}': {what}the newest known release is {last} \
              (scripts/gen-vllm-versions.py adds newer ones)"
         ),
     }
@@ -1986,6 +2005,18 @@ mod tests {
         assert_eq!(
             err_text("latest"),
             "invalid vLLM version 'latest': expected a release number such as 0.33.0"
+        );
+        assert_eq!(
+            err_text("0.34.0rc1"),
+            "unknown vLLM version '0.34.0rc1': a pre-release or development build; the table \
+             holds final releases only, and the newest known release is 0.33.0 \
+             (scripts/gen-vllm-versions.py adds newer ones)"
+        );
+        assert_eq!(
+            err_text("0.11.1.dev5+g1234abc"),
+            "unknown vLLM version '0.11.1.dev5+g1234abc': a pre-release or development build; \
+             the table holds final releases only, and the nearest known releases are 0.11.0 and \
+             0.11.1"
         );
         assert_eq!(
             release("0.33.0rc1").unwrap_err().status(),
