@@ -905,7 +905,7 @@ fn eplb_needs_cuda_rocm_or_xpu() {
 }
 
 #[test]
-fn torch_xccl_is_auto_selected_on_xpu_and_never_built() {
+fn torch_xccl_is_auto_selected_on_xpu_and_built_host_staged() {
     assert_eq!(
         eplb::VLLM_COMMUNICATOR_NAMES,
         ["torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl"]
@@ -928,7 +928,8 @@ fn torch_xccl_is_auto_selected_on_xpu_and_never_built() {
     })
     .unwrap_err();
     assert_err(&e, Status::InvalidArgument, "ValueError", "Elastic EP requires 'torch_nccl', 'pynccl', or 'nixl' EPLB communicator (got 'torch_xccl').");
-    // The factory: chosen, but epcomm has no XCCL transport.
+    // The factory: chosen and built (host-staged over the group; device memory is refused when
+    // the communicator is created, src/eplb/communicator.rs).
     let xpu = SelectRequest {
         device: DeviceKind::Xpu,
         ..req(None)
@@ -938,9 +939,16 @@ fn torch_xccl_is_auto_selected_on_xpu_and_never_built() {
         (chosen.communicator, chosen.auto_selected),
         (Choice::TorchXccl, true)
     );
-    let e = eplb::select(&xpu).unwrap_err();
-    assert_err(&e, Status::Unavailable, "RuntimeError", "EPLB communicator 'torch_xccl' (TorchDistXCCLStagedEplbCommunicator) needs XCCL on XPU devices; epcomm has no XCCL transport");
-    assert_eq!(eplb::select(&req(Some("torch_xccl"))).unwrap_err(), e);
+    let sel = eplb::select(&xpu).unwrap();
+    assert_eq!(
+        (sel.communicator, sel.auto_selected),
+        (Communicator::TorchXccl, true)
+    );
+    let named = eplb::select(&req(Some("torch_xccl"))).unwrap();
+    assert_eq!(
+        (named.communicator, named.auto_selected),
+        (Communicator::TorchXccl, false)
+    );
     // A typo suggests it.
     let e = eplb::select(&req(Some("torch_xcc"))).unwrap_err();
     assert!(e.hint().unwrap().contains("'torch_xccl'"), "{:?}", e.hint());
