@@ -26,7 +26,8 @@ needed members are fetched with HTTP range requests. Only those members are kept
     rewrites it to another backend),
   - the default name (the field's default; the environment variable's where that is None),
   - the EPLB communicator names (the `EPLBCommunicatorBackend` Literal; none before it exists).
-Pre-releases and dev releases are skipped. Only the Python standard library is used.
+Pre-releases and dev releases are skipped. Only the Python standard library (3.9 or later:
+`ast.unparse`) is used.
 """
 
 import argparse
