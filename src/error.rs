@@ -177,14 +177,6 @@ pub enum Error {
     /// `VllmConfig.__post_init__` for `moonep`.
     #[error("The moonep all2all backend does not support EPLB yet: EPLB rearranges expert parameters in a layout MoonEP's replicated [E+B] weights do not follow. Disable --enable-eplb or use a different --all2all-backend.")]
     MoonepEplb,
-    /// A configuration key that does not exist.
-    #[error("Unknown configuration key '{key}' ({valid})")]
-    UnknownConfigKey {
-        key: String,
-        valid: String,
-        #[doc(hidden)]
-        candidates: Vec<&'static str>,
-    },
 
     // ---- epcomm's own errors ---------------------------------------------------------------
     /// A required pointer was NULL; names the argument.
@@ -242,7 +234,6 @@ impl Error {
             | ConfigField { .. }
             | ExternalLbNeedsDp
             | MoonepEplb
-            | UnknownConfigKey { .. }
             | InvalidArgument(_) => Status::InvalidArgument,
             MicrobatchingBackend { .. }
             | LoraEpBackend { .. }

@@ -780,10 +780,13 @@ fn every_field_error_in_declaration_order_then_unexpected_keywords() {
     assert_eq!(field, "data_parallel_size");
 }
 
-/// The hint a field error carries (`Hint::hint` returns it once select::hint reads it).
+/// The hint a field error carries; `Hint::hint` (what the C ABI and Python report) returns it.
 fn field_hint(e: &Error) -> Option<&str> {
     match e {
-        Error::ConfigField { hint, .. } => hint.as_deref(),
+        Error::ConfigField { hint, .. } => {
+            assert_eq!(e.hint().as_deref(), hint.as_deref(), "Hint::hint of {e:?}");
+            hint.as_deref()
+        }
         other => panic!("not a field error: {other:?}"),
     }
 }

@@ -32,13 +32,7 @@ pub fn hint(error: &Error) -> Option<String> {
         VLLM_COMMUNICATOR_NAMES.iter().copied(),
         "valid EPLB communicators",
         )),
-        Error::UnknownConfigKey {
-        key, candidates, ..
-        } => Some(suggest::did_you_mean(
-        key,
-        candidates.iter().copied(),
-        "valid keys",
-        )),
+        Error::ConfigField { hint, .. } => hint.clone(),
         Error::MicrobatchingBackend { .. } => Some(
         "use --all2all-backend=deepep_low_latency, deepep_high_throughput or nixl_ep, or disable DBO".into(),
         ),
@@ -86,7 +80,6 @@ pub fn hint(error: &Error) -> Option<String> {
         | Error::EplbNeedsParallelism { .. }
         | Error::ElasticPipeline { .. }
         | Error::ElasticHybridLb
-        | Error::ConfigField { .. }
         | Error::NullPointer(_)
         | Error::InvalidArgument(_)
         | Error::Assertion(_)
