@@ -1191,3 +1191,50 @@ fn every_status_has_a_description_and_exception() {
     assert_eq!(Status::Timeout.exception(), Some("TimeoutError"));
     assert_eq!(Status::from_code(999), None);
 }
+
+/// A name means what the targeted release means by it: a backend of that release epcomm lacks
+/// is NOT_IMPLEMENTED (not "unknown"); a backend v0.33.0 removed but the release runs itself
+/// falls back with a warning that says so; a name canonical then but an alias now does not warn.
+#[test]
+fn names_mean_what_the_targeted_release_means() {
+    let e = check_err(r#"{"vllm_version": "0.20.0", "all2all_backend": "mori"}"#);
+    assert_err(&e, Status::NotImplemented, "NotImplementedError", "vLLM 0.20.0 accepts all2all backend 'mori', but epcomm has no backend for it (epcomm's backends are vLLM 0.33.0's; did you mean 'mori_high_throughput' or 'mori_low_latency'?)");
+    let o = config::check_json(
+        r#"{"vllm_version": "0.10.2", "all2all_backend": "pplx"}"#,
+        false,
+        false,
+    );
+    let r = o.result.unwrap();
+    assert_eq!(r.backend, Some(Backend::AllgatherReducescatter));
+    assert_eq!(
+        o.warnings,
+        ["vLLM 0.10.2 runs all2all backend 'pplx' as its own backend; epcomm has none and runs 'allgather_reducescatter' instead."]
+    );
+    // v0.33.0 itself: pplx is removed, with vLLM's own warning.
+    let o = config::check_json(r#"{"all2all_backend": "pplx"}"#, false, false);
+    assert_eq!(o.warnings.len(), 1);
+    assert!(o.warnings[0].contains("pplx"), "{:?}", o.warnings);
+    assert!(
+        !o.warnings[0].starts_with("vLLM 0.33.0 runs"),
+        "{:?}",
+        o.warnings
+    );
+    // flashinfer_all2allv: canonical in 0.11.0, a deprecated alias in v0.33.0.
+    let old = r#"{"vllm_version": "0.11.0", "all2all_backend": "flashinfer_all2allv"}"#;
+    let o = config::check_json(old, false, false);
+    assert_eq!(
+        o.result.unwrap().backend,
+        Some(Backend::FlashinferNvlinkTwoSided)
+    );
+    assert!(o.warnings.is_empty(), "{:?}", o.warnings);
+    let o = config::check_json(
+        r#"{"all2all_backend": "flashinfer_all2allv"}"#,
+        false,
+        false,
+    );
+    assert!(
+        o.warnings[0].starts_with("'flashinfer_all2allv' is deprecated"),
+        "{:?}",
+        o.warnings
+    );
+}

@@ -10,7 +10,7 @@
 
 use serde_json::{Map, Value};
 
-use super::all2all::{self, Backend, Layout};
+use super::all2all::{self, Backend, Layout, NameKind};
 use super::eplb::{self, Choice, DeviceKind, SelectRequest};
 use super::pydantic::{self, Fail, Json, LineError};
 use super::suggest;
@@ -648,7 +648,8 @@ fn check_inner(
 ) -> Result<Resolution> {
     let nixl = c.nixl_available.unwrap_or(nixl_probe);
     let nccl = c.nccl_available.unwrap_or(nccl_probe);
-    let resolved = all2all::resolve_config(&c.all2all_backend)?;
+    let release = versions::release(&c.vllm_version)?;
+    let resolved = resolve_for_release(&c.all2all_backend, release)?;
     let backend = resolved.as_ref().map(|r| r.backend);
     check_parallel(c, nixl)?;
     let effective_name = effective_name(c, resolved.as_ref(), warnings);
@@ -682,6 +683,42 @@ fn check_inner(
         eplb_communicator,
         eplb_communicator_auto,
     })
+}
+
+/// Resolves an all2all name as `release` means it (the name sets and statuses vary by release;
+/// epcomm's backends are v0.33.0's). A name the release accepts but epcomm has no backend for
+/// (e.g. `mori`, 0.15.0–0.22.1) is NOT_IMPLEMENTED; a name the release runs as its own backend
+/// but v0.33.0 removed (e.g. `pplx` before 0.17.0) falls back to `allgather_reducescatter` with
+/// a warning saying so instead of v0.33.0's removal warning; a name canonical in the release but
+/// an alias in v0.33.0 resolves without the deprecation warning.
+fn resolve_for_release(name: &str, release: &Release) -> Result<Option<all2all::Resolved>> {
+    if release.version == versions::DEFAULT_VERSION {
+        return all2all::resolve_config(name);
+    }
+    let status = release.all2all_status_of(name);
+    if status.is_some() && name != all2all::PASSTHROUGH && all2all::lookup(name).is_none() {
+        return Err(Error::NotImplemented(format!(
+            "vLLM {} accepts all2all backend '{name}', but epcomm has no backend for it (epcomm's backends are vLLM {}'s; {})",
+            release.version,
+            versions::DEFAULT_VERSION,
+            suggest::did_you_mean(name, all2all::vllm_names(), "its backends")
+        )));
+    }
+    let Some(mut r) = all2all::resolve_config(name)? else {
+        return Ok(None);
+    };
+    match (status, r.kind) {
+        (Some(NameKind::Canonical), NameKind::Removed) => {
+            r.warning = Some(format!(
+                "vLLM {} runs all2all backend '{name}' as its own backend; epcomm has none and runs '{}' instead.",
+                release.version,
+                r.backend.name()
+            ));
+        }
+        (Some(NameKind::Canonical), NameKind::Alias) => r.warning = None,
+        (Some(_) | None, NameKind::Canonical | NameKind::Alias | NameKind::Removed) => {}
+    }
+    Ok(Some(r))
 }
 
 /// `EPLBConfig`'s validators and `ParallelConfig`'s checks (elastic EP, EPLB), in vLLM's order.
