@@ -903,8 +903,11 @@ int32_t epcomm_all2all_get_stats(const struct epcomm_all2all *a2a, struct epcomm
  * enable_dbo, enable_fault_tolerance, enable_lora, tensor_parallel_size, data_parallel_size,
  * pipeline_parallel_size, prefill_context_parallel_size, data_parallel_external_lb,
  * data_parallel_hybrid_lb, platform (cuda|rocm|cpu|xpu), num_experts, nixl_available,
- * nccl_available) with vLLM's rules in vLLM's order. Returns the first error's status with
- * vLLM's exact message (and a hint); logs every warning vLLM would log.
+ * nccl_available, vllm_version) with vLLM's rules in vLLM's order. Returns the first error's
+ * status with vLLM's exact message (and a hint); logs every warning vLLM would log. Field
+ * errors are pydantic's `str(ValidationError)` as vLLM's pinned pydantic 2.13 prints it (every
+ * field error); `vllm_version` (default "0.33.0") selects the release whose all2all and EPLB
+ * communicator names are accepted.
  *
  * # Safety
  * `config_json` is NULL or a NUL-terminated string.
