@@ -4,7 +4,7 @@
 use epcomm::dtype::{Code, DType};
 use epcomm::select::all2all::{self, Backend, Layout, NameKind};
 use epcomm::select::config::{self, EplbConfig};
-use epcomm::select::eplb::{self, Choice, Communicator, DeviceKind, SelectRequest};
+use epcomm::select::eplb::{self, Communicator, DeviceKind, SelectRequest};
 use epcomm::select::versions::{self, NameRule};
 use epcomm::select::Hint;
 use epcomm::{Error, Status};
@@ -916,14 +916,17 @@ fn torch_xccl_is_auto_selected_on_xpu_and_built_host_staged() {
     // The configuration: auto-selected on XPU even with NIXL present, announced as vLLM does.
     let o = eplb_check(r#""platform": "xpu", "nixl_available": true"#);
     let r = o.result.unwrap();
-    assert_eq!(r.eplb_communicator, Some(Choice::TorchXccl));
+    assert_eq!(r.eplb_communicator, Some(Communicator::TorchXccl));
     assert!(r.eplb_communicator_auto);
     assert!(o.infos.contains(
         &"Initialized EPLB communicator: TorchDistXCCLStagedEplbCommunicator.".to_owned()
     ));
     // Named explicitly: accepted by EPLBConfig's literal, async included.
     let o = eplb_check(r#""eplb_config": {"communicator": "torch_xccl"}"#);
-    assert_eq!(o.result.unwrap().eplb_communicator, Some(Choice::TorchXccl));
+    assert_eq!(
+        o.result.unwrap().eplb_communicator,
+        Some(Communicator::TorchXccl)
+    );
     // Elastic EP: vLLM's factory rejects it like any name but torch_nccl, pynccl, nixl.
     let e = eplb::select(&SelectRequest {
         elastic: true,
@@ -937,11 +940,6 @@ fn torch_xccl_is_auto_selected_on_xpu_and_built_host_staged() {
         device: DeviceKind::Xpu,
         ..req(None)
     };
-    let chosen = eplb::choose_outcome(&xpu).0.unwrap();
-    assert_eq!(
-        (chosen.communicator, chosen.auto_selected),
-        (Choice::TorchXccl, true)
-    );
     let sel = eplb::select(&xpu).unwrap();
     assert_eq!(
         (sel.communicator, sel.auto_selected),
@@ -1020,10 +1018,7 @@ fn elastic_ep_rejects_hybrid_lb_only() {
     )
     .result
     .unwrap();
-    assert_eq!(
-        r.eplb_communicator,
-        Some(Choice::Communicator(Communicator::Nixl))
-    );
+    assert_eq!(r.eplb_communicator, Some(Communicator::Nixl));
 }
 
 #[test]
@@ -1095,10 +1090,7 @@ fn elastic_async_eplb_needs_nixl() {
     let r = eplb_check(r#""enable_elastic_ep": true, "nixl_available": true"#)
         .result
         .unwrap();
-    assert_eq!(
-        r.eplb_communicator,
-        Some(Choice::Communicator(Communicator::Nixl))
-    );
+    assert_eq!(r.eplb_communicator, Some(Communicator::Nixl));
     assert!(r.eplb_communicator_auto);
 }
 
@@ -1117,7 +1109,7 @@ fn config_applies_the_factory_rules() {
     );
     assert_eq!(
         o.result.unwrap().eplb_communicator,
-        Some(Choice::Communicator(Communicator::Pynccl))
+        Some(Communicator::Pynccl)
     );
     // Elastic + torch_nccl: forced to pynccl with the warning.
     let o = eplb_check(
@@ -1125,7 +1117,7 @@ fn config_applies_the_factory_rules() {
     );
     assert_eq!(
         o.result.unwrap().eplb_communicator,
-        Some(Choice::Communicator(Communicator::Pynccl))
+        Some(Communicator::Pynccl)
     );
     assert_eq!(o.warnings, vec![eplb::W_ELASTIC_FORCES_PYNCCL.to_owned()]);
     // Elastic + torch_gloo: rejected.
@@ -1143,7 +1135,7 @@ fn config_applies_the_factory_rules() {
     let o = eplb_check(r#""nixl_available": false"#);
     assert_eq!(
         o.result.unwrap().eplb_communicator,
-        Some(Choice::Communicator(Communicator::TorchGloo))
+        Some(Communicator::TorchGloo)
     );
     assert!(o.infos.contains(
         &"Initialized EPLB communicator: TorchDistGlooStagedEplbCommunicator.".to_owned()

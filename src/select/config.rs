@@ -11,7 +11,7 @@
 use serde_json::{Map, Value};
 
 use super::all2all::{self, Backend, Layout, NameKind};
-use super::eplb::{self, Choice, DeviceKind, SelectRequest};
+use super::eplb::{self, Communicator, DeviceKind, SelectRequest};
 use super::pydantic::{self, Fail, Json, LineError};
 use super::suggest;
 use super::versions::{self, NameRule, Release};
@@ -613,7 +613,7 @@ pub struct Resolution {
     /// The layout contract; `None` for `passthrough`.
     pub layout: Option<Layout>,
     /// The EPLB communicator (when EPLB is enabled).
-    pub eplb_communicator: Option<Choice>,
+    pub eplb_communicator: Option<Communicator>,
     pub eplb_communicator_auto: bool,
 }
 
@@ -658,7 +658,7 @@ fn check_inner(
     // Engine start: EPLB communicator factory.
     let (eplb_communicator, eplb_communicator_auto) = if c.enable_eplb {
         let device = DeviceKind::from_platform(&c.platform).unwrap_or(DeviceKind::Cuda);
-        let (sel, forced) = eplb::choose_outcome(&SelectRequest {
+        let (sel, forced) = eplb::select_outcome(&SelectRequest {
             requested: c.eplb_config.communicator.as_deref(),
             elastic: c.enable_elastic_ep,
             device,
@@ -668,7 +668,7 @@ fn check_inner(
         });
         warnings.extend(forced);
         let sel = sel?;
-        infos.push(eplb::choice_initialized_info(sel.communicator));
+        infos.push(eplb::initialized_info(sel.communicator));
         (Some(sel.communicator), sel.auto_selected)
     } else {
         (None, false)

@@ -29,36 +29,6 @@ pub const TORCH_XCCL: &str = "torch_xccl";
 pub const VLLM_COMMUNICATOR_NAMES: [&str; 5] =
     ["torch_nccl", "torch_gloo", TORCH_XCCL, "nixl", "pynccl"];
 
-/// What vLLM's rules choose. Every choice is a [`Communicator`]; the wrapper stays for the
-/// configuration check's [`Resolution`](super::config::Resolution) API.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Choice {
-    Communicator(Communicator),
-    /// [`TORCH_XCCL`] (the same as `Communicator(Communicator::TorchXccl)`, kept for callers
-    /// that match on it).
-    TorchXccl,
-}
-
-impl Choice {
-    /// The communicator chosen.
-    pub fn communicator(self) -> Communicator {
-        match self {
-            Choice::Communicator(c) => c,
-            Choice::TorchXccl => Communicator::TorchXccl,
-        }
-    }
-
-    /// vLLM's name.
-    pub fn name(self) -> &'static str {
-        self.communicator().name()
-    }
-
-    /// vLLM's class.
-    pub fn class_name(self) -> &'static str {
-        self.communicator().class_name()
-    }
-}
-
 /// Whether `name` is in vLLM's `EPLBCommunicatorBackend` literal.
 pub fn is_vllm_name(name: &str) -> bool {
     VLLM_COMMUNICATOR_NAMES.contains(&name)
@@ -110,11 +80,6 @@ impl Communicator {
 
 /// The info line vLLM logs once a communicator is built.
 pub fn initialized_info(c: Communicator) -> String {
-    choice_initialized_info(Choice::Communicator(c))
-}
-
-/// [`initialized_info`] for any [`Choice`] (the configuration check reports `torch_xccl` too).
-pub fn choice_initialized_info(c: Choice) -> String {
     format!("Initialized EPLB communicator: {}.", c.class_name())
 }
 
@@ -207,11 +172,10 @@ pub struct SelectRequest<'a> {
     pub nixl_available: bool,
 }
 
-/// The factory's decision, over what vLLM can choose ([`Choice`]) or what epcomm builds
-/// ([`Communicator`], the default).
+/// The factory's decision.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Selection<C = Communicator> {
-    pub communicator: C,
+pub struct Selection {
+    pub communicator: Communicator,
     /// Chosen automatically (no name was configured).
     pub auto_selected: bool,
     /// Warnings vLLM logs on the way (e.g. the forced-to-pynccl warning).
@@ -232,11 +196,11 @@ pub fn auto_select(elastic: bool, nixl_available: bool) -> Communicator {
 
 /// vLLM's automatic choice (`ParallelConfig.__post_init__`): `torch_xccl` on XPU, else
 /// [`auto_select`].
-pub fn auto_choice(device: DeviceKind, elastic: bool, nixl_available: bool) -> Choice {
+pub fn auto_choice(device: DeviceKind, elastic: bool, nixl_available: bool) -> Communicator {
     match device {
-        DeviceKind::Xpu => Choice::TorchXccl,
+        DeviceKind::Xpu => Communicator::TorchXccl,
         DeviceKind::Cpu | DeviceKind::Cuda | DeviceKind::Rocm | DeviceKind::Other(_) => {
-            Choice::Communicator(auto_select(elastic, nixl_available))
+            auto_select(elastic, nixl_available)
         }
     }
 }
@@ -251,17 +215,6 @@ pub fn select(req: &SelectRequest<'_>) -> Result<Selection> {
 /// Like [`select`], plus the warnings vLLM logs on the way even when the decision then fails
 /// (the forced-to-pynccl warning precedes pynccl's own checks).
 pub fn select_outcome(req: &SelectRequest<'_>) -> (Result<Selection>, Vec<String>) {
-    let (choice, warnings) = choose_outcome(req);
-    let built = choice.map(|s| Selection {
-        communicator: s.communicator.communicator(),
-        auto_selected: s.auto_selected,
-        warnings: s.warnings,
-    });
-    (built, warnings)
-}
-
-/// Like [`select_outcome`], with the decision as a [`Choice`] (the configuration check's type).
-pub fn choose_outcome(req: &SelectRequest<'_>) -> (Result<Selection<Choice>>, Vec<String>) {
     let forced = req.elastic
         && req
             .requested
@@ -275,7 +228,7 @@ pub fn choose_outcome(req: &SelectRequest<'_>) -> (Result<Selection<Choice>>, Ve
     (decide(req), warnings)
 }
 
-fn decide(req: &SelectRequest<'_>) -> Result<Selection<Choice>> {
+fn decide(req: &SelectRequest<'_>) -> Result<Selection> {
     let auto_selected = req.requested.is_none();
     let name: &str = match req.requested {
         Some(n) => n,
@@ -284,7 +237,7 @@ fn decide(req: &SelectRequest<'_>) -> Result<Selection<Choice>> {
     let mut warnings = Vec::new();
     let done = |c: Communicator, warnings: Vec<String>| {
         Ok(Selection {
-            communicator: Choice::Communicator(c),
+            communicator: c,
             auto_selected,
             warnings,
         })
@@ -319,11 +272,7 @@ fn decide(req: &SelectRequest<'_>) -> Result<Selection<Choice>> {
             done(Communicator::Nixl, warnings)
         }
         "torch_gloo" => done(Communicator::TorchGloo, warnings),
-        TORCH_XCCL => Ok(Selection {
-            communicator: Choice::TorchXccl,
-            auto_selected,
-            warnings,
-        }),
+        TORCH_XCCL => done(Communicator::TorchXccl, warnings),
         "torch_nccl" => done(Communicator::TorchNccl, warnings),
         "pynccl" => {
             check_pynccl(req)?;
