@@ -187,6 +187,7 @@ fn transfer(
             }
         }
         comm.execute(g, &mut ops)?;
+        crate::fault::point("eplb:between_batches");
     }
     crate::fault::point("eplb:after_staging");
     Ok(())
