@@ -458,12 +458,10 @@ pub fn parse_eplb_config_json(json: &str) -> Result<EplbConfig> {
     Ok(c)
 }
 
-/// serde_json checks the syntax (its message for bad JSON); the value keeps key order.
+/// serde_json reads the document (its message for bad JSON), keeping key order.
 fn parse_document(json: &str, what: &str) -> Result<Json> {
-    serde_json::from_str::<Value>(json)
-        .map_err(|e| Error::InvalidArgument(format!("{what} is not valid JSON: {e}")))?;
     pydantic::parse_ordered(json)
-        .map_err(|e| Error::Internal(format!("{what}: valid JSON not re-read: {e}")))
+        .map_err(|e| Error::InvalidArgument(format!("{what} is not valid JSON: {e}")))
 }
 
 /// epcomm's own keys ([`EPCOMM_KEYS`]); returns the release named by `vllm_version`.

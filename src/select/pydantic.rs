@@ -10,6 +10,7 @@
 //! epcomm shows them as they are; JSON integers beyond 64 bits arrive as floats (serde_json), and
 //! integers above `i64::MAX` saturate (Python's do not overflow; every bound still holds).
 
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Number;
 
 /// A JSON value as the Python object `json.loads` makes of it (objects keep their order).
@@ -24,138 +25,72 @@ pub enum Json {
     Dict(Vec<(String, Json)>),
 }
 
-/// Parses `text` (already checked to be valid JSON by serde_json) keeping object key order.
+/// Parses `text` keeping object key order (serde_json's own `Map` sorts keys unless its
+/// crate-wide `preserve_order` feature is on, which would reorder every JSON epcomm writes).
 pub fn parse_ordered(text: &str) -> Result<Json, String> {
-    let mut p = Parser { text, i: 0 };
-    let v = p.value()?;
-    p.ws();
-    if p.i != text.len() {
-        return Err(format!("trailing characters at byte {}", p.i));
-    }
-    Ok(v)
+    serde_json::from_str(text).map_err(|e| e.to_string())
 }
 
-struct Parser<'a> {
-    text: &'a str,
-    i: usize,
+impl<'de> Deserialize<'de> for Json {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Json, D::Error> {
+        d.deserialize_any(JsonVisitor)
+    }
 }
 
-impl Parser<'_> {
-    fn peek(&self) -> Option<u8> {
-        self.text.as_bytes().get(self.i).copied()
+/// Builds a [`Json`] from serde_json's events, in document order.
+struct JsonVisitor;
+
+impl<'de> Visitor<'de> for JsonVisitor {
+    type Value = Json;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
     }
 
-    fn ws(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            self.i += 1;
-        }
+    fn visit_unit<E>(self) -> Result<Json, E> {
+        Ok(Json::Null)
     }
 
-    fn expect(&mut self, b: u8) -> Result<(), String> {
-        self.ws();
-        if self.peek() == Some(b) {
-            self.i += 1;
-            Ok(())
-        } else {
-            Err(format!("expected '{}' at byte {}", b as char, self.i))
-        }
+    fn visit_bool<E>(self, b: bool) -> Result<Json, E> {
+        Ok(Json::Bool(b))
     }
 
-    fn value(&mut self) -> Result<Json, String> {
-        self.ws();
-        match self.peek() {
-            Some(b'{') => self.object(),
-            Some(b'[') => self.array(),
-            Some(b'"') => self.string().map(Json::Str),
-            Some(_) => self.scalar(),
-            None => Err("unexpected end of input".into()),
-        }
+    fn visit_i64<E>(self, n: i64) -> Result<Json, E> {
+        Ok(Json::Num(n.into()))
     }
 
-    fn object(&mut self) -> Result<Json, String> {
-        self.expect(b'{')?;
-        let mut items: Vec<(String, Json)> = Vec::new();
-        self.ws();
-        if self.peek() == Some(b'}') {
-            self.i += 1;
-            return Ok(Json::Dict(items));
-        }
-        loop {
-            self.ws();
-            let key = self.string()?;
-            self.expect(b':')?;
-            let v = self.value()?;
-            match items.iter_mut().find(|(k, _)| *k == key) {
-                Some(slot) => slot.1 = v,
-                None => items.push((key, v)),
-            }
-            self.ws();
-            match self.peek() {
-                Some(b',') => self.i += 1,
-                Some(b'}') => {
-                    self.i += 1;
-                    return Ok(Json::Dict(items));
-                }
-                _ => return Err(format!("expected ',' or '}}' at byte {}", self.i)),
-            }
-        }
+    fn visit_u64<E>(self, n: u64) -> Result<Json, E> {
+        Ok(Json::Num(n.into()))
     }
 
-    fn array(&mut self) -> Result<Json, String> {
-        self.expect(b'[')?;
+    fn visit_f64<E: de::Error>(self, f: f64) -> Result<Json, E> {
+        Number::from_f64(f)
+            .map(Json::Num)
+            .ok_or_else(|| E::custom(format!("{f} is not a JSON number")))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Json, E> {
+        Ok(Json::Str(s.to_owned()))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json, A::Error> {
         let mut items = Vec::new();
-        self.ws();
-        if self.peek() == Some(b']') {
-            self.i += 1;
-            return Ok(Json::List(items));
+        while let Some(v) = seq.next_element()? {
+            items.push(v);
         }
-        loop {
-            items.push(self.value()?);
-            self.ws();
-            match self.peek() {
-                Some(b',') => self.i += 1,
-                Some(b']') => {
-                    self.i += 1;
-                    return Ok(Json::List(items));
-                }
-                _ => return Err(format!("expected ',' or ']' at byte {}", self.i)),
-            }
-        }
+        Ok(Json::List(items))
     }
 
-    /// A string token; serde_json decodes its escapes.
-    fn string(&mut self) -> Result<String, String> {
-        let start = self.i;
-        self.expect(b'"')?;
-        let bytes = self.text.as_bytes();
-        while let Some(&b) = bytes.get(self.i) {
-            self.i += 1;
-            match b {
-                b'\\' => self.i += 1,
-                b'"' => {
-                    return serde_json::from_str(&self.text[start..self.i])
-                        .map_err(|e| e.to_string())
-                }
-                _ => {}
+    /// A repeated key keeps its first place and takes its last value, as a Python dict does.
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json, A::Error> {
+        let mut items: Vec<(String, Json)> = Vec::new();
+        while let Some((k, v)) = map.next_entry::<String, Json>()? {
+            match items.iter_mut().find(|(key, _)| *key == k) {
+                Some(slot) => slot.1 = v,
+                None => items.push((k, v)),
             }
         }
-        Err("unterminated string".into())
-    }
-
-    /// `true`, `false`, `null` or a number (serde_json's number semantics).
-    fn scalar(&mut self) -> Result<Json, String> {
-        let start = self.i;
-        while matches!(self.peek(), Some(b) if b.is_ascii_alphanumeric() || b"+-.".contains(&b)) {
-            self.i += 1;
-        }
-        match &self.text[start..self.i] {
-            "true" => Ok(Json::Bool(true)),
-            "false" => Ok(Json::Bool(false)),
-            "null" => Ok(Json::Null),
-            token => serde_json::from_str::<Number>(token)
-                .map(Json::Num)
-                .map_err(|e| e.to_string()),
-        }
+        Ok(Json::Dict(items))
     }
 }
 
