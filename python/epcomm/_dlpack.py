@@ -4,13 +4,24 @@
 Each export is a DLManagedTensor (or, for a consumer asking for DLPack 1.x, a
 DLManagedTensorVersioned) in a capsule, following the DLPack spec's Python rules: a consumer
 renames the capsule "used_dltensor" ("used_dltensor_versioned") and calls the tensor's deleter
-when done; the capsule's destructor calls the deleter only while the capsule still has its
-original name, i.e. when nobody consumed it."""
+when done; a capsule nobody consumed frees its tensor.
+
+That last rule is not a capsule destructor here: a destructor written in Python (a ctypes
+callback) would run inside the capsule's deallocation, which Python also performs while an
+exception propagates, and Python code run with an exception pending corrupts it (a
+SystemError, or a crash). Instead the package keeps a reference to each capsule it made and
+sweeps them at safe points (each export, each garbage collection, ``live_exports()``): a capsule
+only the package still holds was dropped by everyone else; unconsumed, its tensor is freed
+then; consumed, the consumer's deleter call frees it. The deleter itself has to be a ctypes
+callback, so a consumer's tensor released while an exception propagates (a temporary in an
+expression that raises) reaches it in that state; keep such tensors in variables."""
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import struct
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._lib import DEVICE_CPU, DType, Tensor, i64p, vp
@@ -59,14 +70,38 @@ _ManagedTensorVersioned._fields_ = [
     ("dl_tensor", Tensor),
 ]
 
-# Exported tensors by address: what keeps each managed tensor (and its owner) alive until its
-# deleter runs.
-_LIVE: Dict[int, Tuple[Any, ...]] = {}
+# Exported tensors by address: [managed tensor, shape, owner, capsule or None], what keeps each
+# managed tensor (and its owner) alive until its deleter runs or its capsule is swept.
+_LIVE: Dict[int, List[Any]] = {}
+_UNCONSUMED = (b"dltensor", b"dltensor_versioned")
+
+
+def sweep() -> None:
+    """Frees the tensors of capsules that were dropped unconsumed, and lets go of consumed
+    capsules (their consumers call the deleter)."""
+    for address, record in list(_LIVE.items()):
+        capsule = record[3]
+        # The record's reference, this variable's and getrefcount's argument: nobody else.
+        if capsule is None or sys.getrefcount(capsule) > 3:
+            continue
+        if _capsule_name(capsule) in _UNCONSUMED:
+            _LIVE.pop(address, None)
+        else:
+            record[3] = None
 
 
 def live_exports() -> int:
-    """How many exports are waiting for their deleter (tests check that none leak)."""
+    """How many exports still hold epcomm memory, after a sweep (tests check that none leak)."""
+    sweep()
     return len(_LIVE)
+
+
+def _sweep_after_gc(phase: str, _info: Dict[str, Any]) -> None:
+    if phase == "stop":
+        sweep()
+
+
+gc.callbacks.append(_sweep_after_gc)
 
 
 @_DELETER
@@ -81,29 +116,9 @@ def _api(name: str, res: Any, args: list) -> Any:
     return f
 
 
-_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, vp)
-_capsule_new = _api("PyCapsule_New", ctypes.py_object, [vp, ctypes.c_char_p, _CAPSULE_DESTRUCTOR])
-# The destructor gets the capsule being deallocated: raw pointers, no new references to it.
-_capsule_is_valid = _api("PyCapsule_IsValid", ctypes.c_int, [vp, ctypes.c_char_p])
-_capsule_pointer = _api("PyCapsule_GetPointer", vp, [vp, ctypes.c_char_p])
-
-
-@_CAPSULE_DESTRUCTOR
-def _destroy_capsule(capsule: Optional[int]) -> None:
-    """An unconsumed capsule frees its tensor; a consumed one (renamed) leaves it to the
-    consumer, which calls the deleter itself."""
-    try:
-        for name in (b"dltensor", b"dltensor_versioned"):
-            if _capsule_is_valid(capsule, name):
-                _delete(_capsule_pointer(capsule, name))
-    except Exception:  # noqa: BLE001 -- at interpreter exit the module may be half torn down
-        pass
-
-
-# A capsule may outlive this module at interpreter exit: the destructor's thunk must not be
-# freed before it, so it gets one reference that is never dropped.
-ctypes.pythonapi.Py_IncRef.argtypes = [ctypes.py_object]
-ctypes.pythonapi.Py_IncRef(_destroy_capsule)
+# No destructor (see the module's doc): the capsules are swept instead.
+_capsule_new = _api("PyCapsule_New", ctypes.py_object, [vp, ctypes.c_char_p, vp])
+_capsule_name = _api("PyCapsule_GetName", ctypes.c_char_p, [ctypes.py_object])
 
 
 def _shape_array(shape: Sequence[int]) -> Any:
@@ -167,6 +182,7 @@ class Buffer:
                    dl_device: Any = None, copy: Optional[bool] = None) -> Any:
         """A capsule of this view: "dltensor_versioned" (DLPack 1.0, writable) for a consumer
         whose ``max_version`` is 1.x or later, else "dltensor" (DLPack 0.x)."""
+        sweep()
         if copy:
             raise BufferError("epcomm exports its buffers as they are (copy=True refused)")
         if dl_device is not None and tuple(dl_device) != self._device:
@@ -187,9 +203,10 @@ class Buffer:
         t.strides = None
         t.byte_offset = 0
         m.deleter = _delete
-        _LIVE[ctypes.addressof(m)] = (m, shape, self._owner)
         name = b"dltensor_versioned" if versioned else b"dltensor"
-        return _capsule_new(ctypes.addressof(m), name, _destroy_capsule)
+        capsule = _capsule_new(ctypes.addressof(m), name, None)
+        _LIVE[ctypes.addressof(m)] = [m, shape, self._owner, capsule]
+        return capsule
 
     def tolist(self) -> Any:
         """The elements as nested Python lists (bfloat16 and float16 as floats); a copy."""

@@ -4,8 +4,10 @@ the library as DLPack DLTensors without copies, dtype names, and copies of epcom
 from __future__ import annotations
 
 import ctypes
-from typing import Any, List
+import sys
+from typing import Any, List, Optional
 
+from ._dlpack import Buffer
 from ._lib import DType, Tensor, cp, i64p, vp
 from .errors import InvalidArgumentError
 
@@ -63,18 +65,57 @@ class Arg:
     def __init__(self, obj: Any, what: str, output: bool = False):
         self.keep: List[Any] = []
         self.copy_into: Any = None
-        if hasattr(obj, "__array_interface__") and not hasattr(obj, "__dlpack_device__"):
+        if isinstance(obj, Buffer):
+            self._from_buffer_view(obj)
+        elif hasattr(obj, "__array_interface__") and not hasattr(obj, "__dlpack_device__"):
             self._from_numpy(obj, what, output)
         elif hasattr(obj, "__dlpack__"):
             if is_numpy(obj):
                 self._from_numpy(obj, what, output)
             else:
                 self._from_dlpack(obj, what, output)
+        elif _has_buffer(obj):
+            self._from_buffer(obj, what, output)
         else:
             raise TypeError(
-                f"{what}: expected a numpy array or an object with __dlpack__, got "
-                f"{type(obj).__name__}"
+                f"{what}: expected a numpy array, an object with __dlpack__ or a buffer "
+                f"(memoryview, bytearray, array.array), got {type(obj).__name__}"
             )
+
+    def _from_buffer_view(self, b: Buffer) -> None:
+        """One of epcomm's own Buffers: its memory described directly (no DLPack export)."""
+        self.keep.append(b)
+        dims = (ctypes.c_int64 * max(len(b.shape), 1))(*b.shape)
+        self.keep.append(dims)
+        t = Tensor()
+        t.data = b._data or None
+        t.device_type, t.device_id = b._device
+        t.ndim = len(b.shape)
+        t.dtype = b._dtype
+        t.shape = ctypes.cast(dims, i64p)
+        self.keep.append(t)
+        self.ptr = ctypes.pointer(t)
+
+    def _from_buffer(self, obj: Any, what: str, output: bool) -> None:
+        """A buffer-protocol object (memoryview, bytearray, array.array, bytes), viewed in
+        place: it must be C-contiguous, and writable when it is an output."""
+        view = _PyBuffer(obj, what, output)
+        self.keep.append(view)
+        b = view.view
+        if b.ndim and b.shape:
+            shape = [b.shape[i] for i in range(b.ndim)]
+        else:  # a 0-d or shapeless export: its items as one dimension
+            shape = [b.len // max(b.itemsize, 1)]
+        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self.keep.append(dims)
+        t = Tensor()
+        t.data = b.buf
+        t.device_type, t.device_id = 1, 0
+        t.ndim = len(shape)
+        t.dtype = _buffer_dtype(b.format, b.itemsize, what)
+        t.shape = ctypes.cast(dims, i64p)
+        self.keep.append(t)
+        self.ptr = ctypes.pointer(t)
 
     def _from_dlpack(self, obj: Any, what: str, output: bool) -> None:
         try:
@@ -146,6 +187,79 @@ class Arg:
         """After a successful call: copies a temporary output into the caller's array."""
         if self.copy_into is not None:
             self.copy_into[...] = self.array
+
+
+class _PyBufferStruct(ctypes.Structure):
+    """CPython's Py_buffer."""
+
+    _fields_ = [
+        ("buf", vp),
+        ("obj", vp),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", cp),
+        ("shape", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("strides", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("suboffsets", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("internal", vp),
+    ]
+
+
+_PYBUF_WRITABLE, _PYBUF_FORMAT, _PYBUF_C_CONTIGUOUS = 0x1, 0x4, 0x38
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.restype, _get_buffer.argtypes = ctypes.c_int, [
+    ctypes.py_object, ctypes.POINTER(_PyBufferStruct), ctypes.c_int]
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.restype, _release_buffer.argtypes = None, [ctypes.POINTER(_PyBufferStruct)]
+
+
+def _has_buffer(obj: Any) -> bool:
+    try:
+        memoryview(obj)
+        return True
+    except TypeError:
+        return False
+
+
+class _PyBuffer:
+    """A held Py_buffer export of ``obj`` (C-contiguous, with its format), released when this
+    object goes away."""
+
+    def __init__(self, obj: Any, what: str, output: bool):
+        self.view = _PyBufferStruct()
+        flags = _PYBUF_C_CONTIGUOUS | _PYBUF_FORMAT | (_PYBUF_WRITABLE if output else 0)
+        try:
+            _get_buffer(obj, ctypes.byref(self.view), flags)
+        except BufferError as e:
+            m = memoryview(obj)
+            why = "read-only" if output and m.readonly else "not C-contiguous"
+            raise InvalidArgumentError(
+                f"{what} is {why} ({e}); expected a "
+                f"{'writable, ' if output else ''}C-contiguous buffer", 2
+            ) from None
+        self.held = True
+
+    def __del__(self) -> None:
+        if getattr(self, "held", False):
+            _release_buffer(ctypes.byref(self.view))
+            self.held = False
+
+
+# struct format character -> DLPack type code (bits come from the item size).
+_FORMAT_CODES = {"f": 2, "d": 2, "e": 2, "b": 0, "h": 0, "i": 0, "l": 0, "q": 0, "n": 0,
+                 "B": 1, "c": 1, "H": 1, "I": 1, "L": 1, "Q": 1, "N": 1, "?": 6}
+
+
+def _buffer_dtype(fmt: Optional[bytes], itemsize: int, what: str) -> DType:
+    text = (fmt or b"B").decode()
+    if text[:1] in "@=" or (text[:1] == "<" and sys.byteorder == "little"):
+        text = text[1:]
+    if len(text) != 1 or text not in _FORMAT_CODES:
+        raise InvalidArgumentError(
+            f"{what}: buffer format {text!r} is not a native scalar type epcomm reads", 2)
+    return DType(_FORMAT_CODES[text], itemsize * 8, 1)
 
 
 def _check_writable_export(flags: int, what: str) -> None:

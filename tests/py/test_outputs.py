@@ -54,6 +54,21 @@ class DLPackLifetimeTest(unittest.TestCase):
         self.assert_released(ref, before)
         g.close()
 
+    def test_capsules_dropped_while_an_exception_propagates(self):
+        before = epcomm._dlpack.live_exports()
+        g, a, d = self.manager("unwinding")
+        for _ in range(3):
+            with self.assertRaises(ZeroDivisionError):
+                (d["hidden"].__dlpack__(), 1 / 0)  # the capsule is freed during unwinding
+        with self.assertRaises(ValueError) as cm:
+            a.combine(d["hidden"], memoryview(bytes(32)).cast("f", [2, 4]))
+        self.assertEqual(str(cm.exception), "out is read-only (memoryview: underlying buffer is "
+                         "not writable); expected a writable, C-contiguous buffer")
+        ref = weakref.ref(a)
+        del a, d
+        self.assert_released(ref, before)
+        g.close()
+
     def test_consumed_capsules_are_left_to_the_consumer(self):
         import numpy as np
         import torch
@@ -84,6 +99,33 @@ def capsule_name(capsule):
     get = ctypes.pythonapi.PyCapsule_GetName
     get.restype, get.argtypes = ctypes.c_char_p, [ctypes.py_object]
     return get(capsule)
+
+
+class BufferProtocolTest(unittest.TestCase):
+    """Inputs and outputs may be buffer-protocol objects (memoryview, bytearray, array.array),
+    viewed in place without numpy or torch."""
+
+    def test_memoryviews_in_and_out(self):
+        import array
+
+        with epcomm.Group.shm(unique("buffers"), 0, 1) as g, epcomm.All2All(
+            g, "allgather_reducescatter", num_experts=2, top_k=1, hidden_size=4
+        ) as a:
+            x = memoryview(array.array("f", range(8))).cast("B").cast("f", [2, 4])
+            ids = memoryview(array.array("q", [0, 1])).cast("B").cast("q", [2, 1])
+            w = array.array("f", [1.0, 1.0])
+            d = a.dispatch(x, ids, memoryview(w).cast("B").cast("f", [2, 1]))
+            self.assertEqual(d["hidden"].tolist(), [[0, 1, 2, 3], [4, 5, 6, 7]])
+            raw = bytearray(32)
+            out = memoryview(raw).cast("f", [2, 4])
+            self.assertIs(a.combine(d["hidden"], out), out)
+            self.assertEqual(memoryview(raw).cast("f").tolist(), list(range(8)))
+            strided = memoryview(bytearray(64)).cast("f", [4, 4])[::2]
+            with self.assertRaises(ValueError) as cm:
+                a.combine(d["hidden"], strided)
+            self.assertEqual(str(cm.exception), "out is not C-contiguous (memoryview: "
+                             "underlying buffer is not C-contiguous); expected a writable, "
+                             "C-contiguous buffer")
 
 
 class OutputsTest(unittest.TestCase):
