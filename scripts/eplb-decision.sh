@@ -30,4 +30,4 @@ batched) export EPLB_DECISION_BATCHED_RUNS="$runs" && filter=(batched_rearrangem
 unbatched) export EPLB_DECISION_RUNS="$runs" && filter=(every_rank_reaches) ;;
 esac
 cargo test --test eplb_decision -- "${filter[@]}" --nocapture --test-threads=1 2>&1 |
-    grep -E '^eplb_decision|^test result|panicked|FAILED'
+    grep -E 'eplb_decision|^test result|panicked|FAILED'

@@ -36,6 +36,7 @@ use std::ffi::{c_char, c_void, CStr};
 use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
+use epcomm::eplb::migration;
 use epcomm::ffi::all2all::{
     epcomm_all2all, epcomm_all2all_buffer_bytes, epcomm_all2all_combine, epcomm_all2all_create,
     epcomm_all2all_destroy, epcomm_all2all_dispatch, epcomm_dispatch_output, epcomm_moe_config,
@@ -44,6 +45,11 @@ use epcomm::ffi::all2all::{
 use epcomm::ffi::config::{epcomm_config_check, epcomm_config_check_report};
 use epcomm::ffi::eplb::{
     epcomm_eplb_logical_maps, epcomm_eplb_min_redundant_experts, epcomm_eplb_rebalance,
+};
+use epcomm::ffi::eplb_algo::{
+    epcomm_eplb_migration_schedule, epcomm_eplb_migration_schedule_destroy,
+    epcomm_eplb_migration_schedule_view, epcomm_eplb_schedule_migration_batches,
+    epcomm_eplb_schedule_view,
 };
 use epcomm::ffi::eplb_runtime::{
     epcomm_eplb_layer_plan_destroy, epcomm_eplb_layer_plan_view, epcomm_eplb_plan_layer,
@@ -3637,6 +3643,205 @@ fn fuzz_eplb_state() {
         let outcome = check_state(&g, &c, &mut rng);
         f.check(&c, outcome);
     }
+    f.finish();
+}
+
+// ---- 11. EPLB migration batching: the schedule, the state flag, rearrange_with --------------
+
+#[derive(Debug, Clone)]
+struct ScheduleCase {
+    num_slots: i64,
+    slots_per_rank: i64,
+    old: Option<Vec<i64>>,
+    new: Option<Vec<i64>>,
+    null_out: bool,
+}
+
+fn gen_schedule(rng: &mut Rng) -> ScheduleCase {
+    let ranks = rng.range(1, 70);
+    let n = rng.range(1, 4);
+    let slots = ranks * n;
+    let experts = rng.range(1, slots + 1);
+    let map = |rng: &mut Rng| -> Vec<i64> {
+        (0..slots)
+            .map(|_| match rng.below(12) {
+                0 => -1,
+                1 if rng.one_in(4) => *rng.pick(&[-2, i64::MIN, i64::MAX, experts]),
+                _ => rng.range(0, experts - 1),
+            })
+            .collect()
+    };
+    let (old, new) = (map(rng), map(rng));
+    let (mut num_slots, mut slots_per_rank) = (slots, n);
+    if rng.one_in(5) {
+        match rng.below(4) {
+            // Shorter than the maps (never longer: the call reads num_slots entries).
+            0 => num_slots = *rng.pick(&[0, -1, i64::MIN, slots - 1]),
+            1 => slots_per_rank = *rng.pick(&[0, -1, i64::MIN, slots + 1, i64::MAX]),
+            2 => slots_per_rank = rng.range(1, slots),
+            _ => num_slots = *rng.pick(&[i64::MAX, 1 << 41]),
+        }
+    }
+    ScheduleCase {
+        num_slots,
+        slots_per_rank,
+        old: (!rng.one_in(30)).then_some(old),
+        new: (!rng.one_in(30)).then_some(new),
+        null_out: rng.one_in(40),
+    }
+}
+
+/// The argument checks the entry point makes before vLLM's scheduler: (status, the argument
+/// its message names).
+fn schedule_precheck(c: &ScheduleCase) -> Option<(i32, &'static str)> {
+    if c.null_out {
+        return Some((EPCOMM_ERROR_NULL_POINTER, "out"));
+    }
+    if c.num_slots <= 0 || c.num_slots > 1 << 40 {
+        return Some((EPCOMM_ERROR_INVALID_ARGUMENT, "num_slots"));
+    }
+    if c.slots_per_rank <= 0 {
+        return Some((EPCOMM_ERROR_INVALID_ARGUMENT, "slots_per_rank"));
+    }
+    if c.old.is_none() {
+        return Some((EPCOMM_ERROR_NULL_POINTER, "old_phy2log"));
+    }
+    c.new
+        .is_none()
+        .then_some((EPCOMM_ERROR_NULL_POINTER, "new_phy2log"))
+}
+
+/// The schedule as (batch, src, dst, experts), read through the view.
+fn schedule_flows(s: *const epcomm_eplb_migration_schedule) -> Result<Vec<Vec<Flow>>, String> {
+    let mut v = std::mem::MaybeUninit::<epcomm_eplb_schedule_view>::zeroed();
+    epcomm_clear_last_error();
+    let rc = unsafe { epcomm_eplb_migration_schedule_view(s, v.as_mut_ptr()) };
+    expect_status(rc, EPCOMM_OK)?;
+    let v = unsafe { v.assume_init() };
+    let sl = |p: *const i64, n: i64| -> Vec<i64> {
+        unsafe { std::slice::from_raw_parts(p, n as usize) }.to_vec()
+    };
+    let starts = sl(v.batch_starts, v.num_batches + 1);
+    let flows = sl(v.flows, 2 * v.num_flows);
+    let expert_starts = sl(v.expert_starts, v.num_flows + 1);
+    let ids = sl(v.expert_ids, v.num_expert_ids);
+    if starts[0] != 0 || starts[v.num_batches as usize] != v.num_flows {
+        return Err(format!("batch_starts {starts:?} for {} flows", v.num_flows));
+    }
+    if expert_starts[v.num_flows as usize] != v.num_expert_ids {
+        return Err(format!(
+            "expert_starts {expert_starts:?} for {} ids",
+            ids.len()
+        ));
+    }
+    Ok(starts
+        .windows(2)
+        .map(|b| {
+            (b[0] as usize..b[1] as usize)
+                .map(|f| Flow {
+                    src: flows[2 * f] as usize,
+                    dst: flows[2 * f + 1] as usize,
+                    experts: ids[expert_starts[f] as usize..expert_starts[f + 1] as usize].to_vec(),
+                })
+                .collect()
+        })
+        .collect())
+}
+
+/// One flow of a schedule, as the view shows it.
+#[derive(Debug, Clone, PartialEq)]
+struct Flow {
+    src: usize,
+    dst: usize,
+    experts: Vec<i64>,
+}
+
+fn check_schedule(c: &ScheduleCase) -> Result<(), String> {
+    let sentinel = std::ptr::dangling_mut::<epcomm_eplb_migration_schedule>();
+    let mut out = sentinel;
+    let out_p = if c.null_out {
+        std::ptr::null_mut()
+    } else {
+        &mut out as *mut _
+    };
+    let ptr = |m: &Option<Vec<i64>>| m.as_ref().map_or(std::ptr::null(), |v| v.as_ptr());
+    epcomm_clear_last_error();
+    let rc = unsafe {
+        epcomm_eplb_schedule_migration_batches(
+            ptr(&c.old),
+            ptr(&c.new),
+            c.num_slots,
+            c.slots_per_rank,
+            out_p,
+        )
+    };
+    let msg = check_status(rc)?;
+    if rc != EPCOMM_OK && out != sentinel {
+        return Err(format!("failed ({rc}) but wrote *out"));
+    }
+    if let Some((status, arg)) = schedule_precheck(c) {
+        if rc != status || !msg.as_deref().unwrap_or("").contains(arg) {
+            return Err(format!(
+                "status {rc} {msg:?}; expected {status} naming {arg}"
+            ));
+        }
+        return Ok(());
+    }
+    let p = c.num_slots as usize;
+    let (old, new) = (&c.old.as_ref().unwrap()[..p], &c.new.as_ref().unwrap()[..p]);
+    let want = migration::schedule_migration_batches(c.slots_per_rank as usize, old, new);
+    let want = match want {
+        Err(e) => {
+            let (status, text) = (e.status() as i32, e.to_string());
+            if rc != status || msg.as_deref() != Some(text.as_str()) {
+                return Err(format!("status {rc} {msg:?}; Rust says {status} {text:?}"));
+            }
+            return Ok(());
+        }
+        Ok(b) => b,
+    };
+    if rc != EPCOMM_OK {
+        return Err(format!(
+            "status {rc} {msg:?}; Rust scheduled {} batches",
+            want.len()
+        ));
+    }
+    let got = schedule_flows(out);
+    unsafe { epcomm_eplb_migration_schedule_destroy(out) };
+    let want: Vec<Vec<Flow>> = (want.iter())
+        .map(|b| {
+            (b.iter())
+                .map(|f| Flow {
+                    src: f.src_rank,
+                    dst: f.dst_rank,
+                    experts: f.expert_ids.clone(),
+                })
+                .collect()
+        })
+        .collect();
+    if got? != want {
+        return Err(format!("the C schedule differs from Rust's {want:?}"));
+    }
+    Ok(())
+}
+
+#[test]
+fn fuzz_eplb_migration_schedule() {
+    let mut f = Findings::new("eplb_migration_schedule");
+    let mut rng = Rng::new(seed("migration_schedule"));
+    for _ in 0..cases(DEFAULT_CASES) {
+        let c = gen_schedule(&mut rng);
+        let outcome = check_schedule(&c);
+        f.check(&c, outcome);
+    }
+    // The view and destroy of no schedule: NULL is an error naming it, or a no-op.
+    let mut v = std::mem::MaybeUninit::<epcomm_eplb_schedule_view>::zeroed();
+    epcomm_clear_last_error();
+    let rc = unsafe { epcomm_eplb_migration_schedule_view(std::ptr::null(), v.as_mut_ptr()) };
+    let null_view =
+        expect_status(rc, EPCOMM_ERROR_NULL_POINTER).and_then(|m| names_one(&m, &["schedule"]));
+    f.check(&"view(NULL schedule)", null_view);
+    unsafe { epcomm_eplb_migration_schedule_destroy(std::ptr::null_mut()) };
     f.finish();
 }
 
