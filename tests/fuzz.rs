@@ -52,9 +52,12 @@ use epcomm::ffi::eplb_algo::{
     epcomm_eplb_schedule_view,
 };
 use epcomm::ffi::eplb_runtime::{
+    epcomm_eplb_communicator, epcomm_eplb_communicator_create, epcomm_eplb_communicator_destroy,
     epcomm_eplb_layer_plan_destroy, epcomm_eplb_layer_plan_view, epcomm_eplb_plan_layer,
-    epcomm_eplb_plan_view, epcomm_eplb_state_create, epcomm_eplb_state_destroy,
-    epcomm_eplb_state_record, epcomm_eplb_state_step,
+    epcomm_eplb_plan_view, epcomm_eplb_rearrange_options, epcomm_eplb_rearrange_options_init,
+    epcomm_eplb_rearrange_with, epcomm_eplb_state_create, epcomm_eplb_state_destroy,
+    epcomm_eplb_state_migration_batching, epcomm_eplb_state_record, epcomm_eplb_state_step,
+    epcomm_eplb_summary,
 };
 use epcomm::ffi::error::{
     epcomm_clear_last_error, epcomm_last_error_hint, epcomm_last_error_message,
@@ -3842,6 +3845,427 @@ fn fuzz_eplb_migration_schedule() {
         expect_status(rc, EPCOMM_ERROR_NULL_POINTER).and_then(|m| names_one(&m, &["schedule"]));
     f.check(&"view(NULL schedule)", null_view);
     unsafe { epcomm_eplb_migration_schedule_destroy(std::ptr::null_mut()) };
+    f.finish();
+}
+
+/// A 1-rank group with the `torch_gloo` communicator over it, through the C ABI.
+struct Comm {
+    group: Group,
+    comm: *mut epcomm_eplb_communicator,
+}
+
+impl Comm {
+    fn new(tag: &str) -> Comm {
+        let group = Group::new(tag);
+        let name = c_bytes(b"torch_gloo");
+        let req = epcomm_eplb_select_request {
+            struct_size: std::mem::size_of::<epcomm_eplb_select_request>() as u32,
+            communicator: name.as_ptr().cast(),
+            elastic: false,
+            device_type: EPCOMM_DEVICE_CPU,
+            weight_dtypes: std::ptr::null(),
+            num_weight_dtypes: 0,
+            nccl_available: 0,
+            nixl_available: 0,
+        };
+        let mut comm = std::ptr::null_mut();
+        let rc = unsafe { epcomm_eplb_communicator_create(group.0, &req, &mut comm) };
+        assert_eq!(rc, EPCOMM_OK, "create communicator: {:?}", last_message());
+        Comm { group, comm }
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        unsafe { epcomm_eplb_communicator_destroy(self.comm) };
+    }
+}
+
+#[derive(Debug, Clone)]
+struct RearrangeCase {
+    layers: i64,
+    old_slots: i64,
+    new_slots: i64,
+    old: Option<Vec<i64>>,
+    new: Option<Vec<i64>>,
+    /// Per tensor of a layer: (rows, row bytes); every layer has these.
+    tensors: Vec<(usize, usize)>,
+    null_weights: bool,
+    null_comm: bool,
+    /// None: options NULL; else (struct_size, rank mapping, migration batching).
+    options: Option<(u32, Option<Vec<i64>>, bool)>,
+}
+
+const OPTIONS_SIZE: u32 = std::mem::size_of::<epcomm_eplb_rearrange_options>() as u32;
+
+fn gen_rearrange(rng: &mut Rng) -> RearrangeCase {
+    let layers = rng.range(1, 3);
+    let slots = rng.range(1, 6);
+    let new_slots = if rng.one_in(4) {
+        rng.range(1, 6)
+    } else {
+        slots
+    };
+    let experts = rng.range(1, slots);
+    let map = |rng: &mut Rng, n: i64| -> Vec<i64> {
+        (0..layers * n)
+            .map(|_| match rng.below(15) {
+                0 => -1,
+                1 if rng.one_in(3) => *rng.pick(&[-2, i64::MIN, i64::MAX, experts + 3]),
+                _ => rng.range(0, experts - 1),
+            })
+            .collect()
+    };
+    let (old, new) = (map(rng, slots), map(rng, new_slots));
+    let rows = if rng.one_in(8) {
+        rng.usize(1, 6)
+    } else {
+        slots as usize
+    };
+    let tensors = (0..rng.usize(1, 2))
+        .map(|_| (rows, rng.usize(1, 9)))
+        .collect();
+    let options = (!rng.one_in(5)).then(|| {
+        let size = if rng.one_in(6) {
+            *rng.pick(&[0, OPTIONS_SIZE - 1, 4, OPTIONS_SIZE + 64, u32::MAX])
+        } else {
+            OPTIONS_SIZE
+        };
+        let mapping = rng.one_in(3).then(|| {
+            (0..rng.usize(0, 3))
+                .map(|_| *rng.pick(&[-1, 0, 0, 1, 2, -2, i64::MAX, i64::MIN]))
+                .collect()
+        });
+        (size, mapping, rng.coin())
+    });
+    let (mut layers, mut old_slots, mut new_slots) = (layers, slots, new_slots);
+    if rng.one_in(15) {
+        match rng.below(3) {
+            0 => layers = *rng.pick(&[0, -1, i64::MIN]),
+            1 => old_slots = *rng.pick(&[0, -1, i64::MIN]),
+            _ => new_slots = *rng.pick(&[0, -1, i64::MIN]),
+        }
+    }
+    RearrangeCase {
+        layers,
+        old_slots,
+        new_slots,
+        old: (!rng.one_in(40)).then_some(old),
+        new: (!rng.one_in(40)).then_some(new),
+        tensors,
+        null_weights: rng.one_in(40),
+        null_comm: rng.one_in(40),
+        options,
+    }
+}
+
+/// The checks the entry point makes before the rearrangement: (status, what the message names).
+fn rearrange_precheck(c: &RearrangeCase) -> Option<(i32, String)> {
+    let invalid = |what: &str| Some((EPCOMM_ERROR_INVALID_ARGUMENT, what.to_owned()));
+    let null = |what: &str| Some((EPCOMM_ERROR_NULL_POINTER, what.to_owned()));
+    if c.null_comm {
+        return null("comm");
+    }
+    for (v, what) in [
+        (c.layers, "num_layers"),
+        (c.old_slots, "old_slots"),
+        (c.new_slots, "new_slots"),
+    ] {
+        if v <= 0 {
+            return invalid(what);
+        }
+    }
+    for (m, what) in [(&c.old, "old_phy2log"), (&c.new, "new_phy2log")] {
+        match m {
+            None => return null(what),
+            Some(v) => {
+                if let Some(i) = v.iter().position(|&x| x < -1) {
+                    return invalid(&format!("{what}[{i}]"));
+                }
+            }
+        }
+    }
+    if c.null_weights {
+        return null("weights");
+    }
+    match &c.options {
+        Some((size, _, _)) if *size < OPTIONS_SIZE => invalid("options->struct_size"),
+        _ => None,
+    }
+}
+
+/// The weights of a case: layer-major, tensor t of every layer `tensors[t]` rows of bytes.
+fn rearrange_weights(c: &RearrangeCase, rng: &mut Rng) -> Vec<Vec<Vec<u8>>> {
+    (0..c.layers.max(1))
+        .map(|_| {
+            (c.tensors.iter())
+                .map(|&(rows, rb)| (0..rows * rb).map(|_| rng.below(256) as u8).collect())
+                .collect()
+        })
+        .collect()
+}
+
+/// The same rearrangement through the Rust API on a 1-rank group of its own.
+fn rust_rearrange(
+    c: &RearrangeCase,
+    w: &mut [Vec<Vec<u8>>],
+) -> epcomm::Result<epcomm::eplb::rearrange::Summary> {
+    use epcomm::group::{shm::ShmGroup, GroupOptions};
+    let name = ranks::unique("fzr", "rust");
+    let mut g = ShmGroup::join(&name, 0, 1, GroupOptions::default()).expect("1-rank group");
+    let mut comm = epcomm::eplb::communicator::create(
+        Some("torch_gloo"),
+        false,
+        epcomm::select::eplb::DeviceKind::Cpu,
+        &[],
+        false,
+        false,
+    )
+    .unwrap();
+    let split = |m: &[i64], n: i64| m.chunks(n as usize).map(<[i64]>::to_vec).collect();
+    let old: Vec<Vec<i64>> = split(c.old.as_ref().unwrap(), c.old_slots);
+    let new: Vec<Vec<i64>> = split(c.new.as_ref().unwrap(), c.new_slots);
+    let row_bytes: Vec<usize> = c.tensors.iter().map(|t| t.1).collect();
+    let (mapping, batching) = match &c.options {
+        Some((_, m, b)) => (m.as_deref(), *b),
+        None => (None, false),
+    };
+    let u8s = vec![epcomm::dtype::DType::new(epcomm::dtype::Code::UInt, 8); c.tensors.len()];
+    let options = epcomm::eplb::rearrange::RearrangeOptions {
+        rank_mapping: mapping,
+        dtypes: &u8s,
+        migration_batching: batching,
+    };
+    let mut views: Vec<Vec<&mut [u8]>> = (w.iter_mut())
+        .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())
+        .collect();
+    let (old_r, new_r) = (&old, &new);
+    epcomm::eplb::rearrange::rearrange_with(
+        &mut g,
+        comm.as_mut(),
+        old_r,
+        new_r,
+        &mut views,
+        &row_bytes,
+        &options,
+    )
+}
+
+/// Checks one case; Ok says how it ended (rejected before the rearrangement, by it, or done).
+fn check_rearrange(comm: &Comm, c: &RearrangeCase, rng: &mut Rng) -> Result<&'static str, String> {
+    let before = rearrange_weights(c, rng);
+    let mut w = before.clone();
+    let mut shapes: Vec<[i64; 2]> = (w.iter().flatten())
+        .zip(c.tensors.iter().cycle())
+        .map(|(_, &(rows, rb))| [rows as i64, rb as i64])
+        .collect();
+    let tensors: Vec<epcomm_tensor> = (w.iter_mut().flatten())
+        .zip(shapes.iter_mut())
+        .map(|(t, s)| raw_tensor(t.as_mut_ptr(), s, U8))
+        .collect();
+    let mapping = c.options.as_ref().and_then(|o| o.1.clone());
+    let options = c.options.as_ref().map(|o| epcomm_eplb_rearrange_options {
+        struct_size: o.0,
+        rank_mapping: mapping.as_ref().map_or(std::ptr::null(), |m| m.as_ptr()),
+        rank_mapping_len: mapping.as_ref().map_or(0, Vec::len),
+        migration_batching: o.2,
+    });
+    let untouched = epcomm_eplb_summary {
+        layers_changed: -7,
+        rows_sent: -7,
+        rows_received: -7,
+        rows_copied_locally: -7,
+    };
+    let mut summary = untouched;
+    let ptr = |m: &Option<Vec<i64>>| m.as_ref().map_or(std::ptr::null(), |v| v.as_ptr());
+    epcomm_clear_last_error();
+    let rc = unsafe {
+        epcomm_eplb_rearrange_with(
+            if c.null_comm {
+                std::ptr::null_mut()
+            } else {
+                comm.comm
+            },
+            ptr(&c.old),
+            ptr(&c.new),
+            c.layers,
+            c.old_slots,
+            c.new_slots,
+            if c.null_weights {
+                std::ptr::null()
+            } else {
+                tensors.as_ptr()
+            },
+            c.tensors.len(),
+            options.as_ref().map_or(std::ptr::null(), |o| o as *const _),
+            &mut summary,
+        )
+    };
+    drop(tensors);
+    let msg = check_status(rc)?;
+    if rc != EPCOMM_OK && (w != before || summary.rows_sent != -7) {
+        return Err(format!(
+            "failed ({rc} {msg:?}) but changed the weights or the summary"
+        ));
+    }
+    if let Some((status, what)) = rearrange_precheck(c) {
+        if rc != status || !msg.as_deref().unwrap_or("").contains(&what) {
+            return Err(format!(
+                "status {rc} {msg:?}; expected {status} naming {what}"
+            ));
+        }
+        return Ok("rejected by the entry point");
+    }
+    let mut want_w = before.clone();
+    match rust_rearrange(c, &mut want_w) {
+        Err(e) => {
+            let (status, text) = (e.status() as i32, e.to_string());
+            if rc != status || msg.as_deref() != Some(text.as_str()) {
+                return Err(format!("status {rc} {msg:?}; Rust says {status} {text:?}"));
+            }
+            Ok("rejected as Rust rejects it")
+        }
+        Ok(s) => {
+            if rc != EPCOMM_OK {
+                return Err(format!("status {rc} {msg:?}; Rust succeeded"));
+            }
+            let got = (
+                summary.layers_changed,
+                summary.rows_sent,
+                summary.rows_received,
+            );
+            let want = (
+                s.layers_changed as i64,
+                s.rows_sent as i64,
+                s.rows_received as i64,
+            );
+            if got != want || summary.rows_copied_locally != s.rows_copied_locally as i64 {
+                return Err(format!("summary {summary:?}; Rust {s:?}"));
+            }
+            if w != want_w {
+                return Err("the weights differ from the Rust rearrangement's".into());
+            }
+            Ok("rearranged as Rust does")
+        }
+    }
+}
+
+#[test]
+fn fuzz_eplb_rearrange_with() {
+    let mut f = Findings::new("eplb_rearrange_with");
+    let mut rng = Rng::new(seed("rearrange_with"));
+    let comm = Comm::new("rearrange_with");
+    let mut ends = std::collections::BTreeMap::<&str, usize>::new();
+    for _ in 0..cases(DEFAULT_CASES) / 8 {
+        let c = gen_rearrange(&mut rng);
+        let outcome = check_rearrange(&comm, &c, &mut rng).map(|end| {
+            *ends.entry(end).or_default() += 1;
+        });
+        f.check(&c, outcome);
+    }
+    println!("eplb_rearrange_with: {ends:?}");
+    // The group is still usable after every rejection.
+    let usable = group_usable(&comm.group, &mut rng);
+    f.check(&"the group after the cases", usable);
+    // options_init: NULL names it; a filled struct has its size and the defaults.
+    epcomm_clear_last_error();
+    let rc = unsafe { epcomm_eplb_rearrange_options_init(std::ptr::null_mut()) };
+    let null_init =
+        expect_status(rc, EPCOMM_ERROR_NULL_POINTER).and_then(|m| names_one(&m, &["options"]));
+    f.check(&"options_init(NULL)", null_init);
+    let mut o = std::mem::MaybeUninit::<epcomm_eplb_rearrange_options>::zeroed();
+    epcomm_clear_last_error();
+    let rc = unsafe { epcomm_eplb_rearrange_options_init(o.as_mut_ptr()) };
+    let o = unsafe { o.assume_init() };
+    let init = expect_status(rc, EPCOMM_OK).and_then(|_| {
+        let ok = o.struct_size == OPTIONS_SIZE
+            && o.rank_mapping.is_null()
+            && o.rank_mapping_len == 0
+            && !o.migration_batching;
+        ok.then_some(()).ok_or_else(|| format!("{o:?}"))
+    });
+    f.check(&"options_init", init);
+    f.finish();
+}
+
+/// epcomm_eplb_state_migration_batching is vLLM's `use_async and enable_migration_batching`
+/// (defaults true and false) of the state's config; NULLs are errors naming the argument that
+/// leave the output alone.
+#[test]
+fn fuzz_eplb_state_migration_batching() {
+    let mut f = Findings::new("eplb_state_migration_batching");
+    let mut rng = Rng::new(seed("state_migration_batching"));
+    let model = c_bytes(b"fuzz-model");
+    for _ in 0..cases(DEFAULT_CASES) / 10 {
+        let mut cfg = Map::new();
+        let pick = |rng: &mut Rng| match rng.below(4) {
+            0 => None,
+            1 => Some(json!(true)),
+            2 => Some(json!(false)),
+            _ => Some(
+                rng.pick(&[json!(1), json!("yes"), json!(null), json!([])])
+                    .clone(),
+            ),
+        };
+        let (use_async, batching) = (pick(&mut rng), pick(&mut rng));
+        if let Some(v) = &use_async {
+            cfg.insert("use_async".into(), v.clone());
+        }
+        if let Some(v) = &batching {
+            cfg.insert("enable_migration_batching".into(), v.clone());
+        }
+        let text = c_bytes(&serde_json::to_vec(&Value::Object(cfg.clone())).unwrap());
+        let mut state = std::ptr::null_mut();
+        epcomm_clear_last_error();
+        let rc = unsafe {
+            epcomm_eplb_state_create(
+                text.as_ptr().cast(),
+                model.as_ptr().cast(),
+                1,
+                4,
+                &mut state,
+            )
+        };
+        // pydantic's lax bool: 1 and "yes" are true; null and [] are errors.
+        let lax = |v: &Value| {
+            v.as_bool()
+                .or((v == &json!(1) || v == &json!("yes")).then_some(true))
+        };
+        let bool_or = |v: &Option<Value>, d: bool| v.as_ref().map_or(Some(d), lax);
+        let outcome = (|| {
+            let (Some(a), Some(b)) = (bool_or(&use_async, true), bool_or(&batching, false)) else {
+                // A field that is not a bool: the config check refuses the state.
+                return (rc != EPCOMM_OK && state.is_null())
+                    .then_some(())
+                    .ok_or_else(|| format!("created ({rc}) with a non-bool field"));
+            };
+            expect_status(rc, EPCOMM_OK)?;
+            let mut enabled = !(a && b);
+            epcomm_clear_last_error();
+            let rc = unsafe { epcomm_eplb_state_migration_batching(state, &mut enabled) };
+            expect_status(rc, EPCOMM_OK)?;
+            if enabled != (a && b) {
+                return Err(format!("enabled {enabled}, expected {}", a && b));
+            }
+            epcomm_clear_last_error();
+            let rc = unsafe { epcomm_eplb_state_migration_batching(state, std::ptr::null_mut()) };
+            expect_status(rc, EPCOMM_ERROR_NULL_POINTER)
+                .and_then(|m| names_one(&m, &["enabled_out"]))
+        })();
+        unsafe { epcomm_eplb_state_destroy(state) };
+        f.check(&cfg, outcome);
+    }
+    let mut enabled = true;
+    epcomm_clear_last_error();
+    let rc = unsafe { epcomm_eplb_state_migration_batching(std::ptr::null(), &mut enabled) };
+    let null_state = expect_status(rc, EPCOMM_ERROR_NULL_POINTER)
+        .and_then(|m| names_one(&m, &["state"]))
+        .and_then(|()| {
+            enabled
+                .then_some(())
+                .ok_or_else(|| "wrote the output".to_owned())
+        });
+    f.check(&"NULL state", null_state);
     f.finish();
 }
 
