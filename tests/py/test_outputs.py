@@ -232,6 +232,10 @@ class SelectionTest(unittest.TestCase):
 
         cfg = {"all2all_backend": "allgather_reducescatter"}
         self.assertTrue(epcomm.check(cfg)["ok"])
+        self.assertTrue(epcomm.check(cfg, vllm_version="0.33.0")["ok"])
+        with self.assertRaises(ValueError) as cm:  # the string reaches the library's check
+            epcomm.check(cfg, vllm_version="0.1.0")
+        self.assertTrue(str(cm.exception).startswith("unknown vLLM version '0.1.0'"))
         try:
             md.version("vllm")
         except md.PackageNotFoundError:
