@@ -8,7 +8,11 @@
 //! non-empty message (naming the argument where the target says so) and leaves outputs
 //! untouched; a success leaves the thread's last error alone. Most targets also carry an
 //! oracle: a model of the argument checks that predicts the exact status, and a reference for
-//! the result of a successful call.
+//! the result of a successful call. The EPLB migration-batching targets take the Rust API as
+//! that reference (the schedule, `rearrange_with` on a 1-rank group: same batches, same
+//! status and message, same weights); the `vllm_version` target checks each release's rule
+//! for an all2all name it does not accept (pydantic's literal text, envs.py's choices, the
+//! communicator's "Unknown all2all backend").
 //!
 //! Memory safety of the harness itself: a call may only read or write what its arguments
 //! describe, so every tensor or array whose description passes the library's checks is backed
@@ -18,7 +22,7 @@
 //! Budget: EPCOMM_FUZZ_CASES cases per target (default 2000; the collective targets run half
 //! of that, dispatch/combine a quarter per backend); EPCOMM_FUZZ_SEED changes the seed
 //! (default fixed, so CI is deterministic); EPCOMM_FUZZ_HUGE=1 adds huge manager sizes (they
-//! hit KNOWN BUGs 3 and 4 today). About 10 s in a debug build on 2 cores. A long run:
+//! hit KNOWN BUGs 3 and 4 today). About 15 s in a debug build on 2 cores. A long run:
 //! `EPCOMM_FUZZ_CASES=200000 cargo test --release --test fuzz`. A failing case prints its
 //! input; add it to the regression list of its target.
 //!
@@ -78,6 +82,7 @@ use epcomm::ffi::tensor::{epcomm_device, epcomm_tensor};
 use epcomm::ffi::*;
 use epcomm::num::{self, FloatKind};
 use epcomm::select::config::{CONFIG_KEYS, EPLB_CONFIG_KEYS, PLATFORMS};
+use epcomm::select::versions;
 use serde_json::{json, Map, Value};
 
 // ---- harness ----------------------------------------------------------------------------------
@@ -4266,6 +4271,146 @@ fn fuzz_eplb_state_migration_batching() {
                 .ok_or_else(|| "wrote the output".to_owned())
         });
     f.check(&"NULL state", null_state);
+    f.finish();
+}
+
+// ---- 12. the vllm_version key: each release's all2all names ---------------------------------
+
+/// A `vllm_version` value: a release of the table (as is, `v`-prefixed, with a `+local` part,
+/// padded with spaces), a number the table lacks, a pre-release, garbage, a huge string, or
+/// not a string at all.
+fn gen_version(rng: &mut Rng) -> Value {
+    let releases = versions::releases();
+    let r = rng.pick(releases).version;
+    match rng.below(10) {
+        0..=3 => json!(r),
+        4 => json!(format!("v{r}")),
+        5 => json!(format!("{r}+cu{}", rng.below(200))),
+        6 => json!(*rng.pick(&[
+            "0.8.5",
+            "0.34.0",
+            "1.0.0",
+            "0.33.0rc1",
+            "0.11.1.dev5+g1a2b",
+            "0.33.0.post1"
+        ])),
+        7 => json!(format!(" {r} ")),
+        8 => json!(match rng.below(3) {
+            0 => random_string(rng),
+            1 => "9".repeat(rng.usize(20, 5000)),
+            _ => near_miss(rng, r),
+        }),
+        _ => rng
+            .pick(&[
+                json!(0.33),
+                json!(33),
+                json!(null),
+                json!(true),
+                json!(["0.33.0"]),
+            ])
+            .clone(),
+    }
+}
+
+/// A name of some release, a near miss of one, or garbage.
+fn gen_any_all2all_name(rng: &mut Rng) -> Value {
+    let releases = versions::releases();
+    let names = rng.pick(releases).all2all_names;
+    match rng.below(8) {
+        0..=4 => json!(rng.pick(names)),
+        5 => json!(near_miss_of(rng, names)),
+        6 => json!(random_string(rng)),
+        _ => rng.pick(&[json!(null), json!(1), json!(["naive"])]).clone(),
+    }
+}
+
+/// The version rule of one `{"vllm_version": V, "all2all_backend": N}` configuration.
+/// Ok says which rule decided.
+fn check_versioned(cfg: &Value) -> Result<&'static str, String> {
+    let text = serde_json::to_vec(cfg).unwrap();
+    check_config(&text)?;
+    let c = c_bytes(&text);
+    epcomm_clear_last_error();
+    let rc = unsafe { epcomm_config_check(c.as_ptr().cast()) };
+    let msg = last_message().unwrap_or_default();
+    let Some(v) = cfg["vllm_version"].as_str() else {
+        let named = msg.contains("vllm_version") && msg.contains("Input should be a valid string");
+        return (rc == EPCOMM_ERROR_INVALID_ARGUMENT && named)
+            .then_some("a non-string version")
+            .ok_or_else(|| format!("a non-string version: status {rc} {msg:?}"));
+    };
+    let release = match versions::release(v) {
+        Err(e) => {
+            let want = e.to_string();
+            return (rc == e.status() as i32 && msg == want)
+                .then_some("a version the table lacks")
+                .ok_or_else(|| format!("status {rc} {msg:?}; expected {want:?}"));
+        }
+        Ok(r) => r,
+    };
+    let Some(name) = cfg.get("all2all_backend").and_then(Value::as_str) else {
+        return Ok("a release, no name or a non-string one");
+    };
+    let accepted = release.accepts_all2all(name);
+    if rc == EPCOMM_OK && !accepted {
+        return Err(format!(
+            "{} accepts no '{name}', but the check passed",
+            release.version
+        ));
+    }
+    if accepted {
+        return Ok(if rc == EPCOMM_OK {
+            "a name of the release, passed"
+        } else {
+            "a name of the release, refused otherwise"
+        });
+    }
+    let rule_text = match release.all2all_rule {
+        versions::NameRule::Literal => {
+            // pydantic's literal_error lists the release's names in its order.
+            let quoted: Vec<String> = (release.all2all_names.iter())
+                .map(|n| format!("'{n}'"))
+                .collect();
+            let (last, rest) = quoted.split_last().expect("a release has names");
+            let list = if rest.is_empty() {
+                last.clone()
+            } else {
+                format!("{} or {last}", rest.join(", "))
+            };
+            msg.contains(&format!(
+                "all2all_backend\n  Input should be {list} [type=literal_error,"
+            ))
+        }
+
+        versions::NameRule::EnvChoices | versions::NameRule::Communicator => {
+            msg == versions::name_error(release, name).to_string()
+        }
+    };
+    rule_text
+        .then_some(match release.all2all_rule {
+            versions::NameRule::Literal => "refused by the release's Literal",
+            versions::NameRule::EnvChoices => "refused by the release's envs.py choices",
+            versions::NameRule::Communicator => "refused by the release's communicator",
+        })
+        .ok_or_else(|| format!("{}: '{name}' refused with {msg:?}", release.version))
+}
+
+#[test]
+fn fuzz_config_vllm_version() {
+    let mut f = Findings::new("config_vllm_version");
+    let mut rng = Rng::new(seed("vllm_version"));
+    let mut ends = std::collections::BTreeMap::<&str, usize>::new();
+    for _ in 0..cases(DEFAULT_CASES) / 2 {
+        let mut cfg = Map::new();
+        cfg.insert("vllm_version".into(), gen_version(&mut rng));
+        if !rng.one_in(5) {
+            cfg.insert("all2all_backend".into(), gen_any_all2all_name(&mut rng));
+        }
+        let cfg = Value::Object(cfg);
+        let outcome = check_versioned(&cfg).map(|end| *ends.entry(end).or_default() += 1);
+        f.check(&cfg, outcome);
+    }
+    println!("config_vllm_version: {ends:?}");
     f.finish();
 }
 
