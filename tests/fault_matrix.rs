@@ -6,7 +6,7 @@
 //!
 //! - **kill**: `EPCOMM_FAULT_POINT=<point>` in rank 2's environment only, so rank 2 SIGKILLs
 //!   itself at `join`, `dispatch:before_counts`, `dispatch:after_counts`, `combine`,
-//!   `eplb:before_staging` or `eplb:after_staging`. Both survivors must return PeerFailure naming
+//!   `eplb:before_staging`, `eplb:between_batches` or `eplb:after_staging`. Both survivors must return PeerFailure naming
 //!   rank 2 well within the timeout; after an EPLB fault each layer of their expert weights is
 //!   byte-for-byte the old placement or (for layers the error message reports as done) the new
 //!   one, never anything else.
@@ -318,7 +318,7 @@ fn kill_case(group: &str, rank: usize, point: &str, layers: usize) {
             let r = m.combine(&mut g, &y, &mut out);
             report(start, mode, r);
         }
-        "eplb:before_staging" | "eplb:after_staging" => {
+        "eplb:before_staging" | "eplb:between_batches" | "eplb:after_staging" => {
             let old = eplb_fixture::modulo_placement(layers, PHYSICAL, LOGICAL);
             let new = new_placement(layers);
             let mut w = WEIGHTS.all(&old, rank);
@@ -797,6 +797,14 @@ fn kill_at_combine() {
 fn kill_at_eplb_before_staging() {
     run_case("kill:eplb:before_staging", Mode::Direct);
     run_case("kill:eplb:before_staging", Mode::Region);
+}
+
+#[test]
+fn kill_at_eplb_between_batches() {
+    // Without migration batching a layer is one execute: rank 2 dies right after layer 0's,
+    // so layer 0 is new, 1 and 2 old (tests/eplb_decision.rs covers the batched path).
+    run_case("kill:eplb:between_batches", Mode::Direct);
+    run_case("kill:eplb:between_batches", Mode::Region);
 }
 
 #[test]
