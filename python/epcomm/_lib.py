@@ -224,6 +224,18 @@ class All2AllStats(ctypes.Structure):
     ]
 
 
+class RearrangeOptions(ctypes.Structure):
+    """epcomm_eplb_rearrange_options: the rank mapping and migration batching of a
+    rearrangement (initialised by epcomm_eplb_rearrange_options_init)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("rank_mapping", i64p),
+        ("rank_mapping_len", ctypes.c_size_t),
+        ("migration_batching", ctypes.c_bool),
+    ]
+
+
 class PlanView(ctypes.Structure):
     """epcomm_eplb_plan_view: views of a layer plan, valid until the plan is destroyed."""
 
@@ -318,6 +330,12 @@ def _signatures() -> dict:
             i32,
             [vp, i64p, i64p, i64, i64, i64, T, sz, i64p, sz, P(EplbSummary)],
         ),
+        "epcomm_eplb_rearrange_options_init": (i32, [P(RearrangeOptions)]),
+        "epcomm_eplb_rearrange_with": (
+            i32,
+            [vp, i64p, i64p, i64, i64, i64, T, sz, P(RearrangeOptions), P(EplbSummary)],
+        ),
+        "epcomm_eplb_state_migration_batching": (i32, [vp, P(ctypes.c_bool)]),
         **_more_signatures(),
     }
 

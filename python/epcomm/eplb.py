@@ -14,8 +14,10 @@ from ._lib import (
     EplbSelectRequest,
     EplbSummary,
     PlanView,
+    RearrangeOptions,
     Tensor,
     i32,
+    i64p,
     load_library,
     vp,
 )
@@ -222,12 +224,16 @@ class EplbCommunicator(Handle):
         new_phy2log: Sequence[Sequence[int]],
         weights: Sequence[Sequence[Any]],
         rank_mapping: Optional[Sequence[int]] = None,
+        migration_batching: bool = False,
     ) -> Dict[str, int]:
         """Moves every layer's expert weights from the old to the new placement (collective).
         ``weights[layer]`` lists that layer's writable weight tensors (numpy arrays or
         contiguous CPU torch tensors), this rank's local experts along dimension 0; they are
-        updated in place. Returns the summary (layers_changed, rows_sent, rows_received,
-        rows_copied_locally)."""
+        updated in place. ``migration_batching`` (vLLM v0.33.0's
+        ``EPLBConfig.migration_batching_enabled``, e.g. ``EplbState.migration_batching``) runs
+        each layer's transfers in the batches of vLLM's migration scheduler, one execute per
+        batch; the result is the same. Every rank passes the same. Returns the summary
+        (layers_changed, rows_sent, rows_received, rows_copied_locally)."""
         old, layers, old_slots = _maps(old_phy2log, "old_phy2log")
         new, new_layers, new_slots = _maps(new_phy2log, "new_phy2log")
         if new_layers != layers or len(weights) != layers:
@@ -245,11 +251,17 @@ class EplbCommunicator(Handle):
         mapping = None
         if rank_mapping is not None:
             mapping = (ctypes.c_int64 * len(rank_mapping))(*[int(r) for r in rank_mapping])
+        options = RearrangeOptions()
+        lib = load_library()
+        check(lib.epcomm_eplb_rearrange_options_init(ctypes.byref(options)))
+        options.rank_mapping = ctypes.cast(mapping, i64p) if mapping is not None else None
+        options.rank_mapping_len = len(rank_mapping or ())
+        options.migration_batching = bool(migration_batching)
         summary = EplbSummary()
         self._group.check(
-            load_library().epcomm_eplb_rearrange(
+            lib.epcomm_eplb_rearrange_with(
                 self._h, old, new, layers, old_slots, new_slots, tensors, per_layer,
-                mapping, len(rank_mapping or ()), ctypes.byref(summary),
+                ctypes.byref(options), ctypes.byref(summary),
             )
         )
         return {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
@@ -277,6 +289,15 @@ class EplbState(Handle):
         ))
         self._h = h
         self.num_layers, self.num_physical = num_layers, num_physical
+
+    @property
+    def migration_batching(self) -> bool:
+        """vLLM's ``EPLBConfig.migration_batching_enabled`` for this state's config
+        (``use_async and enable_migration_batching``): what to pass as
+        ``EplbCommunicator.rearrange(..., migration_batching=)``."""
+        on = ctypes.c_bool()
+        check(load_library().epcomm_eplb_state_migration_batching(self._h, ctypes.byref(on)))
+        return on.value
 
     def record(self, layer: int, topk_ids: Any) -> None:
         """Adds one token per valid id of ``topk_ids`` (int32/int64, -1 ignored) to ``layer``."""

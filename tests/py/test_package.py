@@ -284,6 +284,14 @@ class EplbStateTest(unittest.TestCase):
             due = [st.step(g) for _ in range(748)]
             self.assertEqual(due.index(True), 747)
 
+    def test_migration_batching_follows_vllm(self):
+        # vLLM's EPLBConfig.migration_batching_enabled: use_async and enable_migration_batching.
+        cases = [({}, False), ({"enable_migration_batching": True}, True),
+                 ({"enable_migration_batching": True, "use_async": False}, False)]
+        for config, want in cases:
+            with epcomm.EplbState(2, 4, config) as st:
+                self.assertIs(st.migration_batching, want, config)
+
     def test_bad_config(self):
         with self.assertRaises(ValueError) as cm:
             epcomm.EplbState(2, 4, {"window_size": -1})

@@ -103,8 +103,13 @@ def eplb_results(epcomm, g, rank, world):
         t = np.array([[e * 100 + layer * 10 + c for c in range(COLS)] for e in mine],
                      np.float32)
         weights.append([t])
+    batched = [[t.copy() for t in layer] for layer in weights]
     with epcomm.EplbCommunicator(g) as comm:
         summary = comm.rearrange(old, new, weights)
+        # vLLM v0.33.0's migration batching: other transfer order, the same weights.
+        comm.rearrange(old, new, batched, migration_batching=True)
+    for layer in range(LAYERS):
+        assert np.array_equal(batched[layer][0], weights[layer][0]), f"batched layer {layer}"
     out = {f"eplb.layer{l}": weights[l][0].tobytes().hex() for l in range(LAYERS)}
     out["eplb.summary"] = json.dumps(summary, sort_keys=True)
     return out
