@@ -48,6 +48,10 @@ pub struct HostGroup {
     world: usize,
     elastic: bool,
     broken: Option<String>,
+    /// reduce_scatterv's receive and accumulation buffers, kept between calls: a fresh
+    /// allocation per call costs a page fault per page of every peer's contribution.
+    parts: Vec<u8>,
+    acc: Vec<f32>,
 }
 
 impl std::fmt::Debug for HostGroup {
@@ -104,6 +108,8 @@ impl HostGroup {
             world,
             elastic,
             broken: None,
+            parts: Vec::new(),
+            acc: Vec::new(),
         })
     }
 
@@ -395,22 +401,28 @@ impl Group for HostGroup {
             start..start + rows[r] * row_bytes
         };
         // Every rank's contribution to this rank's slice, then a sum in rank order.
-        let mut parts = vec![Vec::new(); self.world];
-        self.run(op, local.map(drop), &params, [0, 0], |g, _| {
-            g.rounds(|g, p| {
-                let mut theirs = vec![0u8; rows[me] * row_bytes];
-                g.exchange(op, p, &input[slice(p)], &mut theirs)?;
-                parts[p] = theirs;
-                Ok(())
-            })
-        })?;
-        parts[me] = input[slice(me)].to_vec();
-        let mut acc = vec![0f32; rows[me] * row_elems];
-        for part in &parts {
-            num::accumulate(&mut acc, part, kind);
+        let part = rows[me] * row_bytes;
+        let mut parts = std::mem::take(&mut self.parts);
+        parts.resize(part * self.world, 0);
+        let got = self.run(op, local.map(drop), &params, [0, 0], |g, _| {
+            g.rounds(|g, p| g.exchange(op, p, &input[slice(p)], &mut parts[p * part..][..part]))
+        });
+        let mut acc = std::mem::take(&mut self.acc);
+        if got.is_ok() {
+            acc.clear();
+            acc.resize(rows[me] * row_elems, 0.0);
+            for p in 0..self.world {
+                let theirs = if p == me {
+                    &input[slice(me)]
+                } else {
+                    &parts[p * part..][..part]
+                };
+                num::accumulate(&mut acc, theirs, kind);
+            }
+            num::store(&acc, output, kind);
         }
-        num::store(&acc, output, kind);
-        Ok(())
+        (self.parts, self.acc) = (parts, acc);
+        got
     }
 
     fn all_to_allv(
