@@ -220,7 +220,7 @@ fn no_simd() {
 fn fault_point() {
     let var = "EPCOMM_FAULT_POINT";
     let expected = "one of join, dispatch:before_counts, dispatch:after_counts, combine, \
-                    eplb:before_staging, eplb:after_staging";
+                    eplb:before_staging, eplb:between_batches, eplb:after_staging";
     for bad in ["bogus", "Join", "dispatch"] {
         check(
             "fault_point",
