@@ -525,6 +525,106 @@ typedef struct epcomm_all2all_stats {
 } epcomm_all2all_stats;
 
 /**
+ * Called exactly once with the `ctx` given to epcomm_dlpack_export when the export's deleter
+ * runs, on whatever thread the consumer calls the deleter from.
+ */
+typedef void (*epcomm_dlpack_release_fn)(void *ctx);
+
+/**
+ * DLPack's pre-1.0 `DLManagedTensor`, field for field (a `DLManagedTensor *` can be passed by
+ * cast). The consumer calls `deleter(self)` once when it no longer reads the tensor.
+ */
+typedef struct epcomm_dlpack_managed {
+  /**
+   * The tensor (DLPack's `DLTensor`).
+   */
+  struct epcomm_tensor dl_tensor;
+  /**
+   * The producer's state.
+   */
+  void *manager_ctx;
+  /**
+   * Frees the tensor and `self`.
+   */
+  void (*deleter)(struct epcomm_dlpack_managed *managed);
+} epcomm_dlpack_managed;
+
+/**
+ * DLPack's `DLPackVersion`.
+ */
+typedef struct epcomm_dlpack_version {
+  /**
+   * DLPack's major version (1 for DLPack 1.x).
+   */
+  uint32_t major;
+  /**
+   * DLPack's minor version.
+   */
+  uint32_t minor;
+} epcomm_dlpack_version;
+
+/**
+ * DLPack 1.x's `DLManagedTensorVersioned`, field for field.
+ */
+typedef struct epcomm_dlpack_managed_versioned {
+  /**
+   * The DLPack version of this struct ({1, 0} for epcomm's exports).
+   */
+  struct epcomm_dlpack_version version;
+  /**
+   * The producer's state.
+   */
+  void *manager_ctx;
+  /**
+   * Frees the tensor and `self`.
+   */
+  void (*deleter)(struct epcomm_dlpack_managed_versioned *managed);
+  /**
+   * DLPack's flags (0 for epcomm's exports: writable, not a copy).
+   */
+  uint64_t flags;
+  /**
+   * The tensor (DLPack's `DLTensor`).
+   */
+  struct epcomm_tensor dl_tensor;
+} epcomm_dlpack_managed_versioned;
+
+/**
+ * The Python C-API functions epcomm_dlpack_python_release and
+ * epcomm_dlpack_capsule_destructor call, as a Python binding finds them (ctypes.pythonapi).
+ */
+typedef struct epcomm_python_api {
+  /**
+   * sizeof(epcomm_python_api); lets the struct grow.
+   */
+  uint32_t struct_size;
+  /**
+   * `PyGILState_Ensure`.
+   */
+  int32_t (*gil_ensure)(void);
+  /**
+   * `PyGILState_Release`.
+   */
+  void (*gil_release)(int32_t state);
+  /**
+   * `Py_DecRef`.
+   */
+  void (*decref)(void *object);
+  /**
+   * `Py_IsInitialized`.
+   */
+  int32_t (*is_initialized)(void);
+  /**
+   * `PyCapsule_GetName`.
+   */
+  const char *(*capsule_get_name)(void *capsule);
+  /**
+   * `PyCapsule_GetPointer`.
+   */
+  void *(*capsule_get_pointer)(void *capsule, const char *name);
+} epcomm_python_api;
+
+/**
  * Views of a migration schedule; valid until the schedule is destroyed.
  */
 typedef struct epcomm_eplb_schedule_view {
@@ -928,6 +1028,83 @@ int32_t epcomm_config_check(const char *config_json);
  * `buffer_len` bytes; `report_len_out` is NULL or writable.
  */
 int32_t epcomm_config_check_report(const char *config_json, char *buffer, size_t buffer_len, size_t *report_len_out);
+
+/**
+ * Exports the view `tensor` as a DLPack managed tensor: a `DLManagedTensorVersioned`
+ * (epcomm_dlpack_managed_versioned: version {1, 0}, flags 0) when `versioned`, else a
+ * `DLManagedTensor` (epcomm_dlpack_managed), written to `*managed_out`. The export has its
+ * own copies of the shape and strides (NULL strides stay NULL: row-major); the data is not
+ * copied and must stay valid until the deleter runs. Its deleter, called once by the consumer
+ * from any thread, frees the export and then calls `release(ctx)` (when `release` is not
+ * NULL) exactly once. On failure nothing is allocated and `release` is not called.
+ *
+ * # Safety
+ * `tensor` is NULL or valid, its shape (and strides, when not NULL) holding `ndim` entries;
+ * `managed_out` is NULL or writable.
+ */
+int32_t epcomm_dlpack_export(const struct epcomm_tensor *tensor, bool versioned, epcomm_dlpack_release_fn release, void *ctx, void **managed_out);
+
+/**
+ * Calls the deleter of `managed`, a DLManagedTensor of any producer, as a consumer does (to
+ * free an export nobody consumed); NULL, or a NULL deleter, does nothing.
+ *
+ * # Safety
+ * `managed` is NULL or a managed tensor whose deleter was not called yet.
+ */
+void epcomm_dlpack_delete(struct epcomm_dlpack_managed *managed);
+
+/**
+ * epcomm_dlpack_delete for a DLManagedTensorVersioned.
+ *
+ * # Safety
+ * `managed` is NULL or a managed tensor whose deleter was not called yet.
+ */
+void epcomm_dlpack_delete_versioned(struct epcomm_dlpack_managed_versioned *managed);
+
+/**
+ * How many epcomm_dlpack_export exports of this process have not been deleted yet.
+ */
+size_t epcomm_dlpack_live(void);
+
+/**
+ * Gives epcomm the Python C-API functions of the interpreter that loaded it, for
+ * epcomm_dlpack_python_release and epcomm_dlpack_capsule_destructor. Set once per process:
+ * a later call with the same functions succeeds, one with others is
+ * EPCOMM_ERROR_INVALID_STATE. Every function is required (NULL names the field).
+ *
+ * # Safety
+ * `api` is NULL or valid; its functions are the running interpreter's and stay valid for the
+ * life of the process.
+ */
+int32_t epcomm_dlpack_set_python_api(const struct epcomm_python_api *api);
+
+/**
+ * An epcomm_dlpack_release_fn for a Python binding: `object` is a `PyObject *` the binding
+ * owns one reference to, which this drops with the GIL held (`PyGILState_Ensure`,
+ * `Py_DecRef`, `PyGILState_Release`), so it runs no Python code of its own and is safe from
+ * any thread, with or without the GIL and with an exception pending. Does nothing for NULL,
+ * before epcomm_dlpack_set_python_api, or once the interpreter is finalized (the reference is
+ * then left, as the interpreter's memory is).
+ *
+ * # Safety
+ * `object` is NULL or a live `PyObject *` of the interpreter whose API was set, with a
+ * reference the caller gives up.
+ */
+void epcomm_dlpack_python_release(void *object);
+
+/**
+ * A `PyCapsule` destructor for capsules of epcomm_dlpack_export's tensors, as the DLPack
+ * spec's Python rules ask: a capsule still named "dltensor" (or "dltensor_versioned") was not
+ * consumed, so its tensor's deleter is called; a consumed one (renamed "used_dltensor" or
+ * "used_dltensor_versioned") is left to its consumer. Runs no Python code and sets no Python
+ * error, so it is safe while an exception propagates. Does nothing for NULL or before
+ * epcomm_dlpack_set_python_api.
+ *
+ * # Safety
+ * `capsule` is NULL or a live `PyCapsule` whose pointer, under those names, is a managed
+ * tensor of that kind; called with the GIL held (Python calls destructors so).
+ */
+void epcomm_dlpack_capsule_destructor(void *capsule);
 
 /**
  * Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm) as vLLM's

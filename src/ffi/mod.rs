@@ -14,6 +14,7 @@ mod moe_args;
 
 pub mod all2all;
 pub mod config;
+pub mod dlpack;
 pub mod eplb;
 pub mod eplb_algo;
 pub mod eplb_runtime;
