@@ -1,30 +1,28 @@
 """Views of epcomm-owned memory exported through DLPack (``__dlpack__``), so that
 ``torch.from_dlpack(v)`` and ``numpy.from_dlpack(v)`` read it without a copy.
 
-Each export is a DLManagedTensor (or, for a consumer asking for DLPack 1.x, a
-DLManagedTensorVersioned) in a capsule, following the DLPack spec's Python rules: a consumer
-renames the capsule "used_dltensor" ("used_dltensor_versioned") and calls the tensor's deleter
-when done; a capsule nobody consumed frees its tensor.
+Each export is made by the library (``epcomm_dlpack_export``): a DLManagedTensor, or for a
+consumer asking for DLPack 1.x a DLManagedTensorVersioned, in a capsule, following the DLPack
+spec's Python rules: a consumer renames the capsule "used_dltensor" ("used_dltensor_versioned")
+and calls the tensor's deleter when done; a capsule nobody consumed frees its tensor.
 
-That last rule is not a capsule destructor here: a destructor written in Python (a ctypes
-callback) would run inside the capsule's deallocation, which Python also performs while an
-exception propagates, and Python code run with an exception pending corrupts it (a
-SystemError, or a crash). Instead the package keeps a reference to each capsule it made and
-sweeps them at safe points (each export, each garbage collection, ``live_exports()``): a capsule
-only the package still holds was dropped by everyone else; unconsumed, its tensor is freed
-then; consumed, the consumer's deleter call frees it. The deleter itself has to be a ctypes
-callback, so a consumer's tensor released while an exception propagates (a temporary in an
-expression that raises) reaches it in that state; keep such tensors in variables."""
+No Python code runs when an export is freed. Consumers call the deleter whenever their tensor
+dies, which may be while an exception propagates (a temporary in an expression that raises) or
+on a thread without the GIL, and Python code run then (a ctypes callback) corrupts the pending
+exception (a SystemError, or a crash). So the deleter and the capsule's destructor are the
+library's C functions: the deleter drops the export's one reference to what owns the memory
+(``epcomm_dlpack_python_release``: PyGILState_Ensure, Py_DecRef, PyGILState_Release, through the
+Python C-API functions handed to the library once), the destructor calls the deleter of a
+capsule still named "dltensor" or "dltensor_versioned" (``epcomm_dlpack_capsule_destructor``)."""
 
 from __future__ import annotations
 
 import ctypes
-import gc
 import struct
-import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-from ._lib import DEVICE_CPU, DType, Tensor, i64p, vp
+from ._lib import DEVICE_CPU, DType, Tensor, i64p, load_library, vp
+from .errors import check
 
 _DTYPE_NAMES = {
     (2, 32): "float32",
@@ -48,66 +46,18 @@ _FORMATS = {
 _CODES = {name: code for code, name in _DTYPE_NAMES.items()}
 
 
-class _ManagedTensor(ctypes.Structure):
-    """DLPack's (pre-1.0) DLManagedTensor; its deleter is declared below."""
+class _PythonApi(ctypes.Structure):
+    """epcomm_python_api: the Python C-API functions the library's DLPack helpers call."""
 
-
-class _Version(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _ManagedTensorVersioned(ctypes.Structure):
-    """DLPack 1.x's DLManagedTensorVersioned."""
-
-
-_DELETER = ctypes.CFUNCTYPE(None, vp)
-_ManagedTensor._fields_ = [("dl_tensor", Tensor), ("manager_ctx", vp), ("deleter", _DELETER)]
-_ManagedTensorVersioned._fields_ = [
-    ("version", _Version),
-    ("manager_ctx", vp),
-    ("deleter", _DELETER),
-    ("flags", ctypes.c_uint64),
-    ("dl_tensor", Tensor),
-]
-
-# Exported tensors by address: [managed tensor, shape, owner, capsule or None], what keeps each
-# managed tensor (and its owner) alive until its deleter runs or its capsule is swept.
-_LIVE: Dict[int, List[Any]] = {}
-_UNCONSUMED = (b"dltensor", b"dltensor_versioned")
-
-
-def sweep() -> None:
-    """Frees the tensors of capsules that were dropped unconsumed, and lets go of consumed
-    capsules (their consumers call the deleter)."""
-    for address, record in list(_LIVE.items()):
-        capsule = record[3]
-        # The record's reference, this variable's and getrefcount's argument: nobody else.
-        if capsule is None or sys.getrefcount(capsule) > 3:
-            continue
-        if _capsule_name(capsule) in _UNCONSUMED:
-            _LIVE.pop(address, None)
-        else:
-            record[3] = None
-
-
-def live_exports() -> int:
-    """How many exports still hold epcomm memory, after a sweep (tests check that none leak)."""
-    sweep()
-    return len(_LIVE)
-
-
-def _sweep_after_gc(phase: str, _info: Dict[str, Any]) -> None:
-    if phase == "stop":
-        sweep()
-
-
-gc.callbacks.append(_sweep_after_gc)
-
-
-@_DELETER
-def _delete(address: Optional[int]) -> None:
-    if address:
-        _LIVE.pop(address, None)
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("gil_ensure", vp),
+        ("gil_release", vp),
+        ("decref", vp),
+        ("is_initialized", vp),
+        ("capsule_get_name", vp),
+        ("capsule_get_pointer", vp),
+    ]
 
 
 def _api(name: str, res: Any, args: list) -> Any:
@@ -116,13 +66,59 @@ def _api(name: str, res: Any, args: list) -> Any:
     return f
 
 
-# No destructor (see the module's doc): the capsules are swept instead.
+def _address(f: Any) -> int:
+    return ctypes.cast(f, vp).value or 0
+
+
 _capsule_new = _api("PyCapsule_New", ctypes.py_object, [vp, ctypes.c_char_p, vp])
-_capsule_name = _api("PyCapsule_GetName", ctypes.c_char_p, [ctypes.py_object])
+_incref = _api("Py_IncRef", None, [ctypes.py_object])
+_decref = _api("Py_DecRef", None, [ctypes.py_object])
+# (library, its release function, its capsule destructor) once the API is handed over.
+_EXPORTER: List[Tuple[Any, int, int]] = []
+
+
+def _exporter() -> Tuple[Any, int, int]:
+    """The library, with this interpreter's C-API functions handed to it (once)."""
+    if not _EXPORTER:
+        lib = load_library()
+        py = ctypes.pythonapi
+        names = ("PyGILState_Ensure", "PyGILState_Release", "Py_DecRef", "Py_IsInitialized",
+                 "PyCapsule_GetName", "PyCapsule_GetPointer")
+        api = _PythonApi(ctypes.sizeof(_PythonApi), *(_address(getattr(py, n)) for n in names))
+        check(lib.epcomm_dlpack_set_python_api(ctypes.byref(api)))
+        _EXPORTER.append((lib, _address(lib.epcomm_dlpack_python_release),
+                          _address(lib.epcomm_dlpack_capsule_destructor)))
+    return _EXPORTER[0]
+
+
+def live_exports() -> int:
+    """How many of the library's DLPack exports are not freed yet (tests check that none
+    leak)."""
+    return int(load_library().epcomm_dlpack_live())
 
 
 def _shape_array(shape: Sequence[int]) -> Any:
     return (ctypes.c_int64 * max(len(shape), 1))(*shape)
+
+
+def _export(t: Tensor, versioned: bool, owner: Any) -> Any:
+    """A capsule of the library's export of ``t``, which holds a reference to ``owner`` until
+    its deleter runs."""
+    lib, release, destructor = _exporter()
+    managed = vp()
+    _incref(owner)  # the export's reference, dropped by epcomm_dlpack_python_release
+    status = lib.epcomm_dlpack_export(ctypes.byref(t), versioned, release, id(owner),
+                                      ctypes.byref(managed))
+    if status:
+        _decref(owner)
+        check(status)
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    try:
+        return _capsule_new(managed.value, name, destructor)
+    except BaseException:
+        delete = lib.epcomm_dlpack_delete_versioned if versioned else lib.epcomm_dlpack_delete
+        delete(managed)
+        raise
 
 
 class Buffer:
@@ -182,31 +178,20 @@ class Buffer:
                    dl_device: Any = None, copy: Optional[bool] = None) -> Any:
         """A capsule of this view: "dltensor_versioned" (DLPack 1.0, writable) for a consumer
         whose ``max_version`` is 1.x or later, else "dltensor" (DLPack 0.x)."""
-        sweep()
         if copy:
             raise BufferError("epcomm exports its buffers as they are (copy=True refused)")
         if dl_device is not None and tuple(dl_device) != self._device:
             raise BufferError(f"this buffer is on device {self._device}; dl_device "
                               f"{dl_device} refused (epcomm does not copy between devices)")
         versioned = max_version is not None and max_version[0] >= 1
-        m: Any = _ManagedTensorVersioned() if versioned else _ManagedTensor()
-        if versioned:
-            m.version.major, m.version.minor = 1, 0
-            m.flags = 0  # writable, not a copy
         shape = _shape_array(self.shape)
-        t = m.dl_tensor
+        t = Tensor()
         t.data = self._data or None
         t.device_type, t.device_id = self._device
         t.ndim = len(self.shape)
         t.dtype = self._dtype
-        t.shape = ctypes.cast(shape, i64p)
-        t.strides = None
-        t.byte_offset = 0
-        m.deleter = _delete
-        name = b"dltensor_versioned" if versioned else b"dltensor"
-        capsule = _capsule_new(ctypes.addressof(m), name, None)
-        _LIVE[ctypes.addressof(m)] = [m, shape, self._owner, capsule]
-        return capsule
+        t.shape = ctypes.cast(shape, i64p)  # the library copies it
+        return _export(t, versioned, self._owner)
 
     def tolist(self) -> Any:
         """The elements as nested Python lists (bfloat16 and float16 as floats); a copy."""

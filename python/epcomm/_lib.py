@@ -341,8 +341,9 @@ def _signatures() -> dict:
 
 
 def _more_signatures() -> dict:
-    """Sizing, statistics, selection queries, group collectives, plans and the GPU entry
-    points (present in every build; without the cuda/nccl features they report unavailable)."""
+    """Sizing, statistics, selection queries, group collectives, plans, DLPack exports and the
+    GPU entry points (present in every build; without the cuda/nccl features they report
+    unavailable)."""
     T = ctypes.POINTER(Tensor)
     P = ctypes.POINTER
     u8p = P(ctypes.c_uint8)
@@ -385,6 +386,13 @@ def _more_signatures() -> dict:
         "epcomm_gpu_all2all_dispatch": (i32, [vp, vp, T, T, T, T, sz, P(DispatchOutput)]),
         "epcomm_gpu_all2all_combine": (i32, [vp, vp, T, T]),
         "epcomm_gpu_all2all_check_error": (i32, [vp, vp]),
+        "epcomm_dlpack_export": (i32, [T, ctypes.c_bool, vp, vp, P(vp)]),
+        "epcomm_dlpack_delete": (None, [vp]),
+        "epcomm_dlpack_delete_versioned": (None, [vp]),
+        "epcomm_dlpack_live": (sz, []),
+        "epcomm_dlpack_set_python_api": (i32, [vp]),
+        "epcomm_dlpack_python_release": (None, [vp]),
+        "epcomm_dlpack_capsule_destructor": (None, [vp]),
     }
 
 

@@ -1,6 +1,8 @@
 """The package's outputs and the C ABI it wraps, used with torch as a user would: DLPack capsules
 follow the spec (an unconsumed capsule frees its tensor and its hold on the manager, a consumed
-one is left to the consumer), every output is a DLPack producer (dispatch's buffers and extras,
+one is left to the consumer) and their deleters run no Python code (tensors dying while an
+exception propagates, deleters called on other threads, without the GIL), every output is a
+DLPack producer (dispatch's buffers and extras,
 statistics, EPLB maps, loads and plans), out= tensors are written in place or refused, and the
 selection, configuration and GPU entry points (unavailable in a build without the features).
 
@@ -11,6 +13,7 @@ import ctypes
 import gc
 import os
 import sys
+import threading
 import unittest
 import weakref
 
@@ -93,6 +96,126 @@ class DLPackLifetimeTest(unittest.TestCase):
         del n
         self.assert_released(ref, before)
         g.close()
+
+
+class DLPackDeleterTest(unittest.TestCase):
+    """The deleters consumers call are the library's C functions (epcomm_dlpack_export's), so no
+    Python code runs in them: a tensor may die while an exception propagates or on any thread,
+    and each export drops its one reference to the manager exactly once."""
+
+    manager = DLPackLifetimeTest.manager
+    assert_released = DLPackLifetimeTest.assert_released
+
+    def setUp(self):
+        self.unraisable = []
+        self.hook = sys.unraisablehook
+        sys.unraisablehook = self.unraisable.append
+
+    def tearDown(self):
+        sys.unraisablehook = self.hook
+        # A deleter that ran Python code with an exception pending reported it here.
+        self.assertEqual([repr(u.exc_value) for u in self.unraisable], [])
+
+    def test_tensors_dying_while_an_exception_propagates(self):
+        import numpy as np
+        import torch
+
+        before = epcomm._dlpack.live_exports()
+        g, a, d = self.manager("dying")
+        ref = weakref.ref(a)
+
+        def first(x, _y):
+            return x
+
+        for _ in range(200):  # temporaries freed during unwinding, their deleters with it
+            with self.assertRaises(ZeroDivisionError) as cm:
+                first(torch.from_dlpack(d["hidden"]), 1 / 0)
+            self.assertEqual(str(cm.exception), "division by zero")
+            with self.assertRaises(KeyError):
+                first(np.from_dlpack(d["topk_ids"]), {}["missing"])
+            with self.assertRaises(ZeroDivisionError):
+                first(torch.utils.dlpack.from_dlpack(d["hidden"].__dlpack__()), 1 / 0)
+        self.assertEqual(epcomm._dlpack.live_exports(), before)
+        del a, d
+        self.assert_released(ref, before)
+        g.close()
+
+    def test_tensors_deleted_on_other_threads(self):
+        import torch
+
+        before = epcomm._dlpack.live_exports()
+        g, a, d = self.manager("threads")
+        ref = weakref.ref(a)
+        tensors = [torch.from_dlpack(d["hidden"]) for _ in range(100)]
+        tensors += [torch.utils.dlpack.from_dlpack(d["hidden"].__dlpack__()) for _ in range(100)]
+        self.assertEqual(epcomm._dlpack.live_exports(), before + 200)
+
+        def drop(part):
+            while part:
+                part.pop()
+
+        parts = [tensors[i::4] for i in range(4)]
+        del tensors
+        threads = [threading.Thread(target=drop, args=(p,)) for p in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(epcomm._dlpack.live_exports(), before)
+        self.assertIsNotNone(ref(), "the Buffers still hold the manager")
+        del a, d
+        self.assert_released(ref, before)
+        g.close()
+
+    def test_deleters_called_without_the_gil(self):
+        before = epcomm._dlpack.live_exports()
+        g, a, d = self.manager("nogil")
+        ref = weakref.ref(a)
+        lib = epcomm.load_library()
+        exports = []  # (address, versioned) of capsules a consumer took over
+        for i in range(100):
+            versioned = i % 2 == 1
+            cap = d["hidden"].__dlpack__(max_version=(1, 0) if versioned else None)
+            name = capsule_name(cap)
+            exports.append((capsule_pointer(cap, name), versioned))
+            set_capsule_name(cap, b"used_" + name)  # consumed: its destructor leaves it
+        del cap, a, d
+        gc.collect()
+        self.assertEqual(epcomm._dlpack.live_exports(), before + 100)
+        self.assertIsNotNone(ref(), "the exports hold the manager")
+
+        def consume(part):
+            for address, versioned in part:
+                # A ctypes call into the library releases the GIL: the deleter runs without it.
+                (lib.epcomm_dlpack_delete_versioned if versioned else lib.epcomm_dlpack_delete)(
+                    address)
+
+        threads = [threading.Thread(target=consume, args=(exports[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assert_released(ref, before)
+        g.close()
+
+
+def capsule_pointer(capsule, name):
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return get(capsule, name)
+
+
+def set_capsule_name(capsule, name):
+    # PyCapsule_SetName keeps the pointer: the name must outlive the capsule.
+    keep = ctypes.c_char_p(name)
+    _NAMES.append(keep)
+    set_name = ctypes.pythonapi.PyCapsule_SetName
+    set_name.restype, set_name.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+    if set_name(capsule, keep):
+        raise RuntimeError("PyCapsule_SetName failed")
+
+
+_NAMES = []
 
 
 def capsule_name(capsule):
