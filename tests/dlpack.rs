@@ -4,6 +4,10 @@
 //! nothing. The Python helpers run against a recording stand-in for the Python C API: the
 //! release takes the GIL around one Py_DecRef, the capsule destructor frees only unconsumed
 //! capsules. One test function per group of checks, serialized: the live count is process-wide.
+//! tests/c/dlpack_test.c does the same from C11 and C++17 under ASan+UBSan, whose leak check
+//! sees every export freed.
+
+mod common;
 
 use std::ffi::{c_char, c_void, CStr};
 use std::mem::{offset_of, size_of};
@@ -14,6 +18,8 @@ use epcomm::ffi::dlpack::*;
 use epcomm::ffi::error::epcomm_last_error_message;
 use epcomm::ffi::tensor::{epcomm_device, epcomm_tensor};
 use epcomm::ffi::{epcomm_dtype, EPCOMM_ERROR_INVALID_STATE, EPCOMM_OK};
+
+use common::{assert_c_test_passed, build_sanitized, manifest_dir, out_dir, run_sanitized, Lang};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 /// Every call the release functions and the stand-in Python API saw, in order.
@@ -379,4 +385,21 @@ fn python_release_and_capsule_destructor() {
         epcomm_dlpack_capsule_destructor(null_mut());
     }
     assert_eq!(take_calls(), Vec::<String>::new());
+}
+
+fn c_test(lang: Lang, name: &str) {
+    let exe = out_dir(name).join("dlpack_test");
+    let source = manifest_dir().join("tests/c/dlpack_test.c");
+    build_sanitized(&lang.compiler(), lang.flags(), &source, &exe);
+    assert_c_test_passed(name, &run_sanitized(&exe));
+}
+
+#[test]
+fn c_consumer_c11_sanitized() {
+    c_test(Lang::C11, "dlpack-c11");
+}
+
+#[test]
+fn c_consumer_cxx17_sanitized() {
+    c_test(Lang::Cxx17, "dlpack-cxx17");
 }
