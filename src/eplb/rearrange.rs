@@ -3,6 +3,10 @@
 //! live weights change only after all of its transfers succeeded, so a failed or interrupted
 //! transfer leaves that layer (and every later one) exactly as it was.
 //!
+//! Double-buffered ([`rearrange_into`]): the live weights are only read and the new placement
+//! is written straight into caller-provided next buffers, each byte once (no staging); the
+//! commit is the swap, which the caller makes for the layers the call reports valid.
+//!
 //! A layer's transfers run in one communicator execute, or, with migration batching (vLLM
 //! v0.33.0's `enable_migration_batching` under async EPLB), in one execute per batch of vLLM's
 //! migration scheduler ([`super::migration`]): each rank talks to at most one peer per execute.
@@ -142,22 +146,23 @@ fn stage_local_copies(
     streaming_fence();
 }
 
-/// Runs the layer's transfers, one communicator execute per entry of `moves.executes`;
-/// receives land in the staging buffers.
-fn transfer(
+/// Runs the layer's transfers, one communicator execute per entry of `moves.executes`: sends
+/// read rows of `sources`, receives land in their primary rows of `dests` (the staging buffers,
+/// or the next weights of a double-buffered rearrangement).
+fn transfer<S: AsRef<[u8]>, D: AsMut<[u8]>>(
     g: &mut dyn Group,
     comm: &mut dyn EplbCommunicator,
     moves: &LayerMoves,
-    weights: &[&mut [u8]],
+    sources: &[S],
     row_bytes: &[usize],
-    staging: &mut [Vec<u8>],
+    dests: &mut [D],
 ) -> Result<()> {
     let plan = &moves.plan;
-    // Receive rows are distinct primaries: split the staging buffers into disjoint rows.
-    let mut recv_rows: Vec<Vec<Option<&mut [u8]>>> = staging
+    // Receive rows are distinct primaries: split the destinations into disjoint rows.
+    let mut recv_rows: Vec<Vec<Option<&mut [u8]>>> = dests
         .iter_mut()
         .zip(row_bytes)
-        .map(|(buf, &rb)| buf.chunks_mut(rb.max(1)).map(Some).collect())
+        .map(|(buf, &rb)| buf.as_mut().chunks_mut(rb.max(1)).map(Some).collect())
         .collect();
     crate::fault::point("eplb:before_staging");
     for steps in &moves.executes {
@@ -166,7 +171,8 @@ fn transfer(
             match step {
                 Step::Send(i) => {
                     let (_, row, dst) = plan.sends[i];
-                    for (w, &rb) in weights.iter().zip(row_bytes) {
+                    for (w, &rb) in sources.iter().zip(row_bytes) {
+                        let w = w.as_ref();
                         ops.push(P2p::Send {
                             peer: dst,
                             data: &w[rows_of(w, rb, row)],
@@ -274,20 +280,11 @@ pub fn rearrange_with(
     options: &RearrangeOptions<'_>,
 ) -> Result<Summary> {
     let _rank = crate::log::rank_scope(g.rank());
-    let shape = if old.len() != new.len() || old.len() != weights.len() {
-        Err(Error::InvalidArgument(format!(
-            "old has {} layers, new {} and weights {}; expected the same number of layers",
-            old.len(),
-            new.len(),
-            weights.len()
-        )))
-    } else {
-        Ok(())
-    };
+    let shape = check_layers(old.len(), new.len(), weights.len());
     // Every rank checks its own arguments, then all agree on what they rearrange before any
     // layer moves: a rank's rejection or a disagreement fails every rank, no layer changed.
     let (me, world) = (g.rank(), g.size());
-    let plans = shape.and_then(|()| plans(me, world, old, new, weights, row_bytes, options));
+    let plans = shape.and_then(|()| plans(me, world, old, new, &lens(weights), row_bytes, options));
     let header = header(plans.is_ok(), old, new, row_bytes, options);
     let agreed = agree(g, &header);
     let plans = match (plans, agreed) {
@@ -356,13 +353,22 @@ fn with_staging<T>(tensors: usize, f: impl FnOnce(&mut [Vec<u8>]) -> T) -> T {
     result
 }
 
-/// The plan of every layer on this rank and its executes, checking the arguments.
+/// The byte lengths of every layer's tensors.
+fn lens<B: AsRef<[u8]>>(weights: &[Vec<B>]) -> Vec<Vec<usize>> {
+    weights
+        .iter()
+        .map(|l| l.iter().map(|t| t.as_ref().len()).collect())
+        .collect()
+}
+
+/// The plan of every layer on this rank and its executes, checking the arguments (`weights`:
+/// the byte lengths of every layer's tensors).
 fn plans(
     me: usize,
     world: usize,
     old: &[Vec<i64>],
     new: &[Vec<i64>],
-    weights: &[LayerWeights<'_>],
+    weights: &[Vec<usize>],
     row_bytes: &[usize],
     options: &RearrangeOptions<'_>,
 ) -> Result<Vec<LayerMoves>> {
@@ -391,10 +397,9 @@ fn plans(
         }
         let n_local = o.len() / world;
         for (t, (buf, &rb)) in w.iter().zip(row_bytes).enumerate() {
-            if buf.len() != n_local * rb {
+            if *buf != n_local * rb {
                 return Err(Error::InvalidArgument(format!(
-                    "layer {l} tensor {t} has {} bytes; expected {n_local} local experts x {rb} bytes",
-                    buf.len()
+                    "layer {l} tensor {t} has {buf} bytes; expected {n_local} local experts x {rb} bytes"
                 )));
             }
         }
@@ -515,14 +520,209 @@ fn rearrange_layers(
         // The layer is applied only after its transfer ops committed on every rank, so every
         // rank reports the same layer.
         move_layer(g, comm, moves, w, row_bytes, staging).map_err(|e| with_progress(e, l))?;
-        let plan = &moves.plan;
-        if !plan.is_noop() {
-            summary.layers_changed += 1;
+        count_layer(summary, moves);
+    }
+    Ok(())
+}
+
+/// One layer's live weights, read-only: the source of a double-buffered rearrangement.
+pub type LayerView<'a> = Vec<&'a [u8]>;
+
+/// What a double-buffered rearrangement ([`rearrange_into`]) did.
+#[derive(Debug)]
+#[must_use]
+pub struct Rearranged {
+    /// The summary, or the error (with the same text [`rearrange_with`] gives).
+    pub result: Result<Summary>,
+    /// The layers whose next buffers now hold the new placement: `0..next_valid`, the same on
+    /// every rank. All of them on success; on an error at layer `l`, the layers before it.
+    /// Layer `next_valid`'s next buffers are then partly written (garbage), later layers' are
+    /// untouched, and the live weights of every layer are unchanged.
+    pub next_valid: usize,
+}
+
+/// Checks the next buffers of a double-buffered rearrangement, given as (address, length)
+/// ranges per layer and tensor: one per live tensor, of its size, none overlapping a live
+/// tensor or another next tensor. The messages name the first bad buffer.
+pub fn check_next_buffers(
+    live: &[Vec<(usize, usize)>],
+    next: &[Vec<(usize, usize)>],
+) -> Result<()> {
+    if next.len() != live.len() {
+        return Err(Error::InvalidArgument(format!(
+            "next_weights has {} layers; expected {} (one per layer of the live weights)",
+            next.len(),
+            live.len()
+        )));
+    }
+    let overlap = |a: (usize, usize), b: (usize, usize)| {
+        a.1 > 0 && b.1 > 0 && a.0 < b.0.saturating_add(b.1) && b.0 < a.0.saturating_add(a.1)
+    };
+    for (l, (lv, nx)) in live.iter().zip(next).enumerate() {
+        if nx.len() != lv.len() {
+            return Err(Error::InvalidArgument(format!(
+                "next_weights layer {l} has {} tensors; expected {} (as the live weights)",
+                nx.len(),
+                lv.len()
+            )));
         }
-        summary.rows_sent += plan.sends.len();
-        summary.rows_received += plan.recvs.len() + plan.duplicates.len();
-        summary.rows_copied_locally += plan.local_copies.len();
-        summary.executes += moves.executes.len();
+        for (t, (&n, &w)) in nx.iter().zip(lv).enumerate() {
+            if n.1 != w.1 {
+                return Err(Error::InvalidArgument(format!(
+                    "next_weights layer {l} tensor {t} has {} bytes; expected {} (the size of live layer {l} tensor {t})",
+                    n.1, w.1
+                )));
+            }
+        }
+    }
+    let all = |m: &[Vec<(usize, usize)>]| -> Vec<(usize, usize, (usize, usize))> {
+        let it = m.iter().enumerate();
+        it.flat_map(|(l, v)| v.iter().enumerate().map(move |(t, &r)| (l, t, r)))
+            .collect()
+    };
+    let (live, next) = (all(live), all(next));
+    for (i, &(l, t, n)) in next.iter().enumerate() {
+        if let Some(&(l2, t2, _)) = live.iter().find(|w| overlap(n, w.2)) {
+            return Err(Error::InvalidArgument(format!(
+                "next_weights layer {l} tensor {t} overlaps live layer {l2} tensor {t2}; the next weights must be buffers of their own"
+            )));
+        }
+        if let Some(&(l2, t2, _)) = next[..i].iter().find(|m| overlap(n, m.2)) {
+            return Err(Error::InvalidArgument(format!(
+                "next_weights layer {l} tensor {t} overlaps next_weights layer {l2} tensor {t2}; every next tensor must be a buffer of its own"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn ranges<B: AsRef<[u8]>>(weights: &[Vec<B>]) -> Vec<Vec<(usize, usize)>> {
+    let range = |b: &B| (b.as_ref().as_ptr() as usize, b.as_ref().len());
+    weights
+        .iter()
+        .map(|l| l.iter().map(range).collect())
+        .collect()
+}
+
+/// A double-buffered rearrangement: as [`rearrange_with`], but the live weights (`live`) are
+/// only read, and every layer's new placement is written into `next` (buffers of the live
+/// tensors' sizes, separate from them), each byte once: a slot's row is its live row (an
+/// unchanged or emptied slot), a local copy of another live row, a received row, or a
+/// duplicate of a received row. `next` need not be initialised. The commit is the swap: the
+/// caller uses layer l's next buffers once [`Rearranged::next_valid`] exceeds l, which happens
+/// when the layer's transfer committed on every rank. Bad next buffers fail every rank before
+/// any data moves. Collective; every rank must rearrange double-buffered.
+#[allow(clippy::too_many_arguments)]
+pub fn rearrange_into(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    old: &[Vec<i64>],
+    new: &[Vec<i64>],
+    live: &[LayerView<'_>],
+    next: &mut [LayerWeights<'_>],
+    row_bytes: &[usize],
+    options: &RearrangeOptions<'_>,
+) -> Rearranged {
+    let _rank = crate::log::rank_scope(g.rank());
+    let (me, world) = (g.rank(), g.size());
+    let plans = check_layers(old.len(), new.len(), live.len())
+        .and_then(|()| check_next_buffers(&ranges(live), &ranges(next)))
+        .and_then(|()| plans(me, world, old, new, &lens(live), row_bytes, options));
+    let header = header(plans.is_ok(), old, new, row_bytes, options);
+    let agreed = agree(g, &header);
+    let plans = match (plans, agreed) {
+        (Err(e), _) => return rearranged(Err(e), 0),
+        (Ok(_), Err(e)) => return rearranged(Err(with_progress(e, 0)), 0),
+        (Ok(p), Ok(())) => p,
+    };
+    let mut summary = Summary::default();
+    let layers = plans.iter().zip(live).zip(next.iter_mut());
+    for (l, ((moves, src), dst)) in layers.enumerate() {
+        if let Err(e) = place_layer(g, comm, moves, src, dst, row_bytes) {
+            return rearranged(Err(with_progress(e, l)), l);
+        }
+        count_layer(&mut summary, moves);
+    }
+    rearranged(Ok(summary), plans.len())
+}
+
+fn rearranged(result: Result<Summary>, next_valid: usize) -> Rearranged {
+    Rearranged { result, next_valid }
+}
+
+/// The layer counts of the old and new maps and the weights agree.
+fn check_layers(old: usize, new: usize, weights: usize) -> Result<()> {
+    if old != new || old != weights {
+        return Err(Error::InvalidArgument(format!(
+            "old has {old} layers, new {new} and weights {weights}; expected the same number of layers"
+        )));
+    }
+    Ok(())
+}
+
+/// Adds a moved layer to the summary.
+fn count_layer(summary: &mut Summary, moves: &LayerMoves) {
+    let plan = &moves.plan;
+    if !plan.is_noop() {
+        summary.layers_changed += 1;
+    }
+    summary.rows_sent += plan.sends.len();
+    summary.rows_received += plan.recvs.len() + plan.duplicates.len();
+    summary.rows_copied_locally += plan.local_copies.len();
+    summary.executes += moves.executes.len();
+}
+
+/// Per slot, the live row it is copied from, or None for a slot written by a receive (its
+/// primary row or a duplicate of it).
+fn live_sources(plan: &LayerPlan) -> Vec<Option<usize>> {
+    let mut from: Vec<Option<usize>> = (0..plan.unchanged.len()).map(Some).collect();
+    for &(dst, src) in &plan.local_copies {
+        from[dst] = Some(src);
+    }
+    for r in &plan.recvs {
+        from[r.1] = None;
+    }
+    for &(dup, _) in &plan.duplicates {
+        from[dup] = None;
+    }
+    from
+}
+
+/// Writes one layer's next buffers: live and local rows (runs of consecutive rows as one
+/// copy), the transfers, then the duplicates of received rows.
+fn place_layer(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    moves: &LayerMoves,
+    live: &[&[u8]],
+    next: &mut [&mut [u8]],
+    row_bytes: &[usize],
+) -> Result<()> {
+    let from = live_sources(&moves.plan);
+    for ((src, dst), &rb) in live.iter().zip(next.iter_mut()).zip(row_bytes) {
+        let mut row = 0;
+        while row < from.len() {
+            let Some(s) = from[row] else {
+                row += 1;
+                continue;
+            };
+            let mut n = 1;
+            while from.get(row + n).copied().flatten() == Some(s + n) {
+                n += 1;
+            }
+            copy_streaming(
+                &mut dst[row * rb..(row + n) * rb],
+                &src[s * rb..(s + n) * rb],
+            );
+            row += n;
+        }
+    }
+    streaming_fence();
+    transfer(g, comm, moves, live, row_bytes, next)?;
+    for (dst, &rb) in next.iter_mut().zip(row_bytes) {
+        for &(dup, primary) in &moves.plan.duplicates {
+            dst.copy_within(rows_of(dst, rb, primary), dup * rb);
+        }
     }
     Ok(())
 }
