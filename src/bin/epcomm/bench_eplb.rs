@@ -9,6 +9,10 @@
 //! placements, so each one moves the same bytes; a barrier precedes each, and an iteration's
 //! time is the slowest rank's. Every expert's bytes identify it, so after the last iteration
 //! each rank checks that every slot holds the expert the final placement names.
+//!
+//! The same iterations run twice: staged (`rearrange`: receives and local moves into a staging
+//! buffer, then into the live weights) and double-buffered (`rearrange_into`: every row written
+//! once into a next buffer, which then becomes the live one: the swap).
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -16,7 +20,7 @@ use std::time::Instant;
 use epcomm::dtype::DType;
 use epcomm::eplb::communicator;
 use epcomm::eplb::policy::rebalance_experts;
-use epcomm::eplb::rearrange::rearrange;
+use epcomm::eplb::rearrange::{rearrange, rearrange_into, RearrangeOptions};
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
 use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::unit;
@@ -101,9 +105,10 @@ fn rank_main(p: &EplbArgs, rank: usize, group: &str) -> Result<(), String> {
         moved = (s.rows_received + s.rows_copied_locally) * row;
         received = s.rows_received * row;
     }
+    let (double, wrong_db) = double_buffered(p, rank, &mut g, comm.as_mut(), &mut layers)?;
     // Iteration `it` moves to `b` when `it` is even: the last one is `p.iters`.
     let last = if p.iters % 2 == 0 { &b } else { &a };
-    let wrong = wrong_bytes(p, rank, last, &layers);
+    let wrong = wrong_bytes(p, rank, last, &layers) + wrong_db;
     drop(layers);
     // The first iteration warms up, as for the transfer.
     let copies = time_memcpy(&mut g, moved, 1, p.iters)?;
@@ -111,9 +116,57 @@ fn rank_main(p: &EplbArgs, rank: usize, group: &str) -> Result<(), String> {
     println!("RECEIVED {received}");
     println!("WRONG {wrong}");
     println!("XFER {}", encode(&times));
+    println!("XFERDB {}", encode(&double));
     println!("COPY {}", encode(&copies));
     g.barrier().map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// The double-buffered iterations, from `layers` (the placement the staged ones ended in) and
+/// back, swapping the next buffers in after each; an even number of them, so `layers` ends
+/// in the placement it started in. Returns the timed iterations' seconds and the wrong bytes
+/// of the first iteration's next buffers.
+fn double_buffered(
+    p: &EplbArgs,
+    rank: usize,
+    g: &mut ShmGroup,
+    comm: &mut dyn communicator::EplbCommunicator,
+    layers: &mut Vec<Vec<u8>>,
+) -> Result<(Vec<f64>, u64), String> {
+    let (a, b) = placements(p);
+    // The staged iterations ended in `b` when their count (iters + 1) is odd.
+    let (mut from, mut to) = if p.iters % 2 == 0 { (&b, &a) } else { (&a, &b) };
+    let mut next: Vec<Vec<u8>> = layers.iter().map(|l| vec![0u8; l.len()]).collect();
+    let (mut times, mut wrong) = (Vec::new(), 0);
+    for it in 0..(p.iters + 1).next_multiple_of(2) {
+        let live: Vec<Vec<&[u8]>> = layers.iter().map(|l| vec![l.as_slice()]).collect();
+        let mut views: Vec<Vec<&mut [u8]>> =
+            next.iter_mut().map(|l| vec![l.as_mut_slice()]).collect();
+        let options = RearrangeOptions::default();
+        g.barrier().map_err(|e| e.to_string())?;
+        let t0 = Instant::now();
+        let out = rearrange_into(
+            g,
+            comm,
+            from,
+            to,
+            &live,
+            &mut views,
+            &[p.expert_mib << 20],
+            &options,
+        );
+        let dt = t0.elapsed().as_secs_f64();
+        out.result.map_err(|e| e.to_string())?;
+        // The first iteration warms up (first touch of the next buffers).
+        if it == 0 {
+            wrong = wrong_bytes(p, rank, to, &next);
+        } else if it <= p.iters {
+            times.push(dt);
+        }
+        std::mem::swap(layers, &mut next);
+        std::mem::swap(&mut from, &mut to);
+    }
+    Ok((times, wrong))
 }
 
 /// The policy's (median, p99) seconds over `iters` runs after 2 warm-up runs, and its shape.
@@ -159,9 +212,10 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
         );
     }
     let weights = (p.layers * p.per_rank * (p.expert_mib << 20)) as u64;
-    // The weights, one layer of staging, then the memcpy's two buffers of the placed bytes.
+    // The weights, one layer of staging, the next weights, then the memcpy's two buffers of
+    // the placed bytes.
     let need = Need {
-        memory: weights + weights / p.layers as u64 + 2 * weights,
+        memory: 2 * weights + weights / p.layers as u64 + 2 * weights,
         shm: weights / p.layers as u64,
         detail: String::new(),
     };
@@ -201,12 +255,12 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
 /// JSON); returns the wrong bytes.
 fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankOutput]) -> u64 {
     let (pm, pp, shape) = policy;
-    let mut xfer = Vec::new();
-    let mut copy = Vec::new();
+    let (mut xfer, mut db, mut copy) = (Vec::new(), Vec::new(), Vec::new());
     let (mut moved, mut received, mut wrong) = (0u64, 0u64, 0u64);
     for out in outputs {
         let text = &out.stdout;
         xfer.push(decode(tagged(text, "XFER ")));
+        db.push(decode(tagged(text, "XFERDB ")));
         copy.push(decode(tagged(text, "COPY ")));
         let num = |tag: &str| tagged(text, tag).trim().parse::<u64>().unwrap_or(0);
         moved = moved.max(num("MOVED "));
@@ -216,13 +270,16 @@ fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankO
             .parse::<u64>()
             .unwrap_or(u64::MAX / 4);
     }
-    let (xm, xp) = median_p99(slowest(&xfer));
+    let staged = median_p99(slowest(&xfer));
+    let double = median_p99(slowest(&db));
     let (cm, _) = median_p99(slowest(&copy));
-    let algbw = moved as f64 / xm / 1e9;
-    let busbw = if moved > 0 {
-        algbw * received as f64 / moved as f64
-    } else {
-        0.0
+    let algbw = |t: f64| moved as f64 / t / 1e9;
+    let busbw = |t: f64| {
+        if moved > 0 {
+            algbw(t) * received as f64 / moved as f64
+        } else {
+            0.0
+        }
     };
     if p.json {
         println!(
@@ -232,46 +289,61 @@ fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankO
                 "ranks": p.ranks, "layers": p.layers, "experts_per_rank": p.per_rank,
                 "expert_mib": p.expert_mib, "iters": p.iters,
                 "size_bytes": moved, "received_bytes": received,
-                "time_us": xm * 1e6, "p99_us": xp * 1e6,
-                "algbw_gbps": algbw, "busbw_gbps": busbw, "memcpy_us": cm * 1e6,
-                "memcpy_gbps": moved as f64 / cm / 1e9, "wrong": wrong,
+                "time_us": staged.0 * 1e6, "p99_us": staged.1 * 1e6,
+                "algbw_gbps": algbw(staged.0), "busbw_gbps": busbw(staged.0),
+                "double_buffered_time_us": double.0 * 1e6, "double_buffered_p99_us": double.1 * 1e6,
+                "double_buffered_algbw_gbps": algbw(double.0),
+                "double_buffered_busbw_gbps": busbw(double.0),
+                "memcpy_us": cm * 1e6, "memcpy_gbps": moved as f64 / cm / 1e9, "wrong": wrong,
             })
         );
-    } else {
-        println!(
-            "# transfer: {} ranks, {} layers x {} experts of {} MiB per rank, half received from a peer, half moved locally; torch_gloo over shm; {} iterations after 1 warm-up; times: median over iterations of the slowest rank",
-            p.ranks, p.layers, p.per_rank, p.expert_mib, p.iters
-        );
-        println!("# size: bytes placed per rank (received from peers + moved locally); memcpy: one copy of size bytes in the same run");
-        println!("# algbw = size / time; busbw = algbw * received / size (the bytes that cross between ranks)");
-        println!("# #wrong: bytes of the placed experts that differ from the expert the new placement names, all ranks");
-        println!("#");
-        println!(
-            "# {:<10} {:>12} {:>12} {:>10} {:>10} {:>11} {:>11} {:>10} {:>7}",
-            "op",
-            "size(B)",
-            "received(B)",
-            "time(us)",
-            "p99(us)",
-            "algbw(GB/s)",
-            "busbw(GB/s)",
-            "memcpy(us)",
-            "#wrong"
-        );
+        return wrong;
+    }
+    table_header(p);
+    for (op, (xm, xp)) in [("rearrange", staged), ("double_buf", double)] {
         println!(
             "  {:<10} {:>12} {:>12} {:>10.1} {:>10.1} {:>11.2} {:>11.2} {:>10.1} {:>7}",
-            "rearrange",
+            op,
             moved,
             received,
             xm * 1e6,
             xp * 1e6,
-            algbw,
-            busbw,
+            algbw(xm),
+            busbw(xm),
             cm * 1e6,
             wrong
         );
-        println!("# transfer/memcpy bandwidth: {:.2}", cm / xm);
-        crate::stats::nccl_summary(wrong, busbw);
     }
+    println!("# transfer/memcpy bandwidth: {:.2}", cm / staged.0);
+    println!(
+        "# double-buffered transfer/memcpy bandwidth: {:.2}",
+        cm / double.0
+    );
+    crate::stats::nccl_summary(wrong, busbw(double.0));
     wrong
+}
+
+/// The table's comment lines and column names.
+fn table_header(p: &EplbArgs) {
+    println!(
+        "# transfer: {} ranks, {} layers x {} experts of {} MiB per rank, half received from a peer, half moved locally; torch_gloo over shm; {} iterations after 1 warm-up; times: median over iterations of the slowest rank",
+        p.ranks, p.layers, p.per_rank, p.expert_mib, p.iters
+    );
+    println!("# rearrange: staged (receives and local moves into staging, then into the live weights); double_buf: rearrange_into, every row written once into the next weights, then swapped in");
+    println!("# size: bytes placed per rank (received from peers + moved locally); memcpy: one copy of size bytes in the same run");
+    println!("# algbw = size / time; busbw = algbw * received / size (the bytes that cross between ranks)");
+    println!("# #wrong: bytes of the placed experts that differ from the expert the new placement names, all ranks, both paths");
+    println!("#");
+    println!(
+        "# {:<10} {:>12} {:>12} {:>10} {:>10} {:>11} {:>11} {:>10} {:>7}",
+        "op",
+        "size(B)",
+        "received(B)",
+        "time(us)",
+        "p99(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "memcpy(us)",
+        "#wrong"
+    );
 }
