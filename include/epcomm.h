@@ -1348,6 +1348,26 @@ int32_t epcomm_eplb_rearrange_options_init(struct epcomm_eplb_rearrange_options 
 int32_t epcomm_eplb_rearrange_with(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, size_t num_tensors, const struct epcomm_eplb_rearrange_options *options, struct epcomm_eplb_summary *summary_out);
 
 /**
+ * epcomm_eplb_rearrange_with, double-buffered: `weights` (the live weights) are only read,
+ * and every layer's new placement is written into `next_weights` (as many host tensors as
+ * `weights`, the same layout, each of its live tensor's size, overlapping neither a live tensor
+ * nor each other; need not be initialised), each byte once: a slot's row is its live row, a
+ * local copy, a received row or a duplicate of one. The commit is the swap: `*next_valid_out`
+ * (NULL = not wanted) is set, whatever the outcome, to the number of leading layers whose next
+ * tensors hold the new placement (their transfer committed on every rank; the same on every
+ * rank): num_layers on success; on a failure at layer l, l: layer l's next tensors are then
+ * garbage, later ones untouched, and every live tensor unchanged. The error texts are those of
+ * epcomm_eplb_rearrange_with. Bad next tensors (NULL, wrong size, aliasing) fail every rank
+ * before any data moves, the failing rank with a message naming the tensor. Every rank must
+ * call this function (not epcomm_eplb_rearrange_with) for the same rearrangement.
+ *
+ * # Safety
+ * As epcomm_eplb_rearrange_with; `next_weights` is NULL or holds num_layers * num_tensors
+ * valid host tensor descriptors; `next_valid_out` is NULL or writable.
+ */
+int32_t epcomm_eplb_rearrange_into(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, const struct epcomm_tensor *next_weights, size_t num_tensors, const struct epcomm_eplb_rearrange_options *options, struct epcomm_eplb_summary *summary_out, int64_t *next_valid_out);
+
+/**
  * Computes rank `rank`'s transfer plan for one layer from the old and new maps (`num_slots`
  * physical slots each, `slots_per_rank` per rank), with vLLM's sender/receiver pairing.
  *

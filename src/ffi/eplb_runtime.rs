@@ -354,6 +354,58 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange_with(
     })
 }
 
+/// epcomm_eplb_rearrange_with, double-buffered: `weights` (the live weights) are only read,
+/// and every layer's new placement is written into `next_weights` (as many host tensors as
+/// `weights`, the same layout, each of its live tensor's size, overlapping neither a live tensor
+/// nor each other; need not be initialised), each byte once: a slot's row is its live row, a
+/// local copy, a received row or a duplicate of one. The commit is the swap: `*next_valid_out`
+/// (NULL = not wanted) is set, whatever the outcome, to the number of leading layers whose next
+/// tensors hold the new placement (their transfer committed on every rank; the same on every
+/// rank): num_layers on success; on a failure at layer l, l: layer l's next tensors are then
+/// garbage, later ones untouched, and every live tensor unchanged. The error texts are those of
+/// epcomm_eplb_rearrange_with. Bad next tensors (NULL, wrong size, aliasing) fail every rank
+/// before any data moves, the failing rank with a message naming the tensor. Every rank must
+/// call this function (not epcomm_eplb_rearrange_with) for the same rearrangement.
+///
+/// # Safety
+/// As epcomm_eplb_rearrange_with; `next_weights` is NULL or holds num_layers * num_tensors
+/// valid host tensor descriptors; `next_valid_out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_rearrange_into(
+    comm: *mut epcomm_eplb_communicator,
+    old_phy2log: *const i64,
+    new_phy2log: *const i64,
+    num_layers: i64,
+    old_slots: i64,
+    new_slots: i64,
+    weights: *const epcomm_tensor,
+    next_weights: *const epcomm_tensor,
+    num_tensors: usize,
+    options: *const epcomm_eplb_rearrange_options,
+    summary_out: *mut epcomm_eplb_summary,
+    next_valid_out: *mut i64,
+) -> i32 {
+    let call = RearrangeCall {
+        old_phy2log,
+        new_phy2log,
+        num_layers,
+        old_slots,
+        new_slots,
+        weights,
+        num_tensors,
+    };
+    // SAFETY: NULL or writable (caller contract): 0 until a layer is valid, even on a panic.
+    if let Some(v) = unsafe { next_valid_out.as_mut() } {
+        *v = 0;
+    }
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let options = unsafe { rearrange_options_arg(options) };
+        // SAFETY: caller contract.
+        unsafe { call.run_into(comm, next_weights, options, summary_out, next_valid_out) }
+    })
+}
+
 /// A rank mapping argument: NULL = none, else `len` entries.
 ///
 /// # Safety
@@ -465,16 +517,107 @@ impl RearrangeCall {
             })
         }?;
         // SAFETY: NULL or writable (caller contract).
-        if let Some(out) = unsafe { summary_out.as_mut() } {
-            *out = epcomm_eplb_summary {
-                layers_changed: summary.layers_changed as i64,
-                rows_sent: summary.rows_sent as i64,
-                rows_received: summary.rows_received as i64,
-                rows_copied_locally: summary.rows_copied_locally as i64,
-            };
-        }
+        unsafe { write_summary(summary_out, &summary) };
         Ok(())
     }
+
+    /// Runs the double-buffered rearrangement; a rejected argument (the next weights
+    /// included) is reported to the peers too. Writes the valid layers to `next_valid_out`
+    /// whatever the outcome.
+    ///
+    /// # Safety
+    /// As epcomm_eplb_rearrange_into.
+    unsafe fn run_into(
+        &self,
+        comm: *mut epcomm_eplb_communicator,
+        next_weights: *const epcomm_tensor,
+        options: Result<(Option<Vec<i64>>, bool)>,
+        summary_out: *mut epcomm_eplb_summary,
+        next_valid_out: *mut i64,
+    ) -> Result<()> {
+        // SAFETY: caller contract.
+        let prepared = unsafe { self.prepare(options) }.and_then(|p| {
+            // SAFETY: caller contract.
+            let next = unsafe { next_arg(next_weights, &p.2) }?;
+            Ok((p, next))
+        });
+        let mut valid = 0;
+        // SAFETY: caller contract: a live handle whose group is live.
+        let summary = unsafe {
+            with_comm(comm, |c, group| {
+                with_group(group, |g| {
+                    let ((old, new, w, mapping, batching), next) =
+                        prepared.map_err(|e| rearrange::reject_rearrange(g, e))?;
+                    let options = rearrange::RearrangeOptions {
+                        rank_mapping: mapping.as_deref(),
+                        dtypes: &w.dtypes,
+                        migration_batching: batching,
+                    };
+                    // SAFETY: checked: the next tensors overlap neither each other nor the
+                    // live ones, which are only read.
+                    let (live, mut next) = (w.read_views(), next.views());
+                    let out = rearrange::rearrange_into(
+                        g,
+                        c.comm.as_mut(),
+                        &old,
+                        &new,
+                        &live,
+                        &mut next,
+                        &w.row_bytes,
+                        &options,
+                    );
+                    valid = out.next_valid;
+                    out.result
+                })
+            })
+        };
+        // SAFETY: NULL or writable (caller contract).
+        if let Some(v) = unsafe { next_valid_out.as_mut() } {
+            *v = valid as i64;
+        }
+        // SAFETY: NULL or writable (caller contract).
+        unsafe { write_summary(summary_out, &summary?) };
+        Ok(())
+    }
+}
+
+/// Writes `summary` to `out` unless it is NULL.
+///
+/// # Safety
+/// `out` is NULL or writable.
+unsafe fn write_summary(out: *mut epcomm_eplb_summary, summary: &rearrange::Summary) {
+    // SAFETY: caller contract.
+    if let Some(out) = unsafe { out.as_mut() } {
+        *out = epcomm_eplb_summary {
+            layers_changed: summary.layers_changed as i64,
+            rows_sent: summary.rows_sent as i64,
+            rows_received: summary.rows_received as i64,
+            rows_copied_locally: summary.rows_copied_locally as i64,
+        };
+    }
+}
+
+/// The next weights of a double-buffered rearrangement: one host tensor per live one, of its
+/// size, overlapping neither a live tensor nor another next one.
+///
+/// # Safety
+/// `p` is NULL or holds as many valid host tensor descriptors as `live` has tensors.
+unsafe fn next_arg(p: *const epcomm_tensor, live: &LayerWeights) -> Result<LayerWeights> {
+    let n = live.tensors.len();
+    // SAFETY: caller contract.
+    let tensors =
+        unsafe { Memory::Host.tensors(p, n, "next_weights", "next_weights[i]", |_, _| Ok(())) }?;
+    let ranges = |ts: &[HostTensor]| -> Vec<Vec<(usize, usize)>> {
+        let layer = |l: &[HostTensor]| l.iter().map(|t| (t.ptr as usize, t.bytes)).collect();
+        ts.chunks(live.per_layer).map(layer).collect()
+    };
+    rearrange::check_next_buffers(&ranges(&live.tensors), &ranges(&tensors))?;
+    Ok(LayerWeights {
+        tensors,
+        per_layer: live.per_layer,
+        row_bytes: live.row_bytes.clone(),
+        dtypes: live.dtypes.clone(),
+    })
 }
 
 /// The weight tensors of a rearrangement: `per_layer` tensors per layer, layer-major, every
@@ -542,6 +685,18 @@ impl LayerWeights {
             .chunks(self.per_layer)
             // SAFETY: caller contract.
             .map(|layer| layer.iter().map(|t| unsafe { t.as_mut_slice() }).collect())
+            .collect()
+    }
+
+    /// Every layer's tensors as bytes, read only.
+    ///
+    /// # Safety
+    /// The tensors' memory is valid for reads and not written during the borrow.
+    unsafe fn read_views<'a>(&self) -> Vec<Vec<&'a [u8]>> {
+        self.tensors
+            .chunks(self.per_layer)
+            // SAFETY: caller contract.
+            .map(|layer| layer.iter().map(|t| unsafe { t.as_slice() }).collect())
             .collect()
     }
 }

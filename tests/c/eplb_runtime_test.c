@@ -3,7 +3,8 @@
  * group and use the EPLB communicator factory (vLLM's create_eplb_communicator rules and
  * messages), the communicator's add_send / add_recv / execute, a two-layer rearrangement of
  * expert weights (also batched as vLLM's migration scheduler orders it, with the options
- * struct), the scheduler itself, the per-rank transfer plan (vLLM's sender/receiver pairing),
+ * struct; double-buffered into next weights with bad next weights refused on every rank),
+ * the scheduler itself, the per-rank transfer plan (vLLM's sender/receiver pairing),
  * and the load statistics (record, step with the balancedness log line, logical load). Built as C11
  * and (with -x c++) as C++17, under ASan+UBSan, by tests/c_eplb.rs.
  *
@@ -411,6 +412,116 @@ static int holds(float w[RA_LAYERS][RA_LOCAL * RA_COLS], const int64_t *map) {
     return 1;
 }
 
+/* ---- double-buffered rearrangement ---------------------------------------------------------- */
+
+static void fill(float w[RA_LAYERS][RA_LOCAL * RA_COLS], const int64_t *map) {
+    int l, s, c;
+    for (l = 0; l < RA_LAYERS; l++) {
+        for (s = 0; s < RA_LOCAL; s++) {
+            int expert = (int)map[l * RA_SLOTS + g_rank * RA_LOCAL + s];
+            for (c = 0; c < RA_COLS; c++) {
+                w[l][s * RA_COLS + c] = row_value(expert, l, c);
+            }
+        }
+    }
+}
+
+/* Rank `bad_rank` passes bad next weights: it gets `status` and `mine`, its peer the message
+ * naming the rejecting rank; nothing is written on either rank and no layer is valid. */
+static void check_bad_next(comm_t *comm, const int64_t *old_map, const int64_t *new_map,
+                           const tensor_t *weights, const tensor_t *next, int bad_rank,
+                           int32_t status, const char *mine,
+                           float n[RA_LAYERS][RA_LOCAL * RA_COLS]) {
+    float before[RA_LAYERS][RA_LOCAL * RA_COLS];
+    char theirs[160];
+    int64_t valid = 77;
+    memcpy(before, n, sizeof before);
+    snprintf(theirs, sizeof theirs,
+             "rearrange: rank %d rejected its arguments (see that rank's error) (EPLB "
+             "rearrangement: no layer was changed)",
+             bad_rank);
+    CHECK_ERR(epcomm_eplb_rearrange_into(comm, old_map, new_map, RA_LAYERS, RA_SLOTS, RA_SLOTS,
+                                         weights, next, 1, NULL, NULL, &valid),
+              g_rank == bad_rank ? status : EPCOMM_ERROR_INVALID_ARGUMENT,
+              g_rank == bad_rank ? mine : theirs);
+    CHECK(valid == 0);
+    CHECK(memcmp(before, n, sizeof before) == 0);
+}
+
+static void test_rearrange_into(comm_t *comm) {
+    static const int64_t old_map[RA_LAYERS * RA_SLOTS] = {0, 1, 2, 3, 0, 1, 2, 3};
+    static const int64_t new_map[RA_LAYERS * RA_SLOTS] = {2, 3, 0, 1, 1, 0, 2, 3};
+    float w[RA_LAYERS][RA_LOCAL * RA_COLS];
+    float n[RA_LAYERS][RA_LOCAL * RA_COLS];
+    int64_t shape[2] = {RA_LOCAL, RA_COLS};
+    int64_t short_shape[2] = {RA_LOCAL - 1, RA_COLS};
+    tensor_t weights[RA_LAYERS], next[RA_LAYERS], bad[RA_LAYERS];
+    rearrange_options_t opts;
+    summary_t summary;
+    int64_t valid = -1;
+    int l, batched;
+
+    fill(w, old_map);
+    for (l = 0; l < RA_LAYERS; l++) {
+        weights[l] = make_tensor(w[l], DL_FLOAT, 32, 2, shape);
+        next[l] = make_tensor(n[l], DL_FLOAT, 32, 2, shape);
+    }
+    if (!CHECK_ERR(epcomm_eplb_rearrange_options_init(&opts), EPCOMM_OK, NULL)) {
+        return;
+    }
+    /* Unbatched, then batched: next (garbage before) holds the new placement, live the old. */
+    for (batched = 0; batched < 2; batched++) {
+        opts.migration_batching = batched != 0;
+        memset(n, 0xA5, sizeof n);
+        memset(&summary, 0xAB, sizeof summary);
+        if (CHECK_ERR(epcomm_eplb_rearrange_into(comm, old_map, new_map, RA_LAYERS, RA_SLOTS,
+                                                 RA_SLOTS, weights, next, 1, &opts, &summary,
+                                                 &valid),
+                      EPCOMM_OK, NULL)) {
+            CHECK(valid == RA_LAYERS);
+            CHECK(holds(n, new_map));
+            CHECK(holds(w, old_map));
+            /* Layer 0 swaps experts between the ranks, layer 1 swaps rank 0's two slots. */
+            CHECK(summary.layers_changed == (g_rank == 0 ? 2 : 1));
+            CHECK(summary.rows_sent == 2 && summary.rows_received == 2);
+            CHECK(summary.rows_copied_locally == (g_rank == 0 ? 2 : 0));
+        }
+    }
+    /* NULL next weights on rank 1. */
+    memset(n, 0xA5, sizeof n);
+    {
+        int64_t v = 77;
+        float before[RA_LAYERS][RA_LOCAL * RA_COLS];
+        memcpy(before, n, sizeof before);
+        CHECK_ERR(epcomm_eplb_rearrange_into(comm, old_map, new_map, RA_LAYERS, RA_SLOTS,
+                                             RA_SLOTS, weights, g_rank == 1 ? NULL : next, 1,
+                                             NULL, NULL, &v),
+                  g_rank == 1 ? EPCOMM_ERROR_NULL_POINTER : EPCOMM_ERROR_INVALID_ARGUMENT,
+                  g_rank == 1 ? "argument 'next_weights' must not be NULL"
+                              : "rearrange: rank 1 rejected its arguments (see that rank's "
+                                "error) (EPLB rearrangement: no layer was changed)");
+        CHECK(v == 0);
+        CHECK(memcmp(before, n, sizeof before) == 0);
+    }
+    /* Rank 0's next layer 1 is its live layer 0. */
+    bad[0] = next[0];
+    bad[1] = weights[0];
+    check_bad_next(comm, old_map, new_map, weights, g_rank == 0 ? bad : next, 0,
+                   EPCOMM_ERROR_INVALID_ARGUMENT,
+                   "next_weights layer 1 tensor 0 overlaps live layer 0 tensor 0; the next "
+                   "weights must be buffers of their own",
+                   n);
+    /* Rank 1's next layer 0 is a row short. */
+    bad[0] = make_tensor(n[0], DL_FLOAT, 32, 2, short_shape);
+    bad[1] = next[1];
+    check_bad_next(comm, old_map, new_map, weights, g_rank == 1 ? bad : next, 1,
+                   EPCOMM_ERROR_INVALID_ARGUMENT,
+                   "next_weights layer 0 tensor 0 has 12 bytes; expected 24 (the size of live "
+                   "layer 0 tensor 0)",
+                   n);
+    CHECK(holds(w, old_map));
+}
+
 static void test_rearrange_batched(comm_t *comm) {
     /* Layer 0 swaps the ranks' experts: vLLM's scheduler makes two batches (flow 0->1 with
      * experts 0, 1, then flow 1->0 with experts 2, 3); layer 1 stays (no batch). */
@@ -722,6 +833,8 @@ static int child_main(const char *name, int rank) {
         test_rearrange(comm);
         CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
         test_rearrange_batched(comm);
+        CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
+        test_rearrange_into(comm);
     }
     CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
     test_plan_layer();
