@@ -335,6 +335,11 @@ def _signatures() -> dict:
             i32,
             [vp, i64p, i64p, i64, i64, i64, T, sz, P(RearrangeOptions), P(EplbSummary)],
         ),
+        "epcomm_eplb_rearrange_into": (
+            i32,
+            [vp, i64p, i64p, i64, i64, i64, T, T, sz, P(RearrangeOptions), P(EplbSummary),
+             P(ctypes.c_int64)],
+        ),
         "epcomm_eplb_state_migration_batching": (i32, [vp, P(ctypes.c_bool)]),
         **_more_signatures(),
     }

@@ -225,6 +225,7 @@ class EplbCommunicator(Handle):
         weights: Sequence[Sequence[Any]],
         rank_mapping: Optional[Sequence[int]] = None,
         migration_batching: bool = False,
+        next_weights: Optional[Sequence[Sequence[Any]]] = None,
     ) -> Dict[str, int]:
         """Moves every layer's expert weights from the old to the new placement (collective).
         ``weights[layer]`` lists that layer's writable weight tensors (numpy arrays or
@@ -233,7 +234,16 @@ class EplbCommunicator(Handle):
         ``EPLBConfig.migration_batching_enabled``, e.g. ``EplbState.migration_batching``) runs
         each layer's transfers in the batches of vLLM's migration scheduler, one execute per
         batch; the result is the same. Every rank passes the same. Returns the summary
-        (layers_changed, rows_sent, rows_received, rows_copied_locally)."""
+        (layers_changed, rows_sent, rows_received, rows_copied_locally).
+
+        Double-buffered with ``next_weights`` (the same layout as ``weights``: per layer, one
+        writable contiguous tensor of each live tensor's size, separate from them; need not be
+        initialised): ``weights`` are only read and the new placement is written into
+        ``next_weights``, each byte once; swap them in (the commit) for the layers reported
+        valid. The summary then has ``next_valid`` (every layer). On an error the exception's
+        ``next_valid`` attribute is the number of leading layers whose next tensors are valid
+        (the same on every rank); the next tensors of the layer after them are garbage, later
+        ones untouched, and ``weights`` unchanged. Every rank passes next_weights or none."""
         old, layers, old_slots = _maps(old_phy2log, "old_phy2log")
         new, new_layers, new_slots = _maps(new_phy2log, "new_phy2log")
         if new_layers != layers or len(weights) != layers:
@@ -243,11 +253,7 @@ class EplbCommunicator(Handle):
                 2,
             )
         per_layer = len(weights[0]) if layers else 0
-        args = [Arg(t, f"weights[{l}][{i}]", output=True) for l, ws in enumerate(weights)
-                for i, t in enumerate(ws)]
-        if any(a.copy_into is not None for a in args):
-            raise InvalidArgumentError("weights must be C-contiguous in native byte order", 2)
-        tensors = (Tensor * max(len(args), 1))(*[a.ptr.contents for a in args])
+        args, tensors = _tensors(weights, "weights", next_weights is None)
         mapping = None
         if rank_mapping is not None:
             mapping = (ctypes.c_int64 * len(rank_mapping))(*[int(r) for r in rank_mapping])
@@ -258,13 +264,45 @@ class EplbCommunicator(Handle):
         options.rank_mapping_len = len(rank_mapping or ())
         options.migration_batching = bool(migration_batching)
         summary = EplbSummary()
-        self._group.check(
-            lib.epcomm_eplb_rearrange_with(
-                self._h, old, new, layers, old_slots, new_slots, tensors, per_layer,
-                ctypes.byref(options), ctypes.byref(summary),
+        if next_weights is None:
+            self._group.check(
+                lib.epcomm_eplb_rearrange_with(
+                    self._h, old, new, layers, old_slots, new_slots, tensors, per_layer,
+                    ctypes.byref(options), ctypes.byref(summary),
+                )
             )
-        )
-        return {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
+            return {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
+        if len(next_weights) != layers or any(len(n) != per_layer for n in next_weights):
+            raise InvalidArgumentError(
+                f"next_weights must have the layout of weights: {layers} layers of "
+                f"{per_layer} tensors",
+                2,
+            )
+        next_args, next_tensors = _tensors(next_weights, "next_weights", True)
+        valid = ctypes.c_int64(0)
+        try:
+            self._group.check(
+                lib.epcomm_eplb_rearrange_into(
+                    self._h, old, new, layers, old_slots, new_slots, tensors, next_tensors,
+                    per_layer, ctypes.byref(options), ctypes.byref(summary),
+                    ctypes.byref(valid),
+                )
+            )
+        except Exception as e:
+            e.next_valid = valid.value
+            raise
+        out = {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
+        out["next_valid"] = valid.value
+        return out
+
+
+def _tensors(weights: Sequence[Sequence[Any]], what: str, output: bool) -> Tuple[List[Any], Any]:
+    """``weights[layer][i]`` as C tensor descriptors (and the Args that keep them alive)."""
+    args = [Arg(t, f"{what}[{l}][{i}]", output=output) for l, ws in enumerate(weights)
+            for i, t in enumerate(ws)]
+    if any(a.copy_into is not None for a in args):
+        raise InvalidArgumentError(f"{what} must be C-contiguous in native byte order", 2)
+    return args, (Tensor * max(len(args), 1))(*[a.ptr.contents for a in args])
 
 
 class EplbState(Handle):

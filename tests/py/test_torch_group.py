@@ -104,12 +104,35 @@ def eplb_results(epcomm, g, rank, world):
                      np.float32)
         weights.append([t])
     batched = [[t.copy() for t in layer] for layer in weights]
+    live = [[t.copy() for t in layer] for layer in weights]
+    nxt = [[np.full_like(t, np.nan) for t in layer] for layer in weights]
     with epcomm.EplbCommunicator(g) as comm:
         summary = comm.rearrange(old, new, weights)
         # vLLM v0.33.0's migration batching: other transfer order, the same weights.
         comm.rearrange(old, new, batched, migration_batching=True)
+        # Double-buffered: live only read, the new placement written into the next weights.
+        into = comm.rearrange(old, new, live, next_weights=nxt)
+        # A next tensor a row short on the last rank: every rank fails, no layer valid.
+        short = [[t[:-1] if (layer == 1 and rank == world - 1) else t for t in ts]
+                 for layer, ts in enumerate(nxt)]
+        try:
+            comm.rearrange(new, old, weights, next_weights=short)
+            raise AssertionError("a short next tensor was accepted")
+        except epcomm.Error as e:
+            assert e.next_valid == 0, e.next_valid
+            if rank == world - 1:
+                assert str(e).startswith("next_weights layer 1 tensor 0 has "), str(e)
+            else:
+                assert str(e) == (f"rearrange: rank {world - 1} rejected its arguments (see "
+                                  "that rank's error) (EPLB rearrangement: no layer was "
+                                  "changed)"), str(e)
+    assert into == dict(summary, next_valid=LAYERS), into
     for layer in range(LAYERS):
         assert np.array_equal(batched[layer][0], weights[layer][0]), f"batched layer {layer}"
+        assert nxt[layer][0].tobytes() == weights[layer][0].tobytes(), f"next layer {layer}"
+        mine = old[layer][rank * LOCAL_SLOTS:(rank + 1) * LOCAL_SLOTS]
+        assert live[layer][0].tolist() == [[e * 100 + layer * 10 + c for c in range(COLS)]
+                                           for e in mine], f"live layer {layer} changed"
     out = {f"eplb.layer{l}": weights[l][0].tobytes().hex() for l in range(LAYERS)}
     out["eplb.summary"] = json.dumps(summary, sort_keys=True)
     return out
