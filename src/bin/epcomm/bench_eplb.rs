@@ -7,20 +7,22 @@
 //! placement shifts every slot by half a rank's experts, so each rank receives half its slots
 //! from its neighbour and moves the other half locally. Iterations alternate the two
 //! placements, so each one moves the same bytes; a barrier precedes each, and an iteration's
-//! time is the slowest rank's. Every expert's bytes identify it, so after the last iteration
-//! each rank checks that every slot holds the expert the final placement names.
+//! time is the slowest rank's. Every expert's bytes identify it, so after the first and the
+//! last iteration each rank checks that every slot holds the expert the placement names.
 //!
-//! The same iterations run twice: staged (`rearrange`: receives and local moves into a staging
-//! buffer, then into the live weights) and double-buffered (`rearrange_into`: every row written
-//! once into a next buffer, which then becomes the live one: the swap).
+//! Each iteration runs both paths, interleaved so they see the same machine load: staged
+//! (`rearrange`: receives and local moves into a staging buffer, then into the live weights)
+//! from the first placement to the second, then double-buffered (`rearrange_into`: every row
+//! written once into a next buffer, which then becomes the live one: the swap) back.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use epcomm::dtype::DType;
 use epcomm::eplb::communicator;
+use epcomm::eplb::communicator::EplbCommunicator;
 use epcomm::eplb::policy::rebalance_experts;
-use epcomm::eplb::rearrange::{rearrange, rearrange_into, RearrangeOptions};
+use epcomm::eplb::rearrange::{rearrange, rearrange_into, RearrangeOptions, Summary};
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
 use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::unit;
@@ -87,86 +89,78 @@ fn rank_main(p: &EplbArgs, rank: usize, group: &str) -> Result<(), String> {
                 .collect()
         })
         .collect();
-    let mut times = Vec::new();
+    let mut next: Vec<Vec<u8>> = layers.iter().map(|l| vec![0u8; l.len()]).collect();
+    let (mut staged, mut double, mut wrong) = (Vec::new(), Vec::new(), 0);
     let (mut moved, mut received) = (0usize, 0usize);
+    // Each iteration: staged a -> b in place, then double-buffered b -> a into `next`, swapped
+    // in; interleaved so both paths see the same load. The first iteration warms up (first
+    // touch of the staging and next buffers) and checks both results.
     for it in 0..p.iters + 1 {
-        let (from, to) = if it % 2 == 0 { (&a, &b) } else { (&b, &a) };
-        let mut views: Vec<Vec<&mut [u8]>> =
-            layers.iter_mut().map(|l| vec![l.as_mut_slice()]).collect();
-        g.barrier().map_err(|e| e.to_string())?;
-        let t0 = Instant::now();
-        let s = rearrange(&mut g, comm.as_mut(), from, to, &mut views, &[row], None)
-            .map_err(|e| e.to_string())?;
-        let dt = t0.elapsed().as_secs_f64();
-        // The first iteration warms up (first touch of the staging buffers).
-        if it > 0 {
-            times.push(dt);
+        let (dt, s) = staged_once(&mut g, comm.as_mut(), (&a, &b), &mut layers, row)?;
+        if it == 0 {
+            wrong += wrong_bytes(p, rank, &b, &layers);
+        }
+        let db = double_once(&mut g, comm.as_mut(), (&b, &a), &layers, &mut next, row)?;
+        std::mem::swap(&mut layers, &mut next);
+        if it == 0 {
+            wrong += wrong_bytes(p, rank, &a, &layers);
+        } else {
+            staged.push(dt);
+            double.push(db);
         }
         moved = (s.rows_received + s.rows_copied_locally) * row;
         received = s.rows_received * row;
     }
-    let (double, wrong_db) = double_buffered(p, rank, &mut g, comm.as_mut(), &mut layers)?;
-    // Iteration `it` moves to `b` when `it` is even: the last one is `p.iters`.
-    let last = if p.iters % 2 == 0 { &b } else { &a };
-    let wrong = wrong_bytes(p, rank, last, &layers) + wrong_db;
-    drop(layers);
+    wrong += wrong_bytes(p, rank, &a, &layers);
+    drop((layers, next));
     // The first iteration warms up, as for the transfer.
     let copies = time_memcpy(&mut g, moved, 1, p.iters)?;
     println!("MOVED {moved}");
     println!("RECEIVED {received}");
     println!("WRONG {wrong}");
-    println!("XFER {}", encode(&times));
+    println!("XFER {}", encode(&staged));
     println!("XFERDB {}", encode(&double));
     println!("COPY {}", encode(&copies));
     g.barrier().map_err(|e| e.to_string())?;
     Ok(())
 }
 
-/// The double-buffered iterations, from `layers` (the placement the staged ones ended in) and
-/// back, swapping the next buffers in after each; an even number of them, so `layers` ends
-/// in the placement it started in. Returns the timed iterations' seconds and the wrong bytes
-/// of the first iteration's next buffers.
-fn double_buffered(
-    p: &EplbArgs,
-    rank: usize,
+type Maps = Vec<Vec<i64>>;
+
+/// One staged rearrangement of `layers` in place; its seconds and summary.
+fn staged_once(
     g: &mut ShmGroup,
-    comm: &mut dyn communicator::EplbCommunicator,
-    layers: &mut Vec<Vec<u8>>,
-) -> Result<(Vec<f64>, u64), String> {
-    let (a, b) = placements(p);
-    // The staged iterations ended in `b` when their count (iters + 1) is odd.
-    let (mut from, mut to) = if p.iters % 2 == 0 { (&b, &a) } else { (&a, &b) };
-    let mut next: Vec<Vec<u8>> = layers.iter().map(|l| vec![0u8; l.len()]).collect();
-    let (mut times, mut wrong) = (Vec::new(), 0);
-    for it in 0..(p.iters + 1).next_multiple_of(2) {
-        let live: Vec<Vec<&[u8]>> = layers.iter().map(|l| vec![l.as_slice()]).collect();
-        let mut views: Vec<Vec<&mut [u8]>> =
-            next.iter_mut().map(|l| vec![l.as_mut_slice()]).collect();
-        let options = RearrangeOptions::default();
-        g.barrier().map_err(|e| e.to_string())?;
-        let t0 = Instant::now();
-        let out = rearrange_into(
-            g,
-            comm,
-            from,
-            to,
-            &live,
-            &mut views,
-            &[p.expert_mib << 20],
-            &options,
-        );
-        let dt = t0.elapsed().as_secs_f64();
-        out.result.map_err(|e| e.to_string())?;
-        // The first iteration warms up (first touch of the next buffers).
-        if it == 0 {
-            wrong = wrong_bytes(p, rank, to, &next);
-        } else if it <= p.iters {
-            times.push(dt);
-        }
-        std::mem::swap(layers, &mut next);
-        std::mem::swap(&mut from, &mut to);
-    }
-    Ok((times, wrong))
+    comm: &mut dyn EplbCommunicator,
+    (from, to): (&Maps, &Maps),
+    layers: &mut [Vec<u8>],
+    row: usize,
+) -> Result<(f64, Summary), String> {
+    let mut views: Vec<Vec<&mut [u8]>> =
+        layers.iter_mut().map(|l| vec![l.as_mut_slice()]).collect();
+    g.barrier().map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let s = rearrange(g, comm, from, to, &mut views, &[row], None).map_err(|e| e.to_string())?;
+    Ok((t0.elapsed().as_secs_f64(), s))
+}
+
+/// One double-buffered rearrangement from `live` into `next`; its seconds.
+fn double_once(
+    g: &mut ShmGroup,
+    comm: &mut dyn EplbCommunicator,
+    (from, to): (&Maps, &Maps),
+    live: &[Vec<u8>],
+    next: &mut [Vec<u8>],
+    row: usize,
+) -> Result<f64, String> {
+    let live: Vec<Vec<&[u8]>> = live.iter().map(|l| vec![l.as_slice()]).collect();
+    let mut views: Vec<Vec<&mut [u8]>> = next.iter_mut().map(|l| vec![l.as_mut_slice()]).collect();
+    let options = RearrangeOptions::default();
+    g.barrier().map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let out = rearrange_into(g, comm, from, to, &live, &mut views, &[row], &options);
+    let dt = t0.elapsed().as_secs_f64();
+    out.result.map_err(|e| e.to_string())?;
+    Ok(dt)
 }
 
 /// The policy's (median, p99) seconds over `iters` runs after 2 warm-up runs, and its shape.
