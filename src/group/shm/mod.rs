@@ -101,8 +101,8 @@ pub struct ShmGroup {
     tables: Arc<LocalTables>,
     /// The windows (symmetric memory) this rank handed out, while their buffers live.
     windows: Vec<Weak<window::WinInfo>>,
-    /// Peers' windows mapped here: (rank, file identity, mapping).
-    peer_windows: RefCell<Vec<(usize, segment::FileKey, Segment)>>,
+    /// Peers' windows mapped here.
+    peer_windows: RefCell<Vec<window::PeerWindow>>,
 }
 
 impl std::fmt::Debug for ShmGroup {

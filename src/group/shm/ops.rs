@@ -1,6 +1,7 @@
 //! The collectives: the [`Group`] trait over the protocol.
 
 use super::payload::{reduce_into, Payload};
+use super::window::window_view;
 use super::{SharedBuf, ShmGroup};
 use crate::error::{Error, Result};
 use crate::group::agree;
@@ -291,11 +292,34 @@ impl Group for ShmGroup {
             // Each peer's rows for this rank: in its window, or its payload and row list.
             let mut sources = Vec::with_capacity(g.world);
             for (p, take_p) in take.iter().enumerate() {
-                sources.push(match g.source_window(p, row_bytes, take_p.len())? {
-                    Some(w) => Source::Window(w),
-                    None => Source::Payload(g.rows_from(op, p, row_bytes, take_p.len())?),
+                sources.push(if p == me {
+                    if give[me].len() != take_p.len() {
+                        return Err(Error::InvalidArgument(format!(
+                            "reduce_rows: rank {me} gives {} rows to rank {me} but rank {me} expects {}",
+                            give[me].len(),
+                            take_p.len()
+                        )));
+                    }
+                    Source::Own
+                } else if let Some(w) = g.source_window(p, row_bytes, take_p.len())? {
+                    Source::Window(w)
+                } else {
+                    Source::Payload(g.rows_from(op, p, row_bytes, take_p.len())?)
                 });
             }
+            // This rank's rows and the peers' windows are read in place; the rest fetched.
+            let cache = g.peer_windows.borrow();
+            let in_place: Vec<Option<(&[u8], &[u32])>> = sources
+                .iter()
+                .enumerate()
+                .map(|(p, s)| match s {
+                    Source::Own => Some((src, give[me].as_slice())),
+                    Source::Window((w, idx)) => {
+                        window_view(&cache, p, w).map(|v| (v, idx.as_slice()))
+                    }
+                    Source::Payload(_) => None,
+                })
+                .collect();
             let by_row = rows::ByRow::new(take, out_rows);
             let mut ranges = Vec::new();
             rows::reduce_blocked(
@@ -304,8 +328,11 @@ impl Group for ShmGroup {
                 &by_row,
                 out,
                 out_kind,
-                Some((me, src, give[me].as_slice())),
+                &in_place,
                 |peer: usize, positions: &[u32], scratch: &mut [u8]| match &sources[peer] {
+                    Source::Own => Err(Error::Internal(
+                        "reduce_rows: this rank's own rows are read in place".into(),
+                    )),
                     Source::Window((w, idx)) => g.with_window(peer, w, |seg| {
                         for (i, &pos) in positions.iter().enumerate() {
                             let at = w.off + idx[pos as usize] as usize * row_bytes;
@@ -386,6 +413,8 @@ fn sends_to(meta: &[u64], dst: usize) -> Vec<usize> {
 
 /// Where a reduce_rows destination reads one peer's rows.
 enum Source<'a> {
+    /// This rank's own source.
+    Own,
     /// The peer's window, and the rows of it this rank gets.
     Window((super::window::WinMeta, Vec<u32>)),
     /// The peer's published payload (direct reads), and the rows of it this rank gets.

@@ -199,8 +199,13 @@ impl WinMeta {
     }
 }
 
-/// Windows of a group's peers this rank keeps mapped (a few per peer).
+/// Windows of a group's peers this rank keeps mapped (a few per peer), and for how many ops
+/// one stays mapped unused.
 const MAPPED_PER_PEER: usize = 4;
+const IDLE_OPS: u64 = 16;
+
+/// A peer's window mapped here: (rank, file identity, mapping, the last op that used it).
+pub(super) type PeerWindow = (usize, FileKey, Segment, u64);
 
 impl ShmGroup {
     /// A new window of `len` bytes (see [`SharedBuf`]).
@@ -251,12 +256,17 @@ impl ShmGroup {
     /// Maps peer `p`'s window `w` (once; cached), checking it holds the published buffer.
     pub(super) fn map_window(&self, p: usize, w: &WinMeta) -> Result<()> {
         let mut cache = self.peer_windows.borrow_mut();
-        if cache
-            .iter()
-            .any(|(r, k, s)| *r == p && *k == w.key && s.len() >= w.win_len)
+        let n = self.seq;
+        if let Some(e) = cache
+            .iter_mut()
+            .find(|e| e.0 == p && e.1 == w.key && e.2.len() >= w.win_len)
         {
+            e.3 = n;
             return Ok(());
         }
+        // A peer's window unused for a while is probably freed by its owner: unmapping it lets
+        // its memory go.
+        cache.retain(|e| n.saturating_sub(e.3) < IDLE_OPS);
         let pid = self.slot(p).pid.load(Ordering::Acquire);
         let label = format!("/epcomm.{}.{:016x}.w{p}", self.name, self.session);
         let seg = Segment::open_peer(&label, pid, w.fd, w.key, w.win_len).map_err(|e| {
@@ -267,12 +277,12 @@ impl ShmGroup {
                 ))
             })
         })?;
-        if cache.iter().filter(|(r, _, _)| *r == p).count() >= MAPPED_PER_PEER {
-            if let Some(i) = cache.iter().position(|(r, _, _)| *r == p) {
+        if cache.iter().filter(|e| e.0 == p).count() >= MAPPED_PER_PEER {
+            if let Some(i) = cache.iter().position(|e| e.0 == p) {
                 cache.remove(i);
             }
         }
-        cache.push((p, w.key, seg));
+        cache.push((p, w.key, seg, n));
         Ok(())
     }
 
@@ -300,8 +310,8 @@ impl ShmGroup {
         let cache = self.peer_windows.borrow();
         let seg = cache
             .iter()
-            .find(|(r, k, s)| *r == p && *k == w.key && s.len() >= w.win_len)
-            .map(|(_, _, s)| s)
+            .find(|e| e.0 == p && e.1 == w.key && e.2.len() >= w.win_len)
+            .map(|e| &e.2)
             .ok_or_else(|| {
                 Error::Internal(format!(
                     "the window of rank {p} is not mapped on rank {}",
@@ -310,6 +320,14 @@ impl ShmGroup {
             })?;
         f(seg)
     }
+}
+
+/// The bytes of peer `p`'s buffer in its window `w`, if mapped (`cache`: the group's peer windows).
+pub(super) fn window_view<'c>(cache: &'c [PeerWindow], p: usize, w: &WinMeta) -> Option<&'c [u8]> {
+    cache
+        .iter()
+        .find(|e| e.0 == p && e.1 == w.key && e.2.len() >= w.win_len)
+        .map(|e| e.2.view(w.off, w.len))
 }
 
 /// A window section that a parsed metadata cannot lack (checked when it was read).
