@@ -280,8 +280,8 @@ impl Group for ShmGroup {
             Err(e) => return Err(self.reject_op(op, e)),
         };
         let me = self.rank;
-        let (mut meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
         // A source in a window is read by its destinations with plain loads.
+        let (mut meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
         meta.extend(self.offer_src(src, give).unwrap_or_default());
         let params = [
             agree::dtype("row dtype", kind),
@@ -289,26 +289,8 @@ impl Group for ShmGroup {
             agree::dtype("output dtype", out_kind),
         ];
         self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
-            // Each peer's rows for this rank: in its window, or its payload and row list.
-            let mut sources = Vec::with_capacity(g.world);
-            for (p, take_p) in take.iter().enumerate() {
-                sources.push(if p == me {
-                    if give[me].len() != take_p.len() {
-                        return Err(Error::InvalidArgument(format!(
-                            "reduce_rows: rank {me} gives {} rows to rank {me} but rank {me} expects {}",
-                            give[me].len(),
-                            take_p.len()
-                        )));
-                    }
-                    Source::Own
-                } else if let Some(w) = g.source_window(p, row_bytes, take_p.len())? {
-                    Source::Window(w)
-                } else {
-                    Source::Payload(g.rows_from(op, p, row_bytes, take_p.len())?)
-                });
-            }
-            // This rank's rows and the peers' windows are read in place; the rest fetched.
-            let cache = g.peer_windows.borrow();
+            let sources = g.reduce_sources(op, row_bytes, give, take)?;
+            let cache = g.peer_windows.borrow(); // own rows and peers' windows: in place
             let in_place: Vec<Option<(&[u8], &[u32])>> = sources
                 .iter()
                 .enumerate()
@@ -409,6 +391,38 @@ fn sends_to(meta: &[u64], dst: usize) -> Vec<usize> {
         off = off.saturating_add(pair[1] as usize);
     }
     out
+}
+
+impl ShmGroup {
+    /// Where this rank reads each peer's rows of a reduce_rows: in place (its own; a peer's
+    /// window) or from the peer's published payload; the row counts checked.
+    fn reduce_sources(
+        &self,
+        op: Op,
+        row_bytes: usize,
+        give: &[Vec<u32>],
+        take: &[Vec<(u32, f32)>],
+    ) -> Result<Vec<Source<'_>>> {
+        let me = self.rank;
+        let mut sources = Vec::with_capacity(self.world);
+        for (p, take_p) in take.iter().enumerate() {
+            sources.push(if p == me {
+                if give[me].len() != take_p.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "reduce_rows: rank {me} gives {} rows to rank {me} but rank {me} expects {}",
+                        give[me].len(),
+                        take_p.len()
+                    )));
+                }
+                Source::Own
+            } else if let Some(w) = self.source_window(p, row_bytes, take_p.len())? {
+                Source::Window(w)
+            } else {
+                Source::Payload(self.rows_from(op, p, row_bytes, take_p.len())?)
+            });
+        }
+        Ok(sources)
+    }
 }
 
 /// Where a reduce_rows destination reads one peer's rows.
