@@ -9,6 +9,8 @@ pub mod host;
 pub mod rows;
 pub mod shm;
 
+pub use shm::SharedBuf;
+
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -109,6 +111,21 @@ pub trait Group: Send {
     fn reject(&mut self, op: Op, e: Error) -> Error {
         let _ = op;
         e
+    }
+
+    /// Symmetric memory: `len` zeroed bytes of shared memory that every peer of this group maps
+    /// ([`SharedBuf`]), so that `exchange_rows` into it and `reduce_rows` from it move each byte
+    /// once with plain stores and loads (no system call per transfer). `None` where the
+    /// transport has none. With another group the buffer is ordinary memory.
+    fn alloc_shared(&mut self, len: usize) -> Result<Option<SharedBuf>> {
+        let _ = len;
+        Ok(None)
+    }
+
+    /// Whether `buf` came from [`Group::alloc_shared`] on this rank of this group.
+    fn owns_shared(&self, buf: &SharedBuf) -> bool {
+        let _ = buf;
+        false
     }
 
     /// Gathers equal-sized small objects: `out` (`size() * mine.len()` bytes) in rank order.

@@ -75,7 +75,7 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
         &by_row,
         out,
         out_kind,
-        Some((me, src, give[me].as_slice())),
+        &own_in_place(me, src, give),
         |peer: usize, positions: &[u32], scratch: &mut [u8]| {
             for (i, &pos) in positions.iter().enumerate() {
                 let off = base[peer] + pos as usize * row_bytes;
@@ -85,6 +85,17 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
             Ok(())
         },
     )
+}
+
+/// The in-place table of a reduction whose only rows read in place are this rank's own.
+pub(crate) fn own_in_place<'a>(
+    me: usize,
+    src: &'a [u8],
+    give: &'a [Vec<u32>],
+) -> Vec<Option<(&'a [u8], &'a [u32])>> {
+    (0..give.len())
+        .map(|p| (p == me).then(|| (src, give[p].as_slice())))
+        .collect()
 }
 
 /// Every output row's contributions in the canonical order (peer, then position in that
@@ -122,15 +133,15 @@ impl ByRow {
 /// copies the needed rows of each peer (given as positions in that peer's list, into
 /// consecutive rows of the scratch buffer), they are summed in f32 in canonical order in a
 /// cache-resident accumulator, and the block is stored as `out_kind`.
-/// `local` = (this rank, its own source rows, the rows it gives itself): those are read in
-/// place instead of being fetched.
+/// `in_place[p]` = (peer p's source rows, the rows it gives this rank) where this rank can
+/// read them in place (its own rows; a peer's shared-memory window): those are never fetched.
 pub(crate) fn reduce_blocked(
     kind: FloatKind,
     row_elems: usize,
     by_row: &ByRow,
     out: &mut [u8],
     out_kind: FloatKind,
-    local: Option<(usize, &[u8], &[u32])>,
+    in_place: &[Option<(&[u8], &[u32])>],
     mut fetch: impl FnMut(usize, &[u32], &mut [u8]) -> Result<()>,
 ) -> Result<()> {
     let out_rows = by_row.offsets.len() - 1;
@@ -152,7 +163,7 @@ pub(crate) fn reduce_blocked(
         row_bytes: row_elems * kind.size(),
         out_kind,
         out_row_bytes: row_elems * out_kind.size(),
-        local,
+        in_place,
         // An output much larger than the caches is written past them (see
         // num::store_streaming); a small one stays cached for the caller's next read.
         streaming: out_rows * row_elems * out_kind.size() >= crate::copy::STREAMING_MIN_BYTES,
@@ -180,8 +191,8 @@ struct Reduction<'a> {
     row_bytes: usize,
     out_kind: FloatKind,
     out_row_bytes: usize,
-    /// (this rank, its source rows, the rows it gives itself): read in place, never fetched.
-    local: Option<(usize, &'a [u8], &'a [u32])>,
+    /// Per peer, (its source rows, the rows it gives this rank) where they are read in place.
+    in_place: &'a [Option<(&'a [u8], &'a [u32])>],
     streaming: bool,
 }
 
@@ -253,7 +264,7 @@ fn fetch_block(
     slots.resize(entries.len(), 0);
     let mut next = 0usize;
     for peer in 0..peers {
-        if plan.local.is_some_and(|l| l.0 == peer) {
+        if plan.in_place.get(peer).is_some_and(Option::is_some) {
             continue;
         }
         positions.clear();
@@ -318,10 +329,10 @@ fn sum_row(
         }
         for i in entries_r.clone() {
             let (peer, pos, w) = entries[i];
-            let row = match plan.local {
-                // This rank's own rows are read in place.
-                Some((me, src, give_me)) if me == peer as usize => {
-                    let sr = give_me[pos as usize] as usize;
+            let row = match plan.in_place.get(peer as usize) {
+                // Rows readable where they are (this rank's own, a peer's window).
+                Some(Some((src, gives))) => {
+                    let sr = gives[pos as usize] as usize;
                     &src[sr * row_bytes..(sr + 1) * row_bytes]
                 }
                 _ => &scratch[slots[i] * row_bytes..(slots[i] + 1) * row_bytes],

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::bytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::group::Group;
+use crate::group::{Group, SharedBuf};
 use crate::log;
 use crate::num::{self, FloatKind};
 use crate::select::all2all::{self, Backend, Layout};
@@ -107,7 +107,7 @@ pub struct Manager {
     plan: Option<Plan>,
     tokens: usize,
     shape: Vec<usize>,
-    hidden: Vec<u8>,
+    hidden: RecvBuf,
     extras: Vec<Vec<u8>>,
     stats: Stats,
     expert_counts: Vec<u32>,
@@ -137,13 +137,7 @@ const MAX_EXPERTS: usize = 1 << 20;
 fn ensure_len(buf: &mut Vec<u8>, len: usize, ranks: usize, what: &str) -> Result<()> {
     if len > buf.len() {
         let more = len - buf.len();
-        if let Some(avail) = crate::probe::available_memory() {
-            if (more as u64).saturating_mul(ranks as u64) > avail {
-                return Err(Error::Runtime(format!(
-                    "{what} needs {len} bytes on each of {ranks} ranks, more than the {avail} bytes of memory available; lower max_tokens_per_rank or the number of tokens"
-                )));
-            }
-        }
+        check_available(more, len, ranks, what)?;
         buf.try_reserve(more).map_err(|e| {
             Error::Runtime(format!(
                 "{what} needs {len} bytes and the allocation failed: {e}"
@@ -152,6 +146,70 @@ fn ensure_len(buf: &mut Vec<u8>, len: usize, ranks: usize, what: &str) -> Result
         buf.resize(len, 0);
     }
     Ok(())
+}
+
+/// Fails with a clear error when `ranks` ranks growing a buffer by `more` bytes (to `len`) at
+/// once on this host would exceed the memory available.
+fn check_available(more: usize, len: usize, ranks: usize, what: &str) -> Result<()> {
+    if let Some(avail) = crate::probe::available_memory() {
+        if (more as u64).saturating_mul(ranks as u64) > avail {
+            return Err(Error::Runtime(format!(
+                "{what} needs {len} bytes on each of {ranks} ranks, more than the {avail} bytes of memory available; lower max_tokens_per_rank or the number of tokens"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The dispatch receive buffer: shared memory of the group where it has some (the sources then
+/// store their rows straight into it: one copy per byte, no system call), else the heap.
+#[derive(Debug)]
+enum RecvBuf {
+    Heap(Vec<u8>),
+    Shared(SharedBuf),
+}
+
+impl RecvBuf {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            RecvBuf::Heap(v) => v,
+            RecvBuf::Shared(b) => b,
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            RecvBuf::Heap(v) => v,
+            RecvBuf::Shared(b) => b,
+        }
+    }
+
+    /// Makes the buffer at least `len` bytes, in `g`'s shared memory where `g` has some (asked
+    /// when the buffer is first needed or must grow). It never shrinks; a shared one is replaced (with an eighth to spare, so token counts that
+    /// vary a little do not reallocate) when it is too small or belongs to another group.
+    fn ensure(&mut self, g: &mut dyn Group, len: usize, ranks: usize) -> Result<()> {
+        const WHAT: &str = "the dispatch receive buffer";
+        match self {
+            RecvBuf::Shared(b) if b.len() >= len && g.owns_shared(b) => return Ok(()),
+            // A heap buffer that suffices stays (its group had no shared memory when it grew).
+            RecvBuf::Heap(v) if len == 0 || (v.len() >= len && !v.is_empty()) => return Ok(()),
+            RecvBuf::Shared(_) | RecvBuf::Heap(_) => {}
+        }
+        let cap = len.saturating_add(len / 8);
+        check_available(cap, cap, ranks, WHAT)?;
+        match g.alloc_shared(cap)? {
+            Some(b) => *self = RecvBuf::Shared(b),
+            None => {
+                if let RecvBuf::Shared(_) = self {
+                    *self = RecvBuf::Heap(Vec::new());
+                }
+                if let RecvBuf::Heap(v) = self {
+                    ensure_len(v, len, ranks, WHAT)?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The checks of a configuration that depend on no layout (their order decides which error a
@@ -280,7 +338,7 @@ impl Manager {
             plan: None,
             tokens: 0,
             shape: Vec::new(),
-            hidden: Vec::new(),
+            hidden: RecvBuf::Heap(Vec::new()),
             extras: Vec::new(),
             stats: Stats::default(),
             expert_counts: Vec::new(),
@@ -556,17 +614,12 @@ impl Manager {
             hidden
         };
         let hidden_len = plan.buffer_rows * row_bytes;
-        ensure_len(
-            &mut self.hidden,
-            hidden_len,
-            self.world,
-            "the dispatch receive buffer",
-        )?;
+        self.hidden.ensure(g, hidden_len, self.world)?;
         g.exchange_rows(
             src,
             row_bytes,
             &plan.give,
-            &mut self.hidden[..hidden_len],
+            &mut self.hidden.bytes_mut()[..hidden_len],
             &plan.take,
         )?;
         self.extras.resize(extras.len(), Vec::new());
@@ -696,7 +749,7 @@ impl Manager {
         let with_ids = self.contract.topk_ids != Ids::None;
         DispatchView {
             layout: self.contract.layout,
-            hidden: &self.hidden[..p.buffer_rows * self.cfg.row_bytes()],
+            hidden: &self.hidden.bytes()[..p.buffer_rows * self.cfg.row_bytes()],
             shape: &self.shape,
             received_rows: p.received_rows,
             topk_ids: if with_ids { &p.row_ids } else { &[] },

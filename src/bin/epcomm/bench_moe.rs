@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{Group, GroupOptions, SharedBuf};
 use epcomm::moe::reference::{unit, ToyExperts};
 use epcomm::moe::{self, layout, Manager, MoeConfig};
 use epcomm::num;
@@ -142,6 +142,34 @@ fn routed_bytes(p: &Params, ids: &[i64], t: usize) -> (u64, u64) {
     (dedup, per_expert)
 }
 
+/// The expert-output buffer the timed combines read (zeros: its contents do not change the
+/// work).
+enum ExpertOut {
+    Heap(Vec<u8>),
+    Shared(SharedBuf),
+}
+
+impl ExpertOut {
+    /// Makes it `bytes` long, in `g`'s shared memory where `g` has some.
+    fn fit(&mut self, g: &mut ShmGroup, bytes: usize) -> Result<(), String> {
+        if self.bytes().len() == bytes {
+            return Ok(());
+        }
+        *self = match g.alloc_shared(bytes).map_err(|e| e.to_string())? {
+            Some(b) => ExpertOut::Shared(b),
+            None => ExpertOut::Heap(vec![0u8; bytes]),
+        };
+        Ok(())
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            ExpertOut::Heap(v) => v,
+            ExpertOut::Shared(b) => b,
+        }
+    }
+}
+
 /// One case on one rank: prints its `SAMPLE` line.
 fn run_case(
     p: &Params,
@@ -159,7 +187,9 @@ fn run_case(
     let x = num::from_f32(&x32, p.kind);
     drop(x32);
     let mut out = vec![0u8; t * p.hidden * p.kind.size()];
-    let mut y: Vec<u8> = Vec::new();
+    // The experts' output, in the group's shared memory where it has some (as a caller would
+    // allocate it): combine then reads it with plain loads.
+    let mut y = ExpertOut::Heap(Vec::new());
     let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
     for it in 0..p.warmup + p.iters {
         g.barrier().map_err(|e| e.to_string())?;
@@ -171,10 +201,11 @@ fn run_case(
             .len();
         let t1 = Instant::now();
         // The experts' output: the dispatch buffer's shape (not timed; checked below).
-        y.resize(bytes, 0);
+        y.fit(g, bytes)?;
         g.barrier().map_err(|e| e.to_string())?;
         let t2 = Instant::now();
-        m.combine(g, &y, &mut out).map_err(|e| e.to_string())?;
+        m.combine(g, y.bytes(), &mut out)
+            .map_err(|e| e.to_string())?;
         let t3 = Instant::now();
         if it >= p.warmup {
             dispatch.push((t1 - t0).as_secs_f64());

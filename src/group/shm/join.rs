@@ -106,6 +106,8 @@ impl ShmGroup {
             exposed: None,
             grown_at: 0,
             tables: local_tables(session, world),
+            windows: Vec::new(),
+            peer_windows: std::cell::RefCell::new(Vec::new()),
         };
         g.form(&deadline)
     }

@@ -18,6 +18,12 @@
 //! buffers are the caller's. Ranks agree on the mode when they join (`EPCOMM_SHM_DIRECT=0`
 //! forces the region mode).
 //!
+//! Symmetric memory (direct mode): a rank may allocate *windows* from its group, shared memory
+//! every peer maps (window.rs). Rows exchanged into a window are written by their sources with
+//! plain stores straight into their final place, and rows reduced from a window are read with
+//! plain loads: no system call per transfer. The MoE manager keeps its dispatch receive buffer
+//! in one.
+//!
 //! Joining: rank 0 creates the control segment and a rendezvous record `/dev/shm/epcomm.{name}`
 //! naming it (replacing a stale record of a crashed run), every rank claims its slot and maps
 //! every peer's data segment, and once all did, rank 0 removes the record and every rank closes
@@ -40,6 +46,7 @@
 //! | `agree.rs` | the verdict on the ranks' arguments before any data moves (through `group::agree`) |
 //! | `payload.rs` | reading a rank's published op (every word checked), copying and summing payloads |
 //! | `ops.rs` | the collectives: the `Group` trait over the protocol |
+//! | `window.rs` | symmetric memory: windows every peer maps; rows stored into and loaded from them |
 
 mod agree;
 mod decision;
@@ -51,12 +58,15 @@ mod protocol;
 mod rendezvous;
 mod segment;
 mod wait;
+mod window;
 
 pub use self::join::MAX_WORLD;
 pub use self::rendezvous::{UniqueId, UNIQUE_ID_BYTES};
 pub use self::segment::pin_current_thread;
+pub use self::window::SharedBuf;
 
-use std::sync::Arc;
+use std::cell::RefCell;
+use std::sync::{Arc, Weak};
 
 use self::payload::LocalTables;
 use self::segment::Segment;
@@ -89,6 +99,10 @@ pub struct ShmGroup {
     grown_at: u64,
     /// Buffer tables of this process's thread ranks of this group (direct mode).
     tables: Arc<LocalTables>,
+    /// The windows (symmetric memory) this rank handed out, while their buffers live.
+    windows: Vec<Weak<window::WinInfo>>,
+    /// Peers' windows mapped here.
+    peer_windows: RefCell<Vec<window::PeerWindow>>,
 }
 
 impl std::fmt::Debug for ShmGroup {

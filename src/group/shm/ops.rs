@@ -1,7 +1,8 @@
 //! The collectives: the [`Group`] trait over the protocol.
 
 use super::payload::{reduce_into, Payload};
-use super::ShmGroup;
+use super::window::window_view;
+use super::{SharedBuf, ShmGroup};
 use crate::error::{Error, Result};
 use crate::group::agree;
 use crate::group::rows;
@@ -209,20 +210,51 @@ impl Group for ShmGroup {
         {
             return Err(self.reject_op(op, e));
         }
-        let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        let (mut meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        // A destination in a window is written by its sources; others pull from each source.
+        let window = self.offer_dst(dst, row_bytes, take);
+        let into_window = window.is_some();
+        meta.extend(window.unwrap_or_default());
         let params = [agree::number("row_bytes", row_bytes)];
-        self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
-            for (p, take_p) in take.iter().enumerate() {
-                let (payload, src_idx) = g.rows_from(op, p, row_bytes, take_p.len())?;
-                let ranges: Vec<(usize, usize, usize)> = src_idx
-                    .iter()
-                    .zip(take_p)
-                    .map(|(&s, &d)| (s as usize * row_bytes, d as usize * row_bytes, row_bytes))
-                    .collect();
-                payload.copy_scattered(dst, &ranges)?;
-            }
-            Ok(())
-        })
+        let me = self.rank;
+        let check = |g: &Self| g.check_windows(row_bytes);
+        self.run_checked(
+            op,
+            Ok(()),
+            &params,
+            &meta,
+            &[src, &index_bytes],
+            check,
+            |g| {
+                g.push_rows(src, row_bytes, give)?;
+                if into_window {
+                    // This rank's own rows: a plain copy (the counts were checked alike), past the
+                    // caches when far larger than them, as the sources' stores.
+                    let streaming = give[me].len() * row_bytes >= crate::copy::STREAMING_MIN_BYTES;
+                    for (&s, &d) in give[me].iter().zip(&take[me]) {
+                        let (s, d) = (s as usize * row_bytes, d as usize * row_bytes);
+                        let (to, from) = (&mut dst[d..d + row_bytes], &src[s..s + row_bytes]);
+                        if streaming {
+                            crate::copy::copy_streaming(to, from);
+                        } else {
+                            to.copy_from_slice(from);
+                        }
+                    }
+                    crate::copy::streaming_fence();
+                    return Ok(());
+                }
+                for (p, take_p) in take.iter().enumerate() {
+                    let (payload, src_idx) = g.rows_from(op, p, row_bytes, take_p.len())?;
+                    let ranges: Vec<(usize, usize, usize)> = src_idx
+                        .iter()
+                        .zip(take_p)
+                        .map(|(&s, &d)| (s as usize * row_bytes, d as usize * row_bytes, row_bytes))
+                        .collect();
+                    payload.copy_scattered(dst, &ranges)?;
+                }
+                Ok(())
+            },
+        )
     }
 
     fn reduce_rows(
@@ -248,18 +280,28 @@ impl Group for ShmGroup {
             Err(e) => return Err(self.reject_op(op, e)),
         };
         let me = self.rank;
-        let (meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        // A source in a window is read by its destinations with plain loads.
+        let (mut meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        meta.extend(self.offer_src(src, give).unwrap_or_default());
         let params = [
             agree::dtype("row dtype", kind),
             agree::number("row_elems", row_elems),
             agree::dtype("output dtype", out_kind),
         ];
         self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
-            // Each peer's payload and the source rows it gives this rank, read once.
-            let mut payloads = Vec::with_capacity(g.world);
-            for (p, take_p) in take.iter().enumerate() {
-                payloads.push(g.rows_from(op, p, row_bytes, take_p.len())?);
-            }
+            let sources = g.reduce_sources(op, row_bytes, give, take)?;
+            let cache = g.peer_windows.borrow(); // own rows and peers' windows: in place
+            let in_place: Vec<Option<(&[u8], &[u32])>> = sources
+                .iter()
+                .enumerate()
+                .map(|(p, s)| match s {
+                    Source::Own => Some((src, give[me].as_slice())),
+                    Source::Window((w, idx)) => {
+                        window_view(&cache, p, w).map(|v| (v, idx.as_slice()))
+                    }
+                    Source::Payload(_) => None,
+                })
+                .collect();
             let by_row = rows::ByRow::new(take, out_rows);
             let mut ranges = Vec::new();
             rows::reduce_blocked(
@@ -268,21 +310,44 @@ impl Group for ShmGroup {
                 &by_row,
                 out,
                 out_kind,
-                Some((me, src, give[me].as_slice())),
-                |peer: usize, positions: &[u32], scratch: &mut [u8]| {
-                    let (payload, idx) = &payloads[peer];
-                    ranges.clear();
-                    ranges.extend(positions.iter().enumerate().map(|(i, &pos)| {
-                        (
-                            idx[pos as usize] as usize * row_bytes,
-                            i * row_bytes,
-                            row_bytes,
-                        )
-                    }));
-                    payload.copy_scattered(scratch, &ranges)
+                &in_place,
+                |peer: usize, positions: &[u32], scratch: &mut [u8]| match &sources[peer] {
+                    Source::Own => Err(Error::Internal(
+                        "reduce_rows: this rank's own rows are read in place".into(),
+                    )),
+                    Source::Window((w, idx)) => g.with_window(peer, w, |seg| {
+                        for (i, &pos) in positions.iter().enumerate() {
+                            let at = w.off + idx[pos as usize] as usize * row_bytes;
+                            seg.read(at, &mut scratch[i * row_bytes..(i + 1) * row_bytes]);
+                        }
+                        Ok(())
+                    }),
+                    Source::Payload((payload, idx)) => {
+                        ranges.clear();
+                        ranges.extend(positions.iter().enumerate().map(|(i, &pos)| {
+                            (
+                                idx[pos as usize] as usize * row_bytes,
+                                i * row_bytes,
+                                row_bytes,
+                            )
+                        }));
+                        payload.copy_scattered(scratch, &ranges)
+                    }
                 },
             )
         })
+    }
+
+    fn alloc_shared(&mut self, len: usize) -> Result<Option<SharedBuf>> {
+        // Windows serve the direct-mode row paths; the region mode stages everything.
+        if !self.direct {
+            return Ok(None);
+        }
+        self.alloc_window(len).map(Some)
+    }
+
+    fn owns_shared(&self, buf: &SharedBuf) -> bool {
+        self.owns_window(buf)
     }
 
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
@@ -326,4 +391,46 @@ fn sends_to(meta: &[u64], dst: usize) -> Vec<usize> {
         off = off.saturating_add(pair[1] as usize);
     }
     out
+}
+
+impl ShmGroup {
+    /// Where this rank reads each peer's rows of a reduce_rows: in place (its own; a peer's
+    /// window) or from the peer's published payload; the row counts checked.
+    fn reduce_sources(
+        &self,
+        op: Op,
+        row_bytes: usize,
+        give: &[Vec<u32>],
+        take: &[Vec<(u32, f32)>],
+    ) -> Result<Vec<Source<'_>>> {
+        let me = self.rank;
+        let mut sources = Vec::with_capacity(self.world);
+        for (p, take_p) in take.iter().enumerate() {
+            sources.push(if p == me {
+                if give[me].len() != take_p.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "reduce_rows: rank {me} gives {} rows to rank {me} but rank {me} expects {}",
+                        give[me].len(),
+                        take_p.len()
+                    )));
+                }
+                Source::Own
+            } else if let Some(w) = self.source_window(p, row_bytes, take_p.len())? {
+                Source::Window(w)
+            } else {
+                Source::Payload(self.rows_from(op, p, row_bytes, take_p.len())?)
+            });
+        }
+        Ok(sources)
+    }
+}
+
+/// Where a reduce_rows destination reads one peer's rows.
+enum Source<'a> {
+    /// This rank's own source.
+    Own,
+    /// The peer's window, and the rows of it this rank gets.
+    Window((super::window::WinMeta, Vec<u32>)),
+    /// The peer's published payload (direct reads), and the rows of it this rank gets.
+    Payload((Payload<'a>, Vec<u32>)),
 }

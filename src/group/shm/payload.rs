@@ -249,14 +249,16 @@ fn check_meta(
             }
         }
         Some(Op::ExchangeRows | Op::ReduceRows) => {
-            if meta.len() != 2 + 2 * world {
+            // The index table, then (windows) the window section, checked by its parser.
+            if meta.len() < 2 + 2 * world {
                 return Err(format!("{} row-index words for {world} ranks", meta.len()));
             }
+            super::window::parse(meta, world)?;
             let src = meta[1];
             let index_bytes = total
                 .checked_sub(src)
                 .ok_or_else(|| format!("a source of {src} bytes in a payload of {total} bytes"))?;
-            for (r, pair) in meta[2..].chunks_exact(2).enumerate() {
+            for (r, pair) in meta[2..2 + 2 * world].chunks_exact(2).enumerate() {
                 let end = pair[0].checked_add(pair[1]).and_then(|x| x.checked_mul(4));
                 if end.is_none_or(|e| e > index_bytes) {
                     return Err(format!(

@@ -391,6 +391,28 @@ impl Segment {
         };
     }
 
+    /// Copies `src` into the segment at `offset` with streaming stores (a transfer far larger
+    /// than the caches); the caller fences the batch ([`crate::copy::streaming_fence`]).
+    pub(super) fn write_streaming(&self, offset: usize, src: &[u8]) {
+        assert!(offset + src.len() <= self.len(), "shm write out of bounds");
+        // SAFETY: in bounds (checked); the protocol gives this rank exclusive write access to
+        // the range for the op (a window's rows named by its owner's take list for this rank).
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr().add(offset), src.len()) };
+        crate::copy::copy_streaming(dst, src);
+    }
+
+    /// The whole segment, for its owner (a window: see window.rs for when peers touch it).
+    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is `len` bytes; `&mut self` is the owner's exclusive handle, and
+        // peers write it only inside an op in which the owner lent it as the destination.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len()) }
+    }
+
+    /// Where the mapping starts in this process.
+    pub(super) fn addr(&self) -> usize {
+        self.ptr() as usize
+    }
+
     /// A read-only view of `len` bytes at `offset`, valid while the protocol keeps the range
     /// stable (between the writer's publish and this rank's consume).
     pub(super) fn view(&self, offset: usize, len: usize) -> &[u8] {
