@@ -323,13 +323,19 @@ pub fn pydantic_env() -> Result<&'static Path, &'static str> {
 /// The interpreter for `test` when it imports pydantic 2.13, or `None` after a SKIPPED line (a
 /// failure when `EPCOMM_REQUIRE_PYTHON=1`).
 pub fn pydantic_or_skip(test: &str) -> Option<&'static Path> {
-    match pydantic_env() {
+    or_skip(pydantic_env(), "EPCOMM_REQUIRE_PYTHON", test)
+}
+
+/// `env`'s interpreter, or `None` after a SKIPPED line for `test` (a failure when `flag` is 1).
+fn or_skip(
+    env: Result<&'static Path, &'static str>,
+    flag: &str,
+    test: &str,
+) -> Option<&'static Path> {
+    match env {
         Ok(p) => Some(p),
         Err(why) => {
-            assert!(
-                !required("EPCOMM_REQUIRE_PYTHON"),
-                "EPCOMM_REQUIRE_PYTHON is set but {why}"
-            );
+            assert!(!required(flag), "{flag} is set but {why}");
             skipped(test, why);
             None
         }
@@ -389,17 +395,7 @@ pub fn torch_env() -> Result<&'static Path, &'static str> {
 /// The interpreter for `test` when it imports torch, numpy and pytest, or `None` after a SKIPPED
 /// line (a failure when `EPCOMM_REQUIRE_TORCH=1`).
 pub fn torch_or_skip(test: &str) -> Option<&'static Path> {
-    match torch_env() {
-        Ok(p) => Some(p),
-        Err(why) => {
-            assert!(
-                !required("EPCOMM_REQUIRE_TORCH"),
-                "EPCOMM_REQUIRE_TORCH is set but {why}"
-            );
-            skipped(test, why);
-            None
-        }
-    }
+    or_skip(torch_env(), "EPCOMM_REQUIRE_TORCH", test)
 }
 
 fn find_torch() -> Result<PathBuf, String> {
