@@ -801,10 +801,16 @@ fn bench_eplb_and_group_tables() {
             "memcpy(us)",
             "#wrong",
         ],
-        1,
+        2,
     );
-    // Half of each rank's 2 x 4 slots come from the peer, half move locally: 8 MiB placed.
+    // Half of each rank's 2 x 4 slots come from the peer, half move locally: 8 MiB placed,
+    // staged and double-buffered.
     assert_eq!(rows(&out)[0][..3], ["rearrange", "8388608", "4194304"]);
+    assert_eq!(rows(&out)[1][..3], ["double_buf", "8388608", "4194304"]);
+    assert!(
+        out.contains("\n# double-buffered transfer/memcpy bandwidth: "),
+        "{out}"
+    );
     let mut json_args = args.to_vec();
     json_args.push("--json");
     let o = epcomm(&json_args);
@@ -812,6 +818,12 @@ fn bench_eplb_and_group_tables() {
     assert_eq!(v["wrong"], 0);
     assert_eq!(v["size_bytes"], 8388608);
     assert_eq!(v["received_bytes"], 4194304);
+    assert!(
+        v["double_buffered_time_us"]
+            .as_f64()
+            .is_some_and(|t| t > 0.0),
+        "{v}"
+    );
 
     let o = epcomm(&[
         "bench", "group", "--ranks", "2", "--mib", "1", "--iters", "2",
