@@ -10,8 +10,10 @@
 //! and sums them in f32, in rank order (deterministic), writing f32, bf16 or f16.
 
 pub mod layout;
+pub mod fp8;
 pub mod plan;
 pub mod reference;
+mod zero_copy;
 
 use std::time::{Duration, Instant};
 
@@ -111,6 +113,7 @@ pub struct Manager {
     extras: Vec<Vec<u8>>,
     stats: Stats,
     expert_counts: Vec<u32>,
+    zero_copy: zero_copy::ZeroCopy,
 }
 
 const HEADER_WORDS: usize = 14;
@@ -342,6 +345,7 @@ impl Manager {
             extras: Vec::new(),
             stats: Stats::default(),
             expert_counts: Vec::new(),
+            zero_copy: zero_copy::ZeroCopy::default(),
         })
     }
 
@@ -803,6 +807,7 @@ impl Manager {
             .as_ref()
             .ok_or_else(|| Error::Internal("combine: the dispatch plan went missing".into()))?;
         let h = self.cfg.hidden;
+        self.zero_copy.note_combine(expert_output);
         g.reduce_rows(
             expert_output,
             self.cfg.expert_dtype,
