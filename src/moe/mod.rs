@@ -10,7 +10,6 @@
 //! and sums them in f32, in rank order (deterministic), writing f32, bf16 or f16.
 
 pub mod layout;
-pub mod fp8;
 pub mod plan;
 pub mod reference;
 mod zero_copy;
