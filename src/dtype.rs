@@ -66,6 +66,8 @@ impl DType {
     pub const F32: DType = DType::new(Code::Float, 32);
     pub const F16: DType = DType::new(Code::Float, 16);
     pub const BF16: DType = DType::new(Code::Bfloat, 16);
+    /// PyTorch's `float8_e4m3fn` (FP8 dispatch output).
+    pub const F8E4M3FN: DType = DType::new(Code::Float8E4m3fn, 8);
     pub const I32: DType = DType::new(Code::Int, 32);
     pub const I64: DType = DType::new(Code::Int, 64);
 

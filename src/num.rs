@@ -62,6 +62,49 @@ pub fn f32_to_bf16(f: f32) -> u16 {
     (if is_nan { nan } else { rounded }) as u16
 }
 
+/// float8 e4m3fn bits → f32 (exact). e4m3fn (OCP FP8, PyTorch's `float8_e4m3fn`): bias 7,
+/// no infinities, `S.1111.111` is NaN, largest finite 448, smallest subnormal 2^-9.
+#[inline]
+pub fn e4m3fn_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exp, man) = ((b >> 3) & 0xf, b & 7);
+    if exp == 0xf && man == 7 {
+        return f32::NAN;
+    }
+    let mag = if exp == 0 {
+        f32::from(man) * (1.0 / 512.0)
+    } else {
+        (1.0 + f32::from(man) / 8.0) * f32::from_bits(((i32::from(exp) - 7 + 127) as u32) << 23)
+    };
+    sign * mag
+}
+
+/// f32 → float8 e4m3fn bits, round to nearest even, saturating (CUDA's `__NV_SATFINITE`, as
+/// DeepEP's cast): |x| ≥ 448 (infinity included) gives ±448, NaN gives NaN (`0x7f`, signed).
+#[inline]
+pub fn f32_to_e4m3fn(f: f32) -> u8 {
+    let bits = f.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let a = f.abs();
+    if a.is_nan() {
+        return sign | 0x7f;
+    }
+    if a >= 448.0 {
+        return sign | 0x7e;
+    }
+    if a < 1.0 / 64.0 {
+        // Subnormal range: multiples of 2^-9 (scaling by 512 is exact); code 8 is 2^-6.
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let abits = a.to_bits();
+    let exp = (abits >> 23) as i32 - 127;
+    let (man, rem) = ((abits >> 20) & 7, abits & 0xf_ffff);
+    let up = u32::from(rem > 0x8_0000 || (rem == 0x8_0000 && man & 1 == 1));
+    // A carry out of the mantissa moves into the exponent, which is the right code.
+    let code = (((exp + 7) as u32) << 3) + man + up;
+    sign | code.min(0x7e) as u8
+}
+
 /// IEEE binary16 bits → f32 (exact).
 #[inline]
 pub fn f16_to_f32(h: u16) -> f32 {

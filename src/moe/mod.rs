@@ -9,6 +9,7 @@
 //! [`Group::reduce_rows`]: each source pulls the expert outputs of its tokens from the holders
 //! and sums them in f32, in rank order (deterministic), writing f32, bf16 or f16.
 
+pub mod fp8;
 pub mod layout;
 pub mod plan;
 pub mod reference;
@@ -113,9 +114,15 @@ pub struct Manager {
     stats: Stats,
     expert_counts: Vec<u32>,
     zero_copy: zero_copy::ZeroCopy,
+    /// FP8 dispatch ([`Manager::set_dispatch_fp8`]): the scale rule, and the quantised send
+    /// rows, their scales and the received scales (reused across calls).
+    fp8: Option<fp8::Scales>,
+    fp8_send: Vec<u8>,
+    fp8_send_scales: Vec<u8>,
+    fp8_scales: Vec<u8>,
 }
 
-const HEADER_WORDS: usize = 14;
+const HEADER_WORDS: usize = 15;
 
 /// A dtype as one header word (code, bits, lanes).
 fn dtype_word(d: DType) -> u64 {
@@ -345,6 +352,10 @@ impl Manager {
             stats: Stats::default(),
             expert_counts: Vec::new(),
             zero_copy: zero_copy::ZeroCopy::default(),
+            fp8: None,
+            fp8_send: Vec::new(),
+            fp8_send_scales: Vec::new(),
+            fp8_scales: Vec::new(),
         })
     }
 
@@ -367,6 +378,59 @@ impl Manager {
 
     pub fn stats(&self) -> &Stats {
         &self.stats
+    }
+
+    /// Turns FP8 dispatch on (`Some`) or off: the hidden rows are quantised on the sending side
+    /// to float8 e4m3fn with one f32 scale per 128 elements ([`fp8`]), so dispatch delivers
+    /// `hidden` bytes per row plus `hidden/128` f32 scales ([`Manager::dispatch_scales`])
+    /// instead of the hidden dtype. Needs float hidden rows and hidden % 128 == 0. Every rank
+    /// must set the same (checked at each dispatch). Combine is unchanged.
+    pub fn set_dispatch_fp8(&mut self, scales: Option<fp8::Scales>) -> Result<()> {
+        if scales.is_some() {
+            fp8::check_hidden(self.cfg.hidden)?;
+            if FloatKind::from_dtype(self.cfg.hidden_dtype).is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "FP8 dispatch quantises float hidden states (bfloat16, float16 or float32), not {}",
+                    self.cfg.hidden_dtype.torch_name()
+                )));
+            }
+        }
+        self.fp8 = scales;
+        self.plan = None;
+        Ok(())
+    }
+
+    /// The FP8 dispatch setting.
+    pub fn dispatch_fp8(&self) -> Option<fp8::Scales> {
+        self.fp8
+    }
+
+    /// The element type of the dispatch output's hidden rows: float8_e4m3fn with FP8 dispatch,
+    /// else the configured hidden dtype.
+    pub fn dispatch_hidden_dtype(&self) -> DType {
+        match self.fp8 {
+            Some(_) => DType::F8E4M3FN,
+            None => self.cfg.hidden_dtype,
+        }
+    }
+
+    /// The last FP8 dispatch's scales: f32 (native-endian), `hidden/128` per row of the
+    /// dispatch output, rows as the hidden rows (empty without FP8 dispatch).
+    pub fn dispatch_scales(&self) -> &[u8] {
+        match (self.fp8, &self.plan) {
+            (Some(_), Some(p)) => {
+                &self.fp8_scales[..p.buffer_rows * fp8::scale_row_bytes(self.cfg.hidden)]
+            }
+            _ => &[],
+        }
+    }
+
+    /// Bytes of one dispatched hidden row as it travels (1 per element with FP8 dispatch).
+    fn wire_row_bytes(&self) -> usize {
+        match self.fp8 {
+            Some(_) => self.cfg.hidden,
+            None => self.cfg.row_bytes(),
+        }
     }
 
     /// Declares a MoE layer's shape. The one-sided FlashInfer backend is built for one top_k and
@@ -425,6 +489,7 @@ impl Manager {
             self.backend as u64,
             dtype_word(c.hidden_dtype),
             dtype_word(c.out_dtype.dtype()),
+            self.fp8.map_or(0, fp8::Scales::word),
         ]
     }
 
@@ -465,6 +530,7 @@ impl Manager {
             "backend",
             "hidden dtype",
             "out dtype",
+            "dispatch fp8",
         ];
         // Dtypes by name (word 9 is a FloatKind, words 12 and 13 DType words).
         let show = |i: usize, w: u64| match i {
@@ -473,6 +539,7 @@ impl Manager {
                 .find(|k| *k as u64 == w)
                 .map_or_else(|| w.to_string(), |k| k.dtype().torch_name()),
             12 | 13 => dtype_of_word(w).torch_name(),
+            14 => fp8::Scales::describe(w).to_string(),
             _ => w.to_string(),
         };
         for (r, h) in headers.iter().enumerate() {
@@ -523,7 +590,8 @@ impl Manager {
         let start = Instant::now();
         self.check_group(g)?;
         self.plan = None;
-        let t = match self.validate_dispatch(hidden, topk_ids, topk_weights, extras) {
+        let checked = self.validate_dispatch(hidden, topk_ids, topk_weights, extras);
+        let t = match checked.and_then(|t| self.quantize_input(hidden, topk_weights).map(|_| t)) {
             Ok(t) => t,
             Err(e) => return Err(self.reject_dispatch(g, e)),
         };
@@ -599,7 +667,47 @@ impl Manager {
         Ok(all)
     }
 
-    /// Moves the rows: hidden (weighted first if asked), then every extra payload.
+    /// With FP8 dispatch, quantises this rank's rows (weighted first if asked, rounded to the
+    /// hidden dtype as the unquantised path sends them) once per token into the send rows,
+    /// before the header exchange, so a non-finite value fails every rank before data moves.
+    fn quantize_input(&mut self, hidden: &[u8], topk_weights: &[f32]) -> Result<()> {
+        let Some(scales) = self.fp8 else {
+            return Ok(());
+        };
+        let kind = FloatKind::from_dtype(self.cfg.hidden_dtype)
+            .ok_or_else(|| Error::Internal("FP8 dispatch on a non-float hidden dtype".into()))?;
+        let scaled;
+        let src: &[u8] = if self.cfg.apply_router_weight_on_input {
+            scaled = self.weighted(hidden, topk_weights)?;
+            &scaled
+        } else {
+            hidden
+        };
+        let (q, s) = (&mut self.fp8_send, &mut self.fp8_send_scales);
+        fp8::quantize(src, kind, self.cfg.hidden, scales, q, s)
+    }
+
+    /// Moves the FP8 scales' rows (after the quantised hidden rows).
+    fn move_scales(&mut self, g: &mut dyn Group, plan: &Plan) -> Result<()> {
+        let sb = fp8::scale_row_bytes(self.cfg.hidden);
+        let len = plan.buffer_rows * sb;
+        ensure_len(
+            &mut self.fp8_scales,
+            len,
+            self.world,
+            "the FP8 scales' receive buffer",
+        )?;
+        self.fp8_scales.truncate(len);
+        g.exchange_rows(
+            &self.fp8_send_scales,
+            sb,
+            &plan.give,
+            &mut self.fp8_scales,
+            &plan.take,
+        )
+    }
+
+    /// Moves the rows: hidden (weighted first if asked, or quantised), then every extra payload.
     fn move_rows(
         &mut self,
         g: &mut dyn Group,
@@ -608,9 +716,12 @@ impl Manager {
         topk_weights: &[f32],
         extras: &[&[u8]],
     ) -> Result<()> {
-        let row_bytes = self.cfg.row_bytes();
+        let row_bytes = self.wire_row_bytes();
         let scaled;
-        let src: &[u8] = if self.cfg.apply_router_weight_on_input {
+        let fp8_rows = std::mem::take(&mut self.fp8_send);
+        let src: &[u8] = if self.fp8.is_some() {
+            &fp8_rows
+        } else if self.cfg.apply_router_weight_on_input {
             scaled = self.weighted(hidden, topk_weights)?;
             &scaled
         } else {
@@ -618,13 +729,18 @@ impl Manager {
         };
         let hidden_len = plan.buffer_rows * row_bytes;
         self.hidden.ensure(g, hidden_len, self.world)?;
-        g.exchange_rows(
+        let moved = g.exchange_rows(
             src,
             row_bytes,
             &plan.give,
             &mut self.hidden.bytes_mut()[..hidden_len],
             &plan.take,
-        )?;
+        );
+        self.fp8_send = fp8_rows;
+        moved?;
+        if self.fp8.is_some() {
+            self.move_scales(g, plan)?;
+        }
         self.extras.resize(extras.len(), Vec::new());
         for ((buf, data), &rb) in self
             .extras
@@ -657,8 +773,12 @@ impl Manager {
     }
 
     fn record_dispatch_stats(&mut self, plan: &Plan) {
-        let per_row =
-            (self.cfg.row_bytes() + self.cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
+        let scales = self
+            .fp8
+            .map_or(0, |_| fp8::scale_row_bytes(self.cfg.hidden));
+        let per_row = (self.wire_row_bytes()
+            + scales
+            + self.cfg.extra_row_bytes.iter().sum::<usize>()) as u64;
         let rows = |v: &[Vec<u32>]| -> Vec<u64> { v.iter().map(|x| x.len() as u64).collect() };
         let s = &mut self.stats;
         s.tokens_sent = rows(&plan.give);
@@ -752,7 +872,7 @@ impl Manager {
         let with_ids = self.contract.topk_ids != Ids::None;
         DispatchView {
             layout: self.contract.layout,
-            hidden: &self.hidden.bytes()[..p.buffer_rows * self.cfg.row_bytes()],
+            hidden: &self.hidden.bytes()[..p.buffer_rows * self.wire_row_bytes()],
             shape: &self.shape,
             received_rows: p.received_rows,
             topk_ids: if with_ids { &p.row_ids } else { &[] },
