@@ -1761,6 +1761,59 @@ void epcomm_set_log_callback(epcomm_log_fn callback, void *user_data);
 int32_t epcomm_set_log_level(int32_t level);
 
 /**
+ * Allocates `bytes` (> 0) of zeroed shared memory from this rank's group: a window every
+ * peer maps on first use, so dispatch into it and combine from it move each byte once with
+ * plain stores and loads. Not collective: each rank allocates on its own (peers map a window
+ * when an op offers it), and sizes may differ between ranks. The memory is this rank's to use
+ * as ordinary host memory (page-aligned, at least `bytes` long) until epcomm_mem_free or
+ * epcomm_group_destroy, which frees whatever is left; pass tensors in it to any call. A group
+ * without windows (host callbacks, or EPCOMM_SHM_DIRECT=0) returns EPCOMM_ERROR_UNAVAILABLE
+ * and no memory: allocate ordinary memory instead.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `ptr_out` is NULL or writable.
+ */
+int32_t epcomm_mem_alloc(struct epcomm_group *group, size_t bytes, void **ptr_out);
+
+/**
+ * Frees memory from epcomm_mem_alloc on this group (NULL is a no-op); peers unmap it after a
+ * few ops. Errors, freeing nothing: a pointer that is not the start of a live allocation of
+ * this group (freed already, from another group, or inside one) is
+ * EPCOMM_ERROR_INVALID_ARGUMENT; a call while another thread's call on the group is in flight
+ * (which may be using the memory) is EPCOMM_ERROR_INVALID_STATE. Tensors in the memory must
+ * not be used afterwards.
+ *
+ * # Safety
+ * `group` is NULL or a live handle.
+ */
+int32_t epcomm_mem_free(struct epcomm_group *group, void *ptr);
+
+/**
+ * The manager's expert-output buffer for its last dispatch: `*rows_out` rows of
+ * hidden_size elements of the config's expert_dtype at `*data_out` (compact, row-major; the
+ * shape of the dispatch output's `hidden` in that dtype), in shared memory the manager owns.
+ * Let the experts write their outputs there and pass it (a tensor [rows, hidden_size] at
+ * `*data_out`) to epcomm_all2all_combine: the peers read it in place, no copy (counted by
+ * epcomm_all2all_zero_copy_combines). Contents unspecified until written; the memory may be
+ * reused by the next call of this function and is freed with the manager; it never aliases
+ * the dispatch outputs. Before a dispatch: EPCOMM_ERROR_INVALID_STATE; a group without
+ * windows: EPCOMM_ERROR_UNAVAILABLE (use ordinary memory). Not collective.
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle whose group is live; the outputs are NULL or writable.
+ */
+int32_t epcomm_all2all_expert_output_buffer(struct epcomm_all2all *a2a, void **data_out, int64_t *rows_out);
+
+/**
+ * How many combines of this manager read their expert output in place from its
+ * expert-output buffer (each a combine that made no copy of it on this rank).
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle; `count_out` is NULL or writable.
+ */
+int32_t epcomm_all2all_zero_copy_combines(const struct epcomm_all2all *a2a, uint64_t *count_out);
+
+/**
  * Writes the runtime NCCL version code (e.g. 22809 for 2.28.9). Returns EPCOMM_ERROR_UNAVAILABLE
  * when this build has no `nccl` feature or no NCCL library can be loaded (an already-loaded
  * libnccl.so.2 is reused; else VLLM_NCCL_SO_PATH, libnccl.so.2, libnccl.so are tried).

@@ -173,7 +173,7 @@ pub struct epcomm_all2all_stats {
 /// What a call on an all2all handle borrows: the manager and the arrays its last outputs
 /// point into.
 pub(crate) struct State {
-    mgr: Manager,
+    pub(crate) mgr: Manager,
     views: OutputViews,
     stats: [Vec<u64>; 5],
 }
@@ -244,7 +244,7 @@ pub unsafe extern "C" fn epcomm_all2all_destroy(a2a: *mut epcomm_all2all) {
 ///
 /// # Safety
 /// `a2a` is NULL or a live handle whose group is live.
-unsafe fn with_manager<T>(
+pub(crate) unsafe fn with_manager<T>(
     a2a: *const epcomm_all2all,
     f: impl FnOnce(&mut State, &mut dyn Group) -> Result<T>,
 ) -> Result<T> {

@@ -10,7 +10,7 @@ use super::tensor::{check_writes_disjoint, epcomm_tensor, HostTensor};
 use crate::error::{Error, Result};
 use crate::group::host::{HostGroup, HostTransport};
 use crate::group::shm::{ShmGroup, UniqueId, UNIQUE_ID_BYTES};
-use crate::group::{Group, GroupOptions, Op, P2p};
+use crate::group::{Group, GroupOptions, Op, P2p, SharedBuf};
 use crate::num::FloatKind;
 
 /// A process group handle. Use it from one thread at a time (a second thread calling while a
@@ -18,6 +18,9 @@ use crate::num::FloatKind;
 /// ranks in the same order.
 pub struct epcomm_group {
     inner: Mutex<Box<dyn Group>>,
+    /// Shared memory handed out by epcomm_mem_alloc, freed by epcomm_mem_free or with the
+    /// handle.
+    pub(crate) mem: Mutex<Vec<SharedBuf>>,
 }
 
 exclusive_handle!(
@@ -110,6 +113,7 @@ fn index_arg(v: i32, what: &str) -> Result<usize> {
 fn finish_create(g: Box<dyn Group>, out: &mut *mut epcomm_group) {
     *out = epcomm_group {
         inner: Mutex::new(g),
+        mem: Mutex::new(Vec::new()),
     }
     .into_raw();
 }

@@ -22,6 +22,7 @@ pub mod error;
 pub mod gpu;
 pub mod group;
 pub mod log;
+pub mod mem;
 pub mod runtime;
 pub mod select;
 pub mod tensor;
