@@ -29,8 +29,30 @@ use crate::stats::{decode, encode, median_p99, slowest, time_memcpy, tolerance};
 /// The benchmark's parameters: its arguments, with `all` expanded and the shape checked.
 type Params = MoeArgs;
 
+/// The environment variable that tells a rank process which of `--ranks` its run is.
+const RUN_RANKS_ENV: &str = "EPCOMM_BENCH_MOE_RANKS";
+
+/// The largest T of `--sweep`.
+const SWEEP_MAX_T: usize = 8192;
+
 fn params(a: &MoeArgs) -> Result<Params, String> {
     let mut p = a.clone();
+    if p.tokens.is_empty() {
+        p.tokens = if p.sweep {
+            std::iter::successors(Some(1), |t| Some(t * 2))
+                .take_while(|&t| t <= SWEEP_MAX_T)
+                .collect()
+        } else {
+            vec![128, 4096]
+        };
+    }
+    if p.rank_counts.is_empty() {
+        p.rank_counts = if p.sweep { vec![2, 4, 8] } else { vec![2] };
+    }
+    p.ranks = std::env::var(RUN_RANKS_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(p.rank_counts[0]);
     if p.backends == ["all"] {
         // Every backend whose layout epcomm implements.
         p.backends = Backend::ALL
@@ -45,7 +67,9 @@ fn params(a: &MoeArgs) -> Result<Params, String> {
             return Err("--backend moonep: MoonEP kernels are not part of epcomm".into());
         }
     }
-    crate::ranks::check_expert_shape(p.experts, p.ranks, p.topk)?;
+    for &r in &p.rank_counts {
+        crate::ranks::check_expert_shape(p.experts, r, p.topk)?;
+    }
     Ok(p)
 }
 
@@ -56,6 +80,16 @@ impl MoeArgs {
             .iter()
             .flat_map(|b| self.tokens.iter().map(move |&t| (b.clone(), t)))
             .collect()
+    }
+
+    /// (warm-up, timed) iterations at `t`: as given, or with `--sweep` fewer at large T so
+    /// that every case moves about as many bytes as T = 256 does (at least 3 timed).
+    fn iters_at(&self, t: usize) -> (usize, usize) {
+        if !self.sweep || t <= 256 {
+            return (self.warmup, self.iters);
+        }
+        let timed = (self.iters * 256 / t).max(3).min(self.iters);
+        (self.warmup.min(1), timed)
     }
 
     fn config(&self, t: usize) -> MoeConfig {
@@ -191,7 +225,8 @@ fn run_case(
     // allocate it): combine then reads it with plain loads.
     let mut y = ExpertOut::Heap(Vec::new());
     let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
-    for it in 0..p.warmup + p.iters {
+    let (warmup, iters) = p.iters_at(t);
+    for it in 0..warmup + iters {
         g.barrier().map_err(|e| e.to_string())?;
         let t0 = Instant::now();
         let bytes = m
@@ -207,7 +242,7 @@ fn run_case(
         m.combine(g, y.bytes(), &mut out)
             .map_err(|e| e.to_string())?;
         let t3 = Instant::now();
-        if it >= p.warmup {
+        if it >= warmup {
             dispatch.push((t1 - t0).as_secs_f64());
             combine.push((t3 - t2).as_secs_f64());
         }
@@ -242,7 +277,7 @@ fn run_case(
     // memcpy of the bytes this rank received in dispatch, in the same run.
     let moved = m.stats().bytes_received.iter().sum::<u64>() as usize;
     drop(m);
-    let copies = time_memcpy(g, moved, p.warmup, p.iters)?;
+    let copies = time_memcpy(g, moved, warmup, iters)?;
     println!(
         "SAMPLE {i} {name} {t} {dedup} {per_expert} {moved} {wrong} {} {} {}",
         encode(&dispatch),
@@ -334,8 +369,8 @@ fn measure(p: &Params, fields: &[Vec<String>]) -> Measured {
 }
 
 /// One table line: the backend left-aligned, the numbers right-aligned.
-fn row_text(cols: [&str; 11]) -> String {
-    let w = [28usize, 6, 12, 12, 12, 10, 10, 11, 11, 10, 7];
+fn row_text(cols: [&str; 12]) -> String {
+    let w = [28usize, 6, 12, 12, 12, 10, 10, 11, 11, 10, 10, 7];
     let mut s = String::new();
     for (i, (c, w)) in cols.iter().zip(w).enumerate() {
         if i == 0 {
@@ -361,8 +396,9 @@ fn print_header(p: &Params) {
         p.ranks
     );
     println!(
-        "# hidden {} {}, {} experts, top-{}, {} routing, {} iterations after {} warm-up; times: median over iterations of the slowest rank",
-        p.hidden, p.kind.name(), p.experts, p.topk, p.routing.name(), p.iters, p.warmup
+        "# hidden {} {}, {} experts, top-{}, {} routing, {} iterations after {} warm-up{}; times: median over iterations of the slowest rank",
+        p.hidden, p.kind.name(), p.experts, p.topk, p.routing.name(), p.iters, p.warmup,
+        if p.sweep { " (at T > 256: iters x 256 / T, at least 3, after at most 1)" } else { "" }
     );
     println!("# size: bytes per rank of dispatch + combine (its rank-deduplicated rows out, the same rows back); time = dispatch + combine");
     println!(
@@ -384,6 +420,7 @@ fn print_header(p: &Params) {
             "algbw(GB/s)",
             "busbw(GB/s)",
             "memcpy(us)",
+            "time/T(us)",
             "#wrong"
         ])
     );
@@ -417,8 +454,6 @@ struct Collector<'a> {
     next: usize,
     rows: Vec<Measured>,
     json: Vec<serde_json::Value>,
-    chart: Vec<crate::plot::Series>,
-    roofline: Vec<(f64, f64)>,
 }
 
 impl Collector<'_> {
@@ -434,8 +469,6 @@ impl Collector<'_> {
             next: 0,
             rows: Vec::new(),
             json: Vec::new(),
-            chart: Vec::new(),
-            roofline: Vec::new(),
         }
     }
 
@@ -508,6 +541,7 @@ impl Collector<'_> {
                 &format!("{algbw:.2}"),
                 &format!("{busbw:.2}"),
                 &us(r.memcpy),
+                &format!("{:.2}", r.pair * 1e6 / r.t.max(1) as f64),
                 &r.wrong.to_string(),
             ]);
             self.bar.suspend(|| {
@@ -515,64 +549,73 @@ impl Collector<'_> {
                 let _ = std::io::stdout().flush();
             });
         }
-        match self.chart.iter_mut().find(|s| s.label == r.name) {
-            Some(s) => s.points.push((r.t as f64, algbw)),
-            None => self.chart.push(crate::plot::Series {
-                label: r.name.clone(),
-                points: vec![(r.t as f64, algbw)],
-                dashed: false,
-            }),
-        }
-        if !self.roofline.iter().any(|x| x.0 == r.t as f64) && r.memcpy > 0.0 {
-            self.roofline
-                .push((r.t as f64, r.size / 2.0 / r.memcpy / 1e9));
-        }
         self.rows.push(r);
     }
 
-    /// The closing lines (or the JSON array), the chart, and the exit code.
-    fn finish(self, svg: Option<&str>, failed_ranks: usize) -> ExitCode {
-        let (p, n) = (self.p, self.p.ranks as f64);
-        let wrong: u64 = self
-            .rows
-            .iter()
-            .map(|r| r.wrong)
-            .fold(0, u64::saturating_add);
-        let n_refused = self.refused.iter().flatten().count();
-        if self.json_out {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&serde_json::Value::Array(self.json))
-                    .unwrap_or_default()
-            );
-        } else {
-            let avg = self
-                .rows
+    /// Hands this run's rows, JSON objects and counts to `sweep`.
+    fn into_sweep(self, sweep: &mut Sweep, failed_ranks: usize) {
+        sweep.cases += self.cases.len();
+        sweep.refused += self.refused.iter().flatten().count();
+        sweep.failed_ranks += failed_ranks;
+        sweep.incomplete |= self.next < self.cases.len();
+        sweep.json.extend(self.json);
+        sweep.runs.push((self.p.ranks, self.rows));
+    }
+}
+
+/// Everything measured over the runs of `--ranks`, one run per R.
+#[derive(Default)]
+struct Sweep {
+    /// Per run: its ranks and its rows.
+    runs: Vec<(usize, Vec<Measured>)>,
+    json: Vec<serde_json::Value>,
+    cases: usize,
+    refused: usize,
+    failed_ranks: usize,
+    /// Some run ended before every case was reported.
+    incomplete: bool,
+}
+
+impl Sweep {
+    /// The closing lines (or the JSON array), the charts, and the exit code.
+    fn finish(self, p: &Params, json_out: bool, svg: Option<&str>) -> ExitCode {
+        let rows = || {
+            self.runs
                 .iter()
-                .map(|r| r.size / r.pair / 1e9 * (n - 1.0) / n)
+                .flat_map(|(n, v)| v.iter().map(|r| (*n, r)))
+        };
+        let wrong = rows().map(|(_, r)| r.wrong).fold(0, u64::saturating_add);
+        let measured = rows().count();
+        if json_out {
+            let all = serde_json::Value::Array(self.json.clone());
+            println!("{}", serde_json::to_string_pretty(&all).unwrap_or_default());
+        } else {
+            let avg = rows()
+                .map(|(n, r)| r.size / r.pair / 1e9 * (n as f64 - 1.0) / n as f64)
                 .sum::<f64>()
-                / self.rows.len().max(1) as f64;
+                / measured.max(1) as f64;
             crate::stats::nccl_summary(wrong, avg);
-            if n_refused > 0 {
+            if self.refused > 0 {
                 println!(
-                    "# {n_refused} of {} cases refused for memory (see stderr)",
-                    self.cases.len()
+                    "# {} of {} cases refused for memory (see stderr)",
+                    self.refused, self.cases
                 );
             }
         }
         if let Some(path) = svg {
-            if let Err(e) = write_chart(p, path, self.chart, self.roofline) {
-                eprintln!("epcomm: cannot write {path}: {e}");
+            if let Err(e) = write_charts(p, path, &self.runs) {
+                eprintln!("epcomm: cannot write the charts at {path}: {e}");
                 return ExitCode::from(1);
             }
         }
-        if failed_ranks > 0 || self.next < self.cases.len() {
-            eprintln!("epcomm: {failed_ranks} benchmark rank(s) failed (their errors are above)");
+        if self.failed_ranks > 0 || self.incomplete {
+            let n = self.failed_ranks;
+            eprintln!("epcomm: {n} benchmark rank(s) failed (their errors are above)");
             ExitCode::from(1)
         } else if wrong > 0 {
             eprintln!("epcomm: {wrong} wrong values in the combined outputs");
             ExitCode::from(1)
-        } else if self.rows.is_empty() {
+        } else if measured == 0 {
             eprintln!("epcomm: every case was refused; nothing was measured");
             ExitCode::from(1)
         } else {
@@ -581,54 +624,91 @@ impl Collector<'_> {
     }
 }
 
-/// The SVG chart: one line per backend, and the memcpy roofline dashed.
-fn write_chart(
-    p: &Params,
-    path: &str,
-    mut chart: Vec<crate::plot::Series>,
-    mut roofline: Vec<(f64, f64)>,
-) -> std::io::Result<()> {
-    roofline.sort_by(|a, b| a.0.total_cmp(&b.0));
-    chart.push(crate::plot::Series {
-        label: "memcpy (same bytes)".into(),
-        points: roofline,
-        dashed: true,
-    });
-    let title = format!(
-        "dispatch+combine, {} ranks, H={} {}, E={}, top-{}, {} routing",
-        p.ranks,
+/// Adds point (x, y) to the series labelled `label`, starting it if new.
+fn add_point(chart: &mut Vec<crate::plot::Series>, label: &str, dashed: bool, x: f64, y: f64) {
+    match chart.iter_mut().find(|s| s.label == label) {
+        Some(s) => s.points.push((x, y)),
+        None => chart.push(crate::plot::Series {
+            label: label.to_owned(),
+            points: vec![(x, y)],
+            dashed,
+        }),
+    }
+}
+
+/// One GB/s chart per run (one line per backend, the memcpy of the same bytes dashed) and
+/// one chart of microseconds per token of every (backend, R) with memcpy's.
+fn write_charts(p: &Params, path: &str, runs: &[(usize, Vec<Measured>)]) -> std::io::Result<()> {
+    let stem = path.strip_suffix(".svg").unwrap_or(path);
+    let shape = format!(
+        "H={} {}, E={}, top-{}, {} routing",
         p.hidden,
         p.kind.name(),
         p.experts,
         p.topk,
         p.routing.name()
     );
-    let svg = crate::plot::line_chart(
-        &title,
+    let mut per_token = Vec::new();
+    for (n, rows) in runs {
+        let (mut chart, mut memcpy) = (Vec::new(), Vec::new());
+        for r in rows {
+            let (t, tag) = (r.t as f64, format!("{}, R={n}", r.name));
+            add_point(&mut chart, &r.name, false, t, r.size / r.pair / 1e9);
+            add_point(&mut per_token, &tag, false, t, r.pair * 1e6 / t);
+            if r.memcpy > 0.0 && !memcpy.iter().any(|&(x, _)| x == t) {
+                // The pair moves the received bytes twice: two copies of them.
+                memcpy.push((t, r.size / 2.0 / r.memcpy / 1e9));
+                add_point(
+                    &mut per_token,
+                    &format!("2 x memcpy, R={n}"),
+                    true,
+                    t,
+                    2.0 * r.memcpy * 1e6 / t,
+                );
+            }
+        }
+        memcpy.sort_by(|a, b| a.0.total_cmp(&b.0));
+        add_point(&mut chart, "memcpy (same bytes)", true, 0.0, 0.0);
+        if let Some(s) = chart.last_mut() {
+            s.points = memcpy;
+        }
+        let file = if runs.len() == 1 {
+            path.to_owned()
+        } else {
+            format!("{stem}-r{n}.svg")
+        };
+        let svg = crate::plot::line_chart(
+            &format!("dispatch+combine, {n} ranks, {shape}"),
+            "tokens per rank (T)",
+            "GB/s per rank (algbw: rank-deduplicated bytes)",
+            &chart,
+        );
+        std::fs::write(file, svg)?;
+    }
+    let svg = crate::plot::line_chart_log_y(
+        &format!("dispatch+combine per token, {shape}"),
         "tokens per rank (T)",
-        "GB/s per rank (algbw: rank-deduplicated bytes)",
-        &chart,
+        "microseconds per token (time / T, log scale)",
+        &per_token,
     );
-    std::fs::write(path, svg)
+    std::fs::write(format!("{stem}-us-per-token.svg"), svg)
 }
 
-/// `epcomm bench moe`.
-pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
-    let p = match crate::ranks::start(params(a), rank_main) {
-        Ok(p) => p,
-        Err(code) => return code,
-    };
-    if !a.json {
-        print_header(&p);
+/// One run of every case on `p.ranks` rank processes, its rows printed as they come.
+fn run_ranks(p: &Params, json_out: bool, sweep: &mut Sweep) {
+    if !json_out {
+        print_header(p);
     }
     let _ = std::io::stdout().flush();
-    let mut c = Collector::new(&p, a.json);
-    let ranks = match crate::ranks::Ranks::spawn(p.ranks, "benchmoe", &[]) {
+    let mut c = Collector::new(p, json_out);
+    let n = p.ranks.to_string();
+    let ranks = match crate::ranks::Ranks::spawn(p.ranks, "benchmoe", &[(RUN_RANKS_ENV, &n)]) {
         Ok(r) => r,
         Err(e) => {
             c.bar.finish_and_clear();
             eprintln!("epcomm: {e}");
-            return ExitCode::from(1);
+            sweep.incomplete = true;
+            return;
         }
     };
     while let Some((rank, line)) = ranks.next_line() {
@@ -640,5 +720,22 @@ pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
         .iter()
         .filter(|s| !s.as_ref().is_ok_and(|s| s.success()))
         .count();
-    c.finish(a.svg.as_deref(), failed_ranks)
+    c.into_sweep(sweep, failed_ranks);
+}
+
+/// `epcomm bench moe`: one run per `--ranks` entry, one table each.
+pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
+    let mut p = match crate::ranks::start(params(a), rank_main) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    let mut sweep = Sweep::default();
+    for (i, n) in p.rank_counts.clone().into_iter().enumerate() {
+        if i > 0 && !a.json {
+            println!();
+        }
+        p.ranks = n;
+        run_ranks(&p, a.json, &mut sweep);
+    }
+    sweep.finish(&p, a.json, a.svg.as_deref())
 }

@@ -224,17 +224,20 @@ pub struct MoeArgs {
         default_value = "deepep_high_throughput"
     )]
     pub backends: Vec<String>,
-    /// Rank processes
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = positive)]
+    /// Rank processes, one run each (comma separated) [default: 2; 2,4,8 with --sweep]
+    #[arg(long = "ranks", value_name = "N", value_delimiter = ',', value_parser = positive)]
+    pub rank_counts: Vec<usize>,
+    /// The ranks of the run in progress (one of --ranks).
+    #[arg(skip)]
     pub ranks: usize,
-    /// Tokens per rank, one case each (comma separated)
-    #[arg(
-        long,
-        value_name = "T",
-        value_delimiter = ',',
-        default_value = "128,4096"
-    )]
+    /// Tokens per rank, one case each (comma separated) [default: 128,4096; 1,2,4,...,8192
+    /// with --sweep]
+    #[arg(long, value_name = "T", value_delimiter = ',')]
     pub tokens: Vec<usize>,
+    /// How cost grows: T = 1, 2, 4, ..., 8192 and R = 2, 4, 8 unless --tokens or --ranks say
+    /// otherwise, with fewer iterations at large T (--iters x 256 / T, at least 3)
+    #[arg(long)]
+    pub sweep: bool,
     /// Hidden size
     #[arg(long, value_name = "H", default_value_t = 7168, value_parser = positive)]
     pub hidden: usize,
@@ -259,7 +262,8 @@ pub struct MoeArgs {
     /// Print one JSON array of the rows instead of the table
     #[arg(long)]
     pub json: bool,
-    /// Also write an SVG chart of bandwidth against T to FILE
+    /// Also write SVG charts to FILE: GB/s against T (one file per R, FILE-rR.svg, when
+    /// --ranks lists several) and microseconds per token against T (FILE-us-per-token.svg)
     #[arg(long, value_name = "FILE")]
     pub svg: Option<String>,
 }

@@ -1,4 +1,5 @@
-//! A dependency-free SVG line chart for the benchmark results (GB/s against T, log-scale x).
+//! A dependency-free SVG line chart for the benchmark results (GB/s or microseconds per token
+//! against T): log-scale x, linear or log-scale y.
 
 use std::fmt::Write;
 
@@ -26,17 +27,20 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// The plot area and its scales: log2 x in `[x0, x1]`, linear y in `[0, ymax]`.
+/// The plot area and its scales: log2 x in `[x0, x1]`; y linear in `[0, ymax]`, or with
+/// `log_y` log10 in `[y0, ymax]` (whole decades).
 struct Frame {
     x0: f64,
     x1: f64,
+    log_y: bool,
+    y0: f64,
     ymax: f64,
     pw: f64,
     ph: f64,
 }
 
 impl Frame {
-    fn new(series: &[Series]) -> Frame {
+    fn new(series: &[Series], log_y: bool) -> Frame {
         let pts = series.iter().flat_map(|s| s.points.iter());
         let xs: Vec<f64> = pts.clone().map(|p| p.0.max(1.0).log2()).collect();
         let (x0, x1) = xs
@@ -49,14 +53,26 @@ impl Frame {
         } else {
             (0.0, x0.max(0.0) + 1.0)
         };
-        let ymax = pts
-            .map(|p| p.1)
-            .filter(|y| y.is_finite())
-            .fold(0.0, f64::max);
-        let ymax = if ymax > 0.0 { ymax * 1.1 } else { 1.0 };
+        let ys: Vec<f64> = pts.map(|p| p.1).filter(|y| y.is_finite()).collect();
+        let (y0, ymax) = if log_y {
+            let logs = ys.iter().filter(|&&y| y > 0.0).map(|y| y.log10());
+            let (lo, hi) = logs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| {
+                (a.min(y), b.max(y))
+            });
+            if lo.is_finite() {
+                (lo.floor(), hi.ceil().max(lo.floor() + 1.0))
+            } else {
+                (0.0, 1.0)
+            }
+        } else {
+            let ymax = ys.iter().copied().fold(0.0, f64::max);
+            (0.0, if ymax > 0.0 { ymax * 1.1 } else { 1.0 })
+        };
         Frame {
             x0,
             x1,
+            log_y,
+            y0,
             ymax,
             pw: W - LEFT - RIGHT,
             ph: H - TOP - BOTTOM,
@@ -68,13 +84,49 @@ impl Frame {
     }
 
     fn py(&self, y: f64) -> f64 {
-        TOP + self.ph - y / self.ymax * self.ph
+        let frac = if self.log_y {
+            (y.max(f64::MIN_POSITIVE).log10() - self.y0) / (self.ymax - self.y0)
+        } else {
+            y / self.ymax
+        };
+        TOP + self.ph - frac.clamp(0.0, 1.0) * self.ph
+    }
+
+    /// A y tick's label: one decimal, or a decade without rounding noise.
+    fn y_text(&self, y: f64) -> String {
+        if !self.log_y {
+            return format!("{y:.1}");
+        }
+        let d = y.log10().round() as i32;
+        format!("{:.*}", (-d).max(0) as usize, y)
+    }
+
+    /// The y grid values: six linear steps, or every decade.
+    fn y_ticks(&self) -> Vec<f64> {
+        if self.log_y {
+            let decades = (self.ymax - self.y0).round() as i32;
+            (0..=decades)
+                .map(|d| 10f64.powf(self.y0 + d as f64))
+                .collect()
+        } else {
+            (0..=5).map(|i| self.ymax * i as f64 / 5.0).collect()
+        }
     }
 }
 
 /// Renders `series` with a log2 x axis (x > 0) and a linear y axis from 0.
 pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
-    let f = Frame::new(series);
+    chart(title, x_label, y_label, series, false)
+}
+
+/// Renders `series` with a log2 x axis and a log10 y axis (y > 0), for values spanning
+/// decades.
+pub fn line_chart_log_y(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
+    chart(title, x_label, y_label, series, true)
+}
+
+fn chart(title: &str, x_label: &str, y_label: &str, series: &[Series], log_y: bool) -> String {
+    let f = Frame::new(series, log_y);
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -98,15 +150,15 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) 
 /// The axes, the y grid and both axes' ticks and labels.
 fn axes(s: &mut String, f: &Frame, x_label: &str, y_label: &str) {
     let (pw, ph) = (f.pw, f.ph);
-    for i in 0..=5 {
-        let y = f.ymax * i as f64 / 5.0;
+    for y in f.y_ticks() {
         let _ = writeln!(
             s,
-            r##"<line x1="{LEFT}" x2="{0}" y1="{1:.1}" y2="{1:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end">{y:.1}</text>"##,
+            r##"<line x1="{LEFT}" x2="{0}" y1="{1:.1}" y2="{1:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end">{4}</text>"##,
             LEFT + pw,
             f.py(y),
             LEFT - 6.0,
-            f.py(y) + 4.0
+            f.py(y) + 4.0,
+            f.y_text(y)
         );
     }
     let mut tick = 2f64.powf(f.x0.floor());
