@@ -547,7 +547,7 @@ fn assert_nccl_table(out: &str, columns: &[&str], data_rows: usize) {
     assert!(avg.parse::<f64>().is_ok_and(|x| x >= 0.0), "{avg}");
 }
 
-const MOE_COLUMNS: [&str; 11] = [
+const MOE_COLUMNS: [&str; 12] = [
     "backend",
     "T",
     "size(B)",
@@ -558,6 +558,7 @@ const MOE_COLUMNS: [&str; 11] = [
     "algbw(GB/s)",
     "busbw(GB/s)",
     "memcpy(us)",
+    "time/T(us)",
     "#wrong",
 ];
 
@@ -700,6 +701,137 @@ fn bench_moe_prints_each_row_as_soon_as_it_is_measured() {
     stdout.read_to_string(&mut rest).expect("read");
     assert!(child.wait().expect("wait").success(), "{rest}");
     assert_eq!(rows(&rest).len(), 1, "{rest}");
+}
+
+/// An SVG chart's polylines, each as its points' count; the document must be one `<svg>`.
+fn svg_lines(path: &std::path::Path) -> (String, Vec<usize>) {
+    let chart = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    assert!(chart.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+    assert!(chart.trim_end().ends_with("</svg>"));
+    assert_eq!(chart.matches("<svg").count(), 1);
+    assert_eq!(chart.matches('<').count(), chart.matches('>').count());
+    let lines = chart
+        .split("<polyline ")
+        .skip(1)
+        .map(|l| {
+            let pts = l.split("points=\"").nth(1).expect("points");
+            let pts = &pts[..pts.find('"').expect("closing quote")];
+            for xy in pts.split(' ') {
+                let (x, y) = xy.split_once(',').expect("x,y");
+                assert!(x.parse::<f64>().is_ok() && y.parse::<f64>().is_ok(), "{xy}");
+            }
+            pts.split(' ').count()
+        })
+        .collect();
+    (chart, lines)
+}
+
+/// How cost grows: one table per R (its header naming R), one row per (R, T) in order, a GB/s
+/// chart per R and one microseconds-per-token chart, every line with one point per T.
+#[test]
+fn bench_moe_sweeps_ranks_and_tokens() {
+    let dir = std::env::temp_dir().join(format!("epcomm-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("cost.svg");
+    let mut args = MOE_SMALL.to_vec();
+    args.extend(["--ranks", "2,4", "--tokens", "1,2,4", "--svg"]);
+    args.push(svg.to_str().unwrap());
+    let o = epcomm(&args);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    assert_eq!(err, "");
+    assert_nccl_table(&out, &MOE_COLUMNS, 6);
+    let titles: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("# epcomm bench moe: "))
+        .collect();
+    let title = |n: usize| {
+        let over = if n > num_cpus() {
+            ", oversubscribed"
+        } else {
+            ""
+        };
+        format!("# epcomm bench moe: dispatch + combine over shared memory, {n} ranks (processes, one per core{over})")
+    };
+    assert_eq!(titles, [title(2), title(4)], "{out}");
+    let heads = out.lines().filter(|l| l.contains("size(B)")).count();
+    assert_eq!(heads, 2, "{out}");
+    // The table of R = 4 follows R = 2's: its rows come after its header.
+    let (r2, r4) = out.split_at(out.find(titles[1]).expect("R = 4 table"));
+    for (text, want) in [(r2, ["1", "2", "4"]), (r4, ["1", "2", "4"])] {
+        let rows = rows(text);
+        let ts: Vec<&str> = rows.iter().map(|r| r[1]).collect();
+        assert_eq!(ts, want, "{text}");
+        assert!(rows.iter().all(|r| r[0] == "deepep_high_throughput"));
+        for r in &rows {
+            // time/T = time / T, as printed (2 decimals of the 1-decimal time).
+            let (time, t, per): (f64, f64, f64) = (
+                r[5].parse().unwrap(),
+                r[1].parse().unwrap(),
+                r[10].parse().unwrap(),
+            );
+            assert!((per - time / t).abs() <= 0.05 / t + 0.006, "{r:?}");
+        }
+    }
+    assert!(
+        r4.contains("with n = 4 ranks (nccl-tests' alltoall)"),
+        "{r4}"
+    );
+    for n in [2, 4] {
+        let (chart, lines) = svg_lines(&dir.join(format!("cost-r{n}.svg")));
+        assert!(chart.contains(&format!("dispatch+combine, {n} ranks, H=64 bfloat16")));
+        assert!(chart.contains(">deepep_high_throughput</text>"));
+        assert!(chart.contains(">memcpy (same bytes)</text>"));
+        assert_eq!(lines, [3, 3], "{chart}");
+    }
+    let (chart, lines) = svg_lines(&dir.join("cost-us-per-token.svg"));
+    for label in [
+        "deepep_high_throughput, R=2",
+        "2 x memcpy, R=2",
+        "deepep_high_throughput, R=4",
+        "2 x memcpy, R=4",
+    ] {
+        assert!(
+            chart.contains(&format!(">{label}</text>")),
+            "{label}: {chart}"
+        );
+    }
+    assert_eq!(lines, [3, 3, 3, 3], "{chart}");
+    assert!(chart.contains("microseconds per token (time / T, log scale)"));
+    assert!(
+        !svg.exists(),
+        "several R: one GB/s file per R, none at FILE itself"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// `--sweep` alone: T = 1, 2, ..., 8192 and R = 2, 4, 8 (read from the JSON of a sweep cut
+/// to its first T by --tokens, which wins over the sweep's default).
+#[test]
+fn bench_moe_sweep_defaults_to_ranks_2_4_8() {
+    let mut args = MOE_SMALL.to_vec();
+    args.extend(["--sweep", "--tokens", "1", "--json"]);
+    let o = epcomm(&args);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_str(&out).expect("one JSON document");
+    let got: Vec<(u64, u64)> = rows
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(|r| (r["ranks"].as_u64().unwrap(), r["tokens"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(got, [(2, 1), (4, 1), (8, 1)]);
 }
 
 /// CI runs every benchmark once on a tiny case (no timing is asserted): the JSON and SVG

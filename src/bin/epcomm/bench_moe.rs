@@ -730,10 +730,7 @@ pub fn cmd_moe(a: &MoeArgs) -> ExitCode {
         Err(code) => return code,
     };
     let mut sweep = Sweep::default();
-    for (i, n) in p.rank_counts.clone().into_iter().enumerate() {
-        if i > 0 && !a.json {
-            println!();
-        }
+    for n in p.rank_counts.clone() {
         p.ranks = n;
         run_ranks(&p, a.json, &mut sweep);
     }
