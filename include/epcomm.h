@@ -276,6 +276,22 @@
 #define EPCOMM_DEVICE_ONEAPI 14
 
 /**
+ * Dispatch the hidden rows as they are (epcomm_moe_config.dispatch_fp8).
+ */
+#define EPCOMM_DISPATCH_FP8_OFF 0
+
+/**
+ * float8_e4m3fn rows, scale = amax / 448 per 128 elements (DeepEP `round_scale=False`).
+ */
+#define EPCOMM_DISPATCH_FP8_E4M3 1
+
+/**
+ * float8_e4m3fn rows, scales rounded up to powers of two (DeepEP `round_scale=True`, vLLM's
+ * UE8M0 dispatch), still delivered as float32.
+ */
+#define EPCOMM_DISPATCH_FP8_E4M3_UE8M0 2
+
+/**
  * `flags` bit of [`epcomm_eplb_rebalance_experts`]: apply vLLM's eplb_state caller rule first —
  * when num_ranks % num_nodes != 0, log "num_gpus % num_nodes != 0, not using hierarchical
  * rearrangement algorithm." once and use one node (without it that case is vLLM's policy
@@ -424,6 +440,13 @@ typedef struct epcomm_moe_config {
    * Multiply each hidden row by its router weight before dispatch (top_k must be 1).
    */
   bool apply_router_weight_on_input;
+  /**
+   * EPCOMM_DISPATCH_FP8_*: quantise the hidden rows to float8_e4m3fn on the sending side,
+   * one float32 scale per 128 elements (DeepEP low-latency's `use_fp8` format); the
+   * dispatch output's hidden is then float8_e4m3fn and epcomm_all2all_dispatch_scales gives
+   * the scales. Needs float hidden rows and hidden_size % 128 == 0. Default OFF.
+   */
+  int64_t dispatch_fp8;
 } epcomm_moe_config;
 
 /**
@@ -955,6 +978,27 @@ void epcomm_all2all_destroy(struct epcomm_all2all *a2a);
  * Pointers are NULL or valid; tensors describe host memory valid for the call.
  */
 int32_t epcomm_all2all_dispatch(struct epcomm_all2all *a2a, const struct epcomm_tensor *hidden, const struct epcomm_tensor *topk_ids, const struct epcomm_tensor *topk_weights, const struct epcomm_tensor *extras, size_t num_extras, struct epcomm_dispatch_output *out);
+
+/**
+ * Changes the FP8 dispatch setting (EPCOMM_DISPATCH_FP8_*) for the next dispatches, as
+ * config->dispatch_fp8 sets it at creation; the last dispatch's outputs become invalid. Every
+ * rank must change it alike before its next dispatch (checked there). Not collective.
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle.
+ */
+int32_t epcomm_all2all_set_dispatch_fp8(const struct epcomm_all2all *a2a, int64_t mode);
+
+/**
+ * The last dispatch's FP8 scales (config->dispatch_fp8 not OFF): float32 with the dispatch
+ * output's hidden shape but hidden_size/128 in the last dimension, scale i of a row covering
+ * its elements [128i, 128i+128) (value = float8 element x scale). An empty [0] view without
+ * FP8 dispatch or before a dispatch. Valid until the handle's next call.
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle; `out` is NULL or writable.
+ */
+int32_t epcomm_all2all_dispatch_scales(const struct epcomm_all2all *a2a, struct epcomm_tensor *out);
 
 /**
  * Brings the expert outputs home and reduces them (collective). `expert_output` has the shape

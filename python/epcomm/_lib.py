@@ -162,6 +162,7 @@ class MoeConfig(ctypes.Structure):
         ("extra_row_bytes", i64p),
         ("num_extras", sz),
         ("apply_router_weight_on_input", ctypes.c_bool),
+        ("dispatch_fp8", i64),
     ]
 
 
@@ -307,6 +308,8 @@ def _signatures() -> dict:
         "epcomm_all2all_destroy": (None, [vp]),
         "epcomm_all2all_dispatch": (i32, [vp, T, T, T, T, sz, P(DispatchOutput)]),
         "epcomm_all2all_combine": (i32, [vp, T, T]),
+        "epcomm_all2all_dispatch_scales": (i32, [vp, P(Tensor)]),
+        "epcomm_all2all_set_dispatch_fp8": (i32, [vp, i64]),
         "epcomm_cuda_caps": (i32, [cp, sz, P(sz)]),
         "epcomm_eplb_rebalance": (
             i32,

@@ -14,7 +14,7 @@ use crate::bytes;
 use crate::dtype::{Code, DType};
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::moe::{self, Manager, MoeConfig};
+use crate::moe::{self, fp8, Manager, MoeConfig};
 use crate::num::FloatKind;
 use crate::select::all2all;
 
@@ -47,6 +47,46 @@ pub struct epcomm_moe_config {
     pub num_extras: usize,
     /// Multiply each hidden row by its router weight before dispatch (top_k must be 1).
     pub apply_router_weight_on_input: bool,
+    /// EPCOMM_DISPATCH_FP8_*: quantise the hidden rows to float8_e4m3fn on the sending side,
+    /// one float32 scale per 128 elements (DeepEP low-latency's `use_fp8` format); the
+    /// dispatch output's hidden is then float8_e4m3fn and epcomm_all2all_dispatch_scales gives
+    /// the scales. Needs float hidden rows and hidden_size % 128 == 0. Default OFF.
+    pub dispatch_fp8: i64,
+}
+
+/// Dispatch the hidden rows as they are (epcomm_moe_config.dispatch_fp8).
+pub const EPCOMM_DISPATCH_FP8_OFF: i64 = 0;
+/// float8_e4m3fn rows, scale = amax / 448 per 128 elements (DeepEP `round_scale=False`).
+pub const EPCOMM_DISPATCH_FP8_E4M3: i64 = 1;
+/// float8_e4m3fn rows, scales rounded up to powers of two (DeepEP `round_scale=True`, vLLM's
+/// UE8M0 dispatch), still delivered as float32.
+pub const EPCOMM_DISPATCH_FP8_E4M3_UE8M0: i64 = 2;
+
+/// The configuration's FP8 dispatch setting (struct_size already checked by config_arg).
+///
+/// # Safety
+/// As config_arg.
+pub(crate) unsafe fn fp8_arg(config: *const epcomm_moe_config) -> Result<Option<fp8::Scales>> {
+    // SAFETY: caller contract.
+    let c = unsafe { config.as_ref() }.ok_or(Error::NullPointer("config"))?;
+    fp8_mode(c.dispatch_fp8).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "config->dispatch_fp8 is {}; expected EPCOMM_DISPATCH_FP8_OFF (0), EPCOMM_DISPATCH_FP8_E4M3 (1) or EPCOMM_DISPATCH_FP8_E4M3_UE8M0 (2)",
+            c.dispatch_fp8
+        ))
+    })
+}
+
+/// An EPCOMM_DISPATCH_FP8_* value.
+fn fp8_mode(mode: i64) -> Result<Option<fp8::Scales>> {
+    match mode {
+        EPCOMM_DISPATCH_FP8_OFF => Ok(None),
+        EPCOMM_DISPATCH_FP8_E4M3 => Ok(Some(fp8::Scales::Exact)),
+        EPCOMM_DISPATCH_FP8_E4M3_UE8M0 => Ok(Some(fp8::Scales::Ue8m0)),
+        v => Err(Error::InvalidArgument(format!(
+            "dispatch_fp8 is {v}; expected EPCOMM_DISPATCH_FP8_OFF (0), EPCOMM_DISPATCH_FP8_E4M3 (1) or EPCOMM_DISPATCH_FP8_E4M3_UE8M0 (2)"
+        ))),
+    }
 }
 
 const BF16: epcomm_dtype = epcomm_dtype {
@@ -77,6 +117,7 @@ pub unsafe extern "C" fn epcomm_moe_config_init(config: *mut epcomm_moe_config) 
             extra_row_bytes: std::ptr::null(),
             num_extras: 0,
             apply_router_weight_on_input: false,
+            dispatch_fp8: EPCOMM_DISPATCH_FP8_OFF,
         };
         Ok(())
     })
@@ -214,8 +255,10 @@ pub unsafe extern "C" fn epcomm_all2all_create(
         let name = unsafe { guard::str_arg(backend, "backend") }?;
         let out = unsafe { guard::out_arg(out, "out") }?;
         let cfg = unsafe { config_arg(config) }?;
+        let fp8 = unsafe { fp8_arg(config) }?;
         let (rank, world) = unsafe { with_group(group, |g| Ok((g.rank(), g.size()))) }?;
-        let mgr = Manager::new(name, cfg, rank, world)?;
+        let mut mgr = Manager::new(name, cfg, rank, world)?;
+        mgr.set_dispatch_fp8(fp8)?;
         let state = State {
             mgr,
             views: OutputViews::default(),
@@ -334,7 +377,7 @@ fn describe(mgr: &Manager, views: &mut OutputViews) -> epcomm_dispatch_output {
         layout: v.layout,
         received_rows: v.received_rows as i64,
         shapes: mgr.output_shapes(),
-        hidden_dtype: mgr.config().hidden_dtype,
+        hidden_dtype: mgr.dispatch_hidden_dtype(),
         offsets_dtype: DType::I64,
         at: OutputAddrs {
             hidden: at(v.hidden.as_ptr()),
@@ -348,6 +391,56 @@ fn describe(mgr: &Manager, views: &mut OutputViews) -> epcomm_dispatch_output {
         },
     };
     views.describe(&parts, &mgr.config().extra_row_bytes, Memory::Host)
+}
+
+/// Changes the FP8 dispatch setting (EPCOMM_DISPATCH_FP8_*) for the next dispatches, as
+/// config->dispatch_fp8 sets it at creation; the last dispatch's outputs become invalid. Every
+/// rank must change it alike before its next dispatch (checked there). Not collective.
+///
+/// # Safety
+/// `a2a` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_set_dispatch_fp8(
+    a2a: *const epcomm_all2all,
+    mode: i64,
+) -> i32 {
+    guard::call(|| {
+        let scales = fp8_mode(mode)?;
+        // SAFETY: caller contract.
+        unsafe { with_manager(a2a, |st, _| st.mgr.set_dispatch_fp8(scales)) }
+    })
+}
+
+/// The last dispatch's FP8 scales (config->dispatch_fp8 not OFF): float32 with the dispatch
+/// output's hidden shape but hidden_size/128 in the last dimension, scale i of a row covering
+/// its elements [128i, 128i+128) (value = float8 element x scale). An empty [0] view without
+/// FP8 dispatch or before a dispatch. Valid until the handle's next call.
+///
+/// # Safety
+/// `a2a` is NULL or a live handle; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_dispatch_scales(
+    a2a: *const epcomm_all2all,
+    out: *mut epcomm_tensor,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        // SAFETY: caller contract.
+        *out = unsafe {
+            with_manager(a2a, |st, _| {
+                let m = &st.mgr;
+                let s = m.dispatch_scales();
+                let mut dims = m.output_shapes().hidden;
+                match dims.last_mut() {
+                    Some(last) if !s.is_empty() => *last = fp8::scale_row_bytes(*last) / 4,
+                    _ => dims = vec![0],
+                }
+                Ok(st.views.host_view(s.as_ptr() as usize, DType::F32, &dims))
+            })
+        }?;
+        Ok(())
+    })
 }
 
 /// Brings the expert outputs home and reduces them (collective). `expert_output` has the shape

@@ -299,6 +299,11 @@ impl OutputViews {
         }
     }
 
+    /// A host view of `dims` at `addr`, valid until the next describe (the FP8 scales).
+    pub(crate) fn host_view(&mut self, addr: usize, dtype: DType, dims: &[usize]) -> epcomm_tensor {
+        self.tensor(addr, dtype, dims, Memory::Host.device())
+    }
+
     /// Describes `p` to C (the earlier output's views become invalid): an output the layout
     /// does not produce is an empty `[0]` view; extra payload i is `hidden`'s rows of
     /// `extra_row_bytes[i]` uint8.
