@@ -8,7 +8,8 @@
 //! test_torch_group.py (`Group.from_torch` over gloo with 2 and 4 ranks in their
 //! own IPC and mount namespaces, against the shm group's results)
 //! and test_vllm.py (`epcomm.vllm`'s all2all manager and EPLB communicator with 2 and 4 ranks
-//! against a plain-torch reference of vLLM's AgRsAll2AllManager).
+//! against a plain-torch reference of vLLM's AgRsAll2AllManager); test_mem.py (zero-copy
+//! views: `Group.alloc` and `All2All.expert_output_buffer`, torch used when importable).
 //! Each script bounds its own multi-process cases; the timeouts here bound whole runs.
 //!
 //! The interpreter is `common::python::env()`'s: `$PYTHON`/python3, or a venv under target/ with
@@ -121,5 +122,12 @@ fn python_group_from_torch() {
 fn python_vllm_integration() {
     if let Some(py) = torch_or_skip("python_vllm_integration") {
         run_package_script(py, "test_vllm.py", Duration::from_secs(300));
+    }
+}
+
+#[test]
+fn python_zero_copy_mem() {
+    if let Some(py) = numpy_or_skip("python_zero_copy_mem") {
+        run_package_script(&py.exe, "test_mem.py", Duration::from_secs(300));
     }
 }

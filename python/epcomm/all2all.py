@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Dict, List, Optional, Sequence
 
-from ._dlpack import Buffer
+from ._dlpack import _DTYPE_NAMES, Buffer
 from ._handle import Handle
 from ._lib import All2AllStats, DispatchOutput, MoeConfig, Tensor, load_library, vp
 from ._tensor import Arg, dtype_struct
@@ -94,6 +94,7 @@ class All2All(Handle):
         self._h = h
         self._group = group  # the group must outlive the manager
         self.num_extras = len(extra_row_bytes)
+        self._expert = (hidden_size, cfg.struct.expert_dtype)  # expert_output_buffer's rows
 
     def dispatch(
         self, hidden: Any, topk_ids: Any, topk_weights: Any,
@@ -156,6 +157,30 @@ class All2All(Handle):
         """Declares a MoE layer's top_k and (physical) num_experts: vLLM's AssertionError for
         flashinfer_nvlink_one_sided when they differ from the manager's, else a ValueError."""
         check(load_library().epcomm_all2all_check_layer(self._h, top_k, num_experts))
+
+    def expert_output_buffer(self) -> Buffer:
+        """The manager's expert-output buffer for the last dispatch ([rows, hidden_size] of
+        expert_dtype, in shared memory the manager owns; contents unspecified): write the
+        experts' outputs into it (``torch.from_dlpack`` views it) and pass it, or that tensor,
+        to ``combine``, whose peers then read it in place (no copy; ``zero_copy_combines``
+        counts them). Valid until the next call of this method or close. Before a dispatch,
+        or on a group without shared memory, an epcomm.Error (a RuntimeError) saying so."""
+        from .group import _mem_lib
+
+        data, rows = vp(), ctypes.c_int64()
+        check(_mem_lib().epcomm_all2all_expert_output_buffer(
+            self._h, ctypes.byref(data), ctypes.byref(rows)))
+        hidden, dt = self._expert
+        name = _DTYPE_NAMES[(dt.code, dt.bits)]
+        return Buffer.view(data.value, (rows.value, hidden), name, self)
+
+    def zero_copy_combines(self) -> int:
+        """How many combines read their expert output in place from ``expert_output_buffer``."""
+        from .group import _mem_lib
+
+        n = ctypes.c_uint64()
+        check(_mem_lib().epcomm_all2all_zero_copy_combines(self._h, ctypes.byref(n)))
+        return n.value
 
     def combine(self, expert_output: Any, out: Any) -> Any:
         """Combines expert outputs (the dispatch output's shape) into `out` ([T, hidden] of

@@ -21,7 +21,8 @@ from ._lib import (
     load_library,
     vp,
 )
-from ._tensor import Arg
+from ._dlpack import Buffer
+from ._tensor import Arg, dtype_name, dtype_struct
 from .errors import InvalidArgumentError, check, make_error
 
 #: send(peer, data): deliver the bytes of ``data`` (a memoryview) to group rank ``peer``.
@@ -45,6 +46,40 @@ def _view(address: Optional[int], nbytes: int) -> memoryview:
     if nbytes == 0 or not address:
         return memoryview(bytearray())
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _mem_lib() -> ctypes.CDLL:
+    """The library with the shared-memory calls' signatures declared."""
+    lib = load_library()
+    if not getattr(lib, "_epcomm_mem_declared", False):
+        P = ctypes.POINTER
+        for name, args in (
+            ("epcomm_mem_alloc", [vp, ctypes.c_size_t, P(vp)]),
+            ("epcomm_mem_free", [vp, vp]),
+            ("epcomm_all2all_expert_output_buffer", [vp, P(vp), P(ctypes.c_int64)]),
+            ("epcomm_all2all_zero_copy_combines", [vp, P(ctypes.c_uint64)]),
+        ):
+            f = getattr(lib, name)
+            f.restype, f.argtypes = i32, args
+        lib._epcomm_mem_declared = True
+    return lib
+
+
+class _SharedMemory:
+    """One epcomm_mem_alloc allocation: freed when the last Buffer or tensor over it dies
+    (each holds this object), so memory in use is never freed; it holds the group open."""
+
+    def __init__(self, group: "Group", nbytes: int):
+        p = vp()
+        group.check(_mem_lib().epcomm_mem_alloc(group.handle, nbytes, ctypes.byref(p)))
+        self.group, self.address = group, p.value
+        group._allocations += 1
+
+    def __del__(self) -> None:
+        g = getattr(self, "group", None)
+        if g is not None and g._h:
+            _mem_lib().epcomm_mem_free(g._h, self.address)
+            g._allocations -= 1
 
 
 class _HostTransport:
@@ -114,6 +149,7 @@ class Group(Handle):
     machines. A context manager; ``close()`` may be called any number of times."""
 
     _DESTROY = "epcomm_group_destroy"
+    _allocations = 0  # live Group.alloc buffers (close refuses to free them under a tensor)
 
     def __init__(
         self, name: str, rank: int, world_size: int, timeout_s: Optional[float] = None
@@ -250,6 +286,40 @@ class Group(Handle):
         s = i32()
         check(load_library().epcomm_group_size(self.handle, ctypes.byref(s)))
         return s.value
+
+    def alloc(self, nbytes_or_shape: Any, dtype: Any = "uint8") -> Buffer:
+        """Shared memory every peer of this group maps (epcomm_mem_alloc): a zeroed Buffer of
+        ``nbytes_or_shape`` bytes (an int; ``dtype`` elements filling them) or of that shape
+        (a sequence) of ``dtype``. ``torch.from_dlpack`` / ``numpy.asarray`` view it without a
+        copy; dispatch and combine given it (or such a tensor) move its rows with plain
+        stores and loads. Not collective. Freed when the Buffer and every tensor made from it
+        are gone; ``close()`` refuses while any is alive. A group without shared memory
+        (host transport, EPCOMM_SHM_DIRECT=0): an epcomm.Error (a RuntimeError)."""
+        name = dtype_name(dtype)
+        size = dtype_struct(dtype).bits // 8
+        if isinstance(nbytes_or_shape, int):
+            if nbytes_or_shape % size:
+                raise InvalidArgumentError(
+                    f"{nbytes_or_shape} bytes is not a whole number of {name} elements", 2)
+            shape: Tuple[int, ...] = (nbytes_or_shape // size,)
+        else:
+            shape = tuple(int(d) for d in nbytes_or_shape)
+        nbytes = size
+        for d in shape:
+            if d < 0:
+                raise InvalidArgumentError(f"shape {shape} has a negative extent", 2)
+            nbytes *= d
+        mem = _SharedMemory(self, nbytes)
+        return Buffer.view(mem.address, shape, name, mem)
+
+    def close(self) -> None:
+        """Releases the handle (idempotent); refused (InvalidArgumentError) while buffers from
+        ``alloc`` are alive, since destroying the group frees their memory."""
+        if self._h and self._allocations:
+            raise InvalidArgumentError(
+                f"the group has {self._allocations} live buffers from Group.alloc; drop them "
+                "(and the tensors made from them) before close()", 2)
+        super().close()
 
     def barrier(self) -> None:
         """Waits for every rank (collective)."""
