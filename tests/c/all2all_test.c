@@ -5,7 +5,8 @@
  * the error paths: MoonEP unavailable, apply_router_weight_on_input with top_k 2, the one-sided
  * manager's heterogeneous-layer assertion, a bad expert id on one rank (both ranks fail, a
  * good dispatch follows), a wrong-shaped combine input on one rank (both ranks fail, a good
- * combine follows), per-peer statistics and buffer sizing. Built as C11 and (with -x c++) as
+ * combine follows), per-peer statistics and buffer sizing; and FP8 dispatch (bf16 rows of
+ * 256 whose float8 codes and power-of-two scales are known exactly) in every layout. Built as C11 and (with -x c++) as
  * C++17, under ASan+UBSan, by tests/c_all2all.rs.
  *
  * Usage: all2all_test GROUP_NAME
@@ -711,6 +712,134 @@ static void test_buffer_bytes(const char *backend) {
     }
 }
 
+/* ---- FP8 dispatch ------------------------------------------------------------------------------ */
+
+#define FP8_H 256
+#define FP8_T 2
+
+/* 2^k for a normal float (no libm). */
+static float pow2f(int k) {
+    uint32_t bits = (uint32_t)(k + 127) << 23;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* e4m3fn code -> value (bias 7, 3 mantissa bits; codes here are finite). */
+static float e4m3_value(uint8_t c) {
+    int e = (c >> 3) & 15, m = c & 7;
+    float v = e == 0 ? (float)m / 512.0f : (1.0f + (float)m / 8.0f) * pow2f(e - 7);
+    return (c & 0x80) ? -v : v;
+}
+
+/* Element j of token t of rank r: an e4m3 code (each block's first element 448), so with
+ * the block's amax 448 * 2^k the quantised code is exactly this and the scale exactly 2^k,
+ * k = 2r + t naming the token. */
+static uint8_t fp8_code(int r, int t, int j) {
+    return (j % 128 == 0) ? 0x7e : (uint8_t)(((j * 5 + t + r) % 0x7e) | ((j & 1) << 7));
+}
+
+static void fp8_input(int r, uint16_t *x, int32_t *ids, float *w) {
+    int t, j;
+    for (t = 0; t < FP8_T; t++) {
+        for (j = 0; j < FP8_H; j++) {
+            float v = e4m3_value(fp8_code(r, t, j)) * pow2f(2 * r + t);
+            uint32_t bits;
+            memcpy(&bits, &v, 4);
+            x[t * FP8_H + j] = (uint16_t)(bits >> 16); /* exact: 4 significant bits */
+        }
+        ids[t * 2] = t;
+        ids[t * 2 + 1] = t + 2;
+        w[t * 2] = w[t * 2 + 1] = 0.5f;
+    }
+}
+
+/* Every row whose scales name a token carries that token's codes; returns the rows matched. */
+static int64_t fp8_check_rows(const dispatch_t *o, const tensor_t *sc) {
+    const uint8_t *q = (const uint8_t *)o->hidden.data;
+    const float *s = (const float *)sc->data;
+    int64_t rows = numel(&o->hidden) / FP8_H, i, matched = 0;
+    int r, t, j;
+    for (i = 0; i < rows; i++) {
+        for (r = 0; r < WORLD; r++) {
+            for (t = 0; t < FP8_T; t++) {
+                int ok = 1;
+                if (s[i * 2] != pow2f(2 * r + t) || s[i * 2 + 1] != s[i * 2]) {
+                    continue;
+                }
+                for (j = 0; j < FP8_H; j++) {
+                    ok = ok && q[i * FP8_H + j] == fp8_code(r, t, j);
+                }
+                if (!ok) {
+                    g_failed++;
+                    printf("FAIL rank %d fp8 row %lld: codes of rank %d token %d differ\n", g_rank,
+                           (long long)i, r, t);
+                }
+                matched++;
+            }
+        }
+    }
+    return matched;
+}
+
+static void test_fp8(group_t *g, int rank, const char *backend, int64_t mode) {
+    moe_config_t c = example_config();
+    uint16_t x[FP8_T * FP8_H];
+    int32_t ids[FP8_T * 2];
+    float w[FP8_T * 2];
+    int64_t xs[2] = {FP8_T, FP8_H}, is[2] = {FP8_T, 2};
+    tensor_t tx, tids, tw, sc;
+    dispatch_t o;
+    stats_t st;
+    a2a_t *a;
+    c.hidden_size = FP8_H;
+    c.hidden_dtype.code = DL_BFLOAT;
+    c.hidden_dtype.bits = 16;
+    c.expert_dtype = c.out_dtype = c.hidden_dtype;
+    c.dispatch_fp8 = mode;
+    fp8_input(rank, x, ids, w);
+    tx = make_tensor(x, DL_BFLOAT, 16, 2, xs);
+    tids = make_tensor(ids, DL_INT, 32, 2, is);
+    tw = make_tensor(w, DL_FLOAT, 32, 2, is);
+    a = create_manager(g, backend, &c);
+    if (a == NULL) {
+        return;
+    }
+    CHECK_ST(epcomm_all2all_dispatch_scales(a, &sc), EPCOMM_OK);
+    CHECK(sc.ndim == 1 && sc.shape[0] == 0);
+    if (CHECK_ST(epcomm_all2all_dispatch(a, &tx, &tids, &tw, NULL, 0, &o), EPCOMM_OK) &&
+        CHECK_ST(epcomm_all2all_dispatch_scales(a, &sc), EPCOMM_OK) &&
+        CHECK_ST(epcomm_all2all_get_stats(a, &st), EPCOMM_OK)) {
+        int64_t dims[4];
+        int i, nd = o.hidden.ndim;
+        uint64_t rows = 0, bytes = 0;
+        for (i = 0; i < nd; i++) {
+            dims[i] = o.hidden.shape[i];
+        }
+        check_view("fp8 hidden", &o.hidden, 10 /* kDLFloat8_e4m3fn */, 8, nd, dims);
+        dims[nd - 1] = FP8_H / 128;
+        check_view("fp8 scales", &sc, DL_FLOAT, 32, nd, dims);
+        for (i = 0; i < WORLD; i++) {
+            rows += st.tokens_received[i];
+            bytes += st.bytes_received[i];
+        }
+        CHECK(rows > 0 && (uint64_t)fp8_check_rows(&o, &sc) == rows);
+        CHECK(bytes == rows * (FP8_H + FP8_H / 128 * 4));
+    }
+    CHECK_ST(epcomm_all2all_set_dispatch_fp8(a, 3), EPCOMM_ERROR_INVALID_ARGUMENT);
+    CHECK_ST(epcomm_all2all_set_dispatch_fp8(a, EPCOMM_DISPATCH_FP8_OFF), EPCOMM_OK);
+    if (CHECK_ST(epcomm_all2all_dispatch(a, &tx, &tids, &tw, NULL, 0, &o), EPCOMM_OK)) {
+        CHECK(o.hidden.dtype.code == DL_BFLOAT && o.hidden.dtype.bits == 16);
+        CHECK_ST(epcomm_all2all_dispatch_scales(a, &sc), EPCOMM_OK);
+        CHECK(sc.ndim == 1 && sc.shape[0] == 0);
+    }
+    epcomm_all2all_destroy(a);
+    c.dispatch_fp8 = 7;
+    a = NULL;
+    CHECK_ST(epcomm_all2all_create(g, backend, &c, &a), EPCOMM_ERROR_INVALID_ARGUMENT);
+    CHECK(a == NULL);
+}
+
 /* ---- one rank ---------------------------------------------------------------------------------- */
 
 static const char *const BACKENDS[5] = {
@@ -748,6 +877,8 @@ static int child_main(const char *name, int rank) {
         CHECK(layout == LAYOUTS[i]);
         test_example(g, rank, BACKENDS[i], LAYOUTS[i]);
         test_buffer_bytes(BACKENDS[i]);
+        test_fp8(g, rank, BACKENDS[i], EPCOMM_DISPATCH_FP8_E4M3);
+        test_fp8(g, rank, BACKENDS[i], EPCOMM_DISPATCH_FP8_E4M3_UE8M0);
         CHECK_ST(epcomm_group_barrier(g), EPCOMM_OK);
     }
     test_create_errors(g);
