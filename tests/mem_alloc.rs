@@ -251,3 +251,68 @@ fn mem_alloc_without_windows_is_unavailable() {
         assert!(g.alloc_shared(64).unwrap().is_none());
     });
 }
+
+/// Freeing while another thread's call on the group is in flight (a barrier rank 1 has not
+/// reached: it could be a combine reading the memory) is refused, and the memory stays valid.
+#[test]
+fn mem_free_during_a_call_is_refused() {
+    let name = ranks::unique("zm", "busy");
+    let cname = std::ffi::CString::new(name.clone()).unwrap();
+    let join = |rank: i32| {
+        let cname = cname.clone();
+        std::thread::spawn(move || {
+            let mut g = ptr::null_mut();
+            let rc =
+                unsafe { epcomm_group_create_shm(cname.as_ptr(), rank, 2, ptr::null(), &mut g) };
+            assert_eq!(rc, 0, "{}", last_error());
+            g as usize
+        })
+    };
+    let (j0, j1) = (join(0), join(1));
+    let (g0, g1) = (j0.join().unwrap(), j1.join().unwrap());
+    let mut p: *mut c_void = ptr::null_mut();
+    assert_eq!(
+        unsafe { epcomm_mem_alloc(g0 as *mut epcomm_group, 256, &mut p) },
+        0
+    );
+    let (tx, rx) = std::sync::mpsc::channel();
+    let in_call = std::thread::spawn(move || {
+        tx.send(()).unwrap();
+        unsafe { epcomm::ffi::group::epcomm_group_barrier(g0 as *mut epcomm_group) }
+    });
+    rx.recv().unwrap();
+    // Until the free is refused, the barrier may not have taken the handle yet.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let rc = loop {
+        let rc = unsafe { epcomm_mem_free(g0 as *mut epcomm_group, p) };
+        if rc != 0 || in_call.is_finished() || std::time::Instant::now() > deadline {
+            break rc;
+        }
+        // Freed before the barrier took the handle: allocate again and retry.
+        assert_eq!(
+            unsafe { epcomm_mem_alloc(g0 as *mut epcomm_group, 256, &mut p) },
+            0
+        );
+    };
+    if in_call.is_finished() {
+        let rc = in_call.join().unwrap();
+        panic!("the barrier returned {rc} early: {}", last_error());
+    }
+    assert_eq!(rc, 9);
+    assert_eq!(
+        last_error(),
+        "the group handle is in use by another thread; use a group from one thread at a time"
+    );
+    unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), 256).fill(1) };
+    assert_eq!(
+        unsafe { epcomm::ffi::group::epcomm_group_barrier(g1 as *mut epcomm_group) },
+        0
+    );
+    assert_eq!(in_call.join().unwrap(), 0);
+    assert_eq!(unsafe { epcomm_mem_free(g0 as *mut epcomm_group, p) }, 0);
+    unsafe {
+        epcomm_group_destroy(g0 as *mut epcomm_group);
+        epcomm_group_destroy(g1 as *mut epcomm_group);
+    }
+    assert!(ranks::shm_leftovers(&name).is_empty());
+}
