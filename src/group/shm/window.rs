@@ -14,6 +14,12 @@
 //! its take lists, and only the rows the owner's list for that peer names (distinct rows: the
 //! owner offers the window only then); a peer reads it only during a `reduce_rows` op in which
 //! the owner passed it as the source. Both end before the op commits (every rank consumed it).
+//!
+//! Allocation is per rank, never collective: a peer maps a window only when an op offers it,
+//! so sizes and counts may differ between ranks. Callers outside Rust get windows through
+//! `epcomm_mem_alloc` (the group handle keeps them until `epcomm_mem_free` or its destroy) and
+//! the MoE manager's expert-output buffer (`epcomm_all2all_expert_output_buffer`); a peer
+//! keeps a freed window mapped for at most [`IDLE_OPS`] more ops of the group.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
