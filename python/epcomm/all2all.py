@@ -58,6 +58,19 @@ def buffer_bytes(backend: str, num_experts: int, top_k: int, hidden_size: int,
     return n.value
 
 
+# epcomm_moe_config.dispatch_fp8 values (EPCOMM_DISPATCH_FP8_*) by the names dispatch_fp8=
+# and dispatch(..., fp8=) accept.
+_FP8_MODES = {False: 0, "off": 0, True: 1, "e4m3": 1, "ue8m0": 2, "e4m3_ue8m0": 2}
+
+
+def _fp8_mode(v: Any) -> int:
+    try:
+        return _FP8_MODES[v]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"fp8 must be False/'off', True/'e4m3' or 'ue8m0'/'e4m3_ue8m0', not {v!r}") from None
+
+
 class All2All(Handle):
     """A MoE dispatch/combine manager for a vLLM all2all backend name over ``group``. Dtypes
     are names ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", ...), torch dtypes or
@@ -79,12 +92,16 @@ class All2All(Handle):
         num_redundant_experts: int = 0,
         apply_router_weight_on_input: bool = False,
         extra_row_bytes: Sequence[int] = (),
+        dispatch_fp8: Any = False,
     ):
         lib = load_library()
         self._h = vp()
         cfg = _Config(num_experts, top_k, hidden_size, dtype, expert_dtype, out_dtype,
                       max_tokens_per_rank, num_redundant_experts,
                       apply_router_weight_on_input, extra_row_bytes)
+        # FP8 dispatch: float8_e4m3fn rows, one float32 scale per 128 elements (DeepEP
+        # low-latency's use_fp8 format; "ue8m0": power-of-two scales).
+        self._fp8 = cfg.struct.dispatch_fp8 = _fp8_mode(dispatch_fp8)
         h = vp()
         group.check(
             lib.epcomm_all2all_create(
@@ -98,14 +115,19 @@ class All2All(Handle):
 
     def dispatch(
         self, hidden: Any, topk_ids: Any, topk_weights: Any,
-        extras: Optional[Sequence[Any]] = None, views: bool = True,
+        extras: Optional[Sequence[Any]] = None, views: bool = True, fp8: Any = None,
     ) -> Dict[str, Any]:
         """Dispatches this rank's tokens (collective); returns a dict of the layout's outputs,
         with "layout", "received_rows" and "extras" (one per extra payload, uint8 rows laid out
         like "hidden"): ``Buffer``s over the manager's memory, valid until the next dispatch or
         close (``torch.from_dlpack``, ``numpy.from_dlpack`` and ``numpy.asarray`` view them
         without a copy), or with ``views=False`` numpy copies. ``extras`` are this rank's
-        [T, extra_row_bytes[i]] payloads (any dtype of that many bytes per row)."""
+        [T, extra_row_bytes[i]] payloads (any dtype of that many bytes per row).
+
+        With FP8 dispatch (``fp8=True``/"e4m3" or "ue8m0" here, from this call on, or
+        ``dispatch_fp8=`` at creation; every rank alike) the rows travel quantised on the
+        sending side: "hidden" holds float8_e4m3fn bits as uint8 (``.view(torch.float8_e4m3fn)``)
+        and "scales" float32 [rows..., hidden_size/128], value = element x scale."""
         lib = load_library()
         out = DispatchOutput()
         try:
@@ -115,11 +137,20 @@ class All2All(Handle):
                 Arg(topk_weights, "topk_weights"),
             ]
             ex = [Arg(e, f"extras[{i}]") for i, e in enumerate(extras or ())]
+            mode = self._fp8 if fp8 is None else _fp8_mode(fp8)
         except (TypeError, ValueError):
             # The peers are already in this dispatch: a call the library rejects (no tensors)
             # tells them at once instead of leaving them to time out.
             lib.epcomm_all2all_dispatch(self._h, None, None, None, None, 0, ctypes.byref(out))
             raise
+        if mode != self._fp8:
+            try:
+                check(lib.epcomm_all2all_set_dispatch_fp8(self._h, mode))
+            except Exception:
+                # As above: the peers are already in this dispatch.
+                lib.epcomm_all2all_dispatch(self._h, None, None, None, None, 0, ctypes.byref(out))
+                raise
+            self._fp8 = mode
         c_ex = (Tensor * max(len(ex), 1))(*[a.ptr.contents for a in ex])
         self._group.check(
             lib.epcomm_all2all_dispatch(
@@ -131,7 +162,18 @@ class All2All(Handle):
 
     def _outputs(self, out: DispatchOutput, views: bool) -> Dict[str, Any]:
         wrap = (lambda t: Buffer(t, self)) if views else (lambda t: Buffer(t, self).numpy())
-        result: Dict[str, Any] = {name: wrap(getattr(out, name)) for name in OUTPUT_TENSORS}
+        result: Dict[str, Any] = {
+            name: wrap(getattr(out, name)) for name in OUTPUT_TENSORS
+            if not (self._fp8 and name == "hidden")
+        }
+        if self._fp8:
+            h = out.hidden
+            shape = [h.shape[i] for i in range(h.ndim)]
+            q = Buffer.view(h.data, shape, "uint8", self)  # float8_e4m3fn bits
+            result["hidden"] = q if views else q.numpy()
+            sc = Tensor()
+            check(load_library().epcomm_all2all_dispatch_scales(self._h, ctypes.byref(sc)))
+            result["scales"] = wrap(sc)
         result["layout"] = out.layout
         result["received_rows"] = out.received_rows
         extras = ctypes.cast(out.extras, ctypes.POINTER(Tensor))

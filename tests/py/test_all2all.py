@@ -61,6 +61,7 @@ class MoeConfig(ctypes.Structure):
         ("extra_row_bytes", ctypes.POINTER(ctypes.c_int64)),
         ("num_extras", ctypes.c_size_t),
         ("apply_router_weight_on_input", ctypes.c_bool),
+        ("dispatch_fp8", ctypes.c_int64),
     ]
 
 
@@ -610,6 +611,65 @@ def pkg_inputs_rank(rank, name):
     return results
 
 
+# ---- FP8 dispatch through the package -----------------------------------------------------------
+
+FP8_H, FP8_T = 256, 2
+FP8_BACKENDS = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency",
+                "deepep_v2", "flashinfer_nvlink_two_sided")
+
+
+def e4m3_value(c):
+    """float8_e4m3fn code -> value (bias 7, 3 mantissa bits; finite codes)."""
+    e, m = (c >> 3) & 15, c & 7
+    v = m / 512.0 if e == 0 else (1 + m / 8.0) * 2.0 ** (e - 7)
+    return -v if c & 0x80 else v
+
+
+def fp8_codes(rank, t):
+    """Token t of rank r: e4m3 codes, each 128-block starting with 448, so with the block's
+    amax 448 * 2^(2r+t) the quantised codes are these and the scale exactly 2^(2r+t)."""
+    return [0x7E if j % 128 == 0 else ((j * 5 + t + rank) % 0x7E) | ((j & 1) << 7)
+            for j in range(FP8_H)]
+
+
+def fp8_rank(rank, name, backend):
+    x = np.array([[e4m3_value(c) * 2.0 ** (2 * rank + t) for c in fp8_codes(rank, t)]
+                  for t in range(FP8_T)], np.float32)
+    ids = np.array([[t, t + 2] for t in range(FP8_T)], np.int32)
+    w = np.full((FP8_T, 2), 0.5, np.float32)
+    known = {2.0 ** (2 * r + t): fp8_codes(r, t) for r in range(EX_WORLD) for t in range(FP8_T)}
+    report = {}
+    with epcomm.Group(name, rank, EX_WORLD, timeout_s=20) as g:
+        m = epcomm.All2All(g, backend, num_experts=4, top_k=2, hidden_size=FP8_H,
+                           dtype="float32", max_tokens_per_rank=3, dispatch_fp8=True)
+        try:
+            for case, fp8 in (("created", None), ("ue8m0", "ue8m0")):
+                v = m.dispatch(x, ids, w, views=False, fp8=fp8)
+                q, sc = v["hidden"], v["scales"]
+                rows = q.reshape(-1, FP8_H)
+                scales = sc.reshape(-1, FP8_H // 128)
+                matched = [rows[i].tolist() == known[scales[i][0]]
+                           for i in range(len(rows)) if scales[i][0] in known]
+                st = m.stats()
+                received = int(np.asarray(st["tokens_received"]).sum())
+                report[case] = {
+                    "dtypes": (str(q.dtype), str(sc.dtype)),
+                    "shapes": (list(q.shape), list(sc.shape)),
+                    "matched": (len(matched), all(matched), received),
+                    "bytes": int(np.asarray(st["bytes_received"]).sum()),
+                }
+            v = m.dispatch(x, ids, w, views=False, fp8=False)
+            report["off"] = (str(v["hidden"].dtype), "scales" in v)
+            try:
+                m.dispatch(x, ids, w, fp8="e5m2" if rank == 1 else None)
+                report["bad"] = None
+            except Exception as e:  # the class and message are what the test checks
+                report["bad"] = (type(e).__name__, str(e))
+        finally:
+            m.close()
+    return report
+
+
 # ---- tests ----------------------------------------------------------------------------------
 
 
@@ -829,6 +889,40 @@ class PackageCombineTest(unittest.TestCase):
         self.assertEqual(leftovers, [], "group left shared memory behind")
         for rank in range(EX_WORLD):
             self.assertEqual(r[rank], [pkg_expected(rank).tolist()] * 3, rank)
+
+
+class Fp8DispatchTest(unittest.TestCase):
+    """All2All(..., dispatch_fp8=True) and dispatch(..., fp8=) on two process ranks in every
+    layout: float8_e4m3fn bits (uint8) and float32 scales [rows..., H/128], every received row's
+    codes exact, H + H/32 bytes per row; fp8=False goes back to float32; a bad fp8 value is a
+    ValueError on its rank and fails the peer's dispatch at once."""
+
+    def test_every_layout(self):
+        for backend in FP8_BACKENDS:
+            name = unique_name(NAME_PREFIX, "f8")
+            try:
+                r = run_ranks(fp8_rank, range(EX_WORLD), (name, backend))
+            finally:
+                leftovers = shm_leftovers(name)
+            self.assertEqual(leftovers, [], "group left shared memory behind")
+            for rank in range(EX_WORLD):
+                rep = r[rank]
+                for case in ("created", "ue8m0"):
+                    got = rep[case]
+                    at = (backend, rank, case)
+                    self.assertEqual(got["dtypes"], ("uint8", "float32"), at)
+                    qs, ss = got["shapes"]
+                    self.assertEqual(ss, qs[:-1] + [FP8_H // 128], at)
+                    n, ok, received = got["matched"]
+                    self.assertTrue(received > 0 and n == received and ok, (at, got))
+                    self.assertEqual(got["bytes"], received * (FP8_H + FP8_H // 32), at)
+                self.assertEqual(rep["off"], ("float32", False), backend)
+            self.assertEqual(r[1]["bad"], (
+                "ValueError",
+                "fp8 must be False/'off', True/'e4m3' or 'ue8m0'/'e4m3_ue8m0', not 'e5m2'"))
+            self.assertEqual(r[0]["bad"], ("ValueError", "dispatch: rank 1 rejected its input "
+                                            "(see that rank's error); no data was exchanged"),
+                             backend)
 
 
 if __name__ == "__main__":
