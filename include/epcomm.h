@@ -1820,8 +1820,8 @@ int32_t epcomm_set_log_level(int32_t level);
 int32_t epcomm_mem_alloc(struct epcomm_group *group, size_t bytes, void **ptr_out);
 
 /**
- * Frees memory from epcomm_mem_alloc on this group (NULL is a no-op); peers unmap it after a
- * few ops. Errors, freeing nothing: a pointer that is not the start of a live allocation of
+ * Frees memory from epcomm_mem_alloc on this group (NULL is a no-op); a peer that mapped it
+ * releases its mapping when it maps other windows or leaves the group. Errors, freeing nothing: a pointer that is not the start of a live allocation of
  * this group (freed already, from another group, or inside one) is
  * EPCOMM_ERROR_INVALID_ARGUMENT; a call while another thread's call on the group is in flight
  * (which may be using the memory) is EPCOMM_ERROR_INVALID_STATE. Tensors in the memory must

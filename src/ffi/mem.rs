@@ -64,8 +64,8 @@ fn lock_mem(h: &epcomm_group) -> std::sync::MutexGuard<'_, Vec<crate::group::Sha
     h.mem.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Frees memory from epcomm_mem_alloc on this group (NULL is a no-op); peers unmap it after a
-/// few ops. Errors, freeing nothing: a pointer that is not the start of a live allocation of
+/// Frees memory from epcomm_mem_alloc on this group (NULL is a no-op); a peer that mapped it
+/// releases its mapping when it maps other windows or leaves the group. Errors, freeing nothing: a pointer that is not the start of a live allocation of
 /// this group (freed already, from another group, or inside one) is
 /// EPCOMM_ERROR_INVALID_ARGUMENT; a call while another thread's call on the group is in flight
 /// (which may be using the memory) is EPCOMM_ERROR_INVALID_STATE. Tensors in the memory must

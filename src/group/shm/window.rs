@@ -18,8 +18,10 @@
 //! Allocation is per rank, never collective: a peer maps a window only when an op offers it,
 //! so sizes and counts may differ between ranks. Callers outside Rust get windows through
 //! `epcomm_mem_alloc` (the group handle keeps them until `epcomm_mem_free` or its destroy) and
-//! the MoE manager's expert-output buffer (`epcomm_all2all_expert_output_buffer`); a peer
-//! keeps a freed window mapped for at most [`IDLE_OPS`] more ops of the group.
+//! the MoE manager's expert-output buffer (`epcomm_all2all_expert_output_buffer`). A peer that
+//! mapped a window its owner freed keeps the mapping (so its memory is not yet returned) until
+//! it maps another window after [`IDLE_OPS`] ops, holds [`MAPPED_PER_PEER`] newer ones of that
+//! owner, or leaves the group; it never touches the freed window again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
