@@ -1821,11 +1821,11 @@ int32_t epcomm_mem_alloc(struct epcomm_group *group, size_t bytes, void **ptr_ou
 
 /**
  * Frees memory from epcomm_mem_alloc on this group (NULL is a no-op); a peer that mapped it
- * releases its mapping when it maps other windows or leaves the group. Errors, freeing nothing: a pointer that is not the start of a live allocation of
- * this group (freed already, from another group, or inside one) is
- * EPCOMM_ERROR_INVALID_ARGUMENT; a call while another thread's call on the group is in flight
- * (which may be using the memory) is EPCOMM_ERROR_INVALID_STATE. Tensors in the memory must
- * not be used afterwards.
+ * releases its mapping when it maps other windows or leaves the group. Errors, freeing
+ * nothing: a pointer that is not the start of a live allocation of this group (freed
+ * already, from another group, or inside one) is EPCOMM_ERROR_INVALID_ARGUMENT; a call while
+ * another thread's call on the group is in flight (which may be using the memory) is
+ * EPCOMM_ERROR_INVALID_STATE. Tensors in the memory must not be used afterwards.
  *
  * # Safety
  * `group` is NULL or a live handle.
