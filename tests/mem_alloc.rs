@@ -1,7 +1,7 @@
 //! Zero-copy views: the manager's expert-output buffer (a window of the group's shared memory)
 //! and caller memory from epcomm_mem_alloc. Combine from either gives exactly the bytes of
-//! combine from a private copy, for every backend's layout on 2 and 4 thread ranks and 2
-//! process ranks; the manager counts each combine that read its buffer in place; every misuse
+//! combine from a private copy, for every backend's layout on 2 and 4 thread ranks and 2 and
+//! 4 process ranks; the manager counts each combine that read its buffer in place; every misuse
 //! of the C calls is an error code with its message; nothing is left in /dev/shm.
 
 mod ranks;
@@ -134,25 +134,34 @@ fn zero_copy_matches_copying_on_4_thread_ranks() {
     thread_case(4);
 }
 
-/// One rank process of [`zero_copy_matches_copying_on_process_ranks`].
+/// One rank process of [`zero_copy_matches_copying_on_2_process_ranks`] and the 4-rank case.
 #[test]
 fn zero_copy_rank_child() {
-    let (Ok(name), Ok(rank)) = (std::env::var("ZC_GROUP"), std::env::var("ZC_RANK")) else {
+    let (Ok(name), Ok(rank), Ok(world)) = (
+        std::env::var("ZC_GROUP"),
+        std::env::var("ZC_RANK"),
+        std::env::var("ZC_WORLD"),
+    ) else {
         return;
     };
-    let rank: usize = rank.parse().unwrap();
-    let mut g = ShmGroup::join(&name, rank, 2, opts()).unwrap();
-    let counts: Vec<u64> = backends().map(|b| zero_copy_round(&mut g, b, 2)).collect();
+    let (rank, world): (usize, usize) = (rank.parse().unwrap(), world.parse().unwrap());
+    let mut g = ShmGroup::join(&name, rank, world, opts()).unwrap();
+    let counts: Vec<u64> = backends()
+        .map(|b| zero_copy_round(&mut g, b, world))
+        .collect();
     assert!(counts.iter().all(|&n| n == 2), "{counts:?}");
     g.barrier().unwrap();
     println!("ZC_OK");
 }
 
-#[test]
-fn zero_copy_matches_copying_on_process_ranks() {
+fn process_case(world: usize) {
     let name = ranks::unique("zp", "procs");
-    let kids = ranks::spawn_ranks("zero_copy_rank_child", 0..2, |r| {
-        vec![("ZC_GROUP", name.clone()), ("ZC_RANK", r.to_string())]
+    let kids = ranks::spawn_ranks("zero_copy_rank_child", 0..world, |r| {
+        vec![
+            ("ZC_GROUP", name.clone()),
+            ("ZC_RANK", r.to_string()),
+            ("ZC_WORLD", world.to_string()),
+        ]
     });
     let done = ranks::wait_all(kids, Duration::from_secs(120));
     ranks::assert_all_ok(&done);
@@ -160,6 +169,16 @@ fn zero_copy_matches_copying_on_process_ranks() {
         assert!(d.stdout.contains("ZC_OK"), "{}", d.output());
     }
     assert!(ranks::shm_leftovers(&name).is_empty());
+}
+
+#[test]
+fn zero_copy_matches_copying_on_2_process_ranks() {
+    process_case(2);
+}
+
+#[test]
+fn zero_copy_matches_copying_on_4_process_ranks() {
+    process_case(4);
 }
 
 /// Before a dispatch there is no expert-output buffer and no in-place combine.
