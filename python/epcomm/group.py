@@ -77,9 +77,14 @@ class _SharedMemory:
 
     def __del__(self) -> None:
         g = getattr(self, "group", None)
-        if g is not None and g._h:
-            _mem_lib().epcomm_mem_free(g._h, self.address)
-            g._allocations -= 1
+        if g is None:
+            return
+        g._allocations -= 1
+        try:
+            if g._h:
+                _mem_lib().epcomm_mem_free(g._h, self.address)
+        except Exception:  # noqa: BLE001 -- at interpreter exit the library may be gone
+            pass
 
 
 class _HostTransport:
