@@ -9,7 +9,7 @@
 //! own IPC and mount namespaces, against the shm group's results)
 //! and test_vllm.py (`epcomm.vllm`'s all2all manager and EPLB communicator with 2 and 4 ranks
 //! against a plain-torch reference of vLLM's AgRsAll2AllManager); test_mem.py (zero-copy
-//! views: `Group.alloc` and `All2All.expert_output_buffer`, torch used when importable).
+//! views: `Group.alloc` and `All2All.expert_output_buffer`, with torch).
 //! Each script bounds its own multi-process cases; the timeouts here bound whole runs.
 //!
 //! The interpreter is `common::python::env()`'s: `$PYTHON`/python3, or a venv under target/ with
@@ -127,7 +127,7 @@ fn python_vllm_integration() {
 
 #[test]
 fn python_zero_copy_mem() {
-    if let Some(py) = numpy_or_skip("python_zero_copy_mem") {
-        run_package_script(&py.exe, "test_mem.py", Duration::from_secs(300));
+    if let Some(py) = torch_or_skip("python_zero_copy_mem") {
+        run_package_script(py, "test_mem.py", Duration::from_secs(300));
     }
 }

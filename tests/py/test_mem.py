@@ -7,8 +7,8 @@ message; nothing is left in /dev/shm.
 
     PYTHONPATH=python EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_mem.py -v
 
-numpy is required; torch is used when importable (EPCOMM_REQUIRE_TORCH=1 makes its absence a
-failure).
+numpy is required; torch is used when importable (tests/python.rs runs this with torch; without
+it the torch paths are left out, and EPCOMM_REQUIRE_TORCH=1 makes its absence a failure).
 """
 
 import gc
