@@ -262,8 +262,8 @@ pub struct MoeArgs {
     /// Print one JSON array of the rows instead of the table
     #[arg(long)]
     pub json: bool,
-    /// Also write SVG charts to FILE: GB/s against T (one file per R, FILE-rR.svg, when
-    /// --ranks lists several) and microseconds per token against T (FILE-us-per-token.svg)
+    /// Also write SVG charts: GB/s against T to FILE (to STEM-rR.svg per R when --ranks lists
+    /// several, STEM being FILE less .svg) and microseconds per token to STEM-us-per-token.svg
     #[arg(long, value_name = "FILE")]
     pub svg: Option<String>,
 }
