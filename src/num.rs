@@ -81,28 +81,21 @@ pub fn e4m3fn_to_f32(b: u8) -> f32 {
 
 /// f32 → float8 e4m3fn bits, round to nearest even, saturating (CUDA's `__NV_SATFINITE`, as
 /// DeepEP's cast): |x| ≥ 448 (infinity included) gives ±448, NaN gives NaN (`0x7f`, signed).
+/// Integer-only selects, no branches, so the quantisation loops vectorize.
 #[inline]
 pub fn f32_to_e4m3fn(f: f32) -> u8 {
     let bits = f.to_bits();
-    let sign = ((bits >> 24) & 0x80) as u8;
-    let a = f.abs();
-    if a.is_nan() {
-        return sign | 0x7f;
-    }
-    if a >= 448.0 {
-        return sign | 0x7e;
-    }
-    if a < 1.0 / 64.0 {
-        // Subnormal range: multiples of 2^-9 (scaling by 512 is exact); code 8 is 2^-6.
-        return sign | (a * 512.0).round_ties_even() as u8;
-    }
-    let abits = a.to_bits();
-    let exp = (abits >> 23) as i32 - 127;
-    let (man, rem) = ((abits >> 20) & 7, abits & 0xf_ffff);
-    let up = u32::from(rem > 0x8_0000 || (rem == 0x8_0000 && man & 1 == 1));
-    // A carry out of the mantissa moves into the exponent, which is the right code.
-    let code = (((exp + 7) as u32) << 3) + man + up;
-    sign | code.min(0x7e) as u8
+    let sign = (bits >> 24) & 0x80;
+    let abits = bits & 0x7fff_ffff;
+    // Normal range: drop 20 mantissa bits rounding to nearest even, rebias 127 → 7.
+    let rounded = abits.wrapping_add(0x7_ffff + ((abits >> 20) & 1)) >> 20;
+    let normal = rounded.wrapping_sub(120 << 3).min(0x7e);
+    // Below 2^-6 the codes are multiples of 2^-9: adding 2^14 (whose ulp is 2^-9) rounds to
+    // nearest even in the FPU and leaves the code in the low mantissa bits.
+    let sub = (f32::from_bits(abits) + 16384.0).to_bits() - 16384f32.to_bits();
+    let code = if abits < 0x3c80_0000 { sub } else { normal };
+    let code = if abits > 0x7f80_0000 { 0x7f } else { code };
+    (sign | code) as u8
 }
 
 /// IEEE binary16 bits → f32 (exact).

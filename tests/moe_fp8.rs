@@ -310,7 +310,9 @@ fn tokens(r: usize, world: usize) -> (Vec<u8>, Vec<i64>, Vec<f32>, usize) {
     let vals: Vec<f32> = (0..t * H)
         .map(|i| unit(r as u64 + 1, i as u64) * 2f32.powi((i / 128 % 7) as i32 - 3))
         .collect();
-    let ids: Vec<i64> = (0..t * 3).map(|i| ((i * 7 + r * 5) % (4 * world)) as i64).collect();
+    let ids: Vec<i64> = (0..t * 3)
+        .map(|i| ((i * 7 + r * 5) % (4 * world)) as i64)
+        .collect();
     let ids = ids
         .chunks(3)
         .flat_map(|p| {
@@ -455,4 +457,86 @@ fn fp8_dispatch_needs_hidden_a_multiple_of_128() {
         "DeepEP kernels quantize the inputs in blocks of shape 128 (hidden_size 200 is not a multiple of 128)"
     );
     assert_eq!(m.dispatch_fp8(), None);
+}
+
+// ---- measurement ------------------------------------------------------------------------------
+
+/// Dispatch time and bytes, bf16 vs FP8 in the same run (interleaved), 2 thread ranks,
+/// H=7168, E=256, K=8, uniform routing; and the quantisation alone. Run with
+/// `cargo test --release --test moe_fp8 -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn measure_fp8_dispatch_against_bf16() {
+    for (name, t) in [
+        ("deepep_high_throughput", 128),
+        ("deepep_high_throughput", 4096),
+        ("deepep_low_latency", 128),
+    ] {
+        let res = on_ranks(2, move |r, g| measure_rank(name, t, r, g));
+        let (b, f, q, bb, fb) = res[0];
+        println!(
+            "MEASURE {name} T={t}: dispatch bf16 {:.3} ms ({bb} B received), fp8 {:.3} ms ({fb} B, {:.3} of bf16), of which quantise {:.3} ms",
+            b * 1e3,
+            f * 1e3,
+            fb as f64 / bb as f64,
+            q * 1e3
+        );
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn measure_rank(name: &str, t: usize, r: usize, g: &mut ShmGroup) -> (f64, f64, f64, u64, u64) {
+    use epcomm::group::Group;
+    let (h, e, k) = (7168, 256, 8);
+    let c = MoeConfig {
+        num_experts: e,
+        top_k: k,
+        hidden: h,
+        hidden_dtype: DType::BF16,
+        expert_dtype: FloatKind::Bf16,
+        out_dtype: FloatKind::Bf16,
+        max_tokens_per_rank: t,
+        extra_row_bytes: vec![],
+        apply_router_weight_on_input: false,
+    };
+    let x = bf16_row(
+        &(0..t * h)
+            .map(|i| unit(r as u64, i as u64))
+            .collect::<Vec<_>>(),
+    );
+    let ids: Vec<i64> = (0..t * k)
+        .map(|i| ((i / k * 37 + (i % k) * 31 + r * 7) % e) as i64)
+        .collect();
+    let w = vec![1.0 / k as f32; t * k];
+    let mut m = Manager::new(name, c, r, 2).unwrap();
+    let (mut tb, mut tf, mut tq) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut bb, mut fb) = (0, 0);
+    for it in 0..12 {
+        for fp8 in [false, true] {
+            m.set_dispatch_fp8(fp8.then_some(Scales::Exact)).unwrap();
+            g.barrier().unwrap();
+            let t0 = std::time::Instant::now();
+            m.dispatch(g, &x, &ids, &w, &[]).unwrap();
+            let dt = t0.elapsed().as_secs_f64();
+            let bytes = m.stats().bytes_received.iter().sum();
+            if it >= 2 {
+                let (times, total) = if fp8 {
+                    (&mut tf, &mut fb)
+                } else {
+                    (&mut tb, &mut bb)
+                };
+                times.push(dt);
+                *total = bytes;
+            }
+        }
+        let (mut q, mut s) = (Vec::new(), Vec::new());
+        let t0 = std::time::Instant::now();
+        fp8::quantize(&x, FloatKind::Bf16, h, Scales::Exact, &mut q, &mut s).unwrap();
+        tq.push(t0.elapsed().as_secs_f64());
+    }
+    (median(tb), median(tf), median(tq), bb, fb)
 }
