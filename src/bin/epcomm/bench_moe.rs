@@ -224,8 +224,7 @@ fn run_case(
     // The experts' output, in the group's shared memory where it has some (as a caller would
     // allocate it): combine then reads it with plain loads.
     let mut y = ExpertOut::Heap(Vec::new());
-    let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
-    let (warmup, iters) = p.iters_at(t);
+    let ((warmup, iters), mut dispatch, mut combine) = (p.iters_at(t), Vec::new(), Vec::new());
     for it in 0..warmup + iters {
         g.barrier().map_err(|e| e.to_string())?;
         let t0 = Instant::now();
