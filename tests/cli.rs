@@ -832,6 +832,11 @@ fn bench_moe_sweep_defaults_to_ranks_2_4_8() {
         .map(|r| (r["ranks"].as_u64().unwrap(), r["tokens"].as_u64().unwrap()))
         .collect();
     assert_eq!(got, [(2, 1), (4, 1), (8, 1)]);
+    for r in rows.as_array().unwrap() {
+        // T = 1: the time per token is the pair's time.
+        let (per, time) = (r["us_per_token"].as_f64(), r["time_us"].as_f64());
+        assert!(per.is_some_and(|v| v > 0.0) && per == time, "{r}");
+    }
 }
 
 /// CI runs every benchmark once on a tiny case (no timing is asserted): the JSON and SVG

@@ -526,6 +526,7 @@ impl Collector<'_> {
                 "pair_ms": r.pair * 1e3, "pair_p99_ms": r.pair_p99 * 1e3,
                 "gbps_dedup": algbw, "gbps_per_expert": r.size_per_expert / r.pair / 1e9,
                 "memcpy_ms": r.memcpy * 1e3,
+                "us_per_token": r.pair * 1e6 / r.t.max(1) as f64,
             }));
         } else {
             let us = |s: f64| format!("{:.1}", s * 1e6);
