@@ -82,7 +82,7 @@ pub fn e4m3fn_to_f32(b: u8) -> f32 {
 /// f32 → float8 e4m3fn bits, round to nearest even, saturating (CUDA's `__NV_SATFINITE`, as
 /// DeepEP's cast): |x| ≥ 448 (infinity included) gives ±448, NaN gives NaN (`0x7f`, signed).
 /// Integer-only selects, no branches, so the quantisation loops vectorize.
-#[inline]
+#[inline(always)]
 pub fn f32_to_e4m3fn(f: f32) -> u8 {
     let bits = f.to_bits();
     let sign = (bits >> 24) & 0x80;

@@ -96,6 +96,7 @@ pub fn check_hidden(hidden: usize) -> Result<()> {
 
 /// Quantises one block of f32 values into `q` and returns its `scale_inv`; `Err(j)` names the
 /// first non-finite element.
+#[inline(always)]
 fn quantize_block(x: &[f32], q: &mut [u8], scales: Scales) -> std::result::Result<f32, usize> {
     // |x| orders as its bits, and infinities and NaNs have the largest: one integer max
     // (which vectorizes, unlike f32::max) finds the amax and any non-finite value.
@@ -130,20 +131,66 @@ pub fn quantize(
     let row_bytes = hidden * kind.size();
     let sb = scale_row_bytes(hidden);
     for (t, row) in src.chunks_exact(row_bytes).enumerate() {
-        decode_row(row, kind, &mut vals);
         let qrow = &mut q[t * hidden..(t + 1) * hidden];
         let srow = &mut scales_out[t * sb..(t + 1) * sb];
-        let blocks = vals.chunks_exact(BLOCK).zip(qrow.chunks_exact_mut(BLOCK));
-        for (b, ((x, qb), s)) in blocks.zip(srow.chunks_exact_mut(4)).enumerate() {
-            let inv =
-                quantize_block(x, qb, scales).map_err(|j| non_finite(t, b * BLOCK + j, x[j]))?;
-            s.copy_from_slice(&inv.to_ne_bytes());
-        }
+        quantize_row_dispatch(row, kind, &mut vals, qrow, srow, scales)
+            .map_err(|j| non_finite(t, j, vals[j]))?;
     }
     Ok(())
 }
 
+/// One row: decoded to f32, then block by block; `Err(j)`: element j is not finite.
+#[inline(always)]
+fn quantize_row(
+    row: &[u8],
+    kind: FloatKind,
+    vals: &mut [f32],
+    qrow: &mut [u8],
+    srow: &mut [u8],
+    scales: Scales,
+) -> std::result::Result<(), usize> {
+    decode_row(row, kind, vals);
+    let blocks = vals.chunks_exact(BLOCK).zip(qrow.chunks_exact_mut(BLOCK));
+    for (b, ((x, qb), s)) in blocks.zip(srow.chunks_exact_mut(4)).enumerate() {
+        let inv = quantize_block(x, qb, scales).map_err(|j| b * BLOCK + j)?;
+        s.copy_from_slice(&inv.to_ne_bytes());
+    }
+    Ok(())
+}
+
+/// [`quantize_row`] compiled for AVX2 where the CPU has it (the loops are written to
+/// vectorize; the baseline x86-64 target gives them SSE2 only), else as built.
+fn quantize_row_dispatch(
+    row: &[u8],
+    kind: FloatKind,
+    vals: &mut [f32],
+    qrow: &mut [u8],
+    srow: &mut [u8],
+    scales: Scales,
+) -> std::result::Result<(), usize> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked at run time).
+        return unsafe { quantize_row_avx2(row, kind, vals, qrow, srow, scales) };
+    }
+    quantize_row(row, kind, vals, qrow, srow, scales)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row_avx2(
+    row: &[u8],
+    kind: FloatKind,
+    vals: &mut [f32],
+    qrow: &mut [u8],
+    srow: &mut [u8],
+    scales: Scales,
+) -> std::result::Result<(), usize> {
+    quantize_row(row, kind, vals, qrow, srow, scales)
+}
+
 /// One row to f32, exactly (signed zeros kept, so -0.0 becomes e4m3 `0x80` as on the GPU).
+#[inline(always)]
 fn decode_row(row: &[u8], kind: FloatKind, out: &mut [f32]) {
     match kind {
         FloatKind::F32 => row
