@@ -394,7 +394,8 @@ typedef struct epcomm_dtype {
  */
 typedef struct epcomm_moe_config {
   /**
-   * sizeof(epcomm_moe_config); lets the struct grow.
+   * sizeof(epcomm_moe_config); lets the struct grow. A config of the first layout (ending at
+   * apply_router_weight_on_input, from a header without dispatch_fp8) is still accepted.
    */
   uint32_t struct_size;
   /**

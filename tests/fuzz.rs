@@ -3329,7 +3329,7 @@ fn gen_moe(rng: &mut Rng, huge: bool) -> MoeCase {
             rng.pick(&BACKEND_NAMES).as_bytes().to_vec()
         },
         struct_size: if rng.one_in(12) {
-            *rng.pick(&[0, size - 8, u32::MAX])
+            *rng.pick(&[0, size - 16, size - 8, u32::MAX])
         } else {
             size
         },
@@ -3404,7 +3404,9 @@ fn check_buffer_bytes(c: &MoeCase) -> Result<(), String> {
         if text.is_none() {
             return Err(EPCOMM_ERROR_INVALID_ARGUMENT);
         }
-        let size_ok = c.struct_size as usize >= std::mem::size_of::<epcomm_moe_config>();
+        // A config of the first layout (ending before dispatch_fp8) is still accepted.
+        let size_ok =
+            c.struct_size as usize >= std::mem::offset_of!(epcomm_moe_config, dispatch_fp8);
         if !size_ok {
             return Err(EPCOMM_ERROR_INVALID_ARGUMENT);
         }

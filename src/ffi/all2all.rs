@@ -22,7 +22,8 @@ use crate::select::all2all;
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct epcomm_moe_config {
-    /// sizeof(epcomm_moe_config); lets the struct grow.
+    /// sizeof(epcomm_moe_config); lets the struct grow. A config of the first layout (ending at
+    /// apply_router_weight_on_input, from a header without dispatch_fp8) is still accepted.
     pub struct_size: u32,
     /// Logical experts of the layer.
     pub num_experts: i64,
@@ -62,19 +63,56 @@ pub const EPCOMM_DISPATCH_FP8_E4M3: i64 = 1;
 /// UE8M0 dispatch), still delivered as float32.
 pub const EPCOMM_DISPATCH_FP8_E4M3_UE8M0: i64 = 2;
 
-/// The configuration's FP8 dispatch setting (struct_size already checked by config_arg).
+/// The configuration's FP8 dispatch setting (OFF for a config of the first layout, whose
+/// struct_size ends before `dispatch_fp8`).
 ///
 /// # Safety
 /// As config_arg.
 pub(crate) unsafe fn fp8_arg(config: *const epcomm_moe_config) -> Result<Option<fp8::Scales>> {
     // SAFETY: caller contract.
-    let c = unsafe { config.as_ref() }.ok_or(Error::NullPointer("config"))?;
+    let c = unsafe { read_config(config) }?;
     fp8_mode(c.dispatch_fp8).map_err(|_| {
         Error::InvalidArgument(format!(
             "config->dispatch_fp8 is {}; expected EPCOMM_DISPATCH_FP8_OFF (0), EPCOMM_DISPATCH_FP8_E4M3 (1) or EPCOMM_DISPATCH_FP8_E4M3_UE8M0 (2)",
             c.dispatch_fp8
         ))
     })
+}
+
+/// sizeof(epcomm_moe_config) before `dispatch_fp8` was added: callers built against that
+/// header keep working (their configs read as FP8 off).
+const CONFIG_SIZE_V1: usize = std::mem::offset_of!(epcomm_moe_config, dispatch_fp8);
+
+/// A copy of the caller's config, reading only its `struct_size` bytes; fields it lacks keep
+/// their epcomm_moe_config_init defaults.
+///
+/// # Safety
+/// `config` is NULL or points to at least `struct_size` readable bytes, `struct_size` first.
+unsafe fn read_config(config: *const epcomm_moe_config) -> Result<epcomm_moe_config> {
+    if config.is_null() {
+        return Err(Error::NullPointer("config"));
+    }
+    // SAFETY: the caller's struct starts with struct_size (caller contract).
+    let size = unsafe { std::ptr::addr_of!((*config).struct_size).read_unaligned() } as usize;
+    let full = std::mem::size_of::<epcomm_moe_config>();
+    if size < CONFIG_SIZE_V1 {
+        return Err(Error::InvalidArgument(format!(
+            "config->struct_size is {size}: expected sizeof(epcomm_moe_config) = {full} (call epcomm_moe_config_init)"
+        )));
+    }
+    let mut c = std::mem::MaybeUninit::<epcomm_moe_config>::zeroed();
+    // SAFETY: c is writable; the init only writes it.
+    unsafe { epcomm_moe_config_init(c.as_mut_ptr()) };
+    // SAFETY: the caller's struct holds `size` bytes (its struct_size); at most `full` are copied
+    // into c, which holds `full`; the two do not overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            config.cast::<u8>(),
+            c.as_mut_ptr().cast::<u8>(),
+            size.min(full),
+        );
+        Ok(c.assume_init())
+    }
 }
 
 /// An EPCOMM_DISPATCH_FP8_* value.
@@ -140,14 +178,7 @@ fn nonneg(v: i64, field: &str) -> Result<usize> {
 
 pub(crate) unsafe fn config_arg(config: *const epcomm_moe_config) -> Result<MoeConfig> {
     // SAFETY: caller contract.
-    let c = unsafe { config.as_ref() }.ok_or(Error::NullPointer("config"))?;
-    if (c.struct_size as usize) < std::mem::size_of::<epcomm_moe_config>() {
-        return Err(Error::InvalidArgument(format!(
-            "config->struct_size is {}: expected sizeof(epcomm_moe_config) = {} (call epcomm_moe_config_init)",
-            c.struct_size,
-            std::mem::size_of::<epcomm_moe_config>()
-        )));
-    }
+    let c = unsafe { read_config(config) }?;
     // SAFETY: num_extras entries (caller contract).
     let extras =
         unsafe { guard::slice_arg(c.extra_row_bytes, c.num_extras, "config->extra_row_bytes") }?

@@ -20,6 +20,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "epcomm.h"
@@ -606,6 +607,22 @@ static void test_create_errors(group_t *g) {
         epcomm_all2all_destroy(a);
         a = NULL;
     }
+
+    /* A config of the first layout (struct_size ending before dispatch_fp8, as built against
+     * a header without it) is accepted and dispatches bf16/f32 rows as they are. */
+    c = example_config();
+    c.struct_size = (uint32_t)offsetof(moe_config_t, dispatch_fp8);
+    a = create_manager(g, "deepep_high_throughput", &c);
+    CHECK(a != NULL);
+    if (a != NULL) {
+        epcomm_all2all_destroy(a);
+        a = NULL;
+    }
+    c.struct_size = (uint32_t)offsetof(moe_config_t, dispatch_fp8) - 8;
+    epcomm_clear_last_error();
+    CHECK_ST(epcomm_all2all_create(g, "deepep_high_throughput", &c, &a),
+             EPCOMM_ERROR_INVALID_ARGUMENT);
+    CHECK(a == NULL);
 
     /* The one-sided manager is built for one top_k (vLLM's assertion). */
     c = example_config();
