@@ -356,6 +356,10 @@ def _more_signatures() -> dict:
     P = ctypes.POINTER
     u8p = P(ctypes.c_uint8)
     return {
+        "epcomm_mem_alloc": (i32, [vp, sz, P(vp)]),
+        "epcomm_mem_free": (i32, [vp, vp]),
+        "epcomm_all2all_expert_output_buffer": (i32, [vp, P(vp), P(ctypes.c_int64)]),
+        "epcomm_all2all_zero_copy_combines": (i32, [vp, P(ctypes.c_uint64)]),
         "epcomm_abi_version": (i32, []),
         "epcomm_all2all_check_layer": (i32, [vp, i64, i64]),
         "epcomm_all2all_buffer_bytes": (

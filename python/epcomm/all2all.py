@@ -207,10 +207,9 @@ class All2All(Handle):
         to ``combine``, whose peers then read it in place (no copy; ``zero_copy_combines``
         counts them). Valid until the next call of this method or close. Before a dispatch,
         or on a group without shared memory, an epcomm.Error (a RuntimeError) saying so."""
-        from .group import _mem_lib
 
         data, rows = vp(), ctypes.c_int64()
-        check(_mem_lib().epcomm_all2all_expert_output_buffer(
+        check(load_library().epcomm_all2all_expert_output_buffer(
             self._h, ctypes.byref(data), ctypes.byref(rows)))
         hidden, dt = self._expert
         name = _DTYPE_NAMES[(dt.code, dt.bits)]
@@ -218,10 +217,9 @@ class All2All(Handle):
 
     def zero_copy_combines(self) -> int:
         """How many combines read their expert output in place from ``expert_output_buffer``."""
-        from .group import _mem_lib
 
         n = ctypes.c_uint64()
-        check(_mem_lib().epcomm_all2all_zero_copy_combines(self._h, ctypes.byref(n)))
+        check(load_library().epcomm_all2all_zero_copy_combines(self._h, ctypes.byref(n)))
         return n.value
 
     def combine(self, expert_output: Any, out: Any) -> Any:

@@ -48,30 +48,13 @@ def _view(address: Optional[int], nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
-def _mem_lib() -> ctypes.CDLL:
-    """The library with the shared-memory calls' signatures declared."""
-    lib = load_library()
-    if not getattr(lib, "_epcomm_mem_declared", False):
-        P = ctypes.POINTER
-        for name, args in (
-            ("epcomm_mem_alloc", [vp, ctypes.c_size_t, P(vp)]),
-            ("epcomm_mem_free", [vp, vp]),
-            ("epcomm_all2all_expert_output_buffer", [vp, P(vp), P(ctypes.c_int64)]),
-            ("epcomm_all2all_zero_copy_combines", [vp, P(ctypes.c_uint64)]),
-        ):
-            f = getattr(lib, name)
-            f.restype, f.argtypes = i32, args
-        lib._epcomm_mem_declared = True
-    return lib
-
-
 class _SharedMemory:
     """One epcomm_mem_alloc allocation: freed when the last Buffer or tensor over it dies
     (each holds this object), so memory in use is never freed; it holds the group open."""
 
     def __init__(self, group: "Group", nbytes: int):
         p = vp()
-        group.check(_mem_lib().epcomm_mem_alloc(group.handle, nbytes, ctypes.byref(p)))
+        group.check(load_library().epcomm_mem_alloc(group.handle, nbytes, ctypes.byref(p)))
         self.group, self.address = group, p.value
         group._allocations += 1
 
@@ -82,7 +65,7 @@ class _SharedMemory:
         g._allocations -= 1
         try:
             if g._h:
-                _mem_lib().epcomm_mem_free(g._h, self.address)
+                load_library().epcomm_mem_free(g._h, self.address)
         except Exception:  # noqa: BLE001 -- at interpreter exit the library may be gone
             pass
 
