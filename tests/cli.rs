@@ -606,6 +606,32 @@ fn bench_moe_prints_an_nccl_tests_table_with_a_real_check() {
 }
 
 #[test]
+fn bench_moe_fp8_rows_next_to_the_plain_ones() {
+    // FP8 dispatch needs hidden % 128 == 0.
+    let mut args = MOE_SMALL.to_vec();
+    args[3] = "256";
+    args.extend([
+        "--backend",
+        "deepep_high_throughput",
+        "--tokens",
+        "4",
+        "--fp8",
+    ]);
+    let o = epcomm(&args);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    assert_nccl_table(&out, &MOE_COLUMNS, 2);
+    let rows = rows(&out);
+    assert_eq!(rows[0][..2], ["deepep_high_throughput", "4"]);
+    assert_eq!(rows[1][..2], ["deepep_high_throughput+fp8", "4"]);
+    // The dequantised rows are checked against the float32 reference like the plain ones.
+    assert_eq!(rows[0].last().copied(), Some("0"), "{out}");
+    assert_eq!(rows[1].last().copied(), Some("0"), "{out}");
+    assert!(out.contains("(+fp8 rows: 0.125, the e4m3 bound)"), "{out}");
+}
+
+#[test]
 fn bench_moe_refuses_a_case_that_does_not_fit_and_runs_the_others() {
     // T = 2^30 tokens of hidden 256: terabytes of receive buffers per rank.
     let mut args = MOE_SMALL.to_vec();

@@ -35,6 +35,9 @@ const RUN_RANKS_ENV: &str = "EPCOMM_BENCH_MOE_RANKS";
 /// The largest T of `--sweep`.
 const SWEEP_MAX_T: usize = 8192;
 
+/// The suffix of a case's backend name that runs it with FP8 dispatch (`--fp8`).
+const FP8_SUFFIX: &str = "+fp8";
+
 fn params(a: &MoeArgs) -> Result<Params, String> {
     let mut p = a.clone();
     if p.tokens.is_empty() {
@@ -76,8 +79,14 @@ fn params(a: &MoeArgs) -> Result<Params, String> {
 impl MoeArgs {
     /// The cases in the order they run: every T of each backend.
     fn cases(&self) -> Vec<(String, usize)> {
+        let fp8 = self.fp8;
         self.backends
             .iter()
+            .flat_map(|b| {
+                [b.clone(), format!("{b}{FP8_SUFFIX}")]
+                    .into_iter()
+                    .take(1 + usize::from(fp8))
+            })
             .flat_map(|b| self.tokens.iter().map(move |&t| (b.clone(), t)))
             .collect()
     }
@@ -100,6 +109,7 @@ impl MoeArgs {
     /// reference check's float32 copies of the received rows (bounded by `b`) or the memcpy's
     /// two buffers, whichever is more, plus the tokens' own input, output and reference.
     fn need(&self, name: &str, t: usize) -> Need {
+        let name = name.strip_suffix(FP8_SUFFIX).unwrap_or(name);
         let layout = all2all::resolve_quiet(name)
             .map_or(all2all::Layout::TokenMajor, |r| r.backend.layout());
         let b =
@@ -204,6 +214,47 @@ impl ExpertOut {
     }
 }
 
+/// The check of one case: toy experts on what dispatch delivered, combine, and the number of
+/// output elements off the single-process float32 reference.
+fn check_case(
+    p: &Params,
+    g: &mut ShmGroup,
+    m: &mut Manager,
+    x: &[u8],
+    (ids, w): (&[i64], &[f32]),
+    rank: usize,
+    fp8: bool,
+) -> Result<usize, String> {
+    let experts = ToyExperts::new(p.experts, p.hidden, 0xbe7c);
+    m.dispatch(g, x, ids, w, &[]).map_err(|e| e.to_string())?;
+    let mut view = m.view();
+    // FP8 rows are checked dequantised (value = element x its block's scale).
+    let deq;
+    if fp8 {
+        let v = moe::fp8::dequantize(view.hidden, m.dispatch_scales(), p.hidden);
+        deq = num::from_f32(&v, p.kind);
+        view.hidden = &deq;
+    }
+    let y = num::from_f32(
+        &experts.run_local(&view, p.kind, rank, p.ranks, p.topk),
+        p.kind,
+    );
+    let mut out = vec![0u8; x.len()];
+    m.combine(g, &y, &mut out).map_err(|e| e.to_string())?;
+    let want = experts.reference(&num::to_f32(x, p.kind), ids, w, p.topk, false);
+    // FP8: each input element within 2^-4 of itself or 16 x its scale (moe::fp8).
+    let tol = if fp8 { 0.125 } else { tolerance(p.kind) };
+    Ok(num::to_f32(&out, p.kind)
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| {
+            // NaN counts as wrong.
+            let e = (*a - *b).abs() / b.abs().max(1.0);
+            e.is_nan() || e > tol
+        })
+        .count())
+}
+
 /// One case on one rank: prints its `SAMPLE` line.
 fn run_case(
     p: &Params,
@@ -213,7 +264,12 @@ fn run_case(
     name: &str,
     t: usize,
 ) -> Result<(), String> {
-    let mut m = Manager::new(name, p.config(t), rank, p.ranks).map_err(|e| e.to_string())?;
+    let (backend, fp8) = match name.strip_suffix(FP8_SUFFIX) {
+        Some(b) => (b, Some(moe::fp8::Scales::Exact)),
+        None => (name, None),
+    };
+    let mut m = Manager::new(backend, p.config(t), rank, p.ranks).map_err(|e| e.to_string())?;
+    m.set_dispatch_fp8(fp8).map_err(|e| e.to_string())?;
     let (ids, w) = routing(p, rank, t);
     let x32: Vec<f32> = (0..(t * p.hidden) as u64)
         .map(|j| unit(0x1234 ^ ((rank as u64) << 32), j))
@@ -228,12 +284,11 @@ fn run_case(
     for it in 0..warmup + iters {
         g.barrier().map_err(|e| e.to_string())?;
         let t0 = Instant::now();
-        let bytes = m
-            .dispatch(g, &x, &ids, &w, &[])
-            .map_err(|e| e.to_string())?
-            .hidden
-            .len();
+        m.dispatch(g, &x, &ids, &w, &[])
+            .map_err(|e| e.to_string())?;
         let t1 = Instant::now();
+        // Expert outputs are --dtype rows, whatever the dispatch rows were (FP8).
+        let bytes = m.combine_rows().unwrap_or(0) * p.hidden * p.kind.size();
         // The experts' output: the dispatch buffer's shape (not timed; checked below).
         y.fit(g, bytes)?;
         g.barrier().map_err(|e| e.to_string())?;
@@ -249,29 +304,7 @@ fn run_case(
     drop(y);
     let (dedup, per_expert) = routed_bytes(p, &ids, t);
 
-    // The check: toy experts on what dispatch delivered, combine, compare with the reference.
-    let experts = ToyExperts::new(p.experts, p.hidden, 0xbe7c);
-    let view = m
-        .dispatch(g, &x, &ids, &w, &[])
-        .map_err(|e| e.to_string())?;
-    let y = num::from_f32(
-        &experts.run_local(&view, p.kind, rank, p.ranks, p.topk),
-        p.kind,
-    );
-    m.combine(g, &y, &mut out).map_err(|e| e.to_string())?;
-    drop(y);
-    let want = experts.reference(&num::to_f32(&x, p.kind), &ids, &w, p.topk, false);
-    let tol = tolerance(p.kind);
-    let wrong = num::to_f32(&out, p.kind)
-        .iter()
-        .zip(&want)
-        .filter(|(a, b)| {
-            // NaN counts as wrong.
-            let e = (*a - *b).abs() / b.abs().max(1.0);
-            e.is_nan() || e > tol
-        })
-        .count();
-    drop(want);
+    let wrong = check_case(p, g, &mut m, &x, (&ids, &w), rank, fp8.is_some())?;
 
     // memcpy of the bytes this rank received in dispatch, in the same run.
     let moved = m.stats().bytes_received.iter().sum::<u64>() as usize;
@@ -404,7 +437,7 @@ fn print_header(p: &Params) {
         "# algbw = size / time; busbw = algbw * (n-1)/n with n = {} ranks (nccl-tests' alltoall); memcpy: one copy of the bytes dispatch received, same run",
         p.ranks
     );
-    println!("# #wrong: elements of the combined output (toy experts on the received rows) off the single-process float32 reference by more than {tol:.0e} relative, all ranks");
+    println!("# #wrong: elements of the combined output (toy experts on the received rows) off the single-process float32 reference by more than {tol:.0e} relative ({FP8_SUFFIX} rows: 0.125, the e4m3 bound), all ranks");
     println!("#");
     println!(
         "# {}",

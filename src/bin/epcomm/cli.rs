@@ -266,6 +266,11 @@ pub struct MoeArgs {
     /// several, STEM being FILE less .svg) and microseconds per token to STEM-us-per-token.svg
     #[arg(long, value_name = "FILE")]
     pub svg: Option<String>,
+    /// Also run every case with FP8 dispatch (rows `BACKEND+fp8`, next to the plain ones in the
+    /// same run): hidden rows quantised to float8_e4m3fn with one float32 scale per 128
+    /// elements; --hidden must be a multiple of 128
+    #[arg(long)]
+    pub fp8: bool,
 }
 
 /// Options of `epcomm bench eplb`.
