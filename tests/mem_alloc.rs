@@ -201,8 +201,12 @@ fn expert_output_buffer_needs_a_dispatch() {
     });
 }
 
+/// This thread's last error message ("" when there is none: the pointer is then NULL).
 fn last_error() -> String {
     let p = epcomm::ffi::error::epcomm_last_error_message();
+    if p.is_null() {
+        return String::new();
+    }
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
@@ -294,29 +298,27 @@ fn mem_free_during_a_call_is_refused() {
         unsafe { epcomm_mem_alloc(g0 as *mut epcomm_group, 256, &mut p) },
         0
     );
-    let (tx, rx) = std::sync::mpsc::channel();
-    let in_call = std::thread::spawn(move || {
-        tx.send(()).unwrap();
-        unsafe { epcomm::ffi::group::epcomm_group_barrier(g0 as *mut epcomm_group) }
-    });
-    rx.recv().unwrap();
-    // Until the free is refused, the barrier may not have taken the handle yet.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let rc = loop {
-        let rc = unsafe { epcomm_mem_free(g0 as *mut epcomm_group, p) };
-        if rc != 0 || in_call.is_finished() || std::time::Instant::now() > deadline {
+    // The barrier waits for rank 1, holding g0 all along; it retries while the probe below
+    // holds the handle for an instant (that is the same refusal, seen from its side).
+    let in_call = std::thread::spawn(move || loop {
+        let rc = unsafe { epcomm::ffi::group::epcomm_group_barrier(g0 as *mut epcomm_group) };
+        if rc != 9 {
             break rc;
         }
-        // Freed before the barrier took the handle: allocate again and retry.
-        assert_eq!(
-            unsafe { epcomm_mem_alloc(g0 as *mut epcomm_group, 256, &mut p) },
-            0
+    });
+    // A side-effect-free probe: freeing a pointer that was never allocated is INVALID_ARGUMENT
+    // while the handle is free, INVALID_STATE (9) once the barrier holds it.
+    let bogus = std::ptr::without_provenance_mut::<c_void>(8);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while unsafe { epcomm_mem_free(g0 as *mut epcomm_group, bogus) } != 9 {
+        assert!(!in_call.is_finished(), "the barrier returned early");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the barrier never held the group"
         );
-    };
-    if in_call.is_finished() {
-        let rc = in_call.join().unwrap();
-        panic!("the barrier returned {rc} early: {}", last_error());
+        std::thread::yield_now();
     }
+    let rc = unsafe { epcomm_mem_free(g0 as *mut epcomm_group, p) };
     assert_eq!(rc, 9);
     assert_eq!(
         last_error(),
