@@ -128,6 +128,28 @@ pub trait Group: Send {
         false
     }
 
+    /// Fault tolerance: the ranks this rank holds as lost after an op failed — the rank the
+    /// failure was blamed on (dead, stalled, failed or gone), plus every peer whose process is
+    /// gone — sorted, never this rank. Empty while nothing failed, or where the transport
+    /// cannot tell. [`Group::shrink`] checks that every survivor passes the same list.
+    fn lost_ranks(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// Fault tolerance (like `ncclCommShrink`, MPI ULFM's `MPI_Comm_shrink`): the ranks not in
+    /// `excluded` (sorted, distinct, not this rank) form a new group of
+    /// `size() - excluded.len()` ranks, renumbered in the old order. Collective over the
+    /// survivors only; every survivor must pass the same list (a disagreement is an error on
+    /// every survivor, and no group forms); an excluded rank never joins. This group is left
+    /// as it is (usually broken by the failure); drop it when done.
+    fn shrink(&mut self, excluded: &[usize]) -> Result<Box<dyn Group>> {
+        let _ = excluded;
+        Err(Error::NotImplemented(format!(
+            "group '{}' cannot shrink: its transport has no shrink",
+            self.name()
+        )))
+    }
+
     /// Gathers equal-sized small objects: `out` (`size() * mine.len()` bytes) in rank order.
     fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Result<()> {
         let sizes = vec![mine.len(); self.size()];
