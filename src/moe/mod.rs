@@ -10,6 +10,7 @@
 //! and sums them in f32, in rank order (deterministic), writing f32, bf16 or f16.
 
 pub mod fp8;
+mod ft;
 pub mod layout;
 pub mod plan;
 pub mod reference;
@@ -68,6 +69,10 @@ pub struct Stats {
     pub combine_bytes_received: Vec<u64>,
     pub dispatch_time: Duration,
     pub combine_time: Duration,
+    /// This rank's (token, expert) pairs the last dispatch dropped because the expert's rank
+    /// is masked (fault tolerance), and all of them since the manager was created.
+    pub dropped_pairs: u64,
+    pub dropped_pairs_total: u64,
 }
 
 /// The receive side of the last dispatch (owned by the manager, valid until the next call).
@@ -120,9 +125,11 @@ pub struct Manager {
     fp8_send: Vec<u8>,
     fp8_send_scales: Vec<u8>,
     fp8_scales: Vec<u8>,
+    /// Fault tolerance: the rank mask and the survivors' group ([`ft`]).
+    ft: ft::Ft,
 }
 
-const HEADER_WORDS: usize = 15;
+const HEADER_WORDS: usize = 16;
 
 /// A dtype as one header word (code, bits, lanes).
 fn dtype_word(d: DType) -> u64 {
@@ -356,6 +363,7 @@ impl Manager {
             fp8_send: Vec::new(),
             fp8_send_scales: Vec::new(),
             fp8_scales: Vec::new(),
+            ft: ft::Ft::new(world),
         })
     }
 
@@ -490,6 +498,7 @@ impl Manager {
             dtype_word(c.hidden_dtype),
             dtype_word(c.out_dtype.dtype()),
             self.fp8.map_or(0, fp8::Scales::word),
+            u64::from(self.fault_tolerance()),
         ]
     }
 
@@ -510,7 +519,12 @@ impl Manager {
                 h
             })
             .collect();
-        if let Some(r) = headers.iter().position(|h| h[0] == 0) {
+        // A masked rank takes no part (its entry is zero).
+        let live = |r: &usize| !self.is_masked(*r);
+        if let Some(r) = (0..headers.len())
+            .filter(live)
+            .find(|&r| headers[r][0] == 0)
+        {
             return Err(Error::InvalidArgument(format!(
                 "{what}: rank {r} rejected its input (see that rank's error); no data was exchanged"
             )));
@@ -531,6 +545,7 @@ impl Manager {
             "hidden dtype",
             "out dtype",
             "dispatch fp8",
+            "fault tolerance",
         ];
         // Dtypes by name (word 9 is a FloatKind, words 12 and 13 DType words).
         let show = |i: usize, w: u64| match i {
@@ -540,9 +555,10 @@ impl Manager {
                 .map_or_else(|| w.to_string(), |k| k.dtype().torch_name()),
             12 | 13 => dtype_of_word(w).torch_name(),
             14 => fp8::Scales::describe(w).to_string(),
+            15 => (if w == 1 { "on" } else { "off" }).to_string(),
             _ => w.to_string(),
         };
-        for (r, h) in headers.iter().enumerate() {
+        for (r, h) in headers.iter().enumerate().filter(|(r, _)| live(r)) {
             for i in 2..HEADER_WORDS {
                 if h[i] != mine[i] {
                     return Err(Error::InvalidArgument(format!(
@@ -561,18 +577,33 @@ impl Manager {
     /// Tells the peers this rank's dispatch input was rejected, so they fail instead of
     /// waiting, and returns `err`.
     pub fn reject_dispatch(&mut self, g: &mut dyn Group, err: Error) -> Error {
-        if self.check_group(g).is_ok() {
-            let _ = self.agree(g, "dispatch", self.header(false, 0));
+        if self.check_group(g).is_err() {
+            self.plan = None;
+            return err;
         }
+        match self.over_group(g, |m, g| Ok(m.reject_dispatch_on(g, err))) {
+            Ok(e) | Err(e) => e,
+        }
+    }
+
+    fn reject_dispatch_on(&mut self, g: &mut dyn Group, err: Error) -> Error {
+        let _ = self.agree(g, "dispatch", self.header(false, 0));
         self.plan = None;
         err
     }
 
     /// Tells the peers this rank's combine input was rejected, and returns `err`.
     pub fn reject_combine(&mut self, g: &mut dyn Group, err: Error) -> Error {
-        if self.check_group(g).is_ok() {
-            let _ = self.agree(g, "combine", self.header(false, self.tokens));
+        if self.check_group(g).is_err() {
+            return err;
         }
+        match self.over_group(g, |m, g| Ok(m.reject_combine_on(g, err))) {
+            Ok(e) | Err(e) => e,
+        }
+    }
+
+    fn reject_combine_on(&mut self, g: &mut dyn Group, err: Error) -> Error {
+        let _ = self.agree(g, "combine", self.header(false, self.tokens));
         err
     }
 
@@ -587,13 +618,28 @@ impl Manager {
         extras: &[&[u8]],
     ) -> Result<DispatchView<'_>> {
         let _rank = crate::log::rank_scope(self.rank);
-        let start = Instant::now();
         self.check_group(g)?;
         self.plan = None;
+        self.over_group(g, |m, g| {
+            m.dispatch_on(g, hidden, topk_ids, topk_weights, extras)
+        })?;
+        Ok(self.view())
+    }
+
+    /// [`Manager::dispatch`] over the group in use (the survivors' after a failure).
+    fn dispatch_on(
+        &mut self,
+        g: &mut dyn Group,
+        hidden: &[u8],
+        topk_ids: &[i64],
+        topk_weights: &[f32],
+        extras: &[&[u8]],
+    ) -> Result<()> {
+        let start = Instant::now();
         let checked = self.validate_dispatch(hidden, topk_ids, topk_weights, extras);
         let t = match checked.and_then(|t| self.quantize_input(hidden, topk_weights).map(|_| t)) {
             Ok(t) => t,
-            Err(e) => return Err(self.reject_dispatch(g, e)),
+            Err(e) => return Err(self.reject_dispatch_on(g, e)),
         };
         crate::fault::point("dispatch:before_counts");
         let headers = self.agree(g, "dispatch", self.header(true, t))?;
@@ -602,7 +648,8 @@ impl Manager {
         if let Some(r) = counts.iter().position(|&c| !self.fits(c)) {
             return Err(self.too_many_tokens(r, counts[r]));
         }
-        let all = self.gather_routing(g, &counts, topk_ids, topk_weights)?;
+        let mut all = self.gather_routing(g, &counts, topk_ids, topk_weights)?;
+        let dropped = self.drop_masked(&mut all);
         let plan = plan::build(
             self.contract.layout,
             &self.geo,
@@ -612,13 +659,15 @@ impl Manager {
         );
         self.move_rows(g, &plan, hidden, topk_weights, extras)?;
         self.record_dispatch_stats(&plan);
+        self.stats.dropped_pairs = dropped;
+        self.stats.dropped_pairs_total += dropped;
         self.shape = self
             .contract
             .hidden_shape(&self.geo, self.cfg.hidden, plan.buffer_rows);
         self.tokens = t;
         self.plan = Some(plan);
         self.stats.dispatch_time = start.elapsed();
-        Ok(self.view())
+        Ok(())
     }
 
     /// Whether `t` tokens of one rank fit the buffers (always, in the exact-size layouts).
@@ -913,11 +962,21 @@ impl Manager {
         out: &mut [u8],
     ) -> Result<()> {
         let _rank = crate::log::rank_scope(self.rank);
-        let start = Instant::now();
         self.check_group(g)?;
+        self.over_group(g, |m, g| m.combine_on(g, expert_output, out))
+    }
+
+    /// [`Manager::combine`] over the group in use (the survivors' after a failure).
+    fn combine_on(
+        &mut self,
+        g: &mut dyn Group,
+        expert_output: &[u8],
+        out: &mut [u8],
+    ) -> Result<()> {
+        let start = Instant::now();
         let checked = self.validate_combine(expert_output, out);
         if let Err(e) = checked {
-            return Err(self.reject_combine(g, e));
+            return Err(self.reject_combine_on(g, e));
         }
         self.agree(g, "combine", self.header(true, self.tokens))?;
         crate::fault::point("combine");

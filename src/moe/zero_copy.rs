@@ -46,18 +46,7 @@ impl Manager {
     /// [`Error::Unavailable`].
     pub fn expert_output_buffer(&mut self, g: &mut dyn Group) -> Result<&mut [u8]> {
         let len = self.expert_output_bytes()?;
-        let fits = |b: &SharedBuf| b.len() >= len && g.owns_shared(b);
-        if !self.zero_copy.buf.as_ref().is_some_and(fits) {
-            self.zero_copy.buf = None;
-            let cap = len.saturating_add(len / 8).max(1);
-            let buf = g.alloc_shared(cap)?.ok_or_else(|| {
-                Error::Unavailable(format!(
-                    "group '{}' has no shared memory for an expert-output buffer (a shared-memory group with EPCOMM_SHM_DIRECT=1 has; this transport reads expert outputs from ordinary memory)",
-                    g.name()
-                ))
-            })?;
-            self.zero_copy.buf = Some(buf);
-        }
+        self.over_group(g, |m, g| m.ensure_expert_output(g, len))?;
         let buf = self
             .zero_copy
             .buf
@@ -66,12 +55,35 @@ impl Manager {
         Ok(&mut buf[..len])
     }
 
+    /// Makes the window at least `len` bytes, in `g`'s shared memory.
+    fn ensure_expert_output(&mut self, g: &mut dyn Group, len: usize) -> Result<()> {
+        let fits = |b: &SharedBuf| b.len() >= len && g.owns_shared(b);
+        if self.zero_copy.buf.as_ref().is_some_and(fits) {
+            return Ok(());
+        }
+        self.zero_copy.buf = None;
+        let cap = len.saturating_add(len / 8).max(1);
+        let buf = g.alloc_shared(cap)?.ok_or_else(|| {
+            Error::Unavailable(format!(
+                "group '{}' has no shared memory for an expert-output buffer (a shared-memory group with EPCOMM_SHM_DIRECT=1 has; this transport reads expert outputs from ordinary memory)",
+                g.name()
+            ))
+        })?;
+        self.zero_copy.buf = Some(buf);
+        Ok(())
+    }
+
     /// Combine with the expert outputs in the manager's expert-output buffer (filled through
     /// [`Manager::expert_output_buffer`] after the last dispatch), read in place. Collective.
     pub fn combine_in_place(&mut self, g: &mut dyn Group, out: &mut [u8]) -> Result<()> {
+        // Asked over the group in use (after a failure the survivors' group, formed first,
+        // which drops the old group's window).
+        let owned = self.over_group(g, |m, g| {
+            Ok(m.zero_copy.buf.as_ref().is_some_and(|b| g.owns_shared(b)))
+        })?;
         let len = self.expert_output_bytes();
         let buf = match (len, self.zero_copy.buf.take()) {
-            (Ok(len), Some(b)) if b.len() >= len && g.owns_shared(&b) => b,
+            (Ok(len), Some(b)) if b.len() >= len && owned => b,
             (len, b) => {
                 self.zero_copy.buf = b;
                 let e = len.err().unwrap_or_else(|| {

@@ -1,0 +1,267 @@
+//! A group seen through a rank mask: the survivors' group (from [`Group::shrink`]) under the
+//! original rank numbering, for callers whose buffers keep the original ranks (the
+//! fault-tolerant all2all manager: its layouts index rows by source rank). A masked rank
+//! contributes and receives nothing: every per-rank list must be empty at its index (0 bytes,
+//! no rows), and the collectives run over the survivors only.
+
+use super::{Group, Op, P2p, SharedBuf};
+use crate::error::{Error, Result};
+use crate::num::FloatKind;
+
+/// The survivors' group under the original numbering ([`MaskedGroup::new`]).
+pub struct MaskedGroup {
+    inner: Box<dyn Group>,
+    rank: usize,
+    /// Original rank -> survivor rank, `None` when masked.
+    to_inner: Vec<Option<usize>>,
+    /// Survivor rank -> original rank.
+    to_outer: Vec<usize>,
+}
+
+impl std::fmt::Debug for MaskedGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MaskedGroup")
+            .field("name", &self.inner.name())
+            .field("rank", &self.rank)
+            .field("mask", &self.mask())
+            .finish()
+    }
+}
+
+impl MaskedGroup {
+    /// `inner` is the group of the ranks not in `mask` (true = masked), renumbered in order;
+    /// `rank` is this rank's original number.
+    pub fn new(inner: Box<dyn Group>, rank: usize, mask: &[bool]) -> Result<MaskedGroup> {
+        let to_outer: Vec<usize> = (0..mask.len()).filter(|&r| !mask[r]).collect();
+        let mut to_inner = vec![None; mask.len()];
+        to_outer
+            .iter()
+            .enumerate()
+            .for_each(|(i, &r)| to_inner[r] = Some(i));
+        if inner.size() != to_outer.len()
+            || to_inner.get(rank).copied().flatten() != Some(inner.rank())
+        {
+            return Err(Error::Internal(format!(
+                "the survivors' group has rank {} of {}, but rank {rank} with {} of {} ranks masked expects rank {:?} of {}",
+                inner.rank(),
+                inner.size(),
+                mask.len() - to_outer.len(),
+                mask.len(),
+                to_inner.get(rank).copied().flatten(),
+                to_outer.len()
+            )));
+        }
+        Ok(MaskedGroup {
+            inner,
+            rank,
+            to_inner,
+            to_outer,
+        })
+    }
+
+    /// The mask, one entry per original rank (true = masked).
+    pub fn mask(&self) -> Vec<bool> {
+        self.to_inner.iter().map(Option::is_none).collect()
+    }
+
+    /// The survivors' group itself (survivor numbering).
+    pub fn inner_mut(&mut self) -> &mut dyn Group {
+        self.inner.as_mut()
+    }
+
+    /// Original rank `r`'s survivor number, if it is not masked.
+    pub fn inner_rank(&self, r: usize) -> Option<usize> {
+        self.to_inner.get(r).copied().flatten()
+    }
+
+    /// The survivors' entries of a per-rank list; a masked rank's entry must be empty.
+    fn compress<T: Clone>(
+        &self,
+        op: Op,
+        what: &str,
+        list: &[T],
+        empty: impl Fn(&T) -> bool,
+    ) -> Result<Vec<T>> {
+        if list.len() != self.to_inner.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {what} has {} entries; expected one per rank ({})",
+                op.name(),
+                list.len(),
+                self.to_inner.len()
+            )));
+        }
+        if let Some(r) = (0..list.len()).find(|&r| self.to_inner[r].is_none() && !empty(&list[r])) {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {what}[{r}] is not empty, but rank {r} of group '{}' is masked (it failed earlier); expected nothing for it",
+                op.name(),
+                self.inner.name()
+            )));
+        }
+        Ok(self.to_outer.iter().map(|&r| list[r].clone()).collect())
+    }
+
+    /// The survivor number of a peer argument; a masked peer is an error.
+    fn peer(&self, op: Op, what: &str, r: usize) -> Result<usize> {
+        super::check_rank(what, op, r, self.to_inner.len())?;
+        self.to_inner[r].ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{}: {what} is {r}, but rank {r} of group '{}' is masked (it failed earlier); expected a live rank",
+                op.name(),
+                self.inner.name()
+            ))
+        })
+    }
+}
+
+impl Group for MaskedGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.to_inner.len()
+    }
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn elastic(&self) -> bool {
+        self.inner.elastic()
+    }
+    fn barrier(&mut self) -> Result<()> {
+        self.inner.barrier()
+    }
+
+    fn all_gatherv(&mut self, input: &[u8], sizes: &[usize], output: &mut [u8]) -> Result<()> {
+        // Masked ranks add 0 bytes, so the output keeps the original layout.
+        let sizes = self.compress(Op::AllGatherv, "sizes", sizes, |&s| s == 0)?;
+        self.inner.all_gatherv(input, &sizes, output)
+    }
+
+    fn reduce_scatterv(
+        &mut self,
+        input: &[u8],
+        rows: &[usize],
+        row_elems: usize,
+        kind: FloatKind,
+        output: &mut [u8],
+    ) -> Result<()> {
+        let rows = self.compress(Op::ReduceScatterv, "rows", rows, |&s| s == 0)?;
+        self.inner
+            .reduce_scatterv(input, &rows, row_elems, kind, output)
+    }
+
+    fn all_to_allv(
+        &mut self,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Result<()> {
+        let s = self.compress(Op::AllToAllv, "send_sizes", send_sizes, |&s| s == 0)?;
+        let r = self.compress(Op::AllToAllv, "recv_sizes", recv_sizes, |&s| s == 0)?;
+        self.inner.all_to_allv(send, &s, recv, &r)
+    }
+
+    fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+        let mut mapped = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter_mut().enumerate() {
+            let what = format!("ops[{i}].peer");
+            mapped.push(match op {
+                P2p::Send { peer, data } => P2p::Send {
+                    peer: self.peer(Op::SendRecv, &what, *peer)?,
+                    data,
+                },
+                P2p::Recv { peer, data } => P2p::Recv {
+                    peer: self.peer(Op::SendRecv, &what, *peer)?,
+                    data,
+                },
+            });
+        }
+        self.inner.send_recv(&mut mapped)
+    }
+
+    fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
+        let root = self.peer(Op::Broadcast, "root", root)?;
+        self.inner.broadcast(root, data)
+    }
+
+    fn reject(&mut self, op: Op, e: Error) -> Error {
+        self.inner.reject(op, e)
+    }
+
+    fn alloc_shared(&mut self, len: usize) -> Result<Option<SharedBuf>> {
+        self.inner.alloc_shared(len)
+    }
+
+    fn owns_shared(&self, buf: &SharedBuf) -> bool {
+        self.inner.owns_shared(buf)
+    }
+
+    /// The survivors' objects in their original places; a masked rank's bytes are zero.
+    fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Result<()> {
+        let n = mine.len();
+        super::check_len(
+            "output",
+            Op::AllGatherv,
+            out.len(),
+            n * self.size(),
+            "one object per rank",
+        )?;
+        let mut live = vec![0u8; n * self.to_outer.len()];
+        self.inner.all_gather(mine, &mut live)?;
+        out.fill(0);
+        for (chunk, &r) in live.chunks_exact(n.max(1)).zip(&self.to_outer) {
+            out[r * n..(r + 1) * n].copy_from_slice(chunk);
+        }
+        Ok(())
+    }
+
+    fn exchange_rows(
+        &mut self,
+        src: &[u8],
+        row_bytes: usize,
+        give: &[Vec<u32>],
+        dst: &mut [u8],
+        take: &[Vec<u32>],
+    ) -> Result<()> {
+        let give = self.compress(Op::ExchangeRows, "give", give, Vec::is_empty)?;
+        let take = self.compress(Op::ExchangeRows, "take", take, Vec::is_empty)?;
+        self.inner.exchange_rows(src, row_bytes, &give, dst, &take)
+    }
+
+    fn reduce_rows(
+        &mut self,
+        src: &[u8],
+        kind: FloatKind,
+        row_elems: usize,
+        give: &[Vec<u32>],
+        out: &mut [u8],
+        out_kind: FloatKind,
+        take: &[Vec<(u32, f32)>],
+    ) -> Result<()> {
+        let give = self.compress(Op::ReduceRows, "give", give, Vec::is_empty)?;
+        let take = self.compress(Op::ReduceRows, "take", take, Vec::is_empty)?;
+        self.inner
+            .reduce_rows(src, kind, row_elems, &give, out, out_kind, &take)
+    }
+
+    fn lost_ranks(&self) -> Vec<usize> {
+        let mut lost: Vec<usize> = self
+            .inner
+            .lost_ranks()
+            .into_iter()
+            .filter_map(|i| self.to_outer.get(i).copied())
+            .collect();
+        lost.sort_unstable();
+        lost
+    }
+
+    /// `excluded` in the original numbering (already masked ranks are ignored): the survivors
+    /// of the survivors, renumbered in order.
+    fn shrink(&mut self, excluded: &[usize]) -> Result<Box<dyn Group>> {
+        let inner: Vec<usize> = excluded
+            .iter()
+            .filter_map(|&r| self.inner_rank(r))
+            .collect();
+        self.inner.shrink(&inner)
+    }
+}

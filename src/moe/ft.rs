@@ -1,0 +1,207 @@
+//! Fault tolerance for the backends vLLM allows it for (`deepep_low_latency`, `nixl_ep`;
+//! vLLM v0.33.0 `vllm/v1/worker/sentinel/gpu_worker_sentinel.py`, `FT_BACKEND_SET`).
+//!
+//! When a peer dies or stalls past the timeout, the call in progress fails on every survivor
+//! as without fault tolerance (PEER_FAILURE or TIMEOUT naming the rank, one outcome on every
+//! rank: the group's decision protocol), and the ranks the group holds as lost
+//! ([`Group::lost_ranks`]) are masked. The next call forms the survivors' group
+//! ([`Group::shrink`], which checks that every survivor masks the same ranks) and runs over
+//! it under the original numbering ([`MaskedGroup`]): a masked rank sends and receives
+//! nothing, tokens routed to its experts go nowhere (the (token, expert) pairs are dropped,
+//! counted in [`super::Stats`]), and combine sums without them (their weight contributes
+//! zero). A masked rank is never unmasked: rejoining means a new group.
+//!
+//! The mask follows vLLM's `All2AllManagerBase` (`vllm/distributed/device_communicators/`
+//! `base_device_communicator.py`): `query_active_mask` (int32 per rank, 0 live, 1 masked),
+//! `query_fault` (the mask differs from the one at the last recovery point) and
+//! `clean_buffers` (the recovery point: receive buffers zeroed, rank-local).
+
+use super::plan::Routing;
+use super::{Manager, RecvBuf};
+use crate::error::{Error, Result, Status};
+use crate::group::masked::MaskedGroup;
+use crate::group::Group;
+
+/// The fault-tolerance state of a manager.
+#[derive(Debug, Default)]
+pub(super) struct Ft {
+    on: bool,
+    /// One entry per rank: true = masked.
+    mask: Vec<bool>,
+    /// The mask at the last recovery point.
+    baseline: Vec<bool>,
+    /// The survivors' group, once formed.
+    survivors: Option<MaskedGroup>,
+    /// Ranks were masked since the survivors' group was formed: form it again first.
+    pending: bool,
+}
+
+impl Ft {
+    pub(super) fn new(world: usize) -> Ft {
+        Ft {
+            mask: vec![false; world],
+            baseline: vec![false; world],
+            ..Ft::default()
+        }
+    }
+
+    pub(super) fn masked(&self, r: usize) -> bool {
+        self.mask.get(r).copied().unwrap_or(false)
+    }
+
+    fn any(&self) -> bool {
+        self.mask.iter().any(|&m| m)
+    }
+
+    /// Masks `lost` after a failed call; returns whether anything changed.
+    fn note_lost(&mut self, lost: &[usize]) -> bool {
+        let mut changed = false;
+        for &r in lost {
+            if let Some(m) = self.mask.get_mut(r) {
+                changed |= !*m;
+                *m = true;
+            }
+        }
+        self.pending |= changed;
+        changed
+    }
+}
+
+/// A failure that fault tolerance answers by masking: a peer died or did not arrive.
+fn peer_lost(e: &Error) -> bool {
+    matches!(e.status(), Status::PeerFailure | Status::Timeout)
+}
+
+impl Manager {
+    /// Turns fault tolerance on or off (vLLM's `enable_fault_tolerance`); allowed for the
+    /// backends vLLM allows (`deepep_low_latency`, `nixl_ep`), else vLLM's ValueError. Every
+    /// rank must set the same (checked at each dispatch).
+    pub fn set_fault_tolerance(&mut self, on: bool) -> Result<()> {
+        if on && !self.backend.supports_fault_tolerance() {
+            return Err(Error::FaultToleranceBackend {
+                backend: self.backend.name().to_owned(),
+            });
+        }
+        self.ft.on = on;
+        Ok(())
+    }
+
+    /// Whether fault tolerance is on.
+    pub fn fault_tolerance(&self) -> bool {
+        self.ft.on
+    }
+
+    /// vLLM's `query_active_mask`: one int32 per rank, 0 = live, 1 = masked (dead or
+    /// unreachable). All zero without fault tolerance.
+    pub fn active_mask(&self) -> Vec<i32> {
+        self.ft.mask.iter().map(|&m| i32::from(m)).collect()
+    }
+
+    /// vLLM's `query_fault`: whether the mask changed since the last [`Manager::clean_buffers`].
+    pub fn query_fault(&self) -> bool {
+        self.ft.mask != self.ft.baseline
+    }
+
+    /// vLLM's `clean_buffers`, the recovery point (rank-local): the receive buffers are zeroed,
+    /// so nothing of a call that failed can be read as data, the last dispatch is forgotten
+    /// (combine needs a new one), and the current mask becomes the baseline of
+    /// [`Manager::query_fault`]. Masked ranks stay masked.
+    pub fn clean_buffers(&mut self) {
+        self.hidden.bytes_mut().fill(0);
+        self.extras.iter_mut().for_each(|b| b.fill(0));
+        self.fp8_scales.fill(0);
+        self.plan = None;
+        self.tokens = 0;
+        self.ft.baseline = self.ft.mask.clone();
+    }
+
+    /// Whether rank `r` is masked.
+    pub(super) fn is_masked(&self, r: usize) -> bool {
+        self.ft.masked(r)
+    }
+
+    /// Runs `f` over the group the manager uses now: `g`, or with ranks masked the survivors'
+    /// group (formed first when ranks were masked since). With fault tolerance on, a failure
+    /// of a peer masks the ranks the group holds as lost.
+    pub(super) fn over_group<T>(
+        &mut self,
+        g: &mut dyn Group,
+        f: impl FnOnce(&mut Manager, &mut dyn Group) -> Result<T>,
+    ) -> Result<T> {
+        if !self.ft.on {
+            return f(self, g);
+        }
+        self.recover(g)?;
+        let mut survivors = self.ft.survivors.take();
+        let r = match survivors.as_mut() {
+            Some(s) => f(self, s),
+            None => f(self, g),
+        };
+        if let Err(e) = &r {
+            if peer_lost(e) {
+                let lost = survivors
+                    .as_ref()
+                    .map_or_else(|| g.lost_ranks(), |s| s.lost_ranks());
+                self.ft.note_lost(&lost);
+            }
+        }
+        self.ft.survivors = survivors;
+        r
+    }
+
+    /// Forms the survivors' group when ranks were masked since it was formed. On failure the
+    /// mask takes in what the group now holds as lost, and the next call tries again.
+    fn recover(&mut self, g: &mut dyn Group) -> Result<()> {
+        if !self.ft.pending {
+            return Ok(());
+        }
+        let mut old = self.ft.survivors.take();
+        let current: &mut dyn Group = match old.as_mut() {
+            Some(s) => s,
+            None => g,
+        };
+        self.ft.note_lost(&current.lost_ranks());
+        let excluded: Vec<usize> = (0..self.world).filter(|&r| self.ft.masked(r)).collect();
+        let shrunk = current
+            .shrink(&excluded)
+            .and_then(|inner| MaskedGroup::new(inner, self.rank, &self.ft.mask));
+        let survivors = match shrunk {
+            Ok(s) => s,
+            Err(e) => {
+                if peer_lost(&e) {
+                    self.ft.note_lost(&current.lost_ranks());
+                }
+                self.ft.survivors = old;
+                return Err(e);
+            }
+        };
+        self.ft.survivors = Some(survivors);
+        self.ft.pending = false;
+        // The buffers of the old group's shared memory are not the survivors'.
+        self.hidden = RecvBuf::Heap(Vec::new());
+        self.zero_copy = Default::default();
+        self.plan = None;
+        Ok(())
+    }
+
+    /// Drops the (token, expert) pairs routed to masked ranks' experts from every rank's
+    /// routing (the same on every rank); returns this rank's dropped pairs.
+    pub(super) fn drop_masked(&self, all: &mut [Routing]) -> u64 {
+        if !self.ft.any() {
+            return 0;
+        }
+        let per_rank = self.geo.experts_per_rank.max(1);
+        let mut mine = 0;
+        for (r, routing) in all.iter_mut().enumerate() {
+            for id in routing.ids.iter_mut() {
+                if *id >= 0 && self.ft.masked(*id as usize / per_rank) {
+                    *id = -1;
+                    if r == self.rank {
+                        mine += 1;
+                    }
+                }
+            }
+        }
+        mine
+    }
+}
