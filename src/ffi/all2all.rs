@@ -53,6 +53,12 @@ pub struct epcomm_moe_config {
     /// dispatch output's hidden is then float8_e4m3fn and epcomm_all2all_dispatch_scales gives
     /// the scales. Needs float hidden rows and hidden_size % 128 == 0. Default OFF.
     pub dispatch_fp8: i64,
+    /// vLLM's `enable_fault_tolerance` (deepep_low_latency and nixl_ep only, else vLLM's
+    /// ValueError at creation): a peer that dies or stalls fails the call in progress on every
+    /// survivor (PEER_FAILURE/TIMEOUT naming it), then the next call forms the survivors' group
+    /// and dispatch/combine run over it with that rank masked (epcomm_all2all_query_active_mask;
+    /// the group needs a transport that can shrink). Default false.
+    pub enable_fault_tolerance: bool,
 }
 
 /// Dispatch the hidden rows as they are (epcomm_moe_config.dispatch_fp8).
@@ -82,6 +88,15 @@ pub(crate) unsafe fn fp8_arg(config: *const epcomm_moe_config) -> Result<Option<
 /// sizeof(epcomm_moe_config) before `dispatch_fp8` was added: callers built against that
 /// header keep working (their configs read as FP8 off).
 const CONFIG_SIZE_V1: usize = std::mem::offset_of!(epcomm_moe_config, dispatch_fp8);
+
+/// The configuration's fault-tolerance setting (false for a config of an earlier layout).
+///
+/// # Safety
+/// As config_arg.
+pub(crate) unsafe fn ft_arg(config: *const epcomm_moe_config) -> Result<bool> {
+    // SAFETY: caller contract.
+    Ok(unsafe { read_config(config) }?.enable_fault_tolerance)
+}
 
 /// A copy of the caller's config, reading only its `struct_size` bytes; fields it lacks keep
 /// their epcomm_moe_config_init defaults.
@@ -156,6 +171,7 @@ pub unsafe extern "C" fn epcomm_moe_config_init(config: *mut epcomm_moe_config) 
             num_extras: 0,
             apply_router_weight_on_input: false,
             dispatch_fp8: EPCOMM_DISPATCH_FP8_OFF,
+            enable_fault_tolerance: false,
         };
         Ok(())
     })
@@ -287,9 +303,11 @@ pub unsafe extern "C" fn epcomm_all2all_create(
         let out = unsafe { guard::out_arg(out, "out") }?;
         let cfg = unsafe { config_arg(config) }?;
         let fp8 = unsafe { fp8_arg(config) }?;
+        let ft = unsafe { ft_arg(config) }?;
         let (rank, world) = unsafe { with_group(group, |g| Ok((g.rank(), g.size()))) }?;
         let mut mgr = Manager::new(name, cfg, rank, world)?;
         mgr.set_dispatch_fp8(fp8)?;
+        mgr.set_fault_tolerance(ft)?;
         let state = State {
             mgr,
             views: OutputViews::default(),

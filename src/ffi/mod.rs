@@ -19,6 +19,7 @@ pub mod eplb;
 pub mod eplb_algo;
 pub mod eplb_runtime;
 pub mod error;
+pub mod ft;
 pub mod gpu;
 pub mod group;
 pub mod log;
