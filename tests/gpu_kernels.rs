@@ -1,5 +1,6 @@
-//! The GPU kernels without a GPU: every variant compiled by NVRTC to CUBIN for sm_80 and
-//! sm_90 (ELF, 0 spill bytes, register table printed), the NVRTC loader's errors, the compile
+//! The GPU kernels without a GPU: every variant compiled by NVRTC to CUBIN for sm_70, sm_75,
+//! sm_80 and sm_90 (ELF, 0 spill bytes, at most [`MAX_REGISTERS`], register table printed), the
+//! C bf16 rounding of sm_7x against the CPU path's, the NVRTC loader's errors, the compile
 //! cache (memory, disk, corrupt files), the ptxas log parser and the device error word.
 //!
 //! NVRTC comes from `EPCOMM_NVRTC_PATH` (CI: `scripts/fetch-nvrtc.sh` prints the directory) or
@@ -18,7 +19,12 @@ mod common;
 
 use common::cuda_emu::{self, temp_dir};
 
-const ARCHS: [&str; 2] = ["sm_80", "sm_90"];
+/// Volta and Turing (sm_70, sm_75: no `cvt.rn.bf16.f32`, so bf16 rounds in C), Ampere, Hopper.
+const ARCHS: [&str; 4] = ["sm_70", "sm_75", "sm_80", "sm_90"];
+/// Registers per thread no kernel may exceed on any arch (NVRTC 12.8, TOPK ≤ 8: 64 in
+/// `ep_unpack_rank_major` on sm_75, 56 on sm_70, 48 on sm_80, 40 on sm_90): a regression guard,
+/// since 64 keeps 4 blocks of 256 threads resident per SM.
+const MAX_REGISTERS: u32 = 64;
 
 /// NVRTC, or `None` (test skipped) when it is absent and not required.
 fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
@@ -37,24 +43,42 @@ fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
     }
 }
 
-#[test]
-fn every_variant_compiles_to_cubin_without_spills() {
-    let Some(nv) = nvrtc_or_skip("every_variant_compiles_to_cubin_without_spills") else {
-        return;
+type Outcome = (Variant, &'static str, Result<Arc<Compiled>, epcomm::Error>);
+
+/// The archs of [`ARCHS`] this NVRTC can build CUBIN for (CUDA 13 dropped sm_70; a note names
+/// any left out).
+fn archs_for(nv: &Nvrtc) -> Vec<&'static str> {
+    let Some(known) = nv.supported_archs() else {
+        return ARCHS.to_vec();
     };
-    let compiler = Arc::new(Compiler::new(nv, None));
-    let jobs: Vec<(Variant, &str)> = kernels::variants()
+    let (ok, dropped): (Vec<&str>, Vec<&str>) = ARCHS.iter().partition(|a| {
+        a.strip_prefix("sm_")
+            .and_then(|n| n.parse::<i32>().ok())
+            .is_some_and(|n| known.contains(&n))
+    });
+    if !dropped.is_empty() {
+        println!(
+            "NVRTC {}.{} cannot target {} (supports {known:?}): not compiled",
+            nv.version.0,
+            nv.version.1,
+            dropped.join(", ")
+        );
+    }
+    ok
+}
+
+/// Compiles every (variant, arch) with `--ptxas-options=-v` on up to 8 threads.
+fn compile_all(compiler: &Arc<Compiler>, archs: &[&'static str]) -> Vec<Outcome> {
+    let jobs: Vec<(Variant, &'static str)> = kernels::variants()
         .into_iter()
-        .flat_map(|v| ARCHS.map(|a| (v, a)))
+        .flat_map(|v| archs.iter().map(move |a| (v, *a)))
         .collect();
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2)
         .clamp(1, 8);
-    let started = Instant::now();
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let jobs = Arc::new(jobs);
-    type Outcome = (Variant, &'static str, Result<Arc<Compiled>, epcomm::Error>);
     let handles: Vec<_> = (0..threads)
         .map(|_| {
             let (compiler, next, jobs) = (compiler.clone(), next.clone(), jobs.clone());
@@ -75,18 +99,79 @@ fn every_variant_compiles_to_cubin_without_spills() {
         .into_iter()
         .flat_map(|h| h.join().expect("compile thread"))
         .collect();
-    let elapsed = started.elapsed();
     results.sort_by_key(|(v, a, _)| (v.name(), *a));
+    results
+}
 
+/// Prints one compile's register table rows and adds what breaks the limits to `failures`;
+/// returns its highest register count.
+fn check_compile(v: &Variant, arch: &str, c: &Compiled, failures: &mut Vec<String>) -> u32 {
+    match &c.image {
+        Image::Cubin(b) if b.starts_with(b"\x7fELF") => {}
+        Image::Cubin(_) => failures.push(format!("{} {arch}: CUBIN is not ELF", v.name())),
+        Image::Ptx(_) => failures.push(format!("{} {arch}: got PTX, not CUBIN", v.name())),
+    }
+    let res = c.resources();
+    let mut max_regs = 0;
+    for k in v.module.kernels() {
+        let Some(r) = res.iter().find(|r| r.name == k.name) else {
+            failures.push(format!(
+                "{} {arch}: no ptxas figures for {} in the log",
+                v.name(),
+                k.name
+            ));
+            continue;
+        };
+        println!(
+            "{:<30} {:<24} {:<6} {:>5} {:>6} {:>6} {:>6}",
+            r.name,
+            v.name(),
+            arch,
+            r.registers,
+            r.stack_bytes,
+            r.spill_stores,
+            r.spill_loads
+        );
+        max_regs = max_regs.max(r.registers);
+        let what = format!("{} {arch} {}", v.name(), r.name);
+        if r.registers > MAX_REGISTERS {
+            failures.push(format!(
+                "{what}: {} registers, more than {MAX_REGISTERS}",
+                r.registers
+            ));
+        }
+        if r.spill_stores != 0 || r.spill_loads != 0 {
+            failures.push(format!(
+                "{what}: {} bytes spill stores, {} bytes spill loads",
+                r.spill_stores, r.spill_loads
+            ));
+        }
+        if r.arch != *arch {
+            failures.push(format!("{what}: ptxas compiled for {}", r.arch));
+        }
+    }
+    max_regs
+}
+
+#[test]
+fn every_variant_compiles_to_cubin_without_spills() {
+    let Some(nv) = nvrtc_or_skip("every_variant_compiles_to_cubin_without_spills") else {
+        return;
+    };
+    let compiler = Arc::new(Compiler::new(nv, None));
+    let archs = archs_for(&nv);
+    let started = Instant::now();
+    let results = compile_all(&compiler, &archs);
     println!(
-        "NVRTC {}.{} ({}); {} variants x {} archs = {} compiles in {:.1} s on {threads} threads",
+        "NVRTC {}.{} ({}); {} variants x {} archs ({}) = {} compiles in {:.1} s",
         nv.version.0,
         nv.version.1,
         nv.path,
         kernels::variants().len(),
-        ARCHS.len(),
+        archs.len(),
+        archs.join(", "),
         results.len(),
-        elapsed.as_secs_f64()
+        started.elapsed().as_secs_f64()
     );
     println!(
         "{:<30} {:<24} {:<6} {:>5} {:>6} {:>6} {:>6}",
@@ -95,55 +180,12 @@ fn every_variant_compiles_to_cubin_without_spills() {
     let mut failures = Vec::new();
     let mut max_regs = 0;
     for (v, arch, r) in &results {
-        let c = match r {
-            Ok(c) => c,
-            Err(e) => {
-                failures.push(format!("{} {arch}: {e}", v.name()));
-                continue;
-            }
-        };
-        match &c.image {
-            Image::Cubin(b) if b.starts_with(b"\x7fELF") => {}
-            Image::Cubin(_) => failures.push(format!("{} {arch}: CUBIN is not ELF", v.name())),
-            Image::Ptx(_) => failures.push(format!("{} {arch}: got PTX, not CUBIN", v.name())),
-        }
-        let res = c.resources();
-        for k in v.module.kernels() {
-            match res.iter().find(|r| r.name == k.name) {
-                None => failures.push(format!(
-                    "{} {arch}: no ptxas figures for {} in the log",
-                    v.name(),
-                    k.name
-                )),
-                Some(r) => {
-                    println!(
-                        "{:<30} {:<24} {:<6} {:>5} {:>6} {:>6} {:>6}",
-                        r.name,
-                        v.name(),
-                        arch,
-                        r.registers,
-                        r.stack_bytes,
-                        r.spill_stores,
-                        r.spill_loads
-                    );
-                    max_regs = max_regs.max(r.registers);
-                    if r.spill_stores != 0 || r.spill_loads != 0 {
-                        failures.push(format!(
-                            "{} {arch} {}: {} bytes spill stores, {} bytes spill loads",
-                            v.name(),
-                            r.name,
-                            r.spill_stores,
-                            r.spill_loads
-                        ));
-                    }
-                    if r.arch != *arch {
-                        failures.push(format!("{} {arch}: ptxas compiled for {}", r.name, r.arch));
-                    }
-                }
-            }
+        match r {
+            Ok(c) => max_regs = max_regs.max(check_compile(v, arch, c, &mut failures)),
+            Err(e) => failures.push(format!("{} {arch}: {e}", v.name())),
         }
     }
-    println!("max registers per thread: {max_regs}");
+    println!("max registers per thread: {max_regs} (limit {MAX_REGISTERS})");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -712,5 +754,99 @@ fn kernels_reproduce_the_spec_worked_example_on_the_host() {
         println!("ID_DTYPE={id}:\n{stdout}");
         assert!(ok && stdout.contains("OK (0 failures)"), "{stdout}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The f32 bit patterns the bf16 rounding is checked on: every upper half (each sign, exponent
+/// and top 7 mantissa bits: zeros, subnormals, infinities, quiet and signalling NaNs) with the
+/// low halves around the rounding point (ties to even and odd, just below and above), then
+/// 2^20 pseudo-random patterns (splitmix64).
+fn bf16_rounding_inputs() -> Vec<u32> {
+    const LOW: [u32; 8] = [0, 1, 0x7fff, 0x8000, 0x8001, 0xfffe, 0xffff, 0x4000];
+    let mut v: Vec<u32> = (0..=0xffffu32)
+        .flat_map(|hi| LOW.iter().map(move |lo| (hi << 16) | lo))
+        .collect();
+    let mut s: u64 = 0x9e37_79b9_7f4a_7c15;
+    for _ in 0..1 << 20 {
+        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        v.push((z ^ (z >> 31)) as u32);
+    }
+    v
+}
+
+/// The C rounding sm_70/sm_75 use for bf16 outputs (`ep_bf16_from_bits` in prelude.cu, cut
+/// out of the real prelude) run on the host over [`bf16_rounding_inputs`]: bit-identical to
+/// the CPU path's `num::f32_to_bf16` on every pattern, NaNs included (quiet, sign and upper
+/// payload kept). On sm_80+ the prelude uses `cvt.rn.bf16.f32`, IEEE round-to-nearest-even,
+/// which gives the same bits for every non-NaN input.
+#[test]
+fn bf16_c_rounding_of_sm7x_matches_the_cpu_path() {
+    let Some(cxx) = cuda_emu::cxx_or_skip("bf16_c_rounding_of_sm7x_matches_the_cpu_path") else {
+        return;
+    };
+    let (begin, end) = (
+        "// ---- bf16 rounding in C (begin)",
+        "// ---- bf16 rounding in C (end)",
+    );
+    let c_fn = kernels::PRELUDE_CU
+        .split_once(begin)
+        .and_then(|(_, rest)| rest.split_once(end))
+        .map(|(body, _)| body)
+        .expect("prelude.cu marks its C bf16 rounding");
+    assert!(c_fn.contains("u16 ep_bf16_from_bits(u32 b)"), "{c_fn}");
+    let dir = temp_dir("bf16-round");
+    let inputs = bf16_rounding_inputs();
+    let bytes: Vec<u8> = inputs.iter().flat_map(|b| b.to_le_bytes()).collect();
+    std::fs::write(dir.join("in.bin"), bytes).expect("write inputs");
+    let main = format!(
+        r#"#include "emu_prelude.h"
+{c_fn}
+int main() {{
+    FILE* in = fopen("{dir}/in.bin", "rb"); FILE* out = fopen("{dir}/out.bin", "wb");
+    if (!in || !out) return 2;
+    u32 b; unsigned long n = 0;
+    while (fread(&b, 4, 1, in) == 1) {{ u16 r = ep_bf16_from_bits(b); fwrite(&r, 2, 1, out); ++n; }}
+    fclose(in); fclose(out);
+    printf("rounded %lu patterns\n", n);
+    return 0;
+}}
+"#,
+        dir = dir.display()
+    );
+    cuda_emu::write_sources(&dir, &[("main.cpp", &main)]);
+    let (ok, stdout) = cuda_emu::build_and_run(&cxx, &dir, &[], "bf16round");
+    assert!(ok, "{stdout}");
+    assert_eq!(stdout, format!("rounded {} patterns\n", inputs.len()));
+    let out = std::fs::read(dir.join("out.bin")).expect("read outputs");
+    assert_eq!(out.len(), 2 * inputs.len());
+    let mut mismatches = Vec::new();
+    for (b, r) in inputs.iter().zip(out.chunks_exact(2)) {
+        let got = u16::from_le_bytes([r[0], r[1]]);
+        let want = epcomm::num::f32_to_bf16(f32::from_bits(*b));
+        if got != want {
+            mismatches.push(format!("{b:#010x}: C {got:#06x}, num.rs {want:#06x}"));
+        }
+    }
+    println!(
+        "{} f32 patterns, {} mismatches",
+        inputs.len(),
+        mismatches.len()
+    );
+    assert!(
+        mismatches.is_empty(),
+        "{}",
+        mismatches[..mismatches.len().min(20)].join("\n")
+    );
+    // Spot checks of the rule itself: ties to even, carry into the exponent, overflow to
+    // infinity, NaN made quiet.
+    let c = |b: u32| epcomm::num::f32_to_bf16(f32::from_bits(b));
+    assert_eq!(c(0x3f80_8000), 0x3f80, "tie, even stays");
+    assert_eq!(c(0x3f81_8000), 0x3f82, "tie, odd rounds up");
+    assert_eq!(c(0x3fff_8000), 0x4000, "carry into the exponent");
+    assert_eq!(c(0x7f7f_ffff), 0x7f80, "max finite rounds to infinity");
+    assert_eq!(c(0xff80_0001), 0xffc0, "signalling NaN made quiet");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -22,10 +22,25 @@ typedef long long id_t_;
 
 // ---- 16-bit float helpers (round-to-nearest-even, as torch does) -------------------------
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(((u32)v) << 16); }
+// ---- bf16 rounding in C (begin)
+// f32 bits -> bf16 bits, round to nearest even on the bits (carry into the exponent gives the
+// right result for every finite input, overflow included: max finite rounds to infinity); a NaN
+// keeps its sign and upper payload and is made quiet (bit 6). Equal to `cvt.rn.bf16.f32` for
+// every non-NaN input and to src/num.rs's `f32_to_bf16` for every input (tests/gpu_kernels.rs).
+__device__ __forceinline__ u16 ep_bf16_from_bits(u32 b) {
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (u16)((b >> 16) | 0x40u);
+    return (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+// ---- bf16 rounding in C (end)
+// `cvt.rn.bf16.f32` needs sm_80; older GPUs (sm_70, sm_75) round in C.
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
+#if __CUDA_ARCH__ >= 800
     u16 r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
     return r;
+#else
+    return ep_bf16_from_bits(__float_as_uint(f));
+#endif
 }
 __device__ __forceinline__ float f16_to_f32(u16 v) {
     float f;
