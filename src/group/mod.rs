@@ -9,6 +9,7 @@ pub mod masked;
 pub mod host;
 pub mod rows;
 pub mod shm;
+pub mod survivors;
 
 pub use shm::SharedBuf;
 
@@ -149,6 +150,12 @@ pub trait Group: Send {
             "group '{}' cannot shrink: its transport has no shrink",
             self.name()
         )))
+    }
+
+    /// Where this group keeps its survivors' group after a failure ([`survivors::current`]),
+    /// so every user of the group shares one. `None` where the transport keeps none.
+    fn survivors_slot(&mut self) -> Option<&mut Option<survivors::Survivors>> {
+        None
     }
 
     /// Gathers equal-sized small objects: `out` (`size() * mine.len()` bytes) in rank order.

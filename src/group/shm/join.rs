@@ -108,6 +108,7 @@ impl ShmGroup {
             tables: local_tables(session, world),
             windows: Vec::new(),
             peer_windows: std::cell::RefCell::new(Vec::new()),
+            survivors: None,
         };
         g.form(&deadline)
     }

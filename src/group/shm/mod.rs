@@ -47,6 +47,7 @@
 //! | `payload.rs` | reading a rank's published op (every word checked), copying and summing payloads |
 //! | `ops.rs` | the collectives: the `Group` trait over the protocol |
 //! | `window.rs` | symmetric memory: windows every peer maps; rows stored into and loaded from them |
+//! | `shrink.rs` | fault tolerance: the ranks a failure lost; the survivors forming a smaller group |
 
 mod agree;
 mod decision;
@@ -105,6 +106,8 @@ pub struct ShmGroup {
     peer_windows: RefCell<Vec<window::PeerWindow>>,
 }
 
+    /// After a failure: the survivors' group every user of this one shares.
+    survivors: Option<super::survivors::Survivors>,
 impl std::fmt::Debug for ShmGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShmGroup")

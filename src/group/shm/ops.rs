@@ -10,6 +10,10 @@ use crate::group::{check_len, check_p2p, check_sizes, Group, Op, P2p};
 use crate::num::FloatKind;
 
 impl Group for ShmGroup {
+    fn survivors_slot(&mut self) -> Option<&mut Option<crate::group::survivors::Survivors>> {
+        Some(&mut self.survivors)
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }
