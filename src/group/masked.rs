@@ -1,5 +1,5 @@
-//! A group seen through a rank mask: the survivors' group (from [`Group::shrink`]) under the
-//! original rank numbering, for callers whose buffers keep the original ranks (the
+//! A group seen through a rank mask: the survivors' group ([`super::survivors::current`])
+//! under the original rank numbering, for callers whose buffers keep the original ranks (the
 //! fault-tolerant all2all manager: its layouts index rows by source rank). A masked rank
 //! contributes and receives nothing: every per-rank list must be empty at its index (0 bytes,
 //! no rows), and the collectives run over the survivors only.
@@ -9,8 +9,8 @@ use crate::error::{Error, Result};
 use crate::num::FloatKind;
 
 /// The survivors' group under the original numbering ([`MaskedGroup::new`]).
-pub struct MaskedGroup {
-    inner: Box<dyn Group>,
+pub struct MaskedGroup<'a> {
+    inner: &'a mut dyn Group,
     rank: usize,
     /// Original rank -> survivor rank, `None` when masked.
     to_inner: Vec<Option<usize>>,
@@ -18,7 +18,7 @@ pub struct MaskedGroup {
     to_outer: Vec<usize>,
 }
 
-impl std::fmt::Debug for MaskedGroup {
+impl std::fmt::Debug for MaskedGroup<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MaskedGroup")
             .field("name", &self.inner.name())
@@ -28,10 +28,10 @@ impl std::fmt::Debug for MaskedGroup {
     }
 }
 
-impl MaskedGroup {
+impl<'a> MaskedGroup<'a> {
     /// `inner` is the group of the ranks not in `mask` (true = masked), renumbered in order;
     /// `rank` is this rank's original number.
-    pub fn new(inner: Box<dyn Group>, rank: usize, mask: &[bool]) -> Result<MaskedGroup> {
+    pub fn new(inner: &'a mut dyn Group, rank: usize, mask: &[bool]) -> Result<MaskedGroup<'a>> {
         let to_outer: Vec<usize> = (0..mask.len()).filter(|&r| !mask[r]).collect();
         let mut to_inner = vec![None; mask.len()];
         to_outer
@@ -62,11 +62,6 @@ impl MaskedGroup {
     /// The mask, one entry per original rank (true = masked).
     pub fn mask(&self) -> Vec<bool> {
         self.to_inner.iter().map(Option::is_none).collect()
-    }
-
-    /// The survivors' group itself (survivor numbering).
-    pub fn inner_mut(&mut self) -> &mut dyn Group {
-        self.inner.as_mut()
     }
 
     /// Original rank `r`'s survivor number, if it is not masked.
@@ -113,7 +108,7 @@ impl MaskedGroup {
     }
 }
 
-impl Group for MaskedGroup {
+impl Group for MaskedGroup<'_> {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -253,15 +248,5 @@ impl Group for MaskedGroup {
             .collect();
         lost.sort_unstable();
         lost
-    }
-
-    /// `excluded` in the original numbering (already masked ranks are ignored): the survivors
-    /// of the survivors, renumbered in order.
-    fn shrink(&mut self, excluded: &[usize]) -> Result<Box<dyn Group>> {
-        let inner: Vec<usize> = excluded
-            .iter()
-            .filter_map(|&r| self.inner_rank(r))
-            .collect();
-        self.inner.shrink(&inner)
     }
 }

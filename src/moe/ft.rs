@@ -20,7 +20,7 @@ use super::plan::Routing;
 use super::{Manager, RecvBuf};
 use crate::error::{Error, Result, Status};
 use crate::group::masked::MaskedGroup;
-use crate::group::Group;
+use crate::group::{survivors, Group};
 
 /// The fault-tolerance state of a manager.
 #[derive(Debug, Default)]
@@ -30,18 +30,14 @@ pub(super) struct Ft {
     mask: Vec<bool>,
     /// The mask at the last recovery point.
     baseline: Vec<bool>,
-    /// The survivors' group, once formed.
-    survivors: Option<MaskedGroup>,
-    /// Ranks were masked since the survivors' group was formed: form it again first.
-    pending: bool,
 }
 
 impl Ft {
     pub(super) fn new(world: usize) -> Ft {
         Ft {
+            on: false,
             mask: vec![false; world],
             baseline: vec![false; world],
-            ..Ft::default()
         }
     }
 
@@ -53,16 +49,15 @@ impl Ft {
         self.mask.iter().any(|&m| m)
     }
 
-    /// Masks `lost` after a failed call; returns whether anything changed.
-    fn note_lost(&mut self, lost: &[usize]) -> bool {
+    /// Masks the ranks in `lost`; returns whether anything changed. Never unmasks.
+    fn absorb(&mut self, lost: impl IntoIterator<Item = usize>) -> bool {
         let mut changed = false;
-        for &r in lost {
+        for r in lost {
             if let Some(m) = self.mask.get_mut(r) {
                 changed |= !*m;
                 *m = true;
             }
         }
-        self.pending |= changed;
         changed
     }
 }
@@ -120,9 +115,11 @@ impl Manager {
         self.ft.masked(r)
     }
 
-    /// Runs `f` over the group the manager uses now: `g`, or with ranks masked the survivors'
-    /// group (formed first when ranks were masked since). With fault tolerance on, a failure
-    /// of a peer masks the ranks the group holds as lost.
+    /// Runs `f` over the group the manager uses now: `g`, or after a failure the survivors'
+    /// group `g` keeps (formed first when this is the first call since; see
+    /// [`survivors::current`]) under the original numbering. With fault tolerance on, a
+    /// peer's failure during `f` masks the ranks the group holds as lost, at once (so
+    /// [`Manager::active_mask`] names them right after the failed call).
     pub(super) fn over_group<T>(
         &mut self,
         g: &mut dyn Group,
@@ -131,57 +128,32 @@ impl Manager {
         if !self.ft.on {
             return f(self, g);
         }
-        self.recover(g)?;
-        let mut survivors = self.ft.survivors.take();
-        let r = match survivors.as_mut() {
-            Some(s) => f(self, s),
-            None => f(self, g),
-        };
-        if let Err(e) = &r {
-            if peer_lost(e) {
-                let lost = survivors
-                    .as_ref()
-                    .map_or_else(|| g.lost_ranks(), |s| s.lost_ranks());
-                self.ft.note_lost(&lost);
-            }
+        let (mask, cur) = survivors::current(g)?;
+        let lost: Vec<usize> = (0..mask.len()).filter(|&r| mask[r]).collect();
+        if self.ft.absorb(lost) {
+            self.forget_group_buffers();
         }
-        self.ft.survivors = survivors;
+        if !self.ft.any() {
+            let r = f(self, cur);
+            if r.as_ref().is_err_and(peer_lost) {
+                self.ft.absorb(cur.lost_ranks());
+            }
+            return r;
+        }
+        let mut masked = MaskedGroup::new(cur, self.rank, &mask)?;
+        let r = f(self, &mut masked);
+        if r.as_ref().is_err_and(peer_lost) {
+            self.ft.absorb(masked.lost_ranks());
+        }
         r
     }
 
-    /// Forms the survivors' group when ranks were masked since it was formed. On failure the
-    /// mask takes in what the group now holds as lost, and the next call tries again.
-    fn recover(&mut self, g: &mut dyn Group) -> Result<()> {
-        if !self.ft.pending {
-            return Ok(());
-        }
-        let mut old = self.ft.survivors.take();
-        let current: &mut dyn Group = match old.as_mut() {
-            Some(s) => s,
-            None => g,
-        };
-        self.ft.note_lost(&current.lost_ranks());
-        let excluded: Vec<usize> = (0..self.world).filter(|&r| self.ft.masked(r)).collect();
-        let shrunk = current
-            .shrink(&excluded)
-            .and_then(|inner| MaskedGroup::new(inner, self.rank, &self.ft.mask));
-        let survivors = match shrunk {
-            Ok(s) => s,
-            Err(e) => {
-                if peer_lost(&e) {
-                    self.ft.note_lost(&current.lost_ranks());
-                }
-                self.ft.survivors = old;
-                return Err(e);
-            }
-        };
-        self.ft.survivors = Some(survivors);
-        self.ft.pending = false;
-        // The buffers of the old group's shared memory are not the survivors'.
+    /// After the group in use changed: buffers in the old group's shared memory are not the
+    /// survivors', and a dispatch made over the old group cannot be combined over the new.
+    fn forget_group_buffers(&mut self) {
         self.hidden = RecvBuf::Heap(Vec::new());
         self.zero_copy = Default::default();
         self.plan = None;
-        Ok(())
     }
 
     /// Drops the (token, expert) pairs routed to masked ranks' experts from every rank's
