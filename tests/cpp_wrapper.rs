@@ -1,6 +1,11 @@
-//! The header-only C++17 wrapper include/epcomm.hpp (tests/cpp/wrapper_test.cpp): exceptions
-//! with vLLM's message and class, RAII handles, tensors, a one-rank MoE round trip and the EPLB
-//! policy, under ASan+UBSan.
+//! The header-only C++17 wrapper include/epcomm.hpp, under ASan+UBSan against the shared
+//! library: tests/cpp/wrapper_test.cpp (one process: exceptions with vLLM's message and class,
+//! RAII handles, a one-rank MoE round trip, names, logging, the config builder, DLPack exports,
+//! the GPU manager without CUDA/NCCL), tests/cpp/eplb_policy_test.cpp (vLLM's EPLB policy
+//! steps, migration batches and layer plans on vLLM's vectors) and tests/cpp/ranks_test.cpp
+//! (two forked ranks of a shared-memory group: send/recv, shared buffers and zero-copy
+//! combines, extras, FP8 dispatch, the EPLB communicator and rearrangements, load statistics;
+//! the parent checks that nothing is left in /dev/shm).
 
 mod common;
 
@@ -16,5 +21,28 @@ fn cpp_wrapper_cpp17_sanitized() {
         "cppwrap",
         Duration::from_secs(60),
         "wrapper_test (C++17, epcomm.hpp, ASan+UBSan)",
+    );
+}
+
+#[test]
+fn cpp_wrapper_eplb_policy_cpp17_sanitized() {
+    let exe = out_dir("cpp-eplb-policy").join("eplb_policy_test");
+    let source = manifest_dir().join("tests/cpp/eplb_policy_test.cpp");
+    build_sanitized(&cxx_compiler(), Lang::Cxx17.flags(), &source, &exe);
+    assert_c_test_passed(
+        "eplb_policy_test (C++17, epcomm.hpp, ASan+UBSan)",
+        &run_sanitized(&exe),
+    );
+}
+
+#[test]
+fn cpp_wrapper_ranks_cpp17_sanitized() {
+    // The program's own deadline for its ranks is 45 s; this bounds the whole run above that.
+    check_group_program(
+        "tests/cpp/ranks_test.cpp",
+        Lang::Cxx17,
+        "cppranks",
+        Duration::from_secs(90),
+        "ranks_test (C++17, epcomm.hpp, two ranks, ASan+UBSan)",
     );
 }
