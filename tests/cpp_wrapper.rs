@@ -24,6 +24,16 @@ fn cpp_wrapper_cpp17_sanitized() {
     );
 }
 
+/// The same program as C++20, where tensors are also made from std::span.
+#[test]
+fn cpp_wrapper_cpp20_sanitized() {
+    let exe = out_dir("cpp-wrapper-cpp20").join("wrapper_test");
+    let source = manifest_dir().join("tests/cpp/wrapper_test.cpp");
+    build_sanitized(&cxx_compiler(), &["-x", "c++", "-std=c++20"], &source, &exe);
+    let out = run_group_program(&exe, &group_name("cppwrap", "y"), Duration::from_secs(60));
+    assert_c_test_passed("wrapper_test (C++20, epcomm.hpp, ASan+UBSan)", &out);
+}
+
 #[test]
 fn cpp_wrapper_eplb_policy_cpp17_sanitized() {
     let exe = out_dir("cpp-eplb-policy").join("eplb_policy_test");

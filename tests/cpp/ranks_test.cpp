@@ -18,7 +18,7 @@
 using I64 = std::vector<int64_t>;
 using epcomm::Tensor;
 
-enum { WORLD = 2, E = 4, K = 2, H = 8, T = 3 };
+constexpr int WORLD = 2, E = 4, K = 2, H = 8, T = 3;
 
 // ---- groups and shared buffers ----------------------------------------------------------------
 
@@ -205,7 +205,7 @@ static uint8_t fp8_code(int r, int t, int j) {
     return (j % 128 == 0) ? 0x7e : uint8_t(((j * 5 + t + r) % 0x7e) | ((j & 1) << 7));
 }
 
-enum { FH = 256, FT = 2 };
+constexpr int FH = 256, FT = 2;
 
 // Rows whose scales name a token carry that token's codes; returns the rows matched.
 static int64_t fp8_rows(const Tensor &q, const Tensor &scales) {
@@ -289,7 +289,7 @@ static void test_communicator(epcomm::EplbCommunicator &comm, int rank) {
     CHECK_NOTHROW(comm.execute());  // nothing queued: still collective, still fine
 }
 
-enum { L = 2, SLOTS = 4, LOCAL = 2, COLS = 3 };
+constexpr int L = 2, SLOTS = 4, LOCAL = 2, COLS = 3;
 
 static float row_value(int64_t expert, int layer, int col) { return float(expert * 100 + layer * 10 + col); }
 

@@ -6,10 +6,20 @@
 #include "checks.hpp"  // first: it selects POSIX for the system headers
 
 #include <cstring>
+#if __cplusplus >= 202002L
+#include <span>
+#endif
 #include <string>
 #include <vector>
 
 using I64 = std::vector<int64_t>;
+
+static const char NO_WINDOWS[] =
+    "group 'cpphost' has no shared memory to allocate from: only a shared-memory group with "
+    "EPCOMM_SHM_DIRECT=1 (the default) maps windows into its peers; use ordinary memory with this group";
+static const char NO_BUFFER[] =
+    "group 'cpphost' has no shared memory for an expert-output buffer (a shared-memory group with "
+    "EPCOMM_SHM_DIRECT=1 has; this transport reads expert outputs from ordinary memory)";
 
 static void test_errors_and_config() {
     CHECK(epcomm::resolve_backend("deepep_low_latency") == EPCOMM_ALL2ALL_DEEPEP_LOW_LATENCY);
@@ -48,6 +58,40 @@ static void test_groups() {
     }
     epcomm_group_options o = epcomm::group_options();
     CHECK(o.struct_size == sizeof o && !o.elastic && !o.disable_direct_reads);
+}
+
+// A one-rank group over the host's transport (its all_gather copies): it has no shared-memory
+// windows, so shared buffers and the expert-output buffer are refused with the reason.
+static int32_t copy_gather(void *, const void *input, size_t bytes, void *output) {
+    std::memcpy(output, input, bytes);
+    return 0;
+}
+static int32_t no_send(void *, int32_t, const void *, size_t) { return 1; }
+static int32_t no_recv(void *, int32_t, void *, size_t) { return 1; }
+
+static void test_host_group() {
+    epcomm_host_callbacks cb{};
+    cb.struct_size = sizeof cb;
+    cb.send = no_send;
+    cb.recv = no_recv;
+    cb.all_gather = copy_gather;
+    epcomm::Group g = epcomm::Group::host(cb, "cpphost", 0, 1);
+    CHECK(g.rank() == 0 && g.size() == 1);
+    CHECK(g.all_gather(int64_t{42}) == I64{42});
+    CHECK_THROWS(g.alloc(64), EPCOMM_ERROR_UNAVAILABLE, NO_WINDOWS);
+    epcomm::MoeConfig c;
+    c.experts(2).top_k(1).hidden_size(4).dtypes(epcomm::f32()).max_tokens_per_rank(2);
+    epcomm::All2All a(g, "deepep_low_latency", c);
+    std::vector<float> x = {1, 2, 3, 4};
+    std::vector<int64_t> ids = {1};
+    std::vector<float> w = {1.0f};
+    a.dispatch(epcomm::Tensor::of(x, {1, 4}), epcomm::Tensor::of(ids, {1, 1}), epcomm::Tensor::of(w, {1, 1}));
+    CHECK_THROWS(a.expert_output_buffer(), EPCOMM_ERROR_UNAVAILABLE, NO_BUFFER);
+#if __cplusplus >= 202002L
+    // C++20: views of std::span.
+    std::span<float> s(x);
+    CHECK(epcomm::Tensor::of(s, {2, 2}).data() == x.data() && epcomm::Tensor::of(s, {4}).numel() == 4);
+#endif
 }
 
 static void test_round_trip(const std::string &name) {
@@ -252,6 +296,7 @@ int main(int argc, char **argv) {
     test_errors_and_config();
     test_groups();
     test_round_trip(name);
+    test_host_group();
     test_names();
     test_eplb_select();
     test_logging();
