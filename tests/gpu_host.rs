@@ -1,5 +1,6 @@
 //! The host side of the GPU transports, without a GPU: NCCL exchange plans and capacity
-//! layout, the one-sided workspace layout, epochs, device error words, the peer table, fd
+//! layout, the one-sided workspace layout, epochs, device error words (and signal.cu's epochs,
+//! wait and error word run on the CPU against them), the peer table, fd
 //! passing (SCM_RIGHTS, threads and a child process), the capability JSON and the loaders'
 //! "unavailable" messages.
 
@@ -10,6 +11,10 @@ use std::time::{Duration, Instant};
 
 use epcomm::error::{Error, Status};
 use epcomm::gpu::caps;
+use epcomm::gpu::kernels::{
+    self, encode_error_word, DeviceError, ERR_CAPACITY, ERR_DUPLICATE_ID, ERR_HOST_REJECTED,
+    ERR_ID_OUT_OF_RANGE, ERR_RANK_CAPACITY, ERR_WAIT_TIMEOUT,
+};
 use epcomm::gpu::nccl::{
     self, counts_plan, supports_zero_size_p2p, version_parts, CapacityLayout, ExchangeOptions,
     LocalCopy, NcclComm, NcclUniqueId, PeerTransfer,
@@ -18,8 +23,8 @@ use epcomm::gpu::onesided::fdpass::{
     exchange_fds, recv_with_fds, send_with_fds, socket_pair, PeerFd,
 };
 use epcomm::gpu::onesided::{
-    epoch_reached, error_code, DeviceError, Epoch, PeerEntry, PeerSource, PeerTable,
-    WorkspaceLayout, REGION_ALIGN, ROW_ALIGN,
+    epoch_reached, Epoch, ErrorWord, PeerEntry, PeerSource, PeerTable, WorkspaceLayout,
+    ERROR_WORD_BYTES, REGION_ALIGN, ROW_ALIGN,
 };
 
 mod common;
@@ -316,35 +321,190 @@ fn epochs_skip_zero_and_compare_across_wraparound() {
     }
 }
 
+/// `check` of an error word on rank 2 at epoch 17: (status, message).
+fn check_word(w: u64) -> Option<(Status, String)> {
+    ErrorWord(w)
+        .check(2, Epoch(17))
+        .err()
+        .map(|e| (e.status(), e.to_string()))
+}
+
 #[test]
 fn device_error_words() {
-    DeviceError::default().check(0).unwrap();
-    let e = DeviceError::from_words([error_code::TIMEOUT, 3, 17, 0])
-        .check(1)
+    assert_eq!(ERROR_WORD_BYTES, 8);
+    assert_eq!(check_word(0), None);
+    assert_eq!(ErrorWord::default().decode(), None);
+    // A timeout on peer 0 is an error naming rank 0 (a four-word decoding once read the
+    // kernel's word for peer 0 as "no error"); every peer index survives.
+    for peer in [0u32, 1, 3, 4095, u32::MAX] {
+        let w = encode_error_word(ERR_WAIT_TIMEOUT, peer, 0);
+        assert_eq!(
+            ErrorWord(w).decode(),
+            Some(DeviceError::WaitTimeout { peer })
+        );
+        assert_eq!(
+            check_word(w),
+            Some((
+                Status::Timeout,
+                format!("one-sided transport: rank 2 timed out waiting for rank {peer} (epoch 17); the peer is slow, stuck or gone")
+            ))
+        );
+    }
+    let at = "one-sided transport: rank 2, epoch 17";
+    let cases = [
+        (
+            encode_error_word(ERR_RANK_CAPACITY, 1, 400),
+            Status::InvalidArgument,
+            "one-sided transport: rank 1 sent 400 rows to rank 2 (epoch 17), more than the workspace capacity".to_string(),
+        ),
+        (
+            encode_error_word(ERR_ID_OUT_OF_RANGE, 5, 1),
+            Status::InvalidArgument,
+            format!("{at}: topk_ids[5][1] is out of range: expected -1 (masked) or an expert id in [0, num_experts)"),
+        ),
+        (
+            encode_error_word(ERR_DUPLICATE_ID, 0, 3),
+            Status::InvalidArgument,
+            format!("{at}: topk_ids[0] routes token 0 to one expert twice (entry 3 repeats an earlier one): the top-k experts of a token must be distinct"),
+        ),
+        (
+            encode_error_word(ERR_CAPACITY, 9, 2),
+            Status::InvalidArgument,
+            format!("{at}: expert bucket 2 is full: received row 9 does not fit (more tokens than max_tokens_per_rank * world_size)"),
+        ),
+        (
+            encode_error_word(ERR_HOST_REJECTED, 0, 0),
+            Status::InvalidArgument,
+            format!("{at}: its input failed the host-side checks (sizes, shapes, dtypes or alignment)"),
+        ),
+        (
+            encode_error_word(7, 1, 2),
+            Status::Internal,
+            format!("{at}: unknown device error code 7 (a=1, b=2)"),
+        ),
+        (
+            encode_error_word(255, 0, 0),
+            Status::Internal,
+            format!("{at}: unknown device error code 255 (a=0, b=0)"),
+        ),
+    ];
+    for (w, status, msg) in cases {
+        assert_eq!(check_word(w), Some((status, msg)), "{w:#018x}");
+    }
+    // The bytes read back from the workspace are the native-endian u64.
+    let w = encode_error_word(ERR_WAIT_TIMEOUT, 0, 0);
+    assert_eq!(ErrorWord::from_bytes(&w.to_ne_bytes()), ErrorWord(w));
+    assert_eq!(ErrorWord::from_bytes(&[0; ERROR_WORD_BYTES]), ErrorWord(0));
+}
+
+/// Host stand-ins for signal.cu's inline-PTX helpers; the rest of signal.cu (from its
+/// "portable part" marker) is the real source. Virtual time: each `%globaltimer` read advances
+/// 100 ns, so a wait gives up after `timeout_ns / 100` polls, deterministically.
+const SIGNAL_EMU_MAIN: &str = r##"#include "emu_prelude.h"
+#include "prelude_tail.h"
+static u64 emu_clock = 0;
+static inline void ep_st_release_sys(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static inline u32 ep_ld_acquire_sys(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void ep_fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+static inline u64 ep_globaltimer() { return emu_clock += 100; }
+static inline void ep_nanosleep() {}
+#include "signal_portable.cu"
+static const u32 S[] = {0u, 1u, 2u, 0x7fffffffu, 0x80000000u, 0x80000001u, 0xfffffffeu, 0xffffffffu};
+// Runs ep_wait for R = 4 peers whose flags are f at epoch e; prints the error word.
+static void wait(const char* name, u32 e, u32 f0, u32 f1, u32 f2, u32 f3) {
+    u32 flags[4] = {f0, f1, f2, f3}; u64 err = 0;
+    emu_seq(1, 32, [&] { ep_wait(flags, 4, &e, 1000, &err); });
+    printf("wait %s %llu\n", name, (unsigned long long)err);
+}
+int main() {
+    for (u32 e : S) { u32 ep = e; emu_seq(1, 32, [&] { ep_epoch_bump(&ep); }); printf("next %u %u\n", e, ep); }
+    for (u32 f : S) for (u32 w : S) printf("reached %u %u %d\n", f, w, (int)ep_epoch_reached(f, w));
+    wait("all_signalled", 5, 5, 5, 6, 5);
+    // Zeroed flags at an epoch past 2^31: a plain serial compare would take 0 as "reached".
+    wait("never_signalled_high_epoch", 0xffffffffu, 0, 0, 0, 0);
+    wait("never_signalled_mid_epoch", 0x80000001u, 0, 0, 0, 0);
+    // Bumped across the wrap: 0xffffffff -> 1; a peer still at 0 (never signalled) is waited for.
+    u32 wrapped = 0xffffffffu; emu_seq(1, 1, [&] { ep_epoch_bump(&wrapped); });
+    wait("after_wrap", wrapped, 1, 1, 0, 1);
+    wait("stale_peer_3", 9, 9, 10, 9, 8);
+    wait("stale_peers_0_and_2", 9, 8, 9, 8, 9);
+    // ep_signal stores the epoch into each peer's slot (0 = skip).
+    u32 slots[3] = {0, 0, 0}; u32 ep = 42;
+    u64 peers[3] = {(u64)&slots[0], 0ull, (u64)&slots[2]};
+    emu_seq(1, 32, [&] { ep_signal(peers, 3, &ep); });
+    printf("signal %u %u %u\n", slots[0], slots[1], slots[2]);
+    return 0;
+}
+"##;
+
+#[test]
+fn signal_kernels_agree_with_the_host_on_the_host() {
+    let Some(cxx) = common::cuda_emu::cxx_or_skip("signal_kernels_agree_with_the_host_on_the_host")
+    else {
+        return;
+    };
+    let marker = "// ---- portable part";
+    let portable = kernels::SIGNAL_CU
+        .split_once(marker)
+        .map(|(_, rest)| format!("{marker}{rest}"))
+        .expect("signal.cu marks its portable part");
+    let dir = common::cuda_emu::temp_dir("signal-emu");
+    common::cuda_emu::write_sources(
+        &dir,
+        &[
+            ("signal_portable.cu", &portable),
+            ("main.cpp", SIGNAL_EMU_MAIN),
+        ],
+    );
+    let (ok, stdout) = common::cuda_emu::build_and_run(&cxx, &dir, &[], "signal");
+    assert!(ok, "{stdout}");
+    let mut waits = std::collections::HashMap::new();
+    let mut counts = [0; 3];
+    for line in stdout.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        let n = |i: usize| f[i].parse::<u64>().expect("number");
+        match f[0] {
+            "next" => {
+                assert_eq!(Epoch(n(1) as u32).next(), Epoch(n(2) as u32), "{line}");
+                counts[0] += 1;
+            }
+            "reached" => {
+                assert_eq!(epoch_reached(n(1) as u32, n(2) as u32), n(3) == 1, "{line}");
+                counts[1] += 1;
+            }
+            "wait" => {
+                waits.insert(f[1].to_string(), n(2));
+            }
+            "signal" => {
+                assert_eq!(&f[1..], ["42", "0", "42"], "{line}");
+                counts[2] += 1;
+            }
+            other => panic!("unexpected line {other:?}"),
+        }
+    }
+    assert_eq!(counts, [8, 64, 1], "{stdout}");
+    let timeout = |peer| encode_error_word(ERR_WAIT_TIMEOUT, peer, 0);
+    let want = [
+        ("all_signalled", 0),
+        ("never_signalled_high_epoch", timeout(0)),
+        ("never_signalled_mid_epoch", timeout(0)),
+        ("after_wrap", timeout(2)),
+        ("stale_peer_3", timeout(3)),
+        ("stale_peers_0_and_2", timeout(0)),
+    ];
+    for (name, word) in want {
+        assert_eq!(waits.get(name), Some(&word), "{name}:\n{stdout}");
+    }
+    assert_eq!(waits.len(), want.len());
+    // What the host makes of the kernel's word: the peer that never signalled, peer 0 included.
+    let e = ErrorWord(waits["never_signalled_high_epoch"])
+        .check(1, Epoch(u32::MAX))
         .unwrap_err();
-    assert_eq!(e.status(), Status::Timeout);
     assert_eq!(
         e.to_string(),
-        "one-sided transport: rank 1 timed out waiting for rank 3 (epoch 17); the peer is slow, stuck or gone"
+        "one-sided transport: rank 1 timed out waiting for rank 0 (epoch 4294967295); the peer is slow, stuck or gone"
     );
-    let mut b = [0u8; 16];
-    for (i, w) in [error_code::CAPACITY, 2u32, 9, 400].iter().enumerate() {
-        b[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
-    }
-    let d = DeviceError::from_bytes(&b);
-    assert_eq!(d, DeviceError::from_words([2, 2, 9, 400]));
-    let e = d.check(0).unwrap_err();
-    assert_eq!(e.status(), Status::InvalidArgument);
-    assert!(
-        e.to_string().contains("rank 2 sent 400 rows to rank 0"),
-        "{e}"
-    );
-    let e = DeviceError::from_words([error_code::EPOCH_MISMATCH, 1, 5, 7])
-        .check(0)
-        .unwrap_err();
-    assert_eq!(e.status(), Status::PeerFailure);
-    let e = DeviceError::from_words([99, 1, 5, 7]).check(0).unwrap_err();
-    assert_eq!(e.status(), Status::Internal);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

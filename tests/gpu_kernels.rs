@@ -850,3 +850,82 @@ int main() {{
     assert_eq!(c(0xff80_0001), 0xffc0, "signalling NaN made quiet");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every `#define EP_ERR_<NAME> <value>` of a CUDA source: (name, value).
+fn error_defines(src: &str) -> Vec<(String, u64)> {
+    src.lines()
+        .filter_map(|l| l.trim().strip_prefix("#define EP_ERR_"))
+        .map(|rest| {
+            let (name, value) = rest.split_once(' ').expect("#define NAME VALUE");
+            let v = value.trim().trim_end_matches('u');
+            let v = match v.strip_prefix("0x") {
+                Some(hex) => u64::from_str_radix(hex, 16),
+                None => v.parse(),
+            }
+            .unwrap_or_else(|e| panic!("EP_ERR_{name} = {value}: {e}"));
+            (format!("EP_ERR_{name}"), v)
+        })
+        .collect()
+}
+
+/// The error word has one definition: prelude.cu's `EP_ERR_*` defines are exactly
+/// `kernels::ERROR_WORD_DEFINES`, no other kernel source defines any, and the real
+/// `ep_err_make` (host emulation) builds `encode_error_word`'s word for every code and for
+/// extreme `a`/`b`, which `decode_error_word` reads back.
+#[test]
+fn error_word_layout_is_declared_once() {
+    let parsed = error_defines(kernels::PRELUDE_CU);
+    let want: Vec<(String, u64)> = kernels::ERROR_WORD_DEFINES
+        .iter()
+        .map(|(n, v)| (n.to_string(), *v))
+        .collect();
+    assert_eq!(parsed, want);
+    for m in Module::ALL {
+        assert_eq!(error_defines(m.body()), [], "{}.cu", m.name());
+    }
+    let Some(cxx) = cuda_emu::cxx_or_skip("error_word_layout_is_declared_once") else {
+        return;
+    };
+    let dir = temp_dir("err-word");
+    let main = r#"#include "emu_prelude.h"
+#include "prelude_tail.h"
+int main() {
+    const u32 as[] = {0u, 1u, 4095u, 0xffffffffu}, bs[] = {0u, 7u, 0xffffffu, 0xffffffffu};
+    for (u32 code = 0; code < 256; code += 1)
+        for (u32 a : as) for (u32 b : bs)
+            printf("%u %u %u %llu\n", code, a, b, (unsigned long long)ep_err_make(code, a, b));
+    return 0;
+}
+"#;
+    cuda_emu::write_sources(&dir, &[("main.cpp", main)]);
+    let (ok, stdout) = cuda_emu::build_and_run(&cxx, &dir, &[], "errword");
+    assert!(ok, "{stdout}");
+    let mut n = 0;
+    for line in stdout.lines() {
+        let f: Vec<u64> = line
+            .split(' ')
+            .map(|x| x.parse().expect("number"))
+            .collect();
+        let (code, a, b) = (f[0] as u8, f[1] as u32, f[2] as u32);
+        assert_eq!(f[3], kernels::encode_error_word(code, a, b), "{line}");
+        if code != 0 {
+            let d = kernels::decode_error_word(f[3]).expect("non-zero word");
+            let (da, db) = match d {
+                kernels::DeviceError::IdOutOfRange { token, k }
+                | kernels::DeviceError::DuplicateId { token, k } => (token, k),
+                kernels::DeviceError::Capacity { row, local_expert } => (row, local_expert),
+                kernels::DeviceError::WaitTimeout { peer } => (peer, b & kernels::ERR_B_MASK),
+                kernels::DeviceError::RankCapacity { source, rows } => (source, rows),
+                kernels::DeviceError::HostRejected => (a, b & kernels::ERR_B_MASK),
+                kernels::DeviceError::Unknown { code: c, a, b } => {
+                    assert_eq!(c, code);
+                    (a, b)
+                }
+            };
+            assert_eq!((da, db), (a, b & kernels::ERR_B_MASK), "{line}");
+        }
+        n += 1;
+    }
+    assert_eq!(n, 256 * 16);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -822,11 +822,33 @@ pub const ERR_RANK_CAPACITY: u8 = 5;
 /// return an error naming it instead of waiting (a = b = 0).
 pub const ERR_HOST_REJECTED: u8 = 6;
 
+/// Bit position of the code (8 bits) in the device error word.
+pub const ERR_CODE_SHIFT: u32 = 56;
+/// Bit position of `a` (32 bits: token, row or peer) in the device error word.
+pub const ERR_A_SHIFT: u32 = 24;
+/// Mask of `b` (the low 24 bits: k, expert, rows).
+pub const ERR_B_MASK: u32 = 0x00ff_ffff;
+
+/// The one declaration of the device error word: every `#define EP_ERR_*` of
+/// `kernels/prelude.cu` with its value (the layout, then each code a kernel writes).
+/// tests/gpu_kernels.rs parses the prelude against this table; the one-sided workspace's
+/// error word ([`crate::gpu::onesided::ErrorWord`]) is this same word.
+pub const ERROR_WORD_DEFINES: [(&str, u64); 8] = [
+    ("EP_ERR_CODE_SHIFT", ERR_CODE_SHIFT as u64),
+    ("EP_ERR_A_SHIFT", ERR_A_SHIFT as u64),
+    ("EP_ERR_B_MASK", ERR_B_MASK as u64),
+    ("EP_ERR_ID_OUT_OF_RANGE", ERR_ID_OUT_OF_RANGE as u64),
+    ("EP_ERR_DUPLICATE_ID", ERR_DUPLICATE_ID as u64),
+    ("EP_ERR_CAPACITY", ERR_CAPACITY as u64),
+    ("EP_ERR_WAIT_TIMEOUT", ERR_WAIT_TIMEOUT as u64),
+    ("EP_ERR_RANK_CAPACITY", ERR_RANK_CAPACITY as u64),
+];
+
 /// Builds an error word the way the kernels do: code in bits 63..56, `a` in 55..24, `b` (24
 /// bits) in 23..0. 0 means "no error"; when several threads fail the word of the lowest
 /// (a, b, code) is kept: the first bad (token, k), as the CPU validation reports.
 pub fn encode_error_word(code: u8, a: u32, b: u32) -> u64 {
-    (u64::from(code) << 56) | (u64::from(a) << 24) | u64::from(b & 0x00ff_ffff)
+    (u64::from(code) << ERR_CODE_SHIFT) | (u64::from(a) << ERR_A_SHIFT) | u64::from(b & ERR_B_MASK)
 }
 
 /// A decoded device error word.
@@ -883,9 +905,9 @@ pub fn decode_error_word(word: u64) -> Option<DeviceError> {
     if word == 0 {
         return None;
     }
-    let code = (word >> 56) as u8;
-    let a = ((word >> 24) & 0xffff_ffff) as u32;
-    let b = (word & 0x00ff_ffff) as u32;
+    let code = (word >> ERR_CODE_SHIFT) as u8;
+    let a = (word >> ERR_A_SHIFT) as u32;
+    let b = word as u32 & ERR_B_MASK;
     Some(match code {
         ERR_ID_OUT_OF_RANGE => DeviceError::IdOutOfRange { token: a, k: b },
         ERR_DUPLICATE_ID => DeviceError::DuplicateId { token: a, k: b },

@@ -55,7 +55,12 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 
 // ---- device error word -----------------------------------------------------------------
 // 64 bits: code (63..56) | a (55..24, u32: token or peer) | b (23..0: k, expert, ...).
-// 0 = no error. Decoded on the host by kernels.rs::decode_error_word.
+// 0 = no error. Declared once in Rust (kernels.rs: ERROR_WORD_DEFINES, decode_error_word; the
+// one-sided workspace holds the same word): tests/gpu_kernels.rs checks every EP_ERR_ define
+// here against that table and runs ep_err_make against encode_error_word.
+#define EP_ERR_CODE_SHIFT 56
+#define EP_ERR_A_SHIFT 24
+#define EP_ERR_B_MASK 0xffffffu
 #define EP_ERR_ID_OUT_OF_RANGE 1u
 #define EP_ERR_DUPLICATE_ID 2u
 #define EP_ERR_CAPACITY 3u
@@ -63,14 +68,16 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 #define EP_ERR_RANK_CAPACITY 5u
 
 __device__ __forceinline__ u64 ep_err_make(u32 code, u32 a, u32 b) {
-    return ((u64)(code & 0xffu) << 56) | ((u64)a << 24) | (u64)(b & 0xffffffu);
+    return ((u64)(code & 0xffu) << EP_ERR_CODE_SHIFT) | ((u64)a << EP_ERR_A_SHIFT) |
+           (u64)(b & EP_ERR_B_MASK);
 }
 
 // Ordering key of a word: a (token/peer), then b (k, ...), then the code. The lowest token,
 // then the lowest k, is the entry the CPU path's in-order validation reports first (at one
 // (t, k) only one check can fail: an out-of-range id counts as -1 for the duplicate check).
 __device__ __forceinline__ u64 ep_err_key(u64 w) {
-    return (((w >> 24) & 0xffffffffull) << 32) | ((w & 0xffffffull) << 8) | (w >> 56);
+    return (((w >> EP_ERR_A_SHIFT) & 0xffffffffull) << 32) | ((w & EP_ERR_B_MASK) << 8) |
+           (w >> EP_ERR_CODE_SHIFT);
 }
 
 // Keeps the non-zero word of the smallest key: when several threads fail, the report is

@@ -4,8 +4,9 @@
 //!
 //! - [`WorkspaceLayout`]: byte offsets inside one rank's workspace (pure, unit-tested).
 //! - [`Epoch`] / [`epoch_reached`]: monotonic u32 epochs, compared wraparound-safely; `0` means
-//!   "never signalled", so freshly zeroed flags never look complete.
-//! - [`DeviceError`]: the error word's layout and its decoding into a status naming the peer.
+//!   "never signalled", so freshly zeroed flags never look complete (`ep_epoch_next` and
+//!   `ep_epoch_reached` in kernels/signal.cu are the same rules, checked in the emulation).
+//! - [`ErrorWord`]: the kernels' 64-bit device error word and its status naming the peer.
 //! - [`PeerTable`]: R base pointers and how each was obtained.
 //! - [`fdpass`]: SCM_RIGHTS fd passing and the group rendezvous over a Unix socket.
 //!
@@ -16,23 +17,25 @@
 //! POSIX fd and all-gathers the fds with [`fdpass::exchange_fds`], maps every peer's workspace
 //! at [`WorkspaceLayout`] strides into a [`PeerTable`], and orders writes with the
 //! `ep_signal`/`ep_wait` kernels (kernels/signal.cu) over [`Epoch`] flags, decoding timeouts
-//! with [`DeviceError`]. Until then tests/gpu_host.rs covers every item here on the CPU:
+//! with [`ErrorWord`]. Until then tests/gpu_host.rs covers every item here on the CPU:
 //! `workspace_layout_is_aligned_and_disjoint`, `epochs_skip_zero_and_compare_across_wraparound`,
-//! `device_error_words`, `peer_table`, `scm_rights_over_a_socket_pair`,
+//! `device_error_words`, `signal_kernels_agree_with_the_host_on_the_host` (signal.cu's epochs,
+//! wait and error word run on the CPU), `peer_table`, `scm_rights_over_a_socket_pair`,
 //! `oversized_message_is_an_error_and_fds_are_closed` and the `rendezvous_*` tests (threads
 //! and a child process).
 
 pub mod fdpass;
 
 use crate::error::{Error, Result};
+use crate::gpu::kernels::{self, DeviceError};
 use crate::gpu::nccl::plan::align_up;
 
 /// Alignment of each row inside a slab (16-byte vector loads/stores).
 pub const ROW_ALIGN: usize = 16;
 /// Alignment of every region of the workspace (a cache line / NVLink write granule).
 pub const REGION_ALIGN: usize = 128;
-/// Bytes of the device error word (`[code, peer, epoch, detail]` as u32).
-pub const ERROR_WORD_BYTES: usize = 16;
+/// Bytes of the device error word (one u64, [`ErrorWord`]).
+pub const ERROR_WORD_BYTES: usize = 8;
 
 /// Byte offsets of one rank's one-sided workspace. Every rank has the same layout, so a sender
 /// computes the address in a peer's workspace from the peer's base pointer alone.
@@ -42,7 +45,7 @@ pub const ERROR_WORD_BYTES: usize = 16;
 /// [meta slabs:  src 0..R × capacity × meta_stride     ]  (ids / weights / scales per row)
 /// [counts:      src 0..R × u32                         ]  rows src wrote in this epoch
 /// [flags:       src 0..R × u32                         ]  epoch src last completed
-/// [error word:  4 × u32                                ]
+/// [error word:  u64 (ErrorWord)                        ]
 /// ```
 /// Each region starts 128-byte aligned; the total is a multiple of 128 (round it up to the VMM
 /// granularity when allocating).
@@ -201,69 +204,46 @@ pub fn epoch_reached(flag: u32, want: u32) -> bool {
     flag != 0 && (flag.wrapping_sub(want) as i32) >= 0
 }
 
-/// Error codes the kernels write into the device error word.
-pub mod error_code {
-    /// No error.
-    pub const NONE: u32 = 0;
-    /// A spin-wait on a peer's flag passed its deadline (`peer` = that rank).
-    pub const TIMEOUT: u32 = 1;
-    /// A peer announced more rows than the slab capacity (`detail` = the count).
-    pub const CAPACITY: u32 = 2;
-    /// A peer's flag jumped past the expected epoch (a rank skipped or repeated an operation).
-    pub const EPOCH_MISMATCH: u32 = 3;
-}
-
-/// The device error word, `[code, peer, epoch, detail]`, written once by the first failing
-/// block (the kernels exit instead of trapping, so the context survives).
+/// The device error word of a one-sided operation, as `ep_wait` (kernels/signal.cu) writes it
+/// into the workspace: the kernels' 64-bit word ([`kernels::encode_error_word`]: code, then `a`
+/// = the peer, then `b`; 0 = no error), so host and device share one layout
+/// ([`kernels::ERROR_WORD_DEFINES`]). The kernels keep the word of the lowest peer and return
+/// instead of trapping, so the context survives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct DeviceError {
-    /// One of [`error_code`].
-    pub code: u32,
-    /// The rank involved.
-    pub peer: u32,
-    /// The epoch of the failing operation.
-    pub epoch: u32,
-    /// Code-specific detail (a count, the peer's epoch).
-    pub detail: u32,
-}
+pub struct ErrorWord(pub u64);
 
-impl DeviceError {
-    /// From the four words read back from the device.
-    pub fn from_words(w: [u32; 4]) -> DeviceError {
-        DeviceError {
-            code: w[0],
-            peer: w[1],
-            epoch: w[2],
-            detail: w[3],
-        }
+impl ErrorWord {
+    /// From the [`ERROR_WORD_BYTES`] read back (native endianness, as the device wrote them).
+    pub fn from_bytes(b: &[u8; ERROR_WORD_BYTES]) -> ErrorWord {
+        ErrorWord(u64::from_ne_bytes(*b))
     }
 
-    /// From the 16 bytes read back (native endianness, as the device wrote them).
-    pub fn from_bytes(b: &[u8; ERROR_WORD_BYTES]) -> DeviceError {
-        let mut w = [0u32; 4];
-        for (slot, v) in w.iter_mut().zip(crate::bytes::words::<u32>(b)) {
-            *slot = v;
-        }
-        DeviceError::from_words(w)
+    /// The decoded condition, `None` for 0.
+    pub fn decode(self) -> Option<DeviceError> {
+        kernels::decode_error_word(self.0)
     }
 
-    /// The status for this word on rank `rank`, or `Ok` when it holds no error.
-    pub fn check(&self, rank: usize) -> Result<()> {
-        let (peer, epoch, detail) = (self.peer, self.epoch, self.detail);
-        match self.code {
-            error_code::NONE => Ok(()),
-            error_code::TIMEOUT => Err(Error::Timeout(format!(
-                "one-sided transport: rank {rank} timed out waiting for rank {peer} (epoch {epoch}); the peer is slow, stuck or gone"
+    /// The status of the operation at `epoch` on rank `rank`: `Ok` when the word holds no
+    /// error; a timeout names the peer that never signalled (peer 0 included).
+    pub fn check(self, rank: usize, epoch: Epoch) -> Result<()> {
+        let at = format!("one-sided transport: rank {rank}, epoch {}", epoch.0);
+        match self.decode() {
+            None => Ok(()),
+            Some(DeviceError::WaitTimeout { peer }) => Err(Error::Timeout(format!(
+                "one-sided transport: rank {rank} timed out waiting for rank {peer} (epoch {}); the peer is slow, stuck or gone",
+                epoch.0
             ))),
-            error_code::CAPACITY => Err(Error::InvalidArgument(format!(
-                "one-sided transport: rank {peer} sent {detail} rows to rank {rank} (epoch {epoch}), more than the workspace capacity"
+            Some(DeviceError::RankCapacity { source, rows }) => Err(Error::InvalidArgument(format!(
+                "one-sided transport: rank {source} sent {rows} rows to rank {rank} (epoch {}), more than the workspace capacity",
+                epoch.0
             ))),
-            error_code::EPOCH_MISMATCH => Err(Error::PeerFailure(format!(
-                "one-sided transport: rank {peer} is at epoch {detail} while rank {rank} expected {epoch}; the ranks did not issue the same operations"
-            ))),
-            code => Err(Error::Internal(format!(
-                "one-sided transport: unknown device error code {code} (peer {peer}, epoch {epoch}, detail {detail}) on rank {rank}"
-            ))),
+            Some(
+                e @ (DeviceError::IdOutOfRange { .. }
+                | DeviceError::DuplicateId { .. }
+                | DeviceError::Capacity { .. }
+                | DeviceError::HostRejected),
+            ) => Err(Error::InvalidArgument(format!("{at}: {e}"))),
+            Some(e @ DeviceError::Unknown { .. }) => Err(Error::Internal(format!("{at}: {e}"))),
         }
     }
 }
