@@ -233,7 +233,8 @@ public:
     /// A view of `data` with the element type of T (bfloat16/float16 data: use the
     /// constructor with epcomm::bf16() / epcomm::f16()).
     template <class T> static Tensor of(T *data, std::vector<int64_t> shape) {
-        return Tensor(const_cast<void *>(static_cast<const void *>(data)), dtype_of<typename std::remove_const<T>::type>::value, std::move(shape));
+        return Tensor(const_cast<void *>(static_cast<const void *>(data)),
+                      dtype_of<typename std::remove_const<T>::type>::value, std::move(shape));
     }
     template <class T> static Tensor of(std::vector<T> &v, std::vector<int64_t> shape) {
         return of(v.data(), std::move(shape));
@@ -737,7 +738,8 @@ public:
     DLPackExport(const epcomm_tensor &t, bool versioned, std::function<void()> on_release = {})
         : versioned_(versioned) {
         std::function<void()> *ctx = on_release ? new std::function<void()>(std::move(on_release)) : nullptr;
-        const int32_t st = epcomm_dlpack_export(&t, versioned, ctx ? &DLPackExport::released : nullptr, ctx, &m_);
+        const int32_t st =
+            epcomm_dlpack_export(&t, versioned, ctx ? &DLPackExport::released : nullptr, ctx, &m_);
         if (st != EPCOMM_OK) {
             delete ctx;  // a failed export never calls its release function
             throw last_error(st);
@@ -812,7 +814,9 @@ inline std::vector<int64_t> eplb_rebalance(const std::vector<float> &weight, int
                                            int64_t replicas, int64_t groups, int64_t nodes, int64_t ranks,
                                            const std::vector<int64_t> *old_phy2log = nullptr) {
     detail::require_size("weight", weight.size(), layers * logical, "num_layers * num_logical_experts");
-    if (old_phy2log) detail::require_size("old_phy2log", old_phy2log->size(), layers * replicas, "num_layers * num_replicas");
+    if (old_phy2log) {
+        detail::require_size("old_phy2log", old_phy2log->size(), layers * replicas, "num_layers * num_replicas");
+    }
     std::vector<int64_t> out(static_cast<size_t>(layers * replicas));
     check(epcomm_eplb_rebalance(weight.data(), layers, logical, replicas, groups, nodes, ranks,
                                 old_phy2log ? old_phy2log->data() : nullptr, out.data()));
@@ -826,7 +830,9 @@ inline std::vector<int64_t> eplb_rebalance_experts(const std::vector<float> &wei
                                                    const std::vector<int64_t> *old_phy2log = nullptr,
                                                    uint32_t flags = 0) {
     detail::require_size("weight", weight.size(), layers * logical, "num_layers * num_logical_experts");
-    if (old_phy2log) detail::require_size("old_phy2log", old_phy2log->size(), layers * replicas, "num_layers * num_replicas");
+    if (old_phy2log) {
+        detail::require_size("old_phy2log", old_phy2log->size(), layers * replicas, "num_layers * num_replicas");
+    }
     std::vector<int64_t> out(static_cast<size_t>(layers * replicas));
     check(epcomm_eplb_rebalance_experts(weight.data(), layers, logical, replicas, groups, nodes, ranks,
                                         old_phy2log ? old_phy2log->data() : nullptr, flags, out.data()));
@@ -853,8 +859,10 @@ struct Packing {
 /// vLLM's balanced_packing of `weight` [rows, items] into `packs` packs per row.
 inline Packing eplb_balanced_packing(const std::vector<double> &weight, int64_t rows, int64_t items, int64_t packs) {
     detail::require_size("weight", weight.size(), rows * items, "num_rows * num_items");
-    Packing p{std::vector<int64_t>(static_cast<size_t>(rows * items)), std::vector<int64_t>(static_cast<size_t>(rows * items))};
-    check(epcomm_eplb_balanced_packing(weight.data(), rows, items, packs, p.pack_index.data(), p.rank_in_pack.data()));
+    const size_t n = static_cast<size_t>(rows * items);
+    Packing p{std::vector<int64_t>(n), std::vector<int64_t>(n)};
+    check(epcomm_eplb_balanced_packing(weight.data(), rows, items, packs, p.pack_index.data(),
+                                       p.rank_in_pack.data()));
     return p;
 }
 
@@ -868,8 +876,10 @@ struct Replication {
 inline Replication eplb_replicate_experts(const std::vector<double> &weight, int64_t rows, int64_t logical,
                                           int64_t physical) {
     detail::require_size("weight", weight.size(), rows * logical, "num_rows * num_logical");
-    Replication r{std::vector<int64_t>(static_cast<size_t>(rows * physical)), std::vector<int64_t>(static_cast<size_t>(rows * logical))};
-    check(epcomm_eplb_replicate_experts(weight.data(), rows, logical, physical, r.phy2log.data(), r.logcnt.data()));
+    Replication r{std::vector<int64_t>(static_cast<size_t>(rows * physical)),
+                  std::vector<int64_t>(static_cast<size_t>(rows * logical))};
+    check(epcomm_eplb_replicate_experts(weight.data(), rows, logical, physical, r.phy2log.data(),
+                                        r.logcnt.data()));
     return r;
 }
 
@@ -880,7 +890,8 @@ inline std::vector<int64_t> eplb_preserve_intragpu_slots(const std::vector<int64
     const int64_t physical = layers > 0 ? static_cast<int64_t>(phy2log.size()) / layers : 0;
     detail::require_size("old_phy2log", old_phy2log.size(), static_cast<int64_t>(phy2log.size()), "phy2log's size");
     std::vector<int64_t> out(phy2log.size());
-    check(epcomm_eplb_preserve_intragpu_slots(phy2log.data(), layers, physical, ranks, old_phy2log.data(), out.data()));
+    check(epcomm_eplb_preserve_intragpu_slots(phy2log.data(), layers, physical, ranks, old_phy2log.data(),
+                                              out.data()));
     return out;
 }
 
@@ -915,7 +926,8 @@ inline LogicalMaps eplb_logical_maps(const std::vector<int64_t> &phy2log, int64_
     LogicalMaps m;
     m.max_replicas = max_replicas;
     m.logcnt.resize(static_cast<size_t>(layers > 0 && logical > 0 ? layers * logical : 0));
-    m.log2phy.resize(static_cast<size_t>(layers > 0 && logical > 0 && max_replicas > 0 ? layers * logical * max_replicas : 0));
+    const bool sized = layers > 0 && logical > 0 && max_replicas > 0;
+    m.log2phy.resize(static_cast<size_t>(sized ? layers * logical * max_replicas : 0));
     check(epcomm_eplb_logical_maps(phy2log.data(), layers, physical, logical, max_replicas, m.logcnt.data(),
                                    m.log2phy.data()));
     return m;
@@ -1001,12 +1013,14 @@ public:
     /// must stay unchanged until execute returns.
     void add_send(const std::vector<Tensor> &tensors, int32_t dst, int64_t expert) {
         const std::vector<epcomm_tensor> t = detail::raw(tensors);
-        check(epcomm_eplb_communicator_add_send(c_.get(), t.empty() ? nullptr : t.data(), t.size(), dst, expert));
+        check(epcomm_eplb_communicator_add_send(c_.get(), t.empty() ? nullptr : t.data(), t.size(), dst,
+                                                expert));
     }
     /// Queues receiving one expert's rows from rank `src` into `tensors`.
     void add_recv(const std::vector<Tensor> &tensors, int32_t src, int64_t expert) {
         const std::vector<epcomm_tensor> t = detail::raw(tensors);
-        check(epcomm_eplb_communicator_add_recv(c_.get(), t.empty() ? nullptr : t.data(), t.size(), src, expert));
+        check(epcomm_eplb_communicator_add_recv(c_.get(), t.empty() ? nullptr : t.data(), t.size(), src,
+                                                expert));
     }
     /// Runs every queued transfer (collective) and clears the queue, also on failure.
     void execute() { check(epcomm_eplb_communicator_execute(c_.get())); }
@@ -1032,8 +1046,9 @@ public:
         const std::vector<epcomm_tensor> w = detail::raw(weights);
         epcomm_eplb_summary sum{};
         check(epcomm_eplb_rearrange(c_.get(), old_phy2log.data(), new_phy2log.data(), num_layers, s.old_slots,
-                                    s.new_slots, w.data(), s.tensors, rank_mapping.empty() ? nullptr : rank_mapping.data(),
-                                    rank_mapping.size(), &sum));
+                                    s.new_slots, w.data(), s.tensors,
+                                    rank_mapping.empty() ? nullptr : rank_mapping.data(), rank_mapping.size(),
+                                    &sum));
         return sum;
     }
     /// Double-buffered rearrange: `weights` are only read and the new placement is written
@@ -1044,7 +1059,8 @@ public:
                                        const std::vector<Tensor> &weights, const std::vector<Tensor> &next_weights,
                                        const RearrangeOptions &options = RearrangeOptions()) {
         const Shape s = shape(old_phy2log, new_phy2log, num_layers, weights);
-        detail::require_size("next_weights", next_weights.size(), static_cast<int64_t>(weights.size()), "weights' size");
+        detail::require_size("next_weights", next_weights.size(), static_cast<int64_t>(weights.size()),
+                             "weights' size");
         const std::vector<epcomm_tensor> w = detail::raw(weights), n = detail::raw(next_weights);
         epcomm_eplb_summary sum{};
         int64_t valid = 0;
@@ -1093,7 +1109,8 @@ public:
     /// The schedule from the old to the new map (`slots_per_rank` slots per rank; -1 = empty).
     MigrationSchedule(const std::vector<int64_t> &old_phy2log, const std::vector<int64_t> &new_phy2log,
                       int64_t slots_per_rank) {
-        detail::require_size("new_phy2log", new_phy2log.size(), static_cast<int64_t>(old_phy2log.size()), "old_phy2log's size");
+        detail::require_size("new_phy2log", new_phy2log.size(), static_cast<int64_t>(old_phy2log.size()),
+                             "old_phy2log's size");
         check(epcomm_eplb_schedule_migration_batches(old_phy2log.data(), new_phy2log.data(),
                                                      static_cast<int64_t>(old_phy2log.size()), slots_per_rank,
                                                      s_.out()));
@@ -1129,9 +1146,10 @@ class LayerPlan {
 public:
     LayerPlan(const std::vector<int64_t> &old_phy2log, const std::vector<int64_t> &new_phy2log,
               int64_t slots_per_rank, int32_t rank) {
-        detail::require_size("new_phy2log", new_phy2log.size(), static_cast<int64_t>(old_phy2log.size()), "old_phy2log's size");
-        check(epcomm_eplb_plan_layer(old_phy2log.data(), new_phy2log.data(), static_cast<int64_t>(old_phy2log.size()),
-                                     slots_per_rank, rank, p_.out()));
+        detail::require_size("new_phy2log", new_phy2log.size(), static_cast<int64_t>(old_phy2log.size()),
+                             "old_phy2log's size");
+        check(epcomm_eplb_plan_layer(old_phy2log.data(), new_phy2log.data(),
+                                     static_cast<int64_t>(old_phy2log.size()), slots_per_rank, rank, p_.out()));
     }
     /// The C views (valid while this plan lives).
     epcomm_eplb_plan_view view() const {
@@ -1167,7 +1185,9 @@ public:
         check(epcomm_eplb_state_record_dispatch(s_.get(), layer, a2a.get()));
     }
     /// Adds one token per valid id of `topk_ids` (int32/int64, -1 ignored) to layer `layer`.
-    void record(int64_t layer, const Tensor &topk_ids) { check(epcomm_eplb_state_record(s_.get(), layer, topk_ids.get())); }
+    void record(int64_t layer, const Tensor &topk_ids) {
+        check(epcomm_eplb_state_record(s_.get(), layer, topk_ids.get()));
+    }
     /// Ends a forward step (collective when logging balancedness); true when a rearrangement
     /// is due.
     bool step(Group &group, bool is_dummy, bool log_stats) {
@@ -1180,7 +1200,8 @@ public:
     std::vector<float> logical_load(Group &group, const std::vector<int64_t> &phy2log, int64_t num_layers,
                                     int64_t num_logical) const {
         const int64_t physical = num_layers > 0 ? static_cast<int64_t>(phy2log.size()) / num_layers : 0;
-        std::vector<float> load(static_cast<size_t>(num_layers > 0 && num_logical > 0 ? num_layers * num_logical : 0));
+        const bool sized = num_layers > 0 && num_logical > 0;
+        std::vector<float> load(static_cast<size_t>(sized ? num_layers * num_logical : 0));
         check(epcomm_eplb_state_logical_load(s_.get(), group.get(), phy2log.data(), num_layers, physical, num_logical,
                                              load.data()));
         return load;

@@ -168,7 +168,8 @@ static void test_extras(epcomm::Group &g, int rank) {
         for (int k = 0; k < K; ++k) {
             if (ids[i * K + k] < 0) continue;
             bad += ids[i * K + k] / (E / WORLD) != rank;  // only this rank's experts
-            for (int h = 0; h < H; ++h) y[i * H + h] += w[i * K + k] * float(ids[i * K + k] + 1) * hidden.as<float>()[i * H + h];
+            const float f = w[i * K + k] * float(ids[i * K + k] + 1);
+            for (int h = 0; h < H; ++h) y[i * H + h] += f * hidden.as<float>()[i * H + h];
         }
     }
     CHECK(bad == 0);
@@ -394,7 +395,8 @@ static void test_state(epcomm::Group &g, int rank) {
     epcomm::EplbState s("toy", 1, 4, "{\"window_size\": 4, \"step_interval\": 8, \"log_balancedness\": true}");
     // Rank 0 routes 3 tokens (one masked id), rank 1 routes 2: per expert [2, 1, 1, 1] and
     // [0, 0, 1, 2], summed [2, 1, 2, 3].
-    std::vector<int32_t> ids = rank == 0 ? std::vector<int32_t>{0, 1, 2, 3, 0, -1} : std::vector<int32_t>{3, 2, 3, -1};
+    std::vector<int32_t> ids = {3, 2, 3, -1};
+    if (rank == 0) ids = {0, 1, 2, 3, 0, -1};
     const Tensor t = Tensor::of(ids, {rank == 0 ? 3 : 2, 2});
     s.record(0, t);
     CHECK(!s.step(g, false, true));  // step 6 of 8: the first rearrangement after step_interval / 4
@@ -402,7 +404,8 @@ static void test_state(epcomm::Group &g, int rank) {
         CHECK(lines.size() == 1);
         if (lines.size() == 1) {
             CHECK(lines[0].rfind(PREFIX, 0) == 0 && lines[0].find(", balancedness=") != std::string::npos);
-            CHECK(lines[0].size() > sizeof END && lines[0].compare(lines[0].size() - (sizeof END - 1), sizeof END - 1, END) == 0);
+            const size_t n = sizeof END - 1;
+            CHECK(lines[0].size() > n && lines[0].compare(lines[0].size() - n, n, END) == 0);
         }
     } else {
         CHECK(lines.empty());  // only rank 0 logs the line
@@ -412,7 +415,8 @@ static void test_state(epcomm::Group &g, int rank) {
                  "load of layer 1 with 4 experts; expected a layer below 1 and 4 physical experts");
     CHECK(!s.migration_batching());
     CHECK(epcomm::EplbState("toy", 1, 4, "{\"enable_migration_batching\": true}").migration_batching());
-    CHECK(!epcomm::EplbState("toy", 1, 4, "{\"use_async\": false, \"enable_migration_batching\": true}").migration_batching());
+    const char *no_async = "{\"use_async\": false, \"enable_migration_batching\": true}";
+    CHECK(!epcomm::EplbState("toy", 1, 4, no_async).migration_batching());
     CHECK_THROWS(epcomm::EplbState("toy", 1, 4, "{\"window_size\": 0}"), EPCOMM_ERROR_INVALID_ARGUMENT,
                  "1 validation error for EPLBConfig\nwindow_size\n"
                  "  Input should be greater than 0 [type=greater_than, input_value=0, input_type=int]\n"
