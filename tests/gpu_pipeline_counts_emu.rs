@@ -122,12 +122,10 @@ impl Rank {
         let zero = ZERO_SIZE_P2P.load(std::sync::atomic::Ordering::Relaxed);
         let pipe = Pipeline::new(backend(s.layout), moe_cfg(&s), d, R, mode, zero)
             .unwrap_or_else(|e| panic!("{s:?}: {e}"));
-        Rank {
-            s,
-            pipe,
-            x: HostExec::new(d, fabric, K as u32, s.kind),
-            inp,
-        }
+        let mut x = HostExec::new(d, fabric, K as u32, s.kind);
+        // What GpuManager::new does.
+        pipe.reserve(&mut x).unwrap();
+        Rank { s, pipe, x, inp }
     }
 
     fn rb(&self) -> usize {
@@ -164,7 +162,7 @@ impl Rank {
     fn dispatch(&mut self) -> epcomm::Result<Out> {
         let input = self.input();
         let o = self.pipe.dispatch(&mut self.x, &input)?;
-        let err = self.x.pool.get("err", 8);
+        let err = self.x.mem.get("err");
         assert_eq!(
             read::<u64>(err, 1)[0],
             0,
@@ -242,7 +240,7 @@ impl Rank {
         let out = if t == 0 {
             0
         } else {
-            self.x.pool.get("comb_out", t * ob)
+            self.x.mem.input("comb_out", t * ob)
         };
         self.pipe
             .combine(&mut self.x, expert_output, out)

@@ -119,10 +119,12 @@ fn ranks(backend: &str, mode: GpuMode) -> Vec<Rank> {
     };
     let fabric = Fabric::new(R);
     (0..R)
-        .map(|d| Rank {
-            pipe: Pipeline::new(backend, cfg.clone(), d, R, mode, true).unwrap(),
-            x: HostExec::new(d, fabric.clone(), K as u32, FloatKind::F32),
-            d,
+        .map(|d| {
+            let pipe = Pipeline::new(backend, cfg.clone(), d, R, mode, true).unwrap();
+            let mut x = HostExec::new(d, fabric.clone(), K as u32, FloatKind::F32);
+            // What GpuManager::new does.
+            pipe.reserve(&mut x).unwrap();
+            Rank { pipe, x, d }
         })
         .collect()
 }
@@ -139,7 +141,7 @@ impl Rank {
             extras: vec![],
         };
         let o = self.pipe.dispatch(&mut self.x, &input).unwrap();
-        let err = self.x.pool.get("err", 8);
+        let err = self.x.mem.get("err");
         assert_eq!(
             read::<u64>(err, 1)[0],
             0,
@@ -152,7 +154,7 @@ impl Rank {
     fn combine(&mut self, y: &[f32]) -> Vec<f32> {
         let t = worked_example()[self.d].0.len();
         let y = self.x.put("expert_output", epcomm::bytes::as_bytes(y));
-        let out = self.x.pool.get("comb_out", 4 * t);
+        let out = self.x.mem.input("comb_out", 4 * t);
         self.pipe.combine(&mut self.x, y, out).unwrap();
         read::<f32>(out, t)
     }

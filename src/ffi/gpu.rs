@@ -436,10 +436,10 @@ mod imp {
         }
     }
 
-    fn bind(device: i32) -> Result<PrimaryContext> {
-        let ctx = PrimaryContext::retain(Device::get(device as usize)?)?;
-        ctx.set_current()?;
-        Ok(ctx)
+    /// The device's primary context, retained for a create call (NCCL's init uses the
+    /// current device: the caller pushes it with `enter` and gets its own back after).
+    fn retain(device: i32) -> Result<PrimaryContext> {
+        PrimaryContext::retain(Device::get(device as usize)?)
     }
 
     fn state(mgr: GpuManager, device: i32) -> GpuState {
@@ -462,7 +462,8 @@ mod imp {
         // Validate the configuration before the (blocking, collective) communicator init.
         crate::moe::Manager::new(name, cfg.clone(), rank as usize, world as usize)?;
         cuda_ready()?;
-        let _ctx = bind(device)?;
+        let ctx = retain(device)?;
+        let _bound = ctx.enter()?;
         let id = NcclUniqueId::from_bytes(id)?;
         let comm = NcclComm::init_rank(&id, rank as usize, world as usize)?;
         let mgr = GpuManager::new(name, cfg, Box::new(comm), device as usize, gpu_mode(mode))?;
@@ -477,7 +478,8 @@ mod imp {
         mode: i32,
     ) -> Result<GpuState> {
         cuda_ready()?;
-        let _ctx = bind(device)?;
+        let ctx = retain(device)?;
+        let _bound = ctx.enter()?;
         // SAFETY: caller contract: a live communicator of the loaded NCCL.
         let comm = unsafe { NcclComm::adopt(comm) }?;
         let mgr = GpuManager::new(name, cfg, Box::new(comm), device as usize, gpu_mode(mode))?;

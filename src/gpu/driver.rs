@@ -6,9 +6,10 @@
 //! library/symbol becomes [`Error::Unavailable`], a `CUresult` error an [`Error`] carrying the
 //! driver's own text. Drops never panic (errors there are ignored: nothing can report them).
 //!
-//! Contexts: everything uses the device's *primary* context (the one PyTorch uses); bind it on
-//! the calling thread with [`PrimaryContext::set_current`]. Streams are usually the host's
-//! (`cudaStream_t` is the same handle as `CUstream`) and borrowed.
+//! Contexts: everything uses the device's *primary* context (the one PyTorch uses). An entry
+//! point binds it for its own duration with [`PrimaryContext::enter`] (push, then pop when the
+//! guard drops), so a host thread driving several GPUs keeps its current device. Streams are
+//! usually the host's (`cudaStream_t` is the same handle as `CUstream`) and borrowed.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -21,9 +22,7 @@ use crate::probe;
 
 pub use cudarc::driver::sys::CUdevice_attribute as DeviceAttribute;
 
-/// The message when a host sync is requested on a capturing stream.
-pub const CAPTURE_SYNC_MESSAGE: &str =
-    "counts need a host sync; use capacity mode under CUDA graphs";
+pub use crate::gpu::transport::pipeline::CAPTURE_SYNC_MESSAGE;
 
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
@@ -230,11 +229,29 @@ impl PrimaryContext {
         })
     }
 
-    /// Makes it current on the calling thread (do this on every entry thread).
+    /// Makes it current on the calling thread for good (`cuCtxSetCurrent`): for threads that
+    /// only ever use this device (tests, the device check); entry points use
+    /// [`PrimaryContext::enter`].
     pub fn set_current(&self) -> Result<()> {
         guarded("cuCtxSetCurrent", || {
             // SAFETY: a retained context.
             check(unsafe { sys::cuCtxSetCurrent(self.raw) }, "cuCtxSetCurrent")
+        })
+    }
+
+    /// Makes it current on the calling thread until the guard drops, which restores the
+    /// caller's context (`cuCtxPushCurrent` / `cuCtxPopCurrent`).
+    pub fn enter(&self) -> Result<ContextGuard<'_>> {
+        guarded("cuCtxPushCurrent", || {
+            // SAFETY: a retained context; popped by the guard on this thread.
+            check(
+                unsafe { sys::cuCtxPushCurrent_v2(self.raw) },
+                "cuCtxPushCurrent",
+            )?;
+            Ok(ContextGuard {
+                _ctx: self,
+                _not_send: std::marker::PhantomData,
+            })
         })
     }
 
@@ -246,6 +263,24 @@ impl PrimaryContext {
     /// The raw `CUcontext`.
     pub fn raw(&self) -> sys::CUcontext {
         self.raw
+    }
+}
+
+/// The context [`PrimaryContext::enter`] pushed, popped on drop (on the same thread: the
+/// guard is not `Send`).
+#[derive(Debug)]
+pub struct ContextGuard<'a> {
+    _ctx: &'a PrimaryContext,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for ContextGuard<'_> {
+    fn drop(&mut self) {
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context `enter` pushed on this thread.
+        quietly(|| unsafe {
+            let _ = sys::cuCtxPopCurrent_v2(&mut popped);
+        });
     }
 }
 
@@ -328,6 +363,15 @@ impl Stream {
                 }
                 _ => CaptureStatus::Invalidated,
             })
+        })
+    }
+
+    /// Whether the stream is being captured into a CUDA graph (`cuStreamIsCapturing`; an
+    /// invalidated capture counts: it still must be ended).
+    pub fn is_capturing(&self) -> Result<bool> {
+        Ok(match self.capture_status()? {
+            CaptureStatus::None => false,
+            CaptureStatus::Active | CaptureStatus::Invalidated => true,
         })
     }
 
@@ -549,13 +593,34 @@ impl Drop for ModuleInner {
     }
 }
 
+/// Bytes of the JIT error log a failed module load reports.
+const JIT_LOG_BYTES: usize = 8192;
+
+/// `e` with the JIT's error log (NUL-terminated in `log`) appended, when there is one.
+fn with_jit_log(e: Error, log: &[u8]) -> Error {
+    let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+    let text = String::from_utf8_lossy(&log[..end]);
+    let text = text.trim();
+    if text.is_empty() {
+        return e;
+    }
+    let msg = format!("{e}; JIT log: {text}");
+    match e {
+        Error::Unavailable(_) => Error::Unavailable(msg),
+        Error::InvalidArgument(_) => Error::InvalidArgument(msg),
+        Error::InvalidState(_) => Error::InvalidState(msg),
+        _ => Error::Runtime(msg),
+    }
+}
+
 /// A loaded module (CUBIN or PTX); unloaded when it and all its functions are dropped.
 #[derive(Debug, Clone)]
 pub struct Module(Arc<ModuleInner>);
 
 impl Module {
-    /// Loads a CUBIN (ELF) or PTX image into the current context (`cuModuleLoadData`). PTX is
-    /// NUL-terminated here if needed.
+    /// Loads a CUBIN (ELF) or PTX image into the current context (`cuModuleLoadDataEx`); a
+    /// failure carries the JIT's error log (`CU_JIT_ERROR_LOG_BUFFER`). PTX is NUL-terminated
+    /// here if needed.
     pub fn load(image: &[u8]) -> Result<Module> {
         let is_elf = image.starts_with(b"\x7fELF");
         let owned;
@@ -567,15 +632,31 @@ impl Module {
         };
         guarded("cuModuleLoadData", || {
             let mut m: sys::CUmodule = std::ptr::null_mut();
-            // SAFETY: `data` is a complete image (ELF, or NUL-terminated PTX) alive for the call.
-            check(
-                unsafe { sys::cuModuleLoadData(&mut m, data.as_ptr().cast()) },
-                if is_elf {
-                    "cuModuleLoadData(CUBIN)"
-                } else {
-                    "cuModuleLoadData(PTX)"
-                },
-            )?;
+            let mut log = vec![0u8; JIT_LOG_BYTES];
+            let mut opts = [
+                sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+                sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+            ];
+            // The size option's value is passed in the pointer itself (the driver's convention).
+            let mut vals: [*mut c_void; 2] =
+                [log.as_mut_ptr().cast(), JIT_LOG_BYTES as *mut c_void];
+            // SAFETY: `data` is a complete image (ELF, or NUL-terminated PTX) alive for the call;
+            // the log buffer holds JIT_LOG_BYTES bytes, as the second option says.
+            let rc = unsafe {
+                sys::cuModuleLoadDataEx(
+                    &mut m,
+                    data.as_ptr().cast(),
+                    opts.len() as c_uint,
+                    opts.as_mut_ptr(),
+                    vals.as_mut_ptr(),
+                )
+            };
+            let what = if is_elf {
+                "cuModuleLoadDataEx(CUBIN)"
+            } else {
+                "cuModuleLoadDataEx(PTX)"
+            };
+            check(rc, what).map_err(|e| with_jit_log(e, &log))?;
             Ok(Module(Arc::new(ModuleInner(m))))
         })
     }

@@ -16,8 +16,10 @@
 #![allow(dead_code)]
 
 use std::alloc::Layout as AllocLayout;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -26,6 +28,7 @@ use epcomm::gpu::kernels::{self, IdDtype, SCAN_THREADS};
 use epcomm::gpu::nccl::plan::ExchangePlan;
 use epcomm::gpu::transport::gate::Gate;
 use epcomm::gpu::transport::pipeline::Executor;
+use epcomm::gpu::transport::pool::{Block, Pool};
 use epcomm::num::FloatKind;
 
 use crate::common::cuda_emu::{self, cxx, cxx_or_skip};
@@ -198,9 +201,13 @@ fn lib(k: KernelId, id: IdDtype, kind: FloatKind) -> String {
 
 const GUARD: usize = 64;
 
-struct Buf {
+/// One emulated allocation: `bytes` usable, then a guard band. The last request's size
+/// (`used`) is where the guard starts, so an overflow past what a call asked for is caught
+/// even in a buffer reserved larger.
+pub struct Buf {
     ptr: *mut u8,
     bytes: usize,
+    used: Cell<usize>,
     layout: AllocLayout,
 }
 
@@ -210,26 +217,24 @@ unsafe impl Send for Buf {}
 
 impl Drop for Buf {
     fn drop(&mut self) {
-        // SAFETY: allocated with this layout in Pool::get.
+        // SAFETY: allocated with this layout in Buf::alloc.
         unsafe { std::alloc::dealloc(self.ptr, self.layout) }
     }
 }
 
-/// The CUDA pool's grow-only named buffers, with exact sizes and guard bands.
-#[derive(Default)]
-pub struct Pool {
-    dev: HashMap<String, Buf>,
+impl Block for Buf {
+    fn ptr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
 }
 
-impl Pool {
-    /// The buffer `name` of at least `bytes`.
-    pub fn get(&mut self, name: &str, bytes: usize) -> u64 {
-        let bytes = bytes.max(16);
-        if let Some(b) = self.dev.get(name) {
-            if b.bytes >= bytes {
-                return b.ptr as u64;
-            }
-        }
+impl Buf {
+    /// `bytes` filled with 0xCD (cuMemAlloc leaves garbage), then the guard band.
+    fn alloc(bytes: usize) -> Buf {
         let layout = AllocLayout::from_size_align(bytes + GUARD, 256).unwrap();
         // SAFETY: non-zero size.
         let ptr = unsafe { std::alloc::alloc(layout) };
@@ -239,19 +244,92 @@ impl Pool {
             std::ptr::write_bytes(ptr, 0xCD, bytes);
             std::ptr::write_bytes(ptr.add(bytes), 0xA5, GUARD);
         }
-        self.dev.insert(name.to_owned(), Buf { ptr, bytes, layout });
-        ptr as u64
+        Buf {
+            ptr,
+            bytes,
+            used: Cell::new(bytes),
+            layout,
+        }
+    }
+
+    /// A request of `bytes` (> 0): the guard band starts there.
+    fn request(&self, bytes: usize) {
+        if bytes == self.used.get() {
+            return;
+        }
+        assert!(bytes <= self.bytes);
+        // SAFETY: [bytes, self.bytes + GUARD) lies inside the allocation.
+        unsafe { std::ptr::write_bytes(self.ptr.add(bytes), 0xA5, self.bytes + GUARD - bytes) };
+        self.used.set(bytes);
+    }
+
+    fn guard(&self) -> &[u8] {
+        let used = self.used.get();
+        // SAFETY: the guard band of a live allocation.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(used), self.bytes + GUARD - used) }
+    }
+
+    fn holds(&self, addr: u64, bytes: usize) -> bool {
+        let start = self.ptr as u64;
+        addr >= start && addr + bytes as u64 <= start + self.used.get() as u64
+    }
+}
+
+/// The pipeline's buffers (the library's own pool policy over emulated allocations) and the
+/// test's inputs and outputs.
+#[derive(Default)]
+pub struct Memory {
+    /// What the pipeline asked for, as the CUDA executor's pool holds it.
+    pub pool: Pool<Buf>,
+    inputs: HashMap<String, Buf>,
+}
+
+impl Memory {
+    fn all(&self) -> impl Iterator<Item = (&str, &Buf)> {
+        self.pool
+            .iter()
+            .chain(self.inputs.iter().map(|(n, b)| (n.as_str(), b)))
+    }
+
+    /// A test buffer `name` of `bytes` (inputs and outputs the host passes in).
+    pub fn input(&mut self, name: &str, bytes: usize) -> u64 {
+        let bytes = bytes.max(16);
+        if let Some(b) = self.inputs.get(name).filter(|b| b.bytes >= bytes) {
+            b.request(bytes);
+            return b.ptr as u64;
+        }
+        let b = Buf::alloc(bytes);
+        let p = b.ptr as u64;
+        self.inputs.insert(name.to_owned(), b);
+        p
+    }
+
+    /// The pipeline's buffer `name` (allocated by now).
+    pub fn get(&self, name: &str) -> u64 {
+        self.pool
+            .find(name)
+            .unwrap_or_else(|| panic!("no pipeline buffer '{name}'"))
+            .ptr as u64
+    }
+
+    /// Every pipeline buffer's address, by name (graphs capture these).
+    pub fn addresses(&self) -> Vec<(String, u64)> {
+        let mut v: Vec<(String, u64)> = self
+            .pool
+            .iter()
+            .map(|(n, b)| (n.to_owned(), b.ptr as u64))
+            .collect();
+        v.sort();
+        v
     }
 
     /// Panics naming `what` when a guard band was overwritten.
     pub fn check_guards(&self, what: &str) {
-        for (name, b) in &self.dev {
-            // SAFETY: the guard band of a live allocation.
-            let g = unsafe { std::slice::from_raw_parts(b.ptr.add(b.bytes), GUARD) };
+        for (name, b) in self.all() {
             assert!(
-                g.iter().all(|&x| x == 0xA5),
+                b.guard().iter().all(|&x| x == 0xA5),
                 "{what} wrote past the end of device buffer '{name}' ({} bytes)",
-                b.bytes
+                b.used.get()
             );
         }
     }
@@ -261,10 +339,7 @@ impl Pool {
         if bytes == 0 {
             return;
         }
-        let inside = self.dev.values().any(|b| {
-            let start = b.ptr as u64;
-            addr >= start && addr + bytes as u64 <= start + b.bytes as u64
-        });
+        let inside = self.all().any(|(_, b)| b.holds(addr, bytes));
         assert!(
             inside,
             "{what}: {bytes} bytes at {addr:#x} lie outside every buffer"
@@ -296,6 +371,7 @@ fn memcpy(dst: u64, src: u64, bytes: usize) {
 pub struct Fabric {
     world: usize,
     gate: Gate,
+    aborted: AtomicBool,
     items: Mutex<Vec<Vec<(ExchangePlan, u64, u64)>>>,
     rows: Mutex<Vec<Vec<i32>>>,
 }
@@ -309,16 +385,59 @@ impl Fabric {
         Arc::new(Fabric {
             world,
             gate: Gate::new(),
+            aborted: AtomicBool::new(false),
             items: Mutex::new(vec![Vec::new(); world]),
             rows: Mutex::new(vec![Vec::new(); world]),
         })
     }
 
-    fn barrier(&self, rank: usize, what: &str) {
-        if let Err(e) = self.gate.wait(self.world, rank, WAIT) {
-            panic!("rank {rank} waits in {what} the other ranks never join (only some ranks failed?): {e}");
+    /// A peer that aborted (its manager failed mid-call) makes this an error, as NCCL reports
+    /// a peer's abort; a peer that never comes is a panic (a hang on a GPU).
+    fn barrier(&self, rank: usize, what: &str) -> epcomm::Result<()> {
+        match self.gate.wait(self.world, rank, WAIT) {
+            Ok(()) => Ok(()),
+            Err(e) if self.aborted.load(Ordering::SeqCst) => Err(epcomm::Error::PeerFailure(
+                format!("rank {rank} in {what}: a peer aborted the communicator ({e})"),
+            )),
+            Err(e) => panic!("rank {rank} waits in {what} the other ranks never join (only some ranks failed?): {e}"),
         }
     }
+
+    /// What `ncclCommAbort` does to the peers: their collectives fail.
+    fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        self.gate.poison();
+    }
+}
+
+thread_local! {
+    /// The emulated driver's context stack of this thread (cuCtxPushCurrent / PopCurrent).
+    static CONTEXTS: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The emulated current context of this thread.
+pub fn current_context() -> Option<usize> {
+    CONTEXTS.with(|c| c.borrow().last().copied())
+}
+
+/// Makes `ctx` current on this thread (cuCtxSetCurrent: replaces the top).
+pub fn set_current_context(ctx: usize) {
+    CONTEXTS.with(|c| {
+        let mut c = c.borrow_mut();
+        c.pop();
+        c.push(ctx);
+    })
+}
+
+/// What an executor may inject: a failing allocation, launch or host sync.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Allocating (or growing) this buffer fails (cuMemAlloc's out of memory).
+    pub alloc: Option<String>,
+    /// Launching this kernel fails.
+    pub launch: Option<KernelId>,
+    /// The counts host sync times out.
+    pub read: bool,
 }
 
 /// One rank's host executor.
@@ -326,13 +445,21 @@ pub struct HostExec {
     /// This rank.
     pub rank: usize,
     /// Its device memory.
-    pub pool: Pool,
+    pub mem: Memory,
     /// The float kind of the expert outputs (which combine module runs).
     pub kind: FloatKind,
     /// The launch builders: top-k, and a small grid cap so every grid-stride loop strides.
     pub calls: Calls,
     /// The last all-gather's result (every rank's counts row).
     pub gathered: Vec<i32>,
+    /// Whether the stream is being captured into a CUDA graph (cuStreamIsCapturing).
+    pub capturing: bool,
+    /// Failures to inject.
+    pub faults: Faults,
+    /// The emulated context of this rank's device (what `enter` pushes).
+    pub ctx: usize,
+    /// Whether the pipeline aborted this rank's transport.
+    pub aborted: bool,
     fabric: Arc<Fabric>,
 }
 
@@ -341,26 +468,40 @@ impl HostExec {
     pub fn new(rank: usize, fabric: Arc<Fabric>, top_k: u32, kind: FloatKind) -> HostExec {
         HostExec {
             rank,
-            pool: Pool::default(),
+            mem: Memory::default(),
             kind,
             calls: Calls {
                 top_k,
                 max_blocks: 2,
             },
             gathered: Vec::new(),
+            capturing: false,
+            faults: Faults::default(),
+            ctx: 1000 + rank,
+            aborted: false,
             fabric,
         }
     }
 
-    /// Copies `data` into the buffer `name` (a test input); NULL for no data, as
+    /// Copies `data` into the test buffer `name` (a test input); NULL for no data, as
     /// src/ffi/gpu.rs passes empty tensors.
     pub fn put(&mut self, name: &str, data: &[u8]) -> u64 {
         if data.is_empty() {
             return 0;
         }
-        let p = self.pool.get(name, data.len());
+        let p = self.mem.input(name, data.len());
         memcpy(p, data.as_ptr() as u64, data.len());
         p
+    }
+
+    /// Device work runs in this rank's context (the pipeline entered it).
+    fn in_context(&self, what: &str) {
+        assert_eq!(
+            current_context(),
+            Some(self.ctx),
+            "rank {}: {what} outside the manager's context",
+            self.rank
+        );
     }
 
     /// Copies this rank's receives of item `i` from the peers' send buffers.
@@ -398,21 +539,68 @@ impl HostExec {
 }
 
 impl Executor for HostExec {
+    fn enter(&mut self) -> epcomm::Result<()> {
+        CONTEXTS.with(|c| c.borrow_mut().push(self.ctx));
+        Ok(())
+    }
+
+    fn leave(&mut self) {
+        let popped = CONTEXTS.with(|c| c.borrow_mut().pop());
+        assert_eq!(popped, Some(self.ctx), "leave pops what enter pushed");
+    }
+
+    fn reserve(&mut self, name: &str, bytes: usize) -> epcomm::Result<()> {
+        self.mem
+            .pool
+            .reserve(name, bytes, |n| Ok(Buf::alloc(n)))
+            .map(|_| ())
+    }
+
     fn calls(&mut self, _id: IdDtype) -> epcomm::Result<Calls> {
         Ok(self.calls)
     }
 
     fn buffer(&mut self, name: &str, bytes: usize) -> epcomm::Result<u64> {
-        Ok(self.pool.get(name, bytes))
+        self.in_context("a buffer request");
+        let capturing = self.capturing;
+        let fail = self.faults.alloc.as_deref() == Some(name);
+        let p = self.mem.pool.get(
+            name,
+            bytes,
+            || Ok(capturing),
+            |n| {
+                if fail {
+                    return Err(epcomm::Error::Runtime(format!(
+                        "CUDA error in cuMemAlloc({n} bytes): out of memory (CUDA_ERROR_OUT_OF_MEMORY) [injected for '{name}']"
+                    )));
+                }
+                Ok(Buf::alloc(n))
+            },
+        )?;
+        if bytes > 0 {
+            self.mem
+                .pool
+                .find(name)
+                .expect("just got")
+                .request(bytes.max(16));
+        }
+        Ok(p)
     }
 
     /// `Kernels::run`: every call checked against its table, then executed.
     fn launch(&mut self, id: IdDtype, calls: &[Call]) -> epcomm::Result<()> {
         // The emulated grid state of a module is global: one launch at a time.
         static LAUNCH: Mutex<()> = Mutex::new(());
+        self.in_context("a launch");
         let emu = emu().expect("emulation built");
         for c in calls {
             let sig = c.kernel.sig();
+            if self.faults.launch == Some(c.kernel) {
+                return Err(epcomm::Error::Runtime(format!(
+                    "launching {}: CUDA error in cuLaunchKernel: unspecified launch failure (CUDA_ERROR_LAUNCH_FAILED) [injected]",
+                    sig.name
+                )));
+            }
             check_args(sig, &c.args).unwrap_or_else(|e| panic!("{e}"));
             assert!(c.grid >= 1 && c.block >= 32 && c.block % 32 == 0);
             if c.kernel == KernelId::ScanBlock {
@@ -434,20 +622,22 @@ impl Executor for HostExec {
                 )
             };
             assert_eq!(rc, 0, "emu_launch {}", sig.name);
-            self.pool.check_guards(sig.name);
+            self.mem.check_guards(sig.name);
         }
         Ok(())
     }
 
     unsafe fn fill8(&mut self, dst: u64, value: u8, bytes: usize) -> epcomm::Result<()> {
-        self.pool.check_range(dst, bytes, "fill8");
+        self.in_context("fill8");
+        self.mem.check_range(dst, bytes, "fill8");
         // SAFETY: inside one pool buffer (checked).
         unsafe { std::ptr::write_bytes(dst as *mut u8, value, bytes) };
         Ok(())
     }
 
     unsafe fn fill32(&mut self, dst: u64, value: u32, count: usize) -> epcomm::Result<()> {
-        self.pool.check_range(dst, 4 * count, "fill32");
+        self.in_context("fill32");
+        self.mem.check_range(dst, 4 * count, "fill32");
         for i in 0..count {
             // SAFETY: inside one pool buffer (checked).
             unsafe { (dst as *mut u32).add(i).write(value) }
@@ -456,8 +646,9 @@ impl Executor for HostExec {
     }
 
     unsafe fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> epcomm::Result<()> {
-        self.pool.check_range(dst, bytes, "copy destination");
-        self.pool.check_range(src, bytes, "copy source");
+        self.in_context("copy");
+        self.mem.check_range(dst, bytes, "copy destination");
+        self.mem.check_range(src, bytes, "copy source");
         memcpy(dst, src, bytes);
         Ok(())
     }
@@ -468,17 +659,19 @@ impl Executor for HostExec {
         data: &[u8],
         _staging: &'static str,
     ) -> epcomm::Result<()> {
-        self.pool.check_range(dst, data.len(), "upload");
+        self.in_context("upload");
+        self.mem.check_range(dst, data.len(), "upload");
         memcpy(dst, data.as_ptr() as u64, data.len());
         Ok(())
     }
 
     unsafe fn all_gather_i32(&mut self, send: u64, recv: u64, count: usize) -> epcomm::Result<()> {
+        self.in_context("the all-gather");
         let (d, world) = (self.rank, self.fabric.world);
-        self.pool
+        self.mem
             .check_range(recv, 4 * count * world, "all-gather receive");
         self.fabric.rows.lock().unwrap()[d] = read::<i32>(send, count);
-        self.fabric.barrier(d, "an all-gather");
+        self.fabric.barrier(d, "an all-gather")?;
         let all: Vec<i32> = self.fabric.rows.lock().unwrap().concat();
         assert_eq!(
             all.len(),
@@ -487,20 +680,20 @@ impl Executor for HostExec {
         );
         memcpy(recv, all.as_ptr() as u64, 4 * all.len());
         self.gathered = all;
-        self.fabric.barrier(d, "an all-gather");
-        Ok(())
+        self.fabric.barrier(d, "an all-gather")
     }
 
     /// What NCCL does with the ranks' plans: every recv matched by the peer's send of the
     /// same size, plus each rank's self copy.
     unsafe fn exchange(&mut self, items: &[(ExchangePlan, u64, u64)]) -> epcomm::Result<()> {
+        self.in_context("an exchange");
         let d = self.rank;
         for (plan, send, recv) in items {
-            self.pool.check_range(*send, plan.send_bytes, "send plan");
-            self.pool.check_range(*recv, plan.recv_bytes, "recv plan");
+            self.mem.check_range(*send, plan.send_bytes, "send plan");
+            self.mem.check_range(*recv, plan.recv_bytes, "recv plan");
         }
         self.fabric.items.lock().unwrap()[d] = items.to_vec();
-        self.fabric.barrier(d, "an exchange");
+        self.fabric.barrier(d, "an exchange")?;
         let all = self.fabric.items.lock().unwrap().clone();
         for it in &all {
             assert_eq!(
@@ -513,17 +706,33 @@ impl Executor for HostExec {
             self.receive(&all, i);
         }
         // Nobody reuses a send buffer before every peer read it.
-        self.fabric.barrier(d, "an exchange");
-        self.pool.check_guards("the exchange");
+        self.fabric.barrier(d, "an exchange")?;
+        self.mem.check_guards("the exchange");
         Ok(())
     }
 
     fn read_i32(&mut self, src: u64, count: usize) -> epcomm::Result<Vec<i32>> {
+        self.in_context("the host sync");
+        if self.faults.read {
+            return Err(epcomm::Error::Timeout(
+                "GPU all2all: the counts all-gather did not complete within 1s (a peer rank is not participating?) [injected]".into(),
+            ));
+        }
         Ok(read::<i32>(src, count))
     }
 
     fn ensure_not_capturing(&self) -> epcomm::Result<()> {
+        if self.capturing {
+            return Err(epcomm::Error::InvalidState(
+                epcomm::gpu::transport::pipeline::CAPTURE_SYNC_MESSAGE.into(),
+            ));
+        }
         Ok(())
+    }
+
+    fn abort(&mut self) {
+        self.aborted = true;
+        self.fabric.abort();
     }
 }
 

@@ -12,12 +12,17 @@
 //! Waiting: nothing here blocks on the GPU. A caller that waits for NCCL work (an event query
 //! loop, a host sync for counts) should call [`NcclComm::async_error`] between polls and
 //! [`NcclComm::abort`] an owned communicator when it reports an error; otherwise a peer that died
-//! turns into a hang.
+//! turns into a hang. A non-blocking communicator (a host's, created with `blocking = 0`)
+//! answers `ncclInProgress` from collectives and group ends: that is work queued, not an
+//! error; the call then polls `ncclCommGetAsyncError` until it leaves `ncclInProgress`,
+//! bounded by [`NcclComm::set_timeout`].
 
 pub mod plan;
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::probe::{self, Library};
@@ -303,9 +308,15 @@ pub struct NcclComm {
     api: &'static NcclApi,
     raw: NcclCommRaw,
     owned: bool,
+    /// Aborted (owned only): never destroyed or used again.
+    aborted: Cell<bool>,
     rank: usize,
     world: usize,
+    timeout: Duration,
 }
+
+/// How long a non-blocking communicator's queued call may stay `ncclInProgress` by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 // SAFETY: an ncclComm_t may be used from any thread as long as one thread uses it at a time,
 // which `&mut`/ownership rules and the handle's documented contract give.
@@ -337,8 +348,10 @@ impl NcclComm {
             api,
             raw,
             owned: true,
+            aborted: Cell::new(false),
             rank,
             world,
+            timeout: DEFAULT_TIMEOUT,
         })
     }
 
@@ -357,8 +370,10 @@ impl NcclComm {
             api,
             raw,
             owned: false,
+            aborted: Cell::new(false),
             rank: 0,
             world: 0,
+            timeout: DEFAULT_TIMEOUT,
         };
         let (mut r, mut n): (c_int, c_int) = (0, 0);
         // SAFETY: caller contract: a live communicator; outputs writable.
@@ -375,6 +390,57 @@ impl NcclComm {
 
     fn check(&self, rc: NcclResult, what: &str) -> Result<()> {
         self.api.check_comm(rc, what, self.raw)
+    }
+
+    /// The bound on waiting for a non-blocking communicator's queued call.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// `rc` of a call outside a group or of the outermost group end: `ncclInProgress` (a
+    /// non-blocking communicator queued it) waits until the communicator leaves that state.
+    fn settle(&self, rc: NcclResult, what: &str) -> Result<()> {
+        if rc != NCCL_IN_PROGRESS {
+            return self.check(rc, what);
+        }
+        let start = Instant::now();
+        loop {
+            let mut state: c_int = NCCL_SUCCESS;
+            // SAFETY: live communicator, writable output.
+            let call = unsafe { (self.api.comm_get_async_error)(self.raw, &mut state) };
+            self.check(call, "ncclCommGetAsyncError")?;
+            if state != NCCL_IN_PROGRESS {
+                return self.check(state, what);
+            }
+            if start.elapsed() > self.timeout {
+                return Err(Error::Timeout(format!(
+                    "NCCL: {what} was still in progress after {:?} (a non-blocking communicator; a peer rank is not participating?)",
+                    self.timeout
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// A call inside a group: `ncclInProgress` is queued work (the group end settles it).
+    fn check_queued(&self, rc: NcclResult, what: &str) -> Result<()> {
+        if rc == NCCL_IN_PROGRESS {
+            return Ok(());
+        }
+        self.check(rc, what)
+    }
+
+    /// `ncclGroupStart` for this communicator's calls.
+    pub fn group_start(&self) -> Result<()> {
+        self.api.group_start()
+    }
+
+    /// `ncclGroupEnd`, settled: a non-blocking communicator's `ncclInProgress` is waited out
+    /// (bounded).
+    pub fn group_end(&self) -> Result<()> {
+        // SAFETY: no arguments; NCCL tracks groups per thread.
+        let rc = unsafe { (self.api.group_end)() };
+        self.settle(rc, "ncclGroupEnd")
     }
 
     /// The function table.
@@ -405,6 +471,7 @@ impl NcclComm {
     /// The communicator's asynchronous error (`ncclCommGetAsyncError`): `Ok` while healthy or
     /// still initialising. Poll it while waiting on NCCL work.
     pub fn async_error(&self) -> Result<()> {
+        self.live()?;
         let mut rc: c_int = NCCL_SUCCESS;
         // SAFETY: live communicator, writable output.
         let call = unsafe { (self.api.comm_get_async_error)(self.raw, &mut rc) };
@@ -416,17 +483,35 @@ impl NcclComm {
     }
 
     /// Aborts an owned communicator (`ncclCommAbort`: pending work is dropped, peers see an
-    /// error). A borrowed one is the host's to abort: InvalidState.
-    pub fn abort(mut self) -> Result<()> {
+    /// error); it is not destroyed afterwards and every later call on it fails. A second abort
+    /// is a no-op. A borrowed one is the host's to abort: InvalidState.
+    pub fn abort(&self) -> Result<()> {
         if !self.owned {
             return Err(Error::InvalidState(
                 "the NCCL communicator is borrowed from the host; epcomm never aborts it".into(),
             ));
         }
-        self.owned = false; // Drop must not destroy it again.
-                            // SAFETY: owned, live communicator; not used after this.
+        if self.aborted.replace(true) {
+            return Ok(());
+        }
+        // SAFETY: owned, live communicator; Drop will not destroy it (aborted).
         let rc = unsafe { (self.api.comm_abort)(self.raw) };
         self.api.check(rc, "ncclCommAbort")
+    }
+
+    /// Whether [`NcclComm::abort`] ran.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.get()
+    }
+
+    /// InvalidState once aborted (the handle is gone).
+    fn live(&self) -> Result<()> {
+        if self.aborted.get() {
+            return Err(Error::InvalidState(
+                "the NCCL communicator was aborted after an earlier failure".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// `ncclAllGather` of `count` elements of `dtype` per rank.
@@ -443,10 +528,11 @@ impl NcclComm {
         dtype: NcclDataType,
         stream: StreamRaw,
     ) -> Result<()> {
+        self.live()?;
         // SAFETY: caller contract.
         let rc =
             unsafe { (self.api.all_gather)(send, recv, count, dtype as c_int, self.raw, stream) };
-        self.check(rc, "ncclAllGather")
+        self.settle(rc, "ncclAllGather")
     }
 
     /// Issues one grouped exchange (`ncclGroupStart`; per planned peer an `ncclSend` and an
@@ -471,6 +557,7 @@ impl NcclComm {
                 plan.rank, plan.world, self.rank, self.world
             )));
         }
+        self.live()?;
         self.api.group_start()?;
         let mut first_err: Option<Error> = None;
         for t in &plan.sends {
@@ -486,7 +573,7 @@ impl NcclComm {
                     stream,
                 )
             };
-            if let Err(e) = self.check(rc, &format!("ncclSend to rank {}", t.peer)) {
+            if let Err(e) = self.check_queued(rc, &format!("ncclSend to rank {}", t.peer)) {
                 first_err.get_or_insert(e);
             }
         }
@@ -503,13 +590,13 @@ impl NcclComm {
                     stream,
                 )
             };
-            if let Err(e) = self.check(rc, &format!("ncclRecv from rank {}", t.peer)) {
+            if let Err(e) = self.check_queued(rc, &format!("ncclRecv from rank {}", t.peer)) {
                 first_err.get_or_insert(e);
             }
         }
         // The group must be closed even after a failed call, or NCCL's per-thread group state
         // stays open for the next caller.
-        let end = self.api.group_end();
+        let end = self.group_end();
         match first_err {
             Some(e) => Err(e),
             None => end,
@@ -519,7 +606,7 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        if self.owned {
+        if self.owned && !self.aborted.get() {
             // SAFETY: owned, live communicator; never used again. Errors cannot be reported
             // from drop; ncclCommDestroy frees the resources either way.
             let _ = unsafe { (self.api.comm_destroy)(self.raw) };

@@ -9,6 +9,11 @@
 //! polling the transport's asynchronous error, bounded by [`GpuManager::timeout`]; refused on
 //! a capturing stream with [`crate::gpu::driver::CAPTURE_SYNC_MESSAGE`]).
 //!
+//! The pool ([`Pool`]) is sized at creation for `max_tokens_per_rank` tokens per rank, so
+//! calls within it never allocate or free (and never move a buffer a captured graph uses). A
+//! call that fails while its peers are in the collective marks the manager unusable and
+//! aborts an owned NCCL communicator ([`GpuManager::failure`]).
+//!
 //! Status: compiled and clippy-clean, **never run on a GPU** (`scripts/gpu-check.sh` runs it).
 
 use std::collections::HashMap;
@@ -17,57 +22,52 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::gpu::calls::{Call, Calls};
 use crate::gpu::driver::{
-    memcpy_dtod_async, memcpy_dtoh_async, memcpy_htod_async, memset_d8_async, Device, DeviceMemory,
-    Event, PinnedHost, PrimaryContext, Stream,
+    memcpy_dtod_async, memcpy_dtoh_async, memcpy_htod_async, memset_d8_async, ContextGuard, Device,
+    DeviceMemory, Event, PinnedHost, PrimaryContext, Stream,
 };
-use crate::gpu::kernels::{FloatDtype, IdDtype};
-use crate::gpu::launch::{memset_d32_async, read_error_word, KernelConfig, Kernels};
+use crate::gpu::kernels::{decode_error_word, FloatDtype, IdDtype};
+use crate::gpu::launch::{memset_d32_async, KernelConfig, Kernels};
 use crate::gpu::nccl::plan::{ExchangeOptions, ExchangePlan};
 use crate::gpu::nccl::{NcclComm, NcclDataType};
 use crate::gpu::transport::local::local_copies;
 use crate::gpu::transport::pipeline::{DispatchInput, Executor, GpuDispatch, GpuMode, Pipeline};
-use crate::gpu::transport::plan::DispatchShape;
+use crate::gpu::transport::plan::{counts_row_len, DispatchShape};
+use crate::gpu::transport::pool::{Block, Pool, PoolStats};
 use crate::gpu::transport::Fabric;
 use crate::moe::layout::Contract;
 use crate::moe::MoeConfig;
 use crate::num::FloatKind;
 use crate::select::all2all::{Backend, Layout};
 
-/// Grow-only named device buffers (stable addresses once sized, which CUDA graphs need).
-#[derive(Debug, Default)]
-struct Pool {
-    dev: HashMap<String, DeviceMemory>,
-    host: HashMap<&'static str, PinnedHost>,
-}
-
-impl Pool {
-    /// A buffer of at least `bytes`. Growing frees the old allocation (`cuMemFree`, which
-    /// waits for the device work still using it, as `cudaFree` does), so sizes settle after the
-    /// first calls; CUDA-graph capture must come after a call of the same size.
-    fn get(&mut self, name: &str, bytes: usize) -> Result<u64> {
-        let bytes = bytes.max(16).next_multiple_of(256);
-        if let Some(m) = self.dev.get(name) {
-            if m.bytes() >= bytes {
-                return Ok(m.ptr());
-            }
-        }
-        let m = DeviceMemory::alloc(bytes)?;
-        let p = m.ptr();
-        self.dev.insert(name.to_owned(), m);
-        Ok(p)
+impl Block for DeviceMemory {
+    fn ptr(&self) -> u64 {
+        DeviceMemory::ptr(self)
     }
 
-    /// Pinned host memory `name` of at least `bytes` (host syncs bound its reuse).
-    fn host(&mut self, name: &'static str, bytes: usize) -> Result<*mut u8> {
+    fn bytes(&self) -> usize {
+        DeviceMemory::bytes(self)
+    }
+}
+
+/// The message of `check_device_error` on a capturing stream.
+pub const CAPTURE_CHECK_MESSAGE: &str = "check_device_error synchronises the host with the stream, which is being captured into a CUDA graph; call it after the graph was launched, outside the capture";
+
+/// Pinned host staging buffers, all sized at creation (the host syncs bound their reuse).
+#[derive(Debug, Default)]
+struct Staging(HashMap<&'static str, PinnedHost>);
+
+impl Staging {
+    /// Pinned host memory `name` of at least `bytes`.
+    fn get(&mut self, name: &'static str, bytes: usize) -> Result<*mut u8> {
         let bytes = bytes.max(16);
-        if let Some(m) = self.host.get(name) {
+        if let Some(m) = self.0.get(name) {
             if m.bytes() >= bytes {
                 return Ok(m.ptr().cast());
             }
         }
         let m = PinnedHost::alloc(bytes)?;
         let p = m.ptr().cast();
-        self.host.insert(name, m);
+        self.0.insert(name, m);
         Ok(p)
     }
 }
@@ -105,39 +105,57 @@ impl Loaded {
 /// The CUDA executor of one call: the manager's pool, kernels and fabric on `s`.
 struct Cuda<'a> {
     s: &'a Stream,
-    pool: &'a mut Pool,
+    ctx: &'a PrimaryContext,
+    entered: Option<ContextGuard<'a>>,
+    pool: &'a mut Pool<DeviceMemory>,
+    staging: &'a mut Staging,
     kernels: &'a mut Loaded,
     comm: &'a dyn Fabric,
     timeout: Duration,
 }
 
-impl Cuda<'_> {
-    /// Waits for `ev`, polling the transport's async error, bounded by the timeout.
-    fn wait(&self, ev: &Event) -> Result<()> {
-        let start = Instant::now();
-        loop {
-            if ev.query()? {
-                return Ok(());
-            }
-            self.comm.poll()?;
-            if start.elapsed() > self.timeout {
-                return Err(Error::Timeout(format!(
-                    "GPU dispatch: the counts all-gather did not complete within {:?} (a peer rank is not participating?)",
-                    self.timeout
-                )));
-            }
-            std::thread::sleep(Duration::from_micros(20));
+/// Waits for `ev`, polling the transport's async error, bounded by `timeout`; `what` names
+/// the wait in the timeout's message.
+fn wait_event(ev: &Event, comm: &dyn Fabric, timeout: Duration, what: &str) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        if ev.query()? {
+            return Ok(());
         }
+        comm.poll()?;
+        if start.elapsed() > timeout {
+            return Err(Error::Timeout(format!(
+                "GPU all2all: {what} did not complete within {timeout:?} (a peer rank is not participating?)"
+            )));
+        }
+        std::thread::sleep(Duration::from_micros(20));
     }
 }
 
 impl Executor for Cuda<'_> {
+    fn enter(&mut self) -> Result<()> {
+        self.entered = Some(self.ctx.enter()?);
+        Ok(())
+    }
+
+    fn leave(&mut self) {
+        self.entered = None;
+    }
+
+    fn reserve(&mut self, name: &str, bytes: usize) -> Result<()> {
+        self.pool
+            .reserve(name, bytes, DeviceMemory::alloc)
+            .map(|_| ())
+    }
+
     fn calls(&mut self, id: IdDtype) -> Result<Calls> {
         self.kernels.get(id).map(Kernels::calls)
     }
 
     fn buffer(&mut self, name: &str, bytes: usize) -> Result<u64> {
-        self.pool.get(name, bytes)
+        let s = self.s;
+        self.pool
+            .get(name, bytes, || s.is_capturing(), DeviceMemory::alloc)
     }
 
     fn launch(&mut self, id: IdDtype, calls: &[Call]) -> Result<()> {
@@ -161,8 +179,8 @@ impl Executor for Cuda<'_> {
     }
 
     unsafe fn upload(&mut self, dst: u64, data: &[u8], staging: &'static str) -> Result<()> {
-        let h = self.pool.host(staging, data.len())?;
-        // SAFETY: `h` holds data.len() pinned bytes owned by the pool, whose previous copy
+        let h = self.staging.get(staging, data.len())?;
+        // SAFETY: `h` holds data.len() pinned bytes owned by the manager, whose previous copy
         // ended at the previous host sync (caller contract); `dst` per the caller.
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), h, data.len());
@@ -181,12 +199,12 @@ impl Executor for Cuda<'_> {
     }
 
     fn read_i32(&mut self, src: u64, count: usize) -> Result<Vec<i32>> {
-        let h = self.pool.host("h_counts", 4 * count)?;
+        let h = self.staging.get("h_counts", 4 * count)?;
         // SAFETY: `h` holds 4 * count pinned bytes; `src` is the caller's device buffer.
         unsafe { memcpy_dtoh_async(h.cast(), src, 4 * count, self.s) }?;
         let ev = Event::new(false)?;
         ev.record(self.s)?;
-        self.wait(&ev)?;
+        wait_event(&ev, self.comm, self.timeout, "the counts all-gather")?;
         // SAFETY: the copy completed (event); the pinned buffer holds `count` int32.
         let raw = unsafe { std::slice::from_raw_parts(h.cast::<i32>(), count) };
         Ok(raw.to_vec())
@@ -195,25 +213,37 @@ impl Executor for Cuda<'_> {
     fn ensure_not_capturing(&self) -> Result<()> {
         self.s.ensure_not_capturing()
     }
+
+    fn abort(&mut self) {
+        // Owned communicators only (a host's is the host's to abort); the peers' NCCL calls
+        // then fail instead of waiting for this rank.
+        let _ = self.comm.abort();
+    }
 }
 
 /// The GPU all2all manager: one NCCL communicator, one device, one configuration. Used by one
-/// thread at a time, like the communicator.
+/// thread at a time, like the communicator. Every entry makes the device's primary context
+/// current for its duration and restores the caller's afterwards.
 pub struct GpuManager {
     pipe: Pipeline,
+    // Dropped in this order, the context last (Drop releases the device resources with it
+    // current first).
+    pool: Pool<DeviceMemory>,
+    staging: Staging,
+    kernels: Loaded,
     comm: Box<dyn Fabric>,
     ctx: PrimaryContext,
-    kernels: Loaded,
-    pool: Pool,
-    /// Bound on the counts wait.
-    pub timeout: Duration,
+    timeout: Duration,
 }
 
 impl Drop for GpuManager {
     fn drop(&mut self) {
-        // The buffers are freed (cuMemFree) right after this, in this context: make it current
-        // on the dropping thread, which may not be the one that used the manager.
-        let _ = self.ctx.set_current();
+        // Memory and modules are released in their context, before it (the dropping thread
+        // may not be the one that used the manager; its own context is restored after).
+        let _bound = self.ctx.enter();
+        self.pool.clear();
+        self.staging.0.clear();
+        self.kernels.by_id.clear();
     }
 }
 
@@ -236,15 +266,28 @@ fn float(k: FloatKind) -> FloatDtype {
     }
 }
 
+/// The pinned staging buffers of a configuration (all fixed sizes).
+fn staging_sizes(world: usize, num_experts: usize) -> [(&'static str, usize); 5] {
+    let row = 4 * counts_row_len(world, num_experts);
+    [
+        ("h_counts", row * world),
+        ("h_tokens", 4),
+        ("h_offsets", 4 * (world + 1)),
+        ("h_reject", row),
+        ("h_err", 8),
+    ]
+}
+
 impl GpuManager {
     /// A manager for `backend` over `comm` (whose rank/world are the EP group's) on CUDA
     /// device `device`. Validates like the CPU manager (same messages, same
     /// `Using … all2all manager.` info) and refuses what the GPU path does not do
-    /// ([`Pipeline::new`]).
+    /// ([`Pipeline::new`]); then allocates every buffer for `max_tokens_per_rank` tokens per
+    /// rank ([`Pipeline::reserve`]). The caller's current context is left as it was.
     pub fn new(
         backend: &str,
         cfg: MoeConfig,
-        comm: Box<dyn Fabric>,
+        mut comm: Box<dyn Fabric>,
         device: usize,
         mode: GpuMode,
     ) -> Result<GpuManager> {
@@ -258,11 +301,12 @@ impl GpuManager {
         )?;
         let dev = Device::get(device)?;
         let ctx = PrimaryContext::retain(dev)?;
-        ctx.set_current()?;
-        Ok(GpuManager {
+        let timeout = Duration::from_secs(300);
+        comm.set_timeout(timeout);
+        let mut m = GpuManager {
             pipe,
-            comm,
-            ctx,
+            pool: Pool::new(),
+            staging: Staging::default(),
             kernels: Loaded {
                 device: dev,
                 top_k: cfg.top_k as u32,
@@ -270,9 +314,54 @@ impl GpuManager {
                 out: float(cfg.out_dtype),
                 by_id: HashMap::new(),
             },
-            pool: Pool::default(),
-            timeout: Duration::from_secs(300),
-        })
+            comm,
+            ctx,
+            timeout,
+        };
+        m.reserve()?;
+        Ok(m)
+    }
+
+    /// Creation-time sizing of the device pool and the pinned staging buffers.
+    fn reserve(&mut self) -> Result<()> {
+        let _bound = self.ctx.enter()?;
+        let (r, e) = (self.world(), self.config().num_experts);
+        for (name, bytes) in staging_sizes(r, e) {
+            self.staging.get(name, bytes)?;
+        }
+        let mut pool_only = |name: &str, bytes: usize| {
+            self.pool
+                .reserve(name, bytes, DeviceMemory::alloc)
+                .map(|_| ())
+        };
+        for (name, bytes) in self.pipe.buffer_sizes() {
+            pool_only(&name, bytes)?;
+        }
+        Ok(())
+    }
+
+    /// The bound on every host wait (the counts all-gather, `check_device_error`, a
+    /// non-blocking NCCL communicator's queued calls); 300 s by default.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sets [`GpuManager::timeout`].
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+        self.comm.set_timeout(timeout);
+    }
+
+    /// The device pool: buffers, bytes, what creation reserved and the allocations calls
+    /// made since (0 while every call stays within `max_tokens_per_rank`).
+    pub fn stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// The first failure that left the group out of step, once there was one: every call
+    /// since is refused with it ([`Pipeline::failure`]).
+    pub fn failure(&self) -> Option<&str> {
+        self.pipe.failure()
     }
 
     /// The backend.
@@ -329,7 +418,10 @@ impl GpuManager {
     fn split<'a>(&'a mut self, s: &'a Stream) -> (&'a mut Pipeline, Cuda<'a>) {
         let x = Cuda {
             s,
+            ctx: &self.ctx,
+            entered: None,
             pool: &mut self.pool,
+            staging: &mut self.staging,
             kernels: &mut self.kernels,
             comm: self.comm.as_ref(),
             timeout: self.timeout,
@@ -341,7 +433,6 @@ impl GpuManager {
     /// kernel and transfer is enqueued on it. Counts mode syncs the host once (see the module
     /// doc); capacity mode never does.
     pub fn dispatch(&mut self, stream: &Stream, input: &DispatchInput) -> Result<GpuDispatch> {
-        self.ctx.set_current()?;
         let (pipe, mut x) = self.split(stream);
         pipe.dispatch(&mut x, input)
     }
@@ -349,26 +440,37 @@ impl GpuManager {
     /// Returns `err` after telling the peers (counts mode) that this rank's dispatch input was
     /// rejected ([`Pipeline::reject_dispatch`]).
     pub fn reject_dispatch(&mut self, stream: &Stream, err: Error) -> Error {
-        if self.ctx.set_current().is_err() {
-            self.pipe.clear();
-            return err;
-        }
         let (pipe, mut x) = self.split(stream);
         pipe.reject_dispatch(&mut x, err)
     }
 
-    /// Reads the device error word of the last call (a host sync): capacity mode's way to
-    /// learn about bad ids or full buckets, which it cannot check without syncing.
+    /// Reads the device error word of the last call (a host sync, bounded by the timeout,
+    /// through pinned memory): capacity mode's way to learn about bad ids or full buckets,
+    /// which it cannot check without syncing. InvalidState ([`CAPTURE_CHECK_MESSAGE`]) on a
+    /// capturing stream.
     pub fn check_device_error(&mut self, stream: &Stream) -> Result<()> {
-        self.ctx.set_current()?;
-        let err = self.pool.get("err", 8)?;
-        read_error_word(err, stream)
+        let _bound = self.ctx.enter()?;
+        if stream.is_capturing()? {
+            return Err(Error::InvalidState(CAPTURE_CHECK_MESSAGE.into()));
+        }
+        let err = self.pool.get("err", 8, || Ok(false), DeviceMemory::alloc)?;
+        let h = self.staging.get("h_err", 8)?;
+        // SAFETY: `h` holds 8 pinned bytes; `err` is the 8-byte device error word.
+        unsafe { memcpy_dtoh_async(h.cast(), err, 8, stream) }?;
+        let ev = Event::new(false)?;
+        ev.record(stream)?;
+        wait_event(&ev, self.comm.as_ref(), self.timeout, "check_device_error")?;
+        // SAFETY: the copy completed (event); 8 bytes, 8-aligned (cuMemHostAlloc).
+        let word = unsafe { h.cast::<u64>().read() };
+        match decode_error_word(word) {
+            None => Ok(()),
+            Some(e) => Err(e.to_error()),
+        }
     }
 
     /// Combine (collective): `expert_output` has the dispatch buffer's rows
     /// (`shape.buffer_rows` × hidden, expert dtype), `out` gets `[T, hidden]` of the out dtype.
     pub fn combine(&mut self, stream: &Stream, expert_output: u64, out: u64) -> Result<()> {
-        self.ctx.set_current()?;
         let (pipe, mut x) = self.split(stream);
         pipe.combine(&mut x, expert_output, out)
     }
@@ -401,8 +503,7 @@ impl Fabric for NcclComm {
     }
 
     unsafe fn exchange(&self, items: &[(ExchangePlan, u64, u64)], s: &Stream) -> Result<()> {
-        let api = self.api();
-        api.group_start()?;
+        self.group_start()?;
         let mut first: Option<Error> = None;
         for (plan, send, recv) in items {
             // SAFETY: caller contract (Fabric::exchange).
@@ -410,8 +511,9 @@ impl Fabric for NcclComm {
                 first.get_or_insert(e);
             }
         }
-        // Close the group even after a failed call (NCCL's group state is per thread).
-        let end = api.group_end();
+        // Close the group even after a failed call (NCCL's group state is per thread); a
+        // non-blocking communicator's ncclInProgress is waited out, bounded.
+        let end = self.group_end();
         if let Some(e) = first {
             return Err(e);
         }
@@ -422,5 +524,17 @@ impl Fabric for NcclComm {
 
     fn poll(&self) -> Result<()> {
         self.async_error()
+    }
+
+    fn set_timeout(&mut self, timeout: Duration) {
+        NcclComm::set_timeout(self, timeout);
+    }
+
+    fn abort(&self) -> Result<()> {
+        if self.is_owned() {
+            NcclComm::abort(self)
+        } else {
+            Ok(())
+        }
     }
 }

@@ -6,11 +6,14 @@
 //!   dispatch) and capacity mode (no host sync, CUDA-graph capturable), over the
 //!   [`pipeline::Executor`] interface; always built, run on the host by the emulation tests.
 //! - `GpuManager` (`nccl` feature): the pipeline with its CUDA executor over a `Fabric`.
+//! - [`pool`]: the named device buffers (sized at creation, geometric growth, none while
+//!   capturing), device-independent so the emulation runs the same policy.
 //! - [`gate`]: the failing host barrier of the thread-rank fabrics.
 
 pub mod gate;
 pub mod pipeline;
 pub mod plan;
+pub mod pool;
 
 #[cfg(feature = "cuda")]
 pub mod local;
@@ -54,4 +57,13 @@ pub trait Fabric: Send {
     ) -> crate::error::Result<()>;
     /// An asynchronous transport error, polled while the host waits.
     fn poll(&self) -> crate::error::Result<()>;
+    /// The bound on the transport's own host waits (a non-blocking NCCL communicator's
+    /// queued calls).
+    fn set_timeout(&mut self, _timeout: std::time::Duration) {}
+    /// Ends this rank's part after a failure mid-call (an owned NCCL communicator:
+    /// `ncclCommAbort`), so the peers fail instead of waiting for it; a transport it does
+    /// not own is left alone. Every later call on it fails.
+    fn abort(&self) -> crate::error::Result<()> {
+        Ok(())
+    }
 }

@@ -1,6 +1,8 @@
 //! Capacity mode ([`super::GpuMode::Capacity`], EXPERT_MAJOR only): no host sync, every size
-//! static, so a dispatch+combine can be captured in a CUDA graph after one uncaptured warm-up
-//! call (which also sizes every buffer: nothing is allocated in later calls with the same T).
+//! static (M tokens per rank, whatever T is), all allocated when the manager is created
+//! ([`super::Pipeline::reserve`]): a dispatch+combine can be captured in a CUDA graph at any
+//! T ≤ M, and a later call at another T never moves a buffer a captured graph uses. (The
+//! first call still compiles the kernels: capture after one uncaptured call.)
 //!
 //! Every rank sends a padded slab of M rows (ids -1, weights 0 past T) to every rank; the
 //! receiver selects its rows into buckets on the device; combine returns M·K rows per peer at
@@ -9,7 +11,7 @@
 
 use super::counts::{payloads, unpack_buckets, Selected};
 use super::{
-    pack, return_pairs, weighted_sum, Ctx, DispatchInput, GpuDispatch, Pipeline, State, Wire,
+    pack, return_pairs, weighted_sum, Ctx, DispatchInput, GpuDispatch, Phase, Pipeline, State, Wire,
 };
 use crate::error::Result;
 use crate::gpu::kernels::{LayoutArgs, PairRowsArgs, RecvFlagsArgs};
@@ -27,7 +29,7 @@ struct Statics {
     scratch: u64,
 }
 
-fn statics(p: &Pipeline, c: &mut Ctx, t: usize) -> Result<Statics> {
+fn statics(p: &Pipeline, c: &mut Ctx) -> Result<Statics> {
     let cfg = p.config();
     let (r, k, m) = (p.world(), cfg.top_k, cfg.max_tokens_per_rank);
     let el = cfg.num_experts / r;
@@ -37,8 +39,9 @@ fn statics(p: &Pipeline, c: &mut Ctx, t: usize) -> Result<Statics> {
     let iota = c.buf("cap_iota", 4 * (n * k + 1))?;
     let mvals = c.buf("cap_mvals", 4 * r)?;
     let d_off = c.buf("cap_offsets", 4 * (r + 1))?;
-    // The validation launch's rank flags (unused afterwards).
-    let rank_flag = c.buf("cap_rank_flag", 4 * r * t)?;
+    // The validation launch's rank flags (unused afterwards). Sized by M, not T: a graph
+    // captured at a smaller T keeps writing this buffer when replayed.
+    let rank_flag = c.buf("cap_rank_flag", 4 * r * m)?;
     let scratch = c.buf(
         "scan_scratch_cap",
         4 * scan_scratch_elems(n * k * el.max(1)),
@@ -64,13 +67,15 @@ fn statics(p: &Pipeline, c: &mut Ctx, t: usize) -> Result<Statics> {
 /// A capacity-mode dispatch: validation into the error word, padded slabs, the broadcast,
 /// the buckets, the source side of combine.
 pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<GpuDispatch> {
+    // The CPU manager's check and wording (T > M on this rank).
+    p.cpu.check_tokens(inp.tokens)?;
+    // The peers wait for this rank's slabs from here on.
+    p.phase = Phase::Collective;
     let cfg = p.config();
     let (r, e) = (p.world(), cfg.num_experts);
     let el = e / r;
     let (t, m) = (inp.tokens, cfg.max_tokens_per_rank);
-    // The CPU manager's check and wording (T > M on this rank).
-    p.cpu.check_tokens(t)?;
-    let s = statics(p, c, t)?;
+    let s = statics(p, c)?;
     // Validation only (bad ids → error word; read it with check_device_error).
     c.run(c.k.layout(LayoutArgs {
         topk_ids: inp.topk_ids,

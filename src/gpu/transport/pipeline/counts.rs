@@ -11,8 +11,8 @@
 //! the reverse exchange, then `ep_weighted_combine` (expert layouts) or `ep_sum_ranks`.
 
 use super::{
-    pack, return_pairs, weighted_sum, Ctx, DispatchInput, Executor, Family, GpuDispatch, Pipeline,
-    State, Wire,
+    pack, return_pairs, sizes, weighted_sum, Ctx, DispatchInput, Executor, Family, GpuDispatch,
+    Phase, Pipeline, State, Wire,
 };
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
@@ -31,8 +31,16 @@ use crate::moe::layout::{Unit, WeightsBy};
 pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<GpuDispatch> {
     // The one host sync of counts mode is impossible inside a graph capture.
     c.x.ensure_not_capturing()?;
+    // Every buffer of a call with at most max(T, M) tokens on each rank, before the peers
+    // wait for this rank (only a peer with more tokens makes a buffer grow later).
+    let bound = inp.tokens.max(p.config().max_tokens_per_rank);
+    for (name, bytes) in sizes::buffers(p, bound) {
+        c.buf(&name, bytes)?;
+    }
     let g = gather(p, c, inp)?;
+    // Every rank reads the same counts: an error up to here is every rank's.
     let shape = dispatch_shape(p.layout(), &p.geometry(), &g)?;
+    p.phase = Phase::Collective;
     let sent = send(p, c, inp, &g)?;
     let o = receive(p, c, inp, &sent, shape.clone())?;
     p.state = Some(State {
@@ -46,17 +54,17 @@ pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Re
 }
 
 /// Whether one row travels per (token, local expert): the layout needs the pair flags.
-fn per_pair(p: &Pipeline) -> bool {
+pub(super) fn per_pair(p: &Pipeline) -> bool {
     p.contract().unit == Unit::TokenExpert
 }
 
 /// Whether every token goes to every rank (packed once, broadcast).
-fn every_token(p: &Pipeline) -> bool {
+pub(super) fn every_token(p: &Pipeline) -> bool {
     p.contract().unit == Unit::EveryToken
 }
 
 /// Steps 1–3: this rank's counts row, the all-gather, the host sync, the checks.
-fn gather(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<Gathered> {
+fn gather(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<Gathered> {
     let cfg = p.config();
     let (r, k, e) = (p.world(), cfg.top_k, cfg.num_experts);
     let t = inp.tokens;
@@ -88,12 +96,13 @@ fn gather(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<Gathered> {
         expert_counts: row + 4 * row_expert_counts(r) as u64,
         err,
     }))?;
-    // SAFETY: err (8 bytes) into the row's two error slots; `all` holds R rows.
-    unsafe {
-        c.x.copy(row + 4 * ROW_ERROR as u64, err, 8)?;
-        c.x.all_gather_i32(row, all, row_len)?;
-    }
+    // SAFETY: err (8 bytes) into the row's two error slots.
+    unsafe { c.x.copy(row + 4 * ROW_ERROR as u64, err, 8) }?;
+    p.phase = Phase::Collective;
+    // SAFETY: `all` holds R rows.
+    unsafe { c.x.all_gather_i32(row, all, row_len) }?;
     let raw = c.x.read_i32(all, row_len * r)?;
+    p.phase = Phase::Agreed;
     let g = Gathered::parse(&raw, r, e)?;
     g.check(p.rank())?;
     Ok(g)

@@ -12,6 +12,7 @@
 
 mod capacity;
 mod counts;
+mod sizes;
 
 use crate::error::{Error, Result};
 use crate::gpu::calls::{Call, Calls};
@@ -25,6 +26,10 @@ use crate::gpu::transport::plan::{
 use crate::moe::layout::{self, Capacity, Contract, Unit};
 use crate::moe::{Manager, MoeConfig};
 use crate::select::all2all::{Backend, Layout};
+
+/// The message when a host sync is requested on a capturing stream.
+pub const CAPTURE_SYNC_MESSAGE: &str =
+    "counts need a host sync; use capacity mode under CUDA graphs";
 
 /// How counts travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,13 +102,23 @@ impl GpuDispatch {
 
 /// What the pipeline needs from a device: named grow-only buffers, kernel launches, copies,
 /// the collective exchanges and the one host sync. Every operation is enqueued in order on
-/// one stream; only [`Executor::read_i32`] waits for it.
+/// one stream; only [`Executor::read_i32`] waits for it. Each entry of the pipeline runs
+/// between [`Executor::enter`] and [`Executor::leave`].
 pub trait Executor {
+    /// Makes the device current for this entry, remembering the caller's (CUDA: pushes the
+    /// manager's context).
+    fn enter(&mut self) -> Result<()>;
+    /// Restores what [`Executor::enter`] replaced (CUDA: pops the context).
+    fn leave(&mut self);
+    /// Creation-time sizing: the buffer `name` gets at least `bytes` now
+    /// ([`crate::gpu::transport::pool::Pool::reserve`]).
+    fn reserve(&mut self, name: &str, bytes: usize) -> Result<()>;
     /// The launch builders of the kernels specialised for `id` (compiled and loaded on first
     /// use).
     fn calls(&mut self, id: IdDtype) -> Result<Calls>;
     /// The device buffer `name` of at least `bytes` (grow-only: stable addresses once sized,
-    /// which CUDA graphs need; contents unspecified).
+    /// which CUDA graphs need; contents unspecified). Growing is refused while the stream is
+    /// being captured ([`crate::gpu::transport::pool::Pool::get`]).
     fn buffer(&mut self, name: &str, bytes: usize) -> Result<u64>;
     /// Launches `calls` in order with the kernels of `id`.
     fn launch(&mut self, id: IdDtype, calls: &[Call]) -> Result<()>;
@@ -144,6 +159,9 @@ pub trait Executor {
     fn read_i32(&mut self, src: u64, count: usize) -> Result<Vec<i32>>;
     /// `InvalidState` when the stream is being captured into a graph (no host sync there).
     fn ensure_not_capturing(&self) -> Result<()>;
+    /// This rank failed while its peers were in the collective: end the transport's part
+    /// (CUDA: `ncclCommAbort` of an owned communicator), so the peers fail instead of waiting.
+    fn abort(&mut self);
 }
 
 /// One call's executor with the launch builders of its id dtype.
@@ -390,6 +408,18 @@ impl Family {
     }
 }
 
+/// How far a call got, which decides what its error means for the peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Nothing collective issued: the peers may be told (counts mode's rejection row).
+    Local,
+    /// The counts are gathered: every rank checks the same numbers and fails alike.
+    Agreed,
+    /// The peers may be waiting for work of this call this rank has not enqueued: an error
+    /// leaves the group out of step.
+    Collective,
+}
+
 /// The GPU manager's pipeline: configuration, mode, and what combine needs from the last
 /// dispatch. Device-independent: an [`Executor`] does the work.
 #[derive(Debug)]
@@ -402,6 +432,10 @@ pub struct Pipeline {
     mode: GpuMode,
     opts: ExchangeOptions,
     state: Option<State>,
+    /// How far the current call got (what an error means for the peers).
+    phase: Phase,
+    /// The first such error: every later call is refused with it.
+    failed: Option<String>,
 }
 
 impl Pipeline {
@@ -462,7 +496,63 @@ impl Pipeline {
                 self_via_nccl: false,
             },
             state: None,
+            phase: Phase::Local,
+            failed: None,
         })
+    }
+
+    /// Allocates every buffer at its largest size for `max_tokens_per_rank` tokens per rank
+    /// (the manager does it at creation), so calls within that bound never allocate.
+    pub fn reserve(&self, x: &mut dyn Executor) -> Result<()> {
+        for (name, bytes) in self.buffer_sizes() {
+            x.reserve(&name, bytes)?;
+        }
+        Ok(())
+    }
+
+    /// What [`Pipeline::reserve`] allocates: (name, bytes) of every buffer at its largest
+    /// for `max_tokens_per_rank` tokens per rank.
+    pub fn buffer_sizes(&self) -> Vec<(String, usize)> {
+        sizes::buffers(self, self.cpu.config().max_tokens_per_rank)
+    }
+
+    /// The first error that left the group out of step (a call failed after its peers had
+    /// started the collective), if any: the pipeline refuses every call since.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// Marks the pipeline unusable unless it already is.
+    fn fail(&mut self, why: &str) {
+        self.state = None;
+        self.failed.get_or_insert_with(|| why.to_owned());
+    }
+
+    /// InvalidState naming the first failure, once there was one.
+    fn usable(&self) -> Result<()> {
+        match &self.failed {
+            None => Ok(()),
+            Some(first) => Err(Error::InvalidState(format!(
+                "the GPU all2all manager is unusable: an earlier call failed while its peers were in the collective ({first}); destroy it and create a new one (its NCCL communicator was aborted if epcomm created it)"
+            ))),
+        }
+    }
+
+    /// `r` of an entry: an error while the peers were in the collective marks the pipeline
+    /// unusable ([`Pipeline::failure`]).
+    fn settle<T>(&mut self, x: &mut dyn Executor, r: Result<T>) -> Result<T> {
+        let phase = std::mem::replace(&mut self.phase, Phase::Local);
+        match (r, phase) {
+            (Ok(v), _) => Ok(v),
+            // Nothing the peers wait for was issued yet: tell them (counts mode).
+            (Err(e), Phase::Local) => Err(self.reject_in(x, e)),
+            (Err(e), Phase::Agreed) => Err(e),
+            (Err(e), Phase::Collective) => {
+                self.fail(&e.to_string());
+                x.abort();
+                Err(e)
+            }
+        }
     }
 
     /// The backend.
@@ -551,10 +641,16 @@ impl Pipeline {
     /// [`Executor::read_i32`]); capacity mode never does.
     pub fn dispatch(&mut self, x: &mut dyn Executor, input: &DispatchInput) -> Result<GpuDispatch> {
         self.state = None;
-        let k = match self.check_input(x, input) {
-            Ok(k) => k,
-            Err(e) => return Err(self.reject_dispatch(x, e)),
-        };
+        self.usable()?;
+        x.enter()?;
+        let r = self.dispatch_in(x, input);
+        let r = self.settle(x, r);
+        x.leave();
+        r
+    }
+
+    fn dispatch_in(&mut self, x: &mut dyn Executor, input: &DispatchInput) -> Result<GpuDispatch> {
+        let k = self.check_input(x, input)?;
         let mut c = Ctx {
             x,
             id: input.id_dtype,
@@ -593,6 +689,19 @@ impl Pipeline {
     /// does). Capacity mode and a capturing stream have no host-side exchange to carry it:
     /// there the peers are not told (docs/gpu.md, "Not done").
     pub fn reject_dispatch(&mut self, x: &mut dyn Executor, err: Error) -> Error {
+        if self.failed.is_some() {
+            return err;
+        }
+        if x.enter().is_err() {
+            self.state = None;
+            return err;
+        }
+        let err = self.reject_in(x, err);
+        x.leave();
+        err
+    }
+
+    fn reject_in(&mut self, x: &mut dyn Executor, err: Error) -> Error {
         self.state = None;
         if self.mode == GpuMode::Counts && x.ensure_not_capturing().is_ok() {
             let _ = counts::send_rejection(self, x);
@@ -603,9 +712,26 @@ impl Pipeline {
     /// Combine (collective) through `x`: `expert_output` has the dispatch buffer's rows
     /// (`shape.buffer_rows` × hidden, expert dtype), `out` gets `[T, hidden]` of the out dtype.
     pub fn combine(&mut self, x: &mut dyn Executor, expert_output: u64, out: u64) -> Result<()> {
+        self.usable()?;
         let st = self.state.clone().ok_or_else(|| {
             Error::InvalidState("combine called without a dispatch before it".into())
         })?;
+        x.enter()?;
+        // Every rank that dispatched waits in this combine's exchange from here on.
+        self.phase = Phase::Collective;
+        let r = self.combine_in(x, &st, expert_output, out);
+        let r = self.settle(x, r);
+        x.leave();
+        r
+    }
+
+    fn combine_in(
+        &mut self,
+        x: &mut dyn Executor,
+        st: &State,
+        expert_output: u64,
+        out: u64,
+    ) -> Result<()> {
         let k = x.calls(st.id_dtype)?;
         let mut c = Ctx {
             x,
@@ -613,8 +739,8 @@ impl Pipeline {
             k,
         };
         match self.mode {
-            GpuMode::Counts => counts::combine(self, &mut c, &st, expert_output, out),
-            GpuMode::Capacity => capacity::combine(self, &mut c, &st, expert_output, out),
+            GpuMode::Counts => counts::combine(self, &mut c, st, expert_output, out),
+            GpuMode::Capacity => capacity::combine(self, &mut c, st, expert_output, out),
         }
     }
 }
