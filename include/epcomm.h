@@ -760,6 +760,35 @@ typedef struct epcomm_eplb_rearrange_options {
    * without it; a layer that moves nothing runs no execute.
    */
   bool migration_batching;
+  /**
+   * [lost_experts_capacity, 2]: receives (layer, logical expert) pairs, layers ascending,
+   * experts ascending within a layer: the experts the new placement needs that no member
+   * rank holds, which allow_lost_experts leaves unwritten. NULL = not wanted (then
+   * allow_lost_experts must not lose any). Written when the count fits, whatever the outcome.
+   * Fields from here on were added after the first layout: a struct_size ending before them
+   * reads as NULL, 0, NULL and false.
+   */
+  int64_t *lost_experts_out;
+  /**
+   * Pairs `lost_experts_out` has room for; num_layers * new_slots always suffices (a lost
+   * expert takes at least one slot of the new placement), and epcomm_eplb_lost_experts
+   * counts the experts a failure loses beforehand.
+   */
+  size_t lost_experts_capacity;
+  /**
+   * NULL or receives the number of (layer, expert) pairs (0 = none lost) once the arguments
+   * were read, also when the call then fails (e.g. lost_experts_capacity too small).
+   */
+  int64_t *num_lost_experts_out;
+  /**
+   * Rearrange even when the new placement needs logical experts no member rank holds (after
+   * a failure: every replica was on a removed rank): the slots of those experts are left
+   * unwritten, keeping the bytes they held on that rank before the call (for
+   * epcomm_eplb_rearrange_into: copied from the same slot's live rows), never zeros, and the
+   * experts are reported through lost_experts_out. Off: such a rearrangement fails on every
+   * rank before any data moves (EPCOMM_ERROR_INVALID_ARGUMENT naming the layer and experts).
+   */
+  bool allow_lost_experts;
 } epcomm_eplb_rearrange_options;
 
 /**
@@ -1375,7 +1404,8 @@ int32_t epcomm_eplb_communicator_execute(struct epcomm_eplb_communicator *comm);
 int32_t epcomm_eplb_rearrange(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, size_t num_tensors, const int64_t *rank_mapping, size_t rank_mapping_len, struct epcomm_eplb_summary *summary_out);
 
 /**
- * Fills `options` with the defaults (no rank mapping, no batching) and struct_size.
+ * Fills `options` with the defaults (no rank mapping, no batching, lost experts refused, no
+ * outputs) and struct_size.
  *
  * # Safety
  * `options` is NULL or writable.
@@ -1436,6 +1466,23 @@ int32_t epcomm_eplb_layer_plan_view(const struct epcomm_eplb_layer_plan *plan, s
  * `plan` is NULL or from epcomm_eplb_plan_layer, not used afterwards.
  */
 void epcomm_eplb_layer_plan_destroy(struct epcomm_eplb_layer_plan *plan);
+
+/**
+ * The logical experts of one layer's old placement (`old_phy2log`, `num_slots` = old ranks x
+ * `slots_per_rank` entries, -1 = empty) with no replica on a surviving rank
+ * (`rank_mapping[r] >= 0`; `rank_mapping_len` = the old ranks, -1 = removed, no two ranks on
+ * the same new rank): after a failure their weights are gone. One layer per call: a layer's
+ * lost experts depend only on its own map. `*num_lost_out` receives their count; `lost_out`
+ * (room for `lost_capacity` ids; NULL = count only) receives them ascending. A capacity
+ * below the count is EPCOMM_ERROR_INVALID_ARGUMENT (the count is still written);
+ * `num_slots` ids always fit.
+ *
+ * # Safety
+ * `old_phy2log` holds num_slots entries, `rank_mapping` rank_mapping_len; `lost_out` is NULL
+ * or writable for lost_capacity entries; `num_lost_out` is writable (NULL is
+ * EPCOMM_ERROR_NULL_POINTER).
+ */
+int32_t epcomm_eplb_lost_experts(const int64_t *old_phy2log, int64_t num_slots, int64_t slots_per_rank, const int64_t *rank_mapping, size_t rank_mapping_len, int64_t *lost_out, size_t lost_capacity, int64_t *num_lost_out);
 
 /**
  * Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts.

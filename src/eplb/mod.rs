@@ -8,3 +8,5 @@ pub mod migration;
 pub mod policy;
 pub mod rearrange;
 pub mod transfer;
+
+pub use transfer::lost_experts;

@@ -16,7 +16,9 @@ use std::collections::HashMap;
 
 use super::communicator::EplbCommunicator;
 use super::migration::{schedule_migration_batches, Batches};
-use super::transfer::{apply_rank_mapping, plan_layer, LayerPlan};
+use super::transfer::{
+    apply_rank_mapping, plan_layer, survivors_placement, unsourced_experts, LayerPlan,
+};
 use crate::copy::{copy_streaming, streaming_fence};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -36,6 +38,31 @@ pub struct Summary {
     /// Communicator executes this rank ran: one per layer, or with migration batching one per
     /// batch of each layer (a layer that moves nothing then has none).
     pub executes: usize,
+    /// Per layer, the logical experts the new placement needs that no member rank holds (after
+    /// a failure: experts whose every replica was on a removed rank), sorted. Non-empty only
+    /// under [`LostExperts::LeaveUnwritten`]: their slots keep the bytes they held before.
+    pub lost_experts: Vec<Vec<i64>>,
+}
+
+/// What a rearrangement does with logical experts the new placement needs but no member rank
+/// holds (after a failure: every replica was on a removed rank, so the weights are gone).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LostExperts {
+    /// Fail every rank before any data moves, naming the layer and the experts.
+    #[default]
+    Refuse,
+    /// Rearrange everything else; each slot of a lost expert is left unwritten (it keeps the
+    /// bytes that slot held on that rank before the call, the weights of the expert the old
+    /// placement had there, or whatever an empty slot held) and the experts are reported in
+    /// [`Summary::lost_experts`]: the caller loads their weights there or serves without them.
+    LeaveUnwritten,
+}
+
+/// Every option of a rearrangement.
+#[derive(Debug, Clone, Copy)]
+struct Opts<'a> {
+    base: RearrangeOptions<'a>,
+    lost: LostExperts,
 }
 
 /// How a rearrangement runs; every rank must pass the same.
@@ -63,6 +90,8 @@ enum Step {
 struct LayerMoves {
     plan: LayerPlan,
     executes: Vec<Vec<Step>>,
+    /// The lost experts whose slots are left unwritten (see [`LostExperts`]).
+    lost: Vec<i64>,
 }
 
 /// The unbatched path: every send, then every receive, in one execute (vLLM's `move_to_buffer`).
@@ -232,7 +261,10 @@ fn move_layer(
 
 /// Rearranges every layer from `old` to `new` (physical → logical per layer, `-1` = empty
 /// slot). `weights[l]` holds layer l's tensors on this rank. With `rank_mapping` the EP size
-/// changes (see [`apply_rank_mapping`]); ranks that leave send their experts and keep none.
+/// changes (see [`apply_rank_mapping`]): with one entry per rank of the group, a scale-down on
+/// the old group (ranks that leave send their experts and keep none); with fewer, a scale-up
+/// on the grown group (new ranks start empty); with more, a scale-down after a failure on the
+/// group of survivors (see [`rearrange_with_lost`]).
 /// Collective. The staging buffers (one layer of this rank's weights) stay allocated on the
 /// calling thread for the next rearrangement.
 pub fn rearrange(
@@ -279,13 +311,42 @@ pub fn rearrange_with(
     row_bytes: &[usize],
     options: &RearrangeOptions<'_>,
 ) -> Result<Summary> {
+    let lost = LostExperts::Refuse;
+    rearrange_with_lost(g, comm, old, new, weights, row_bytes, options, lost)
+}
+
+/// [`rearrange_with`], choosing what happens to logical experts the new placement needs but no
+/// member rank holds ([`LostExperts`]; [`rearrange_with`] refuses them). Every rank must pass
+/// the same `lost`.
+///
+/// A rank mapping longer than the group is a scale-down after a failure: the group is the
+/// surviving ranks (`rank_mapping[r] >= 0`, renumbered as the mapping says), the removed ranks
+/// are not members and send nothing, and the old placement is read as the survivors hold it
+/// ([`survivors_placement`]): the new placement (group size x slots per rank) is sourced from
+/// surviving replicas only. A lost expert is then refused on every rank with a message naming
+/// the layer, the experts and the removed ranks.
+#[allow(clippy::too_many_arguments)]
+pub fn rearrange_with_lost(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    old: &[Vec<i64>],
+    new: &[Vec<i64>],
+    weights: &mut [LayerWeights<'_>],
+    row_bytes: &[usize],
+    options: &RearrangeOptions<'_>,
+    lost: LostExperts,
+) -> Result<Summary> {
+    let options = &Opts {
+        base: *options,
+        lost,
+    };
     let _rank = crate::log::rank_scope(g.rank());
     let shape = check_layers(old.len(), new.len(), weights.len());
     // Every rank checks its own arguments, then all agree on what they rearrange before any
     // layer moves: a rank's rejection or a disagreement fails every rank, no layer changed.
     let (me, world) = (g.rank(), g.size());
     let plans = shape.and_then(|()| plans(me, world, old, new, &lens(weights), row_bytes, options));
-    let header = header(plans.is_ok(), old, new, row_bytes, options);
+    let header = header(plans.is_ok(), world, old, new, row_bytes, options);
     let agreed = agree(g, &header);
     let plans = match (plans, agreed) {
         (Err(e), _) => return Err(e),
@@ -300,18 +361,22 @@ pub fn rearrange_with(
 }
 
 /// The words of the agreement header.
-const WORDS: usize = 9;
+const WORDS: usize = 11;
 
 /// What every rank must rearrange alike, as the words of the agreement header: this rank's
 /// verdict, the layer count, digests of the row sizes, dtypes, maps and rank mapping, and
-/// whether migration batching is on (it sets how many executes each layer runs).
+/// whether migration batching is on (it sets how many executes each layer runs), whether lost
+/// experts are left unwritten, and whether this is a scale-down after a failure (the rank
+/// mapping is longer than the group).
 fn header(
     ok: bool,
+    world: usize,
     old: &[Vec<i64>],
     new: &[Vec<i64>],
     row_bytes: &[usize],
-    options: &RearrangeOptions<'_>,
+    opts: &Opts<'_>,
 ) -> [u64; WORDS] {
+    let options = &opts.base;
     use crate::bytes::fnv1a;
     let maps = |m: &[Vec<i64>]| {
         fnv1a(
@@ -336,7 +401,15 @@ fn header(
             .rank_mapping
             .map_or(0, |m| 1 + fnv1a(m.iter().map(|&x| x as u64))),
         u64::from(options.migration_batching),
+        u64::from(opts.lost == LostExperts::LeaveUnwritten),
+        u64::from(post_failure(options.rank_mapping, world)),
     ]
+}
+
+/// A rank mapping longer than the group: the removed ranks are not members (a scale-down after
+/// a failure, on the group of survivors).
+fn post_failure(mapping: Option<&[i64]>, world: usize) -> bool {
+    mapping.is_some_and(|m| m.len() > world)
 }
 
 /// Runs `f` with `tensors` staging buffers (one layer of this rank's weights, like vLLM's
@@ -370,7 +443,7 @@ fn plans(
     new: &[Vec<i64>],
     weights: &[Vec<usize>],
     row_bytes: &[usize],
-    options: &RearrangeOptions<'_>,
+    options: &Opts<'_>,
 ) -> Result<Vec<LayerMoves>> {
     let mut plans = Vec::with_capacity(old.len());
     for (l, ((o, n), w)) in old.iter().zip(new).zip(weights).enumerate() {
@@ -381,14 +454,7 @@ fn plans(
                 row_bytes.len()
             )));
         }
-        let (o, n) = match options.rank_mapping {
-            Some(m) => {
-                let old_world = m.len();
-                let n_local = o.len() / old_world.max(1);
-                apply_rank_mapping(o, n, n_local, m)?
-            }
-            None => (o.clone(), n.clone()),
-        };
+        let (o, n, lost) = group_maps(l, world, o, n, options)?;
         if o.len() % world != 0 {
             return Err(Error::InvalidArgument(format!(
                 "layer {l}: {} physical slots do not divide over {world} ranks",
@@ -405,14 +471,72 @@ fn plans(
         }
         // The plan refuses an expert no rank holds before the schedule (which skips it) is made.
         let plan = plan_layer(&o, &n, n_local, me)?;
-        let executes = if options.migration_batching {
+        let executes = if options.base.migration_batching {
             batched_executes(&plan, &schedule_migration_batches(n_local, &o, &n)?, me)?
         } else {
             one_execute(&plan)
         };
-        plans.push(LayerMoves { plan, executes });
+        plans.push(LayerMoves {
+            plan,
+            executes,
+            lost,
+        });
     }
     Ok(plans)
+}
+
+/// One layer's old and new maps over the group's ranks, and the lost experts left unwritten.
+///
+/// The rank mapping widens them for a change of EP size ([`apply_rank_mapping`]), or, when it
+/// is longer than the group (after a failure), narrows the old map to the survivors
+/// ([`survivors_placement`]). Experts the new map needs and the old one lacks are lost: after a
+/// failure refused here, on every rank alike; under [`LostExperts::LeaveUnwritten`] their new
+/// slots take the old map's entry (so the plan leaves them unchanged); otherwise refused by
+/// [`plan_layer`] on the rank that needs them.
+fn group_maps(
+    l: usize,
+    world: usize,
+    o: &[i64],
+    n: &[i64],
+    options: &Opts<'_>,
+) -> Result<(Vec<i64>, Vec<i64>, Vec<i64>)> {
+    let mut removed = Vec::new();
+    let (o, mut n) = match options.base.rank_mapping {
+        Some(m) if m.len() > world => {
+            let n_local = n.len() / world;
+            if n_local == 0 || n.len() % world != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "layer {l}: the new placement has {} slots, which do not divide over the {world} surviving ranks",
+                    n.len()
+                )));
+            }
+            let (survivors, gone) = survivors_placement(o, n_local, m, world)?;
+            removed = gone;
+            (survivors, n.to_vec())
+        }
+        Some(m) => apply_rank_mapping(o, n, o.len() / m.len().max(1), m)?,
+        None => (o.to_vec(), n.to_vec()),
+    };
+    let lost = unsourced_experts(&o, &n);
+    if lost.is_empty() {
+        return Ok((o, n, lost));
+    }
+    match options.lost {
+        LostExperts::LeaveUnwritten => {
+            for (slot, e) in n.iter_mut().enumerate() {
+                if lost.contains(e) {
+                    *e = o[slot];
+                }
+            }
+            Ok((o, n, lost))
+        }
+        LostExperts::Refuse if post_failure(options.base.rank_mapping, world) => {
+            Err(Error::InvalidArgument(format!(
+                "rearrange: layer {l} needs logical experts {lost:?}, which have no replica on a surviving rank (rank_mapping removes ranks {removed:?}); their weights are gone: allow lost experts to rearrange the others and leave their slots unwritten (the call reports them; load their weights there afterwards), or choose a new placement without them"
+            )))
+        }
+        LostExperts::Refuse => Ok((o, n, Vec::new())),
+    }
 }
 
 const HEADER: [&str; WORDS] = [
@@ -425,6 +549,8 @@ const HEADER: [&str; WORDS] = [
     "the new placement",
     "the rank mapping",
     "migration batching",
+    "leaving lost experts unwritten",
+    "a scale-down after a failure",
 ];
 
 /// Gathers every rank's header (its verdict and what it rearranges); any rank's rejection or
@@ -455,7 +581,7 @@ fn agree(g: &mut dyn Group, mine: &[u64; WORDS]) -> Result<()> {
         if let Some(p) = (1..headers.len()).find(|&p| headers[p][i] != v0) {
             let detail = match i {
                 1 | 2 => format!("rank 0 passes {v0} but rank {p} passes {}", headers[p][i]),
-                8 => format!(
+                8..=10 => format!(
                     "rank 0 turns it {} but rank {p} turns it {}",
                     on_off(v0),
                     on_off(headers[p][i])
@@ -623,12 +749,35 @@ pub fn rearrange_into(
     row_bytes: &[usize],
     options: &RearrangeOptions<'_>,
 ) -> Rearranged {
+    let lost = LostExperts::Refuse;
+    rearrange_into_with_lost(g, comm, old, new, live, next, row_bytes, options, lost)
+}
+
+/// [`rearrange_into`], choosing what happens to lost experts as [`rearrange_with_lost`] does;
+/// under [`LostExperts::LeaveUnwritten`] a lost expert's next rows are copied from the same
+/// slot's live rows (the bytes the slot held before). Every rank must pass the same `lost`.
+#[allow(clippy::too_many_arguments)]
+pub fn rearrange_into_with_lost(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    old: &[Vec<i64>],
+    new: &[Vec<i64>],
+    live: &[LayerView<'_>],
+    next: &mut [LayerWeights<'_>],
+    row_bytes: &[usize],
+    options: &RearrangeOptions<'_>,
+    lost: LostExperts,
+) -> Rearranged {
+    let options = &Opts {
+        base: *options,
+        lost,
+    };
     let _rank = crate::log::rank_scope(g.rank());
     let (me, world) = (g.rank(), g.size());
     let plans = check_layers(old.len(), new.len(), live.len())
         .and_then(|()| check_next_buffers(&ranges(live), &ranges(next)))
         .and_then(|()| plans(me, world, old, new, &lens(live), row_bytes, options));
-    let header = header(plans.is_ok(), old, new, row_bytes, options);
+    let header = header(plans.is_ok(), world, old, new, row_bytes, options);
     let agreed = agree(g, &header);
     let plans = match (plans, agreed) {
         (Err(e), _) => return rearranged(Err(e), 0),
@@ -670,6 +819,7 @@ fn count_layer(summary: &mut Summary, moves: &LayerMoves) {
     summary.rows_received += plan.recvs.len() + plan.duplicates.len();
     summary.rows_copied_locally += plan.local_copies.len();
     summary.executes += moves.executes.len();
+    summary.lost_experts.push(moves.lost.clone());
 }
 
 /// Per slot, the live row it is copied from, or None for a slot written by a receive (its
@@ -725,4 +875,25 @@ fn place_layer(
         }
     }
     Ok(())
+}
+
+/// Per layer, the logical experts a rearrangement of these arguments on a group of `world`
+/// ranks would leave unwritten under [`LostExperts::LeaveUnwritten`] (what
+/// [`Summary::lost_experts`] then reports): lets a caller size its output before the
+/// collective call. The errors are those of the rearrangement's own checks.
+pub fn lost_by_layer(
+    world: usize,
+    old: &[Vec<i64>],
+    new: &[Vec<i64>],
+    options: &RearrangeOptions<'_>,
+) -> Result<Vec<Vec<i64>>> {
+    check_layers(old.len(), new.len(), old.len())?;
+    let opts = Opts {
+        base: *options,
+        lost: LostExperts::LeaveUnwritten,
+    };
+    let layers = old.iter().zip(new).enumerate();
+    layers
+        .map(|(l, (o, n))| group_maps(l, world.max(1), o, n, &opts).map(|m| m.2))
+        .collect()
 }

@@ -251,6 +251,110 @@ pub fn apply_rank_mapping(
     }
 }
 
+/// Checks a rank mapping of `old_slots / n_local` old ranks: every entry is -1 (removed) or a
+/// new rank below `new_ranks`, and no two old ranks map to the same new rank. Returns the
+/// removed old ranks, ascending.
+fn check_survivor_mapping(
+    old_slots: usize,
+    n_local: usize,
+    mapping: &[i64],
+    new_ranks: usize,
+) -> Result<Vec<usize>> {
+    if n_local == 0 || old_slots != mapping.len() * n_local {
+        return Err(Error::InvalidArgument(format!(
+            "the old placement has {old_slots} slots; expected one block of {n_local} slots per entry of the rank mapping ({} entries)",
+            mapping.len()
+        )));
+    }
+    let mut taken = vec![None; new_ranks];
+    let mut removed = Vec::new();
+    for (r, &m) in mapping.iter().enumerate() {
+        if m == -1 {
+            removed.push(r);
+            continue;
+        }
+        let Some(slot) = usize::try_from(m).ok().and_then(|m| taken.get_mut(m)) else {
+            return Err(Error::InvalidArgument(format!(
+                "rank_mapping[{r}] is {m}; expected -1 (removed) or a rank below the new EP size {new_ranks}"
+            )));
+        };
+        if let Some(first) = slot.replace(r) {
+            return Err(Error::InvalidArgument(format!(
+                "rank_mapping[{first}] and rank_mapping[{r}] are both {m}; every surviving rank needs a rank of its own"
+            )));
+        }
+    }
+    Ok(removed)
+}
+
+/// The logical experts of one layer's old placement (`old`: physical → logical, `n_local`
+/// slots per old rank, one block per entry of `rank_mapping`) that have no replica on a
+/// surviving rank (`rank_mapping[r] >= 0`): after a failure their weights are gone. Sorted,
+/// unique; `-1` slots are no expert.
+pub fn lost_experts(old: &[i64], n_local: usize, rank_mapping: &[i64]) -> Result<Vec<i64>> {
+    // Any new rank numbering is accepted here: only which ranks survive matters.
+    let new_ranks = rank_mapping
+        .iter()
+        .map(|&m| m.max(-1) + 1)
+        .max()
+        .unwrap_or(0);
+    check_survivor_mapping(old.len(), n_local, rank_mapping, new_ranks as usize)?;
+    let survives = |slot: usize| rank_mapping[slot / n_local] >= 0;
+    let kept: Vec<i64> = (0..old.len())
+        .filter(|&s| survives(s))
+        .map(|s| old[s])
+        .collect();
+    let mut lost: Vec<i64> = old
+        .iter()
+        .copied()
+        .filter(|&e| e >= 0 && !kept.contains(&e))
+        .collect();
+    lost.sort_unstable();
+    lost.dedup();
+    Ok(lost)
+}
+
+/// The old placement of a scale-down after a failure, as the group of survivors holds it: the
+/// block of each surviving old rank `r` moves to new rank `rank_mapping[r]`; the blocks of
+/// removed ranks are gone (vLLM's `_map_old_expert_indices_with_rank_mapping` with the new EP
+/// size). Returns the map of `new_ranks * n_local` slots and the removed old ranks.
+pub fn survivors_placement(
+    old: &[i64],
+    n_local: usize,
+    rank_mapping: &[i64],
+    new_ranks: usize,
+) -> Result<(Vec<i64>, Vec<usize>)> {
+    let removed = check_survivor_mapping(old.len(), n_local, rank_mapping, new_ranks)?;
+    let kept = rank_mapping.len() - removed.len();
+    if kept != new_ranks {
+        return Err(Error::InvalidArgument(format!(
+            "rank_mapping keeps {kept} of its {} ranks but the group has {new_ranks}; after a failure the group is the surviving ranks",
+            rank_mapping.len()
+        )));
+    }
+    let mut map = vec![-1i64; new_ranks * n_local];
+    for (r, &m) in rank_mapping.iter().enumerate() {
+        if let Ok(m) = usize::try_from(m) {
+            map[m * n_local..(m + 1) * n_local]
+                .copy_from_slice(&old[r * n_local..(r + 1) * n_local]);
+        }
+    }
+    Ok((map, removed))
+}
+
+/// The logical experts `new` places that no slot of `old` holds (maps of the same group),
+/// sorted, unique.
+pub fn unsourced_experts(old: &[i64], new: &[i64]) -> Vec<i64> {
+    let mut v: Vec<i64> = new
+        .iter()
+        .copied()
+        .filter(|&e| e >= 0 && !old.contains(&e))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,5 +429,45 @@ mod tests {
         );
         assert_eq!(e.exception(), "ValueError");
         assert!(plan_layer(&old, &new, 2, 0).unwrap().is_noop());
+    }
+
+    #[test]
+    fn lost_experts_are_those_without_a_surviving_replica() {
+        // 3 ranks of 2 slots; rank 1 dies: expert 2 had replicas on ranks 1 only, 1 on 0 and 1.
+        let old = [0, 1, 1, 2, 3, 0];
+        assert_eq!(lost_experts(&old, 2, &[0, -1, 1]).unwrap(), vec![2]);
+        assert_eq!(
+            lost_experts(&old, 2, &[0, 1, 2]).unwrap(),
+            Vec::<i64>::new()
+        );
+        assert_eq!(lost_experts(&old, 2, &[-1, -1, 0]).unwrap(), vec![1, 2]);
+        let e = lost_experts(&old, 2, &[0, 0, 1]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rank_mapping[0] and rank_mapping[1] are both 0; every surviving rank needs a rank of its own"
+        );
+        let e = lost_experts(&old, 2, &[0, 1]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the old placement has 6 slots; expected one block of 2 slots per entry of the rank mapping (2 entries)"
+        );
+    }
+
+    #[test]
+    fn the_survivors_placement_renumbers_in_order() {
+        let old = [0, 1, 1, 2, 3, 0];
+        let (m, removed) = survivors_placement(&old, 2, &[0, -1, 1], 2).unwrap();
+        assert_eq!((m, removed), (vec![0, 1, 3, 0], vec![1]));
+        let e = survivors_placement(&old, 2, &[0, -1, 1], 3).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rank_mapping keeps 2 of its 3 ranks but the group has 3; after a failure the group is the surviving ranks"
+        );
+        let e = survivors_placement(&old, 2, &[0, -1, 2], 2).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rank_mapping[2] is 2; expected -1 (removed) or a rank below the new EP size 2"
+        );
+        assert_eq!(unsourced_experts(&[0, 1, 3, 0], &[2, 0, 1, 7]), vec![2, 7]);
     }
 }

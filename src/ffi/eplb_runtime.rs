@@ -272,7 +272,7 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange(
         // SAFETY: NULL or rank_mapping_len entries (caller contract).
         let mapping = unsafe { mapping_arg(rank_mapping, rank_mapping_len) };
         // SAFETY: caller contract.
-        unsafe { call.run(comm, Ok((mapping, false)), summary_out) }
+        unsafe { call.run(comm, Ok(OptionsArg::plain(mapping)), summary_out) }
     })
 }
 
@@ -295,9 +295,36 @@ pub struct epcomm_eplb_rearrange_options {
     /// rank talks to at most one peer at a time. The same rows move from the same sources as
     /// without it; a layer that moves nothing runs no execute.
     pub migration_batching: bool,
+    /// [lost_experts_capacity, 2]: receives (layer, logical expert) pairs, layers ascending,
+    /// experts ascending within a layer: the experts the new placement needs that no member
+    /// rank holds, which allow_lost_experts leaves unwritten. NULL = not wanted (then
+    /// allow_lost_experts must not lose any). Written when the count fits, whatever the outcome.
+    /// Fields from here on were added after the first layout: a struct_size ending before them
+    /// reads as NULL, 0, NULL and false.
+    pub lost_experts_out: *mut i64,
+    /// Pairs `lost_experts_out` has room for; num_layers * new_slots always suffices (a lost
+    /// expert takes at least one slot of the new placement), and epcomm_eplb_lost_experts
+    /// counts the experts a failure loses beforehand.
+    pub lost_experts_capacity: usize,
+    /// NULL or receives the number of (layer, expert) pairs (0 = none lost) once the arguments
+    /// were read, also when the call then fails (e.g. lost_experts_capacity too small).
+    pub num_lost_experts_out: *mut i64,
+    /// Rearrange even when the new placement needs logical experts no member rank holds (after
+    /// a failure: every replica was on a removed rank): the slots of those experts are left
+    /// unwritten, keeping the bytes they held on that rank before the call (for
+    /// epcomm_eplb_rearrange_into: copied from the same slot's live rows), never zeros, and the
+    /// experts are reported through lost_experts_out. Off: such a rearrangement fails on every
+    /// rank before any data moves (EPCOMM_ERROR_INVALID_ARGUMENT naming the layer and experts).
+    pub allow_lost_experts: bool,
 }
 
-/// Fills `options` with the defaults (no rank mapping, no batching) and struct_size.
+/// sizeof(epcomm_eplb_rearrange_options) before the lost-expert fields were added: callers built
+/// against that header keep working (their options read as lost experts refused).
+const OPTIONS_SIZE_V1: usize =
+    std::mem::offset_of!(epcomm_eplb_rearrange_options, lost_experts_out);
+
+/// Fills `options` with the defaults (no rank mapping, no batching, lost experts refused, no
+/// outputs) and struct_size.
 ///
 /// # Safety
 /// `options` is NULL or writable.
@@ -313,6 +340,10 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange_options_init(
             rank_mapping: std::ptr::null(),
             rank_mapping_len: 0,
             migration_batching: false,
+            lost_experts_out: std::ptr::null_mut(),
+            lost_experts_capacity: 0,
+            num_lost_experts_out: std::ptr::null_mut(),
+            allow_lost_experts: false,
         };
         Ok(())
     })
@@ -415,27 +446,120 @@ unsafe fn mapping_arg(p: *const i64, len: usize) -> Option<Vec<i64>> {
     (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, len) }.to_vec())
 }
 
-/// The rank mapping and the batching flag of `options` (NULL = defaults).
+/// The rearrangement options a C caller passed, read.
+#[derive(Debug, Clone)]
+struct OptionsArg {
+    mapping: Option<Vec<i64>>,
+    batching: bool,
+    lost: rearrange::LostExperts,
+    lost_out: *mut i64,
+    capacity: usize,
+    num_lost_out: *mut i64,
+}
+
+/// `options` (NULL = defaults), reading only its struct_size bytes.
 ///
 /// # Safety
-/// `options` is NULL or valid, its rank_mapping NULL or valid for rank_mapping_len entries.
+/// `options` is NULL or valid for struct_size bytes, its rank_mapping NULL or valid for
+/// rank_mapping_len entries.
 unsafe fn rearrange_options_arg(
     options: *const epcomm_eplb_rearrange_options,
-) -> Result<(Option<Vec<i64>>, bool)> {
-    // SAFETY: caller contract.
-    let Some(o) = (unsafe { options.as_ref() }) else {
-        return Ok((None, false));
-    };
-    let want = std::mem::size_of::<epcomm_eplb_rearrange_options>();
-    if (o.struct_size as usize) < want {
-        return Err(Error::InvalidArgument(format!(
-            "options->struct_size is {}: expected sizeof(epcomm_eplb_rearrange_options) = {want} (call epcomm_eplb_rearrange_options_init)",
-            o.struct_size
-        )));
+) -> Result<OptionsArg> {
+    let mut o = std::mem::MaybeUninit::<epcomm_eplb_rearrange_options>::zeroed();
+    // SAFETY: o is writable; the init only writes it.
+    unsafe { epcomm_eplb_rearrange_options_init(o.as_mut_ptr()) };
+    if !options.is_null() {
+        // SAFETY: the caller's struct starts with struct_size (caller contract).
+        let size = unsafe { std::ptr::addr_of!((*options).struct_size).read_unaligned() } as usize;
+        let full = std::mem::size_of::<epcomm_eplb_rearrange_options>();
+        if size < OPTIONS_SIZE_V1 {
+            return Err(Error::InvalidArgument(format!(
+                "options->struct_size is {size}: expected sizeof(epcomm_eplb_rearrange_options) = {full} (call epcomm_eplb_rearrange_options_init)"
+            )));
+        }
+        // SAFETY: the caller's struct holds `size` bytes; at most `full` are copied into o.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                options.cast::<u8>(),
+                o.as_mut_ptr().cast::<u8>(),
+                size.min(full),
+            )
+        };
     }
-    // SAFETY: caller contract.
-    let mapping = unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) };
-    Ok((mapping, o.migration_batching))
+    // SAFETY: initialised by the init, then overwritten by a valid prefix.
+    let o = unsafe { o.assume_init() };
+    let lost = if o.allow_lost_experts {
+        rearrange::LostExperts::LeaveUnwritten
+    } else {
+        rearrange::LostExperts::Refuse
+    };
+    Ok(OptionsArg {
+        // SAFETY: caller contract.
+        mapping: unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) },
+        batching: o.migration_batching,
+        lost,
+        lost_out: o.lost_experts_out,
+        capacity: o.lost_experts_capacity,
+        num_lost_out: o.num_lost_experts_out,
+    })
+}
+
+impl OptionsArg {
+    /// The defaults: epcomm_eplb_rearrange's options.
+    fn plain(mapping: Option<Vec<i64>>) -> OptionsArg {
+        OptionsArg {
+            mapping,
+            batching: false,
+            lost: rearrange::LostExperts::Refuse,
+            lost_out: std::ptr::null_mut(),
+            capacity: 0,
+            num_lost_out: std::ptr::null_mut(),
+        }
+    }
+
+    fn base<'a>(&'a self, dtypes: &'a [crate::dtype::DType]) -> rearrange::RearrangeOptions<'a> {
+        rearrange::RearrangeOptions {
+            rank_mapping: self.mapping.as_deref(),
+            dtypes,
+            migration_batching: self.batching,
+        }
+    }
+
+    /// Counts the lost experts before any data moves, writes the count and (when they fit) the
+    /// pairs, and checks that allow_lost_experts has room to report them. Argument errors are
+    /// left to the rearrangement, which reports them to every rank.
+    ///
+    /// # Safety
+    /// The output pointers are NULL or valid as epcomm_eplb_rearrange_options says.
+    unsafe fn report_lost(&self, world: usize, old: &[Vec<i64>], new: &[Vec<i64>]) -> Result<()> {
+        let Ok(lost) = rearrange::lost_by_layer(world, old, new, &self.base(&[])) else {
+            return Ok(());
+        };
+        let pairs: Vec<i64> = (lost.iter().enumerate())
+            .flat_map(|(l, ids)| ids.iter().flat_map(move |&e| [l as i64, e]))
+            .collect();
+        let count = pairs.len() / 2;
+        // SAFETY: NULL or writable (caller contract).
+        if let Some(n) = unsafe { self.num_lost_out.as_mut() } {
+            *n = count as i64;
+        }
+        if !self.lost_out.is_null() && count <= self.capacity {
+            // SAFETY: room for `capacity` pairs (caller contract).
+            unsafe { std::slice::from_raw_parts_mut(self.lost_out, 2 * count) }
+                .copy_from_slice(&pairs);
+        }
+        let cap = if self.lost_out.is_null() {
+            0
+        } else {
+            self.capacity
+        };
+        match self.lost {
+            rearrange::LostExperts::LeaveUnwritten if count > cap => Err(Error::InvalidArgument(format!(
+                "options->allow_lost_experts leaves {count} (layer, logical expert) pairs unwritten but options->lost_experts_out has room for {cap}; pass room for them (num_layers * new_slots pairs always suffice)"
+            ))),
+            rearrange::LostExperts::LeaveUnwritten | rearrange::LostExperts::Refuse => Ok(()),
+        }
+    }
 }
 
 /// The map and weight arguments of a rearrangement, as C passes them.
@@ -449,21 +573,15 @@ struct RearrangeCall {
     num_tensors: usize,
 }
 
-/// A rearrangement's checked arguments: old and new maps, weights, rank mapping, batching.
-type Prepared = (
-    Vec<Vec<i64>>,
-    Vec<Vec<i64>>,
-    LayerWeights,
-    Option<Vec<i64>>,
-    bool,
-);
+/// A rearrangement's checked arguments: old and new maps, weights, options.
+type Prepared = (Vec<Vec<i64>>, Vec<Vec<i64>>, LayerWeights, OptionsArg);
 
 impl RearrangeCall {
     /// Checks the arguments (before the group is used).
     ///
     /// # Safety
     /// The pointers are NULL or valid for the sizes they are given with.
-    unsafe fn prepare(&self, options: Result<(Option<Vec<i64>>, bool)>) -> Result<Prepared> {
+    unsafe fn prepare(&self, options: Result<OptionsArg>) -> Result<Prepared> {
         let l = count(self.num_layers, "num_layers")?;
         let (os, ns) = (
             count(self.old_slots, "old_slots")?,
@@ -477,8 +595,7 @@ impl RearrangeCall {
                 LayerWeights::parse(self.weights, l, self.num_tensors)?,
             )
         };
-        let (mapping, batching) = options?;
-        Ok((old, new, layers, mapping, batching))
+        Ok((old, new, layers, options?))
     }
 
     /// Runs the rearrangement; a rejected argument is reported to the peers too.
@@ -488,7 +605,7 @@ impl RearrangeCall {
     unsafe fn run(
         &self,
         comm: *mut epcomm_eplb_communicator,
-        options: Result<(Option<Vec<i64>>, bool)>,
+        options: Result<OptionsArg>,
         summary_out: *mut epcomm_eplb_summary,
     ) -> Result<()> {
         // SAFETY: caller contract.
@@ -497,21 +614,20 @@ impl RearrangeCall {
         let summary = unsafe {
             with_comm(comm, |c, group| {
                 with_group(group, |g| {
-                    let (old, new, w, mapping, batching) =
-                        prepared.map_err(|e| rearrange::reject_rearrange(g, e))?;
-                    let options = rearrange::RearrangeOptions {
-                        rank_mapping: mapping.as_deref(),
-                        dtypes: &w.dtypes,
-                        migration_batching: batching,
-                    };
-                    rearrange::rearrange_with(
+                    // The outputs are NULL or valid (caller contract).
+                    let report = |p: Prepared| p.3.report_lost(g.size(), &p.0, &p.1).map(|()| p);
+                    let (old, new, w, o) = prepared
+                        .and_then(report)
+                        .map_err(|e| rearrange::reject_rearrange(g, e))?;
+                    rearrange::rearrange_with_lost(
                         g,
                         c.comm.as_mut(),
                         &old,
                         &new,
                         &mut w.views(),
                         &w.row_bytes,
-                        &options,
+                        &o.base(&w.dtypes),
+                        o.lost,
                     )
                 })
             })
@@ -531,7 +647,7 @@ impl RearrangeCall {
         &self,
         comm: *mut epcomm_eplb_communicator,
         next_weights: *const epcomm_tensor,
-        options: Result<(Option<Vec<i64>>, bool)>,
+        options: Result<OptionsArg>,
         summary_out: *mut epcomm_eplb_summary,
         next_valid_out: *mut i64,
     ) -> Result<()> {
@@ -541,22 +657,22 @@ impl RearrangeCall {
             let next = unsafe { next_arg(next_weights, &p.2) }?;
             Ok((p, next))
         });
+        let prepared = |world| {
+            // SAFETY: the outputs are NULL or valid (caller contract).
+            prepared
+                .and_then(|p| unsafe { p.0 .3.report_lost(world, &p.0 .0, &p.0 .1) }.map(|()| p))
+        };
         let mut valid = 0;
         // SAFETY: caller contract: a live handle whose group is live.
         let summary = unsafe {
             with_comm(comm, |c, group| {
                 with_group(group, |g| {
-                    let ((old, new, w, mapping, batching), next) =
-                        prepared.map_err(|e| rearrange::reject_rearrange(g, e))?;
-                    let options = rearrange::RearrangeOptions {
-                        rank_mapping: mapping.as_deref(),
-                        dtypes: &w.dtypes,
-                        migration_batching: batching,
-                    };
+                    let ((old, new, w, o), next) =
+                        prepared(g.size()).map_err(|e| rearrange::reject_rearrange(g, e))?;
                     // SAFETY: checked: the next tensors overlap neither each other nor the
                     // live ones, which are only read.
                     let (live, mut next) = (w.read_views(), next.views());
-                    let out = rearrange::rearrange_into(
+                    let out = rearrange::rearrange_into_with_lost(
                         g,
                         c.comm.as_mut(),
                         &old,
@@ -564,7 +680,8 @@ impl RearrangeCall {
                         &live,
                         &mut next,
                         &w.row_bytes,
-                        &options,
+                        &o.base(&w.dtypes),
+                        o.lost,
                     );
                     valid = out.next_valid;
                     out.result
@@ -819,6 +936,55 @@ pub unsafe extern "C" fn epcomm_eplb_layer_plan_view(
 pub unsafe extern "C" fn epcomm_eplb_layer_plan_destroy(plan: *mut epcomm_eplb_layer_plan) {
     // SAFETY: caller contract.
     guard::call_or((), || unsafe { epcomm_eplb_layer_plan::destroy(plan) })
+}
+
+/// The logical experts of one layer's old placement (`old_phy2log`, `num_slots` = old ranks x
+/// `slots_per_rank` entries, -1 = empty) with no replica on a surviving rank
+/// (`rank_mapping[r] >= 0`; `rank_mapping_len` = the old ranks, -1 = removed, no two ranks on
+/// the same new rank): after a failure their weights are gone. One layer per call: a layer's
+/// lost experts depend only on its own map. `*num_lost_out` receives their count; `lost_out`
+/// (room for `lost_capacity` ids; NULL = count only) receives them ascending. A capacity
+/// below the count is EPCOMM_ERROR_INVALID_ARGUMENT (the count is still written);
+/// `num_slots` ids always fit.
+///
+/// # Safety
+/// `old_phy2log` holds num_slots entries, `rank_mapping` rank_mapping_len; `lost_out` is NULL
+/// or writable for lost_capacity entries; `num_lost_out` is writable (NULL is
+/// EPCOMM_ERROR_NULL_POINTER).
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn epcomm_eplb_lost_experts(
+    old_phy2log: *const i64,
+    num_slots: i64,
+    slots_per_rank: i64,
+    rank_mapping: *const i64,
+    rank_mapping_len: usize,
+    lost_out: *mut i64,
+    lost_capacity: usize,
+    num_lost_out: *mut i64,
+) -> i32 {
+    guard::call(|| {
+        let count_out = unsafe { guard::out_arg(num_lost_out, "num_lost_out") }?;
+        let p = count(num_slots, "num_slots")?;
+        let n = count(slots_per_rank, "slots_per_rank")?;
+        // SAFETY: caller contract.
+        let old = unsafe { maps(old_phy2log, 1, p, "old_phy2log") }?;
+        let mapping = unsafe { guard::slice_arg(rank_mapping, rank_mapping_len, "rank_mapping") }?;
+        let lost = crate::eplb::lost_experts(&old[0], n, mapping)?;
+        *count_out = lost.len() as i64;
+        if lost_out.is_null() {
+            return Ok(());
+        }
+        if lost.len() > lost_capacity {
+            return Err(Error::InvalidArgument(format!(
+                "lost_capacity is {lost_capacity} but {} experts are lost; pass room for *num_lost_out ids (num_slots always suffice)",
+                lost.len()
+            )));
+        }
+        // SAFETY: writable for lost_capacity entries (caller contract).
+        unsafe { std::slice::from_raw_parts_mut(lost_out, lost.len()) }.copy_from_slice(&lost);
+        Ok(())
+    })
 }
 
 /// Expert-load statistics of one model on one rank (window, schedule, balancedness log).

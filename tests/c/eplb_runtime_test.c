@@ -4,7 +4,9 @@
  * messages), the communicator's add_send / add_recv / execute, a two-layer rearrangement of
  * expert weights (also batched as vLLM's migration scheduler orders it, with the options
  * struct; double-buffered into next weights with bad next weights refused on every rank),
- * the scheduler itself, the per-rank transfer plan (vLLM's sender/receiver pairing),
+ * a scale-down after a failure on the group of survivors (lost experts refused, or allowed and
+ * reported; epcomm_eplb_lost_experts), the scheduler itself, the per-rank transfer plan
+ * (vLLM's sender/receiver pairing),
  * and the load statistics (record, step with the balancedness log line, logical load). Built as C11
  * and (with -x c++) as C++17, under ASan+UBSan, by tests/c_eplb.rs.
  *
@@ -17,6 +19,7 @@
  */
 #include "test_ranks.h" /* first: it selects POSIX for the system headers */
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -598,6 +601,155 @@ static void test_rearrange_batched(comm_t *comm) {
     CHECK_ERR(epcomm_eplb_rearrange_options_init(NULL), EPCOMM_ERROR_NULL_POINTER, NULL);
 }
 
+/* ---- scale-down after a failure ------------------------------------------------------------ */
+
+/* Old rank 1 of 3 died: the 2 ranks of this group are the survivors (old ranks 0 and 2). */
+#define SD_OLD_SLOTS 6
+static const int64_t SD_MAPPING[3] = {0, -1, 1};
+
+/* The weights survivor g_rank holds under `old` (RA_LAYERS layers of SD_OLD_SLOTS slots). */
+static void fill_survivor(float w[RA_LAYERS][RA_LOCAL * RA_COLS], const int64_t *old) {
+    int old_rank = g_rank == 0 ? 0 : 2;
+    int l, s, c;
+    for (l = 0; l < RA_LAYERS; l++) {
+        for (s = 0; s < RA_LOCAL; s++) {
+            int expert = (int)old[l * SD_OLD_SLOTS + old_rank * RA_LOCAL + s];
+            for (c = 0; c < RA_COLS; c++) {
+                w[l][s * RA_COLS + c] = row_value(expert, l, c);
+            }
+        }
+    }
+}
+
+static void test_lost_experts(void) {
+    /* Experts 2 and 4 lived only on the dead rank 1; 0 has a replica on rank 2 too. */
+    static const int64_t old[SD_OLD_SLOTS] = {0, 1, 2, 4, 3, 0};
+    int64_t lost[SD_OLD_SLOTS] = {-7, -7, -7, -7, -7, -7};
+    int64_t n = -1;
+    if (CHECK_ERR(epcomm_eplb_lost_experts(old, SD_OLD_SLOTS, RA_LOCAL, SD_MAPPING, 3, lost,
+                                           SD_OLD_SLOTS, &n),
+                  EPCOMM_OK, NULL)) {
+        CHECK(n == 2 && lost[0] == 2 && lost[1] == 4 && lost[2] == -7);
+    }
+    n = -1;
+    CHECK_ERR(epcomm_eplb_lost_experts(old, SD_OLD_SLOTS, RA_LOCAL, SD_MAPPING, 3, NULL, 0, &n),
+              EPCOMM_OK, NULL);
+    CHECK(n == 2);
+    n = -1;
+    CHECK_ERR(epcomm_eplb_lost_experts(old, SD_OLD_SLOTS, RA_LOCAL, SD_MAPPING, 3, lost, 1, &n),
+              EPCOMM_ERROR_INVALID_ARGUMENT,
+              "lost_capacity is 1 but 2 experts are lost; pass room for *num_lost_out ids "
+              "(num_slots always suffice)");
+    CHECK(n == 2);
+    CHECK_ERR(epcomm_eplb_lost_experts(old, SD_OLD_SLOTS, RA_LOCAL, SD_MAPPING, 2, lost,
+                                       SD_OLD_SLOTS, &n),
+              EPCOMM_ERROR_INVALID_ARGUMENT,
+              "the old placement has 6 slots; expected one block of 2 slots per entry of the "
+              "rank mapping (2 entries)");
+    CHECK_ERR(epcomm_eplb_lost_experts(old, SD_OLD_SLOTS, RA_LOCAL, SD_MAPPING, 3, lost,
+                                       SD_OLD_SLOTS, NULL),
+              EPCOMM_ERROR_NULL_POINTER, NULL);
+}
+
+static const char SD_REFUSAL[] =
+    "rearrange: layer 0 needs logical experts [2], which have no replica on a surviving rank "
+    "(rank_mapping removes ranks [1]); their weights are gone: allow lost experts to rearrange "
+    "the others and leave their slots unwritten (the call reports them; load their weights "
+    "there afterwards), or choose a new placement without them";
+
+static void test_rearrange_after_failure(comm_t *comm) {
+    /* Every expert of the dead rank (2, 1) has a surviving replica. */
+    static const int64_t redundant[RA_LAYERS * SD_OLD_SLOTS] = {0, 1, 2, 1, 3, 2,
+                                                                0, 1, 2, 1, 3, 2};
+    /* Expert 2 (and 4) only on the dead rank. */
+    static const int64_t exposed[RA_LAYERS * SD_OLD_SLOTS] = {0, 1, 2, 4, 3, 0,
+                                                              0, 1, 2, 4, 3, 0};
+    static const int64_t new_map[RA_LAYERS * RA_SLOTS] = {2, 3, 1, 0, 2, 3, 1, 0};
+    /* `new_map` with expert 2's slot keeping what the survivor held there (expert 0). */
+    static const int64_t kept[RA_LAYERS * RA_SLOTS] = {0, 3, 1, 0, 0, 3, 1, 0};
+    float w[RA_LAYERS][RA_LOCAL * RA_COLS], before[RA_LAYERS][RA_LOCAL * RA_COLS];
+    float n[RA_LAYERS][RA_LOCAL * RA_COLS];
+    int64_t shape[2] = {RA_LOCAL, RA_COLS};
+    tensor_t weights[RA_LAYERS], next[RA_LAYERS];
+    int64_t pairs[2 * RA_LAYERS * RA_SLOTS];
+    int64_t num_lost = -1, valid = -1;
+    rearrange_options_t opts;
+    char want[320];
+    int l;
+
+    for (l = 0; l < RA_LAYERS; l++) {
+        weights[l] = make_tensor(w[l], DL_FLOAT, 32, 2, shape);
+        next[l] = make_tensor(n[l], DL_FLOAT, 32, 2, shape);
+    }
+    if (!CHECK_ERR(epcomm_eplb_rearrange_options_init(&opts), EPCOMM_OK, NULL)) {
+        return;
+    }
+    CHECK(opts.lost_experts_out == NULL && opts.lost_experts_capacity == 0);
+    CHECK(opts.num_lost_experts_out == NULL && !opts.allow_lost_experts);
+    opts.rank_mapping = SD_MAPPING;
+    opts.rank_mapping_len = 3;
+    opts.num_lost_experts_out = &num_lost;
+    /* Sourced from surviving replicas only: the new placement, nothing lost. */
+    fill_survivor(w, redundant);
+    if (CHECK_ERR(epcomm_eplb_rearrange_with(comm, redundant, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                             RA_SLOTS, weights, 1, &opts, NULL),
+                  EPCOMM_OK, NULL)) {
+        CHECK(holds(w, new_map));
+        CHECK(num_lost == 0);
+    }
+    /* Expert 2 is gone: refused on both ranks, nothing moves; the count is still reported. */
+    fill_survivor(w, exposed);
+    memcpy(before, w, sizeof before);
+    num_lost = -1;
+    CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                         RA_SLOTS, weights, 1, &opts, NULL),
+              EPCOMM_ERROR_INVALID_ARGUMENT, SD_REFUSAL);
+    CHECK(memcmp(before, w, sizeof before) == 0);
+    CHECK(num_lost == 2);
+    /* Allowed but no room to report them: refused before any data moves. */
+    opts.allow_lost_experts = true;
+    opts.lost_experts_out = pairs;
+    opts.lost_experts_capacity = 1;
+    CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                         RA_SLOTS, weights, 1, &opts, NULL),
+              EPCOMM_ERROR_INVALID_ARGUMENT,
+              "options->allow_lost_experts leaves 2 (layer, logical expert) pairs unwritten but "
+              "options->lost_experts_out has room for 1; pass room for them (num_layers * "
+              "new_slots pairs always suffice)");
+    CHECK(memcmp(before, w, sizeof before) == 0);
+    /* Double-buffered, allowed: next holds the new placement, expert 2's slot the live row. */
+    opts.lost_experts_capacity = RA_LAYERS * RA_SLOTS;
+    memset(pairs, 0xFF, sizeof pairs);
+    memset(n, 0xA5, sizeof n);
+    if (CHECK_ERR(epcomm_eplb_rearrange_into(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                             RA_SLOTS, weights, next, 1, &opts, NULL, &valid),
+                  EPCOMM_OK, NULL)) {
+        CHECK(valid == RA_LAYERS && holds(n, kept) && memcmp(before, w, sizeof before) == 0);
+        CHECK(num_lost == 2 && pairs[0] == 0 && pairs[1] == 2 && pairs[2] == 1 && pairs[3] == 2);
+    }
+    /* Staged, allowed: the same in the live weights. */
+    num_lost = -1;
+    if (CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                             RA_SLOTS, weights, 1, &opts, NULL),
+                  EPCOMM_OK, NULL)) {
+        CHECK(holds(w, kept) && num_lost == 2);
+    }
+    /* A struct of the first layout (ending before lost_experts_out) reads as refused. */
+    fill_survivor(w, exposed);
+    opts.struct_size = (uint32_t)offsetof(rearrange_options_t, lost_experts_out);
+    CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                         RA_SLOTS, weights, 1, &opts, NULL),
+              EPCOMM_ERROR_INVALID_ARGUMENT, SD_REFUSAL);
+    opts.struct_size = (uint32_t)offsetof(rearrange_options_t, lost_experts_out) - 1;
+    snprintf(want, sizeof want,
+             "options->struct_size is %u: expected sizeof(epcomm_eplb_rearrange_options) = %u "
+             "(call epcomm_eplb_rearrange_options_init)",
+             (unsigned)opts.struct_size, (unsigned)sizeof opts);
+    CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                         RA_SLOTS, weights, 1, &opts, NULL),
+              EPCOMM_ERROR_INVALID_ARGUMENT, want);
+}
+
 /* ---- the migration scheduler ----------------------------------------------------------------- */
 
 static void test_schedule(void) {
@@ -835,9 +987,12 @@ static int child_main(const char *name, int rank) {
         test_rearrange_batched(comm);
         CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
         test_rearrange_into(comm);
+        CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
+        test_rearrange_after_failure(comm);
     }
     CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
     test_plan_layer();
+    test_lost_experts();
     test_schedule();
     test_state(g);
     CHECK_ERR(epcomm_group_barrier(g), EPCOMM_OK, NULL);
