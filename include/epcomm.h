@@ -888,12 +888,34 @@ typedef int32_t (*epcomm_host_all_gather_fn)(void *user_data, const void *input,
 typedef int32_t (*epcomm_host_barrier_fn)(void *user_data);
 
 /**
+ * Host lost ranks (fault tolerance, optional): set `out_mask[r]` (world_size entries, zeroed
+ * by epcomm) to 1 for each rank the host's transport holds as lost (a peer it saw fail);
+ * return 0 on success.
+ */
+typedef int32_t (*epcomm_host_lost_ranks_fn)(void *user_data, uint8_t *out_mask, int32_t world_size);
+
+/**
+ * Host shrink (fault tolerance, optional): collective over the ranks not in `excluded`
+ * (`num_excluded` ranks, increasing, not this rank); make a host communicator over those
+ * survivors, renumbered in order, and store its user data in `*out_user_data`; return 0 on
+ * success. epcomm builds the new group over it with the same callbacks; the host keeps it
+ * valid until that group is destroyed.
+ */
+typedef int32_t (*epcomm_host_shrink_fn)(void *user_data, const int32_t *excluded, size_t num_excluded, void **out_user_data);
+
+/**
  * The host's own transport (e.g. torch.distributed or MPI). `send` and `recv` are required and
  * blocking; `all_gather` is optional (NULL: built from send/recv). epcomm orders pairwise
  * exchanges so that blocking rendezvous sends cannot deadlock. Every collective starts with an
  * all_gather of a small header from every rank, so a rank's bad arguments, a disagreement on a
  * parameter or a rank calling another collective is the same error on every rank before any
  * data moves; that all_gather is also the barrier, so `barrier` is never called.
+ *
+ * A callback's nonzero return fails the op with EPCOMM_ERROR_RUNTIME, or with the status it
+ * returned when that is EPCOMM_ERROR_PEER_FAILURE or EPCOMM_ERROR_TIMEOUT (a peer the host
+ * saw fail or time out). `lost_ranks` and `shrink` (fault tolerance) are optional and were
+ * added last: a struct whose struct_size ends before them works as before (no rank is
+ * reported lost; shrink is EPCOMM_ERROR_NOT_IMPLEMENTED).
  */
 typedef struct epcomm_host_callbacks {
   /**
@@ -908,6 +930,14 @@ typedef struct epcomm_host_callbacks {
   epcomm_host_recv_fn recv;
   epcomm_host_all_gather_fn all_gather;
   epcomm_host_barrier_fn barrier;
+  /**
+   * Optional: the ranks the host holds as lost (`epcomm_group_lost_ranks`).
+   */
+  epcomm_host_lost_ranks_fn lost_ranks;
+  /**
+   * Optional: the host communicator of the survivors (`epcomm_group_shrink`).
+   */
+  epcomm_host_shrink_fn shrink;
 } epcomm_host_callbacks;
 
 /**
@@ -1767,6 +1797,36 @@ int32_t epcomm_group_rank(const struct epcomm_group *group, int32_t *rank_out);
  * `group` is NULL or a live handle; `size_out` is NULL or writable.
  */
 int32_t epcomm_group_size(const struct epcomm_group *group, int32_t *size_out);
+
+/**
+ * Fault tolerance: writes, for each rank r of the group, `out_mask[r]` = 1 if this rank holds
+ * r as lost, else 0 (vLLM's active-mask encoding: 0 live, 1 masked). After an op failed,
+ * the lost ranks are the rank the failure was blamed on (dead, stalled, failed or gone) and
+ * every peer whose process is gone; never this rank; none while nothing failed. Over host
+ * callbacks: what the host's `lost_ranks` callback reports (none without it). `len` must be
+ * the group's size. Works on a group broken by a failure.
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `out_mask` is NULL or holds `len` writable entries.
+ */
+int32_t epcomm_group_lost_ranks(const struct epcomm_group *group, int32_t *out_mask, size_t len);
+
+/**
+ * Fault tolerance (as ncclCommShrink, MPI ULFM's MPI_Comm_shrink): the ranks of the group not
+ * in `excluded` (`num_excluded` ranks, increasing, not this rank) form a new group, renumbered
+ * in the old order, returned in `*out` (a normal group handle, with the same options).
+ * Collective over the survivors; every survivor must pass the same list: survivors whose lists
+ * differ fail (EPCOMM_ERROR_TIMEOUT, or EPCOMM_ERROR_INVALID_STATE naming both lists) and no
+ * group forms. A rank its peers hold as lost (it stalled past the timeout, or failed) is
+ * refused (EPCOMM_ERROR_PEER_FAILURE) and never joins. `group` stays valid (usually broken by
+ * the failure): destroy it separately. Over host callbacks this calls the host's `shrink`
+ * callback (EPCOMM_ERROR_NOT_IMPLEMENTED without it).
+ *
+ * # Safety
+ * `group` is NULL or a live handle; `excluded` holds `num_excluded` entries (or is NULL when
+ * it is 0); `out` is NULL or writable.
+ */
+int32_t epcomm_group_shrink(struct epcomm_group *group, const int32_t *excluded, size_t num_excluded, struct epcomm_group **out);
 
 /**
  * Returns once every rank entered the barrier.

@@ -1,7 +1,8 @@
 //! Process groups through the C ABI: tests/c/group_test.c forks four ranks that form a
 //! shared-memory group and run the collectives (uneven sizes, zeros, float32/bfloat16/int32),
-//! argument errors that leave the group usable, and destroy; the parent checks that nothing is
-//! left in /dev/shm. Built as C11 and as C++17 against the shared library, under ASan+UBSan.
+//! argument errors that leave the group usable, a shrink (epcomm_group_lost_ranks,
+//! epcomm_group_shrink: three ranks form a smaller group), and destroy; the parent checks that
+//! nothing is left in /dev/shm. Built as C11 and as C++17 against the shared library, under ASan+UBSan.
 
 mod common;
 

@@ -8,7 +8,7 @@ use super::guard;
 use super::handle::{exclusive_handle, Exclusive, Handle};
 use super::tensor::{check_writes_disjoint, epcomm_tensor, HostTensor};
 use crate::error::{Error, Result};
-use crate::group::host::{HostGroup, HostTransport};
+use crate::group::host::{HostFailure, HostGroup, HostTransport};
 use crate::group::shm::{ShmGroup, UniqueId, UNIQUE_ID_BYTES};
 use crate::group::{Group, GroupOptions, Op, P2p, SharedBuf};
 use crate::num::FloatKind;
@@ -254,12 +254,37 @@ pub type epcomm_host_all_gather_fn = Option<
 /// existing hosts still compile.
 pub type epcomm_host_barrier_fn = Option<unsafe extern "C" fn(user_data: *mut c_void) -> i32>;
 
+/// Host lost ranks (fault tolerance, optional): set `out_mask[r]` (world_size entries, zeroed
+/// by epcomm) to 1 for each rank the host's transport holds as lost (a peer it saw fail);
+/// return 0 on success.
+pub type epcomm_host_lost_ranks_fn =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, out_mask: *mut u8, world_size: i32) -> i32>;
+/// Host shrink (fault tolerance, optional): collective over the ranks not in `excluded`
+/// (`num_excluded` ranks, increasing, not this rank); make a host communicator over those
+/// survivors, renumbered in order, and store its user data in `*out_user_data`; return 0 on
+/// success. epcomm builds the new group over it with the same callbacks; the host keeps it
+/// valid until that group is destroyed.
+pub type epcomm_host_shrink_fn = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        excluded: *const i32,
+        num_excluded: usize,
+        out_user_data: *mut *mut c_void,
+    ) -> i32,
+>;
+
 /// The host's own transport (e.g. torch.distributed or MPI). `send` and `recv` are required and
 /// blocking; `all_gather` is optional (NULL: built from send/recv). epcomm orders pairwise
 /// exchanges so that blocking rendezvous sends cannot deadlock. Every collective starts with an
 /// all_gather of a small header from every rank, so a rank's bad arguments, a disagreement on a
 /// parameter or a rank calling another collective is the same error on every rank before any
 /// data moves; that all_gather is also the barrier, so `barrier` is never called.
+///
+/// A callback's nonzero return fails the op with EPCOMM_ERROR_RUNTIME, or with the status it
+/// returned when that is EPCOMM_ERROR_PEER_FAILURE or EPCOMM_ERROR_TIMEOUT (a peer the host
+/// saw fail or time out). `lost_ranks` and `shrink` (fault tolerance) are optional and were
+/// added last: a struct whose struct_size ends before them works as before (no rank is
+/// reported lost; shrink is EPCOMM_ERROR_NOT_IMPLEMENTED).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct epcomm_host_callbacks {
@@ -271,48 +296,154 @@ pub struct epcomm_host_callbacks {
     pub recv: epcomm_host_recv_fn,
     pub all_gather: epcomm_host_all_gather_fn,
     pub barrier: epcomm_host_barrier_fn,
+    /// Optional: the ranks the host holds as lost (`epcomm_group_lost_ranks`).
+    pub lost_ranks: epcomm_host_lost_ranks_fn,
+    /// Optional: the host communicator of the survivors (`epcomm_group_shrink`).
+    pub shrink: epcomm_host_shrink_fn,
 }
 
-struct CallbackTransport(epcomm_host_callbacks);
+/// sizeof(epcomm_host_callbacks) before `lost_ranks` and `shrink` were added: hosts built
+/// against that header keep working.
+const CALLBACKS_SIZE_V1: usize = std::mem::offset_of!(epcomm_host_callbacks, lost_ranks);
+
+/// A copy of the host's callbacks, reading only its `struct_size` bytes (fields it lacks are
+/// NULL).
+///
+/// # Safety
+/// `callbacks` is NULL or points to at least `struct_size` readable bytes, `struct_size` first.
+unsafe fn read_callbacks(callbacks: *const epcomm_host_callbacks) -> Result<epcomm_host_callbacks> {
+    if callbacks.is_null() {
+        return Err(Error::NullPointer("callbacks"));
+    }
+    // SAFETY: the host's struct starts with struct_size (caller contract).
+    let size = unsafe { std::ptr::addr_of!((*callbacks).struct_size).read_unaligned() } as usize;
+    let full = std::mem::size_of::<epcomm_host_callbacks>();
+    if size < CALLBACKS_SIZE_V1 {
+        return Err(Error::InvalidArgument(format!(
+            "callbacks->struct_size is {size}: expected sizeof(epcomm_host_callbacks) = {full}"
+        )));
+    }
+    let mut c = epcomm_host_callbacks {
+        struct_size: size as u32,
+        user_data: std::ptr::null_mut(),
+        send: None,
+        recv: None,
+        all_gather: None,
+        barrier: None,
+        lost_ranks: None,
+        shrink: None,
+    };
+    // SAFETY: the host's struct holds `size` bytes; at most `full` are copied into c, which
+    // holds `full`; NULL (all-zero) is a valid value of every callback field.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            callbacks.cast::<u8>(),
+            std::ptr::addr_of_mut!(c).cast::<u8>(),
+            size.min(full),
+        )
+    };
+    Ok(c)
+}
+
+struct CallbackTransport {
+    cb: epcomm_host_callbacks,
+    /// The group's world size (the length of the lost-ranks mask).
+    world: usize,
+    /// The status of the last failed callback.
+    failed_with: i32,
+}
 // SAFETY: the host promises its callbacks may be called from the thread using the group; the
 // handle is used by one thread at a time.
 unsafe impl Send for CallbackTransport {}
 
-fn host_rc(rc: i32) -> std::result::Result<(), String> {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(format!("callback returned {rc}"))
+impl CallbackTransport {
+    /// A callback's return code, remembered for `failure_kind`.
+    fn rc(&mut self, rc: i32) -> std::result::Result<(), String> {
+        if rc == 0 {
+            return Ok(());
+        }
+        self.failed_with = rc;
+        let kind = match crate::Status::from_code(rc) {
+            Some(crate::Status::PeerFailure) => " (EPCOMM_ERROR_PEER_FAILURE)",
+            Some(crate::Status::Timeout) => " (EPCOMM_ERROR_TIMEOUT)",
+            Some(_) | None => "",
+        };
+        Err(format!("callback returned {rc}{kind}"))
     }
 }
 
 impl HostTransport for CallbackTransport {
     fn send(&mut self, peer: usize, data: &[u8]) -> std::result::Result<(), String> {
-        let (f, user) = (self.0.send.ok_or("no send callback")?, self.0.user_data);
+        let (f, user) = (self.cb.send.ok_or("no send callback")?, self.cb.user_data);
         let (p, n) = (data.as_ptr().cast(), data.len());
         // SAFETY: the host's callback with its own user data; the buffer is valid for the call.
-        host_rc(unsafe { f(user, peer as i32, p, n) })
+        let rc = unsafe { f(user, peer as i32, p, n) };
+        self.rc(rc)
     }
     fn recv(&mut self, peer: usize, data: &mut [u8]) -> std::result::Result<(), String> {
-        let (f, user) = (self.0.recv.ok_or("no recv callback")?, self.0.user_data);
+        let (f, user) = (self.cb.recv.ok_or("no recv callback")?, self.cb.user_data);
         let (p, n) = (data.as_mut_ptr().cast(), data.len());
         // SAFETY: as above; the buffer is writable for `n` bytes.
-        host_rc(unsafe { f(user, peer as i32, p, n) })
+        let rc = unsafe { f(user, peer as i32, p, n) };
+        self.rc(rc)
     }
     fn all_gather(
         &mut self,
         mine: &[u8],
         out: &mut [u8],
     ) -> Option<std::result::Result<(), String>> {
-        let (f, user) = (self.0.all_gather?, self.0.user_data);
+        let (f, user) = (self.cb.all_gather?, self.cb.user_data);
         let (p, n, o) = (mine.as_ptr().cast(), mine.len(), out.as_mut_ptr().cast());
         // SAFETY: as above; `out` holds world * n bytes (checked by the caller).
-        Some(host_rc(unsafe { f(user, p, n, o) }))
+        let rc = unsafe { f(user, p, n, o) };
+        Some(self.rc(rc))
     }
     fn barrier(&mut self) -> Option<std::result::Result<(), String>> {
-        let f = self.0.barrier?;
+        let f = self.cb.barrier?;
         // SAFETY: as above.
-        Some(host_rc(unsafe { f(self.0.user_data) }))
+        let rc = unsafe { f(self.cb.user_data) };
+        Some(self.rc(rc))
+    }
+    fn failure_kind(&self) -> Option<HostFailure> {
+        match crate::Status::from_code(self.failed_with) {
+            Some(crate::Status::PeerFailure) => Some(HostFailure::PeerFailure),
+            Some(crate::Status::Timeout) => Some(HostFailure::Timeout),
+            Some(_) | None => None,
+        }
+    }
+    fn lost_ranks(&self) -> Option<std::result::Result<Vec<usize>, String>> {
+        let f = self.cb.lost_ranks?;
+        let world = self.world;
+        let mut mask = vec![0u8; world];
+        // SAFETY: as above; `mask` holds world_size entries.
+        let rc = unsafe { f(self.cb.user_data, mask.as_mut_ptr(), world as i32) };
+        if rc != 0 {
+            return Some(Err(format!("callback returned {rc}")));
+        }
+        Some(Ok((0..world).filter(|&r| mask[r] != 0).collect()))
+    }
+    fn shrink(
+        &mut self,
+        excluded: &[usize],
+    ) -> Option<std::result::Result<Box<dyn HostTransport>, String>> {
+        let f = self.cb.shrink?;
+        let ranks: Vec<i32> = excluded.iter().map(|&r| r as i32).collect();
+        let mut user: *mut c_void = std::ptr::null_mut();
+        // SAFETY: as above; `ranks` holds `len` entries and `user` is writable.
+        let rc = unsafe { f(self.cb.user_data, ranks.as_ptr(), ranks.len(), &mut user) };
+        Some(self.rc(rc).map(|()| {
+            let cb = epcomm_host_callbacks {
+                user_data: user,
+                ..self.cb
+            };
+            let world = self.world - excluded.len();
+            let t = CallbackTransport {
+                cb,
+                world,
+                failed_with: 0,
+            };
+            Box::new(t) as Box<dyn HostTransport>
+        }))
     }
 }
 
@@ -332,17 +463,10 @@ pub unsafe extern "C" fn epcomm_group_create_host(
 ) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract.
-        let cb = *unsafe { callbacks.as_ref() }.ok_or(Error::NullPointer("callbacks"))?;
+        let cb = unsafe { read_callbacks(callbacks) }?;
         let name = unsafe { guard::str_arg(name, "name") }?;
         let out = unsafe { guard::out_arg(out, "out") }?;
         let opts = unsafe { options_arg(options) }?;
-        if (cb.struct_size as usize) < std::mem::size_of::<epcomm_host_callbacks>() {
-            return Err(Error::InvalidArgument(format!(
-                "callbacks->struct_size is {}: expected sizeof(epcomm_host_callbacks) = {}",
-                cb.struct_size,
-                std::mem::size_of::<epcomm_host_callbacks>()
-            )));
-        }
         if cb.send.is_none() {
             return Err(Error::NullPointer("callbacks->send"));
         }
@@ -351,13 +475,12 @@ pub unsafe extern "C" fn epcomm_group_create_host(
         }
         let rank = index_arg(rank, "rank")?;
         let world = index_arg(world_size, "world_size")?;
-        let g = HostGroup::new(
-            Box::new(CallbackTransport(cb)),
-            name,
-            rank,
+        let t = CallbackTransport {
+            cb,
             world,
-            opts.elastic,
-        )?;
+            failed_with: 0,
+        };
+        let g = HostGroup::new(Box::new(t), name, rank, world, opts.elastic)?;
         finish_create(Box::new(g), out);
         Ok(())
     })
@@ -460,6 +583,78 @@ pub unsafe extern "C" fn epcomm_group_size(group: *const epcomm_group, size_out:
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(size_out, "size_out") }?;
         *out = unsafe { with_group(group, |g| Ok(g.size() as i32)) }?;
+        Ok(())
+    })
+}
+
+/// Fault tolerance: writes, for each rank r of the group, `out_mask[r]` = 1 if this rank holds
+/// r as lost, else 0 (vLLM's active-mask encoding: 0 live, 1 masked). After an op failed,
+/// the lost ranks are the rank the failure was blamed on (dead, stalled, failed or gone) and
+/// every peer whose process is gone; never this rank; none while nothing failed. Over host
+/// callbacks: what the host's `lost_ranks` callback reports (none without it). `len` must be
+/// the group's size. Works on a group broken by a failure.
+///
+/// # Safety
+/// `group` is NULL or a live handle; `out_mask` is NULL or holds `len` writable entries.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_lost_ranks(
+    group: *const epcomm_group,
+    out_mask: *mut i32,
+    len: usize,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let (world, lost) = unsafe { with_group(group, |g| Ok((g.size(), g.lost_ranks()))) }?;
+        if out_mask.is_null() {
+            return Err(Error::NullPointer("out_mask"));
+        }
+        if len != world {
+            return Err(Error::InvalidArgument(format!(
+                "lost_ranks: out_mask has {len} entries; expected one per rank of the group ({world})"
+            )));
+        }
+        // SAFETY: `out_mask` holds `len` writable entries (caller contract).
+        let mask = unsafe { std::slice::from_raw_parts_mut(out_mask, len) };
+        mask.fill(0);
+        for r in lost {
+            mask[r] = 1;
+        }
+        Ok(())
+    })
+}
+
+/// Fault tolerance (as ncclCommShrink, MPI ULFM's MPI_Comm_shrink): the ranks of the group not
+/// in `excluded` (`num_excluded` ranks, increasing, not this rank) form a new group, renumbered
+/// in the old order, returned in `*out` (a normal group handle, with the same options).
+/// Collective over the survivors; every survivor must pass the same list: survivors whose lists
+/// differ fail (EPCOMM_ERROR_TIMEOUT, or EPCOMM_ERROR_INVALID_STATE naming both lists) and no
+/// group forms. A rank its peers hold as lost (it stalled past the timeout, or failed) is
+/// refused (EPCOMM_ERROR_PEER_FAILURE) and never joins. `group` stays valid (usually broken by
+/// the failure): destroy it separately. Over host callbacks this calls the host's `shrink`
+/// callback (EPCOMM_ERROR_NOT_IMPLEMENTED without it).
+///
+/// # Safety
+/// `group` is NULL or a live handle; `excluded` holds `num_excluded` entries (or is NULL when
+/// it is 0); `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_shrink(
+    group: *mut epcomm_group,
+    excluded: *const i32,
+    num_excluded: usize,
+    out: *mut *mut epcomm_group,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(out, "out") }?;
+        let raw = unsafe { guard::slice_arg(excluded, num_excluded, "excluded") }?;
+        let ranks = raw
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| index_arg(r, &format!("excluded[{i}]")))
+            .collect::<Result<Vec<usize>>>()?;
+        // SAFETY: caller contract.
+        let g = unsafe { with_group(group, |g| g.shrink(&ranks)) }?;
+        finish_create(g, out);
         Ok(())
     })
 }

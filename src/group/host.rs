@@ -13,6 +13,7 @@
 //! the same error on every rank before any data moves, and the group stays usable.
 
 use super::agree::{self, Param, MAX_PARAMS};
+use super::shm::{check_excluded, verify_views, ShrinkView};
 use super::{check_len, check_p2p, check_sizes, Group, Op, P2p};
 use crate::bytes;
 use crate::error::{Error, Result};
@@ -38,6 +39,34 @@ pub trait HostTransport: Send {
     fn barrier(&mut self) -> Option<std::result::Result<(), String>> {
         None
     }
+    /// How the last failed call failed, where the host says so: the op then fails with that
+    /// status (PEER_FAILURE, TIMEOUT) instead of RUNTIME. `None` = not said.
+    fn failure_kind(&self) -> Option<HostFailure> {
+        None
+    }
+    /// Fault tolerance: the ranks the host's transport holds as lost (a peer it saw fail).
+    /// `None` = not provided (no rank is reported lost).
+    fn lost_ranks(&self) -> Option<std::result::Result<Vec<usize>, String>> {
+        None
+    }
+    /// Fault tolerance: a transport over the ranks not in `excluded` (sorted, distinct, not
+    /// this rank), renumbered in order; collective over the survivors. `None` = not provided
+    /// (the group cannot shrink).
+    fn shrink(
+        &mut self,
+        _excluded: &[usize],
+    ) -> Option<std::result::Result<Box<dyn HostTransport>, String>> {
+        None
+    }
+}
+
+/// How a host call failed, where the host tells: the op fails with the matching status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostFailure {
+    /// A peer failed or is gone (EPCOMM_ERROR_PEER_FAILURE).
+    PeerFailure,
+    /// A peer did not answer in time (EPCOMM_ERROR_TIMEOUT).
+    Timeout,
 }
 
 /// A group over a host transport.
@@ -52,6 +81,8 @@ pub struct HostGroup {
     /// allocation per call costs a page fault per page of every peer's contribution.
     parts: Vec<u8>,
     acc: Vec<f32>,
+    /// After a failure: the survivors' group every user of this one shares.
+    survivors: Option<super::survivors::Survivors>,
 }
 
 impl std::fmt::Debug for HostGroup {
@@ -110,16 +141,57 @@ impl HostGroup {
             broken: None,
             parts: Vec::new(),
             acc: Vec::new(),
+            survivors: None,
         })
     }
 
     fn host_err(&self, op: Op, what: &str, why: String) -> Error {
-        Error::Runtime(format!(
+        self.host_error(format!(
             "host transport {what} failed during {} of group '{}' on rank {}: {why}",
             op.name(),
             self.name,
             self.rank
         ))
+    }
+
+    /// `msg` with the status the host gave its failed call (RUNTIME where it gave none).
+    fn host_error(&self, msg: String) -> Error {
+        match self.transport.failure_kind() {
+            Some(HostFailure::PeerFailure) => Error::PeerFailure(msg),
+            Some(HostFailure::Timeout) => Error::Timeout(msg),
+            None => Error::Runtime(msg),
+        }
+    }
+
+    /// The group of the survivors without `excluded` (see [`Group::shrink`]).
+    fn shrunk(&mut self, excluded: &[usize]) -> Result<HostGroup> {
+        check_excluded(&self.name, self.rank, self.world, excluded)?;
+        let (name, me) = (&self.name, self.rank);
+        let transport = match self.transport.shrink(excluded) {
+            None => {
+                return Err(Error::NotImplemented(format!(
+                    "group '{name}' cannot shrink: its host transport has no shrink (the shrink callback of epcomm_host_callbacks is NULL)"
+                )))
+            }
+            Some(Err(why)) => {
+                return Err(self.host_error(format!(
+                    "host transport shrink failed for group '{name}' on rank {me}: {why}"
+                )))
+            }
+            Some(Ok(t)) => t,
+        };
+        let rank = me - excluded.iter().filter(|&&r| r < me).count();
+        let world = self.world - excluded.len();
+        let mut g = HostGroup::new(transport, name, rank, world, self.elastic)?;
+        let view = ShrinkView {
+            name: name.clone(),
+            session: 0,
+            world: self.world,
+            rank: me,
+            excluded: excluded.to_vec(),
+        };
+        verify_views(&mut g, &view)?;
+        Ok(g)
     }
 
     fn send(&mut self, op: Op, peer: usize, data: &[u8]) -> Result<()> {
@@ -335,6 +407,10 @@ fn chunk(sizes: &[usize], r: usize) -> std::ops::Range<usize> {
 }
 
 impl Group for HostGroup {
+    fn survivors_slot(&mut self) -> Option<&mut Option<super::survivors::Survivors>> {
+        Some(&mut self.survivors)
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }
@@ -349,6 +425,31 @@ impl Group for HostGroup {
 
     fn elastic(&self) -> bool {
         self.elastic
+    }
+
+    /// The ranks the host's transport reports lost, sorted, never this rank; none where it
+    /// cannot tell (or its callback failed: logged).
+    fn lost_ranks(&self) -> Vec<usize> {
+        match self.transport.lost_ranks() {
+            None => Vec::new(),
+            Some(Ok(mut lost)) => {
+                lost.retain(|&p| p != self.rank && p < self.world);
+                lost.sort_unstable();
+                lost.dedup();
+                lost
+            }
+            Some(Err(why)) => {
+                crate::log::warn(&format!(
+                    "host transport lost_ranks failed for group '{}' on rank {}: {why}; no rank is reported lost",
+                    self.name, self.rank
+                ));
+                Vec::new()
+            }
+        }
+    }
+
+    fn shrink(&mut self, excluded: &[usize]) -> Result<Box<dyn Group>> {
+        Ok(Box::new(self.shrunk(excluded)?))
     }
 
     /// The header all_gather alone: it returns once every rank has sent its header, and it

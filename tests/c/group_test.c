@@ -1,7 +1,8 @@
 /*
  * Process-group test for epcomm through the C ABI: four real processes (forked ranks) form a
  * shared-memory group and run the collectives with uneven sizes (zeros included), checking
- * every result exactly, plus argument errors that must not break the group. Built as C11 and
+ * every result exactly, plus argument errors that must not break the group, and a shrink (three
+ * ranks form a smaller group without the fourth). Built as C11 and
  * (with -x c++) as C++17, under ASan+UBSan, by tests/c_group.rs.
  *
  * Usage: group_test GROUP_NAME
@@ -382,6 +383,51 @@ static void test_errors(group_t *g, int rank) {
     CHECK_ST(epcomm_group_all_gatherv(g, &ti, even, &to), EPCOMM_OK);
 }
 
+/* Shrink: rank 1 is excluded (it only checks that it is refused) and the others form a group of
+ * three, renumbered in order (0, 2, 3 -> 0, 1, 2), that gathers correctly; the old handle stays
+ * valid until destroyed. Nothing failed, so no rank is lost. */
+static void test_shrink(group_t *g, int rank) {
+    static const int32_t excluded[1] = {1};
+    int32_t mask[WORLD];
+    group_t *s = NULL;
+    int32_t new_rank = -1, new_size = -1;
+    int32_t mine, all[WORLD - 1];
+    int i;
+
+    for (i = 0; i < WORLD; i++) {
+        mask[i] = 7;
+    }
+    if (CHECK_ST(epcomm_group_lost_ranks(g, mask, WORLD), EPCOMM_OK)) {
+        for (i = 0; i < WORLD; i++) {
+            CHECK(mask[i] == 0);
+        }
+    }
+    CHECK_ST(epcomm_group_lost_ranks(g, mask, WORLD - 1), EPCOMM_ERROR_INVALID_ARGUMENT);
+    CHECK_ST(epcomm_group_lost_ranks(g, NULL, WORLD), EPCOMM_ERROR_NULL_POINTER);
+    CHECK_ST(epcomm_group_shrink(g, excluded, 1, NULL), EPCOMM_ERROR_NULL_POINTER);
+    CHECK_ST(epcomm_group_shrink(g, NULL, 1, &s), EPCOMM_ERROR_NULL_POINTER);
+    if (rank == 1) {
+        if (CHECK_ST(epcomm_group_shrink(g, excluded, 1, &s), EPCOMM_ERROR_INVALID_ARGUMENT)) {
+            CHECK_MSG_HAS("shrink: excluded [1] holds rank 1, the calling rank of group '");
+        }
+        CHECK(s == NULL);
+        return;
+    }
+    if (!CHECK_ST(epcomm_group_shrink(g, excluded, 1, &s), EPCOMM_OK) || s == NULL) {
+        return;
+    }
+    CHECK_ST(epcomm_group_rank(s, &new_rank), EPCOMM_OK);
+    CHECK_ST(epcomm_group_size(s, &new_size), EPCOMM_OK);
+    CHECK(new_rank == (rank == 0 ? 0 : rank - 1));
+    CHECK(new_size == WORLD - 1);
+    mine = 100 + rank;
+    if (CHECK_ST(epcomm_group_all_gather(s, &mine, sizeof mine, all), EPCOMM_OK)) {
+        CHECK(all[0] == 100 && all[1] == 102 && all[2] == 103);
+    }
+    CHECK_ST(epcomm_group_barrier(s), EPCOMM_OK);
+    epcomm_group_destroy(s);
+}
+
 static int child_main(const char *name, int rank) {
     options_t opts;
     group_t *g = NULL;
@@ -410,6 +456,7 @@ static int child_main(const char *name, int rank) {
     test_send_recv(g, rank);
     test_errors(g, rank);
     CHECK_ST(epcomm_group_barrier(g), EPCOMM_OK);
+    test_shrink(g, rank);
 
     epcomm_group_destroy(g);
     return g_failed == 0 ? 0 : 1;

@@ -54,6 +54,16 @@ pub(super) fn abort_word(n: u64, rank: usize, cause: Cause) -> u64 {
     OUTCOME_ABORT << 62 | (cause as u64) << 56 | ((rank as u64 + 1) & 0xfff) << OP_BITS | n
 }
 
+/// The first failure decision word `d` records — the aborted op, the rank blamed for it and
+/// how it failed — or None while every op so far was committed. The word keeps it: no rank
+/// takes part in a later op of a group whose op was aborted.
+pub(super) fn first_failure(d: u64) -> Option<(u64, usize, Cause)> {
+    match decoded(d, d & OP_MASK) {
+        Decision::Abort { rank, cause } => Some((d & OP_MASK, rank, cause)),
+        Decision::Pending | Decision::Commit => None,
+    }
+}
+
 /// What decision word `d` says about op `n`.
 pub(super) fn decoded(d: u64, n: u64) -> Decision {
     let op = d & OP_MASK;

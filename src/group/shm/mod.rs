@@ -58,12 +58,14 @@ mod payload;
 mod protocol;
 mod rendezvous;
 mod segment;
+mod shrink;
 mod wait;
 mod window;
 
 pub use self::join::MAX_WORLD;
 pub use self::rendezvous::{UniqueId, UNIQUE_ID_BYTES};
 pub use self::segment::pin_current_thread;
+pub(crate) use self::shrink::{check_excluded, verify_views, ShrinkView};
 pub use self::window::SharedBuf;
 
 use std::cell::RefCell;
@@ -104,10 +106,10 @@ pub struct ShmGroup {
     windows: Vec<Weak<window::WinInfo>>,
     /// Peers' windows mapped here.
     peer_windows: RefCell<Vec<window::PeerWindow>>,
-}
-
     /// After a failure: the survivors' group every user of this one shares.
     survivors: Option<super::survivors::Survivors>,
+}
+
 impl std::fmt::Debug for ShmGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShmGroup")

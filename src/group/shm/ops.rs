@@ -354,6 +354,14 @@ impl Group for ShmGroup {
         self.owns_window(buf)
     }
 
+    fn lost_ranks(&self) -> Vec<usize> {
+        self.lost()
+    }
+
+    fn shrink(&mut self, excluded: &[usize]) -> Result<Box<dyn Group>> {
+        Ok(Box::new(self.shrunk(excluded)?))
+    }
+
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
         let op = Op::Broadcast;
         self.check_usable(op)?;
