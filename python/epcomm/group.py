@@ -48,6 +48,20 @@ def _view(address: Optional[int], nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
+def _ft_library() -> ctypes.CDLL:
+    """The library with the signatures of the fault-tolerance calls of groups."""
+    lib = load_library()
+    if not getattr(lib, "_epcomm_group_ft_declared", False):
+        lib.epcomm_group_lost_ranks.restype = i32
+        lib.epcomm_group_lost_ranks.argtypes = [vp, ctypes.POINTER(i32), ctypes.c_size_t]
+        lib.epcomm_group_shrink.restype = i32
+        lib.epcomm_group_shrink.argtypes = [
+            vp, ctypes.POINTER(i32), ctypes.c_size_t, ctypes.POINTER(vp)
+        ]
+        lib._epcomm_group_ft_declared = True
+    return lib
+
+
 class _SharedMemory:
     """One epcomm_mem_alloc allocation: freed when the last Buffer or tensor over it dies
     (each holds this object), so memory in use is never freed; it holds the group open."""
@@ -382,6 +396,35 @@ class Group(Handle):
         self.check(fn(self.handle, a.ptr, root))
         a.finish()
         return tensor
+
+    def lost_ranks(self) -> List[int]:
+        """Fault tolerance: the ranks this rank holds as lost, ascending (never this rank):
+        after a call failed, the rank the failure was blamed on (dead, stalled, failed or
+        gone) and every peer whose process is gone; ``[]`` while nothing failed. Works on a
+        group broken by a failure. (``epcomm_group_lost_ranks``.)"""
+        world = self.size
+        mask = (i32 * world)()
+        self.check(_ft_library().epcomm_group_lost_ranks(self.handle, mask, world))
+        return [r for r in range(world) if mask[r]]
+
+    def shrink(self, excluded: Sequence[int]) -> "Group":
+        """Fault tolerance (as ``ncclCommShrink``): the ranks not in ``excluded`` (ascending,
+        not this rank; usually ``lost_ranks()``) form a new group, renumbered in the old order,
+        with the same options. Collective over the survivors, which must all pass the same list
+        (otherwise every survivor raises and no group forms); a rank its peers hold as lost is
+        refused. This group stays open (usually broken): close it separately.
+        (``epcomm_group_shrink``.)"""
+        ranks = [int(r) for r in excluded]
+        for i, r in enumerate(ranks):
+            if not -(2**31) <= r < 2**31:
+                raise InvalidArgumentError(
+                    f"excluded[{i}] is {r}; expected a rank of the group (0..{self.size})", 2
+                )
+        arr = (i32 * max(len(ranks), 1))(*ranks)
+        h = vp()
+        lib = _ft_library()
+        self.check(lib.epcomm_group_shrink(self.handle, arr, len(ranks), ctypes.byref(h)))
+        return Group._adopt(h, self._transport)
 
     def all_gather(self, data: bytes) -> List[bytes]:
         """Every rank's ``data`` (the same length on every rank), in rank order: for small

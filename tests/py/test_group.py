@@ -339,6 +339,67 @@ def host_rank(rank, name, conns_by_rank):
 # ---- tests ----------------------------------------------------------------------------------
 
 
+# ---- shrink through the epcomm package ------------------------------------------------------
+
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python")
+SHRINK_WORLD = 4
+
+
+def _epcomm():
+    """The epcomm package of this tree (imported in the rank processes only)."""
+    if PACKAGE_DIR not in sys.path:
+        sys.path.insert(0, PACKAGE_DIR)
+    import epcomm
+
+    return epcomm
+
+
+def shrink_rank(rank, name):
+    """The last rank leaves after a barrier; the others see the failure, agree on the lost
+    rank and shrink to a group of three that gathers in the new order."""
+    epcomm = _epcomm()
+    g = epcomm.Group(name, rank, SHRINK_WORLD, timeout_s=5.0)
+    try:
+        g.barrier()
+        if rank == SHRINK_WORLD - 1:
+            g.close()
+            return None
+        try:
+            g.barrier()
+        except epcomm.Error as e:
+            err = e
+        else:
+            raise AssertionError("the barrier after rank 3 left succeeded")
+        lost = g.lost_ranks()
+        with g.shrink(lost) as s:
+            gathered = [b[0] for b in s.all_gather(bytes([rank * 10]))]
+            return {
+                "error": (type(err).__name__, err.status, err.message),
+                "lost": lost,
+                "new": (s.rank, s.size),
+                "gathered": gathered,
+            }
+    finally:
+        g.close()
+
+
+def shrink_errors_rank(rank, name):
+    """A 1-rank group: its own rank cannot be excluded, ranks are checked, and shrinking by
+    nothing makes a new group of one."""
+    epcomm = _epcomm()
+    with epcomm.Group(name, rank, 1) as g:
+        out = {"lost": g.lost_ranks()}
+        for bad in ([0], [1], [-1]):
+            try:
+                g.shrink(bad)
+            except epcomm.Error as e:
+                out[str(bad)] = (type(e).__name__, e.message)
+        with g.shrink([]) as s:
+            out["new"] = (s.rank, s.size)
+            s.barrier()
+        return out
+
+
 class LayoutTest(unittest.TestCase):
     def test_struct_sizes(self):
         self.assertEqual(ctypes.sizeof(Tensor), 48)
@@ -384,6 +445,48 @@ class ShmGroupTest(unittest.TestCase):
             self.assertEqual(r["raised"], ("TimeoutError", want), (rank, r))
             self.assertIs(getattr(builtins, r["raised"][0]), TimeoutError)
         self.assertEqual(leftovers, [], "failed join left shared memory behind")
+
+
+class ShrinkTest(unittest.TestCase):
+    def test_survivors_shrink_after_a_rank_left(self):
+        name = unique_name(NAME_PREFIX, "s")
+        try:
+            got = run_ranks(shrink_rank, range(SHRINK_WORLD), (name,))
+        finally:
+            leftovers = shm_leftovers(name)
+        for rank in range(SHRINK_WORLD - 1):
+            r = got[rank]
+            msg = (
+                "rank 3 of group '%s' left (destroyed its group handle) during barrier "
+                "(op #2, seen from rank %d)" % (name, rank)
+            )
+            self.assertEqual(r["error"], ("RuntimeError", 8, msg), rank)
+            self.assertEqual(r["lost"], [3], rank)
+            self.assertEqual(r["new"], (rank, 3), rank)
+            self.assertEqual(r["gathered"], [0, 10, 20], rank)
+        self.assertEqual(leftovers, [], "shrink left shared memory behind")
+
+    def test_shrink_arguments(self):
+        name = unique_name(NAME_PREFIX, "e")
+        got = run_ranks(shrink_errors_rank, [0], (name,))[0]
+        self.assertEqual(got["lost"], [])
+        self.assertEqual(
+            got["[0]"],
+            (
+                "ValueError",
+                "shrink: excluded [0] holds rank 0, the calling rank of group '%s'; "
+                "only the survivors call shrink" % name,
+            ),
+        )
+        self.assertEqual(
+            got["[1]"],
+            ("ValueError", "shrink: excluded[0] is 1; expected a rank of group '%s' (0..1)" % name),
+        )
+        self.assertEqual(
+            got["[-1]"], ("ValueError", "excluded[0] is -1; expected a non-negative value")
+        )
+        self.assertEqual(got["new"], (0, 1))
+        self.assertEqual(shm_leftovers(name), [])
 
 
 class HostGroupTest(unittest.TestCase):
