@@ -760,36 +760,45 @@ typedef struct epcomm_eplb_rearrange_options {
    * without it; a layer that moves nothing runs no execute.
    */
   bool migration_batching;
+} epcomm_eplb_rearrange_options;
+
+/**
+ * What epcomm_eplb_rearrange_with_lost / epcomm_eplb_rearrange_into_with_lost do with logical
+ * experts the new placement needs that no member rank holds (after a failure: every replica
+ * was on a removed rank, so their weights are gone). Initialise with
+ * epcomm_eplb_lost_experts_options_init. Every rank must pass the same allow_lost_experts.
+ */
+typedef struct epcomm_eplb_lost_experts_options {
   /**
-   * [lost_experts_capacity, 2]: receives (layer, logical expert) pairs, layers ascending,
-   * experts ascending within a layer: the experts the new placement needs that no member
-   * rank holds, which allow_lost_experts leaves unwritten. NULL = not wanted (then
-   * allow_lost_experts must not lose any). Written when the count fits, whatever the outcome.
-   * Fields from here on were added after the first layout: a struct_size ending before them
-   * reads as NULL, 0, NULL and false.
+   * sizeof(epcomm_eplb_lost_experts_options); lets the struct grow.
+   */
+  uint32_t struct_size;
+  /**
+   * Rearrange anyway: the slots of lost experts are left unwritten, keeping the bytes they
+   * held on that rank before the call (double-buffered: copied from the same slot's live
+   * rows), never zeros, and the experts are reported through lost_experts_out. False (the
+   * default): such a rearrangement fails on every rank before any data moves
+   * (EPCOMM_ERROR_INVALID_ARGUMENT naming the layer and the experts).
+   */
+  bool allow_lost_experts;
+  /**
+   * [lost_experts_capacity, 2]: receives the (layer, logical expert) pairs of the lost
+   * experts, layers ascending, experts ascending within a layer; written before any data
+   * moves when they fit, whatever the outcome. NULL = not wanted (then allow_lost_experts
+   * must not lose any).
    */
   int64_t *lost_experts_out;
   /**
    * Pairs `lost_experts_out` has room for; num_layers * new_slots always suffices (a lost
-   * expert takes at least one slot of the new placement), and epcomm_eplb_lost_experts
-   * counts the experts a failure loses beforehand.
+   * expert takes at least one slot of the new placement).
    */
   size_t lost_experts_capacity;
   /**
-   * NULL or receives the number of (layer, expert) pairs (0 = none lost) once the arguments
+   * NULL or receives the number of lost (layer, expert) pairs (0 = none) once the arguments
    * were read, also when the call then fails (e.g. lost_experts_capacity too small).
    */
   int64_t *num_lost_experts_out;
-  /**
-   * Rearrange even when the new placement needs logical experts no member rank holds (after
-   * a failure: every replica was on a removed rank): the slots of those experts are left
-   * unwritten, keeping the bytes they held on that rank before the call (for
-   * epcomm_eplb_rearrange_into: copied from the same slot's live rows), never zeros, and the
-   * experts are reported through lost_experts_out. Off: such a rearrangement fails on every
-   * rank before any data moves (EPCOMM_ERROR_INVALID_ARGUMENT naming the layer and experts).
-   */
-  bool allow_lost_experts;
-} epcomm_eplb_rearrange_options;
+} epcomm_eplb_lost_experts_options;
 
 /**
  * Views of a layer plan; valid until the plan is destroyed.
@@ -1424,8 +1433,9 @@ int32_t epcomm_eplb_communicator_execute(struct epcomm_eplb_communicator *comm);
  * weights change only after all of its transfers succeeded, so a failure (a peer dies, a
  * timeout) leaves that layer and later ones exactly as they were; the error says which layers
  * were done. `rank_mapping` (old rank → new rank or -1; NULL = none) changes the EP size: with
- * one entry per rank of the group it is a scale-down (the old group moves), otherwise a
- * scale-up (the new group moves). `summary_out` may be NULL. Each layer's transfers run in one
+ * one entry per rank of the group it is a scale-down (the old group moves), with fewer a
+ * scale-up (the new group moves), with more a scale-down after a failure (the survivors'
+ * group moves; see epcomm_eplb_rearrange_with_lost). `summary_out` may be NULL. Each layer's transfers run in one
  * communicator execute; epcomm_eplb_rearrange_with can batch them instead.
  *
  * # Safety
@@ -1434,13 +1444,20 @@ int32_t epcomm_eplb_communicator_execute(struct epcomm_eplb_communicator *comm);
 int32_t epcomm_eplb_rearrange(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, size_t num_tensors, const int64_t *rank_mapping, size_t rank_mapping_len, struct epcomm_eplb_summary *summary_out);
 
 /**
- * Fills `options` with the defaults (no rank mapping, no batching, lost experts refused, no
- * outputs) and struct_size.
+ * Fills `options` with the defaults (no rank mapping, no batching) and struct_size.
  *
  * # Safety
  * `options` is NULL or writable.
  */
 int32_t epcomm_eplb_rearrange_options_init(struct epcomm_eplb_rearrange_options *options);
+
+/**
+ * Fills `options` with the defaults (lost experts refused, no outputs) and struct_size.
+ *
+ * # Safety
+ * `options` is NULL or writable.
+ */
+int32_t epcomm_eplb_lost_experts_options_init(struct epcomm_eplb_lost_experts_options *options);
 
 /**
  * epcomm_eplb_rearrange with `options` (NULL = the defaults): the rank mapping and migration
@@ -1451,6 +1468,27 @@ int32_t epcomm_eplb_rearrange_options_init(struct epcomm_eplb_rearrange_options 
  * rank_mapping_len entries.
  */
 int32_t epcomm_eplb_rearrange_with(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, size_t num_tensors, const struct epcomm_eplb_rearrange_options *options, struct epcomm_eplb_summary *summary_out);
+
+/**
+ * epcomm_eplb_rearrange_with, choosing with `lost_options` (NULL = the defaults: refused)
+ * what happens to logical experts the new placement needs that no member rank holds.
+ *
+ * A rank mapping with more entries than the group has ranks is a scale-down after a
+ * failure: the group is the survivors (`rank_mapping[old] >= 0`, at the new ranks it names,
+ * e.g. the group epcomm_group_shrink made), the removed ranks are not members and send
+ * nothing, and `old_phy2log` ([num_layers, old_slots], old_slots = rank_mapping_len x slots
+ * per rank) is read as the survivors hold it; `new_phy2log` has group size x slots per rank
+ * slots. Experts are sourced from surviving replicas only; one with none is lost: refused on
+ * every rank before any data moves (EPCOMM_ERROR_INVALID_ARGUMENT, `rearrange: layer {l}
+ * needs logical experts [..], which have no replica on a surviving rank (rank_mapping removes
+ * ranks [..]); ...`) unless lost_options->allow_lost_experts. epcomm_eplb_lost_experts names
+ * a layer's lost experts beforehand.
+ *
+ * # Safety
+ * As epcomm_eplb_rearrange_with; `lost_options` is NULL or valid, its outputs NULL or
+ * writable for the sizes it gives.
+ */
+int32_t epcomm_eplb_rearrange_with_lost(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, size_t num_tensors, const struct epcomm_eplb_rearrange_options *options, const struct epcomm_eplb_lost_experts_options *lost_options, struct epcomm_eplb_summary *summary_out);
 
 /**
  * epcomm_eplb_rearrange_with, double-buffered: `weights` (the live weights) are only read,
@@ -1471,6 +1509,16 @@ int32_t epcomm_eplb_rearrange_with(struct epcomm_eplb_communicator *comm, const 
  * valid host tensor descriptors; `next_valid_out` is NULL or writable.
  */
 int32_t epcomm_eplb_rearrange_into(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, const struct epcomm_tensor *next_weights, size_t num_tensors, const struct epcomm_eplb_rearrange_options *options, struct epcomm_eplb_summary *summary_out, int64_t *next_valid_out);
+
+/**
+ * epcomm_eplb_rearrange_into, choosing with `lost_options` (NULL = refused) what happens to
+ * lost experts, as epcomm_eplb_rearrange_with_lost: allowed, a lost expert's next rows are
+ * copied from the same slot's live rows.
+ *
+ * # Safety
+ * As epcomm_eplb_rearrange_into and epcomm_eplb_rearrange_with_lost.
+ */
+int32_t epcomm_eplb_rearrange_into_with_lost(struct epcomm_eplb_communicator *comm, const int64_t *old_phy2log, const int64_t *new_phy2log, int64_t num_layers, int64_t old_slots, int64_t new_slots, const struct epcomm_tensor *weights, const struct epcomm_tensor *next_weights, size_t num_tensors, const struct epcomm_eplb_rearrange_options *options, const struct epcomm_eplb_lost_experts_options *lost_options, struct epcomm_eplb_summary *summary_out, int64_t *next_valid_out);
 
 /**
  * Computes rank `rank`'s transfer plan for one layer from the old and new maps (`num_slots`

@@ -155,6 +155,59 @@ def eplb_communicator_class(name: str) -> str:
     raise InvalidArgumentError(f"unknown EPLB communicator {name!r}", 2)
 
 
+class _LostExpertsOptions(ctypes.Structure):
+    """epcomm_eplb_lost_experts_options: what a rearrangement does with lost experts."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("allow_lost_experts", ctypes.c_bool),
+        ("lost_experts_out", i64p),
+        ("lost_experts_capacity", ctypes.c_size_t),
+        ("num_lost_experts_out", i64p),
+    ]
+
+
+def _declared(name: str, args: List[Any]) -> Any:
+    """A library function of this module, declared (restype int32)."""
+    f = getattr(load_library(), name)
+    f.restype = i32
+    f.argtypes = args
+    return f
+
+
+def _rearrange_fns() -> Tuple[Any, Any]:
+    """epcomm_eplb_rearrange_with_lost and epcomm_eplb_rearrange_into_with_lost, declared."""
+    T, O = ctypes.POINTER(Tensor), ctypes.POINTER(RearrangeOptions)
+    L, S = ctypes.POINTER(_LostExpertsOptions), ctypes.POINTER(EplbSummary)
+    i64, sz = ctypes.c_int64, ctypes.c_size_t
+    maps = [vp, i64p, i64p, i64, i64, i64]
+    with_lost = _declared("epcomm_eplb_rearrange_with_lost", maps + [T, sz, O, L, S])
+    into = _declared("epcomm_eplb_rearrange_into_with_lost", maps + [T, T, sz, O, L, S, i64p])
+    return with_lost, into
+
+
+def _lost_experts_fn() -> Any:
+    """epcomm_eplb_lost_experts, declared."""
+    i64, sz = ctypes.c_int64, ctypes.c_size_t
+    return _declared("epcomm_eplb_lost_experts", [i64p, i64, i64, i64p, sz, i64p, sz, i64p])
+
+
+def lost_experts(old_phy2log: Sequence[int], num_local: int,
+                 rank_mapping: Sequence[int]) -> List[int]:
+    """The logical experts of one layer's old placement (``old_phy2log``: one entry per slot,
+    ``num_local`` slots per old rank, -1 = empty) with no replica on a surviving rank
+    (``rank_mapping[old_rank]`` >= 0; -1 = removed): after a failure their weights are gone.
+    Sorted; ValueError (InvalidArgumentError) for a bad mapping or map size."""
+    old = [int(x) for x in old_phy2log]
+    src = (ctypes.c_int64 * max(len(old), 1))(*old)
+    mapping = (ctypes.c_int64 * max(len(rank_mapping), 1))(*[int(r) for r in rank_mapping])
+    out = (ctypes.c_int64 * max(len(old), 1))()
+    n = ctypes.c_int64(0)
+    check(_lost_experts_fn()(src, len(old), num_local, mapping, len(rank_mapping), out,
+                             len(old), ctypes.byref(n)))
+    return list(out[: n.value])
+
+
 def _maps(maps: Any, what: str) -> "tuple[Any, int, int]":
     """A [layers, slots] map (lists, numpy, torch or a Buffer) as a C int64 array, with its
     layers and slots."""
@@ -226,7 +279,8 @@ class EplbCommunicator(Handle):
         rank_mapping: Optional[Sequence[int]] = None,
         migration_batching: bool = False,
         next_weights: Optional[Sequence[Sequence[Any]]] = None,
-    ) -> Dict[str, int]:
+        allow_lost_experts: bool = False,
+    ) -> Dict[str, Any]:
         """Moves every layer's expert weights from the old to the new placement (collective).
         ``weights[layer]`` lists that layer's writable weight tensors (numpy arrays or
         contiguous CPU torch tensors), this rank's local experts along dimension 0; they are
@@ -243,7 +297,18 @@ class EplbCommunicator(Handle):
         valid. The summary then has ``next_valid`` (every layer). On an error the exception's
         ``next_valid`` attribute is the number of leading layers whose next tensors are valid
         (the same on every rank); the next tensors of the layer after them are garbage, later
-        ones untouched, and ``weights`` unchanged. Every rank passes next_weights or none."""
+        ones untouched, and ``weights`` unchanged. Every rank passes next_weights or none.
+
+        ``rank_mapping`` (old rank -> new rank or -1) changes the EP size: as many entries as
+        the group has ranks is a scale-down on the old group (leaving ranks send their
+        experts), fewer a scale-up on the grown group (new ranks start empty), more a
+        scale-down after a failure on the group of survivors (the removed ranks are not
+        members; experts come from surviving replicas only). A logical expert the new placement
+        needs that no member holds is lost: the call fails on every rank before any data moves
+        (ValueError naming the layer and the experts), unless ``allow_lost_experts``, which
+        leaves the slots of lost experts with the bytes they held before (never zeros) and
+        reports them. The summary's ``lost_experts`` lists, per layer, the lost experts left
+        unwritten (empty lists otherwise)."""
         old, layers, old_slots = _maps(old_phy2log, "old_phy2log")
         new, new_layers, new_slots = _maps(new_phy2log, "new_phy2log")
         if new_layers != layers or len(weights) != layers:
@@ -263,15 +328,37 @@ class EplbCommunicator(Handle):
         options.rank_mapping = ctypes.cast(mapping, i64p) if mapping is not None else None
         options.rank_mapping_len = len(rank_mapping or ())
         options.migration_batching = bool(migration_batching)
+        # A lost expert takes at least one slot of the new placement: layers * new_slots pairs.
+        pairs = (ctypes.c_int64 * max(2 * layers * new_slots, 1))()
+        num_lost = ctypes.c_int64(0)
+        lost_options = _LostExpertsOptions()
+        init = _declared("epcomm_eplb_lost_experts_options_init",
+                         [ctypes.POINTER(_LostExpertsOptions)])
+        check(init(ctypes.byref(lost_options)))
+        lost_options.lost_experts_out = ctypes.cast(pairs, i64p)
+        lost_options.lost_experts_capacity = layers * new_slots
+        lost_options.num_lost_experts_out = ctypes.pointer(num_lost)
+        lost_options.allow_lost_experts = bool(allow_lost_experts)
+        rearrange_with_lost, rearrange_into_with_lost = _rearrange_fns()
+
+        def lost() -> List[List[int]]:
+            per_layer: List[List[int]] = [[] for _ in range(layers)]
+            if allow_lost_experts:
+                for i in range(num_lost.value):
+                    per_layer[pairs[2 * i]].append(pairs[2 * i + 1])
+            return per_layer
+
         summary = EplbSummary()
         if next_weights is None:
             self._group.check(
-                lib.epcomm_eplb_rearrange_with(
+                rearrange_with_lost(
                     self._h, old, new, layers, old_slots, new_slots, tensors, per_layer,
-                    ctypes.byref(options), ctypes.byref(summary),
+                    ctypes.byref(options), ctypes.byref(lost_options), ctypes.byref(summary),
                 )
             )
-            return {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
+            done: Dict[str, Any] = {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
+            done["lost_experts"] = lost()
+            return done
         if len(next_weights) != layers or any(len(n) != per_layer for n in next_weights):
             raise InvalidArgumentError(
                 f"next_weights must have the layout of weights: {layers} layers of "
@@ -282,17 +369,18 @@ class EplbCommunicator(Handle):
         valid = ctypes.c_int64(0)
         try:
             self._group.check(
-                lib.epcomm_eplb_rearrange_into(
+                rearrange_into_with_lost(
                     self._h, old, new, layers, old_slots, new_slots, tensors, next_tensors,
-                    per_layer, ctypes.byref(options), ctypes.byref(summary),
-                    ctypes.byref(valid),
+                    per_layer, ctypes.byref(options), ctypes.byref(lost_options),
+                    ctypes.byref(summary), ctypes.byref(valid),
                 )
             )
         except Exception as e:
             e.next_valid = valid.value
             raise
-        out = {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
+        out: Dict[str, Any] = {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
         out["next_valid"] = valid.value
+        out["lost_experts"] = lost()
         return out
 
 

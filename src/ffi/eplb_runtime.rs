@@ -239,8 +239,9 @@ unsafe fn maps(
 /// weights change only after all of its transfers succeeded, so a failure (a peer dies, a
 /// timeout) leaves that layer and later ones exactly as they were; the error says which layers
 /// were done. `rank_mapping` (old rank → new rank or -1; NULL = none) changes the EP size: with
-/// one entry per rank of the group it is a scale-down (the old group moves), otherwise a
-/// scale-up (the new group moves). `summary_out` may be NULL. Each layer's transfers run in one
+/// one entry per rank of the group it is a scale-down (the old group moves), with fewer a
+/// scale-up (the new group moves), with more a scale-down after a failure (the survivors'
+/// group moves; see epcomm_eplb_rearrange_with_lost). `summary_out` may be NULL. Each layer's transfers run in one
 /// communicator execute; epcomm_eplb_rearrange_with can batch them instead.
 ///
 /// # Safety
@@ -295,36 +296,37 @@ pub struct epcomm_eplb_rearrange_options {
     /// rank talks to at most one peer at a time. The same rows move from the same sources as
     /// without it; a layer that moves nothing runs no execute.
     pub migration_batching: bool,
-    /// [lost_experts_capacity, 2]: receives (layer, logical expert) pairs, layers ascending,
-    /// experts ascending within a layer: the experts the new placement needs that no member
-    /// rank holds, which allow_lost_experts leaves unwritten. NULL = not wanted (then
-    /// allow_lost_experts must not lose any). Written when the count fits, whatever the outcome.
-    /// Fields from here on were added after the first layout: a struct_size ending before them
-    /// reads as NULL, 0, NULL and false.
-    pub lost_experts_out: *mut i64,
-    /// Pairs `lost_experts_out` has room for; num_layers * new_slots always suffices (a lost
-    /// expert takes at least one slot of the new placement), and epcomm_eplb_lost_experts
-    /// counts the experts a failure loses beforehand.
-    pub lost_experts_capacity: usize,
-    /// NULL or receives the number of (layer, expert) pairs (0 = none lost) once the arguments
-    /// were read, also when the call then fails (e.g. lost_experts_capacity too small).
-    pub num_lost_experts_out: *mut i64,
-    /// Rearrange even when the new placement needs logical experts no member rank holds (after
-    /// a failure: every replica was on a removed rank): the slots of those experts are left
-    /// unwritten, keeping the bytes they held on that rank before the call (for
-    /// epcomm_eplb_rearrange_into: copied from the same slot's live rows), never zeros, and the
-    /// experts are reported through lost_experts_out. Off: such a rearrangement fails on every
-    /// rank before any data moves (EPCOMM_ERROR_INVALID_ARGUMENT naming the layer and experts).
-    pub allow_lost_experts: bool,
 }
 
-/// sizeof(epcomm_eplb_rearrange_options) before the lost-expert fields were added: callers built
-/// against that header keep working (their options read as lost experts refused).
-const OPTIONS_SIZE_V1: usize =
-    std::mem::offset_of!(epcomm_eplb_rearrange_options, lost_experts_out);
+/// What epcomm_eplb_rearrange_with_lost / epcomm_eplb_rearrange_into_with_lost do with logical
+/// experts the new placement needs that no member rank holds (after a failure: every replica
+/// was on a removed rank, so their weights are gone). Initialise with
+/// epcomm_eplb_lost_experts_options_init. Every rank must pass the same allow_lost_experts.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_eplb_lost_experts_options {
+    /// sizeof(epcomm_eplb_lost_experts_options); lets the struct grow.
+    pub struct_size: u32,
+    /// Rearrange anyway: the slots of lost experts are left unwritten, keeping the bytes they
+    /// held on that rank before the call (double-buffered: copied from the same slot's live
+    /// rows), never zeros, and the experts are reported through lost_experts_out. False (the
+    /// default): such a rearrangement fails on every rank before any data moves
+    /// (EPCOMM_ERROR_INVALID_ARGUMENT naming the layer and the experts).
+    pub allow_lost_experts: bool,
+    /// [lost_experts_capacity, 2]: receives the (layer, logical expert) pairs of the lost
+    /// experts, layers ascending, experts ascending within a layer; written before any data
+    /// moves when they fit, whatever the outcome. NULL = not wanted (then allow_lost_experts
+    /// must not lose any).
+    pub lost_experts_out: *mut i64,
+    /// Pairs `lost_experts_out` has room for; num_layers * new_slots always suffices (a lost
+    /// expert takes at least one slot of the new placement).
+    pub lost_experts_capacity: usize,
+    /// NULL or receives the number of lost (layer, expert) pairs (0 = none) once the arguments
+    /// were read, also when the call then fails (e.g. lost_experts_capacity too small).
+    pub num_lost_experts_out: *mut i64,
+}
 
-/// Fills `options` with the defaults (no rank mapping, no batching, lost experts refused, no
-/// outputs) and struct_size.
+/// Fills `options` with the defaults (no rank mapping, no batching) and struct_size.
 ///
 /// # Safety
 /// `options` is NULL or writable.
@@ -340,10 +342,28 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange_options_init(
             rank_mapping: std::ptr::null(),
             rank_mapping_len: 0,
             migration_batching: false,
+        };
+        Ok(())
+    })
+}
+
+/// Fills `options` with the defaults (lost experts refused, no outputs) and struct_size.
+///
+/// # Safety
+/// `options` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_lost_experts_options_init(
+    options: *mut epcomm_eplb_lost_experts_options,
+) -> i32 {
+    guard::call(|| {
+        // SAFETY: caller contract.
+        let out = unsafe { guard::out_arg(options, "lost_options") }?;
+        *out = epcomm_eplb_lost_experts_options {
+            struct_size: std::mem::size_of::<epcomm_eplb_lost_experts_options>() as u32,
+            allow_lost_experts: false,
             lost_experts_out: std::ptr::null_mut(),
             lost_experts_capacity: 0,
             num_lost_experts_out: std::ptr::null_mut(),
-            allow_lost_experts: false,
         };
         Ok(())
     })
@@ -368,6 +388,56 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange_with(
     options: *const epcomm_eplb_rearrange_options,
     summary_out: *mut epcomm_eplb_summary,
 ) -> i32 {
+    // SAFETY: caller contract.
+    unsafe {
+        epcomm_eplb_rearrange_with_lost(
+            comm,
+            old_phy2log,
+            new_phy2log,
+            num_layers,
+            old_slots,
+            new_slots,
+            weights,
+            num_tensors,
+            options,
+            std::ptr::null(),
+            summary_out,
+        )
+    }
+}
+
+/// epcomm_eplb_rearrange_with, choosing with `lost_options` (NULL = the defaults: refused)
+/// what happens to logical experts the new placement needs that no member rank holds.
+///
+/// A rank mapping with more entries than the group has ranks is a scale-down after a
+/// failure: the group is the survivors (`rank_mapping[old] >= 0`, at the new ranks it names,
+/// e.g. the group epcomm_group_shrink made), the removed ranks are not members and send
+/// nothing, and `old_phy2log` ([num_layers, old_slots], old_slots = rank_mapping_len x slots
+/// per rank) is read as the survivors hold it; `new_phy2log` has group size x slots per rank
+/// slots. Experts are sourced from surviving replicas only; one with none is lost: refused on
+/// every rank before any data moves (EPCOMM_ERROR_INVALID_ARGUMENT, `rearrange: layer {l}
+/// needs logical experts [..], which have no replica on a surviving rank (rank_mapping removes
+/// ranks [..]); ...`) unless lost_options->allow_lost_experts. epcomm_eplb_lost_experts names
+/// a layer's lost experts beforehand.
+///
+/// # Safety
+/// As epcomm_eplb_rearrange_with; `lost_options` is NULL or valid, its outputs NULL or
+/// writable for the sizes it gives.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn epcomm_eplb_rearrange_with_lost(
+    comm: *mut epcomm_eplb_communicator,
+    old_phy2log: *const i64,
+    new_phy2log: *const i64,
+    num_layers: i64,
+    old_slots: i64,
+    new_slots: i64,
+    weights: *const epcomm_tensor,
+    num_tensors: usize,
+    options: *const epcomm_eplb_rearrange_options,
+    lost_options: *const epcomm_eplb_lost_experts_options,
+    summary_out: *mut epcomm_eplb_summary,
+) -> i32 {
     let call = RearrangeCall {
         old_phy2log,
         new_phy2log,
@@ -379,7 +449,7 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange_with(
     };
     guard::call(|| {
         // SAFETY: caller contract.
-        let options = unsafe { rearrange_options_arg(options) };
+        let options = unsafe { rearrange_options_arg(options, lost_options) };
         // SAFETY: caller contract.
         unsafe { call.run(comm, options, summary_out) }
     })
@@ -416,6 +486,49 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange_into(
     summary_out: *mut epcomm_eplb_summary,
     next_valid_out: *mut i64,
 ) -> i32 {
+    // SAFETY: caller contract.
+    unsafe {
+        epcomm_eplb_rearrange_into_with_lost(
+            comm,
+            old_phy2log,
+            new_phy2log,
+            num_layers,
+            old_slots,
+            new_slots,
+            weights,
+            next_weights,
+            num_tensors,
+            options,
+            std::ptr::null(),
+            summary_out,
+            next_valid_out,
+        )
+    }
+}
+
+/// epcomm_eplb_rearrange_into, choosing with `lost_options` (NULL = refused) what happens to
+/// lost experts, as epcomm_eplb_rearrange_with_lost: allowed, a lost expert's next rows are
+/// copied from the same slot's live rows.
+///
+/// # Safety
+/// As epcomm_eplb_rearrange_into and epcomm_eplb_rearrange_with_lost.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn epcomm_eplb_rearrange_into_with_lost(
+    comm: *mut epcomm_eplb_communicator,
+    old_phy2log: *const i64,
+    new_phy2log: *const i64,
+    num_layers: i64,
+    old_slots: i64,
+    new_slots: i64,
+    weights: *const epcomm_tensor,
+    next_weights: *const epcomm_tensor,
+    num_tensors: usize,
+    options: *const epcomm_eplb_rearrange_options,
+    lost_options: *const epcomm_eplb_lost_experts_options,
+    summary_out: *mut epcomm_eplb_summary,
+    next_valid_out: *mut i64,
+) -> i32 {
     let call = RearrangeCall {
         old_phy2log,
         new_phy2log,
@@ -431,7 +544,7 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange_into(
     }
     guard::call(|| {
         // SAFETY: caller contract.
-        let options = unsafe { rearrange_options_arg(options) };
+        let options = unsafe { rearrange_options_arg(options, lost_options) };
         // SAFETY: caller contract.
         unsafe { call.run_into(comm, next_weights, options, summary_out, next_valid_out) }
     })
@@ -457,51 +570,45 @@ struct OptionsArg {
     num_lost_out: *mut i64,
 }
 
-/// `options` (NULL = defaults), reading only its struct_size bytes.
+/// `options` (NULL = defaults) and `lost` (NULL = lost experts refused).
 ///
 /// # Safety
-/// `options` is NULL or valid for struct_size bytes, its rank_mapping NULL or valid for
-/// rank_mapping_len entries.
+/// `options` is NULL or valid, its rank_mapping NULL or valid for rank_mapping_len entries;
+/// `lost` is NULL or valid.
 unsafe fn rearrange_options_arg(
     options: *const epcomm_eplb_rearrange_options,
+    lost: *const epcomm_eplb_lost_experts_options,
 ) -> Result<OptionsArg> {
-    let mut o = std::mem::MaybeUninit::<epcomm_eplb_rearrange_options>::zeroed();
-    // SAFETY: o is writable; the init only writes it.
-    unsafe { epcomm_eplb_rearrange_options_init(o.as_mut_ptr()) };
-    if !options.is_null() {
-        // SAFETY: the caller's struct starts with struct_size (caller contract).
-        let size = unsafe { std::ptr::addr_of!((*options).struct_size).read_unaligned() } as usize;
-        let full = std::mem::size_of::<epcomm_eplb_rearrange_options>();
-        if size < OPTIONS_SIZE_V1 {
+    // SAFETY: caller contract.
+    let mut arg = OptionsArg::plain(None);
+    if let Some(o) = unsafe { options.as_ref() } {
+        let want = std::mem::size_of::<epcomm_eplb_rearrange_options>();
+        if (o.struct_size as usize) < want {
             return Err(Error::InvalidArgument(format!(
-                "options->struct_size is {size}: expected sizeof(epcomm_eplb_rearrange_options) = {full} (call epcomm_eplb_rearrange_options_init)"
+                "options->struct_size is {}: expected sizeof(epcomm_eplb_rearrange_options) = {want} (call epcomm_eplb_rearrange_options_init)",
+                o.struct_size
             )));
         }
-        // SAFETY: the caller's struct holds `size` bytes; at most `full` are copied into o.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                options.cast::<u8>(),
-                o.as_mut_ptr().cast::<u8>(),
-                size.min(full),
-            )
-        };
-    }
-    // SAFETY: initialised by the init, then overwritten by a valid prefix.
-    let o = unsafe { o.assume_init() };
-    let lost = if o.allow_lost_experts {
-        rearrange::LostExperts::LeaveUnwritten
-    } else {
-        rearrange::LostExperts::Refuse
-    };
-    Ok(OptionsArg {
         // SAFETY: caller contract.
-        mapping: unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) },
-        batching: o.migration_batching,
-        lost,
-        lost_out: o.lost_experts_out,
-        capacity: o.lost_experts_capacity,
-        num_lost_out: o.num_lost_experts_out,
-    })
+        arg.mapping = unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) };
+        arg.batching = o.migration_batching;
+    }
+    // SAFETY: caller contract.
+    if let Some(l) = unsafe { lost.as_ref() } {
+        let want = std::mem::size_of::<epcomm_eplb_lost_experts_options>();
+        if (l.struct_size as usize) < want {
+            return Err(Error::InvalidArgument(format!(
+                "lost_options->struct_size is {}: expected sizeof(epcomm_eplb_lost_experts_options) = {want} (call epcomm_eplb_lost_experts_options_init)",
+                l.struct_size
+            )));
+        }
+        if l.allow_lost_experts {
+            arg.lost = rearrange::LostExperts::LeaveUnwritten;
+        }
+        (arg.lost_out, arg.capacity) = (l.lost_experts_out, l.lost_experts_capacity);
+        arg.num_lost_out = l.num_lost_experts_out;
+    }
+    Ok(arg)
 }
 
 impl OptionsArg {
@@ -555,7 +662,7 @@ impl OptionsArg {
         };
         match self.lost {
             rearrange::LostExperts::LeaveUnwritten if count > cap => Err(Error::InvalidArgument(format!(
-                "options->allow_lost_experts leaves {count} (layer, logical expert) pairs unwritten but options->lost_experts_out has room for {cap}; pass room for them (num_layers * new_slots pairs always suffice)"
+                "lost_options->allow_lost_experts leaves {count} (layer, logical expert) pairs unwritten but lost_options->lost_experts_out has room for {cap}; pass room for them (num_layers * new_slots pairs always suffice)"
             ))),
             rearrange::LostExperts::LeaveUnwritten | rearrange::LostExperts::Refuse => Ok(()),
         }

@@ -19,7 +19,6 @@
  */
 #include "test_ranks.h" /* first: it selects POSIX for the system headers */
 
-#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +36,7 @@ typedef struct epcomm_eplb_layer_plan plan_t;
 typedef struct epcomm_eplb_plan_view plan_view_t;
 typedef struct epcomm_eplb_state state_t;
 typedef struct epcomm_eplb_rearrange_options rearrange_options_t;
+typedef struct epcomm_eplb_lost_experts_options lost_options_t;
 typedef struct epcomm_eplb_migration_schedule schedule_t;
 typedef struct epcomm_eplb_schedule_view schedule_view_t;
 
@@ -674,6 +674,7 @@ static void test_rearrange_after_failure(comm_t *comm) {
     int64_t pairs[2 * RA_LAYERS * RA_SLOTS];
     int64_t num_lost = -1, valid = -1;
     rearrange_options_t opts;
+    lost_options_t lost;
     char want[320];
     int l;
 
@@ -681,73 +682,88 @@ static void test_rearrange_after_failure(comm_t *comm) {
         weights[l] = make_tensor(w[l], DL_FLOAT, 32, 2, shape);
         next[l] = make_tensor(n[l], DL_FLOAT, 32, 2, shape);
     }
-    if (!CHECK_ERR(epcomm_eplb_rearrange_options_init(&opts), EPCOMM_OK, NULL)) {
+    memset(&lost, 0x5A, sizeof lost);
+    if (!CHECK_ERR(epcomm_eplb_rearrange_options_init(&opts), EPCOMM_OK, NULL) ||
+        !CHECK_ERR(epcomm_eplb_lost_experts_options_init(&lost), EPCOMM_OK, NULL)) {
         return;
     }
-    CHECK(opts.lost_experts_out == NULL && opts.lost_experts_capacity == 0);
-    CHECK(opts.num_lost_experts_out == NULL && !opts.allow_lost_experts);
+    CHECK(lost.struct_size == sizeof lost && !lost.allow_lost_experts);
+    CHECK(lost.lost_experts_out == NULL && lost.lost_experts_capacity == 0);
+    CHECK(lost.num_lost_experts_out == NULL);
     opts.rank_mapping = SD_MAPPING;
     opts.rank_mapping_len = 3;
-    opts.num_lost_experts_out = &num_lost;
+    lost.num_lost_experts_out = &num_lost;
     /* Sourced from surviving replicas only: the new placement, nothing lost. */
     fill_survivor(w, redundant);
-    if (CHECK_ERR(epcomm_eplb_rearrange_with(comm, redundant, new_map, RA_LAYERS, SD_OLD_SLOTS,
-                                             RA_SLOTS, weights, 1, &opts, NULL),
+    if (CHECK_ERR(epcomm_eplb_rearrange_with_lost(comm, redundant, new_map, RA_LAYERS,
+                                                  SD_OLD_SLOTS, RA_SLOTS, weights, 1, &opts,
+                                                  &lost, NULL),
                   EPCOMM_OK, NULL)) {
         CHECK(holds(w, new_map));
         CHECK(num_lost == 0);
+    }
+    /* The plain entry points take the same path (lost experts refused). */
+    fill_survivor(w, redundant);
+    if (CHECK_ERR(epcomm_eplb_rearrange(comm, redundant, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                        RA_SLOTS, weights, 1, SD_MAPPING, 3, NULL),
+                  EPCOMM_OK, NULL)) {
+        CHECK(holds(w, new_map));
     }
     /* Expert 2 is gone: refused on both ranks, nothing moves; the count is still reported. */
     fill_survivor(w, exposed);
     memcpy(before, w, sizeof before);
     num_lost = -1;
+    CHECK_ERR(epcomm_eplb_rearrange_with_lost(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                              RA_SLOTS, weights, 1, &opts, &lost, NULL),
+              EPCOMM_ERROR_INVALID_ARGUMENT, SD_REFUSAL);
+    CHECK(memcmp(before, w, sizeof before) == 0);
+    CHECK(num_lost == 2);
     CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
                                          RA_SLOTS, weights, 1, &opts, NULL),
               EPCOMM_ERROR_INVALID_ARGUMENT, SD_REFUSAL);
     CHECK(memcmp(before, w, sizeof before) == 0);
-    CHECK(num_lost == 2);
     /* Allowed but no room to report them: refused before any data moves. */
-    opts.allow_lost_experts = true;
-    opts.lost_experts_out = pairs;
-    opts.lost_experts_capacity = 1;
-    CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
-                                         RA_SLOTS, weights, 1, &opts, NULL),
+    lost.allow_lost_experts = true;
+    lost.lost_experts_out = pairs;
+    lost.lost_experts_capacity = 1;
+    CHECK_ERR(epcomm_eplb_rearrange_with_lost(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                              RA_SLOTS, weights, 1, &opts, &lost, NULL),
               EPCOMM_ERROR_INVALID_ARGUMENT,
-              "options->allow_lost_experts leaves 2 (layer, logical expert) pairs unwritten but "
-              "options->lost_experts_out has room for 1; pass room for them (num_layers * "
-              "new_slots pairs always suffice)");
+              "lost_options->allow_lost_experts leaves 2 (layer, logical expert) pairs "
+              "unwritten but lost_options->lost_experts_out has room for 1; pass room for them "
+              "(num_layers * new_slots pairs always suffice)");
     CHECK(memcmp(before, w, sizeof before) == 0);
     /* Double-buffered, allowed: next holds the new placement, expert 2's slot the live row. */
-    opts.lost_experts_capacity = RA_LAYERS * RA_SLOTS;
+    lost.lost_experts_capacity = RA_LAYERS * RA_SLOTS;
     memset(pairs, 0xFF, sizeof pairs);
     memset(n, 0xA5, sizeof n);
-    if (CHECK_ERR(epcomm_eplb_rearrange_into(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
-                                             RA_SLOTS, weights, next, 1, &opts, NULL, &valid),
+    if (CHECK_ERR(epcomm_eplb_rearrange_into_with_lost(comm, exposed, new_map, RA_LAYERS,
+                                                       SD_OLD_SLOTS, RA_SLOTS, weights, next, 1,
+                                                       &opts, &lost, NULL, &valid),
                   EPCOMM_OK, NULL)) {
         CHECK(valid == RA_LAYERS && holds(n, kept) && memcmp(before, w, sizeof before) == 0);
         CHECK(num_lost == 2 && pairs[0] == 0 && pairs[1] == 2 && pairs[2] == 1 && pairs[3] == 2);
     }
     /* Staged, allowed: the same in the live weights. */
     num_lost = -1;
-    if (CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
-                                             RA_SLOTS, weights, 1, &opts, NULL),
+    if (CHECK_ERR(epcomm_eplb_rearrange_with_lost(comm, exposed, new_map, RA_LAYERS,
+                                                  SD_OLD_SLOTS, RA_SLOTS, weights, 1, &opts,
+                                                  &lost, NULL),
                   EPCOMM_OK, NULL)) {
         CHECK(holds(w, kept) && num_lost == 2);
     }
-    /* A struct of the first layout (ending before lost_experts_out) reads as refused. */
+    /* A lost-options struct smaller than this header's is refused (on both ranks alike). */
     fill_survivor(w, exposed);
-    opts.struct_size = (uint32_t)offsetof(rearrange_options_t, lost_experts_out);
-    CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
-                                         RA_SLOTS, weights, 1, &opts, NULL),
-              EPCOMM_ERROR_INVALID_ARGUMENT, SD_REFUSAL);
-    opts.struct_size = (uint32_t)offsetof(rearrange_options_t, lost_experts_out) - 1;
+    lost.struct_size = 4;
     snprintf(want, sizeof want,
-             "options->struct_size is %u: expected sizeof(epcomm_eplb_rearrange_options) = %u "
-             "(call epcomm_eplb_rearrange_options_init)",
-             (unsigned)opts.struct_size, (unsigned)sizeof opts);
-    CHECK_ERR(epcomm_eplb_rearrange_with(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
-                                         RA_SLOTS, weights, 1, &opts, NULL),
+             "lost_options->struct_size is 4: expected sizeof(epcomm_eplb_lost_experts_options) "
+             "= %u (call epcomm_eplb_lost_experts_options_init)",
+             (unsigned)sizeof lost);
+    CHECK_ERR(epcomm_eplb_rearrange_with_lost(comm, exposed, new_map, RA_LAYERS, SD_OLD_SLOTS,
+                                              RA_SLOTS, weights, 1, &opts, &lost, NULL),
               EPCOMM_ERROR_INVALID_ARGUMENT, want);
+    CHECK(memcmp(before, w, sizeof before) == 0);
+    CHECK_ERR(epcomm_eplb_lost_experts_options_init(NULL), EPCOMM_ERROR_NULL_POINTER, NULL);
 }
 
 /* ---- the migration scheduler ----------------------------------------------------------------- */
