@@ -5,7 +5,9 @@
 //! only replica was on the dead rank is reported by id: the rearrangement refuses it on every
 //! rank before any data moves, or, allowed, leaves its slots with their old bytes and reports
 //! it. Scale-up 3 -> 4: the new rank receives its experts, the old ranks keep theirs where the
-//! new placement keeps them. Staged and double-buffered, with and without migration batching.
+//! new placement keeps them. Staged and double-buffered, with and without migration batching,
+//! on threads; and on 4 real processes, rank 2 SIGKILLed, the survivors shrinking their group
+//! (`Group::shrink`) and rearranging over it.
 
 mod common;
 mod ranks;
@@ -18,7 +20,7 @@ use epcomm::eplb::rearrange::{
     Summary,
 };
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::GroupOptions;
+use epcomm::group::{Group, GroupOptions};
 use epcomm::Status;
 
 use common::eplb_fixture::{self, Weights};
@@ -298,6 +300,89 @@ fn a_grown_group_fills_the_new_rank() {
                 .sum();
             let written = summary.rows_received + summary.rows_copied_locally;
             assert_eq!(written, changed, "rank {r}, {mode:?}");
+        }
+    }
+}
+
+// ---- real processes: rank 2 is SIGKILLed, the survivors shrink and rearrange -----------------
+
+/// The new placement of the process test, for the survivors' 9 slots.
+fn after_kill() -> Vec<Vec<i64>> {
+    policy(3, 4)
+}
+
+/// A rank process of [`a_killed_rank_s_experts_move_onto_the_shrunk_group`]. Does nothing
+/// unless started by it (`ES_GROUP` set).
+#[test]
+fn eplb_shrink_rank() {
+    let (Ok(group), Ok(rank)) = (std::env::var("ES_GROUP"), std::env::var("ES_RANK")) else {
+        return;
+    };
+    let rank: usize = rank.parse().unwrap();
+    let mut g = ShmGroup::join(&group, rank, 4, opts()).expect("join");
+    g.barrier().expect("first barrier");
+    if rank == 2 {
+        // SAFETY: signals this process; nothing after it runs.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let mut failure = None;
+    for _ in 0..100 {
+        if let Err(e) = g.barrier() {
+            failure = Some(e);
+            break;
+        }
+    }
+    let e = failure.expect("a barrier fails once rank 2 is dead");
+    assert_eq!(e.status(), Status::PeerFailure, "{e}");
+    let lost = g.lost_ranks();
+    assert_eq!(lost, vec![2]);
+    let mut s = Group::shrink(&mut g, &lost).expect("shrink");
+    let me = s.rank();
+    assert_eq!((SURVIVORS[me], s.size()), (rank, 3));
+    let (old, new) = (layers(&REDUNDANT), after_kill());
+    let mut w = weights(4).all(&old, rank);
+    let mut c = eplb_fixture::gloo_cpu().unwrap();
+    let options = RearrangeOptions {
+        rank_mapping: Some(&MAPPING),
+        ..RearrangeOptions::default()
+    };
+    let summary = {
+        let mut views = eplb_fixture::views(&mut w);
+        let lost = LostExperts::Refuse;
+        rearrange_with_lost(
+            s.as_mut(),
+            c.as_mut(),
+            &old,
+            &new,
+            &mut views,
+            &ROW_BYTES,
+            &options,
+            lost,
+        )
+        .expect("rearrange on the shrunk group")
+    };
+    assert_eq!(w, weights(3).all(&new, me), "survivor {me}");
+    assert_eq!(summary.lost_experts, vec![Vec::<i64>::new(); LAYERS]);
+    s.barrier().expect("a barrier of the shrunk group");
+    println!("ES|ok|{me}|{}", summary.rows_received);
+}
+
+#[test]
+fn a_killed_rank_s_experts_move_onto_the_shrunk_group() {
+    use std::os::unix::process::ExitStatusExt;
+    let group = ranks::unique("e", "kill");
+    let env = |r: usize| vec![("ES_GROUP", group.clone()), ("ES_RANK", r.to_string())];
+    let kids = ranks::spawn_ranks("eplb_shrink_rank", 0..4, env);
+    let done = ranks::wait_all(kids, Duration::from_secs(60));
+    let all: Vec<String> = done.iter().map(ranks::Finished::output).collect();
+    let all = all.join("\n");
+    for f in &done {
+        if f.rank == 2 {
+            assert_eq!(f.status.signal(), Some(libc::SIGKILL), "{all}");
+        } else {
+            assert!(f.success(), "{all}");
+            let me = SURVIVORS.iter().position(|&o| o == f.rank).unwrap();
+            assert!(f.stdout.contains(&format!("ES|ok|{me}|")), "{all}");
         }
     }
 }
