@@ -15,6 +15,13 @@
 //!
 //! Capacity mode (EXPERT_MAJOR) runs the same way, several rounds on the same buffers as a
 //! CUDA-graph replay would (tests/gpu_pipeline_emu.rs has the worked example of that flow).
+//!
+//! The manager's host orchestration, on the same executor: buffers sized at creation (a
+//! graph captured at T = 32, a call at T = 64, the replay: no buffer moves; 50 random calls
+//! per layout allocate nothing), growth refused while capturing, a failure after the
+//! all-gather (allocation, launch, host-wait timeout) leaving every rank unusable with the
+//! transport aborted, a failure before it reaching the peers as a rejection, and every entry
+//! restoring the caller's context.
 
 mod common;
 mod gpu_emu;
@@ -33,7 +40,13 @@ use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
 use epcomm::select::all2all::Layout;
 
-use gpu_emu::{emu_or_skip, on_ranks, read, serial, Fabric, HostExec};
+use epcomm::error::Status;
+use epcomm::gpu::calls::KernelId;
+use epcomm::gpu::transport::pool::capture_growth_message;
+use gpu_emu::{
+    current_context, emu_or_skip, on_ranks, read, serial, set_current_context, Fabric, Faults,
+    HostExec,
+};
 
 fn read_bytes(p: u64, n: usize) -> Vec<u8> {
     read::<u8>(p, n)
@@ -270,6 +283,26 @@ impl Pair {
         }
     }
 
+    /// Every pipeline buffer's address per rank (what a captured graph holds).
+    fn addresses(&self) -> Vec<Vec<(String, u64)>> {
+        self.ranks.iter().map(|r| r.x.mem.addresses()).collect()
+    }
+
+    /// Allocations after creation per rank.
+    fn reallocations(&self) -> Vec<u64> {
+        self.ranks
+            .iter()
+            .map(|r| r.x.mem.pool.stats().reallocations)
+            .collect()
+    }
+
+    /// Marks every rank's stream as capturing (or not).
+    fn capturing(&mut self, on: bool) {
+        for r in &mut self.ranks {
+            r.x.capturing = on;
+        }
+    }
+
     fn dispatch(&mut self) -> Vec<epcomm::Result<Out>> {
         let res = on_ranks(&mut self.ranks, Rank::dispatch);
         if res.iter().any(|r| r.is_err()) {
@@ -294,22 +327,28 @@ impl Pair {
 fn check_capacity_case(s: Setup, rounds: &[Vec<Input>]) {
     let mut pair = Pair::with_mode(s, GpuMode::Capacity, &rounds[0]);
     for inputs in rounds {
-        let cpu = cpu_run(s, inputs.clone());
-        for (r, i) in pair.ranks.iter_mut().zip(inputs) {
-            r.inp = i.clone();
-        }
-        let gpu = pair.dispatch();
-        let mut ys = Vec::new();
-        for (d, go) in gpu.iter().enumerate() {
-            let go = go.as_ref().unwrap_or_else(|e| panic!("GPU {s:?}: {e}"));
-            let (co, cy, _) = cpu[d].as_ref().unwrap_or_else(|e| panic!("CPU {s:?}: {e}"));
-            compare_dispatch(&s, d, go, co);
-            ys.push(cy.clone());
-        }
-        let outs = pair.combine(&ys);
-        for (d, out) in outs.iter().enumerate() {
-            compare_combine(&s, d, out, &cpu[d].as_ref().unwrap().2);
-        }
+        check_round(&mut pair, s, inputs);
+    }
+}
+
+/// One dispatch + combine of `inputs` on `pair`'s ranks (their buffers as earlier rounds
+/// left them), both compared with the CPU manager.
+fn check_round(pair: &mut Pair, s: Setup, inputs: &[Input]) {
+    let cpu = cpu_run(s, inputs.to_vec());
+    for (r, i) in pair.ranks.iter_mut().zip(inputs) {
+        r.inp = i.clone();
+    }
+    let gpu = pair.dispatch();
+    let mut ys = Vec::new();
+    for (d, go) in gpu.iter().enumerate() {
+        let go = go.as_ref().unwrap_or_else(|e| panic!("GPU {s:?}: {e}"));
+        let (co, cy, _) = cpu[d].as_ref().unwrap_or_else(|e| panic!("CPU {s:?}: {e}"));
+        compare_dispatch(&s, d, go, co);
+        ys.push(cy.clone());
+    }
+    let outs = pair.combine(&ys);
+    for (d, out) in outs.iter().enumerate() {
+        compare_combine(&s, d, out, &cpu[d].as_ref().unwrap().2);
     }
 }
 
@@ -900,4 +939,295 @@ fn counts_mode_without_zero_size_p2p() {
     if let Err(p) = result {
         std::panic::resume_unwind(p);
     }
+}
+
+// ---- buffers, CUDA graphs, failures mid-call, contexts ------------------------------------
+
+/// `t0`/`t1` random tokens on the two ranks.
+fn random_pair(rng: &mut Rng, s: &Setup, t0: usize, t1: usize) -> Vec<Input> {
+    vec![random_input(rng, s, t0), random_input(rng, s, t1)]
+}
+
+fn capacity_setup(m: usize) -> Setup {
+    Setup {
+        layout: Layout::ExpertMajor,
+        id: IdDtype::I32,
+        kind: FloatKind::F32,
+        e: 8,
+        h: 8,
+        m,
+        extra: 12,
+    }
+}
+
+#[test]
+fn capacity_mode_graph_at_t32_then_t64_then_replay_never_moves_a_buffer() {
+    let _serial = serial();
+    if emu_or_skip("capacity_mode_graph_at_t32_then_t64_then_replay_never_moves_a_buffer").is_none()
+    {
+        return;
+    }
+    // M = 64: every buffer was sized at creation, so a call at T = 64 after a graph captured
+    // at T = 32 frees nothing that graph writes, and the capture itself allocates nothing.
+    let s = capacity_setup(64);
+    let mut rng = Rng(2026);
+    let at32 = random_pair(&mut rng, &s, 32, 32);
+    let mut pair = Pair::with_mode(s, GpuMode::Capacity, &at32);
+    let created = pair.addresses();
+    assert!(created[0].iter().any(|(n, _)| n == "cap_rank_flag"));
+    pair.capturing(true);
+    check_round(&mut pair, s, &at32);
+    pair.capturing(false);
+    check_round(&mut pair, s, &random_pair(&mut rng, &s, 64, 64));
+    // The replay: the same addresses with the T = 32 inputs.
+    pair.capturing(true);
+    check_round(&mut pair, s, &at32);
+    assert_eq!(pair.addresses(), created);
+    assert_eq!(pair.reallocations(), vec![0, 0]);
+}
+
+#[test]
+fn growing_a_buffer_while_capturing_is_refused() {
+    let _serial = serial();
+    if emu_or_skip("growing_a_buffer_while_capturing_is_refused").is_none() {
+        return;
+    }
+    // Pipelines whose pools were never reserved (the old behaviour: buffers sized by the
+    // first call): the first request during a capture would allocate, which is refused.
+    let s = capacity_setup(8);
+    let mut rng = Rng(5);
+    let inputs = random_pair(&mut rng, &s, 8, 4);
+    let fabric = Fabric::new(R);
+    let mut pair = Pair {
+        ranks: inputs
+            .iter()
+            .enumerate()
+            .map(|(d, i)| {
+                let mut r = Rank::new(s, d, GpuMode::Capacity, fabric.clone(), i.clone());
+                r.x = HostExec::new(d, fabric.clone(), K as u32, s.kind);
+                r
+            })
+            .collect(),
+    };
+    pair.capturing(true);
+    let want = epcomm::Error::InvalidState(capture_growth_message("err", 0, 256)).to_string();
+    for r in pair.dispatch() {
+        assert_eq!(r.unwrap_err().to_string(), want);
+    }
+    assert_eq!(pair.reallocations(), vec![0, 0]);
+    // A failure with the peers in the collective: the pipelines refuse every later call.
+    pair.capturing(false);
+    for r in pair.dispatch() {
+        let e = r.unwrap_err();
+        assert_eq!(e.status(), Status::InvalidState);
+        assert!(e.to_string().contains(&format!("({want})")), "{e}");
+    }
+}
+
+#[test]
+fn fifty_random_routings_allocate_nothing_after_creation() {
+    let _serial = serial();
+    if emu_or_skip("fifty_random_routings_allocate_nothing_after_creation").is_none() {
+        return;
+    }
+    let mut rng = Rng(0x5eed);
+    let mut cases: Vec<(Setup, GpuMode)> = LAYOUTS
+        .iter()
+        .map(|&layout| {
+            let s = Setup {
+                layout,
+                id: IdDtype::I64,
+                kind: FloatKind::F32,
+                e: 8,
+                h: 8,
+                m: 16,
+                extra: 12,
+            };
+            (s, GpuMode::Counts)
+        })
+        .collect();
+    cases.push((capacity_setup(16), GpuMode::Capacity));
+    for (s, mode) in cases {
+        let mut pair = Pair::with_mode(s, mode, &random_pair(&mut rng, &s, 1, 1));
+        let created = pair.addresses();
+        for _ in 0..50 {
+            let (t0, t1) = (rng.below(17) as usize, rng.below(17) as usize);
+            check_round(&mut pair, s, &random_pair(&mut rng, &s, t0, t1));
+        }
+        assert_eq!(pair.reallocations(), vec![0, 0], "{s:?} {mode:?}");
+        assert_eq!(pair.addresses(), created, "{s:?} {mode:?}");
+    }
+}
+
+/// TOKEN_MAJOR (exact sizes: T may exceed M) with M = 4 and 32-byte rows: rank 0 has 2
+/// tokens, rank 1 has 8, every token routed to rank 0's experts, so rank 0 receives 10 rows,
+/// more than the 8 (256 bytes) its buffers were sized for before the all-gather
+/// (R × max(T, M) rows); rank 1's own send buffers grow before it (8 tokens > M).
+fn overflow_setup() -> (Setup, Vec<Input>) {
+    let s = Setup {
+        layout: Layout::TokenMajor,
+        id: IdDtype::I64,
+        kind: FloatKind::F32,
+        e: 4,
+        h: 8,
+        m: 4,
+        extra: 0,
+    };
+    let ids = |t: usize| -> Vec<i64> { (0..t).flat_map(|_| [0i64, 1]).collect() };
+    let x = |t: usize| -> Vec<f32> { (0..t * 8).map(|i| i as f32).collect() };
+    let inputs = [2usize, 8]
+        .iter()
+        .map(|&t| input(s.kind, 8, &x(t), &ids(t), &vec![0.5; 2 * t], 0))
+        .collect();
+    (s, inputs)
+}
+
+/// Both ranks' errors after a mid-call failure on `failing`, whose error must contain
+/// `first`: the peer's collective fails (the abort), and every later call of either rank is
+/// refused naming the first failure.
+fn check_out_of_step(pair: &mut Pair, failing: usize, first: &str) {
+    let res = pair.dispatch();
+    let e = res[failing].as_ref().unwrap_err().to_string();
+    assert!(e.contains(first), "rank {failing}: {e}");
+    let peer = res[1 - failing].as_ref().unwrap_err();
+    assert_eq!(peer.status(), Status::PeerFailure, "{peer}");
+    assert!(pair.ranks[failing].x.aborted);
+    for (d, r) in pair.ranks.iter_mut().enumerate() {
+        r.x.faults = Faults::default();
+        assert!(r.pipe.failure().is_some(), "rank {d} still usable");
+    }
+    for (d, r) in pair.dispatch().into_iter().enumerate() {
+        let e = r.unwrap_err();
+        assert_eq!(e.status(), Status::InvalidState, "rank {d}: {e}");
+        assert!(e.to_string().contains("is unusable"), "rank {d}: {e}");
+    }
+    let first_seen = pair.ranks[failing].pipe.failure().unwrap().to_owned();
+    let r = &mut pair.ranks[failing];
+    let again = r.pipe.combine(&mut r.x, 0, 0);
+    assert!(again.unwrap_err().to_string().contains(&first_seen));
+}
+
+#[test]
+fn an_allocation_failure_after_the_all_gather_leaves_every_rank_unusable() {
+    let _serial = serial();
+    if emu_or_skip("an_allocation_failure_after_the_all_gather_leaves_every_rank_unusable")
+        .is_none()
+    {
+        return;
+    }
+    let (s, inputs) = overflow_setup();
+    let mut pair = Pair::new(s, &inputs);
+    pair.ranks[0].x.faults.alloc = Some("recv0".into());
+    check_out_of_step(&mut pair, 0, "[injected for 'recv0']");
+}
+
+#[test]
+fn a_launch_failure_after_the_all_gather_leaves_every_rank_unusable() {
+    let _serial = serial();
+    if emu_or_skip("a_launch_failure_after_the_all_gather_leaves_every_rank_unusable").is_none() {
+        return;
+    }
+    let s = Setup {
+        layout: Layout::ExpertPacked,
+        id: IdDtype::I32,
+        kind: FloatKind::F32,
+        e: 4,
+        h: 1,
+        m: 3,
+        extra: 0,
+    };
+    let mut pair = Pair::new(s, &worked_example(FloatKind::F32));
+    pair.ranks[1].x.faults.launch = Some(KernelId::Pack);
+    check_out_of_step(&mut pair, 1, "launching ep_pack");
+}
+
+#[test]
+fn a_timed_out_host_wait_leaves_every_rank_unusable() {
+    let _serial = serial();
+    if emu_or_skip("a_timed_out_host_wait_leaves_every_rank_unusable").is_none() {
+        return;
+    }
+    let s = Setup {
+        layout: Layout::ExpertMajor,
+        id: IdDtype::I64,
+        kind: FloatKind::F32,
+        e: 4,
+        h: 1,
+        m: 3,
+        extra: 0,
+    };
+    let mut pair = Pair::new(s, &worked_example(FloatKind::F32));
+    pair.ranks[0].x.faults.read = true;
+    check_out_of_step(&mut pair, 0, "did not complete within");
+}
+
+#[test]
+fn a_failure_before_the_all_gather_is_a_rejection_the_peers_are_told_of() {
+    let _serial = serial();
+    if emu_or_skip("a_failure_before_the_all_gather_is_a_rejection_the_peers_are_told_of").is_none()
+    {
+        return;
+    }
+    // Rank 1 has T = 8 > M = 4: its send buffers grow before the all-gather; that allocation
+    // fails. Then the ep_layout launch (also before it) fails. Each time rank 1 sends its
+    // rejection row instead, every rank fails the call, and the next call works.
+    let (s, inputs) = overflow_setup();
+    let mut pair = Pair::new(s, &inputs);
+    type Inject = fn(&mut Faults);
+    let faults: [(Inject, &str); 2] = [
+        (|f| f.alloc = Some("send0".into()), "[injected for 'send0']"),
+        (|f| f.launch = Some(KernelId::Layout), "launching ep_layout"),
+    ];
+    for (inject, why) in faults {
+        inject(&mut pair.ranks[1].x.faults);
+        let res = pair.dispatch();
+        let e1 = res[1].as_ref().unwrap_err().to_string();
+        assert!(e1.contains(why), "{e1}");
+        let e0 = res[0].as_ref().unwrap_err().to_string();
+        assert!(e0.contains("rank 1 rejected its dispatch input"), "{e0}");
+        for r in &mut pair.ranks {
+            assert_eq!(r.pipe.failure(), None);
+            assert!(!r.x.aborted);
+            r.x.faults = Faults::default();
+        }
+        check_round(&mut pair, s, &inputs);
+    }
+}
+
+#[test]
+fn every_entry_restores_the_callers_context() {
+    let _serial = serial();
+    if emu_or_skip("every_entry_restores_the_callers_context").is_none() {
+        return;
+    }
+    // The executor asserts that every device operation runs in the rank's own context (the
+    // pipeline entered it); the host thread's own (7) must be current again after each entry,
+    // whether it succeeded or failed.
+    const CALLER: usize = 7;
+    let s = Setup {
+        layout: Layout::ExpertMajor,
+        id: IdDtype::I32,
+        kind: FloatKind::F32,
+        e: 4,
+        h: 1,
+        m: 3,
+        extra: 0,
+    };
+    let mut pair = Pair::new(s, &worked_example(FloatKind::F32));
+    on_ranks(&mut pair.ranks, |r| {
+        set_current_context(CALLER);
+        let o = r.dispatch().expect("dispatch");
+        assert_eq!(current_context(), Some(CALLER));
+        let y = expert_output(&r.s, r.x.rank, &o);
+        r.combine(&y);
+        assert_eq!(current_context(), Some(CALLER));
+        // A rejected input (a missing extra payload) on both ranks.
+        let mut input = r.input();
+        input.extras.push(0);
+        assert!(r.pipe.dispatch(&mut r.x, &input).is_err());
+        assert_eq!(current_context(), Some(CALLER));
+        // Combine without a dispatch.
+        assert!(r.pipe.combine(&mut r.x, 0, 0).is_err());
+        assert_eq!(current_context(), Some(CALLER));
+    });
 }
