@@ -829,8 +829,48 @@ fn caps_json_reports_what_is_missing() {
                 || j["nvrtc"]["reason"]
                     .as_str()
                     .unwrap()
+                    .starts_with("NVRTC does not match the CUDA driver")
+                || j["nvrtc"]["reason"]
+                    .as_str()
+                    .unwrap()
                     .contains("nvrtcVersion")
         );
+    }
+    if j["nvrtc"]["available"] == true {
+        // Which NVRTC for which driver, and why.
+        let choice = &j["nvrtc"]["choice"];
+        println!("nvrtc: {}", j["nvrtc"]);
+        let names: Vec<&str> = choice["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap())
+            .collect();
+        assert!(
+            names.contains(&j["nvrtc"]["path"].as_str().unwrap()),
+            "{choice}"
+        );
+        let reason = choice["reason"].as_str().unwrap();
+        if cfg!(feature = "cuda") && j["cuda"]["available"] == true {
+            assert_eq!(
+                choice["driver_version_code"],
+                j["cuda"]["driver_version_code"]
+            );
+            assert!(reason.starts_with("the CUDA "), "{reason}");
+        } else {
+            assert!(choice["driver_version_code"].is_null(), "{choice}");
+            assert!(choice["driver_unknown"].is_string(), "{choice}");
+            assert!(
+                reason.starts_with("the CUDA driver version is unknown: "),
+                "{reason}"
+            );
+        }
+        if !cfg!(feature = "cuda") {
+            assert_eq!(
+                choice["driver_unknown"],
+                "epcomm was built without the 'cuda' feature"
+            );
+        }
     }
     // The string form is the same JSON.
     let back: serde_json::Value = serde_json::from_str(&c.to_json_string()).unwrap();

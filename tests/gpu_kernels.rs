@@ -929,3 +929,142 @@ int main() {
     assert_eq!(n, 256 * 16);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn cand(name: &str, major: i32, loaded: bool) -> nvrtc::Candidate {
+    nvrtc::Candidate {
+        name: name.into(),
+        major,
+        loaded,
+    }
+}
+
+/// `nvrtc::choose` as a pure function of (driver version, libraries found): the newest NVRTC
+/// whose major the driver runs (an already-loaded one first, then search order), the newest
+/// of all when the driver is unknown, and an error naming both versions when every NVRTC is
+/// newer than the driver.
+#[test]
+fn nvrtc_choice_follows_the_driver_version() {
+    let both = [
+        cand("libnvrtc.so.13", 13, false),
+        cand("libnvrtc.so.12", 12, false),
+    ];
+    let pick = |driver, found: &[nvrtc::Candidate]| {
+        nvrtc::choose(driver, found).map(|c| (found[c.index].name.clone(), c.reason))
+    };
+    assert_eq!(
+        pick(Some(12080), &both).unwrap(),
+        (
+            "libnvrtc.so.12".into(),
+            "the CUDA 12.8 driver (cuDriverGetVersion 12080) runs code from NVRTC 12 or older: libnvrtc.so.12 (NVRTC 12), the newest such found; not libnvrtc.so.13 (NVRTC 13) (newer than the driver)".into()
+        )
+    );
+    assert_eq!(
+        pick(Some(13000), &both).unwrap(),
+        (
+            "libnvrtc.so.13".into(),
+            "the CUDA 13.0 driver (cuDriverGetVersion 13000) runs code from NVRTC 13 or older: libnvrtc.so.13 (NVRTC 13), the newest such found".into()
+        )
+    );
+    // The host's copy (already loaded) is reused when the driver runs it ...
+    let host12 = [
+        cand("libnvrtc.so.13", 13, false),
+        cand("libnvrtc.so.12", 12, true),
+    ];
+    assert_eq!(
+        pick(Some(13020), &host12).unwrap(),
+        (
+            "libnvrtc.so.12".into(),
+            "the CUDA 13.2 driver (cuDriverGetVersion 13020) runs code from NVRTC 13 or older: libnvrtc.so.12 (NVRTC 12), already loaded in this process".into()
+        )
+    );
+    // ... and not when it does not.
+    let host13 = [
+        cand("libnvrtc.so.13", 13, true),
+        cand("libnvrtc.so.12", 12, false),
+    ];
+    assert_eq!(pick(Some(12090), &host13).unwrap().0, "libnvrtc.so.12");
+    // An older NVRTC on a newer driver; the first of one major in search order.
+    assert_eq!(pick(Some(13010), &both[1..]).unwrap().0, "libnvrtc.so.12");
+    let same = [
+        cand("libnvrtc.so.12", 12, false),
+        cand("libnvrtc.so", 12, false),
+    ];
+    assert_eq!(pick(Some(12080), &same).unwrap().0, "libnvrtc.so.12");
+    // Unknown driver (CPU-only compile checks): the newest.
+    assert_eq!(
+        pick(None, &both).unwrap(),
+        (
+            "libnvrtc.so.13".into(),
+            "the CUDA driver version is unknown: libnvrtc.so.13 (NVRTC 13), the newest such found"
+                .into()
+        )
+    );
+    // Only newer majors than the driver: an error naming both versions.
+    let e = nvrtc::choose(Some(12040), &both[..1]).unwrap_err();
+    assert_eq!(e.status(), Status::Unavailable);
+    assert_eq!(
+        e.to_string(),
+        "NVRTC does not match the CUDA driver: found libnvrtc.so.13 (NVRTC 13); the CUDA 12.4 driver (cuDriverGetVersion 12040) runs code from NVRTC 12 or older. Install NVRTC 12 (pip: nvidia-cuda-nvrtc-cu12) and set EPCOMM_NVRTC_PATH to it, or update the driver"
+    );
+    let e = nvrtc::choose(Some(11080), &both).unwrap_err();
+    assert!(
+        e.to_string().starts_with("NVRTC does not match the CUDA driver: found libnvrtc.so.13 (NVRTC 13), libnvrtc.so.12 (NVRTC 12); the CUDA 11.8 driver (cuDriverGetVersion 11080) runs code from NVRTC 11 or older."),
+        "{e}"
+    );
+    assert_eq!(
+        nvrtc::choose(None, &[]).unwrap_err().status(),
+        Status::Unavailable
+    );
+    assert_eq!(
+        nvrtc::choose(Some(12080), &[]).unwrap_err().status(),
+        Status::Unavailable
+    );
+}
+
+/// `Nvrtc::select` over a directory: every `libnvrtc.so.N` is a candidate (read by
+/// `nvrtcVersion`), and the driver decides; a driver older than every NVRTC there is the
+/// mismatch error.
+#[test]
+fn nvrtc_selection_in_a_directory_follows_the_driver() {
+    let Some(nv) = nvrtc_or_skip("nvrtc_selection_in_a_directory_follows_the_driver") else {
+        return;
+    };
+    let Some(dir) = std::path::Path::new(nv.path)
+        .parent()
+        .filter(|d| d.is_dir())
+    else {
+        common::skip::skipped(
+            "nvrtc_selection_in_a_directory_follows_the_driver",
+            &format!(
+                "NVRTC was loaded by name ({}), not from a directory",
+                nv.path
+            ),
+        );
+        return;
+    };
+    let dir = dir.to_str().expect("UTF-8 path");
+    let major = nv.version.0;
+    let sel = Nvrtc::select(Some(dir), Ok(major * 1000 + 20)).expect("same-major driver");
+    assert_eq!(sel.nvrtc.version, nv.version);
+    assert!(sel.candidates.iter().any(|c| c.major == major));
+    assert!(
+        sel.choice
+            .reason
+            .starts_with(&format!("the CUDA {major}.2 driver")),
+        "{}",
+        sel.choice.reason
+    );
+    let e = Nvrtc::select(Some(dir), Ok((major - 1) * 1000)).expect_err("older driver");
+    assert_eq!(e.status(), Status::Unavailable);
+    assert!(
+        e.to_string()
+            .starts_with("NVRTC does not match the CUDA driver: found "),
+        "{e}"
+    );
+    assert!(e.to_string().contains(&format!("(NVRTC {major})")), "{e}");
+    let unknown = Nvrtc::select(Some(dir), Err("no driver".into())).expect("unknown driver");
+    assert!(unknown
+        .choice
+        .reason
+        .starts_with("the CUDA driver version is unknown: "));
+}

@@ -104,6 +104,21 @@ pub struct Caps {
     pub nccl: LibCaps,
     /// NVRTC.
     pub nvrtc: LibCaps,
+    /// How the NVRTC was chosen for the driver, when one was.
+    pub nvrtc_choice: Option<NvrtcChoice>,
+}
+
+/// Which NVRTC [`crate::gpu::nvrtc::choose`] took for the driver, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NvrtcChoice {
+    /// `cuDriverGetVersion`, when known.
+    pub driver_version: Option<i32>,
+    /// Why the driver version is unknown.
+    pub driver_unknown: Option<String>,
+    /// Every NVRTC found, in search order.
+    pub candidates: Vec<crate::gpu::nvrtc::Candidate>,
+    /// Why the chosen one.
+    pub reason: String,
 }
 
 /// The file a symbol was loaded from (`dladdr`).
@@ -152,26 +167,31 @@ fn probe_nccl() -> LibCaps {
     }
 }
 
-/// NVRTC through the same loader the compiler uses ([`crate::gpu::nvrtc::Nvrtc::global`]):
-/// `EPCOMM_NVRTC_PATH` (a file, or a directory holding `libnvrtc.so.*`) when set, else an
-/// already-loaded or loadable `libnvrtc.so.13`/`.12` (cudarc's `cuda-12080` list never tries
-/// `.13`, the only NVRTC of a cu13 torch), then `libnvrtc.so`. Found once per process.
-fn probe_nvrtc() -> LibCaps {
-    match crate::gpu::nvrtc::Nvrtc::global() {
-        Ok(n) => {
-            let (ma, mi) = n.version;
-            LibCaps {
+/// NVRTC through the same loader and choice the compiler uses
+/// ([`crate::gpu::nvrtc::Nvrtc::global_selection`]): `EPCOMM_NVRTC_PATH` when set, else
+/// `libnvrtc.so.13`/`.12`/`libnvrtc.so`; of those, the newest whose major the driver runs
+/// (cudarc's `cuda-12080` list never tries `.13`, the only NVRTC of a cu13 torch). Found once
+/// per process.
+fn probe_nvrtc() -> (LibCaps, Option<NvrtcChoice>) {
+    match crate::gpu::nvrtc::Nvrtc::global_selection() {
+        Ok(sel) => {
+            let (ma, mi) = sel.nvrtc.version;
+            let lib = LibCaps {
                 available: true,
                 reason: None,
                 version: Some(format!("{ma}.{mi}")),
                 version_code: Some(ma * 1000 + mi * 10),
-                path: Some(n.path.to_owned()),
-            }
+                path: Some(sel.nvrtc.path.to_owned()),
+            };
+            let choice = NvrtcChoice {
+                driver_version: sel.driver_version.as_ref().ok().copied(),
+                driver_unknown: sel.driver_version.as_ref().err().cloned(),
+                candidates: sel.candidates.clone(),
+                reason: sel.choice.reason.clone(),
+            };
+            (lib, Some(choice))
         }
-        Err(e) => {
-            let msg = e.to_string();
-            LibCaps::unavailable(msg)
-        }
+        Err(e) => (LibCaps::unavailable(e.to_string()), None),
     }
 }
 
@@ -256,12 +276,14 @@ pub fn probe() -> Caps {
         reason: Some("the CUDA driver probe panicked (see stderr)".into()),
         ..CudaCaps::default()
     });
+    let (nvrtc, nvrtc_choice) = probe_nvrtc();
     Caps {
         feature_cuda: cfg!(feature = "cuda"),
         feature_nccl: cfg!(feature = "nccl"),
         cuda,
         nccl: probe_nccl(),
-        nvrtc: probe_nvrtc(),
+        nvrtc,
+        nvrtc_choice,
     }
 }
 
@@ -277,10 +299,28 @@ fn lib_json(l: &LibCaps) -> Value {
     })
 }
 
+/// `{"driver_version_code": 12080 | null, "driver_unknown": null | "why", "candidates":
+/// [{"name", "major", "already_loaded"}], "reason": "..."}`.
+fn choice_json(c: &NvrtcChoice) -> Value {
+    let candidates: Vec<Value> = c
+        .candidates
+        .iter()
+        .map(|k| json!({ "name": k.name, "major": k.major, "already_loaded": k.loaded }))
+        .collect();
+    json!({
+        "driver_version_code": c.driver_version,
+        "driver_unknown": c.driver_unknown,
+        "candidates": candidates,
+        "reason": c.reason,
+    })
+}
+
 impl Caps {
     /// The JSON form (what `epcomm_cuda_caps` returns):
     /// `{"features": {...}, "cuda": {...}, "nccl": {...}, "nvrtc": {...}}`; each unavailable
-    /// part is `{"available": false, "reason": "..."}`.
+    /// part is `{"available": false, "reason": "..."}` (for NVRTC also a driver mismatch,
+    /// naming both versions); an available NVRTC has `"choice"`: which library for which
+    /// driver and why.
     pub fn to_json(&self) -> Value {
         let cuda = if self.cuda.available {
             let devices: Vec<Value> = self
@@ -322,11 +362,15 @@ impl Caps {
                 Value::Bool(crate::gpu::nccl::supports_zero_size_p2p(code)),
             );
         }
+        let mut nvrtc = lib_json(&self.nvrtc);
+        if let (Some(c), Some(obj)) = (&self.nvrtc_choice, nvrtc.as_object_mut()) {
+            obj.insert("choice".into(), choice_json(c));
+        }
         json!({
             "features": { "cuda": self.feature_cuda, "nccl": self.feature_nccl },
             "cuda": cuda,
             "nccl": nccl,
-            "nvrtc": lib_json(&self.nvrtc),
+            "nvrtc": nvrtc,
         })
     }
 

@@ -284,7 +284,7 @@ impl Variant {
 }
 
 /// Every specialisation the CI compile check builds: layout/pack/unpack for each id dtype and
-/// [`CI_TOPK`], combine for each (in, out) float dtype pair and [`CI_TOPK`], scan, signal.
+/// `CI_TOPK` (1 and 8), combine for each (in, out) float dtype pair and `CI_TOPK`, scan, signal.
 pub fn variants() -> Vec<Variant> {
     let ids = [IdDtype::I32, IdDtype::I64];
     let mut v = Vec::new();

@@ -4,10 +4,12 @@
 //! torch+cu13 environment), and its `Program` panics on drop failures. Here every failure is an
 //! [`Error`], never a panic, and the crate builds without the `cuda` feature (plain `dlopen`).
 //!
-//! Search order ([`Nvrtc::open`]): `EPCOMM_NVRTC_PATH` (a file, or a directory holding
-//! `libnvrtc.so.*`) — when set it is the only candidate; otherwise an already-loaded
-//! `libnvrtc.so.13` / `libnvrtc.so.12` (RTLD_NOLOAD, so the host's copy is reused), then those
-//! names, then `libnvrtc.so`. `libnvrtc` `dlopen`s `libnvrtc-builtins.so.X.Y` at compile time;
+//! Candidates ([`Nvrtc::select`]): `EPCOMM_NVRTC_PATH` (a file, or a directory holding
+//! `libnvrtc.so.*`) — when set only what it names; otherwise `libnvrtc.so.13`,
+//! `libnvrtc.so.12`, `libnvrtc.so`, each noted as already loaded (the host's copy) or not.
+//! [`choose`] then keeps one for the driver (`cuDriverGetVersion`): a driver runs code from
+//! NVRTC of its CUDA major or older, so the newest such (an already-loaded one first); only
+//! newer ones is an error naming both versions; an unknown driver takes the newest. `libnvrtc` `dlopen`s `libnvrtc-builtins.so.X.Y` at compile time;
 //! when we load it by path we first load the builtins found next to it by full path, so no
 //! `LD_LIBRARY_PATH` is needed (the wheel's `$ORIGIN` RUNPATH would usually find it too).
 //!
@@ -79,11 +81,12 @@ impl std::fmt::Debug for Nvrtc {
     }
 }
 
-/// Picks the `libnvrtc.so*` to load in `dir`: the highest `libnvrtc.so.N`, else `libnvrtc.so`
-/// (never the `.alt` build, which differs only in C++ symbol demangling).
-fn lib_in_dir(dir: &Path) -> Option<PathBuf> {
-    let mut best: Option<(u32, PathBuf)> = None;
-    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+/// The `libnvrtc.so*` files of `dir` that may be NVRTC, one per major in the name, highest
+/// first, then `libnvrtc.so` (never the `.alt` build, which differs only in C++ symbol
+/// demangling).
+fn libs_in_dir(dir: &Path) -> Vec<PathBuf> {
+    let mut found: Vec<(u32, String, PathBuf)> = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(rest) = name.strip_prefix("libnvrtc.so") else {
             continue;
@@ -98,11 +101,149 @@ fn lib_in_dir(dir: &Path) -> Option<PathBuf> {
         } else {
             continue;
         };
-        if best.as_ref().is_none_or(|(r, _)| rank > *r) {
-            best = Some((rank, entry.path()));
-        }
+        found.push((rank, name, entry.path()));
     }
-    best.map(|(_, p)| p)
+    // Highest major first; within one major the shortest name (the soname link).
+    found.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.len().cmp(&b.1.len())));
+    found.dedup_by_key(|f| f.0);
+    found.into_iter().map(|(_, _, p)| p).collect()
+}
+
+/// Whether the process already has `name` loaded (`RTLD_NOLOAD`; the reference is dropped).
+fn is_loaded(name: &str) -> bool {
+    let Ok(c) = CString::new(name) else {
+        return false;
+    };
+    // SAFETY: a valid C string; RTLD_NOLOAD never loads anything.
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+    if h.is_null() {
+        return false;
+    }
+    // SAFETY: `h` came from the dlopen above; this drops only the reference it took.
+    unsafe { libc::dlclose(h) };
+    true
+}
+
+/// One NVRTC library found: the name or path that opened it, its major version
+/// (`nvrtcVersion`) and whether the process had already loaded it (the host's copy).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// The name or path.
+    pub name: String,
+    /// `nvrtcVersion`'s major (12, 13).
+    pub major: i32,
+    /// Already loaded before epcomm looked (`RTLD_NOLOAD`).
+    pub loaded: bool,
+}
+
+/// Which candidate [`choose`] picked and why, in words (the capability JSON shows it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    /// Index into the candidates.
+    pub index: usize,
+    /// Why this one.
+    pub reason: String,
+}
+
+fn describe(c: &Candidate) -> String {
+    format!("{} (NVRTC {})", c.name, c.major)
+}
+
+/// The preferred candidate among those `ok` accepts: an already-loaded one (reusing the host's
+/// copy, no second NVRTC in the process), then the highest major, then search order.
+fn best(c: &[Candidate], ok: impl Fn(&Candidate) -> bool) -> Option<usize> {
+    c.iter()
+        .enumerate()
+        .filter(|(_, c)| ok(c))
+        .max_by_key(|(i, c)| (c.loaded, c.major, std::cmp::Reverse(*i)))
+        .map(|(i, _)| i)
+}
+
+fn why_this(c: &Candidate) -> &'static str {
+    if c.loaded {
+        "already loaded in this process"
+    } else {
+        "the newest such found"
+    }
+}
+
+/// Picks the NVRTC to load, a pure function of the driver's `cuDriverGetVersion` (12080 =
+/// CUDA 12.8; `None` when unknown, e.g. no driver on a CPU-only compile check) and the
+/// libraries found, in search order. A driver runs code from NVRTC of its own CUDA major or
+/// older (CUBIN of the same major loads under CUDA's minor-version compatibility; a newer
+/// major's does not), so: of the candidates of major ≤ the driver's, an already-loaded one,
+/// then the highest major, then the first; when the driver is unknown, the same over all.
+/// Only newer majors than the driver: an [`Error::Unavailable`] naming both versions.
+pub fn choose(driver_version: Option<i32>, available: &[Candidate]) -> Result<Choice> {
+    let Some(v) = driver_version else {
+        let index = best(available, |_| true)
+            .ok_or_else(|| Error::Unavailable("NVRTC not found: no library to choose".into()))?;
+        let c = &available[index];
+        let reason = format!(
+            "the CUDA driver version is unknown: {}, {}",
+            describe(c),
+            why_this(c)
+        );
+        return Ok(Choice { index, reason });
+    };
+    let major = v / 1000;
+    let driver = format!(
+        "CUDA {major}.{} driver (cuDriverGetVersion {v})",
+        (v % 1000) / 10
+    );
+    let newer: Vec<String> = available
+        .iter()
+        .filter(|c| c.major > major)
+        .map(describe)
+        .collect();
+    let Some(index) = best(available, |c| c.major <= major) else {
+        let found = if newer.is_empty() {
+            "no NVRTC library".to_string()
+        } else {
+            newer.join(", ")
+        };
+        return Err(Error::Unavailable(format!(
+            "NVRTC does not match the CUDA driver: found {found}; the {driver} runs code from NVRTC {major} or older. Install NVRTC {major} (pip: nvidia-cuda-nvrtc-cu{major}) and set {ENV_NVRTC_PATH} to it, or update the driver"
+        )));
+    };
+    let c = &available[index];
+    let mut reason = format!(
+        "the {driver} runs code from NVRTC {major} or older: {}, {}",
+        describe(c),
+        why_this(c)
+    );
+    if !newer.is_empty() {
+        reason.push_str(&format!(
+            "; not {} (newer than the driver)",
+            newer.join(", ")
+        ));
+    }
+    Ok(Choice { index, reason })
+}
+
+/// The process's NVRTC and how it was chosen.
+#[derive(Debug, Clone)]
+pub struct Selection {
+    /// The NVRTC loaded.
+    pub nvrtc: Nvrtc,
+    /// `cuDriverGetVersion`, or why it is unknown.
+    pub driver_version: std::result::Result<i32, String>,
+    /// Every library found, in search order.
+    pub candidates: Vec<Candidate>,
+    /// Which one and why.
+    pub choice: Choice,
+}
+
+/// `cuDriverGetVersion`, or why it is unknown.
+#[cfg(feature = "cuda")]
+fn driver_version() -> std::result::Result<i32, String> {
+    crate::gpu::driver::driver_version().map_err(|e| e.to_string())
+}
+
+/// `cuDriverGetVersion`, or why it is unknown.
+#[cfg(not(feature = "cuda"))]
+fn driver_version() -> std::result::Result<i32, String> {
+    Err("epcomm was built without the 'cuda' feature".into())
 }
 
 /// Loads the `libnvrtc-builtins.so*` next to `lib` by full path (best effort) so that NVRTC's
@@ -140,52 +281,109 @@ fn preload_builtins(lib: &Path) {
 }
 
 impl Nvrtc {
-    /// Finds and loads NVRTC. `explicit` plays the role of `EPCOMM_NVRTC_PATH` (a file or a
-    /// directory); `None` searches [`DEFAULT_NAMES`]. The error lists what was tried.
+    /// Finds and loads NVRTC without a driver version (the newest found; see [`Nvrtc::select`]).
     pub fn open(explicit: Option<&str>) -> Result<Nvrtc> {
-        let lib = match explicit.filter(|p| !p.is_empty()) {
-            Some(p) => {
-                let path = Path::new(p);
-                if !path.exists() {
-                    return Err(Error::Unavailable(format!(
-                        "NVRTC not found: {ENV_NVRTC_PATH}={p} does not exist"
-                    )));
-                }
-                let file = if path.is_dir() {
-                    lib_in_dir(path).ok_or_else(|| {
-                        Error::Unavailable(format!(
-                            "NVRTC not found: {ENV_NVRTC_PATH}={p} is a directory without libnvrtc.so*"
-                        ))
-                    })?
-                } else {
-                    path.to_path_buf()
-                };
-                preload_builtins(&file);
-                let name = leak(file.to_string_lossy().into_owned());
-                probe::open_first(&[name]).ok_or_else(|| {
-                    Error::Unavailable(format!(
-                        "NVRTC could not be loaded from {name}: {}",
-                        probe::last_dl_error().unwrap_or_else(|| "dlopen failed".into())
-                    ))
-                })?
-            }
-            None => probe::open_first(&DEFAULT_NAMES).ok_or_else(|| {
-                Error::Unavailable(format!(
-                    "NVRTC not found (tried {}); set {ENV_NVRTC_PATH} to libnvrtc.so.* or its directory",
-                    DEFAULT_NAMES.join(", ")
-                ))
-            })?,
-        };
-        Self::bind(lib)
+        Ok(Self::select(explicit, Err("not asked".into()))?.nvrtc)
     }
 
-    /// Loads NVRTC once per process, honouring `EPCOMM_NVRTC_PATH`.
-    pub fn global() -> Result<&'static Nvrtc> {
-        static NVRTC: OnceLock<Result<Nvrtc>> = OnceLock::new();
-        NVRTC
-            .get_or_init(|| Nvrtc::open(crate::env::nvrtc_path().as_deref()))
+    /// Finds every NVRTC `explicit` (the role of `EPCOMM_NVRTC_PATH`: a file, or a directory)
+    /// or, when `None`, the default names offer, and keeps the one [`choose`] picks for the
+    /// driver. Errors name what was tried, or both versions on a driver mismatch.
+    pub fn select(
+        explicit: Option<&str>,
+        driver_version: std::result::Result<i32, String>,
+    ) -> Result<Selection> {
+        let found = Self::discover(explicit.filter(|p| !p.is_empty()))?;
+        let candidates: Vec<Candidate> = found.iter().map(|(c, _)| c.clone()).collect();
+        let choice = choose(driver_version.as_ref().ok().copied(), &candidates)?;
+        Ok(Selection {
+            nvrtc: found[choice.index].1,
+            driver_version,
+            candidates,
+            choice,
+        })
+    }
+
+    /// Every NVRTC that loads, in search order (at least one, else the error).
+    fn discover(explicit: Option<&str>) -> Result<Vec<(Candidate, Nvrtc)>> {
+        let names: Vec<&'static str> = match explicit {
+            None => DEFAULT_NAMES.to_vec(),
+            Some(p) => Self::explicit_files(p)?,
+        };
+        let mut found = Vec::new();
+        let mut first_error = None;
+        for name in names {
+            let loaded = is_loaded(name);
+            if explicit.is_some() {
+                preload_builtins(Path::new(name));
+            }
+            let opened = probe::open_first(&[name]).ok_or_else(|| {
+                Error::Unavailable(format!(
+                    "NVRTC could not be loaded from {name}: {}",
+                    probe::last_dl_error().unwrap_or_else(|| "dlopen failed".into())
+                ))
+            });
+            match opened.and_then(Self::bind) {
+                Ok(n) => found.push((
+                    Candidate {
+                        name: name.to_string(),
+                        major: n.version.0,
+                        loaded,
+                    },
+                    n,
+                )),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match (found.is_empty(), explicit, first_error) {
+            (false, _, _) => Ok(found),
+            (true, Some(_), Some(e)) => Err(e),
+            (true, _, _) => Err(Error::Unavailable(format!(
+                "NVRTC not found (tried {}); set {ENV_NVRTC_PATH} to libnvrtc.so.* or its directory",
+                DEFAULT_NAMES.join(", ")
+            ))),
+        }
+    }
+
+    /// The files `EPCOMM_NVRTC_PATH=p` names: `p` itself, or the NVRTCs of directory `p`.
+    fn explicit_files(p: &str) -> Result<Vec<&'static str>> {
+        let path = Path::new(p);
+        if !path.exists() {
+            return Err(Error::Unavailable(format!(
+                "NVRTC not found: {ENV_NVRTC_PATH}={p} does not exist"
+            )));
+        }
+        let files = if path.is_dir() {
+            libs_in_dir(path)
+        } else {
+            vec![path.to_path_buf()]
+        };
+        if files.is_empty() {
+            return Err(Error::Unavailable(format!(
+                "NVRTC not found: {ENV_NVRTC_PATH}={p} is a directory without libnvrtc.so*"
+            )));
+        }
+        Ok(files
+            .into_iter()
+            .map(|f| leak(f.to_string_lossy().into_owned()))
+            .collect())
+    }
+
+    /// Chooses and loads NVRTC once per process for this driver ([`Nvrtc::select`] with
+    /// `EPCOMM_NVRTC_PATH` and `cuDriverGetVersion`).
+    pub fn global_selection() -> Result<&'static Selection> {
+        static SELECTION: OnceLock<Result<Selection>> = OnceLock::new();
+        SELECTION
+            .get_or_init(|| Nvrtc::select(crate::env::nvrtc_path().as_deref(), driver_version()))
             .as_ref()
             .map_err(Clone::clone)
+    }
+
+    /// The process's NVRTC ([`Nvrtc::global_selection`]).
+    pub fn global() -> Result<&'static Nvrtc> {
+        Self::global_selection().map(|s| &s.nvrtc)
     }
 
     fn bind(lib: Library) -> Result<Nvrtc> {
