@@ -740,7 +740,7 @@ entry_points! {
         out: w(Out),
     }
 
-    /// `epoch[0] += 1`.
+    /// `epoch[0]` = the next epoch (`onesided::Epoch::next`: 0 is skipped on wraparound).
     EP_EPOCH_BUMP / EpochBumpArgs = "ep_epoch_bump" in Signal, "one thread" {
         epoch: w(U32),
     }
@@ -752,7 +752,9 @@ entry_points! {
         epoch: p(U32),
     }
 
-    /// Acquire-spin until `flags[r] >= *epoch`, bounded by `timeout_ns` of `%globaltimer`.
+    /// Acquire-spin until `flags[r]` reaches `*epoch` (`onesided::epoch_reached`: wrap-safe, a
+    /// zero flag never counts), bounded by `timeout_ns` of `%globaltimer`; a timeout writes
+    /// `{ERR_WAIT_TIMEOUT, peer}` into `err`.
     EP_WAIT / WaitArgs = "ep_wait" in Signal, "thread per peer" {
         flags: p(U32),
         R: i,
