@@ -9,6 +9,10 @@
 //!
 //! Both on the two-rank worked example (R = 2, E = 4, K = 2), expecting its combine results.
 //! One kernel-level check stays in C++: capacity mode's `ep_pair_rows` on bad wire ids.
+//!
+//! And the NCCL loader against a non-blocking communicator (tests/gpu_emu/fake_nccl.rs, in a
+//! child process): `ncclInProgress` is queued work, waited out by polling
+//! `ncclCommGetAsyncError`, bounded; abort happens once and only for owned communicators.
 
 mod common;
 mod gpu_emu;
@@ -242,4 +246,121 @@ fn replicated_worked_example_on_the_host() {
         println!("replicated out: {out:?}");
         assert_eq!(*out, worked_example()[d].3, "rank {d}");
     }
+}
+
+// ---- a non-blocking NCCL communicator (a fake libnccl in a child process) -----------------
+
+const FAKE_NB_ENV: &str = "EPCOMM_TEST_FAKE_NONBLOCKING_NCCL";
+
+/// Runs in a child process with `VLLM_NCCL_SO_PATH` = the fake (the loader is per process).
+#[test]
+fn nonblocking_nccl_child() {
+    use epcomm::error::Status;
+    use epcomm::gpu::nccl::{self, counts_plan, ExchangeOptions, NcclComm, NcclUniqueId};
+    use std::time::Duration;
+    let Ok(path) = std::env::var(FAKE_NB_ENV) else {
+        return;
+    };
+    let log = || gpu_emu::fake_nccl::log(&path);
+    let api = nccl::api().unwrap();
+    let id = NcclUniqueId::from_bytes(&[0; 128]).unwrap();
+    let owned = NcclComm::init_rank(&id, 1, 2).unwrap();
+    // SAFETY: the fake's communicator lives for the process.
+    let mut comm = unsafe { NcclComm::adopt(owned.raw()) }.unwrap();
+    let opts = ExchangeOptions::for_version(api.version);
+    let plan = counts_plan(&[1, 2, 3, 4], 2, 1, 10, opts).unwrap();
+    // ncclInProgress from the send in the group and from the group end: queued, waited out.
+    let before = log().len();
+    // SAFETY: the fake never dereferences the addresses.
+    unsafe { comm.exchange(&plan, 0x1000, 0x8000, std::ptr::null_mut()) }.unwrap();
+    assert_eq!(&log()[before..], "gs;send;recv;ge;poll;poll;poll;poll;");
+    let before = log().len();
+    // SAFETY: as above.
+    let gather = |c: &NcclComm| unsafe {
+        c.all_gather(
+            8 as *const _,
+            16 as *mut _,
+            3,
+            nccl::NcclDataType::Int32,
+            std::ptr::null_mut(),
+        )
+    };
+    gather(&comm).unwrap();
+    assert_eq!(&log()[before..], "allgather;poll;poll;poll;poll;");
+    // Queued work that then fails is that failure.
+    std::env::set_var("FAKE_ASYNC", "1");
+    let e = gather(&comm).unwrap_err();
+    std::env::remove_var("FAKE_ASYNC");
+    assert_eq!(e.status(), Status::PeerFailure);
+    assert_eq!(
+        e.to_string(),
+        "NCCL error in ncclAllGather: remote process exited or there was a network error (ncclResult_t 6)"
+    );
+    // Never leaving ncclInProgress: bounded by the timeout.
+    comm.set_timeout(Duration::from_millis(50));
+    std::env::set_var("FAKE_STUCK", "1");
+    // SAFETY: as above.
+    let e = unsafe { comm.exchange(&plan, 0x1000, 0x8000, std::ptr::null_mut()) }.unwrap_err();
+    std::env::remove_var("FAKE_STUCK");
+    assert_eq!(e.status(), Status::Timeout);
+    assert_eq!(
+        e.to_string(),
+        epcomm::Error::Timeout(
+            "NCCL: ncclGroupEnd was still in progress after 50ms (a non-blocking communicator; a peer rank is not participating?)".into()
+        )
+        .to_string()
+    );
+    // The borrowed one is never aborted; the owned one is aborted once, then refuses calls
+    // and is not destroyed.
+    assert_eq!(comm.abort().unwrap_err().status(), Status::InvalidState);
+    drop(comm);
+    owned.abort().unwrap();
+    owned.abort().unwrap();
+    assert!(log().ends_with("abort;"));
+    assert_eq!(log().matches("abort;").count(), 1);
+    let e = gather(&owned).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        epcomm::Error::InvalidState(
+            "the NCCL communicator was aborted after an earlier failure".into()
+        )
+        .to_string()
+    );
+    drop(owned);
+    assert!(!log().contains("destroy;"));
+}
+
+#[test]
+fn nonblocking_nccl_in_progress_is_queued_work_waited_out_bounded() {
+    if std::env::var(FAKE_NB_ENV).is_ok() {
+        return;
+    }
+    let test = "nonblocking_nccl_in_progress_is_queued_work_waited_out_bounded";
+    let dir = cuda_emu::temp_dir("fake-nb-nccl");
+    let lib = match gpu_emu::fake_nccl::build(&dir) {
+        Ok(lib) => lib,
+        Err(why) => {
+            common::skip::skipped(test, &format!("cannot build the fake libnccl: {why}"));
+            return;
+        }
+    };
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "nonblocking_nccl_child",
+            "--exact",
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .env(FAKE_NB_ENV, &lib)
+        .env("VLLM_NCCL_SO_PATH", &lib)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "child failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"));
 }

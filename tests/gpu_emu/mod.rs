@@ -15,6 +15,8 @@
 //!   panic naming it, not a hang.
 #![allow(dead_code)]
 
+pub mod fake_nccl;
+
 use std::alloc::Layout as AllocLayout;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
