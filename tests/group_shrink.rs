@@ -166,7 +166,8 @@ fn shrink_rank() {
                 return;
             }
             Ok(new) => {
-                let fields = [new.rank(), new.size(), new.name().len()].map(|v| v.to_string());
+                let ms = t.elapsed().as_millis() as usize;
+                let fields = [new.rank(), new.size(), new.name().len(), ms].map(|v| v.to_string());
                 say(&format!("shrunk{stage}"), &fields);
                 orig.retain(|o| !lost_orig.contains(o));
                 g = new;
@@ -306,6 +307,9 @@ fn check_survivors(res: &[Finished], status: &str, lost: &[usize], stage: usize,
         assert_eq!(shrunk[0], new_rank.to_string(), "{all}");
         assert_eq!(shrunk[1], survivors.len().to_string(), "{all}");
         assert!(shrunk[2].parse::<usize>().unwrap() <= 64, "{all}");
+        if let Some(ms) = shrunk.get(3) {
+            println!("rank {}: shrink took {ms} ms", f.rank);
+        }
         assert_eq!(field(&l, "done", all)[0], format!("{survivors:?}"), "{all}");
     }
 }
@@ -639,10 +643,11 @@ fn host_rank(group: &str, dir: &str, rank: usize) {
     mark(dir, &format!("joined-{rank}"));
     let orig: Vec<usize> = (0..WORLD).collect();
     let mut i = 0;
-    let rc = loop {
+    let (rc, ms) = loop {
+        let t = Instant::now();
         let rc = host_round(h, &orig, i);
         if rc != 0 {
-            break rc;
+            break (rc, t.elapsed().as_millis());
         }
         i += 1;
     };
@@ -650,7 +655,7 @@ fn host_rank(group: &str, dir: &str, rank: usize) {
         "fail0",
         &[
             format!("{:?}", Status::from_code(rc).unwrap()),
-            "0".into(),
+            ms.to_string(),
             last_error(),
         ],
     );
@@ -664,6 +669,7 @@ fn host_rank(group: &str, dir: &str, rank: usize) {
     say("lost0", &[format!("{lost:?}")]);
     let ex: Vec<i32> = lost.iter().map(|&r| r as i32).collect();
     let mut h2: *mut epcomm_group = std::ptr::null_mut();
+    let t = Instant::now();
     // SAFETY: `h` is live; `ex` holds its entries; `h2` is writable.
     let rc = unsafe { epcomm_group_shrink(h, ex.as_ptr(), ex.len(), &mut h2) };
     assert_eq!(rc, 0, "{}", last_error());
@@ -673,7 +679,8 @@ fn host_rank(group: &str, dir: &str, rank: usize) {
         assert_eq!(epcomm_group_rank(h2, &mut r2), 0);
         assert_eq!(epcomm_group_size(h2, &mut w2), 0);
     }
-    say("shrunk0", &[r2.to_string(), w2.to_string(), "4".into()]);
+    let ms = t.elapsed().as_millis().to_string();
+    say("shrunk0", &[r2.to_string(), w2.to_string(), "4".into(), ms]);
     let survivors: Vec<usize> = (0..WORLD).filter(|r| !lost.contains(r)).collect();
     for k in 0..5 {
         assert_eq!(host_round(h2, &survivors, 100 + k), 0, "{}", last_error());
