@@ -854,3 +854,46 @@ fn shrink_arguments_through_the_c_abi() {
     }
     assert_no_leftovers(&name);
 }
+
+unsafe extern "C" fn cb_shrink_times_out(
+    _: *mut c_void,
+    _: *const i32,
+    _: usize,
+    _: *mut *mut c_void,
+) -> i32 {
+    Status::Timeout as i32
+}
+
+unsafe extern "C" fn cb_lost_ranks_fails(_: *mut c_void, _: *mut u8, _: i32) -> i32 {
+    5
+}
+
+/// A host shrink callback's TIMEOUT is the shrink's status, with the callback's code in the
+/// message; a failing lost_ranks callback reports no rank lost.
+#[test]
+fn host_shrink_callback_failures_keep_their_status() {
+    let g = ShmGroup::join(&ranks::unique("gs", "host2"), 0, 1, GroupOptions::default()).unwrap();
+    let user = Box::into_raw(Box::new(Inner(Box::new(g))));
+    let mut cb = callbacks(user);
+    cb.shrink = Some(cb_shrink_times_out);
+    cb.lost_ranks = Some(cb_lost_ranks_fails);
+    let (mut h, mut h2): (*mut epcomm_group, *mut epcomm_group) =
+        (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: valid callbacks, name and out; the user data outlives the handle.
+    unsafe {
+        let rc = epcomm_group_create_host(&cb, c"h2".as_ptr(), 0, 1, std::ptr::null(), &mut h);
+        assert_eq!(rc, 0, "{}", last_error());
+        let mut mask = [3i32; 1];
+        assert_eq!(epcomm_group_lost_ranks(h, mask.as_mut_ptr(), 1), 0);
+        assert_eq!(mask, [0]);
+        let rc = epcomm_group_shrink(h, std::ptr::null(), 0, &mut h2);
+        assert_eq!(rc, Status::Timeout as i32);
+        assert_eq!(
+            last_error(),
+            "host transport shrink failed for group 'h2' on rank 0: callback returned 7 (EPCOMM_ERROR_TIMEOUT)"
+        );
+        assert!(h2.is_null());
+        epcomm_group_destroy(h);
+        drop(Box::from_raw(user));
+    }
+}
