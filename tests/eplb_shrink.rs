@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use epcomm::eplb::lost_experts;
 use epcomm::eplb::rearrange::{
-    rearrange_into_with_lost, rearrange_with_lost, LayerView, LostExperts, RearrangeOptions,
-    Summary,
+    lost_by_layer, rearrange_into_with_lost, rearrange_with_lost, LayerView, LostExperts,
+    RearrangeOptions, Summary,
 };
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
@@ -183,6 +183,24 @@ fn lost_experts_names_experts_without_a_surviving_replica() {
         lost_experts(&EXPOSED, N_LOCAL, &[0, 1, -1]).unwrap_err().to_string(),
         "the old placement has 12 slots; expected one block of 3 slots per entry of the rank mapping (3 entries)"
     );
+}
+
+/// What a rearrangement would leave unwritten, counted before the call (C callers size their
+/// output with it); maps of different sizes are left to the rearrangement's own check.
+#[test]
+fn lost_by_layer_counts_before_the_call() {
+    let options = RearrangeOptions {
+        rank_mapping: Some(&MAPPING),
+        ..RearrangeOptions::default()
+    };
+    let new = policy(3, 4);
+    let lost = lost_by_layer(3, &layers(&EXPOSED), &new, &options).unwrap();
+    assert_eq!(lost, vec![vec![2]; LAYERS]);
+    let lost = lost_by_layer(3, &layers(&REDUNDANT), &new, &options).unwrap();
+    assert_eq!(lost, vec![Vec::<i64>::new(); LAYERS]);
+    let none = RearrangeOptions::default();
+    let lost = lost_by_layer(2, &[vec![0, 1, 2, 3]], &[vec![5, 6]], &none).unwrap();
+    assert_eq!(lost, vec![Vec::<i64>::new()]);
 }
 
 #[test]

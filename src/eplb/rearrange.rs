@@ -517,9 +517,10 @@ fn group_maps(
         Some(m) => apply_rank_mapping(o, n, o.len() / m.len().max(1), m)?,
         None => (o.to_vec(), n.to_vec()),
     };
+    // Maps of different sizes are refused by the plan, with its message.
     let lost = unsourced_experts(&o, &n);
-    if lost.is_empty() {
-        return Ok((o, n, lost));
+    if lost.is_empty() || o.len() != n.len() {
+        return Ok((o, n, Vec::new()));
     }
     match options.lost {
         LostExperts::LeaveUnwritten => {
