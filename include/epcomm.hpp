@@ -586,6 +586,23 @@ public:
         all_gather(&value, sizeof(T), out.data());
         return out;
     }
+    /// Fault tolerance: one entry per rank, 1 where this rank holds the rank as lost (dead,
+    /// stalled, failed or gone after an op failed; never this rank), else 0 (vLLM's
+    /// active-mask encoding). Works on a group broken by a failure.
+    std::vector<int32_t> lost_ranks() const {
+        std::vector<int32_t> mask(static_cast<size_t>(size()));
+        check(epcomm_group_lost_ranks(g_.get(), mask.data(), mask.size()));
+        return mask;
+    }
+    /// Fault tolerance (as ncclCommShrink): the ranks not in `excluded` (increasing, not this
+    /// rank) form a new group, renumbered in the old order, with the same options. Collective
+    /// over the survivors, who all pass the same list. This group stays valid (usually broken
+    /// by the failure) and is destroyed on its own.
+    Group shrink(const std::vector<int32_t> &excluded) {
+        epcomm_group *g = nullptr;
+        check(epcomm_group_shrink(g_.get(), excluded.empty() ? nullptr : excluded.data(), excluded.size(), &g));
+        return Group(g);
+    }
     /// `bytes` (> 0) of zeroed shared memory of this rank (not collective); throws
     /// EPCOMM_ERROR_UNAVAILABLE on a group without windows (host callbacks,
     /// EPCOMM_SHM_DIRECT=0): use ordinary memory there.
@@ -999,6 +1016,21 @@ private:
     mutable epcomm_eplb_rearrange_options o_{};
     std::vector<int64_t> mapping_;
 };
+
+/// The logical experts of one layer's old placement (`slots_per_rank` slots per old rank, -1 =
+/// empty) with no replica on a surviving rank (`rank_mapping[r] >= 0`, one entry per old
+/// rank), ascending: after a failure their weights are gone.
+inline std::vector<int64_t> eplb_lost_experts(const std::vector<int64_t> &old_phy2log, int64_t slots_per_rank,
+                                              const std::vector<int64_t> &rank_mapping) {
+    const int64_t slots = static_cast<int64_t>(old_phy2log.size());
+    int64_t n = 0;
+    check(epcomm_eplb_lost_experts(old_phy2log.data(), slots, slots_per_rank, rank_mapping.data(),
+                                   rank_mapping.size(), nullptr, 0, &n));
+    std::vector<int64_t> lost(static_cast<size_t>(n));
+    check(epcomm_eplb_lost_experts(old_phy2log.data(), slots, slots_per_rank, rank_mapping.data(),
+                                   rank_mapping.size(), lost.data(), lost.size(), &n));
+    return lost;
+}
 
 /// An EPLB communicator over a group (move-only), as vLLM's factory builds it for a request;
 /// the group must outlive it.

@@ -5,7 +5,8 @@
 //! steps, migration batches and layer plans on vLLM's vectors) and tests/cpp/ranks_test.cpp
 //! (two forked ranks of a shared-memory group: send/recv, shared buffers and zero-copy
 //! combines, extras, FP8 dispatch, the EPLB communicator and rearrangements, load statistics;
-//! the parent checks that nothing is left in /dev/shm).
+//! the parent checks that nothing is left in /dev/shm) and tests/cpp/ft_test.cpp (three
+//! ranks, one killed: the survivors' error, lost ranks, their shrunk group, the lost experts).
 
 mod common;
 
@@ -54,5 +55,16 @@ fn cpp_wrapper_ranks_cpp17_sanitized() {
         "cppranks",
         Duration::from_secs(90),
         "ranks_test (C++17, epcomm.hpp, two ranks, ASan+UBSan)",
+    );
+}
+
+#[test]
+fn cpp_wrapper_fault_tolerance_cpp17_sanitized() {
+    check_group_program(
+        "tests/cpp/ft_test.cpp",
+        Lang::Cxx17,
+        "cppft",
+        Duration::from_secs(90),
+        "ft_test (C++17, epcomm.hpp, three ranks, one killed, ASan+UBSan)",
     );
 }

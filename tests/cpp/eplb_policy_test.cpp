@@ -128,11 +128,23 @@ static void test_plan() {
                  "new_phy2log has 2 entries; expected 10 (old_phy2log's size)");
 }
 
+// After a failure: the experts with no replica on a surviving rank.
+static void test_lost_experts() {
+    // Experts 2 and 4 lived only on old rank 1 (2 slots per rank); 0 has a replica on rank 2.
+    const I64 old = {0, 1, 2, 4, 3, 0};
+    CHECK(epcomm::eplb_lost_experts(old, 2, {0, -1, 1}) == (I64{2, 4}));
+    CHECK(epcomm::eplb_lost_experts(old, 2, {0, 1, 2}).empty());
+    CHECK_THROWS(epcomm::eplb_lost_experts(old, 2, {0, -1}), EPCOMM_ERROR_INVALID_ARGUMENT,
+                 "the old placement has 6 slots; expected one block of 2 slots per entry of the rank "
+                 "mapping (2 entries)");
+}
+
 int main() {
     test_policy();
     test_steps();
     test_logical_maps();
     test_schedule();
     test_plan();
+    test_lost_experts();
     return test_report();
 }

@@ -41,6 +41,7 @@ static void test_group(epcomm::Group &g, int rank) {
     int64_t mine = 100 + rank, both[WORLD] = {0, 0};
     g.all_gather(&mine, sizeof mine, both);
     CHECK(both[0] == 100 && both[1] == 101);
+    CHECK(g.lost_ranks() == (std::vector<int32_t>{0, 0}));  // nothing failed
 }
 
 static void test_shared_buffer(epcomm::Group &g, const std::string &name) {

@@ -67,6 +67,14 @@ static int32_t copy_gather(void *, const void *input, size_t bytes, void *output
     return 0;
 }
 static int32_t no_send(void *, int32_t, const void *, size_t) { return 1; }
+// The host's fault-tolerance callbacks: no rank lost; shrink hands over the same transport.
+static int32_t none_lost(void *, uint8_t *, int32_t) { return 0; }
+static int32_t count_shrinks(void *user, const int32_t *, size_t num_excluded, void **out_user) {
+    int *shrinks = static_cast<int *>(user);
+    *shrinks += num_excluded == 0 ? 1 : 100;
+    *out_user = user;
+    return 0;
+}
 static int32_t no_recv(void *, int32_t, void *, size_t) { return 1; }
 
 static void test_host_group() {
@@ -75,9 +83,18 @@ static void test_host_group() {
     cb.send = no_send;
     cb.recv = no_recv;
     cb.all_gather = copy_gather;
+    int shrinks = 0;
+    cb.user_data = &shrinks;
+    cb.lost_ranks = none_lost;
+    cb.shrink = count_shrinks;
     epcomm::Group g = epcomm::Group::host(cb, "cpphost", 0, 1);
     CHECK(g.rank() == 0 && g.size() == 1);
     CHECK(g.all_gather(int64_t{42}) == I64{42});
+    CHECK(g.lost_ranks() == std::vector<int32_t>{0});
+    {
+        epcomm::Group s = g.shrink({});
+        CHECK(shrinks == 1 && s.size() == 1 && s.all_gather(int64_t{7}) == I64{7});
+    }
     CHECK_THROWS(g.alloc(64), EPCOMM_ERROR_UNAVAILABLE, NO_WINDOWS);
     epcomm::MoeConfig c;
     c.experts(2).top_k(1).hidden_size(4).dtypes(epcomm::f32()).max_tokens_per_rank(2);
