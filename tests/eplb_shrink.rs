@@ -231,6 +231,51 @@ fn survivors_take_the_new_placement_from_surviving_replicas() {
     }
 }
 
+/// The lost-expert choice is part of what every rank must agree on.
+#[test]
+fn ranks_that_disagree_on_lost_experts_fail_alike() {
+    let new = policy(3, 4);
+    let name = ranks::unique("e", "disagree");
+    let (old, n) = (layers(&REDUNDANT), new.clone());
+    let res = ranks::on_threads(3, move |r| {
+        let mut g = ShmGroup::join(&name, r, 3, opts()).unwrap();
+        let mut c = eplb_fixture::gloo_cpu().unwrap();
+        let options = RearrangeOptions {
+            rank_mapping: Some(&MAPPING),
+            ..RearrangeOptions::default()
+        };
+        let lost = if r == 0 {
+            LostExperts::LeaveUnwritten
+        } else {
+            LostExperts::Refuse
+        };
+        let mut w = weights(4).all(&old, SURVIVORS[r]);
+        let before = w.clone();
+        let mut views = eplb_fixture::views(&mut w);
+        let e = rearrange_with_lost(
+            &mut g,
+            c.as_mut(),
+            &old,
+            &n,
+            &mut views,
+            &ROW_BYTES,
+            &options,
+            lost,
+        )
+        .unwrap_err();
+        drop(views);
+        (e.to_string(), w == before)
+    });
+    for (r, (e, kept)) in res.into_iter().enumerate() {
+        assert_eq!(
+            e,
+            "rearrange: ranks disagree on leaving lost experts unwritten: rank 0 turns it on but rank 1 turns it off; every rank must pass the same (EPLB rearrangement: no layer was changed)",
+            "rank {r}"
+        );
+        assert!(kept, "rank {r}");
+    }
+}
+
 const REFUSAL: &str = "rearrange: layer 0 needs logical experts [2], which have no replica on a surviving rank (rank_mapping removes ranks [2]); their weights are gone: allow lost experts to rearrange the others and leave their slots unwritten (the call reports them; load their weights there afterwards), or choose a new placement without them";
 
 #[test]
