@@ -16,12 +16,18 @@
 #   1 kernels  NVRTC compile of every kernel variant for the device; the worked example
 #              (2 thread-ranks) exactly; every layout x dtype x id dtype vs the CPU reference
 #              (R = 1, 2 thread-ranks); capacity mode on 2 thread-ranks
+#   1s sanitize-{memcheck,racecheck,synccheck}: phase 1's worked example, every layout once
+#              and capacity mode (`kernels --sanitize`) under compute-sanitizer, when the
+#              machine has it (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin); else "skipped"
 #   2 nccl     one rank through NCCL, every layout, T in {1,128,4096}, H=7168, K=8, E=256, vs
-#              the CPU reference; capacity mode captured in a CUDA graph, replayed 10x
+#              the CPU reference; capacity mode captured in a CUDA graph, replayed 10x; a
+#              graph captured at T=32, a call at T=64, the graph replayed (results checked);
+#              pool reallocations over 50 random-routing calls per layout (0 expected)
 #   3 ranks    R in {2,4,8} ranks as threads on the one GPU (in-process fabric: D2D copies;
 #              NCCL refuses two ranks per GPU); one-sided IPC/VMM: reported not_implemented
 #   4 perf     1 GiB device-to-device copy bandwidth vs NCCL R=1 dispatch+combine per layout
-# Then a table of every phase and $OUT/summary.json. Exit status 0 only if phases 0-2 passed.
+# Then a table of every phase and $OUT/summary.json. Exit status 0 only if phases 0-2 passed
+# and no sanitizer that ran reported an error.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -108,32 +114,80 @@ run_phase() { # name budget_seconds
   say "gpu-check: phase $name rc=$rc in $((end - start))s"
 }
 
+# compute-sanitizer over phase 1's small matrix, one tool per run: $OUT/sanitize-<tool>.json
+# (the phase's own JSON, the sanitizer's exit status and its "ERROR SUMMARY" error count) and
+# $OUT/sanitize-<tool>.log (the sanitizer's report).
+sanitizer=""
+for c in "$(command -v compute-sanitizer 2>/dev/null)" "${CUDA_HOME:-/nonexistent}/bin/compute-sanitizer" \
+         /usr/local/cuda/bin/compute-sanitizer; do
+  [ -n "$c" ] && [ -x "$c" ] && { sanitizer="$c"; break; }
+done
+run_sanitizer() { # tool budget_seconds
+  local tool="$1" budget="$2" name="sanitize-$1" rc errors
+  local res="$OUT/$name.json" dir="$OUT/$name"
+  if [ -z "$sanitizer" ]; then
+    printf '{"phase": "%s", "status": "skipped", "reason": "compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)"}\n' \
+      "$name" >"$res"
+    say "gpu-check: $name skipped (no compute-sanitizer)"
+    rc_of[$name]=0
+    return
+  fi
+  say "gpu-check: $name (timeout ${budget}s)"
+  rm -rf "$dir" "$res"
+  timeout --kill-after=5 "$budget" "$sanitizer" --tool "$tool" --error-exitcode 86 \
+    --log-file "$OUT/$name.log" "$bin" kernels --sanitize --out "$dir" >>"$log" 2>&1
+  rc=$?
+  errors="$(grep -oE 'ERROR SUMMARY: [0-9]+' "$OUT/$name.log" 2>/dev/null | tail -n 1 | grep -oE '[0-9]+$')"
+  python3 - "$name" "$rc" "${errors:-null}" "$dir/kernels.json" "$sanitizer" >"$res" <<'PY'
+import json, sys
+name, rc, errors, inner, tool = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+try:
+    v = json.load(open(inner))
+except Exception as e:
+    v = {"status": "fail", "error": "no result: %s" % e}
+errors = None if errors == "null" else int(errors)
+ok = rc == 0 and errors == 0 and v.get("status") in ("pass", "pass_with_skips")
+why = "timed out" if rc in (124, 137) else ("exit status %d" % rc)
+print(json.dumps({"phase": name, "status": "pass" if ok else "fail", "sanitizer": tool,
+                  "exit": rc, "why": None if ok else why, "sanitizer_errors": errors,
+                  "passed": v.get("passed"), "total": v.get("total"),
+                  "cases": v.get("cases", []), "error": v.get("error")}))
+PY
+  rc_of[$name]=$rc
+  say "gpu-check: $name rc=$rc errors=${errors:-?}"
+}
+
 {
   echo "== nvidia-smi"; timeout 15 nvidia-smi 2>&1
   echo "== nvidia-smi -q (compute mode)"; timeout 15 nvidia-smi -q 2>&1 | grep -iE 'compute mode|driver version|cuda version|product name' 
   echo "== uname -r"; uname -r
 } >"$OUT/system.txt" 2>&1
-# Budgets add up to 530 s (+5 s kill grace each); with nvidia-smi (<= 2 x 15 s) the script
-# stays under 10 minutes.
+# Budgets add up to 540 s (+5 s kill grace each); phases usually end well before theirs.
 run_phase probe 30
-run_phase kernels 150
-run_phase nccl 150
-run_phase ranks 120
-run_phase perf 80
+run_phase kernels 110
+for tool in memcheck racecheck synccheck; do run_sanitizer "$tool" 40; done
+run_phase nccl 140
+run_phase ranks 80
+run_phase perf 60
 
 # ---- table ------------------------------------------------------------------------------------
 python3 - "$OUT" <<'PY' | tee -a "$log"
 import json, os, sys
 out = sys.argv[1]
 rows, summary = [], {}
-for ph in ("probe", "kernels", "nccl", "ranks", "perf"):
+for ph in ("probe", "kernels", "sanitize-memcheck", "sanitize-racecheck", "sanitize-synccheck",
+           "nccl", "ranks", "perf"):
     try:
         v = json.load(open(os.path.join(out, ph + ".json")))
     except Exception as e:
         v = {"status": "fail", "error": "no result: %s" % e}
     summary[ph] = v.get("status")
     detail = ""
-    if "passed" in v:
+    if ph.startswith("sanitize-"):
+        detail = v.get("reason") or "%s sanitizer errors, %s/%s cases passed%s" % (
+            v.get("sanitizer_errors"), v.get("passed"), v.get("total"),
+            "" if v.get("status") == "pass" else " (%s)" % v.get("why"))
+    elif "passed" in v:
         detail = "%s/%s cases passed" % (v["passed"], v["total"])
         if v.get("skipped_or_not_implemented"):
             detail += ", %s skipped/not implemented" % v["skipped_or_not_implemented"]
@@ -156,14 +210,14 @@ for ph in ("probe", "kernels", "nccl", "ranks", "perf"):
     else:
         detail = v.get("error", "")
     rows.append((ph, v.get("status"), detail))
-print("%-8s %-28s %s" % ("phase", "status", "detail"))
+print("%-18s %-16s %s" % ("phase", "status", "detail"))
 for r in rows:
-    print("%-8s %-28s %s" % (r[0], r[1], r[2][:200]))
+    print("%-18s %-16s %s" % (r[0], r[1], r[2][:200]))
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 PY
 
 ok=0
-for p in probe kernels nccl; do
+for p in probe kernels nccl sanitize-memcheck sanitize-racecheck sanitize-synccheck; do
   [ "${rc_of[$p]:-1}" = 0 ] || ok=1
 done
 exit $ok

@@ -8,8 +8,12 @@
 //!   (R = 2 ranks as threads on the one GPU, [`LocalFabric`]) against the listed outputs, every
 //!   layout; then every layout × dtype against the CPU reference (`epcomm::moe::reference`) with
 //!   R ∈ {1, 2} on LocalFabric.
+//!   With `--sanitize` (run under compute-sanitizer): the worked example, every layout once,
+//!   capacity mode.
 //! - `nccl`: one rank through NCCL, every layout, T ∈ {1, 128, 4096}, H = 7168, K = 8, E = 256,
-//!   against the CPU reference; capacity mode captured in a CUDA graph and replayed 10×.
+//!   against the CPU reference; capacity mode captured in a CUDA graph and replayed 10×; a
+//!   graph captured at T = 32, a call at T = 64, the graph replayed (imp/graphs.rs); the pool's
+//!   allocations over 50 random-routing calls per layout (0 expected).
 //! - `ranks`: R ∈ {2, 4, 8} ranks as threads on the GPU (LocalFabric), every layout.
 //! - `perf`: device-to-device copy bandwidth vs NCCL R = 1 dispatch+combine time.
 //!
@@ -31,6 +35,8 @@ fn main() {
 #[cfg(feature = "nccl")]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 mod imp {
+    mod graphs;
+
     use std::ffi::c_void;
     use std::path::PathBuf;
     use std::time::Instant;
@@ -742,7 +748,10 @@ mod imp {
         Ok((got, counts))
     }
 
-    fn phase_kernels(quick: bool) -> Value {
+    fn phase_kernels(quick: bool, sanitize: bool) -> Value {
+        if sanitize {
+            return phase_kernels_sanitized();
+        }
         let mut cases = Vec::new();
         // NVRTC compile of every variant for this device.
         let arch = Device::get(0)
@@ -817,6 +826,40 @@ mod imp {
         summarize("kernels", cases)
     }
 
+    /// The kernels phase under compute-sanitizer (tens of times slower): the worked example,
+    /// every layout once (bf16, int64 ids, R = 2 thread-ranks), capacity mode.
+    fn phase_kernels_sanitized() -> Value {
+        let mut cases = worked_example();
+        let bf = FloatKind::Bf16;
+        let cfg = config(16, 4, 96, 64, bf, bf, bf);
+        for &(backend, layout) in &LAYOUTS {
+            let v = case(
+                backend,
+                layout,
+                2,
+                37,
+                &cfg,
+                GpuMode::Counts,
+                IdDtype::I64,
+                false,
+                1,
+            );
+            cases.push(v);
+        }
+        cases.push(case(
+            "deepep_low_latency",
+            Layout::ExpertMajor,
+            2,
+            40,
+            &cfg,
+            GpuMode::Capacity,
+            IdDtype::I64,
+            false,
+            2,
+        ));
+        summarize("kernels", cases)
+    }
+
     fn phase_nccl(quick: bool) -> Value {
         let mut cases = Vec::new();
         let ts: &[usize] = if quick { &[1, 128] } else { &[1, 128, 4096] };
@@ -854,6 +897,8 @@ mod imp {
             }
         }
         cases.push(graph_replay());
+        cases.push(graphs::capacity_graph_across_tokens());
+        cases.push(graphs::pool_reallocations(quick));
         summarize("nccl", cases)
     }
 
@@ -1084,6 +1129,7 @@ mod imp {
         let args: Vec<String> = std::env::args().collect();
         let phase = args.get(1).cloned().unwrap_or_else(|| "probe".into());
         let quick = args.iter().any(|a| a == "--quick");
+        let sanitize = args.iter().any(|a| a == "--sanitize");
         let out_dir = args
             .iter()
             .position(|a| a == "--out")
@@ -1095,7 +1141,7 @@ mod imp {
         }
         let v = std::panic::catch_unwind(|| match phase.as_str() {
             "probe" => phase_probe(),
-            "kernels" => phase_kernels(quick),
+            "kernels" => phase_kernels(quick, sanitize),
             "nccl" => phase_nccl(quick),
             "ranks" => phase_ranks(quick),
             "perf" => phase_perf(),
