@@ -1011,6 +1011,12 @@ fn nvrtc_choice_follows_the_driver_version() {
         e.to_string().starts_with("NVRTC does not match the CUDA driver: found libnvrtc.so.13 (NVRTC 13), libnvrtc.so.12 (NVRTC 12); the CUDA 11.8 driver (cuDriverGetVersion 11080) runs code from NVRTC 11 or older."),
         "{e}"
     );
+    let e = nvrtc::choose(Some(13000), &[cand("libnvrtc.so.14", 14, true)]).unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("Install NVRTC 13 (pip: nvidia-cuda-nvrtc==13.*) and set EPCOMM_NVRTC_PATH to it, or update the driver"),
+        "{e}"
+    );
     assert_eq!(
         nvrtc::choose(None, &[]).unwrap_err().status(),
         Status::Unavailable

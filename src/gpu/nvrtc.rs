@@ -202,8 +202,14 @@ pub fn choose(driver_version: Option<i32>, available: &[Candidate]) -> Result<Ch
         } else {
             newer.join(", ")
         };
+        // The wheels: nvidia-cuda-nvrtc-cu11/-cu12, then nvidia-cuda-nvrtc 13.x and later.
+        let pip = if major >= 13 {
+            format!("nvidia-cuda-nvrtc=={major}.*")
+        } else {
+            format!("nvidia-cuda-nvrtc-cu{major}")
+        };
         return Err(Error::Unavailable(format!(
-            "NVRTC does not match the CUDA driver: found {found}; the {driver} runs code from NVRTC {major} or older. Install NVRTC {major} (pip: nvidia-cuda-nvrtc-cu{major}) and set {ENV_NVRTC_PATH} to it, or update the driver"
+            "NVRTC does not match the CUDA driver: found {found}; the {driver} runs code from NVRTC {major} or older. Install NVRTC {major} (pip: {pip}) and set {ENV_NVRTC_PATH} to it, or update the driver"
         )));
     };
     let c = &available[index];
