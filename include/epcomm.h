@@ -794,8 +794,9 @@ typedef struct epcomm_eplb_lost_experts_options {
    */
   size_t lost_experts_capacity;
   /**
-   * NULL or receives the number of lost (layer, expert) pairs (0 = none) once the arguments
-   * were read, also when the call then fails (e.g. lost_experts_capacity too small).
+   * NULL or receives the number of lost (layer, expert) pairs (0 = none) before any data
+   * moves, also when the call then fails (e.g. lost_experts_capacity too small, or lost
+   * experts refused); left as it was when the maps or the rank mapping are rejected.
    */
   int64_t *num_lost_experts_out;
 } epcomm_eplb_lost_experts_options;

@@ -321,8 +321,9 @@ pub struct epcomm_eplb_lost_experts_options {
     /// Pairs `lost_experts_out` has room for; num_layers * new_slots always suffices (a lost
     /// expert takes at least one slot of the new placement).
     pub lost_experts_capacity: usize,
-    /// NULL or receives the number of lost (layer, expert) pairs (0 = none) once the arguments
-    /// were read, also when the call then fails (e.g. lost_experts_capacity too small).
+    /// NULL or receives the number of lost (layer, expert) pairs (0 = none) before any data
+    /// moves, also when the call then fails (e.g. lost_experts_capacity too small, or lost
+    /// experts refused); left as it was when the maps or the rank mapping are rejected.
     pub num_lost_experts_out: *mut i64,
 }
 
