@@ -16,7 +16,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.join(HERE, "..", "..", "python"))
 
-from epcomm_testlib import ERROR_INVALID_ARGUMENT, check, load_library, text, unique_name  # noqa: E402
+from epcomm_testlib import (  # noqa: E402
+    ERROR_INVALID_ARGUMENT,
+    check,
+    load_library,
+    text,
+    unique_name,
+)
 
 i64p = ctypes.POINTER(ctypes.c_int64)
 LIB = load_library(
