@@ -1005,6 +1005,14 @@ public:
         o_.migration_batching = on;
         return *this;
     }
+    /// After a failure: rearrange even when the new placement needs experts no member rank
+    /// holds; their slots keep their bytes and are reported (Rearranged::lost_experts). Off
+    /// (the default): such a rearrangement fails on every rank before any data moves.
+    RearrangeOptions &allow_lost_experts(bool on) {
+        allow_lost_ = on;
+        return *this;
+    }
+    bool lost_experts_allowed() const noexcept { return allow_lost_; }
     /// The C struct (its rank_mapping points into this object).
     const epcomm_eplb_rearrange_options *get() const noexcept {
         o_.rank_mapping = mapping_.empty() ? nullptr : mapping_.data();
@@ -1015,6 +1023,19 @@ public:
 private:
     mutable epcomm_eplb_rearrange_options o_{};
     std::vector<int64_t> mapping_;
+    bool allow_lost_ = false;
+};
+
+/// A logical expert of a layer the new placement needs but no member rank holds.
+struct LostExpert {
+    int64_t layer;
+    int64_t expert;
+};
+
+/// What a rearrangement did (the C summary) and, with allow_lost_experts, the experts it left
+/// unwritten (layers ascending, experts ascending within a layer).
+struct Rearranged : epcomm_eplb_summary {
+    std::vector<LostExpert> lost_experts;
 };
 
 /// The logical experts of one layer's old placement (`slots_per_rank` slots per old rank, -1 =
@@ -1059,56 +1080,90 @@ public:
 
     /// Moves every layer's expert weights (collective) from `old_phy2log` to `new_phy2log`
     /// ([num_layers, slots] each); `weights` holds num_layers * tensors-per-layer views,
-    /// layer-major. A failure leaves the failed layer and later ones unchanged.
-    epcomm_eplb_summary rearrange(const std::vector<int64_t> &old_phy2log, const std::vector<int64_t> &new_phy2log,
-                                  int64_t num_layers, const std::vector<Tensor> &weights,
-                                  const RearrangeOptions &options = RearrangeOptions()) {
+    /// layer-major. A failure leaves the failed layer and later ones unchanged. A rank mapping
+    /// with more entries than the group has ranks is a scale-down after a failure (the group
+    /// is the survivors, e.g. from Group::shrink); see RearrangeOptions::allow_lost_experts.
+    Rearranged rearrange(const std::vector<int64_t> &old_phy2log, const std::vector<int64_t> &new_phy2log,
+                         int64_t num_layers, const std::vector<Tensor> &weights,
+                         const RearrangeOptions &options = RearrangeOptions()) {
         const Shape s = shape(old_phy2log, new_phy2log, num_layers, weights);
         const std::vector<epcomm_tensor> w = detail::raw(weights);
-        epcomm_eplb_summary sum{};
-        check(epcomm_eplb_rearrange_with(c_.get(), old_phy2log.data(), new_phy2log.data(), num_layers, s.old_slots,
-                                         s.new_slots, w.data(), s.tensors, options.get(), &sum));
-        return sum;
+        Lost lost(options, s);
+        Rearranged r{};
+        check(options.lost_experts_allowed()
+                  ? epcomm_eplb_rearrange_with_lost(c_.get(), old_phy2log.data(), new_phy2log.data(), num_layers,
+                                                    s.old_slots, s.new_slots, w.data(), s.tensors, options.get(),
+                                                    &lost.options, &r)
+                  : epcomm_eplb_rearrange_with(c_.get(), old_phy2log.data(), new_phy2log.data(), num_layers,
+                                               s.old_slots, s.new_slots, w.data(), s.tensors, options.get(), &r));
+        lost.report(r);
+        return r;
     }
     /// As rearrange with a rank mapping (epcomm_eplb_rearrange: old rank → new rank or -1).
-    epcomm_eplb_summary rearrange(const std::vector<int64_t> &old_phy2log, const std::vector<int64_t> &new_phy2log,
-                                  int64_t num_layers, const std::vector<Tensor> &weights,
-                                  const std::vector<int64_t> &rank_mapping) {
+    Rearranged rearrange(const std::vector<int64_t> &old_phy2log, const std::vector<int64_t> &new_phy2log,
+                         int64_t num_layers, const std::vector<Tensor> &weights,
+                         const std::vector<int64_t> &rank_mapping) {
         const Shape s = shape(old_phy2log, new_phy2log, num_layers, weights);
         const std::vector<epcomm_tensor> w = detail::raw(weights);
-        epcomm_eplb_summary sum{};
+        Rearranged r{};
         check(epcomm_eplb_rearrange(c_.get(), old_phy2log.data(), new_phy2log.data(), num_layers, s.old_slots,
                                     s.new_slots, w.data(), s.tensors,
-                                    rank_mapping.empty() ? nullptr : rank_mapping.data(), rank_mapping.size(),
-                                    &sum));
-        return sum;
+                                    rank_mapping.empty() ? nullptr : rank_mapping.data(), rank_mapping.size(), &r));
+        return r;
     }
     /// Double-buffered rearrange: `weights` are only read and the new placement is written
-    /// into `next_weights` (same layout, buffers of their own). Throws RearrangeError, whose
-    /// next_valid() says how many leading layers of the next weights are complete.
-    epcomm_eplb_summary rearrange_into(const std::vector<int64_t> &old_phy2log,
-                                       const std::vector<int64_t> &new_phy2log, int64_t num_layers,
-                                       const std::vector<Tensor> &weights, const std::vector<Tensor> &next_weights,
-                                       const RearrangeOptions &options = RearrangeOptions()) {
+    /// into `next_weights` (same layout, buffers of their own; a lost expert's next rows are
+    /// its slot's live rows). Throws RearrangeError, whose next_valid() says how many leading
+    /// layers of the next weights are complete.
+    Rearranged rearrange_into(const std::vector<int64_t> &old_phy2log, const std::vector<int64_t> &new_phy2log,
+                              int64_t num_layers, const std::vector<Tensor> &weights,
+                              const std::vector<Tensor> &next_weights,
+                              const RearrangeOptions &options = RearrangeOptions()) {
         const Shape s = shape(old_phy2log, new_phy2log, num_layers, weights);
         detail::require_size("next_weights", next_weights.size(), static_cast<int64_t>(weights.size()),
                              "weights' size");
         const std::vector<epcomm_tensor> w = detail::raw(weights), n = detail::raw(next_weights);
-        epcomm_eplb_summary sum{};
+        Lost lost(options, s);
+        Rearranged r{};
         int64_t valid = 0;
-        const int32_t st = epcomm_eplb_rearrange_into(c_.get(), old_phy2log.data(), new_phy2log.data(), num_layers,
-                                                      s.old_slots, s.new_slots, w.data(), n.data(), s.tensors,
-                                                      options.get(), &sum, &valid);
+        const int32_t st =
+            options.lost_experts_allowed()
+                ? epcomm_eplb_rearrange_into_with_lost(c_.get(), old_phy2log.data(), new_phy2log.data(), num_layers,
+                                                       s.old_slots, s.new_slots, w.data(), n.data(), s.tensors,
+                                                       options.get(), &lost.options, &r, &valid)
+                : epcomm_eplb_rearrange_into(c_.get(), old_phy2log.data(), new_phy2log.data(), num_layers,
+                                             s.old_slots, s.new_slots, w.data(), n.data(), s.tensors, options.get(),
+                                             &r, &valid);
         if (st != EPCOMM_OK) {
             throw RearrangeError(last_error(st), valid);
         }
-        return sum;
+        lost.report(r);
+        return r;
     }
 
 private:
     struct Shape {
-        int64_t old_slots, new_slots;
+        int64_t layers, old_slots, new_slots;
         size_t tensors;
+    };
+    /// Lost-expert options allowing them, reporting into room for every (layer, new slot),
+    /// which always suffices.
+    struct Lost {
+        Lost(const RearrangeOptions &o, const Shape &s) : pairs(2 * static_cast<size_t>(s.layers * s.new_slots)) {
+            check(epcomm_eplb_lost_experts_options_init(&options));
+            options.allow_lost_experts = o.lost_experts_allowed();
+            options.lost_experts_out = pairs.empty() ? nullptr : pairs.data();
+            options.lost_experts_capacity = pairs.size() / 2;
+            options.num_lost_experts_out = &count;
+        }
+        void report(Rearranged &r) const {
+            for (int64_t i = 0; i < count; ++i) {
+                r.lost_experts.push_back(LostExpert{pairs[static_cast<size_t>(2 * i)], pairs[static_cast<size_t>(2 * i + 1)]});
+            }
+        }
+        epcomm_eplb_lost_experts_options options{};
+        std::vector<int64_t> pairs;
+        int64_t count = 0;
     };
     /// Slots per layer and tensors per layer from the sizes (which must divide by num_layers).
     static Shape shape(const std::vector<int64_t> &old_map, const std::vector<int64_t> &new_map, int64_t layers,
@@ -1121,7 +1176,7 @@ private:
                             " weight tensors do not divide into " + std::to_string(layers) + " layers",
                         "", "ValueError");
         }
-        return Shape{static_cast<int64_t>(old_map.size() / l), static_cast<int64_t>(new_map.size() / l),
+        return Shape{layers, static_cast<int64_t>(old_map.size() / l), static_cast<int64_t>(new_map.size() / l),
                      weights.size() / l};
     }
     Owned<epcomm_eplb_communicator, epcomm_eplb_communicator_destroy> c_;

@@ -384,6 +384,55 @@ static void test_rearrange_into(epcomm::EplbCommunicator &comm, int rank) {
     CHECK(next.holds(I64(L * SLOTS, 9)) && live.holds(OLD_MAP));
 }
 
+// Old rank 1 of 3 died: this group's two ranks are the survivors (old ranks 0 and 2), and the
+// rank mapping {0, -1, 1} is longer than the group: a scale-down after a failure.
+static const char SD_REFUSAL[] =
+    "rearrange: layer 0 needs logical experts [2], which have no replica on a surviving rank "
+    "(rank_mapping removes ranks [1]); their weights are gone: allow lost experts to rearrange "
+    "the others and leave their slots unwritten (the call reports them; load their weights "
+    "there afterwards), or choose a new placement without them";
+
+static void survivor_fill(Weights &w, const I64 &old) {
+    const int old_rank = w.rank == 0 ? 0 : 2;
+    for (int l = 0; l < L; ++l)
+        for (int s = 0; s < LOCAL; ++s)
+            for (int c = 0; c < COLS; ++c) w.w[l][s * COLS + c] = row_value(old[l * 6 + old_rank * LOCAL + s], l, c);
+}
+
+static void test_rearrange_after_failure(epcomm::EplbCommunicator &comm, int rank) {
+    // Every expert of the dead rank (2, 1) has a surviving replica ...
+    const I64 redundant = {0, 1, 2, 1, 3, 2, 0, 1, 2, 1, 3, 2};
+    // ... here expert 2 (and 4) lived only there.
+    const I64 exposed = {0, 1, 2, 4, 3, 0, 0, 1, 2, 4, 3, 0};
+    const I64 next_map = {2, 3, 1, 0, 2, 3, 1, 0};
+    // next_map with expert 2's slot keeping what the survivor held there (expert 0).
+    const I64 kept = {0, 3, 1, 0, 0, 3, 1, 0};
+    Weights w(rank, nullptr), next(rank, nullptr);
+    epcomm::RearrangeOptions o;
+    o.rank_mapping({0, -1, 1});
+    survivor_fill(w, redundant);
+    epcomm::Rearranged r;
+    if (CHECK_NOTHROW(r = comm.rearrange(redundant, next_map, L, w.views, o))) {
+        CHECK(w.holds(next_map) && r.lost_experts.empty());
+    }
+    survivor_fill(w, exposed);
+    const std::vector<std::vector<float>> before = w.w;
+    CHECK_THROWS(comm.rearrange(exposed, next_map, L, w.views, o), EPCOMM_ERROR_INVALID_ARGUMENT, SD_REFUSAL);
+    CHECK(w.w == before);
+    // Allowed: the lost expert's slot keeps its rows and is reported, layer by layer.
+    o.allow_lost_experts(true);
+    if (CHECK_NOTHROW(r = comm.rearrange_into(exposed, next_map, L, w.views, next.views, o))) {
+        CHECK(next.holds(kept) && w.w == before && r.lost_experts.size() == 2);
+        if (r.lost_experts.size() == 2) {
+            CHECK(r.lost_experts[0].layer == 0 && r.lost_experts[0].expert == 2);
+            CHECK(r.lost_experts[1].layer == 1 && r.lost_experts[1].expert == 2);
+        }
+    }
+    if (CHECK_NOTHROW(r = comm.rearrange(exposed, next_map, L, w.views, o))) {
+        CHECK(w.holds(kept) && r.lost_experts.size() == 2);
+    }
+}
+
 // ---- load statistics --------------------------------------------------------------------------
 
 static void test_state(epcomm::Group &g, int rank) {
@@ -455,6 +504,7 @@ static void run_all(epcomm::Group &g, const std::string &name, int rank) {
     test_communicator(comm, rank);
     test_rearrange(comm, rank);
     test_rearrange_into(comm, rank);
+    test_rearrange_after_failure(comm, rank);
     g.barrier();
     test_state(g, rank);
     test_record_dispatch(g, rank);
