@@ -336,6 +336,38 @@ fn gpu_calls_on_null_handles() {
             epcomm_gpu_all2all_check_error(nm, st),
             EPCOMM_ERROR_NULL_POINTER
         );
+        let size = std::mem::size_of::<epcomm_gpu_all2all_stats>();
+        assert_eq!(size, 40);
+        let mut stats = epcomm_gpu_all2all_stats {
+            struct_size: size as u32,
+            ..Default::default()
+        };
+        assert_eq!(
+            epcomm_gpu_all2all_get_stats(nm, &mut stats),
+            EPCOMM_ERROR_NULL_POINTER
+        );
+        assert_eq!(last_message(), "argument 'a2a' must not be NULL");
+        assert_eq!(
+            epcomm_gpu_all2all_get_stats(nm, std::ptr::null_mut()),
+            EPCOMM_ERROR_NULL_POINTER
+        );
+        assert_eq!(last_message(), "argument 'stats_out' must not be NULL");
+        stats.struct_size = 8;
+        assert_eq!(
+            epcomm_gpu_all2all_get_stats(nm, &mut stats),
+            EPCOMM_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            last_message(),
+            "stats_out->struct_size is 8: set it to sizeof(epcomm_gpu_all2all_stats) = 40"
+        );
+        assert_eq!(
+            stats,
+            epcomm_gpu_all2all_stats {
+                struct_size: 8,
+                ..Default::default()
+            }
+        );
     }
 }
 

@@ -264,7 +264,13 @@ unsafe fn with_handle<T>(
 /// int64, EXPERT_PACKED's expert_offsets are int32; in capacity mode `received_rows` is -1
 /// (the counts are on the device). Counts mode synchronises the host once (after the counts
 /// all-gather) and returns EPCOMM_ERROR_INVALID_STATE on a capturing stream; capacity mode
-/// never synchronises and can be captured after one uncaptured call.
+/// never synchronises and can be captured after one uncaptured call, at any T up to
+/// max_tokens_per_rank (every buffer is allocated at creation, sized for it; no buffer a
+/// captured graph uses ever moves). A call that fails while its peers are in the collective
+/// (an allocation, launch or NCCL error, a host wait past the timeout) leaves the handle
+/// unusable: every later call returns EPCOMM_ERROR_INVALID_STATE naming that first failure,
+/// and a communicator epcomm created is aborted (ncclCommAbort). Every call makes the
+/// handle's device context current for its duration only; the caller's stays current after.
 ///
 /// # Safety
 /// Pointers are NULL or valid; tensors describe device memory valid until the stream ran the
@@ -317,9 +323,11 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_combine(
     guard::call(|| unsafe { with_handle(a2a, |h| imp::combine(h, stream, expert_output, output)) })
 }
 
-/// Synchronises `stream` and reports the device error word of the last dispatch/combine (bad
-/// topk_ids, a full bucket): capacity mode's way to learn of bad input, since it never syncs
-/// by itself. EPCOMM_OK when there was none.
+/// Waits for `stream` (bounded by the handle's timeout, 300 s) and reports the device error word
+/// of the last dispatch/combine (bad topk_ids, a full bucket): capacity mode's way to learn of
+/// bad input, since it never syncs by itself. EPCOMM_OK when there was none;
+/// EPCOMM_ERROR_INVALID_STATE on a stream being captured into a CUDA graph (call it after the
+/// graph was launched).
 ///
 /// # Safety
 /// As epcomm_gpu_all2all_dispatch.
@@ -330,6 +338,69 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_check_error(
 ) -> i32 {
     // SAFETY: caller contract.
     guard::call(|| unsafe { with_handle(a2a, |h| imp::check_error(h, stream)) })
+}
+
+/// The GPU manager's device pool (`epcomm_gpu_all2all_get_stats`). Set `struct_size` to
+/// `sizeof(epcomm_gpu_all2all_stats)` before the call: only that many bytes are written, so
+/// callers built against an older, shorter struct keep working when it grows.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct epcomm_gpu_all2all_stats {
+    /// `sizeof(epcomm_gpu_all2all_stats)` as the caller knows it.
+    pub struct_size: u32,
+    /// Device buffers held.
+    pub pool_buffers: u64,
+    /// Bytes of device memory held.
+    pub pool_bytes: u64,
+    /// Bytes allocated at creation (every buffer sized for max_tokens_per_rank tokens per rank).
+    pub pool_reserved_bytes: u64,
+    /// Device allocations made by calls after creation (a buffer first used or grown; each
+    /// growth at least doubles it). 0 while every call stays within max_tokens_per_rank.
+    pub pool_reallocations: u64,
+}
+
+/// Bytes of today's `epcomm_gpu_all2all_stats`.
+const GPU_STATS_BYTES: usize = std::mem::size_of::<epcomm_gpu_all2all_stats>();
+/// The smallest `struct_size` accepted: `struct_size` and `pool_buffers`.
+const GPU_STATS_MIN: usize = 16;
+
+/// Writes the GPU manager's pool statistics into `stats_out` (its first `struct_size` bytes;
+/// `struct_size` must be at least 16 and is left as given; fields past it are not written).
+///
+/// # Safety
+/// `a2a` is NULL or a live handle; `stats_out` is NULL or writable for its `struct_size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_gpu_all2all_get_stats(
+    a2a: *const epcomm_gpu_all2all,
+    stats_out: *mut epcomm_gpu_all2all_stats,
+) -> i32 {
+    guard::call(|| {
+        if stats_out.is_null() {
+            return Err(Error::NullPointer("stats_out"));
+        }
+        // SAFETY: the caller's struct starts with struct_size (caller contract).
+        let size = unsafe { std::ptr::addr_of!((*stats_out).struct_size).read_unaligned() };
+        let size = size as usize;
+        if size < GPU_STATS_MIN {
+            return Err(Error::InvalidArgument(format!(
+                "stats_out->struct_size is {size}: set it to sizeof(epcomm_gpu_all2all_stats) = {GPU_STATS_BYTES}"
+            )));
+        }
+        // SAFETY: caller contract.
+        let mut st = unsafe { with_handle(a2a.cast_mut(), |h| Ok(imp::stats(h))) }?;
+        st.struct_size = size as u32;
+        let n = size.min(GPU_STATS_BYTES);
+        // SAFETY: `stats_out` holds `size` >= n writable bytes (caller contract); `st` is a
+        // plain repr(C) value of GPU_STATS_BYTES >= n bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (&st as *const epcomm_gpu_all2all_stats).cast::<u8>(),
+                stats_out.cast::<u8>(),
+                n,
+            )
+        };
+        Ok(())
+    })
 }
 
 /// A device tensor the kernels read or write element by element (topk_ids, topk_weights,
@@ -397,6 +468,10 @@ mod imp {
     }
 
     pub(super) fn check_error(h: &mut GpuState, _: *mut c_void) -> Result<()> {
+        match *h {}
+    }
+
+    pub(super) fn stats(h: &mut GpuState) -> epcomm_gpu_all2all_stats {
         match *h {}
     }
 }
@@ -583,6 +658,17 @@ mod imp {
         // SAFETY: caller contract: NULL or a live stream of this device.
         let s = unsafe { Stream::borrowed(stream) };
         h.mgr.check_device_error(&s)
+    }
+
+    pub(super) fn stats(h: &mut GpuState) -> epcomm_gpu_all2all_stats {
+        let p = h.mgr.stats();
+        epcomm_gpu_all2all_stats {
+            struct_size: 0,
+            pool_buffers: p.buffers as u64,
+            pool_bytes: p.bytes as u64,
+            pool_reserved_bytes: p.reserved_bytes as u64,
+            pool_reallocations: p.reallocations,
+        }
     }
 }
 
