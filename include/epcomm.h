@@ -448,6 +448,14 @@ typedef struct epcomm_moe_config {
    * the scales. Needs float hidden rows and hidden_size % 128 == 0. Default OFF.
    */
   int64_t dispatch_fp8;
+  /**
+   * vLLM's `enable_fault_tolerance` (deepep_low_latency and nixl_ep only, else vLLM's
+   * ValueError at creation): a peer that dies or stalls fails the call in progress on every
+   * survivor (PEER_FAILURE/TIMEOUT naming it), then the next call forms the survivors' group
+   * and dispatch/combine run over it with that rank masked (epcomm_all2all_query_active_mask;
+   * the group needs a transport that can shrink). Default false.
+   */
+  bool enable_fault_tolerance;
 } epcomm_moe_config;
 
 /**
@@ -834,6 +842,35 @@ typedef struct epcomm_eplb_plan_view {
   const int64_t *duplicates;
   int64_t num_duplicates;
 } epcomm_eplb_plan_view;
+
+/**
+ * The GPU manager's device pool (`epcomm_gpu_all2all_get_stats`). Set `struct_size` to
+ * `sizeof(epcomm_gpu_all2all_stats)` before the call: only that many bytes are written, so
+ * callers built against an older, shorter struct keep working when it grows.
+ */
+typedef struct epcomm_gpu_all2all_stats {
+  /**
+   * `sizeof(epcomm_gpu_all2all_stats)` as the caller knows it.
+   */
+  uint32_t struct_size;
+  /**
+   * Device buffers held.
+   */
+  uint64_t pool_buffers;
+  /**
+   * Bytes of device memory held.
+   */
+  uint64_t pool_bytes;
+  /**
+   * Bytes allocated at creation (every buffer sized for max_tokens_per_rank tokens per rank).
+   */
+  uint64_t pool_reserved_bytes;
+  /**
+   * Device allocations made by calls after creation (a buffer first used or grown; each
+   * growth at least doubles it). 0 while every call stays within max_tokens_per_rank.
+   */
+  uint64_t pool_reallocations;
+} epcomm_gpu_all2all_stats;
 
 /**
  * Options for group creation; initialise with epcomm_group_options_init.
@@ -1677,6 +1714,45 @@ const char *epcomm_version(void);
 int32_t epcomm_abi_version(void);
 
 /**
+ * vLLM's `query_active_mask`: one int32 per rank into `mask_out` (`len` = the world size):
+ * 0 = live, 1 = masked (dead or unreachable, excluded by every survivor). All 0 without fault
+ * tolerance or before any failure. Not collective.
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle; `mask_out` is NULL or writable for `len` int32s.
+ */
+int32_t epcomm_all2all_query_active_mask(const struct epcomm_all2all *a2a, int32_t *mask_out, size_t len);
+
+/**
+ * vLLM's `query_fault`: whether the mask changed since the last
+ * epcomm_all2all_clean_buffers (or since creation). Not collective.
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle; `fault_out` is NULL or writable.
+ */
+int32_t epcomm_all2all_query_fault(const struct epcomm_all2all *a2a, bool *fault_out);
+
+/**
+ * vLLM's `clean_buffers`, the recovery point (rank-local, not collective): zeroes the
+ * receive buffers, forgets the last dispatch (combine needs a new one; earlier output views
+ * are invalid), and makes the current mask the baseline of epcomm_all2all_query_fault.
+ * Masked ranks stay masked: a rank rejoins only through a new group.
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle.
+ */
+int32_t epcomm_all2all_clean_buffers(const struct epcomm_all2all *a2a);
+
+/**
+ * This rank's (token, expert) pairs dropped because the expert's rank is masked: by the last
+ * dispatch (`last_out`) and since creation (`total_out`); either may be NULL.
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle; the outputs are NULL or writable.
+ */
+int32_t epcomm_all2all_dropped_pairs(const struct epcomm_all2all *a2a, uint64_t *last_out, uint64_t *total_out);
+
+/**
  * Writes the capability probe's JSON (driver, devices with compute capability, SM count,
  * VMM/POSIX-fd/fabric/IPC support and compute mode; NCCL and NVRTC versions and files; the
  * build's features) as a NUL-terminated string into `buf`. `*needed` always receives the
@@ -1743,7 +1819,13 @@ void epcomm_gpu_all2all_destroy(struct epcomm_gpu_all2all *a2a);
  * int64, EXPERT_PACKED's expert_offsets are int32; in capacity mode `received_rows` is -1
  * (the counts are on the device). Counts mode synchronises the host once (after the counts
  * all-gather) and returns EPCOMM_ERROR_INVALID_STATE on a capturing stream; capacity mode
- * never synchronises and can be captured after one uncaptured call.
+ * never synchronises and can be captured after one uncaptured call, at any T up to
+ * max_tokens_per_rank (every buffer is allocated at creation, sized for it; no buffer a
+ * captured graph uses ever moves). A call that fails while its peers are in the collective
+ * (an allocation, launch or NCCL error, a host wait past the timeout) leaves the handle
+ * unusable: every later call returns EPCOMM_ERROR_INVALID_STATE naming that first failure,
+ * and a communicator epcomm created is aborted (ncclCommAbort). Every call makes the
+ * handle's device context current for its duration only; the caller's stays current after.
  *
  * # Safety
  * Pointers are NULL or valid; tensors describe device memory valid until the stream ran the
@@ -1763,14 +1845,25 @@ int32_t epcomm_gpu_all2all_dispatch(struct epcomm_gpu_all2all *a2a, void *stream
 int32_t epcomm_gpu_all2all_combine(struct epcomm_gpu_all2all *a2a, void *stream, const struct epcomm_tensor *expert_output, const struct epcomm_tensor *output);
 
 /**
- * Synchronises `stream` and reports the device error word of the last dispatch/combine (bad
- * topk_ids, a full bucket): capacity mode's way to learn of bad input, since it never syncs
- * by itself. EPCOMM_OK when there was none.
+ * Waits for `stream` (bounded by the handle's timeout, 300 s) and reports the device error word
+ * of the last dispatch/combine (bad topk_ids, a full bucket): capacity mode's way to learn of
+ * bad input, since it never syncs by itself. EPCOMM_OK when there was none;
+ * EPCOMM_ERROR_INVALID_STATE on a stream being captured into a CUDA graph (call it after the
+ * graph was launched).
  *
  * # Safety
  * As epcomm_gpu_all2all_dispatch.
  */
 int32_t epcomm_gpu_all2all_check_error(struct epcomm_gpu_all2all *a2a, void *stream);
+
+/**
+ * Writes the GPU manager's pool statistics into `stats_out` (its first `struct_size` bytes;
+ * `struct_size` must be at least 16 and is left as given; fields past it are not written).
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle; `stats_out` is NULL or writable for its `struct_size` bytes.
+ */
+int32_t epcomm_gpu_all2all_get_stats(const struct epcomm_gpu_all2all *a2a, struct epcomm_gpu_all2all_stats *stats_out);
 
 /**
  * Fills `options` with the defaults (and struct_size).
