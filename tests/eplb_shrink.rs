@@ -7,7 +7,8 @@
 //! it. Scale-up 3 -> 4: the new rank receives its experts, the old ranks keep theirs where the
 //! new placement keeps them. Staged and double-buffered, with and without migration batching,
 //! on threads; and on 4 real processes, rank 2 SIGKILLed, the survivors shrinking their group
-//! (`Group::shrink`) and rearranging over it.
+//! (`Group::shrink`) and rearranging over it, and a second death during that rearrangement
+//! leaving every other survivor with layer 0 new and layer 1 old.
 
 mod common;
 mod ranks;
@@ -409,7 +410,7 @@ fn eplb_shrink_rank() {
         rank_mapping: Some(&MAPPING),
         ..RearrangeOptions::default()
     };
-    let summary = {
+    let result = {
         let mut views = eplb_fixture::views(&mut w);
         let lost = LostExperts::Refuse;
         rearrange_with_lost(
@@ -422,30 +423,72 @@ fn eplb_shrink_rank() {
             &options,
             lost,
         )
-        .expect("rearrange on the shrunk group")
     };
+    if std::env::var("ES_CASE").as_deref() == Ok("second") {
+        // Survivor 1 died after layer 0's transfers (EPCOMM_FAULT_POINT): layer 0 holds the
+        // new placement, layer 1 the old bytes, on every other survivor.
+        let e = result.expect_err("survivor 1 died");
+        assert_eq!(e.status(), Status::PeerFailure, "{e}");
+        let tail = "(EPLB rearrangement: layers before 1 were rearranged; layer 1 and later keep the old placement)";
+        assert!(e.to_string().ends_with(tail), "{e}");
+        assert_eq!(w[0], weights(3).layer(&new[0], 0, me), "survivor {me}");
+        assert_eq!(w[1], weights(4).layer(&old[1], 1, rank), "survivor {me}");
+        let (new1, old0) = (
+            weights(3).layer(&new[1], 1, me),
+            weights(4).layer(&old[0], 0, rank),
+        );
+        assert_ne!(new1, w[1], "layer 1 would change on survivor {me}");
+        assert_ne!(old0, w[0], "layer 0 changed on survivor {me}");
+        println!("ES|interrupted|{me}");
+        return;
+    }
+    let summary = result.expect("rearrange on the shrunk group");
     assert_eq!(w, weights(3).all(&new, me), "survivor {me}");
     assert_eq!(summary.lost_experts, vec![Vec::<i64>::new(); LAYERS]);
     s.barrier().expect("a barrier of the shrunk group");
     println!("ES|ok|{me}|{}", summary.rows_received);
 }
 
-#[test]
-fn a_killed_rank_s_experts_move_onto_the_shrunk_group() {
+/// Runs the rank processes of `case`; the old ranks in `killed` must end by SIGKILL, the others
+/// print `ES|{line}|{new rank}`.
+fn run_kill_case(case: &str, killed: &[usize], line: &str) {
     use std::os::unix::process::ExitStatusExt;
     let group = ranks::unique("e", "kill");
-    let env = |r: usize| vec![("ES_GROUP", group.clone()), ("ES_RANK", r.to_string())];
+    let env = |r: usize| {
+        let mut env = vec![
+            ("ES_GROUP", group.clone()),
+            ("ES_RANK", r.to_string()),
+            ("ES_CASE", case.to_owned()),
+        ];
+        if case == "second" && r == 1 {
+            env.push(("EPCOMM_FAULT_POINT", "eplb:after_staging".to_owned()));
+        }
+        env
+    };
     let kids = ranks::spawn_ranks("eplb_shrink_rank", 0..4, env);
     let done = ranks::wait_all(kids, Duration::from_secs(60));
     let all: Vec<String> = done.iter().map(ranks::Finished::output).collect();
     let all = all.join("\n");
     for f in &done {
-        if f.rank == 2 {
+        if killed.contains(&f.rank) {
             assert_eq!(f.status.signal(), Some(libc::SIGKILL), "{all}");
         } else {
             assert!(f.success(), "{all}");
             let me = SURVIVORS.iter().position(|&o| o == f.rank).unwrap();
-            assert!(f.stdout.contains(&format!("ES|ok|{me}|")), "{all}");
+            assert!(f.stdout.contains(&format!("ES|{line}|{me}")), "{all}");
         }
     }
+}
+
+#[test]
+fn a_killed_rank_s_experts_move_onto_the_shrunk_group() {
+    run_kill_case("first", &[2], "ok");
+}
+
+/// A second failure, during the rearrangement over the shrunk group, keeps its guarantee: the
+/// layers before the failed one hold the new placement, the others the old bytes, alike on
+/// every survivor.
+#[test]
+fn a_second_death_interrupts_the_shrunk_rearrangement_between_layers() {
+    run_kill_case("second", &[1, 2], "interrupted");
 }
