@@ -1,12 +1,15 @@
 //! The Python scripts in tests/py, run against the built library through ctypes the way a
 //! binding uses it: test_ctypes.py (selection, config checks, errors as Python exceptions),
 //! test_group.py (groups with multiprocessing ranks and host callbacks), test_all2all.py
-//! (dispatch/combine with numpy arrays as DLPack tensors), test_eplb.py (vLLM's EPLB vectors);
+//! (dispatch/combine with numpy arrays as DLPack tensors), test_eplb.py (vLLM's EPLB vectors, lost experts, a scale-down after a failure on three
+//! thread ranks);
 //! and the epcomm package itself (python/ on PYTHONPATH): test_package.py (errors, groups,
 //! dtypes, context managers) and, with torch, test_outputs.py (DLPack capsule lifetimes,
 //! outputs as DLPack producers, out= tensors in place, the rest of the wrapped C ABI),
 //! test_torch_group.py (`Group.from_torch` over gloo with 2 and 4 ranks in their
-//! own IPC and mount namespaces, against the shm group's results)
+//! own IPC and mount namespaces, against the shm group's results),
+//! test_ft.py (fault tolerance: a stalled rank masked and the survivors going on, through the
+//! package and through epcomm.vllm's query_active_mask / query_fault / clean_buffers over gloo),
 //! and test_vllm.py (`epcomm.vllm`'s all2all manager and EPLB communicator with 2 and 4 ranks
 //! against a plain-torch reference of vLLM's AgRsAll2AllManager); test_mem.py (zero-copy
 //! views: `Group.alloc` and `All2All.expert_output_buffer`, with torch).
@@ -122,6 +125,13 @@ fn python_group_from_torch() {
 fn python_vllm_integration() {
     if let Some(py) = torch_or_skip("python_vllm_integration") {
         run_package_script(py, "test_vllm.py", Duration::from_secs(300));
+    }
+}
+
+#[test]
+fn python_fault_tolerance() {
+    if let Some(py) = torch_or_skip("python_fault_tolerance") {
+        run_package_script(py, "test_ft.py", Duration::from_secs(300));
     }
 }
 

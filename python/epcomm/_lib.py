@@ -163,6 +163,7 @@ class MoeConfig(ctypes.Structure):
         ("num_extras", sz),
         ("apply_router_weight_on_input", ctypes.c_bool),
         ("dispatch_fp8", i64),
+        ("enable_fault_tolerance", ctypes.c_bool),
     ]
 
 
@@ -360,6 +361,10 @@ def _more_signatures() -> dict:
         "epcomm_mem_free": (i32, [vp, vp]),
         "epcomm_all2all_expert_output_buffer": (i32, [vp, P(vp), P(ctypes.c_int64)]),
         "epcomm_all2all_zero_copy_combines": (i32, [vp, P(ctypes.c_uint64)]),
+        "epcomm_all2all_query_active_mask": (i32, [vp, P(i32), sz]),
+        "epcomm_all2all_query_fault": (i32, [vp, P(ctypes.c_bool)]),
+        "epcomm_all2all_clean_buffers": (i32, [vp]),
+        "epcomm_all2all_dropped_pairs": (i32, [vp, P(ctypes.c_uint64), P(ctypes.c_uint64)]),
         "epcomm_abi_version": (i32, []),
         "epcomm_all2all_check_layer": (i32, [vp, i64, i64]),
         "epcomm_all2all_buffer_bytes": (

@@ -93,6 +93,7 @@ class All2All(Handle):
         apply_router_weight_on_input: bool = False,
         extra_row_bytes: Sequence[int] = (),
         dispatch_fp8: Any = False,
+        enable_fault_tolerance: bool = False,
     ):
         lib = load_library()
         self._h = vp()
@@ -102,6 +103,10 @@ class All2All(Handle):
         # FP8 dispatch: float8_e4m3fn rows, one float32 scale per 128 elements (DeepEP
         # low-latency's use_fp8 format; "ue8m0": power-of-two scales).
         self._fp8 = cfg.struct.dispatch_fp8 = _fp8_mode(dispatch_fp8)
+        # vLLM's enable_fault_tolerance (deepep_low_latency, nixl_ep): a failed peer is masked
+        # and the survivors go on (query_active_mask, query_fault, clean_buffers).
+        cfg.struct.enable_fault_tolerance = bool(enable_fault_tolerance)
+        self.world_size = group.size
         h = vp()
         group.check(
             lib.epcomm_all2all_create(
@@ -183,7 +188,9 @@ class All2All(Handle):
     def stats(self) -> Dict[str, Any]:
         """Statistics of the last dispatch and combine: "world_size", per-peer "tokens_sent",
         "tokens_received", "bytes_sent", "bytes_received", "combine_bytes_received" (uint64
-        ``Buffer``s, valid until the next call) and "dispatch_seconds", "combine_seconds"."""
+        ``Buffer``s, valid until the next call), "dispatch_seconds", "combine_seconds", and
+        with fault tolerance "dropped_pairs" / "dropped_pairs_total": this rank's (token,
+        expert) pairs routed to masked ranks' experts (sent nowhere), last dispatch / all."""
         st = All2AllStats()
         check(load_library().epcomm_all2all_get_stats(self._h, ctypes.byref(st)))
         n = st.world_size
@@ -191,9 +198,33 @@ class All2All(Handle):
             name: Buffer.view(ctypes.cast(getattr(st, name), vp).value, (n,), "uint64", self)
             for name in _STATS_ARRAYS
         }
+        last, total = ctypes.c_uint64(), ctypes.c_uint64()
+        check(load_library().epcomm_all2all_dropped_pairs(
+            self._h, ctypes.byref(last), ctypes.byref(total)))
         result.update(world_size=n, dispatch_seconds=st.dispatch_seconds,
-                      combine_seconds=st.combine_seconds)
+                      combine_seconds=st.combine_seconds, dropped_pairs=last.value,
+                      dropped_pairs_total=total.value)
         return result
+
+    def query_active_mask(self) -> List[int]:
+        """vLLM's ``query_active_mask``: one entry per rank, 0 = live, 1 = masked (a rank that
+        died or stalled and that every survivor left out); all 0 without fault tolerance."""
+        mask = (ctypes.c_int32 * self.world_size)()
+        check(load_library().epcomm_all2all_query_active_mask(self._h, mask, self.world_size))
+        return list(mask)
+
+    def query_fault(self) -> bool:
+        """vLLM's ``query_fault``: whether the mask changed since the last ``clean_buffers``."""
+        fault = ctypes.c_bool()
+        check(load_library().epcomm_all2all_query_fault(self._h, ctypes.byref(fault)))
+        return fault.value
+
+    def clean_buffers(self) -> None:
+        """vLLM's ``clean_buffers``, the recovery point (this rank only): the receive buffers
+        are zeroed, the last dispatch is forgotten (views of it are invalid; combine needs a
+        new dispatch), and the current mask becomes ``query_fault``'s baseline. Masked ranks
+        stay masked."""
+        check(load_library().epcomm_all2all_clean_buffers(self._h))
 
     def check_layer(self, top_k: int, num_experts: int) -> None:
         """Declares a MoE layer's top_k and (physical) num_experts: vLLM's AssertionError for

@@ -30,6 +30,11 @@ SizesFn = Callable[[int], List[int]]
 TRANSPORTS = ("torch", "shm")
 
 
+#: The all2all backends vLLM runs fault-tolerant (vllm/v1/worker/sentinel/gpu_worker_sentinel.py,
+#: FT_BACKEND_SET).
+FT_BACKENDS = frozenset({"deepep_low_latency", "nixl_ep"})
+
+
 def group_for(process_group: Any, transport: str = "torch", name: str = "vllm",
               timeout_s: Optional[float] = None) -> Group:
     """An epcomm group with the ranks of a torch.distributed CPU ``process_group``: over the
@@ -137,6 +142,7 @@ class EpcommAll2AllManager:
         sizes: Optional[SizesFn] = None,
         transport: str = "torch",
         timeout_s: Optional[float] = None,
+        enable_fault_tolerance: bool = False,
     ):
         self.cpu_group, self.tcp_store_group = cpu_group, tcp_store_group
         self._sizes_fn = sizes
@@ -149,7 +155,9 @@ class EpcommAll2AllManager:
         self.rank, self.world_size = self._ep.rank, self._ep.world_size
         self.dp_rank, self.dp_world_size = self._dp.rank, self._dp.world_size
         self.internode = not _same_host(cpu_group)
-        self.support_fault_tolerance = False
+        # vLLM's parallel_config.enable_fault_tolerance, as DeepEPLLAll2AllManager and
+        # NixlEPAll2AllManager read it: handles of those backends then mask failed ranks.
+        self.support_fault_tolerance = bool(enable_fault_tolerance)
         self._handles: Dict[Tuple[Any, ...], All2All] = {}
         # The sizes of the last dispatch per group, which its combine splits by.
         self._last_sizes: Dict[int, List[int]] = {}
@@ -178,6 +186,8 @@ class EpcommAll2AllManager:
         if key not in self._handles:
             args = dict(kwargs)
             backend = args.pop("backend", "allgather_reducescatter")
+            if self.support_fault_tolerance and backend in FT_BACKENDS:
+                args.setdefault("enable_fault_tolerance", True)
             self._handles[key] = All2All(self._ep.group, backend, **args)
         return self._handles[key]
 
@@ -245,6 +255,36 @@ class EpcommAll2AllManager:
         return comm.reduce_scatterv(
             hidden_states, self._combine_sizes(comm, hidden_states), out=output
         )
+
+    def _ft_handles(self) -> List[All2All]:
+        if not self.support_fault_tolerance:
+            # All2AllManagerBase's: the manager has no fault tolerance.
+            raise NotImplementedError
+        return list(self._handles.values())
+
+    def query_active_mask(self) -> Any:
+        """vLLM's ``query_active_mask``: an int32 tensor, one entry per EP rank, 0 = live,
+        1 = masked (a rank that died or stalled; every survivor masks the same). Over every
+        handle of this manager (they share the EP group and its survivors). Without fault
+        tolerance, NotImplementedError as vLLM's base class."""
+        torch = _torch()
+        mask = [0] * self.world_size
+        for h in self._ft_handles():
+            mask = [max(a, b) for a, b in zip(mask, h.query_active_mask())]
+        return torch.tensor(mask, dtype=torch.int32)
+
+    def query_fault(self) -> Any:
+        """vLLM's ``query_fault``: a scalar bool tensor, True if the mask changed since the
+        last ``clean_buffers`` (the recovery point)."""
+        torch = _torch()
+        return torch.tensor(any(h.query_fault() for h in self._ft_handles()))
+
+    def clean_buffers(self) -> None:
+        """vLLM's ``clean_buffers`` (rank-local): every handle's receive buffers are zeroed and
+        its mask becomes the baseline of ``query_fault``. Masked ranks stay masked (vLLM's
+        DeepEP buffer resets its mask here; epcomm's survivors' group has no place for them)."""
+        for h in self._ft_handles():
+            h.clean_buffers()
 
     def set_num_sms(self, num_sms: int) -> None:
         """No-op (no GPU)."""

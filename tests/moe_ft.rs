@@ -1,0 +1,501 @@
+//! Fault-tolerant expert parallelism (deepep_low_latency with fault tolerance on, vLLM's
+//! `enable_fault_tolerance`): a rank killed (SIGKILL) or stopped past the timeout (SIGSTOP) at
+//! a random moment of a multi-step run fails the call in progress on every survivor, the
+//! same step everywhere; from the next call on the survivors run over their own group with
+//! that rank masked, and every output equals the single-process f32 reference with the masked
+//! rank's experts left out. Every survivor reports the same mask; the stopped rank, once
+//! resumed, never completes a call again (it never rejoins); nothing is left in /dev/shm.
+//!
+//! `ft_campaign_sample` runs a CI-sized sample (`EPCOMM_FT_RUNS`, default 8: kills and stops
+//! alternate, the victim and the moment drawn from `EPCOMM_FT_SEED`); `scripts/ft-campaign.sh`
+//! runs 100 or more. The thread tests cover the same flow without processes, the refusals
+//! and vLLM's query/clean semantics.
+
+mod common;
+mod ranks;
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::time::{Duration, Instant};
+
+use epcomm::group::shm::ShmGroup;
+use epcomm::group::{Group, GroupOptions};
+use epcomm::moe::reference::{unit, ToyExperts};
+use epcomm::moe::{Manager, MoeConfig};
+use epcomm::num::{self, FloatKind};
+use epcomm::Status;
+
+const BACKEND: &str = "deepep_low_latency";
+const WORLD: usize = 4;
+const EXPERTS: usize = 16;
+const TOP_K: usize = 4;
+const HIDDEN: usize = 64;
+const MAX_TOKENS: usize = 32;
+/// Relative tolerance against the f32 reference: both sum the same f32 products, in another
+/// order (the reference by k, combine by rank), so a few ulps.
+const TOL: f32 = 1e-5;
+
+fn cfg() -> MoeConfig {
+    MoeConfig {
+        num_experts: EXPERTS,
+        top_k: TOP_K,
+        hidden: HIDDEN,
+        hidden_dtype: FloatKind::F32.dtype(),
+        expert_dtype: FloatKind::F32,
+        out_dtype: FloatKind::F32,
+        max_tokens_per_rank: MAX_TOKENS,
+        extra_row_bytes: Vec::new(),
+        apply_router_weight_on_input: false,
+    }
+}
+
+fn experts() -> ToyExperts {
+    ToyExperts::new(EXPERTS, HIDDEN, 19)
+}
+
+/// A manager with fault tolerance on.
+fn manager(rank: usize) -> Manager {
+    let mut m = Manager::new(BACKEND, cfg(), rank, WORLD).unwrap();
+    m.set_fault_tolerance(true).unwrap();
+    m
+}
+
+/// Rank `rank`'s tokens of step `step`: hidden rows, TOP_K distinct expert ids, weights.
+fn tokens(step: usize, rank: usize) -> (Vec<f32>, Vec<i64>, Vec<f32>) {
+    let t = 4 + (step * 7 + rank * 5) % (MAX_TOKENS - 4);
+    let seed = (step * WORLD + rank) as u64;
+    let x: Vec<f32> = (0..(t * HIDDEN) as u64).map(|i| unit(seed, i)).collect();
+    let mut ids = Vec::with_capacity(t * TOP_K);
+    for tok in 0..t {
+        let first = ((unit(seed ^ 0x1d, tok as u64) + 1.0) * 0.5 * EXPERTS as f32) as usize;
+        // TOP_K distinct experts on consecutive ranks' blocks, so most tokens reach 4 ranks.
+        for k in 0..TOP_K {
+            ids.push(((first + k * (EXPERTS / WORLD) + k) % EXPERTS) as i64);
+        }
+    }
+    let ws = (0..(t * TOP_K) as u64)
+        .map(|i| 0.5 + 0.5 * unit(seed ^ 0x3e, i))
+        .collect();
+    (x, ids, ws)
+}
+
+/// `ids` with the experts of masked ranks (`mask[r] == 1`) replaced by -1.
+fn masked_ids(ids: &[i64], mask: &[i32]) -> Vec<i64> {
+    let per = (EXPERTS / WORLD) as i64;
+    ids.iter()
+        .map(|&e| {
+            if e >= 0 && mask[(e / per) as usize] == 1 {
+                -1
+            } else {
+                e
+            }
+        })
+        .collect()
+}
+
+/// What one step gave on one rank.
+#[derive(Debug, Clone, PartialEq)]
+struct Step {
+    step: usize,
+    /// None = OK.
+    status: Option<Status>,
+    message: String,
+    /// Largest relative difference from the reference (OK steps).
+    error: f32,
+    mask: Vec<i32>,
+    dropped: u64,
+    /// The pairs this rank routed to masked experts, counted here.
+    expected_dropped: u64,
+}
+
+impl Step {
+    fn line(&self) -> String {
+        let status = self.status.map_or("OK".to_string(), |s| format!("{s:?}"));
+        let mask: Vec<String> = self.mask.iter().map(i32::to_string).collect();
+        format!(
+            "STEP {} {status} err={:e} mask={} dropped={} expected_dropped={} msg={}",
+            self.step,
+            self.error,
+            mask.join(","),
+            self.dropped,
+            self.expected_dropped,
+            self.message.replace('\n', " ")
+        )
+    }
+
+    fn parse(line: &str) -> Option<Step> {
+        // The test harness may print its "test ... " on the same line first.
+        let rest = &line[line.find("STEP ")? + 5..];
+        let (head, message) = rest.split_once(" msg=")?;
+        let f: Vec<&str> = head.split(' ').collect();
+        let field = |i: usize, k: &str| f.get(i)?.strip_prefix(k);
+        let status = match *f.get(1)? {
+            "OK" => None,
+            s => Some(
+                [Status::PeerFailure, Status::Timeout, Status::InvalidState]
+                    .into_iter()
+                    .find(|x| format!("{x:?}") == s)
+                    .unwrap_or(Status::Internal),
+            ),
+        };
+        Some(Step {
+            step: f.first()?.parse().ok()?,
+            status,
+            message: message.to_string(),
+            error: field(2, "err=")?.parse().ok()?,
+            mask: field(3, "mask=")?
+                .split(',')
+                .map(|v| v.parse().unwrap_or(-1))
+                .collect(),
+            dropped: field(4, "dropped=")?.parse().ok()?,
+            expected_dropped: field(5, "expected_dropped=")?.parse().ok()?,
+        })
+    }
+}
+
+/// One dispatch, the toy experts, one combine; the outcome checked against the reference
+/// with the experts of the ranks masked during the call left out.
+fn one_step(m: &mut Manager, g: &mut dyn Group, ex: &ToyExperts, step: usize) -> Step {
+    let rank = g.rank();
+    let (x, ids, ws) = tokens(step, rank);
+    let xb = num::from_f32(&x, FloatKind::F32);
+    let fail = |m: &Manager, e: epcomm::Error| Step {
+        step,
+        status: Some(e.status()),
+        message: e.to_string(),
+        error: 0.0,
+        mask: m.active_mask(),
+        dropped: 0,
+        expected_dropped: 0,
+    };
+    let y = match m.dispatch(g, &xb, &ids, &ws, &[]) {
+        Ok(v) => ex.run_local(&v, FloatKind::F32, rank, WORLD, TOP_K),
+        Err(e) => return fail(m, e),
+    };
+    let mut out = vec![0u8; x.len() * 4];
+    if let Err(e) = m.combine(g, &num::from_f32(&y, FloatKind::F32), &mut out) {
+        return fail(m, e);
+    }
+    let mask = m.active_mask();
+    let live = masked_ids(&ids, &mask);
+    let want = ex.reference(&x, &live, &ws, TOP_K, false);
+    let got = num::to_f32(&out, FloatKind::F32);
+    let error = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+        .fold(0f32, f32::max);
+    Step {
+        step,
+        status: None,
+        message: String::new(),
+        error,
+        dropped: m.stats().dropped_pairs,
+        expected_dropped: ids.iter().zip(&live).filter(|(a, b)| a != b).count() as u64,
+        mask,
+    }
+}
+
+fn opts(timeout: Duration) -> GroupOptions {
+    GroupOptions {
+        timeout,
+        ..GroupOptions::default()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Thread ranks.
+
+/// Rank 3 stops calling after two steps (a stall, like a rank stuck in a kernel) and comes
+/// back after the survivors gave up on it.
+#[test]
+fn a_stalled_rank_is_masked_and_the_survivors_go_on() {
+    let name = ranks::unique("ft", "stall");
+    let results = ranks::on_threads(WORLD, move |rank| {
+        let mut g = ShmGroup::join(&name, rank, WORLD, opts(Duration::from_millis(800))).unwrap();
+        let mut m = manager(rank);
+        let ex = experts();
+        let steps = if rank == 3 { 2 } else { 6 };
+        let mut out: Vec<Step> = (0..steps)
+            .map(|s| one_step(&mut m, &mut g, &ex, s))
+            .collect();
+        if rank == 3 {
+            std::thread::sleep(Duration::from_millis(2500));
+            out.extend((2..4).map(|s| one_step(&mut m, &mut g, &ex, s)));
+        }
+        (out, m.query_fault(), {
+            m.clean_buffers();
+            m.query_fault()
+        })
+    });
+    for (rank, (steps, fault, fault_after_clean)) in results.iter().enumerate() {
+        let ok = |s: &Step| s.status.is_none() && s.error <= TOL;
+        assert!(ok(&steps[0]) && ok(&steps[1]), "rank {rank}: {steps:?}");
+        if rank == 3 {
+            // Never rejoins: every call after the stall fails.
+            assert!(steps[2..].iter().all(|s| s.status.is_some()), "{steps:?}");
+            continue;
+        }
+        assert_eq!(
+            steps[2].status,
+            Some(Status::Timeout),
+            "rank {rank}: {steps:?}"
+        );
+        assert!(
+            steps[2].message.contains("waiting for rank(s) 3"),
+            "{}",
+            steps[2].message
+        );
+        for s in &steps[3..] {
+            assert!(ok(s), "rank {rank} step {}: {s:?}", s.step);
+            assert_eq!(s.mask, vec![0, 0, 0, 1]);
+            assert_eq!(s.dropped, s.expected_dropped, "rank {rank}: {s:?}");
+        }
+        assert!(steps[3..].iter().any(|s| s.dropped > 0));
+        assert!(
+            *fault && !*fault_after_clean,
+            "rank {rank}: query_fault before/after clean"
+        );
+    }
+}
+
+#[test]
+fn fault_tolerance_is_refused_for_the_backends_vllm_refuses() {
+    let mut m = Manager::new("deepep_high_throughput", cfg(), 0, WORLD).unwrap();
+    let e = m.set_fault_tolerance(true).unwrap_err();
+    // vllm/v1/worker/sentinel/gpu_worker_sentinel.py, WorkerSentinel.__init__
+    assert_eq!(
+        e.to_string(),
+        "Fault tolerance requires an FT-capable all2all backend (one of ['deepep_low_latency', 'nixl_ep']), but got 'deepep_high_throughput'."
+    );
+    assert_eq!(e.exception(), "ValueError");
+    let mut m = Manager::new("nixl_ep", cfg(), 0, WORLD).unwrap();
+    m.set_fault_tolerance(true).unwrap();
+    assert!(m.fault_tolerance());
+    assert_eq!(m.active_mask(), vec![0; WORLD]);
+    assert!(!m.query_fault());
+}
+
+#[test]
+fn ranks_that_disagree_on_fault_tolerance_fail_alike() {
+    let name = ranks::unique("ft", "differ");
+    let results = ranks::on_threads(2, move |rank| {
+        let mut g = ShmGroup::join(&name, rank, 2, opts(Duration::from_secs(10))).unwrap();
+        let mut m = Manager::new(BACKEND, cfg(), rank, 2).unwrap();
+        m.set_fault_tolerance(rank == 0).unwrap();
+        let (x, ids, ws) = tokens(0, rank);
+        let xb = num::from_f32(&x, FloatKind::F32);
+        m.dispatch(&mut g, &xb, &ids, &ws, &[])
+            .map(drop)
+            .unwrap_err()
+            .to_string()
+    });
+    assert_eq!(
+        results,
+        vec![
+            "dispatch: rank 1 has fault tolerance = off but rank 0 has on; every rank must create the manager with the same backend and configuration",
+            "dispatch: rank 0 has fault tolerance = on but rank 1 has off; every rank must create the manager with the same backend and configuration",
+        ]
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Processes: the campaign.
+
+const STEPS: usize = 30;
+/// EPCOMM_TIMEOUT_S of every rank: a stop lasts longer.
+const TIMEOUT: Duration = Duration::from_millis(1000);
+
+fn env(k: &str) -> String {
+    std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"))
+}
+
+/// A rank of a campaign run (this binary run again): join, report readiness, run the steps
+/// with a short pause between them, print each outcome at once (a killed rank leaves what it
+/// did). Not a test of its own: without FT_GROUP it returns.
+#[test]
+fn ft_rank_process() {
+    let Ok(name) = std::env::var("FT_GROUP") else {
+        return;
+    };
+    let rank: usize = env("FT_RANK").parse().unwrap();
+    let mut g = ShmGroup::join(&name, rank, WORLD, opts(TIMEOUT)).unwrap();
+    let mut m = manager(rank);
+    let ex = experts();
+    std::fs::write(format!("{}.{rank}", env("FT_READY")), b"ready").unwrap();
+    let mut stdout = std::io::stdout();
+    for step in 0..STEPS {
+        let s = one_step(&mut m, &mut g, &ex, step);
+        writeln!(stdout, "{}", s.line()).unwrap();
+        stdout.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(4));
+    }
+    println!("DONE");
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    Kill,
+    Stop,
+}
+
+/// What one run showed; `Err` names the rule it broke.
+fn run_once(run: usize, seed: u64) -> Result<&'static str, String> {
+    let fault = if run % 2 == 0 {
+        Fault::Kill
+    } else {
+        Fault::Stop
+    };
+    let mut rng = seed ^ (run as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut draw = |n: u64| {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (rng >> 33) % n
+    };
+    let victim = draw(WORLD as u64) as usize;
+    let delay = Duration::from_millis(draw(120));
+    let name = format!("ftc{}r{run}", std::process::id());
+    let ready = std::env::temp_dir().join(&name);
+    let ready = ready.to_string_lossy().into_owned();
+    let children = ranks::spawn_ranks("ft_rank_process", 0..WORLD, |r| {
+        vec![
+            ("FT_GROUP", name.clone()),
+            ("FT_RANK", r.to_string()),
+            ("FT_READY", ready.clone()),
+        ]
+    });
+    let pids: Vec<u32> = children.iter().map(|(_, c)| c.id()).collect();
+    let start = Instant::now();
+    while (0..WORLD).any(|r| !std::path::Path::new(&format!("{ready}.{r}")).exists()) {
+        if start.elapsed() > Duration::from_secs(20) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(delay);
+    let sig = match fault {
+        Fault::Kill => libc::SIGKILL,
+        Fault::Stop => libc::SIGSTOP,
+    };
+    // SAFETY: a child of this process.
+    unsafe { libc::kill(pids[victim] as libc::pid_t, sig) };
+    if fault == Fault::Stop {
+        // Past the timeout, then resumed: it must find itself left out.
+        let pid = pids[victim];
+        std::thread::spawn(move || {
+            std::thread::sleep(TIMEOUT * 3);
+            // SAFETY: as above.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
+        });
+    }
+    let done = ranks::wait_all(children, Duration::from_secs(60));
+    for r in 0..WORLD {
+        let _ = std::fs::remove_file(format!("{ready}.{r}"));
+    }
+    let leftovers: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.contains(&name))
+        .collect();
+    let describe = || {
+        let all: Vec<String> = done.iter().map(ranks::Finished::output).collect();
+        format!(
+            "run {run} ({fault:?} rank {victim} after {delay:?}):\n{}",
+            all.join("\n")
+        )
+    };
+    if !leftovers.is_empty() {
+        return Err(format!("left in /dev/shm: {leftovers:?}; {}", describe()));
+    }
+    check_run(&done, victim, fault).map_err(|e| format!("{e}; {}", describe()))
+}
+
+/// The rules of one run (see the module's doc).
+fn check_run(
+    done: &[ranks::Finished],
+    victim: usize,
+    fault: Fault,
+) -> Result<&'static str, String> {
+    let steps =
+        |f: &ranks::Finished| -> Vec<Step> { f.stdout.lines().filter_map(Step::parse).collect() };
+    let survivors: Vec<&ranks::Finished> = done.iter().filter(|f| f.rank != victim).collect();
+    let mut outcomes = BTreeMap::new();
+    for f in &survivors {
+        let s = steps(f);
+        if !f.success() || !f.stdout.contains("DONE") || s.len() != STEPS {
+            return Err(format!(
+                "survivor {} did not finish its {STEPS} steps",
+                f.rank
+            ));
+        }
+        for st in &s {
+            if st.status.is_none() && (st.error > TOL || st.dropped != st.expected_dropped) {
+                return Err(format!(
+                    "survivor {} step {}: wrong output {st:?}",
+                    f.rank, st.step
+                ));
+            }
+        }
+        let key: Vec<(usize, Option<Status>)> = s.iter().map(|x| (x.step, x.status)).collect();
+        outcomes.insert(f.rank, (key, s.last().map(|x| x.mask.clone())));
+    }
+    let first = outcomes.values().next().cloned().unwrap_or_default();
+    if outcomes.values().any(|o| *o != first) {
+        return Err(format!("survivors disagree: {outcomes:?}"));
+    }
+    let failed: Vec<usize> = first
+        .0
+        .iter()
+        .filter(|(_, s)| s.is_some())
+        .map(|x| x.0)
+        .collect();
+    let mut want = vec![0; WORLD];
+    if failed.is_empty() {
+        // The signal came after the victim's last call.
+        return Ok("no failure seen");
+    }
+    want[victim] = 1;
+    if first.1 != Some(want) || failed.len() != 1 {
+        return Err(format!("mask {:?} / failing steps {failed:?}", first.1));
+    }
+    // The stopped rank, resumed, never completes a call at or after the survivors' failure.
+    if fault == Fault::Stop {
+        let v = done.iter().find(|f| f.rank == victim).unwrap();
+        if steps(v)
+            .iter()
+            .any(|s| s.step >= failed[0] && s.status.is_none())
+        {
+            return Err("the stopped rank completed a call after it was masked".into());
+        }
+    }
+    Ok("masked")
+}
+
+#[test]
+fn ft_campaign_sample() {
+    let runs: usize = std::env::var("EPCOMM_FT_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
+    let seed: u64 = std::env::var("EPCOMM_FT_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x5eed);
+    let mut tally: BTreeMap<String, usize> = BTreeMap::new();
+    let mut failures = Vec::new();
+    let start = Instant::now();
+    for run in 0..runs {
+        match run_once(run, seed) {
+            Ok(what) => *tally.entry(what.to_string()).or_default() += 1,
+            Err(e) => failures.push(e),
+        }
+    }
+    println!(
+        "ft campaign: {runs} runs (seed {seed}) in {:.1} s: {tally:?}, {} violations",
+        start.elapsed().as_secs_f64(),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
