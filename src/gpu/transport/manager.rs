@@ -447,8 +447,10 @@ impl GpuManager {
     /// Reads the device error word of the last call (a host sync, bounded by the timeout,
     /// through pinned memory): capacity mode's way to learn about bad ids or full buckets,
     /// which it cannot check without syncing. InvalidState ([`CAPTURE_CHECK_MESSAGE`]) on a
-    /// capturing stream.
+    /// capturing stream. A wait that times out (or a transport error meanwhile) marks the
+    /// manager unusable, as a failed call does ([`GpuManager::failure`]).
     pub fn check_device_error(&mut self, stream: &Stream) -> Result<()> {
+        self.pipe.ensure_usable()?;
         let _bound = self.ctx.enter()?;
         if stream.is_capturing()? {
             return Err(Error::InvalidState(CAPTURE_CHECK_MESSAGE.into()));
@@ -459,7 +461,12 @@ impl GpuManager {
         unsafe { memcpy_dtoh_async(h.cast(), err, 8, stream) }?;
         let ev = Event::new(false)?;
         ev.record(stream)?;
-        wait_event(&ev, self.comm.as_ref(), self.timeout, "check_device_error")?;
+        if let Err(e) = wait_event(&ev, self.comm.as_ref(), self.timeout, "check_device_error") {
+            // The stream never finished (or the transport failed): the group is out of step.
+            self.pipe.mark_unusable(&e.to_string());
+            let _ = self.comm.abort();
+            return Err(e);
+        }
         // SAFETY: the copy completed (event); 8 bytes, 8-aligned (cuMemHostAlloc).
         let word = unsafe { h.cast::<u64>().read() };
         match decode_error_word(word) {

@@ -522,6 +522,12 @@ impl Pipeline {
         self.failed.as_deref()
     }
 
+    /// Marks the pipeline unusable (unless it already is) for a failure outside its calls
+    /// that leaves the group out of step, e.g. a wait for the stream that timed out.
+    pub fn mark_unusable(&mut self, why: &str) {
+        self.fail(why);
+    }
+
     /// Marks the pipeline unusable unless it already is.
     fn fail(&mut self, why: &str) {
         self.state = None;
@@ -529,7 +535,7 @@ impl Pipeline {
     }
 
     /// InvalidState naming the first failure, once there was one.
-    fn usable(&self) -> Result<()> {
+    pub fn ensure_usable(&self) -> Result<()> {
         match &self.failed {
             None => Ok(()),
             Some(first) => Err(Error::InvalidState(format!(
@@ -641,7 +647,7 @@ impl Pipeline {
     /// [`Executor::read_i32`]); capacity mode never does.
     pub fn dispatch(&mut self, x: &mut dyn Executor, input: &DispatchInput) -> Result<GpuDispatch> {
         self.state = None;
-        self.usable()?;
+        self.ensure_usable()?;
         x.enter()?;
         let r = self.dispatch_in(x, input);
         let r = self.settle(x, r);
@@ -712,7 +718,7 @@ impl Pipeline {
     /// Combine (collective) through `x`: `expert_output` has the dispatch buffer's rows
     /// (`shape.buffer_rows` × hidden, expert dtype), `out` gets `[T, hidden]` of the out dtype.
     pub fn combine(&mut self, x: &mut dyn Executor, expert_output: u64, out: u64) -> Result<()> {
-        self.usable()?;
+        self.ensure_usable()?;
         let st = self.state.clone().ok_or_else(|| {
             Error::InvalidState("combine called without a dispatch before it".into())
         })?;
