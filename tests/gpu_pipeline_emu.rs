@@ -10,9 +10,10 @@
 //! Both on the two-rank worked example (R = 2, E = 4, K = 2), expecting its combine results.
 //! One kernel-level check stays in C++: capacity mode's `ep_pair_rows` on bad wire ids.
 //!
-//! And the NCCL loader against a non-blocking communicator (tests/gpu_emu/fake_nccl.rs, in a
-//! child process): `ncclInProgress` is queued work, waited out by polling
-//! `ncclCommGetAsyncError`, bounded; abort happens once and only for owned communicators.
+//! And the NCCL loader against non-blocking communicators (tests/gpu_emu/fake_nccl.rs, in a
+//! child process): owned ones are created non-blocking (`ncclCommInitRankConfig`), and
+//! `ncclInProgress` is queued work, waited out by polling `ncclCommGetAsyncError`, bounded (an
+//! init never completed is aborted); abort happens once and only for owned communicators.
 
 mod common;
 mod gpu_emu;
@@ -264,7 +265,13 @@ fn nonblocking_nccl_child() {
     let log = || gpu_emu::fake_nccl::log(&path);
     let api = nccl::api().unwrap();
     let id = NcclUniqueId::from_bytes(&[0; 128]).unwrap();
+    // Created non-blocking (ncclCommInitRankConfig, NCCL 2.14's 40-byte config, blocking 0;
+    // the CTA fields NCCL_CONFIG_UNDEF_INT), the init waited out.
     let owned = NcclComm::init_rank(&id, 1, 2).unwrap();
+    assert_eq!(
+        log(),
+        format!("initcfg 40 21400 0 {};poll;poll;poll;poll;", i32::MIN)
+    );
     // SAFETY: the fake's communicator lives for the process.
     let mut comm = unsafe { NcclComm::adopt(owned.raw()) }.unwrap();
     let opts = ExchangeOptions::for_version(api.version);
@@ -328,6 +335,18 @@ fn nonblocking_nccl_child() {
     );
     drop(owned);
     assert!(!log().contains("destroy;"));
+    // An init some rank never joins: a Timeout after the bound, the communicator aborted.
+    std::env::set_var("FAKE_STUCK", "1");
+    let e = NcclComm::init_rank_within(&id, 0, 2, Duration::from_millis(50)).unwrap_err();
+    std::env::remove_var("FAKE_STUCK");
+    assert_eq!(
+        e.to_string(),
+        epcomm::Error::Timeout(
+            "NCCL: ncclCommInitRankConfig was still in progress after 50ms (a non-blocking communicator; a peer rank is not participating?)".into()
+        )
+        .to_string()
+    );
+    assert!(log().ends_with("poll;abort;"));
 }
 
 #[test]

@@ -1,7 +1,8 @@
-//! A stand-in for a host's libnccl.so.2 whose communicators are non-blocking (created with
-//! `blocking = 0`): collectives and the outermost `ncclGroupEnd` answer `ncclInProgress` (7)
-//! and the work completes after `ncclCommGetAsyncError` was polled three more times (or never,
-//! with `FAKE_STUCK` set). Every call is logged (`fake_nccl_log()`), polls as `poll;`.
+//! A stand-in for libnccl.so.2 whose communicators are non-blocking (created with
+//! `blocking = 0`, or a host's): `ncclCommInitRankConfig`, collectives and the outermost
+//! `ncclGroupEnd` answer `ncclInProgress` (7) and the work completes after
+//! `ncclCommGetAsyncError` was polled three more times (or never, with `FAKE_STUCK` set). Every
+//! call is logged (`fake_nccl_log()`), polls as `poll;`.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -25,6 +26,15 @@ int ncclGetVersion(int *v) { *v = 22304; return 0; }
 int ncclGetUniqueId(ncclUniqueId *id) { memset(id, 0, sizeof *id); return 0; }
 int ncclCommInitRank(void **comm, int n, ncclUniqueId id, int rank) {
     (void)id; comm_state[0] = n; comm_state[1] = rank; *comm = comm_state; logs("init;"); return 0;
+}
+/* The NCCL 2.14 ncclConfig_t prefix: size, magic, version, blocking, ... */
+typedef struct { size_t size; unsigned magic, version; int blocking, cga, min_ctas, max_ctas; const char *net; } cfg_t;
+int ncclCommInitRankConfig(void **comm, int n, ncclUniqueId id, int rank, cfg_t *cfg) {
+    char b[96]; (void)id;
+    if (cfg->magic != 0xcafebeef || cfg->size < 20) return 4;
+    comm_state[0] = n; comm_state[1] = rank; *comm = comm_state;
+    snprintf(b, sizeof b, "initcfg %zu %u %d %d;", cfg->size, cfg->version, cfg->blocking, cfg->cga); logs(b);
+    return cfg->blocking == 0 ? queued() : 0;
 }
 int ncclCommDestroy(void *c) { (void)c; logs("destroy;"); return 0; }
 int ncclCommAbort(void *c) { (void)c; logs("abort;"); return 0; }

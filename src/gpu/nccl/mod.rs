@@ -110,6 +110,46 @@ type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> NcclResult;
 type GetUniqueIdFn = unsafe extern "C" fn(*mut NcclUniqueId) -> NcclResult;
 type CommInitRankFn =
     unsafe extern "C" fn(*mut NcclCommRaw, c_int, NcclUniqueId, c_int) -> NcclResult;
+type CommInitRankConfigFn = unsafe extern "C" fn(
+    *mut NcclCommRaw,
+    c_int,
+    NcclUniqueId,
+    c_int,
+    *mut NcclConfig,
+) -> NcclResult;
+
+/// `ncclConfig_t` as NCCL 2.14 declared it (nccl.h). Later versions append fields; NCCL copies
+/// `size` bytes over its defaults and ignores the fields a `version` predates, so this prefix
+/// is valid for every NCCL >= 2.14.
+#[repr(C)]
+#[derive(Debug)]
+struct NcclConfig {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+}
+
+impl NcclConfig {
+    /// `NCCL_CONFIG_INITIALIZER` of NCCL 2.14 with `blocking = 0`.
+    fn nonblocking() -> NcclConfig {
+        const UNDEF: c_int = c_int::MIN; // NCCL_CONFIG_UNDEF_INT
+        NcclConfig {
+            size: std::mem::size_of::<NcclConfig>(),
+            magic: 0xcafe_beef,
+            version: 21400, // NCCL_VERSION(2, 14, 0)
+            blocking: 0,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+        }
+    }
+}
 type CommFn = unsafe extern "C" fn(NcclCommRaw) -> NcclResult;
 type CommIntFn = unsafe extern "C" fn(NcclCommRaw, *mut c_int) -> NcclResult;
 type AllGatherFn = unsafe extern "C" fn(
@@ -136,6 +176,8 @@ pub struct NcclApi {
     pub version: i32,
     get_unique_id: GetUniqueIdFn,
     comm_init_rank: CommInitRankFn,
+    /// `ncclCommInitRankConfig` exists from NCCL 2.14 on; optional.
+    comm_init_rank_config: Option<CommInitRankConfigFn>,
     comm_destroy: CommFn,
     comm_abort: CommFn,
     comm_get_async_error: CommIntFn,
@@ -195,6 +237,7 @@ fn load() -> std::result::Result<NcclApi, String> {
             version,
             get_unique_id: sym(&lib, "ncclGetUniqueId")?,
             comm_init_rank: sym(&lib, "ncclCommInitRank")?,
+            comm_init_rank_config: sym(&lib, "ncclCommInitRankConfig").ok(),
             comm_destroy: sym(&lib, "ncclCommDestroy")?,
             comm_abort: sym(&lib, "ncclCommAbort")?,
             comm_get_async_error: sym(&lib, "ncclCommGetAsyncError")?,
@@ -323,12 +366,25 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 unsafe impl Send for NcclComm {}
 
 impl NcclComm {
-    /// Joins the communicator of `world` ranks identified by `id` as `rank`
-    /// (`ncclCommInitRank`; collective over all ranks, blocks until they all joined). The
-    /// current CUDA device is the one NCCL uses. NCCL has no timeout here: a rank that never
-    /// calls it leaves the others blocked, so callers bound that themselves (a rendezvous
-    /// before the id is shared).
+    /// Joins the communicator of `world` ranks identified by `id` as `rank` (collective over
+    /// all ranks), bounded by [`DEFAULT_TIMEOUT`] ([`NcclComm::init_rank_within`]).
     pub fn init_rank(id: &NcclUniqueId, rank: usize, world: usize) -> Result<NcclComm> {
+        NcclComm::init_rank_within(id, rank, world, DEFAULT_TIMEOUT)
+    }
+
+    /// Joins the communicator of `world` ranks identified by `id` as `rank`; the current CUDA
+    /// device is the one NCCL uses. With NCCL >= 2.14 the communicator is non-blocking
+    /// (`ncclCommInitRankConfig`, `blocking = 0`): the init, and later every group end and
+    /// collective, returns at once and is waited out polling `ncclCommGetAsyncError`, bounded
+    /// by `timeout` (the init) and [`NcclComm::set_timeout`] (the rest); an init that does not
+    /// complete in time (a rank that never joined) is aborted and a Timeout. Older NCCL:
+    /// `ncclCommInitRank`, which blocks until every rank joined, with no bound.
+    pub fn init_rank_within(
+        id: &NcclUniqueId,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<NcclComm> {
         let api = api()?;
         if world == 0 || rank >= world || world > c_int::MAX as usize {
             return Err(Error::InvalidArgument(format!(
@@ -336,23 +392,41 @@ impl NcclComm {
             )));
         }
         let mut raw: NcclCommRaw = std::ptr::null_mut();
-        // SAFETY: `raw` is writable; the id is passed by value as nccl.h declares.
-        let rc = unsafe { (api.comm_init_rank)(&mut raw, world as c_int, *id, rank as c_int) };
-        api.check(rc, "ncclCommInitRank")?;
+        let (rc, what) = match api.comm_init_rank_config {
+            Some(f) => {
+                let mut cfg = NcclConfig::nonblocking();
+                // SAFETY: `raw` is writable; the id by value and the config as nccl.h declares.
+                let rc = unsafe { f(&mut raw, world as c_int, *id, rank as c_int, &mut cfg) };
+                (rc, "ncclCommInitRankConfig")
+            }
+            // SAFETY: `raw` is writable; the id is passed by value as nccl.h declares.
+            None => (
+                unsafe { (api.comm_init_rank)(&mut raw, world as c_int, *id, rank as c_int) },
+                "ncclCommInitRank",
+            ),
+        };
         if raw.is_null() {
-            return Err(Error::Runtime(
-                "NCCL error in ncclCommInitRank: returned success but no communicator".into(),
-            ));
+            api.check(rc, what)?;
+            return Err(Error::Runtime(format!(
+                "NCCL error in {what}: returned success but no communicator"
+            )));
         }
-        Ok(NcclComm {
+        let mut comm = NcclComm {
             api,
             raw,
             owned: true,
             aborted: Cell::new(false),
             rank,
             world,
-            timeout: DEFAULT_TIMEOUT,
-        })
+            timeout,
+        };
+        if let Err(e) = comm.settle(rc, what) {
+            // A half-made communicator: abort it (never destroyed) and report why.
+            let _ = comm.abort();
+            return Err(e);
+        }
+        comm.timeout = DEFAULT_TIMEOUT;
+        Ok(comm)
     }
 
     /// Adopts a host's communicator (borrowed: never destroyed or aborted here).
