@@ -34,6 +34,8 @@ const MAX_TOKENS: usize = 32;
 /// Relative tolerance against the f32 reference: both sum the same f32 products, in another
 /// order (the reference by k, combine by rank), so a few ulps.
 const TOL: f32 = 1e-5;
+/// The thread tests' timeout (their stalled rank sleeps three times as long).
+const STALL_TIMEOUT: Duration = Duration::from_millis(1500);
 
 fn cfg() -> MoeConfig {
     MoeConfig {
@@ -212,7 +214,7 @@ fn opts(timeout: Duration) -> GroupOptions {
 fn a_stalled_rank_is_masked_and_the_survivors_go_on() {
     let name = ranks::unique("ft", "stall");
     let results = ranks::on_threads(WORLD, move |rank| {
-        let mut g = ShmGroup::join(&name, rank, WORLD, opts(Duration::from_millis(800))).unwrap();
+        let mut g = ShmGroup::join(&name, rank, WORLD, opts(STALL_TIMEOUT)).unwrap();
         let mut m = manager(rank);
         let ex = experts();
         let steps = if rank == 3 { 2 } else { 6 };
@@ -220,7 +222,7 @@ fn a_stalled_rank_is_masked_and_the_survivors_go_on() {
             .map(|s| one_step(&mut m, &mut g, &ex, s))
             .collect();
         if rank == 3 {
-            std::thread::sleep(Duration::from_millis(2500));
+            std::thread::sleep(STALL_TIMEOUT * 3);
             out.extend((2..4).map(|s| one_step(&mut m, &mut g, &ex, s)));
         }
         (out, m.query_fault(), {
@@ -303,8 +305,9 @@ fn ranks_that_disagree_on_fault_tolerance_fail_alike() {
 // Processes: the campaign.
 
 const STEPS: usize = 30;
-/// EPCOMM_TIMEOUT_S of every rank: a stop lasts longer.
-const TIMEOUT: Duration = Duration::from_millis(1000);
+/// The ranks' timeout: long enough that a loaded CI machine never makes a healthy rank late;
+/// a stop lasts until the survivors finished.
+const TIMEOUT: Duration = Duration::from_millis(2000);
 
 fn env(k: &str) -> String {
     std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"))
@@ -354,7 +357,7 @@ fn run_once(run: usize, seed: u64) -> Result<&'static str, String> {
         (rng >> 33) % n
     };
     let victim = draw(WORLD as u64) as usize;
-    let delay = Duration::from_millis(draw(120));
+    let delay = Duration::from_millis(draw(300));
     let name = format!("ftc{}r{run}", std::process::id());
     let ready = std::env::temp_dir().join(&name);
     let ready = ready.to_string_lossy().into_owned();
@@ -380,16 +383,16 @@ fn run_once(run: usize, seed: u64) -> Result<&'static str, String> {
     };
     // SAFETY: a child of this process.
     unsafe { libc::kill(pids[victim] as libc::pid_t, sig) };
+    // The survivors first; then the stopped rank is resumed (well past the timeout: the
+    // survivors masked it and finished) and must find itself left out.
+    let (v, others): (Vec<_>, Vec<_>) = children.into_iter().partition(|(r, _)| *r == victim);
+    let mut done = ranks::wait_all(others, Duration::from_secs(60));
     if fault == Fault::Stop {
-        // Past the timeout, then resumed: it must find itself left out.
-        let pid = pids[victim];
-        std::thread::spawn(move || {
-            std::thread::sleep(TIMEOUT * 3);
-            // SAFETY: as above.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
-        });
+        // SAFETY: as above.
+        unsafe { libc::kill(pids[victim] as libc::pid_t, libc::SIGCONT) };
     }
-    let done = ranks::wait_all(children, Duration::from_secs(60));
+    done.extend(ranks::wait_all(v, Duration::from_secs(30)));
+    done.sort_by_key(|f| f.rank);
     for r in 0..WORLD {
         let _ = std::fs::remove_file(format!("{ready}.{r}"));
     }
@@ -498,4 +501,204 @@ fn ft_campaign_sample() {
         failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Masking, then shrink + EPLB scale-down: full expert coverage again.
+
+/// Logical experts of the scale-down test; 4 slots per rank.
+const LOGICAL: usize = 12;
+const SLOTS: usize = 4;
+/// The placement on 4 ranks: every expert rank 3 holds (9, 10, 11, 0) has a replica elsewhere.
+const OLD_MAP: [i64; 16] = [0, 1, 2, 9, 3, 4, 5, 10, 6, 7, 8, 11, 9, 10, 11, 0];
+/// Old rank -> rank of the survivors' group (rank 3 is gone).
+const SCALE_DOWN: [i64; 4] = [0, 1, 2, -1];
+
+/// Logical expert e's weights, one row: H scales then H biases (f32).
+fn expert_row(e: usize) -> Vec<u8> {
+    let mut v: Vec<f32> = (0..HIDDEN as u64)
+        .map(|i| 1.0 + 0.5 * unit(e as u64, i))
+        .collect();
+    v.extend((0..HIDDEN as u64).map(|i| 0.1 * unit(e as u64 + 100, i)));
+    num::from_f32(&v, FloatKind::F32)
+}
+
+/// y += w (a ⊙ x + b) with the weights of one expert row.
+fn apply_row(row: &[f32], x: &[f32], w: f32, y: &mut [f32]) {
+    for i in 0..HIDDEN {
+        y[i] += w * (row[i] * x[i] + row[HIDDEN + i]);
+    }
+}
+
+/// Tokens with 2 distinct logical experts each, routed to the physical slot `slot_of` picks.
+fn logical_tokens(step: usize, rank: usize) -> (Vec<f32>, Vec<usize>, Vec<f32>) {
+    let t = 6 + (step + rank) % 5;
+    let seed = 1000 + (step * WORLD + rank) as u64;
+    let x = (0..(t * HIDDEN) as u64).map(|i| unit(seed, i)).collect();
+    let mut ids = Vec::new();
+    for tok in 0..t {
+        let e = ((unit(seed ^ 7, tok as u64) + 1.0) * 0.5 * LOGICAL as f32) as usize % LOGICAL;
+        ids.extend([e, (e + 5) % LOGICAL]);
+    }
+    let ws = (0..(t * 2) as u64)
+        .map(|i| 0.5 + 0.25 * unit(seed ^ 9, i))
+        .collect();
+    (x, ids, ws)
+}
+
+/// One MoE step with `map` (physical -> logical) and this rank's slot weights `held` (one
+/// expert row per slot): logical ids go to the replica `slot_of(logical, token)` picks, the
+/// experts that arrive run with the weights the slots hold, combine; the largest error against
+/// the logical reference over the pairs whose slot is on a live rank, and the pairs dropped.
+fn placed_step(
+    m: &mut Manager,
+    g: &mut dyn Group,
+    held: &[Vec<u8>],
+    slot_of: &dyn Fn(usize, usize) -> usize,
+    step: usize,
+    rank: usize,
+) -> epcomm::Result<(f32, u64)> {
+    let (x, logical, ws) = logical_tokens(step, rank);
+    let phys: Vec<i64> = logical
+        .iter()
+        .enumerate()
+        .map(|(i, &e)| slot_of(e, i / 2) as i64)
+        .collect();
+    let xb = num::from_f32(&x, FloatKind::F32);
+    let v = m.dispatch(g, &xb, &phys, &ws, &[])?;
+    let rows = num::to_f32(v.hidden, FloatKind::F32);
+    let bucket = rows.len() / HIDDEN / SLOTS;
+    let mut y = vec![0f32; rows.len()];
+    for j in 0..SLOTS {
+        let w = num::to_f32(&held[j], FloatKind::F32);
+        for r in j * bucket..j * bucket + v.counts[j] as usize {
+            let (xr, yr) = (
+                &rows[r * HIDDEN..(r + 1) * HIDDEN],
+                &mut y[r * HIDDEN..(r + 1) * HIDDEN],
+            );
+            apply_row(&w, xr, 1.0, yr);
+        }
+    }
+    let mut out = vec![0u8; x.len() * 4];
+    m.combine(g, &num::from_f32(&y, FloatKind::F32), &mut out)?;
+    let mask = m.active_mask();
+    let mut want = vec![0f32; x.len()];
+    for (i, (&e, &p)) in logical.iter().zip(&phys).enumerate() {
+        if mask[p as usize / SLOTS] == 0 {
+            let tok = i / 2;
+            let row = num::to_f32(&expert_row(e), FloatKind::F32);
+            let (xr, yr) = (
+                &x[tok * HIDDEN..(tok + 1) * HIDDEN],
+                &mut want[tok * HIDDEN..(tok + 1) * HIDDEN],
+            );
+            apply_row(&row, xr, ws[i], yr);
+        }
+    }
+    let got = num::to_f32(&out, FloatKind::F32);
+    let err = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+        .fold(0f32, f32::max);
+    Ok((err, m.stats().dropped_pairs))
+}
+
+fn placed_manager(rank: usize, world: usize) -> Manager {
+    let cfg = MoeConfig {
+        num_experts: world * SLOTS,
+        top_k: 2,
+        ..cfg()
+    };
+    let mut m = Manager::new(BACKEND, cfg, rank, world).unwrap();
+    m.set_fault_tolerance(true).unwrap();
+    m
+}
+
+/// Rank 3 stalls; the survivors serve with its slots masked (pairs routed there are
+/// dropped), then shrink, move the experts with EPLB onto the 3-rank group by the rank
+/// mapping (vLLM's elastic scale-down, with the dead rank sending nothing), and serve again
+/// with every logical expert covered: outputs equal the reference of the new placement, no
+/// pair dropped.
+#[test]
+fn shrink_and_eplb_scale_down_restore_full_coverage() {
+    let name = ranks::unique("ft", "scale");
+    let results = ranks::on_threads(WORLD, move |rank| {
+        let mut g = ShmGroup::join(&name, rank, WORLD, opts(STALL_TIMEOUT)).unwrap();
+        let mut m = placed_manager(rank, WORLD);
+        let mut held: Vec<Vec<u8>> = OLD_MAP[rank * SLOTS..(rank + 1) * SLOTS]
+            .iter()
+            .map(|&e| expert_row(e as usize))
+            .collect();
+        // Rank 3's replica for even tokens of the experts it holds, so masking drops pairs.
+        let old_slot = |e: usize, tok: usize| {
+            let all: Vec<usize> = (0..16).filter(|&s| OLD_MAP[s] == e as i64).collect();
+            *all.get(tok % 2).unwrap_or(&all[0])
+        };
+        let mut log = Vec::new();
+        let steps = if rank == 3 { 1 } else { 4 };
+        for s in 0..steps {
+            log.push(placed_step(&mut m, &mut g, &held, &old_slot, s, rank));
+        }
+        if rank == 3 {
+            std::thread::sleep(STALL_TIMEOUT * 3);
+            return (log, Vec::new());
+        }
+        // Shrink and scale down with EPLB: the survivors' new placement covers every expert.
+        let lost = g.lost_ranks();
+        assert_eq!(lost, vec![3]);
+        let mut s = g.shrink(&lost).unwrap();
+        let new_map: Vec<i64> = (0..LOGICAL as i64).collect();
+        let mut c = common::eplb_fixture::gloo_cpu().unwrap();
+        let summary = {
+            // One tensor per layer: a row of 2 x HIDDEN f32 per slot.
+            let mut w = vec![vec![held.concat()]];
+            let mut views = common::eplb_fixture::views(&mut w);
+            let options = epcomm::eplb::rearrange::RearrangeOptions {
+                rank_mapping: Some(&SCALE_DOWN),
+                ..Default::default()
+            };
+            let r = epcomm::eplb::rearrange::rearrange_with(
+                s.as_mut(),
+                c.as_mut(),
+                &[OLD_MAP.to_vec()],
+                &[new_map.clone()],
+                &mut views,
+                &[2 * HIDDEN * 4],
+                &options,
+            );
+            drop(views);
+            held = w[0][0].chunks(2 * HIDDEN * 4).map(<[u8]>::to_vec).collect();
+            r.unwrap()
+        };
+        assert!(summary.lost_experts.iter().all(Vec::is_empty));
+        let me = s.rank();
+        let mut m2 = placed_manager(me, 3);
+        let new_slot = |e: usize, _tok: usize| e;
+        let mut after = Vec::new();
+        for step in 4..8 {
+            after.push(placed_step(
+                &mut m2,
+                s.as_mut(),
+                &held,
+                &new_slot,
+                step,
+                rank,
+            ));
+        }
+        (log, after)
+    });
+    for (rank, (before, after)) in results.iter().enumerate().take(3) {
+        let ok: Vec<&(f32, u64)> = before.iter().filter_map(|r| r.as_ref().ok()).collect();
+        assert!(before[0].is_ok(), "rank {rank}: {before:?}");
+        assert_eq!(before[1].as_ref().unwrap_err().status(), Status::Timeout);
+        assert!(ok.iter().all(|(e, _)| *e <= TOL), "rank {rank}: {before:?}");
+        assert!(
+            ok[1..].iter().any(|(_, d)| *d > 0),
+            "rank {rank}: nothing dropped: {before:?}"
+        );
+        for r in after {
+            let (err, dropped) = r.as_ref().unwrap();
+            assert!(*err <= TOL && *dropped == 0, "rank {rank}: {after:?}");
+        }
+    }
 }
