@@ -638,6 +638,66 @@ static void test_create_errors(group_t *g) {
     }
 }
 
+/* Fault tolerance: vLLM's refusal for other backends, the queries on a healthy manager, NULL and
+ * size checks, and a config of the second layout (built against a header without
+ * enable_fault_tolerance) reading as off. Not collective: each rank alone. */
+static void test_fault_tolerance(group_t *g) {
+    moe_config_t c = example_config();
+    a2a_t *a = NULL;
+    int32_t mask[WORLD + 1];
+    bool fault = true;
+    uint64_t last = 7, total = 7;
+    int r;
+
+    c.enable_fault_tolerance = true;
+    epcomm_clear_last_error();
+    if (CHECK_ST(epcomm_all2all_create(g, "deepep_high_throughput", &c, &a),
+                 EPCOMM_ERROR_INVALID_ARGUMENT)) {
+        CHECK_MSG_EQ("Fault tolerance requires an FT-capable all2all backend (one of "
+                     "['deepep_low_latency', 'nixl_ep']), but got 'deepep_high_throughput'.");
+    }
+    CHECK(a == NULL);
+    a = create_manager(g, "deepep_low_latency", &c);
+    CHECK(a != NULL);
+    if (a == NULL) {
+        return;
+    }
+    for (r = 0; r <= WORLD; r++) {
+        mask[r] = -1;
+    }
+    CHECK_ST(epcomm_all2all_query_active_mask(a, mask, WORLD), EPCOMM_OK);
+    for (r = 0; r < WORLD; r++) {
+        CHECK(mask[r] == 0);
+    }
+    CHECK(mask[WORLD] == -1);
+    epcomm_clear_last_error();
+    if (CHECK_ST(epcomm_all2all_query_active_mask(a, mask, WORLD + 1),
+                 EPCOMM_ERROR_INVALID_ARGUMENT)) {
+        CHECK_MSG_EQ("mask_out has 3 entries; expected one per rank of the group (2)");
+    }
+    CHECK_ST(epcomm_all2all_query_active_mask(a, NULL, WORLD), EPCOMM_ERROR_NULL_POINTER);
+    CHECK_ST(epcomm_all2all_query_active_mask(NULL, mask, WORLD), EPCOMM_ERROR_NULL_POINTER);
+    CHECK_ST(epcomm_all2all_query_fault(a, &fault), EPCOMM_OK);
+    CHECK(!fault);
+    CHECK_ST(epcomm_all2all_query_fault(a, NULL), EPCOMM_ERROR_NULL_POINTER);
+    CHECK_ST(epcomm_all2all_clean_buffers(a), EPCOMM_OK);
+    CHECK_ST(epcomm_all2all_clean_buffers(NULL), EPCOMM_ERROR_NULL_POINTER);
+    CHECK_ST(epcomm_all2all_dropped_pairs(a, &last, &total), EPCOMM_OK);
+    CHECK(last == 0 && total == 0);
+    CHECK_ST(epcomm_all2all_dropped_pairs(a, NULL, NULL), EPCOMM_OK);
+    epcomm_all2all_destroy(a);
+    a = NULL;
+
+    /* The second layout ends at dispatch_fp8: fault tolerance reads as off, so even a backend
+     * that refuses it is created. */
+    c.struct_size = (uint32_t)offsetof(moe_config_t, enable_fault_tolerance);
+    a = create_manager(g, "deepep_high_throughput", &c);
+    CHECK(a != NULL);
+    if (a != NULL) {
+        epcomm_all2all_destroy(a);
+    }
+}
+
 /* Rank 1 routes a token to expert 9: both ranks fail, nobody hangs, a good dispatch follows. */
 static void test_bad_dispatch(group_t *g, int rank) {
     a2a_t *a = create_example(g, "deepep_high_throughput");
@@ -899,6 +959,7 @@ static int child_main(const char *name, int rank) {
         CHECK_ST(epcomm_group_barrier(g), EPCOMM_OK);
     }
     test_create_errors(g);
+    test_fault_tolerance(g);
     test_bad_dispatch(g, rank);
     CHECK_ST(epcomm_group_barrier(g), EPCOMM_OK);
     for (i = 0; i < 5; i++) {
