@@ -18,7 +18,11 @@
 mod common;
 mod gpu_emu;
 
+use std::time::Duration;
+
+use epcomm::error::Status;
 use epcomm::gpu::kernels::{self, IdDtype};
+use epcomm::gpu::nccl::{self, counts_plan, ExchangeOptions, NcclComm, NcclUniqueId};
 use epcomm::gpu::transport::pipeline::Pipeline;
 use epcomm::gpu::transport::{DispatchInput, GpuDispatch, GpuMode};
 use epcomm::moe::MoeConfig;
@@ -253,12 +257,23 @@ fn replicated_worked_example_on_the_host() {
 
 const FAKE_NB_ENV: &str = "EPCOMM_TEST_FAKE_NONBLOCKING_NCCL";
 
+/// An all-gather through `c` (the fake never dereferences the addresses).
+fn fake_gather(c: &NcclComm) -> epcomm::Result<()> {
+    // SAFETY: the fake never dereferences the addresses.
+    unsafe {
+        c.all_gather(
+            8 as *const _,
+            16 as *mut _,
+            3,
+            nccl::NcclDataType::Int32,
+            std::ptr::null_mut(),
+        )
+    }
+}
+
 /// Runs in a child process with `VLLM_NCCL_SO_PATH` = the fake (the loader is per process).
 #[test]
 fn nonblocking_nccl_child() {
-    use epcomm::error::Status;
-    use epcomm::gpu::nccl::{self, counts_plan, ExchangeOptions, NcclComm, NcclUniqueId};
-    use std::time::Duration;
     let Ok(path) = std::env::var(FAKE_NB_ENV) else {
         return;
     };
@@ -282,21 +297,11 @@ fn nonblocking_nccl_child() {
     unsafe { comm.exchange(&plan, 0x1000, 0x8000, std::ptr::null_mut()) }.unwrap();
     assert_eq!(&log()[before..], "gs;send;recv;ge;poll;poll;poll;poll;");
     let before = log().len();
-    // SAFETY: as above.
-    let gather = |c: &NcclComm| unsafe {
-        c.all_gather(
-            8 as *const _,
-            16 as *mut _,
-            3,
-            nccl::NcclDataType::Int32,
-            std::ptr::null_mut(),
-        )
-    };
-    gather(&comm).unwrap();
+    fake_gather(&comm).unwrap();
     assert_eq!(&log()[before..], "allgather;poll;poll;poll;poll;");
     // Queued work that then fails is that failure.
     std::env::set_var("FAKE_ASYNC", "1");
-    let e = gather(&comm).unwrap_err();
+    let e = fake_gather(&comm).unwrap_err();
     std::env::remove_var("FAKE_ASYNC");
     assert_eq!(e.status(), Status::PeerFailure);
     assert_eq!(
@@ -317,15 +322,24 @@ fn nonblocking_nccl_child() {
         )
         .to_string()
     );
-    // The borrowed one is never aborted; the owned one is aborted once, then refuses calls
-    // and is not destroyed.
+    abort_then_stuck_init(comm, owned, &id, &log);
+}
+
+/// The borrowed `comm` is never aborted; the `owned` one is aborted once, then refuses calls
+/// and is not destroyed; an init some rank never joins is a Timeout, the communicator aborted.
+fn abort_then_stuck_init(
+    comm: NcclComm,
+    owned: NcclComm,
+    id: &NcclUniqueId,
+    log: &dyn Fn() -> String,
+) {
     assert_eq!(comm.abort().unwrap_err().status(), Status::InvalidState);
     drop(comm);
     owned.abort().unwrap();
     owned.abort().unwrap();
     assert!(log().ends_with("abort;"));
     assert_eq!(log().matches("abort;").count(), 1);
-    let e = gather(&owned).unwrap_err();
+    let e = fake_gather(&owned).unwrap_err();
     assert_eq!(
         e.to_string(),
         epcomm::Error::InvalidState(
@@ -335,9 +349,8 @@ fn nonblocking_nccl_child() {
     );
     drop(owned);
     assert!(!log().contains("destroy;"));
-    // An init some rank never joins: a Timeout after the bound, the communicator aborted.
     std::env::set_var("FAKE_STUCK", "1");
-    let e = NcclComm::init_rank_within(&id, 0, 2, Duration::from_millis(50)).unwrap_err();
+    let e = NcclComm::init_rank_within(id, 0, 2, Duration::from_millis(50)).unwrap_err();
     std::env::remove_var("FAKE_STUCK");
     assert_eq!(
         e.to_string(),
