@@ -71,11 +71,16 @@ fn describe(rc: sys::CUresult) -> String {
 
 /// `Ok` for `CUDA_SUCCESS`, else an error naming the call.
 pub fn check(rc: sys::CUresult, what: &str) -> Result<()> {
+    check_detail(rc, what, "")
+}
+
+/// [`check`], with `detail` (e.g. a JIT log) appended to the message.
+fn check_detail(rc: sys::CUresult, what: &str, detail: &str) -> Result<()> {
     use sys::CUresult as R;
     if rc == R::CUDA_SUCCESS {
         return Ok(());
     }
-    let msg = format!("CUDA error in {what}: {}", describe(rc));
+    let msg = format!("CUDA error in {what}: {}{detail}", describe(rc));
     Err(match rc {
         R::CUDA_ERROR_NO_DEVICE
         | R::CUDA_ERROR_NOT_SUPPORTED
@@ -596,21 +601,15 @@ impl Drop for ModuleInner {
 /// Bytes of the JIT error log a failed module load reports.
 const JIT_LOG_BYTES: usize = 8192;
 
-/// `e` with the JIT's error log (NUL-terminated in `log`) appended, when there is one.
-fn with_jit_log(e: Error, log: &[u8]) -> Error {
+/// The JIT's error log (NUL-terminated in `log`) as a message suffix; empty without one.
+fn jit_log_suffix(log: &[u8]) -> String {
     let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
     let text = String::from_utf8_lossy(&log[..end]);
     let text = text.trim();
     if text.is_empty() {
-        return e;
+        return String::new();
     }
-    let msg = format!("{e}; JIT log: {text}");
-    match e {
-        Error::Unavailable(_) => Error::Unavailable(msg),
-        Error::InvalidArgument(_) => Error::InvalidArgument(msg),
-        Error::InvalidState(_) => Error::InvalidState(msg),
-        _ => Error::Runtime(msg),
-    }
+    format!("; JIT log: {text}")
 }
 
 /// A loaded module (CUBIN or PTX); unloaded when it and all its functions are dropped.
@@ -656,7 +655,7 @@ impl Module {
             } else {
                 "cuModuleLoadDataEx(PTX)"
             };
-            check(rc, what).map_err(|e| with_jit_log(e, &log))?;
+            check_detail(rc, what, &jit_log_suffix(&log))?;
             Ok(Module(Arc::new(ModuleInner(m))))
         })
     }
