@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
 use crate::gpu::calls::{Call, Calls};
 use crate::gpu::driver::{
     memcpy_dtod_async, memcpy_dtoh_async, memcpy_htod_async, memset_d8_async, ContextGuard, Device,
@@ -32,7 +32,7 @@ use crate::gpu::nccl::{NcclComm, NcclDataType};
 use crate::gpu::transport::local::local_copies;
 use crate::gpu::transport::pipeline::{DispatchInput, Executor, GpuDispatch, GpuMode, Pipeline};
 use crate::gpu::transport::plan::{counts_row_len, DispatchShape};
-use crate::gpu::transport::pool::{Block, Pool, PoolStats};
+use crate::gpu::transport::pool::{self, Block, Pool, PoolStats};
 use crate::gpu::transport::Fabric;
 use crate::moe::layout::Contract;
 use crate::moe::MoeConfig;
@@ -266,6 +266,16 @@ fn float(k: FloatKind) -> FloatDtype {
     }
 }
 
+/// A failed creation-time allocation (out of device memory) with what creation asked for.
+fn reserve_error(e: Error, name: &str, bytes: usize, total: usize, m: usize) -> Error {
+    if e.status() != Status::Runtime {
+        return e;
+    }
+    Error::Runtime(format!(
+        "GPU all2all: every buffer is allocated at creation for max_tokens_per_rank = {m} ({total} bytes in all); buffer '{name}' of {bytes} bytes failed: {e}; lower max_tokens_per_rank"
+    ))
+}
+
 /// The pinned staging buffers of a configuration (all fixed sizes).
 fn staging_sizes(world: usize, num_experts: usize) -> [(&'static str, usize); 5] {
     let row = 4 * counts_row_len(world, num_experts);
@@ -329,13 +339,13 @@ impl GpuManager {
         for (name, bytes) in staging_sizes(r, e) {
             self.staging.get(name, bytes)?;
         }
-        let mut pool_only = |name: &str, bytes: usize| {
+        let sizes = self.pipe.buffer_sizes();
+        let total: usize = sizes.iter().map(|(_, b)| pool::rounded(*b)).sum();
+        let m = self.config().max_tokens_per_rank;
+        for (name, bytes) in sizes {
             self.pool
-                .reserve(name, bytes, DeviceMemory::alloc)
-                .map(|_| ())
-        };
-        for (name, bytes) in self.pipe.buffer_sizes() {
-            pool_only(&name, bytes)?;
+                .reserve(&name, bytes, DeviceMemory::alloc)
+                .map_err(|e| reserve_error(e, &name, bytes, total, m))?;
         }
         Ok(())
     }
