@@ -569,8 +569,8 @@ fn placed_step(
     let rows = num::to_f32(v.hidden, FloatKind::F32);
     let bucket = rows.len() / HIDDEN / SLOTS;
     let mut y = vec![0f32; rows.len()];
-    for j in 0..SLOTS {
-        let w = num::to_f32(&held[j], FloatKind::F32);
+    for (j, slot) in held.iter().enumerate().take(SLOTS) {
+        let w = num::to_f32(slot, FloatKind::F32);
         for r in j * bucket..j * bucket + v.counts[j] as usize {
             let (xr, yr) = (
                 &rows[r * HIDDEN..(r + 1) * HIDDEN],
@@ -661,7 +661,7 @@ fn shrink_and_eplb_scale_down_restore_full_coverage() {
                 s.as_mut(),
                 c.as_mut(),
                 &[OLD_MAP.to_vec()],
-                &[new_map.clone()],
+                std::slice::from_ref(&new_map),
                 &mut views,
                 &[2 * HIDDEN * 4],
                 &options,

@@ -1072,6 +1072,7 @@ pub unsafe extern "C" fn epcomm_eplb_lost_experts(
     num_lost_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
+        // SAFETY: caller contract (NULL or writable).
         let count_out = unsafe { guard::out_arg(num_lost_out, "num_lost_out") }?;
         let p = count(num_slots, "num_slots")?;
         let n = count(slots_per_rank, "slots_per_rank")?;

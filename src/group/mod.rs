@@ -5,8 +5,8 @@
 //! caller converts rows to bytes. Reductions sum in f32 in rank order (deterministic).
 
 mod agree;
-pub mod masked;
 pub mod host;
+pub mod masked;
 pub mod rows;
 pub mod shm;
 pub mod survivors;
