@@ -11,13 +11,19 @@
 //! runs 100 or more. The thread tests cover the same flow without processes, the refusals
 //! and vLLM's query/clean semantics.
 
+#[path = "common/channel.rs"]
+mod channel;
 mod common;
 mod ranks;
 
-use std::collections::BTreeMap;
+use channel::{channel_transports, ChannelTransport};
+
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use epcomm::group::host::{HostFailure, HostGroup, HostTransport};
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
 use epcomm::moe::reference::{unit, ToyExperts};
@@ -209,21 +215,19 @@ fn opts(timeout: Duration) -> GroupOptions {
 // Thread ranks.
 
 /// Rank 3 stops calling after two steps (a stall, like a rank stuck in a kernel) and comes
-/// back after the survivors gave up on it.
-#[test]
-fn a_stalled_rank_is_masked_and_the_survivors_go_on() {
-    let name = ranks::unique("ft", "stall");
+/// back after the survivors gave up on it; `group(rank)` makes each rank's group.
+fn stalled_rank_run(group: impl Fn(usize) -> Box<dyn Group> + Send + Sync + Clone + 'static) {
     let results = ranks::on_threads(WORLD, move |rank| {
-        let mut g = ShmGroup::join(&name, rank, WORLD, opts(STALL_TIMEOUT)).unwrap();
+        let mut g = group(rank);
         let mut m = manager(rank);
         let ex = experts();
         let steps = if rank == 3 { 2 } else { 6 };
         let mut out: Vec<Step> = (0..steps)
-            .map(|s| one_step(&mut m, &mut g, &ex, s))
+            .map(|s| one_step(&mut m, g.as_mut(), &ex, s))
             .collect();
         if rank == 3 {
             std::thread::sleep(STALL_TIMEOUT * 3);
-            out.extend((2..4).map(|s| one_step(&mut m, &mut g, &ex, s)));
+            out.extend((2..4).map(|s| one_step(&mut m, g.as_mut(), &ex, s)));
         }
         (out, m.query_fault(), {
             m.clean_buffers();
@@ -258,6 +262,99 @@ fn a_stalled_rank_is_masked_and_the_survivors_go_on() {
             *fault && !*fault_after_clean,
             "rank {rank}: query_fault before/after clean"
         );
+    }
+}
+
+#[test]
+fn a_stalled_rank_is_masked_and_the_survivors_go_on() {
+    let name = ranks::unique("ft", "stall");
+    stalled_rank_run(move |rank| {
+        Box::new(ShmGroup::join(&name, rank, WORLD, opts(STALL_TIMEOUT)).unwrap())
+    });
+}
+
+/// The same over the host-callback transport: the host's transport (channels for the data, a
+/// shared-memory group for its all_gather, which is where a peer that stopped calling is found,
+/// the same on every rank) reports the stall as TIMEOUT, names the lost rank and shrinks; the
+/// manager masks the same way.
+#[test]
+fn a_stalled_rank_is_masked_over_the_host_transport() {
+    let name = ranks::unique("ft", "host");
+    let meshes = Arc::new(Mutex::new(HashMap::new()));
+    stalled_rank_run(move |rank| {
+        let ctl = ShmGroup::join(&name, rank, WORLD, opts(STALL_TIMEOUT)).unwrap();
+        let t = HostFt::new(Box::new(ctl), (0..WORLD).collect(), meshes.clone());
+        Box::new(HostGroup::new(Box::new(t), "ft-host", rank, WORLD, false).unwrap())
+    });
+}
+
+/// Channel meshes by the original ranks of their members: each member takes its end.
+type Meshes = Arc<Mutex<HashMap<Vec<usize>, Vec<Option<ChannelTransport>>>>>;
+
+/// A host transport: channels for send/recv, a group for all_gather, lost ranks and shrink.
+struct HostFt {
+    data: ChannelTransport,
+    ctl: Box<dyn Group>,
+    /// The original rank of each member.
+    members: Vec<usize>,
+    meshes: Meshes,
+    failure: Option<HostFailure>,
+}
+
+impl HostFt {
+    fn new(ctl: Box<dyn Group>, members: Vec<usize>, meshes: Meshes) -> HostFt {
+        let data = {
+            let mut all = meshes.lock().unwrap();
+            let mesh = all.entry(members.clone()).or_insert_with(|| {
+                channel_transports(members.len(), false)
+                    .into_iter()
+                    .map(Some)
+                    .collect()
+            });
+            mesh[ctl.rank()].take().unwrap()
+        };
+        HostFt {
+            data,
+            ctl,
+            members,
+            meshes,
+            failure: None,
+        }
+    }
+}
+
+impl HostTransport for HostFt {
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), String> {
+        self.data.send(peer, data)
+    }
+    fn recv(&mut self, peer: usize, data: &mut [u8]) -> Result<(), String> {
+        self.data.recv(peer, data)
+    }
+    fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Option<Result<(), String>> {
+        Some(self.ctl.all_gather(mine, out).map_err(|e| {
+            self.failure = match e.status() {
+                Status::Timeout => Some(HostFailure::Timeout),
+                _ => Some(HostFailure::PeerFailure),
+            };
+            e.to_string()
+        }))
+    }
+    fn failure_kind(&self) -> Option<HostFailure> {
+        self.failure
+    }
+    fn lost_ranks(&self) -> Option<Result<Vec<usize>, String>> {
+        Some(Ok(self.ctl.lost_ranks()))
+    }
+    fn shrink(&mut self, excluded: &[usize]) -> Option<Result<Box<dyn HostTransport>, String>> {
+        let ctl = match self.ctl.shrink(excluded) {
+            Ok(g) => g,
+            Err(e) => return Some(Err(e.to_string())),
+        };
+        let members = (0..self.members.len())
+            .filter(|r| !excluded.contains(r))
+            .map(|r| self.members[r])
+            .collect();
+        Some(Ok(Box::new(HostFt::new(ctl, members, self.meshes.clone()))))
     }
 }
 
