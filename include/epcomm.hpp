@@ -404,6 +404,9 @@ public:
     MoeConfig &max_tokens_per_rank(int64_t m) { return set(c_.max_tokens_per_rank, m); }
     MoeConfig &apply_router_weight_on_input(bool on) { return set(c_.apply_router_weight_on_input, on); }
     MoeConfig &dispatch_fp8(Fp8 mode) { return set(c_.dispatch_fp8, static_cast<int64_t>(mode)); }
+    /// vLLM's enable_fault_tolerance (deepep_low_latency, nixl_ep): a dead or stalled peer
+    /// fails the call in progress, then the survivors continue with that rank masked.
+    MoeConfig &fault_tolerance(bool on) { return set(c_.enable_fault_tolerance, on); }
     /// Bytes per token of each extra payload that travels with the rows.
     MoeConfig &extra_row_bytes(std::vector<int64_t> bytes) {
         extras_ = std::move(bytes);
@@ -623,7 +626,7 @@ private:
 class All2All {
 public:
     All2All(const Group &group, const std::string &backend, const epcomm_moe_config &config)
-        : hidden_size_(config.hidden_size), expert_dtype_(config.expert_dtype) {
+        : hidden_size_(config.hidden_size), expert_dtype_(config.expert_dtype), world_(group.size()) {
         check(epcomm_all2all_create(group.get(), backend.c_str(), &config, a_.out()));
     }
 
@@ -683,10 +686,42 @@ public:
         return s;
     }
 
+    // Fault tolerance (MoeConfig::fault_tolerance), with vLLM's All2AllManagerBase semantics.
+
+    /// vLLM's query_active_mask: one entry per rank, 0 = live, 1 = masked (all 0 without a
+    /// failure).
+    std::vector<int32_t> active_mask() const {
+        std::vector<int32_t> mask(static_cast<size_t>(world_));
+        check(epcomm_all2all_query_active_mask(a_.get(), mask.data(), mask.size()));
+        return mask;
+    }
+    /// vLLM's query_fault: whether the mask changed since the last clean_buffers.
+    bool query_fault() const {
+        bool fault = false;
+        check(epcomm_all2all_query_fault(a_.get(), &fault));
+        return fault;
+    }
+    /// vLLM's clean_buffers, the recovery point (rank-local): zeroes the receive buffers,
+    /// forgets the last dispatch and makes the current mask query_fault's baseline.
+    void clean_buffers() { check(epcomm_all2all_clean_buffers(a_.get())); }
+    /// This rank's (token, expert) pairs dropped for masked ranks' experts.
+    struct DroppedPairs {
+        /// By the last dispatch.
+        uint64_t last;
+        /// Since the manager was created.
+        uint64_t total;
+    };
+    DroppedPairs dropped_pairs() const {
+        DroppedPairs d{0, 0};
+        check(epcomm_all2all_dropped_pairs(a_.get(), &d.last, &d.total));
+        return d;
+    }
+
 private:
     Owned<epcomm_all2all, epcomm_all2all_destroy> a_;
     int64_t hidden_size_;
     epcomm_dtype expert_dtype_;
+    int32_t world_;
 };
 
 /// GPU dispatch modes (EPCOMM_GPU_MODE_*).
@@ -735,6 +770,13 @@ public:
     /// Synchronises `stream` and throws the device's error of the last dispatch/combine (bad
     /// ids, a full bucket): capacity mode's way to learn of bad input.
     void check_error(void *stream) { check(epcomm_gpu_all2all_check_error(a_.get(), stream)); }
+    /// The device pool: buffers and bytes held, reserved at creation, reallocations since.
+    epcomm_gpu_all2all_stats stats() const {
+        epcomm_gpu_all2all_stats st{};
+        st.struct_size = sizeof st;
+        check(epcomm_gpu_all2all_get_stats(a_.get(), &st));
+        return st;
+    }
 
 private:
     GpuAll2All() = default;

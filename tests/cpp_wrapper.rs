@@ -1,12 +1,15 @@
 //! The header-only C++17 wrapper include/epcomm.hpp, under ASan+UBSan against the shared
-//! library: tests/cpp/wrapper_test.cpp (one process: exceptions with vLLM's message and class,
-//! RAII handles, a one-rank MoE round trip, names, logging, the config builder, DLPack exports,
-//! the GPU manager without CUDA/NCCL), tests/cpp/eplb_policy_test.cpp (vLLM's EPLB policy
-//! steps, migration batches and layer plans on vLLM's vectors) and tests/cpp/ranks_test.cpp
-//! (two forked ranks of a shared-memory group: send/recv, shared buffers and zero-copy
-//! combines, extras, FP8 dispatch, the EPLB communicator and rearrangements, load statistics;
-//! the parent checks that nothing is left in /dev/shm) and tests/cpp/ft_test.cpp (three
-//! ranks, one killed: the survivors' error, lost ranks, their shrunk group, the lost experts).
+//! library: tests/cpp/wrapper_test.cpp (one process, as C++17 and C++20: exceptions with
+//! vLLM's message and class, RAII handles, a one-rank MoE round trip, a host-transport group,
+//! names, logging, the config builder, DLPack exports, the GPU manager without CUDA/NCCL),
+//! tests/cpp/eplb_policy_test.cpp (vLLM's EPLB policy steps, migration batches, layer plans
+//! and lost experts on vLLM's vectors), tests/cpp/ranks_test.cpp (two forked ranks of a
+//! shared-memory group: send/recv, shared buffers and zero-copy combines, extras, FP8
+//! dispatch, the EPLB communicator and every rearrangement, load statistics) and
+//! tests/cpp/ft_test.cpp (three ranks, one killed: the fault-tolerant manager's error, mask,
+//! recovery and dropped pairs, the group's lost ranks, the survivors' shrunk group and their
+//! rearrangement with lost experts). The forking programs' parents check that nothing is left
+//! in /dev/shm.
 
 mod common;
 

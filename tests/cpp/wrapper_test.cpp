@@ -145,6 +145,17 @@ static void test_round_trip(const std::string &name) {
     const float want[6] = {2.5f, 5.0f, 7.5f, 8.0f, 10.0f, 12.0f};
     CHECK(std::memcmp(combined.data(), want, sizeof want) == 0);
     CHECK(a2a.stats().world_size == 1);
+    // Fault tolerance is for deepep_low_latency and nixl_ep only (vLLM's ValueError in
+    // vllm/v1/worker/sentinel/gpu_worker_sentinel.py).
+    epcomm::MoeConfig ft;
+    ft.experts(4).top_k(2).hidden_size(3).dtypes(epcomm::f32()).max_tokens_per_rank(4).fault_tolerance(true);
+    CHECK(ft.get().enable_fault_tolerance);
+    CHECK_THROWS(epcomm::All2All(g, "deepep_high_throughput", ft), EPCOMM_ERROR_INVALID_ARGUMENT,
+                 "Fault tolerance requires an FT-capable all2all backend (one of ['deepep_low_latency', "
+                 "'nixl_ep']), but got 'deepep_high_throughput'.");
+    epcomm::All2All tolerant(g, "deepep_low_latency", ft);
+    CHECK(tolerant.active_mask() == std::vector<int32_t>{0} && !tolerant.query_fault());
+    CHECK_NOTHROW(tolerant.clean_buffers());
     epcomm::All2All moved = std::move(a2a);
     try {
         moved.check_layer(3, 4);
@@ -295,7 +306,11 @@ static void test_gpu() {
                  EPCOMM_ERROR_NULL_POINTER, "argument 'nccl_comm' must not be NULL");
     if (nccl.empty() && cuda.empty()) {
         epcomm::NcclUniqueId id = epcomm::nccl_unique_id();
-        CHECK_NOTHROW(epcomm::GpuAll2All("deepep_low_latency", c, id, 0, 1, 0, epcomm::GpuMode::Capacity));
+        CHECK_NOTHROW({
+            epcomm::GpuAll2All a("deepep_low_latency", c, id, 0, 1, 0, epcomm::GpuMode::Capacity);
+            const epcomm_gpu_all2all_stats st = a.stats();
+            CHECK(st.pool_reserved_bytes > 0 && st.pool_reallocations == 0);
+        });
         return;
     }
     const std::string why = no_feature || cuda.empty() ? nccl : cuda;
