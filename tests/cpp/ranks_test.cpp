@@ -44,6 +44,27 @@ static void test_group(epcomm::Group &g, int rank) {
     CHECK(g.lost_ranks() == (std::vector<int32_t>{0, 0}));  // nothing failed
 }
 
+// The row collectives: rank r contributes r + 1 rows of two floats, 10 r + i.
+static void test_collectives(epcomm::Group &g, int rank) {
+    std::vector<float> mine(2 * (rank + 1)), all(2 * 3, -1.0f);
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] = float(10 * rank) + float(i);
+    g.all_gatherv(Tensor::of(mine, {rank + 1, 2}), {1, 2}, Tensor::of(all, {3, 2}));
+    CHECK(all == (std::vector<float>{0, 1, 10, 11, 12, 13}));
+    // Sum of both ranks' [3, 2] rows; rank 0 keeps row 0, rank 1 rows 1 and 2.
+    std::vector<float> in(6), part(2 * (rank + 1), -1.0f);
+    for (int i = 0; i < 6; ++i) in[i] = float(i * (rank + 1));
+    g.reduce_scatterv(Tensor::of(in, {3, 2}), {1, 2}, Tensor::of(part, {rank + 1, 2}));
+    CHECK(part == (rank == 0 ? std::vector<float>{0, 3} : std::vector<float>{6, 9, 12, 15}));
+    // Rank r sends rows r, r to rank 0 and row 100 + r to rank 1 (int32).
+    std::vector<int32_t> send = {rank, rank, 100 + rank}, recv(rank == 0 ? 4 : 2, -1);
+    g.all_to_allv(Tensor::of(send, {3, 1}), {2, 1}, Tensor::of(recv, {int64_t(recv.size()), 1}),
+                  rank == 0 ? std::vector<int64_t>{2, 2} : std::vector<int64_t>{1, 1});
+    CHECK(recv == (rank == 0 ? std::vector<int32_t>{0, 0, 1, 1} : std::vector<int32_t>{100, 101}));
+    std::vector<int64_t> b = {rank == 1 ? 7 : -1, rank == 1 ? 8 : -1};
+    g.broadcast(Tensor::of(b, {2}), 1);
+    CHECK(b == (std::vector<int64_t>{7, 8}));
+}
+
 static void test_shared_buffer(epcomm::Group &g, const std::string &name) {
     CHECK_THROWS(g.alloc(0), EPCOMM_ERROR_INVALID_ARGUMENT, "bytes is 0: expected at least 1");
     epcomm::SharedBuffer b = g.alloc(4097);
@@ -493,6 +514,7 @@ static void test_record_dispatch(epcomm::Group &g, int rank) {
 
 static void run_all(epcomm::Group &g, const std::string &name, int rank) {
     test_group(g, rank);
+    test_collectives(g, rank);
     test_shared_buffer(g, name);
     g.barrier();
     for (const char *backend : {"deepep_low_latency", "deepep_v2"}) test_zero_copy(g, rank, backend);

@@ -145,6 +145,15 @@ static void test_round_trip(const std::string &name) {
     const float want[6] = {2.5f, 5.0f, 7.5f, 8.0f, 10.0f, 12.0f};
     CHECK(std::memcmp(combined.data(), want, sizeof want) == 0);
     CHECK(a2a.stats().world_size == 1);
+    // A device view is refused by the host manager, naming it.
+    epcomm::Tensor on_gpu = epcomm::Tensor::of(x, {2, 3});
+    on_gpu.on(EPCOMM_DEVICE_CUDA, 1);
+    CHECK(on_gpu.device().device_type == EPCOMM_DEVICE_CUDA && on_gpu.device().device_id == 1);
+    CHECK_THROWS(a2a.dispatch(on_gpu, epcomm::Tensor::of(ids, {2, 2}), epcomm::Tensor::of(w, {2, 2})),
+                 EPCOMM_ERROR_INVALID_ARGUMENT,
+                 "tensor 'hidden' is on device type CUDA (2); the host-tensor functions take host memory "
+                 "(EPCOMM_DEVICE_CPU = 1): use epcomm_gpu_all2all_dispatch / epcomm_gpu_all2all_combine for "
+                 "CUDA tensors");
     // Fault tolerance is for deepep_low_latency and nixl_ep only (vLLM's ValueError in
     // vllm/v1/worker/sentinel/gpu_worker_sentinel.py).
     epcomm::MoeConfig ft;
