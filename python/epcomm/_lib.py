@@ -167,6 +167,18 @@ class MoeConfig(ctypes.Structure):
     ]
 
 
+class GpuStats(ctypes.Structure):
+    """epcomm_gpu_all2all_stats."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("pool_buffers", ctypes.c_uint64),
+        ("pool_bytes", ctypes.c_uint64),
+        ("pool_reserved_bytes", ctypes.c_uint64),
+        ("pool_reallocations", ctypes.c_uint64),
+    ]
+
+
 class DispatchOutput(ctypes.Structure):
     """epcomm_dispatch_output."""
 
@@ -403,6 +415,7 @@ def _more_signatures() -> dict:
         "epcomm_gpu_all2all_dispatch": (i32, [vp, vp, T, T, T, T, sz, P(DispatchOutput)]),
         "epcomm_gpu_all2all_combine": (i32, [vp, vp, T, T]),
         "epcomm_gpu_all2all_check_error": (i32, [vp, vp]),
+        "epcomm_gpu_all2all_get_stats": (i32, [vp, P(GpuStats)]),
         "epcomm_dlpack_export": (i32, [T, ctypes.c_bool, vp, vp, P(vp)]),
         "epcomm_dlpack_delete": (None, [vp]),
         "epcomm_dlpack_delete_versioned": (None, [vp]),

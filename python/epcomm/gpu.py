@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from ._dlpack import Buffer
 from ._handle import Handle
-from ._lib import DispatchOutput, Tensor, i32, load_library, vp
+from ._lib import DispatchOutput, GpuStats, Tensor, i32, load_library, vp
 from ._tensor import Arg
 from .all2all import OUTPUT_TENSORS, _Config
 from .errors import InvalidArgumentError, check
@@ -133,6 +133,16 @@ class GpuAll2All(Handle):
         check(load_library().epcomm_gpu_all2all_combine(self._h, _stream(stream), a.ptr,
                                                         o.ptr))
         return out
+
+    def pool_stats(self) -> Dict[str, int]:
+        """The handle's device pool (epcomm_gpu_all2all_get_stats): "pool_buffers",
+        "pool_bytes", "pool_reserved_bytes" (allocated at creation) and "pool_reallocations"
+        (allocations by calls after creation; 0 while every call stays within
+        max_tokens_per_rank)."""
+        st = GpuStats()
+        st.struct_size = ctypes.sizeof(GpuStats)
+        check(load_library().epcomm_gpu_all2all_get_stats(self._h, ctypes.byref(st)))
+        return {name: getattr(st, name) for name, _ in GpuStats._fields_[1:]}
 
     def check_error(self, stream: Any = None) -> None:
         """Synchronises ``stream`` and raises the device error of the last dispatch/combine
