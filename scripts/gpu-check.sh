@@ -134,7 +134,7 @@ run_sanitizer() { # tool budget_seconds
   fi
   say "gpu-check: $name (timeout ${budget}s)"
   rm -rf "$dir" "$res"
-  timeout --kill-after=5 "$budget" "$sanitizer" --tool "$tool" --error-exitcode 86 \
+  EPCOMM_NVRTC_LINEINFO=1 timeout --kill-after=5 "$budget" "$sanitizer" --tool "$tool" --error-exitcode 86 \
     --log-file "$OUT/$name.log" "$bin" kernels --sanitize --out "$dir" >>"$log" 2>&1
   rc=$?
   errors="$(grep -oE 'ERROR SUMMARY: [0-9]+' "$OUT/$name.log" 2>/dev/null | tail -n 1 | grep -oE '[0-9]+$')"

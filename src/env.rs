@@ -9,6 +9,7 @@
 //! | `EPCOMM_FAULT_POINT` | one of [`crate::fault::POINTS`] (test use: the process kills itself there) | no fault | no fault |
 //! | `EPCOMM_NVRTC_PATH` | a UTF-8 path: `libnvrtc.so.*` or a directory holding it | default search | default search (non-UTF-8); a path that does not hold NVRTC is an error of the first NVRTC use, naming it |
 //! | `EPCOMM_CACHE_DIR` | any path (created on first use) | `$XDG_CACHE_HOME/epcomm`, else `~/.cache/epcomm` | — |
+//! | `EPCOMM_NVRTC_LINEINFO` | `1` (compile the CUDA kernels with `-lineinfo`: source lines in compute-sanitizer and profiler reports), `0` | `0` | `0` |
 //!
 //! Values other than paths are trimmed of surrounding whitespace; an empty value counts as unset. A value
 //! outside what is accepted logs one warning per process and variable that names the variable,
@@ -21,7 +22,7 @@
 //! `EPCOMM_TEST_*`, the `epcomm` tool passes `EPCOMM_CLI_*` to its own rank processes.
 //!
 //! Variables read once per process: `EPCOMM_LOG_LEVEL`, `EPCOMM_NO_SIMD`, `EPCOMM_FAULT_POINT`,
-//! `EPCOMM_NVRTC_PATH`, `EPCOMM_CACHE_DIR`. `EPCOMM_TIMEOUT_S` and `EPCOMM_SHM_DIRECT` are read
+//! `EPCOMM_NVRTC_PATH`, `EPCOMM_CACHE_DIR`, `EPCOMM_NVRTC_LINEINFO`. `EPCOMM_TIMEOUT_S` and `EPCOMM_SHM_DIRECT` are read
 //! again by every group created, so a host may change them between groups.
 
 use std::collections::HashSet;
@@ -46,6 +47,8 @@ pub const FAULT_POINT: &str = "EPCOMM_FAULT_POINT";
 pub const NVRTC_PATH: &str = "EPCOMM_NVRTC_PATH";
 /// The on-disk cache of compiled GPU kernels.
 pub const CACHE_DIR: &str = "EPCOMM_CACHE_DIR";
+/// Compile the CUDA kernels with line information.
+pub const NVRTC_LINEINFO: &str = "EPCOMM_NVRTC_LINEINFO";
 
 /// The largest `EPCOMM_TIMEOUT_S` (the bound `epcomm_group_options.timeout_s` has too): one
 /// day. A longer bound is no bound in practice (a hung peer would never be reported), and far
@@ -203,6 +206,14 @@ pub fn nvrtc_path() -> Option<String> {
             None
         }
     }
+}
+
+/// `EPCOMM_NVRTC_LINEINFO`: whether kernels are compiled with `-lineinfo` (default and
+/// invalid: no; it only adds debug information, so a value that is not `1` keeps the default).
+/// Read once per process.
+pub fn nvrtc_lineinfo() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| flag(NVRTC_LINEINFO, false).unwrap_or(false))
 }
 
 /// `EPCOMM_CACHE_DIR`, if set (any path).

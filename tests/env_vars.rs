@@ -95,6 +95,14 @@ fn child() {
                 Some(std::path::PathBuf::from(expect()))
             );
         }
+        "nvrtc_lineinfo" => {
+            let v = epcomm::gpu::kernels::variants().into_iter().next().unwrap();
+            for _ in 0..2 {
+                let (_, opts) = epcomm::gpu::kernels::source(&v);
+                let has = opts.iter().any(|o| o == "-lineinfo");
+                assert_eq!(has, expect() == "1", "{opts:?}");
+            }
+        }
         other => panic!("unknown case {other}"),
     }
 }
@@ -273,4 +281,19 @@ fn cache_dir() {
         "/tmp/epcomm cache",
         &[],
     );
+}
+
+#[test]
+fn nvrtc_lineinfo() {
+    let var = "EPCOMM_NVRTC_LINEINFO";
+    check(
+        "nvrtc_lineinfo",
+        var,
+        "yes",
+        "0",
+        &[&invalid(var, "yes", "0 or 1", "0")],
+    );
+    check("nvrtc_lineinfo", var, "1", "1", &[]);
+    check("nvrtc_lineinfo", var, "0", "0", &[]);
+    check("nvrtc_lineinfo", var, "", "0", &[]);
 }

@@ -314,6 +314,10 @@ pub fn source(v: &Variant) -> (String, Vec<String>) {
     src.push_str(v.module.body());
     let mut opts = vec!["-std=c++17".to_string()];
     opts.extend(v.defines());
+    if crate::env::nvrtc_lineinfo() {
+        // Source lines in compute-sanitizer and profiler reports; no effect on the code.
+        opts.push("-lineinfo".to_string());
+    }
     (src, opts)
 }
 
