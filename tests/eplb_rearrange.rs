@@ -374,6 +374,7 @@ fn staged_and_double_buffered(
             rank_mapping: mapping.as_deref(),
             dtypes: &[],
             migration_batching: batching,
+            ..RearrangeOptions::default()
         };
         let mut c = comm();
         let mut staged = live.clone();

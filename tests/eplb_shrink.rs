@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use epcomm::eplb::lost_experts;
 use epcomm::eplb::rearrange::{
-    lost_by_layer, rearrange_into_with_lost, rearrange_with_lost, LayerView, LostExperts,
-    RearrangeOptions, Summary,
+    lost_by_layer, rearrange_into, rearrange_with, LayerView, LostExperts, RearrangeOptions,
+    Summary,
 };
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
@@ -116,13 +116,14 @@ fn run(
         let options = RearrangeOptions {
             rank_mapping: Some(&mapping),
             migration_batching: mode.batching,
+            lost: mode.lost,
             ..RearrangeOptions::default()
         };
         let mut live = start(r);
         let before = live.clone();
         if !mode.double_buffered {
             let mut views = eplb_fixture::views(&mut live);
-            let res = rearrange_with_lost(
+            let res = rearrange_with(
                 &mut g,
                 c.as_mut(),
                 &old,
@@ -130,7 +131,6 @@ fn run(
                 &mut views,
                 &ROW_BYTES,
                 &options,
-                mode.lost,
             );
             let unchanged = live == before;
             return (live, unchanged, res);
@@ -145,7 +145,7 @@ fn run(
             .collect();
         let out = {
             let mut nv = eplb_fixture::views(&mut next);
-            rearrange_into_with_lost(
+            rearrange_into(
                 &mut g,
                 c.as_mut(),
                 &old,
@@ -154,7 +154,6 @@ fn run(
                 &mut nv,
                 &ROW_BYTES,
                 &options,
-                mode.lost,
             )
         };
         let valid = if out.result.is_ok() { LAYERS } else { 0 };
@@ -241,19 +240,20 @@ fn ranks_that_disagree_on_lost_experts_fail_alike() {
     let res = ranks::on_threads(3, move |r| {
         let mut g = ShmGroup::join(&name, r, 3, opts()).unwrap();
         let mut c = eplb_fixture::gloo_cpu().unwrap();
-        let options = RearrangeOptions {
-            rank_mapping: Some(&MAPPING),
-            ..RearrangeOptions::default()
-        };
         let lost = if r == 0 {
             LostExperts::LeaveUnwritten
         } else {
             LostExperts::Refuse
         };
+        let options = RearrangeOptions {
+            rank_mapping: Some(&MAPPING),
+            lost,
+            ..RearrangeOptions::default()
+        };
         let mut w = weights(4).all(&old, SURVIVORS[r]);
         let before = w.clone();
         let mut views = eplb_fixture::views(&mut w);
-        let e = rearrange_with_lost(
+        let e = rearrange_with(
             &mut g,
             c.as_mut(),
             &old,
@@ -261,7 +261,6 @@ fn ranks_that_disagree_on_lost_experts_fail_alike() {
             &mut views,
             &ROW_BYTES,
             &options,
-            lost,
         )
         .unwrap_err();
         drop(views);
@@ -412,8 +411,7 @@ fn eplb_shrink_rank() {
     };
     let result = {
         let mut views = eplb_fixture::views(&mut w);
-        let lost = LostExperts::Refuse;
-        rearrange_with_lost(
+        rearrange_with(
             s.as_mut(),
             c.as_mut(),
             &old,
@@ -421,7 +419,6 @@ fn eplb_shrink_rank() {
             &mut views,
             &ROW_BYTES,
             &options,
-            lost,
         )
     };
     if std::env::var("ES_CASE").as_deref() == Ok("second") {

@@ -4042,6 +4042,7 @@ fn rust_rearrange(
         rank_mapping: mapping,
         dtypes: &u8s,
         migration_batching: batching,
+        ..Default::default()
     };
     let mut views: Vec<Vec<&mut [u8]>> = (w.iter_mut())
         .map(|l| l.iter_mut().map(|t| t.as_mut_slice()).collect())

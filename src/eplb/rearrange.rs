@@ -58,13 +58,6 @@ pub enum LostExperts {
     LeaveUnwritten,
 }
 
-/// Every option of a rearrangement.
-#[derive(Debug, Clone, Copy)]
-struct Opts<'a> {
-    base: RearrangeOptions<'a>,
-    lost: LostExperts,
-}
-
 /// How a rearrangement runs; every rank must pass the same.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RearrangeOptions<'a> {
@@ -76,6 +69,10 @@ pub struct RearrangeOptions<'a> {
     /// enable_migration_batching`): run each layer's transfers batch by batch as vLLM
     /// v0.33.0's migration scheduler orders them.
     pub migration_batching: bool,
+    /// What happens to logical experts the new placement needs but no member rank holds (after
+    /// a failure: experts whose every replica was on a removed rank); every rank must pass the
+    /// same.
+    pub lost: LostExperts,
 }
 
 /// One transfer of a rank's plan: `Send(i)` is `plan.sends[i]`, `Recv(i)` is `plan.recvs[i]`.
@@ -264,7 +261,7 @@ fn move_layer(
 /// changes (see [`apply_rank_mapping`]): with one entry per rank of the group, a scale-down on
 /// the old group (ranks that leave send their experts and keep none); with fewer, a scale-up
 /// on the grown group (new ranks start empty); with more, a scale-down after a failure on the
-/// group of survivors (see [`rearrange_with_lost`]).
+/// group of survivors (see [`rearrange_with`]).
 /// Collective. The staging buffers (one layer of this rank's weights) stay allocated on the
 /// calling thread for the next rearrangement.
 pub fn rearrange(
@@ -295,13 +292,21 @@ pub fn rearrange_typed(
     let options = RearrangeOptions {
         rank_mapping,
         dtypes,
-        migration_batching: false,
+        ..RearrangeOptions::default()
     };
     rearrange_with(g, comm, old, new, weights, row_bytes, &options)
 }
 
-/// [`rearrange`] with every option (the rank mapping, the dtypes, migration batching), which
-/// every rank must pass alike: a disagreement fails every rank before any layer moves.
+/// [`rearrange`] with every option (the rank mapping, the dtypes, migration batching, lost
+/// experts), which every rank must pass alike: a disagreement fails every rank before any layer
+/// moves.
+///
+/// A rank mapping longer than the group is a scale-down after a failure: the group is the
+/// surviving ranks (`rank_mapping[r] >= 0`, renumbered as the mapping says), the removed ranks
+/// are not members and send nothing, and the old placement is read as the survivors hold it
+/// ([`survivors_placement`]): the new placement (group size x slots per rank) is sourced from
+/// surviving replicas only. A lost expert is then refused on every rank with a message naming
+/// the layer, the experts and the removed ranks, unless `options.lost` leaves it unwritten.
 pub fn rearrange_with(
     g: &mut dyn Group,
     comm: &mut dyn EplbCommunicator,
@@ -311,35 +316,6 @@ pub fn rearrange_with(
     row_bytes: &[usize],
     options: &RearrangeOptions<'_>,
 ) -> Result<Summary> {
-    let lost = LostExperts::Refuse;
-    rearrange_with_lost(g, comm, old, new, weights, row_bytes, options, lost)
-}
-
-/// [`rearrange_with`], choosing what happens to logical experts the new placement needs but no
-/// member rank holds ([`LostExperts`]; [`rearrange_with`] refuses them). Every rank must pass
-/// the same `lost`.
-///
-/// A rank mapping longer than the group is a scale-down after a failure: the group is the
-/// surviving ranks (`rank_mapping[r] >= 0`, renumbered as the mapping says), the removed ranks
-/// are not members and send nothing, and the old placement is read as the survivors hold it
-/// ([`survivors_placement`]): the new placement (group size x slots per rank) is sourced from
-/// surviving replicas only. A lost expert is then refused on every rank with a message naming
-/// the layer, the experts and the removed ranks.
-#[allow(clippy::too_many_arguments)]
-pub fn rearrange_with_lost(
-    g: &mut dyn Group,
-    comm: &mut dyn EplbCommunicator,
-    old: &[Vec<i64>],
-    new: &[Vec<i64>],
-    weights: &mut [LayerWeights<'_>],
-    row_bytes: &[usize],
-    options: &RearrangeOptions<'_>,
-    lost: LostExperts,
-) -> Result<Summary> {
-    let options = &Opts {
-        base: *options,
-        lost,
-    };
     let _rank = crate::log::rank_scope(g.rank());
     let shape = check_layers(old.len(), new.len(), weights.len());
     // Every rank checks its own arguments, then all agree on what they rearrange before any
@@ -374,9 +350,8 @@ fn header(
     old: &[Vec<i64>],
     new: &[Vec<i64>],
     row_bytes: &[usize],
-    opts: &Opts<'_>,
+    options: &RearrangeOptions<'_>,
 ) -> [u64; WORDS] {
-    let options = &opts.base;
     use crate::bytes::fnv1a;
     let maps = |m: &[Vec<i64>]| {
         fnv1a(
@@ -401,7 +376,7 @@ fn header(
             .rank_mapping
             .map_or(0, |m| 1 + fnv1a(m.iter().map(|&x| x as u64))),
         u64::from(options.migration_batching),
-        u64::from(opts.lost == LostExperts::LeaveUnwritten),
+        u64::from(options.lost == LostExperts::LeaveUnwritten),
         u64::from(post_failure(options.rank_mapping, world)),
     ]
 }
@@ -443,7 +418,7 @@ fn plans(
     new: &[Vec<i64>],
     weights: &[Vec<usize>],
     row_bytes: &[usize],
-    options: &Opts<'_>,
+    options: &RearrangeOptions<'_>,
 ) -> Result<Vec<LayerMoves>> {
     let mut plans = Vec::with_capacity(old.len());
     for (l, ((o, n), w)) in old.iter().zip(new).zip(weights).enumerate() {
@@ -471,7 +446,7 @@ fn plans(
         }
         // The plan refuses an expert no rank holds before the schedule (which skips it) is made.
         let plan = plan_layer(&o, &n, n_local, me)?;
-        let executes = if options.base.migration_batching {
+        let executes = if options.migration_batching {
             batched_executes(&plan, &schedule_migration_batches(n_local, &o, &n)?, me)?
         } else {
             one_execute(&plan)
@@ -498,10 +473,10 @@ fn group_maps(
     world: usize,
     o: &[i64],
     n: &[i64],
-    options: &Opts<'_>,
+    options: &RearrangeOptions<'_>,
 ) -> Result<(Vec<i64>, Vec<i64>, Vec<i64>)> {
     let mut removed = Vec::new();
-    let (o, mut n) = match options.base.rank_mapping {
+    let (o, mut n) = match options.rank_mapping {
         Some(m) if m.len() > world => {
             let n_local = n.len() / world;
             if n_local == 0 || n.len() % world != 0 {
@@ -531,7 +506,7 @@ fn group_maps(
             }
             Ok((o, n, lost))
         }
-        LostExperts::Refuse if post_failure(options.base.rank_mapping, world) => {
+        LostExperts::Refuse if post_failure(options.rank_mapping, world) => {
             Err(Error::InvalidArgument(format!(
                 "rearrange: layer {l} needs logical experts {lost:?}, which have no replica on a surviving rank (rank_mapping removes ranks {removed:?}); their weights are gone: allow lost experts to rearrange the others and leave their slots unwritten (the call reports them; load their weights there afterwards), or choose a new placement without them"
             )))
@@ -750,29 +725,6 @@ pub fn rearrange_into(
     row_bytes: &[usize],
     options: &RearrangeOptions<'_>,
 ) -> Rearranged {
-    let lost = LostExperts::Refuse;
-    rearrange_into_with_lost(g, comm, old, new, live, next, row_bytes, options, lost)
-}
-
-/// [`rearrange_into`], choosing what happens to lost experts as [`rearrange_with_lost`] does;
-/// under [`LostExperts::LeaveUnwritten`] a lost expert's next rows are copied from the same
-/// slot's live rows (the bytes the slot held before). Every rank must pass the same `lost`.
-#[allow(clippy::too_many_arguments)]
-pub fn rearrange_into_with_lost(
-    g: &mut dyn Group,
-    comm: &mut dyn EplbCommunicator,
-    old: &[Vec<i64>],
-    new: &[Vec<i64>],
-    live: &[LayerView<'_>],
-    next: &mut [LayerWeights<'_>],
-    row_bytes: &[usize],
-    options: &RearrangeOptions<'_>,
-    lost: LostExperts,
-) -> Rearranged {
-    let options = &Opts {
-        base: *options,
-        lost,
-    };
     let _rank = crate::log::rank_scope(g.rank());
     let (me, world) = (g.rank(), g.size());
     let plans = check_layers(old.len(), new.len(), live.len())
@@ -889,9 +841,9 @@ pub fn lost_by_layer(
     options: &RearrangeOptions<'_>,
 ) -> Result<Vec<Vec<i64>>> {
     check_layers(old.len(), new.len(), old.len())?;
-    let opts = Opts {
-        base: *options,
+    let opts = RearrangeOptions {
         lost: LostExperts::LeaveUnwritten,
+        ..*options
     };
     let layers = old.iter().zip(new).enumerate();
     layers

@@ -625,11 +625,12 @@ impl OptionsArg {
         }
     }
 
-    fn base<'a>(&'a self, dtypes: &'a [crate::dtype::DType]) -> rearrange::RearrangeOptions<'a> {
+    fn options<'a>(&'a self, dtypes: &'a [crate::dtype::DType]) -> rearrange::RearrangeOptions<'a> {
         rearrange::RearrangeOptions {
             rank_mapping: self.mapping.as_deref(),
             dtypes,
             migration_batching: self.batching,
+            lost: self.lost,
         }
     }
 
@@ -640,7 +641,7 @@ impl OptionsArg {
     /// # Safety
     /// The output pointers are NULL or valid as epcomm_eplb_rearrange_options says.
     unsafe fn report_lost(&self, world: usize, old: &[Vec<i64>], new: &[Vec<i64>]) -> Result<()> {
-        let Ok(lost) = rearrange::lost_by_layer(world, old, new, &self.base(&[])) else {
+        let Ok(lost) = rearrange::lost_by_layer(world, old, new, &self.options(&[])) else {
             return Ok(());
         };
         let pairs: Vec<i64> = (lost.iter().enumerate())
@@ -727,15 +728,14 @@ impl RearrangeCall {
                     let (old, new, w, o) = prepared
                         .and_then(report)
                         .map_err(|e| rearrange::reject_rearrange(g, e))?;
-                    rearrange::rearrange_with_lost(
+                    rearrange::rearrange_with(
                         g,
                         c.comm.as_mut(),
                         &old,
                         &new,
                         &mut w.views(),
                         &w.row_bytes,
-                        &o.base(&w.dtypes),
-                        o.lost,
+                        &o.options(&w.dtypes),
                     )
                 })
             })
@@ -780,7 +780,7 @@ impl RearrangeCall {
                     // SAFETY: checked: the next tensors overlap neither each other nor the
                     // live ones, which are only read.
                     let (live, mut next) = (w.read_views(), next.views());
-                    let out = rearrange::rearrange_into_with_lost(
+                    let out = rearrange::rearrange_into(
                         g,
                         c.comm.as_mut(),
                         &old,
@@ -788,8 +788,7 @@ impl RearrangeCall {
                         &live,
                         &mut next,
                         &w.row_bytes,
-                        &o.base(&w.dtypes),
-                        o.lost,
+                        &o.options(&w.dtypes),
                     );
                     valid = out.next_valid;
                     out.result
