@@ -62,6 +62,7 @@ class MoeConfig(ctypes.Structure):
         ("num_extras", ctypes.c_size_t),
         ("apply_router_weight_on_input", ctypes.c_bool),
         ("dispatch_fp8", ctypes.c_int64),
+        ("enable_fault_tolerance", ctypes.c_bool),
     ]
 
 
