@@ -358,6 +358,59 @@ impl HostTransport for HostFt {
     }
 }
 
+/// Rank 3 stalls between its dispatch and its combine: the survivors' combine fails; a combine
+/// tried again (the dispatch was planned with rank 3 alive) fails on every survivor at once,
+/// never half-done; the next dispatch/combine works with rank 3 masked.
+#[test]
+fn a_combine_retried_after_a_loss_fails_alike_then_the_survivors_go_on() {
+    let name = ranks::unique("ft", "retry");
+    let results = ranks::on_threads(WORLD, move |rank| {
+        let mut g = ShmGroup::join(&name, rank, WORLD, opts(STALL_TIMEOUT)).unwrap();
+        let mut m = manager(rank);
+        let ex = experts();
+        let (x, ids, ws) = tokens(0, rank);
+        let xb = num::from_f32(&x, FloatKind::F32);
+        let y = {
+            let v = m.dispatch(&mut g, &xb, &ids, &ws, &[]).unwrap();
+            num::from_f32(
+                &ex.run_local(&v, FloatKind::F32, rank, WORLD, TOP_K),
+                FloatKind::F32,
+            )
+        };
+        if rank == 3 {
+            std::thread::sleep(STALL_TIMEOUT * 3);
+            return Vec::new();
+        }
+        let mut out = vec![0u8; x.len() * 4];
+        let first = m.combine(&mut g, &y, &mut out).unwrap_err();
+        let again = m.combine(&mut g, &y, &mut out).unwrap_err();
+        let next = one_step(&mut m, &mut g, &ex, 1);
+        vec![
+            (first.status(), first.to_string()),
+            (again.status(), again.to_string()),
+            {
+                (
+                    next.status.unwrap_or(Status::Ok),
+                    format!("{} {:?}", next.error, next.mask),
+                )
+            },
+        ]
+    });
+    for (rank, r) in results.iter().enumerate().take(3) {
+        assert_eq!(r[0].0, Status::Timeout, "rank {rank}: {r:?}");
+        assert!(r[0].1.contains("waiting for rank(s) 3"), "{r:?}");
+        assert_ne!(r[1].0, Status::Ok, "rank {rank}: {r:?}");
+        assert!(
+            r[1].1
+                .contains("combine called without a successful dispatch")
+                || r[1].1.contains("combine: rank 0 rejected its input"),
+            "rank {rank}: {r:?}"
+        );
+        assert_eq!(r[2].0, Status::Ok, "rank {rank}: {r:?}");
+        assert!(r[2].1.ends_with("[0, 0, 0, 1]"), "rank {rank}: {r:?}");
+    }
+}
+
 #[test]
 fn fault_tolerance_is_refused_for_the_backends_vllm_refuses() {
     let mut m = Manager::new("deepep_high_throughput", cfg(), 0, WORLD).unwrap();

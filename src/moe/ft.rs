@@ -133,17 +133,28 @@ impl Manager {
         if self.ft.absorb(lost) {
             self.forget_group_buffers();
         }
-        if !self.ft.any() {
+        let failed = |r: &Result<T>| r.as_ref().is_err_and(peer_lost);
+        let (r, lost) = if mask.contains(&true) {
+            let mut masked = MaskedGroup::new(cur, self.rank, &mask)?;
+            let r = f(self, &mut masked);
+            let lost = if failed(&r) {
+                masked.lost_ranks()
+            } else {
+                Vec::new()
+            };
+            (r, lost)
+        } else {
             let r = f(self, cur);
-            if r.as_ref().is_err_and(peer_lost) {
-                self.ft.absorb(cur.lost_ranks());
-            }
-            return r;
-        }
-        let mut masked = MaskedGroup::new(cur, self.rank, &mask)?;
-        let r = f(self, &mut masked);
-        if r.as_ref().is_err_and(peer_lost) {
-            self.ft.absorb(masked.lost_ranks());
+            let lost = if failed(&r) {
+                cur.lost_ranks()
+            } else {
+                Vec::new()
+            };
+            (r, lost)
+        };
+        // A dispatch planned with the rank alive must not be combined without it.
+        if self.ft.absorb(lost) {
+            self.forget_group_buffers();
         }
         r
     }
