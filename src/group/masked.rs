@@ -95,6 +95,12 @@ impl<'a> MaskedGroup<'a> {
         Ok(self.to_outer.iter().map(|&r| list[r].clone()).collect())
     }
 
+    /// `r`, or its error taken to the peers as this rank's rejection of `op` (they fail at
+    /// once instead of waiting for it).
+    fn rejecting<T>(&mut self, op: Op, r: Result<T>) -> Result<T> {
+        r.map_err(|e| self.inner.reject(op, e))
+    }
+
     /// The survivor number of a peer argument; a masked peer is an error.
     fn peer(&self, op: Op, what: &str, r: usize) -> Result<usize> {
         super::check_rank(what, op, r, self.to_inner.len())?;
@@ -127,7 +133,8 @@ impl Group for MaskedGroup<'_> {
 
     fn all_gatherv(&mut self, input: &[u8], sizes: &[usize], output: &mut [u8]) -> Result<()> {
         // Masked ranks add 0 bytes, so the output keeps the original layout.
-        let sizes = self.compress(Op::AllGatherv, "sizes", sizes, |&s| s == 0)?;
+        let sizes = self.compress(Op::AllGatherv, "sizes", sizes, |&s| s == 0);
+        let sizes = self.rejecting(Op::AllGatherv, sizes)?;
         self.inner.all_gatherv(input, &sizes, output)
     }
 
@@ -139,7 +146,8 @@ impl Group for MaskedGroup<'_> {
         kind: FloatKind,
         output: &mut [u8],
     ) -> Result<()> {
-        let rows = self.compress(Op::ReduceScatterv, "rows", rows, |&s| s == 0)?;
+        let rows = self.compress(Op::ReduceScatterv, "rows", rows, |&s| s == 0);
+        let rows = self.rejecting(Op::ReduceScatterv, rows)?;
         self.inner
             .reduce_scatterv(input, &rows, row_elems, kind, output)
     }
@@ -151,31 +159,39 @@ impl Group for MaskedGroup<'_> {
         recv: &mut [u8],
         recv_sizes: &[usize],
     ) -> Result<()> {
-        let s = self.compress(Op::AllToAllv, "send_sizes", send_sizes, |&s| s == 0)?;
-        let r = self.compress(Op::AllToAllv, "recv_sizes", recv_sizes, |&s| s == 0)?;
+        let op = Op::AllToAllv;
+        let both = self
+            .compress(op, "send_sizes", send_sizes, |&s| s == 0)
+            .and_then(|s| {
+                let r = self.compress(op, "recv_sizes", recv_sizes, |&s| s == 0)?;
+                Ok((s, r))
+            });
+        let (s, r) = self.rejecting(op, both)?;
         self.inner.all_to_allv(send, &s, recv, &r)
     }
 
     fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
-        let mut mapped = Vec::with_capacity(ops.len());
-        for (i, op) in ops.iter_mut().enumerate() {
-            let what = format!("ops[{i}].peer");
-            mapped.push(match op {
-                P2p::Send { peer, data } => P2p::Send {
-                    peer: self.peer(Op::SendRecv, &what, *peer)?,
-                    data,
-                },
-                P2p::Recv { peer, data } => P2p::Recv {
-                    peer: self.peer(Op::SendRecv, &what, *peer)?,
-                    data,
-                },
-            });
-        }
+        let peers: Result<Vec<usize>> = (ops.iter().enumerate())
+            .map(|(i, op)| {
+                let peer = match op {
+                    P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+                };
+                self.peer(Op::SendRecv, &format!("ops[{i}].peer"), peer)
+            })
+            .collect();
+        let peers = self.rejecting(Op::SendRecv, peers)?;
+        let mut mapped: Vec<P2p<'_>> = (ops.iter_mut().zip(peers))
+            .map(|(op, peer)| match op {
+                P2p::Send { data, .. } => P2p::Send { peer, data },
+                P2p::Recv { data, .. } => P2p::Recv { peer, data },
+            })
+            .collect();
         self.inner.send_recv(&mut mapped)
     }
 
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
-        let root = self.peer(Op::Broadcast, "root", root)?;
+        let root = self.peer(Op::Broadcast, "root", root);
+        let root = self.rejecting(Op::Broadcast, root)?;
         self.inner.broadcast(root, data)
     }
 
@@ -218,8 +234,11 @@ impl Group for MaskedGroup<'_> {
         dst: &mut [u8],
         take: &[Vec<u32>],
     ) -> Result<()> {
-        let give = self.compress(Op::ExchangeRows, "give", give, Vec::is_empty)?;
-        let take = self.compress(Op::ExchangeRows, "take", take, Vec::is_empty)?;
+        let op = Op::ExchangeRows;
+        let both = self
+            .compress(op, "give", give, Vec::is_empty)
+            .and_then(|g| Ok((g, self.compress(op, "take", take, Vec::is_empty)?)));
+        let (give, take) = self.rejecting(op, both)?;
         self.inner.exchange_rows(src, row_bytes, &give, dst, &take)
     }
 
@@ -233,8 +252,11 @@ impl Group for MaskedGroup<'_> {
         out_kind: FloatKind,
         take: &[Vec<(u32, f32)>],
     ) -> Result<()> {
-        let give = self.compress(Op::ReduceRows, "give", give, Vec::is_empty)?;
-        let take = self.compress(Op::ReduceRows, "take", take, Vec::is_empty)?;
+        let op = Op::ReduceRows;
+        let both = self
+            .compress(op, "give", give, Vec::is_empty)
+            .and_then(|g| Ok((g, self.compress(op, "take", take, Vec::is_empty)?)));
+        let (give, take) = self.rejecting(op, both)?;
         self.inner
             .reduce_rows(src, kind, row_elems, &give, out, out_kind, &take)
     }
