@@ -17,6 +17,7 @@ mod common;
 mod ranks;
 
 use channel::{channel_transports, ChannelTransport};
+use common::moe_fixture::max_rel_error;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
@@ -188,11 +189,7 @@ fn one_step(m: &mut Manager, g: &mut dyn Group, ex: &ToyExperts, step: usize) ->
     let live = masked_ids(&ids, &mask);
     let want = ex.reference(&x, &live, &ws, TOP_K, false);
     let got = num::to_f32(&out, FloatKind::F32);
-    let error = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
-        .fold(0f32, f32::max);
+    let error = max_rel_error(&got, &want);
     Step {
         step,
         status: None,
@@ -745,11 +742,7 @@ fn placed_step(
         }
     }
     let got = num::to_f32(&out, FloatKind::F32);
-    let err = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
-        .fold(0f32, f32::max);
+    let err = max_rel_error(&got, &want);
     Ok((err, m.stats().dropped_pairs))
 }
 

@@ -261,14 +261,10 @@ impl Group for MaskedGroup<'_> {
             .reduce_rows(src, kind, row_elems, &give, out, out_kind, &take)
     }
 
+    /// The inner group's lost ranks, renumbered: `to_outer` is increasing, so they stay sorted.
     fn lost_ranks(&self) -> Vec<usize> {
-        let mut lost: Vec<usize> = self
-            .inner
-            .lost_ranks()
-            .into_iter()
+        (self.inner.lost_ranks().into_iter())
             .filter_map(|i| self.to_outer.get(i).copied())
-            .collect();
-        lost.sort_unstable();
-        lost
+            .collect()
     }
 }

@@ -129,12 +129,12 @@ impl Manager {
             return f(self, g);
         }
         let (mask, cur) = survivors::current(g)?;
-        let lost: Vec<usize> = (0..mask.len()).filter(|&r| mask[r]).collect();
-        if self.ft.absorb(lost) {
+        let masked = mask.contains(&true);
+        if masked && self.ft.absorb((0..mask.len()).filter(|&r| mask[r])) {
             self.forget_group_buffers();
         }
         let failed = |r: &Result<T>| r.as_ref().is_err_and(peer_lost);
-        let (r, lost) = if mask.contains(&true) {
+        let (r, lost) = if masked {
             let mut masked = MaskedGroup::new(cur, self.rank, &mask)?;
             let r = f(self, &mut masked);
             let lost = if failed(&r) {

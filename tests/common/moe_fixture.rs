@@ -31,9 +31,14 @@ pub fn round_trip_error(
     m.combine(g, &y, &mut out)?;
     let got = num::to_f32(&out, FloatKind::F32);
     let want = experts.reference(&t.x, &t.ids, &t.ws, top_k, false);
-    Ok(got
-        .iter()
-        .zip(&want)
+    Ok(max_rel_error(&got, &want))
+}
+
+/// The largest difference of `got` from `want`, relative to the reference value (or to 1
+/// where that is smaller).
+pub fn max_rel_error(got: &[f32], want: &[f32]) -> f32 {
+    got.iter()
+        .zip(want)
         .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
-        .fold(0f32, f32::max))
+        .fold(0f32, f32::max)
 }
