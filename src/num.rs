@@ -318,6 +318,69 @@ pub fn store_streaming(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
     store_generic(acc, dst, kind)
 }
 
+/// One output row in one pass: `dst` (elements of `out_kind`) = the sum over `rows` of
+/// `w · row` (elements of `kind`), added in f32 in the order given, without FMA. Bit-identical
+/// to [`assign_scaled`] of the first row, [`accumulate_scaled`] of the rest and [`store`]
+/// (multiplying by 1 changes no value), but the partial sums stay in registers: each input
+/// byte is read once and each output byte written once. No rows give zeros. `streaming`
+/// writes past the caches as [`store_streaming`] does (call `copy::streaming_fence` after the
+/// batch).
+pub fn sum_rows(
+    rows: &[(&[u8], f32)],
+    kind: FloatKind,
+    dst: &mut [u8],
+    out_kind: FloatKind,
+    streaming: bool,
+) {
+    let n = dst.len() / out_kind.size();
+    debug_assert!(rows.iter().all(|(r, _)| r.len() == n * kind.size()));
+    #[cfg(target_arch = "x86_64")]
+    if x86::has_avx2_f16c() {
+        // SAFETY: the CPU supports AVX2 and F16C (checked at run time); every row holds `n`
+        // elements (the callers check the row sizes).
+        return unsafe { x86::sum_rows(rows, kind, dst, out_kind, streaming) };
+    }
+    sum_rows_generic(rows, kind, dst, out_kind)
+}
+
+/// Element `j` of [`sum_rows`] (the generic kernels on one element: the same arithmetic).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn sum_one(rows: &[(&[u8], f32)], kind: FloatKind, dst: &mut [u8], out_kind: FloatKind, j: usize) {
+    let es = kind.size();
+    let mut acc = [0f32];
+    for (i, (row, w)) in rows.iter().enumerate() {
+        let x = &row[es * j..es * (j + 1)];
+        if i == 0 {
+            add_kind_generic::<true, true>(&mut acc, x, kind, *w);
+        } else {
+            add_kind_generic::<true, false>(&mut acc, x, kind, *w);
+        }
+    }
+    store_generic(&acc, dst, out_kind);
+}
+
+/// [`sum_rows`] through the block kernels, in column chunks whose accumulator stays in L1.
+fn sum_rows_generic(rows: &[(&[u8], f32)], kind: FloatKind, dst: &mut [u8], out_kind: FloatKind) {
+    const CHUNK: usize = 256;
+    let (es, out_es) = (kind.size(), out_kind.size());
+    let n = dst.len() / out_es;
+    let mut acc = [0f32; CHUNK];
+    for c0 in (0..n).step_by(CHUNK) {
+        let c1 = (c0 + CHUNK).min(n);
+        let a = &mut acc[..c1 - c0];
+        a.fill(0.0);
+        for (i, (row, w)) in rows.iter().enumerate() {
+            let part = &row[c0 * es..c1 * es];
+            if i == 0 {
+                add_kind_generic::<true, true>(a, part, kind, *w);
+            } else {
+                add_kind_generic::<true, false>(a, part, kind, *w);
+            }
+        }
+        store_generic(a, &mut dst[c0 * out_es..c1 * out_es], out_kind);
+    }
+}
+
 /// Whether the AVX2 kernels are in use (AVX2 and F16C present, `EPCOMM_NO_SIMD` unset or `0`).
 pub fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -432,6 +495,110 @@ mod x86 {
         store_generic(&acc[..head], &mut dst[..head * es], kind);
         // SAFETY: as above; the rest starts 16-byte aligned.
         unsafe { store_with::<true>(&acc[head..], &mut dst[head * es..], kind) };
+    }
+
+    /// 8 elements at `p` (any kind) as f32.
+    #[inline(always)]
+    unsafe fn load8_any(p: *const u8, kind: FloatKind) -> __m256 {
+        // SAFETY (caller): 8 elements at `p` are readable.
+        unsafe {
+            if kind == FloatKind::F32 {
+                _mm256_loadu_ps(p as *const f32)
+            } else {
+                load8(p, kind)
+            }
+        }
+    }
+
+    /// 16 f32 (in two vectors) stored at `d` as `kind`.
+    #[inline(always)]
+    unsafe fn put16<const NT: bool>(d: *mut u8, a: __m256, b: __m256, kind: FloatKind) {
+        // SAFETY (caller): 16 elements of `kind` writable at `d`, 16-byte aligned when NT.
+        unsafe {
+            let d = d as *mut __m128i;
+            match kind {
+                FloatKind::F32 => {
+                    let (a, b) = (_mm256_castps_si256(a), _mm256_castps_si256(b));
+                    put::<NT>(d, _mm256_castsi256_si128(a));
+                    put::<NT>(d.add(1), _mm256_extracti128_si256::<1>(a));
+                    put::<NT>(d.add(2), _mm256_castsi256_si128(b));
+                    put::<NT>(d.add(3), _mm256_extracti128_si256::<1>(b));
+                }
+                FloatKind::F16 => {
+                    put::<NT>(d, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a));
+                    put::<NT>(d.add(1), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(b));
+                }
+                FloatKind::Bf16 => {
+                    let packed = _mm256_packus_epi32(bf16x8(a), bf16x8(b));
+                    let ordered = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+                    put::<NT>(d, _mm256_castsi256_si128(ordered));
+                    put::<NT>(d.add(1), _mm256_extracti128_si256::<1>(ordered));
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn sum_rows(
+        rows: &[(&[u8], f32)],
+        kind: FloatKind,
+        dst: &mut [u8],
+        out_kind: FloatKind,
+        streaming: bool,
+    ) {
+        let out_es = out_kind.size();
+        let n = dst.len() / out_es;
+        // Non-temporal stores need 16-byte aligned addresses: a head up to the first one.
+        let skip = (16 - dst.as_ptr() as usize % 16) % 16;
+        let nt = streaming && skip % out_es == 0 && n >= 64;
+        let head = if nt { (skip / out_es).min(n) } else { 0 };
+        // SAFETY (all three): the caller checked the features; rows hold `n` elements.
+        unsafe {
+            sum_span::<false>(rows, kind, dst, out_kind, 0, head);
+            if nt {
+                sum_span::<true>(rows, kind, dst, out_kind, head, n);
+            } else {
+                sum_span::<false>(rows, kind, dst, out_kind, head, n);
+            }
+        }
+    }
+
+    /// Elements `e0..e1` of [`sum_rows`]: 16 at a time in registers, the rest generic.
+    #[inline(always)]
+    unsafe fn sum_span<const NT: bool>(
+        rows: &[(&[u8], f32)],
+        kind: FloatKind,
+        dst: &mut [u8],
+        out_kind: FloatKind,
+        e0: usize,
+        e1: usize,
+    ) {
+        let (es, out_es) = (kind.size(), out_kind.size());
+        let body = e0 + (e1 - e0) / 16 * 16;
+        let mut i = e0;
+        while i < body {
+            // SAFETY: i + 16 <= e1 <= n: 16 elements of every row and of dst are in bounds;
+            // dst + i is 16-byte aligned when NT (sum_rows skipped the head).
+            unsafe {
+                let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                for (row, w) in rows {
+                    let (p, wv) = (row.as_ptr().add(es * i), _mm256_set1_ps(*w));
+                    a = _mm256_add_ps(a, _mm256_mul_ps(wv, load8_any(p, kind)));
+                    b = _mm256_add_ps(b, _mm256_mul_ps(wv, load8_any(p.add(8 * es), kind)));
+                }
+                put16::<NT>(dst.as_mut_ptr().add(out_es * i), a, b, out_kind);
+            }
+            i += 16;
+        }
+        for j in body..e1 {
+            sum_one(
+                rows,
+                kind,
+                &mut dst[out_es * j..out_es * (j + 1)],
+                out_kind,
+                j,
+            );
+        }
     }
 
     #[inline(always)]
@@ -598,6 +765,81 @@ mod tests {
                         .zip(&assigned)
                         .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()));
                     assert!(same, "assign {kind:?} w={w}");
+                }
+            }
+        }
+    }
+
+    /// Decoded outputs equal bit for bit, NaNs by NaN-ness (payloads may differ by path).
+    fn same_values(a: &[u8], b: &[u8], kind: FloatKind) -> bool {
+        let (a, b) = (to_f32(a, kind), to_f32(b, kind));
+        a.iter()
+            .zip(&b)
+            .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()))
+    }
+
+    /// The one-pass row sum gives what the three-step path (assign, accumulate, store) gives,
+    /// for every kind pair, row count, weight, length, destination alignment and both store
+    /// modes, on the SIMD and the portable kernels.
+    #[test]
+    fn sum_rows_matches_the_three_step_path() {
+        let mut x = 0x9e37_79b9u32;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        let kinds = [FloatKind::F32, FloatKind::Bf16, FloatKind::F16];
+        for (kind, out_kind, len) in kinds
+            .iter()
+            .flat_map(|&k| kinds.iter().map(move |&o| (k, o)))
+            .flat_map(|(k, o)| [1usize, 7, 16, 100, 1027].map(move |n| (k, o, n)))
+        {
+            for nrows in 0..6 {
+                // Values from random bits (NaN, infinity, -0.0 and subnormals included), a
+                // tenth of them ordinary so sums are not all NaN.
+                let rows: Vec<Vec<u8>> = (0..nrows)
+                    .map(|_| {
+                        let v: Vec<f32> = (0..len)
+                            .map(|j| match j % 10 {
+                                0 => f32::from_bits(next()),
+                                1 => -0.0,
+                                _ => (next() % 2001) as f32 / 100.0 - 10.0,
+                            })
+                            .collect();
+                        from_f32(&v, kind)
+                    })
+                    .collect();
+                let w = [1.0f32, 0.3, -1.5, 1.0, 0.7];
+                let input: Vec<(&[u8], f32)> =
+                    rows.iter().zip(w).map(|(r, w)| (r.as_slice(), w)).collect();
+                let mut acc = vec![0f32; len];
+                for (i, (r, w)) in input.iter().enumerate() {
+                    match (i, *w == 1.0) {
+                        (0, _) => assign_scaled(&mut acc, r, kind, *w),
+                        (_, true) => accumulate(&mut acc, r, kind),
+                        (_, false) => accumulate_scaled(&mut acc, r, kind, *w),
+                    }
+                }
+                let mut want = vec![0u8; len * out_kind.size()];
+                store(&acc, &mut want, out_kind);
+                let mut portable = vec![0u8; want.len()];
+                sum_rows_generic(&input, kind, &mut portable, out_kind);
+                let case = format!("{kind:?}->{out_kind:?} len {len} rows {nrows}");
+                assert!(same_values(&portable, &want, out_kind), "portable {case}");
+                for (streaming, shift) in [false, true]
+                    .into_iter()
+                    .flat_map(|s| (0..4 * out_kind.size()).map(move |sh| (s, sh)))
+                {
+                    let mut buf = vec![0xa5u8; want.len() + shift];
+                    sum_rows(&input, kind, &mut buf[shift..], out_kind, streaming);
+                    crate::copy::streaming_fence();
+                    let got = &buf[shift..];
+                    assert!(
+                        same_values(got, &want, out_kind),
+                        "{case} streaming {streaming} shift {shift}"
+                    );
                 }
             }
         }

@@ -152,14 +152,12 @@ pub(crate) fn reduce_blocked(
     // a cache-resident scratch. The buffers are kept per thread: above malloc's mmap threshold
     // a fresh allocation would page-fault on every call.
     thread_local! {
-        static BUFFERS: std::cell::RefCell<(Vec<f32>, Vec<u8>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+        static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     let block = ((256 << 10) / (row_elems * 4)).clamp(1, out_rows);
-    let (mut acc, mut scratch) = BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()));
-    acc.resize(COLUMN_CHUNK.min(row_elems), 0.0);
+    let mut scratch = SCRATCH.with(|b| std::mem::take(&mut *b.borrow_mut()));
     let plan = Reduction {
         kind,
-        row_elems,
         row_bytes: row_elems * kind.size(),
         out_kind,
         out_row_bytes: row_elems * out_kind.size(),
@@ -168,26 +166,14 @@ pub(crate) fn reduce_blocked(
         // num::store_streaming); a small one stays cached for the caller's next read.
         streaming: out_rows * row_elems * out_kind.size() >= crate::copy::STREAMING_MIN_BYTES,
     };
-    let result = reduce_blocks(
-        &plan,
-        by_row,
-        out,
-        &mut fetch,
-        block,
-        &mut acc,
-        &mut scratch,
-    );
-    BUFFERS.with(|b| *b.borrow_mut() = (acc, scratch));
+    let result = reduce_blocks(&plan, by_row, out, &mut fetch, block, &mut scratch);
+    SCRATCH.with(|b| *b.borrow_mut() = scratch);
     result
 }
-
-/// Elements per accumulator chunk (8 KiB of f32: stays in L1 with the rows being added).
-const COLUMN_CHUNK: usize = 2048;
 
 /// What stays the same over all blocks of one reduction.
 struct Reduction<'a> {
     kind: FloatKind,
-    row_elems: usize,
     row_bytes: usize,
     out_kind: FloatKind,
     out_row_bytes: usize,
@@ -211,7 +197,6 @@ fn reduce_blocks(
     out: &mut [u8],
     fetch: &mut impl FnMut(usize, &[u32], &mut [u8]) -> Result<()>,
     block: usize,
-    acc: &mut [f32],
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let out_rows = by_row.offsets.len() - 1;
@@ -234,7 +219,7 @@ fn reduce_blocks(
         };
         for r in b0..b1 {
             let entries_r = by_row.offsets[r] - e0..by_row.offsets[r + 1] - e0;
-            sum_row(plan, r, entries_r, &rows, acc, out);
+            sum_row(plan, r, entries_r, &rows, out);
         }
     }
     if plan.streaming {
@@ -299,15 +284,13 @@ struct BlockRows<'b> {
     scratch: &'b [u8],
 }
 
-/// Output row `r` from its contributions `entries[entries_r]`, in column chunks whose f32
-/// accumulator stays in L1 while every contribution is added (the same additions in the same
-/// order as whole rows).
+/// Output row `r` from its contributions `entries[entries_r]`, summed in one pass
+/// ([`num::sum_rows`]: in f32, in canonical order, the partial sums in registers).
 fn sum_row(
     plan: &Reduction<'_>,
     r: usize,
     entries_r: std::ops::Range<usize>,
     block: &BlockRows<'_>,
-    acc: &mut [f32],
     out: &mut [u8],
 ) {
     let BlockRows {
@@ -315,42 +298,32 @@ fn sum_row(
         slots,
         scratch,
     } = *block;
-    let (kind, row_bytes, es, out_es) = (
-        plan.kind,
-        plan.row_bytes,
-        plan.kind.size(),
-        plan.out_kind.size(),
-    );
-    for c0 in (0..plan.row_elems).step_by(COLUMN_CHUNK) {
-        let c1 = (c0 + COLUMN_CHUNK).min(plan.row_elems);
-        let a = &mut acc[..c1 - c0];
-        if entries_r.is_empty() {
-            a.fill(0.0);
-        }
-        for i in entries_r.clone() {
-            let (peer, pos, w) = entries[i];
-            let row = match plan.in_place.get(peer as usize) {
-                // Rows readable where they are (this rank's own, a peer's window).
-                Some(Some((src, gives))) => {
-                    let sr = gives[pos as usize] as usize;
-                    &src[sr * row_bytes..(sr + 1) * row_bytes]
-                }
-                _ => &scratch[slots[i] * row_bytes..(slots[i] + 1) * row_bytes],
-            };
-            let part = &row[c0 * es..c1 * es];
-            if i == entries_r.start {
-                num::assign_scaled(a, part, kind, w);
-            } else {
-                add_row(a, part, kind, w);
+    let row_bytes = plan.row_bytes;
+    let row_of = |i: usize| -> (&[u8], f32) {
+        let (peer, pos, w) = entries[i];
+        let row = match plan.in_place.get(peer as usize) {
+            // Rows readable where they are (this rank's own, a peer's window).
+            Some(Some((src, gives))) => {
+                let sr = gives[pos as usize] as usize;
+                &src[sr * row_bytes..(sr + 1) * row_bytes]
             }
+            _ => &scratch[slots[i] * row_bytes..(slots[i] + 1) * row_bytes],
+        };
+        (row, w)
+    };
+    let dst = &mut out[r * plan.out_row_bytes..(r + 1) * plan.out_row_bytes];
+    // Up to MAX_INLINE contributions (top-k, ranks) on the stack: no allocation per row.
+    const MAX_INLINE: usize = 32;
+    if entries_r.len() <= MAX_INLINE {
+        let mut rows: [(&[u8], f32); MAX_INLINE] = [(&[], 0.0); MAX_INLINE];
+        for (slot, i) in rows.iter_mut().zip(entries_r.clone()) {
+            *slot = row_of(i);
         }
-        let base = r * plan.out_row_bytes;
-        let dst = &mut out[base + c0 * out_es..base + c1 * out_es];
-        if plan.streaming {
-            num::store_streaming(a, dst, plan.out_kind);
-        } else {
-            num::store(a, dst, plan.out_kind);
-        }
+        let rows = &rows[..entries_r.len()];
+        num::sum_rows(rows, plan.kind, dst, plan.out_kind, plan.streaming);
+    } else {
+        let rows: Vec<(&[u8], f32)> = entries_r.map(row_of).collect();
+        num::sum_rows(&rows, plan.kind, dst, plan.out_kind, plan.streaming);
     }
 }
 
@@ -526,14 +499,5 @@ fn unpack(packed: &[u8], row_bytes: usize, take: &[Vec<u32>], dst: &mut [u8]) {
             dst[r * row_bytes..(r + 1) * row_bytes].copy_from_slice(&packed[off..off + row_bytes]);
             off += row_bytes;
         }
-    }
-}
-
-/// Adds one row (elements of `kind`) times `w` to `acc_row`.
-fn add_row(acc_row: &mut [f32], row: &[u8], kind: FloatKind, w: f32) {
-    if w == 1.0 {
-        num::accumulate(acc_row, row, kind);
-    } else {
-        num::accumulate_scaled(acc_row, row, kind, w);
     }
 }
