@@ -393,3 +393,136 @@ fn old_map_with_unused_slots_keeps_the_others_in_place() {
     .unwrap_err();
     assert_eq!(e.exception(), "ValueError");
 }
+
+// ---- Pinned outputs -------------------------------------------------------------------------
+// Digests of every policy entry point's output on random shapes and loads (ties, zeros, huge
+// values whose group sums overflow to inf, NaN, one hot expert), so a faster implementation
+// that changes any result (a tie broken otherwise, a sum rounded otherwise) fails here. The
+// digests were computed before the policy's speed-up, by the scan-based implementation that the
+// module's own test checks against its transcription of vLLM's code.
+
+/// FNV-1a over 64-bit words.
+struct Digest(u64);
+
+impl Digest {
+    fn word(&mut self, x: u64) {
+        for b in x.to_le_bytes() {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn rows(&mut self, rows: &[Vec<usize>]) {
+        self.word(rows.len() as u64);
+        for r in rows {
+            self.word(r.len() as u64);
+            r.iter().for_each(|&x| self.word(x as u64));
+        }
+    }
+    fn result(&mut self, r: epcomm::Result<Vec<Vec<usize>>>) {
+        match r {
+            Ok(rows) => self.rows(&rows),
+            Err(e) => e.to_string().bytes().for_each(|b| self.word(b as u64)),
+        }
+    }
+}
+
+/// A random load of kind `kind` (see the section comment) from the generator state `x`.
+fn load(x: &mut u64, kind: u64, e: usize) -> Vec<f32> {
+    let hot = (mix(*x) % e as u64) as usize;
+    (0..e)
+        .map(|i| {
+            *x = mix(*x);
+            let r = *x >> 11;
+            match kind {
+                0 => (r % 4) as f32,
+                1 => (r % 100_000) as f32,
+                2 => 0.0,
+                3 => (r % 1000) as f32 * 1e30,
+                4 => [0.0, 1.0, f32::MAX, f32::INFINITY][(r % 4) as usize],
+                5 => [0.0, 3.0, f32::NAN, 3.0][(r % 4) as usize],
+                6 if i == hot => 1e6,
+                _ => (r % 50) as f32,
+            }
+        })
+        .collect()
+}
+
+/// A random hierarchical-or-not shape (L, E, P, G, N, R); every 8th is DeepSeek-V3's.
+fn shape(x: &mut u64, case: usize) -> (usize, usize, usize, usize, usize, usize) {
+    if case % 8 == 7 {
+        return (1 + case % 5, 256, 288, 8, 4, 32);
+    }
+    let mut next = |m: u64| {
+        *x = mix(*x);
+        (*x % m) as usize
+    };
+    let n = 1 + next(4);
+    let g = n * (1 + next(4));
+    let e = g * (1 + next(8));
+    // Sometimes ranks that do not divide into nodes (the one-node rule, or an assertion).
+    let r = if next(6) == 0 {
+        n + 1
+    } else {
+        n * (1 + next(8))
+    };
+    let p = e.div_ceil(r) * r + r * next(3);
+    (1 + next(6), e, p, g, n, r)
+}
+
+#[test]
+fn outputs_pinned_on_random_cases() {
+    let mut x = 2026u64;
+    let (mut hier, mut global, mut with_old) = (Digest(0), Digest(0), Digest(0));
+    let (mut packing, mut replicas) = (Digest(0), Digest(0));
+    let mut refused = 0;
+    for case in 0..240 {
+        let (l, e, p, g, n, r) = shape(&mut x, case);
+        let w: Vec<Vec<f32>> = (0..l).map(|_| load(&mut x, case as u64 % 8, e)).collect();
+        let shape = placement(p, g, n, r);
+        let placed = rebalance(&w, shape, None, NodeFallback::Policy);
+        refused += placed.is_err() as u64;
+        hier.result(placed);
+        global.result(rebalance(
+            &w,
+            placement(p, 1, 1, r),
+            None,
+            NodeFallback::Policy,
+        ));
+        let old: Vec<Vec<i64>> = (0..l)
+            .map(|_| {
+                (0..p)
+                    .map(|_| {
+                        x = mix(x);
+                        (x % (e as u64 + 1)) as i64 - 1
+                    })
+                    .collect()
+            })
+            .collect();
+        with_old.result(rebalance(&w, shape, Some(&old), NodeFallback::OneNode));
+        let w64: Vec<Vec<f64>> = w
+            .iter()
+            .map(|row| row.iter().map(|&v| v as f64 / 3.0).collect())
+            .collect();
+        match balanced_packing(&w64, n) {
+            Ok((a, b)) => [a, b].iter().for_each(|m| packing.rows(m)),
+            Err(e) => packing.word(e.to_string().len() as u64),
+        }
+        match replicate_experts(&w64, p) {
+            Ok((a, b)) => [a, b].iter().for_each(|m| replicas.rows(m)),
+            Err(e) => replicas.word(e.to_string().len() as u64),
+        }
+    }
+    // Cases vLLM's hierarchical step refuses (R % N != 0): the rest are placed.
+    assert_eq!(refused, 24);
+    let got = [hier.0, global.0, with_old.0, packing.0, replicas.0];
+    let want: [u64; 5] = [
+        14686606455399833815,
+        5864505243640116687,
+        11688998562491070181,
+        9637325129072228936,
+        4030581970857213518,
+    ];
+    assert_eq!(
+        got, want,
+        "[hierarchical, global, with old map, packing, replicas]"
+    );
+}
