@@ -18,6 +18,65 @@ pub trait EplbCommunicator: Send + std::fmt::Debug {
     fn kind(&self) -> Communicator;
     /// Executes a batch (sends and receives, matched per peer pair in order). Collective.
     fn execute(&mut self, g: &mut dyn Group, ops: &mut [P2p<'_>]) -> Result<()>;
+
+    /// Moves rows of one weight tensor ([`Group::exchange_rows`]'s contract): peer p gets
+    /// rows `give[p]` of `src`, and the rows from peer p land at rows `take[p]` of `dst`, in
+    /// order. Collective. This default runs them as one [`EplbCommunicator::execute`] of the
+    /// equivalent sends and receives; the group communicator hands them to the group, which
+    /// stores each row straight into a destination in shared memory.
+    fn exchange_rows(
+        &mut self,
+        g: &mut dyn Group,
+        src: &[u8],
+        row_bytes: usize,
+        give: &[Vec<u32>],
+        dst: &mut [u8],
+        take: &[Vec<u32>],
+    ) -> Result<()> {
+        let mut ops = row_ops(src, row_bytes, give, dst, take)?;
+        self.execute(g, &mut ops)
+    }
+}
+
+/// The sends and receives that move rows as [`EplbCommunicator::exchange_rows`] says: every
+/// send (peers in order), then every receive.
+fn row_ops<'a>(
+    src: &'a [u8],
+    row_bytes: usize,
+    give: &[Vec<u32>],
+    dst: &'a mut [u8],
+    take: &[Vec<u32>],
+) -> Result<Vec<P2p<'a>>> {
+    let bad = |what: &str, r: u32| {
+        Error::InvalidArgument(format!(
+            "exchange_rows: {what} row {r} is out of range or taken twice"
+        ))
+    };
+    let mut ops = Vec::new();
+    if row_bytes == 0 {
+        return Ok(ops);
+    }
+    for (peer, rows) in give.iter().enumerate() {
+        for &r in rows {
+            let at = r as usize * row_bytes;
+            let data = src
+                .get(at..at + row_bytes)
+                .ok_or_else(|| bad("source", r))?;
+            ops.push(P2p::Send { peer, data });
+        }
+    }
+    let mut slots: Vec<Option<&mut [u8]>> = dst.chunks_mut(row_bytes).map(Some).collect();
+    for (peer, rows) in take.iter().enumerate() {
+        for &r in rows {
+            let data = slots
+                .get_mut(r as usize)
+                .and_then(Option::take)
+                .filter(|d| d.len() == row_bytes)
+                .ok_or_else(|| bad("destination", r))?;
+            ops.push(P2p::Recv { peer, data });
+        }
+    }
+    Ok(ops)
 }
 
 /// Host-memory transfers over the group (vLLM's `TorchDistGlooStagedEplbCommunicator`, and
@@ -34,6 +93,18 @@ impl EplbCommunicator for GroupCommunicator {
 
     fn execute(&mut self, g: &mut dyn Group, ops: &mut [P2p<'_>]) -> Result<()> {
         g.send_recv(ops)
+    }
+
+    fn exchange_rows(
+        &mut self,
+        g: &mut dyn Group,
+        src: &[u8],
+        row_bytes: usize,
+        give: &[Vec<u32>],
+        dst: &mut [u8],
+        take: &[Vec<u32>],
+    ) -> Result<()> {
+        g.exchange_rows(src, row_bytes, give, dst, take)
     }
 }
 

@@ -42,6 +42,11 @@ pub struct Summary {
     /// a failure: experts whose every replica was on a removed rank), sorted. Non-empty only
     /// under [`LostExperts::LeaveUnwritten`]: their slots keep the bytes they held before.
     pub lost_experts: Vec<Vec<i64>>,
+    /// Rows (one per received slot and tensor) this rank's peers stored straight into its
+    /// next buffers in shared memory ([`RearrangeOptions::next_shared`]): each byte written
+    /// once, with plain stores, no system call. 0 for the staged path and for next buffers in
+    /// ordinary memory, whose rows are read from the senders through the kernel.
+    pub rows_into_shared: usize,
 }
 
 /// What a rearrangement does with logical experts the new placement needs but no member rank
@@ -73,6 +78,15 @@ pub struct RearrangeOptions<'a> {
     /// a failure: experts whose every replica was on a removed rank); every rank must pass the
     /// same.
     pub lost: LostExperts,
+    /// [`rearrange_into`]: this rank's next buffers lie in shared memory it allocated from
+    /// this group ([`Group::alloc_shared`]; `epcomm_mem_alloc` in C, `Group.alloc` in Python,
+    /// where epcomm finds it out itself). When any rank sets it, each layer's received rows
+    /// travel by the communicator's row exchange: a sender stores each row straight into its
+    /// final place in a receiver's shared next buffer (plain stores, one copy per byte, no
+    /// system call), and reads from the sender through the kernel (`process_vm_readv`) for a
+    /// receiver whose next buffers are ordinary memory. Ranks may differ; it changes only how
+    /// the bytes move, never which (a next buffer wrongly said to be shared is still filled).
+    pub next_shared: bool,
 }
 
 /// One transfer of a rank's plan: `Send(i)` is `plan.sends[i]`, `Recv(i)` is `plan.recvs[i]`.
@@ -225,6 +239,37 @@ fn transfer<S: AsRef<[u8]>, D: AsMut<[u8]>>(
     Ok(())
 }
 
+/// [`transfer`] through the communicator's row exchange: per execute, one exchange per weight
+/// tensor (rows of the same steps, in step order, so each peer pair matches them as the sends
+/// and receives would be). A receiver whose next buffer is shared memory gets its rows stored
+/// there by their senders.
+fn transfer_rows(
+    g: &mut dyn Group,
+    comm: &mut dyn EplbCommunicator,
+    moves: &LayerMoves,
+    sources: &[&[u8]],
+    row_bytes: &[usize],
+    dests: &mut [&mut [u8]],
+) -> Result<()> {
+    let (plan, world) = (&moves.plan, g.size());
+    crate::fault::point("eplb:before_staging");
+    for steps in &moves.executes {
+        let (mut give, mut take) = (vec![Vec::new(); world], vec![Vec::new(); world]);
+        for &step in steps {
+            match step {
+                Step::Send(i) => give[plan.sends[i].2].push(plan.sends[i].1 as u32),
+                Step::Recv(i) => take[plan.recvs[i].2].push(plan.recvs[i].1 as u32),
+            }
+        }
+        for ((src, dst), &rb) in sources.iter().zip(dests.iter_mut()).zip(row_bytes) {
+            comm.exchange_rows(g, src, rb, &give, dst, &take)?;
+        }
+        crate::fault::point("eplb:between_batches");
+    }
+    crate::fault::point("eplb:after_staging");
+    Ok(())
+}
+
 /// Moves one layer per its plan.
 fn move_layer(
     g: &mut dyn Group,
@@ -327,7 +372,7 @@ pub fn rearrange_with(
     let plans = match (plans, agreed) {
         (Err(e), _) => return Err(e),
         (Ok(_), Err(e)) => return Err(with_progress(e, 0)),
-        (Ok(p), Ok(())) => p,
+        (Ok(p), Ok(_)) => p,
     };
     with_staging(row_bytes.len(), |staging| {
         let mut summary = Summary::default();
@@ -340,7 +385,8 @@ pub fn rearrange_with(
 const WORDS: usize = 11;
 
 /// What every rank must rearrange alike, as the words of the agreement header: this rank's
-/// verdict, the layer count, digests of the row sizes, dtypes, maps and rank mapping, and
+/// verdict (bit 0; bit 1: its next buffers are shared memory, which ranks may differ on), the
+/// layer count, digests of the row sizes, dtypes, maps and rank mapping, and
 /// whether migration batching is on (it sets how many executes each layer runs), whether lost
 /// experts are left unwritten, and whether this is a scale-down after a failure (the rank
 /// mapping is longer than the group).
@@ -360,7 +406,7 @@ fn header(
         )
     };
     [
-        u64::from(ok),
+        u64::from(ok) | u64::from(ok && options.next_shared) << 1,
         old.len() as u64,
         row_bytes.len() as u64,
         fnv1a(row_bytes.iter().map(|&b| b as u64)),
@@ -530,8 +576,9 @@ const HEADER: [&str; WORDS] = [
 ];
 
 /// Gathers every rank's header (its verdict and what it rearranges); any rank's rejection or
-/// a disagreement is an error, the same on every rank.
-fn agree(g: &mut dyn Group, mine: &[u64; WORDS]) -> Result<()> {
+/// a disagreement is an error, the same on every rank. Returns whether any rank's next buffers
+/// are shared memory (then every rank moves rows by the row exchange).
+fn agree(g: &mut dyn Group, mine: &[u64; WORDS]) -> Result<bool> {
     let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
     let mut all = vec![0u8; bytes.len() * g.size()];
     g.all_gather(&bytes, &mut all)?;
@@ -569,7 +616,7 @@ fn agree(g: &mut dyn Group, mine: &[u64; WORDS]) -> Result<()> {
             )));
         }
     }
-    Ok(())
+    Ok(headers.iter().any(|h| h[0] & 2 != 0))
 }
 
 fn on_off(v: u64) -> &'static str {
@@ -732,18 +779,21 @@ pub fn rearrange_into(
         .and_then(|()| plans(me, world, old, new, &lens(live), row_bytes, options));
     let header = header(plans.is_ok(), world, old, new, row_bytes, options);
     let agreed = agree(g, &header);
-    let plans = match (plans, agreed) {
+    let (plans, by_rows) = match (plans, agreed) {
         (Err(e), _) => return rearranged(Err(e), 0),
         (Ok(_), Err(e)) => return rearranged(Err(with_progress(e, 0)), 0),
-        (Ok(p), Ok(())) => p,
+        (Ok(p), Ok(any_shared)) => (p, any_shared),
     };
     let mut summary = Summary::default();
     let layers = plans.iter().zip(live).zip(next.iter_mut());
     for (l, ((moves, src), dst)) in layers.enumerate() {
-        if let Err(e) = place_layer(g, comm, moves, src, dst, row_bytes) {
+        if let Err(e) = place_layer(g, comm, moves, src, dst, row_bytes, by_rows) {
             return rearranged(Err(with_progress(e, l)), l);
         }
         count_layer(&mut summary, moves);
+        if by_rows && options.next_shared {
+            summary.rows_into_shared += moves.plan.recvs.len() * row_bytes.len();
+        }
     }
     rearranged(Ok(summary), plans.len())
 }
@@ -800,6 +850,7 @@ fn place_layer(
     live: &[&[u8]],
     next: &mut [&mut [u8]],
     row_bytes: &[usize],
+    by_rows: bool,
 ) -> Result<()> {
     let from = live_sources(&moves.plan);
     for ((src, dst), &rb) in live.iter().zip(next.iter_mut()).zip(row_bytes) {
@@ -821,7 +872,11 @@ fn place_layer(
         }
     }
     streaming_fence();
-    transfer(g, comm, moves, live, row_bytes, next)?;
+    if by_rows {
+        transfer_rows(g, comm, moves, live, row_bytes, next)?;
+    } else {
+        transfer(g, comm, moves, live, row_bytes, next)?;
+    }
     for (dst, &rb) in next.iter_mut().zip(row_bytes) {
         for &(dup, primary) in &moves.plan.duplicates {
             dst.copy_within(rows_of(dst, rb, primary), dup * rb);

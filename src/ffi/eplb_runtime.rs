@@ -631,6 +631,7 @@ impl OptionsArg {
             dtypes,
             migration_batching: self.batching,
             lost: self.lost,
+            next_shared: false,
         }
     }
 
@@ -774,9 +775,14 @@ impl RearrangeCall {
         // SAFETY: caller contract: a live handle whose group is live.
         let summary = unsafe {
             with_comm(comm, |c, group| {
-                with_group(group, |g| {
+                epcomm_group::with(group, |h, g| {
+                    let g = g.as_mut();
                     let ((old, new, w, o), next) =
                         prepared(g.size()).map_err(|e| rearrange::reject_rearrange(g, e))?;
+                    let options = rearrange::RearrangeOptions {
+                        next_shared: in_group_memory(h, &*g, &next.tensors),
+                        ..o.options(&w.dtypes)
+                    };
                     // SAFETY: checked: the next tensors overlap neither each other nor the
                     // live ones, which are only read.
                     let (live, mut next) = (w.read_views(), next.views());
@@ -788,7 +794,7 @@ impl RearrangeCall {
                         &live,
                         &mut next,
                         &w.row_bytes,
-                        &o.options(&w.dtypes),
+                        &options,
                     );
                     valid = out.next_valid;
                     out.result
@@ -803,6 +809,20 @@ impl RearrangeCall {
         unsafe { write_summary(summary_out, &summary?) };
         Ok(())
     }
+}
+
+/// Whether every tensor lies in memory of this rank's group from epcomm_mem_alloc: then the
+/// senders of a double-buffered rearrangement store the rows straight into it.
+fn in_group_memory(h: &epcomm_group, g: &dyn crate::group::Group, tensors: &[HostTensor]) -> bool {
+    let mem = h.mem.lock().unwrap_or_else(|e| e.into_inner());
+    let inside = |t: &HostTensor| {
+        let (a, n) = (t.ptr as usize, t.bytes);
+        mem.iter().any(|b| {
+            let start = b.as_ptr() as usize;
+            g.owns_shared(b) && a >= start && a - start <= b.len() && n <= b.len() - (a - start)
+        })
+    };
+    !tensors.is_empty() && tensors.iter().all(inside)
 }
 
 /// Writes `summary` to `out` unless it is NULL.

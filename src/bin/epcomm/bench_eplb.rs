@@ -10,10 +10,14 @@
 //! time is the slowest rank's. Every expert's bytes identify it, so after the first and the
 //! last iteration each rank checks that every slot holds the expert the placement names.
 //!
-//! Each iteration runs both paths, interleaved so they see the same machine load: staged
+//! Each iteration runs three paths, interleaved so they see the same machine load: staged
 //! (`rearrange`: receives and local moves into a staging buffer, then into the live weights)
-//! from the first placement to the second, then double-buffered (`rearrange_into`: every row
-//! written once into a next buffer, which then becomes the live one: the swap) back.
+//! from the first placement to the second, then twice double-buffered back (`rearrange_into`:
+//! every row written once into a next buffer): into next buffers in ordinary memory (the
+//! receivers read the rows from the senders through the kernel), and into next buffers in
+//! shared memory from the group (`Group::alloc_shared`, as a fast-path caller allocates them:
+//! the senders store the rows straight into them), which then become the live ones (the swap).
+//! The live weights are shared memory too, so they can take the next buffers' place.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -24,7 +28,7 @@ use epcomm::eplb::communicator::EplbCommunicator;
 use epcomm::eplb::policy::rebalance_experts;
 use epcomm::eplb::rearrange::{rearrange, rearrange_into, RearrangeOptions, Summary};
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{Group, GroupOptions, SharedBuf};
 use epcomm::moe::reference::unit;
 use epcomm::select::eplb::DeviceKind;
 
@@ -50,7 +54,12 @@ fn pattern(l: usize, e: i64, i: usize) -> u8 {
 }
 
 /// Bytes of `layers` that differ from the experts `placement` puts on `rank`.
-fn wrong_bytes(p: &EplbArgs, rank: usize, placement: &[Vec<i64>], layers: &[Vec<u8>]) -> u64 {
+fn wrong_bytes<B: std::ops::Deref<Target = [u8]>>(
+    p: &EplbArgs,
+    rank: usize,
+    placement: &[Vec<i64>],
+    layers: &[B],
+) -> u64 {
     let row = p.expert_mib << 20;
     let mut wrong = 0u64;
     for (l, data) in layers.iter().enumerate() {
@@ -64,6 +73,55 @@ fn wrong_bytes(p: &EplbArgs, rank: usize, placement: &[Vec<i64>], layers: &[Vec<
         }
     }
     wrong
+}
+
+/// Every layer's weights, layer after layer, in one buffer: shared memory from the group, or
+/// ordinary memory where the group has none (`EPCOMM_SHM_DIRECT=0`). One allocation for all
+/// layers, as a fast-path caller makes it: a peer keeps a few of an owner's windows mapped, and
+/// mapping one again costs a page fault per page on its first stores.
+enum Layers {
+    Shared(SharedBuf),
+    Heap(Vec<u8>),
+}
+
+impl std::ops::Deref for Layers {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Layers::Shared(b) => b,
+            Layers::Heap(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Layers {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Layers::Shared(b) => b,
+            Layers::Heap(v) => v,
+        }
+    }
+}
+
+/// `len` bytes of shared memory from `g` (ordinary memory where it has none).
+fn shared_layers(g: &mut ShmGroup, len: usize) -> Result<Layers, String> {
+    match g.alloc_shared(len).map_err(|e| e.to_string())? {
+        Some(b) => Ok(Layers::Shared(b)),
+        None => Ok(Layers::Heap(vec![0u8; len])),
+    }
+}
+
+/// What a rank measured: the three paths' seconds per iteration, the bytes placed and
+/// received, the wrong bytes and the rows stored into shared next buffers per iteration.
+#[derive(Default)]
+struct Measured {
+    staged: Vec<f64>,
+    heap: Vec<f64>,
+    shared: Vec<f64>,
+    moved: usize,
+    received: usize,
+    wrong: u64,
+    rows_into_shared: usize,
 }
 
 fn rank_main(p: &EplbArgs, rank: usize, group: &str) -> Result<(), String> {
@@ -80,49 +138,73 @@ fn rank_main(p: &EplbArgs, rank: usize, group: &str) -> Result<(), String> {
         false,
     )
     .map_err(|e| e.to_string())?;
-    let row = p.expert_mib << 20;
-    let (a, b) = placements(p);
-    let mut layers: Vec<Vec<u8>> = (0..p.layers)
-        .map(|l| {
-            (0..p.per_rank * row)
-                .map(|i| pattern(l, a[l][rank * p.per_rank + i / row], i % row))
-                .collect()
-        })
-        .collect();
-    let mut next: Vec<Vec<u8>> = layers.iter().map(|l| vec![0u8; l.len()]).collect();
-    let (mut staged, mut double, mut wrong) = (Vec::new(), Vec::new(), 0);
-    let (mut moved, mut received) = (0usize, 0usize);
-    // Each iteration: staged a -> b in place, then double-buffered b -> a into `next`, swapped
-    // in; interleaved so both paths see the same load. The first iteration warms up (first
-    // touch of the staging and next buffers) and checks both results.
-    for it in 0..p.iters + 1 {
-        let (dt, s) = staged_once(&mut g, comm.as_mut(), (&a, &b), &mut layers, row)?;
-        if it == 0 {
-            wrong += wrong_bytes(p, rank, &b, &layers);
-        }
-        let db = double_once(&mut g, comm.as_mut(), (&b, &a), &layers, &mut next, row)?;
-        std::mem::swap(&mut layers, &mut next);
-        if it == 0 {
-            wrong += wrong_bytes(p, rank, &a, &layers);
-        } else {
-            staged.push(dt);
-            double.push(db);
-        }
-        moved = (s.rows_received + s.rows_copied_locally) * row;
-        received = s.rows_received * row;
-    }
-    wrong += wrong_bytes(p, rank, &a, &layers);
-    drop((layers, next));
+    let m = measure(p, rank, &mut g, comm.as_mut())?;
     // The first iteration warms up, as for the transfer.
-    let copies = time_memcpy(&mut g, moved, 1, p.iters)?;
-    println!("MOVED {moved}");
-    println!("RECEIVED {received}");
-    println!("WRONG {wrong}");
-    println!("XFER {}", encode(&staged));
-    println!("XFERDB {}", encode(&double));
+    let copies = time_memcpy(&mut g, m.moved, 1, p.iters)?;
+    println!("MOVED {}", m.moved);
+    println!("RECEIVED {}", m.received);
+    println!("WRONG {}", m.wrong);
+    println!("INTOSHARED {}", m.rows_into_shared);
+    println!("XFER {}", encode(&m.staged));
+    println!("XFERDB {}", encode(&m.heap));
+    println!("XFERSH {}", encode(&m.shared));
     println!("COPY {}", encode(&copies));
     g.barrier().map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// The iterations. Each: staged a -> b in place, then double-buffered b -> a into ordinary
+/// memory and into shared memory, which is swapped in; interleaved so every path sees the
+/// same load. The first iteration warms up (first touch of the staging and next buffers)
+/// and checks every result.
+fn measure(
+    p: &EplbArgs,
+    rank: usize,
+    g: &mut ShmGroup,
+    comm: &mut dyn EplbCommunicator,
+) -> Result<Measured, String> {
+    let (row, layer) = (p.expert_mib << 20, p.per_rank * (p.expert_mib << 20));
+    let (a, b) = placements(p);
+    let mut layers = shared_layers(g, p.layers * layer)?;
+    for (l, data) in layers.chunks_mut(layer).enumerate() {
+        for (i, x) in data.iter_mut().enumerate() {
+            *x = pattern(l, a[l][rank * p.per_rank + i / row], i % row);
+        }
+    }
+    let mut heap = vec![0u8; p.layers * layer];
+    let mut next = shared_layers(g, p.layers * layer)?;
+    let shared = matches!(next, Layers::Shared(_));
+    let each = |w: &[u8]| -> Vec<Vec<u8>> { w.chunks(layer).map(<[u8]>::to_vec).collect() };
+    let mut m = Measured::default();
+    for it in 0..p.iters + 1 {
+        let (dt, s) = staged_once(g, comm, (&a, &b), &mut layers, row, layer)?;
+        if it == 0 {
+            m.wrong += wrong_bytes(p, rank, &b, &each(&layers));
+        }
+        let (dh, _) = double_once(g, comm, (&b, &a), (&layers, &mut heap), (row, layer), false)?;
+        let (ds, sh) = double_once(
+            g,
+            comm,
+            (&b, &a),
+            (&layers, &mut next),
+            (row, layer),
+            shared,
+        )?;
+        std::mem::swap(&mut layers, &mut next);
+        if it == 0 {
+            m.wrong +=
+                wrong_bytes(p, rank, &a, &each(&heap)) + wrong_bytes(p, rank, &a, &each(&layers));
+        } else {
+            m.staged.push(dt);
+            m.heap.push(dh);
+            m.shared.push(ds);
+        }
+        m.moved = (s.rows_received + s.rows_copied_locally) * row;
+        m.received = s.rows_received * row;
+        m.rows_into_shared = sh.rows_into_shared;
+    }
+    m.wrong += wrong_bytes(p, rank, &a, &each(&layers));
+    Ok(m)
 }
 
 type Maps = Vec<Vec<i64>>;
@@ -132,35 +214,38 @@ fn staged_once(
     g: &mut ShmGroup,
     comm: &mut dyn EplbCommunicator,
     (from, to): (&Maps, &Maps),
-    layers: &mut [Vec<u8>],
+    layers: &mut [u8],
     row: usize,
+    layer: usize,
 ) -> Result<(f64, Summary), String> {
-    let mut views: Vec<Vec<&mut [u8]>> =
-        layers.iter_mut().map(|l| vec![l.as_mut_slice()]).collect();
+    let mut views: Vec<Vec<&mut [u8]>> = layers.chunks_mut(layer).map(|l| vec![l]).collect();
     g.barrier().map_err(|e| e.to_string())?;
     let t0 = Instant::now();
     let s = rearrange(g, comm, from, to, &mut views, &[row], None).map_err(|e| e.to_string())?;
     Ok((t0.elapsed().as_secs_f64(), s))
 }
 
-/// One double-buffered rearrangement from `live` into `next`; its seconds.
+/// One double-buffered rearrangement from `live` into `next` (layers of `layer` bytes, rows of
+/// `row`; `shared`: `next` is shared memory from the group); its seconds and summary.
 fn double_once(
     g: &mut ShmGroup,
     comm: &mut dyn EplbCommunicator,
     (from, to): (&Maps, &Maps),
-    live: &[Vec<u8>],
-    next: &mut [Vec<u8>],
-    row: usize,
-) -> Result<f64, String> {
-    let live: Vec<Vec<&[u8]>> = live.iter().map(|l| vec![l.as_slice()]).collect();
-    let mut views: Vec<Vec<&mut [u8]>> = next.iter_mut().map(|l| vec![l.as_mut_slice()]).collect();
-    let options = RearrangeOptions::default();
+    (live, next): (&[u8], &mut [u8]),
+    (row, layer): (usize, usize),
+    shared: bool,
+) -> Result<(f64, Summary), String> {
+    let live: Vec<Vec<&[u8]>> = live.chunks(layer).map(|l| vec![l]).collect();
+    let mut views: Vec<Vec<&mut [u8]>> = next.chunks_mut(layer).map(|l| vec![l]).collect();
+    let options = RearrangeOptions {
+        next_shared: shared,
+        ..RearrangeOptions::default()
+    };
     g.barrier().map_err(|e| e.to_string())?;
     let t0 = Instant::now();
     let out = rearrange_into(g, comm, from, to, &live, &mut views, &[row], &options);
     let dt = t0.elapsed().as_secs_f64();
-    out.result.map_err(|e| e.to_string())?;
-    Ok(dt)
+    Ok((dt, out.result.map_err(|e| e.to_string())?))
 }
 
 /// The policy's (median, p99) seconds over `iters` runs after 2 warm-up runs, and its shape.
@@ -206,10 +291,10 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
         );
     }
     let weights = (p.layers * p.per_rank * (p.expert_mib << 20)) as u64;
-    // The weights, one layer of staging, the next weights, then the memcpy's two buffers of
-    // the placed bytes.
+    // The weights and their next buffers in shared memory, the next buffers in ordinary
+    // memory, one layer of staging, then the memcpy's two buffers of the placed bytes.
     let need = Need {
-        memory: 2 * weights + weights / p.layers as u64 + 2 * weights,
+        memory: 3 * weights + weights / p.layers as u64 + 2 * weights,
         shm: weights / p.layers as u64,
         detail: String::new(),
     };
@@ -249,16 +334,18 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
 /// JSON); returns the wrong bytes.
 fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankOutput]) -> u64 {
     let (pm, pp, shape) = policy;
-    let (mut xfer, mut db, mut copy) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut moved, mut received, mut wrong) = (0u64, 0u64, 0u64);
+    let (mut xfer, mut db, mut sh, mut copy) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut moved, mut received, mut wrong, mut into_shared) = (0u64, 0u64, 0u64, 0u64);
     for out in outputs {
         let text = &out.stdout;
         xfer.push(decode(tagged(text, "XFER ")));
         db.push(decode(tagged(text, "XFERDB ")));
+        sh.push(decode(tagged(text, "XFERSH ")));
         copy.push(decode(tagged(text, "COPY ")));
         let num = |tag: &str| tagged(text, tag).trim().parse::<u64>().unwrap_or(0);
         moved = moved.max(num("MOVED "));
         received = received.max(num("RECEIVED "));
+        into_shared += num("INTOSHARED ");
         wrong += tagged(text, "WRONG ")
             .trim()
             .parse::<u64>()
@@ -266,6 +353,7 @@ fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankO
     }
     let staged = median_p99(slowest(&xfer));
     let double = median_p99(slowest(&db));
+    let shared = median_p99(slowest(&sh));
     let (cm, _) = median_p99(slowest(&copy));
     let algbw = |t: f64| moved as f64 / t / 1e9;
     let busbw = |t: f64| {
@@ -288,13 +376,23 @@ fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankO
                 "double_buffered_time_us": double.0 * 1e6, "double_buffered_p99_us": double.1 * 1e6,
                 "double_buffered_algbw_gbps": algbw(double.0),
                 "double_buffered_busbw_gbps": busbw(double.0),
+                "double_buffered_shared_time_us": shared.0 * 1e6,
+                "double_buffered_shared_p99_us": shared.1 * 1e6,
+                "double_buffered_shared_algbw_gbps": algbw(shared.0),
+                "double_buffered_shared_busbw_gbps": busbw(shared.0),
+                "rows_into_shared": into_shared,
                 "memcpy_us": cm * 1e6, "memcpy_gbps": moved as f64 / cm / 1e9, "wrong": wrong,
             })
         );
         return wrong;
     }
     table_header(p);
-    for (op, (xm, xp)) in [("rearrange", staged), ("double_buf", double)] {
+    let rows = [
+        ("rearrange", staged),
+        ("double_buf", double),
+        ("double_shm", shared),
+    ];
+    for (op, (xm, xp)) in rows {
         println!(
             "  {:<10} {:>12} {:>12} {:>10.1} {:>10.1} {:>11.2} {:>11.2} {:>10.1} {:>7}",
             op,
@@ -313,7 +411,11 @@ fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankO
         "# double-buffered transfer/memcpy bandwidth: {:.2}",
         cm / double.0
     );
-    crate::stats::nccl_summary(wrong, busbw(double.0));
+    println!(
+        "# double-buffered into shared memory transfer/memcpy bandwidth: {:.2} ({into_shared} rows stored by their senders per iteration, all ranks)",
+        cm / shared.0
+    );
+    crate::stats::nccl_summary(wrong, busbw(shared.0));
     wrong
 }
 
@@ -323,7 +425,7 @@ fn table_header(p: &EplbArgs) {
         "# transfer: {} ranks, {} layers x {} experts of {} MiB per rank, half received from a peer, half moved locally; torch_gloo over shm; {} iterations after 1 warm-up; times: median over iterations of the slowest rank",
         p.ranks, p.layers, p.per_rank, p.expert_mib, p.iters
     );
-    println!("# rearrange: staged (receives and local moves into staging, then into the live weights); double_buf: rearrange_into, every row written once into the next weights, then swapped in");
+    println!("# rearrange: staged (receives and local moves into staging, then into the live weights); double_buf: rearrange_into, every row written once into next weights in ordinary memory (received rows read through the kernel); double_shm: the same into next weights in shared memory from the group (received rows stored there by their senders), then swapped in");
     println!("# size: bytes placed per rank (received from peers + moved locally); memcpy: one copy of size bytes in the same run");
     println!("# algbw = size / time; busbw = algbw * received / size (the bytes that cross between ranks)");
     println!("# #wrong: bytes of the placed experts that differ from the expert the new placement names, all ranks, both paths");
