@@ -100,12 +100,17 @@ pub fn build(
     let Some(contract) = layout::contract(layout) else {
         return p;
     };
+    // The expert layouts' rows per (token, expert) pair, grouped by expert once (every
+    // expert of this rank's tokens for the send side).
+    let mine_by_expert =
+        (contract.unit == Unit::TokenExpert).then(|| ByExpert::of(&all[me], 0, geo.num_experts));
     let b = Builder {
         contract,
         geo,
         me,
         all,
         weights_on_input,
+        mine_by_expert,
     };
     for d in 0..world {
         b.send_side(d, &mut p);
@@ -128,6 +133,50 @@ struct Builder<'a> {
     me: usize,
     all: &'a [Routing],
     weights_on_input: bool,
+    /// This rank's (token, expert) pairs by expert (the expert layouts).
+    mine_by_expert: Option<ByExpert>,
+}
+
+/// The (token, top-k slot) pairs of one rank's routing whose expert lies in a range, grouped
+/// by expert (ascending) and by token within an expert: a counting sort, O(T·K + experts),
+/// where scanning the tokens once per expert would cost O(experts·T·K).
+struct ByExpert {
+    /// `starts[i]..starts[i + 1]`: the pairs of the range's expert `i`.
+    starts: Vec<u32>,
+    pairs: Vec<(u32, u32)>,
+}
+
+impl ByExpert {
+    /// The pairs of `r` routed to experts `[first, first + n)`.
+    fn of(r: &Routing, first: usize, n: usize) -> ByExpert {
+        let slot = |e: i64| {
+            usize::try_from(e)
+                .ok()
+                .and_then(|e| e.checked_sub(first))
+                .filter(|&i| i < n)
+        };
+        let mut starts = vec![0u32; n + 1];
+        for i in r.ids.iter().filter_map(|&e| slot(e)) {
+            starts[i + 1] += 1;
+        }
+        for i in 0..n {
+            starts[i + 1] += starts[i];
+        }
+        let mut next = starts[..n].to_vec();
+        let mut pairs = vec![(0u32, 0u32); starts[n] as usize];
+        for (i, &e) in r.ids.iter().enumerate() {
+            if let Some(x) = slot(e) {
+                pairs[next[x] as usize] = ((i / r.k) as u32, (i % r.k) as u32);
+                next[x] += 1;
+            }
+        }
+        ByExpert { starts, pairs }
+    }
+
+    /// The pairs of experts `from..to` of the range, by expert then token.
+    fn experts(&self, from: usize, to: usize) -> &[(u32, u32)] {
+        &self.pairs[self.starts[from] as usize..self.starts[to] as usize]
+    }
 }
 
 impl Builder<'_> {
@@ -167,15 +216,13 @@ impl Builder<'_> {
             }
             Unit::TokenExpert => {
                 let el = self.geo.experts_per_rank;
-                for j in 0..el {
-                    let e = (d * el + j) as i64;
-                    for t in 0..mine.t {
-                        if let Some(kk) = mine.ids_of(t).iter().position(|&x| x == e) {
-                            let w = self.w_eff(mine.weights_of(t)[kk]);
-                            p.give[d].push(t as u32);
-                            p.combine_take[d].push((t as u32, c.combine_weight(w)));
-                        }
-                    }
+                let Some(by) = &self.mine_by_expert else {
+                    return;
+                };
+                for &(t, kk) in by.experts(d * el, (d + 1) * el) {
+                    let w = self.w_eff(mine.weights_of(t as usize)[kk as usize]);
+                    p.give[d].push(t);
+                    p.combine_take[d].push((t, c.combine_weight(w)));
                 }
             }
         }
@@ -235,19 +282,22 @@ impl Builder<'_> {
         let fixed = c.fixed_capacity();
         p.counts = vec![0; el];
         p.offsets = vec![0; el + 1];
+        let first = self.me * el;
+        let by: Vec<ByExpert> = self
+            .all
+            .iter()
+            .map(|r| ByExpert::of(r, first, el))
+            .collect();
         let mut packed_row = 0u32;
         for j in 0..el {
-            let e = self.first_local() + j as i64;
             let mut n = 0u32;
             for (s, r) in self.all.iter().enumerate() {
-                for t in 0..r.t {
-                    let Some(kk) = r.ids_of(t).iter().position(|&x| x == e) else {
-                        continue;
-                    };
+                for &(t, kk) in by[s].experts(j, j + 1) {
                     let row = if fixed {
                         (j * bucket) as u32 + n
                     } else {
-                        p.row_weights.push(self.w_eff(r.weights_of(t)[kk]));
+                        let w = r.weights_of(t as usize)[kk as usize];
+                        p.row_weights.push(self.w_eff(w));
                         p.src_rank.push(s as i32);
                         p.src_token.push(t as i32);
                         packed_row + n
@@ -402,6 +452,108 @@ mod tests {
             "padding rows have all ids -1"
         );
         assert_eq!(&p[0].row_ids[6..8], &[1, -1]);
+    }
+
+    /// The expert layouts' plan as the definition says it, scanning every rank's tokens once
+    /// per expert: (give, combine weights, take, row weights, sources) of rank `me`.
+    #[allow(clippy::type_complexity)]
+    fn expert_plan_by_definition(
+        geo: &Geometry,
+        me: usize,
+        all: &[Routing],
+        fixed: bool,
+    ) -> (
+        Vec<Vec<u32>>,
+        Vec<Vec<(u32, f32)>>,
+        Vec<Vec<u32>>,
+        Vec<f32>,
+        Vec<i32>,
+    ) {
+        let (el, world) = (geo.experts_per_rank, geo.world);
+        let at = |r: &Routing, t: usize, e: usize| r.ids_of(t).iter().position(|&x| x == e as i64);
+        let (mut give, mut comb) = (vec![Vec::new(); world], vec![Vec::new(); world]);
+        for d in 0..world {
+            for e in d * el..(d + 1) * el {
+                for t in 0..all[me].t {
+                    if let Some(kk) = at(&all[me], t, e) {
+                        give[d].push(t as u32);
+                        comb[d].push((t as u32, all[me].weights_of(t)[kk]));
+                    }
+                }
+            }
+        }
+        let (mut take, mut weights, mut src) = (vec![Vec::new(); world], Vec::new(), Vec::new());
+        let mut packed = 0u32;
+        for j in 0..el {
+            let mut n = 0u32;
+            for (s, r) in all.iter().enumerate() {
+                for t in 0..r.t {
+                    if let Some(kk) = at(r, t, me * el + j) {
+                        let bucket = (j * geo.max_tokens * world) as u32;
+                        take[s].push(if fixed { bucket + n } else { packed + n });
+                        weights.push(r.weights_of(t)[kk]);
+                        src.push(s as i32);
+                        n += 1;
+                    }
+                }
+            }
+            packed += n;
+        }
+        (give, comb, take, weights, src)
+    }
+
+    #[test]
+    fn expert_layouts_follow_their_definition_on_random_routings() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m as u64) as usize
+        };
+        for (world, el, k, m) in [(1, 4, 2, 5), (2, 8, 3, 9), (3, 2, 2, 4), (4, 16, 8, 7)] {
+            let e = world * el;
+            let all: Vec<Routing> = (0..world)
+                .map(|_| {
+                    let t = next(m + 1);
+                    // Distinct experts per token, some slots masked (-1).
+                    let mut ids: Vec<i64> = Vec::new();
+                    for _ in 0..t {
+                        let row_start = ids.len();
+                        for _ in 0..k {
+                            let id = next(e + 1) as i64 - 1;
+                            let dup = ids[row_start..].contains(&id);
+                            ids.push(if dup { -1 } else { id });
+                        }
+                    }
+                    let weights = (0..t * k).map(|i| i as f32 / 8.0).collect();
+                    Routing { t, k, ids, weights }
+                })
+                .collect();
+            let geo = Geometry {
+                world,
+                num_experts: e,
+                experts_per_rank: el,
+                top_k: k,
+                max_tokens: m,
+            };
+            for me in 0..world {
+                for (layout, fixed) in [(Layout::ExpertMajor, true), (Layout::ExpertPacked, false)]
+                {
+                    let p = build(layout, &geo, me, &all, false);
+                    let (give, comb, take, weights, src) =
+                        expert_plan_by_definition(&geo, me, &all, fixed);
+                    let why = format!("{layout:?} world {world} rank {me}");
+                    assert_eq!(p.give, give, "{why}");
+                    assert_eq!(p.combine_take, comb, "{why}");
+                    assert_eq!(p.take, take, "{why}");
+                    if !fixed {
+                        assert_eq!(p.row_weights, weights, "{why}");
+                        assert_eq!(p.src_rank, src, "{why}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
