@@ -131,8 +131,8 @@ impl ByRow {
 
 /// The blocked reduction shared by every transport: for each block of output rows, `fetch`
 /// copies the needed rows of each peer (given as positions in that peer's list, into
-/// consecutive rows of the scratch buffer), they are summed in f32 in canonical order in a
-/// cache-resident accumulator, and the block is stored as `out_kind`.
+/// consecutive rows of the scratch buffer), and each output row is summed in f32 in canonical
+/// order in one pass ([`num::sum_rows`]) and stored as `out_kind`.
 /// `in_place[p]` = (peer p's source rows, the rows it gives this rank) where this rank can
 /// read them in place (its own rows; a peer's shared-memory window): those are never fetched.
 pub(crate) fn reduce_blocked(
@@ -149,7 +149,7 @@ pub(crate) fn reduce_blocked(
         return Ok(());
     }
     // Blocks of about 256 KiB / (4 bytes x row) output rows: one read per peer per block into
-    // a cache-resident scratch. The buffers are kept per thread: above malloc's mmap threshold
+    // a cache-resident scratch. The scratch is kept per thread: above malloc's mmap threshold
     // a fresh allocation would page-fault on every call.
     thread_local! {
         static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
