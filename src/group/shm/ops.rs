@@ -1,6 +1,6 @@
 //! The collectives: the [`Group`] trait over the protocol.
 
-use super::payload::{reduce_into, Payload};
+use super::payload::{exchange_streams, reduce_into, Payload};
 use super::window::window_view;
 use super::{SharedBuf, ShmGroup};
 use crate::error::{Error, Result};
@@ -232,9 +232,9 @@ impl Group for ShmGroup {
             |g| {
                 g.push_rows(src, row_bytes, give)?;
                 if into_window {
-                    // This rank's own rows: a plain copy (the counts were checked alike), past the
-                    // caches when far larger than them, as the sources' stores.
-                    let streaming = give[me].len() * row_bytes >= crate::copy::STREAMING_MIN_BYTES;
+                    // This rank's own rows: a plain copy (the counts were checked alike), with
+                    // streaming stores when the call stores many rows, as the sources'.
+                    let streaming = exchange_streams(give, row_bytes);
                     for (&s, &d) in give[me].iter().zip(&take[me]) {
                         let (s, d) = (s as usize * row_bytes, d as usize * row_bytes);
                         let (to, from) = (&mut dst[d..d + row_bytes], &src[s..s + row_bytes]);
