@@ -7,8 +7,8 @@
 //! placement shifts every slot by half a rank's experts, so each rank receives half its slots
 //! from its neighbour and moves the other half locally. Iterations alternate the two
 //! placements, so each one moves the same bytes; a barrier precedes each, and an iteration's
-//! time is the slowest rank's. Every expert's bytes identify it, so after the first and the
-//! last iteration each rank checks that every slot holds the expert the placement names.
+//! time is the slowest rank's. Every expert's bytes identify it, so after the warm-up iterations
+//! and the last one each rank checks that every slot holds the expert the placement names.
 //!
 //! Each iteration runs three paths, interleaved so they see the same machine load: staged
 //! (`rearrange`: receives and local moves into a staging buffer, then into the live weights)
@@ -17,7 +17,9 @@
 //! receivers read the rows from the senders through the kernel), and into next buffers in
 //! shared memory from the group (`Group::alloc_shared`, as a fast-path caller allocates them:
 //! the senders store the rows straight into them), which then become the live ones (the swap).
-//! The live weights are shared memory too, so they can take the next buffers' place.
+//! The live weights are shared memory too, so they can take the next buffers' place. A memcpy
+//! of the placed bytes closes each iteration. The table's `double_buf` row is the path into
+//! shared memory; the one into ordinary memory is summarised below the table.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -34,7 +36,7 @@ use epcomm::select::eplb::DeviceKind;
 
 use crate::cli::EplbArgs;
 use crate::memory::{self, Need};
-use crate::stats::{decode, encode, median_p99, slowest, tagged, time_memcpy};
+use crate::stats::{decode, encode, median_p99, slowest, tagged};
 
 /// The two placements iterations alternate between (physical slot → logical expert).
 fn placements(p: &EplbArgs) -> (Vec<Vec<i64>>, Vec<Vec<i64>>) {
@@ -75,10 +77,36 @@ fn wrong_bytes<B: std::ops::Deref<Target = [u8]>>(
     wrong
 }
 
-/// Every layer's weights, layer after layer, in one buffer: shared memory from the group, or
-/// ordinary memory where the group has none (`EPCOMM_SHM_DIRECT=0`). One allocation for all
-/// layers, as a fast-path caller makes it: a peer keeps a few of an owner's windows mapped, and
-/// mapping one again costs a page fault per page on its first stores.
+/// The live and the next weights of every layer, layer after layer, in one buffer (live first
+/// or second, as `live_second` says): shared memory from the group, or ordinary memory where
+/// the group has none (`EPCOMM_SHM_DIRECT=0`). One allocation for both, as a fast-path caller
+/// makes it: a peer keeps an owner's windows mapped while they are in use, but one left unused
+/// for a few ops is unmapped when another is mapped, and mapping it again costs a page fault
+/// per page on the senders' first stores (two windows used by turns would be remapped on
+/// every rearrangement).
+struct Double {
+    buf: Layers,
+    live_second: bool,
+}
+
+impl Double {
+    /// (live, next).
+    fn split(&mut self) -> (&mut [u8], &mut [u8]) {
+        let half = self.buf.len() / 2;
+        let (first, second) = self.buf.split_at_mut(half);
+        if self.live_second {
+            (second, first)
+        } else {
+            (first, second)
+        }
+    }
+
+    /// The swap: the next weights become the live ones.
+    fn swap(&mut self) {
+        self.live_second = !self.live_second;
+    }
+}
+
 enum Layers {
     Shared(SharedBuf),
     Heap(Vec<u8>),
@@ -111,13 +139,14 @@ fn shared_layers(g: &mut ShmGroup, len: usize) -> Result<Layers, String> {
     }
 }
 
-/// What a rank measured: the three paths' seconds per iteration, the bytes placed and
+/// What a rank measured: the three paths' and the memcpy's seconds per iteration, the bytes placed and
 /// received, the wrong bytes and the rows stored into shared next buffers per iteration.
 #[derive(Default)]
 struct Measured {
     staged: Vec<f64>,
     heap: Vec<f64>,
     shared: Vec<f64>,
+    copies: Vec<f64>,
     moved: usize,
     received: usize,
     wrong: u64,
@@ -139,8 +168,6 @@ fn rank_main(p: &EplbArgs, rank: usize, group: &str) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     let m = measure(p, rank, &mut g, comm.as_mut())?;
-    // The first iteration warms up, as for the transfer.
-    let copies = time_memcpy(&mut g, m.moved, 1, p.iters)?;
     println!("MOVED {}", m.moved);
     println!("RECEIVED {}", m.received);
     println!("WRONG {}", m.wrong);
@@ -148,15 +175,16 @@ fn rank_main(p: &EplbArgs, rank: usize, group: &str) -> Result<(), String> {
     println!("XFER {}", encode(&m.staged));
     println!("XFERDB {}", encode(&m.heap));
     println!("XFERSH {}", encode(&m.shared));
-    println!("COPY {}", encode(&copies));
+    println!("COPY {}", encode(&m.copies));
     g.barrier().map_err(|e| e.to_string())?;
     Ok(())
 }
 
 /// The iterations. Each: staged a -> b in place, then double-buffered b -> a into ordinary
-/// memory and into shared memory, which is swapped in; interleaved so every path sees the
-/// same load. The first iteration warms up (first touch of the staging and next buffers)
-/// and checks every result.
+/// memory and into shared memory, which is swapped in, then a memcpy of the bytes placed;
+/// interleaved so every path and the memcpy see the same load. The first [`WARMUP`] iterations warm up and check every result: the first
+/// touches the staging and next buffers, the second makes each shared buffer a destination
+/// once more (the two swap), so the peers have mapped both and touched their pages.
 fn measure(
     p: &EplbArgs,
     rank: usize,
@@ -165,49 +193,60 @@ fn measure(
 ) -> Result<Measured, String> {
     let (row, layer) = (p.expert_mib << 20, p.per_rank * (p.expert_mib << 20));
     let (a, b) = placements(p);
-    let mut layers = shared_layers(g, p.layers * layer)?;
-    for (l, data) in layers.chunks_mut(layer).enumerate() {
+    let buf = shared_layers(g, 2 * p.layers * layer)?;
+    let shared = matches!(buf, Layers::Shared(_));
+    let mut w = Double {
+        buf,
+        live_second: false,
+    };
+    for (l, data) in w.split().0.chunks_mut(layer).enumerate() {
         for (i, x) in data.iter_mut().enumerate() {
             *x = pattern(l, a[l][rank * p.per_rank + i / row], i % row);
         }
     }
     let mut heap = vec![0u8; p.layers * layer];
-    let mut next = shared_layers(g, p.layers * layer)?;
-    let shared = matches!(next, Layers::Shared(_));
     let each = |w: &[u8]| -> Vec<Vec<u8>> { w.chunks(layer).map(<[u8]>::to_vec).collect() };
     let mut m = Measured::default();
-    for it in 0..p.iters + 1 {
-        let (dt, s) = staged_once(g, comm, (&a, &b), &mut layers, row, layer)?;
-        if it == 0 {
-            m.wrong += wrong_bytes(p, rank, &b, &each(&layers));
+    let (mut from, mut to) = (Vec::new(), Vec::new());
+    for it in 0..p.iters + WARMUP {
+        let (dt, s) = staged_once(g, comm, (&a, &b), w.split().0, row, layer)?;
+        if it < WARMUP {
+            m.wrong += wrong_bytes(p, rank, &b, &each(w.split().0));
         }
-        let (dh, _) = double_once(g, comm, (&b, &a), (&layers, &mut heap), (row, layer), false)?;
-        let (ds, sh) = double_once(
-            g,
-            comm,
-            (&b, &a),
-            (&layers, &mut next),
-            (row, layer),
-            shared,
-        )?;
-        std::mem::swap(&mut layers, &mut next);
-        if it == 0 {
-            m.wrong +=
-                wrong_bytes(p, rank, &a, &each(&heap)) + wrong_bytes(p, rank, &a, &each(&layers));
-        } else {
-            m.staged.push(dt);
-            m.heap.push(dh);
-            m.shared.push(ds);
+        let (live, next) = w.split();
+        let (dh, _) = double_once(g, comm, (&b, &a), (live, &mut heap), (row, layer), false)?;
+        let (ds, sh) = double_once(g, comm, (&b, &a), (live, next), (row, layer), shared)?;
+        w.swap();
+        if it < WARMUP {
+            m.wrong += wrong_bytes(p, rank, &a, &each(&heap))
+                + wrong_bytes(p, rank, &a, &each(w.split().0));
         }
         m.moved = (s.rows_received + s.rows_copied_locally) * row;
         m.received = s.rows_received * row;
         m.rows_into_shared = sh.rows_into_shared;
+        if from.len() != m.moved {
+            (from, to) = (vec![1u8; m.moved], vec![0u8; m.moved]);
+        }
+        g.barrier().map_err(|e| e.to_string())?;
+        let t0 = Instant::now();
+        to.copy_from_slice(&from);
+        std::hint::black_box(&to);
+        let dc = t0.elapsed().as_secs_f64();
+        if it >= WARMUP {
+            m.staged.push(dt);
+            m.heap.push(dh);
+            m.shared.push(ds);
+            m.copies.push(dc);
+        }
     }
-    m.wrong += wrong_bytes(p, rank, &a, &each(&layers));
+    m.wrong += wrong_bytes(p, rank, &a, &each(w.split().0));
     Ok(m)
 }
 
 type Maps = Vec<Vec<i64>>;
+
+/// Untimed iterations before the timed ones (see [`measure`]).
+const WARMUP: usize = 2;
 
 /// One staged rearrangement of `layers` in place; its seconds and summary.
 fn staged_once(
@@ -373,26 +412,20 @@ fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankO
                 "size_bytes": moved, "received_bytes": received,
                 "time_us": staged.0 * 1e6, "p99_us": staged.1 * 1e6,
                 "algbw_gbps": algbw(staged.0), "busbw_gbps": busbw(staged.0),
-                "double_buffered_time_us": double.0 * 1e6, "double_buffered_p99_us": double.1 * 1e6,
-                "double_buffered_algbw_gbps": algbw(double.0),
-                "double_buffered_busbw_gbps": busbw(double.0),
-                "double_buffered_shared_time_us": shared.0 * 1e6,
-                "double_buffered_shared_p99_us": shared.1 * 1e6,
-                "double_buffered_shared_algbw_gbps": algbw(shared.0),
-                "double_buffered_shared_busbw_gbps": busbw(shared.0),
-                "rows_into_shared": into_shared,
+                "double_buffered_time_us": shared.0 * 1e6, "double_buffered_p99_us": shared.1 * 1e6,
+                "double_buffered_algbw_gbps": algbw(shared.0),
+                "double_buffered_busbw_gbps": busbw(shared.0),
+                "double_buffered_rows_into_shared": into_shared,
+                "double_buffered_ordinary_time_us": double.0 * 1e6,
+                "double_buffered_ordinary_p99_us": double.1 * 1e6,
+                "double_buffered_ordinary_algbw_gbps": algbw(double.0),
                 "memcpy_us": cm * 1e6, "memcpy_gbps": moved as f64 / cm / 1e9, "wrong": wrong,
             })
         );
         return wrong;
     }
     table_header(p);
-    let rows = [
-        ("rearrange", staged),
-        ("double_buf", double),
-        ("double_shm", shared),
-    ];
-    for (op, (xm, xp)) in rows {
+    for (op, (xm, xp)) in [("rearrange", staged), ("double_buf", shared)] {
         println!(
             "  {:<10} {:>12} {:>12} {:>10.1} {:>10.1} {:>11.2} {:>11.2} {:>10.1} {:>7}",
             op,
@@ -408,12 +441,14 @@ fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankO
     }
     println!("# transfer/memcpy bandwidth: {:.2}", cm / staged.0);
     println!(
-        "# double-buffered transfer/memcpy bandwidth: {:.2}",
-        cm / double.0
+        "# double-buffered transfer/memcpy bandwidth: {:.2} ({into_shared} rows stored into the next weights by their senders per iteration, all ranks)",
+        cm / shared.0
     );
     println!(
-        "# double-buffered into shared memory transfer/memcpy bandwidth: {:.2} ({into_shared} rows stored by their senders per iteration, all ranks)",
-        cm / shared.0
+        "# double-buffered into next weights in ordinary memory: median {:.1} us, p99 {:.1} us, transfer/memcpy bandwidth {:.2}",
+        double.0 * 1e6,
+        double.1 * 1e6,
+        cm / double.0
     );
     crate::stats::nccl_summary(wrong, busbw(shared.0));
     wrong
@@ -422,11 +457,11 @@ fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankO
 /// The table's comment lines and column names.
 fn table_header(p: &EplbArgs) {
     println!(
-        "# transfer: {} ranks, {} layers x {} experts of {} MiB per rank, half received from a peer, half moved locally; torch_gloo over shm; {} iterations after 1 warm-up; times: median over iterations of the slowest rank",
+        "# transfer: {} ranks, {} layers x {} experts of {} MiB per rank, half received from a peer, half moved locally; torch_gloo over shm; {} iterations after {WARMUP} warm-ups; times: median over iterations of the slowest rank",
         p.ranks, p.layers, p.per_rank, p.expert_mib, p.iters
     );
-    println!("# rearrange: staged (receives and local moves into staging, then into the live weights); double_buf: rearrange_into, every row written once into next weights in ordinary memory (received rows read through the kernel); double_shm: the same into next weights in shared memory from the group (received rows stored there by their senders), then swapped in");
-    println!("# size: bytes placed per rank (received from peers + moved locally); memcpy: one copy of size bytes in the same run");
+    println!("# rearrange: staged (receives and local moves into staging, then into the live weights); double_buf: rearrange_into, every row written once into next weights in shared memory from the group (received rows stored there by their senders), then swapped in; the same into next weights in ordinary memory (received rows read through the kernel) is summarised below the table");
+    println!("# size: bytes placed per rank (received from peers + moved locally); memcpy: one copy of size bytes on every rank at once, timed in every iteration after the transfers (the same load)");
     println!("# algbw = size / time; busbw = algbw * received / size (the bytes that cross between ranks)");
     println!("# #wrong: bytes of the placed experts that differ from the expert the new placement names, all ranks, both paths");
     println!("#");
