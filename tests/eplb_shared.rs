@@ -438,3 +438,182 @@ fn bad_shared_next_buffers_fail_every_rank_before_any_data_moves() {
         assert!(untouched, "rank {r}: next buffers written");
     }
 }
+
+/// The last error message of this thread's C calls.
+fn last_error() -> String {
+    let p = epcomm::ffi::error::epcomm_last_error_message();
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: a NUL-terminated string the library keeps alive until the next call.
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// One uint8 host tensor [rows, row_bytes] at `data`.
+fn c_tensor(data: *mut u8, shape: &mut [i64; 2]) -> epcomm::ffi::tensor::epcomm_tensor {
+    use epcomm::ffi::tensor::{epcomm_device, epcomm_tensor};
+    epcomm_tensor {
+        data: data.cast(),
+        device: epcomm_device {
+            device_type: epcomm::ffi::EPCOMM_DEVICE_CPU,
+            device_id: 0,
+        },
+        ndim: 2,
+        dtype: epcomm::ffi::epcomm_dtype {
+            code: 1,
+            bits: 8,
+            lanes: 1,
+        },
+        shape: shape.as_mut_ptr(),
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    }
+}
+
+/// epcomm_eplb_rearrange_into on rank `r` of the C group `g` through communicator `comm`, one
+/// uint8 tensor of `ROW_BYTES[1]`-byte rows per layer, into next tensors at `next` (layer
+/// after layer); returns the summary.
+///
+/// # Safety
+/// `g` and `comm` are live handles; `next` holds every layer's next tensor.
+unsafe fn c_rearrange_into(
+    comm: *mut epcomm::ffi::eplb_runtime::epcomm_eplb_communicator,
+    maps: (&[Vec<i64>], &[Vec<i64>]),
+    live: &mut [Vec<u8>],
+    next: *mut u8,
+) -> epcomm::ffi::eplb_runtime::epcomm_eplb_summary {
+    let (old, new) = maps;
+    let rows = live[0].len() / ROW_BYTES[1];
+    let mut shape = [rows as i64, ROW_BYTES[1] as i64];
+    let live_t: Vec<_> = live
+        .iter_mut()
+        .map(|l| c_tensor(l.as_mut_ptr(), &mut shape))
+        .collect();
+    let next_t: Vec<_> = (0..live.len())
+        // SAFETY: within the caller's next buffer.
+        .map(|l| c_tensor(unsafe { next.add(l * live[0].len()) }, &mut shape))
+        .collect();
+    let (o, n) = (old.concat(), new.concat());
+    let mut summary = epcomm::ffi::eplb_runtime::epcomm_eplb_summary::default();
+    let mut valid = -1i64;
+    // SAFETY: every pointer is valid for what it is given with (caller contract).
+    let rc = unsafe {
+        epcomm::ffi::eplb_runtime::epcomm_eplb_rearrange_into(
+            comm,
+            o.as_ptr(),
+            n.as_ptr(),
+            LAYERS as i64,
+            PHYSICAL as i64,
+            PHYSICAL as i64,
+            live_t.as_ptr(),
+            next_t.as_ptr(),
+            1,
+            std::ptr::null(),
+            &mut summary,
+            &mut valid,
+        )
+    };
+    assert_eq!(rc, 0, "{}", last_error());
+    assert_eq!(valid, LAYERS as i64);
+    summary
+}
+
+/// A C caller's next weights from epcomm_mem_alloc are found to be shared memory: the senders
+/// store the rows there (they map the receiver's allocation), byte-identical to next weights
+/// in malloc'd memory.
+#[test]
+fn c_callers_next_weights_from_epcomm_mem_alloc_take_the_shared_path() {
+    use epcomm::ffi::eplb_runtime::{
+        epcomm_eplb_communicator_create, epcomm_eplb_communicator_destroy,
+    };
+    use epcomm::ffi::group::{epcomm_group_create_shm, epcomm_group_destroy};
+    use epcomm::ffi::mem::epcomm_mem_alloc;
+    use epcomm::ffi::select::epcomm_eplb_select_request;
+    if let Ok(group) = std::env::var("EPCOMM_EPLB_CMEM_CHILD") {
+        let rank: usize = std::env::var("EPCOMM_EPLB_RANK").unwrap().parse().unwrap();
+        let cname = std::ffi::CString::new(group.clone()).unwrap();
+        let (mut g, mut comm) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let gloo = std::ffi::CString::new("torch_gloo").unwrap();
+        let request = epcomm_eplb_select_request {
+            struct_size: std::mem::size_of::<epcomm_eplb_select_request>() as u32,
+            communicator: gloo.as_ptr(),
+            elastic: false,
+            device_type: epcomm::ffi::EPCOMM_DEVICE_CPU,
+            weight_dtypes: std::ptr::null(),
+            num_weight_dtypes: 0,
+            nccl_available: 0,
+            nixl_available: 0,
+        };
+        // SAFETY: valid arguments; the handles are destroyed below.
+        unsafe {
+            let rc =
+                epcomm_group_create_shm(cname.as_ptr(), rank as i32, 2, std::ptr::null(), &mut g);
+            assert_eq!(rc, 0, "{}", last_error());
+            assert_eq!(
+                epcomm_eplb_communicator_create(g, &request, &mut comm),
+                0,
+                "{}",
+                last_error()
+            );
+        }
+        let (old, new) = Rng(41).maps();
+        let mut live: Vec<Vec<u8>> = tensors(&old, rank, 2)
+            .into_iter()
+            .map(|mut l| l.remove(1))
+            .collect();
+        let total = live.len() * live[0].len();
+        let mut heap = vec![GARBAGE; total];
+        // SAFETY: live handles, buffers of the layout.
+        let s = unsafe { c_rearrange_into(comm, (&old, &new), &mut live, heap.as_mut_ptr()) };
+        assert!(peer_windows(&group, rank).is_empty());
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: a live handle; p is freed with the group.
+        assert_eq!(
+            unsafe { epcomm_mem_alloc(g, total, &mut p) },
+            0,
+            "{}",
+            last_error()
+        );
+        // SAFETY: `total` bytes from epcomm_mem_alloc.
+        let shared = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), total) };
+        shared.fill(GARBAGE);
+        // SAFETY: live handles, buffers of the layout.
+        let s2 = unsafe { c_rearrange_into(comm, (&old, &new), &mut live, shared.as_mut_ptr()) };
+        assert!(shared[..] == heap[..], "rank {rank}: shared next differs");
+        assert_eq!(
+            (s2.rows_sent, s2.rows_received),
+            (s.rows_sent, s.rows_received)
+        );
+        assert!(
+            s.rows_sent > 0 && s.rows_received > 0,
+            "a case that moves rows"
+        );
+        assert!(
+            !peer_windows(&group, rank).is_empty(),
+            "rank {rank}: no peer memory mapped"
+        );
+        // SAFETY: live handles, destroyed once.
+        unsafe {
+            epcomm_eplb_communicator_destroy(comm);
+            epcomm_group_destroy(g);
+        }
+        return;
+    }
+    let group = ranks::unique("e", "shc");
+    let kids = ranks::spawn_ranks(
+        "c_callers_next_weights_from_epcomm_mem_alloc_take_the_shared_path",
+        0..2,
+        |r| {
+            vec![
+                ("EPCOMM_EPLB_CMEM_CHILD", group.clone()),
+                ("EPCOMM_EPLB_RANK", r.to_string()),
+            ]
+        },
+    );
+    for k in ranks::wait_all(kids, Duration::from_secs(60)) {
+        assert!(k.success(), "rank {}: {}", k.rank, k.output());
+    }
+    assert_eq!(ranks::shm_leftovers(&group), Vec::<String>::new());
+}

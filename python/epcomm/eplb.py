@@ -298,6 +298,10 @@ class EplbCommunicator(Handle):
         ``next_valid`` attribute is the number of leading layers whose next tensors are valid
         (the same on every rank); the next tensors of the layer after them are garbage, later
         ones untouched, and ``weights`` unchanged. Every rank passes next_weights or none.
+        Next tensors in this rank's shared memory from ``Group.alloc`` (e.g. the live and the
+        next weights as the two halves of one Buffer, swapped by turns) have their received
+        rows stored there by the senders (plain stores, one copy per byte, no system call);
+        next tensors elsewhere have them read from the senders through the kernel.
 
         ``rank_mapping`` (old rank -> new rank or -1) changes the EP size: as many entries as
         the group has ranks is a scale-down on the old group (leaving ranks send their
