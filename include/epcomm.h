@@ -1540,7 +1540,11 @@ int32_t epcomm_eplb_rearrange_with_lost(struct epcomm_eplb_communicator *comm, c
  * garbage, later ones untouched, and every live tensor unchanged. The error texts are those of
  * epcomm_eplb_rearrange_with. Bad next tensors (NULL, wrong size, aliasing) fail every rank
  * before any data moves, the failing rank with a message naming the tensor. Every rank must
- * call this function (not epcomm_eplb_rearrange_with) for the same rearrangement.
+ * call this function (not epcomm_eplb_rearrange_with) for the same rearrangement. Next
+ * tensors that all lie in memory from epcomm_mem_alloc on the communicator's group (e.g. the
+ * live and the next weights as the two halves of one allocation, swapped by turns) have
+ * their received rows stored there by the senders (plain stores, one copy per byte, no
+ * system call); other next tensors have them read from the senders through the kernel.
  *
  * # Safety
  * As epcomm_eplb_rearrange_with; `next_weights` is NULL or holds num_layers * num_tensors
