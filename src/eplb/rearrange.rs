@@ -42,10 +42,12 @@ pub struct Summary {
     /// a failure: experts whose every replica was on a removed rank), sorted. Non-empty only
     /// under [`LostExperts::LeaveUnwritten`]: their slots keep the bytes they held before.
     pub lost_experts: Vec<Vec<i64>>,
-    /// Rows (one per received slot and tensor) this rank's peers stored straight into its
-    /// next buffers in shared memory ([`RearrangeOptions::next_shared`]): each byte written
-    /// once, with plain stores, no system call. 0 for the staged path and for next buffers in
-    /// ordinary memory, whose rows are read from the senders through the kernel.
+    /// Rows (one per received slot and tensor) that came by the row exchange into next
+    /// buffers this rank declared shared memory ([`RearrangeOptions::next_shared`], which the
+    /// C ABI and Python set when every next tensor lies in memory from `epcomm_mem_alloc`):
+    /// the senders stored them there, each byte once, with plain stores, no system call. 0 for
+    /// the staged path and for next buffers in ordinary memory, whose rows are read from the
+    /// senders through the kernel.
     pub rows_into_shared: usize,
 }
 
