@@ -163,7 +163,8 @@ impl ShmGroup {
         &self.slot(0).decision
     }
 
-    /// Decides op `n` as `want` unless it is decided already; returns the decision.
+    /// Decides op `n` as `want` unless it is decided already (then wakes every sleeper);
+    /// returns the decision.
     pub(super) fn decide(&self, n: u64, want: u64) -> Decision {
         let word = self.decision_word();
         loop {
@@ -174,6 +175,7 @@ impl ShmGroup {
                         .compare_exchange(d, want, Ordering::AcqRel, Ordering::Acquire)
                         .is_ok()
                     {
+                        self.notify_all();
                         return decoded(want, n);
                     }
                 }

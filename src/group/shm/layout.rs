@@ -5,11 +5,14 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::segment::{Segment, SharedAtomics};
+use super::wait::Wake;
 use super::ShmGroup;
 use crate::bytes;
 
-pub(super) const MAGIC: u64 = 0x6570_636f_6d6d_0004; // "epcomm" + layout version 4
-pub(super) const LAYOUT_VERSION: u32 = 4;
+pub(super) const MAGIC: u64 = 0x6570_636f_6d6d_0005; // "epcomm" + layout version 5
+/// 5: slots end in a futex word and its sleeper count ([`Wake`]); the header counts the ranks
+/// polling (`Header::polling`). A rank of layout 4 would never wake a sleeper.
+pub(super) const LAYOUT_VERSION: u32 = 5;
 pub(super) const HEADER_BYTES: usize = 4096;
 /// `Header::conflict_pid` once the group formed without a conflict.
 pub(super) const FORMED: u64 = u64::MAX;
@@ -24,7 +27,8 @@ pub(super) struct Header {
     pub(super) version: AtomicU32,
     pub(super) world: AtomicU32,
     pub(super) creator_pid: AtomicU32,
-    pub(super) _pad: AtomicU32,
+    /// Ranks of the group yielding in a wait now (see [`Waiter`](super::wait::Waiter)).
+    pub(super) polling: AtomicU32,
     pub(super) session: AtomicU64,
     /// A rank that tried to join with another world size: rank + 1 (0 = none).
     pub(super) mismatch_rank: AtomicU64,
@@ -80,6 +84,9 @@ pub(super) struct Slot {
     pub(super) verdict: AtomicU64,
     /// The op's parameters every rank must agree on (root, dtype, sizes digest, ...).
     pub(super) params: [AtomicU64; PARAMS],
+    /// Notified after every change of this slot a peer may wait for (and of the decision
+    /// word, on every slot); peers waiting for this rank sleep on it.
+    pub(super) wake: Wake,
 }
 // SAFETY: atomics only; all-zero means an empty slot.
 unsafe impl SharedAtomics for Slot {}
@@ -193,6 +200,21 @@ impl ShmGroup {
     }
 
     pub(super) fn mark(&self, state: u32) {
-        self.slot(self.rank).state.store(state, Ordering::Release);
+        let slot = self.slot(self.rank);
+        slot.state.store(state, Ordering::Release);
+        slot.wake.notify();
+    }
+
+    /// Wakes the ranks sleeping on any slot: after a change of the decision word, which every
+    /// waiter of an op waits for whichever peer's slot it sleeps on.
+    pub(super) fn notify_all(&self) {
+        for r in 0..self.world {
+            self.slot(r).wake.notify();
+        }
     }
 }
+
+// The slot keeps its size (the futex word took the last free bytes), so the decision word and
+// every offset before it stay where layout 4 had them.
+const _: () =
+    assert!(std::mem::size_of::<Slot>() == 128 && std::mem::offset_of!(Slot, wake) == 120);

@@ -6,11 +6,11 @@ use std::time::Instant;
 
 use super::decision::{abort_word, decoded, Cause, Decision, OUTCOME_COMMIT};
 use super::layout::{
-    align64, publish_desc, OpHead, Slot, OP_HEADER_BYTES, SLOT_ACTIVE, SLOT_FAILED,
+    align64, publish_desc, OpHead, Slot, OP_HEADER_BYTES, SLOT_ACTIVE, SLOT_FAILED, SLOT_LEFT,
 };
 use super::rendezvous::sys_err;
 use super::segment::Segment;
-use super::wait::{list, Backoff, Deadline, LIVENESS_PERIOD};
+use super::wait::{list, Deadline, Waiter, LIVENESS_PERIOD};
 use super::ShmGroup;
 use crate::error::{Error, Result};
 use crate::group::Op;
@@ -42,23 +42,30 @@ impl ShmGroup {
             self.mark(SLOT_FAILED);
         }
         if let Some(n) = self.exposed.take() {
-            let deadline = Deadline::new(self.opts.timeout);
-            let mut backoff = Backoff::new();
-            loop {
-                let reading = (0..self.world).any(|p| {
-                    let s = self.slot(p);
-                    p != self.rank
-                        && s.pid.load(Ordering::Acquire) == self.pid
-                        && s.consumed.load(Ordering::Acquire) < n
-                        && s.state.load(Ordering::Acquire) == SLOT_ACTIVE
-                });
-                if !reading || deadline.expired() {
-                    break;
-                }
-                backoff.snooze();
-            }
+            self.wait_thread_readers(n);
         }
         e
+    }
+
+    /// Waits (bounded by the timeout) until no thread rank of this process still reads this
+    /// rank's buffers for op `n`: each consumed it or stopped.
+    fn wait_thread_readers(&self, n: u64) {
+        let deadline = Deadline::new(self.opts.timeout);
+        let mut waiter = Waiter::new(&self.header().polling);
+        let reading = |p: usize| {
+            let s = self.slot(p);
+            p != self.rank
+                && s.pid.load(Ordering::Acquire) == self.pid
+                && s.consumed.load(Ordering::Acquire) < n
+                && s.state.load(Ordering::Acquire) == SLOT_ACTIVE
+        };
+        while let Some(p) = (0..self.world).find(|&p| reading(p)) {
+            if deadline.expired() {
+                break;
+            }
+            let done = || !(0..self.world).any(reading);
+            waiter.pause(&self.slot(p).wake, || LIVENESS_PERIOD, done);
+        }
     }
 
     /// The peers for which `ready(peer slot)` does not hold yet.
@@ -66,6 +73,20 @@ impl ShmGroup {
         (0..self.world)
             .filter(|&p| p != self.rank && !ready(self.slot(p)))
             .collect()
+    }
+
+    /// The first peer for which `ready(peer slot)` does not hold yet (allocates nothing).
+    fn first_pending(&self, ready: &impl Fn(&Slot) -> bool) -> Option<usize> {
+        (0..self.world).find(|&p| p != self.rank && !ready(self.slot(p)))
+    }
+
+    /// Whether rank `p` marked itself failed or left: a waiter checks it at once instead of
+    /// at the next liveness check (its mark woke the waiter).
+    fn stopped(&self, p: usize) -> bool {
+        matches!(
+            self.slot(p).state.load(Ordering::Acquire),
+            SLOT_LEFT | SLOT_FAILED
+        )
     }
 
     /// Waits until `ready(peer slot)` holds for every peer.
@@ -76,17 +97,14 @@ impl ShmGroup {
         ready: impl Fn(&Slot) -> bool,
     ) -> Result<()> {
         let deadline = Deadline::new(self.opts.timeout);
-        let mut backoff = Backoff::new();
+        let mut waiter = Waiter::new(&self.header().polling);
         let mut last_check = Instant::now();
-        loop {
-            let pending = self.pending_peers(&ready);
-            if pending.is_empty() {
-                return Ok(());
-            }
-            if last_check.elapsed() >= LIVENESS_PERIOD {
+        while let Some(p) = self.first_pending(&ready) {
+            if (waiter.spun() && last_check.elapsed() >= LIVENESS_PERIOD) || self.stopped(p) {
                 last_check = Instant::now();
+                let pending = self.pending_peers(&ready);
                 self.check_peers(op, n, &pending)?;
-                if deadline.expired() {
+                if deadline.expired() && !pending.is_empty() {
                     return Err(Error::Timeout(format!(
                         "timed out after {:.1} s in {} of group '{}' (op #{n}) waiting for rank(s) {}",
                         deadline.timeout.as_secs_f64(),
@@ -96,8 +114,11 @@ impl ShmGroup {
                     )));
                 }
             }
-            backoff.snooze();
+            let until_check = || LIVENESS_PERIOD.saturating_sub(last_check.elapsed());
+            let done = || self.stopped(p) || self.first_pending(&ready).is_none();
+            waiter.pause(&self.slot(p).wake, until_check, done);
         }
+        Ok(())
     }
 
     fn check_peers(&self, op: Op, n: u64, pending: &[usize]) -> Result<()> {
@@ -109,45 +130,56 @@ impl ShmGroup {
 
     /// Waits until `ready(peer slot)` holds for every peer or op `n` is committed. A failed,
     /// dead or stalled peer aborts op `n` (unless it was decided first); the error then names
-    /// the first failure, the same on every rank.
+    /// the first failure, the same on every rank. The rank sleeps on the slot of a peer it
+    /// waits for: that peer's change or any decision wakes it.
     fn wait_op(&mut self, op: Op, n: u64, ready: impl Fn(&Slot) -> bool) -> Result<()> {
         let deadline = Deadline::new(self.opts.timeout);
-        let mut backoff = Backoff::new();
+        let mut waiter = Waiter::new(&self.header().polling);
         let mut last_check = Instant::now();
+        let decision = || decoded(self.decision_word().load(Ordering::Acquire), n);
         loop {
-            let decided = match decoded(self.decision_word().load(Ordering::Acquire), n) {
-                Decision::Pending => {
-                    // The spin path allocates nothing: the pending list is made only for the
-                    // liveness check.
-                    if (0..self.world).all(|p| p == self.rank || ready(self.slot(p))) {
-                        return Ok(());
-                    }
-                    if last_check.elapsed() >= LIVENESS_PERIOD {
-                        last_check = Instant::now();
-                        let pending = self.pending_peers(&ready);
-                        if pending.is_empty() {
-                            return Ok(());
-                        }
-                        if let Some((p, cause)) = self.failed_peer(&pending) {
-                            self.decide(n, abort_word(n, p, cause))
-                        } else if deadline.expired() {
-                            self.decide(n, abort_word(n, pending[0], Cause::Stalled))
-                        } else {
-                            Decision::Pending
-                        }
-                    } else {
-                        Decision::Pending
-                    }
+            let mut decided = decision();
+            if decided == Decision::Pending {
+                let Some(p) = self.first_pending(&ready) else {
+                    return Ok(());
+                };
+                if (waiter.spun() && last_check.elapsed() >= LIVENESS_PERIOD) || self.stopped(p) {
+                    last_check = Instant::now();
+                    decided = self.check_op(n, &ready, &deadline);
+                } else {
+                    let until_check = || LIVENESS_PERIOD.saturating_sub(last_check.elapsed());
+                    let done = || {
+                        decision() != Decision::Pending
+                            || self.stopped(p)
+                            || self.first_pending(&ready).is_none()
+                    };
+                    waiter.pause(&self.slot(p).wake, until_check, done);
                 }
-                d @ (Decision::Commit | Decision::Abort { .. }) => d,
-            };
+            }
             match decided {
-                Decision::Pending => backoff.snooze(),
+                Decision::Pending => {}
                 Decision::Commit => return Ok(()),
                 Decision::Abort { rank, cause } => {
                     return Err(self.failure_error(op, n, rank, cause))
                 }
             }
+        }
+    }
+
+    /// The liveness check of a wait for op `n`: aborts it for a failed, dead or (past the
+    /// deadline) stalled peer, unless it was decided first.
+    fn check_op(&self, n: u64, ready: &impl Fn(&Slot) -> bool, deadline: &Deadline) -> Decision {
+        let pending = self.pending_peers(ready);
+        if pending.is_empty() {
+            // Every peer is ready: the caller's next round returns.
+            return Decision::Pending;
+        }
+        if let Some((p, cause)) = self.failed_peer(&pending) {
+            self.decide(n, abort_word(n, p, cause))
+        } else if deadline.expired() {
+            self.decide(n, abort_word(n, pending[0], Cause::Stalled))
+        } else {
+            Decision::Pending
         }
     }
 
@@ -270,6 +302,7 @@ impl ShmGroup {
         let slot = self.slot(self.rank);
         slot.op_kind.store(op as u32, Ordering::Relaxed);
         slot.published.store(n, Ordering::Release);
+        slot.wake.notify();
         Ok(())
     }
 
@@ -303,7 +336,9 @@ impl ShmGroup {
     /// (they see the death at the next op). On commit no peer reads the caller's buffers any
     /// more (direct mode).
     pub(super) fn finish(&mut self, op: Op, n: u64) -> Result<()> {
-        self.slot(self.rank).consumed.store(n, Ordering::Release);
+        let slot = self.slot(self.rank);
+        slot.consumed.store(n, Ordering::Release);
+        slot.wake.notify();
         self.wait_op(op, n, |s| s.consumed.load(Ordering::Acquire) >= n)?;
         match self.decide(n, OUTCOME_COMMIT << 62 | n) {
             Decision::Commit => {

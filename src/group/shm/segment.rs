@@ -14,7 +14,9 @@
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::io;
+use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
 
 /// A mapping, unmapped when the last segment handle (of any rank in this process) drops it.
 #[derive(Debug)]
@@ -428,6 +430,46 @@ impl Segment {
 /// # Safety
 /// Implementors must contain only atomic integers (any mix) and be valid when all-zero.
 pub(super) unsafe trait SharedAtomics {}
+
+/// Sleeps while `word` (in a shared mapping) holds `expected`, for at most `timeout`. A
+/// process-shared futex (not FUTEX_PRIVATE: the sleepers' peers are other processes, and the
+/// kernel keys a shared mapping's futex by the file and offset). It returns when woken, at once
+/// if the word differs, on a signal or on the timeout: the caller re-checks what it waits for.
+pub(super) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(1 << 30) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a live, aligned u32 and `ts` a valid timespec for the call; FUTEX_WAIT
+    // only reads them. Errors (EAGAIN, EINTR, ETIMEDOUT) all mean "re-check", so none is kept.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+}
+
+/// Wakes every thread (of any process) sleeping in [`futex_wait`] on `word`.
+pub(super) fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a live, aligned u32; FUTEX_WAKE does not touch memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+}
 
 /// Whether process `pid` is alive (not gone and not a zombie).
 pub(super) fn pid_alive(pid: u32) -> bool {
