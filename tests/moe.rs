@@ -556,7 +556,7 @@ fn extra_payloads_travel_with_their_rows() {
             .dispatch(g, &num::from_f32(&x, FloatKind::F32), &ids, &ws, &[&extra])
             .unwrap();
         let rows = num::to_f32(v.hidden, FloatKind::F32);
-        let ex = v.extras[0].clone();
+        let ex = v.extras[0].to_vec();
         (0..v.received_rows).all(|i| {
             let tag = rows[i * 4] as usize;
             ex[i * 3] as usize == tag / 100
@@ -750,6 +750,209 @@ fn dispatch_and_combine_across_processes() {
         });
         for k in ranks::wait_all(kids, Duration::from_secs(60)) {
             assert!(k.success(), "{name}: {}{}", k.stdout, k.stderr);
+        }
+    }
+}
+
+// ---- receive buffers in the group's shared memory: hidden rows, FP8 scales, extras --------------------------------
+
+/// Bytes per row of the extra payloads of [`extras_rounds`] (one longer than a page).
+const EXTRA_BYTES: [usize; 3] = [3, 16, 4100];
+
+/// One backend of every layout epcomm implements.
+fn one_backend_per_layout() -> Vec<&'static str> {
+    let mut seen: Vec<Layout> = Vec::new();
+    Backend::ALL
+        .iter()
+        .filter(|b| layout::contract(b.layout()).is_some())
+        .filter(|b| {
+            let new = !seen.contains(&b.layout());
+            seen.push(b.layout());
+            new
+        })
+        .map(|b| b.name())
+        .collect()
+}
+
+/// The tag of token `t` of rank `r` (never 0, the padding rows' value).
+fn tag(r: usize, t: usize) -> usize {
+    r * 1000 + t + 1
+}
+
+/// Byte `i` of extra payload `j` of the token tagged `tag`.
+fn extra_byte(tag: usize, j: usize, i: usize) -> u8 {
+    (i * 31 + tag * 7 + j * 13 + (i >> 8)) as u8
+}
+
+/// Rank `r`'s inputs of round `round`: hidden rows (element 0 the tag, f32), ids, weights, the
+/// extra payloads.
+#[allow(clippy::type_complexity)]
+fn extras_inputs(
+    r: usize,
+    round: usize,
+    (e, h): (usize, usize),
+    extra_bytes: &[usize],
+) -> (Vec<u8>, Vec<i64>, Vec<f32>, Vec<Vec<u8>>) {
+    let t = 1 + (round * 3 + r) % 6;
+    let tags: Vec<usize> = (0..t).map(|tok| tag(r, tok)).collect();
+    let x: Vec<f32> = tags
+        .iter()
+        .flat_map(|&g| (0..h).map(move |i| (g + i) as f32))
+        .collect();
+    let ids: Vec<i64> = tags
+        .iter()
+        .flat_map(|&g| {
+            let first = (g * 5 + round) % e;
+            let second = (first + 1 + g % (e - 1)) % e;
+            [first as i64, if g % 7 == 0 { -1 } else { second as i64 }]
+        })
+        .collect();
+    let extras = extra_bytes
+        .iter()
+        .enumerate()
+        .map(|(j, &b)| {
+            tags.iter()
+                .flat_map(|&g| (0..b).map(move |i| extra_byte(g, j, i)))
+                .collect()
+        })
+        .collect();
+    (
+        num::from_f32(&x, FloatKind::F32),
+        ids,
+        vec![0.5; t * 2],
+        extras,
+    )
+}
+
+/// Three dispatches of `backend` (FP8 rows if `fp8`, extra payloads of `extra_bytes` per row)
+/// over a group with shared memory and over a staged group (`direct_reads` off: heap receive
+/// buffers, the group's own copies), the same inputs on both: every output byte identical
+/// (hidden, FP8 scales, every extra payload, padding rows included), every received row's
+/// extras its token's, and only the manager over the group with shared memory received in it
+/// (extra payloads are received in the heap: with them, neither did).
+fn extras_rounds(
+    (backend, fp8): (&str, bool),
+    extra_bytes: &[usize],
+    r: usize,
+    world: usize,
+    names: (&str, &str),
+) {
+    let (e, h) = (2 * world, if fp8 { 128 } else { 8 });
+    let mut c = cfg(e, 2, h, FloatKind::F32, 6);
+    c.extra_row_bytes = extra_bytes.to_vec();
+    let staged_opts = GroupOptions {
+        direct_reads: false,
+        ..opts()
+    };
+    let mut gw = ShmGroup::join(names.0, r, world, opts()).unwrap();
+    let mut gs = ShmGroup::join(names.1, r, world, staged_opts).unwrap();
+    let mut mw = Manager::new(backend, c.clone(), r, world).unwrap();
+    let mut ms = Manager::new(backend, c, r, world).unwrap();
+    let scales = fp8.then_some(epcomm::moe::fp8::Scales::Exact);
+    mw.set_dispatch_fp8(scales).unwrap();
+    ms.set_dispatch_fp8(scales).unwrap();
+    for round in 0..3 {
+        let (x, ids, ws, extras) = extras_inputs(r, round, (e, h), extra_bytes);
+        let ex: Vec<&[u8]> = extras.iter().map(|v| v.as_slice()).collect();
+        let why = format!(
+            "{backend} fp8={fp8} extras {extra_bytes:?} rank {r} of {world}, round {round}"
+        );
+        mw.dispatch(&mut gw, &x, &ids, &ws, &ex).unwrap();
+        ms.dispatch(&mut gs, &x, &ids, &ws, &ex).unwrap();
+        let (vw, vs) = (mw.view(), ms.view());
+        assert_eq!(vw.hidden, vs.hidden, "{why}");
+        assert_eq!(vw.extras.len(), extra_bytes.len(), "{why}");
+        assert!(vw.extras.iter().eq(vs.extras.iter()), "{why}");
+        assert_eq!(mw.dispatch_scales(), ms.dispatch_scales(), "{why}");
+        assert_eq!(
+            mw.dispatch_in_shared_memory(),
+            extra_bytes.is_empty(),
+            "{why}"
+        );
+        assert!(!ms.dispatch_in_shared_memory(), "{why}");
+        // Each received row's extras are its token's (the tag: element 0 of an f32 row; the
+        // scale of an FP8 row's block makes it unreadable, so FP8 rows are compared only).
+        let rows = received_rows(mw.contract(), &vw, world, 6);
+        assert_eq!(rows.len(), vw.received_rows, "{why}");
+        let hidden = num::to_f32(vw.hidden, FloatKind::F32);
+        for &row in rows.iter().filter(|_| !fp8) {
+            let g = hidden[row * h] as usize;
+            assert!(g != 0, "{why}: row {row} holds no token");
+            for (j, &b) in extra_bytes.iter().enumerate() {
+                let got = &vw.extras[j][row * b..(row + 1) * b];
+                let want: Vec<u8> = (0..b).map(|i| extra_byte(g, j, i)).collect();
+                assert_eq!(got, want, "{why}: row {row} (tag {g}), payload {j}");
+            }
+        }
+    }
+}
+
+/// The buffer rows a dispatch filled: all of an exact-size layout's, the first `counts[i]` of
+/// each region of a fixed-capacity one (M rows per source rank, M x R per local expert).
+fn received_rows(
+    c: &Contract,
+    v: &epcomm::moe::DispatchView<'_>,
+    world: usize,
+    m: usize,
+) -> Vec<usize> {
+    let region = match c.capacity {
+        Capacity::Exact => return (0..v.received_rows).collect(),
+        Capacity::PerSourceRank => m,
+        Capacity::PerLocalExpert => m * world,
+    };
+    v.counts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &n)| i * region..i * region + n as usize)
+        .collect()
+}
+
+/// [`extras_rounds`] for one backend of every layout, plus FP8 rows for deepep_low_latency,
+/// without and with extra payloads.
+fn extras_every_layout(r: usize, world: usize, prefix: &str) {
+    let runs = one_backend_per_layout()
+        .into_iter()
+        .map(|b| (b, false))
+        .chain([("deepep_low_latency", true)]);
+    for (i, run) in runs.enumerate() {
+        for (j, extra_bytes) in [&[][..], &EXTRA_BYTES].into_iter().enumerate() {
+            let (w, s) = (format!("{prefix}w{i}.{j}"), format!("{prefix}s{i}.{j}"));
+            extras_rounds(run, extra_bytes, r, world, (&w, &s));
+        }
+    }
+}
+
+#[test]
+fn receive_buffers_match_the_staged_path_on_threads() {
+    for world in [2, 4] {
+        let prefix = ranks::unique("m", "xt");
+        ranks::on_threads(world, move |r| extras_every_layout(r, world, &prefix));
+    }
+}
+
+#[test]
+fn receive_buffers_match_the_staged_path_across_processes() {
+    if let Ok(prefix) = std::env::var("EPCOMM_MOE_XP_PREFIX") {
+        let rank: usize = std::env::var("EPCOMM_MOE_RANK").unwrap().parse().unwrap();
+        let world: usize = std::env::var("EPCOMM_MOE_WORLD").unwrap().parse().unwrap();
+        extras_every_layout(rank, world, &prefix);
+        return;
+    }
+    for world in [2, 4] {
+        let prefix = ranks::unique("m", "xp");
+        let kids = ranks::spawn_ranks(
+            "receive_buffers_match_the_staged_path_across_processes",
+            0..world,
+            |r| {
+                vec![
+                    ("EPCOMM_MOE_XP_PREFIX", prefix.clone()),
+                    ("EPCOMM_MOE_RANK", r.to_string()),
+                    ("EPCOMM_MOE_WORLD", world.to_string()),
+                ]
+            },
+        );
+        for k in ranks::wait_all(kids, Duration::from_secs(120)) {
+            assert!(k.success(), "{world} ranks: {}{}", k.stdout, k.stderr);
         }
     }
 }

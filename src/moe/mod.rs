@@ -13,6 +13,7 @@ pub mod fp8;
 mod ft;
 pub mod layout;
 pub mod plan;
+mod recv;
 pub mod reference;
 mod zero_copy;
 
@@ -21,12 +22,13 @@ use std::time::{Duration, Instant};
 use crate::bytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::group::{Group, SharedBuf};
+use crate::group::Group;
 use crate::log;
 use crate::num::{self, FloatKind};
 use crate::select::all2all::{self, Backend, Layout};
 use layout::{Contract, Geometry, Ids, Shapes};
 use plan::{Plan, Routing};
+use recv::{Received, RecvBuf};
 
 /// What a manager is built for (fixed for its lifetime).
 #[derive(Debug, Clone, PartialEq)]
@@ -116,6 +118,8 @@ pub struct Manager {
     shape: Vec<usize>,
     hidden: RecvBuf,
     extras: Vec<Vec<u8>>,
+    /// Whether every receive buffer of the last dispatch was the group's shared memory.
+    recv_shared: bool,
     stats: Stats,
     expert_counts: Vec<u32>,
     zero_copy: zero_copy::ZeroCopy,
@@ -124,7 +128,7 @@ pub struct Manager {
     fp8: Option<fp8::Scales>,
     fp8_send: Vec<u8>,
     fp8_send_scales: Vec<u8>,
-    fp8_scales: Vec<u8>,
+    fp8_scales: Received,
     /// Fault tolerance: the rank mask and the survivors' group ([`ft`]).
     ft: ft::Ft,
 }
@@ -175,57 +179,6 @@ fn check_available(more: usize, len: usize, ranks: usize, what: &str) -> Result<
         }
     }
     Ok(())
-}
-
-/// The dispatch receive buffer: shared memory of the group where it has some (the sources then
-/// store their rows straight into it: one copy per byte, no system call), else the heap.
-#[derive(Debug)]
-enum RecvBuf {
-    Heap(Vec<u8>),
-    Shared(SharedBuf),
-}
-
-impl RecvBuf {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            RecvBuf::Heap(v) => v,
-            RecvBuf::Shared(b) => b,
-        }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            RecvBuf::Heap(v) => v,
-            RecvBuf::Shared(b) => b,
-        }
-    }
-
-    /// Makes the buffer at least `len` bytes, in `g`'s shared memory where `g` has some (asked
-    /// when the buffer is first needed or must grow). It never shrinks; a shared one is replaced (with an eighth to spare, so token counts that
-    /// vary a little do not reallocate) when it is too small or belongs to another group.
-    fn ensure(&mut self, g: &mut dyn Group, len: usize, ranks: usize) -> Result<()> {
-        const WHAT: &str = "the dispatch receive buffer";
-        match self {
-            RecvBuf::Shared(b) if b.len() >= len && g.owns_shared(b) => return Ok(()),
-            // A heap buffer that suffices stays (its group had no shared memory when it grew).
-            RecvBuf::Heap(v) if len == 0 || (v.len() >= len && !v.is_empty()) => return Ok(()),
-            RecvBuf::Shared(_) | RecvBuf::Heap(_) => {}
-        }
-        let cap = len.saturating_add(len / 8);
-        check_available(cap, cap, ranks, WHAT)?;
-        match g.alloc_shared(cap)? {
-            Some(b) => *self = RecvBuf::Shared(b),
-            None => {
-                if let RecvBuf::Shared(_) = self {
-                    *self = RecvBuf::Heap(Vec::new());
-                }
-                if let RecvBuf::Heap(v) = self {
-                    ensure_len(v, len, ranks, WHAT)?;
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 /// The checks of a configuration that depend on no layout (their order decides which error a
@@ -356,13 +309,14 @@ impl Manager {
             shape: Vec::new(),
             hidden: RecvBuf::Heap(Vec::new()),
             extras: Vec::new(),
+            recv_shared: false,
             stats: Stats::default(),
             expert_counts: Vec::new(),
             zero_copy: zero_copy::ZeroCopy::default(),
             fp8: None,
             fp8_send: Vec::new(),
             fp8_send_scales: Vec::new(),
-            fp8_scales: Vec::new(),
+            fp8_scales: Received::default(),
             ft: ft::Ft::new(world),
         })
     }
@@ -427,7 +381,7 @@ impl Manager {
     pub fn dispatch_scales(&self) -> &[u8] {
         match (self.fp8, &self.plan) {
             (Some(_), Some(p)) => {
-                &self.fp8_scales[..p.buffer_rows * fp8::scale_row_bytes(self.cfg.hidden)]
+                &self.fp8_scales.data()[..p.buffer_rows * fp8::scale_row_bytes(self.cfg.hidden)]
             }
             _ => &[],
         }
@@ -739,21 +693,10 @@ impl Manager {
     /// Moves the FP8 scales' rows (after the quantised hidden rows).
     fn move_scales(&mut self, g: &mut dyn Group, plan: &Plan) -> Result<()> {
         let sb = fp8::scale_row_bytes(self.cfg.hidden);
-        let len = plan.buffer_rows * sb;
-        ensure_len(
-            &mut self.fp8_scales,
-            len,
-            self.world,
-            "the FP8 scales' receive buffer",
-        )?;
-        self.fp8_scales.truncate(len);
-        g.exchange_rows(
-            &self.fp8_send_scales,
-            sb,
-            &plan.give,
-            &mut self.fp8_scales,
-            &plan.take,
-        )
+        let what = "the FP8 scales' receive buffer";
+        let spare = !self.contract.fixed_capacity();
+        let src = (self.fp8_send_scales.as_slice(), sb);
+        self.fp8_scales.exchange(g, src, plan, spare, what)
     }
 
     /// Moves the rows: hidden (weighted first if asked, or quantised), then every extra payload.
@@ -777,7 +720,10 @@ impl Manager {
             hidden
         };
         let hidden_len = plan.buffer_rows * row_bytes;
-        self.hidden.ensure(g, hidden_len, self.world)?;
+        self.recv_shared = false;
+        let what = "the dispatch receive buffer";
+        let spare = !self.contract.fixed_capacity();
+        self.hidden.ensure(g, hidden_len, spare, what)?;
         let moved = g.exchange_rows(
             src,
             row_bytes,
@@ -806,6 +752,9 @@ impl Manager {
             buf.truncate(plan.buffer_rows * rb);
             g.exchange_rows(data, rb, &plan.give, buf, &plan.take)?;
         }
+        self.recv_shared = (hidden_len == 0 || self.hidden.shared_in(g))
+            && (self.fp8.is_none() || self.fp8_scales.shared_in(g))
+            && extras.is_empty();
         Ok(())
     }
 
@@ -900,6 +849,14 @@ impl Manager {
     /// ids were validated: EPLB load recording needs no second pass over topk_ids).
     pub fn expert_counts(&self) -> &[u32] {
         &self.expert_counts
+    }
+
+    /// Whether the last dispatch received every row (hidden, FP8 scales) in the group's shared
+    /// memory, stored there by its source: no copy through the kernel and one copy per byte.
+    /// False before a dispatch, on groups without shared memory, and with extra payloads
+    /// (they are received in the heap).
+    pub fn dispatch_in_shared_memory(&self) -> bool {
+        self.plan.is_some() && self.recv_shared
     }
 
     /// The receive side of the last dispatch.
