@@ -500,6 +500,7 @@ impl ShmGroup {
         self.slot(self.rank)
             .direct_ok
             .store(if ok { 1 } else { 2 }, Ordering::Release);
+        self.slot(self.rank).wake.notify();
         self.wait_peers(Op::Join, 0, |s| s.direct_ok.load(Ordering::Acquire) != 0)?;
         self.direct = (0..self.world).all(|p| self.slot(p).direct_ok.load(Ordering::Acquire) == 1);
         Ok(())

@@ -30,7 +30,9 @@
 //! its descriptors. A process of another job that meets the record or a taken slot marks the
 //! group conflicted, so neither job forms a group with the other's ranks. Every wait is
 //! bounded by the timeout and checks peers' liveness (pid gone or zombie, or the peer marked
-//! itself failed/left) about every 50 ms.
+//! itself failed/left) about every 50 ms. A wait spins, then sleeps on a futex word in the slot
+//! of a peer it waits for; every change it can wait for wakes it, with a system call only when
+//! someone sleeps.
 //!
 //! Files, one idea each (this file holds the handle and the wiring):
 //!
@@ -40,7 +42,7 @@
 //! | `layout.rs` | the control segment's layout (header, slots, data descriptors, slot states) and the op header |
 //! | `rendezvous.rs` | group names, unique ids, the rendezvous record, creating or opening rank 0's control segment |
 //! | `join.rs` | joining (claim a slot, wait for every rank, settle, agree on direct reads) and leaving (drop) |
-//! | `wait.rs` | deadlines, the backoff, the liveness period |
+//! | `wait.rs` | deadlines, the liveness period, spin-then-futex waits (a futex word per slot), the join's backoff |
 //! | `protocol.rs` | the per-op protocol: begin, publish, wait for peers, finish; growing a region |
 //! | `decision.rs` | the decision word and blame: the first failure, named the same on every rank |
 //! | `agree.rs` | the verdict on the ranks' arguments before any data moves (through `group::agree`) |
