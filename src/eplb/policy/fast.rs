@@ -122,7 +122,8 @@ struct Node {
     count: Vec<u32>,
     phy2mlog: Vec<usize>,
     keys: Vec<u128>,
-    base: Vec<u128>,
+    /// The node's slots heaviest first, as [`desc_key`]s (the packing's input).
+    sorted: Vec<u128>,
     wide: Vec<(u64, usize)>,
     slots: Vec<usize>,
 }
@@ -304,14 +305,17 @@ impl Node {
             self.slots.iter_mut().enumerate().for_each(|(i, s)| *s = i);
         } else {
             self.sorted_slots();
-            let items = Merge::new(&self.base, &self.keys, pn);
+            let items = self
+                .sorted
+                .iter()
+                .map(|&k| (k as u64 as usize, weight_of(k)));
             pack(items, gpus, ppg, &mut self.slots, &mut self.wide);
         }
     }
 
-    /// The node's slots in two lists, each heaviest load per replica first (ties by slot),
-    /// ending with u128::MAX: `base`, the experts without extra replicas (in their sorted
-    /// order), and `keys`, the replicated experts' slots.
+    /// The node's slots heaviest load per replica first (ties by slot) into `sorted`: the
+    /// replicated experts' slots (`keys`, sorted apart) merged into the other experts, which
+    /// keep the order of `order`.
     #[inline]
     fn sorted_slots(&mut self) {
         let en = self.bits.len();
@@ -331,49 +335,33 @@ impl Node {
         }
         self.keys.sort_unstable();
         self.keys.push(u128::MAX);
-        // Branch-free compaction: every expert is written, the replicated ones overwritten.
-        self.base.clear();
-        self.base.resize(en + 1, u128::MAX);
-        let mut nb = 0;
-        for &x in &self.order {
+        // The experts without extra replicas in their order (the replicated ones are among
+        // the first k), the replicated slots merged in.
+        let k = self.cand.len();
+        self.sorted.clear();
+        self.sorted.resize(self.phy2mlog.len(), 0);
+        let (mut out, mut j) = (0, 0);
+        let reps = &self.keys;
+        for (r, &x) in self.order.iter().enumerate() {
             let x = x as usize;
-            self.base[nb] = desc_key(load(x), x);
-            nb += usize::from(count[x] == 1);
+            if r < k && count[x] > 1 {
+                continue;
+            }
+            let key = desc_key(load(x), x);
+            while reps[j] < key {
+                self.sorted[out] = reps[j];
+                out += 1;
+                j += 1;
+            }
+            self.sorted[out] = key;
+            out += 1;
         }
-        self.base[nb] = u128::MAX;
-    }
-}
-
-/// The merge of two lists of [`desc_key`]s, each sorted and ending with u128::MAX, as
-/// `(index, weight)`: branch-free, so it overlaps with the packing it feeds.
-struct Merge<'a> {
-    a: &'a [u128],
-    b: &'a [u128],
-    left: usize,
-}
-
-impl<'a> Merge<'a> {
-    /// The first `left` keys of the merge of `a` and `b`.
-    fn new(a: &'a [u128], b: &'a [u128], left: usize) -> Self {
-        Merge { a, b, left }
-    }
-}
-
-impl Iterator for Merge<'_> {
-    type Item = (usize, f64);
-
-    #[inline(always)]
-    fn next(&mut self) -> Option<(usize, f64)> {
-        if self.left == 0 {
-            return None;
+        while reps[j] != u128::MAX {
+            self.sorted[out] = reps[j];
+            out += 1;
+            j += 1;
         }
-        self.left -= 1;
-        let (ka, kb) = (self.a[0], self.b[0]);
-        let take_a = ka < kb;
-        let k = if take_a { ka } else { kb };
-        self.a = &self.a[usize::from(take_a)..];
-        self.b = &self.b[usize::from(!take_a)..];
-        Some((k as u64 as usize, weight_of(k)))
+        debug_assert_eq!(out, self.sorted.len());
     }
 }
 
