@@ -323,7 +323,7 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
     if !p.json {
         println!("# epcomm bench eplb: the EPLB rebalancing policy, then a rearrangement's expert-weight transfer between rank processes");
         println!(
-            "# policy ({shape}): median {:.3} ms, p99 {:.3} ms over {} runs (target <= 1 ms)",
+            "# policy ({shape}): median {:.3} ms, p99 {:.3} ms over {} runs (target <= 0.3 ms)",
             pm * 1e3,
             pp * 1e3,
             p.iters
