@@ -11,6 +11,10 @@
 //! epcomm sorts stably (equal loads keep ascending index), so its result is the same on every
 //! machine and equals vLLM's with `kind="stable"`. Without ties in the packed loads the result
 //! is vLLM's, bit for bit; with ties it is one of the placements vLLM can return.
+//!
+//! Layers whose loads are all +0.0 to +inf (token counts) take a fast path (`fast`) that makes
+//! the same comparisons on integer keys; the others, and the per-step functions, take the
+//! general one. Both are checked against a plain transcription of vLLM's code.
 
 use crate::error::{Error, Result};
 use crate::log;
