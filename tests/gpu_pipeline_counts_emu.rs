@@ -459,7 +459,7 @@ fn cpu_run(s: Setup, inputs: Vec<Input>) -> Vec<CpuResult> {
             offsets: v.expert_offsets.to_vec(),
             src_rank: v.src_rank.to_vec(),
             src_token: v.src_token.to_vec(),
-            extra: v.extras.first().cloned().unwrap_or_default(),
+            extra: v.extras.first().map(<[u8]>::to_vec).unwrap_or_default(),
         };
         let y = expert_output(&s, d, &o);
         let mut out = vec![0u8; inp.t * s.h * s.kind.size()];

@@ -163,6 +163,8 @@ impl Manager {
     /// survivors', and a dispatch made over the old group cannot be combined over the new.
     fn forget_group_buffers(&mut self) {
         self.hidden = RecvBuf::Heap(Vec::new());
+        self.extras.clear();
+        self.fp8_scales = Default::default();
         self.zero_copy = Default::default();
         self.plan = None;
     }

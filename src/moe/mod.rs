@@ -28,6 +28,7 @@ use crate::num::{self, FloatKind};
 use crate::select::all2all::{self, Backend, Layout};
 use layout::{Contract, Geometry, Ids, Shapes};
 use plan::{Plan, Routing};
+pub use recv::ExtraRows;
 use recv::{Received, RecvBuf};
 
 /// What a manager is built for (fixed for its lifetime).
@@ -100,8 +101,8 @@ pub struct DispatchView<'a> {
     /// Source rank and token of each row.
     pub src_rank: &'a [i32],
     pub src_token: &'a [i32],
-    /// Extra payload rows, same row layout as `hidden`.
-    pub extras: &'a [Vec<u8>],
+    /// Extra payload rows, same row layout as `hidden` (`extras[i]`, `extras.iter()`).
+    pub extras: &'a dyn ExtraRows,
 }
 
 /// An all2all manager for one backend name and configuration.
@@ -117,7 +118,7 @@ pub struct Manager {
     tokens: usize,
     shape: Vec<usize>,
     hidden: RecvBuf,
-    extras: Vec<Vec<u8>>,
+    extras: Vec<Received>,
     /// Whether every receive buffer of the last dispatch was the group's shared memory.
     recv_shared: bool,
     stats: Stats,
@@ -736,25 +737,19 @@ impl Manager {
         if self.fp8.is_some() {
             self.move_scales(g, plan)?;
         }
-        self.extras.resize(extras.len(), Vec::new());
+        self.extras.resize_with(extras.len(), Received::default);
+        let what = "an extra payload's receive buffer";
         for ((buf, data), &rb) in self
             .extras
             .iter_mut()
             .zip(extras)
             .zip(&self.cfg.extra_row_bytes)
         {
-            ensure_len(
-                buf,
-                plan.buffer_rows * rb,
-                self.world,
-                "an extra payload's receive buffer",
-            )?;
-            buf.truncate(plan.buffer_rows * rb);
-            g.exchange_rows(data, rb, &plan.give, buf, &plan.take)?;
+            buf.exchange(g, (data, rb), plan, spare, what)?;
         }
         self.recv_shared = (hidden_len == 0 || self.hidden.shared_in(g))
             && (self.fp8.is_none() || self.fp8_scales.shared_in(g))
-            && extras.is_empty();
+            && self.extras.iter().all(|b| b.shared_in(g));
         Ok(())
     }
 
@@ -851,10 +846,9 @@ impl Manager {
         &self.expert_counts
     }
 
-    /// Whether the last dispatch received every row (hidden, FP8 scales) in the group's shared
-    /// memory, stored there by its source: no copy through the kernel and one copy per byte.
-    /// False before a dispatch, on groups without shared memory, and with extra payloads
-    /// (they are received in the heap).
+    /// Whether the last dispatch received every row (hidden, FP8 scales, extra payloads) in
+    /// the group's shared memory, stored there by its source: no copy through the kernel and
+    /// one copy per byte. False before a dispatch and on groups without shared memory.
     pub fn dispatch_in_shared_memory(&self) -> bool {
         self.plan.is_some() && self.recv_shared
     }

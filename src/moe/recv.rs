@@ -1,9 +1,9 @@
-//! The dispatch's receive buffers: the hidden rows and the FP8 scales land in shared memory of
-//! the group where it has some, so each source stores its rows straight into their final place
-//! (one copy per byte, no system call); elsewhere in the heap, filled by the group's own
-//! transfers.
+//! The dispatch's receive buffers: the hidden rows, the FP8 scales and every extra payload
+//! land in shared memory of the group where it has some, so each source stores its rows
+//! straight into their final place (one copy per byte, no system call); elsewhere in the heap,
+//! filled by the group's own transfers.
 
-use std::ops::{Deref, DerefMut};
+use std::ops::{Deref, DerefMut, Index};
 
 use super::plan::Plan;
 use super::{check_available, ensure_len};
@@ -86,8 +86,8 @@ impl RecvBuf {
     }
 }
 
-/// A receive buffer and the bytes of it the last dispatch filled (the FP8 scales).
-/// Dereferences to the whole buffer.
+/// A receive buffer and the bytes of it the last dispatch filled (the FP8 scales, an extra
+/// payload). Dereferences to the whole buffer.
 #[derive(Debug, Default)]
 pub(super) struct Received {
     buf: RecvBuf,
@@ -136,5 +136,68 @@ impl Deref for Received {
 impl DerefMut for Received {
     fn deref_mut(&mut self) -> &mut [u8] {
         self.buf.bytes_mut()
+    }
+}
+
+/// The extra payloads of a dispatch output ([`super::DispatchView::extras`]): payload `i` is
+/// `rows x extra_row_bytes[i]` bytes, rows as the hidden rows. The manager's are its receive
+/// buffers; any `Vec<Vec<u8>>` is one too.
+pub trait ExtraRows: std::fmt::Debug + Sync {
+    /// How many payloads.
+    fn payloads(&self) -> usize;
+    /// The bytes of payload `i` (`i < payloads()`).
+    fn payload(&self, i: usize) -> &[u8];
+}
+
+impl ExtraRows for Vec<Vec<u8>> {
+    fn payloads(&self) -> usize {
+        self.len()
+    }
+
+    fn payload(&self, i: usize) -> &[u8] {
+        &self[i]
+    }
+}
+
+impl ExtraRows for Vec<Received> {
+    fn payloads(&self) -> usize {
+        self.len()
+    }
+
+    fn payload(&self, i: usize) -> &[u8] {
+        self[i].data()
+    }
+}
+
+impl dyn ExtraRows + '_ {
+    /// How many payloads.
+    pub fn len(&self) -> usize {
+        self.payloads()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.payloads() == 0
+    }
+
+    /// Payload `i`, if there is one.
+    pub fn get(&self, i: usize) -> Option<&[u8]> {
+        (i < self.payloads()).then(|| self.payload(i))
+    }
+
+    /// The first payload, if there is one.
+    pub fn first(&self) -> Option<&[u8]> {
+        self.get(0)
+    }
+
+    /// Every payload, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        (0..self.payloads()).map(|i| self.payload(i))
+    }
+}
+
+impl Index<usize> for dyn ExtraRows + '_ {
+    type Output = [u8];
+    fn index(&self, i: usize) -> &[u8] {
+        self.payload(i)
     }
 }

@@ -419,7 +419,8 @@ impl ShmGroup {
 
     /// Writes rows `give[p]` of `src` straight into every peer p's window that is this op's
     /// destination, at the rows p's take list for this rank names (checked by
-    /// [`ShmGroup::check_windows`]); streaming stores for transfers far larger than the caches.
+    /// [`ShmGroup::check_windows`]); streaming stores when the call stores many rows
+    /// ([`super::payload::exchange_streams`]).
     /// Returns the peers written to.
     pub(super) fn push_rows(
         &self,
@@ -429,6 +430,7 @@ impl ShmGroup {
     ) -> Result<Vec<bool>> {
         let (me, world) = (self.rank, self.world);
         let mut pushed = vec![false; world];
+        let streaming = super::payload::exchange_streams(give, row_bytes);
         for (p, (meta, w)) in self.sections()?.into_iter().enumerate() {
             let Some(w) = w.filter(|_| p != me) else {
                 continue;
@@ -437,7 +439,6 @@ impl ShmGroup {
                 break;
             }
             self.map_window(p, &w)?;
-            let streaming = give[p].len() * row_bytes >= crate::copy::STREAMING_MIN_BYTES;
             self.with_window(p, &w, |seg| {
                 for (&s, d) in give[p].iter().zip(w.list(&meta, world, me)) {
                     let at = d as usize * row_bytes;
