@@ -10,15 +10,15 @@
 //! time is the slowest rank's. Every expert's bytes identify it, so after the warm-up iterations
 //! and the last one each rank checks that every slot holds the expert the placement names.
 //!
-//! Each iteration runs three paths, interleaved so they see the same machine load: staged
-//! (`rearrange`: receives and local moves into a staging buffer, then into the live weights)
-//! from the first placement to the second, then twice double-buffered back (`rearrange_into`:
-//! every row written once into a next buffer): into next buffers in ordinary memory (the
+//! Each iteration runs three paths from one placement to the other, interleaved so they see
+//! the same machine load: staged (`rearrange`: receives and local moves into a staging buffer,
+//! then into the live weights, which are ordinary memory as a caller without shared memory
+//! has them), then twice double-buffered (`rearrange_into`: every row written once into a next
+//! buffer) from live weights in shared memory: into next buffers in ordinary memory (the
 //! receivers read the rows from the senders through the kernel), and into next buffers in
 //! shared memory from the group (`Group::alloc_shared`, as a fast-path caller allocates them:
 //! the senders store the rows straight into them), which then become the live ones (the swap).
-//! The live weights are shared memory too, so they can take the next buffers' place. A memcpy
-//! of the placed bytes closes each iteration. The table's `double_buf` row is the path into
+//! A memcpy of the placed bytes closes each iteration. The table's `double_buf` row is the path into
 //! shared memory; the one into ordinary memory is summarised below the table.
 
 use std::process::ExitCode;
@@ -180,9 +180,10 @@ fn rank_main(p: &EplbArgs, rank: usize, group: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The iterations. Each: staged a -> b in place, then double-buffered b -> a into ordinary
-/// memory and into shared memory, which is swapped in, then a memcpy of the bytes placed;
-/// interleaved so every path and the memcpy see the same load. The first [`WARMUP`] iterations warm up and check every result: the first
+/// The iterations, from a to b and back by turns. Each: staged in place (in ordinary memory),
+/// then double-buffered into ordinary memory and into shared memory, which is swapped in, then
+/// a memcpy of the bytes placed; interleaved so every path and the memcpy see the same load.
+/// The first [`WARMUP`] iterations warm up and check every result: the first
 /// touches the staging and next buffers, the second makes each shared buffer a destination
 /// once more (the two swap), so the peers have mapped both and touched their pages.
 fn measure(
@@ -204,22 +205,23 @@ fn measure(
             *x = pattern(l, a[l][rank * p.per_rank + i / row], i % row);
         }
     }
+    // The staged path's weights, in ordinary memory (as a caller without shared memory).
+    let mut own = w.split().0.to_vec();
     let mut heap = vec![0u8; p.layers * layer];
     let each = |w: &[u8]| -> Vec<Vec<u8>> { w.chunks(layer).map(<[u8]>::to_vec).collect() };
     let mut m = Measured::default();
     let (mut from, mut to) = (Vec::new(), Vec::new());
     for it in 0..p.iters + WARMUP {
-        let (dt, s) = staged_once(g, comm, (&a, &b), w.split().0, row, layer)?;
-        if it < WARMUP {
-            m.wrong += wrong_bytes(p, rank, &b, &each(w.split().0));
-        }
+        let maps = if it % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        let (dt, s) = staged_once(g, comm, maps, &mut own, row, layer)?;
         let (live, next) = w.split();
-        let (dh, _) = double_once(g, comm, (&b, &a), (live, &mut heap), (row, layer), false)?;
-        let (ds, sh) = double_once(g, comm, (&b, &a), (live, next), (row, layer), shared)?;
+        let (dh, _) = double_once(g, comm, maps, (live, &mut heap), (row, layer), false)?;
+        let (ds, sh) = double_once(g, comm, maps, (live, next), (row, layer), shared)?;
         w.swap();
         if it < WARMUP {
-            m.wrong += wrong_bytes(p, rank, &a, &each(&heap))
-                + wrong_bytes(p, rank, &a, &each(w.split().0));
+            m.wrong += wrong_bytes(p, rank, maps.1, &each(&own))
+                + wrong_bytes(p, rank, maps.1, &each(&heap))
+                + wrong_bytes(p, rank, maps.1, &each(w.split().0));
         }
         m.moved = (s.rows_received + s.rows_copied_locally) * row;
         m.received = s.rows_received * row;
@@ -239,7 +241,9 @@ fn measure(
             m.copies.push(dc);
         }
     }
-    m.wrong += wrong_bytes(p, rank, &a, &each(w.split().0));
+    let last = if (p.iters + WARMUP) % 2 == 0 { &a } else { &b };
+    m.wrong +=
+        wrong_bytes(p, rank, last, &each(&own)) + wrong_bytes(p, rank, last, &each(w.split().0));
     Ok(m)
 }
 
@@ -330,10 +334,11 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
         );
     }
     let weights = (p.layers * p.per_rank * (p.expert_mib << 20)) as u64;
-    // The weights and their next buffers in shared memory, the next buffers in ordinary
-    // memory, one layer of staging, then the memcpy's two buffers of the placed bytes.
+    // The weights and their next buffers in shared memory, the staged path's weights and the
+    // next buffers in ordinary memory, one layer of staging, then the memcpy's two buffers of
+    // the placed bytes.
     let need = Need {
-        memory: 3 * weights + weights / p.layers as u64 + 2 * weights,
+        memory: 4 * weights + weights / p.layers as u64 + 2 * weights,
         shm: weights / p.layers as u64,
         detail: String::new(),
     };
