@@ -498,7 +498,8 @@ mod x86 {
     }
 
     /// 8 elements at `p` (any kind) as f32.
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
     unsafe fn load8_any(p: *const u8, kind: FloatKind) -> __m256 {
         // SAFETY (caller): 8 elements at `p` are readable.
         unsafe {
@@ -511,7 +512,8 @@ mod x86 {
     }
 
     /// 16 f32 (in two vectors) stored at `d` as `kind`.
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
     unsafe fn put16<const NT: bool>(d: *mut u8, a: __m256, b: __m256, kind: FloatKind) {
         // SAFETY (caller): 16 elements of `kind` writable at `d`, 16-byte aligned when NT.
         unsafe {
@@ -552,19 +554,107 @@ mod x86 {
         let skip = (16 - dst.as_ptr() as usize % 16) % 16;
         let nt = streaming && skip % out_es == 0 && n >= 64;
         let head = if nt { (skip / out_es).min(n) } else { 0 };
-        // SAFETY (all three): the caller checked the features; rows hold `n` elements.
+        for j in 0..head {
+            sum_one(
+                rows,
+                kind,
+                &mut dst[out_es * j..out_es * (j + 1)],
+                out_kind,
+                j,
+            );
+        }
+        // SAFETY: the caller checked the features; rows hold `n` elements; dst + head is
+        // 16-byte aligned when nt.
         unsafe {
-            sum_span::<false>(rows, kind, dst, out_kind, 0, head);
             if nt {
-                sum_span::<true>(rows, kind, dst, out_kind, head, n);
+                sum_body::<true>(rows, kind, dst, out_kind, head, n)
             } else {
-                sum_span::<false>(rows, kind, dst, out_kind, head, n);
+                sum_body::<false>(rows, kind, dst, out_kind, head, n)
             }
         }
     }
 
-    /// Elements `e0..e1` of [`sum_rows`]: 16 at a time in registers, the rest generic.
-    #[inline(always)]
+    /// Elements `e0..e1` of [`sum_rows`]: with up to 8 rows, a kernel whose row pointers and
+    /// weights sit in registers (unrolled over the rows); more rows loop over the slice.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn sum_body<const NT: bool>(
+        rows: &[(&[u8], f32)],
+        kind: FloatKind,
+        dst: &mut [u8],
+        out_kind: FloatKind,
+        e0: usize,
+        e1: usize,
+    ) {
+        // SAFETY (every arm): as the caller's.
+        unsafe {
+            // Weights of 1 (combine's usual case) skip the multiply: the same values, and no
+            // microcode assist for subnormal inputs.
+            let unit = rows.iter().all(|r| r.1 == 1.0);
+            macro_rules! by_count {
+                ($($n:literal)*) => {
+                    match (rows.len(), unit) {
+                        $(
+                            ($n, true) => sum_fixed::<$n, NT, true>(rows, kind, dst, out_kind, e0, e1),
+                            ($n, false) => sum_fixed::<$n, NT, false>(rows, kind, dst, out_kind, e0, e1),
+                        )*
+                        _ => sum_span::<NT>(rows, kind, dst, out_kind, e0, e1),
+                    }
+                };
+            }
+            by_count!(1 2 3 4 5 6 7 8)
+        }
+    }
+
+    /// [`sum_span`] for exactly `N` rows, unrolled: the pointers and weights in registers;
+    /// `UNIT`: every weight is 1.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn sum_fixed<const N: usize, const NT: bool, const UNIT: bool>(
+        rows: &[(&[u8], f32)],
+        kind: FloatKind,
+        dst: &mut [u8],
+        out_kind: FloatKind,
+        e0: usize,
+        e1: usize,
+    ) {
+        let (es, out_es) = (kind.size(), out_kind.size());
+        let ptrs: [*const u8; N] = std::array::from_fn(|k| rows[k].0.as_ptr());
+        let ws: [__m256; N] = std::array::from_fn(|k| _mm256_set1_ps(rows[k].1));
+        let body = e0 + (e1 - e0) / 16 * 16;
+        let mut i = e0;
+        while i < body {
+            // SAFETY: i + 16 <= e1 <= n: 16 elements of every row and of dst are in bounds;
+            // dst + i is 16-byte aligned when NT.
+            unsafe {
+                let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                for k in 0..N {
+                    let p = ptrs[k].add(es * i);
+                    let (mut x, mut y) = (load8_any(p, kind), load8_any(p.add(8 * es), kind));
+                    if !UNIT {
+                        (x, y) = (_mm256_mul_ps(ws[k], x), _mm256_mul_ps(ws[k], y));
+                    }
+                    (a, b) = (_mm256_add_ps(a, x), _mm256_add_ps(b, y));
+                }
+                put16::<NT>(dst.as_mut_ptr().add(out_es * i), a, b, out_kind);
+            }
+            i += 16;
+        }
+        for j in body..e1 {
+            sum_one(
+                rows,
+                kind,
+                &mut dst[out_es * j..out_es * (j + 1)],
+                out_kind,
+                j,
+            );
+        }
+    }
+
+    /// Elements `e0..e1` of [`sum_rows`] for any number of rows: 16 at a time in registers, the
+    /// rest generic.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
     unsafe fn sum_span<const NT: bool>(
         rows: &[(&[u8], f32)],
         kind: FloatKind,
@@ -796,7 +886,10 @@ mod tests {
             .flat_map(|&k| kinds.iter().map(move |&o| (k, o)))
             .flat_map(|(k, o)| [1usize, 7, 16, 100, 1027].map(move |n| (k, o, n)))
         {
-            for nrows in 0..6 {
+            for (nrows, unit) in [0usize, 1, 2, 3, 4, 5, 7, 8, 9, 12]
+                .into_iter()
+                .flat_map(|n| [(n, false), (n, true)])
+            {
                 // Values from random bits (NaN, infinity, -0.0 and subnormals included), a
                 // tenth of them ordinary so sums are not all NaN.
                 let rows: Vec<Vec<u8>> = (0..nrows)
@@ -812,8 +905,12 @@ mod tests {
                     })
                     .collect();
                 let w = [1.0f32, 0.3, -1.5, 1.0, 0.7];
-                let input: Vec<(&[u8], f32)> =
-                    rows.iter().zip(w).map(|(r, w)| (r.as_slice(), w)).collect();
+                let weight = |i: usize| if unit { 1.0 } else { w[i % w.len()] };
+                let input: Vec<(&[u8], f32)> = rows
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (r.as_slice(), weight(i)))
+                    .collect();
                 let mut acc = vec![0f32; len];
                 for (i, (r, w)) in input.iter().enumerate() {
                     match (i, *w == 1.0) {
@@ -826,7 +923,7 @@ mod tests {
                 store(&acc, &mut want, out_kind);
                 let mut portable = vec![0u8; want.len()];
                 sum_rows_generic(&input, kind, &mut portable, out_kind);
-                let case = format!("{kind:?}->{out_kind:?} len {len} rows {nrows}");
+                let case = format!("{kind:?}->{out_kind:?} len {len} rows {nrows} unit {unit}");
                 assert!(same_values(&portable, &want, out_kind), "portable {case}");
                 for (streaming, shift) in [false, true]
                     .into_iter()
