@@ -618,15 +618,12 @@ mod x86 {
         e0: usize,
         e1: usize,
     ) {
-        let (es, out_es) = (kind.size(), out_kind.size());
+        let es = kind.size();
         let ptrs: [*const u8; N] = std::array::from_fn(|k| rows[k].0.as_ptr());
         let ws: [__m256; N] = std::array::from_fn(|k| _mm256_set1_ps(rows[k].1));
-        let body = e0 + (e1 - e0) / 16 * 16;
-        let mut i = e0;
-        while i < body {
-            // SAFETY: i + 16 <= e1 <= n: 16 elements of every row and of dst are in bounds;
-            // dst + i is 16-byte aligned when NT.
-            unsafe {
+        // SAFETY (the closure): as the caller's; sum_loop passes i + 16 <= e1 <= n.
+        unsafe {
+            sum_loop::<NT>(rows, kind, dst, out_kind, e0, e1, |i| {
                 let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for k in 0..N {
                     let p = ptrs[k].add(es * i);
@@ -636,18 +633,8 @@ mod x86 {
                     }
                     (a, b) = (_mm256_add_ps(a, x), _mm256_add_ps(b, y));
                 }
-                put16::<NT>(dst.as_mut_ptr().add(out_es * i), a, b, out_kind);
-            }
-            i += 16;
-        }
-        for j in body..e1 {
-            sum_one(
-                rows,
-                kind,
-                &mut dst[out_es * j..out_es * (j + 1)],
-                out_kind,
-                j,
-            );
+                (a, b)
+            })
         }
     }
 
@@ -663,21 +650,41 @@ mod x86 {
         e0: usize,
         e1: usize,
     ) {
-        let (es, out_es) = (kind.size(), out_kind.size());
-        let body = e0 + (e1 - e0) / 16 * 16;
-        let mut i = e0;
-        while i < body {
-            // SAFETY: i + 16 <= e1 <= n: 16 elements of every row and of dst are in bounds;
-            // dst + i is 16-byte aligned when NT (sum_rows skipped the head).
-            unsafe {
+        let es = kind.size();
+        // SAFETY (the closure): as the caller's; sum_loop passes i + 16 <= e1 <= n.
+        unsafe {
+            sum_loop::<NT>(rows, kind, dst, out_kind, e0, e1, |i| {
                 let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for (row, w) in rows {
                     let (p, wv) = (row.as_ptr().add(es * i), _mm256_set1_ps(*w));
                     a = _mm256_add_ps(a, _mm256_mul_ps(wv, load8_any(p, kind)));
                     b = _mm256_add_ps(b, _mm256_mul_ps(wv, load8_any(p.add(8 * es), kind)));
                 }
-                put16::<NT>(dst.as_mut_ptr().add(out_es * i), a, b, out_kind);
-            }
+                (a, b)
+            })
+        }
+    }
+
+    /// The loop of [`sum_fixed`] and [`sum_span`]: `sum16(i)` gives elements `i..i + 16` as
+    /// two vectors, stored here; the last `(e1 - e0) % 16` elements are summed one by one.
+    #[inline(always)]
+    unsafe fn sum_loop<const NT: bool>(
+        rows: &[(&[u8], f32)],
+        kind: FloatKind,
+        dst: &mut [u8],
+        out_kind: FloatKind,
+        e0: usize,
+        e1: usize,
+        sum16: impl Fn(usize) -> (__m256, __m256),
+    ) {
+        let out_es = out_kind.size();
+        let body = e0 + (e1 - e0) / 16 * 16;
+        let mut i = e0;
+        while i < body {
+            let (a, b) = sum16(i);
+            // SAFETY: i + 16 <= e1 <= n: 16 elements of dst are in bounds; dst + i is 16-byte
+            // aligned when NT (sum_rows skipped the head).
+            unsafe { put16::<NT>(dst.as_mut_ptr().add(out_es * i), a, b, out_kind) };
             i += 16;
         }
         for j in body..e1 {
