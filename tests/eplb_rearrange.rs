@@ -522,21 +522,6 @@ fn next_buffers_that_alias_the_live_weights_are_named() {
     );
 }
 
-/// Passes of `eplb:before_staging` (one per layer) in this process.
-static PASSES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Rank 2 of the interrupted run kills itself before layer 1's transfer.
-fn kill_before_layer_1(name: &str) {
-    let n = PASSES.fetch_add(
-        usize::from(name == "eplb:before_staging"),
-        std::sync::atomic::Ordering::Relaxed,
-    );
-    if name == "eplb:before_staging" && n == 1 {
-        // SAFETY: raising a signal on this (child) process.
-        unsafe { libc::raise(libc::SIGKILL) };
-    }
-}
-
 #[test]
 fn an_interrupted_double_buffered_run_reports_the_same_valid_layers() {
     if let Ok(group) = std::env::var("EPCOMM_EPLB_DB_CHILD") {
@@ -544,7 +529,7 @@ fn an_interrupted_double_buffered_run_reports_the_same_valid_layers() {
         let old = initial(12);
         let new = balanced(12, 3, 4);
         if rank == 2 {
-            assert!(epcomm::fault::set_hook(kill_before_layer_1));
+            assert!(epcomm::fault::set_hook(eplb_fixture::kill_before_layer_1));
         }
         let mut g = ShmGroup::join(&group, rank, 3, opts()).unwrap();
         let live = tensors(&old, rank, 3);

@@ -290,21 +290,6 @@ fn shared_next_buffers_match_ordinary_ones_across_processes() {
     }
 }
 
-/// Passes of `eplb:before_staging` (one per layer) in this process.
-static PASSES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Rank 2 kills itself before layer 1's transfer.
-fn kill_before_layer_1(name: &str) {
-    let n = PASSES.fetch_add(
-        usize::from(name == "eplb:before_staging"),
-        std::sync::atomic::Ordering::Relaxed,
-    );
-    if name == "eplb:before_staging" && n == 1 {
-        // SAFETY: raising a signal on this (child) process.
-        unsafe { libc::raise(libc::SIGKILL) };
-    }
-}
-
 #[test]
 fn a_rank_killed_during_a_shared_transfer_leaves_the_same_valid_layers() {
     if let Ok(group) = std::env::var("EPCOMM_EPLB_SHKILL_CHILD") {
@@ -316,7 +301,7 @@ fn a_rank_killed_during_a_shared_transfer_leaves_the_same_valid_layers() {
                 .collect::<Vec<Vec<i64>>>(),
         );
         if rank == 2 {
-            assert!(epcomm::fault::set_hook(kill_before_layer_1));
+            assert!(epcomm::fault::set_hook(eplb_fixture::kill_before_layer_1));
         }
         let mut g = ShmGroup::join(&group, rank, 3, opts()).unwrap();
         let live = tensors(&old, rank, 3);

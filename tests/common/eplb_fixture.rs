@@ -123,3 +123,20 @@ pub fn gloo_cpu() -> epcomm::Result<Box<dyn EplbCommunicator>> {
         false,
     )
 }
+
+/// Passes of `eplb:before_staging` (one per layer) in this process.
+static PASSES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A fault hook (`epcomm::fault::set_hook`): the calling (child) process kills itself at its
+/// second `eplb:before_staging`, i.e. before layer 1's transfer.
+#[allow(dead_code)] // not every test binary that includes the fixture kills a rank
+pub fn kill_before_layer_1(name: &str) {
+    let n = PASSES.fetch_add(
+        usize::from(name == "eplb:before_staging"),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    if name == "eplb:before_staging" && n == 1 {
+        // SAFETY: raising a signal on this (child) process.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
+}
