@@ -376,25 +376,52 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
 
 /// The JSON object or the nccl-tests style table of the transfer (and the policy's figures, in
 /// JSON); returns the wrong bytes.
-fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankOutput]) -> u64 {
-    let (pm, pp, shape) = policy;
-    let (mut xfer, mut db, mut sh, mut copy) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut moved, mut received, mut wrong, mut into_shared) = (0u64, 0u64, 0u64, 0u64);
+/// What the rank processes reported: per rank, the samples of each path; over all ranks, the
+/// bytes moved and received, wrong bytes and rows stored into shared next weights.
+#[derive(Default)]
+struct Reports {
+    xfer: Vec<Vec<f64>>,
+    db: Vec<Vec<f64>>,
+    sh: Vec<Vec<f64>>,
+    copy: Vec<Vec<f64>>,
+    moved: u64,
+    received: u64,
+    wrong: u64,
+    into_shared: u64,
+}
+
+fn gather(outputs: &[crate::ranks::RankOutput]) -> Reports {
+    let mut r = Reports::default();
     for out in outputs {
         let text = &out.stdout;
-        xfer.push(decode(tagged(text, "XFER ")));
-        db.push(decode(tagged(text, "XFERDB ")));
-        sh.push(decode(tagged(text, "XFERSH ")));
-        copy.push(decode(tagged(text, "COPY ")));
+        r.xfer.push(decode(tagged(text, "XFER ")));
+        r.db.push(decode(tagged(text, "XFERDB ")));
+        r.sh.push(decode(tagged(text, "XFERSH ")));
+        r.copy.push(decode(tagged(text, "COPY ")));
         let num = |tag: &str| tagged(text, tag).trim().parse::<u64>().unwrap_or(0);
-        moved = moved.max(num("MOVED "));
-        received = received.max(num("RECEIVED "));
-        into_shared += num("INTOSHARED ");
-        wrong += tagged(text, "WRONG ")
+        r.moved = r.moved.max(num("MOVED "));
+        r.received = r.received.max(num("RECEIVED "));
+        r.into_shared += num("INTOSHARED ");
+        r.wrong += tagged(text, "WRONG ")
             .trim()
             .parse::<u64>()
             .unwrap_or(u64::MAX / 4);
     }
+    r
+}
+
+fn report(p: &EplbArgs, policy: (f64, f64, &str), outputs: &[crate::ranks::RankOutput]) -> u64 {
+    let (pm, pp, shape) = policy;
+    let Reports {
+        xfer,
+        db,
+        sh,
+        copy,
+        moved,
+        received,
+        wrong,
+        into_shared,
+    } = gather(outputs);
     let staged = median_p99(slowest(&xfer));
     let double = median_p99(slowest(&db));
     let shared = median_p99(slowest(&sh));
