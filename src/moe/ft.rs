@@ -17,7 +17,7 @@
 //! `clean_buffers` (the recovery point: receive buffers zeroed, rank-local).
 
 use super::plan::Routing;
-use super::{Manager, RecvBuf};
+use super::Manager;
 use crate::error::{Error, Result, Status};
 use crate::group::masked::MaskedGroup;
 use crate::group::{survivors, Group};
@@ -102,7 +102,7 @@ impl Manager {
     /// (combine needs a new one), and the current mask becomes the baseline of
     /// [`Manager::query_fault`]. Masked ranks stay masked.
     pub fn clean_buffers(&mut self) {
-        self.hidden.bytes_mut().fill(0);
+        self.hidden.fill(0);
         self.extras.iter_mut().for_each(|b| b.fill(0));
         self.fp8_scales.fill(0);
         self.plan = None;
@@ -162,7 +162,7 @@ impl Manager {
     /// After the group in use changed: buffers in the old group's shared memory are not the
     /// survivors', and a dispatch made over the old group cannot be combined over the new.
     fn forget_group_buffers(&mut self) {
-        self.hidden = RecvBuf::Heap(Vec::new());
+        self.hidden = Default::default();
         self.extras.clear();
         self.fp8_scales = Default::default();
         self.zero_copy = Default::default();

@@ -29,7 +29,7 @@ use crate::select::all2all::{self, Backend, Layout};
 use layout::{Contract, Geometry, Ids, Shapes};
 use plan::{Plan, Routing};
 pub use recv::ExtraRows;
-use recv::{Received, RecvBuf};
+use recv::Received;
 
 /// What a manager is built for (fixed for its lifetime).
 #[derive(Debug, Clone, PartialEq)]
@@ -117,7 +117,7 @@ pub struct Manager {
     plan: Option<Plan>,
     tokens: usize,
     shape: Vec<usize>,
-    hidden: RecvBuf,
+    hidden: Received,
     extras: Vec<Received>,
     /// Whether every receive buffer of the last dispatch was the group's shared memory.
     recv_shared: bool,
@@ -308,7 +308,7 @@ impl Manager {
             plan: None,
             tokens: 0,
             shape: Vec::new(),
-            hidden: RecvBuf::Heap(Vec::new()),
+            hidden: Received::default(),
             extras: Vec::new(),
             recv_shared: false,
             stats: Stats::default(),
@@ -720,18 +720,10 @@ impl Manager {
         } else {
             hidden
         };
-        let hidden_len = plan.buffer_rows * row_bytes;
         self.recv_shared = false;
         let what = "the dispatch receive buffer";
         let spare = !self.contract.fixed_capacity();
-        self.hidden.ensure(g, hidden_len, spare, what)?;
-        let moved = g.exchange_rows(
-            src,
-            row_bytes,
-            &plan.give,
-            &mut self.hidden.bytes_mut()[..hidden_len],
-            &plan.take,
-        );
+        let moved = self.hidden.exchange(g, (src, row_bytes), plan, spare, what);
         self.fp8_send = fp8_rows;
         moved?;
         if self.fp8.is_some() {
@@ -747,7 +739,7 @@ impl Manager {
         {
             buf.exchange(g, (data, rb), plan, spare, what)?;
         }
-        self.recv_shared = (hidden_len == 0 || self.hidden.shared_in(g))
+        self.recv_shared = self.hidden.shared_in(g)
             && (self.fp8.is_none() || self.fp8_scales.shared_in(g))
             && self.extras.iter().all(|b| b.shared_in(g));
         Ok(())
@@ -872,7 +864,7 @@ impl Manager {
         let with_ids = self.contract.topk_ids != Ids::None;
         DispatchView {
             layout: self.contract.layout,
-            hidden: &self.hidden.bytes()[..p.buffer_rows * self.wire_row_bytes()],
+            hidden: &self.hidden[..p.buffer_rows * self.wire_row_bytes()],
             shape: &self.shape,
             received_rows: p.received_rows,
             topk_ids: if with_ids { &p.row_ids } else { &[] },

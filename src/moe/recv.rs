@@ -12,7 +12,7 @@ use crate::group::{Group, SharedBuf};
 
 /// A receive buffer: shared memory of the group, or the heap (a group without any).
 #[derive(Debug)]
-pub(super) enum RecvBuf {
+enum RecvBuf {
     Heap(Vec<u8>),
     Shared(SharedBuf),
 }
@@ -24,14 +24,14 @@ impl Default for RecvBuf {
 }
 
 impl RecvBuf {
-    pub(super) fn bytes(&self) -> &[u8] {
+    fn bytes(&self) -> &[u8] {
         match self {
             RecvBuf::Heap(v) => v,
             RecvBuf::Shared(b) => b,
         }
     }
 
-    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
+    fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
             RecvBuf::Heap(v) => v,
             RecvBuf::Shared(b) => b,
@@ -39,7 +39,7 @@ impl RecvBuf {
     }
 
     /// Whether the buffer is `g`'s shared memory.
-    pub(super) fn shared_in(&self, g: &dyn Group) -> bool {
+    fn shared_in(&self, g: &dyn Group) -> bool {
         match self {
             RecvBuf::Shared(b) => g.owns_shared(b),
             RecvBuf::Heap(_) => false,
@@ -51,13 +51,7 @@ impl RecvBuf {
     /// replaced when it is too small or belongs to another group, with an eighth to spare
     /// where `spare` says sizes vary (exact-size layouts: token counts that vary a little do
     /// not reallocate; a fixed-capacity layout's size never changes). `what` names it in errors.
-    pub(super) fn ensure(
-        &mut self,
-        g: &mut dyn Group,
-        len: usize,
-        spare: bool,
-        what: &str,
-    ) -> Result<()> {
+    fn ensure(&mut self, g: &mut dyn Group, len: usize, spare: bool, what: &str) -> Result<()> {
         let ranks = g.size();
         match self {
             RecvBuf::Shared(b) if b.len() >= len && g.owns_shared(b) => return Ok(()),
@@ -86,8 +80,8 @@ impl RecvBuf {
     }
 }
 
-/// A receive buffer and the bytes of it the last dispatch filled (the FP8 scales, an extra
-/// payload). Dereferences to the whole buffer.
+/// A receive buffer and the bytes of it the last dispatch filled (the hidden rows, the FP8
+/// scales, an extra payload). Dereferences to the whole buffer.
 #[derive(Debug, Default)]
 pub(super) struct Received {
     buf: RecvBuf,
