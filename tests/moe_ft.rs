@@ -26,187 +26,13 @@ use std::time::{Duration, Instant};
 
 use epcomm::group::host::{HostFailure, HostGroup, HostTransport};
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions};
-use epcomm::moe::reference::{unit, ToyExperts};
+use epcomm::group::Group;
+use epcomm::moe::reference::unit;
 use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
 use epcomm::Status;
 
-const BACKEND: &str = "deepep_low_latency";
-const WORLD: usize = 4;
-const EXPERTS: usize = 16;
-const TOP_K: usize = 4;
-const HIDDEN: usize = 64;
-const MAX_TOKENS: usize = 32;
-/// Relative tolerance against the f32 reference: both sum the same f32 products, in another
-/// order (the reference by k, combine by rank), so a few ulps.
-const TOL: f32 = 1e-5;
-/// The thread tests' timeout (their stalled rank sleeps three times as long).
-const STALL_TIMEOUT: Duration = Duration::from_millis(1500);
-
-fn cfg() -> MoeConfig {
-    MoeConfig {
-        num_experts: EXPERTS,
-        top_k: TOP_K,
-        hidden: HIDDEN,
-        hidden_dtype: FloatKind::F32.dtype(),
-        expert_dtype: FloatKind::F32,
-        out_dtype: FloatKind::F32,
-        max_tokens_per_rank: MAX_TOKENS,
-        extra_row_bytes: Vec::new(),
-        apply_router_weight_on_input: false,
-    }
-}
-
-fn experts() -> ToyExperts {
-    ToyExperts::new(EXPERTS, HIDDEN, 19)
-}
-
-/// A manager with fault tolerance on.
-fn manager(rank: usize) -> Manager {
-    let mut m = Manager::new(BACKEND, cfg(), rank, WORLD).unwrap();
-    m.set_fault_tolerance(true).unwrap();
-    m
-}
-
-/// Rank `rank`'s tokens of step `step`: hidden rows, TOP_K distinct expert ids, weights.
-fn tokens(step: usize, rank: usize) -> (Vec<f32>, Vec<i64>, Vec<f32>) {
-    let t = 4 + (step * 7 + rank * 5) % (MAX_TOKENS - 4);
-    let seed = (step * WORLD + rank) as u64;
-    let x: Vec<f32> = (0..(t * HIDDEN) as u64).map(|i| unit(seed, i)).collect();
-    let mut ids = Vec::with_capacity(t * TOP_K);
-    for tok in 0..t {
-        let first = ((unit(seed ^ 0x1d, tok as u64) + 1.0) * 0.5 * EXPERTS as f32) as usize;
-        // TOP_K distinct experts on consecutive ranks' blocks, so most tokens reach 4 ranks.
-        for k in 0..TOP_K {
-            ids.push(((first + k * (EXPERTS / WORLD) + k) % EXPERTS) as i64);
-        }
-    }
-    let ws = (0..(t * TOP_K) as u64)
-        .map(|i| 0.5 + 0.5 * unit(seed ^ 0x3e, i))
-        .collect();
-    (x, ids, ws)
-}
-
-/// `ids` with the experts of masked ranks (`mask[r] == 1`) replaced by -1.
-fn masked_ids(ids: &[i64], mask: &[i32]) -> Vec<i64> {
-    let per = (EXPERTS / WORLD) as i64;
-    ids.iter()
-        .map(|&e| {
-            if e >= 0 && mask[(e / per) as usize] == 1 {
-                -1
-            } else {
-                e
-            }
-        })
-        .collect()
-}
-
-/// What one step gave on one rank.
-#[derive(Debug, Clone, PartialEq)]
-struct Step {
-    step: usize,
-    /// None = OK.
-    status: Option<Status>,
-    message: String,
-    /// Largest relative difference from the reference (OK steps).
-    error: f32,
-    mask: Vec<i32>,
-    dropped: u64,
-    /// The pairs this rank routed to masked experts, counted here.
-    expected_dropped: u64,
-}
-
-impl Step {
-    fn line(&self) -> String {
-        let status = self.status.map_or("OK".to_string(), |s| format!("{s:?}"));
-        let mask: Vec<String> = self.mask.iter().map(i32::to_string).collect();
-        format!(
-            "STEP {} {status} err={:e} mask={} dropped={} expected_dropped={} msg={}",
-            self.step,
-            self.error,
-            mask.join(","),
-            self.dropped,
-            self.expected_dropped,
-            self.message.replace('\n', " ")
-        )
-    }
-
-    fn parse(line: &str) -> Option<Step> {
-        // The test harness may print its "test ... " on the same line first.
-        let rest = &line[line.find("STEP ")? + 5..];
-        let (head, message) = rest.split_once(" msg=")?;
-        let f: Vec<&str> = head.split(' ').collect();
-        let field = |i: usize, k: &str| f.get(i)?.strip_prefix(k);
-        let status = match *f.get(1)? {
-            "OK" => None,
-            s => Some(
-                [Status::PeerFailure, Status::Timeout, Status::InvalidState]
-                    .into_iter()
-                    .find(|x| format!("{x:?}") == s)
-                    .unwrap_or(Status::Internal),
-            ),
-        };
-        Some(Step {
-            step: f.first()?.parse().ok()?,
-            status,
-            message: message.to_string(),
-            error: field(2, "err=")?.parse().ok()?,
-            mask: field(3, "mask=")?
-                .split(',')
-                .map(|v| v.parse().unwrap_or(-1))
-                .collect(),
-            dropped: field(4, "dropped=")?.parse().ok()?,
-            expected_dropped: field(5, "expected_dropped=")?.parse().ok()?,
-        })
-    }
-}
-
-/// One dispatch, the toy experts, one combine; the outcome checked against the reference
-/// with the experts of the ranks masked during the call left out.
-fn one_step(m: &mut Manager, g: &mut dyn Group, ex: &ToyExperts, step: usize) -> Step {
-    let rank = g.rank();
-    let (x, ids, ws) = tokens(step, rank);
-    let xb = num::from_f32(&x, FloatKind::F32);
-    let fail = |m: &Manager, e: epcomm::Error| Step {
-        step,
-        status: Some(e.status()),
-        message: e.to_string(),
-        error: 0.0,
-        mask: m.active_mask(),
-        dropped: 0,
-        expected_dropped: 0,
-    };
-    let y = match m.dispatch(g, &xb, &ids, &ws, &[]) {
-        Ok(v) => ex.run_local(&v, FloatKind::F32, rank, WORLD, TOP_K),
-        Err(e) => return fail(m, e),
-    };
-    let mut out = vec![0u8; x.len() * 4];
-    if let Err(e) = m.combine(g, &num::from_f32(&y, FloatKind::F32), &mut out) {
-        return fail(m, e);
-    }
-    let mask = m.active_mask();
-    let live = masked_ids(&ids, &mask);
-    let want = ex.reference(&x, &live, &ws, TOP_K, false);
-    let got = num::to_f32(&out, FloatKind::F32);
-    let error = max_rel_error(&got, &want);
-    Step {
-        step,
-        status: None,
-        message: String::new(),
-        error,
-        dropped: m.stats().dropped_pairs,
-        expected_dropped: ids.iter().zip(&live).filter(|(a, b)| a != b).count() as u64,
-        mask,
-    }
-}
-
-fn opts(timeout: Duration) -> GroupOptions {
-    GroupOptions {
-        timeout,
-        ..GroupOptions::default()
-    }
-}
+use common::ft_fixture::*;
 
 // ---------------------------------------------------------------------------------------
 // Thread ranks.
@@ -446,6 +272,49 @@ fn ranks_that_disagree_on_fault_tolerance_fail_alike() {
             "dispatch: rank 0 has fault tolerance = on but rank 1 has off; every rank must create the manager with the same backend and configuration",
         ]
     );
+}
+
+/// Ranks that call different collectives (rank 1 combines while the others dispatch again)
+/// fail alike with INVALID_STATE, with and without fault tolerance; nothing is masked (a
+/// caller's mistake is not a lost rank) and the group serves on once the calls match again.
+#[test]
+fn ranks_that_call_different_collectives_fail_alike_and_nothing_is_masked() {
+    for ft in [true, false] {
+        let name = ranks::unique("ft", "order");
+        let group = name.clone();
+        let results = ranks::on_threads(WORLD, move |rank| {
+            let mut g = ShmGroup::join(&name, rank, WORLD, opts(Duration::from_secs(10))).unwrap();
+            let mut m = Manager::new(BACKEND, cfg(), rank, WORLD).unwrap();
+            m.set_fault_tolerance(ft).unwrap();
+            let ex = experts();
+            let first = one_step(&mut m, &mut g, &ex, 0);
+            let (x, ids, ws) = tokens(1, rank);
+            let xb = num::from_f32(&x, FloatKind::F32);
+            let second = if rank == 1 {
+                let y = vec![0u8; m.combine_rows().unwrap() * HIDDEN * 4];
+                let mut out = vec![0u8; tokens(0, rank).0.len() * 4];
+                m.combine(&mut g, &y, &mut out)
+            } else {
+                m.dispatch(&mut g, &xb, &ids, &ws, &[]).map(drop)
+            }
+            .map_err(|e| (e.status(), e.to_string()));
+            let mask = m.active_mask();
+            let third = one_step(&mut m, &mut g, &ex, 2);
+            (first, second, mask, third)
+        });
+        let want = format!("ranks of group '{group}' called different collectives: rank 0 calls dispatch but rank 1 calls combine; every rank must call the same collectives in the same order (no data was exchanged)");
+        for (rank, (first, second, mask, third)) in results.into_iter().enumerate() {
+            assert!(first.status.is_none() && first.error <= TOL, "{first:?}");
+            assert_eq!(
+                second,
+                Err((Status::InvalidState, want.clone())),
+                "rank {rank}, ft {ft}"
+            );
+            assert_eq!(mask, vec![0; WORLD], "rank {rank}, ft {ft}");
+            assert!(third.status.is_none() && third.error <= TOL, "{third:?}");
+            assert_eq!(third.mask, vec![0; WORLD]);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -152,6 +152,20 @@ pub trait Group: Send {
         )))
     }
 
+    /// Fault tolerance: after an op failed by a peer's loss, the survivors' group and the ranks
+    /// (of this group) it leaves out; None while nothing is lost. Every survivor ends with the
+    /// same set: by default the [`Group::lost_ranks`] every survivor must agree on
+    /// ([`Group::shrink`] checks it); the shared-memory transport agrees on it itself, adding a
+    /// rank that does not meet the survivors within the timeout (a second fault).
+    fn shrink_lost(&mut self) -> Result<Option<(Vec<usize>, Box<dyn Group>)>> {
+        let lost = self.lost_ranks();
+        if lost.is_empty() {
+            return Ok(None);
+        }
+        let g = self.shrink(&lost)?;
+        Ok(Some((lost, g)))
+    }
+
     /// Where this group keeps its survivors' group after a failure ([`survivors::current`]),
     /// so every user of the group shares one. `None` where the transport keeps none.
     fn survivors_slot(&mut self) -> Option<&mut Option<survivors::Survivors>> {

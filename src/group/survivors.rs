@@ -24,17 +24,15 @@ impl std::fmt::Debug for Survivors {
 
 /// The group to use now and the mask of `g`'s ranks it leaves out (true = masked): `g` itself
 /// while it holds no rank as lost; else its survivors' group (formed on first use: collective
-/// over the survivors, every one of which must see the same lost ranks, else the shrink fails
-/// on every survivor and the next call tries again), and so on down the chain.
+/// over the survivors, which agree on the ranks left out ([`Group::shrink_lost`]); a failed
+/// shrink fails the call and the next call tries again), and so on down the chain.
 pub fn current(g: &mut dyn Group) -> Result<(Vec<bool>, &mut dyn Group)> {
     let world = g.size();
     let formed = g.survivors_slot().is_some_and(|s| s.is_some());
     if !formed {
-        let lost = g.lost_ranks();
-        if lost.is_empty() {
+        let Some((lost, group)) = g.shrink_lost()? else {
             return Ok((vec![false; world], g));
-        }
-        let group = g.shrink(&lost)?;
+        };
         let slot = g.survivors_slot().ok_or_else(|| {
             Error::NotImplemented(format!(
                 "group '{}' cannot keep a survivors' group",

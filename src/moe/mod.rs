@@ -134,7 +134,10 @@ pub struct Manager {
     ft: ft::Ft,
 }
 
-const HEADER_WORDS: usize = 16;
+const HEADER_WORDS: usize = 17;
+/// The header word naming the call (1 dispatch, 2 combine): ranks that call different ones fail
+/// alike, before any data moves.
+const CALL_WORD: usize = 16;
 
 /// A dtype as one header word (code, bits, lanes).
 fn dtype_word(d: DType) -> u64 {
@@ -454,6 +457,7 @@ impl Manager {
             dtype_word(c.out_dtype.dtype()),
             self.fp8.map_or(0, fp8::Scales::word),
             u64::from(self.fault_tolerance()),
+            0,
         ]
     }
 
@@ -462,8 +466,9 @@ impl Manager {
         &self,
         g: &mut dyn Group,
         what: &str,
-        mine: [u64; HEADER_WORDS],
+        mut mine: [u64; HEADER_WORDS],
     ) -> Result<Vec<[u64; HEADER_WORDS]>> {
+        mine[CALL_WORD] = if what == "dispatch" { 1 } else { 2 };
         let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
         g.all_gather(bytes::as_bytes(&mine), &mut all)?;
         let headers: Vec<[u64; HEADER_WORDS]> = all
@@ -476,6 +481,7 @@ impl Manager {
             .collect();
         // A masked rank takes no part (its entry is zero).
         let live = |r: &usize| !self.is_masked(*r);
+        check_same_call(g.name(), &headers, live)?;
         if let Some(r) = (0..headers.len())
             .filter(live)
             .find(|&r| headers[r][0] == 0)
@@ -501,6 +507,7 @@ impl Manager {
             "out dtype",
             "dispatch fp8",
             "fault tolerance",
+            "call",
         ];
         // Dtypes by name (word 9 is a FloatKind, words 12 and 13 DType words).
         let show = |i: usize, w: u64| match i {
@@ -514,7 +521,7 @@ impl Manager {
             _ => w.to_string(),
         };
         for (r, h) in headers.iter().enumerate().filter(|(r, _)| live(r)) {
-            for i in 2..HEADER_WORDS {
+            for i in 2..CALL_WORD {
                 if h[i] != mine[i] {
                     return Err(Error::InvalidArgument(format!(
                         "{what}: rank {r} has {} = {} but rank {} has {}; every rank must create the manager with the same backend and configuration",
@@ -1033,4 +1040,27 @@ pub(crate) fn too_many_tokens(
         backend.name(),
         layout.name()
     ))
+}
+
+/// Fails alike on every rank when the live ranks' headers name different calls (one rank's
+/// dispatch paired with another's combine): INVALID_STATE, the same text everywhere.
+fn check_same_call(
+    group: &str,
+    headers: &[[u64; HEADER_WORDS]],
+    live: impl Fn(&usize) -> bool,
+) -> Result<()> {
+    let call = |w: u64| if w == 1 { "dispatch" } else { "combine" };
+    let mut ranks = (0..headers.len()).filter(|r| live(r));
+    let Some(first) = ranks.next() else {
+        return Ok(());
+    };
+    let want = headers[first][CALL_WORD];
+    match ranks.find(|&r| headers[r][CALL_WORD] != want) {
+        None => Ok(()),
+        Some(r) => Err(Error::InvalidState(format!(
+            "ranks of group '{group}' called different collectives: rank {first} calls {} but rank {r} calls {}; every rank must call the same collectives in the same order (no data was exchanged)",
+            call(want),
+            call(headers[r][CALL_WORD])
+        ))),
+    }
 }

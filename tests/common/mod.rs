@@ -5,6 +5,7 @@
 
 pub mod cuda_emu;
 pub mod eplb_fixture;
+pub mod ft_fixture;
 pub mod moe_fixture;
 pub mod python;
 pub mod skip;

@@ -31,11 +31,13 @@ pub(super) enum Cause {
     Failed = 3,
     /// The blamed rank destroyed its handle.
     Left = 4,
+    /// The blamed rank found that the ranks called different collectives.
+    Mismatch = 5,
 }
 
 impl Cause {
     pub(super) fn from_code(c: u64) -> Cause {
-        [Cause::Died, Cause::Stalled, Cause::Left]
+        [Cause::Died, Cause::Stalled, Cause::Left, Cause::Mismatch]
             .into_iter()
             .find(|x| *x as u64 == c)
             .unwrap_or(Cause::Failed)
@@ -154,6 +156,36 @@ impl ShmGroup {
             )),
             Cause::Left => Error::PeerFailure(format!(
                 "rank {p} of group '{name}' left (destroyed its group handle) during {what} (op #{n}, seen from rank {me})"
+            )),
+            Cause::Mismatch => self.mismatch_error(op, n, p),
+        }
+    }
+
+    /// The error of op `n` on every rank when rank `p` found that the ranks called different
+    /// collectives: INVALID_STATE, naming a peer whose published op differs from this rank's
+    /// where one is seen (every rank had published when `p` looked).
+    pub(super) fn mismatch_error(&self, op: Op, n: u64, p: usize) -> Error {
+        let me = self.rank;
+        let theirs = (0..self.world).find_map(|q| {
+            let s = self.slot(q);
+            let kind = s.op_kind.load(Ordering::Acquire);
+            (q != me && s.published.load(Ordering::Acquire) >= n && kind != op as u32).then(|| {
+                (
+                    q,
+                    Op::from_code(kind).map_or("an unknown operation", |o| o.name()),
+                )
+            })
+        });
+        match theirs {
+            Some((q, theirs)) => Error::InvalidState(format!(
+                "rank {q} of group '{}' called {theirs} while rank {me} called {} (op #{n}); every rank must call the same collectives in the same order",
+                self.name,
+                op.name()
+            )),
+            None => Error::InvalidState(format!(
+                "the ranks of group '{}' called different collectives at op #{n} (rank {p} found it; rank {me} called {}); every rank must call the same collectives in the same order",
+                self.name,
+                op.name()
             )),
         }
     }

@@ -9,10 +9,11 @@ use super::wait::Wake;
 use super::ShmGroup;
 use crate::bytes;
 
-pub(super) const MAGIC: u64 = 0x6570_636f_6d6d_0005; // "epcomm" + layout version 5
-/// 5: slots end in a futex word and its sleeper count ([`Wake`]); the header counts the ranks
-/// polling (`Header::polling`). A rank of layout 4 would never wake a sleeper.
-pub(super) const LAYOUT_VERSION: u32 = 5;
+pub(super) const MAGIC: u64 = 0x6570_636f_6d6d_0006; // "epcomm" + layout version 6
+/// 6: the survivors' membership (`Header::members`, a presence word and a proposal pair per
+/// rank after the data descriptors: [`super::membership`]). 5: slots end in a futex word and
+/// its sleeper count ([`Wake`]); the header counts the ranks polling (`Header::polling`).
+pub(super) const LAYOUT_VERSION: u32 = 6;
 pub(super) const HEADER_BYTES: usize = 4096;
 /// `Header::conflict_pid` once the group formed without a conflict.
 pub(super) const FORMED: u64 = u64::MAX;
@@ -44,6 +45,10 @@ pub(super) struct Header {
     /// even when another process overwrote or truncated its contents.
     pub(super) record_dev: AtomicU64,
     pub(super) record_ino: AtomicU64,
+    /// After a failure, the ranks the survivors agreed to leave out: `epoch << 16 | decider + 1`,
+    /// the set in the decider's proposal of that epoch (0 = none left out;
+    /// [`super::membership`]).
+    pub(super) members: AtomicU64,
 }
 // SAFETY: atomics only; all-zero is the valid "uninitialised" state.
 unsafe impl SharedAtomics for Header {}
@@ -114,7 +119,39 @@ pub(super) struct DataDesc {
 unsafe impl SharedAtomics for DataDesc {}
 
 pub(super) fn control_bytes(world: usize) -> usize {
-    HEADER_BYTES + world * (std::mem::size_of::<Slot>() + std::mem::size_of::<DataDesc>())
+    HEADER_BYTES
+        + world * (std::mem::size_of::<Slot>() + std::mem::size_of::<DataDesc>())
+        + world * member_words(world) * 8
+}
+
+/// Words of a rank's membership area: the epoch and attempt it is present at (`epoch << 32 |
+/// attempt + 1`; 0 = none), then its proposals for even and odd epochs
+/// ([`super::membership`]).
+fn member_words(world: usize) -> usize {
+    1 + 2 * proposal_words(world)
+}
+
+/// Where rank `r`'s membership area is, in a group of `world` ranks.
+fn member_offset(world: usize, r: usize) -> usize {
+    HEADER_BYTES
+        + world * (std::mem::size_of::<Slot>() + std::mem::size_of::<DataDesc>())
+        + r * member_words(world) * 8
+}
+
+/// Where rank `r`'s presence word is.
+pub(super) fn presence_offset(world: usize, r: usize) -> usize {
+    member_offset(world, r)
+}
+
+/// Words of one membership proposal of a group of `world` ranks: its epoch, then one bit per
+/// rank.
+pub(super) fn proposal_words(world: usize) -> usize {
+    1 + world.div_ceil(64)
+}
+
+/// Where rank `r`'s proposal for epochs of parity `parity` is, in a group of `world` ranks.
+pub(super) fn proposal_offset(world: usize, r: usize, parity: usize) -> usize {
+    member_offset(world, r) + (1 + parity * proposal_words(world)) * 8
 }
 
 /// Where rank `r`'s slot is in the control segment.

@@ -55,6 +55,7 @@ mod agree;
 mod decision;
 mod join;
 mod layout;
+mod membership;
 mod ops;
 mod payload;
 mod protocol;

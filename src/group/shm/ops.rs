@@ -362,6 +362,12 @@ impl Group for ShmGroup {
         Ok(Box::new(self.shrunk(excluded)?))
     }
 
+    fn shrink_lost(&mut self) -> Result<Option<(Vec<usize>, Box<dyn Group>)>> {
+        Ok(self
+            .survivors()?
+            .map(|(out, g)| (out, Box::new(g) as Box<dyn Group>)))
+    }
+
     fn broadcast(&mut self, root: usize, data: &mut [u8]) -> Result<()> {
         let op = Op::Broadcast;
         self.check_usable(op)?;

@@ -316,13 +316,15 @@ impl ShmGroup {
             let s = self.slot(p);
             let kind = s.op_kind.load(Ordering::Acquire);
             if kind != op as u32 {
-                let theirs = Op::from_code(kind).map_or("an unknown operation", |o| o.name());
-                return Err(Error::InvalidState(format!(
-                    "rank {p} of group '{}' called {theirs} while rank {} called {} (op #{n}); every rank must call the same collectives in the same order",
-                    self.name,
-                    self.rank,
-                    op.name()
-                )));
+                // Every rank reports the mismatch (INVALID_STATE), whichever saw it first.
+                return Err(
+                    match self.decide(n, abort_word(n, self.rank, Cause::Mismatch)) {
+                        Decision::Abort { rank, cause } => self.failure_error(op, n, rank, cause),
+                        Decision::Commit | Decision::Pending => {
+                            self.mismatch_error(op, n, self.rank)
+                        }
+                    },
+                );
             }
             self.map_peer(p)?;
         }

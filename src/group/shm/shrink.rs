@@ -8,11 +8,7 @@
 //! gathers every member's view (old session, world, rank and excluded set) and fails on every
 //! member, naming both views, unless all agree: a mixed group never serves.
 
-use std::sync::atomic::Ordering;
-
-use super::decision::{first_failure, Cause};
 use super::join::MAX_WORLD;
-use super::segment::pid_alive;
 use super::wait::list;
 use super::ShmGroup;
 use crate::bytes;
@@ -162,55 +158,6 @@ pub(crate) fn verify_views(g: &mut dyn Group, mine: &ShrinkView) -> Result<()> {
 }
 
 impl ShmGroup {
-    /// The ranks this rank holds as lost: the rank the decision word blames for the first
-    /// failure, and every peer whose process is gone; sorted, never this rank. Survivors mark
-    /// their own slots failed when they see a failure and left when they drop the old handle
-    /// after a shrink, so those states do not tell a lost rank from a survivor: the shared
-    /// decision word does, the same on every member.
-    pub(super) fn lost(&self) -> Vec<usize> {
-        // Nothing is lost before an op failed: a death seen only by some ranks between two
-        // ops must not make them leave a group their peers still use (they all see it at the
-        // next op, which then fails alike on every rank).
-        let Some(blamed) = first_failure(self.decision_word().load(Ordering::Acquire))
-            .map(|(_, r, _)| r)
-            .filter(|&r| r < self.world)
-        else {
-            return Vec::new();
-        };
-        let mut lost: Vec<usize> = (0..self.world)
-            .filter(|&p| p != self.rank)
-            .filter(|&p| {
-                let pid = self.slot(p).pid.load(Ordering::Acquire);
-                p == blamed || (pid != 0 && !pid_alive(pid))
-            })
-            .collect();
-        lost.sort_unstable();
-        lost
-    }
-
-    /// Refuses a shrink by a rank its peers blamed for the group's first failure: they formed
-    /// (or are forming) a group without it.
-    fn check_not_masked(&self) -> Result<()> {
-        let Some((n, r, cause)) = first_failure(self.decision_word().load(Ordering::Acquire))
-        else {
-            return Ok(());
-        };
-        if r != self.rank {
-            return Ok(());
-        }
-        let t = self.opts.timeout.as_secs_f64();
-        let how = match cause {
-            Cause::Stalled => format!("it stalled: they timed out after {t:.1} s waiting for it"),
-            Cause::Died => "they saw its process die".to_owned(),
-            Cause::Failed => "it failed: an error on this rank aborted the op".to_owned(),
-            Cause::Left => "it left the group".to_owned(),
-        };
-        Err(Error::PeerFailure(format!(
-            "shrink: rank {} of group '{}' was masked by its peers at op #{n} ({how}); it cannot rejoin the survivors: create a new group to join again",
-            self.rank, self.name
-        )))
-    }
-
     /// The survivors of this group without `excluded` (see [`Group::shrink`]): a new group
     /// under a derived name, this rank renumbered among the survivors, with the same options.
     pub fn shrunk(&self, excluded: &[usize]) -> Result<ShmGroup> {

@@ -181,20 +181,37 @@ impl Drop for Waiter<'_> {
     }
 }
 
+/// A wait's time limit, counting only the time this rank was running: a rank that was itself
+/// stopped (SIGSTOP, a debugger) or not scheduled does not blame its peers for the time it
+/// could not watch them. A gap of more than [`Deadline::GAP`] between two checks is not
+/// counted (waits check at least every [`LIVENESS_PERIOD`]).
 pub(super) struct Deadline {
-    start: Instant,
+    start: std::cell::Cell<Instant>,
+    last: std::cell::Cell<Instant>,
     pub(super) timeout: Duration,
 }
 
 impl Deadline {
+    /// The longest gap between two checks that counts as time spent waiting.
+    const GAP: Duration = Duration::from_millis(250);
+
     pub(super) fn new(timeout: Duration) -> Self {
+        let now = Instant::now();
         Deadline {
-            start: Instant::now(),
+            start: now.into(),
+            last: now.into(),
             timeout,
         }
     }
+
     pub(super) fn expired(&self) -> bool {
-        self.start.elapsed() >= self.timeout
+        let now = Instant::now();
+        let gap = now.saturating_duration_since(self.last.get());
+        if gap > Self::GAP {
+            self.start.set(self.start.get() + (gap - LIVENESS_PERIOD));
+        }
+        self.last.set(now);
+        now.saturating_duration_since(self.start.get()) >= self.timeout
     }
 }
 
