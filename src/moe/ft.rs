@@ -30,6 +30,9 @@ pub(super) struct Ft {
     mask: Vec<bool>,
     /// The mask at the last recovery point.
     baseline: Vec<bool>,
+    /// A dispatch was forgotten because the group in use changed (a rank was masked after it):
+    /// combine says so instead of "without a successful dispatch".
+    dispatch_lost: bool,
 }
 
 impl Ft {
@@ -38,6 +41,7 @@ impl Ft {
             on: false,
             mask: vec![false; world],
             baseline: vec![false; world],
+            dispatch_lost: false,
         }
     }
 
@@ -162,11 +166,35 @@ impl Manager {
     /// After the group in use changed: buffers in the old group's shared memory are not the
     /// survivors', and a dispatch made over the old group cannot be combined over the new.
     fn forget_group_buffers(&mut self) {
+        self.ft.dispatch_lost |= self.plan.is_some();
         self.hidden = Default::default();
         self.extras.clear();
         self.fp8_scales = Default::default();
         self.zero_copy = Default::default();
         self.plan = None;
+    }
+
+    /// Forgets that a dispatch was lost to a change of the group (a new dispatch starts).
+    pub(super) fn dispatch_started(&mut self) {
+        self.ft.dispatch_lost = false;
+    }
+
+    /// Combine's error when no dispatch is there to combine: it names the masking that made
+    /// the last dispatch unusable, if that is what happened.
+    pub(super) fn no_dispatch_error(&self) -> Error {
+        if !self.ft.dispatch_lost {
+            return Error::InvalidState(
+                "combine called without a successful dispatch: call dispatch first".into(),
+            );
+        }
+        let masked: Vec<String> = (0..self.ft.mask.len())
+            .filter(|&r| self.ft.masked(r))
+            .map(|r| r.to_string())
+            .collect();
+        Error::InvalidState(format!(
+            "combine: the last dispatch was made before rank(s) {} were masked, and its rows cannot be combined over the survivors; dispatch again (clean_buffers, then retry the step)",
+            masked.join(", ")
+        ))
     }
 
     /// Drops the (token, expert) pairs routed to masked ranks' experts from every rank's

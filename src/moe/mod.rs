@@ -582,6 +582,7 @@ impl Manager {
         let _rank = crate::log::rank_scope(self.rank);
         self.check_group(g)?;
         self.plan = None;
+        self.dispatch_started();
         self.over_group(g, |m, g| {
             m.dispatch_on(g, hidden, topk_ids, topk_weights, extras)
         })?;
@@ -957,9 +958,7 @@ impl Manager {
 
     fn validate_combine(&self, expert_output: &[u8], out: &[u8]) -> Result<()> {
         let Some(plan) = self.plan.as_ref() else {
-            return Err(Error::InvalidState(
-                "combine called without a successful dispatch: call dispatch first".into(),
-            ));
+            return Err(self.no_dispatch_error());
         };
         let h = self.cfg.hidden;
         let (ek, ok) = (self.cfg.expert_dtype, self.cfg.out_dtype);
