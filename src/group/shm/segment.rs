@@ -1081,6 +1081,33 @@ mod tests {
         assert!(text.contains("FSIZE_CHILD_OK"), "{text}");
     }
 
+    /// A record appears whole and locked: while its creator holds it, no remover takes it,
+    /// whatever it says; once the creator lets go, a remover that finds it stale removes it,
+    /// and one that does not leaves it.
+    #[test]
+    fn a_record_is_removed_only_when_unlocked_and_stale() {
+        let name = format!("/epcomm.unit-lock-{}", std::process::id());
+        let path = shm_path(&name);
+        let (key, lock) = Segment::create_record(&name, &[7u8; 80]).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), [7u8; 80]);
+        assert_eq!(Segment::record_key(&name), Some(key));
+        assert!(Segment::create_record(&name, &[1u8; 80]).is_err());
+        let removed = Segment::remove_record_if(&name, 80, |_, _, _| true).unwrap();
+        assert!(removed.is_none(), "a locked record was removed");
+        assert!(std::path::Path::new(&path).exists());
+        drop(lock);
+        assert!(Segment::remove_record_if(&name, 80, |_, _, _| false)
+            .unwrap()
+            .is_none());
+        assert!(std::path::Path::new(&path).exists());
+        let removed = Segment::remove_record_if(&name, 80, |b, k, _| b == [7u8; 80] && k == key);
+        assert_eq!(removed.unwrap().as_deref(), Some(&[7u8; 80][..]));
+        assert!(!std::path::Path::new(&path).exists());
+        assert!(Segment::remove_record_if(&name, 80, |_, _, _| true)
+            .unwrap()
+            .is_none());
+    }
+
     /// A record names its creator by pid and start time: a live pid with another start time
     /// (a reused pid) is a dead creator.
     #[test]
