@@ -119,6 +119,8 @@ fn write_all_at(fd: libc::c_int, bytes: &[u8], what: &str) -> io::Result<()> {
         0
     })?;
     if short {
+        // The kernel shortens a write that crosses RLIMIT_FSIZE (lowered since the check).
+        check_file_size(bytes.len() as u64)?;
         return Err(invalid(format!("short write of {what}")));
     }
     Ok(())
