@@ -362,3 +362,47 @@ fn killed_demo_leaves_nothing_after_the_next_process() {
         tally.logged
     );
 }
+
+/// The sweep never removes a live job's record: rank 0 of a 2-rank job waits for rank 1 (and
+/// is even stopped meanwhile); the next process sweeps, the record stays, and once rank 1
+/// arrives the group forms and leaves nothing.
+#[test]
+fn a_live_jobs_record_is_never_swept() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let group = JobGroup::new(false);
+    let record = format!("/dev/shm/epcomm.{}", group.name);
+    let rank = |r: usize| {
+        ranks::spawn_test(
+            RANK_TEST,
+            &[
+                ("EPCOMM_CK_WORLD", "2".to_owned()),
+                ("EPCOMM_CK_RANK", r.to_string()),
+                ("EPCOMM_CK_NAME", group.name.clone()),
+            ],
+        )
+    };
+    let rank0 = rank(0);
+    let start = Instant::now();
+    while !std::path::Path::new(&record).exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no record appeared"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // SAFETY: signalling the child we started.
+    unsafe { libc::kill(rank0.id() as libc::pid_t, libc::SIGSTOP) };
+    let log = run_next_process();
+    assert!(
+        std::path::Path::new(&record).exists(),
+        "the live job's record was removed:\n{log}"
+    );
+    assert!(!log.contains(&group.name), "{log}");
+    // SAFETY: as above.
+    unsafe { libc::kill(rank0.id() as libc::pid_t, libc::SIGCONT) };
+    let results = wait_all(vec![(0, rank0), (1, rank(1))], Duration::from_secs(30));
+    for r in &results {
+        assert!(r.stdout.contains("CK_RESULT Ok(())"), "{}", r.output());
+    }
+    assert!(shm_leftovers(&group.name).is_empty());
+}
