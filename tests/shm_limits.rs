@@ -257,3 +257,21 @@ fn a_window_beyond_the_file_size_limit_is_an_error() {
         );
     }
 }
+
+/// The limit on rank 0 only: it fails at once with its error and creates nothing; the others
+/// wait for a rank 0 and time out saying so.
+#[test]
+fn a_file_size_limit_on_rank_0_only_times_out_the_others_waiting_for_it() {
+    let (group, lines) = run("create", 2, &[Some(MIB), None], true);
+    assert_eq!(
+        lines,
+        [
+            vec![format!(
+                "join System: group '{group}' needs a shared-memory region of 4194304 bytes on rank 0, but the file size limit RLIMIT_FSIZE (ulimit -f) is 1048576 bytes; raise it (ulimit -f unlimited)"
+            )],
+            vec![format!(
+                "join Timeout: timed out after 2.0 s waiting for rank 0 to create group '{group}' (rank 1 of 2)"
+            )],
+        ]
+    );
+}
