@@ -261,31 +261,39 @@ fn sized(len: u64, call: impl FnOnce() -> libc::c_int) -> io::Result<()> {
 }
 
 fn sized_unchecked(len: u64, call: impl FnOnce() -> libc::c_int) -> io::Result<()> {
-    // SAFETY: sigset_t is plain data, initialised by sigemptyset before use; pthread_sigmask,
-    // sigpending and sigtimedwait only read and write these sets.
-    unsafe {
-        let mut xfsz: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut xfsz);
-        libc::sigaddset(&mut xfsz, libc::SIGXFSZ);
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it, sigaddset sets one signal.
+    let xfsz = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGXFSZ);
+        set
+    };
+    // SAFETY: both sets are valid; this changes only the calling thread's mask (restored
+    // below) and reads what is pending for it.
+    let (old, was_pending) = unsafe {
         let mut old: libc::sigset_t = std::mem::zeroed();
         libc::pthread_sigmask(libc::SIG_BLOCK, &xfsz, &mut old);
         let mut pending: libc::sigset_t = std::mem::zeroed();
         libc::sigpending(&mut pending);
-        let was_pending = libc::sigismember(&pending, libc::SIGXFSZ) == 1;
-        let rc = call();
+        (old, libc::sigismember(&pending, libc::SIGXFSZ) == 1)
+    };
+    let rc = call();
+    let zero = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid sets and timespec; sigtimedwait with a zero timeout takes the SIGXFSZ the
+    // call raised (blocked, so pending) without waiting; then the old mask is back.
+    unsafe {
         if rc == libc::EFBIG && !was_pending {
-            let zero = libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            };
             libc::sigtimedwait(&xfsz, std::ptr::null_mut(), &zero);
         }
         libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
-        match rc {
-            0 => Ok(()),
-            libc::EFBIG => Err(too_large(file_size_limit().unwrap_or(0), len)),
-            rc => Err(io::Error::from_raw_os_error(rc)),
-        }
+    }
+    match (rc, file_size_limit()) {
+        (0, _) => Ok(()),
+        (libc::EFBIG, Some(limit)) if len > limit => Err(too_large(limit, len)),
+        (rc, _) => Err(io::Error::from_raw_os_error(rc)),
     }
 }
 
@@ -335,6 +343,7 @@ impl Segment {
         if unsafe { libc::fchmod(fd.0, 0o600) } != 0 {
             return Err(io::Error::last_os_error());
         }
+        // SAFETY: fd is a valid descriptor we own.
         sized(len as u64, || {
             errno_of(unsafe { libc::ftruncate(fd.0, len as libc::off_t) })
         })?;
