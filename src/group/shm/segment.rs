@@ -467,11 +467,15 @@ impl Segment {
                     libc::AT_SYMLINK_FOLLOW,
                 )
             };
-            if rc != 0 {
-                return Err(io::Error::last_os_error());
+            let e = io::Error::last_os_error();
+            if rc == 0 {
+                let st = fstat(fd.0)?;
+                return Ok(((st.st_dev, st.st_ino), RecordLock { _fd: fd }));
             }
-            let st = fstat(fd.0)?;
-            return Ok(((st.st_dev, st.st_ino), RecordLock { _fd: fd }));
+            // Without /proc the unnamed file cannot be linked: make the record by name.
+            if e.raw_os_error() != Some(libc::ENOENT) {
+                return Err(e);
+            }
         }
         let c = cname(name)?;
         // SAFETY: valid C string; O_EXCL makes creation atomic.
