@@ -477,6 +477,12 @@ impl Segment {
                 return Err(e);
             }
         }
+        Self::create_record_by_name(name, bytes)
+    }
+
+    /// [`Segment::create_record`] where /dev/shm has no unnamed files: created by name, then
+    /// locked and written (another process may see it empty for a moment).
+    fn create_record_by_name(name: &str, bytes: &[u8]) -> io::Result<(FileKey, RecordLock)> {
         let c = cname(name)?;
         // SAFETY: valid C string; O_EXCL makes creation atomic.
         let fd = unsafe {
@@ -1103,6 +1109,15 @@ mod tests {
     fn a_record_is_removed_only_when_unlocked_and_stale() {
         let name = format!("/epcomm.unit-lock-{}", std::process::id());
         let path = shm_path(&name);
+        // Where unnamed files are missing, the record is made by name: locked all the same.
+        let (_, by_name) = Segment::create_record_by_name(&name, &[7u8; 80]).unwrap();
+        assert!(Segment::remove_record_if(&name, 80, |_, _, _| true)
+            .unwrap()
+            .is_none());
+        drop(by_name);
+        assert!(Segment::remove_record_if(&name, 80, |_, _, _| true)
+            .unwrap()
+            .is_some());
         let (key, lock) = Segment::create_record(&name, &[7u8; 80]).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), [7u8; 80]);
         assert_eq!(Segment::record_key(&name), Some(key));
