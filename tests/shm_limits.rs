@@ -52,6 +52,10 @@ fn limited_rank() {
         Err(e) => return report("join", &Err(e)),
     };
     report("join", &Ok(()));
+    println!(
+        "\nLIM_MODE {}",
+        if g.direct() { "direct" } else { "staged" }
+    );
     match case.as_str() {
         "gather" => {
             // 16 MiB gathered: each rank stages its 16 / world MiB in its region.
@@ -274,4 +278,23 @@ fn a_file_size_limit_on_rank_0_only_times_out_the_others_waiting_for_it() {
             )],
         ]
     );
+}
+
+/// With direct reads the same all_gatherv publishes only a table of its buffers (no growth):
+/// it works under the 8 MiB limit, bytes checked. (Where the ranks cannot read each other's
+/// memory, the group is staged and the growth tests above apply.)
+#[test]
+fn a_direct_all_gatherv_needs_no_growth_under_the_limit() {
+    let (group, lines) = run("gather", 2, &[Some(8 * MIB); 2], true);
+    if lines[0][1].starts_with("all_gatherv System: cannot grow") {
+        eprintln!("{group}: the ranks could not read each other directly (staged): {lines:?}");
+        return;
+    }
+    for (rank, l) in lines.iter().enumerate() {
+        assert_eq!(
+            l,
+            &["join ok", "all_gatherv ok", "barrier ok"],
+            "rank {rank}"
+        );
+    }
 }
