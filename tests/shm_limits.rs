@@ -52,10 +52,6 @@ fn limited_rank() {
         Err(e) => return report("join", &Err(e)),
     };
     report("join", &Ok(()));
-    println!(
-        "\nLIM_MODE {}",
-        if g.direct() { "direct" } else { "staged" }
-    );
     match case.as_str() {
         "gather" => {
             // 16 MiB gathered: each rank stages its 16 / world MiB in its region.
