@@ -839,7 +839,7 @@ fn a_failed_join_leaves_nothing_behind() {
     assert_eq!(e.status(), Status::System);
     assert!(
         e.to_string().starts_with(
-            "cannot create the shared-memory region of rank 0 (1125899906842624 bytes): "
+            &format!("cannot create the shared-memory region of rank 0 of group '{group}' (1125899906842624 bytes): ")
         ),
         "{e}"
     );

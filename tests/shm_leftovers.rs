@@ -6,6 +6,9 @@
 //! all_to_allv; the parent kills at a random moment, waits (bounded) for every rank and checks
 //! /dev/shm for every name of the group.
 //!
+//! A whole job killed while its group forms is `tests/shm_creation_kills.rs`: its rendezvous
+//! record stays until the next group creation sweeps it.
+//!
 //! `EPCOMM_LEFTOVER_RUNS` (default 30) sets the number of random kill runs and
 //! `EPCOMM_LEFTOVER_SEED` their seed (printed on failure); `scripts/shm-leftovers.sh` runs a
 //! long version.

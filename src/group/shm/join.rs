@@ -9,7 +9,9 @@ use super::layout::{
     OP_HEADER_BYTES, SLOT_ACTIVE, SLOT_EMPTY, SLOT_FAILED, SLOT_GAVE_UP, SLOT_LEFT,
 };
 use super::payload::local_tables;
-use super::rendezvous::{check_map_budget, check_name, random_u64, sys_err, UniqueId};
+use super::rendezvous::{
+    check_file_size, check_map_budget, check_name, random_u64, sys_err, UniqueId,
+};
 use super::segment::{copy_from_process, pid_alive, Segment};
 use super::wait::{list, Backoff, Deadline, LIVENESS_PERIOD};
 use super::ShmGroup;
@@ -63,6 +65,7 @@ impl ShmGroup {
     pub fn join(name: &str, rank: usize, world: usize, opts: GroupOptions) -> Result<ShmGroup> {
         check_join_args(name, rank, world, &opts)?;
         check_map_budget(name, rank, world)?;
+        check_file_size(name, rank, world, opts.initial_capacity.max(4096))?;
         let control_name = format!("/epcomm.{name}");
         let deadline = Deadline::new(opts.timeout);
         let started_ns = now_ns();
@@ -179,7 +182,7 @@ impl ShmGroup {
         Segment::create(&Self::data_name(name, session, rank, 1, pid), capacity).map_err(|e| {
             slot.state.store(SLOT_FAILED, Ordering::Release);
             sys_err(
-                format!("cannot create the shared-memory region of rank {rank} ({capacity} bytes)"),
+                format!("cannot create the shared-memory region of rank {rank} of group '{name}' ({capacity} bytes)"),
                 e,
             )
         })

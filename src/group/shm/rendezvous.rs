@@ -53,9 +53,37 @@ fn map_budget(name: &str, rank: usize, world: usize, used: usize, limit: usize) 
     Ok(())
 }
 
-/// The rendezvous record `/dev/shm/epcomm.{name}`: where rank 0's control segment is. Written
-/// once with one pwrite and read with pread (never mapped); a checksum tells a complete record
-/// from one being written.
+/// Refuses a join whose first region (`capacity` bytes) or, on rank 0, control segment would
+/// exceed RLIMIT_FSIZE (the kernel would kill the process with SIGXFSZ). Checked before the
+/// rank waits for anyone, so every rank of a job started under the limit fails at once with
+/// this error, instead of the others waiting for a rank 0 that failed.
+pub(super) fn check_file_size(
+    name: &str,
+    rank: usize,
+    world: usize,
+    capacity: usize,
+) -> Result<()> {
+    let len = if rank == 0 {
+        capacity.max(control_bytes(world))
+    } else {
+        capacity
+    };
+    match segment::check_file_size(len as u64) {
+        Ok(()) => Ok(()),
+        Err(e) => Err(match segment::file_size_limit_of(&e) {
+            Some(l) => Error::System(format!(
+                "group '{name}' needs a shared-memory region of {len} bytes on rank {rank}, but the file size limit RLIMIT_FSIZE (ulimit -f) is {} bytes; raise it (ulimit -f unlimited)",
+                l.limit
+            )),
+            None => sys_err(format!("group '{name}' on rank {rank}"), e),
+        }),
+    }
+}
+
+/// The rendezvous record `/dev/shm/epcomm.{name}`: where rank 0's control segment is, and who
+/// made it (pid and start time, so any later process can tell that its creator is gone, even
+/// if the pid was reused). Written once (it appears whole, see `Segment::create_record`) and
+/// read with pread (never mapped); checksums tell a complete record from a damaged one.
 #[derive(Clone, Copy, Debug)]
 struct Record {
     version: u32,
@@ -65,13 +93,19 @@ struct Record {
     key: segment::FileKey,
     session: u64,
     created_ns: u64,
+    /// The creator's start time (`segment::start_time`); 0 if unknown or in a record of an
+    /// epcomm that did not write it.
+    start: u64,
 }
 
-const RECORD_BYTES: usize = 64;
+/// Bytes of a record: the 64 of the first layout-5 records (whose readers read only those and
+/// check the first checksum), then the creator's start time and a checksum over all before it.
+const RECORD_BYTES: usize = 80;
+const RECORD_V1_BYTES: usize = 64;
 
-/// FNV-1a over the record's first 56 bytes (its words before the checksum); `b` holds them.
+/// FNV-1a over the words of `b` (a record's bytes before one of its checksums).
 fn record_checksum(b: &[u8]) -> u64 {
-    bytes::words::<u64>(&b[..56]).fold(0xcbf2_9ce4_8422_2325, |h, w| {
+    bytes::words::<u64>(b).fold(0xcbf2_9ce4_8422_2325, |h, w| {
         (h ^ w).wrapping_mul(0x100_0000_01b3)
     })
 }
@@ -90,12 +124,15 @@ impl Record {
         b.extend(self.created_ns.to_ne_bytes());
         let sum = record_checksum(&b);
         b.extend(sum.to_ne_bytes());
+        b.extend(self.start.to_ne_bytes());
+        let sum = record_checksum(&b);
+        b.extend(sum.to_ne_bytes());
         b
     }
 
     /// A complete record of any epcomm layout (the first fields have kept their places since
     /// layout 3, whose control segment sat under this name), or None for a partial or foreign
-    /// one.
+    /// one. A 64-byte record (an epcomm before the start time) has start 0.
     fn decode(b: &[u8]) -> Option<Record> {
         let u32_at = |i: usize| bytes::word_at::<u32>(b, i);
         let u64_at = |i: usize| bytes::word_at::<u64>(b, i);
@@ -111,12 +148,20 @@ impl Record {
             key: (0, 0),
             session: 0,
             created_ns: 0,
+            start: 0,
         };
         if version != LAYOUT_VERSION {
             return Some(r);
         }
-        if b.len() < RECORD_BYTES || u64_at(56)? != record_checksum(b) {
+        if b.len() < RECORD_V1_BYTES || u64_at(56)? != record_checksum(&b[..56]) {
             return None;
+        }
+        match b.len() {
+            RECORD_V1_BYTES => {}
+            n if n >= RECORD_BYTES && u64_at(72)? == record_checksum(&b[..72]) => {
+                r.start = u64_at(64)?;
+            }
+            _ => return None,
         }
         r.fd = u32_at(20)?;
         r.key = (u64_at(24)?, u64_at(32)?);
@@ -124,6 +169,76 @@ impl Record {
         r.created_ns = u64_at(48)?;
         Some(r)
     }
+
+    /// Whether the process that made this record is alive (its pid, and its start time where
+    /// the record has one).
+    fn creator_alive(&self) -> bool {
+        segment::process_alive(self.creator, self.start)
+    }
+}
+
+/// How often one process sweeps /dev/shm for records whose creators are gone, and how many
+/// `epcomm.*` entries one sweep examines (a few system calls each).
+const SWEEP_PERIOD: Duration = Duration::from_secs(10);
+const SWEEP_MAX: usize = 256;
+/// An empty record is stale after this long: only where /dev/shm has no unnamed files can a
+/// creator die between creating its record and writing it.
+const EMPTY_RECORD_GRACE: Duration = Duration::from_secs(10);
+
+/// Removes the rendezvous records of any group whose creator is gone (killed during group
+/// creation: nothing else leaves one), at most every [`SWEEP_PERIOD`] per process and
+/// [`SWEEP_MAX`] entries per sweep; logs one info line per record removed. Never a record that
+/// is locked (its creator lives, whatever its pid looks like from here), another user's, or a
+/// file that is not a record.
+pub(super) fn sweep_stale_records() {
+    static LAST: Mutex<Option<Instant>> = Mutex::new(None);
+    // Thread ranks joining together: one sweeps, the others go on.
+    let Ok(mut last) = LAST.try_lock() else {
+        return;
+    };
+    if last.is_some_and(|t| t.elapsed() < SWEEP_PERIOD) {
+        return;
+    }
+    *last = Some(Instant::now());
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    let names = dir
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|f| {
+            f.strip_prefix("epcomm.")
+                .is_some_and(|g| check_name(g).is_ok())
+        })
+        .take(SWEEP_MAX);
+    for file in names {
+        let mut why = String::new();
+        let stale = |b: &[u8], _key, st: &libc::stat| match Record::decode(b) {
+            Some(r) => {
+                why = format!("its creator, pid {}, is gone", r.creator);
+                !r.creator_alive()
+            }
+            None => {
+                why = "it is empty: its creator died while writing it".into();
+                st.st_size == 0 && modified_before(st, EMPTY_RECORD_GRACE)
+            }
+        };
+        if let Ok(Some(_)) = Segment::remove_record_if(&format!("/{file}"), RECORD_BYTES, stale) {
+            crate::log::info(&format!(
+                "removed the stale rendezvous record /dev/shm/{file} of group '{}': {why}",
+                &file["epcomm.".len()..]
+            ));
+        }
+    }
+}
+
+/// Whether the file `st` was last modified more than `age` ago.
+fn modified_before(st: &libc::stat, age: Duration) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    (st.st_mtime as u64).saturating_add(age.as_secs()) < now
 }
 
 /// Group names: 1..=64 of [A-Za-z0-9_.-], so they are valid shm names on every system.
@@ -275,10 +390,13 @@ impl ShmGroup {
         world: usize,
         deadline: &Deadline,
     ) -> Result<Segment> {
+        sweep_stale_records();
         let bytes = control_bytes(world);
-        let seg = Segment::create(&format!("{control_name}.control"), bytes).map_err(|e| {
+        let mut seg = Segment::create(&format!("{control_name}.control"), bytes).map_err(|e| {
             sys_err(
-                format!("cannot create shared memory {control_name} ({bytes} bytes)"),
+                format!(
+                    "cannot create the control segment of group '{name}' ({bytes} bytes) on rank 0"
+                ),
                 e,
             )
         })?;
@@ -299,36 +417,25 @@ impl ShmGroup {
             key: seg.key(),
             session,
             created_ns,
+            start: segment::own_start_time(),
         }
         .encode();
         loop {
             match Segment::create_record(control_name, &record) {
-                Ok(key) => {
+                Ok((key, lock)) => {
+                    seg.hold_record(lock);
+                    let h: &Header = seg.at(0);
                     h.record_dev.store(key.0, Ordering::Relaxed);
                     h.record_ino.store(key.1, Ordering::Release);
                     Self::remove_stale_data(name);
                     return Ok(seg);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    // Someone else's record: stale (its creator is gone, or it is garbage) or
-                    // live (another job with the same name is joining).
-                    if let Some(r) = Self::read_record(name, control_name)? {
-                        if pid_alive(r.creator) {
-                            Self::mark_conflict(&r);
-                            return Err(Error::InvalidState(format!(
-                                "group name '{name}' is in use by another job: its rank 0 (pid {}) is still waiting for its ranks to join; jobs that run at the same time need distinct group names",
-                                r.creator
-                            )));
-                        }
-                    }
-                    crate::log::info(&format!(
-                        "replacing stale shared-memory segment {control_name} left by a crashed run"
-                    ));
-                    Segment::unlink(control_name);
+                    Self::replace_stale_record(name, control_name)?;
                 }
                 Err(e) => {
                     return Err(sys_err(
-                        format!("cannot create shared memory {control_name}"),
+                        format!("cannot create the rendezvous record /dev/shm{control_name} of group '{name}'"),
                         e,
                     ))
                 }
@@ -340,6 +447,61 @@ impl ShmGroup {
                 )));
             }
         }
+    }
+
+    /// Someone else's record holds the name: removes it if it is stale (its creator is gone,
+    /// or it is garbage nobody holds), else fails with the conflict (another job with the same
+    /// name is joining).
+    fn replace_stale_record(name: &str, control_name: &str) -> Result<()> {
+        // A partial record (an epcomm that writes it by name) gets a moment to complete.
+        let seen = Self::read_record(name, control_name)?;
+        let mut live = None;
+        let removed = Segment::remove_record_if(control_name, RECORD_BYTES, |b, _, _| {
+            match Record::decode(b) {
+                Some(r) if r.creator_alive() => {
+                    live = Some(r);
+                    false
+                }
+                Some(_) | None => true,
+            }
+        });
+        let conflict = |pid: String| {
+            Error::InvalidState(format!(
+                "group name '{name}' is in use by another job: its rank 0 ({pid}) is still waiting for its ranks to join; jobs that run at the same time need distinct group names"
+            ))
+        };
+        match removed {
+            Ok(Some(_)) => {
+                crate::log::info(&format!(
+                    "replacing stale shared-memory segment {control_name} left by a crashed run"
+                ));
+                Ok(())
+            }
+            // Gone meanwhile: try again.
+            Ok(None) if Segment::record_key(control_name).is_none() => Ok(()),
+            // Held by a live creator (locked, or its pid alive).
+            Ok(None) => match live.or(seen) {
+                Some(r) => {
+                    Self::mark_conflict(&r);
+                    Err(conflict(format!("pid {}", r.creator)))
+                }
+                None => Err(conflict("whose record cannot be read".into())),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(Error::InvalidState(
+                format!("group name '{name}' is in use by another job or user, refused: {e}"),
+            )),
+            Err(e) => Err(sys_err(format!("cannot read /dev/shm{control_name}"), e)),
+        }
+    }
+
+    /// Removes the record of `name` if it is still the one of `session` (or, with session 0,
+    /// any record) and its creator is gone.
+    fn remove_dead_record(name: &str, control_name: &str, session: u64) {
+        let _ = Segment::remove_record_if(control_name, RECORD_BYTES, |b, _, _| {
+            Record::decode(b)
+                .is_some_and(|r| (session == 0 || r.session == session) && !r.creator_alive())
+        });
+        Self::remove_stale_data(name);
     }
 
     /// Maps the control segment a record names, or says why not.
@@ -386,6 +548,7 @@ impl ShmGroup {
         world: usize,
         deadline: &Deadline,
     ) -> Result<Segment> {
+        sweep_stale_records();
         let mut backoff = Backoff::new();
         // A record created after this rank started waiting is this group's.
         let started_ns = now_ns();
@@ -393,7 +556,7 @@ impl ShmGroup {
         let mut unmapped: Option<String> = None;
         loop {
             if let Some(r) = Self::read_record(name, control_name)? {
-                let alive = pid_alive(r.creator);
+                let alive = r.creator_alive();
                 if r.version != LAYOUT_VERSION && alive {
                     return Err(Error::InvalidArgument(format!(
                         "group '{name}' was created by an epcomm with shared-memory layout {}; this epcomm uses layout {LAYOUT_VERSION}",
@@ -403,8 +566,7 @@ impl ShmGroup {
                 if r.version == LAYOUT_VERSION && !alive && r.created_ns >= started_ns {
                     // Created for this join, then rank 0 died: not a stale segment to wait
                     // out. Remove what the dead creator left.
-                    Segment::unlink(control_name);
-                    Self::remove_stale_data(name);
+                    Self::remove_dead_record(name, control_name, r.session);
                     return Err(Error::PeerFailure(format!(
                         "rank 0 of group '{name}' died (pid {} is gone) while the group was joining",
                         r.creator
@@ -435,12 +597,7 @@ impl ShmGroup {
             }
             if deadline.expired() {
                 // A record whose creator is gone serves nobody: remove it on the way out.
-                if let Ok(Some(r)) = Self::read_record(name, control_name) {
-                    if !pid_alive(r.creator) {
-                        Segment::unlink(control_name);
-                        Self::remove_stale_data(name);
-                    }
-                }
+                Self::remove_dead_record(name, control_name, 0);
                 let why = unmapped.map(|w| format!("; last: {w}")).unwrap_or_default();
                 return Err(Error::Timeout(format!(
                     "timed out after {:.1} s waiting for rank 0 to create group '{name}' (rank {rank} of {world}){why}",
@@ -462,15 +619,29 @@ impl ShmGroup {
             h.record_dev.load(Ordering::Relaxed),
             h.record_ino.load(Ordering::Acquire),
         );
-        let ours = match Self::read_record(&self.name, &self.control_name) {
-            Ok(Some(r)) => r.session == self.session,
-            // Unreadable as a record (overwritten, truncated): still ours if it is the file
-            // rank 0 created.
-            Ok(None) | Err(_) => {
-                created != (0, 0) && Segment::record_key(&self.control_name) == Some(created)
-            }
+        let session = self.session;
+        // Unreadable as a record (overwritten, truncated): still ours if it is the file rank 0
+        // created.
+        let ours = move |b: &[u8], key: segment::FileKey| {
+            Record::decode(b).is_some_and(|r| r.session == session)
+                || (created != (0, 0) && key == created)
         };
-        if ours {
+        if self.rank != 0 {
+            // Rank 0 (gone) held the record's lock; whoever removes it for it takes the lock.
+            let _ = Segment::remove_record_if(&self.control_name, RECORD_BYTES, |b, key, _| {
+                ours(b, key)
+            });
+            return;
+        }
+        // Rank 0 holds the lock: nobody else removes or replaces the record meanwhile.
+        let read = Segment::read_record(&self.control_name, RECORD_BYTES);
+        let key = Segment::record_key(&self.control_name);
+        if let (Ok(Some(b)), Some(key)) = (read, key) {
+            if ours(&b, key) {
+                Segment::unlink(&self.control_name);
+            }
+        } else if key.is_some_and(|k| created != (0, 0) && k == created) {
+            // Another user's or unreadable: still ours if it is the file rank 0 created.
             Segment::unlink(&self.control_name);
         }
     }
@@ -504,18 +675,35 @@ mod tests {
             key: (11, 22),
             session: 0xabcdef,
             created_ns: 99,
+            start: 4321,
         };
         let b = r.encode();
         assert_eq!(b.len(), RECORD_BYTES);
         let d = Record::decode(&b).unwrap();
         assert_eq!(
-            (d.world, d.creator, d.fd, d.key, d.session, d.created_ns),
-            (3, 1234, 7, (11, 22), 0xabcdef, 99)
+            (
+                d.world,
+                d.creator,
+                d.fd,
+                d.key,
+                d.session,
+                d.created_ns,
+                d.start
+            ),
+            (3, 1234, 7, (11, 22), 0xabcdef, 99, 4321)
         );
         assert!(Record::decode(&b[..40]).is_none());
-        let mut altered = b.clone();
-        altered[44] ^= 1;
-        assert!(Record::decode(&altered).is_none());
+        assert!(Record::decode(&b[..70]).is_none());
+        for at in [44, 66] {
+            let mut altered = b.clone();
+            altered[at] ^= 1;
+            assert!(Record::decode(&altered).is_none(), "byte {at} altered");
+        }
+        // A record of the first layout-5 epcomm (64 bytes, no start time) still reads, and
+        // what it reads of a new record is the same first fields.
+        let v1 = Record::decode(&b[..RECORD_V1_BYTES]).unwrap();
+        assert_eq!((v1.creator, v1.session, v1.start), (1234, 0xabcdef, 0));
+        assert_eq!(record_checksum(&b[..56]).to_ne_bytes(), b[56..64]);
         assert!(Record::decode(&[0u8; RECORD_BYTES]).is_none());
         let mut old = b.clone();
         old[8..12].copy_from_slice(&3u32.to_ne_bytes());

@@ -9,7 +9,15 @@
 //! only limits attaching) and check its inode, owner, mode and seals. Mappings are shared by
 //! every rank of one process (a registry keyed by device and inode), so thread ranks map each
 //! segment once. The only named object is a rendezvous record (`/dev/shm/epcomm.{name}`, read
-//! and written with pread/pwrite, never mapped), present while a group is joining.
+//! with pread, never mapped), present while a group is joining: it appears whole (written
+//! unnamed, then linked) and its creator holds an exclusive `flock` on it until it dies or
+//! closes it, so a record that can be locked has no live creator ([`Segment::remove_record_if`]).
+//!
+//! Every size given to a file (ftruncate, posix_fallocate, the record's write) is checked
+//! against RLIMIT_FSIZE first: beyond it the kernel would send SIGXFSZ, whose default action
+//! kills the process. The error names the limit ([`FileSizeLimit`]); if the limit is lowered
+//! between the check and the call, the signal is held back for this thread and taken, so the
+//! call still ends in that error (the process's signal dispositions are never changed).
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -67,6 +75,55 @@ pub(super) struct Segment {
     key: FileKey,
     /// The creator's descriptor, kept open until every peer has mapped the segment.
     fd: Option<Fd>,
+    /// The rendezvous record's descriptor and lock (rank 0's control segment), held while
+    /// this segment lives: its creator is alive.
+    record: Option<RecordLock>,
+}
+
+/// An open rendezvous record with its creator's exclusive `flock`: as long as it is held, no
+/// other process takes the record for stale. It goes when the creator drops it or dies.
+#[derive(Debug)]
+pub(super) struct RecordLock {
+    _fd: Fd,
+}
+
+/// The path of the shm object `name` ("/epcomm.G"): glibc's shm_open puts it in /dev/shm.
+fn shm_path(name: &str) -> String {
+    format!("/dev/shm{name}")
+}
+
+/// Takes an exclusive `flock` on `fd` without waiting; false if another holds one.
+fn try_lock(fd: libc::c_int) -> io::Result<bool> {
+    // SAFETY: fd is a valid descriptor; flock has no memory arguments.
+    if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// Writes all of `bytes` at offset 0 of `fd` (RLIMIT_FSIZE checked, see [`sized`]).
+fn write_all_at(fd: libc::c_int, bytes: &[u8], what: &str) -> io::Result<()> {
+    let mut short = false;
+    sized(bytes.len() as u64, || {
+        // SAFETY: fd is valid; `bytes` is readable for its length.
+        let n = unsafe { libc::pwrite(fd, bytes.as_ptr().cast(), bytes.len(), 0) };
+        if n < 0 {
+            return errno_of(-1);
+        }
+        short = n as usize != bytes.len();
+        0
+    })?;
+    if short {
+        // The kernel shortens a write that crosses RLIMIT_FSIZE (lowered since the check).
+        check_file_size(bytes.len() as u64)?;
+        return Err(invalid(format!("short write of {what}")));
+    }
+    Ok(())
 }
 
 fn cname(name: &str) -> io::Result<CString> {
@@ -138,6 +195,119 @@ fn check_owner(st: &libc::stat, what: &str) -> io::Result<()> {
     Ok(())
 }
 
+/// RLIMIT_FSIZE refused a file size: a process may not make a file (a memfd included) larger
+/// than its soft limit; the kernel answers with SIGXFSZ, which by default kills it.
+#[derive(Debug)]
+pub(super) struct FileSizeLimit {
+    /// The soft limit, in bytes.
+    pub(super) limit: u64,
+    /// The size asked for, in bytes.
+    pub(super) len: u64,
+}
+
+impl std::fmt::Display for FileSizeLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the file size limit RLIMIT_FSIZE (ulimit -f) is {} bytes, below the {} bytes needed; raise it (ulimit -f unlimited)",
+            self.limit, self.len
+        )
+    }
+}
+
+impl std::error::Error for FileSizeLimit {}
+
+/// The soft RLIMIT_FSIZE in bytes, or None when unlimited. Read at every use: it can change.
+fn file_size_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: r is a valid rlimit for getrlimit to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut r) } != 0
+        || r.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    #[allow(clippy::unnecessary_cast)] // rlim_t is u64 on Linux, not everywhere
+    Some(r.rlim_cur as u64)
+}
+
+fn too_large(limit: u64, len: u64) -> io::Error {
+    io::Error::new(io::ErrorKind::FileTooLarge, FileSizeLimit { limit, len })
+}
+
+/// Fails with [`FileSizeLimit`] if a file of `len` bytes exceeds RLIMIT_FSIZE.
+pub(super) fn check_file_size(len: u64) -> io::Result<()> {
+    match file_size_limit() {
+        Some(limit) if len > limit => Err(too_large(limit, len)),
+        Some(_) | None => Ok(()),
+    }
+}
+
+/// The limit an error of a sizing call reports, if it is one (see [`FileSizeLimit`]).
+pub(super) fn file_size_limit_of(e: &io::Error) -> Option<&FileSizeLimit> {
+    e.get_ref()?.downcast_ref::<FileSizeLimit>()
+}
+
+/// Runs `call`, a system call that sizes a file to `len` bytes and returns 0 or an errno, with
+/// RLIMIT_FSIZE checked first and SIGXFSZ held back for this thread: should the limit have been
+/// lowered since the check, the kernel's EFBIG is the [`FileSizeLimit`] error and the SIGXFSZ
+/// it raised for this thread is taken (unless one was already pending), instead of killing the
+/// process. Only this thread's signal mask changes, and only for the call.
+fn sized(len: u64, call: impl FnOnce() -> libc::c_int) -> io::Result<()> {
+    check_file_size(len)?;
+    sized_unchecked(len, call)
+}
+
+fn sized_unchecked(len: u64, call: impl FnOnce() -> libc::c_int) -> io::Result<()> {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it, sigaddset sets one signal.
+    let xfsz = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGXFSZ);
+        set
+    };
+    // SAFETY: both sets are valid; this changes only the calling thread's mask (restored
+    // below) and reads what is pending for it.
+    let (old, was_pending) = unsafe {
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_BLOCK, &xfsz, &mut old);
+        let mut pending: libc::sigset_t = std::mem::zeroed();
+        libc::sigpending(&mut pending);
+        (old, libc::sigismember(&pending, libc::SIGXFSZ) == 1)
+    };
+    let rc = call();
+    let zero = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid sets and timespec; sigtimedwait with a zero timeout takes the SIGXFSZ the
+    // call raised (blocked, so pending) without waiting; then the old mask is back.
+    unsafe {
+        if rc == libc::EFBIG && !was_pending {
+            libc::sigtimedwait(&xfsz, std::ptr::null_mut(), &zero);
+        }
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+    }
+    match (rc, file_size_limit()) {
+        (0, _) => Ok(()),
+        (libc::EFBIG, Some(limit)) if len > limit => Err(too_large(limit, len)),
+        (rc, _) => Err(io::Error::from_raw_os_error(rc)),
+    }
+}
+
+/// 0, or the errno of a call that returned -1.
+fn errno_of(rc: libc::c_int) -> libc::c_int {
+    if rc == 0 {
+        0
+    } else {
+        io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    }
+}
+
 /// Bytes of memory a new segment may take: MemAvailable (a memfd is charged to memory, not
 /// to /dev/shm), so an impossible size is an error instead of a visit from the OOM killer.
 fn memory_available() -> Option<u64> {
@@ -152,6 +322,7 @@ impl Segment {
     /// messages). The memory is reserved up front (posix_fallocate), so a lack of memory is an
     /// error here and never a SIGBUS later.
     pub(super) fn create(label: &str, len: usize) -> io::Result<Segment> {
+        check_file_size(len as u64)?;
         if let Some(avail) = memory_available() {
             if len as u64 > avail {
                 return Err(io::Error::new(
@@ -172,14 +343,14 @@ impl Segment {
         if unsafe { libc::fchmod(fd.0, 0o600) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        if unsafe { libc::ftruncate(fd.0, len as libc::off_t) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
         // SAFETY: fd is a valid descriptor we own.
-        let rc = unsafe { libc::posix_fallocate(fd.0, 0, len as libc::off_t) };
-        if rc != 0 {
-            return Err(io::Error::from_raw_os_error(rc));
-        }
+        sized(len as u64, || {
+            errno_of(unsafe { libc::ftruncate(fd.0, len as libc::off_t) })
+        })?;
+        // SAFETY: fd is a valid descriptor we own; posix_fallocate returns an errno.
+        sized(len as u64, || unsafe {
+            libc::posix_fallocate(fd.0, 0, len as libc::off_t)
+        })?;
         let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
         // SAFETY: fd is a valid descriptor we own; F_ADD_SEALS takes an int.
         if unsafe { libc::fcntl(fd.0, libc::F_ADD_SEALS, seals) } != 0 {
@@ -197,6 +368,7 @@ impl Segment {
             map,
             key,
             fd: Some(fd),
+            record: None,
         })
     }
 
@@ -216,6 +388,7 @@ impl Segment {
             map,
             key,
             fd: None,
+            record: None,
         };
         if let Some(m) = lookup(key, min_len) {
             return Ok(shared(m));
@@ -258,8 +431,58 @@ impl Segment {
     }
 
     /// Creates the rendezvous record `name` (a small named object, mode 0600) holding
-    /// `bytes`; AlreadyExists if the name is taken. Returns the file's identity.
-    pub(super) fn create_record(name: &str, bytes: &[u8]) -> io::Result<FileKey> {
+    /// `bytes`; AlreadyExists if the name is taken. Returns the file's identity and its lock,
+    /// taken before the record has a name: the record appears whole (written to an unnamed
+    /// file, then linked) and locked, so no other process ever sees it partial or unlocked
+    /// while its creator lives. Where the file system has no unnamed files, it is created by
+    /// name and locked at once (another process may then see it empty for a moment).
+    pub(super) fn create_record(name: &str, bytes: &[u8]) -> io::Result<(FileKey, RecordLock)> {
+        check_file_size(bytes.len() as u64)?;
+        let path = cname(&shm_path(name))?;
+        let dir = cname("/dev/shm")?;
+        // SAFETY: valid C string; an unnamed file in /dev/shm.
+        let tmp = unsafe {
+            libc::open(
+                dir.as_ptr(),
+                libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC,
+                0o600,
+            )
+        };
+        if tmp >= 0 {
+            let fd = Fd(tmp);
+            // SAFETY: fd is a valid descriptor we own.
+            if unsafe { libc::fchmod(fd.0, 0o600) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            try_lock(fd.0)?;
+            write_all_at(fd.0, bytes, name)?;
+            let proc_path = cname(&format!("/proc/self/fd/{}", fd.0))?;
+            // SAFETY: valid C strings; linkat fails with EEXIST if the name is taken.
+            let rc = unsafe {
+                libc::linkat(
+                    libc::AT_FDCWD,
+                    proc_path.as_ptr(),
+                    libc::AT_FDCWD,
+                    path.as_ptr(),
+                    libc::AT_SYMLINK_FOLLOW,
+                )
+            };
+            let e = io::Error::last_os_error();
+            if rc == 0 {
+                let st = fstat(fd.0)?;
+                return Ok(((st.st_dev, st.st_ino), RecordLock { _fd: fd }));
+            }
+            // Without /proc the unnamed file cannot be linked: make the record by name.
+            if e.raw_os_error() != Some(libc::ENOENT) {
+                return Err(e);
+            }
+        }
+        Self::create_record_by_name(name, bytes)
+    }
+
+    /// [`Segment::create_record`] where /dev/shm has no unnamed files: created by name, then
+    /// locked and written (another process may see it empty for a moment).
+    fn create_record_by_name(name: &str, bytes: &[u8]) -> io::Result<(FileKey, RecordLock)> {
         let c = cname(name)?;
         // SAFETY: valid C string; O_EXCL makes creation atomic.
         let fd = unsafe {
@@ -273,19 +496,75 @@ impl Segment {
             return Err(io::Error::last_os_error());
         }
         let fd = Fd(fd);
-        // SAFETY: fd is valid; `bytes` is readable.
-        let n = unsafe { libc::pwrite(fd.0, bytes.as_ptr().cast(), bytes.len(), 0) };
-        if n != bytes.len() as isize {
-            let e = if n < 0 {
-                io::Error::last_os_error()
-            } else {
-                invalid(format!("short write of {name}"))
-            };
+        // A sweeper may hold the lock for a moment (it finds the record empty and recent,
+        // so it keeps it): wait for it.
+        // SAFETY: fd is a valid descriptor; flock has no memory arguments.
+        let locked = if unsafe { libc::flock(fd.0, libc::LOCK_EX) } == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        };
+        let written = locked.and_then(|()| write_all_at(fd.0, bytes, name));
+        if let Err(e) = written {
             Segment::unlink(name);
             return Err(e);
         }
         let st = fstat(fd.0)?;
-        Ok((st.st_dev, st.st_ino))
+        Ok(((st.st_dev, st.st_ino), RecordLock { _fd: fd }))
+    }
+
+    /// Removes the record `name` if nobody holds its lock (its creator is dead, or an
+    /// epcomm that does not lock made it) and `stale(contents, identity, stat)` says so;
+    /// returns what was removed. The lock is held while the name is checked to still be that
+    /// file and removed, so a record that replaced it meanwhile is never removed (every
+    /// remover of a record it did not create takes the lock). A record of another user or
+    /// with a wide mode is PermissionDenied; a missing one is `Ok(None)`.
+    pub(super) fn remove_record_if(
+        name: &str,
+        max: usize,
+        stale: impl FnOnce(&[u8], FileKey, &libc::stat) -> bool,
+    ) -> io::Result<Option<Vec<u8>>> {
+        let c = cname(name)?;
+        // SAFETY: valid C string.
+        let fd = unsafe {
+            libc::shm_open(
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
+                0,
+            )
+        };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return if e.raw_os_error() == Some(libc::ENOENT) {
+                Ok(None)
+            } else {
+                Err(e)
+            };
+        }
+        let fd = Fd(fd);
+        let st = fstat(fd.0)?;
+        check_owner(&st, &shm_path(name))?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG || !try_lock(fd.0)? {
+            return Ok(None);
+        }
+        let mut buf = vec![0u8; max];
+        // SAFETY: buf is writable for `max` bytes.
+        let n = unsafe { libc::pread(fd.0, buf.as_mut_ptr().cast(), max, 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        buf.truncate(n as usize);
+        let key = (st.st_dev, st.st_ino);
+        if !stale(&buf, key, &st) || Segment::record_key(name) != Some(key) {
+            return Ok(None);
+        }
+        Segment::unlink(name);
+        Ok(Some(buf))
+    }
+
+    /// Keeps `lock` (the record this control segment's creator made) until this segment drops.
+    pub(super) fn hold_record(&mut self, lock: RecordLock) {
+        self.record = Some(lock);
     }
 
     /// The identity of the file named `name` now (None if there is none).
@@ -494,6 +773,33 @@ pub(super) fn pid_alive(pid: u32) -> bool {
             .unwrap_or(true),
         Err(_) => rc == 0,
     }
+}
+
+/// When process `pid` started (field 22 of /proc/PID/stat, clock ticks since boot): with its
+/// pid, an identity that a later process reusing the pid does not share. None if unreadable.
+pub(super) fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    // Fields from the third (state) on; starttime is the 22nd.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// This process's start time (see [`start_time`]), 0 if unknown.
+pub(super) fn own_start_time() -> u64 {
+    static START: OnceLock<u64> = OnceLock::new();
+    *START.get_or_init(|| start_time(std::process::id()).unwrap_or(0))
+}
+
+/// Whether the process that was `pid` started at `start` (0: unknown) is still alive: its pid
+/// is alive and, where both are known, started then (not a later process given the same pid).
+pub(super) fn process_alive(pid: u32, start: u64) -> bool {
+    if start != 0 {
+        match start_time(pid) {
+            Some(now) if now != start => return false,
+            Some(_) | None => {}
+        }
+    }
+    pid_alive(pid)
 }
 
 /// Whether another process `pid` has no memory left to read at `addr`: it is gone or exiting.
@@ -716,6 +1022,136 @@ mod tests {
             }
             assert_eq!(&dst[rows * row..], &src[..2 * row]);
         }
+    }
+
+    /// Sets RLIMIT_FSIZE (soft and hard) of this process to `bytes`.
+    fn limit_file_size(bytes: u64) {
+        let r = libc::rlimit {
+            rlim_cur: bytes,
+            rlim_max: bytes,
+        };
+        // SAFETY: r is a valid rlimit.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &r) }, 0);
+    }
+
+    /// Every sizing call under RLIMIT_FSIZE is an error naming the limit, never SIGXFSZ: with
+    /// the check (segments, records) and without it, as when the limit is lowered between the
+    /// check and the call (the kernel's EFBIG; the signal it raised is taken). Runs in a child
+    /// process (the limit is process-wide), which must exit normally.
+    #[test]
+    fn sizes_beyond_rlimit_fsize_are_errors_not_sigxfsz() {
+        const NAME: &str =
+            "group::shm::segment::tests::sizes_beyond_rlimit_fsize_are_errors_not_sigxfsz";
+        if std::env::var_os("EPCOMM_FSIZE_CHILD").is_some() {
+            limit_file_size(1 << 20);
+            let e = Segment::create("/epcomm.fsize-test", 2 << 20).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                "the file size limit RLIMIT_FSIZE (ulimit -f) is 1048576 bytes, below the 2097152 bytes needed; raise it (ulimit -f unlimited)"
+            );
+            let l = file_size_limit_of(&e).unwrap();
+            assert_eq!((l.limit, l.len), (1 << 20, 2 << 20));
+            assert!(Segment::create("/epcomm.fsize-test", 1 << 20).is_ok());
+            // The kernel's own refusal (no check first): EFBIG and a SIGXFSZ, taken.
+            let c = cname("epcomm.fsize-test").unwrap();
+            // SAFETY: valid C string.
+            let fd = Fd(unsafe { libc::memfd_create(c.as_ptr(), libc::MFD_CLOEXEC) });
+            assert!(fd.0 >= 0);
+            let len = 3u64 << 20;
+            // SAFETY (both closures): fd is a valid descriptor we own.
+            let e = sized_unchecked(len, || {
+                errno_of(unsafe { libc::ftruncate(fd.0, len as i64) })
+            });
+            assert_eq!(file_size_limit_of(&e.unwrap_err()).unwrap().len, len);
+            let e = sized_unchecked(len, || unsafe {
+                libc::posix_fallocate(fd.0, 0, len as i64)
+            });
+            assert_eq!(file_size_limit_of(&e.unwrap_err()).unwrap().limit, 1 << 20);
+            limit_file_size(0);
+            let e = sized_unchecked(8, || {
+                // SAFETY: fd is valid; the source is 8 readable bytes.
+                let n = unsafe { libc::pwrite(fd.0, [1u8; 8].as_ptr().cast(), 8, 1 << 20) };
+                errno_of(if n < 0 { -1 } else { 0 })
+            });
+            assert_eq!(file_size_limit_of(&e.unwrap_err()).unwrap().limit, 0);
+            let e = Segment::create_record("/epcomm.fsize-test-record", &[0u8; 80]).unwrap_err();
+            assert_eq!(file_size_limit_of(&e).unwrap().len, 80);
+            assert!(!std::path::Path::new("/dev/shm/epcomm.fsize-test-record").exists());
+            // No SIGXFSZ is left pending either.
+            // SAFETY: a plain sigset_t filled by sigpending.
+            let pending = unsafe {
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigpending(&mut set);
+                libc::sigismember(&set, libc::SIGXFSZ)
+            };
+            assert_eq!(pending, 0);
+            println!("FSIZE_CHILD_OK");
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+            .env("EPCOMM_FSIZE_CHILD", "1")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{:?}\n{text}", out.status);
+        assert!(text.contains("FSIZE_CHILD_OK"), "{text}");
+    }
+
+    /// A record appears whole and locked: while its creator holds it, no remover takes it,
+    /// whatever it says; once the creator lets go, a remover that finds it stale removes it,
+    /// and one that does not leaves it.
+    #[test]
+    fn a_record_is_removed_only_when_unlocked_and_stale() {
+        let name = format!("/epcomm.unit-lock-{}", std::process::id());
+        let path = shm_path(&name);
+        // Where unnamed files are missing, the record is made by name: locked all the same.
+        let (_, by_name) = Segment::create_record_by_name(&name, &[7u8; 80]).unwrap();
+        assert!(Segment::remove_record_if(&name, 80, |_, _, _| true)
+            .unwrap()
+            .is_none());
+        drop(by_name);
+        assert!(Segment::remove_record_if(&name, 80, |_, _, _| true)
+            .unwrap()
+            .is_some());
+        let (key, lock) = Segment::create_record(&name, &[7u8; 80]).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), [7u8; 80]);
+        assert_eq!(Segment::record_key(&name), Some(key));
+        assert!(Segment::create_record(&name, &[1u8; 80]).is_err());
+        let removed = Segment::remove_record_if(&name, 80, |_, _, _| true).unwrap();
+        assert!(removed.is_none(), "a locked record was removed");
+        assert!(std::path::Path::new(&path).exists());
+        drop(lock);
+        assert!(Segment::remove_record_if(&name, 80, |_, _, _| false)
+            .unwrap()
+            .is_none());
+        assert!(std::path::Path::new(&path).exists());
+        let removed = Segment::remove_record_if(&name, 80, |b, k, _| b == [7u8; 80] && k == key);
+        assert_eq!(removed.unwrap().as_deref(), Some(&[7u8; 80][..]));
+        assert!(!std::path::Path::new(&path).exists());
+        assert!(Segment::remove_record_if(&name, 80, |_, _, _| true)
+            .unwrap()
+            .is_none());
+    }
+
+    /// A record names its creator by pid and start time: a live pid with another start time
+    /// (a reused pid) is a dead creator.
+    #[test]
+    fn a_reused_pid_is_not_the_creator() {
+        let me = std::process::id();
+        let start = own_start_time();
+        assert_ne!(start, 0);
+        assert!(process_alive(me, start));
+        assert!(process_alive(me, 0));
+        assert!(!process_alive(me, start + 1));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert!(!process_alive(pid, 0));
     }
 
     /// A killed process that is not reaped yet (a zombie) has no memory: that is what a peer
