@@ -420,8 +420,10 @@ fn header(
         ),
         maps(old),
         maps(new),
+        // Hashed only once checked: a rejected mapping's length may not be the caller's.
         options
             .rank_mapping
+            .filter(|_| ok)
             .map_or(0, |m| 1 + fnv1a(m.iter().map(|&x| x as u64))),
         u64::from(options.migration_batching),
         u64::from(options.lost == LostExperts::LeaveUnwritten),

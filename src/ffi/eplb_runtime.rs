@@ -222,8 +222,9 @@ unsafe fn maps(
     slots: usize,
     what: &'static str,
 ) -> Result<Vec<Vec<i64>>> {
+    let n = guard::entries::<i64>(layers, slots, what)?;
     // SAFETY: layers * slots (at least 1) entries (caller contract).
-    let v = unsafe { guard::slice_arg(p, layers * slots, what) }?;
+    let v = unsafe { guard::slice_arg(p, n, what) }?;
     if let Some((i, &bad)) = v.iter().enumerate().find(|(_, &x)| x < -1) {
         return Err(Error::InvalidArgument(format!(
             "{what}[{i}] is {bad}; expected a logical expert id or -1"
@@ -271,9 +272,9 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange(
     };
     guard::call(|| {
         // SAFETY: NULL or rank_mapping_len entries (caller contract).
-        let mapping = unsafe { mapping_arg(rank_mapping, rank_mapping_len) };
+        let options = unsafe { mapping_arg(rank_mapping, rank_mapping_len) }.map(OptionsArg::plain);
         // SAFETY: caller contract.
-        unsafe { call.run(comm, Ok(OptionsArg::plain(mapping)), summary_out) }
+        unsafe { call.run(comm, options, summary_out) }
     })
 }
 
@@ -555,19 +556,23 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange_into_with_lost(
     })
 }
 
-/// A rank mapping argument: NULL = none, else `len` entries.
+/// A rank mapping argument: NULL = none, else `len` entries, borrowed (not copied: the
+/// rearrangement checks its length against the maps before it reads an entry).
 ///
 /// # Safety
-/// `p` is NULL or valid for `len` entries.
-unsafe fn mapping_arg(p: *const i64, len: usize) -> Option<Vec<i64>> {
+/// `p` is NULL or valid for `len` entries that outlive the call.
+unsafe fn mapping_arg<'a>(p: *const i64, len: usize) -> Result<Option<&'a [i64]>> {
+    if p.is_null() {
+        return Ok(None);
+    }
     // SAFETY: non-NULL with len entries (caller contract).
-    (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, len) }.to_vec())
+    unsafe { guard::slice_arg(p, len, "rank_mapping") }.map(Some)
 }
 
 /// The rearrangement options a C caller passed, read.
 #[derive(Debug, Clone)]
-struct OptionsArg {
-    mapping: Option<Vec<i64>>,
+struct OptionsArg<'a> {
+    mapping: Option<&'a [i64]>,
     batching: bool,
     lost: rearrange::LostExperts,
     lost_out: *mut i64,
@@ -583,7 +588,7 @@ struct OptionsArg {
 unsafe fn rearrange_options_arg(
     options: *const epcomm_eplb_rearrange_options,
     lost: *const epcomm_eplb_lost_experts_options,
-) -> Result<OptionsArg> {
+) -> Result<OptionsArg<'static>> {
     // SAFETY: caller contract.
     let mut arg = OptionsArg::plain(None);
     if let Some(o) = unsafe { options.as_ref() } {
@@ -595,7 +600,7 @@ unsafe fn rearrange_options_arg(
             )));
         }
         // SAFETY: caller contract.
-        arg.mapping = unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) };
+        arg.mapping = unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) }?;
         arg.batching = o.migration_batching;
     }
     // SAFETY: caller contract.
@@ -616,9 +621,9 @@ unsafe fn rearrange_options_arg(
     Ok(arg)
 }
 
-impl OptionsArg {
+impl<'m> OptionsArg<'m> {
     /// The defaults: epcomm_eplb_rearrange's options.
-    fn plain(mapping: Option<Vec<i64>>) -> OptionsArg {
+    fn plain(mapping: Option<&'m [i64]>) -> OptionsArg<'m> {
         OptionsArg {
             mapping,
             batching: false,
@@ -631,7 +636,7 @@ impl OptionsArg {
 
     fn options<'a>(&'a self, dtypes: &'a [crate::dtype::DType]) -> rearrange::RearrangeOptions<'a> {
         rearrange::RearrangeOptions {
-            rank_mapping: self.mapping.as_deref(),
+            rank_mapping: self.mapping,
             dtypes,
             migration_batching: self.batching,
             lost: self.lost,
@@ -688,14 +693,14 @@ struct RearrangeCall {
 }
 
 /// A rearrangement's checked arguments: old and new maps, weights, options.
-type Prepared = (Vec<Vec<i64>>, Vec<Vec<i64>>, LayerWeights, OptionsArg);
+type Prepared<'m> = (Vec<Vec<i64>>, Vec<Vec<i64>>, LayerWeights, OptionsArg<'m>);
 
 impl RearrangeCall {
     /// Checks the arguments (before the group is used).
     ///
     /// # Safety
     /// The pointers are NULL or valid for the sizes they are given with.
-    unsafe fn prepare(&self, options: Result<OptionsArg>) -> Result<Prepared> {
+    unsafe fn prepare<'m>(&self, options: Result<OptionsArg<'m>>) -> Result<Prepared<'m>> {
         let l = count(self.num_layers, "num_layers")?;
         let (os, ns) = (
             count(self.old_slots, "old_slots")?,
@@ -716,10 +721,10 @@ impl RearrangeCall {
     ///
     /// # Safety
     /// As epcomm_eplb_rearrange_with.
-    unsafe fn run(
+    unsafe fn run<'m>(
         &self,
         comm: *mut epcomm_eplb_communicator,
-        options: Result<OptionsArg>,
+        options: Result<OptionsArg<'m>>,
         summary_out: *mut epcomm_eplb_summary,
     ) -> Result<()> {
         // SAFETY: caller contract.
@@ -729,7 +734,8 @@ impl RearrangeCall {
             with_comm(comm, |c, group| {
                 with_group(group, |g| {
                     // The outputs are NULL or valid (caller contract).
-                    let report = |p: Prepared| p.3.report_lost(g.size(), &p.0, &p.1).map(|()| p);
+                    let report =
+                        |p: Prepared<'m>| p.3.report_lost(g.size(), &p.0, &p.1).map(|()| p);
                     let (old, new, w, o) = prepared
                         .and_then(report)
                         .map_err(|e| rearrange::reject_rearrange(g, e))?;
@@ -760,7 +766,7 @@ impl RearrangeCall {
         &self,
         comm: *mut epcomm_eplb_communicator,
         next_weights: *const epcomm_tensor,
-        options: Result<OptionsArg>,
+        options: Result<OptionsArg<'_>>,
         summary_out: *mut epcomm_eplb_summary,
         next_valid_out: *mut i64,
     ) -> Result<()> {
@@ -1310,11 +1316,13 @@ pub unsafe extern "C" fn epcomm_eplb_state_logical_load(
         if load_out.is_null() {
             return Err(Error::NullPointer("load_out"));
         }
+        let n = guard::entries::<f32>(l, e, "load_out")?;
         // SAFETY: caller contract.
         let m = unsafe { maps(phy2log, l, p, "phy2log") }?;
         let load =
             unsafe { with_state(state, |s| with_group(group, |g| s.logical_load(g, &m, e))) }?;
-        let out = unsafe { std::slice::from_raw_parts_mut(load_out, l * e) };
+        // SAFETY: caller contract (l * e entries).
+        let out = unsafe { guard::slice_mut_arg(load_out, n, "load_out") }?;
         for (d, v) in out.iter_mut().zip(load.iter().flatten()) {
             *d = *v;
         }
