@@ -16,8 +16,7 @@ use epcomm::ffi::eplb_runtime::{
 };
 use epcomm::ffi::error::epcomm_last_error_message;
 use epcomm::ffi::group::{
-    epcomm_group_create_shm, epcomm_group_destroy, epcomm_group_options,
-    epcomm_group_options_init,
+    epcomm_group_create_shm, epcomm_group_destroy, epcomm_group_options, epcomm_group_options_init,
 };
 use epcomm::ffi::select::epcomm_eplb_select_request;
 use epcomm::ffi::tensor::{epcomm_device, epcomm_tensor};
@@ -28,7 +27,8 @@ const ROW: usize = 8;
 /// Slots per rank of the group's placement (the weights' rows).
 const N_LOCAL: usize = 2;
 
-const DUPLICATE: &str = "rank_mapping[0] and rank_mapping[1] are both 0; every surviving rank needs a rank of its own";
+const DUPLICATE: &str =
+    "rank_mapping[0] and rank_mapping[1] are both 0; every surviving rank needs a rank of its own";
 
 fn last_error() -> String {
     let p = epcomm_last_error_message();
@@ -48,7 +48,9 @@ struct Case {
 }
 
 fn cases() -> Vec<Case> {
-    let none = |n: usize| format!("rank_mapping removes all of its {n} ranks (every entry is -1); expected at least one surviving rank (an entry >= 0)");
+    let none = |n: usize| {
+        format!("rank_mapping removes all of its {n} ranks (every entry is -1); expected at least one surviving rank (an entry >= 0)")
+    };
     // Scale-down 3 -> 2 on the old group of 3 (vLLM's elastic EP: one entry per rank).
     let down = |mapping: Vec<i64>, want: String| Case {
         old: (0..6).collect(),
@@ -223,5 +225,10 @@ fn lost_experts_refuses_the_same_mappings_through_the_c_abi() {
             &mut n,
         )
     };
-    assert_eq!((rc, n, &lost[..2]), (0, 2, &[2i64, 3][..]), "{}", last_error());
+    assert_eq!(
+        (rc, n, &lost[..2]),
+        (0, 2, &[2i64, 3][..]),
+        "{}",
+        last_error()
+    );
 }
