@@ -32,7 +32,7 @@ pub enum Step {
 impl Step {
     fn name(self) -> &'static str {
         match self {
-            Step::Header => "op header",
+            Step::Header => "header",
             Step::Agreement => "agreement",
             Step::Data => "data",
             Step::Verdict => "verdict",
@@ -44,6 +44,20 @@ impl Step {
             .into_iter()
             .find(|s| *s as u64 == c)
     }
+}
+
+/// Which message word 0 of a frame names: "an op header message", "broadcast's data message".
+fn describe(w0: u64) -> String {
+    let step = Step::from_code(w0 & 0xff);
+    if step == Some(Step::Header) {
+        return "an op header message".into();
+    }
+    let op = u32::try_from(w0 >> 8 & 0xff)
+        .ok()
+        .and_then(Op::from_code)
+        .map_or("an unknown op", Op::name);
+    let step = step.map_or("unknown step", Step::name);
+    format!("{op}'s {step} message")
 }
 
 /// What one message must carry.
@@ -128,15 +142,10 @@ impl Frame {
             );
         }
         if word(0) != want[0] {
-            let op = u32::try_from(word(0) >> 8 & 0xff)
-                .ok()
-                .and_then(Op::from_code)
-                .map_or("an op", Op::name);
-            let step = Step::from_code(word(0) & 0xff).map_or("an unknown step", Step::name);
             return Err(format!(
-                "it is {op}'s {step} message; expected {}'s {} message",
-                self.op.name(),
-                self.step.name()
+                "it is {}; expected {}",
+                describe(word(0)),
+                describe(want[0])
             ));
         }
         if word(1) != self.seq {
@@ -193,16 +202,17 @@ mod tests {
             from: 1,
             to: 2,
             index: 0,
-            len: 5,
+            len: 64,
         }
     }
 
     #[test]
     fn a_frame_passes_only_whole_and_as_expected() {
         let f = frame();
+        let payload = [7u8; 64];
         let mut buf = Vec::new();
-        f.wrap(b"hello", &mut buf);
-        assert_eq!(f.check(&buf).unwrap(), b"hello");
+        f.wrap(&payload, &mut buf);
+        assert_eq!(f.check(&buf).unwrap(), payload);
         let mut blank = vec![0xAA; f.size()];
         f.blank(&mut blank);
         assert_eq!(
@@ -217,7 +227,7 @@ mod tests {
         );
         let other = |g: Frame| {
             let mut b = Vec::new();
-            g.wrap(b"hello", &mut b);
+            g.wrap(&payload, &mut b);
             f.check(&b).unwrap_err()
         };
         assert_eq!(
@@ -239,6 +249,13 @@ mod tests {
                 ..f
             }),
             "it is barrier's verdict message; expected broadcast's data message"
+        );
+        assert_eq!(
+            other(Frame {
+                step: Step::Header,
+                ..f
+            }),
+            "it is an op header message; expected broadcast's data message"
         );
     }
 }
