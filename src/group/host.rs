@@ -566,8 +566,14 @@ impl HostGroup {
             .ok()
             .and_then(Status::from_code)
             .unwrap_or(Status::Runtime);
+        // An argument error leaves the group usable ([`HostGroup::guarded`]); others end it.
+        let after = if status == Status::InvalidArgument {
+            ""
+        } else {
+            "; the group is unusable"
+        };
         let msg = format!(
-            "{}: rank {p} of group '{}' failed op #{} ({}; see rank {p}'s error), so it fails on every rank (rank {} too); the group is unusable",
+            "{}: rank {p} of group '{}' failed op #{} ({}; see rank {p}'s error), so it fails on every rank (rank {} too){after}",
             op.name(),
             self.name,
             self.seq,
