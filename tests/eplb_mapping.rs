@@ -1,5 +1,6 @@
 //! Rank mappings the docs call invalid (two old ranks on one new rank, no surviving rank, a new
-//! rank nobody takes, a rank beyond the new EP size) are INVALID_ARGUMENT with the same full
+//! rank nobody takes, a rank beyond the new EP size, a length that does not fit the group and
+//! the new placement) are INVALID_ARGUMENT with the same full
 //! message on every rank, through the C ABI (epcomm_eplb_rearrange on 3 threads of a C shm
 //! group, and epcomm_eplb_lost_experts), for each use of a mapping: a scale-down on the old
 //! group (one entry per rank), a scale-up (fewer entries) and a scale-down after a failure
@@ -77,6 +78,20 @@ fn cases() -> Vec<Case> {
         down(vec![-1, -1, -1], none(3)),
         down(vec![0, -1, -1], "rank_mapping gives new rank 1 to no surviving rank; expected the new ranks 0 to 1 (the new EP size 2) to be taken by one surviving rank each".into()),
         down(vec![0, 2, 1], "rank_mapping[1] is 2; expected -1 (removed) or a rank below the new EP size 2".into()),
+        // Length against the group: one entry per rank is a scale-down, fewer a scale-up to
+        // the group's size.
+        Case {
+            old: (0..6).collect(),
+            new: (0..8).collect(),
+            mapping: vec![0, 1, 2],
+            want: "layer 0: rank_mapping has one entry per rank of the group (3), a scale-down on the old group, but the new placement has 4 ranks of 2 slots; a scale-up runs on the grown group, with one entry per old rank".into(),
+        },
+        Case {
+            old: vec![0, 1, 2, 3],
+            new: (0..8).collect(),
+            mapping: vec![0, 1],
+            want: "layer 0: rank_mapping has 2 entries, fewer than the 3 ranks of the group (a scale-up on the grown group), but the new placement has 4 ranks of 2 slots; expected 3 ranks (6 slots)".into(),
+        },
         up(vec![0, 0], DUPLICATE.into()),
         up(vec![-1, -1], none(2)),
         after(vec![0, 0, -1, 1], DUPLICATE.into()),
