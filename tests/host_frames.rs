@@ -472,3 +472,36 @@ fn honest_transports_are_unchanged() {
         }
     }
 }
+
+/// The full messages of each lie in a broadcast over the host's all_gather (3 ranks; rank 2's
+/// receive from the root lies): the liar names what is wrong, the others name the liar.
+#[test]
+fn each_lie_is_named_on_the_rank_that_sees_it() {
+    let tail = "; a host transport must deliver every message whole, once, in order, from the rank that sent it";
+    for (lie, why) in [
+        (Lie::Short, "its end was never written (a short receive)"),
+        (
+            Lie::Garbage,
+            "it is not an epcomm message (the bytes are garbled, or were never written)",
+        ),
+        (
+            Lie::Stale,
+            "it is all_to_allv's data message; expected broadcast's data message",
+        ),
+    ] {
+        let at = first_data_recv(3, true, Coll::Broadcast);
+        let out = outcomes(3, true, 2, lie, at, Coll::Broadcast);
+        let msgs: Vec<String> = out
+            .iter()
+            .map(|(r, _)| r.as_ref().expect_err("every rank fails").to_string())
+            .collect();
+        assert_eq!(
+            msgs[2],
+            format!("host transport recv from rank 0 delivered a bad message during broadcast of group 'host' on rank 2: {why}{tail}"),
+            "{lie:?}"
+        );
+        for r in [0, 1] {
+            assert_eq!(msgs[r], format!("broadcast: rank 2 of group 'host' failed op #2 (runtime error; see rank 2's error), so it fails on every rank (rank {r} too); the group is unusable"), "{lie:?}");
+        }
+    }
+}

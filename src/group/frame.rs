@@ -141,6 +141,11 @@ impl Frame {
                 "it is not an epcomm message (the bytes are garbled, or were never written)".into(),
             );
         }
+        let tail = &buf[HEAD + self.len..];
+        if tail == (!self.tail()).to_le_bytes() {
+            // Still as [`Frame::blank`] left it: the host wrote the start only.
+            return Err("its end was never written (a short receive)".into());
+        }
         if word(0) != want[0] {
             return Err(format!(
                 "it is {}; expected {}",
@@ -182,9 +187,8 @@ impl Frame {
                 self.len
             ));
         }
-        let tail = &buf[HEAD + self.len..];
         if tail != self.tail().to_le_bytes() {
-            return Err("its end is missing or garbled (a short receive)".into());
+            return Err("its end is garbled".into());
         }
         Ok(&buf[HEAD..HEAD + self.len])
     }
@@ -223,8 +227,20 @@ mod tests {
         blank[..f.size() / 2].copy_from_slice(&buf[..f.size() / 2]);
         assert_eq!(
             f.check(&blank).unwrap_err(),
-            "its end is missing or garbled (a short receive)"
+            "its end was never written (a short receive)"
         );
+        // A short receive that wrote less than the header is one too.
+        let mut blank = vec![0xAA; f.size()];
+        f.blank(&mut blank);
+        blank[..12].copy_from_slice(&buf[..12]);
+        assert_eq!(
+            f.check(&blank).unwrap_err(),
+            "its end was never written (a short receive)"
+        );
+        let mut garbled = buf.clone();
+        let end = garbled.len() - 1;
+        garbled[end] ^= 1;
+        assert_eq!(f.check(&garbled).unwrap_err(), "its end is garbled");
         let other = |g: Frame| {
             let mut b = Vec::new();
             g.wrap(&payload, &mut b);
