@@ -1473,7 +1473,10 @@ int32_t epcomm_eplb_communicator_execute(struct epcomm_eplb_communicator *comm);
  * were done. `rank_mapping` (old rank → new rank or -1; NULL = none) changes the EP size: with
  * one entry per rank of the group it is a scale-down (the old group moves), with fewer a
  * scale-up (the new group moves), with more a scale-down after a failure (the survivors'
- * group moves; see epcomm_eplb_rearrange_with_lost). `summary_out` may be NULL. Each layer's transfers run in one
+ * group moves; see epcomm_eplb_rearrange_with_lost). A mapping with no surviving rank, two
+ * old ranks on one new rank, an entry below -1 or beyond the new EP size, or (scale-down) a
+ * new rank no surviving rank takes fails every rank with EPCOMM_ERROR_INVALID_ARGUMENT naming
+ * the entry, before any layer moves. `summary_out` may be NULL. Each layer's transfers run in one
  * communicator execute; epcomm_eplb_rearrange_with can batch them instead.
  *
  * # Safety
@@ -1590,8 +1593,10 @@ void epcomm_eplb_layer_plan_destroy(struct epcomm_eplb_layer_plan *plan);
 /**
  * The logical experts of one layer's old placement (`old_phy2log`, `num_slots` = old ranks x
  * `slots_per_rank` entries, -1 = empty) with no replica on a surviving rank
- * (`rank_mapping[r] >= 0`; `rank_mapping_len` = the old ranks, -1 = removed, no two ranks on
- * the same new rank): after a failure their weights are gone. One layer per call: a layer's
+ * (`rank_mapping[r] >= 0`; `rank_mapping_len` = the old ranks, -1 = removed; the survivors
+ * take the new ranks 0 to survivors - 1, one each, as the rearrangement after the failure
+ * requires, else EPCOMM_ERROR_INVALID_ARGUMENT naming the entry): after a failure their
+ * weights are gone. One layer per call: a layer's
  * lost experts depend only on its own map. `*num_lost_out` receives their count; `lost_out`
  * (room for `lost_capacity` ids; NULL = count only) receives them ascending. A capacity
  * below the count is EPCOMM_ERROR_INVALID_ARGUMENT (the count is still written);

@@ -276,6 +276,45 @@ fn ranks_that_disagree_on_lost_experts_fail_alike() {
     }
 }
 
+/// Mappings the docs call invalid fail every survivor alike before any data moves, in every
+/// mode (on 0dfc3b5 the Rust API returned OK for some of them).
+#[test]
+fn invalid_rank_mappings_fail_every_survivor_alike() {
+    let new = policy(3, 4);
+    let dup = "rank_mapping[0] and rank_mapping[1] are both 0; every surviving rank needs a rank of its own";
+    let none = "rank_mapping removes all of its 4 ranks (every entry is -1); expected at least one surviving rank (an entry >= 0)";
+    let gap = "rank_mapping gives new rank 2 to no surviving rank; expected the new ranks 0 to 2 (the new EP size 3) to be taken by one surviving rank each";
+    for (mapping, want) in [
+        (vec![0, 0, -1, 1], dup),
+        (vec![-1, -1, -1, -1], none),
+        (vec![0, 1, -1, -1], gap),
+    ] {
+        for mode in MODES {
+            let res = run(
+                3,
+                layers(&REDUNDANT),
+                new.clone(),
+                mapping.clone(),
+                mode,
+                survivor_start(REDUNDANT),
+            );
+            for (r, (_, live_kept, summary)) in res.into_iter().enumerate() {
+                let e = summary.unwrap_err();
+                assert_eq!(e.to_string(), want, "{mapping:?}, rank {r}, {mode:?}");
+                assert_eq!(e.status(), Status::InvalidArgument);
+                assert!(live_kept, "{mapping:?}, rank {r}: no data moved");
+            }
+        }
+        // epcomm_eplb_lost_experts checks the mapping the same way (with as many new ranks as
+        // survivors: two survivors of four are a valid mapping there).
+        let lost = lost_experts(&REDUNDANT, N_LOCAL, &mapping);
+        match lost {
+            Err(e) => assert_eq!(e.to_string(), want),
+            Ok(_) => assert_eq!(want, gap),
+        }
+    }
+}
+
 const REFUSAL: &str = "rearrange: layer 0 needs logical experts [2], which have no replica on a surviving rank (rank_mapping removes ranks [2]); their weights are gone: allow lost experts to rearrange the others and leave their slots unwritten (the call reports them; load their weights there afterwards), or choose a new placement without them";
 
 #[test]

@@ -63,6 +63,7 @@ use epcomm::ffi::eplb_runtime::{
     epcomm_eplb_state_migration_batching, epcomm_eplb_state_record, epcomm_eplb_state_step,
     epcomm_eplb_summary,
 };
+use epcomm::ffi::eplb_runtime::{epcomm_eplb_lost_experts, epcomm_eplb_rearrange};
 use epcomm::ffi::error::{
     epcomm_clear_last_error, epcomm_last_error_hint, epcomm_last_error_message,
 };
@@ -5007,4 +5008,135 @@ fn regression_config_parallel_size_product_overflow() {
         "KNOWN BUG 11: (check status, report status, report ok) = {huge:?}; last error {:?}",
         last_message()
     );
+}
+
+/// Issue 27 item 9 (fixed): an array length that cannot be in memory, or a product of sizes
+/// that overflows, was a caught "capacity overflow" panic (EPCOMM_ERROR_INTERNAL, its backtrace
+/// on stderr) or a copy of a length the caller never had: rank_mapping_len = 2^62 in
+/// epcomm_eplb_lost_experts and epcomm_eplb_rearrange(_with), num_layers x old_slots beyond
+/// usize. Expected: EPCOMM_ERROR_INVALID_ARGUMENT naming the argument and its limit, nothing
+/// on stderr. Runs in a child process (its stderr is checked).
+#[test]
+fn regression_huge_lengths_are_invalid_arguments() {
+    if !is_child() {
+        let r = in_child("regression_huge_lengths_are_invalid_arguments");
+        assert!(r.success(), "{}", r.output());
+        assert!(
+            r.stderr.trim().is_empty(),
+            "the child printed to stderr:\n{}",
+            r.output()
+        );
+        return;
+    }
+    quiet_logs();
+    let old = [0i64, 1, 2, 3, 4, 5];
+    let max = isize::MAX as usize / 8;
+    let too_many = |n: usize| {
+        format!("'rank_mapping' has {n} entries; expected at most {max} (entries of 8 bytes; a larger array does not fit in memory)")
+    };
+    let mut problems = Vec::new();
+    let mut expect = |what: &str, rc: i32, want: &str| {
+        let got = last_message().unwrap_or_default();
+        if (rc, got.as_str()) != (EPCOMM_ERROR_INVALID_ARGUMENT, want) {
+            problems.push(format!("{what}: status {rc} {got:?}; expected {want:?}"));
+        }
+    };
+    // epcomm_eplb_lost_experts: beyond memory, and within it but not the caller's length.
+    for (len, want) in [
+        (1usize << 62, too_many(1 << 62)),
+        (usize::MAX, too_many(usize::MAX)),
+        (1 << 40, "the old placement has 6 slots; expected one block of 2 slots per entry of the rank mapping (1099511627776 entries)".to_owned()),
+    ] {
+        let mapping = [0i64, -1, 1];
+        let (mut lost, mut n) = ([0i64; 6], 0i64);
+        epcomm_clear_last_error();
+        let rc = unsafe {
+            epcomm_eplb_lost_experts(
+                old.as_ptr(),
+                6,
+                2,
+                mapping.as_ptr(),
+                len,
+                lost.as_mut_ptr(),
+                6,
+                &mut n,
+            )
+        };
+        expect(&format!("lost_experts len {len}"), rc, &want);
+    }
+    // epcomm_eplb_rearrange / _with on a 1-rank group (its rejection goes through the group).
+    let comm = Comm::new("r27");
+    let (o, n) = ([0i64, 1], [1i64, 0]);
+    let mut w = [7u8; 8];
+    let mut shape = [2i64, 4];
+    let t = raw_tensor(w.as_mut_ptr(), &mut shape, U8);
+    let mapping = [0i64];
+    for (len, want) in [
+        (1usize << 62, too_many(1 << 62)),
+        (1 << 40, "the old placement has 2 slots; expected one block of 2 slots per entry of the rank mapping (1099511627776 entries)".to_owned()),
+    ] {
+        epcomm_clear_last_error();
+        let rc = unsafe {
+            epcomm_eplb_rearrange(
+                comm.comm,
+                o.as_ptr(),
+                n.as_ptr(),
+                1,
+                2,
+                2,
+                &t,
+                1,
+                mapping.as_ptr(),
+                len,
+                std::ptr::null_mut(),
+            )
+        };
+        expect(&format!("rearrange len {len}"), rc, &want);
+        let opts = epcomm_eplb_rearrange_options {
+            struct_size: std::mem::size_of::<epcomm_eplb_rearrange_options>() as u32,
+            rank_mapping: mapping.as_ptr(),
+            rank_mapping_len: len,
+            migration_batching: false,
+        };
+        epcomm_clear_last_error();
+        let rc = unsafe {
+            epcomm_eplb_rearrange_with(
+                comm.comm,
+                o.as_ptr(),
+                n.as_ptr(),
+                1,
+                2,
+                2,
+                &t,
+                1,
+                &opts,
+                std::ptr::null_mut(),
+            )
+        };
+        expect(&format!("rearrange_with len {len}"), rc, &want);
+    }
+    // num_layers x old_slots overflows.
+    epcomm_clear_last_error();
+    let rc = unsafe {
+        epcomm_eplb_rearrange(
+            comm.comm,
+            o.as_ptr(),
+            n.as_ptr(),
+            1 << 62,
+            4,
+            2,
+            &t,
+            1,
+            std::ptr::null(),
+            0,
+            std::ptr::null_mut(),
+        )
+    };
+    expect(
+        "rearrange num_layers 2^62",
+        rc,
+        &format!("'old_phy2log' has 4611686018427387904 x 4 entries, which overflows; expected at most {max} (entries of 8 bytes)"),
+    );
+    assert_eq!(w, [7; 8], "the weights changed");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

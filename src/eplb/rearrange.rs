@@ -420,8 +420,10 @@ fn header(
         ),
         maps(old),
         maps(new),
+        // Hashed only once checked: a rejected mapping's length may not be the caller's.
         options
             .rank_mapping
+            .filter(|_| ok)
             .map_or(0, |m| 1 + fnv1a(m.iter().map(|&x| x as u64))),
         u64::from(options.migration_batching),
         u64::from(options.lost == LostExperts::LeaveUnwritten),
@@ -537,7 +539,10 @@ fn group_maps(
             removed = gone;
             (survivors, n.to_vec())
         }
-        Some(m) => apply_rank_mapping(o, n, o.len() / m.len().max(1), m)?,
+        Some(m) => {
+            check_resize(l, world, m.len(), o.len(), n.len())?;
+            apply_rank_mapping(o, n, o.len() / m.len().max(1), m)?
+        }
         None => (o.to_vec(), n.to_vec()),
     };
     // Maps of different sizes are refused by the plan, with its message.
@@ -561,6 +566,30 @@ fn group_maps(
         }
         LostExperts::Refuse => Ok((o, n, Vec::new())),
     }
+}
+
+/// A change of EP size runs on the group its mapping's length says: one entry per rank, a
+/// scale-down on the old group (the new placement has no more ranks); fewer, a scale-up on the
+/// grown group (the new placement has the group's ranks). Maps that do not split into the
+/// mapping's blocks are left to [`apply_rank_mapping`], with its message.
+fn check_resize(l: usize, world: usize, entries: usize, old: usize, new: usize) -> Result<()> {
+    if entries == 0 || old % entries != 0 || old / entries == 0 || new % (old / entries) != 0 {
+        return Ok(());
+    }
+    let n_local = old / entries;
+    let new_ranks = new / n_local;
+    if entries == world && new_ranks > world {
+        return Err(Error::InvalidArgument(format!(
+            "layer {l}: rank_mapping has one entry per rank of the group ({world}), a scale-down on the old group, but the new placement has {new_ranks} ranks of {n_local} slots; a scale-up runs on the grown group, with one entry per old rank"
+        )));
+    }
+    if entries < world && new_ranks != world {
+        return Err(Error::InvalidArgument(format!(
+            "layer {l}: rank_mapping has {entries} entries, fewer than the {world} ranks of the group (a scale-up on the grown group), but the new placement has {new_ranks} ranks of {n_local} slots; expected {world} ranks ({} slots)",
+            world * n_local
+        )));
+    }
+    Ok(())
 }
 
 const HEADER: [&str; WORDS] = [

@@ -191,10 +191,75 @@ impl Maps<'_> {
     }
 }
 
+/// Which new ranks the surviving old ranks of a rank mapping take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NewRanks {
+    /// Every rank `0..n`, one surviving old rank each: a scale-down (on the old group, or on
+    /// the survivors' group after a failure).
+    Exactly(usize),
+    /// Distinct ranks below `n`; the others are new ranks that start empty: a scale-up.
+    Below(usize),
+}
+
+/// The one check of a rank mapping (vLLM's: `mapping[old rank]` is the new rank, or -1 when the
+/// old rank is removed), whatever uses it: at least one rank survives, every entry is -1 or a
+/// rank below the new EP size, no two old ranks take the same new rank, and with
+/// [`NewRanks::Exactly`] every new rank is taken. Reads no entry before it knows the length
+/// is the caller's. Returns the removed old ranks, ascending.
+pub fn check_rank_mapping(mapping: &[i64], new_ranks: NewRanks) -> Result<Vec<usize>> {
+    let removed: Vec<usize> = (0..mapping.len()).filter(|&r| mapping[r] == -1).collect();
+    if removed.len() == mapping.len() {
+        return Err(Error::InvalidArgument(format!(
+            "rank_mapping removes all of its {} ranks (every entry is -1); expected at least one surviving rank (an entry >= 0)",
+            mapping.len()
+        )));
+    }
+    let n = match new_ranks {
+        NewRanks::Exactly(n) | NewRanks::Below(n) => n,
+    };
+    let mut taken = vec![None; n];
+    for (r, &m) in mapping.iter().enumerate() {
+        if m == -1 {
+            continue;
+        }
+        let Some(slot) = usize::try_from(m).ok().and_then(|m| taken.get_mut(m)) else {
+            return Err(Error::InvalidArgument(format!(
+                "rank_mapping[{r}] is {m}; expected -1 (removed) or a rank below the new EP size {n}"
+            )));
+        };
+        if let Some(first) = slot.replace(r) {
+            return Err(Error::InvalidArgument(format!(
+                "rank_mapping[{first}] and rank_mapping[{r}] are both {m}; every surviving rank needs a rank of its own"
+            )));
+        }
+    }
+    if let NewRanks::Exactly(n) = new_ranks {
+        if let Some(gap) = taken.iter().position(Option::is_none) {
+            return Err(Error::InvalidArgument(format!(
+                "rank_mapping gives new rank {gap} to no surviving rank; expected the new ranks 0 to {} (the new EP size {n}) to be taken by one surviving rank each",
+                n - 1
+            )));
+        }
+    }
+    Ok(removed)
+}
+
+/// `old_slots` slots as one block of `n_local` per entry of a rank mapping of `entries`
+/// entries (checked before any entry is read).
+fn check_blocks(old_slots: usize, n_local: usize, entries: usize) -> Result<()> {
+    if n_local == 0 || old_slots % n_local != 0 || old_slots / n_local != entries {
+        return Err(Error::InvalidArgument(format!(
+            "the old placement has {old_slots} slots; expected one block of {n_local} slots per entry of the rank mapping ({entries} entries)"
+        )));
+    }
+    Ok(())
+}
+
 /// Widens maps for a change of EP size. `mapping[old_rank]` is the new rank (or -1 if
-/// removed). When `mapping` has one entry per rank of `old` (scale-down), `new` is widened to
-/// the old size (removed ranks get empty slots); otherwise (scale-up) `old` is widened to the
-/// new size (new ranks start empty). Returns (old, new) of equal size.
+/// removed; checked by [`check_rank_mapping`]). When `new` has no more ranks than `old`
+/// (scale-down), the survivors take every new rank and `new` is widened to the old size
+/// (removed ranks get empty slots); otherwise (scale-up) `old` is widened to the new size (new
+/// ranks start empty). Returns (old, new) of equal size.
 pub fn apply_rank_mapping(
     old: &[i64],
     new: &[i64],
@@ -215,90 +280,40 @@ pub fn apply_rank_mapping(
             mapping.len()
         )));
     }
-    for (r, &m) in mapping.iter().enumerate() {
-        if m < -1 || m >= old_ranks.max(new_ranks) as i64 {
-            return Err(Error::InvalidArgument(format!(
-                "rank_mapping[{r}] is {m}; expected -1 (removed) or a rank below {}",
-                old_ranks.max(new_ranks)
-            )));
-        }
-    }
     let block = |map: &[i64], r: usize| map[r * n_local..(r + 1) * n_local].to_vec();
     if new_ranks <= old_ranks {
+        check_rank_mapping(mapping, NewRanks::Exactly(new_ranks))?;
         // Scale-down (or same size): the new map in old-rank positions.
         let mut wide = vec![-1i64; old.len()];
         for (r, &m) in mapping.iter().enumerate() {
-            if m >= 0 {
-                if m as usize >= new_ranks {
-                    return Err(Error::InvalidArgument(format!(
-                        "rank_mapping[{r}] is {m}, beyond the new EP size {new_ranks}"
-                    )));
-                }
-                wide[r * n_local..(r + 1) * n_local].copy_from_slice(&block(new, m as usize));
+            if let Ok(m) = usize::try_from(m) {
+                wide[r * n_local..(r + 1) * n_local].copy_from_slice(&block(new, m));
             }
         }
         Ok((old.to_vec(), wide))
     } else {
+        check_rank_mapping(mapping, NewRanks::Below(new_ranks))?;
         // Scale-up: the old map in new-rank positions.
         let mut wide = vec![-1i64; new.len()];
         for (r, &m) in mapping.iter().enumerate() {
-            if m >= 0 {
-                wide[m as usize * n_local..(m as usize + 1) * n_local]
-                    .copy_from_slice(&block(old, r));
+            if let Ok(m) = usize::try_from(m) {
+                wide[m * n_local..(m + 1) * n_local].copy_from_slice(&block(old, r));
             }
         }
         Ok((wide, new.to_vec()))
     }
 }
 
-/// Checks a rank mapping of `old_slots / n_local` old ranks: every entry is -1 (removed) or a
-/// new rank below `new_ranks`, and no two old ranks map to the same new rank. Returns the
-/// removed old ranks, ascending.
-fn check_survivor_mapping(
-    old_slots: usize,
-    n_local: usize,
-    mapping: &[i64],
-    new_ranks: usize,
-) -> Result<Vec<usize>> {
-    if n_local == 0 || old_slots != mapping.len() * n_local {
-        return Err(Error::InvalidArgument(format!(
-            "the old placement has {old_slots} slots; expected one block of {n_local} slots per entry of the rank mapping ({} entries)",
-            mapping.len()
-        )));
-    }
-    let mut taken = vec![None; new_ranks];
-    let mut removed = Vec::new();
-    for (r, &m) in mapping.iter().enumerate() {
-        if m == -1 {
-            removed.push(r);
-            continue;
-        }
-        let Some(slot) = usize::try_from(m).ok().and_then(|m| taken.get_mut(m)) else {
-            return Err(Error::InvalidArgument(format!(
-                "rank_mapping[{r}] is {m}; expected -1 (removed) or a rank below the new EP size {new_ranks}"
-            )));
-        };
-        if let Some(first) = slot.replace(r) {
-            return Err(Error::InvalidArgument(format!(
-                "rank_mapping[{first}] and rank_mapping[{r}] are both {m}; every surviving rank needs a rank of its own"
-            )));
-        }
-    }
-    Ok(removed)
-}
-
 /// The logical experts of one layer's old placement (`old`: physical → logical, `n_local`
 /// slots per old rank, one block per entry of `rank_mapping`) that have no replica on a
 /// surviving rank (`rank_mapping[r] >= 0`): after a failure their weights are gone. Sorted,
-/// unique; `-1` slots are no expert.
+/// unique; `-1` slots are no expert. The mapping is checked as the rearrangement after the
+/// failure checks it ([`check_rank_mapping`]): the survivors take the new ranks 0 to
+/// (survivors - 1), one each.
 pub fn lost_experts(old: &[i64], n_local: usize, rank_mapping: &[i64]) -> Result<Vec<i64>> {
-    // Any new rank numbering is accepted here: only which ranks survive matters.
-    let new_ranks = rank_mapping
-        .iter()
-        .map(|&m| m.max(-1) + 1)
-        .max()
-        .unwrap_or(0);
-    check_survivor_mapping(old.len(), n_local, rank_mapping, new_ranks as usize)?;
+    check_blocks(old.len(), n_local, rank_mapping.len())?;
+    let survivors = rank_mapping.iter().filter(|&&m| m != -1).count();
+    check_rank_mapping(rank_mapping, NewRanks::Exactly(survivors))?;
     let survives = |slot: usize| rank_mapping[slot / n_local] >= 0;
     let kept: Vec<i64> = (0..old.len())
         .filter(|&s| survives(s))
@@ -324,14 +339,8 @@ pub fn survivors_placement(
     rank_mapping: &[i64],
     new_ranks: usize,
 ) -> Result<(Vec<i64>, Vec<usize>)> {
-    let removed = check_survivor_mapping(old.len(), n_local, rank_mapping, new_ranks)?;
-    let kept = rank_mapping.len() - removed.len();
-    if kept != new_ranks {
-        return Err(Error::InvalidArgument(format!(
-            "rank_mapping keeps {kept} of its {} ranks but the group has {new_ranks}; after a failure the group is the surviving ranks",
-            rank_mapping.len()
-        )));
-    }
+    check_blocks(old.len(), n_local, rank_mapping.len())?;
+    let removed = check_rank_mapping(rank_mapping, NewRanks::Exactly(new_ranks))?;
     let mut map = vec![-1i64; new_ranks * n_local];
     for (r, &m) in rank_mapping.iter().enumerate() {
         if let Ok(m) = usize::try_from(m) {
@@ -431,6 +440,43 @@ mod tests {
         assert!(plan_layer(&old, &new, 2, 0).unwrap().is_noop());
     }
 
+    /// The mappings the docs call invalid fail wherever a mapping is used, with one message.
+    #[test]
+    fn invalid_rank_mappings_fail_alike_everywhere() {
+        let dup = "rank_mapping[0] and rank_mapping[1] are both 0; every surviving rank needs a rank of its own";
+        let none = "rank_mapping removes all of its 3 ranks (every entry is -1); expected at least one surviving rank (an entry >= 0)";
+        let old = [0, 1, 2, 3, 4, 5];
+        for (mapping, want) in [(&[0, 0, 1], dup), (&[-1, -1, -1], none)] {
+            let scale_down = apply_rank_mapping(&old, &[0, 1, 2, 3], 2, mapping).unwrap_err();
+            let scale_up = apply_rank_mapping(&old, &[0; 8], 2, mapping).unwrap_err();
+            let after_failure = survivors_placement(&old, 2, mapping, 2).unwrap_err();
+            let lost = lost_experts(&old, 2, mapping).unwrap_err();
+            for e in [scale_down, scale_up, after_failure, lost] {
+                assert_eq!(e.to_string(), want);
+                assert_eq!(e.status(), crate::error::Status::InvalidArgument);
+            }
+        }
+        // Not dense: new rank 1 is nobody's (a scale-down to 2 ranks, or 2 survivors).
+        let e = apply_rank_mapping(&old, &[0, 1, 2, 3], 2, &[0, -1, -1]).unwrap_err();
+        assert_eq!(e.to_string(), "rank_mapping gives new rank 1 to no surviving rank; expected the new ranks 0 to 1 (the new EP size 2) to be taken by one surviving rank each");
+        let e = lost_experts(&old, 2, &[0, 2, -1]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rank_mapping[1] is 2; expected -1 (removed) or a rank below the new EP size 2"
+        );
+        let e = apply_rank_mapping(&old, &[0; 8], 2, &[0, 1, -2]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rank_mapping[2] is -2; expected -1 (removed) or a rank below the new EP size 4"
+        );
+        // A scale-up leaves ranks to the newcomers, in any position.
+        let (o, _) = apply_rank_mapping(&[0, 1], &[0; 3], 1, &[2, 0]).unwrap();
+        assert_eq!(o, vec![1, -1, 0]);
+        // A length that is not the caller's is refused before any entry is read.
+        let e = lost_experts(&old, 2, &[0; 2]).unwrap_err();
+        assert_eq!(e.to_string(), "the old placement has 6 slots; expected one block of 2 slots per entry of the rank mapping (2 entries)");
+    }
+
     #[test]
     fn lost_experts_are_those_without_a_surviving_replica() {
         // 3 ranks of 2 slots; rank 1 dies: expert 2 had replicas on ranks 1 only, 1 on 0 and 1.
@@ -461,7 +507,7 @@ mod tests {
         let e = survivors_placement(&old, 2, &[0, -1, 1], 3).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "rank_mapping keeps 2 of its 3 ranks but the group has 3; after a failure the group is the surviving ranks"
+            "rank_mapping gives new rank 2 to no surviving rank; expected the new ranks 0 to 2 (the new EP size 3) to be taken by one surviving rank each"
         );
         let e = survivors_placement(&old, 2, &[0, -1, 2], 2).unwrap_err();
         assert_eq!(

@@ -12,11 +12,19 @@ pub(super) fn dim(v: i64, what: &str) -> Result<usize> {
         .ok_or_else(|| Error::InvalidArgument(format!("{what} is {v}; expected a positive value")))
 }
 
-/// `a × b` entries, bounded by 2^40 (the allocations a wrong size could ask for).
+/// The most entries of a policy array: the policy copies its inputs into rows, so a wrong size
+/// must not ask for more.
+const MAX_POLICY_ENTRIES: usize = 1 << 40;
+
+/// `a × b` entries ([`guard::entries`]), bounded by [`MAX_POLICY_ENTRIES`].
 pub(super) fn checked_len(a: usize, b: usize, what: &str) -> Result<usize> {
-    a.checked_mul(b)
-        .filter(|&n| n <= (1usize << 40))
-        .ok_or_else(|| Error::InvalidArgument(format!("{what} is too large")))
+    let n = guard::entries::<i64>(a, b, what)?;
+    if n > MAX_POLICY_ENTRIES {
+        return Err(Error::InvalidArgument(format!(
+            "'{what}' has {n} entries; expected at most {MAX_POLICY_ENTRIES} (2^40)"
+        )));
+    }
+    Ok(n)
 }
 
 /// Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm) as vLLM's
@@ -61,13 +69,13 @@ pub unsafe extern "C" fn epcomm_eplb_rebalance(
         let wl = checked_len(l, e, "num_layers * num_logical_experts")?;
         let pl = checked_len(l, p, "num_layers * num_replicas")?;
         // SAFETY: caller contract (sizes above).
-        let w = unsafe { std::slice::from_raw_parts(weight, wl) };
+        let w = unsafe { guard::slice_arg(weight, wl, "weight") }?;
         let rows: Vec<Vec<f32>> = w.chunks(e).map(<[f32]>::to_vec).collect();
         let old: Option<Vec<Vec<usize>>> = if old_phy2log.is_null() {
             None
         } else {
             // SAFETY: caller contract.
-            let o = unsafe { std::slice::from_raw_parts(old_phy2log, pl) };
+            let o = unsafe { guard::slice_arg(old_phy2log, pl, "old_phy2log") }?;
             if let Some((i, &bad)) = o.iter().enumerate().find(|(_, &x)| x < 0 || x >= e as i64) {
                 return Err(Error::InvalidArgument(format!(
                     "old_phy2log[{i}] is {bad}; expected a logical expert id in [0, {e})"
@@ -81,7 +89,7 @@ pub unsafe extern "C" fn epcomm_eplb_rebalance(
         };
         let map = policy::rebalance_experts(&rows, p, g, n, r, old.as_deref())?;
         // SAFETY: caller contract; written only on success.
-        let out = unsafe { std::slice::from_raw_parts_mut(phy2log_out, pl) };
+        let out = unsafe { guard::slice_mut_arg(phy2log_out, pl, "phy2log_out") }?;
         for (dst, src) in out.chunks_mut(p).zip(&map) {
             for (d, &s) in dst.iter_mut().zip(src) {
                 *d = s as i64;
@@ -126,7 +134,7 @@ pub unsafe extern "C" fn epcomm_eplb_logical_maps(
         let el = checked_len(l, e, "num_layers * num_logical")?;
         let mapl = checked_len(el, width, "num_layers * num_logical * max_replicas")?;
         // SAFETY: caller contract.
-        let src = unsafe { std::slice::from_raw_parts(phy2log, pl) };
+        let src = unsafe { guard::slice_arg(phy2log, pl, "phy2log") }?;
         if let Some((i, &bad)) = src
             .iter()
             .enumerate()
@@ -152,8 +160,8 @@ pub unsafe extern "C" fn epcomm_eplb_logical_maps(
             )));
         }
         // SAFETY: caller contract; written only on success.
-        let cnt_out = unsafe { std::slice::from_raw_parts_mut(logcnt_out, el) };
-        let map_out = unsafe { std::slice::from_raw_parts_mut(log2phy_out, mapl) };
+        let cnt_out = unsafe { guard::slice_mut_arg(logcnt_out, el, "logcnt_out") }?;
+        let map_out = unsafe { guard::slice_mut_arg(log2phy_out, mapl, "log2phy_out") }?;
         for (d, &c) in cnt_out.iter_mut().zip(cnt.iter().flatten()) {
             *d = c as i64;
         }

@@ -222,8 +222,9 @@ unsafe fn maps(
     slots: usize,
     what: &'static str,
 ) -> Result<Vec<Vec<i64>>> {
+    let n = guard::entries::<i64>(layers, slots, what)?;
     // SAFETY: layers * slots (at least 1) entries (caller contract).
-    let v = unsafe { guard::slice_arg(p, layers * slots, what) }?;
+    let v = unsafe { guard::slice_arg(p, n, what) }?;
     if let Some((i, &bad)) = v.iter().enumerate().find(|(_, &x)| x < -1) {
         return Err(Error::InvalidArgument(format!(
             "{what}[{i}] is {bad}; expected a logical expert id or -1"
@@ -241,7 +242,10 @@ unsafe fn maps(
 /// were done. `rank_mapping` (old rank → new rank or -1; NULL = none) changes the EP size: with
 /// one entry per rank of the group it is a scale-down (the old group moves), with fewer a
 /// scale-up (the new group moves), with more a scale-down after a failure (the survivors'
-/// group moves; see epcomm_eplb_rearrange_with_lost). `summary_out` may be NULL. Each layer's transfers run in one
+/// group moves; see epcomm_eplb_rearrange_with_lost). A mapping with no surviving rank, two
+/// old ranks on one new rank, an entry below -1 or beyond the new EP size, or (scale-down) a
+/// new rank no surviving rank takes fails every rank with EPCOMM_ERROR_INVALID_ARGUMENT naming
+/// the entry, before any layer moves. `summary_out` may be NULL. Each layer's transfers run in one
 /// communicator execute; epcomm_eplb_rearrange_with can batch them instead.
 ///
 /// # Safety
@@ -271,9 +275,9 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange(
     };
     guard::call(|| {
         // SAFETY: NULL or rank_mapping_len entries (caller contract).
-        let mapping = unsafe { mapping_arg(rank_mapping, rank_mapping_len) };
+        let options = unsafe { mapping_arg(rank_mapping, rank_mapping_len) }.map(OptionsArg::plain);
         // SAFETY: caller contract.
-        unsafe { call.run(comm, Ok(OptionsArg::plain(mapping)), summary_out) }
+        unsafe { call.run(comm, options, summary_out) }
     })
 }
 
@@ -555,19 +559,23 @@ pub unsafe extern "C" fn epcomm_eplb_rearrange_into_with_lost(
     })
 }
 
-/// A rank mapping argument: NULL = none, else `len` entries.
+/// A rank mapping argument: NULL = none, else `len` entries, borrowed (not copied: the
+/// rearrangement checks its length against the maps before it reads an entry).
 ///
 /// # Safety
-/// `p` is NULL or valid for `len` entries.
-unsafe fn mapping_arg(p: *const i64, len: usize) -> Option<Vec<i64>> {
+/// `p` is NULL or valid for `len` entries that outlive the call.
+unsafe fn mapping_arg<'a>(p: *const i64, len: usize) -> Result<Option<&'a [i64]>> {
+    if p.is_null() {
+        return Ok(None);
+    }
     // SAFETY: non-NULL with len entries (caller contract).
-    (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, len) }.to_vec())
+    unsafe { guard::slice_arg(p, len, "rank_mapping") }.map(Some)
 }
 
 /// The rearrangement options a C caller passed, read.
 #[derive(Debug, Clone)]
-struct OptionsArg {
-    mapping: Option<Vec<i64>>,
+struct OptionsArg<'a> {
+    mapping: Option<&'a [i64]>,
     batching: bool,
     lost: rearrange::LostExperts,
     lost_out: *mut i64,
@@ -583,7 +591,7 @@ struct OptionsArg {
 unsafe fn rearrange_options_arg(
     options: *const epcomm_eplb_rearrange_options,
     lost: *const epcomm_eplb_lost_experts_options,
-) -> Result<OptionsArg> {
+) -> Result<OptionsArg<'static>> {
     // SAFETY: caller contract.
     let mut arg = OptionsArg::plain(None);
     if let Some(o) = unsafe { options.as_ref() } {
@@ -595,7 +603,7 @@ unsafe fn rearrange_options_arg(
             )));
         }
         // SAFETY: caller contract.
-        arg.mapping = unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) };
+        arg.mapping = unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) }?;
         arg.batching = o.migration_batching;
     }
     // SAFETY: caller contract.
@@ -616,9 +624,9 @@ unsafe fn rearrange_options_arg(
     Ok(arg)
 }
 
-impl OptionsArg {
+impl<'m> OptionsArg<'m> {
     /// The defaults: epcomm_eplb_rearrange's options.
-    fn plain(mapping: Option<Vec<i64>>) -> OptionsArg {
+    fn plain(mapping: Option<&'m [i64]>) -> OptionsArg<'m> {
         OptionsArg {
             mapping,
             batching: false,
@@ -631,7 +639,7 @@ impl OptionsArg {
 
     fn options<'a>(&'a self, dtypes: &'a [crate::dtype::DType]) -> rearrange::RearrangeOptions<'a> {
         rearrange::RearrangeOptions {
-            rank_mapping: self.mapping.as_deref(),
+            rank_mapping: self.mapping,
             dtypes,
             migration_batching: self.batching,
             lost: self.lost,
@@ -688,14 +696,14 @@ struct RearrangeCall {
 }
 
 /// A rearrangement's checked arguments: old and new maps, weights, options.
-type Prepared = (Vec<Vec<i64>>, Vec<Vec<i64>>, LayerWeights, OptionsArg);
+type Prepared<'m> = (Vec<Vec<i64>>, Vec<Vec<i64>>, LayerWeights, OptionsArg<'m>);
 
 impl RearrangeCall {
     /// Checks the arguments (before the group is used).
     ///
     /// # Safety
     /// The pointers are NULL or valid for the sizes they are given with.
-    unsafe fn prepare(&self, options: Result<OptionsArg>) -> Result<Prepared> {
+    unsafe fn prepare<'m>(&self, options: Result<OptionsArg<'m>>) -> Result<Prepared<'m>> {
         let l = count(self.num_layers, "num_layers")?;
         let (os, ns) = (
             count(self.old_slots, "old_slots")?,
@@ -716,10 +724,10 @@ impl RearrangeCall {
     ///
     /// # Safety
     /// As epcomm_eplb_rearrange_with.
-    unsafe fn run(
+    unsafe fn run<'m>(
         &self,
         comm: *mut epcomm_eplb_communicator,
-        options: Result<OptionsArg>,
+        options: Result<OptionsArg<'m>>,
         summary_out: *mut epcomm_eplb_summary,
     ) -> Result<()> {
         // SAFETY: caller contract.
@@ -729,7 +737,8 @@ impl RearrangeCall {
             with_comm(comm, |c, group| {
                 with_group(group, |g| {
                     // The outputs are NULL or valid (caller contract).
-                    let report = |p: Prepared| p.3.report_lost(g.size(), &p.0, &p.1).map(|()| p);
+                    let report =
+                        |p: Prepared<'m>| p.3.report_lost(g.size(), &p.0, &p.1).map(|()| p);
                     let (old, new, w, o) = prepared
                         .and_then(report)
                         .map_err(|e| rearrange::reject_rearrange(g, e))?;
@@ -760,7 +769,7 @@ impl RearrangeCall {
         &self,
         comm: *mut epcomm_eplb_communicator,
         next_weights: *const epcomm_tensor,
-        options: Result<OptionsArg>,
+        options: Result<OptionsArg<'_>>,
         summary_out: *mut epcomm_eplb_summary,
         next_valid_out: *mut i64,
     ) -> Result<()> {
@@ -1071,8 +1080,10 @@ pub unsafe extern "C" fn epcomm_eplb_layer_plan_destroy(plan: *mut epcomm_eplb_l
 
 /// The logical experts of one layer's old placement (`old_phy2log`, `num_slots` = old ranks x
 /// `slots_per_rank` entries, -1 = empty) with no replica on a surviving rank
-/// (`rank_mapping[r] >= 0`; `rank_mapping_len` = the old ranks, -1 = removed, no two ranks on
-/// the same new rank): after a failure their weights are gone. One layer per call: a layer's
+/// (`rank_mapping[r] >= 0`; `rank_mapping_len` = the old ranks, -1 = removed; the survivors
+/// take the new ranks 0 to survivors - 1, one each, as the rearrangement after the failure
+/// requires, else EPCOMM_ERROR_INVALID_ARGUMENT naming the entry): after a failure their
+/// weights are gone. One layer per call: a layer's
 /// lost experts depend only on its own map. `*num_lost_out` receives their count; `lost_out`
 /// (room for `lost_capacity` ids; NULL = count only) receives them ascending. A capacity
 /// below the count is EPCOMM_ERROR_INVALID_ARGUMENT (the count is still written);
@@ -1310,11 +1321,13 @@ pub unsafe extern "C" fn epcomm_eplb_state_logical_load(
         if load_out.is_null() {
             return Err(Error::NullPointer("load_out"));
         }
+        let n = guard::entries::<f32>(l, e, "load_out")?;
         // SAFETY: caller contract.
         let m = unsafe { maps(phy2log, l, p, "phy2log") }?;
         let load =
             unsafe { with_state(state, |s| with_group(group, |g| s.logical_load(g, &m, e))) }?;
-        let out = unsafe { std::slice::from_raw_parts_mut(load_out, l * e) };
+        // SAFETY: caller contract (l * e entries).
+        let out = unsafe { guard::slice_mut_arg(load_out, n, "load_out") }?;
         for (d, v) in out.iter_mut().zip(load.iter().flatten()) {
             *d = *v;
         }

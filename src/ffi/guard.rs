@@ -116,8 +116,42 @@ pub(crate) fn name_or_null(name: impl FnOnce() -> Option<&'static str>) -> *cons
     })
 }
 
+/// The most entries of `T` one array argument can have: no object in memory is larger than
+/// `isize::MAX` bytes (a longer slice would be undefined behaviour, and a copy of it a panic).
+pub(crate) fn max_entries<T>() -> usize {
+    isize::MAX as usize / std::mem::size_of::<T>().max(1)
+}
+
+/// `n` as the entry count of array argument `what`: INVALID_ARGUMENT naming it and the limit
+/// when no such array fits in memory. The one home of that check: every array argument goes
+/// through it ([`slice_arg`], [`slice_mut_arg`], [`entries`]).
+pub(crate) fn check_entries<T>(n: usize, what: &str) -> Result<usize> {
+    let max = max_entries::<T>();
+    if n > max {
+        return Err(Error::InvalidArgument(format!(
+            "'{what}' has {n} entries; expected at most {max} (entries of {} bytes; a larger array does not fit in memory)",
+            std::mem::size_of::<T>()
+        )));
+    }
+    Ok(n)
+}
+
+/// The entry count `a × b` of array argument `what` (e.g. num_layers × num_slots), checked as
+/// [`check_entries`]: a product that overflows is INVALID_ARGUMENT too, never a panic or a
+/// wrapped size.
+pub(crate) fn entries<T>(a: usize, b: usize, what: &str) -> Result<usize> {
+    match a.checked_mul(b) {
+        Some(n) => check_entries::<T>(n, what),
+        None => Err(Error::InvalidArgument(format!(
+            "'{what}' has {a} x {b} entries, which overflows; expected at most {} (entries of {} bytes)",
+            max_entries::<T>(),
+            std::mem::size_of::<T>()
+        ))),
+    }
+}
+
 /// `n` entries at `p`; NULL is allowed only when `n` is 0 (else the NULL-pointer error naming
-/// `what`).
+/// `what`); more entries than fit in memory is INVALID_ARGUMENT ([`check_entries`]).
 ///
 /// # Safety
 /// `p` is NULL or valid for reads of `n` entries that outlive the call.
@@ -129,11 +163,33 @@ pub(crate) unsafe fn slice_arg<'a, T>(
     if n == 0 {
         return Ok(&[]);
     }
+    check_entries::<T>(n, what)?;
     if p.is_null() {
         return Err(Error::NullPointer(what));
     }
-    // SAFETY: non-NULL with n entries (caller contract).
+    // SAFETY: non-NULL with n entries (caller contract), n * size_of::<T>() <= isize::MAX.
     Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// [`slice_arg`] for an output array.
+///
+/// # Safety
+/// `p` is NULL or valid for writes of `n` entries, overlaps no live slice and outlives the
+/// call.
+pub(crate) unsafe fn slice_mut_arg<'a, T>(
+    p: *mut T,
+    n: usize,
+    what: &'static str,
+) -> Result<&'a mut [T]> {
+    if n == 0 {
+        return Ok(&mut []);
+    }
+    check_entries::<T>(n, what)?;
+    if p.is_null() {
+        return Err(Error::NullPointer(what));
+    }
+    // SAFETY: non-NULL with n writable entries (caller contract), within isize::MAX bytes.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p, n) })
 }
 
 /// A required output pointer.

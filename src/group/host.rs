@@ -11,12 +11,20 @@
 //! send_recv then gather the size lists. Every rank checks the same headers in the same
 //! order, so a rank's bad arguments, a disagreement or a rank calling another collective is
 //! the same error on every rank before any data moves, and the group stays usable.
+//!
+//! Every message is framed ([`super::frame`]: op, step, op number, sender, receiver, message
+//! number, length) and checked on receipt. A rank whose host call fails or delivers a bad
+//! frame after the headers goes on with the op (no peer is left waiting for it), and every op
+//! that passed its agreement ends with an all_gather of each rank's verdict: one failure fails
+//! every rank with the same status, never OK with wrong data on the others. Only a failure of
+//! that last all_gather itself is seen by its rank alone (by then every rank's data is whole).
 
 use super::agree::{self, Param, MAX_PARAMS};
+use super::frame::{Frame, Step, TO_ALL};
 use super::shm::{check_excluded, verify_views, ShrinkView};
 use super::{check_len, check_p2p, check_sizes, Group, Op, P2p};
 use crate::bytes;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
 use crate::num::{self, FloatKind};
 
 /// What a host transport provides. Calls are blocking; an `Err` carries the host's reason.
@@ -83,6 +91,25 @@ pub struct HostGroup {
     acc: Vec<f32>,
     /// After a failure: the survivors' group every user of this one shares.
     survivors: Option<super::survivors::Survivors>,
+    /// Ops started on this group (every rank counts alike): each message carries it.
+    seq: u64,
+    /// The step of the op in progress, which each message carries.
+    step: Step,
+    /// Messages of the op in progress sent to and received from each peer, and host
+    /// all_gathers: the message numbers.
+    sent: Vec<u64>,
+    got: Vec<u64>,
+    gathers: u64,
+    /// The first failure of the op in progress (a host call's, or a bad frame): the op goes
+    /// on, so no peer waits for this rank, and fails on every rank at its close.
+    fault: Option<Error>,
+    /// Whether that failure is the host's own (a callback returned an error).
+    host_fault: bool,
+    /// Whether the host has an all_gather (known after the first call).
+    host_all_gather: Option<bool>,
+    /// Framed messages out and in, kept between calls.
+    out_frame: Vec<u8>,
+    in_frame: Vec<u8>,
 }
 
 impl std::fmt::Debug for HostGroup {
@@ -142,6 +169,16 @@ impl HostGroup {
             parts: Vec::new(),
             acc: Vec::new(),
             survivors: None,
+            seq: 0,
+            step: Step::Header,
+            sent: vec![0; world],
+            got: vec![0; world],
+            gathers: 0,
+            fault: None,
+            host_fault: false,
+            host_all_gather: None,
+            out_frame: Vec::new(),
+            in_frame: Vec::new(),
         })
     }
 
@@ -194,50 +231,112 @@ impl HostGroup {
         Ok(g)
     }
 
-    fn send(&mut self, op: Op, peer: usize, data: &[u8]) -> Result<()> {
-        self.transport
-            .send(peer, data)
-            .map_err(|e| self.host_err(op, &format!("send to rank {peer}"), e))
+    /// Starts an op: the next op number, no message yet, no failure.
+    fn begin(&mut self) {
+        self.seq += 1;
+        self.step = Step::Header;
+        self.sent.fill(0);
+        self.got.fill(0);
+        self.gathers = 0;
+        self.fault = None;
+        self.host_fault = false;
     }
 
-    fn recv(&mut self, op: Op, peer: usize, data: &mut [u8]) -> Result<()> {
-        self.transport
-            .recv(peer, data)
-            .map_err(|e| self.host_err(op, &format!("recv from rank {peer}"), e))
+    /// Records a failure of the op in progress (the first one counts); the op goes on.
+    fn fail(&mut self, e: Error, host: bool) {
+        if self.fault.is_none() {
+            self.fault = Some(e);
+            self.host_fault = host;
+        }
+    }
+
+    /// The frame of a message of the op in progress.
+    fn frame(&self, op: Op, from: usize, to: u64, index: u64, len: usize) -> Frame {
+        Frame {
+            op,
+            step: self.step,
+            seq: self.seq,
+            from,
+            to,
+            index,
+            len,
+        }
+    }
+
+    /// The error of a message whose frame is not the expected one.
+    fn bad_frame(&self, op: Op, what: &str, why: String) -> Error {
+        Error::Runtime(format!(
+            "host transport {what} delivered a bad message during {} of group '{}' on rank {}: {why}; a host transport must deliver every message whole, once, in order, from the rank that sent it",
+            op.name(),
+            self.name,
+            self.rank
+        ))
+    }
+
+    /// Sends `data` to `peer`, framed; a failure is recorded ([`HostGroup::fail`]).
+    fn send(&mut self, op: Op, peer: usize, data: &[u8]) {
+        let f = self.frame(op, self.rank, peer as u64, self.sent[peer], data.len());
+        self.sent[peer] += 1;
+        f.wrap(data, &mut self.out_frame);
+        if let Err(e) = self.transport.send(peer, &self.out_frame) {
+            let e = self.host_err(op, &format!("send to rank {peer}"), e);
+            self.fail(e, true);
+        }
+    }
+
+    /// Receives `data` from `peer` and checks its frame; a failure is recorded
+    /// ([`HostGroup::fail`]) and leaves `data` as it was.
+    fn recv(&mut self, op: Op, peer: usize, data: &mut [u8]) {
+        let f = self.frame(op, peer, self.rank as u64, self.got[peer], data.len());
+        self.got[peer] += 1;
+        self.in_frame.resize(f.size(), 0);
+        f.blank(&mut self.in_frame);
+        let what = || format!("recv from rank {peer}");
+        match self.transport.recv(peer, &mut self.in_frame) {
+            Err(e) => {
+                let e = self.host_err(op, &what(), e);
+                self.fail(e, true);
+            }
+            Ok(()) => match f.check(&self.in_frame) {
+                Ok(payload) => data.copy_from_slice(payload),
+                Err(why) => {
+                    let e = self.bad_frame(op, &what(), why);
+                    self.fail(e, false);
+                }
+            },
+        }
     }
 
     /// Sends `out` to and receives `inp` from `peer`, lower rank first.
-    fn exchange(&mut self, op: Op, peer: usize, out: &[u8], inp: &mut [u8]) -> Result<()> {
+    fn exchange(&mut self, op: Op, peer: usize, out: &[u8], inp: &mut [u8]) {
         if self.rank < peer {
-            self.send(op, peer, out)?;
-            self.recv(op, peer, inp)
+            self.send(op, peer, out);
+            self.recv(op, peer, inp);
         } else {
-            self.recv(op, peer, inp)?;
-            self.send(op, peer, out)
+            self.recv(op, peer, inp);
+            self.send(op, peer, out);
         }
     }
 
     /// Sends, in issue order, every message of `ops` addressed to `p`.
-    fn send_all_to(&mut self, ops: &[P2p<'_>], p: usize) -> Result<()> {
+    fn send_all_to(&mut self, ops: &[P2p<'_>], p: usize) {
         for o in ops {
             if let P2p::Send { peer, data } = o {
                 if *peer == p {
-                    self.send(Op::SendRecv, p, data)?;
+                    self.send(Op::SendRecv, p, data);
                 }
             }
         }
-        Ok(())
     }
 
     /// Runs `f(partner)` for each round of the tournament.
-    fn rounds(&mut self, mut f: impl FnMut(&mut Self, usize) -> Result<()>) -> Result<()> {
+    fn rounds(&mut self, mut f: impl FnMut(&mut Self, usize)) {
         let rounds = self.world + self.world % 2 - 1;
         for round in 0..rounds {
             if let Some(p) = tournament_partner(self.rank, self.world, round) {
-                f(self, p)?;
+                f(self, p);
             }
         }
-        Ok(())
     }
 
     fn guarded<T>(&mut self, op: Op, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
@@ -279,16 +378,52 @@ impl Headers {
 
 impl HostGroup {
     /// Gathers `mine` (the same length on every rank) from every rank into `out`: the host's
-    /// all_gather when it has one, else the tournament.
-    fn gather(&mut self, op: Op, mine: &[u8], out: &mut [u8]) -> Result<()> {
-        if let Some(r) = self.transport.all_gather(mine, out) {
-            return r.map_err(|e| self.host_err(op, "all_gather", e));
+    /// all_gather when it has one (each part framed and checked), else the tournament. A
+    /// failure is recorded ([`HostGroup::fail`]).
+    fn gather(&mut self, op: Op, mine: &[u8], out: &mut [u8]) {
+        if self.host_all_gather != Some(false) {
+            let n = mine.len();
+            let f = self.frame(op, self.rank, TO_ALL, self.gathers, n);
+            self.gathers += 1;
+            f.wrap(mine, &mut self.out_frame);
+            self.in_frame.resize(f.size() * self.world, 0);
+            for (p, part) in self.in_frame.chunks_exact_mut(f.size()).enumerate() {
+                Frame { from: p, ..f }.blank(part);
+            }
+            let got = self
+                .transport
+                .all_gather(&self.out_frame, &mut self.in_frame);
+            self.host_all_gather = Some(got.is_some());
+            match got {
+                None => {}
+                Some(Err(e)) => {
+                    let e = self.host_err(op, "all_gather", e);
+                    return self.fail(e, true);
+                }
+                Some(Ok(())) => {
+                    for p in 0..self.world {
+                        let part = &self.in_frame[p * f.size()..(p + 1) * f.size()];
+                        match (Frame { from: p, ..f }).check(part) {
+                            Ok(payload) => out[p * n..(p + 1) * n].copy_from_slice(payload),
+                            Err(why) => {
+                                let e = self.bad_frame(
+                                    op,
+                                    &format!("all_gather (rank {p}'s part)"),
+                                    why,
+                                );
+                                return self.fail(e, false);
+                            }
+                        }
+                    }
+                    return;
+                }
+            }
         }
         self.gather_v(op, mine, &vec![mine.len(); self.world], out)
     }
 
     /// Concatenates every rank's `mine` (`sizes[p]` bytes on rank p) into `out`, rank order.
-    fn gather_v(&mut self, op: Op, mine: &[u8], sizes: &[usize], out: &mut [u8]) -> Result<()> {
+    fn gather_v(&mut self, op: Op, mine: &[u8], sizes: &[usize], out: &mut [u8]) {
         let offsets = bytes_before(sizes);
         let me = self.rank;
         out[offsets[me]..offsets[me] + sizes[me]].copy_from_slice(mine);
@@ -321,8 +456,20 @@ impl HostGroup {
             *w = p.value;
         }
         let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
-        self.gather(op, bytes::as_bytes(&mine), &mut all)?;
+        self.gather(op, bytes::as_bytes(&mine), &mut all);
+        if self.host_fault {
+            // The host's own failure: it tells every rank (as a failed all_gather does).
+            return Err(self.fault.take().unwrap_or_else(|| {
+                Error::Internal(format!("{}: a host failure without an error", op.name()))
+            }));
+        }
         let heads = Headers(bytes::to_vec(&all));
+        if self.fault.is_some() {
+            // This rank cannot read the headers: it goes on as its peers do when all agree
+            // (they stop when one rejected), and fails the op on every rank at its close.
+            local.clone()?;
+            return Ok(heads);
+        }
         self.check_ops(op, &heads)?;
         if let Err(e) = local {
             return Err(e.clone());
@@ -372,7 +519,7 @@ impl HostGroup {
     }
 
     /// Runs `op`: its agreement (`local` = this rank's own checks), then `f` with the headers
-    /// when every rank accepted and agreed.
+    /// when every rank accepted and agreed, then the verdicts ([`HostGroup::close`]).
     fn run<T>(
         &mut self,
         op: Op,
@@ -382,9 +529,69 @@ impl HostGroup {
         f: impl FnOnce(&mut Self, &Headers) -> Result<T>,
     ) -> Result<T> {
         self.guarded(op, |g| {
+            g.begin();
             let heads = g.agree(op, &local, params, counts)?;
-            f(g, &heads)
+            g.step = Step::Data;
+            let out = f(g, &heads);
+            g.close(op, out)
         })
+    }
+
+    /// Ends an op every rank took part in: gathers every rank's verdict (0, or the status it
+    /// failed with). This rank's own failure is its error; else the lowest failed rank's
+    /// status fails this rank too, so every rank has the same outcome.
+    fn close<T>(&mut self, op: Op, out: Result<T>) -> Result<T> {
+        self.step = Step::Verdict;
+        let failed = self.fault.as_ref().or(out.as_ref().err());
+        let mine = failed.map_or(0, |e| e.status() as u64);
+        let mut all = vec![0u8; 8 * self.world];
+        self.gather(op, &mine.to_le_bytes(), &mut all);
+        if let Some(e) = self.fault.take() {
+            return Err(e);
+        }
+        let out = out?;
+        let verdicts: Vec<u64> = all
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        match verdicts.iter().position(|&v| v != 0) {
+            None => Ok(out),
+            Some(p) => Err(self.peer_failed(op, p, verdicts[p])),
+        }
+    }
+
+    /// The error of a rank whose op went well when rank `p` failed it with status `code`.
+    fn peer_failed(&self, op: Op, p: usize, code: u64) -> Error {
+        let status = i32::try_from(code)
+            .ok()
+            .and_then(Status::from_code)
+            .unwrap_or(Status::Runtime);
+        // An argument error leaves the group usable ([`HostGroup::guarded`]); others end it.
+        let after = if status == Status::InvalidArgument {
+            ""
+        } else {
+            "; the group is unusable"
+        };
+        let msg = format!(
+            "{}: rank {p} of group '{}' failed op #{} ({}; see rank {p}'s error), so it fails on every rank (rank {} too){after}",
+            op.name(),
+            self.name,
+            self.seq,
+            status.description(),
+            self.rank
+        );
+        match status {
+            Status::Timeout => Error::Timeout(msg),
+            Status::PeerFailure => Error::PeerFailure(msg),
+            Status::InvalidArgument | Status::NullPointer => Error::InvalidArgument(msg),
+            Status::InvalidState => Error::InvalidState(msg),
+            Status::System => Error::System(msg),
+            Status::Internal => Error::Internal(msg),
+            Status::Assertion => Error::Assertion(msg),
+            Status::NotImplemented => Error::NotImplemented(msg),
+            Status::Unavailable => Error::Unavailable(msg),
+            Status::Ok | Status::Runtime => Error::Runtime(msg),
+        }
     }
 }
 
@@ -473,7 +680,8 @@ impl Group for HostGroup {
         let (local, params) =
             agree::all_gatherv_args(self.rank, self.world, input.len(), sizes, output.len());
         self.run(op, local, &params, [0, 0], |g, _| {
-            g.gather_v(op, input, sizes, output)
+            g.gather_v(op, input, sizes, output);
+            Ok(())
         })
     }
 
@@ -506,7 +714,8 @@ impl Group for HostGroup {
         let mut parts = std::mem::take(&mut self.parts);
         parts.resize(part * self.world, 0);
         let got = self.run(op, local.map(drop), &params, [0, 0], |g, _| {
-            g.rounds(|g, p| g.exchange(op, p, &input[slice(p)], &mut parts[p * part..][..part]))
+            g.rounds(|g, p| g.exchange(op, p, &input[slice(p)], &mut parts[p * part..][..part]));
+            Ok(())
         });
         let mut acc = std::mem::take(&mut self.acc);
         if got.is_ok() {
@@ -552,7 +761,8 @@ impl Group for HostGroup {
                     &send[chunk(send_sizes, p)],
                     &mut recv[chunk(recv_sizes, p)],
                 )
-            })
+            });
+            Ok(())
         })
     }
 
@@ -566,20 +776,20 @@ impl Group for HostGroup {
             g.agree_messages(heads, &words)?;
             g.rounds(|g, p| {
                 if me < p {
-                    g.send_all_to(ops, p)?;
+                    g.send_all_to(ops, p);
                 }
                 for o in ops.iter_mut() {
                     if let P2p::Recv { peer, data } = o {
                         if *peer == p {
-                            g.recv(op, p, data)?;
+                            g.recv(op, p, data);
                         }
                     }
                 }
                 if me > p {
-                    g.send_all_to(ops, p)?;
+                    g.send_all_to(ops, p);
                 }
-                Ok(())
-            })
+            });
+            Ok(())
         })
     }
 
@@ -590,12 +800,12 @@ impl Group for HostGroup {
         self.run(op, local, &params, [0, 0], |g, _| {
             if me == root {
                 for p in (0..g.world).filter(|&p| p != root) {
-                    g.send(op, p, data)?;
+                    g.send(op, p, data);
                 }
-                Ok(())
             } else {
-                g.recv(op, root, data)
+                g.recv(op, root, data);
             }
+            Ok(())
         })
     }
 
@@ -613,13 +823,17 @@ impl Group for HostGroup {
             })
             .and_then(|n| check_len("out", op, out.len(), n, "world_size * len(mine)"));
         let params = [agree::number("byte count", mine.len())];
-        self.run(op, local, &params, [0, 0], |g, _| g.gather(op, mine, out))
+        self.run(op, local, &params, [0, 0], |g, _| {
+            g.gather(op, mine, out);
+            Ok(())
+        })
     }
 }
 
 impl HostGroup {
     /// all_to_allv: gathers every rank's send and receive sizes and checks every pair in the
-    /// same order on every rank (rank r's send_sizes[p] against rank p's recv_sizes[r]).
+    /// same order on every rank (rank r's send_sizes[p] against rank p's recv_sizes[r]). A
+    /// rank that could not read them goes on with its own (the op fails at its close).
     fn agree_size_matrix(&mut self, send_sizes: &[usize], recv_sizes: &[usize]) -> Result<()> {
         let world = self.world;
         let mine: Vec<u64> = send_sizes
@@ -628,7 +842,12 @@ impl HostGroup {
             .map(|&s| s as u64)
             .collect();
         let mut all = vec![0u8; mine.len() * 8 * world];
-        self.gather(Op::AllToAllv, bytes::as_bytes(&mine), &mut all)?;
+        self.step = Step::Agreement;
+        self.gather(Op::AllToAllv, bytes::as_bytes(&mine), &mut all);
+        self.step = Step::Data;
+        if self.fault.is_some() {
+            return Ok(());
+        }
         let all: Vec<u64> = bytes::to_vec(&all);
         let sent = |r: usize, p: usize| all[r * 2 * world + p];
         let expected = |p: usize, r: usize| all[p * 2 * world + world + r];
@@ -636,13 +855,24 @@ impl HostGroup {
     }
 
     /// send_recv: gathers every rank's message lists (`agree::p2p_words`; their lengths came
-    /// with the headers) and checks every ordered pair in the same order on every rank.
+    /// with the headers) and checks every ordered pair in the same order on every rank. A rank
+    /// that could not read the headers does not know the lengths: it fails at once (its peers
+    /// then fail too, when the host's receives from it time out). One that could not read the
+    /// lists goes on with its own messages (the op fails at its close).
     fn agree_messages(&mut self, heads: &Headers, mine: &[u64]) -> Result<()> {
+        if let Some(e) = self.fault.take() {
+            return Err(e);
+        }
         let sizes: Vec<usize> = (0..self.world)
             .map(|p| 8 * (2 + 2 * (heads.count(p, 0) + heads.count(p, 1))))
             .collect();
         let mut all = vec![0u8; sizes.iter().sum()];
-        self.gather_v(Op::SendRecv, bytes::as_bytes(mine), &sizes, &mut all)?;
+        self.step = Step::Agreement;
+        self.gather_v(Op::SendRecv, bytes::as_bytes(mine), &sizes, &mut all);
+        self.step = Step::Data;
+        if self.fault.is_some() {
+            return Ok(());
+        }
         let start = bytes_before(&sizes);
         let lists: Vec<Vec<u64>> = (0..self.world)
             .map(|p| bytes::to_vec(&all[start[p]..start[p] + sizes[p]]))

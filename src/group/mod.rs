@@ -5,6 +5,7 @@
 //! caller converts rows to bytes. Reductions sum in f32 in rank order (deterministic).
 
 mod agree;
+mod frame;
 pub mod host;
 pub mod masked;
 pub mod rows;
