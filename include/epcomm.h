@@ -1077,10 +1077,10 @@ int32_t epcomm_all2all_create(const struct epcomm_group *group, const char *back
 void epcomm_all2all_destroy(struct epcomm_all2all *a2a);
 
 /**
- * Releases a manager (NULL is a no-op): EPCOMM_OK; views it returned become invalid, and a
- * group destroyed before it is freed now. Refused with EPCOMM_ERROR_INVALID_STATE, freeing
- * nothing: while another thread's call on it is in flight (destroy again after it returned);
- * on a handle destroyed already; in a forked child of the process that made it.
+ * Releases a manager: EPCOMM_OK; views it returned become invalid, and a group destroyed before it
+ * is freed now. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE,
+ * freeing nothing: while another thread's call on it is in flight (destroy again after it
+ * returned); on a handle destroyed already; in a forked child of the process that made it.
  *
  * # Safety
  * `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
@@ -1432,10 +1432,10 @@ int32_t epcomm_eplb_migration_schedule_view(const struct epcomm_eplb_migration_s
 void epcomm_eplb_migration_schedule_destroy(struct epcomm_eplb_migration_schedule *schedule);
 
 /**
- * Releases a migration schedule (NULL is a no-op): EPCOMM_OK; its views become invalid.
- * Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it
- * is in flight; on a schedule destroyed already; in a forked child of the process that made
- * it.
+ * Releases a migration schedule: EPCOMM_OK; its views become invalid. NULL is
+ * EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while
+ * another thread's call on it is in flight; on a schedule destroyed already; in a forked child of
+ * the process that made it.
  *
  * # Safety
  * `schedule` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
@@ -1466,10 +1466,10 @@ int32_t epcomm_eplb_communicator_create(const struct epcomm_group *group, const 
 void epcomm_eplb_communicator_destroy(struct epcomm_eplb_communicator *comm);
 
 /**
- * Releases a communicator (NULL is a no-op): EPCOMM_OK; queued transfers are dropped, and a
- * group destroyed before it is freed now. Refused with EPCOMM_ERROR_INVALID_STATE, freeing
- * nothing: while another thread's call on it is in flight; on a handle destroyed already; in
- * a forked child of the process that made it.
+ * Releases a communicator: EPCOMM_OK; queued transfers are dropped, and a group destroyed before
+ * it is freed now. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE,
+ * freeing nothing: while another thread's call on it is in flight; on a handle destroyed already;
+ * in a forked child of the process that made it.
  *
  * # Safety
  * `comm` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
@@ -1631,9 +1631,9 @@ int32_t epcomm_eplb_layer_plan_view(const struct epcomm_eplb_layer_plan *plan, s
 void epcomm_eplb_layer_plan_destroy(struct epcomm_eplb_layer_plan *plan);
 
 /**
- * Releases a layer plan (NULL is a no-op): EPCOMM_OK; its views become invalid. Refused with
- * EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in
- * flight; on a plan destroyed already; in a forked child of the process that made it.
+ * Releases a layer plan: EPCOMM_OK; its views become invalid. NULL is EPCOMM_ERROR_NULL_POINTER.
+ * Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is
+ * in flight; on a plan destroyed already; in a forked child of the process that made it.
  *
  * # Safety
  * `plan` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
@@ -1680,9 +1680,9 @@ int32_t epcomm_eplb_state_create(const char *eplb_config_json, const char *model
 void epcomm_eplb_state_destroy(struct epcomm_eplb_state *state);
 
 /**
- * Releases load statistics (NULL is a no-op): EPCOMM_OK. Refused with
- * EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in
- * flight; on a state destroyed already; in a forked child of the process that made it.
+ * Releases load statistics: EPCOMM_OK. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with
+ * EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in flight; on
+ * a state destroyed already; in a forked child of the process that made it.
  *
  * # Safety
  * `state` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
@@ -1879,11 +1879,11 @@ int32_t epcomm_gpu_all2all_create_from_comm(const char *backend, const struct ep
 void epcomm_gpu_all2all_destroy(struct epcomm_gpu_all2all *a2a);
 
 /**
- * Releases a GPU manager (NULL is a no-op): EPCOMM_OK; its buffers, and its communicator when
- * it was created from a unique id. Views it returned become invalid. Work already enqueued on
- * the host's stream must have finished (synchronize the stream first). Refused with
- * EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in
- * flight; on a handle destroyed already; in a forked child of the process that made it.
+ * Releases a GPU manager: EPCOMM_OK; its buffers, and its communicator when it was created from a
+ * unique id. Views it returned become invalid. Work already enqueued on the host's stream must
+ * have finished (synchronize the stream first). NULL is EPCOMM_ERROR_NULL_POINTER. Refused with
+ * EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in flight; on
+ * a handle destroyed already; in a forked child of the process that made it.
  *
  * # Safety
  * `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
@@ -2007,12 +2007,12 @@ int32_t epcomm_group_create_host(const struct epcomm_host_callbacks *callbacks, 
 void epcomm_group_destroy(struct epcomm_group *group);
 
 /**
- * Leaves the group and releases the handle (NULL is a no-op): EPCOMM_OK. A shared-memory
- * group first lets peers finish reading its last contribution (bounded wait), then unlinks
- * its memory. With all2all managers or EPLB communicators made over it still alive, the
- * handle is gone at once (calls on it are refused) and the group is left and freed with the
- * last of them. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while a call using
- * the group (its own, or one of a manager made over it) is in flight on another thread
+ * Leaves the group and releases the handle: EPCOMM_OK. A shared-memory group first lets peers
+ * finish reading its last contribution (bounded wait), then unlinks its memory. With all2all
+ * managers or EPLB communicators made over it still alive, the handle is gone at once (calls on it
+ * are refused) and the group is left and freed with the last of them. NULL is
+ * EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while a
+ * call using the group (its own, or one of a manager made over it) is in flight on another thread
  * (destroy again after it returned); on a handle destroyed already; in a forked child of the
  * process that made it (the parent's group is left untouched).
  *

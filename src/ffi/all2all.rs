@@ -333,14 +333,16 @@ pub unsafe extern "C" fn epcomm_all2all_create(
 /// `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_all2all_destroy(a2a: *mut epcomm_all2all) {
-    // SAFETY: caller contract.
-    unsafe { epcomm_all2all_destroy_checked(a2a) };
+    if !a2a.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_all2all_destroy_checked(a2a) };
+    }
 }
 
-/// Releases a manager (NULL is a no-op): EPCOMM_OK; views it returned become invalid, and a
-/// group destroyed before it is freed now. Refused with EPCOMM_ERROR_INVALID_STATE, freeing
-/// nothing: while another thread's call on it is in flight (destroy again after it returned);
-/// on a handle destroyed already; in a forked child of the process that made it.
+/// Releases a manager: EPCOMM_OK; views it returned become invalid, and a group destroyed before it
+/// is freed now. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE,
+/// freeing nothing: while another thread's call on it is in flight (destroy again after it
+/// returned); on a handle destroyed already; in a forked child of the process that made it.
 ///
 /// # Safety
 /// `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).

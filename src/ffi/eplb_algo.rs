@@ -496,14 +496,16 @@ pub unsafe extern "C" fn epcomm_eplb_migration_schedule_view(
 pub unsafe extern "C" fn epcomm_eplb_migration_schedule_destroy(
     schedule: *mut epcomm_eplb_migration_schedule,
 ) {
-    // SAFETY: caller contract.
-    unsafe { epcomm_eplb_migration_schedule_destroy_checked(schedule) };
+    if !schedule.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_eplb_migration_schedule_destroy_checked(schedule) };
+    }
 }
 
-/// Releases a migration schedule (NULL is a no-op): EPCOMM_OK; its views become invalid.
-/// Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it
-/// is in flight; on a schedule destroyed already; in a forked child of the process that made
-/// it.
+/// Releases a migration schedule: EPCOMM_OK; its views become invalid. NULL is
+/// EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while
+/// another thread's call on it is in flight; on a schedule destroyed already; in a forked child of
+/// the process that made it.
 ///
 /// # Safety
 /// `schedule` is NULL or any pointer (a destroyed or foreign one is refused, not freed).

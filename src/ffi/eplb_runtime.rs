@@ -93,14 +93,16 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_create(
 /// `comm` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_communicator_destroy(comm: *mut epcomm_eplb_communicator) {
-    // SAFETY: caller contract.
-    unsafe { epcomm_eplb_communicator_destroy_checked(comm) };
+    if !comm.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_eplb_communicator_destroy_checked(comm) };
+    }
 }
 
-/// Releases a communicator (NULL is a no-op): EPCOMM_OK; queued transfers are dropped, and a
-/// group destroyed before it is freed now. Refused with EPCOMM_ERROR_INVALID_STATE, freeing
-/// nothing: while another thread's call on it is in flight; on a handle destroyed already; in
-/// a forked child of the process that made it.
+/// Releases a communicator: EPCOMM_OK; queued transfers are dropped, and a group destroyed before
+/// it is freed now. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE,
+/// freeing nothing: while another thread's call on it is in flight; on a handle destroyed already;
+/// in a forked child of the process that made it.
 ///
 /// # Safety
 /// `comm` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
@@ -1085,13 +1087,15 @@ pub unsafe extern "C" fn epcomm_eplb_layer_plan_view(
 /// `plan` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_layer_plan_destroy(plan: *mut epcomm_eplb_layer_plan) {
-    // SAFETY: caller contract.
-    unsafe { epcomm_eplb_layer_plan_destroy_checked(plan) };
+    if !plan.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_eplb_layer_plan_destroy_checked(plan) };
+    }
 }
 
-/// Releases a layer plan (NULL is a no-op): EPCOMM_OK; its views become invalid. Refused with
-/// EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in
-/// flight; on a plan destroyed already; in a forked child of the process that made it.
+/// Releases a layer plan: EPCOMM_OK; its views become invalid. NULL is EPCOMM_ERROR_NULL_POINTER.
+/// Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is
+/// in flight; on a plan destroyed already; in a forked child of the process that made it.
 ///
 /// # Safety
 /// `plan` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
@@ -1217,13 +1221,15 @@ pub unsafe extern "C" fn epcomm_eplb_state_create(
 /// `state` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_state_destroy(state: *mut epcomm_eplb_state) {
-    // SAFETY: caller contract.
-    unsafe { epcomm_eplb_state_destroy_checked(state) };
+    if !state.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_eplb_state_destroy_checked(state) };
+    }
 }
 
-/// Releases load statistics (NULL is a no-op): EPCOMM_OK. Refused with
-/// EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in
-/// flight; on a state destroyed already; in a forked child of the process that made it.
+/// Releases load statistics: EPCOMM_OK. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with
+/// EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in flight; on
+/// a state destroyed already; in a forked child of the process that made it.
 ///
 /// # Safety
 /// `state` is NULL or any pointer (a destroyed or foreign one is refused, not freed).

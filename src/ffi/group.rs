@@ -498,16 +498,18 @@ pub unsafe extern "C" fn epcomm_group_create_host(
 /// `group` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_group_destroy(group: *mut epcomm_group) {
-    // SAFETY: caller contract.
-    unsafe { epcomm_group_destroy_checked(group) };
+    if !group.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_group_destroy_checked(group) };
+    }
 }
 
-/// Leaves the group and releases the handle (NULL is a no-op): EPCOMM_OK. A shared-memory
-/// group first lets peers finish reading its last contribution (bounded wait), then unlinks
-/// its memory. With all2all managers or EPLB communicators made over it still alive, the
-/// handle is gone at once (calls on it are refused) and the group is left and freed with the
-/// last of them. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while a call using
-/// the group (its own, or one of a manager made over it) is in flight on another thread
+/// Leaves the group and releases the handle: EPCOMM_OK. A shared-memory group first lets peers
+/// finish reading its last contribution (bounded wait), then unlinks its memory. With all2all
+/// managers or EPLB communicators made over it still alive, the handle is gone at once (calls on it
+/// are refused) and the group is left and freed with the last of them. NULL is
+/// EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while a
+/// call using the group (its own, or one of a manager made over it) is in flight on another thread
 /// (destroy again after it returned); on a handle destroyed already; in a forked child of the
 /// process that made it (the parent's group is left untouched).
 ///

@@ -124,7 +124,8 @@ pub(crate) trait Handle: Sized + 'static {
         unsafe { borrow_as(p, Access::Caller) }
     }
 
-    /// Releases the handle: NULL is a no-op. Refused, freeing nothing
+    /// Releases the handle. NULL is `EPCOMM_ERROR_NULL_POINTER` naming [`Handle::ARG`] (the
+    /// void destroy calls skip it). Refused, freeing nothing
     /// (`EPCOMM_ERROR_INVALID_STATE`): a call using it in flight, a pointer that is not a live
     /// handle of this type (destroyed already), a handle of the parent process in a forked
     /// child. A handle others were made over is retired (gone for C calls) and freed with the
@@ -134,7 +135,7 @@ pub(crate) trait Handle: Sized + 'static {
     /// `p` is NULL or any address (only a registered one is freed).
     unsafe fn destroy(p: *mut Self) -> Result<()> {
         if p.is_null() {
-            return Ok(());
+            return Err(Error::NullPointer(Self::ARG));
         }
         let mut live = registry();
         let e = live_entry::<Self>(&mut live, p, Access::Caller)?;
@@ -377,7 +378,8 @@ mod tests {
             .unwrap();
             assert_eq!(Counter::with(p, |_, n| Ok(*n)).unwrap(), 1);
             Counter::destroy(p).unwrap();
-            Counter::destroy(std::ptr::null_mut()).unwrap();
+            let e = Counter::destroy(std::ptr::null_mut()).unwrap_err();
+            assert!(matches!(e, Error::NullPointer("counter")));
         }
     }
 
