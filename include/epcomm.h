@@ -5,7 +5,13 @@
  * epcomm_last_error_message() holds the message (vLLM's exact wording where vLLM has one) and
  * epcomm_last_error_hint() an optional hint. Outputs are written only on success. NULL where a
  * pointer is required gives EPCOMM_ERROR_NULL_POINTER, never a crash. Selection and query
- * functions are pure and reentrant; handles are used by one thread at a time.
+ * functions are pure and reentrant; handles are used by one thread at a time: a call while
+ * another thread's call on the handle is in flight, its destroy included, is
+ * EPCOMM_ERROR_INVALID_STATE and changes nothing. A call on a destroyed handle (while its address
+ * is not reused) is EPCOMM_ERROR_INVALID_STATE too. Each epcomm_*_destroy has an
+ * epcomm_*_destroy_checked form returning the status. A handle belongs to the process that made
+ * it: a forked child's calls on it are EPCOMM_ERROR_INVALID_STATE and leave the parent's
+ * untouched.
  */
 
 #ifndef EPCOMM_H
