@@ -4,19 +4,27 @@
 //! leave the parent's slot alone: the parent's and the peer's next barrier and dispatch are OK.
 //! Before the fix the child's barrier "succeeded" as its parent's rank and the peer failed.
 //!
-//! Its own test binary: the fork happens while no other test runs in the process, and the
-//! peer rank's thread is parked on a channel (it holds no lock the child could need).
+//! Also: a fork while another thread calls epcomm nonstop never leaves the child's epcomm
+//! locked (the child creates and destroys a handle of its own).
+//!
+//! Its own test binary, its tests serialized: the first forks while no other thread is inside
+//! epcomm (the peer rank's thread is parked on a channel).
 
 mod ranks;
 
 use std::ffi::{c_char, CStr};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use epcomm::error::Error;
 use epcomm::ffi::all2all::{
     epcomm_all2all, epcomm_all2all_create, epcomm_all2all_destroy_checked, epcomm_all2all_dispatch,
     epcomm_dispatch_output, epcomm_moe_config, epcomm_moe_config_init,
+};
+use epcomm::ffi::eplb_runtime::{
+    epcomm_eplb_state_create, epcomm_eplb_state_destroy_checked,
+    epcomm_eplb_state_migration_batching,
 };
 use epcomm::ffi::error::{epcomm_clear_last_error, epcomm_last_error_message};
 use epcomm::ffi::group::{
@@ -27,6 +35,9 @@ use epcomm::ffi::tensor::{epcomm_device, epcomm_tensor};
 use epcomm::ffi::*;
 use epcomm::group::shm::ShmGroup;
 use epcomm::group::{Group, GroupOptions};
+
+/// The tests fork: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 fn message() -> Option<String> {
     let p: *const c_char = epcomm_last_error_message();
@@ -183,6 +194,7 @@ fn child_checks(r: Rank, name: &str, core_name: &str, parent: u32) -> Vec<String
 
 #[test]
 fn forked_child_is_refused_and_leaves_the_parent_alone() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let name = ranks::unique("fk", "g");
     let core_name = ranks::unique("fk", "c");
     let (to_peer, peer_rx) = mpsc::channel::<()>();
@@ -221,20 +233,7 @@ fn forked_child_is_refused_and_leaves_the_parent_alone() {
         }
         unsafe { libc::_exit(i32::from(!failed.is_empty())) };
     }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut status = 0;
-    let waited = loop {
-        let w = unsafe { libc::waitpid(child, &mut status, libc::WNOHANG) };
-        if w != 0 || Instant::now() > deadline {
-            break w;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    if waited == 0 {
-        unsafe { libc::kill(child, libc::SIGKILL) };
-        unsafe { libc::waitpid(child, &mut status, 0) };
-    }
-    assert_eq!(waited, child, "the child did not finish in 30 s");
+    let status = wait_child(child, Duration::from_secs(30)).expect("the child finished");
     assert!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
         "the child's checks failed (wait status {status:#x}; see its stderr)"
@@ -247,4 +246,86 @@ fn forked_child_is_refused_and_leaves_the_parent_alone() {
         assert_eq!(epcomm_all2all_destroy_checked(r.a), EPCOMM_OK);
         assert_eq!(epcomm_group_destroy_checked(r.g), EPCOMM_OK);
     }
+}
+
+/// The wait status of `child`, or None (after killing it) when it ran past `limit`.
+fn wait_child(child: libc::pid_t, limit: Duration) -> Option<i32> {
+    let deadline = Instant::now() + limit;
+    let mut status = 0;
+    loop {
+        let w = unsafe { libc::waitpid(child, &mut status, libc::WNOHANG) };
+        if w == child {
+            return Some(status);
+        }
+        assert_eq!(w, 0, "waitpid failed");
+        if Instant::now() > deadline {
+            unsafe { libc::kill(child, libc::SIGKILL) };
+            unsafe { libc::waitpid(child, &mut status, 0) };
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn new_state() -> *mut epcomm::ffi::eplb_runtime::epcomm_eplb_state {
+    let mut s = std::ptr::null_mut();
+    let rc = unsafe { epcomm_eplb_state_create(std::ptr::null(), c"m".as_ptr(), 1, 4, &mut s) };
+    assert_eq!(rc, EPCOMM_OK, "{:?}", message());
+    s
+}
+
+/// Another thread takes and releases epcomm's handle registry nonstop while this one forks:
+/// each child creates and destroys a handle of its own within 10 s (before the fix a child
+/// forked while the registry was held would wait for it forever).
+#[test]
+fn a_fork_during_calls_leaves_the_child_usable() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let state = new_state() as usize;
+    let stop = Arc::new(AtomicBool::new(false));
+    let busy = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut calls = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let mut b = true;
+                let s = state as *const _;
+                assert_eq!(
+                    unsafe { epcomm_eplb_state_migration_batching(s, &mut b) },
+                    EPCOMM_OK
+                );
+                calls += 1;
+            }
+            calls
+        })
+    };
+    for i in 0..100 {
+        // SAFETY: the child calls epcomm and leaves with _exit.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork failed");
+        if child == 0 {
+            let mut s = std::ptr::null_mut();
+            let ok = unsafe {
+                epcomm_eplb_state_create(std::ptr::null(), c"m".as_ptr(), 1, 4, &mut s) == EPCOMM_OK
+                    && epcomm_eplb_state_destroy_checked(s) == EPCOMM_OK
+            };
+            unsafe { libc::_exit(i32::from(!ok)) };
+        }
+        let status = wait_child(child, Duration::from_secs(10));
+        assert!(
+            status.is_some(),
+            "fork {i}: the child hung in its first epcomm call (a lock inherited held)"
+        );
+        let status = status.unwrap_or_default();
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "fork {i}: the child's create/destroy failed (wait status {status:#x})"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    let calls = busy.join().expect("the calling thread");
+    assert!(calls > 0);
+    assert_eq!(
+        unsafe { epcomm_eplb_state_destroy_checked(state as *mut _) },
+        EPCOMM_OK
+    );
 }

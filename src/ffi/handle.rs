@@ -42,10 +42,32 @@ type Registry = HashMap<usize, Entry>;
 
 fn registry() -> MutexGuard<'static, Registry> {
     static LIVE: OnceLock<Mutex<Registry>> = OnceLock::new();
+    let live = LIVE.get_or_init(|| {
+        // SAFETY: the handlers only lock and unlock this registry, on the forking thread.
+        unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_done), Some(fork_done)) };
+        Default::default()
+    });
     // Entries are updated under the lock in single steps: a poisoned lock is still consistent.
-    LIVE.get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    live.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+thread_local! {
+    /// The registry, held by the forking thread across fork().
+    static HELD_FOR_FORK: std::cell::RefCell<Option<MutexGuard<'static, Registry>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Before fork(): takes the registry, so no other thread holds it at the fork; a child would
+/// otherwise inherit it locked forever (its first epcomm call, even creating a new group, would
+/// hang).
+extern "C" fn fork_prepare() {
+    let live = registry();
+    HELD_FOR_FORK.with(|h| *h.borrow_mut() = Some(live));
+}
+
+/// After fork(), in the parent and in the child: releases the registry again.
+extern "C" fn fork_done() {
+    HELD_FOR_FORK.with(|h| drop(h.borrow_mut().take()));
 }
 
 /// The C type name of a handle type (`epcomm_group`), for messages.
@@ -190,9 +212,8 @@ unsafe fn borrow_as<'a, H: Handle>(p: *const H, access: Access) -> Result<Ref<'a
     // SAFETY: registered, so live until unregistered, which waits for in_flight to drop to 0.
     let h = unsafe { &*p };
     if e.pid != std::process::id() {
-        let pid = e.pid;
-        drop(live);
-        return Err(forked(&h.label(), pid));
+        // Labelled under the lock: nothing frees the handle meanwhile.
+        return Err(forked(&h.label(), e.pid));
     }
     e.in_flight += 1;
     Ok(Ref { h })
