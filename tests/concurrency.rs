@@ -1067,3 +1067,102 @@ fn stale_pointers_refused_and_managers_keep_their_group() {
     });
     assert_eq!(outcomes.len(), 2);
 }
+
+/// An EPLB communicator's execute in flight (rank 0's thread sends, rank 1 held back): the
+/// destroys of the communicator and of its group are refused with the full messages; the
+/// transfer completes with the right bytes; the group destroyed first lives on with the
+/// communicator, which frees it.
+#[test]
+fn eplb_communicator_destroy_refused_during_execute() {
+    use epcomm::ffi::eplb_runtime::{
+        epcomm_eplb_communicator, epcomm_eplb_communicator_add_recv,
+        epcomm_eplb_communicator_add_send, epcomm_eplb_communicator_create,
+        epcomm_eplb_communicator_destroy, epcomm_eplb_communicator_destroy_checked,
+        epcomm_eplb_communicator_execute,
+    };
+    quiet_logs();
+    let name = ranks::unique("cc", "e");
+    let comm = |g: Shared<epcomm_group>| -> Shared<epcomm_eplb_communicator> {
+        let request = epcomm_eplb_select_request {
+            struct_size: std::mem::size_of::<epcomm_eplb_select_request>() as u32,
+            communicator: c"torch_gloo".as_ptr(),
+            elastic: false,
+            device_type: EPCOMM_DEVICE_CPU,
+            weight_dtypes: std::ptr::null(),
+            num_weight_dtypes: 0,
+            nccl_available: 0,
+            nixl_available: 0,
+        };
+        let mut c = std::ptr::null_mut();
+        let rc = unsafe { epcomm_eplb_communicator_create(g.ptr(), &request, &mut c) };
+        assert_eq!(rc, EPCOMM_OK, "{:?}", message());
+        Shared(c)
+    };
+    let (go, gate) = std::sync::mpsc::channel::<()>();
+    let n1 = name.clone();
+    let r1 = std::thread::spawn(move || {
+        let g = join(&n1, 1, 2);
+        let c = comm(g);
+        gate.recv_timeout(Duration::from_secs(30))
+            .expect("released");
+        let mut buf = [0u8; 8];
+        let mut shape = [8i64];
+        let t = tensor(buf.as_mut_ptr(), &mut shape, 1, 8);
+        unsafe {
+            assert_eq!(
+                epcomm_eplb_communicator_add_recv(c.ptr(), &t, 1, 0, 7),
+                EPCOMM_OK
+            );
+            assert_eq!(
+                epcomm_eplb_communicator_execute(c.ptr()),
+                EPCOMM_OK,
+                "{:?}",
+                message()
+            );
+        }
+        unsafe {
+            assert_eq!(epcomm_group_destroy_checked(g.ptr()), EPCOMM_OK);
+            assert_eq!(epcomm_eplb_communicator_destroy_checked(c.ptr()), EPCOMM_OK);
+        }
+        buf
+    });
+    let g0 = join(&name, 0, 2);
+    let c0 = comm(g0);
+    let t = std::thread::spawn(move || {
+        let mut buf = [1u8, 2, 3, 4, 5, 6, 7, 8];
+        let mut shape = [8i64];
+        let t = tensor(buf.as_mut_ptr(), &mut shape, 1, 8);
+        unsafe {
+            assert_eq!(
+                epcomm_eplb_communicator_add_send(c0.ptr(), &t, 1, 1, 7),
+                EPCOMM_OK
+            );
+            retry_while_in_use(|| epcomm_eplb_communicator_execute(c0.ptr()))
+        }
+    });
+    until_busy("epcomm_group_size", || {
+        let mut n = 0;
+        unsafe { epcomm_group_size(g0.ptr(), &mut n) }
+    });
+    assert_destroy_refused(
+        || unsafe { epcomm_eplb_communicator_destroy_checked(c0.ptr()) },
+        || unsafe { epcomm_eplb_communicator_destroy(c0.ptr()) },
+        &busy_destroy("the epcomm_eplb_communicator handle"),
+    );
+    assert_destroy_refused(
+        || unsafe { epcomm_group_destroy_checked(g0.ptr()) },
+        || unsafe { epcomm_group_destroy(g0.ptr()) },
+        &busy_destroy(&format!("group '{name}'")),
+    );
+    go.send(()).unwrap();
+    let (rc, m) = t.join().expect("executing thread");
+    assert_eq!(rc, EPCOMM_OK, "rank 0 execute: {m:?}");
+    assert_eq!(r1.join().expect("rank 1"), [1, 2, 3, 4, 5, 6, 7, 8]);
+    unsafe {
+        assert_eq!(epcomm_group_destroy_checked(g0.ptr()), EPCOMM_OK);
+        assert_eq!(
+            epcomm_eplb_communicator_destroy_checked(c0.ptr()),
+            EPCOMM_OK
+        );
+    }
+}
