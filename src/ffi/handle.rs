@@ -38,7 +38,31 @@ struct Entry {
     retired: bool,
 }
 
-type Registry = HashMap<usize, Entry>;
+/// Handle addresses hashed by one multiplication (the default SipHash costs more than the rest
+/// of a borrow; addresses are not attacker-chosen keys).
+#[derive(Default)]
+struct AddrHasher(u64);
+
+impl std::hash::Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type Registry = HashMap<usize, Entry, std::hash::BuildHasherDefault<AddrHasher>>;
+
+/// This process's pid (a forked child's own), without a system call.
+fn pid() -> u32 {
+    crate::group::shm::current_pid()
+}
 
 fn registry() -> MutexGuard<'static, Registry> {
     static LIVE: OnceLock<Mutex<Registry>> = OnceLock::new();
@@ -79,7 +103,7 @@ fn kind<H: Handle>() -> &'static str {
 /// The error of a forked child using a handle its parent made; `what` names the handle. The
 /// same words as the shared-memory group's own check.
 fn forked(what: &str, parent: u32) -> Error {
-    crate::group::shm::fork_error(what, parent, std::process::id())
+    crate::group::shm::fork_error(what, parent, pid())
 }
 
 /// How a borrow treats a retired handle.
@@ -126,7 +150,7 @@ pub(crate) trait Handle: Sized + 'static {
         let p = Box::into_raw(Box::new(self));
         let entry = Entry {
             ty: TypeId::of::<Self>(),
-            pid: std::process::id(),
+            pid: pid(),
             in_flight: 0,
             dependents: 0,
             retired: false,
@@ -161,13 +185,13 @@ pub(crate) trait Handle: Sized + 'static {
         }
         let mut live = registry();
         let e = live_entry::<Self>(&mut live, p, Access::Caller)?;
-        if e.pid != std::process::id() || e.in_flight > 0 {
-            let (pid, busy) = (e.pid, e.in_flight > 0);
+        if e.pid != pid() || e.in_flight > 0 {
+            let (creator, busy) = (e.pid, e.in_flight > 0);
             // SAFETY: registered, so live; no free can happen while the registry is held.
             let label = unsafe { &*p }.label();
             // A forked child first: the calls its copy counts in flight are its parent's.
-            return Err(if pid != std::process::id() {
-                forked(&label, pid)
+            return Err(if creator != pid() {
+                forked(&label, creator)
             } else {
                 debug_assert!(busy);
                 Error::InvalidState(format!(
@@ -211,7 +235,7 @@ unsafe fn borrow_as<'a, H: Handle>(p: *const H, access: Access) -> Result<Ref<'a
     let e = live_entry::<H>(&mut live, p, access)?;
     // SAFETY: registered, so live until unregistered, which waits for in_flight to drop to 0.
     let h = unsafe { &*p };
-    if e.pid != std::process::id() {
+    if e.pid != pid() {
         // Labelled under the lock: nothing frees the handle meanwhile.
         return Err(forked(&h.label(), e.pid));
     }

@@ -3,8 +3,36 @@
 //! barrier "succeeds", the parent's next op then fails or mismatches at a peer). The child is
 //! refused before it touches anything shared, and its drop leaves the parent's slot alone.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Once;
+
 use super::ShmGroup;
 use crate::error::{Error, Result};
+
+/// This process's pid, renewed in a forked child by a fork handler (getpid is a system call,
+/// and every op asks).
+static PID: AtomicU32 = AtomicU32::new(0);
+
+extern "C" fn renew_pid() {
+    PID.store(std::process::id(), Ordering::Relaxed);
+}
+
+/// This process's pid (a forked child's own).
+pub(crate) fn current_pid() -> u32 {
+    static HANDLER: Once = Once::new();
+    HANDLER.call_once(|| {
+        // The handler first: a fork after it renews the child's copy.
+        // SAFETY: the handler only stores the child's pid.
+        if unsafe { libc::pthread_atfork(None, None, Some(renew_pid)) } == 0 {
+            renew_pid();
+        }
+    });
+    match PID.load(Ordering::Relaxed) {
+        // No handler (pthread_atfork failed): ask every time.
+        0 => std::process::id(),
+        p => p,
+    }
+}
 
 /// The error of process `child` using `what` ("group 'G'", a handle) made by its parent
 /// `parent`; the C handle layer uses the same words.
@@ -17,7 +45,7 @@ pub(crate) fn fork_error(what: &str, parent: u32, child: u32) -> Error {
 impl ShmGroup {
     /// Whether this process is a fork of the one that joined (its pid differs).
     pub(super) fn forked(&self) -> bool {
-        std::process::id() != self.pid
+        current_pid() != self.pid
     }
 
     /// Refuses an op in a forked child.
@@ -26,7 +54,7 @@ impl ShmGroup {
             return Err(fork_error(
                 &format!("group '{}'", self.name),
                 self.pid,
-                std::process::id(),
+                current_pid(),
             ));
         }
         Ok(())

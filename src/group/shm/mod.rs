@@ -66,7 +66,7 @@ mod shrink;
 mod wait;
 mod window;
 
-pub(crate) use self::fork::fork_error;
+pub(crate) use self::fork::{current_pid, fork_error};
 pub use self::join::MAX_WORLD;
 pub use self::rendezvous::{UniqueId, UNIQUE_ID_BYTES};
 pub use self::segment::pin_current_thread;
