@@ -151,14 +151,25 @@ struct call {
     int32_t st;
 };
 
+/* Whether the last call was refused because another thread held the handle for an instant. */
+static int refused_as_in_use(int32_t st) {
+    const char *msg = epcomm_last_error_message();
+    return st == EPCOMM_ERROR_INVALID_STATE && msg != NULL &&
+           strstr(msg, "in use by another thread") != NULL;
+}
+
 static void *run_call(void *arg) {
     struct call *c = (struct call *)arg;
-    if (c->is_dispatch) {
-        make_input(&c->in, c->rank);
-        c->st = dispatch(g_a2a, &c->in, &c->o);
-    } else {
-        c->st = epcomm_group_barrier(g_group);
-    }
+    /* The probing thread may hold the handle as this call starts: retry until this call is
+     * the one inside. */
+    do {
+        if (c->is_dispatch) {
+            make_input(&c->in, c->rank);
+            c->st = dispatch(g_a2a, &c->in, &c->o);
+        } else {
+            c->st = epcomm_group_barrier(g_group);
+        }
+    } while (c->rank == 0 && refused_as_in_use(c->st));
     return NULL;
 }
 
