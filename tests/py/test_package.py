@@ -375,6 +375,64 @@ class GroupTest(unittest.TestCase):
 
         self.assertEqual(run_threads(2, rank), {0: "ok", 1: "ok"})
 
+    def test_forked_child_is_refused(self):
+        """A forked child's barrier and close() on its parent's group raise INVALID_STATE naming
+        the fork; the parent's and the peer's next barrier work."""
+        name = unique("fork")
+        ready, go = threading.Event(), threading.Event()
+        peer_errors = queue.Queue()
+
+        def peer():
+            try:
+                g = epcomm.Group.shm(name, 1, 2, timeout_s=30)
+                g.barrier()
+                ready.set()
+                self.assertTrue(go.wait(30))
+                g.barrier()
+                g.close()
+                peer_errors.put(None)
+            except BaseException as e:  # noqa: BLE001 -- reported below
+                ready.set()
+                peer_errors.put(e)
+
+        t = threading.Thread(target=peer)
+        t.start()
+        g = epcomm.Group.shm(name, 0, 2, timeout_s=30)
+        g.barrier()
+        self.assertTrue(ready.wait(30))
+        parent = os.getpid()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report through the pipe, never return into unittest
+            report = []
+            try:
+                os.close(r)
+                want = (
+                    f"group '{name}' was created by pid {parent}; this process (pid "
+                    f"{os.getpid()}) is a fork of it and cannot use it: create a new one in the "
+                    "child"
+                )
+                for call in (g.barrier, g.close):
+                    try:
+                        call()
+                        report.append(f"{call.__name__} succeeded")
+                    except RuntimeError as e:
+                        if str(e) != want or not isinstance(e, epcomm.Error):
+                            report.append(f"{call.__name__}: {e!r}")
+                os.write(w, ("\n".join(report) or "ok").encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            report = f.read().decode()
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual((report, status), ("ok", 0))
+        go.set()
+        g.barrier()  # the parent's group, untouched by the child
+        t.join(30)
+        self.assertIsNone(peer_errors.get_nowait())
+        g.close()
+
     def test_shm_unique(self):
         uid = epcomm.Group.unique_id()
         self.assertIsInstance(uid, bytes)
