@@ -5,7 +5,13 @@
  * epcomm_last_error_message() holds the message (vLLM's exact wording where vLLM has one) and
  * epcomm_last_error_hint() an optional hint. Outputs are written only on success. NULL where a
  * pointer is required gives EPCOMM_ERROR_NULL_POINTER, never a crash. Selection and query
- * functions are pure and reentrant; handles are used by one thread at a time.
+ * functions are pure and reentrant; handles are used by one thread at a time: a call while
+ * another thread's call on the handle is in flight, its destroy included, is
+ * EPCOMM_ERROR_INVALID_STATE and changes nothing. A call on a destroyed handle (while its address
+ * is not reused) is EPCOMM_ERROR_INVALID_STATE too. Each epcomm_*_destroy has an
+ * epcomm_*_destroy_checked form returning the status. A handle belongs to the process that made
+ * it: a forked child's calls on it are EPCOMM_ERROR_INVALID_STATE and leave the parent's
+ * untouched.
  */
 
 #ifndef EPCOMM_H
@@ -332,13 +338,15 @@
 
 /**
  * An all2all manager: MoE dispatch/combine for one backend name and configuration over a
- * group. Use from one thread at a time; the group must outlive it.
+ * group. Use from one thread at a time. It keeps its group alive: the group's destroy is
+ * refused while a call of the manager is in flight, and otherwise frees the group with the
+ * manager.
  */
 typedef struct epcomm_all2all epcomm_all2all;
 
 /**
- * An EPLB communicator bound to a group (the group must outlive it). Use from one thread at
- * a time.
+ * An EPLB communicator bound to a group, which it keeps alive (as an all2all manager does).
+ * Use from one thread at a time.
  */
 typedef struct epcomm_eplb_communicator epcomm_eplb_communicator;
 
@@ -1059,18 +1067,31 @@ int32_t epcomm_moe_config_init(struct epcomm_moe_config *config);
  * the first dispatch).
  *
  * # Safety
- * `group` is NULL or a live group handle that outlives the manager; `backend` is NULL or a
+ * `group` is NULL or a group handle (the manager keeps it alive); `backend` is NULL or a
  * NUL-terminated string; `config` is NULL or valid; `out` is NULL or writable.
  */
 int32_t epcomm_all2all_create(const struct epcomm_group *group, const char *backend, const struct epcomm_moe_config *config, struct epcomm_all2all **out);
 
 /**
- * Releases a manager (NULL is a no-op); views it returned become invalid.
+ * Releases a manager (NULL is a no-op), as epcomm_all2all_destroy_checked, whose status this
+ * void form cannot return: a refused destroy frees nothing and records the error for
+ * epcomm_last_error_message.
  *
  * # Safety
- * `a2a` is NULL or a handle from epcomm_all2all_create, not used after this call.
+ * `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
  */
 void epcomm_all2all_destroy(struct epcomm_all2all *a2a);
+
+/**
+ * Releases a manager: EPCOMM_OK; views it returned become invalid, and a group destroyed before it
+ * is freed now. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE,
+ * freeing nothing: while another thread's call on it is in flight (destroy again after it
+ * returned); on a handle destroyed already; in a forked child of the process that made it.
+ *
+ * # Safety
+ * `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+ */
+int32_t epcomm_all2all_destroy_checked(struct epcomm_all2all *a2a);
 
 /**
  * Dispatches this rank's tokens (collective): `hidden` [T, hidden_size] of hidden_dtype,
@@ -1407,12 +1428,25 @@ int32_t epcomm_eplb_schedule_migration_batches(const int64_t *old_phy2log, const
 int32_t epcomm_eplb_migration_schedule_view(const struct epcomm_eplb_migration_schedule *schedule, struct epcomm_eplb_schedule_view *view_out);
 
 /**
- * Releases a migration schedule (NULL is a no-op).
+ * Releases a migration schedule (NULL is a no-op), as
+ * epcomm_eplb_migration_schedule_destroy_checked, whose status this void form cannot return:
+ * a refused destroy frees nothing and records the error for epcomm_last_error_message.
  *
  * # Safety
- * `schedule` is NULL or from epcomm_eplb_schedule_migration_batches, not used afterwards.
+ * `schedule` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
  */
 void epcomm_eplb_migration_schedule_destroy(struct epcomm_eplb_migration_schedule *schedule);
+
+/**
+ * Releases a migration schedule: EPCOMM_OK; its views become invalid. NULL is
+ * EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while
+ * another thread's call on it is in flight; on a schedule destroyed already; in a forked child of
+ * the process that made it.
+ *
+ * # Safety
+ * `schedule` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+ */
+int32_t epcomm_eplb_migration_schedule_destroy_checked(struct epcomm_eplb_migration_schedule *schedule);
 
 /**
  * Builds the EPLB communicator vLLM's factory would choose for `request` (name or automatic,
@@ -1422,18 +1456,31 @@ void epcomm_eplb_migration_schedule_destroy(struct epcomm_eplb_migration_schedul
  * communicators report that epcomm's GPU transports are not implemented yet.
  *
  * # Safety
- * `group` is NULL or a live handle that outlives the communicator; `request` is NULL or valid;
+ * `group` is NULL or a group handle (the communicator keeps it alive); `request` is NULL or valid;
  * `out` is NULL or writable.
  */
 int32_t epcomm_eplb_communicator_create(const struct epcomm_group *group, const struct epcomm_eplb_select_request *request, struct epcomm_eplb_communicator **out);
 
 /**
- * Releases a communicator (NULL is a no-op); queued transfers are dropped.
+ * Releases a communicator (NULL is a no-op), as epcomm_eplb_communicator_destroy_checked,
+ * whose status this void form cannot return: a refused destroy frees nothing and records the
+ * error for epcomm_last_error_message.
  *
  * # Safety
- * `comm` is NULL or a handle from epcomm_eplb_communicator_create, not used afterwards.
+ * `comm` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
  */
 void epcomm_eplb_communicator_destroy(struct epcomm_eplb_communicator *comm);
+
+/**
+ * Releases a communicator: EPCOMM_OK; queued transfers are dropped, and a group destroyed before
+ * it is freed now. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE,
+ * freeing nothing: while another thread's call on it is in flight; on a handle destroyed already;
+ * in a forked child of the process that made it.
+ *
+ * # Safety
+ * `comm` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+ */
+int32_t epcomm_eplb_communicator_destroy_checked(struct epcomm_eplb_communicator *comm);
 
 /**
  * Queues sending the rows of one expert (one tensor per weight tensor) to rank `dst`. The
@@ -1583,12 +1630,24 @@ int32_t epcomm_eplb_plan_layer(const int64_t *old_phy2log, const int64_t *new_ph
 int32_t epcomm_eplb_layer_plan_view(const struct epcomm_eplb_layer_plan *plan, struct epcomm_eplb_plan_view *view_out);
 
 /**
- * Releases a layer plan (NULL is a no-op).
+ * Releases a layer plan (NULL is a no-op), as epcomm_eplb_layer_plan_destroy_checked, whose
+ * status this void form cannot return: a refused destroy frees nothing and records the error
+ * for epcomm_last_error_message.
  *
  * # Safety
- * `plan` is NULL or from epcomm_eplb_plan_layer, not used afterwards.
+ * `plan` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
  */
 void epcomm_eplb_layer_plan_destroy(struct epcomm_eplb_layer_plan *plan);
+
+/**
+ * Releases a layer plan: EPCOMM_OK; its views become invalid. NULL is EPCOMM_ERROR_NULL_POINTER.
+ * Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is
+ * in flight; on a plan destroyed already; in a forked child of the process that made it.
+ *
+ * # Safety
+ * `plan` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+ */
+int32_t epcomm_eplb_layer_plan_destroy_checked(struct epcomm_eplb_layer_plan *plan);
 
 /**
  * The logical experts of one layer's old placement (`old_phy2log`, `num_slots` = old ranks x
@@ -1622,12 +1681,24 @@ int32_t epcomm_eplb_lost_experts(const int64_t *old_phy2log, int64_t num_slots, 
 int32_t epcomm_eplb_state_create(const char *eplb_config_json, const char *model_name, int64_t num_layers, int64_t num_physical, struct epcomm_eplb_state **out);
 
 /**
- * Releases load statistics (NULL is a no-op).
+ * Releases load statistics (NULL is a no-op), as epcomm_eplb_state_destroy_checked, whose
+ * status this void form cannot return: a refused destroy frees nothing and records the error
+ * for epcomm_last_error_message.
  *
  * # Safety
- * `state` is NULL or from epcomm_eplb_state_create, not used afterwards.
+ * `state` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
  */
 void epcomm_eplb_state_destroy(struct epcomm_eplb_state *state);
+
+/**
+ * Releases load statistics: EPCOMM_OK. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with
+ * EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in flight; on
+ * a state destroyed already; in a forked child of the process that made it.
+ *
+ * # Safety
+ * `state` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+ */
+int32_t epcomm_eplb_state_destroy_checked(struct epcomm_eplb_state *state);
 
 /**
  * Sets `*enabled_out` to vLLM's `EPLBConfig.migration_batching_enabled` for the config the
@@ -1809,14 +1880,26 @@ int32_t epcomm_gpu_all2all_create(const char *backend, const struct epcomm_moe_c
 int32_t epcomm_gpu_all2all_create_from_comm(const char *backend, const struct epcomm_moe_config *config, void *nccl_comm, int32_t device, int32_t mode, struct epcomm_gpu_all2all **out);
 
 /**
- * Releases a GPU manager (NULL is a no-op): its buffers, and its communicator when it was
- * created from a unique id. Views it returned become invalid. Work already enqueued on the
- * host's stream must have finished (synchronize the stream first).
+ * Releases a GPU manager (NULL is a no-op), as epcomm_gpu_all2all_destroy_checked, whose
+ * status this void form cannot return: a refused destroy frees nothing and records the error
+ * for epcomm_last_error_message.
  *
  * # Safety
- * `a2a` is NULL or a handle from epcomm_gpu_all2all_create*, not used after this call.
+ * `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
  */
 void epcomm_gpu_all2all_destroy(struct epcomm_gpu_all2all *a2a);
+
+/**
+ * Releases a GPU manager: EPCOMM_OK; its buffers, and its communicator when it was created from a
+ * unique id. Views it returned become invalid. Work already enqueued on the host's stream must
+ * have finished (synchronize the stream first). NULL is EPCOMM_ERROR_NULL_POINTER. Refused with
+ * EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in flight; on
+ * a handle destroyed already; in a forked child of the process that made it.
+ *
+ * # Safety
+ * `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+ */
+int32_t epcomm_gpu_all2all_destroy_checked(struct epcomm_gpu_all2all *a2a);
 
 /**
  * Dispatches this rank's tokens (collective) on the host's `stream` (a `cudaStream_t`; NULL =
@@ -1925,13 +2008,29 @@ int32_t epcomm_group_create_shm_unique(const struct epcomm_unique_id *id, int32_
 int32_t epcomm_group_create_host(const struct epcomm_host_callbacks *callbacks, const char *name, int32_t rank, int32_t world_size, const struct epcomm_group_options *options, struct epcomm_group **out);
 
 /**
- * Leaves the group and releases the handle (NULL is a no-op). A shared-memory group first lets
- * peers finish reading its last contribution (bounded wait), then unlinks its memory.
+ * Leaves the group and releases the handle (NULL is a no-op), as
+ * epcomm_group_destroy_checked, whose status this void form cannot return: a refused destroy
+ * frees nothing and records the error for epcomm_last_error_message.
  *
  * # Safety
- * `group` is NULL or a handle from epcomm_group_create_*, not used after this call.
+ * `group` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
  */
 void epcomm_group_destroy(struct epcomm_group *group);
+
+/**
+ * Leaves the group and releases the handle: EPCOMM_OK. A shared-memory group first lets peers
+ * finish reading its last contribution (bounded wait), then unlinks its memory. With all2all
+ * managers or EPLB communicators made over it still alive, the handle is gone at once (calls on it
+ * are refused) and the group is left and freed with the last of them. NULL is
+ * EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while a
+ * call using the group (its own, or one of a manager made over it) is in flight on another thread
+ * (destroy again after it returned); on a handle destroyed already; in a forked child of the
+ * process that made it (the parent's group is left untouched).
+ *
+ * # Safety
+ * `group` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+ */
+int32_t epcomm_group_destroy_checked(struct epcomm_group *group);
 
 /**
  * Writes this process's rank in the group.
@@ -2103,7 +2202,7 @@ int32_t epcomm_mem_free(struct epcomm_group *group, void *ptr);
  * windows: EPCOMM_ERROR_UNAVAILABLE (use ordinary memory). Not collective.
  *
  * # Safety
- * `a2a` is NULL or a live handle whose group is live; the outputs are NULL or writable.
+ * `a2a` is NULL or a live handle; the outputs are NULL or writable.
  */
 int32_t epcomm_all2all_expert_output_buffer(struct epcomm_all2all *a2a, void **data_out, int64_t *rows_out);
 

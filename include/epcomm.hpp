@@ -166,6 +166,8 @@ inline NcclUniqueId nccl_unique_id() {
 }
 
 /// The one owner of a C handle (move-only): released with `Destroy` (NULL-safe) when it goes.
+/// A destroy the library refuses (another thread's call on the handle in flight, a forked
+/// child) keeps the handle, as a destructor cannot throw; `close` reports it.
 template <class T, void (*Destroy)(T *)> class Owned {
 public:
     Owned() noexcept = default;
@@ -184,6 +186,14 @@ public:
     ~Owned() { Destroy(p_); }
 
     T *get() const noexcept { return p_; }
+    /// Releases the handle now with `checked` (its epcomm_*_destroy_checked); throws on a
+    /// refusal (EPCOMM_ERROR_INVALID_STATE), keeping the handle. A no-op once released.
+    void close(int32_t (*checked)(T *)) {
+        if (p_ != nullptr) {
+            check(checked(p_));
+            p_ = nullptr;
+        }
+    }
     /// Where a create call writes the new handle.
     T **out() noexcept { return &p_; }
 
@@ -614,6 +624,10 @@ public:
         check(epcomm_mem_alloc(g_.get(), bytes, &p));
         return SharedBuffer(g_.get(), p, bytes);
     }
+    /// Leaves the group now (as the destructor does, which cannot report a refusal); throws
+    /// EPCOMM_ERROR_INVALID_STATE, keeping the group, while another thread's call using it is
+    /// in flight, and in a forked child. Managers made over it keep it alive until they go.
+    void close() { g_.close(epcomm_group_destroy_checked); }
 
 private:
     explicit Group(epcomm_group *g) : g_(g) {}
@@ -622,7 +636,7 @@ private:
 
 // ---- all2all ----------------------------------------------------------------------------------
 
-/// An all2all manager for one backend name (move-only); the group must outlive it.
+/// An all2all manager for one backend name (move-only); it keeps its group alive.
 class All2All {
 public:
     All2All(const Group &group, const std::string &backend, const epcomm_moe_config &config)
@@ -631,6 +645,9 @@ public:
     }
 
     epcomm_all2all *get() const noexcept { return a_.get(); }
+    /// Releases the manager now; throws EPCOMM_ERROR_INVALID_STATE, keeping it, while another
+    /// thread's call on it is in flight, and in a forked child.
+    void close() { a_.close(epcomm_all2all_destroy_checked); }
     /// Dispatches (collective); the returned views stay valid until the next call.
     epcomm_dispatch_output dispatch(const Tensor &hidden, const Tensor &topk_ids, const Tensor &topk_weights) {
         return dispatch(hidden, topk_ids, topk_weights, {});
@@ -1096,7 +1113,7 @@ inline std::vector<int64_t> eplb_lost_experts(const std::vector<int64_t> &old_ph
 }
 
 /// An EPLB communicator over a group (move-only), as vLLM's factory builds it for a request;
-/// the group must outlive it.
+/// it keeps its group alive.
 class EplbCommunicator {
 public:
     EplbCommunicator(const Group &group, const epcomm_eplb_select_request &request) {

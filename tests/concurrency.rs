@@ -8,7 +8,10 @@
 //!     time with distinct data;
 //! (d) one group (and one all2all manager) handle used from two threads at once: the second
 //!     caller gets EPCOMM_ERROR_INVALID_STATE "in use by another thread", nothing crashes, and
-//!     the handle works afterwards.
+//!     the handle works afterwards;
+//! (e) a destroy of the group or the manager while another thread's call on it is in flight is
+//!     refused with EPCOMM_ERROR_INVALID_STATE and frees nothing; stale pointers are refused;
+//!     a manager keeps its destroyed group alive.
 //!
 //! Bounded: EPCOMM_CONCURRENCY_ITERS (default 200) iterations per thread in (a) and (b).
 
@@ -21,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use epcomm::ffi::all2all::{
     epcomm_all2all, epcomm_all2all_check_layer, epcomm_all2all_create, epcomm_all2all_destroy,
-    epcomm_all2all_dispatch, epcomm_all2all_get_stats, epcomm_all2all_stats,
-    epcomm_dispatch_output, epcomm_moe_config, epcomm_moe_config_init,
+    epcomm_all2all_destroy_checked, epcomm_all2all_dispatch, epcomm_all2all_get_stats,
+    epcomm_all2all_stats, epcomm_dispatch_output, epcomm_moe_config, epcomm_moe_config_init,
 };
 use epcomm::ffi::config::{epcomm_config_check, epcomm_config_check_report};
 use epcomm::ffi::eplb::epcomm_eplb_rebalance;
@@ -32,8 +35,8 @@ use epcomm::ffi::error::{
 };
 use epcomm::ffi::group::{
     epcomm_group, epcomm_group_all_gatherv, epcomm_group_barrier, epcomm_group_create_shm,
-    epcomm_group_destroy, epcomm_group_options, epcomm_group_options_init,
-    epcomm_group_reduce_scatterv, epcomm_group_size,
+    epcomm_group_destroy, epcomm_group_destroy_checked, epcomm_group_options,
+    epcomm_group_options_init, epcomm_group_reduce_scatterv, epcomm_group_size,
 };
 use epcomm::ffi::log::epcomm_set_log_callback;
 use epcomm::ffi::select::{
@@ -911,4 +914,255 @@ fn racing_calls_on_one_handle() {
     // The handle still works.
     assert_eq!(unsafe { epcomm_group_barrier(g.ptr()) }, EPCOMM_OK);
     unsafe { epcomm_group_destroy(g.ptr()) };
+}
+
+// ---- (e) destroy while another thread's call is in flight ------------------------------------
+
+const DESTROY_ITERS: usize = 25;
+
+/// The refusal of a destroy under a call, for the handle `label` names.
+fn busy_destroy(label: &str) -> String {
+    format!(
+        "cannot destroy {label}: a call using it is in flight on another thread; nothing was freed: destroy it after that call returns"
+    )
+}
+
+/// The checked destroy's status and message, then the void destroy's recorded message.
+fn assert_destroy_refused(checked: impl Fn() -> i32, void: impl Fn(), want: &str) {
+    epcomm_clear_last_error();
+    assert_eq!(checked(), EPCOMM_ERROR_INVALID_STATE, "{:?}", message());
+    assert_eq!(message().as_deref(), Some(want));
+    epcomm_clear_last_error();
+    void();
+    assert_eq!(message().as_deref(), Some(want));
+}
+
+/// Rank 0's thread A runs a barrier, then a dispatch, waiting for rank 1 (held back until rank
+/// 0's main thread tried its destroys); every destroy of the group and of the manager is refused
+/// with the full message and frees nothing, the call completes, and the handles work after; at
+/// the end every destroy succeeds. Before the fix the destroy freed the handles under the call.
+#[test]
+fn destroy_refused_while_a_call_is_in_flight() {
+    quiet_logs();
+    let name = ranks::unique("cc", "x");
+    let n1 = name.clone();
+    let (go, gate) = std::sync::mpsc::channel::<()>();
+    let r1 = std::thread::spawn(move || {
+        let g = join(&n1, 1, 2);
+        let a = manager(g);
+        for _ in 0..DESTROY_ITERS {
+            gate.recv_timeout(Duration::from_secs(30))
+                .expect("released");
+            assert_eq!(
+                unsafe { epcomm_group_barrier(g.ptr()) },
+                EPCOMM_OK,
+                "{:?}",
+                message()
+            );
+            gate.recv_timeout(Duration::from_secs(30))
+                .expect("released");
+            let (rc, m) = dispatch_one(a, 1);
+            assert_eq!(rc, EPCOMM_OK, "rank 1 dispatch: {m:?}");
+        }
+        unsafe {
+            assert_eq!(epcomm_all2all_destroy_checked(a.ptr()), EPCOMM_OK);
+            assert_eq!(epcomm_group_destroy_checked(g.ptr()), EPCOMM_OK);
+        }
+    });
+    let g0 = join(&name, 0, 2);
+    let a0 = manager(g0);
+    let group_busy = busy_destroy(&format!("group '{name}'"));
+    let a2a_busy = busy_destroy("the epcomm_all2all handle");
+    let destroy_group = || unsafe { epcomm_group_destroy_checked(g0.ptr()) };
+    let destroy_group_void = || unsafe { epcomm_group_destroy(g0.ptr()) };
+    let group_size = || {
+        let mut n = 0;
+        unsafe { epcomm_group_size(g0.ptr(), &mut n) }
+    };
+    for _ in 0..DESTROY_ITERS {
+        // A barrier in flight.
+        let t = std::thread::spawn(move || {
+            retry_while_in_use(|| unsafe { epcomm_group_barrier(g0.ptr()) })
+        });
+        until_busy("epcomm_group_size", group_size);
+        assert_destroy_refused(destroy_group, destroy_group_void, &group_busy);
+        go.send(()).unwrap();
+        let (rc, m) = t.join().expect("barrier thread");
+        assert_eq!(rc, EPCOMM_OK, "rank 0 barrier: {m:?}");
+        // A dispatch in flight: the manager and the group under it.
+        let t = std::thread::spawn(move || retry_while_in_use(|| dispatch_one(a0, 0).0));
+        until_busy("epcomm_all2all_get_stats", || {
+            let mut s = std::mem::MaybeUninit::<epcomm_all2all_stats>::zeroed();
+            unsafe { epcomm_all2all_get_stats(a0.ptr(), s.as_mut_ptr()) }
+        });
+        until_busy("epcomm_group_size", group_size);
+        assert_destroy_refused(
+            || unsafe { epcomm_all2all_destroy_checked(a0.ptr()) },
+            || unsafe { epcomm_all2all_destroy(a0.ptr()) },
+            &a2a_busy,
+        );
+        assert_destroy_refused(destroy_group, destroy_group_void, &group_busy);
+        go.send(()).unwrap();
+        let (rc, m) = t.join().expect("dispatch thread");
+        assert_eq!(rc, EPCOMM_OK, "rank 0 dispatch: {m:?}");
+    }
+    r1.join().expect("rank 1");
+    unsafe {
+        assert_eq!(epcomm_all2all_destroy_checked(a0.ptr()), EPCOMM_OK);
+        assert_eq!(epcomm_group_destroy_checked(g0.ptr()), EPCOMM_OK);
+    }
+}
+
+/// After a destroy, a call or a second destroy on the stale pointer is refused (no use of freed
+/// memory), and so is a pointer of another handle type; a manager keeps its destroyed group
+/// alive (the group's handle is refused, the manager still dispatches) until its own destroy.
+#[test]
+fn stale_pointers_refused_and_managers_keep_their_group() {
+    quiet_logs();
+    let name = ranks::unique("cc", "s");
+    let outcomes = ranks::on_threads(2, move |rank| {
+        let g = join(&name, rank, 2);
+        let a = manager(g);
+        let spare = manager(g);
+        unsafe { assert_eq!(epcomm_all2all_destroy_checked(spare.ptr()), EPCOMM_OK) };
+        let gone = format!(
+            "a2a ({:p}) is not a live epcomm_all2all handle: it was destroyed already, or was not made by epcomm",
+            spare.ptr()
+        );
+        assert_eq!(
+            dispatch_one(spare, rank),
+            (EPCOMM_ERROR_INVALID_STATE, Some(gone.clone()))
+        );
+        unsafe {
+            assert_eq!(
+                epcomm_all2all_destroy_checked(spare.ptr()),
+                EPCOMM_ERROR_INVALID_STATE
+            );
+        }
+        assert_eq!(message(), Some(gone));
+        // A group is not a manager.
+        let (rc, m) = dispatch_one(Shared(g.ptr().cast()), rank);
+        assert_eq!(rc, EPCOMM_ERROR_INVALID_STATE);
+        assert_eq!(
+            m,
+            Some(format!(
+                "a2a ({:p}) is not a live epcomm_all2all handle: it was destroyed already, or was not made by epcomm",
+                g.ptr()
+            ))
+        );
+        // The group goes first: retired, kept alive by the manager.
+        unsafe { assert_eq!(epcomm_group_destroy_checked(g.ptr()), EPCOMM_OK) };
+        let gone = format!(
+            "group ({:p}) is not a live epcomm_group handle: it was destroyed already, or was not made by epcomm",
+            g.ptr()
+        );
+        assert_eq!(
+            unsafe { epcomm_group_barrier(g.ptr()) },
+            EPCOMM_ERROR_INVALID_STATE
+        );
+        assert_eq!(message(), Some(gone));
+        let (rc, m) = dispatch_one(a, rank);
+        assert_eq!(rc, EPCOMM_OK, "{m:?}");
+        unsafe { assert_eq!(epcomm_all2all_destroy_checked(a.ptr()), EPCOMM_OK) };
+    });
+    assert_eq!(outcomes.len(), 2);
+}
+
+/// An EPLB communicator's execute in flight (rank 0's thread sends, rank 1 held back): the
+/// destroys of the communicator and of its group are refused with the full messages; the
+/// transfer completes with the right bytes; the group destroyed first lives on with the
+/// communicator, which frees it.
+#[test]
+fn eplb_communicator_destroy_refused_during_execute() {
+    use epcomm::ffi::eplb_runtime::{
+        epcomm_eplb_communicator, epcomm_eplb_communicator_add_recv,
+        epcomm_eplb_communicator_add_send, epcomm_eplb_communicator_create,
+        epcomm_eplb_communicator_destroy, epcomm_eplb_communicator_destroy_checked,
+        epcomm_eplb_communicator_execute,
+    };
+    quiet_logs();
+    let name = ranks::unique("cc", "e");
+    let comm = |g: Shared<epcomm_group>| -> Shared<epcomm_eplb_communicator> {
+        let request = epcomm_eplb_select_request {
+            struct_size: std::mem::size_of::<epcomm_eplb_select_request>() as u32,
+            communicator: c"torch_gloo".as_ptr(),
+            elastic: false,
+            device_type: EPCOMM_DEVICE_CPU,
+            weight_dtypes: std::ptr::null(),
+            num_weight_dtypes: 0,
+            nccl_available: 0,
+            nixl_available: 0,
+        };
+        let mut c = std::ptr::null_mut();
+        let rc = unsafe { epcomm_eplb_communicator_create(g.ptr(), &request, &mut c) };
+        assert_eq!(rc, EPCOMM_OK, "{:?}", message());
+        Shared(c)
+    };
+    let (go, gate) = std::sync::mpsc::channel::<()>();
+    let n1 = name.clone();
+    let r1 = std::thread::spawn(move || {
+        let g = join(&n1, 1, 2);
+        let c = comm(g);
+        gate.recv_timeout(Duration::from_secs(30))
+            .expect("released");
+        let mut buf = [0u8; 8];
+        let mut shape = [8i64];
+        let t = tensor(buf.as_mut_ptr(), &mut shape, 1, 8);
+        unsafe {
+            assert_eq!(
+                epcomm_eplb_communicator_add_recv(c.ptr(), &t, 1, 0, 7),
+                EPCOMM_OK
+            );
+            assert_eq!(
+                epcomm_eplb_communicator_execute(c.ptr()),
+                EPCOMM_OK,
+                "{:?}",
+                message()
+            );
+        }
+        unsafe {
+            assert_eq!(epcomm_group_destroy_checked(g.ptr()), EPCOMM_OK);
+            assert_eq!(epcomm_eplb_communicator_destroy_checked(c.ptr()), EPCOMM_OK);
+        }
+        buf
+    });
+    let g0 = join(&name, 0, 2);
+    let c0 = comm(g0);
+    let t = std::thread::spawn(move || {
+        let mut buf = [1u8, 2, 3, 4, 5, 6, 7, 8];
+        let mut shape = [8i64];
+        let t = tensor(buf.as_mut_ptr(), &mut shape, 1, 8);
+        unsafe {
+            assert_eq!(
+                epcomm_eplb_communicator_add_send(c0.ptr(), &t, 1, 1, 7),
+                EPCOMM_OK
+            );
+            retry_while_in_use(|| epcomm_eplb_communicator_execute(c0.ptr()))
+        }
+    });
+    until_busy("epcomm_group_size", || {
+        let mut n = 0;
+        unsafe { epcomm_group_size(g0.ptr(), &mut n) }
+    });
+    assert_destroy_refused(
+        || unsafe { epcomm_eplb_communicator_destroy_checked(c0.ptr()) },
+        || unsafe { epcomm_eplb_communicator_destroy(c0.ptr()) },
+        &busy_destroy("the epcomm_eplb_communicator handle"),
+    );
+    assert_destroy_refused(
+        || unsafe { epcomm_group_destroy_checked(g0.ptr()) },
+        || unsafe { epcomm_group_destroy(g0.ptr()) },
+        &busy_destroy(&format!("group '{name}'")),
+    );
+    go.send(()).unwrap();
+    let (rc, m) = t.join().expect("executing thread");
+    assert_eq!(rc, EPCOMM_OK, "rank 0 execute: {m:?}");
+    assert_eq!(r1.join().expect("rank 1"), [1, 2, 3, 4, 5, 6, 7, 8]);
+    unsafe {
+        assert_eq!(epcomm_group_destroy_checked(g0.ptr()), EPCOMM_OK);
+        assert_eq!(
+            epcomm_eplb_communicator_destroy_checked(c0.ptr()),
+            EPCOMM_OK
+        );
+    }
 }

@@ -114,7 +114,7 @@ class All2All(Handle):
             )
         )
         self._h = h
-        self._group = group  # the group must outlive the manager
+        self._group = group  # the Python object too (the library keeps the group alive)
         self.num_extras = len(extra_row_bytes)
         self._expert = (hidden_size, cfg.struct.expert_dtype)  # expert_output_buffer's rows
 

@@ -3,8 +3,8 @@
 use std::ffi::c_char;
 use std::sync::Mutex;
 
-use super::group::{epcomm_group, with_group};
-use super::handle::{exclusive_handle, Exclusive, Handle};
+use super::group::epcomm_group;
+use super::handle::{exclusive_handle, Dep, Exclusive, Handle};
 use super::moe_args::{
     combine_args, ids_arg, DispatchArgs, DispatchParts, DispatchTensors, OutputAddrs, OutputViews,
 };
@@ -267,9 +267,11 @@ pub(crate) struct State {
 }
 
 /// An all2all manager: MoE dispatch/combine for one backend name and configuration over a
-/// group. Use from one thread at a time; the group must outlive it.
+/// group. Use from one thread at a time. It keeps its group alive: the group's destroy is
+/// refused while a call of the manager is in flight, and otherwise frees the group with the
+/// manager.
 pub struct epcomm_all2all {
-    group: *const epcomm_group,
+    group: Dep<epcomm_group>,
     inner: Mutex<State>,
 }
 
@@ -288,7 +290,7 @@ exclusive_handle!(
 /// the first dispatch).
 ///
 /// # Safety
-/// `group` is NULL or a live group handle that outlives the manager; `backend` is NULL or a
+/// `group` is NULL or a group handle (the manager keeps it alive); `backend` is NULL or a
 /// NUL-terminated string; `config` is NULL or valid; `out` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_all2all_create(
@@ -304,7 +306,8 @@ pub unsafe extern "C" fn epcomm_all2all_create(
         let cfg = unsafe { config_arg(config) }?;
         let fp8 = unsafe { fp8_arg(config) }?;
         let ft = unsafe { ft_arg(config) }?;
-        let (rank, world) = unsafe { with_group(group, |g| Ok((g.rank(), g.size()))) }?;
+        let group = unsafe { Dep::new(group) }?;
+        let (rank, world) = group.with(|_, g| Ok((g.rank(), g.size())))?;
         let mut mgr = Manager::new(name, cfg, rank, world)?;
         mgr.set_dispatch_fp8(fp8)?;
         mgr.set_fault_tolerance(ft)?;
@@ -322,26 +325,43 @@ pub unsafe extern "C" fn epcomm_all2all_create(
     })
 }
 
-/// Releases a manager (NULL is a no-op); views it returned become invalid.
+/// Releases a manager (NULL is a no-op), as epcomm_all2all_destroy_checked, whose status this
+/// void form cannot return: a refused destroy frees nothing and records the error for
+/// epcomm_last_error_message.
 ///
 /// # Safety
-/// `a2a` is NULL or a handle from epcomm_all2all_create, not used after this call.
+/// `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_all2all_destroy(a2a: *mut epcomm_all2all) {
-    // SAFETY: caller contract.
-    guard::call_or((), || unsafe { epcomm_all2all::destroy(a2a) })
+    if !a2a.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_all2all_destroy_checked(a2a) };
+    }
+}
+
+/// Releases a manager: EPCOMM_OK; views it returned become invalid, and a group destroyed before it
+/// is freed now. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE,
+/// freeing nothing: while another thread's call on it is in flight (destroy again after it
+/// returned); on a handle destroyed already; in a forked child of the process that made it.
+///
+/// # Safety
+/// `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_destroy_checked(a2a: *mut epcomm_all2all) -> i32 {
+    // SAFETY: only a registered handle is freed.
+    guard::call(|| unsafe { epcomm_all2all::destroy(a2a) })
 }
 
 /// Runs `f` with the manager's state and its group.
 ///
 /// # Safety
-/// `a2a` is NULL or a live handle whose group is live.
+/// `a2a` is NULL or any pointer (only a live handle is used).
 pub(crate) unsafe fn with_manager<T>(
     a2a: *const epcomm_all2all,
     f: impl FnOnce(&mut State, &mut dyn Group) -> Result<T>,
 ) -> Result<T> {
-    // SAFETY: caller contract; the group outlives the manager (documented contract).
-    unsafe { epcomm_all2all::with(a2a, |h, st| with_group(h.group, |g| f(st, g))) }
+    // SAFETY: caller contract; the manager keeps its group alive.
+    unsafe { epcomm_all2all::with(a2a, |h, st| h.group.with(|_, g| f(st, g.as_mut()))) }
 }
 
 /// Dispatches this rank's tokens (collective): `hidden` [T, hidden_size] of hidden_dtype,

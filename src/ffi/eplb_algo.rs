@@ -472,7 +472,7 @@ pub unsafe extern "C" fn epcomm_eplb_migration_schedule_view(
     guard::call(|| {
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(view_out, "view_out") }?;
-        let s = unsafe { epcomm_eplb_migration_schedule::from_ptr(schedule) }?;
+        let s = unsafe { epcomm_eplb_migration_schedule::borrow(schedule) }?;
         *out = epcomm_eplb_schedule_view {
             num_batches: s.batch_starts.len() as i64 - 1,
             batch_starts: s.batch_starts.as_ptr(),
@@ -486,16 +486,33 @@ pub unsafe extern "C" fn epcomm_eplb_migration_schedule_view(
     })
 }
 
-/// Releases a migration schedule (NULL is a no-op).
+/// Releases a migration schedule (NULL is a no-op), as
+/// epcomm_eplb_migration_schedule_destroy_checked, whose status this void form cannot return:
+/// a refused destroy frees nothing and records the error for epcomm_last_error_message.
 ///
 /// # Safety
-/// `schedule` is NULL or from epcomm_eplb_schedule_migration_batches, not used afterwards.
+/// `schedule` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_migration_schedule_destroy(
     schedule: *mut epcomm_eplb_migration_schedule,
 ) {
-    // SAFETY: caller contract.
-    guard::call_or((), || unsafe {
-        epcomm_eplb_migration_schedule::destroy(schedule)
-    })
+    if !schedule.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_eplb_migration_schedule_destroy_checked(schedule) };
+    }
+}
+
+/// Releases a migration schedule: EPCOMM_OK; its views become invalid. NULL is
+/// EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while
+/// another thread's call on it is in flight; on a schedule destroyed already; in a forked child of
+/// the process that made it.
+///
+/// # Safety
+/// `schedule` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_migration_schedule_destroy_checked(
+    schedule: *mut epcomm_eplb_migration_schedule,
+) -> i32 {
+    // SAFETY: only a registered handle is freed.
+    guard::call(|| unsafe { epcomm_eplb_migration_schedule::destroy(schedule) })
 }

@@ -5,9 +5,9 @@ use std::ffi::c_char;
 use std::sync::Mutex;
 
 use super::all2all::epcomm_all2all;
-use super::group::{epcomm_group, with_group};
+use super::group::{epcomm_group, with_dep_group, with_group};
 use super::guard;
-use super::handle::{exclusive_handle, Exclusive, Handle};
+use super::handle::{exclusive_handle, Dep, Exclusive, Handle};
 use super::moe_args::ids_arg;
 use super::select::{epcomm_eplb_select_request, SelectArgs};
 use super::tensor::{check_writes_disjoint, epcomm_tensor, HostTensor, Memory};
@@ -30,10 +30,10 @@ pub(crate) struct CommState {
     queued: Vec<Queued>,
 }
 
-/// An EPLB communicator bound to a group (the group must outlive it). Use from one thread at
-/// a time.
+/// An EPLB communicator bound to a group, which it keeps alive (as an all2all manager does).
+/// Use from one thread at a time.
 pub struct epcomm_eplb_communicator {
-    group: *const epcomm_group,
+    group: Dep<epcomm_group>,
     inner: Mutex<CommState>,
 }
 
@@ -51,7 +51,7 @@ exclusive_handle!(
 /// communicators report that epcomm's GPU transports are not implemented yet.
 ///
 /// # Safety
-/// `group` is NULL or a live handle that outlives the communicator; `request` is NULL or valid;
+/// `group` is NULL or a group handle (the communicator keeps it alive); `request` is NULL or valid;
 /// `out` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_communicator_create(
@@ -63,7 +63,8 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_create(
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(out, "out") }?;
         let args = unsafe { SelectArgs::from_ffi(request) }?;
-        unsafe { with_group(group, |_| Ok(())) }?;
+        let group = unsafe { Dep::new(group) }?;
+        group.with(|_, _| Ok(()))?;
         let comm = communicator::create(
             args.requested.as_deref(),
             args.elastic,
@@ -84,14 +85,33 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_create(
     })
 }
 
-/// Releases a communicator (NULL is a no-op); queued transfers are dropped.
+/// Releases a communicator (NULL is a no-op), as epcomm_eplb_communicator_destroy_checked,
+/// whose status this void form cannot return: a refused destroy frees nothing and records the
+/// error for epcomm_last_error_message.
 ///
 /// # Safety
-/// `comm` is NULL or a handle from epcomm_eplb_communicator_create, not used afterwards.
+/// `comm` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_communicator_destroy(comm: *mut epcomm_eplb_communicator) {
-    // SAFETY: caller contract.
-    guard::call_or((), || unsafe { epcomm_eplb_communicator::destroy(comm) })
+    if !comm.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_eplb_communicator_destroy_checked(comm) };
+    }
+}
+
+/// Releases a communicator: EPCOMM_OK; queued transfers are dropped, and a group destroyed before
+/// it is freed now. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE,
+/// freeing nothing: while another thread's call on it is in flight; on a handle destroyed already;
+/// in a forked child of the process that made it.
+///
+/// # Safety
+/// `comm` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_communicator_destroy_checked(
+    comm: *mut epcomm_eplb_communicator,
+) -> i32 {
+    // SAFETY: only a registered handle is freed.
+    guard::call(|| unsafe { epcomm_eplb_communicator::destroy(comm) })
 }
 
 /// Runs `f` with the communicator's state and its group's handle (locked by `f` when it needs
@@ -101,10 +121,10 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_destroy(comm: *mut epcomm_eplb
 /// `comm` is NULL or a live handle.
 unsafe fn with_comm<T>(
     comm: *const epcomm_eplb_communicator,
-    f: impl FnOnce(&mut CommState, *const epcomm_group) -> Result<T>,
+    f: impl FnOnce(&mut CommState, &Dep<epcomm_group>) -> Result<T>,
 ) -> Result<T> {
     // SAFETY: caller contract.
-    unsafe { epcomm_eplb_communicator::with(comm, |h, c| f(c, h.group)) }
+    unsafe { epcomm_eplb_communicator::with(comm, |h, c| f(c, &h.group)) }
 }
 
 unsafe fn queue(
@@ -193,7 +213,7 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_execute(
                 check_writes_disjoint(&writes)?;
                 // Queued tensors are valid until now; receives overlap no other (above).
                 let mut ops: Vec<P2p<'_>> = each().map(|(q, t)| t.p2p(q.send, q.peer)).collect();
-                with_group(group, |g| c.comm.execute(g, &mut ops))
+                with_dep_group(group, |g| c.comm.execute(g, &mut ops))
             })
         }
     })
@@ -735,7 +755,7 @@ impl RearrangeCall {
         // SAFETY: caller contract: a live handle whose group is live.
         let summary = unsafe {
             with_comm(comm, |c, group| {
-                with_group(group, |g| {
+                with_dep_group(group, |g| {
                     // The outputs are NULL or valid (caller contract).
                     let report =
                         |p: Prepared<'m>| p.3.report_lost(g.size(), &p.0, &p.1).map(|()| p);
@@ -788,7 +808,7 @@ impl RearrangeCall {
         // SAFETY: caller contract: a live handle whose group is live.
         let summary = unsafe {
             with_comm(comm, |c, group| {
-                epcomm_group::with(group, |h, g| {
+                group.with(|h, g| {
                     let g = g.as_mut();
                     let ((old, new, w, o), next) =
                         prepared(g.size()).map_err(|e| rearrange::reject_rearrange(g, e))?;
@@ -1051,7 +1071,7 @@ pub unsafe extern "C" fn epcomm_eplb_layer_plan_view(
     guard::call(|| {
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(view_out, "view_out") }?;
-        let p = unsafe { epcomm_eplb_layer_plan::from_ptr(plan) }?;
+        let p = unsafe { epcomm_eplb_layer_plan::borrow(plan) }?;
         *out = epcomm_eplb_plan_view {
             num_slots: p.unchanged.len() as i64,
             unchanged: p.unchanged.as_ptr(),
@@ -1068,14 +1088,32 @@ pub unsafe extern "C" fn epcomm_eplb_layer_plan_view(
     })
 }
 
-/// Releases a layer plan (NULL is a no-op).
+/// Releases a layer plan (NULL is a no-op), as epcomm_eplb_layer_plan_destroy_checked, whose
+/// status this void form cannot return: a refused destroy frees nothing and records the error
+/// for epcomm_last_error_message.
 ///
 /// # Safety
-/// `plan` is NULL or from epcomm_eplb_plan_layer, not used afterwards.
+/// `plan` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_layer_plan_destroy(plan: *mut epcomm_eplb_layer_plan) {
-    // SAFETY: caller contract.
-    guard::call_or((), || unsafe { epcomm_eplb_layer_plan::destroy(plan) })
+    if !plan.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_eplb_layer_plan_destroy_checked(plan) };
+    }
+}
+
+/// Releases a layer plan: EPCOMM_OK; its views become invalid. NULL is EPCOMM_ERROR_NULL_POINTER.
+/// Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is
+/// in flight; on a plan destroyed already; in a forked child of the process that made it.
+///
+/// # Safety
+/// `plan` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_layer_plan_destroy_checked(
+    plan: *mut epcomm_eplb_layer_plan,
+) -> i32 {
+    // SAFETY: only a registered handle is freed.
+    guard::call(|| unsafe { epcomm_eplb_layer_plan::destroy(plan) })
 }
 
 /// The logical experts of one layer's old placement (`old_phy2log`, `num_slots` = old ranks x
@@ -1186,14 +1224,30 @@ pub unsafe extern "C" fn epcomm_eplb_state_create(
     })
 }
 
-/// Releases load statistics (NULL is a no-op).
+/// Releases load statistics (NULL is a no-op), as epcomm_eplb_state_destroy_checked, whose
+/// status this void form cannot return: a refused destroy frees nothing and records the error
+/// for epcomm_last_error_message.
 ///
 /// # Safety
-/// `state` is NULL or from epcomm_eplb_state_create, not used afterwards.
+/// `state` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_state_destroy(state: *mut epcomm_eplb_state) {
-    // SAFETY: caller contract.
-    guard::call_or((), || unsafe { epcomm_eplb_state::destroy(state) })
+    if !state.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_eplb_state_destroy_checked(state) };
+    }
+}
+
+/// Releases load statistics: EPCOMM_OK. NULL is EPCOMM_ERROR_NULL_POINTER. Refused with
+/// EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in flight; on
+/// a state destroyed already; in a forked child of the process that made it.
+///
+/// # Safety
+/// `state` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_state_destroy_checked(state: *mut epcomm_eplb_state) -> i32 {
+    // SAFETY: only a registered handle is freed.
+    guard::call(|| unsafe { epcomm_eplb_state::destroy(state) })
 }
 
 /// Sets `*enabled_out` to vLLM's `EPLBConfig.migration_batching_enabled` for the config the
@@ -1213,7 +1267,7 @@ pub unsafe extern "C" fn epcomm_eplb_state_migration_batching(
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(enabled_out, "enabled_out") }?;
         // SAFETY: caller contract; the flag is immutable, so no lock is needed.
-        *out = unsafe { epcomm_eplb_state::from_ptr(state) }?.migration_batching;
+        *out = unsafe { epcomm_eplb_state::borrow(state) }?.migration_batching;
         Ok(())
     })
 }

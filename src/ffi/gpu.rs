@@ -231,16 +231,32 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_create_from_comm(
     })
 }
 
-/// Releases a GPU manager (NULL is a no-op): its buffers, and its communicator when it was
-/// created from a unique id. Views it returned become invalid. Work already enqueued on the
-/// host's stream must have finished (synchronize the stream first).
+/// Releases a GPU manager (NULL is a no-op), as epcomm_gpu_all2all_destroy_checked, whose
+/// status this void form cannot return: a refused destroy frees nothing and records the error
+/// for epcomm_last_error_message.
 ///
 /// # Safety
-/// `a2a` is NULL or a handle from epcomm_gpu_all2all_create*, not used after this call.
+/// `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_gpu_all2all_destroy(a2a: *mut epcomm_gpu_all2all) {
-    // SAFETY: caller contract.
-    guard::call_or((), || unsafe { epcomm_gpu_all2all::destroy(a2a) })
+    if !a2a.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_gpu_all2all_destroy_checked(a2a) };
+    }
+}
+
+/// Releases a GPU manager: EPCOMM_OK; its buffers, and its communicator when it was created from a
+/// unique id. Views it returned become invalid. Work already enqueued on the host's stream must
+/// have finished (synchronize the stream first). NULL is EPCOMM_ERROR_NULL_POINTER. Refused with
+/// EPCOMM_ERROR_INVALID_STATE, freeing nothing: while another thread's call on it is in flight; on
+/// a handle destroyed already; in a forked child of the process that made it.
+///
+/// # Safety
+/// `a2a` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_gpu_all2all_destroy_checked(a2a: *mut epcomm_gpu_all2all) -> i32 {
+    // SAFETY: only a registered handle is freed.
+    guard::call(|| unsafe { epcomm_gpu_all2all::destroy(a2a) })
 }
 
 /// Runs `f` with the GPU manager behind `a2a`.

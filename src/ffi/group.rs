@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::guard;
-use super::handle::{exclusive_handle, Exclusive, Handle};
+use super::handle::{exclusive_handle, Dep, Exclusive, Handle};
 use super::tensor::{check_writes_disjoint, epcomm_tensor, HostTensor};
 use crate::error::{Error, Result};
 use crate::group::host::{HostFailure, HostGroup, HostTransport};
@@ -18,6 +18,8 @@ use crate::num::FloatKind;
 /// ranks in the same order.
 pub struct epcomm_group {
     inner: Mutex<Box<dyn Group>>,
+    /// The group's name, for messages that cannot lock the group.
+    name: String,
     /// Shared memory handed out by epcomm_mem_alloc, freed by epcomm_mem_free or with the
     /// handle.
     pub(crate) mem: Mutex<Vec<SharedBuf>>,
@@ -27,7 +29,8 @@ exclusive_handle!(
     epcomm_group,
     "group",
     Box<dyn Group>,
-    "the group handle is in use by another thread; use a group from one thread at a time"
+    "the group handle is in use by another thread; use a group from one thread at a time",
+    label = |g: &epcomm_group| format!("group '{}'", g.name)
 );
 
 /// Options for group creation; initialise with epcomm_group_options_init.
@@ -112,6 +115,7 @@ fn index_arg(v: i32, what: &str) -> Result<usize> {
 
 fn finish_create(g: Box<dyn Group>, out: &mut *mut epcomm_group) {
     *out = epcomm_group {
+        name: g.name().to_owned(),
         inner: Mutex::new(g),
         mem: Mutex::new(Vec::new()),
     }
@@ -486,15 +490,35 @@ pub unsafe extern "C" fn epcomm_group_create_host(
     })
 }
 
-/// Leaves the group and releases the handle (NULL is a no-op). A shared-memory group first lets
-/// peers finish reading its last contribution (bounded wait), then unlinks its memory.
+/// Leaves the group and releases the handle (NULL is a no-op), as
+/// epcomm_group_destroy_checked, whose status this void form cannot return: a refused destroy
+/// frees nothing and records the error for epcomm_last_error_message.
 ///
 /// # Safety
-/// `group` is NULL or a handle from epcomm_group_create_*, not used after this call.
+/// `group` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_group_destroy(group: *mut epcomm_group) {
-    // SAFETY: caller contract.
-    guard::call_or((), || unsafe { epcomm_group::destroy(group) })
+    if !group.is_null() {
+        // SAFETY: caller contract.
+        unsafe { epcomm_group_destroy_checked(group) };
+    }
+}
+
+/// Leaves the group and releases the handle: EPCOMM_OK. A shared-memory group first lets peers
+/// finish reading its last contribution (bounded wait), then unlinks its memory. With all2all
+/// managers or EPLB communicators made over it still alive, the handle is gone at once (calls on it
+/// are refused) and the group is left and freed with the last of them. NULL is
+/// EPCOMM_ERROR_NULL_POINTER. Refused with EPCOMM_ERROR_INVALID_STATE, freeing nothing: while a
+/// call using the group (its own, or one of a manager made over it) is in flight on another thread
+/// (destroy again after it returned); on a handle destroyed already; in a forked child of the
+/// process that made it (the parent's group is left untouched).
+///
+/// # Safety
+/// `group` is NULL or any pointer (a destroyed or foreign one is refused, not freed).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_group_destroy_checked(group: *mut epcomm_group) -> i32 {
+    // SAFETY: only a registered handle is freed.
+    guard::call(|| unsafe { epcomm_group::destroy(group) })
 }
 
 /// Runs `f` on the group behind the handle.
@@ -507,6 +531,14 @@ pub(crate) unsafe fn with_group<T>(
 ) -> Result<T> {
     // SAFETY: caller contract: NULL or a live handle.
     unsafe { epcomm_group::with(group, |_, g| f(g.as_mut())) }
+}
+
+/// Runs `f` on the group a manager or communicator was made over (alive while it lives).
+pub(crate) fn with_dep_group<T>(
+    group: &Dep<epcomm_group>,
+    f: impl FnOnce(&mut dyn Group) -> Result<T>,
+) -> Result<T> {
+    group.with(|_, g| f(g.as_mut()))
 }
 
 /// The entry point of collective `op` on the group behind the handle: `f` checks the

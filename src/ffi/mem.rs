@@ -77,13 +77,13 @@ fn lock_mem(h: &epcomm_group) -> std::sync::MutexGuard<'_, Vec<crate::group::Sha
 pub unsafe extern "C" fn epcomm_mem_free(group: *mut epcomm_group, ptr: *mut c_void) -> i32 {
     guard::call(|| {
         // SAFETY: caller contract.
-        let h = unsafe { epcomm_group::from_ptr(group) }?;
+        let h = unsafe { epcomm_group::borrow(group) }?;
         if ptr.is_null() {
             return Ok(());
         }
         // Holding the group's lock: no call on it (which could be reading the memory) runs.
         let g = h.lock()?;
-        let mut mem = lock_mem(h);
+        let mut mem = lock_mem(&h);
         let Some(i) = mem
             .iter()
             .position(|b| b.as_ptr() == ptr.cast_const().cast())
@@ -109,7 +109,7 @@ pub unsafe extern "C" fn epcomm_mem_free(group: *mut epcomm_group, ptr: *mut c_v
 /// windows: EPCOMM_ERROR_UNAVAILABLE (use ordinary memory). Not collective.
 ///
 /// # Safety
-/// `a2a` is NULL or a live handle whose group is live; the outputs are NULL or writable.
+/// `a2a` is NULL or a live handle; the outputs are NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_all2all_expert_output_buffer(
     a2a: *mut epcomm_all2all,

@@ -1,8 +1,9 @@
 // The C++17 wrapper (include/epcomm.hpp) in one process: exceptions carry vLLM's message and
-// class, RAII handles, tensors from vectors, a one-rank MoE round trip, names and selection,
-// logging, the config builder and buffer sizes, vLLM's EPLB policy steps, the migration
-// scheduler and layer plans, DLPack exports, and the GPU entry points where CUDA/NCCL are
-// missing. Built as C++17 under ASan+UBSan by tests/cpp_wrapper.rs.
+// class, RAII handles (close(): a group closed before its managers lives on), tensors from
+// vectors, a one-rank MoE round trip, names and selection, logging, the config builder and
+// buffer sizes, vLLM's EPLB policy steps, the migration scheduler and layer plans, DLPack
+// exports, and the GPU entry points where CUDA/NCCL are missing. Built as C++17 under
+// ASan+UBSan by tests/cpp_wrapper.rs.
 #include "checks.hpp"  // first: it selects POSIX for the system headers
 
 #include <cstring>
@@ -172,6 +173,16 @@ static void test_round_trip(const std::string &name) {
     } catch (const epcomm::Error &e) {
         CHECK(e.status() == EPCOMM_ERROR_INVALID_ARGUMENT);
     }
+    // close(): the group first (its managers keep it alive: they still dispatch), then a
+    // manager; a second close is a no-op; a closed handle's calls name the NULL argument.
+    CHECK_NOTHROW(g.close());
+    CHECK_NOTHROW(g.close());
+    CHECK_THROWS(g.barrier(), EPCOMM_ERROR_NULL_POINTER, "argument 'group' must not be NULL");
+    CHECK_NOTHROW(moved.dispatch(epcomm::Tensor::of(x, {2, 3}), epcomm::Tensor::of(ids, {2, 2}),
+                                 epcomm::Tensor::of(w, {2, 2})));
+    CHECK_NOTHROW(moved.close());
+    CHECK_NOTHROW(moved.close());
+    CHECK_THROWS(moved.check_layer(2, 4), EPCOMM_ERROR_NULL_POINTER, "argument 'a2a' must not be NULL");
 }
 
 static void test_names() {

@@ -55,6 +55,15 @@ def run_threads(world, fn):
     return results
 
 
+def _call(fn):
+    """None when fn() returns, else the exception it raised."""
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 -- returned to the caller
+        return e
+    return None
+
+
 class QueueTransport:
     """send/recv between threads over one queue per (source, destination) pair."""
 
@@ -311,6 +320,118 @@ class GroupTest(unittest.TestCase):
         with self.assertRaises(ValueError) as cm:
             g.barrier()
         self.assertEqual(str(cm.exception), "the group is closed")
+
+    def test_close_from_another_thread_is_refused(self):
+        """close() while another thread's barrier (waiting for a held-back peer) is in flight
+        raises INVALID_STATE and keeps the group open; the barrier completes; close works
+        afterwards. Before the fix close freed the group under the barrier."""
+        name = unique("busyclose")
+        release = threading.Event()
+        busy = (
+            f"cannot destroy group '{name}': a call using it is in flight on another thread; "
+            "nothing was freed: destroy it after that call returns"
+        )
+
+        def rank(r):
+            g = epcomm.Group.shm(name, r, 2, timeout_s=30)
+            if r == 1:
+                self.assertTrue(release.wait(30))
+                g.barrier()
+                g.barrier()
+                g.close()
+                return "ok"
+            errors = queue.Queue()
+
+            def barrier():
+                # The probe below may hold the handle as the barrier starts: retry until the
+                # barrier is the call inside.
+                while True:
+                    e = _call(g.barrier)
+                    if e is None or "in use by another thread" not in str(e):
+                        return e
+
+            t = threading.Thread(target=lambda: errors.put(barrier()))
+            t.start()
+            # The barrier is in flight once a probe on the handle is refused as in use.
+            for _ in range(30000):
+                try:
+                    g.size
+                except RuntimeError as e:
+                    self.assertIn("in use by another thread", str(e))
+                    break
+            else:
+                self.fail("the barrier was never seen in flight")
+            with self.assertRaises(RuntimeError) as cm:
+                g.close()
+            self.assertIsInstance(cm.exception, epcomm.Error)
+            self.assertEqual(str(cm.exception), busy)
+            release.set()
+            t.join(30)
+            self.assertIsNone(errors.get_nowait())
+            g.barrier()  # still open
+            g.close()
+            g.close()  # a no-op
+            return "ok"
+
+        self.assertEqual(run_threads(2, rank), {0: "ok", 1: "ok"})
+
+    def test_forked_child_is_refused(self):
+        """A forked child's barrier and close() on its parent's group raise INVALID_STATE naming
+        the fork; the parent's and the peer's next barrier work."""
+        name = unique("fork")
+        ready, go = threading.Event(), threading.Event()
+        peer_errors = queue.Queue()
+
+        def peer():
+            try:
+                g = epcomm.Group.shm(name, 1, 2, timeout_s=30)
+                g.barrier()
+                ready.set()
+                self.assertTrue(go.wait(30))
+                g.barrier()
+                g.close()
+                peer_errors.put(None)
+            except BaseException as e:  # noqa: BLE001 -- reported below
+                ready.set()
+                peer_errors.put(e)
+
+        t = threading.Thread(target=peer)
+        t.start()
+        g = epcomm.Group.shm(name, 0, 2, timeout_s=30)
+        g.barrier()
+        self.assertTrue(ready.wait(30))
+        parent = os.getpid()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report through the pipe, never return into unittest
+            report = []
+            try:
+                os.close(r)
+                want = (
+                    f"group '{name}' was created by pid {parent}; this process (pid "
+                    f"{os.getpid()}) is a fork of it and cannot use it: create a new one in the "
+                    "child"
+                )
+                for call in (g.barrier, g.close):
+                    try:
+                        call()
+                        report.append(f"{call.__name__} succeeded")
+                    except RuntimeError as e:
+                        if str(e) != want or not isinstance(e, epcomm.Error):
+                            report.append(f"{call.__name__}: {e!r}")
+                os.write(w, ("\n".join(report) or "ok").encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            report = f.read().decode()
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual((report, status), ("ok", 0))
+        go.set()
+        g.barrier()  # the parent's group, untouched by the child
+        t.join(30)
+        self.assertIsNone(peer_errors.get_nowait())
+        g.close()
 
     def test_shm_unique(self):
         uid = epcomm.Group.unique_id()

@@ -512,6 +512,10 @@ impl ShmGroup {
 
 impl Drop for ShmGroup {
     fn drop(&mut self) {
+        if self.forked() {
+            // The parent's rank: only this process's mappings and descriptors go (field drops).
+            return;
+        }
         if self.broken.is_none() {
             // Let peers finish reading this rank's last contribution before its region goes.
             let n = self.seq;

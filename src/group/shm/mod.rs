@@ -50,9 +50,11 @@
 //! | `ops.rs` | the collectives: the `Group` trait over the protocol |
 //! | `window.rs` | symmetric memory: windows every peer maps; rows stored into and loaded from them |
 //! | `shrink.rs` | fault tolerance: the ranks a failure lost; the survivors forming a smaller group |
+//! | `fork.rs` | a forked child's copy of a group: refused, and its drop leaves the parent's slot alone |
 
 mod agree;
 mod decision;
+mod fork;
 mod join;
 mod layout;
 mod membership;
@@ -65,6 +67,7 @@ mod shrink;
 mod wait;
 mod window;
 
+pub(crate) use self::fork::{current_pid, fork_error};
 pub use self::join::MAX_WORLD;
 pub use self::rendezvous::{UniqueId, UNIQUE_ID_BYTES};
 pub use self::segment::pin_current_thread;

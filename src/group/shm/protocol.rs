@@ -17,6 +17,7 @@ use crate::group::Op;
 
 impl ShmGroup {
     pub(super) fn check_usable(&self, op: Op) -> Result<()> {
+        self.check_not_forked()?;
         match &self.broken {
             None => Ok(()),
             Some(why) => Err(Error::InvalidState(format!(
