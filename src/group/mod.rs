@@ -63,6 +63,10 @@ pub enum P2p<'a> {
     Recv { peer: usize, data: &'a mut [u8] },
 }
 
+/// The ranks a fault-tolerant shrink left out (of the old group's numbering) and the
+/// survivors' group ([`Group::shrink_lost`]).
+pub type Shrunk = (Vec<usize>, Box<dyn Group>);
+
 /// A group of ranks. One thread uses a group at a time.
 pub trait Group: Send {
     fn rank(&self) -> usize;
@@ -158,7 +162,7 @@ pub trait Group: Send {
     /// same set: by default the [`Group::lost_ranks`] every survivor must agree on
     /// ([`Group::shrink`] checks it); the shared-memory transport agrees on it itself, adding a
     /// rank that does not meet the survivors within the timeout (a second fault).
-    fn shrink_lost(&mut self) -> Result<Option<(Vec<usize>, Box<dyn Group>)>> {
+    fn shrink_lost(&mut self) -> Result<Option<Shrunk>> {
         let lost = self.lost_ranks();
         if lost.is_empty() {
             return Ok(None);

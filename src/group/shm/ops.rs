@@ -362,7 +362,7 @@ impl Group for ShmGroup {
         Ok(Box::new(self.shrunk(excluded)?))
     }
 
-    fn shrink_lost(&mut self) -> Result<Option<(Vec<usize>, Box<dyn Group>)>> {
+    fn shrink_lost(&mut self) -> Result<Option<crate::group::Shrunk>> {
         Ok(self
             .survivors()?
             .map(|(out, g)| (out, Box::new(g) as Box<dyn Group>)))
