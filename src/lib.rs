@@ -13,6 +13,7 @@ pub mod eplb;
 pub mod error;
 pub mod fault;
 pub mod ffi;
+pub(crate) mod fsize;
 pub mod gpu;
 pub mod group;
 pub mod log;

@@ -927,6 +927,8 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         std::process::id(),
         std::thread::current().id()
     ));
+    // A cache entry beyond RLIMIT_FSIZE would kill the process with SIGXFSZ: not cached.
+    crate::fsize::check_file_size(bytes.len() as u64)?;
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
