@@ -354,7 +354,12 @@ class Group(Handle):
         fn = getattr(load_library(), fn_name)
         with in_flight(self) as h:
             try:
-                a = Arg(np.asarray(x), "x")  # compact, native byte order
+                arr = np.asarray(x)
+                if arr.dtype.hasobject:  # np.asarray wraps what it cannot read as numbers
+                    raise TypeError(
+                        f"x: expected numeric rows (a numpy array, a CPU tensor or a buffer), "
+                        f"got {type(x).__name__}")
+                a = Arg(arr, "x")  # compact, native byte order
                 s = (ctypes.c_int64 * len(sizes))(*sizes)
                 out = np.empty((int(out_rows()),) + a.array.shape[1:], a.array.dtype)
                 o = Arg(out, "out", output=True)
