@@ -115,11 +115,13 @@ class Handle:
         try:
             status = getattr(load_library(), self._DESTROY)(h)
         except BaseException:
-            status = None
+            with self._state:
+                self._destroying = False
+                if raise_errors:
+                    self._closed = False
             if raise_errors:
-                with self._state:
-                    self._destroying, self._closed = False, False
                 raise
+            return  # at interpreter exit the library may be gone; nothing to report to
         with self._state:
             self._destroying = False
             if status:  # a library that refuses to destroy a handle in use says so
