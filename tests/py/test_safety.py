@@ -56,20 +56,15 @@ class RaisingBytes:
 
 
 def bad_inputs(rows, cols):
-    """(name, value) pairs whose preparation raises, with the exception each raises."""
+    """(name, value, the exception class its export raises) for values whose preparation
+    raises."""
     return [
-        ("requires_grad", torch.ones(rows, cols).requires_grad_(True),
-         BufferError, "Can't export tensors that require gradient, use tensor.detach()"),
-        ("sparse", torch.ones(rows, cols).to_sparse(),
-         BufferError, "Can't export tensors with layout other than torch.strided"),
-        ("conj", torch.ones(rows, cols, dtype=torch.complex64).conj(),
-         BufferError, "Can't export tensors with the conjugate bit set"),
-        ("meta", torch.ones(rows, cols, device="meta"),
-         BufferError, "Cannot pack tensors on meta"),
-        ("producer", RaisingProducer(RuntimeError("producer failed")),
-         RuntimeError, "producer failed"),
-        ("interrupt", RaisingProducer(KeyboardInterrupt("interrupted")),
-         KeyboardInterrupt, "interrupted"),
+        ("requires_grad", torch.ones(rows, cols).requires_grad_(True), BufferError),
+        ("sparse", torch.ones(rows, cols).to_sparse(), BufferError),
+        ("conj", torch.ones(rows, cols, dtype=torch.complex64).conj(), BufferError),
+        ("meta", torch.ones(rows, cols, device="meta"), BufferError),
+        ("producer", RaisingProducer(RuntimeError("producer failed")), RuntimeError),
+        ("interrupt", RaisingProducer(KeyboardInterrupt("interrupted")), KeyboardInterrupt),
     ]
 
 
@@ -89,7 +84,8 @@ H, K = 4, 1
 def moe_rank(rank, name):
     """Per bad input: rank 0 dispatches it, rank 1 good rows; then both dispatch step-tagged
     rows (rank r's rows of step s hold 100*s + r) and report the tags they received. Then the
-    same for combine's expert_output. Returns the outcomes in order."""
+    same for combine's expert_output. Returns the outcomes in order, each bad input's own
+    export outcome (what torch or the producer raises) first."""
     out = []
     with epcomm.Group.shm(name, rank, 2, timeout_s=TIMEOUT_S) as g, epcomm.All2All(
         g, "deepep_high_throughput", num_experts=4, top_k=K, hidden_size=H,
@@ -106,15 +102,17 @@ def moe_rank(rank, name):
             a.combine(got, y)  # identity experts, weight 1: the tokens come back
             return sorted(set(got[:, 0].tolist())), torch.equal(y, x)
 
+        out.append([attempt(lambda: b.__dlpack__(max_version=(1, 0)))[:2]
+                    for _, b, _ in bad_inputs(2, H)])
         s = 0
-        for kind, bad, _, _ in bad_inputs(2, H):
+        for kind, bad, _ in bad_inputs(2, H):
             s += 1
             x = torch.full((2, H), float(100 * s + rank))
             out.append(("dispatch", kind, attempt(lambda: a.dispatch(bad if rank == 0 else x,
                                                                        ids, w))))
             s += 1
             out.append(("next step", kind, step(s)))
-        for kind, bad, _, _ in bad_inputs(2, H):
+        for kind, bad, _ in bad_inputs(2, H):
             s += 1
             x = torch.full((2, H), float(100 * s + rank))
             d = a.dispatch(x, ids, w)
@@ -131,7 +129,10 @@ def group_rank(rank, name):
     object whose bytes() raises, for all_gather), rank 1 good arguments; then every rank
     all-gathers a step tag. Returns the outcomes in order."""
     bad = torch.ones(2, H).requires_grad_(True)
-    out = []
+    # What the bad values raise by themselves (torch's own messages).
+    out = [{"numpy": attempt(lambda: np.asarray(bad))[:2],
+            "dlpack": attempt(lambda: bad.__dlpack__(max_version=(1, 0)))[:2],
+            "bytes": attempt(lambda: bytes(RaisingBytes()))[:2]}]
     with epcomm.Group.shm(name, rank, 2, timeout_s=TIMEOUT_S) as g, \
             epcomm.EplbCommunicator(g, "torch_gloo") as c:
         def rows(n):
@@ -172,16 +173,18 @@ class PeersAreToldTest(unittest.TestCase):
     def test_dispatch_and_combine(self):
         res = self.run_two(moe_rank)
         kinds = bad_inputs(2, H)
+        own = res[0][0]
         s = 0
-        i = 0
+        i = 1
         for op in ("dispatch", "combine"):
-            for kind, _, exc, message in kinds:
+            for k, (kind, _, exc) in enumerate(kinds):
                 s += 2
                 where = f"{op} with a {kind} input on rank 0"
                 mine, peer = res[0][i], res[1][i]
                 self.assertEqual(mine[:2], (op, kind))
                 # The caller gets the original exception, unchanged.
-                self.assertEqual(mine[2][:2], (exc.__name__, message), where)
+                self.assertEqual(own[k][0], exc.__name__, f"{kind}'s own export")
+                self.assertEqual(mine[2][:2], own[k], where)
                 self.assert_at_once(
                     peer[2], "ValueError",
                     f"{op}: rank 0 rejected its input (see that rank's error); "
@@ -197,32 +200,32 @@ class PeersAreToldTest(unittest.TestCase):
     def test_group_collectives_and_rearrange(self):
         res = self.run_two(group_rank)
         name = f"pysafe-group_rank-{os.getpid()}"
-        mine = {
-            "all_gatherv": ("RuntimeError", "Can't call numpy() on Tensor that requires grad. "
-                            "Use tensor.detach().numpy() instead."),
-            "all_gather": ("RuntimeError", "no bytes today"),
-        }
+        own = res[0][0]
+        self.assertEqual(own["numpy"][0], "RuntimeError")
+        self.assertEqual(own["dlpack"][0], "BufferError")
+        self.assertEqual(own["bytes"], ("RuntimeError", "no bytes today"))
+        # The gathers read their input with numpy.asarray, the others export it (DLPack).
+        mine = {"all_gatherv": own["numpy"], "reduce_scatterv": own["numpy"],
+                "all_gather": own["bytes"]}
         peer = {
             "all_gather": "all_gatherv",  # the library's name of that collective
         }
         ops = ["all_gatherv", "reduce_scatterv", "all_to_allv", "send_recv", "broadcast",
                "all_gather", "rearrange"]
-        for i, op in enumerate(ops):
-            want = mine.get(op, mine["all_gatherv"] if op == "reduce_scatterv" else (
-                "BufferError", "Can't export tensors that require gradient, use "
-                "tensor.detach()"))
-            self.assertEqual(res[0][2 * i], (op, res[0][2 * i][1]))
-            self.assertEqual(res[0][2 * i][1][:2], want, f"rank 0, {op}")
+        for j, op in enumerate(ops):
+            at = 1 + 2 * j  # after the bad values' own outcomes: (op, outcome), next step
+            want = mine.get(op, own["dlpack"])
+            self.assertEqual(res[0][at][0], op)
+            self.assertEqual(res[0][at][1][:2], want, f"rank 0, {op}")
             if op == "rearrange":
                 text = ("rearrange: rank 0 rejected its arguments (see that rank's error) "
                         "(EPLB rearrangement: no layer was changed)")
             else:
                 text = (f"{peer.get(op, op)}: rank 0 of group '{name}' rejected its arguments "
                         "(see that rank's error); no data was exchanged")
-            self.assert_at_once(res[1][2 * i][1], "ValueError", text, f"rank 1, {op}")
+            self.assert_at_once(res[1][at][1], "ValueError", text, f"rank 1, {op}")
             for r in (0, 1):
-                self.assertEqual(res[r][2 * i + 1],
-                                 ("next step", op, [f"step{i}".encode()] * 2),
+                self.assertEqual(res[r][at + 1], ("next step", op, [f"step{j}".encode()] * 2),
                                  f"rank {r}, the step after {op}")
         # Slot 0 <-> slot 1: rank 0 now holds rank 1's expert and the other way round.
         self.assertEqual(res[0][-1], ("rearranged", [[2.0] * H]))
