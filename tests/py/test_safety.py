@@ -340,6 +340,43 @@ class ViewsOutliveCloseTest(unittest.TestCase):
                 with self.subTest(view=view, source=source):
                     self.scenario(view, source, "g.close()")
 
+    def test_stats_and_plan_views_after_close(self):
+        body = """
+        g = epcomm.Group.shm(name, 0, 1)
+        a = epcomm.All2All(g, "deepep_high_throughput", num_experts=2, top_k=1,
+                           hidden_size=H, max_tokens_per_rank=T)
+        a.dispatch(x, ids, w)
+        st = a.stats()
+        sent = torch.from_dlpack(st["tokens_sent"])
+        plan = epcomm.LayerPlan([0, 1, 2, 3], [3, 2, 1, 0], 2, 0)
+        sends = np.asarray(plan.sends)
+        want = sends.tolist()
+        a.close()
+        g.close()
+        plan.close()
+        for what, call in (("stats", lambda: st["tokens_sent"].tolist()),
+                           ("plan", lambda: np.asarray(plan.sends))):
+            try:
+                call()
+                print(what, "no error")
+            except ValueError as e:
+                print(what, e)
+        gc.collect()
+        print(sent.tolist(), sends.tolist() == want and len(want) > 0)
+        del sent, sends
+        gc.collect()
+        print("unmapped", windows(), group_maps())
+        """
+        status, lines, err = run_child(body)
+        self.assertEqual(status, 0, f"the child ended with {status}:\n{err}")
+        self.assertEqual(lines, [
+            "stats this Buffer views memory of a closed All2All manager; copy outputs before "
+            "close()",
+            "plan this Buffer views memory of a closed layer plan; copy outputs before close()",
+            "[64] True",
+            "unmapped 0 0",
+        ], err)
+
     def test_buffers_of_earlier_calls_raise(self):
         with epcomm.Group.shm(f"pysafe-stale-{os.getpid()}", 0, 1) as g, epcomm.All2All(
             g, "deepep_high_throughput", num_experts=2, top_k=1, hidden_size=4,
