@@ -113,7 +113,10 @@ class Handle:
             self._destroying = True
             h = self._h
         try:
-            status = getattr(load_library(), self._DESTROY)(h)
+            lib = load_library()
+            # The status-returning form where the library has it (it refuses a handle in use).
+            checked = getattr(lib, self._DESTROY + "_checked", None)
+            status = checked(h) if checked is not None else getattr(lib, self._DESTROY)(h)
         except BaseException:
             with self._state:
                 self._destroying = False
