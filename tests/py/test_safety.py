@@ -32,7 +32,7 @@ from epcomm_testlib import run_ranks
 # A peer's failure must arrive at once, far inside the group timeout (a peer left waiting
 # would only fail after TIMEOUT_S).
 TIMEOUT_S = 20.0
-AT_ONCE_S = 5.0
+AT_ONCE_S = 10.0
 
 
 class RaisingProducer:
@@ -446,8 +446,18 @@ class CloseWhileInFlightTest(unittest.TestCase):
         for t in threads:
             t.start()
         started.wait(30)
-        time.sleep(0.5)  # rank 0 is in its dispatch now, waiting for rank 1
         g0, a0 = objs[0]
+        # Rank 0's dispatch is in flight (waiting for rank 1) once the library refuses another
+        # call on the manager as in use.
+        for _ in range(3000):
+            try:
+                a0.zero_copy_combines()
+                time.sleep(0.01)
+            except RuntimeError as e:
+                assert "in use by another thread" in str(e), e
+                break
+        else:
+            raise SystemExit("rank 0's dispatch was never seen in flight")
         for h in (a0, g0):
             try:
                 h.close()
