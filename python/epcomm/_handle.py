@@ -37,20 +37,28 @@ class Handle:
     _DESTROY = ""
     _WHAT = "handle"
     _h: vp = vp()
+    # Guards what follows; reentrant because a Pin's __del__ may run (garbage collection) on a
+    # thread that holds it.
+    _state: "threading.RLock"
+    _closed: bool  # close() ran: no call starts; the C handle may still live
+    _calls: int  # calls in flight (any thread) that use the C handle
+    _exports: int  # live Pins: arrays / DLPack tensors over the handle's memory
+    _lingering: int  # handles made on this one whose C handle still lives
+    _destroying: bool
+    _parent: Optional["Handle"]
+    _dependents: "weakref.WeakSet[Handle]"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Here, not in __init__: some handles are made with cls.__new__ (Group._adopt).
         self = super().__new__(cls)
-        # Guards what follows; reentrant because a Pin's __del__ may run (garbage collection)
-        # on a thread that holds it.
         self._state = threading.RLock()
-        self._closed = False  # close() ran: no call starts; the C handle may still live
-        self._calls = 0  # calls in flight (any thread) that use the C handle
-        self._exports = 0  # live Pins: arrays / DLPack tensors over the handle's memory
-        self._lingering = 0  # handles made on this one whose C handle still lives
+        self._closed = False
+        self._calls = 0
+        self._exports = 0
+        self._lingering = 0
         self._destroying = False
-        self._parent: Optional[Handle] = None
-        self._dependents: "weakref.WeakSet[Handle]" = weakref.WeakSet()
+        self._parent = None
+        self._dependents = weakref.WeakSet()
         return self
 
     def _depend_on(self, parent: "Handle") -> None:
@@ -164,6 +172,7 @@ class Pin:
     handle object alive."""
 
     __slots__ = ("handle",)
+    handle: Optional[Handle]
 
     def __init__(self, handle: Handle):
         with handle._state:
