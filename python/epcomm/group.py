@@ -284,7 +284,7 @@ class Group(Handle):
     @property
     def handle(self) -> vp:
         """The C handle (epcomm_group *)."""
-        if not self._h:
+        if not self._h or self._closed:
             raise InvalidArgumentError("the group is closed", 2)
         return self._h
 
