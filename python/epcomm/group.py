@@ -4,6 +4,7 @@ transport (Python callables, or a torch.distributed process group) across hosts.
 from __future__ import annotations
 
 import ctypes
+import operator
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ._handle import Handle, in_flight
@@ -412,7 +413,8 @@ class Group(Handle):
                 args = [Arg(t, f"ops[{i}]", output=k == "recv")
                         for i, (k, _, t) in enumerate(ops)]
                 c = (P2POp * max(len(ops), 1))(*[
-                    P2POp(kinds[k], peer, a.ptr) for (k, peer, _), a in zip(ops, args)
+                    P2POp(kinds[k], _rank_arg(peer, f"ops[{i}] peer"), a.ptr)
+                    for i, ((k, peer, _), a) in enumerate(zip(ops, args))
                 ])
             except BaseException:
                 self._tell_peers(fn, h, None, 1)
@@ -427,9 +429,7 @@ class Group(Handle):
         fn = load_library().epcomm_group_broadcast
         with in_flight(self) as h:
             try:
-                r = int(root)
-                if not -(2**31) <= r < 2**31:
-                    raise InvalidArgumentError(f"root is {r}; expected a rank of the group", 2)
+                r = _rank_arg(root, "root")
                 a = Arg(tensor, "tensor", output=True)
             except BaseException:
                 self._tell_peers(fn, h, None, 0)
@@ -485,6 +485,15 @@ class Group(Handle):
             self.check(fn(h, src, n, out))
         whole = bytes(out)[: n * world]
         return [whole[r * n : (r + 1) * n] for r in range(world)]
+
+
+def _rank_arg(r: Any, what: str) -> int:
+    """A rank argument as the C int32 it becomes: an integer (not a float: 1.5 is no rank) in
+    int32's range, so ctypes neither raises after the peers are waiting nor truncates it."""
+    v = operator.index(r)
+    if not -(2**31) <= v < 2**31:
+        raise InvalidArgumentError(f"{what} is {v}; expected a rank of the group", 2)
+    return v
 
 
 __all__: List[str] = ["Group", "SendFn", "RecvFn", "AllGatherFn"]

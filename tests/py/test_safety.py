@@ -16,6 +16,7 @@ Crash-prone scenarios run in a child interpreter whose exit status is checked.
 """
 
 import gc
+import operator
 import os
 import subprocess
 import sys
@@ -132,7 +133,8 @@ def group_rank(rank, name):
     # What the bad values raise by themselves (torch's own messages).
     out = [{"numpy": attempt(lambda: np.asarray(bad))[:2],
             "dlpack": attempt(lambda: bad.__dlpack__(max_version=(1, 0)))[:2],
-            "bytes": attempt(lambda: bytes(RaisingBytes()))[:2]}]
+            "bytes": attempt(lambda: bytes(RaisingBytes()))[:2],
+            "index": attempt(lambda: operator.index(1.5))[:2]}]
     with epcomm.Group.shm(name, rank, 2, timeout_s=TIMEOUT_S) as g, \
             epcomm.EplbCommunicator(g, "torch_gloo") as c:
         def rows(n):
@@ -145,6 +147,8 @@ def group_rank(rank, name):
             ("send_recv", lambda v: g.send_recv(
                 [("send", 1, v)] if rank == 0 else [("recv", 0, rows(2))])),
             ("broadcast", lambda v: g.broadcast(v, 0)),
+            # A root that is no rank (a float) on rank 0, good tensors everywhere.
+            ("broadcast_root", lambda v: g.broadcast(rows(2), 1.5 if rank == 0 else 0)),
             ("all_gather", lambda v: g.all_gather(v)),
             ("rearrange", lambda v: c.rearrange([[0, 1]], [[1, 0]], [[v]])),
         ]
@@ -205,13 +209,15 @@ class PeersAreToldTest(unittest.TestCase):
         self.assertEqual(own["dlpack"][0], "BufferError")
         self.assertEqual(own["bytes"], ("RuntimeError", "no bytes today"))
         # The gathers read their input with numpy.asarray, the others export it (DLPack).
+        self.assertEqual(own["index"][0], "TypeError")
         mine = {"all_gatherv": own["numpy"], "reduce_scatterv": own["numpy"],
-                "all_gather": own["bytes"]}
+                "all_gather": own["bytes"], "broadcast_root": own["index"]}
         peer = {
             "all_gather": "all_gatherv",  # the library's name of that collective
+            "broadcast_root": "broadcast",
         }
         ops = ["all_gatherv", "reduce_scatterv", "all_to_allv", "send_recv", "broadcast",
-               "all_gather", "rearrange"]
+               "broadcast_root", "all_gather", "rearrange"]
         for j, op in enumerate(ops):
             at = 1 + 2 * j  # after the bad values' own outcomes: (op, outcome), next step
             want = mine.get(op, own["dlpack"])
