@@ -103,7 +103,7 @@ class Handle:
                         f" (close() of the {self._WHAT} closes the {h._WHAT} made on it)")
                     raise invalid_state(
                         f"close() of the {self._WHAT} refused: {calls} call(s) on the "
-                        f"{h._WHAT} are in flight on other threads; close it after they "
+                        f"{h._WHAT} are still in flight; close it after they "
                         f"return{also}")
             self._closed = True
         try:

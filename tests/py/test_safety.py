@@ -479,9 +479,9 @@ class CloseWhileInFlightTest(unittest.TestCase):
         self.assertEqual(status, 0, f"the child ended with {status}:\n{err}")
         self.assertEqual(lines, [
             "RuntimeError 9 close() of the All2All manager refused: 1 call(s) on the All2All "
-            "manager are in flight on other threads; close it after they return",
-            "RuntimeError 9 close() of the group refused: 1 call(s) on the group are in "
-            "flight on other threads; close it after they return",
+            "manager are still in flight; close it after they return",
+            "RuntimeError 9 close() of the group refused: 1 call(s) on the group are still in "
+            "flight; close it after they return",
             "[0.0, 1.0] [0.0, 1.0]",
         ], err)
 
