@@ -346,6 +346,35 @@ class ViewsOutliveCloseTest(unittest.TestCase):
                 with self.subTest(view=view, source=source):
                     self.scenario(view, source, "g.close()")
 
+    def test_last_view_dying_while_an_exception_propagates(self):
+        """The closed manager and group are destroyed (from the tensor's deleter) when their
+        last view dies as a temporary of an expression that raises; the exception arrives
+        intact."""
+        body = """
+        g = epcomm.Group.shm(name, 0, 1)
+        a = epcomm.All2All(g, "deepep_high_throughput", num_experts=2, top_k=1,
+                           hidden_size=H, max_tokens_per_rank=T)
+        d = a.dispatch(x, ids, w)
+        views = [torch.from_dlpack(d["hidden"])]
+        del d
+        a.close()
+        g.close()
+        print("mapped", windows() > 0, group_maps() > 0)
+
+        def f(t, y):
+            return t
+
+        try:
+            f(views.pop(), 1 / 0)
+        except ZeroDivisionError as e:
+            print(type(e).__name__, e)
+        print("mapped", windows(), group_maps())
+        """
+        status, lines, err = run_child(body)
+        self.assertEqual(status, 0, f"the child ended with {status}:\n{err}")
+        self.assertEqual(lines, ["mapped True True", "ZeroDivisionError division by zero",
+                                 "mapped 0 0"], err)
+
     def test_stats_and_plan_views_after_close(self):
         body = """
         g = epcomm.Group.shm(name, 0, 1)
