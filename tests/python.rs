@@ -12,7 +12,9 @@
 //! package and through epcomm.vllm's query_active_mask / query_fault / clean_buffers over gloo),
 //! and test_vllm.py (`epcomm.vllm`'s all2all manager and EPLB communicator with 2 and 4 ranks
 //! against a plain-torch reference of vLLM's AgRsAll2AllManager); test_mem.py (zero-copy
-//! views: `Group.alloc` and `All2All.expert_output_buffer`, with torch).
+//! views: `Group.alloc` and `All2All.expert_output_buffer`, with torch); test_safety.py
+//! (never silently wrong: any exception preparing a collective's arguments tells the peers,
+//! views outlive close(), close() during a call on another thread is refused).
 //! Each script bounds its own multi-process cases; the timeouts here bound whole runs.
 //!
 //! The interpreter is `common::python::env()`'s: `$PYTHON`/python3, or a venv under target/ with
@@ -139,5 +141,12 @@ fn python_fault_tolerance() {
 fn python_zero_copy_mem() {
     if let Some(py) = torch_or_skip("python_zero_copy_mem") {
         run_package_script(py, "test_mem.py", Duration::from_secs(300));
+    }
+}
+
+#[test]
+fn python_never_silently_wrong() {
+    if let Some(py) = torch_or_skip("python_never_silently_wrong") {
+        run_package_script(py, "test_safety.py", Duration::from_secs(300));
     }
 }

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from ._handle import Handle, Pin
 from ._lib import DEVICE_CPU, DType, Tensor, i64p, load_library, vp
-from .errors import check
+from .errors import InvalidArgumentError, check
 
 _DTYPE_NAMES = {
     (2, 32): "float32",
@@ -124,14 +125,21 @@ def _export(t: Tensor, versioned: bool, owner: Any) -> Any:
 class Buffer:
     """A read-write view of an output epcomm returns (dispatch's buffers, statistics, plans,
     maps, loads). A view of a manager's (or plan's) memory is valid until that object's next
-    call that replaces it or its close, like the C ABI's views: a tensor made from it with
+    call that replaces it, like the C ABI's views: a tensor made from it with
     ``torch.from_dlpack`` or ``numpy.from_dlpack`` shares the memory and must not be used
-    after that (copy it to keep it). Buffers that own their memory (maps, loads) stay valid
-    as long as they or a tensor made from them live. ``numpy()`` returns a copy (bfloat16 as
-    uint16 bits), ``numpy.asarray(buffer)`` a view, ``tolist()`` nested Python lists."""
+    after that (copy it to keep it). Such a tensor (or ``numpy.asarray`` array) keeps the
+    memory alive after that object's ``close()``, which frees it when the last one is gone;
+    the Buffer itself does not: after the close (or once replaced, for dispatch outputs)
+    exporting or reading it raises.
+    Buffers that own their memory (maps, loads) stay valid as long as they or a tensor made
+    from them live. ``numpy()`` returns a copy (bfloat16 as uint16 bits),
+    ``numpy.asarray(buffer)`` a view, ``tolist()`` nested Python lists."""
 
-    def __init__(self, tensor: Tensor, owner: Any):
+    def __init__(self, tensor: Tensor, owner: Any,
+                 stale: Optional[Callable[[], Optional[str]]] = None):
         self._owner = owner  # what owns the memory (a manager, a plan, a ctypes array)
+        # Why the memory is no longer this view's (it was replaced), or None.
+        self._stale = stale
         self.shape: Tuple[int, ...] = tuple(tensor.shape[i] for i in range(tensor.ndim))
         self.dtype: str = _DTYPE_NAMES[(tensor.dtype.code, tensor.dtype.bits)]
         self._data: Optional[int] = tensor.data
@@ -139,16 +147,17 @@ class Buffer:
         self._device = (tensor.device_type or DEVICE_CPU, tensor.device_id)
 
     @classmethod
-    def view(cls, address: Optional[int], shape: Sequence[int], dtype: str,
-             owner: Any) -> "Buffer":
-        """A view of ``shape`` elements of ``dtype`` at ``address``, owned by ``owner``."""
+    def view(cls, address: Optional[int], shape: Sequence[int], dtype: str, owner: Any,
+             stale: Optional[Callable[[], Optional[str]]] = None) -> "Buffer":
+        """A view of ``shape`` elements of ``dtype`` at ``address``, owned by ``owner``
+        (``stale``: as the constructor's)."""
         dims = _shape_array(shape)
         t = Tensor()
         t.data = address or None
         t.ndim = len(shape)
         t.dtype = DType(*_CODES[dtype], 1)
         t.shape = ctypes.cast(dims, i64p)
-        return cls(t, owner)
+        return cls(t, owner, stale)
 
     @classmethod
     def owning(cls, array: Any, shape: Sequence[int], dtype: str) -> "Buffer":
@@ -162,6 +171,23 @@ class Buffer:
         for d in self.shape:
             n *= d
         return n
+
+    def _usable(self) -> None:
+        """Raises when the memory is gone: its handle closed, or replaced (``stale``)."""
+        owner = self._owner
+        if isinstance(owner, Handle) and (owner._closed or not owner._h):
+            raise InvalidArgumentError(
+                f"this Buffer views memory of a closed {owner._WHAT}; copy outputs before "
+                "close()", 2)
+        why = self._stale() if self._stale is not None else None
+        if why is not None:
+            raise InvalidArgumentError(why, 2)
+
+    def _hold(self) -> Any:
+        """What an export of this view holds to keep its memory: a Pin of a handle (its
+        close() is refused meanwhile), else the owner itself."""
+        self._usable()
+        return Pin(self._owner) if isinstance(self._owner, Handle) else self._owner
 
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 1
@@ -191,11 +217,12 @@ class Buffer:
         t.ndim = len(self.shape)
         t.dtype = self._dtype
         t.shape = ctypes.cast(shape, i64p)  # the library copies it
-        return _export(t, versioned, self._owner)
+        return _export(t, versioned, self._hold())
 
     def tolist(self) -> Any:
         """The elements as nested Python lists (bfloat16 and float16 as floats); a copy."""
         self._host("tolist()")
+        self._usable()
         flat: List[Any] = []
         if self.nbytes and self._data:
             raw = ctypes.string_at(self._data, self.nbytes)
@@ -217,12 +244,14 @@ class Buffer:
         import numpy as np
 
         self._host("numpy")
+        self._usable()
         kind = np.dtype(_FORMATS[self.dtype])
         if not self.nbytes or not self._data:
             a = np.zeros(self.shape, kind)
         else:
+            hold = self._hold()
             raw = (ctypes.c_char * self.nbytes).from_address(self._data)
-            setattr(raw, "_epcomm_owner", self._owner)  # the array's base keeps the owner alive
+            setattr(raw, "_epcomm_owner", hold)  # the array's base keeps the memory alive
             a = np.frombuffer(raw, kind).reshape(self.shape)
             if copy:
                 a = a.copy()

@@ -83,8 +83,10 @@ class Arg:
             )
 
     def _from_buffer_view(self, b: Buffer) -> None:
-        """One of epcomm's own Buffers: its memory described directly (no DLPack export)."""
+        """One of epcomm's own Buffers: its memory described directly (no DLPack export), held
+        for the call like an export (its handle's close() is refused meanwhile)."""
         self.keep.append(b)
+        self.keep.append(b._hold())
         dims = (ctypes.c_int64 * max(len(b.shape), 1))(*b.shape)
         self.keep.append(dims)
         t = Tensor()

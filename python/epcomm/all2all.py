@@ -6,7 +6,7 @@ import ctypes
 from typing import Any, Dict, List, Optional, Sequence
 
 from ._dlpack import _DTYPE_NAMES, Buffer
-from ._handle import Handle
+from ._handle import Handle, in_flight
 from ._lib import All2AllStats, DispatchOutput, MoeConfig, Tensor, load_library, vp
 from ._tensor import Arg, dtype_struct
 from .errors import check
@@ -74,9 +74,12 @@ def _fp8_mode(v: Any) -> int:
 class All2All(Handle):
     """A MoE dispatch/combine manager for a vLLM all2all backend name over ``group``. Dtypes
     are names ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", ...), torch dtypes or
-    numpy dtypes. A context manager; ``close()`` may be called any number of times."""
+    numpy dtypes. A context manager; ``close()`` may be called any number of times (refused
+    while a call on the manager is in flight on another thread); arrays and tensors made from
+    its Buffers keep its memory alive after it (the group's ``close()`` closes it too)."""
 
     _DESTROY = "epcomm_all2all_destroy"
+    _WHAT = "All2All manager"
 
     def __init__(
         self,
@@ -108,13 +111,19 @@ class All2All(Handle):
         cfg.struct.enable_fault_tolerance = bool(enable_fault_tolerance)
         self.world_size = group.size
         h = vp()
-        group.check(
-            lib.epcomm_all2all_create(
-                group.handle, backend.encode(), ctypes.byref(cfg.struct), ctypes.byref(h)
+        with in_flight(group) as gh:
+            group.check(
+                lib.epcomm_all2all_create(
+                    gh, backend.encode(), ctypes.byref(cfg.struct), ctypes.byref(h)
+                )
             )
-        )
-        self._h = h
-        self._group = group  # the Python object too (the library keeps the group alive)
+            self._h = h
+            self._group = group  # the group must outlive the manager: its close() closes this
+            self._depend_on(group)
+        # Dispatches and expert_output_buffer() calls so far: a Buffer of an earlier one views
+        # memory the manager may have reused or freed (a grown receive buffer is reallocated).
+        self._dispatches = 0
+        self._expert_buffers = 0
         self.num_extras = len(extra_row_bytes)
         self._expert = (hidden_size, cfg.struct.expert_dtype)  # expert_output_buffer's rows
 
@@ -132,52 +141,72 @@ class All2All(Handle):
         With FP8 dispatch (``fp8=True``/"e4m3" or "ue8m0" here, from this call on, or
         ``dispatch_fp8=`` at creation; every rank alike) the rows travel quantised on the
         sending side: "hidden" holds float8_e4m3fn bits as uint8 (``.view(torch.float8_e4m3fn)``)
-        and "scales" float32 [rows..., hidden_size/128], value = element x scale."""
+        and "scales" float32 [rows..., hidden_size/128], value = element x scale.
+
+        Any exception while the arguments are prepared here (a TypeError, torch's BufferError
+        for a tensor it cannot export, a KeyboardInterrupt) is raised after the library is told,
+        so the peers' dispatch fails at once ("rank R rejected its input") and every rank's next
+        dispatch pairs with the others' next one."""
         lib = load_library()
         out = DispatchOutput()
-        try:
-            args = [
-                Arg(hidden, "hidden"),
-                Arg(topk_ids, "topk_ids"),
-                Arg(topk_weights, "topk_weights"),
-            ]
-            ex = [Arg(e, f"extras[{i}]") for i, e in enumerate(extras or ())]
-            mode = self._fp8 if fp8 is None else _fp8_mode(fp8)
-        except (TypeError, ValueError):
-            # The peers are already in this dispatch: a call the library rejects (no tensors)
-            # tells them at once instead of leaving them to time out.
-            lib.epcomm_all2all_dispatch(self._h, None, None, None, None, 0, ctypes.byref(out))
-            raise
-        if mode != self._fp8:
+        with in_flight(self, self._group) as h:
+            # Whatever is returned from here on views memory this call may replace.
+            self._dispatches += 1
             try:
-                check(lib.epcomm_all2all_set_dispatch_fp8(self._h, mode))
-            except Exception:
-                # As above: the peers are already in this dispatch.
-                lib.epcomm_all2all_dispatch(self._h, None, None, None, None, 0, ctypes.byref(out))
+                args = [
+                    Arg(hidden, "hidden"),
+                    Arg(topk_ids, "topk_ids"),
+                    Arg(topk_weights, "topk_weights"),
+                ]
+                ex = [Arg(e, f"extras[{i}]") for i, e in enumerate(extras or ())]
+                c_ex = (Tensor * max(len(ex), 1))(*[a.ptr.contents for a in ex])
+                mode = self._fp8 if fp8 is None else _fp8_mode(fp8)
+                if mode != self._fp8:
+                    check(lib.epcomm_all2all_set_dispatch_fp8(h, mode))
+                    self._fp8 = mode
+            except BaseException:
+                # The peers are already in this dispatch: a call the library rejects (no
+                # tensors) fails theirs at once, instead of pairing it with this rank's next
+                # dispatch or leaving them to time out.
+                self._group._tell_peers(lib.epcomm_all2all_dispatch, h, None, None, None, None, 0,
+                                       ctypes.byref(out))
                 raise
-            self._fp8 = mode
-        c_ex = (Tensor * max(len(ex), 1))(*[a.ptr.contents for a in ex])
-        self._group.check(
-            lib.epcomm_all2all_dispatch(
-                self._h, args[0].ptr, args[1].ptr, args[2].ptr, c_ex if ex else None, len(ex),
-                ctypes.byref(out),
+            self._group.check(
+                lib.epcomm_all2all_dispatch(
+                    h, args[0].ptr, args[1].ptr, args[2].ptr, c_ex if ex else None, len(ex),
+                    ctypes.byref(out),
+                )
             )
-        )
-        return self._outputs(out, views)
+            return self._outputs(h, out, views)
 
-    def _outputs(self, out: DispatchOutput, views: bool) -> Dict[str, Any]:
-        wrap = (lambda t: Buffer(t, self)) if views else (lambda t: Buffer(t, self).numpy())
+    def _stale_after(self, counter: str, what: str) -> Any:
+        """A Buffer's ``stale`` check: the message once ``counter`` moved on from now."""
+        n = getattr(self, counter)
+
+        def stale() -> Any:
+            if getattr(self, counter) == n:
+                return None
+            return (f"this Buffer is {what}; the {self._WHAT} has replaced it since (its memory "
+                    "may be reused or freed): copy what you keep before the next call")
+        return stale
+
+    def _outputs(self, h: vp, out: DispatchOutput, views: bool) -> Dict[str, Any]:
+        stale = self._stale_after("_dispatches", "an output of an earlier dispatch")
+
+        def wrap(t: Tensor) -> Any:
+            b = Buffer(t, self, stale)
+            return b if views else b.numpy()
         result: Dict[str, Any] = {
             name: wrap(getattr(out, name)) for name in OUTPUT_TENSORS
             if not (self._fp8 and name == "hidden")
         }
         if self._fp8:
-            h = out.hidden
-            shape = [h.shape[i] for i in range(h.ndim)]
-            q = Buffer.view(h.data, shape, "uint8", self)  # float8_e4m3fn bits
+            hid = out.hidden
+            shape = [hid.shape[i] for i in range(hid.ndim)]
+            q = Buffer.view(hid.data, shape, "uint8", self, stale)  # float8_e4m3fn bits
             result["hidden"] = q if views else q.numpy()
             sc = Tensor()
-            check(load_library().epcomm_all2all_dispatch_scales(self._h, ctypes.byref(sc)))
+            check(load_library().epcomm_all2all_dispatch_scales(h, ctypes.byref(sc)))
             result["scales"] = wrap(sc)
         result["layout"] = out.layout
         result["received_rows"] = out.received_rows
@@ -192,15 +221,16 @@ class All2All(Handle):
         with fault tolerance "dropped_pairs" / "dropped_pairs_total": this rank's (token,
         expert) pairs routed to masked ranks' experts (sent nowhere), last dispatch / all."""
         st = All2AllStats()
-        check(load_library().epcomm_all2all_get_stats(self._h, ctypes.byref(st)))
+        last, total = ctypes.c_uint64(), ctypes.c_uint64()
+        with in_flight(self) as h:
+            check(load_library().epcomm_all2all_get_stats(h, ctypes.byref(st)))
+            check(load_library().epcomm_all2all_dropped_pairs(
+                h, ctypes.byref(last), ctypes.byref(total)))
         n = st.world_size
         result: Dict[str, Any] = {
             name: Buffer.view(ctypes.cast(getattr(st, name), vp).value, (n,), "uint64", self)
             for name in _STATS_ARRAYS
         }
-        last, total = ctypes.c_uint64(), ctypes.c_uint64()
-        check(load_library().epcomm_all2all_dropped_pairs(
-            self._h, ctypes.byref(last), ctypes.byref(total)))
         result.update(world_size=n, dispatch_seconds=st.dispatch_seconds,
                       combine_seconds=st.combine_seconds, dropped_pairs=last.value,
                       dropped_pairs_total=total.value)
@@ -210,13 +240,15 @@ class All2All(Handle):
         """vLLM's ``query_active_mask``: one entry per rank, 0 = live, 1 = masked (a rank that
         died or stalled and that every survivor left out); all 0 without fault tolerance."""
         mask = (ctypes.c_int32 * self.world_size)()
-        check(load_library().epcomm_all2all_query_active_mask(self._h, mask, self.world_size))
+        with in_flight(self, self._group) as h:
+            check(load_library().epcomm_all2all_query_active_mask(h, mask, self.world_size))
         return list(mask)
 
     def query_fault(self) -> bool:
         """vLLM's ``query_fault``: whether the mask changed since the last ``clean_buffers``."""
         fault = ctypes.c_bool()
-        check(load_library().epcomm_all2all_query_fault(self._h, ctypes.byref(fault)))
+        with in_flight(self, self._group) as h:
+            check(load_library().epcomm_all2all_query_fault(h, ctypes.byref(fault)))
         return fault.value
 
     def clean_buffers(self) -> None:
@@ -224,33 +256,42 @@ class All2All(Handle):
         are zeroed, the last dispatch is forgotten (views of it are invalid; combine needs a
         new dispatch), and the current mask becomes ``query_fault``'s baseline. Masked ranks
         stay masked."""
-        check(load_library().epcomm_all2all_clean_buffers(self._h))
+        with in_flight(self, self._group) as h:
+            self._dispatches += 1  # the dispatch outputs are forgotten
+            check(load_library().epcomm_all2all_clean_buffers(h))
 
     def check_layer(self, top_k: int, num_experts: int) -> None:
         """Declares a MoE layer's top_k and (physical) num_experts: vLLM's AssertionError for
         flashinfer_nvlink_one_sided when they differ from the manager's, else a ValueError."""
-        check(load_library().epcomm_all2all_check_layer(self._h, top_k, num_experts))
+        with in_flight(self) as h:
+            check(load_library().epcomm_all2all_check_layer(h, top_k, num_experts))
 
     def expert_output_buffer(self) -> Buffer:
         """The manager's expert-output buffer for the last dispatch ([rows, hidden_size] of
         expert_dtype, in shared memory the manager owns; contents unspecified): write the
         experts' outputs into it (``torch.from_dlpack`` views it) and pass it, or that tensor,
         to ``combine``, whose peers then read it in place (no copy; ``zero_copy_combines``
-        counts them). Valid until the next call of this method or close. Before a dispatch,
-        or on a group without shared memory, an epcomm.Error (a RuntimeError) saying so."""
+        counts them). Valid until the next call of this method (which may reallocate it; the
+        Buffer then raises) or close. Before a dispatch, or on a group without shared memory,
+        an epcomm.Error (a RuntimeError) saying so."""
 
         data, rows = vp(), ctypes.c_int64()
-        check(load_library().epcomm_all2all_expert_output_buffer(
-            self._h, ctypes.byref(data), ctypes.byref(rows)))
+        with in_flight(self, self._group) as h:
+            self._expert_buffers += 1
+            check(load_library().epcomm_all2all_expert_output_buffer(
+                h, ctypes.byref(data), ctypes.byref(rows)))
         hidden, dt = self._expert
         name = _DTYPE_NAMES[(dt.code, dt.bits)]
-        return Buffer.view(data.value, (rows.value, hidden), name, self)
+        stale = self._stale_after(
+            "_expert_buffers", "an expert-output buffer of an earlier expert_output_buffer()")
+        return Buffer.view(data.value, (rows.value, hidden), name, self, stale)
 
     def zero_copy_combines(self) -> int:
         """How many combines read their expert output in place from ``expert_output_buffer``."""
 
         n = ctypes.c_uint64()
-        check(load_library().epcomm_all2all_zero_copy_combines(self._h, ctypes.byref(n)))
+        with in_flight(self) as h:
+            check(load_library().epcomm_all2all_zero_copy_combines(h, ctypes.byref(n)))
         return n.value
 
     def combine(self, expert_output: Any, out: Any) -> Any:
@@ -259,14 +300,18 @@ class All2All(Handle):
         is written in place, a writable numpy array of any order or byte order receives the
         result. A read-only, non-contiguous or copied-on-export `out` is a ValueError on this
         rank, a wrong dtype or shape the library's ValueError, and the peers' combine fails at
-        once ("rank R rejected its input")."""
+        once ("rank R rejected its input"); so is any other exception raised while the
+        arguments are prepared (torch's BufferError, a KeyboardInterrupt), after the peers are
+        told."""
         lib = load_library()
-        try:
-            a, o = Arg(expert_output, "expert_output"), Arg(out, "out", output=True)
-        except (TypeError, ValueError):
-            # As in dispatch: let the library reject the call so the peers learn of it at once.
-            lib.epcomm_all2all_combine(self._h, None, None)
-            raise
-        self._group.check(lib.epcomm_all2all_combine(self._h, a.ptr, o.ptr))
+        with in_flight(self, self._group) as h:
+            try:
+                a, o = Arg(expert_output, "expert_output"), Arg(out, "out", output=True)
+            except BaseException:
+                # As in dispatch: let the library reject the call so the peers learn of it at
+                # once.
+                self._group._tell_peers(lib.epcomm_all2all_combine, h, None, None)
+                raise
+            self._group.check(lib.epcomm_all2all_combine(h, a.ptr, o.ptr))
         o.finish()
         return out

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import json
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._dlpack import Buffer
-from ._handle import Handle
+from ._handle import Handle, in_flight
 from ._lib import (
     DEVICE_CPU,
     DType,
@@ -98,6 +98,7 @@ class LayerPlan(Handle):
     slot, primary slot). A context manager."""
 
     _DESTROY = "epcomm_eplb_layer_plan_destroy"
+    _WHAT = "layer plan"
 
     def __init__(self, old_phy2log: Sequence[int], new_phy2log: Sequence[int],
                  slots_per_rank: int, rank: int):
@@ -225,6 +226,7 @@ class EplbCommunicator(Handle):
     manager; ``close()`` may be called any number of times."""
 
     _DESTROY = "epcomm_eplb_communicator_destroy"
+    _WHAT = "EPLB communicator"
 
     def __init__(self, group: Group, communicator: Optional[str] = None, elastic: bool = False):
         self._h = vp()
@@ -234,12 +236,14 @@ class EplbCommunicator(Handle):
         req.elastic = elastic
         req.device_type = DEVICE_CPU
         h = vp()
-        group.check(
-            load_library().epcomm_eplb_communicator_create(
-                group.handle, ctypes.byref(req), ctypes.byref(h)
+        with in_flight(group) as gh:
+            group.check(
+                load_library().epcomm_eplb_communicator_create(
+                    gh, ctypes.byref(req), ctypes.byref(h)
+                )
             )
-        )
-        self._h, self._group = h, group
+            self._h, self._group = h, group
+            self._depend_on(group)  # the group's close() closes this first
         self._pending: List[Any] = []  # queued tensors, kept alive until execute()
 
     def _queue(self, fn_name: str, tensors: Sequence[Any], peer: int, expert: int,
@@ -248,7 +252,8 @@ class EplbCommunicator(Handle):
         if any(a.copy_into is not None for a in args):
             raise InvalidArgumentError("tensors must be C-contiguous in native byte order", 2)
         c = (Tensor * max(len(args), 1))(*[a.ptr.contents for a in args])
-        check(getattr(load_library(), fn_name)(self._h, c, len(args), peer, expert))
+        with in_flight(self) as h:
+            check(getattr(load_library(), fn_name)(h, c, len(args), peer, expert))
         # The library reads and writes these tensors' memory at execute().
         self._pending.append((args, c))
 
@@ -267,7 +272,8 @@ class EplbCommunicator(Handle):
         """Runs every queued send and receive (collective: every rank of the group calls it)
         and clears the queue, also on failure."""
         try:
-            self._group.check(load_library().epcomm_eplb_communicator_execute(self._h))
+            with in_flight(self, self._group) as h:
+                self._group.check(load_library().epcomm_eplb_communicator_execute(h))
         finally:
             self._pending.clear()
 
@@ -313,6 +319,27 @@ class EplbCommunicator(Handle):
         leaves the slots of lost experts with the bytes they held before (never zeros) and
         reports them. The summary's ``lost_experts`` lists, per layer, the lost experts left
         unwritten (empty lists otherwise)."""
+        with in_flight(self, self._group) as h:
+            try:
+                run = self._prepare_rearrange(
+                    h, old_phy2log, new_phy2log, weights, rank_mapping, migration_batching,
+                    next_weights, allow_lost_experts)
+            except BaseException:
+                # The peers are already in this rearrangement: a call the library rejects (no
+                # maps) fails theirs at once instead of pairing it with this rank's next one.
+                with_lost, _ = _rearrange_fns()
+                self._group._tell_peers(with_lost, h, None, None, 1, 1, 1, None, 1, None, None,
+                                        None)
+                raise
+            return run()
+
+    def _prepare_rearrange(
+        self, h: vp, old_phy2log: Any, new_phy2log: Any, weights: Sequence[Sequence[Any]],
+        rank_mapping: Optional[Sequence[int]], migration_batching: bool,
+        next_weights: Optional[Sequence[Sequence[Any]]], allow_lost_experts: bool,
+    ) -> Callable[[], Dict[str, Any]]:
+        """``rearrange``'s arguments as C data, and the call that runs it (any exception here
+        is raised before the library is called)."""
         old, layers, old_slots = _maps(old_phy2log, "old_phy2log")
         new, new_layers, new_slots = _maps(new_phy2log, "new_phy2log")
         if new_layers != layers or len(weights) != layers:
@@ -353,16 +380,21 @@ class EplbCommunicator(Handle):
             return per_layer
 
         summary = EplbSummary()
+        keep = (args, mapping, pairs)  # what the C data points into, alive until the call
         if next_weights is None:
-            self._group.check(
-                rearrange_with_lost(
-                    self._h, old, new, layers, old_slots, new_slots, tensors, per_layer,
-                    ctypes.byref(options), ctypes.byref(lost_options), ctypes.byref(summary),
+            def run(_keep: Any = keep) -> Dict[str, Any]:
+                self._group.check(
+                    rearrange_with_lost(
+                        h, old, new, layers, old_slots, new_slots, tensors, per_layer,
+                        ctypes.byref(options), ctypes.byref(lost_options),
+                        ctypes.byref(summary),
+                    )
                 )
-            )
-            done: Dict[str, Any] = {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
-            done["lost_experts"] = lost()
-            return done
+                done: Dict[str, Any] = {
+                    f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
+                done["lost_experts"] = lost()
+                return done
+            return run
         if len(next_weights) != layers or any(len(n) != per_layer for n in next_weights):
             raise InvalidArgumentError(
                 f"next_weights must have the layout of weights: {layers} layers of "
@@ -371,21 +403,24 @@ class EplbCommunicator(Handle):
             )
         next_args, next_tensors = _tensors(next_weights, "next_weights", True)
         valid = ctypes.c_int64(0)
-        try:
-            self._group.check(
-                rearrange_into_with_lost(
-                    self._h, old, new, layers, old_slots, new_slots, tensors, next_tensors,
-                    per_layer, ctypes.byref(options), ctypes.byref(lost_options),
-                    ctypes.byref(summary), ctypes.byref(valid),
+
+        def run_into(_keep: Any = (keep, next_args)) -> Dict[str, Any]:
+            try:
+                self._group.check(
+                    rearrange_into_with_lost(
+                        h, old, new, layers, old_slots, new_slots, tensors, next_tensors,
+                        per_layer, ctypes.byref(options), ctypes.byref(lost_options),
+                        ctypes.byref(summary), ctypes.byref(valid),
+                    )
                 )
-            )
-        except Exception as e:
-            e.next_valid = valid.value
-            raise
-        out: Dict[str, Any] = {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
-        out["next_valid"] = valid.value
-        out["lost_experts"] = lost()
-        return out
+            except Exception as e:
+                e.next_valid = valid.value  # type: ignore[attr-defined]
+                raise
+            out: Dict[str, Any] = {f[0]: getattr(summary, f[0]) for f in EplbSummary._fields_}
+            out["next_valid"] = valid.value
+            out["lost_experts"] = lost()
+            return out
+        return run_into
 
 
 def _tensors(weights: Sequence[Sequence[Any]], what: str, output: bool) -> Tuple[List[Any], Any]:
@@ -404,6 +439,7 @@ class EplbState(Handle):
     defaults); ``model_name`` labels vLLM's log lines. A context manager; ``close()`` may be called any number of times."""
 
     _DESTROY = "epcomm_eplb_state_destroy"
+    _WHAT = "EPLB state"
 
     def __init__(self, num_layers: int, num_physical: int, eplb_config: Any = None,
                  model_name: str = ""):
@@ -426,23 +462,28 @@ class EplbState(Handle):
         (``use_async and enable_migration_batching``): what to pass as
         ``EplbCommunicator.rearrange(..., migration_batching=)``."""
         on = ctypes.c_bool()
-        check(load_library().epcomm_eplb_state_migration_batching(self._h, ctypes.byref(on)))
+        with in_flight(self) as h:
+            check(load_library().epcomm_eplb_state_migration_batching(h, ctypes.byref(on)))
         return on.value
 
     def record(self, layer: int, topk_ids: Any) -> None:
         """Adds one token per valid id of ``topk_ids`` (int32/int64, -1 ignored) to ``layer``."""
-        check(load_library().epcomm_eplb_state_record(self._h, layer, Arg(topk_ids, "topk_ids").ptr))
+        ids = Arg(topk_ids, "topk_ids")
+        with in_flight(self) as h:
+            check(load_library().epcomm_eplb_state_record(h, layer, ids.ptr))
 
     def record_dispatch(self, layer: int, a2a: Any) -> None:
         """Adds the load of ``a2a``'s last dispatch to ``layer`` (no second pass over the ids)."""
-        check(load_library().epcomm_eplb_state_record_dispatch(self._h, layer, a2a._h))
+        with in_flight(self, a2a) as h:
+            check(load_library().epcomm_eplb_state_record_dispatch(h, layer, a2a._h))
 
     def step(self, group: Group, is_dummy: bool = False, log_stats: bool = False) -> bool:
         """Ends a forward step (collective when logging balancedness); True when a
         rearrangement is due."""
         due = ctypes.c_bool()
-        group.check(load_library().epcomm_eplb_state_step(
-            self._h, group.handle, is_dummy, log_stats, ctypes.byref(due)))
+        with in_flight(self, group) as h:
+            group.check(load_library().epcomm_eplb_state_step(
+                h, group._h, is_dummy, log_stats, ctypes.byref(due)))
         return due.value
 
     def logical_load(self, group: Group, phy2log: Sequence[Sequence[int]],
@@ -452,6 +493,7 @@ class EplbState(Handle):
         ready for ``eplb_rebalance``."""
         maps, layers, slots = _maps(phy2log, "phy2log")
         load = (ctypes.c_float * max(layers * num_logical, 1))()
-        group.check(load_library().epcomm_eplb_state_logical_load(
-            self._h, group.handle, maps, layers, slots, num_logical, load))
+        with in_flight(self, group) as h:
+            group.check(load_library().epcomm_eplb_state_logical_load(
+                h, group._h, maps, layers, slots, num_logical, load))
         return Buffer.owning(load, (layers, num_logical), "float32")

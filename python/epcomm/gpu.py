@@ -9,7 +9,7 @@ import ctypes
 from typing import Any, Dict, Optional, Sequence
 
 from ._dlpack import Buffer
-from ._handle import Handle
+from ._handle import Handle, in_flight
 from ._lib import DispatchOutput, GpuStats, Tensor, i32, load_library, vp
 from ._tensor import Arg
 from .all2all import OUTPUT_TENSORS, _Config
@@ -69,6 +69,7 @@ class GpuAll2All(Handle):
     (``torch.from_dlpack``), valid until the next dispatch. A context manager."""
 
     _DESTROY = "epcomm_gpu_all2all_destroy"
+    _WHAT = "GPU all2all manager"
 
     def __init__(self, backend: str, num_experts: int, top_k: int, hidden_size: int, *,
                  unique_id: bytes, rank: int, world_size: int, device: int = 0,
@@ -111,15 +112,25 @@ class GpuAll2All(Handle):
     def dispatch(self, hidden: Any, topk_ids: Any, topk_weights: Any,
                  extras: Optional[Sequence[Any]] = None, stream: Any = None) -> Dict[str, Any]:
         """Dispatches this rank's tokens on ``stream`` (collective); the outputs as
-        ``All2All.dispatch``'s, CUDA Buffers ("received_rows" is -1 in capacity mode)."""
-        args = [Arg(hidden, "hidden"), Arg(topk_ids, "topk_ids"),
-                Arg(topk_weights, "topk_weights")]
-        ex = [Arg(e, f"extras[{i}]") for i, e in enumerate(extras or ())]
-        c_ex = (Tensor * max(len(ex), 1))(*[a.ptr.contents for a in ex])
+        ``All2All.dispatch``'s, CUDA Buffers ("received_rows" is -1 in capacity mode). Any
+        exception while the arguments are prepared is raised after the library is told (no
+        tensors), so the peers' dispatch fails at once."""
+        lib = load_library()
         out = DispatchOutput()
-        check(load_library().epcomm_gpu_all2all_dispatch(
-            self._h, _stream(stream), args[0].ptr, args[1].ptr, args[2].ptr,
-            c_ex if ex else None, len(ex), ctypes.byref(out)))
+        with in_flight(self) as h:
+            try:
+                s = _stream(stream)
+                args = [Arg(hidden, "hidden"), Arg(topk_ids, "topk_ids"),
+                        Arg(topk_weights, "topk_weights")]
+                ex = [Arg(e, f"extras[{i}]") for i, e in enumerate(extras or ())]
+                c_ex = (Tensor * max(len(ex), 1))(*[a.ptr.contents for a in ex])
+            except BaseException:
+                lib.epcomm_gpu_all2all_dispatch(h, None, None, None, None, None, 0,
+                                                ctypes.byref(out))
+                raise
+            check(lib.epcomm_gpu_all2all_dispatch(
+                h, s, args[0].ptr, args[1].ptr, args[2].ptr, c_ex if ex else None, len(ex),
+                ctypes.byref(out)))
         result: Dict[str, Any] = {n: Buffer(getattr(out, n), self) for n in OUTPUT_TENSORS}
         result["layout"], result["received_rows"] = out.layout, out.received_rows
         views = ctypes.cast(out.extras, ctypes.POINTER(Tensor))
@@ -130,8 +141,8 @@ class GpuAll2All(Handle):
         """Combines expert outputs into ``out`` (CUDA, [T, hidden], contiguous) on ``stream``
         (collective); returns ``out``."""
         a, o = Arg(expert_output, "expert_output"), Arg(out, "out", output=True)
-        check(load_library().epcomm_gpu_all2all_combine(self._h, _stream(stream), a.ptr,
-                                                        o.ptr))
+        with in_flight(self) as h:
+            check(load_library().epcomm_gpu_all2all_combine(h, _stream(stream), a.ptr, o.ptr))
         return out
 
     def pool_stats(self) -> Dict[str, int]:
@@ -141,10 +152,12 @@ class GpuAll2All(Handle):
         max_tokens_per_rank)."""
         st = GpuStats()
         st.struct_size = ctypes.sizeof(GpuStats)
-        check(load_library().epcomm_gpu_all2all_get_stats(self._h, ctypes.byref(st)))
+        with in_flight(self) as h:
+            check(load_library().epcomm_gpu_all2all_get_stats(h, ctypes.byref(st)))
         return {name: getattr(st, name) for name, _ in GpuStats._fields_[1:]}
 
     def check_error(self, stream: Any = None) -> None:
         """Synchronises ``stream`` and raises the device error of the last dispatch/combine
         (bad topk_ids, a full bucket), if any: capacity mode's way to learn of bad input."""
-        check(load_library().epcomm_gpu_all2all_check_error(self._h, _stream(stream)))
+        with in_flight(self) as h:
+            check(load_library().epcomm_gpu_all2all_check_error(h, _stream(stream)))

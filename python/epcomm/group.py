@@ -4,9 +4,10 @@ transport (Python callables, or a torch.distributed process group) across hosts.
 from __future__ import annotations
 
 import ctypes
+import operator
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ._handle import Handle
+from ._handle import Handle, in_flight
 from ._lib import (
     ALL_GATHER_FN,
     BARRIER_FN,
@@ -68,7 +69,8 @@ class _SharedMemory:
 
     def __init__(self, group: "Group", nbytes: int):
         p = vp()
-        group.check(load_library().epcomm_mem_alloc(group.handle, nbytes, ctypes.byref(p)))
+        with in_flight(group) as h:
+            group.check(load_library().epcomm_mem_alloc(h, nbytes, ctypes.byref(p)))
         self.group, self.address = group, p.value
         group._allocations += 1
 
@@ -148,9 +150,11 @@ class Group(Handle):
     """A process group. ``Group(name, rank, world_size)`` (or ``Group.shm``) is a shared-memory
     group of processes or threads on one host; ``Group.shm_unique`` one found by an id instead
     of a name; ``Group.host`` and ``Group.from_torch`` run over the host's own transport, across
-    machines. A context manager; ``close()`` may be called any number of times."""
+    machines. A context manager; ``close()`` may be called any number of times: it closes the
+    managers made on the group too (see ``close``)."""
 
     _DESTROY = "epcomm_group_destroy"
+    _WHAT = "group"
     _allocations = 0  # live Group.alloc buffers (close refuses to free them under a tensor)
 
     def __init__(
@@ -268,10 +272,20 @@ class Group(Handle):
         else:
             check(status)
 
+    def _tell_peers(self, fn: Callable[..., int], *args: Any) -> None:
+        """After this rank failed to prepare a collective's arguments (any exception): calls
+        the collective ``fn(*args)`` with no tensors, which the library refuses and reports to
+        the peers, so their call fails at once ("rank R rejected its input") instead of pairing
+        with this rank's next one or timing out. Its own error is dropped (the caller raises the
+        original exception), including a host callback's."""
+        fn(*args)
+        if self._transport is not None:
+            self._transport.error = None
+
     @property
     def handle(self) -> vp:
         """The C handle (epcomm_group *)."""
-        if not self._h:
+        if not self._h or self._closed:
             raise InvalidArgumentError("the group is closed", 2)
         return self._h
 
@@ -279,14 +293,16 @@ class Group(Handle):
     def rank(self) -> int:
         """This process's rank in the group."""
         r = i32()
-        check(load_library().epcomm_group_rank(self.handle, ctypes.byref(r)))
+        with in_flight(self) as h:
+            check(load_library().epcomm_group_rank(h, ctypes.byref(r)))
         return r.value
 
     @property
     def size(self) -> int:
         """The number of ranks."""
         s = i32()
-        check(load_library().epcomm_group_size(self.handle, ctypes.byref(s)))
+        with in_flight(self) as h:
+            check(load_library().epcomm_group_size(h, ctypes.byref(s)))
         return s.value
 
     def alloc(self, nbytes_or_shape: Any, dtype: Any = "uint8") -> Buffer:
@@ -315,9 +331,13 @@ class Group(Handle):
         return Buffer.view(mem.address, shape, name, mem)
 
     def close(self) -> None:
-        """Releases the handle (idempotent); refused (InvalidArgumentError) while buffers from
-        ``alloc`` are alive, since destroying the group frees their memory."""
-        if self._h and self._allocations:
+        """Ends the group (idempotent) after closing the managers made on it (All2All,
+        EplbCommunicator); the C group is destroyed once theirs are (after the last array or
+        tensor viewing their memory). Refused, everything left open: while buffers from
+        ``alloc`` are alive (InvalidArgumentError), since destroying the group frees their
+        memory; while a call on the group or on one of those managers is in flight on another
+        thread (an epcomm.Error that is a RuntimeError, status EPCOMM_ERROR_INVALID_STATE)."""
+        if self._h and not self._closed and self._allocations:
             raise InvalidArgumentError(
                 f"the group has {self._allocations} live buffers from Group.alloc; drop them "
                 "(and the tensors made from them) before close()", 2)
@@ -325,35 +345,39 @@ class Group(Handle):
 
     def barrier(self) -> None:
         """Waits for every rank (collective)."""
-        self.check(load_library().epcomm_group_barrier(self.handle))
+        with in_flight(self) as h:
+            self.check(load_library().epcomm_group_barrier(h))
 
-    def _gather_like(self, fn_name: str, x: Any, sizes: Sequence[int], out_rows: int) -> Any:
+    def _gather_like(self, fn_name: str, x: Any, sizes: Sequence[int],
+                     out_rows: Callable[[], int]) -> Any:
         import numpy as np
 
-        a = Arg(np.asarray(x), "x")  # compact, native byte order
-        out = np.empty((int(out_rows),) + a.array.shape[1:], a.array.dtype)
-        s = (ctypes.c_int64 * len(sizes))(*sizes)
         fn = getattr(load_library(), fn_name)
-        self.check(fn(self.handle, a.ptr, s, Arg(out, "out", output=True).ptr))
+        with in_flight(self) as h:
+            try:
+                arr = np.asarray(x)
+                if arr.dtype.hasobject:  # np.asarray wraps what it cannot read as numbers
+                    raise TypeError(
+                        f"x: expected numeric rows (a numpy array, a CPU tensor or a buffer), "
+                        f"got {type(x).__name__}")
+                a = Arg(arr, "x")  # compact, native byte order
+                s = (ctypes.c_int64 * len(sizes))(*sizes)
+                out = np.empty((int(out_rows()),) + a.array.shape[1:], a.array.dtype)
+                o = Arg(out, "out", output=True)
+            except BaseException:
+                self._tell_peers(fn, h, None, None, None)
+                raise
+            self.check(fn(h, a.ptr, s, o.ptr))
         return out
 
     def all_gatherv(self, x: Any, sizes: Sequence[int]) -> Any:
         """Concatenates every rank's rows (numpy) in rank order."""
-        return self._gather_like("epcomm_group_all_gatherv", x, sizes, sum(sizes))
+        return self._gather_like("epcomm_group_all_gatherv", x, sizes, lambda: sum(sizes))
 
     def reduce_scatterv(self, x: Any, sizes: Sequence[int]) -> Any:
         """Sums every rank's rows and returns this rank's slice (float32/float16)."""
-        return self._gather_like("epcomm_group_reduce_scatterv", x, sizes, sizes[self.rank])
-
-    def _args(self, fn: Callable[..., int], reject: Tuple[Any, ...],
-              specs: Sequence[Tuple[Any, str, bool]]) -> List[Arg]:
-        """The tensor arguments of a collective; when one is refused here, the library is
-        called with ``reject`` (no tensors) so the peers fail at once instead of timing out."""
-        try:
-            return [Arg(t, what, output=out) for t, what, out in specs]
-        except (TypeError, ValueError):
-            fn(self.handle, *reject)
-            raise
+        return self._gather_like("epcomm_group_reduce_scatterv", x, sizes,
+                                 lambda: sizes[self.rank])
 
     def all_to_allv(self, x: Any, send_counts: Sequence[int], out: Any,
                     recv_counts: Sequence[int]) -> Any:
@@ -361,10 +385,15 @@ class Group(Handle):
         ``recv_counts[p]`` rows from each into consecutive rows of ``out`` (same row shape and
         dtype, written in place; contiguous); returns ``out`` (collective)."""
         fn = load_library().epcomm_group_all_to_allv
-        sc = (ctypes.c_int64 * len(send_counts))(*send_counts)
-        rc = (ctypes.c_int64 * len(recv_counts))(*recv_counts)
-        a, o = self._args(fn, (None, sc, None, rc), [(x, "x", False), (out, "out", True)])
-        self.check(fn(self.handle, a.ptr, sc, o.ptr, rc))
+        with in_flight(self) as h:
+            try:
+                sc = (ctypes.c_int64 * len(send_counts))(*send_counts)
+                rc = (ctypes.c_int64 * len(recv_counts))(*recv_counts)
+                a, o = Arg(x, "x"), Arg(out, "out", output=True)
+            except BaseException:
+                self._tell_peers(fn, h, None, None, None, None)
+                raise
+            self.check(fn(h, a.ptr, sc, o.ptr, rc))
         o.finish()
         return out
 
@@ -375,16 +404,22 @@ class Group(Handle):
         possibly with no operations."""
         fn = load_library().epcomm_group_send_recv
         kinds = {"send": 0, "recv": 1}
-        for kind, _, _ in ops:
-            if kind not in kinds:
-                fn(self.handle, None, 1)
-                raise InvalidArgumentError(f"unknown operation {kind!r}; expected 'send' or 'recv'", 2)
-        args = self._args(fn, (None, 1), [(t, f"ops[{i}]", k == "recv")
-                                          for i, (k, _, t) in enumerate(ops)])
-        c = (P2POp * max(len(ops), 1))(*[
-            P2POp(kinds[k], peer, a.ptr) for (k, peer, _), a in zip(ops, args)
-        ])
-        self.check(fn(self.handle, c if ops else None, len(ops)))
+        with in_flight(self) as h:
+            try:
+                for kind, _, _ in ops:
+                    if kind not in kinds:
+                        raise InvalidArgumentError(
+                            f"unknown operation {kind!r}; expected 'send' or 'recv'", 2)
+                args = [Arg(t, f"ops[{i}]", output=k == "recv")
+                        for i, (k, _, t) in enumerate(ops)]
+                c = (P2POp * max(len(ops), 1))(*[
+                    P2POp(kinds[k], _rank_arg(peer, f"ops[{i}] peer"), a.ptr)
+                    for i, ((k, peer, _), a) in enumerate(zip(ops, args))
+                ])
+            except BaseException:
+                self._tell_peers(fn, h, None, 1)
+                raise
+            self.check(fn(h, c if ops else None, len(ops)))
         for a in args:
             a.finish()
 
@@ -392,8 +427,14 @@ class Group(Handle):
         """Copies rank ``root``'s ``tensor`` into ``tensor`` on every other rank (in place,
         same byte size); returns ``tensor`` (collective)."""
         fn = load_library().epcomm_group_broadcast
-        (a,) = self._args(fn, (None, root), [(tensor, "tensor", True)])
-        self.check(fn(self.handle, a.ptr, root))
+        with in_flight(self) as h:
+            try:
+                r = _rank_arg(root, "root")
+                a = Arg(tensor, "tensor", output=True)
+            except BaseException:
+                self._tell_peers(fn, h, None, 0)
+                raise
+            self.check(fn(h, a.ptr, r))
         a.finish()
         return tensor
 
@@ -404,7 +445,8 @@ class Group(Handle):
         group broken by a failure. (``epcomm_group_lost_ranks``.)"""
         world = self.size
         mask = (i32 * world)()
-        self.check(_ft_library().epcomm_group_lost_ranks(self.handle, mask, world))
+        with in_flight(self) as h:
+            self.check(_ft_library().epcomm_group_lost_ranks(h, mask, world))
         return [r for r in range(world) if mask[r]]
 
     def shrink(self, excluded: Sequence[int]) -> "Group":
@@ -421,21 +463,37 @@ class Group(Handle):
                     f"excluded[{i}] is {r}; expected a rank of the group (0..{self.size})", 2
                 )
         arr = (i32 * max(len(ranks), 1))(*ranks)
-        h = vp()
+        new = vp()
         lib = _ft_library()
-        self.check(lib.epcomm_group_shrink(self.handle, arr, len(ranks), ctypes.byref(h)))
-        return Group._adopt(h, self._transport)
+        with in_flight(self) as h:
+            self.check(lib.epcomm_group_shrink(h, arr, len(ranks), ctypes.byref(new)))
+        return Group._adopt(new, self._transport)
 
     def all_gather(self, data: bytes) -> List[bytes]:
         """Every rank's ``data`` (the same length on every rank), in rank order: for small
         metadata such as counts (collective)."""
-        raw = bytes(data)
-        n, world = len(raw), self.size
-        out = (ctypes.c_char * max(n * world, 1))()
-        src = ctypes.create_string_buffer(raw, max(n, 1))
-        self.check(load_library().epcomm_group_all_gather(self.handle, src, n, out))
+        fn = load_library().epcomm_group_all_gather
+        with in_flight(self) as h:
+            try:
+                raw = bytes(data)
+                n, world = len(raw), self.size
+                out = (ctypes.c_char * max(n * world, 1))()
+                src = ctypes.create_string_buffer(raw, max(n, 1))
+            except BaseException:
+                self._tell_peers(fn, h, None, 0, None)
+                raise
+            self.check(fn(h, src, n, out))
         whole = bytes(out)[: n * world]
         return [whole[r * n : (r + 1) * n] for r in range(world)]
+
+
+def _rank_arg(r: Any, what: str) -> int:
+    """A rank argument as the C int32 it becomes: an integer (not a float: 1.5 is no rank) in
+    int32's range, so ctypes neither raises after the peers are waiting nor truncates it."""
+    v = operator.index(r)
+    if not -(2**31) <= v < 2**31:
+        raise InvalidArgumentError(f"{what} is {v}; expected a rank of the group", 2)
+    return v
 
 
 __all__: List[str] = ["Group", "SendFn", "RecvFn", "AllGatherFn"]

@@ -17,6 +17,7 @@ import ctypes
 import socket
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ._handle import in_flight
 from ._lib import load_library
 from ._tensor import Arg
 from .all2all import All2All
@@ -76,16 +77,18 @@ class _Collectives:
         self.rank, self.world_size = group.rank, group.size
 
     def _call(self, fn_name: str, x: Any, sizes: Sequence[int], out: Any) -> Any:
-        s = (ctypes.c_int64 * len(sizes))(*[int(n) for n in sizes])
         fn = getattr(load_library(), fn_name)
-        try:
-            a, o = Arg(x, "input"), Arg(out, "output", output=True)
-        except (TypeError, ValueError):
-            # The peers are in this collective already: a call the library rejects (no
-            # tensors) fails theirs at once instead of leaving them to time out.
-            fn(self.group.handle, None, s, None)
-            raise
-        self.group.check(fn(self.group.handle, a.ptr, s, o.ptr))
+        with in_flight(self.group) as h:
+            try:
+                s = (ctypes.c_int64 * len(sizes))(*[int(n) for n in sizes])
+                a, o = Arg(x, "input"), Arg(out, "output", output=True)
+            except BaseException:
+                # The peers are in this collective already: a call the library rejects (no
+                # tensors) fails theirs at once instead of pairing it with this rank's next
+                # one or leaving them to time out.
+                self.group._tell_peers(fn, h, None, None, None)
+                raise
+            self.group.check(fn(h, a.ptr, s, o.ptr))
         return out
 
     def token_counts(self, n: int) -> List[int]:
