@@ -87,6 +87,10 @@ pub(super) struct RecordLock {
     _fd: Fd,
 }
 
+/// How long a remover waits for the lock of a record whose creator looks dead: a killed
+/// process's memory goes (and its pid may read as gone) before its descriptors are closed.
+const DYING_CREATOR: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// The path of the shm object `name` ("/epcomm.G"): glibc's shm_open puts it in /dev/shm.
 fn shm_path(name: &str) -> String {
     format!("/dev/shm{name}")
@@ -470,7 +474,7 @@ impl Segment {
     pub(super) fn remove_record_if(
         name: &str,
         max: usize,
-        stale: impl FnOnce(&[u8], FileKey, &libc::stat) -> bool,
+        mut stale: impl FnMut(&[u8], FileKey, &libc::stat) -> bool,
     ) -> io::Result<Option<Vec<u8>>> {
         let c = cname(name)?;
         // SAFETY: valid C string.
@@ -492,17 +496,35 @@ impl Segment {
         let fd = Fd(fd);
         let st = fstat(fd.0)?;
         check_owner(&st, &shm_path(name))?;
-        if st.st_mode & libc::S_IFMT != libc::S_IFREG || !try_lock(fd.0)? {
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Ok(None);
         }
-        let mut buf = vec![0u8; max];
-        // SAFETY: buf is writable for `max` bytes.
-        let n = unsafe { libc::pread(fd.0, buf.as_mut_ptr().cast(), max, 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        buf.truncate(n as usize);
+        let read = || -> io::Result<Vec<u8>> {
+            let mut buf = vec![0u8; max];
+            // SAFETY: buf is writable for `max` bytes.
+            let n = unsafe { libc::pread(fd.0, buf.as_mut_ptr().cast(), max, 0) };
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            buf.truncate(n as usize);
+            Ok(buf)
+        };
         let key = (st.st_dev, st.st_ino);
+        if !try_lock(fd.0)? {
+            // A killed creator loses its memory (and looks dead) before its descriptors close
+            // and its lock goes: when the contents say it is gone, wait for that a moment.
+            if !stale(&read()?, key, &st) {
+                return Ok(None);
+            }
+            let until = std::time::Instant::now() + DYING_CREATOR;
+            while !try_lock(fd.0)? {
+                if std::time::Instant::now() > until {
+                    return Ok(None);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        let buf = read()?;
         if !stale(&buf, key, &st) || Segment::record_key(name) != Some(key) {
             return Ok(None);
         }
