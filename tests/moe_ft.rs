@@ -374,23 +374,16 @@ fn run_once(run: usize, seed: u64) -> Result<&'static str, String> {
     let victim = draw(WORLD as u64) as usize;
     let delay = Duration::from_millis(draw(300));
     let name = format!("ftc{}r{run}", std::process::id());
-    let ready = std::env::temp_dir().join(&name);
-    let ready = ready.to_string_lossy().into_owned();
+    let ready = ranks::Ready::new(&name, WORLD);
     let children = ranks::spawn_ranks("ft_rank_process", 0..WORLD, |r| {
         vec![
             ("FT_GROUP", name.clone()),
             ("FT_RANK", r.to_string()),
-            ("FT_READY", ready.clone()),
+            ("FT_READY", ready.path()),
         ]
     });
     let pids: Vec<u32> = children.iter().map(|(_, c)| c.id()).collect();
-    let start = Instant::now();
-    while (0..WORLD).any(|r| !std::path::Path::new(&format!("{ready}.{r}")).exists()) {
-        if start.elapsed() > Duration::from_secs(20) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    ready.wait(Duration::from_secs(20));
     std::thread::sleep(delay);
     let sig = match fault {
         Fault::Kill => libc::SIGKILL,
@@ -408,15 +401,8 @@ fn run_once(run: usize, seed: u64) -> Result<&'static str, String> {
     }
     done.extend(ranks::wait_all(v, Duration::from_secs(30)));
     done.sort_by_key(|f| f.rank);
-    for r in 0..WORLD {
-        let _ = std::fs::remove_file(format!("{ready}.{r}"));
-    }
-    let leftovers: Vec<String> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.contains(&name))
-        .collect();
+    drop(ready);
+    let leftovers = ranks::shm_leftovers(&name);
     let describe = || {
         let all: Vec<String> = done.iter().map(ranks::Finished::output).collect();
         format!(

@@ -130,3 +130,44 @@ pub fn shm_leftovers(group: &str) -> Vec<String> {
         .filter(|n| n == &prefix || n.starts_with(&format!("{prefix}.")))
         .collect()
 }
+
+/// The ready files of a run's rank processes: rank r writes `{path}.{r}` once it has joined;
+/// removed when dropped.
+pub struct Ready {
+    path: String,
+    world: usize,
+}
+
+impl Ready {
+    /// Ready files named after group `name`, in the temporary directory.
+    pub fn new(name: &str, world: usize) -> Ready {
+        let path = std::env::temp_dir().join(name);
+        Ready {
+            path: path.to_string_lossy().into_owned(),
+            world,
+        }
+    }
+
+    /// The path the ranks append `.{rank}` to.
+    pub fn path(&self) -> String {
+        self.path.clone()
+    }
+
+    /// Waits (at most `limit`) until every rank wrote its file.
+    pub fn wait(&self, limit: Duration) {
+        let start = Instant::now();
+        while (0..self.world).any(|r| !std::path::Path::new(&format!("{}.{r}", self.path)).exists())
+            && start.elapsed() < limit
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for Ready {
+    fn drop(&mut self) {
+        for r in 0..self.world {
+            let _ = std::fs::remove_file(format!("{}.{r}", self.path));
+        }
+    }
+}

@@ -91,6 +91,40 @@ pub(super) struct RecordLock {
 /// process's memory goes (and its pid may read as gone) before its descriptors are closed.
 const DYING_CREATOR: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// Opens the shm object `name` read-only (no link followed; `flags` added) with its status;
+/// None if it does not exist. Another user's object, or one with a mode wider than 0600, is
+/// PermissionDenied.
+fn open_record(name: &str, flags: libc::c_int) -> io::Result<Option<(Fd, libc::stat)>> {
+    let c = cname(name)?;
+    // SAFETY: valid C string.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | flags, 0) };
+    if fd < 0 {
+        let e = io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::ENOENT) {
+            Ok(None)
+        } else {
+            Err(e)
+        };
+    }
+    let fd = Fd(fd);
+    let st = fstat(fd.0)?;
+    check_owner(&st, &shm_path(name))?;
+    Ok(Some((fd, st)))
+}
+
+/// Reads up to `max` bytes at offset 0 of `fd` (pread: never mapped, so a truncation cannot
+/// fault).
+fn read_at_start(fd: libc::c_int, max: usize) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; max];
+    // SAFETY: buf is writable for `max` bytes.
+    let n = unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), max, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    buf.truncate(n as usize);
+    Ok(buf)
+}
+
 /// The path of the shm object `name` ("/epcomm.G"): glibc's shm_open puts it in /dev/shm.
 fn shm_path(name: &str) -> String {
     format!("/dev/shm{name}")
@@ -476,39 +510,13 @@ impl Segment {
         max: usize,
         mut stale: impl FnMut(&[u8], FileKey, &libc::stat) -> bool,
     ) -> io::Result<Option<Vec<u8>>> {
-        let c = cname(name)?;
-        // SAFETY: valid C string.
-        let fd = unsafe {
-            libc::shm_open(
-                c.as_ptr(),
-                libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
-                0,
-            )
+        let Some((fd, st)) = open_record(name, libc::O_NONBLOCK)? else {
+            return Ok(None);
         };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return if e.raw_os_error() == Some(libc::ENOENT) {
-                Ok(None)
-            } else {
-                Err(e)
-            };
-        }
-        let fd = Fd(fd);
-        let st = fstat(fd.0)?;
-        check_owner(&st, &shm_path(name))?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Ok(None);
         }
-        let read = || -> io::Result<Vec<u8>> {
-            let mut buf = vec![0u8; max];
-            // SAFETY: buf is writable for `max` bytes.
-            let n = unsafe { libc::pread(fd.0, buf.as_mut_ptr().cast(), max, 0) };
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            buf.truncate(n as usize);
-            Ok(buf)
-        };
+        let read = || read_at_start(fd.0, max);
         let key = (st.st_dev, st.st_ino);
         if !try_lock(fd.0)? {
             // A killed creator loses its memory (and looks dead) before its descriptors close
@@ -553,27 +561,10 @@ impl Segment {
     /// truncation cannot fault); `Ok(None)` if it does not exist. A record owned by another
     /// user or with a mode wider than 0600 is PermissionDenied.
     pub(super) fn read_record(name: &str, max: usize) -> io::Result<Option<Vec<u8>>> {
-        let c = cname(name)?;
-        // SAFETY: valid C string.
-        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW, 0) };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return if e.raw_os_error() == Some(libc::ENOENT) {
-                Ok(None)
-            } else {
-                Err(e)
-            };
+        match open_record(name, 0)? {
+            Some((fd, _)) => read_at_start(fd.0, max).map(Some),
+            None => Ok(None),
         }
-        let fd = Fd(fd);
-        check_owner(&fstat(fd.0)?, &format!("/dev/shm{name}"))?;
-        let mut buf = vec![0u8; max];
-        // SAFETY: buf is writable for `max` bytes.
-        let n = unsafe { libc::pread(fd.0, buf.as_mut_ptr().cast(), max, 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        buf.truncate(n as usize);
-        Ok(Some(buf))
     }
 
     /// Removes a name (mappings stay valid). Missing names are fine.
