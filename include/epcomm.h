@@ -181,6 +181,12 @@
 #define EPCOMM_ALL2ALL_MOONEP 9
 
 /**
+ * all2all backend `mori` (vLLM 0.34.0; MoRI EPv1, token-major; `mori_high_throughput` and
+ * `mori_low_latency` are its deprecated aliases there, kept as their own codes).
+ */
+#define EPCOMM_ALL2ALL_MORI 10
+
+/**
  * Layout: every rank's tokens gathered on every rank; reduce_scatterv back.
  */
 #define EPCOMM_LAYOUT_REPLICATED 0

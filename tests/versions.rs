@@ -1,5 +1,5 @@
-//! The per-release name table (src/select/versions.rs) against PyPI, and the command line's
-//! `--vllm-version`.
+//! The per-release name table (src/select/vllm-releases.json, read by src/select/versions.rs)
+//! against PyPI, and the command line's `--vllm-version`.
 //!
 //! `scripts/gen-vllm-versions.py --check` reads every vLLM release in the table from PyPI (the
 //! sdists streamed, the wheel's Python files by HTTP range for 0.15.0 and 0.15.1, which have no
@@ -84,10 +84,11 @@ fn table_matches_every_release_on_pypi() {
 #[test]
 fn check_fails_on_a_stale_row() {
     const TEST: &str = "check_fails_on_a_stale_row";
-    let file = common::out_dir("versions-stale").join("versions.rs");
-    let text = std::fs::read_to_string(manifest_dir().join("src/select/versions.rs")).unwrap();
+    let file = common::out_dir("versions-stale").join("vllm-releases.json");
+    let text =
+        std::fs::read_to_string(manifest_dir().join("src/select/vllm-releases.json")).unwrap();
     // 0.24.0 added deepep_v2: a 0.23.0 row with it in place of deepep_low_latency is stale.
-    let row = text.find("version: \"0.23.0\"").expect("0.23.0's row");
+    let row = text.find("\"version\": \"0.23.0\"").expect("0.23.0's row");
     let (head, tail) = text.split_at(row);
     let tail = tail.replacen("\"deepep_low_latency\",", "\"deepep_v2\",", 1);
     let stale = format!("{head}{tail}");
@@ -106,6 +107,36 @@ fn check_fails_on_a_stale_row() {
         return;
     };
     assert!(out.success(), "{}", out.describe("--only 0.24.0"));
+    // The whole file: any difference fails, and the committed file matches byte for byte.
+    let Some(out) = generator(TEST, &["--check", "--file", file]) else {
+        return;
+    };
+    assert_eq!(out.status.and_then(|s| s.code()), Some(1), "{}", out.stderr);
+}
+
+/// The generator's output is the committed data file, byte for byte (every release, the
+/// layout included), so the file is generated data and nothing else.
+#[test]
+fn data_file_is_the_generators_output() {
+    let committed = manifest_dir().join("src/select/vllm-releases.json");
+    let file = common::out_dir("versions-regenerated").join("vllm-releases.json");
+    std::fs::write(&file, "{}").unwrap();
+    let test = "data_file_is_the_generators_output";
+    let Some(out) = generator(test, &["--file", file.to_str().unwrap()]) else {
+        return;
+    };
+    assert!(out.success(), "{}", out.describe("regenerate"));
+    let (new, old) = (
+        std::fs::read_to_string(&file).unwrap(),
+        std::fs::read_to_string(&committed).unwrap(),
+    );
+    if new.matches("\"version\"").count() == old.matches("\"version\"").count() {
+        assert_eq!(new, old, "regenerated data differs from the committed file");
+    } else {
+        // PyPI has a release newer than the table: the committed rows must still be a prefix.
+        let cut = old.rfind("\n  }").unwrap();
+        assert!(new.starts_with(&old[..cut]), "committed rows changed");
+    }
 }
 
 fn epcomm(args: &[&str]) -> Output {
@@ -215,7 +246,7 @@ fn check_hints_for_removed_names_and_eplb_communicators() {
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(
-        err.ends_with("hint: 'mori' was accepted up to vLLM 0.22.1; you target 0.33.0\n"),
+        err.ends_with("hint: 'mori' is accepted from vLLM 0.34.0 on; you target 0.33.0\n"),
         "{err}"
     );
     let o = epcomm(&[
@@ -254,7 +285,7 @@ fn check_flag_overrides_the_config_key_and_unknown_versions_name_neighbours() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.starts_with(
-            "vLLM release:      0.11.0 (its names; other rules and messages follow v0.33.0)\n"
+            "vLLM release:      0.11.0 (its names; other rules and messages follow v0.34.0)\n"
         ),
         "{out}"
     );
@@ -284,7 +315,7 @@ deepep_high_throughput         canonical  deepep_high_throughput         TOKEN_M
 deepep_low_latency             canonical  deepep_low_latency             EXPERT_MAJOR   DeepEPLLAll2AllManager
 
 EPLB communicators: not configurable in this release.
-Default: naive. Names are exact and case-sensitive, as in vLLM. Rules and messages other than the name sets follow v0.33.0.
+Default: naive. Names are exact and case-sensitive, as in vLLM. Rules and messages other than the name sets follow v0.34.0.
 ";
     assert!(out.starts_with(table), "{out}");
     assert!(!out.contains("passthrough"), "{out}");
@@ -318,9 +349,11 @@ fn backends_json_for_a_release_with_mori_and_the_alias() {
     );
     assert_eq!(v[1]["kind"], "removed");
     assert_eq!(v[1]["resolves_to"], "allgather_reducescatter");
+    // 0.15.0 to 0.22.1's `mori` built MoriAll2AllManager (MoRI EPv1), v0.34.0's `mori` too.
     assert_eq!(v[4]["kind"], "canonical");
-    assert_eq!(v[4]["backend"], serde_json::Value::Null);
-    assert_eq!(v[4]["layout"], serde_json::Value::Null);
+    assert_eq!(v[4]["backend"], "mori");
+    assert_eq!(v[4]["layout"], "TOKEN_MAJOR");
+    assert_eq!(v[4]["manager_class"], "MoriAll2AllManager");
     assert_eq!(v[7]["kind"], "alias");
     assert_eq!(v[7]["resolves_to"], "flashinfer_nvlink_two_sided");
     assert_eq!(v[7]["layout"], "RANK_MAJOR");
@@ -333,12 +366,12 @@ fn backends_json_for_a_release_with_mori_and_the_alias() {
 
 #[test]
 fn backends_refuses_an_unknown_version_as_a_usage_error() {
-    let o = epcomm(&["backends", "--vllm-version", "0.34.0"]);
+    let o = epcomm(&["backends", "--vllm-version", "0.35.0"]);
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         stderr(&o),
-        "epcomm: error: argument --vllm-version: unknown vLLM version '0.34.0': the newest known \
-         release is 0.33.0 (scripts/gen-vllm-versions.py adds newer ones)\n"
+        "epcomm: error: argument --vllm-version: unknown vLLM version '0.35.0': the newest known \
+         release is 0.34.0 (scripts/gen-vllm-versions.py adds newer ones)\n"
     );
 }
 
@@ -404,7 +437,20 @@ unbuilt = dict(literal)
 unbuilt["vllm/config/parallel.py"] = literal["vllm/config/parallel.py"].replace("'y']", "'y', 'z']")
 before = dict(getenv)
 before["vllm/envs.py"] = "environment_variables = {}\n"
-print(json.dumps([run(f) for f in (getenv, choices, literal, unbuilt, before)]))
+# 0.34.0's shapes: a branch on the name `and` another condition, and deprecations guarded by
+# `!=` on the name that replaces them.
+guarded = dict(literal)
+guarded["vllm/config/parallel.py"] = literal["vllm/config/parallel.py"].replace(
+    "'y_old', 'y']", "'y_old', 'y', 'm_a', 'm_b', 'm']")
+guarded[CC] = literal[CC].replace("        else:\n",
+    "        elif self.all2all_backend == 'm' and self._v2():\n            pass\n"
+    "        elif self.all2all_backend in ('m_a', 'm_b', 'm'):\n"
+    "            if self.all2all_backend != 'm':\n"
+    "                logger.warning_once(\"'%s' is deprecated. Use 'm'\", self.all2all_backend)\n"
+    "        else:\n")
+unguarded = dict(guarded)
+unguarded[CC] = guarded[CC].replace("!= 'm'", "!= 'q'")
+print(json.dumps([run(f) for f in (getenv, choices, literal, unbuilt, before, guarded, unguarded)]))
 "#;
 
 #[test]
@@ -441,6 +487,13 @@ fn generator_reads_each_era_from_source() {
         },
         "review: 'z' is accepted but neither built nor rewritten",
         null,
+        {
+            "rule": "Literal", "default": "x", "message": null,
+            "names": ["naive", "x", "y_old", "y", "m_a", "m_b", "m"],
+            "status": ["Removed", "Canonical", "Alias", "Canonical", "Alias", "Alias", "Canonical"],
+            "resolves": ["x", "x", "y", "y", "m", "m", "m"], "eplb": ["a", "b"],
+        },
+        "review: deprecation under self.all2all_backend != 'q'",
     ]);
     assert_eq!(v, expected);
 }

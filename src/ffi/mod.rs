@@ -133,6 +133,9 @@ pub const EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED: i32 = 7;
 pub const EPCOMM_ALL2ALL_FLASHINFER_NVLINK_ONE_SIDED: i32 = 8;
 /// all2all backend `moonep`.
 pub const EPCOMM_ALL2ALL_MOONEP: i32 = 9;
+/// all2all backend `mori` (vLLM 0.34.0; MoRI EPv1, token-major; `mori_high_throughput` and
+/// `mori_low_latency` are its deprecated aliases there, kept as their own codes).
+pub const EPCOMM_ALL2ALL_MORI: i32 = 10;
 
 /// Layout: every rank's tokens gathered on every rank; reduce_scatterv back.
 pub const EPCOMM_LAYOUT_REPLICATED: i32 = 0;
@@ -263,9 +266,10 @@ mod tests {
         use crate::select::eplb::Communicator;
         assert_eq!(
             Backend::ALL.iter().map(|b| *b as i32).collect::<Vec<_>>(),
-            (0..10).collect::<Vec<_>>()
+            (0..11).collect::<Vec<_>>()
         );
         assert_eq!(EPCOMM_ALL2ALL_MOONEP, Backend::Moonep as i32);
+        assert_eq!(EPCOMM_ALL2ALL_MORI, Backend::Mori as i32);
         assert_eq!(EPCOMM_ALL2ALL_NIXL_EP, Backend::NixlEp as i32);
         assert_eq!(
             EPCOMM_ALL2ALL_FLASHINFER_NVLINK_ONE_SIDED,

@@ -24,7 +24,9 @@ use crate::log;
 pub struct EplbConfig {
     pub window_size: i64,
     pub step_interval: i64,
-    pub num_redundant_experts: i64,
+    /// `None` (vLLM v0.34.0's default): the minimum valid value, `(ep - E % ep) % ep`, once the
+    /// model's expert count is known, when EPLB is on; 0 when it is off.
+    pub num_redundant_experts: Option<i64>,
     pub log_balancedness: bool,
     pub log_balancedness_interval: i64,
     pub use_async: bool,
@@ -41,7 +43,7 @@ impl Default for EplbConfig {
         EplbConfig {
             window_size: 1000,
             step_interval: 3000,
-            num_redundant_experts: 0,
+            num_redundant_experts: None,
             log_balancedness: false,
             log_balancedness_interval: 1,
             use_async: true,
@@ -90,6 +92,14 @@ pub struct VllmConfig {
     pub enable_dbo: bool,
     pub enable_fault_tolerance: bool,
     pub enable_lora: bool,
+    /// vLLM's `ParallelConfig.expert_placement_strategy` (`linear` or `round_robin`).
+    pub expert_placement_strategy: String,
+    /// vLLM v0.34.0's `ParallelConfig.mori_ep_v2`: whether `mori` runs MoRI EPv2 (`None`: vLLM
+    /// decides at startup from `VLLM_MORI_EP_V2` and the deployment).
+    pub mori_ep_v2: Option<bool>,
+    /// Whether the speculative decoding draft model is an MoE model (epcomm's key; vLLM reads
+    /// `speculative_config.draft_model_config.is_moe`).
+    pub draft_model_is_moe: bool,
     pub tensor_parallel_size: i64,
     pub data_parallel_size: i64,
     pub pipeline_parallel_size: i64,
@@ -119,6 +129,9 @@ impl Default for VllmConfig {
             enable_dbo: false,
             enable_fault_tolerance: false,
             enable_lora: false,
+            expert_placement_strategy: "linear".into(),
+            mori_ep_v2: None,
+            draft_model_is_moe: false,
             tensor_parallel_size: 1,
             data_parallel_size: 1,
             pipeline_parallel_size: 1,
@@ -136,8 +149,11 @@ impl Default for VllmConfig {
 
 /// The top-level keys `epcomm check` has a flag for: [`PARALLEL_FIELDS`] and [`EPCOMM_KEYS`]
 /// but `vllm_version` (which has its own option).
-pub const CONFIG_KEYS: [&str; 18] = [
+pub const CONFIG_KEYS: [&str; 21] = [
     "all2all_backend",
+    "mori_ep_v2",
+    "expert_placement_strategy",
+    "draft_model_is_moe",
     "enable_expert_parallel",
     "enable_eplb",
     "eplb_config",
@@ -173,13 +189,16 @@ pub const EPLB_CONFIG_KEYS: [&str; 9] = [
 /// Platforms a configuration may name.
 pub const PLATFORMS: [&str; 4] = ["cuda", "rocm", "cpu", "xpu"];
 
+/// vLLM's `ExpertPlacementStrategy` literal.
+pub const EXPERT_PLACEMENT_STRATEGIES: [&str; 2] = ["linear", "round_robin"];
+
 /// vLLM's `EPLBPolicyOption` literal.
 pub const EPLB_POLICIES: [&str; 1] = ["default"];
 
-/// The `ParallelConfig` fields epcomm models, in vLLM v0.33.0's declaration order
+/// The `ParallelConfig` fields epcomm models, in vLLM v0.34.0's declaration order
 /// (vllm/config/parallel.py): pydantic reports field errors in this order, then unexpected
 /// keywords in the order given.
-pub const PARALLEL_FIELDS: [&str; 13] = [
+pub const PARALLEL_FIELDS: [&str; 15] = [
     "pipeline_parallel_size",
     "tensor_parallel_size",
     "prefill_context_parallel_size",
@@ -189,7 +208,9 @@ pub const PARALLEL_FIELDS: [&str; 13] = [
     "enable_expert_parallel",
     "enable_eplb",
     "eplb_config",
+    "expert_placement_strategy",
     "all2all_backend",
+    "mori_ep_v2",
     "enable_elastic_ep",
     "enable_dbo",
     "enable_fault_tolerance",
@@ -198,24 +219,26 @@ pub const PARALLEL_FIELDS: [&str; 13] = [
 /// epcomm's own keys, none of them a `ParallelConfig` field: `vllm_version` (the release whose
 /// names are checked), `platform`, `num_experts`, `nixl_available` and `nccl_available` (facts
 /// vLLM finds at run time), and `enable_lora` (vLLM's `EngineArgs.enable_lora`, which makes a
-/// `LoRAConfig`). They are validated first, with pydantic's rules, as the dataclass
+/// `LoRAConfig`), `draft_model_is_moe` (whether the speculative config's draft model is an
+/// MoE model). They are validated first, with pydantic's rules, as the dataclass
 /// [`EPCOMM_OPTIONS_CLASS`] (the release decides the literals of the rest).
-pub const EPCOMM_KEYS: [&str; 6] = [
+pub const EPCOMM_KEYS: [&str; 7] = [
     "vllm_version",
     "platform",
     "num_experts",
     "nixl_available",
     "nccl_available",
     "enable_lora",
+    "draft_model_is_moe",
 ];
 
 /// The class name in the `ValidationError` text of [`EPCOMM_KEYS`].
 pub const EPCOMM_OPTIONS_CLASS: &str = "EpcommOptions";
 
-/// vLLM v0.33.0's other `ParallelConfig` fields: vLLM accepts them, epcomm does not check them,
+/// vLLM v0.34.0's other `ParallelConfig` fields: vLLM accepts them, epcomm does not check them,
 /// so a configuration naming one is refused with epcomm's own text rather than a pydantic
 /// `unexpected_keyword_argument` vLLM would not raise.
-pub const UNMODELLED_PARALLEL_FIELDS: [&str; 50] = [
+pub const UNMODELLED_PARALLEL_FIELDS: [&str; 51] = [
     "data_parallel_size_local",
     "data_parallel_rank",
     "data_parallel_rank_local",
@@ -228,7 +251,6 @@ pub const UNMODELLED_PARALLEL_FIELDS: [&str; 50] = [
     "enable_hc_sp",
     "enable_batch_sharded_sampling",
     "enable_ep_weight_filter",
-    "expert_placement_strategy",
     "max_parallel_loading_workers",
     "disable_custom_all_reduce",
     "enable_shm_tensor_arena",
@@ -248,6 +270,7 @@ pub const UNMODELLED_PARALLEL_FIELDS: [&str; 50] = [
     "node_rank",
     "nnodes",
     "numa_bind",
+    "_numa_bind_auto",
     "numa_bind_nodes",
     "numa_bind_cpus",
     "assigned_physical_gpu_ids",
@@ -266,6 +289,7 @@ pub const UNMODELLED_PARALLEL_FIELDS: [&str; 50] = [
     "data_parallel_index",
     "_api_process_count",
     "_api_process_rank",
+    "fault_tolerance_config",
 ];
 
 /// One dataclass's keyword arguments being validated: each field is taken in declaration order,
@@ -394,7 +418,8 @@ fn eplb_fields(f: &mut Fields<'_>, release: &Release) -> EplbConfig {
     let c = EplbConfig {
         window_size: f.get("window_size", d.window_size, int_gt(0)),
         step_interval: f.get("step_interval", d.step_interval, int_gt(0)),
-        num_redundant_experts: f.get("num_redundant_experts", 0, int_ge(0)),
+        // `int = Field(default=None, ge=0)`: absent is None, an explicit None is refused.
+        num_redundant_experts: f.get("num_redundant_experts", None, |v| int_ge(0)(v).map(Some)),
         log_balancedness: f.get("log_balancedness", false, pydantic::bool),
         log_balancedness_interval: f.get("log_balancedness_interval", 1, int_gt(0)),
         use_async: f.get("use_async", d.use_async, pydantic::bool),
@@ -485,6 +510,7 @@ fn parse_options(c: &mut VllmConfig, items: Vec<(String, Json)>) -> Result<&'sta
     c.nixl_available = f.get("nixl_available", None, optional(pydantic::bool));
     c.nccl_available = f.get("nccl_available", None, optional(pydantic::bool));
     c.enable_lora = f.get("enable_lora", false, pydantic::bool);
+    c.draft_model_is_moe = f.get("draft_model_is_moe", false, pydantic::bool);
     f.finish(&EPCOMM_KEYS);
     if !errors.is_empty() {
         return Err(validation_error(EPCOMM_OPTIONS_CLASS, &errors, hints));
@@ -539,7 +565,13 @@ fn parallel_fields(c: &mut VllmConfig, f: &mut Fields<'_>, release: &Release) {
         }
         Some(other) => f.push("eplb_config", pydantic::dataclass_type("EPLBConfig"), other),
     }
+    c.expert_placement_strategy = f.get(
+        "expert_placement_strategy",
+        c.expert_placement_strategy.clone(),
+        |v| pydantic::literal(v, &EXPERT_PLACEMENT_STRATEGIES),
+    );
     c.all2all_backend = all2all_field(f, release);
+    c.mori_ep_v2 = f.get("mori_ep_v2", None, optional(pydantic::bool));
     c.enable_elastic_ep = f.get("enable_elastic_ep", false, pydantic::bool);
     c.enable_dbo = f.get("enable_dbo", false, pydantic::bool);
     c.enable_fault_tolerance = f.get("enable_fault_tolerance", false, pydantic::bool);
@@ -613,6 +645,10 @@ pub struct Resolution {
     /// The EPLB communicator (when EPLB is enabled).
     pub eplb_communicator: Option<Communicator>,
     pub eplb_communicator_auto: bool,
+    /// `eplb_config.num_redundant_experts` as vLLM settles it: 0 without EPLB, the configured
+    /// value, or with EPLB and none configured the minimum valid one; `None` where that needs
+    /// `num_experts`, which the configuration does not give.
+    pub num_redundant_experts: Option<i64>,
 }
 
 /// The result of [`check`]: the first error (or the resolution) plus the warnings and infos vLLM
@@ -672,6 +708,8 @@ fn check_inner(
         (None, false)
     };
 
+    let num_redundant_experts = redundant_experts(c, infos);
+    check_mori(c, release, backend, warnings)?;
     let manager_class = all2all_manager(c, resolved.as_ref(), effective_name, warnings, infos);
     Ok(Resolution {
         backend,
@@ -680,7 +718,60 @@ fn check_inner(
         layout: backend.map(Backend::layout),
         eplb_communicator,
         eplb_communicator_auto,
+        num_redundant_experts,
     })
+}
+
+/// vLLM v0.34.0's `ParallelConfig.compute_eplb_num_redundant_experts`: with EPLB on and no
+/// value configured, the smallest that makes the physical expert count a multiple of the EP
+/// size (logging vLLM's info line); 0 with EPLB off.
+fn redundant_experts(c: &VllmConfig, infos: &mut Vec<String>) -> Option<i64> {
+    if !c.enable_eplb {
+        return Some(0);
+    }
+    if let Some(n) = c.eplb_config.num_redundant_experts {
+        return Some(n);
+    }
+    let experts = c.num_experts?;
+    // The EP group spans the TP x PCP x DP ranks; Python integers do not overflow.
+    let ep = c
+        .tensor_parallel_size
+        .saturating_mul(c.prefill_context_parallel_size)
+        .saturating_mul(c.data_parallel_size);
+    let n = (ep - experts % ep) % ep;
+    infos.push(format!(
+        "EPLB num_redundant_experts not specified, defaulting to minimum valid value: {n} (num_logical_experts={experts}, ep_size={ep})"
+    ));
+    Some(n)
+}
+
+/// What `mori` runs from vLLM 0.34.0 on: MoRI EPv1 (`MoriAll2AllManager`, epcomm's token-major
+/// exchange) unless `mori_ep_v2` selects MoRI EPv2, which epcomm does not have.
+fn check_mori(
+    c: &VllmConfig,
+    release: &Release,
+    backend: Option<Backend>,
+    warnings: &mut Vec<String>,
+) -> Result<()> {
+    if backend != Some(Backend::Mori) || !versions::at_least(release, "0.34.0") {
+        return Ok(());
+    }
+    match c.mori_ep_v2 {
+        Some(false) => Ok(()),
+        Some(true) => Err(Error::NotImplemented(format!(
+            "all2all backend 'mori' with mori_ep_v2=True builds vLLM's {}, which epcomm does not implement; with mori_ep_v2=False (VLLM_MORI_EP_V2=0) 'mori' runs {} (MoRI EPv1), whose token-major exchange epcomm has",
+            all2all::MORI_EPV2_MANAGER_CLASS,
+            Backend::Mori.manager_class()
+        ))),
+        None => {
+            warnings.push(format!(
+                "mori_ep_v2 is unset: vLLM picks MoRI EPv2 ({}) at startup where the installed MoRI supports it; epcomm checks and runs MoRI EPv1 ({}). Set VLLM_MORI_EP_V2=0 (mori_ep_v2=False) so that vLLM runs what epcomm checked.",
+                all2all::MORI_EPV2_MANAGER_CLASS,
+                Backend::Mori.manager_class()
+            ));
+            Ok(())
+        }
+    }
 }
 
 /// Resolves an all2all name as `release` means it (the name sets and statuses vary by release;
@@ -773,10 +864,8 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
         if tp.saturating_mul(pcp).saturating_mul(dp) <= 1 {
             return Err(Error::EplbNeedsParallelism { tp, pcp, dp });
         }
-    } else if e.num_redundant_experts != 0 {
-        return Err(Error::RedundantWithoutEplb {
-            n: e.num_redundant_experts,
-        });
+    } else if let Some(n) = e.num_redundant_experts.filter(|n| *n != 0) {
+        return Err(Error::RedundantWithoutEplb { n });
     }
     Ok(())
 }
@@ -820,18 +909,32 @@ fn check_features(c: &VllmConfig, backend: Option<Backend>, name: &str) -> Resul
             });
         }
     }
-    // Fused MoE LoRA with EP.
-    if c.enable_lora && c.enable_expert_parallel && backend != Some(Backend::AllgatherReducescatter)
-    {
-        return Err(Error::LoraEpBackend {
-            backend: name.to_owned(),
-        });
+    // Fused MoE LoRA with EP (`FusedMoEWithLoRA._ep_check`): placement, then the backend.
+    if c.enable_lora && c.enable_expert_parallel {
+        if c.expert_placement_strategy != "linear" {
+            return Err(Error::LoraEpPlacement {
+                placement: c.expert_placement_strategy.clone(),
+            });
+        }
+        if backend != Some(Backend::AllgatherReducescatter) {
+            return Err(Error::LoraEpBackend {
+                backend: name.to_owned(),
+            });
+        }
     }
-    // Fault tolerance (worker sentinel).
-    if c.enable_fault_tolerance && !backend.is_some_and(Backend::supports_fault_tolerance) {
-        return Err(Error::FaultToleranceBackend {
-            backend: name.to_owned(),
-        });
+    // Fault tolerance (`WorkerSentinel`): the backend, MoE drafts, PCP.
+    if c.enable_fault_tolerance {
+        if !backend.is_some_and(Backend::supports_fault_tolerance) {
+            return Err(Error::FaultToleranceBackend {
+                backend: name.to_owned(),
+            });
+        }
+        if c.draft_model_is_moe {
+            return Err(Error::FaultToleranceMoeDraft);
+        }
+        if c.prefill_context_parallel_size > 1 {
+            return Err(Error::FaultTolerancePcp);
+        }
     }
     Ok(())
 }
@@ -914,6 +1017,10 @@ impl CheckOutcome {
                 m.insert(
                     "eplb_communicator_auto".into(),
                     r.eplb_communicator_auto.into(),
+                );
+                m.insert(
+                    "num_redundant_experts".into(),
+                    r.num_redundant_experts.into(),
                 );
             }
             Err(e) => {

@@ -25,9 +25,29 @@ pub const COMMUNICATOR_NAMES: [&str; 5] =
 /// vLLM v0.33.0's `torch_xccl` name.
 pub const TORCH_XCCL: &str = "torch_xccl";
 
-/// The names vLLM's `EPLBCommunicatorBackend` literal accepts, in vLLM's order.
-pub const VLLM_COMMUNICATOR_NAMES: [&str; 5] =
-    ["torch_nccl", "torch_gloo", TORCH_XCCL, "nixl", "pynccl"];
+/// The names vLLM's `EPLBCommunicatorBackend` literal accepts, in vLLM's order (v0.34.0).
+pub const VLLM_COMMUNICATOR_NAMES: [&str; 6] = [
+    "torch_nccl",
+    "torch_gloo",
+    TORCH_XCCL,
+    "nixl",
+    "pynccl",
+    SYMM_MEM,
+];
+
+/// vLLM v0.34.0's `symm_mem` name (`SymmMemEplbCommunicator`: senders push expert rows into
+/// the receiver's buffer over CUDA symmetric memory).
+pub const SYMM_MEM: &str = "symm_mem";
+
+/// vLLM's class for [`SYMM_MEM`].
+pub const SYMM_MEM_CLASS: &str = "SymmMemEplbCommunicator";
+
+/// The error for `symm_mem` on CUDA: epcomm has no such communicator yet.
+pub fn symm_mem_not_implemented() -> Error {
+    Error::NotImplemented(format!(
+        "EPLB communicator '{SYMM_MEM}' ({SYMM_MEM_CLASS}: a push into the receivers' buffers over CUDA symmetric memory) is not implemented in epcomm; use 'nixl' or 'torch_gloo', or unset it"
+    ))
+}
 
 /// Whether `name` is in vLLM's `EPLBCommunicatorBackend` literal.
 pub fn is_vllm_name(name: &str) -> bool {
@@ -271,6 +291,14 @@ fn decide(req: &SelectRequest<'_>) -> Result<Selection> {
             }
             done(Communicator::Nixl, warnings)
         }
+        // vLLM checks the platform (`current_platform.is_cuda()`), then the NVLink domain at
+        // construction; epcomm has no symmetric-memory communicator for the CUDA case.
+        SYMM_MEM => match req.device {
+            DeviceKind::Cuda => Err(symm_mem_not_implemented()),
+            DeviceKind::Cpu | DeviceKind::Rocm | DeviceKind::Xpu | DeviceKind::Other(_) => {
+                Err(Error::SymmMemNeedsCuda)
+            }
+        },
         "torch_gloo" => done(Communicator::TorchGloo, warnings),
         TORCH_XCCL => done(Communicator::TorchXccl, warnings),
         "torch_nccl" => done(Communicator::TorchNccl, warnings),

@@ -345,7 +345,7 @@ class SelectionTest(unittest.TestCase):
         self.assertEqual(names[0], {"name": "naive", "backend": "allgather_reducescatter",
                                     "kind": "removed", "layout": "REPLICATED",
                                     "manager_class": "AgRsAll2AllManager"})
-        self.assertEqual(len(names), 13)
+        self.assertEqual(len(names), 14)
         self.assertEqual(epcomm.select_eplb_communicator(), "torch_gloo")
         self.assertEqual(epcomm.eplb_communicator_class("pynccl"), "PyNcclEplbCommunicator")
 

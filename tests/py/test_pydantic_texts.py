@@ -1,6 +1,6 @@
 """epcomm's configuration check against pydantic itself.
 
-Pydantic dataclasses here mirror the fields epcomm models of vLLM v0.33.0's `ParallelConfig` and
+Pydantic dataclasses here mirror the fields epcomm models of vLLM v0.34.0's `ParallelConfig` and
 `EPLBConfig` (vllm/config/parallel.py; `@config` in vllm/config/utils.py is a pydantic dataclass
 with extra="forbid"), plus epcomm's own keys as `EpcommOptions`. For each bad configuration,
 str(ValidationError) must equal the message epcomm_config_check_report gives (through ctypes);
@@ -8,7 +8,7 @@ for each configuration pydantic accepts, epcomm's message (if any) must not be a
 ValidationError. Validators are left out of the mirror: epcomm gives their errors with vLLM's
 raised text.
 
-When EPCOMM_VLLM_SRC names vLLM v0.33.0's source tree, the mirror is compared with `ast` to
+When EPCOMM_VLLM_SRC names vLLM v0.34.0's source tree, the mirror is compared with `ast` to
 vllm/config/parallel.py (field order, types, Literal members, Field bounds), so it cannot drift.
 
     EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_pydantic_texts.py -v
@@ -42,6 +42,7 @@ All2AllBackend = Literal[
     "mori_high_throughput",
     "mori_low_latency",
     "moonep",
+    "mori",
     "nixl_ep",
     "allgather_reducescatter",
     "flashinfer_all2allv",
@@ -49,7 +50,10 @@ All2AllBackend = Literal[
     "flashinfer_nvlink_one_sided",
     "passthrough",
 ]
-EPLBCommunicatorBackend = Literal["torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl"]
+EPLBCommunicatorBackend = Literal[
+    "torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl", "symm_mem"
+]
+ExpertPlacementStrategy = Literal["linear", "round_robin"]
 EPLBPolicyOption = Literal["default"]
 
 
@@ -57,7 +61,7 @@ EPLBPolicyOption = Literal["default"]
 class EPLBConfig:
     window_size: int = Field(default=1000, gt=0)
     step_interval: int = Field(default=3000, gt=0)
-    num_redundant_experts: int = Field(default=0, ge=0)
+    num_redundant_experts: int = Field(default=None, ge=0)  # type: ignore[assignment]
     log_balancedness: bool = False
     log_balancedness_interval: int = Field(default=1, gt=0)
     use_async: bool = True
@@ -77,7 +81,9 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     enable_eplb: bool = False
     eplb_config: EPLBConfig = Field(default_factory=EPLBConfig)
+    expert_placement_strategy: ExpertPlacementStrategy = "linear"
     all2all_backend: All2AllBackend = "allgather_reducescatter"
+    mori_ep_v2: Optional[bool] = None
     enable_elastic_ep: bool = False
     enable_dbo: bool = False
     enable_fault_tolerance: bool = False
@@ -87,12 +93,13 @@ class ParallelConfig:
 class EpcommOptions:
     """epcomm's own keys (src/select/config.rs EPCOMM_KEYS), validated before ParallelConfig."""
 
-    vllm_version: str = "0.33.0"
+    vllm_version: str = "0.34.0"
     platform: Literal["cuda", "rocm", "cpu", "xpu"] = "cuda"
     num_experts: Optional[int] = Field(default=None, gt=0)
     nixl_available: Optional[bool] = None
     nccl_available: Optional[bool] = None
     enable_lora: bool = False
+    draft_model_is_moe: bool = False
 
 
 EPCOMM_KEYS = [f.name for f in EpcommOptions.__dataclass_fields__.values()]
@@ -147,6 +154,10 @@ BAD = [
     {"eplb_config": {"window_size": 0}},
     {"eplb_config": {"step_interval": -3}},
     {"eplb_config": {"num_redundant_experts": -1}},
+    {"eplb_config": {"num_redundant_experts": None}},
+    {"expert_placement_strategy": "random"},
+    {"mori_ep_v2": "sometimes"},
+    {"draft_model_is_moe": 2},
     {"eplb_config": {"log_balancedness_interval": 0, "log_balancedness": True}},
     {"eplb_config": {"policy": "custom"}},
     {"eplb_config": {"communicator": "gloo"}},
@@ -197,6 +208,8 @@ GOOD = [
     {"enable_expert_parallel": 0.0},
     {"enable_dbo": "0"},
     {"eplb_config": {"enable_migration_batching": 1}},
+    {"mori_ep_v2": None, "expert_placement_strategy": "round_robin"},
+    {"eplb_config": {"communicator": "symm_mem"}},
     {"eplb_config": {"communicator": None, "use_async": "false"}},
     {"num_experts": "8", "nccl_available": "true", "nixl_available": None},
     {"all2all_backend": "passthrough"},

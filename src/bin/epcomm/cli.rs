@@ -316,7 +316,9 @@ pub struct CheckArgs {
 }
 
 /// The switches among the configuration keys: `--flag` means true, `--flag=false` false.
-pub const BOOL_KEYS: [&str; 8] = [
+pub const BOOL_KEYS: [&str; 10] = [
+    "mori_ep_v2",
+    "draft_model_is_moe",
     "enable_expert_parallel",
     "enable_eplb",
     "enable_elastic_ep",
@@ -340,6 +342,12 @@ fn key_help(key: &str) -> (&'static str, &'static str) {
         "enable_dbo" => ("", "Enable dual-batch overlap (microbatching)"),
         "enable_fault_tolerance" => ("", "Enable fault tolerance"),
         "enable_lora" => ("", "Enable LoRA"),
+        "mori_ep_v2" => (
+            "",
+            "Whether 'mori' runs MoRI EPv2 (vLLM 0.34.0; default: vLLM decides)",
+        ),
+        "expert_placement_strategy" => ("linear|round_robin", "Expert placement strategy"),
+        "draft_model_is_moe" => ("", "The speculative decoding draft model is an MoE model"),
         "tensor_parallel_size" => ("N", "Tensor-parallel size [short: -tp]"),
         "data_parallel_size" => ("N", "Data-parallel size [short: -dp]"),
         "pipeline_parallel_size" => ("N", "Pipeline-parallel size [short: -pp]"),
