@@ -187,6 +187,13 @@
 #define EPCOMM_ALL2ALL_MORI 10
 
 /**
+ * all2all name `passthrough` (vLLM's PassThroughAll2AllManager): the MoE backend dispatches
+ * and combines itself. No exchange and no EPCOMM_LAYOUT_*; creating a handle for it gives
+ * vLLM's RuntimeError "passthrough has no all2all handle: ...".
+ */
+#define EPCOMM_ALL2ALL_PASSTHROUGH 11
+
+/**
  * Layout: every rank's tokens gathered on every rank; reduce_scatterv back.
  */
 #define EPCOMM_LAYOUT_REPLICATED 0
@@ -1265,15 +1272,17 @@ void epcomm_dlpack_capsule_destructor(void *capsule);
 
 /**
  * Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm) as vLLM's
- * eplb_state caller runs it (epcomm_eplb_rebalance_experts with
- * EPCOMM_EPLB_ONE_NODE_FALLBACK; old ids must lie in [0, E)): `weight` is [num_layers, num_logical_experts] token counts (as float), the result
- * `phy2log_out` [num_layers, num_replicas] maps every physical slot to a logical expert. Uses
- * the hierarchical policy when groups divide into nodes, else the global one; when
+ * eplb_state caller runs it: exactly epcomm_eplb_rebalance_experts with
+ * EPCOMM_EPLB_ONE_NODE_FALLBACK (one behaviour whichever entry point). `weight` is
+ * [num_layers, num_logical_experts] token counts (as float), the result `phy2log_out`
+ * [num_layers, num_replicas] maps every physical slot to a logical expert. Uses the
+ * hierarchical policy when groups divide into nodes, else the global one; when
  * num_ranks % num_nodes != 0 it uses one node and logs vLLM's warning. With `old_phy2log`
- * (NULL = none), experts that stay on a GPU keep their old slots. Violated preconditions
- * (E % G, G % N, R % N, P % R) are EPCOMM_ERROR_ASSERTION, as vLLM's asserts. Bit-exact with
- * vLLM when the packed loads have no ties; with ties epcomm takes equal loads in ascending
- * index (stable), where vLLM's unstable numpy sort differs between machines (docs/api.md).
+ * (NULL = none), experts that stay on a GPU keep their old slots; a negative old entry (vLLM's
+ * -1, an unused slot) matches no expert. Violated preconditions (E % G, G % N, R % N, P % R)
+ * are EPCOMM_ERROR_ASSERTION, as vLLM's asserts. Bit-exact with vLLM when the packed loads have
+ * no ties; with ties epcomm takes equal loads in ascending index (stable), where vLLM's
+ * unstable numpy sort differs between machines (docs/api.md).
  *
  * # Safety
  * `weight` holds num_layers*num_logical_experts floats; `old_phy2log` is NULL or holds and
@@ -2145,10 +2154,10 @@ bool epcomm_nixl_available(void);
  * EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED with vLLM's deprecation warning (once per process).
  * An unknown name returns EPCOMM_ERROR_INVALID_ARGUMENT with the message
  * "Unknown all2all backend: {name}" and the closest valid names in the hint. `passthrough`
- * (vLLM v0.33.0: the MoE backend dispatches and combines itself) has no exchange and no
- * EPCOMM_ALL2ALL_* value: it returns EPCOMM_ERROR_RUNTIME with vLLM's "passthrough has no
- * all2all handle: dispatch and combine run inside the MoE backend." (epcomm_config_check
- * accepts it).
+ * (the MoE backend dispatches and combines itself) resolves to EPCOMM_ALL2ALL_PASSTHROUGH,
+ * vLLM's PassThroughAll2AllManager, which has no exchange: only creating a handle for it fails,
+ * with vLLM's RuntimeError "passthrough has no all2all handle: dispatch and combine run inside
+ * the MoE backend.".
  *
  * # Safety
  * `name` is NULL or a NUL-terminated string; `backend_out` is NULL or writable.
@@ -2156,9 +2165,9 @@ bool epcomm_nixl_available(void);
 int32_t epcomm_all2all_backend_resolve(const char *name, int32_t *backend_out);
 
 /**
- * Whether `name` resolves to an all2all backend (including aliases and removed names), i.e.
- * whether epcomm_all2all_backend_resolve succeeds. `passthrough`, which vLLM accepts but which
- * has no exchange, gives false. NULL gives false. Logs nothing.
+ * Whether `name` resolves to an all2all backend (including aliases, removed names and
+ * `passthrough`), i.e. whether epcomm_all2all_backend_resolve succeeds. NULL gives false. Logs
+ * nothing.
  *
  * # Safety
  * `name` is NULL or a NUL-terminated string.
@@ -2166,19 +2175,21 @@ int32_t epcomm_all2all_backend_resolve(const char *name, int32_t *backend_out);
 bool epcomm_all2all_backend_is_known(const char *name);
 
 /**
- * The canonical name of an EPCOMM_ALL2ALL_* backend (static string), or NULL if `backend` is
- * not one.
+ * The canonical name of an EPCOMM_ALL2ALL_* backend (static string; "passthrough" for
+ * EPCOMM_ALL2ALL_PASSTHROUGH), or NULL if `backend` is not one.
  */
 const char *epcomm_all2all_backend_name(int32_t backend);
 
 /**
- * vLLM's manager class for a backend (e.g. "DeepEPLLAll2AllManager"), or NULL if `backend` is
- * not an EPCOMM_ALL2ALL_* value.
+ * vLLM's manager class for a backend (e.g. "DeepEPLLAll2AllManager";
+ * "PassThroughAll2AllManager" for EPCOMM_ALL2ALL_PASSTHROUGH), or NULL if `backend` is not an
+ * EPCOMM_ALL2ALL_* value.
  */
 const char *epcomm_all2all_backend_manager_class(int32_t backend);
 
 /**
- * The EPCOMM_LAYOUT_* a backend's dispatch/combine use.
+ * The EPCOMM_LAYOUT_* a backend's dispatch/combine use. EPCOMM_ALL2ALL_PASSTHROUGH has none
+ * (EPCOMM_ERROR_INVALID_ARGUMENT saying so).
  *
  * # Safety
  * `layout_out` is NULL or writable.

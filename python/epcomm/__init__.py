@@ -108,8 +108,8 @@ def _backend(name: str) -> int:
 
 
 def backend_is_known(name: str) -> bool:
-    """Whether ``name`` resolves to an all2all backend (aliases and removed names included;
-    "passthrough", which has no exchange, is not); logs nothing."""
+    """Whether ``name`` resolves to an all2all backend (aliases, removed names and
+    "passthrough" included); logs nothing."""
     return bool(load_library().epcomm_all2all_backend_is_known(name.encode()))
 
 
@@ -150,7 +150,9 @@ def all2all_names() -> List[Dict[str, str]]:
 
 
 def resolve_backend(name: str) -> str:
-    """The canonical all2all backend a vLLM name resolves to (logs vLLM's warnings)."""
+    """The canonical all2all backend a vLLM name resolves to (logs vLLM's warnings):
+    "passthrough" for itself (vLLM's PassThroughAll2AllManager, no exchange; only creating a
+    handle for it raises vLLM's RuntimeError)."""
     lib = load_library()
     b = ctypes.c_int32()
     _check(lib.epcomm_all2all_backend_resolve(name.encode(), ctypes.byref(b)))
@@ -224,13 +226,10 @@ def cuda_caps() -> Dict[str, Any]:
 
 
 def backends() -> Dict[str, Dict[str, Any]]:
-    """The resolution of every all2all name vLLM accepts."""
-    names = [
-        "naive", "pplx", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
-        "mori_high_throughput", "mori_low_latency", "moonep", "nixl_ep",
-        "allgather_reducescatter", "flashinfer_all2allv", "flashinfer_nvlink_two_sided",
-        "flashinfer_nvlink_one_sided",
-    ]  # fmt: skip
+    """The resolution (``config_report``) of every all2all name the default vLLM release
+    accepts, in vLLM's order: the library's names, then "passthrough" (as ``epcomm backends``
+    lists them)."""
+    names = [n["name"] for n in all2all_names()] + ["passthrough"]
     return {n: config_report({"all2all_backend": n}) for n in names}
 
 

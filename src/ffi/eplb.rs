@@ -20,15 +20,17 @@ pub(super) fn checked_len(a: usize, b: usize, what: &str) -> Result<usize> {
 }
 
 /// Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm) as vLLM's
-/// eplb_state caller runs it (epcomm_eplb_rebalance_experts with
-/// EPCOMM_EPLB_ONE_NODE_FALLBACK; old ids must lie in [0, E)): `weight` is [num_layers, num_logical_experts] token counts (as float), the result
-/// `phy2log_out` [num_layers, num_replicas] maps every physical slot to a logical expert. Uses
-/// the hierarchical policy when groups divide into nodes, else the global one; when
+/// eplb_state caller runs it: exactly epcomm_eplb_rebalance_experts with
+/// EPCOMM_EPLB_ONE_NODE_FALLBACK (one behaviour whichever entry point). `weight` is
+/// [num_layers, num_logical_experts] token counts (as float), the result `phy2log_out`
+/// [num_layers, num_replicas] maps every physical slot to a logical expert. Uses the
+/// hierarchical policy when groups divide into nodes, else the global one; when
 /// num_ranks % num_nodes != 0 it uses one node and logs vLLM's warning. With `old_phy2log`
-/// (NULL = none), experts that stay on a GPU keep their old slots. Violated preconditions
-/// (E % G, G % N, R % N, P % R) are EPCOMM_ERROR_ASSERTION, as vLLM's asserts. Bit-exact with
-/// vLLM when the packed loads have no ties; with ties epcomm takes equal loads in ascending
-/// index (stable), where vLLM's unstable numpy sort differs between machines (docs/api.md).
+/// (NULL = none), experts that stay on a GPU keep their old slots; a negative old entry (vLLM's
+/// -1, an unused slot) matches no expert. Violated preconditions (E % G, G % N, R % N, P % R)
+/// are EPCOMM_ERROR_ASSERTION, as vLLM's asserts. Bit-exact with vLLM when the packed loads have
+/// no ties; with ties epcomm takes equal loads in ascending index (stable), where vLLM's
+/// unstable numpy sort differs between machines (docs/api.md).
 ///
 /// # Safety
 /// `weight` holds num_layers*num_logical_experts floats; `old_phy2log` is NULL or holds and
@@ -45,50 +47,21 @@ pub unsafe extern "C" fn epcomm_eplb_rebalance(
     old_phy2log: *const i64,
     phy2log_out: *mut i64,
 ) -> i32 {
-    guard::call(|| {
-        let l = dim(num_layers, "num_layers")?;
-        let e = dim(num_logical_experts, "num_logical_experts")?;
-        let p = dim(num_replicas, "num_replicas")?;
-        let g = dim(num_groups, "num_groups")?;
-        let n = dim(num_nodes, "num_nodes")?;
-        let r = dim(num_ranks, "num_ranks")?;
-        if weight.is_null() {
-            return Err(Error::NullPointer("weight"));
-        }
-        if phy2log_out.is_null() {
-            return Err(Error::NullPointer("phy2log_out"));
-        }
-        let wl = checked_len(l, e, "num_layers * num_logical_experts")?;
-        let pl = checked_len(l, p, "num_layers * num_replicas")?;
-        // SAFETY: caller contract (sizes above).
-        let w = unsafe { std::slice::from_raw_parts(weight, wl) };
-        let rows: Vec<Vec<f32>> = w.chunks(e).map(<[f32]>::to_vec).collect();
-        let old: Option<Vec<Vec<usize>>> = if old_phy2log.is_null() {
-            None
-        } else {
-            // SAFETY: caller contract.
-            let o = unsafe { std::slice::from_raw_parts(old_phy2log, pl) };
-            if let Some((i, &bad)) = o.iter().enumerate().find(|(_, &x)| x < 0 || x >= e as i64) {
-                return Err(Error::InvalidArgument(format!(
-                    "old_phy2log[{i}] is {bad}; expected a logical expert id in [0, {e})"
-                )));
-            }
-            Some(
-                o.chunks(p)
-                    .map(|c| c.iter().map(|&x| x as usize).collect())
-                    .collect(),
-            )
-        };
-        let map = policy::rebalance_experts(&rows, p, g, n, r, old.as_deref())?;
-        // SAFETY: caller contract; written only on success.
-        let out = unsafe { std::slice::from_raw_parts_mut(phy2log_out, pl) };
-        for (dst, src) in out.chunks_mut(p).zip(&map) {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = s as i64;
-            }
-        }
-        Ok(())
-    })
+    // SAFETY: the same contract.
+    unsafe {
+        super::eplb_algo::epcomm_eplb_rebalance_experts(
+            weight,
+            num_layers,
+            num_logical_experts,
+            num_replicas,
+            num_groups,
+            num_nodes,
+            num_ranks,
+            old_phy2log,
+            super::eplb_algo::EPCOMM_EPLB_ONE_NODE_FALLBACK,
+            phy2log_out,
+        )
+    }
 }
 
 /// From physical → logical maps [num_layers, num_physical], writes the replica count per

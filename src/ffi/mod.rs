@@ -136,6 +136,10 @@ pub const EPCOMM_ALL2ALL_MOONEP: i32 = 9;
 /// all2all backend `mori` (vLLM 0.34.0; MoRI EPv1, token-major; `mori_high_throughput` and
 /// `mori_low_latency` are its deprecated aliases there, kept as their own codes).
 pub const EPCOMM_ALL2ALL_MORI: i32 = 10;
+/// all2all name `passthrough` (vLLM's PassThroughAll2AllManager): the MoE backend dispatches
+/// and combines itself. No exchange and no EPCOMM_LAYOUT_*; creating a handle for it gives
+/// vLLM's RuntimeError "passthrough has no all2all handle: ...".
+pub const EPCOMM_ALL2ALL_PASSTHROUGH: i32 = 11;
 
 /// Layout: every rank's tokens gathered on every rank; reduce_scatterv back.
 pub const EPCOMM_LAYOUT_REPLICATED: i32 = 0;
@@ -270,6 +274,7 @@ mod tests {
         );
         assert_eq!(EPCOMM_ALL2ALL_MOONEP, Backend::Moonep as i32);
         assert_eq!(EPCOMM_ALL2ALL_MORI, Backend::Mori as i32);
+        assert_eq!(Backend::from_code(EPCOMM_ALL2ALL_PASSTHROUGH), None);
         assert_eq!(EPCOMM_ALL2ALL_NIXL_EP, Backend::NixlEp as i32);
         assert_eq!(
             EPCOMM_ALL2ALL_FLASHINFER_NVLINK_ONE_SIDED,

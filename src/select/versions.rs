@@ -325,28 +325,33 @@ fn leak_list<T>(v: Vec<T>) -> &'static [T] {
     Box::leak(v.into_boxed_slice())
 }
 
-fn strs(v: &Value, key: &str) -> std::result::Result<Vec<&'static str>, String> {
+/// The strings of the list `key` (borrowed from `v`).
+fn strs<'v>(v: &'v Value, key: &str) -> std::result::Result<Vec<&'v str>, String> {
     v.get(key)
         .and_then(Value::as_array)
         .ok_or_else(|| format!("'{key}' is not a list"))?
         .iter()
         .map(|s| {
             s.as_str()
-                .map(leak)
                 .ok_or_else(|| format!("'{key}' holds a non-string"))
         })
         .collect()
 }
 
-fn text(v: &Value, key: &str) -> std::result::Result<&'static str, String> {
+/// The string `key` (borrowed from `v`).
+fn text<'v>(v: &'v Value, key: &str) -> std::result::Result<&'v str, String> {
     v.get(key)
         .and_then(Value::as_str)
-        .map(leak)
         .ok_or_else(|| format!("'{key}' is not a string"))
 }
 
+/// Strings kept for the life of the process.
+fn kept(list: &[&str]) -> &'static [&'static str] {
+    leak_list(list.iter().map(|s| leak(s)).collect())
+}
+
 /// One release as the generator describes it (an entry of vllm-releases.json, or what
-/// `scripts/gen-vllm-versions.py --describe` prints for a source tree).
+/// python/epcomm/vllm_release.py prints for a source tree). Nothing is kept unless it parses.
 pub fn parse_release(v: &Value) -> std::result::Result<Release, String> {
     let version = text(v, "version")?;
     let what = |e: String| format!("release {version}: {e}");
@@ -364,7 +369,7 @@ pub fn parse_release(v: &Value) -> std::result::Result<Release, String> {
     };
     let all2all_error = match v.get("error") {
         Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(leak(s)),
+        Some(Value::String(s)) => Some(s.as_str()),
         _ => return Err(what("'error' is neither a string nor null".into())),
     };
     let status = strs(v, "status")
@@ -377,35 +382,34 @@ pub fn parse_release(v: &Value) -> std::result::Result<Release, String> {
             other => Err(what(format!("unknown status '{other}'"))),
         })
         .collect::<std::result::Result<Vec<_>, _>>()?;
-    let r = Release {
-        version,
-        source,
-        all2all_rule,
-        all2all_error,
-        all2all_default: text(v, "default").map_err(what)?,
-        all2all_names: leak_list(strs(v, "names").map_err(what)?),
-        all2all_status: leak_list(status),
-        all2all_resolves: leak_list(strs(v, "resolves").map_err(what)?),
-        eplb_communicators: leak_list(strs(v, "eplb").map_err(what)?),
-    };
-    let n = r.all2all_names.len();
-    if r.all2all_status.len() != n || r.all2all_resolves.len() != n {
+    let default = text(v, "default").map_err(what)?;
+    let names = strs(v, "names").map_err(what)?;
+    let resolves = strs(v, "resolves").map_err(what)?;
+    let eplb = strs(v, "eplb").map_err(what)?;
+    if status.len() != names.len() || resolves.len() != names.len() {
         return Err(what(
             "'names', 'status' and 'resolves' differ in length".into(),
         ));
     }
-    if r.all2all_error.is_none() != (r.all2all_rule == NameRule::Literal) {
+    if all2all_error.is_none() != (all2all_rule == NameRule::Literal) {
         return Err(what(
             "'error' is null exactly under the literal rule".into(),
         ));
     }
-    if !r.accepts_all2all(r.all2all_default) {
-        return Err(what(format!(
-            "the default '{}' is not a name",
-            r.all2all_default
-        )));
+    if !names.contains(&default) {
+        return Err(what(format!("the default '{default}' is not a name")));
     }
-    Ok(r)
+    Ok(Release {
+        version: leak(version),
+        source,
+        all2all_rule,
+        all2all_error: all2all_error.map(leak),
+        all2all_default: leak(default),
+        all2all_names: kept(&names),
+        all2all_status: leak_list(status),
+        all2all_resolves: kept(&resolves),
+        eplb_communicators: kept(&eplb),
+    })
 }
 
 fn parse_table(data: &str) -> std::result::Result<Vec<Release>, String> {

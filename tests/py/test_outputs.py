@@ -337,7 +337,18 @@ class SelectionTest(unittest.TestCase):
     def test_names_layouts_and_classes(self):
         self.assertEqual(epcomm.abi_version(), 1)
         self.assertTrue(epcomm.backend_is_known("pplx"))
-        self.assertFalse(epcomm.backend_is_known("passthrough"))
+        # passthrough: PassThroughAll2AllManager, no exchange, the same in C, CLI and Python.
+        self.assertTrue(epcomm.backend_is_known("passthrough"))
+        self.assertEqual(epcomm.resolve_backend("passthrough"), "passthrough")
+        self.assertEqual(epcomm.backend_manager_class("passthrough"), "PassThroughAll2AllManager")
+        with self.assertRaises(ValueError) as cm:
+            epcomm.backend_layout("passthrough")
+        self.assertIn("has no layout", str(cm.exception))
+        every = epcomm.backends()
+        self.assertEqual(list(every)[-2:], ["flashinfer_nvlink_one_sided", "passthrough"])
+        self.assertEqual(every["passthrough"]["manager_class"], "PassThroughAll2AllManager")
+        self.assertIsNone(every["passthrough"]["layout"])
+        self.assertEqual(every["mori"]["layout"], "TOKEN_MAJOR")
         self.assertEqual(epcomm.backend_manager_class("deepep_low_latency"),
                          "DeepEPLLAll2AllManager")
         self.assertEqual(epcomm.backend_layout("nixl_ep"), "EXPERT_MAJOR")
