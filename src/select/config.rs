@@ -116,6 +116,10 @@ pub struct VllmConfig {
     pub nccl_available: Option<bool>,
     /// The vLLM release whose names are checked (epcomm's `vllm_version` key).
     pub vllm_version: String,
+    /// The release as described by the deployed vLLM's own source (epcomm's `vllm_release`
+    /// key, [`versions::described`]); when set it is the release checked against, whatever
+    /// the table holds.
+    pub vllm_release: Option<&'static Release>,
 }
 
 impl Default for VllmConfig {
@@ -143,12 +147,14 @@ impl Default for VllmConfig {
             nixl_available: None,
             nccl_available: None,
             vllm_version: versions::DEFAULT_VERSION.into(),
+            vllm_release: None,
         }
     }
 }
 
 /// The top-level keys `epcomm check` has a flag for: [`PARALLEL_FIELDS`] and [`EPCOMM_KEYS`]
-/// but `vllm_version` (which has its own option).
+/// but `vllm_version` and `vllm_release` (which have their own options, `--vllm-version` and
+/// `--vllm-src`).
 pub const CONFIG_KEYS: [&str; 21] = [
     "all2all_backend",
     "mori_ep_v2",
@@ -217,13 +223,15 @@ pub const PARALLEL_FIELDS: [&str; 15] = [
 ];
 
 /// epcomm's own keys, none of them a `ParallelConfig` field: `vllm_version` (the release whose
-/// names are checked), `platform`, `num_experts`, `nixl_available` and `nccl_available` (facts
+/// names are checked), `vllm_release` (that release described as data, from the deployed
+/// vLLM's source: python/epcomm/vllm_release.py's output), `platform`, `num_experts`, `nixl_available` and `nccl_available` (facts
 /// vLLM finds at run time), and `enable_lora` (vLLM's `EngineArgs.enable_lora`, which makes a
 /// `LoRAConfig`), `draft_model_is_moe` (whether the speculative config's draft model is an
 /// MoE model). They are validated first, with pydantic's rules, as the dataclass
 /// [`EPCOMM_OPTIONS_CLASS`] (the release decides the literals of the rest).
-pub const EPCOMM_KEYS: [&str; 7] = [
+pub const EPCOMM_KEYS: [&str; 8] = [
     "vllm_version",
+    "vllm_release",
     "platform",
     "num_experts",
     "nixl_available",
@@ -490,7 +498,11 @@ fn parse_document(json: &str, what: &str) -> Result<Json> {
 }
 
 /// epcomm's own keys ([`EPCOMM_KEYS`]); returns the release named by `vllm_version`.
-fn parse_options(c: &mut VllmConfig, items: Vec<(String, Json)>) -> Result<&'static Release> {
+fn parse_options(c: &mut VllmConfig, mut items: Vec<(String, Json)>) -> Result<&'static Release> {
+    let described = match items.iter().position(|(k, _)| k == "vllm_release") {
+        Some(i) => Some(versions::described(&items.remove(i).1.to_value())?),
+        None => None,
+    };
     let (mut errors, mut hints) = (Vec::new(), Vec::new());
     let mut f = Fields {
         items,
@@ -498,11 +510,7 @@ fn parse_options(c: &mut VllmConfig, items: Vec<(String, Json)>) -> Result<&'sta
         errors: &mut errors,
         hints: &mut hints,
     };
-    let version = f.get(
-        "vllm_version",
-        versions::DEFAULT_VERSION.to_owned(),
-        pydantic::string,
-    );
+    let version: Option<String> = f.get("vllm_version", None, |v| pydantic::string(v).map(Some));
     c.platform = f.get("platform", c.platform.clone(), |v| {
         pydantic::literal(v, &PLATFORMS)
     });
@@ -515,7 +523,18 @@ fn parse_options(c: &mut VllmConfig, items: Vec<(String, Json)>) -> Result<&'sta
     if !errors.is_empty() {
         return Err(validation_error(EPCOMM_OPTIONS_CLASS, &errors, hints));
     }
-    let release = versions::release(&version)?;
+    if let Some(r) = described {
+        if let Some(version) = version.filter(|v| !versions::same_release(v, r.version)) {
+            return Err(Error::InvalidArgument(format!(
+                "vllm_version '{version}' and vllm_release (vLLM {}) name different releases; give one of them",
+                r.version
+            )));
+        }
+        c.vllm_version = r.version.to_owned();
+        c.vllm_release = Some(r);
+        return Ok(r);
+    }
+    let release = versions::release(version.as_deref().unwrap_or(versions::DEFAULT_VERSION))?;
     c.vllm_version = release.version.to_owned();
     Ok(release)
 }
@@ -682,7 +701,10 @@ fn check_inner(
 ) -> Result<Resolution> {
     let nixl = c.nixl_available.unwrap_or(nixl_probe);
     let nccl = c.nccl_available.unwrap_or(nccl_probe);
-    let release = versions::release(&c.vllm_version)?;
+    let release = match c.vllm_release {
+        Some(r) => r,
+        None => versions::release(&c.vllm_version)?,
+    };
     let resolved = resolve_for_release(&c.all2all_backend, release)?;
     let backend = resolved.as_ref().map(|r| r.backend);
     check_parallel(c, nixl)?;
@@ -781,7 +803,7 @@ fn check_mori(
 /// a warning saying so instead of v0.33.0's removal warning; a name canonical in the release but
 /// an alias in v0.33.0 resolves without the deprecation warning.
 fn resolve_for_release(name: &str, release: &Release) -> Result<Option<all2all::Resolved>> {
-    if release.version == versions::DEFAULT_VERSION {
+    if versions::same_names(release, versions::release(versions::DEFAULT_VERSION)?) {
         return all2all::resolve_config(name);
     }
     let status = release.all2all_status_of(name);

@@ -25,6 +25,23 @@ pub enum Json {
     Dict(Vec<(String, Json)>),
 }
 
+impl Json {
+    /// serde_json's value of it (object keys sorted, a repeated key's last value).
+    pub fn to_value(&self) -> serde_json::Value {
+        use serde_json::Value;
+        match self {
+            Json::Null => Value::Null,
+            Json::Bool(b) => Value::Bool(*b),
+            Json::Num(n) => Value::Number(n.clone()),
+            Json::Str(s) => Value::String(s.clone()),
+            Json::List(l) => Value::Array(l.iter().map(Json::to_value).collect()),
+            Json::Dict(d) => {
+                Value::Object(d.iter().map(|(k, v)| (k.clone(), v.to_value())).collect())
+            }
+        }
+    }
+}
+
 /// Parses `text` keeping object key order (serde_json's own `Map` sorts keys unless its
 /// crate-wide `preserve_order` feature is on, which would reorder every JSON epcomm writes).
 pub fn parse_ordered(text: &str) -> Result<Json, String> {

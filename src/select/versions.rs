@@ -13,7 +13,7 @@
 //! names from `EPLBConfig.communicator`'s `Literal`. A new vLLM release is one run of the script
 //! plus a review of the new row.
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use serde_json::Value;
 
@@ -113,13 +113,30 @@ impl Release {
 
 /// Whether `release` is `version` or newer (`false` where either is not a release number).
 pub fn at_least(release: &Release, version: &str) -> bool {
-    match (
-        version_key(normalize(release.version)),
-        version_key(version),
-    ) {
+    let own = normalize(release.version);
+    let own = version_key(own).or_else(|| prerelease_base(own).and_then(version_key));
+    match (own, version_key(version)) {
         (Some(r), Some(v)) => r >= v,
         _ => false,
     }
+}
+
+/// Whether `a` and `b` name the same release (`0.34`, `v0.34.0+cu129` and `0.34.0` do).
+pub fn same_release(a: &str, b: &str) -> bool {
+    let key = |v: &str| {
+        let v = normalize(v);
+        version_key(v).ok_or_else(|| v.to_owned())
+    };
+    key(a) == key(b)
+}
+
+/// Whether `a` and `b` accept the same all2all names, with the same statuses, fallbacks and
+/// rule (what a name means there; where the names came from aside).
+pub fn same_names(a: &Release, b: &Release) -> bool {
+    a.all2all_rule == b.all2all_rule
+        && a.all2all_names == b.all2all_names
+        && a.all2all_status == b.all2all_status
+        && a.all2all_resolves == b.all2all_resolves
 }
 
 /// Every release in the table, oldest first.
@@ -209,8 +226,9 @@ fn unknown_version(version: &str, key: &[u64], pre: bool) -> String {
              vLLM {first} on (VLLM_ALL2ALL_BACKEND); known releases: {first} to {last}"
         ),
         (Some(_), None) => format!(
-            "unknown vLLM version '{version}': {what}the newest known release is {last} \
-             (scripts/gen-vllm-versions.py adds newer ones)"
+            "unknown vLLM version '{version}': {what}the newest known release is {last}; check \
+             against the deployed vLLM's own source instead (epcomm check --vllm-src DIR, \
+             Python vllm_version=\"auto\", or its description as \"vllm_release\")"
         ),
     }
 }
@@ -412,6 +430,31 @@ pub fn parse_release(v: &Value) -> std::result::Result<Release, String> {
     })
 }
 
+/// Releases described at run time (`vllm_release`), each kept once per distinct description.
+static DESCRIBED: Mutex<Vec<(String, &'static Release)>> = Mutex::new(Vec::new());
+
+/// The release `description` describes (what python/epcomm/vllm_release.py prints for a vLLM
+/// source tree or installed package: the deployed vLLM's own names, statuses and rule), checked
+/// like a table entry. The same description gives the same `&'static Release`; each distinct
+/// one is kept for the life of the process.
+pub fn described(description: &Value) -> Result<&'static Release> {
+    let key = description.to_string();
+    let mut known = DESCRIBED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, r)) = known.iter().find(|(k, _)| *k == key) {
+        return Ok(r);
+    }
+    if !description.is_object() {
+        return Err(Error::InvalidArgument(
+            "vllm_release must be a JSON object describing a vLLM release (what `python3 python/epcomm/vllm_release.py DIR` prints)".into(),
+        ));
+    }
+    let release = parse_release(description)
+        .map_err(|e| Error::InvalidArgument(format!("vllm_release: {e}")))?;
+    let release: &'static Release = Box::leak(Box::new(release));
+    known.push((key, release));
+    Ok(release)
+}
+
 fn parse_table(data: &str) -> std::result::Result<Vec<Release>, String> {
     let doc: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
     let rows = doc
@@ -459,8 +502,9 @@ mod tests {
         );
         assert_eq!(
             err_text("0.35.0"),
-            "unknown vLLM version '0.35.0': the newest known release is 0.34.0 \
-             (scripts/gen-vllm-versions.py adds newer ones)"
+            "unknown vLLM version '0.35.0': the newest known release is 0.34.0; check against \
+             the deployed vLLM's own source instead (epcomm check --vllm-src DIR, Python \
+             vllm_version=\"auto\", or its description as \"vllm_release\")"
         );
         assert_eq!(
             err_text("latest"),
@@ -469,8 +513,9 @@ mod tests {
         assert_eq!(
             err_text("0.35.0rc1"),
             "unknown vLLM version '0.35.0rc1': a pre-release or development build; the table \
-             holds final releases only, and the newest known release is 0.34.0 \
-             (scripts/gen-vllm-versions.py adds newer ones)"
+             holds final releases only, and the newest known release is 0.34.0; check against \
+             the deployed vLLM's own source instead (epcomm check --vllm-src DIR, Python \
+             vllm_version=\"auto\", or its description as \"vllm_release\")"
         );
         assert_eq!(
             err_text("0.11.1.dev5+g1234abc"),

@@ -377,7 +377,7 @@ class SelectionTest(unittest.TestCase):
                 epcomm.check(cfg, vllm_version="auto")
             self.assertEqual(cm.exception.status, 6)
             self.assertTrue(str(cm.exception).startswith(
-                'vllm_version="auto" reads the installed vllm package\'s version, but no vllm '
+                'vllm_version="auto" reads the installed vllm package, but no vllm '
                 "package is installed in this Python environment"))
         with tempfile.TemporaryDirectory() as site:
             info = os.path.join(site, "vllm-0.33.0.dist-info")

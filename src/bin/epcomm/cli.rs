@@ -313,6 +313,9 @@ pub struct CheckArgs {
     pub eplb: Vec<(String, String)>,
     /// `--vllm-version`: the release whose names are checked (the `vllm_version` key).
     pub vllm_version: Option<String>,
+    /// `--vllm-src`: a vLLM source tree or installed package whose own source says what it
+    /// accepts (the `vllm_release` key).
+    pub vllm_src: Option<String>,
 }
 
 /// The switches among the configuration keys: `--flag` means true, `--flag=false` false.
@@ -397,6 +400,14 @@ impl Args for CheckArgs {
                     .long_help(vllm_version_help()),
             )
             .arg(
+                Arg::new("vllm_src")
+                    .long("vllm-src")
+                    .value_name("DIR")
+                    .help(
+                        "Check against the vLLM in DIR (a source tree, site-packages or the installed vllm package): its own config/parallel.py and cuda_communicator.py say what it accepts, so a release newer than epcomm's table validates too (needs python3; $EPCOMM_PYTHON names another)",
+                    ),
+            )
+            .arg(
                 Arg::new("eplb_config")
                     .long("eplb-config")
                     .value_name("JSON")
@@ -446,6 +457,7 @@ impl FromArgMatches for CheckArgs {
         self.json = m.get_flag("json");
         self.eplb_config = text("eplb_config");
         self.vllm_version = text("vllm_version");
+        self.vllm_src = text("vllm_src");
         self.flags = CONFIG_KEYS
             .iter()
             .filter(|k| !OWN_FLAGS.contains(k))
