@@ -186,6 +186,9 @@ pub enum Error {
     /// `ParallelConfig._validate_parallel_config`.
     #[error("data_parallel_external_lb can only be set when data_parallel_size > 1")]
     ExternalLbNeedsDp,
+    /// vLLM v0.34.0's `ParallelConfig._validate_parallel_config` (`numa_bind: bool | None`).
+    #[error("NUMA binding lists cannot be combined with numa_bind=False.")]
+    NumaBindListsWithoutBinding,
     /// `VllmConfig.__post_init__` for `moonep`.
     #[error("The moonep all2all backend does not support EPLB yet: EPLB rearranges expert parameters in a layout MoonEP's replicated [E+B] weights do not follow. Disable --enable-eplb or use a different --all2all-backend.")]
     MoonepEplb,
@@ -249,6 +252,7 @@ impl Error {
             | ElasticAsyncNeedsNixl
             | ConfigField { .. }
             | ExternalLbNeedsDp
+            | NumaBindListsWithoutBinding
             | MoonepEplb
             | InvalidArgument(_) => Status::InvalidArgument,
             MicrobatchingBackend { .. }

@@ -1,9 +1,10 @@
-//! vLLM v0.33.0's own, unmodified `tests/distributed/test_eplb_algo.py`, run with pytest against
+//! vLLM v0.34.0's own, unmodified `tests/distributed/test_eplb_algo.py`, run with pytest against
 //! epcomm through the stand-in `vllm` package in tests/py/vllm_eplb_shim (its classmethods call
 //! epcomm's Python package, `python/epcomm/eplb_algo.py`, over the C ABI).
 //!
-//! The file comes from v0.33.0's sdist: `EPCOMM_VLLM_SRC` names an unpacked source tree, else
-//! `scripts/fetch-vllm-sdist.sh 0.33.0 target/vllm-src` brings it (PyPI, once). Its SHA-256 is
+//! The file comes from v0.34.0's sdist (byte for byte v0.33.0's; the policy module is unchanged
+//! too): `EPCOMM_VLLM_SRC` names an unpacked source tree, else
+//! `scripts/fetch-vllm-sdist.sh 0.34.0 target/vllm-src` brings it (PyPI, once). Its SHA-256 is
 //! checked, so the run is of the released file. Without the network the test prints a SKIPPED
 //! line; `EPCOMM_REQUIRE_VLLM_SRC=1` makes that a failure. The interpreter needs torch, numpy and
 //! pytest (`common::python::torch_or_skip`, `EPCOMM_REQUIRE_TORCH=1`).
@@ -22,7 +23,7 @@ use common::skip::{required, skipped};
 use common::*;
 
 /// The release the file is taken from, and the file's SHA-256 in that release's sdist.
-const VLLM_VERSION: &str = "0.33.0";
+const VLLM_VERSION: &str = "0.34.0";
 const TEST_FILE: &str = "tests/distributed/test_eplb_algo.py";
 const TEST_FILE_SHA256: &str = "9d8521e77d0c933674f04c8245dba7482fede1f6594bf4d04bdfb03d1cc42489";
 /// What pytest reports for the file: vLLM's 15 tests pass, the CUDA and XPU cases skip.

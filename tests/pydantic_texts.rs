@@ -1,6 +1,6 @@
 //! The configuration check's field errors against pydantic itself: tests/py/test_pydantic_texts.py
 //! defines pydantic dataclasses mirroring vLLM v0.34.0's `ParallelConfig` / `EPLBConfig` fields
-//! (and epcomm's own keys) and, for 74 bad configurations, compares `str(ValidationError)` with
+//! (and epcomm's own keys) and, for 89 bad configurations, compares `str(ValidationError)` with
 //! the message `epcomm_config_check_report` gives through ctypes; lax coercions pydantic accepts
 //! must pass epcomm's field validation too.
 //!
@@ -95,7 +95,7 @@ fn config_field_errors_are_pydantics_texts() {
     println!("{}", out.stderr);
     assert!(out
         .stderr
-        .contains("74 bad configurations: epcomm's text == pydantic's"));
+        .contains("89 bad configurations: epcomm's text == pydantic's"));
     assert_eq!(
         out.stderr.contains("mirror == "),
         tree.is_some(),

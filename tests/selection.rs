@@ -359,6 +359,34 @@ fn fault_tolerance_refuses_moe_drafts_then_pcp() {
     );
 }
 
+/// vLLM v0.34.0's `numa_bind: bool | None`: binding lists imply it; with an explicit False they
+/// are vLLM's error (after the data-parallel checks, before EPLB's); the lists' own validators
+/// are pydantic field errors.
+#[test]
+fn numa_bind_lists_need_numa_bind() {
+    let e = check_err(r#"{"numa_bind": false, "numa_bind_nodes": [0, 1]}"#);
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "NUMA binding lists cannot be combined with numa_bind=False.",
+    );
+    let e = check_err(r#"{"numa_bind": false, "numa_bind_cpus": ["0-3"], "enable_eplb": true}"#);
+    assert_eq!(
+        e.to_string(),
+        "NUMA binding lists cannot be combined with numa_bind=False."
+    );
+    let e = check_err(
+        r#"{"numa_bind": false, "numa_bind_cpus": ["0-3"], "data_parallel_external_lb": true}"#,
+    );
+    assert_eq!(e, Error::ExternalLbNeedsDp);
+    check_ok(r#"{"numa_bind_nodes": [0], "numa_bind_cpus": ["0,2,4-7"]}"#);
+    check_ok(r#"{"numa_bind": true, "numa_bind_nodes": [1]}"#);
+    check_ok(r#"{"numa_bind": false}"#);
+    let e = check_err(r#"{"numa_bind_cpus": ["0-3", "3-1"]}"#);
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\nnuma_bind_cpus\n  Value error, numa_bind_cpus ranges must be ascending, but got '3-1'. [type=value_error, input_value=['0-3', '3-1'], input_type=list]\n    For further information visit https://errors.pydantic.dev/2.13/v/value_error");
+}
+
 /// vLLM v0.34.0's `FusedMoEWithLoRA._ep_check`: the placement before the backend.
 #[test]
 fn moe_lora_with_ep_requires_linear_placement() {

@@ -97,6 +97,12 @@ pub struct VllmConfig {
     /// vLLM v0.34.0's `ParallelConfig.mori_ep_v2`: whether `mori` runs MoRI EPv2 (`None`: vLLM
     /// decides at startup from `VLLM_MORI_EP_V2` and the deployment).
     pub mori_ep_v2: Option<bool>,
+    /// vLLM v0.34.0's `numa_bind` (`None`: vLLM binds where the environment supports it).
+    pub numa_bind: Option<bool>,
+    /// `numa_bind_nodes` (validated: not empty, non-negative).
+    pub numa_bind_nodes: Option<Vec<i64>>,
+    /// `numa_bind_cpus` (validated: numactl CPU lists, ascending ranges).
+    pub numa_bind_cpus: Option<Vec<String>>,
     /// Whether the speculative decoding draft model is an MoE model (epcomm's key; vLLM reads
     /// `speculative_config.draft_model_config.is_moe`).
     pub draft_model_is_moe: bool,
@@ -135,6 +141,9 @@ impl Default for VllmConfig {
             enable_lora: false,
             expert_placement_strategy: "linear".into(),
             mori_ep_v2: None,
+            numa_bind: None,
+            numa_bind_nodes: None,
+            numa_bind_cpus: None,
             draft_model_is_moe: false,
             tensor_parallel_size: 1,
             data_parallel_size: 1,
@@ -155,9 +164,10 @@ impl Default for VllmConfig {
 /// The top-level keys `epcomm check` has a flag for: [`PARALLEL_FIELDS`] and [`EPCOMM_KEYS`]
 /// but `vllm_version` and `vllm_release` (which have their own options, `--vllm-version` and
 /// `--vllm-src`).
-pub const CONFIG_KEYS: [&str; 21] = [
+pub const CONFIG_KEYS: [&str; 22] = [
     "all2all_backend",
     "mori_ep_v2",
+    "numa_bind",
     "expert_placement_strategy",
     "draft_model_is_moe",
     "enable_expert_parallel",
@@ -204,7 +214,7 @@ pub const EPLB_POLICIES: [&str; 1] = ["default"];
 /// The `ParallelConfig` fields epcomm models, in vLLM v0.34.0's declaration order
 /// (vllm/config/parallel.py): pydantic reports field errors in this order, then unexpected
 /// keywords in the order given.
-pub const PARALLEL_FIELDS: [&str; 15] = [
+pub const PARALLEL_FIELDS: [&str; 18] = [
     "pipeline_parallel_size",
     "tensor_parallel_size",
     "prefill_context_parallel_size",
@@ -219,6 +229,9 @@ pub const PARALLEL_FIELDS: [&str; 15] = [
     "mori_ep_v2",
     "enable_elastic_ep",
     "enable_dbo",
+    "numa_bind",
+    "numa_bind_nodes",
+    "numa_bind_cpus",
     "enable_fault_tolerance",
 ];
 
@@ -246,7 +259,7 @@ pub const EPCOMM_OPTIONS_CLASS: &str = "EpcommOptions";
 /// vLLM v0.34.0's other `ParallelConfig` fields: vLLM accepts them, epcomm does not check them,
 /// so a configuration naming one is refused with epcomm's own text rather than a pydantic
 /// `unexpected_keyword_argument` vLLM would not raise.
-pub const UNMODELLED_PARALLEL_FIELDS: [&str; 51] = [
+pub const UNMODELLED_PARALLEL_FIELDS: [&str; 48] = [
     "data_parallel_size_local",
     "data_parallel_rank",
     "data_parallel_rank_local",
@@ -277,10 +290,7 @@ pub const UNMODELLED_PARALLEL_FIELDS: [&str; 51] = [
     "master_port",
     "node_rank",
     "nnodes",
-    "numa_bind",
     "_numa_bind_auto",
-    "numa_bind_nodes",
-    "numa_bind_cpus",
     "assigned_physical_gpu_ids",
     "distributed_timeout_seconds",
     "cpu_distributed_timeout_seconds",
@@ -354,6 +364,43 @@ impl Fields<'_> {
                 .unwrap_or_else(|| suggest::did_you_mean(name, members.iter().copied(), what));
             self.hints.push(hint);
         }
+    }
+
+    /// A `list[T] | None` field: `None` when absent or null; a non-list is pydantic's
+    /// `list_type`, a bad item its error at `name.index`; a valid list then goes through
+    /// `validate`, the field validator (its `ValueError` becomes pydantic's `value_error`).
+    fn list<T>(
+        &mut self,
+        name: &str,
+        item: impl Fn(&Json) -> PyResult<T>,
+        validate: impl Fn(&[T]) -> std::result::Result<(), String>,
+    ) -> Option<Vec<T>> {
+        let v = self.take(name)?;
+        let Json::List(items) = &v else {
+            if v != Json::Null {
+                self.push(name, pydantic::list_type(), v);
+            }
+            return None;
+        };
+        let mut out = Vec::with_capacity(items.len());
+        let mut ok = true;
+        for (i, x) in items.iter().enumerate() {
+            match item(x) {
+                Ok(t) => out.push(t),
+                Err(f) => {
+                    self.push(&format!("{name}.{i}"), f, x.clone());
+                    ok = false;
+                }
+            }
+        }
+        if !ok {
+            return None;
+        }
+        if let Err(msg) = validate(&out) {
+            self.push(name, pydantic::value_error(&msg), v);
+            return None;
+        }
+        Some(out)
     }
 
     /// Records the keys left over as unexpected keywords (with the nearest valid key as hint).
@@ -593,7 +640,59 @@ fn parallel_fields(c: &mut VllmConfig, f: &mut Fields<'_>, release: &Release) {
     c.mori_ep_v2 = f.get("mori_ep_v2", None, optional(pydantic::bool));
     c.enable_elastic_ep = f.get("enable_elastic_ep", false, pydantic::bool);
     c.enable_dbo = f.get("enable_dbo", false, pydantic::bool);
+    c.numa_bind = f.get("numa_bind", None, optional(pydantic::bool));
+    c.numa_bind_nodes = f.list("numa_bind_nodes", pydantic::int, numa_nodes_rule);
+    c.numa_bind_cpus = f.list("numa_bind_cpus", pydantic::string, numa_cpus_rule);
     c.enable_fault_tolerance = f.get("enable_fault_tolerance", false, pydantic::bool);
+}
+
+/// vLLM v0.34.0's `_validate_numa_bind_nodes`.
+fn numa_nodes_rule(nodes: &[i64]) -> std::result::Result<(), String> {
+    if nodes.is_empty() {
+        return Err("numa_bind_nodes must not be empty.".into());
+    }
+    if nodes.iter().any(|n| *n < 0) {
+        return Err("numa_bind_nodes must contain non-negative integers.".into());
+    }
+    Ok(())
+}
+
+/// vLLM v0.34.0's `_validate_numa_bind_cpus` (`_NUMACTL_CPUSET_PATTERN`: `\d+(-\d+)?` parts
+/// joined by commas; epcomm takes ASCII digits).
+fn numa_cpus_rule(cpus: &[String]) -> std::result::Result<(), String> {
+    if cpus.is_empty() {
+        return Err("numa_bind_cpus must not be empty.".into());
+    }
+    let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    for cpuset in cpus {
+        if cpuset.is_empty() {
+            return Err("numa_bind_cpus entries must not be empty.".into());
+        }
+        let parts: Vec<(&str, Option<&str>)> = cpuset
+            .split(',')
+            .map(|p| match p.split_once('-') {
+                Some((a, b)) => (a, Some(b)),
+                None => (p, None),
+            })
+            .collect();
+        if !parts.iter().all(|(a, b)| number(a) && b.is_none_or(number)) {
+            return Err("numa_bind_cpus entries must use numactl CPU list syntax, for example '0-3' or '0,2,4-7'.".into());
+        }
+        // Python's int() has no size limit: compare the digit strings as numbers.
+        let value = |s: &str| {
+            let s = s.trim_start_matches('0');
+            (s.len(), s.to_owned())
+        };
+        if parts
+            .iter()
+            .any(|(a, b)| b.is_some_and(|b| value(a) > value(b)))
+        {
+            return Err(format!(
+                "numa_bind_cpus ranges must be ascending, but got '{cpuset}'."
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Parses a vLLM-style JSON configuration: the object is `ParallelConfig`'s keyword arguments
@@ -874,6 +973,10 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
     // ParallelConfig._validate_parallel_config.
     if dp <= 1 && c.data_parallel_external_lb {
         return Err(Error::ExternalLbNeedsDp);
+    }
+    // vLLM v0.34.0: binding lists imply numa_bind=True; an explicit False is an error.
+    if (c.numa_bind_nodes.is_some() || c.numa_bind_cpus.is_some()) && c.numa_bind == Some(false) {
+        return Err(Error::NumaBindListsWithoutBinding);
     }
     if c.enable_eplb {
         if !matches!(c.platform.as_str(), "cuda" | "rocm" | "xpu") {

@@ -477,6 +477,16 @@ pub fn ge(n: i64, bound: i64) -> Result<i64, Fail> {
     }
 }
 
+/// A `list[...]` field given as something other than a list.
+pub fn list_type() -> Fail {
+    fail("list_type", "Input should be a valid list")
+}
+
+/// A field validator's `ValueError(msg)`, as pydantic wraps it.
+pub fn value_error(msg: &str) -> Fail {
+    fail("value_error", format!("Value error, {msg}"))
+}
+
 /// A nested dataclass given as something other than a dict.
 pub fn dataclass_type(class: &str) -> Fail {
     fail(

@@ -23,15 +23,18 @@ import typing
 import unittest
 from typing import Literal, Optional
 
+import re
+
 import annotated_types
 import pydantic
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from epcomm_testlib import check, load_library  # noqa: E402
 
 FORBID = ConfigDict(extra="forbid")
+_NUMACTL_CPUSET_PATTERN = re.compile(r"^\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*$")
 
 All2AllBackend = Literal[
     "naive",
@@ -86,7 +89,48 @@ class ParallelConfig:
     mori_ep_v2: Optional[bool] = None
     enable_elastic_ep: bool = False
     enable_dbo: bool = False
+    numa_bind: Optional[bool] = None
+    numa_bind_nodes: Optional[list[int]] = None
+    numa_bind_cpus: Optional[list[str]] = None
     enable_fault_tolerance: bool = False
+
+    # vLLM v0.34.0's field validators, verbatim (pydantic wraps their ValueError).
+    @field_validator("numa_bind_nodes")
+    @classmethod
+    def _validate_numa_bind_nodes(cls, value):
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("numa_bind_nodes must not be empty.")
+        if any(node < 0 for node in value):
+            raise ValueError("numa_bind_nodes must contain non-negative integers.")
+        return value
+
+    @field_validator("numa_bind_cpus")
+    @classmethod
+    def _validate_numa_bind_cpus(cls, value):
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("numa_bind_cpus must not be empty.")
+
+        for cpuset in value:
+            if not cpuset:
+                raise ValueError("numa_bind_cpus entries must not be empty.")
+            if not _NUMACTL_CPUSET_PATTERN.fullmatch(cpuset):
+                raise ValueError(
+                    "numa_bind_cpus entries must use numactl CPU list syntax, "
+                    "for example '0-3' or '0,2,4-7'."
+                )
+            for part in cpuset.split(","):
+                if "-" not in part:
+                    continue
+                start_str, end_str = part.split("-", 1)
+                if int(start_str) > int(end_str):
+                    raise ValueError(
+                        f"numa_bind_cpus ranges must be ascending, but got '{cpuset}'."
+                    )
+        return value
 
 
 @dataclass(config=FORBID)
@@ -157,6 +201,21 @@ BAD = [
     {"eplb_config": {"num_redundant_experts": None}},
     {"expert_placement_strategy": "random"},
     {"mori_ep_v2": "sometimes"},
+    {"numa_bind": "maybe"},
+    {"numa_bind_nodes": []},
+    {"numa_bind_nodes": [0, -1]},
+    {"numa_bind_nodes": "0"},
+    {"numa_bind_nodes": [0, "x", None]},
+    {"numa_bind_nodes": {"a": 1}},
+    {"numa_bind_cpus": []},
+    {"numa_bind_cpus": ["0-3", ""]},
+    {"numa_bind_cpus": ["0-3", "3-1"]},
+    {"numa_bind_cpus": ["0,2,4-7", "1-"]},
+    {"numa_bind_cpus": ["a"]},
+    {"numa_bind_cpus": [1]},
+    {"numa_bind_cpus": ["10-9"]},
+    {"numa_bind_cpus": ["0-3", "010-9"]},
+    {"numa_bind_nodes": [], "numa_bind_cpus": ["x"], "numa_bind": 3},
     {"draft_model_is_moe": 2},
     {"eplb_config": {"log_balancedness_interval": 0, "log_balancedness": True}},
     {"eplb_config": {"policy": "custom"}},
@@ -209,6 +268,9 @@ GOOD = [
     {"enable_dbo": "0"},
     {"eplb_config": {"enable_migration_batching": 1}},
     {"mori_ep_v2": None, "expert_placement_strategy": "round_robin"},
+    {"numa_bind": None, "numa_bind_nodes": [0, "1", 2.0], "numa_bind_cpus": ["0-3", "0,2,4-7"]},
+    {"numa_bind_nodes": None, "numa_bind_cpus": None},
+    {"numa_bind_cpus": ["007-10", "2-00010"]},
     {"eplb_config": {"communicator": "symm_mem"}},
     {"eplb_config": {"communicator": None, "use_async": "false"}},
     {"num_experts": "8", "nccl_available": "true", "nixl_available": None},
@@ -303,6 +365,8 @@ def _mirror_fields(cls):
             ann, optional = next(a for a in args if a is not type(None)), True
         if typing.get_origin(ann) is Literal:
             kind, members = "literal", typing.get_args(ann)
+        elif typing.get_origin(ann) is list:
+            kind, members = "list[%s]" % typing.get_args(ann)[0].__name__, None
         else:
             kind, members = ann.__name__, None
         bounds = {}

@@ -319,8 +319,9 @@ pub struct CheckArgs {
 }
 
 /// The switches among the configuration keys: `--flag` means true, `--flag=false` false.
-pub const BOOL_KEYS: [&str; 10] = [
+pub const BOOL_KEYS: [&str; 11] = [
     "mori_ep_v2",
+    "numa_bind",
     "draft_model_is_moe",
     "enable_expert_parallel",
     "enable_eplb",
@@ -345,6 +346,10 @@ fn key_help(key: &str) -> (&'static str, &'static str) {
         "enable_dbo" => ("", "Enable dual-batch overlap (microbatching)"),
         "enable_fault_tolerance" => ("", "Enable fault tolerance"),
         "enable_lora" => ("", "Enable LoRA"),
+        "numa_bind" => (
+            "",
+            "Bind workers to their GPU's NUMA node (default: vLLM decides)",
+        ),
         "mori_ep_v2" => (
             "",
             "Whether 'mori' runs MoRI EPv2 (vLLM 0.34.0; default: vLLM decides)",
