@@ -1314,6 +1314,46 @@ int32_t epcomm_eplb_logical_maps(const int64_t *phy2log, int64_t num_layers, int
 int32_t epcomm_eplb_min_redundant_experts(int64_t num_logical, int64_t ep_size, int64_t *out);
 
 /**
+ * vLLM v0.34.0's `compute_dead_ep_ranks` (scale-down after peer death): each of the `num_dead`
+ * dead DP ranks owns the `tp_size * pcp_size` EP ranks from `dp * tp_size * pcp_size`. Writes
+ * them ascending, without repeats, to `ep_ranks_out` (room for num_dead * tp_size * pcp_size)
+ * and their number to `count_out`.
+ *
+ * # Safety
+ * `dead_dp_ranks` holds `num_dead` int64 (NULL when 0); `ep_ranks_out` has the room above;
+ * `count_out` is writable.
+ */
+int32_t epcomm_eplb_dead_ep_ranks(const int64_t *dead_dp_ranks, size_t num_dead, int64_t tp_size, int64_t pcp_size, int64_t *ep_ranks_out, size_t *count_out);
+
+/**
+ * vLLM v0.34.0's `mark_dead_expert_slots_inplace`: in `phy2log` [num_layers, num_physical]
+ * every slot of each of the `num_dead` dead EP ranks (rank r owns the num_local_experts slots
+ * from r * num_local_experts) becomes -1, in place (only on success).
+ *
+ * # Safety
+ * `phy2log` holds num_layers * num_physical int64; `dead_ep_ranks` holds `num_dead` int64
+ * (NULL when 0).
+ */
+int32_t epcomm_eplb_mark_dead_expert_slots(int64_t *phy2log, int64_t num_layers, int64_t num_physical, const int64_t *dead_ep_ranks, size_t num_dead, int64_t num_local_experts);
+
+/**
+ * vLLM v0.34.0's `redistribute_expert_placement`, which every survivor of a scale-down runs
+ * on the same map and gets the same result from, without talking to the others: in each layer
+ * of `phy2log` [num_layers, num_physical] (-1 = a dead slot), every logical expert in
+ * [0, num_logical) without a surviving replica takes a slot of an over-replicated expert,
+ * spread round-robin over the EP ranks. Rewrites `phy2log` in place and sets
+ * `reload_out[layer * num_logical + expert]` to 1 for each expert whose weights must be
+ * reloaded (0 otherwise); both only on success. Too little redundancy is EPCOMM_ERROR_RUNTIME
+ * with vLLM's `Layer {l}: no redundant slot for missing expert {e}. EPLB redundancy
+ * insufficient.`
+ *
+ * # Safety
+ * `phy2log` holds num_layers * num_physical int64; `reload_out` has room for
+ * num_layers * num_logical bytes.
+ */
+int32_t epcomm_eplb_redistribute_expert_placement(int64_t *phy2log, int64_t num_layers, int64_t num_physical, int64_t num_logical, int64_t num_local_experts, uint8_t *reload_out);
+
+/**
  * vLLM's `DefaultEplbPolicy.rebalance_experts`: `weight` [num_layers, num_logical_experts] token
  * counts (float32, as vLLM converts them) → `phy2log_out` [num_layers, num_replicas]. The
  * hierarchical policy when num_groups % num_nodes == 0, else the global one (one group, one
