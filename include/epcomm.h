@@ -1807,6 +1807,21 @@ int32_t epcomm_all2all_query_fault(const struct epcomm_all2all *a2a, bool *fault
 int32_t epcomm_all2all_clean_buffers(const struct epcomm_all2all *a2a);
 
 /**
+ * vLLM v0.34.0's `update_mask(rank, masked)` (rank-local, not collective), which vLLM's
+ * sentinel calls after epcomm_all2all_clean_buffers to replay the dead ranks of a scale-down:
+ * sets the rank's entry of the mask and of epcomm_all2all_query_fault's baseline. epcomm's
+ * clean_buffers keeps the mask, so replaying a masked rank is a no-op; masking a live rank
+ * (epcomm masks the ranks the group loses) or unmasking a masked one (rejoining means a new
+ * group) is EPCOMM_ERROR_INVALID_STATE saying so; a rank outside the group
+ * EPCOMM_ERROR_INVALID_ARGUMENT; without fault tolerance EPCOMM_ERROR_NOT_IMPLEMENTED (vLLM's
+ * base class).
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle.
+ */
+int32_t epcomm_all2all_update_mask(const struct epcomm_all2all *a2a, int32_t rank, bool masked);
+
+/**
  * This rank's (token, expert) pairs dropped because the expert's rank is masked: by the last
  * dispatch (`last_out`) and since creation (`total_out`); either may be NULL.
  *

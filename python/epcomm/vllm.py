@@ -21,7 +21,7 @@ from ._lib import load_library
 from ._tensor import Arg
 from .all2all import All2All
 from .eplb import EplbCommunicator
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, check
 from .group import Group
 
 #: sizes(num_local_tokens) -> every rank's token count (vLLM: the DP metadata's chunk sizes).
@@ -285,6 +285,16 @@ class EpcommAll2AllManager:
         DeepEP buffer resets its mask here; epcomm's survivors' group has no place for them)."""
         for h in self._ft_handles():
             h.clean_buffers()
+
+    def update_mask(self, rank: int, masked: bool = True) -> None:
+        """vLLM v0.34.0's ``update_mask`` (rank-local), which vLLM's sentinel calls after
+        ``clean_buffers`` to replay a scale-down's dead ranks: sets the rank's entry of the
+        mask and of ``query_fault``'s baseline, on every handle. epcomm keeps the mask across
+        ``clean_buffers``, so replaying a masked rank changes nothing; masking a live rank or
+        unmasking a masked one raises (epcomm masks the ranks the group loses; rejoining means
+        a new group). Without fault tolerance, NotImplementedError as vLLM's base class."""
+        for h in self._ft_handles():
+            check(load_library().epcomm_all2all_update_mask(h._h, rank, masked))
 
     def set_num_sms(self, num_sms: int) -> None:
         """No-op (no GPU)."""
