@@ -338,8 +338,21 @@ class EpcommEplbCommunicator:
         """Completes every queued transfer; on return the received tensors hold the data."""
         self._comm.execute()
 
-    def set_transfer_context(self, old_indices: Any, layer_idx: int) -> None:
-        """No-op, as in vLLM's base class."""
+    def set_transfer_context(self, old_indices: Any, layer_idx: int,
+                             recv_rows: Any = None) -> None:
+        """No-op, as in vLLM's base class (v0.34.0 adds ``recv_rows``, which only push
+        backends use)."""
+
+    @property
+    def needs_recv_rows(self) -> bool:
+        """False, as in vLLM v0.34.0's base class: senders and receivers pair up, nothing is
+        pushed into a receiver's buffer."""
+        return False
+
+    @property
+    def owned_expert_buffer(self) -> Optional[List[Any]]:
+        """None, as in vLLM v0.34.0's base class: the caller's expert buffer is used."""
+        return None
 
     @property
     def needs_profile_buffer_reservation(self) -> bool:
@@ -378,7 +391,9 @@ def install(eplb: bool = True) -> None:
     def create_eplb_communicator(group_coordinator: Any, backend: str, expert_weights: Any,
                                  expert_buffer: Any) -> Any:
         first = expert_weights[0] if expert_weights else []
-        if first and first[0].device.type != "cpu":
+        # Device weights, and vLLM 0.34.0's push backend `symm_mem` (its own buffer, its own
+        # checks: "symm_mem EPLB requires CUDA"), stay vLLM's.
+        if (first and first[0].device.type != "cpu") or backend == "symm_mem":
             return original(group_coordinator, backend, expert_weights, expert_buffer)
         return EpcommEplbCommunicator(group_coordinator.cpu_group)
 
