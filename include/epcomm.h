@@ -264,6 +264,12 @@
 #define EPCOMM_EPLB_TORCH_XCCL 4
 
 /**
+ * EPLB communicator `symm_mem` (vLLM 0.34.0's push backend; host-staged in epcomm: rows are
+ * stored into the receivers' next buffers when those are shared memory).
+ */
+#define EPCOMM_EPLB_SYMM_MEM 5
+
+/**
  * Availability field value: probe this process.
  */
 #define EPCOMM_PROBE -1

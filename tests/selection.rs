@@ -555,9 +555,21 @@ fn unknown_communicator_is_a_value_error() {
 }
 
 /// vLLM v0.34.0's `symm_mem`: `SymmMemEplbCommunicator` refuses any platform but CUDA with its
-/// own text; on CUDA epcomm has no symmetric-memory communicator and says so.
+/// own text; on CUDA tensors epcomm has no symmetric-memory communicator and says so; on
+/// host-staged weights it is epcomm's push into shared next buffers.
 #[test]
 fn symm_mem_is_vllms_refusal_off_cuda_and_not_implemented_on_cuda() {
+    let sel = eplb::select(&SelectRequest {
+        device: DeviceKind::Cpu,
+        ..req(Some("symm_mem"))
+    })
+    .unwrap();
+    assert_eq!(sel.communicator, Communicator::SymmMem);
+    assert_eq!(sel.communicator.class_name(), "SymmMemEplbCommunicator");
+    assert_eq!(
+        Communicator::from_name("symm_mem"),
+        Some(Communicator::SymmMem)
+    );
     for device in [DeviceKind::Rocm, DeviceKind::Xpu] {
         let e = eplb::select(&SelectRequest {
             device,
@@ -580,7 +592,7 @@ fn symm_mem_is_vllms_refusal_off_cuda_and_not_implemented_on_cuda() {
         &e,
         Status::NotImplemented,
         "NotImplementedError",
-        "EPLB communicator 'symm_mem' (SymmMemEplbCommunicator: a push into the receivers' buffers over CUDA symmetric memory) is not implemented in epcomm; use 'nixl' or 'torch_gloo', or unset it",
+        "EPLB communicator 'symm_mem' on cuda tensors (SymmMemEplbCommunicator: a push into the receivers' buffers over CUDA symmetric memory) is not implemented in epcomm; stage the expert weights in host memory (kDLCPU), where epcomm pushes into next buffers in shared memory, or use 'nixl' or 'torch_gloo'",
     );
     // Through the configuration check: accepted by v0.34.0's literal (async too), refused
     // when the communicator is built; v0.33.0's literal lacks it.

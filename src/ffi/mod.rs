@@ -171,6 +171,9 @@ pub const EPCOMM_EPLB_PYNCCL: i32 = 2;
 pub const EPCOMM_EPLB_NIXL: i32 = 3;
 /// EPLB communicator `torch_xccl` (vLLM v0.33.0; host-staged in epcomm).
 pub const EPCOMM_EPLB_TORCH_XCCL: i32 = 4;
+/// EPLB communicator `symm_mem` (vLLM 0.34.0's push backend; host-staged in epcomm: rows are
+/// stored into the receivers' next buffers when those are shared memory).
+pub const EPCOMM_EPLB_SYMM_MEM: i32 = 5;
 
 /// Availability field value: probe this process.
 pub const EPCOMM_PROBE: i32 = -1;
@@ -286,6 +289,7 @@ mod tests {
         assert_eq!(EPCOMM_EPLB_NIXL, Communicator::Nixl as i32);
         assert_eq!(EPCOMM_EPLB_TORCH_GLOO, Communicator::TorchGloo as i32);
         assert_eq!(EPCOMM_EPLB_TORCH_XCCL, Communicator::TorchXccl as i32);
+        assert_eq!(EPCOMM_EPLB_SYMM_MEM, Communicator::SymmMem as i32);
         assert_eq!(EPCOMM_LOG_DEBUG, crate::log::Level::Debug as i32);
     }
 }

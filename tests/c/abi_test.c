@@ -441,20 +441,22 @@ static void test_eplb_select(void) {
     struct log_capture cap;
     int32_t out;
     int32_t c;
-    static const char *const names[] = {"torch_nccl", "torch_gloo", "pynccl", "nixl",
-                                        "torch_xccl"};
+    static const char *const names[] = {"torch_nccl", "torch_gloo", "pynccl",
+                                        "nixl",       "torch_xccl", "symm_mem"};
     static const char *const classes[] = {
         "TorchDistNcclEplbCommunicator", "TorchDistGlooStagedEplbCommunicator",
-        "PyNcclEplbCommunicator", "NixlEplbCommunicator", "TorchDistXCCLStagedEplbCommunicator"};
+        "PyNcclEplbCommunicator",        "NixlEplbCommunicator",
+        "TorchDistXCCLStagedEplbCommunicator", "SymmMemEplbCommunicator"};
 
-    for (c = 0; c < 5; c++) {
+    for (c = 0; c < 6; c++) {
         CHECK_STR(epcomm_eplb_communicator_name(c), names[c]);
         CHECK_STR(epcomm_eplb_communicator_class(c), classes[c]);
     }
     CHECK(EPCOMM_EPLB_TORCH_XCCL == 4);
-    CHECK(epcomm_eplb_communicator_name(5) == NULL);
+    CHECK(EPCOMM_EPLB_SYMM_MEM == 5);
+    CHECK(epcomm_eplb_communicator_name(6) == NULL);
     CHECK(epcomm_eplb_communicator_name(-1) == NULL);
-    CHECK(epcomm_eplb_communicator_class(5) == NULL);
+    CHECK(epcomm_eplb_communicator_class(6) == NULL);
     CHECK(epcomm_eplb_communicator_class(-1) == NULL);
 
     /* Automatic selection on CPU without NIXL: torch_gloo. */

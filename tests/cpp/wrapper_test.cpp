@@ -217,7 +217,8 @@ static void test_eplb_select() {
                  "EPLB communicator 'pynccl' supports only cuda-like devices (got cpu).");
     CHECK(epcomm::eplb_communicator_name(EPCOMM_EPLB_TORCH_XCCL) == std::string("torch_xccl"));
     CHECK(epcomm::eplb_communicator_class(EPCOMM_EPLB_PYNCCL) == std::string("PyNcclEplbCommunicator"));
-    CHECK(!epcomm::eplb_communicator_name(5).has_value() && !epcomm::eplb_communicator_class(-1).has_value());
+    CHECK(epcomm::eplb_communicator_name(EPCOMM_EPLB_SYMM_MEM) == std::string("symm_mem"));
+    CHECK(!epcomm::eplb_communicator_name(6).has_value() && !epcomm::eplb_communicator_class(-1).has_value());
 }
 
 // A log sink sees vLLM's warnings, bare; it is gone with its scope (the default returns).
