@@ -187,6 +187,19 @@
 #define EPCOMM_ALL2ALL_MOONEP 9
 
 /**
+ * all2all backend `mori` (vLLM 0.34.0; MoRI EPv1, token-major; `mori_high_throughput` and
+ * `mori_low_latency` are its deprecated aliases there, kept as their own codes).
+ */
+#define EPCOMM_ALL2ALL_MORI 10
+
+/**
+ * all2all name `passthrough` (vLLM's PassThroughAll2AllManager): the MoE backend dispatches
+ * and combines itself. No exchange and no EPCOMM_LAYOUT_*; creating a handle for it gives
+ * vLLM's RuntimeError "passthrough has no all2all handle: ...".
+ */
+#define EPCOMM_ALL2ALL_PASSTHROUGH 11
+
+/**
  * Layout: every rank's tokens gathered on every rank; reduce_scatterv back.
  */
 #define EPCOMM_LAYOUT_REPLICATED 0
@@ -255,6 +268,12 @@
  * EPLB communicator `torch_xccl` (vLLM v0.33.0; host-staged in epcomm).
  */
 #define EPCOMM_EPLB_TORCH_XCCL 4
+
+/**
+ * EPLB communicator `symm_mem` (vLLM 0.34.0's push backend; host-staged in epcomm: rows are
+ * stored into the receivers' next buffers when those are shared memory).
+ */
+#define EPCOMM_EPLB_SYMM_MEM 5
 
 /**
  * Availability field value: probe this process.
@@ -1175,11 +1194,15 @@ int32_t epcomm_all2all_get_stats(const struct epcomm_all2all *a2a, struct epcomm
  * enable_dbo, enable_fault_tolerance, enable_lora, tensor_parallel_size, data_parallel_size,
  * pipeline_parallel_size, prefill_context_parallel_size, data_parallel_external_lb,
  * data_parallel_hybrid_lb, platform (cuda|rocm|cpu|xpu), num_experts, nixl_available,
- * nccl_available, vllm_version) with vLLM's rules in vLLM's order. Returns the first error's
- * status with vLLM's exact message (and a hint); logs every warning vLLM would log. Field
- * errors are pydantic's `str(ValidationError)` as vLLM's pinned pydantic 2.13 prints it (every
- * field error); `vllm_version` (default "0.33.0") selects the release whose all2all and EPLB
- * communicator names are accepted.
+ * nccl_available, vllm_version, vllm_release; vLLM 0.34.0's mori_ep_v2 and
+ * expert_placement_strategy; draft_model_is_moe) with vLLM's rules in vLLM's order. Returns the
+ * first error's status with vLLM's exact message (and a hint); logs every warning vLLM would
+ * log. Field errors are pydantic's `str(ValidationError)` as vLLM's pinned pydantic 2.13
+ * prints it (every field error); `vllm_version` (default "0.34.0") selects the release whose
+ * all2all and EPLB communicator names are accepted; `vllm_release` gives that release as data
+ * instead (the JSON object python/epcomm/vllm_release.py prints for a vLLM source tree or
+ * installed package: version, source, rule, error, default, names, status, resolves, eplb), so
+ * a release newer than epcomm's table is checked exactly.
  *
  * # Safety
  * `config_json` is NULL or a NUL-terminated string.
@@ -1280,15 +1303,17 @@ void epcomm_dlpack_capsule_destructor(void *capsule);
 
 /**
  * Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm) as vLLM's
- * eplb_state caller runs it (epcomm_eplb_rebalance_experts with
- * EPCOMM_EPLB_ONE_NODE_FALLBACK; old ids must lie in [0, E)): `weight` is [num_layers, num_logical_experts] token counts (as float), the result
- * `phy2log_out` [num_layers, num_replicas] maps every physical slot to a logical expert. Uses
- * the hierarchical policy when groups divide into nodes, else the global one; when
+ * eplb_state caller runs it: exactly epcomm_eplb_rebalance_experts with
+ * EPCOMM_EPLB_ONE_NODE_FALLBACK (one behaviour whichever entry point). `weight` is
+ * [num_layers, num_logical_experts] token counts (as float), the result `phy2log_out`
+ * [num_layers, num_replicas] maps every physical slot to a logical expert. Uses the
+ * hierarchical policy when groups divide into nodes, else the global one; when
  * num_ranks % num_nodes != 0 it uses one node and logs vLLM's warning. With `old_phy2log`
- * (NULL = none), experts that stay on a GPU keep their old slots. Violated preconditions
- * (E % G, G % N, R % N, P % R) are EPCOMM_ERROR_ASSERTION, as vLLM's asserts. Bit-exact with
- * vLLM when the packed loads have no ties; with ties epcomm takes equal loads in ascending
- * index (stable), where vLLM's unstable numpy sort differs between machines (docs/api.md).
+ * (NULL = none), experts that stay on a GPU keep their old slots; a negative old entry (vLLM's
+ * -1, an unused slot) matches no expert. Violated preconditions (E % G, G % N, R % N, P % R)
+ * are EPCOMM_ERROR_ASSERTION, as vLLM's asserts. Bit-exact with vLLM when the packed loads have
+ * no ties; with ties epcomm takes equal loads in ascending index (stable), where vLLM's
+ * unstable numpy sort differs between machines (docs/api.md).
  *
  * # Safety
  * `weight` holds num_layers*num_logical_experts floats; `old_phy2log` is NULL or holds and
@@ -1314,6 +1339,46 @@ int32_t epcomm_eplb_logical_maps(const int64_t *phy2log, int64_t num_layers, int
  * `out` is NULL or writable.
  */
 int32_t epcomm_eplb_min_redundant_experts(int64_t num_logical, int64_t ep_size, int64_t *out);
+
+/**
+ * vLLM v0.34.0's `compute_dead_ep_ranks` (scale-down after peer death): each of the `num_dead`
+ * dead DP ranks owns the `tp_size * pcp_size` EP ranks from `dp * tp_size * pcp_size`. Writes
+ * them ascending, without repeats, to `ep_ranks_out` (room for num_dead * tp_size * pcp_size)
+ * and their number to `count_out`.
+ *
+ * # Safety
+ * `dead_dp_ranks` holds `num_dead` int64 (NULL when 0); `ep_ranks_out` has the room above;
+ * `count_out` is writable.
+ */
+int32_t epcomm_eplb_dead_ep_ranks(const int64_t *dead_dp_ranks, size_t num_dead, int64_t tp_size, int64_t pcp_size, int64_t *ep_ranks_out, size_t *count_out);
+
+/**
+ * vLLM v0.34.0's `mark_dead_expert_slots_inplace`: in `phy2log` [num_layers, num_physical]
+ * every slot of each of the `num_dead` dead EP ranks (rank r owns the num_local_experts slots
+ * from r * num_local_experts) becomes -1, in place (only on success).
+ *
+ * # Safety
+ * `phy2log` holds num_layers * num_physical int64; `dead_ep_ranks` holds `num_dead` int64
+ * (NULL when 0).
+ */
+int32_t epcomm_eplb_mark_dead_expert_slots(int64_t *phy2log, int64_t num_layers, int64_t num_physical, const int64_t *dead_ep_ranks, size_t num_dead, int64_t num_local_experts);
+
+/**
+ * vLLM v0.34.0's `redistribute_expert_placement`, which every survivor of a scale-down runs
+ * on the same map and gets the same result from, without talking to the others: in each layer
+ * of `phy2log` [num_layers, num_physical] (-1 = a dead slot), every logical expert in
+ * [0, num_logical) without a surviving replica takes a slot of an over-replicated expert,
+ * spread round-robin over the EP ranks. Rewrites `phy2log` in place and sets
+ * `reload_out[layer * num_logical + expert]` to 1 for each expert whose weights must be
+ * reloaded (0 otherwise); both only on success. Too little redundancy is EPCOMM_ERROR_RUNTIME
+ * with vLLM's `Layer {l}: no redundant slot for missing expert {e}. EPLB redundancy
+ * insufficient.`
+ *
+ * # Safety
+ * `phy2log` holds num_layers * num_physical int64; `reload_out` has room for
+ * num_layers * num_logical bytes.
+ */
+int32_t epcomm_eplb_redistribute_expert_placement(int64_t *phy2log, int64_t num_layers, int64_t num_physical, int64_t num_logical, int64_t num_local_experts, uint8_t *reload_out);
 
 /**
  * vLLM's `DefaultEplbPolicy.rebalance_experts`: `weight` [num_layers, num_logical_experts] token
@@ -1824,6 +1889,21 @@ int32_t epcomm_all2all_query_fault(const struct epcomm_all2all *a2a, bool *fault
 int32_t epcomm_all2all_clean_buffers(const struct epcomm_all2all *a2a);
 
 /**
+ * vLLM v0.34.0's `update_mask(rank, masked)` (rank-local, not collective), which vLLM's
+ * sentinel calls after epcomm_all2all_clean_buffers to replay the dead ranks of a scale-down:
+ * sets the rank's entry of the mask and of epcomm_all2all_query_fault's baseline. epcomm's
+ * clean_buffers keeps the mask, so replaying a masked rank is a no-op; masking a live rank
+ * (epcomm masks the ranks the group loses) or unmasking a masked one (rejoining means a new
+ * group) is EPCOMM_ERROR_INVALID_STATE saying so; a rank outside the group
+ * EPCOMM_ERROR_INVALID_ARGUMENT; without fault tolerance EPCOMM_ERROR_NOT_IMPLEMENTED (vLLM's
+ * base class).
+ *
+ * # Safety
+ * `a2a` is NULL or a live handle.
+ */
+int32_t epcomm_all2all_update_mask(const struct epcomm_all2all *a2a, int32_t rank, bool masked);
+
+/**
  * This rank's (token, expert) pairs dropped because the expert's rank is masked: by the last
  * dispatch (`last_out`) and since creation (`total_out`); either may be NULL.
  *
@@ -2243,10 +2323,10 @@ bool epcomm_nixl_available(void);
  * EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED with vLLM's deprecation warning (once per process).
  * An unknown name returns EPCOMM_ERROR_INVALID_ARGUMENT with the message
  * "Unknown all2all backend: {name}" and the closest valid names in the hint. `passthrough`
- * (vLLM v0.33.0: the MoE backend dispatches and combines itself) has no exchange and no
- * EPCOMM_ALL2ALL_* value: it returns EPCOMM_ERROR_RUNTIME with vLLM's "passthrough has no
- * all2all handle: dispatch and combine run inside the MoE backend." (epcomm_config_check
- * accepts it).
+ * (the MoE backend dispatches and combines itself) resolves to EPCOMM_ALL2ALL_PASSTHROUGH,
+ * vLLM's PassThroughAll2AllManager, which has no exchange: only creating a handle for it fails,
+ * with vLLM's RuntimeError "passthrough has no all2all handle: dispatch and combine run inside
+ * the MoE backend.".
  *
  * # Safety
  * `name` is NULL or a NUL-terminated string; `backend_out` is NULL or writable.
@@ -2254,9 +2334,9 @@ bool epcomm_nixl_available(void);
 int32_t epcomm_all2all_backend_resolve(const char *name, int32_t *backend_out);
 
 /**
- * Whether `name` resolves to an all2all backend (including aliases and removed names), i.e.
- * whether epcomm_all2all_backend_resolve succeeds. `passthrough`, which vLLM accepts but which
- * has no exchange, gives false. NULL gives false. Logs nothing.
+ * Whether `name` resolves to an all2all backend (including aliases, removed names and
+ * `passthrough`), i.e. whether epcomm_all2all_backend_resolve succeeds. NULL gives false. Logs
+ * nothing.
  *
  * # Safety
  * `name` is NULL or a NUL-terminated string.
@@ -2264,19 +2344,21 @@ int32_t epcomm_all2all_backend_resolve(const char *name, int32_t *backend_out);
 bool epcomm_all2all_backend_is_known(const char *name);
 
 /**
- * The canonical name of an EPCOMM_ALL2ALL_* backend (static string), or NULL if `backend` is
- * not one.
+ * The canonical name of an EPCOMM_ALL2ALL_* backend (static string; "passthrough" for
+ * EPCOMM_ALL2ALL_PASSTHROUGH), or NULL if `backend` is not one.
  */
 const char *epcomm_all2all_backend_name(int32_t backend);
 
 /**
- * vLLM's manager class for a backend (e.g. "DeepEPLLAll2AllManager"), or NULL if `backend` is
- * not an EPCOMM_ALL2ALL_* value.
+ * vLLM's manager class for a backend (e.g. "DeepEPLLAll2AllManager";
+ * "PassThroughAll2AllManager" for EPCOMM_ALL2ALL_PASSTHROUGH), or NULL if `backend` is not an
+ * EPCOMM_ALL2ALL_* value.
  */
 const char *epcomm_all2all_backend_manager_class(int32_t backend);
 
 /**
- * The EPCOMM_LAYOUT_* a backend's dispatch/combine use.
+ * The EPCOMM_LAYOUT_* a backend's dispatch/combine use. EPCOMM_ALL2ALL_PASSTHROUGH has none
+ * (EPCOMM_ERROR_INVALID_ARGUMENT saying so).
  *
  * # Safety
  * `layout_out` is NULL or writable.

@@ -721,6 +721,12 @@ public:
     /// vLLM's clean_buffers, the recovery point (rank-local): zeroes the receive buffers,
     /// forgets the last dispatch and makes the current mask query_fault's baseline.
     void clean_buffers() { check(epcomm_all2all_clean_buffers(a_.get())); }
+    /// vLLM 0.34.0's update_mask (rank-local): replays a scale-down's dead rank after
+    /// clean_buffers (a no-op for a masked rank: epcomm keeps the mask); masking a live rank or
+    /// unmasking a masked one throws (EPCOMM_ERROR_INVALID_STATE).
+    void update_mask(int32_t rank, bool masked = true) {
+        check(epcomm_all2all_update_mask(a_.get(), rank, masked));
+    }
     /// This rank's (token, expert) pairs dropped for masked ranks' experts.
     struct DroppedPairs {
         /// By the last dispatch.
@@ -969,6 +975,41 @@ inline std::vector<int64_t> eplb_preserve_intragpu_slots(const std::vector<int64
     check(epcomm_eplb_preserve_intragpu_slots(phy2log.data(), layers, physical, ranks, old_phy2log.data(),
                                               out.data()));
     return out;
+}
+
+/// vLLM 0.34.0's compute_dead_ep_ranks: the EP ranks (ascending) of the dead DP ranks, each
+/// owning tp_size * pcp_size consecutive EP ranks.
+inline std::vector<int64_t> eplb_dead_ep_ranks(const std::vector<int64_t> &dead_dp_ranks, int64_t tp_size,
+                                               int64_t pcp_size = 1) {
+    const int64_t block = tp_size > 0 && pcp_size > 0 ? tp_size * pcp_size : 0;
+    std::vector<int64_t> out(dead_dp_ranks.size() * static_cast<size_t>(block > 0 ? block : 0) + 1);
+    size_t n = 0;
+    check(epcomm_eplb_dead_ep_ranks(dead_dp_ranks.data(), dead_dp_ranks.size(), tp_size, pcp_size, out.data(), &n));
+    out.resize(n);
+    return out;
+}
+
+/// vLLM 0.34.0's mark_dead_expert_slots_inplace: the dead EP ranks' slots of `phy2log`
+/// [layers, physical] become -1, in place.
+inline void eplb_mark_dead_expert_slots(std::vector<int64_t> &phy2log, int64_t layers,
+                                        const std::vector<int64_t> &dead_ep_ranks, int64_t num_local_experts) {
+    const int64_t physical = layers > 0 ? static_cast<int64_t>(phy2log.size()) / layers : 0;
+    check(epcomm_eplb_mark_dead_expert_slots(phy2log.data(), layers, physical, dead_ep_ranks.data(),
+                                             dead_ep_ranks.size(), num_local_experts));
+}
+
+/// vLLM 0.34.0's redistribute_expert_placement: each lost logical expert takes a spare slot of
+/// an over-replicated one (the same on every survivor), `phy2log` rewritten in place; returns
+/// the reload flags [layers, logical] (1 = reload that expert's weights). Too little
+/// redundancy throws vLLM's RuntimeError text, `phy2log` unchanged.
+inline std::vector<uint8_t> eplb_redistribute_expert_placement(std::vector<int64_t> &phy2log, int64_t layers,
+                                                               int64_t logical, int64_t num_local_experts) {
+    const int64_t physical = layers > 0 ? static_cast<int64_t>(phy2log.size()) / layers : 0;
+    std::vector<uint8_t> reload(static_cast<size_t>(layers > 0 && logical > 0 ? layers * logical : 0) + 1);
+    check(epcomm_eplb_redistribute_expert_placement(phy2log.data(), layers, physical, logical, num_local_experts,
+                                                    reload.data()));
+    reload.pop_back();
+    return reload;
 }
 
 /// Logical maps of a placement: replica counts [layers, logical] and the logical → physical map

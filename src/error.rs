@@ -102,6 +102,15 @@ pub enum Error {
     FaultToleranceBackend { backend: String },
     #[error("Fused MoE LoRA with EP currently only supports all2all_backend='allgather_reducescatter', got '{backend}'.")]
     LoraEpBackend { backend: String },
+    /// vLLM v0.34.0's `FusedMoEWithLoRA._ep_check`, before the backend assertion.
+    #[error("Fused MoE LoRA with EP requires linear expert placement: adapter loading assumes a contiguous range of experts on each rank, got '{placement}'. Set expert_placement_strategy='linear' to use MoE LoRA with expert parallelism.")]
+    LoraEpPlacement { placement: String },
+    /// vLLM v0.34.0's `WorkerSentinel`, after the backend check.
+    #[error("Fault tolerance does not support MoE draft models yet.")]
+    FaultToleranceMoeDraft,
+    /// vLLM v0.34.0's `WorkerSentinel`, after the MoE draft check.
+    #[error("Fault tolerance does not support PCP yet.")]
+    FaultTolerancePcp,
     #[error("FlashInfer one-sided communication does not support heterogeneous {field} (got {got}, was built with {built})")]
     OneSidedHeterogeneous {
         field: &'static str,
@@ -127,6 +136,9 @@ pub enum Error {
     PyncclUnavailable,
     #[error("Failed to initialize PyNcclEplbCommunicator ({cause}).")]
     PyncclInit { cause: String },
+    /// vLLM v0.34.0's `SymmMemEplbCommunicator` off CUDA.
+    #[error("symm_mem EPLB requires CUDA")]
+    SymmMemNeedsCuda,
     #[error("EPLB communicator 'nixl' requested but NIXL is unavailable.")]
     NixlUnavailable,
     #[error("EPLB communicator 'nixl' supports only cuda-like devices (got {device_type}).")]
@@ -174,6 +186,9 @@ pub enum Error {
     /// `ParallelConfig._validate_parallel_config`.
     #[error("data_parallel_external_lb can only be set when data_parallel_size > 1")]
     ExternalLbNeedsDp,
+    /// vLLM v0.34.0's `ParallelConfig._validate_parallel_config` (`numa_bind: bool | None`).
+    #[error("NUMA binding lists cannot be combined with numa_bind=False.")]
+    NumaBindListsWithoutBinding,
     /// `VllmConfig.__post_init__` for `moonep`.
     #[error("The moonep all2all backend does not support EPLB yet: EPLB rearranges expert parameters in a layout MoonEP's replicated [E+B] weights do not follow. Disable --enable-eplb or use a different --all2all-backend.")]
     MoonepEplb,
@@ -219,6 +234,10 @@ impl Error {
         match self {
             UnknownAll2AllBackend { .. }
             | FaultToleranceBackend { .. }
+            | FaultToleranceMoeDraft
+            | FaultTolerancePcp
+            | LoraEpPlacement { .. }
+            | SymmMemNeedsCuda
             | UnknownEplbCommunicator { .. }
             | ElasticEpCommunicator { .. }
             | AsyncEplbPolicy
@@ -233,6 +252,7 @@ impl Error {
             | ElasticAsyncNeedsNixl
             | ConfigField { .. }
             | ExternalLbNeedsDp
+            | NumaBindListsWithoutBinding
             | MoonepEplb
             | InvalidArgument(_) => Status::InvalidArgument,
             MicrobatchingBackend { .. }

@@ -22,19 +22,30 @@ fn stderr_lines(o: &Output) -> Vec<String> {
         .collect()
 }
 
-/// v0.33.0's `All2AllBackend` literal as pydantic lists it.
+/// v0.34.0's `All2AllBackend` literal as pydantic lists it (the default release).
+const V0_34_0_NAMES: &str = "'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', \
+'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'mori', 'nixl_ep', \
+'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', \
+'flashinfer_nvlink_one_sided' or 'passthrough'";
+
+/// v0.33.0's, without `mori`.
 const V0_33_0_NAMES: &str = "'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', \
 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', \
 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', \
 'flashinfer_nvlink_one_sided' or 'passthrough'";
 
-/// pydantic's message for a name v0.33.0's `ParallelConfig.all2all_backend` refuses.
-fn literal_error(input: &str) -> String {
+/// pydantic's message for a name the literal `names` refuses.
+fn literal_error_of(names: &str, input: &str) -> String {
     format!(
         "1 validation error for ParallelConfig\nall2all_backend\n  Input should be \
-         {V0_33_0_NAMES} [type=literal_error, input_value='{input}', input_type=str]\n    \
+         {names} [type=literal_error, input_value='{input}', input_type=str]\n    \
          For further information visit https://errors.pydantic.dev/2.13/v/literal_error"
     )
+}
+
+/// pydantic's message for a name v0.34.0's `ParallelConfig.all2all_backend` refuses.
+fn literal_error(input: &str) -> String {
+    literal_error_of(V0_34_0_NAMES, input)
 }
 
 #[test]
@@ -158,15 +169,53 @@ fn check_json_output() {
     assert_eq!(v["manager_class"], "DeepEPLLAll2AllManager");
     assert_eq!(v["layout"], "EXPERT_MAJOR");
 
-    let o = epcomm(&["check", "--all2all-backend", "mori", "--json"]);
+    // v0.34.0 (the default): `mori` is MoRI EPv1 unless mori_ep_v2 selects EPv2.
+    let o = epcomm(&[
+        "check",
+        "--all2all-backend",
+        "mori",
+        "--mori-ep-v2=false",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["all2all_backend"], "mori");
+    assert_eq!(v["manager_class"], "MoriAll2AllManager");
+    assert_eq!(v["layout"], "TOKEN_MAJOR");
+    assert_eq!(v["warnings"], serde_json::json!([]));
+    let o = epcomm(&[
+        "check",
+        "--all2all-backend",
+        "mori",
+        "--mori-ep-v2",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["exception"], "NotImplementedError");
+    assert_eq!(
+        v["message"],
+        "all2all backend 'mori' with mori_ep_v2=True builds vLLM's MoriEPv2All2AllManager, \
+         which epcomm does not implement; with mori_ep_v2=False (VLLM_MORI_EP_V2=0) 'mori' runs \
+         MoriAll2AllManager (MoRI EPv1), whose token-major exchange epcomm has"
+    );
+
+    let o = epcomm(&[
+        "check",
+        "--vllm-version",
+        "0.33.0",
+        "--all2all-backend",
+        "mori",
+        "--json",
+    ]);
     assert_eq!(o.status.code(), Some(1));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["ok"], false);
     assert_eq!(v["exception"], "ValueError");
-    assert_eq!(v["message"], literal_error("mori"));
+    assert_eq!(v["message"], literal_error_of(V0_33_0_NAMES, "mori"));
     assert_eq!(
         v["hint"],
-        "'mori' was accepted up to vLLM 0.22.1; you target 0.33.0"
+        "'mori' is accepted from vLLM 0.34.0 on; you target 0.33.0"
     );
     assert_eq!(v["status"], 2);
 }
@@ -344,23 +393,29 @@ fn backends_lists_every_name() {
     }
     assert!(out.contains("does not load DeepEP"));
     assert!(out.starts_with(
-        "vLLM 0.33.0 (sdist): ParallelConfig.all2all_backend's Literal refuses any other name.\n"
+        "vLLM 0.34.0 (sdist): ParallelConfig.all2all_backend's Literal refuses any other name.\n"
     ));
     assert!(out.contains(
         "\npassthrough                    canonical  passthrough                    -              PassThroughAll2AllManager\n"
     ), "{out}");
-    assert!(
-        out.contains("\nEPLB communicators: torch_nccl, torch_gloo, torch_xccl, nixl, pynccl.\n")
-    );
+    assert!(out.contains(
+        "\nEPLB communicators: torch_nccl, torch_gloo, torch_xccl, nixl, pynccl, symm_mem.\n"
+    ));
     let o = epcomm(&["backends", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    // v0.33.0's literal: the 13 names with an exchange, then passthrough, which has none.
-    assert_eq!(v.as_array().unwrap().len(), 14);
-    assert_eq!(v[10]["name"], "flashinfer_all2allv");
-    assert_eq!(v[10]["kind"], "alias");
-    assert_eq!(v[10]["resolves_to"], "flashinfer_nvlink_two_sided");
+    // v0.34.0's literal: the 14 names with an exchange, then passthrough, which has none.
+    assert_eq!(v.as_array().unwrap().len(), 15);
+    assert_eq!(v[11]["name"], "flashinfer_all2allv");
+    assert_eq!(v[11]["kind"], "alias");
+    assert_eq!(v[11]["resolves_to"], "flashinfer_nvlink_two_sided");
+    assert_eq!(v[5]["name"], "mori_high_throughput");
+    assert_eq!(v[5]["kind"], "alias");
+    assert_eq!(v[5]["resolves_to"], "mori");
+    assert_eq!(v[8]["name"], "mori");
+    assert_eq!(v[8]["layout"], "TOKEN_MAJOR");
+    assert_eq!(v[8]["manager_class"], "MoriAll2AllManager");
     assert_eq!(
-        v[13],
+        v[14],
         serde_json::json!({
             "name": "passthrough",
             "kind": "canonical",
@@ -368,7 +423,7 @@ fn backends_lists_every_name() {
             "backend": null,
             "layout": null,
             "manager_class": "PassThroughAll2AllManager",
-            "vllm_version": "0.33.0",
+            "vllm_version": "0.34.0",
         })
     );
 }
@@ -423,7 +478,7 @@ fn demo_runs_every_backend_and_checks_the_reference() {
         tail,
         [
             "All checks passed.",
-            "9 backends ran, 9 passed; 1 unavailable (moonep)"
+            "10 backends ran, 10 passed; 1 unavailable (moonep)"
         ],
         "{out}"
     );

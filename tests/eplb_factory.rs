@@ -18,13 +18,14 @@ use epcomm::log::{self, Level};
 use epcomm::select::eplb::{self, Communicator, DeviceKind, SelectRequest};
 use epcomm::{Error, Status};
 
-const REQUESTED: [Option<&str>; 7] = [
+const REQUESTED: [Option<&str>; 8] = [
     None,
     Some("torch_nccl"),
     Some("torch_gloo"),
     Some("torch_xccl"),
     Some("pynccl"),
     Some("nixl"),
+    Some("symm_mem"),
     Some("bogus"),
 ];
 const DEVICES: [DeviceKind; 3] = [DeviceKind::Cpu, DeviceKind::Cuda, DeviceKind::Xpu];
@@ -153,6 +154,21 @@ fn expected(
             warnings: Vec::new(),
         },
         "pynccl" => build_pynccl(device, nccl, Vec::new()),
+        // vLLM 0.34.0's push backend: CUDA only in vLLM; host-staged in epcomm, whose CUDA
+        // tensors it cannot push.
+        "symm_mem" => match device {
+            DeviceKind::Cpu => Expected::Built {
+                communicator: Communicator::SymmMem,
+                warnings: Vec::new(),
+            },
+            DeviceKind::Cuda => Expected::Failed {
+                exception: "NotImplementedError",
+                message: "EPLB communicator 'symm_mem' on cuda tensors (SymmMemEplbCommunicator: a push into the receivers' buffers over CUDA symmetric memory) is not implemented in epcomm; stage the expert weights in host memory (kDLCPU), where epcomm pushes into next buffers in shared memory, or use 'nixl' or 'torch_gloo'".into(),
+            },
+            DeviceKind::Rocm | DeviceKind::Xpu | DeviceKind::Other(_) => {
+                value_error("symm_mem EPLB requires CUDA".into())
+            }
+        },
         other => value_error(format!("Unknown EPLB communicator backend: {other}")),
     }
 }
@@ -191,7 +207,7 @@ fn matrix() -> Vec<Case> {
             }
         }
     }
-    assert_eq!(v.len(), 7 * 2 * 3 * 2 * 2);
+    assert_eq!(v.len(), 8 * 2 * 3 * 2 * 2);
     v
 }
 
@@ -362,8 +378,10 @@ fn create_builds_what_select_chose_or_fails_like_it() {
             Ok(sel) => {
                 let c = sel.communicator;
                 let builds = c == Communicator::TorchGloo
-                    || (matches!(c, Communicator::TorchNccl | Communicator::TorchXccl)
-                        && device == DeviceKind::Cpu);
+                    || (matches!(
+                        c,
+                        Communicator::TorchNccl | Communicator::TorchXccl | Communicator::SymmMem
+                    ) && device == DeviceKind::Cpu);
                 if builds {
                     built += 1;
                     let comm = got.unwrap_or_else(|e| panic!("{label}: create failed: {e}"));
@@ -417,6 +435,9 @@ fn create_builds_what_select_chose_or_fails_like_it() {
                         assert_eq!(e.exception(), "RuntimeError", "{label}");
                     }
                     Communicator::TorchGloo => unreachable!("torch_gloo always builds"),
+                    Communicator::SymmMem => {
+                        unreachable!("symm_mem is selected for host tensors only")
+                    }
                 }
                 // The factory's warnings (e.g. forced to pynccl) come before the construction
                 // failure, as in vLLM; nothing is announced as initialized.
@@ -440,8 +461,9 @@ fn create_builds_what_select_chose_or_fails_like_it() {
     }
     log::set_sink(None);
     // torch_gloo: explicit, never elastic, 3 devices x 2 x 2; automatic without NIXL off XPU,
-    // not elastic: 2 devices x 2; torch_nccl and torch_xccl on cpu, not elastic: 4 each.
-    assert_eq!(built, 12 + 4 + 4 + 4, "combinations that build");
+    // not elastic: 2 devices x 2; torch_nccl, torch_xccl and symm_mem on cpu, not elastic: 4
+    // each.
+    assert_eq!(built, 12 + 4 + 4 + 4 + 4, "combinations that build");
 }
 
 /// Every communicator that builds on host tensors moves the weights: a two-rank rearrangement

@@ -790,9 +790,9 @@ fn batched_scale_down_and_scale_up() {
 
 // ---- vLLM's own scheduler against epcomm's, through Python -----------------------------------
 
-const VLLM_VERSION: &str = "0.33.0";
+const VLLM_VERSION: &str = "0.34.0";
 const SCHEDULER: &str = "vllm/distributed/eplb/migration_scheduler.py";
-/// The SHA-256 of `SCHEDULER` in vLLM 0.33.0's sdist.
+/// The SHA-256 of `SCHEDULER` in vLLM 0.34.0's sdist (byte for byte 0.33.0's).
 const SCHEDULER_SHA256: &str = "c7ce0aef974a83bdc000cb2bbbcbe8e689db8aaa64327ed9066a622f91eaef21";
 
 /// vLLM's source tree: `EPCOMM_VLLM_SRC`, else the sdist fetched under target/ (as

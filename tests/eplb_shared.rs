@@ -510,6 +510,23 @@ unsafe fn c_rearrange_into(
 /// in malloc'd memory.
 #[test]
 fn c_callers_next_weights_from_epcomm_mem_alloc_take_the_shared_path() {
+    cmem_run(
+        "c_callers_next_weights_from_epcomm_mem_alloc_take_the_shared_path",
+        "torch_gloo",
+    );
+}
+
+/// vLLM 0.34.0's push backend `symm_mem` on host-staged weights: a real communicator in
+/// epcomm, whose senders store each row into the receiver's shared next weights; the same
+/// bytes as torch_gloo's.
+#[test]
+fn symm_mem_pushes_into_shared_next_weights() {
+    cmem_run("symm_mem_pushes_into_shared_next_weights", "symm_mem");
+}
+
+/// The two-process run of the tests above over EPLB communicator `communicator`: `test` is
+/// the test that re-runs in the child processes.
+fn cmem_run(test: &str, communicator: &str) {
     use epcomm::ffi::eplb_runtime::{
         epcomm_eplb_communicator_create, epcomm_eplb_communicator_destroy,
     };
@@ -520,10 +537,10 @@ fn c_callers_next_weights_from_epcomm_mem_alloc_take_the_shared_path() {
         let rank: usize = std::env::var("EPCOMM_EPLB_RANK").unwrap().parse().unwrap();
         let cname = std::ffi::CString::new(group.clone()).unwrap();
         let (mut g, mut comm) = (std::ptr::null_mut(), std::ptr::null_mut());
-        let gloo = std::ffi::CString::new("torch_gloo").unwrap();
+        let name = std::ffi::CString::new(communicator).unwrap();
         let request = epcomm_eplb_select_request {
             struct_size: std::mem::size_of::<epcomm_eplb_select_request>() as u32,
-            communicator: gloo.as_ptr(),
+            communicator: name.as_ptr(),
             elastic: false,
             device_type: epcomm::ffi::EPCOMM_DEVICE_CPU,
             weight_dtypes: std::ptr::null(),
@@ -587,16 +604,12 @@ fn c_callers_next_weights_from_epcomm_mem_alloc_take_the_shared_path() {
         return;
     }
     let group = ranks::unique("e", "shc");
-    let kids = ranks::spawn_ranks(
-        "c_callers_next_weights_from_epcomm_mem_alloc_take_the_shared_path",
-        0..2,
-        |r| {
-            vec![
-                ("EPCOMM_EPLB_CMEM_CHILD", group.clone()),
-                ("EPCOMM_EPLB_RANK", r.to_string()),
-            ]
-        },
-    );
+    let kids = ranks::spawn_ranks(test, 0..2, |r| {
+        vec![
+            ("EPCOMM_EPLB_CMEM_CHILD", group.clone()),
+            ("EPCOMM_EPLB_RANK", r.to_string()),
+        ]
+    });
     for k in ranks::wait_all(kids, Duration::from_secs(60)) {
         assert!(k.success(), "rank {}: {}", k.rank, k.output());
     }

@@ -297,7 +297,7 @@ fn c_bytes(bytes: &[u8]) -> Vec<u8> {
 
 // ---- 1. configuration JSON ------------------------------------------------------------------
 
-const BACKEND_NAMES: [&str; 13] = [
+const BACKEND_NAMES: [&str; 14] = [
     "naive",
     "pplx",
     "deepep_high_throughput",
@@ -306,6 +306,7 @@ const BACKEND_NAMES: [&str; 13] = [
     "mori_high_throughput",
     "mori_low_latency",
     "moonep",
+    "mori",
     "nixl_ep",
     "allgather_reducescatter",
     "flashinfer_all2allv",
@@ -813,10 +814,9 @@ fn check_backend_name(name: &[u8], accepted: &[(String, i32)]) -> Result<(), Str
     let msg = check_status(rc)?;
     let known = unsafe { epcomm_all2all_backend_is_known(p) };
     if text == Some("passthrough") {
-        // vLLM v0.33.0's name for "no exchange": resolving it raises vLLM's RuntimeError.
-        let want_msg =
-            "passthrough has no all2all handle: dispatch and combine run inside the MoE backend.";
-        if rc != EPCOMM_ERROR_RUNTIME || out != -77 || known || msg.as_deref() != Some(want_msg) {
+        // vLLM's name for "no exchange": it resolves to PassThroughAll2AllManager (only a
+        // handle request raises vLLM's RuntimeError).
+        if rc != EPCOMM_OK || out != EPCOMM_ALL2ALL_PASSTHROUGH || !known {
             return Err(format!(
                 "passthrough: status {rc}, out {out}, is_known {known}, {msg:?}"
             ));
@@ -1206,11 +1206,8 @@ fn rebalance_expect(c: &RebalanceCase) -> Option<i32> {
     if pos_len(c.l, c.e).is_none() || pos_len(c.l, c.p).is_none() {
         return Some(EPCOMM_ERROR_INVALID_ARGUMENT);
     }
-    if let Some(o) = &c.old {
-        if o.iter().any(|&x| x < 0 || x >= c.e) {
-            return Some(EPCOMM_ERROR_INVALID_ARGUMENT);
-        }
-    }
+    // Old entries are never an error (vLLM's rule, as epcomm_eplb_rebalance_experts): a
+    // negative one is an unused slot, and an id matches only that expert.
     let nodes = if c.r % c.n != 0 { 1 } else { c.n };
     let (g, n) = if c.g % nodes == 0 {
         (c.g, nodes)
@@ -3390,7 +3387,7 @@ fn check_buffer_bytes(c: &MoeCase) -> Result<(), String> {
         .and_then(|t| BACKEND_NAMES.iter().position(|&b| b == t))
         .map(|i| match BACKEND_NAMES[i] {
             "naive" | "pplx" | "allgather_reducescatter" => EPCOMM_LAYOUT_REPLICATED,
-            "deepep_high_throughput" | "mori_high_throughput" | "mori_low_latency" => {
+            "deepep_high_throughput" | "mori_high_throughput" | "mori_low_latency" | "mori" => {
                 EPCOMM_LAYOUT_TOKEN_MAJOR
             }
             "deepep_low_latency" | "nixl_ep" => EPCOMM_LAYOUT_EXPERT_MAJOR,

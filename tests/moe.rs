@@ -483,8 +483,11 @@ fn configuration_errors() {
         ),
         "{e}"
     );
-    let e = Manager::new("mori", cfg(8, 2, 4, FloatKind::F32, 4), 0, 1).unwrap_err();
-    assert_eq!(e.to_string(), "Unknown all2all backend: mori");
+    let e = Manager::new("mori_ep", cfg(8, 2, 4, FloatKind::F32, 4), 0, 1).unwrap_err();
+    assert_eq!(e.to_string(), "Unknown all2all backend: mori_ep");
+    // vLLM 0.34.0's `mori` (MoRI EPv1) is a token-major manager.
+    let m = Manager::new("mori", cfg(8, 2, 4, FloatKind::F32, 4), 0, 1).unwrap();
+    assert_eq!(m.layout(), epcomm::select::all2all::Layout::TokenMajor);
     // One-sided: vLLM's assertion for heterogeneous layers.
     let m = Manager::new(
         "flashinfer_nvlink_one_sided",

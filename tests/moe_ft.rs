@@ -52,12 +52,34 @@ fn stalled_rank_run(group: impl Fn(usize) -> Box<dyn Group> + Send + Sync + Clon
             std::thread::sleep(STALL_TIMEOUT * 3);
             out.extend((2..4).map(|s| one_step(&mut m, g.as_mut(), &ex, s)));
         }
-        (out, m.query_fault(), {
-            m.clean_buffers();
-            m.query_fault()
-        })
+        let fault = m.query_fault();
+        m.clean_buffers();
+        let after_clean = m.query_fault();
+        // vLLM v0.34.0's sentinel replays the dead ranks after clean_buffers (update_mask).
+        let replay = [
+            m.update_mask(3, true)
+                .map_err(|e| (e.status(), e.to_string())),
+            m.update_mask(3, false)
+                .map_err(|e| (e.status(), e.to_string())),
+            m.update_mask(0, true)
+                .map_err(|e| (e.status(), e.to_string())),
+            m.update_mask(0, false)
+                .map_err(|e| (e.status(), e.to_string())),
+            m.update_mask(WORLD, true)
+                .map_err(|e| (e.status(), e.to_string())),
+        ];
+        (
+            out,
+            fault,
+            after_clean,
+            replay,
+            m.query_fault(),
+            m.active_mask(),
+        )
     });
-    for (rank, (steps, fault, fault_after_clean)) in results.iter().enumerate() {
+    for (rank, (steps, fault, fault_after_clean, replay, fault_after_replay, mask)) in
+        results.iter().enumerate()
+    {
         let ok = |s: &Step| s.status.is_none() && s.error <= TOL;
         assert!(ok(&steps[0]) && ok(&steps[1]), "rank {rank}: {steps:?}");
         if rank == 3 {
@@ -85,6 +107,23 @@ fn stalled_rank_run(group: impl Fn(usize) -> Box<dyn Group> + Send + Sync + Clon
             *fault && !*fault_after_clean,
             "rank {rank}: query_fault before/after clean"
         );
+        // Replaying the masked rank changes nothing; a live rank cannot be masked by hand nor a
+        // masked one unmasked.
+        assert_eq!(replay[0], Ok(()), "rank {rank}");
+        assert_eq!(replay[1].as_ref().unwrap_err().0, Status::InvalidState);
+        assert_eq!(
+            replay[2],
+            Err((
+                Status::InvalidState,
+                "update_mask: rank 0 is live in this group; epcomm masks a rank when the group \
+                 loses it (it then leaves the survivors' group), not by hand"
+                    .to_owned()
+            ))
+        );
+        assert_eq!(replay[3], Ok(()));
+        assert_eq!(replay[4].as_ref().unwrap_err().0, Status::InvalidArgument);
+        assert!(!*fault_after_replay, "rank {rank}");
+        assert_eq!(mask, &vec![0, 0, 0, 1]);
     }
 }
 

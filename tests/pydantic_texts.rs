@@ -1,11 +1,11 @@
 //! The configuration check's field errors against pydantic itself: tests/py/test_pydantic_texts.py
-//! defines pydantic dataclasses mirroring vLLM v0.33.0's `ParallelConfig` / `EPLBConfig` fields
-//! (and epcomm's own keys) and, for 70 bad configurations, compares `str(ValidationError)` with
+//! defines pydantic dataclasses mirroring vLLM v0.34.0's `ParallelConfig` / `EPLBConfig` fields
+//! (and epcomm's own keys) and, for 89 bad configurations, compares `str(ValidationError)` with
 //! the message `epcomm_config_check_report` gives through ctypes; lax coercions pydantic accepts
 //! must pass epcomm's field validation too.
 //!
-//! The mirror is checked with `ast` against vllm/config/parallel.py of v0.33.0's source tree
-//! (`EPCOMM_VLLM_SRC`, else `scripts/fetch-vllm-sdist.sh 0.33.0 target/vllm-src`); without that
+//! The mirror is checked with `ast` against vllm/config/parallel.py of v0.34.0's source tree
+//! (`EPCOMM_VLLM_SRC`, else `scripts/fetch-vllm-sdist.sh 0.34.0 target/vllm-src`); without that
 //! tree the comparison prints a SKIPPED line (`EPCOMM_REQUIRE_VLLM_SRC=1` makes it a failure).
 //! The interpreter needs pydantic 2.13 (`common::python::pydantic_or_skip`: `pydantic==2.13.5`,
 //! vLLM's pin, into the test venv; `EPCOMM_REQUIRE_PYTHON=1` makes its absence a failure).
@@ -20,7 +20,7 @@ use common::python::pydantic_or_skip;
 use common::skip::{required, skipped};
 use common::*;
 
-const VLLM_VERSION: &str = "0.33.0";
+const VLLM_VERSION: &str = "0.34.0";
 const FETCH_TIMEOUT: Duration = Duration::from_secs(600);
 const SCRIPT_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -95,7 +95,7 @@ fn config_field_errors_are_pydantics_texts() {
     println!("{}", out.stderr);
     assert!(out
         .stderr
-        .contains("70 bad configurations: epcomm's text == pydantic's"));
+        .contains("89 bad configurations: epcomm's text == pydantic's"));
     assert_eq!(
         out.stderr.contains("mirror == "),
         tree.is_some(),

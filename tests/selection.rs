@@ -21,7 +21,7 @@ fn assert_err(e: &Error, status: Status, exception: &str, message: &str) {
 fn every_accepted_name_resolves_as_in_the_table() {
     use Backend::*;
     use Layout::*;
-    let table: [(&str, Backend, NameKind, Layout, &str); 13] = [
+    let table: [(&str, Backend, NameKind, Layout, &str); 14] = [
         (
             "allgather_reducescatter",
             AllgatherReducescatter,
@@ -67,14 +67,14 @@ fn every_accepted_name_resolves_as_in_the_table() {
         (
             "mori_high_throughput",
             MoriHighThroughput,
-            NameKind::Canonical,
+            NameKind::Alias,
             TokenMajor,
             "MoriAll2AllManager",
         ),
         (
             "mori_low_latency",
             MoriLowLatency,
-            NameKind::Canonical,
+            NameKind::Alias,
             TokenMajor,
             "MoriAll2AllManager",
         ),
@@ -113,6 +113,13 @@ fn every_accepted_name_resolves_as_in_the_table() {
             MoonepSlots,
             "MoonEPAll2AllManager",
         ),
+        (
+            "mori",
+            Mori,
+            NameKind::Canonical,
+            TokenMajor,
+            "MoriAll2AllManager",
+        ),
     ];
     assert_eq!(all2all::ACCEPTED_NAMES.len(), table.len());
     for (name, backend, kind, layout, class) in table {
@@ -124,7 +131,16 @@ fn every_accepted_name_resolves_as_in_the_table() {
     }
     assert_eq!(all2all::DEFAULT_BACKEND.name(), "allgather_reducescatter");
     for b in Backend::ALL {
-        assert_eq!(all2all::lookup(b.name()).unwrap().kind, NameKind::Canonical);
+        let entry = all2all::lookup(b.name()).unwrap();
+        assert_eq!(entry.backend, b);
+        // v0.34.0 deprecates the two MoRI names for `mori`; they keep their own kernels.
+        let deprecated = matches!(b, MoriHighThroughput | MoriLowLatency);
+        let kind = if deprecated {
+            NameKind::Alias
+        } else {
+            NameKind::Canonical
+        };
+        assert_eq!(entry.kind, kind, "{}", b.name());
         assert_eq!(Backend::from_code(b as i32), Some(b));
     }
 }
@@ -132,7 +148,7 @@ fn every_accepted_name_resolves_as_in_the_table() {
 #[test]
 fn unknown_names_are_value_errors_with_the_name_unquoted() {
     for name in [
-        "mori",
+        "mori_ep",
         "flashinfer-nvlink-2s",
         "one_sided",
         "",
@@ -158,12 +174,7 @@ fn unknown_name_hints_suggest_the_closest_names() {
         "did you mean 'flashinfer_nvlink_two_sided'?"
     );
     assert_eq!(hint("Naive"), "did you mean 'naive'?");
-    assert!(
-        hint("mori").contains("'mori_high_throughput'"),
-        "{}",
-        hint("mori")
-    );
-    assert!(hint("mori").contains("'mori_low_latency'"));
+    assert!(hint("mori_ht").contains("'mori'"), "{}", hint("mori_ht"));
     assert!(hint("deepep_ll").contains("'deepep_low_latency'"));
     // Nothing close: the full list.
     assert!(hint("zzzzzzzzzzzz").starts_with("valid all2all backends: 'naive', 'pplx'"));
@@ -317,6 +328,143 @@ fn fault_tolerance_requires_an_ft_backend() {
         .unwrap();
 }
 
+/// vLLM v0.34.0's `WorkerSentinel`: after the backend, MoE drafts, then PCP.
+#[test]
+fn fault_tolerance_refuses_moe_drafts_then_pcp() {
+    let ft = r#""enable_fault_tolerance": true, "all2all_backend": "deepep_low_latency""#;
+    let e = check_err(&format!(
+        r#"{{{ft}, "draft_model_is_moe": true, "prefill_context_parallel_size": 2}}"#
+    ));
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "Fault tolerance does not support MoE draft models yet.",
+    );
+    let e = check_err(&format!(r#"{{{ft}, "prefill_context_parallel_size": 2}}"#));
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "Fault tolerance does not support PCP yet.",
+    );
+    // The backend comes first.
+    let e = check_err(
+        r#"{"enable_fault_tolerance": true, "prefill_context_parallel_size": 2, "draft_model_is_moe": true}"#,
+    );
+    assert!(
+        e.to_string()
+            .starts_with("Fault tolerance requires an FT-capable"),
+        "{e}"
+    );
+}
+
+/// vLLM v0.34.0's `numa_bind: bool | None`: binding lists imply it; with an explicit False they
+/// are vLLM's error (after the data-parallel checks, before EPLB's); the lists' own validators
+/// are pydantic field errors.
+#[test]
+fn numa_bind_lists_need_numa_bind() {
+    let e = check_err(r#"{"numa_bind": false, "numa_bind_nodes": [0, 1]}"#);
+    assert_err(
+        &e,
+        Status::InvalidArgument,
+        "ValueError",
+        "NUMA binding lists cannot be combined with numa_bind=False.",
+    );
+    let e = check_err(r#"{"numa_bind": false, "numa_bind_cpus": ["0-3"], "enable_eplb": true}"#);
+    assert_eq!(
+        e.to_string(),
+        "NUMA binding lists cannot be combined with numa_bind=False."
+    );
+    let e = check_err(
+        r#"{"numa_bind": false, "numa_bind_cpus": ["0-3"], "data_parallel_external_lb": true}"#,
+    );
+    assert_eq!(e, Error::ExternalLbNeedsDp);
+    check_ok(r#"{"numa_bind_nodes": [0], "numa_bind_cpus": ["0,2,4-7"]}"#);
+    check_ok(r#"{"numa_bind": true, "numa_bind_nodes": [1]}"#);
+    check_ok(r#"{"numa_bind": false}"#);
+    let e = check_err(r#"{"numa_bind_cpus": ["0-3", "3-1"]}"#);
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\nnuma_bind_cpus\n  Value error, numa_bind_cpus ranges must be ascending, but got '3-1'. [type=value_error, input_value=['0-3', '3-1'], input_type=list]\n    For further information visit https://errors.pydantic.dev/2.13/v/value_error");
+}
+
+/// vLLM v0.34.0's `FusedMoEWithLoRA._ep_check`: the placement before the backend.
+#[test]
+fn moe_lora_with_ep_requires_linear_placement() {
+    let e = check_err(
+        r#"{"enable_lora": true, "enable_expert_parallel": true, "expert_placement_strategy": "round_robin", "all2all_backend": "deepep_low_latency"}"#,
+    );
+    assert_err(&e, Status::InvalidArgument, "ValueError", "Fused MoE LoRA with EP requires linear expert placement: adapter loading assumes a contiguous range of experts on each rank, got 'round_robin'. Set expert_placement_strategy='linear' to use MoE LoRA with expert parallelism.");
+    check_ok(
+        r#"{"enable_lora": true, "enable_expert_parallel": true, "expert_placement_strategy": "linear"}"#,
+    );
+    check_ok(r#"{"expert_placement_strategy": "round_robin", "enable_expert_parallel": true}"#);
+}
+
+/// vLLM v0.34.0: `num_redundant_experts` defaults to None, the minimum valid value once the
+/// expert count is known (`(ep - E % ep) % ep`) with EPLB on, 0 with it off.
+#[test]
+fn num_redundant_experts_defaults_to_the_minimum_valid_value() {
+    let eplb = r#""enable_eplb": true, "enable_expert_parallel": true, "nixl_available": false"#;
+    let o = check(&format!(
+        r#"{{{eplb}, "data_parallel_size": 3, "tensor_parallel_size": 2, "num_experts": 64}}"#
+    ));
+    assert_eq!(o.result.unwrap().num_redundant_experts, Some(2));
+    assert!(o.infos.contains(&"EPLB num_redundant_experts not specified, defaulting to minimum valid value: 2 (num_logical_experts=64, ep_size=6)".to_owned()), "{:?}", o.infos);
+    let o = check(&format!(
+        r#"{{{eplb}, "data_parallel_size": 4, "num_experts": 64}}"#
+    ));
+    assert_eq!(o.result.unwrap().num_redundant_experts, Some(0));
+    // Configured: kept, no info line; unknown expert count: unknown.
+    let o = check(&format!(
+        r#"{{{eplb}, "data_parallel_size": 4, "num_experts": 64, "eplb_config": {{"num_redundant_experts": 4}}}}"#
+    ));
+    assert_eq!(o.result.unwrap().num_redundant_experts, Some(4));
+    assert!(!o.infos.iter().any(|i| i.starts_with("EPLB num_redundant")));
+    let r = check_ok(&format!(r#"{{{eplb}, "data_parallel_size": 4}}"#));
+    assert_eq!(r.num_redundant_experts, None);
+    assert_eq!(check_ok("{}").num_redundant_experts, Some(0));
+    // Without EPLB an explicit 0 is fine, anything else is vLLM's error.
+    check_ok(r#"{"eplb_config": {"num_redundant_experts": 0}}"#);
+    let e = check_err(r#"{"eplb_config": {"num_redundant_experts": 2}}"#);
+    assert_eq!(e.to_string(), "num_redundant_experts is set to 2 but EPLB is not enabled. Either enable EPLB or unset num_redundant_experts.");
+}
+
+/// vLLM v0.34.0's `mori`: MoRI EPv1 (token-major) unless `mori_ep_v2`; the two older MoRI names
+/// still run their own kernels, with vLLM's deprecation warning when the manager is built.
+#[test]
+fn mori_and_its_deprecated_names() {
+    let o = check(r#"{"all2all_backend": "mori_low_latency"}"#);
+    let r = o.result.unwrap();
+    assert_eq!(r.backend, Some(Backend::MoriLowLatency));
+    assert_eq!(r.manager_class, "MoriAll2AllManager");
+    assert_eq!(
+        o.warnings,
+        ["'mori_low_latency' is deprecated and will be removed in a future release. Use 'mori', which picks the MoRI kernels automatically."]
+    );
+    assert_eq!(
+        all2all::resolve_quiet("mori_high_throughput").unwrap().warning.as_deref(),
+        Some("'mori_high_throughput' is deprecated and will be removed in a future release. Use 'mori', which picks the MoRI kernels automatically.")
+    );
+    // v0.33.0: canonical there, no warning.
+    let o = check(r#"{"vllm_version": "0.33.0", "all2all_backend": "mori_low_latency"}"#);
+    assert!(o.warnings.is_empty(), "{:?}", o.warnings);
+    // `mori`: EPv1 when mori_ep_v2 is false; unset, vLLM decides at startup: a warning.
+    let o = check(r#"{"all2all_backend": "mori", "mori_ep_v2": false}"#);
+    assert_eq!(o.result.unwrap().layout, Some(Layout::TokenMajor));
+    assert!(o.warnings.is_empty(), "{:?}", o.warnings);
+    let o = check(r#"{"all2all_backend": "mori"}"#);
+    assert_eq!(o.result.unwrap().backend, Some(Backend::Mori));
+    assert!(
+        o.warnings[0]
+            .starts_with("mori_ep_v2 is unset: vLLM picks MoRI EPv2 (MoriEPv2All2AllManager)"),
+        "{:?}",
+        o.warnings
+    );
+    let e = check_err(r#"{"all2all_backend": "mori", "mori_ep_v2": true}"#);
+    assert_eq!(e.status(), Status::NotImplemented);
+    assert!(e.to_string().contains("MoriEPv2All2AllManager"), "{e}");
+}
+
 #[test]
 fn moe_lora_with_ep_requires_agrs() {
     let e = check_err(
@@ -395,15 +543,67 @@ fn communicator_names_and_classes() {
 
 #[test]
 fn unknown_communicator_is_a_value_error() {
-    let e = eplb::select(&req(Some("symm_mem"))).unwrap_err();
+    let e = eplb::select(&req(Some("symm_memory"))).unwrap_err();
     assert_err(
         &e,
         Status::InvalidArgument,
         "ValueError",
-        "Unknown EPLB communicator backend: symm_mem",
+        "Unknown EPLB communicator backend: symm_memory",
     );
     let e = eplb::select(&req(Some("pyncl"))).unwrap_err();
     assert_eq!(e.hint().unwrap(), "did you mean 'pynccl'?");
+}
+
+/// vLLM v0.34.0's `symm_mem`: `SymmMemEplbCommunicator` refuses any platform but CUDA with its
+/// own text; on CUDA tensors epcomm has no symmetric-memory communicator and says so; on
+/// host-staged weights it is epcomm's push into shared next buffers.
+#[test]
+fn symm_mem_is_vllms_refusal_off_cuda_and_not_implemented_on_cuda() {
+    let sel = eplb::select(&SelectRequest {
+        device: DeviceKind::Cpu,
+        ..req(Some("symm_mem"))
+    })
+    .unwrap();
+    assert_eq!(sel.communicator, Communicator::SymmMem);
+    assert_eq!(sel.communicator.class_name(), "SymmMemEplbCommunicator");
+    assert_eq!(
+        Communicator::from_name("symm_mem"),
+        Some(Communicator::SymmMem)
+    );
+    for device in [DeviceKind::Rocm, DeviceKind::Xpu] {
+        let e = eplb::select(&SelectRequest {
+            device,
+            ..req(Some("symm_mem"))
+        })
+        .unwrap_err();
+        assert_err(
+            &e,
+            Status::InvalidArgument,
+            "ValueError",
+            "symm_mem EPLB requires CUDA",
+        );
+    }
+    let e = eplb::select(&SelectRequest {
+        device: DeviceKind::Cuda,
+        ..req(Some("symm_mem"))
+    })
+    .unwrap_err();
+    assert_err(
+        &e,
+        Status::NotImplemented,
+        "NotImplementedError",
+        "EPLB communicator 'symm_mem' on cuda tensors (SymmMemEplbCommunicator: a push into the receivers' buffers over CUDA symmetric memory) is not implemented in epcomm; stage the expert weights in host memory (kDLCPU), where epcomm pushes into next buffers in shared memory, or use 'nixl' or 'torch_gloo'",
+    );
+    // Through the configuration check: accepted by v0.34.0's literal (async too), refused
+    // when the communicator is built; v0.33.0's literal lacks it.
+    let e = eplb_err(r#""platform": "rocm", "eplb_config": {"communicator": "symm_mem"}"#);
+    assert_eq!(e.to_string(), "symm_mem EPLB requires CUDA");
+    let e = eplb_err(r#""vllm_version": "0.33.0", "eplb_config": {"communicator": "symm_mem"}"#);
+    assert!(
+        e.to_string()
+            .contains("'nixl' or 'pynccl' [type=literal_error, input_value='symm_mem'"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -618,7 +818,7 @@ fn eplb_config_defaults() {
     let c = EplbConfig::default();
     assert_eq!(
         (c.window_size, c.step_interval, c.num_redundant_experts),
-        (1000, 3000, 0)
+        (1000, 3000, None)
     );
     assert_eq!(
         (c.log_balancedness, c.log_balancedness_interval, c.use_async),
@@ -731,7 +931,7 @@ fn field_bounds_use_pydantics_phrase() {
         ),
         (
             r#"{"all2all_backend": 3}"#,
-            "1 validation error for ParallelConfig\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value=3, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error",
+            "1 validation error for ParallelConfig\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'mori', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value=3, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error",
         ),
         (
             r#"{"eplb_config": []}"#,
@@ -773,7 +973,7 @@ fn every_field_error_in_declaration_order_then_unexpected_keywords() {
     let e = check_err(
         r#"{"foo": 1, "data_parallel_size": 0, "eplb_config": {"window_size": 0, "bar": 2}, "all2all_backend": "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"}"#,
     );
-    assert_err(&e, Status::InvalidArgument, "ValueError", "5 validation errors for ParallelConfig\ndata_parallel_size\n  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal\neplb_config.window_size\n  Input should be greater than 0 [type=greater_than, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than\neplb_config.bar\n  Unexpected keyword argument [type=unexpected_keyword_argument, input_value=2, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value='xxxxxxxxxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxxxxxxx', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error\nfoo\n  Unexpected keyword argument [type=unexpected_keyword_argument, input_value=1, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument");
+    assert_err(&e, Status::InvalidArgument, "ValueError", "5 validation errors for ParallelConfig\ndata_parallel_size\n  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than_equal\neplb_config.window_size\n  Input should be greater than 0 [type=greater_than, input_value=0, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/greater_than\neplb_config.bar\n  Unexpected keyword argument [type=unexpected_keyword_argument, input_value=2, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'mori', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value='xxxxxxxxxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxxxxxxx', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error\nfoo\n  Unexpected keyword argument [type=unexpected_keyword_argument, input_value=1, input_type=int]\n    For further information visit https://errors.pydantic.dev/2.13/v/unexpected_keyword_argument");
     let Error::ConfigField { field, .. } = &e else {
         panic!("{e:?}")
     };
@@ -815,9 +1015,9 @@ fn unknown_keys_are_unexpected_keywords_with_the_nearest_key_as_hint() {
 #[test]
 fn unknown_names_are_rejected_by_the_configs_literals() {
     let e = check_err(r#"{"eplb_config": {"communicator": "gloo"}}"#);
-    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\neplb_config.communicator\n  Input should be 'torch_nccl', 'torch_gloo', 'torch_xccl', 'nixl' or 'pynccl' [type=literal_error, input_value='gloo', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\neplb_config.communicator\n  Input should be 'torch_nccl', 'torch_gloo', 'torch_xccl', 'nixl', 'pynccl' or 'symm_mem' [type=literal_error, input_value='gloo', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
     let e = check_err(r#"{"all2all_backend": "deepep"}"#);
-    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value='deepep', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
+    assert_err(&e, Status::InvalidArgument, "ValueError", "1 validation error for ParallelConfig\nall2all_backend\n  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'mori', 'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', 'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, input_value='deepep', input_type=str]\n    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
     // The hint: the nearest of the literal's members (no other release accepts these).
     assert_eq!(
         field_hint(&e),
@@ -911,7 +1111,14 @@ fn eplb_needs_cuda_rocm_or_xpu() {
 fn torch_xccl_is_auto_selected_on_xpu_and_built_host_staged() {
     assert_eq!(
         eplb::VLLM_COMMUNICATOR_NAMES,
-        ["torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl"]
+        [
+            "torch_nccl",
+            "torch_gloo",
+            "torch_xccl",
+            "nixl",
+            "pynccl",
+            "symm_mem"
+        ]
     );
     // The configuration: auto-selected on XPU even with NIXL present, announced as vLLM does.
     let o = eplb_check(r#""platform": "xpu", "nixl_available": true"#);
@@ -1189,8 +1396,16 @@ fn every_status_has_a_description_and_exception() {
 /// falls back with a warning that says so; a name canonical then but an alias now does not warn.
 #[test]
 fn names_mean_what_the_targeted_release_means() {
-    let e = check_err(r#"{"vllm_version": "0.20.0", "all2all_backend": "mori"}"#);
-    assert_err(&e, Status::NotImplemented, "NotImplementedError", "vLLM 0.20.0 accepts all2all backend 'mori', but epcomm has no backend for it (epcomm's backends are vLLM 0.33.0's; did you mean 'mori_high_throughput' or 'mori_low_latency'?)");
+    // 0.15.0 to 0.22.1's `mori` built MoriAll2AllManager (MoRI EPv1), as v0.34.0's does.
+    let o = config::check_json(
+        r#"{"vllm_version": "0.20.0", "all2all_backend": "mori"}"#,
+        false,
+        false,
+    );
+    let r = o.result.unwrap();
+    assert_eq!(r.backend, Some(Backend::Mori));
+    assert_eq!(r.manager_class, "MoriAll2AllManager");
+    assert!(o.warnings.is_empty(), "{:?}", o.warnings);
     let o = config::check_json(
         r#"{"vllm_version": "0.10.2", "all2all_backend": "pplx"}"#,
         false,
@@ -1202,16 +1417,16 @@ fn names_mean_what_the_targeted_release_means() {
         o.warnings,
         ["vLLM 0.10.2 runs all2all backend 'pplx' as its own backend; epcomm has none and runs 'allgather_reducescatter' instead."]
     );
-    // v0.33.0 itself: pplx is removed, with vLLM's own warning.
+    // v0.34.0 itself: pplx is removed, with vLLM's own warning.
     let o = config::check_json(r#"{"all2all_backend": "pplx"}"#, false, false);
     assert_eq!(o.warnings.len(), 1);
     assert!(o.warnings[0].contains("pplx"), "{:?}", o.warnings);
     assert!(
-        !o.warnings[0].starts_with("vLLM 0.33.0 runs"),
+        !o.warnings[0].starts_with("vLLM 0.34.0 runs"),
         "{:?}",
         o.warnings
     );
-    // flashinfer_all2allv: canonical in 0.11.0, a deprecated alias in v0.33.0.
+    // flashinfer_all2allv: canonical in 0.11.0, a deprecated alias in v0.34.0.
     let old = r#"{"vllm_version": "0.11.0", "all2all_backend": "flashinfer_all2allv"}"#;
     let o = config::check_json(old, false, false);
     assert_eq!(

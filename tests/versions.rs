@@ -1,5 +1,5 @@
-//! The per-release name table (src/select/versions.rs) against PyPI, and the command line's
-//! `--vllm-version`.
+//! The per-release name table (src/select/vllm-releases.json, read by src/select/versions.rs)
+//! against PyPI, and the command line's `--vllm-version`.
 //!
 //! `scripts/gen-vllm-versions.py --check` reads every vLLM release in the table from PyPI (the
 //! sdists streamed, the wheel's Python files by HTTP range for 0.15.0 and 0.15.1, which have no
@@ -84,10 +84,11 @@ fn table_matches_every_release_on_pypi() {
 #[test]
 fn check_fails_on_a_stale_row() {
     const TEST: &str = "check_fails_on_a_stale_row";
-    let file = common::out_dir("versions-stale").join("versions.rs");
-    let text = std::fs::read_to_string(manifest_dir().join("src/select/versions.rs")).unwrap();
+    let file = common::out_dir("versions-stale").join("vllm-releases.json");
+    let text =
+        std::fs::read_to_string(manifest_dir().join("src/select/vllm-releases.json")).unwrap();
     // 0.24.0 added deepep_v2: a 0.23.0 row with it in place of deepep_low_latency is stale.
-    let row = text.find("version: \"0.23.0\"").expect("0.23.0's row");
+    let row = text.find("\"version\": \"0.23.0\"").expect("0.23.0's row");
     let (head, tail) = text.split_at(row);
     let tail = tail.replacen("\"deepep_low_latency\",", "\"deepep_v2\",", 1);
     let stale = format!("{head}{tail}");
@@ -106,6 +107,36 @@ fn check_fails_on_a_stale_row() {
         return;
     };
     assert!(out.success(), "{}", out.describe("--only 0.24.0"));
+    // The whole file: any difference fails, and the committed file matches byte for byte.
+    let Some(out) = generator(TEST, &["--check", "--file", file]) else {
+        return;
+    };
+    assert_eq!(out.status.and_then(|s| s.code()), Some(1), "{}", out.stderr);
+}
+
+/// The generator's output is the committed data file, byte for byte (every release, the
+/// layout included), so the file is generated data and nothing else.
+#[test]
+fn data_file_is_the_generators_output() {
+    let committed = manifest_dir().join("src/select/vllm-releases.json");
+    let file = common::out_dir("versions-regenerated").join("vllm-releases.json");
+    std::fs::write(&file, "{}").unwrap();
+    let test = "data_file_is_the_generators_output";
+    let Some(out) = generator(test, &["--file", file.to_str().unwrap()]) else {
+        return;
+    };
+    assert!(out.success(), "{}", out.describe("regenerate"));
+    let (new, old) = (
+        std::fs::read_to_string(&file).unwrap(),
+        std::fs::read_to_string(&committed).unwrap(),
+    );
+    if new.matches("\"version\"").count() == old.matches("\"version\"").count() {
+        assert_eq!(new, old, "regenerated data differs from the committed file");
+    } else {
+        // PyPI has a release newer than the table: the committed rows must still be a prefix.
+        let cut = old.rfind("\n  }").unwrap();
+        assert!(new.starts_with(&old[..cut]), "committed rows changed");
+    }
 }
 
 fn epcomm(args: &[&str]) -> Output {
@@ -121,7 +152,7 @@ fn stderr(o: &Output) -> String {
 }
 
 /// pydantic's text for a name a release's `Literal` refuses.
-fn literal_error(names: &str, input: &str) -> String {
+pub(crate) fn literal_error(names: &str, input: &str) -> String {
     format!(
         "ValueError: 1 validation error for ParallelConfig\n\
          all2all_backend\n  \
@@ -215,7 +246,7 @@ fn check_hints_for_removed_names_and_eplb_communicators() {
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(
-        err.ends_with("hint: 'mori' was accepted up to vLLM 0.22.1; you target 0.33.0\n"),
+        err.ends_with("hint: 'mori' is accepted from vLLM 0.34.0 on; you target 0.33.0\n"),
         "{err}"
     );
     let o = epcomm(&[
@@ -254,19 +285,30 @@ fn check_flag_overrides_the_config_key_and_unknown_versions_name_neighbours() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.starts_with(
-            "vLLM release:      0.11.0 (its names; other rules and messages follow v0.33.0)\n"
+            "vLLM release:      0.11.0 (its names; other rules and messages follow v0.34.0)\n"
         ),
         "{out}"
     );
     let o = epcomm(&["check", "--vllm-version", "v0.24.0+cu128", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["vllm_version"], "0.24.0");
+    // A version the table lacks: a usage error that says how to get it checked.
     let o = epcomm(&["check", "--vllm-version", "0.31.2"]);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         stderr(&o),
-        "ValueError: unknown vLLM version '0.31.2': the nearest known releases are 0.31.0 and \
-         0.32.0\n"
+        "epcomm: error: argument --vllm-version: unknown vLLM version '0.31.2': the nearest \
+         known releases are 0.31.0 and 0.32.0; to check against the deployed vLLM's own source, \
+         give --vllm-src DIR\n"
+    );
+    let o = epcomm(&["check", "--config", r#"{"vllm_version": "0.35.0"}"#]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        stderr(&o),
+        "epcomm: error: configuration key vllm_version: unknown vLLM version '0.35.0': the \
+         newest known release is 0.34.0; check against the deployed vLLM's own source instead \
+         (epcomm check --vllm-src DIR, Python vllm_version=\"auto\", or its description as \
+         \"vllm_release\")\n"
     );
 }
 
@@ -284,7 +326,7 @@ deepep_high_throughput         canonical  deepep_high_throughput         TOKEN_M
 deepep_low_latency             canonical  deepep_low_latency             EXPERT_MAJOR   DeepEPLLAll2AllManager
 
 EPLB communicators: not configurable in this release.
-Default: naive. Names are exact and case-sensitive, as in vLLM. Rules and messages other than the name sets follow v0.33.0.
+Default: naive. Names are exact and case-sensitive, as in vLLM. Rules and messages other than the name sets follow v0.34.0.
 ";
     assert!(out.starts_with(table), "{out}");
     assert!(!out.contains("passthrough"), "{out}");
@@ -318,9 +360,11 @@ fn backends_json_for_a_release_with_mori_and_the_alias() {
     );
     assert_eq!(v[1]["kind"], "removed");
     assert_eq!(v[1]["resolves_to"], "allgather_reducescatter");
+    // 0.15.0 to 0.22.1's `mori` built MoriAll2AllManager (MoRI EPv1), v0.34.0's `mori` too.
     assert_eq!(v[4]["kind"], "canonical");
-    assert_eq!(v[4]["backend"], serde_json::Value::Null);
-    assert_eq!(v[4]["layout"], serde_json::Value::Null);
+    assert_eq!(v[4]["backend"], "mori");
+    assert_eq!(v[4]["layout"], "TOKEN_MAJOR");
+    assert_eq!(v[4]["manager_class"], "MoriAll2AllManager");
     assert_eq!(v[7]["kind"], "alias");
     assert_eq!(v[7]["resolves_to"], "flashinfer_nvlink_two_sided");
     assert_eq!(v[7]["layout"], "RANK_MAJOR");
@@ -333,13 +377,306 @@ fn backends_json_for_a_release_with_mori_and_the_alias() {
 
 #[test]
 fn backends_refuses_an_unknown_version_as_a_usage_error() {
-    let o = epcomm(&["backends", "--vllm-version", "0.34.0"]);
+    let o = epcomm(&["backends", "--vllm-version", "0.35.0"]);
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(
         stderr(&o),
-        "epcomm: error: argument --vllm-version: unknown vLLM version '0.34.0': the newest known \
-         release is 0.33.0 (scripts/gen-vllm-versions.py adds newer ones)\n"
+        "epcomm: error: argument --vllm-version: unknown vLLM version '0.35.0': the newest known \
+         release is 0.34.0; check against the deployed vLLM's own source instead (epcomm check \
+         --vllm-src DIR, Python vllm_version=\"auto\", or its description as \"vllm_release\")\n"
     );
+}
+
+// ---- validation from the deployed vLLM's own source ----------------------------------------
+
+/// A vLLM tree laid out as an sdist or an installed package (`vllm/` with its own
+/// `_version.py`), made from the generator's cache of `version`'s source; `edit` changes it.
+/// `None` after a SKIPPED line when PyPI cannot be reached and the cache lacks the release.
+fn vllm_tree(test: &str, version: &str, name: &str, edit: impl Fn(&Path)) -> Option<PathBuf> {
+    let out = generator(test, &["--check", "--only", version])?;
+    assert!(out.success(), "{}", out.describe("populate the cache"));
+    let tree = common::out_dir(&format!("vllm-tree-{name}"));
+    let _ = std::fs::remove_dir_all(tree.join("vllm"));
+    let cached = cache().join(version);
+    for member in [
+        "vllm/envs.py",
+        "vllm/config/__init__.py",
+        "vllm/config/parallel.py",
+        "vllm/distributed/device_communicators/cuda_communicator.py",
+    ] {
+        let to = tree.join(member);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(cached.join(member), &to).expect(member);
+    }
+    std::fs::write(
+        tree.join("vllm/_version.py"),
+        format!("__version__ = version = '{version}'\n"),
+    )
+    .unwrap();
+    edit(&tree);
+    Some(tree)
+}
+
+/// vLLM 0.34.0 with an invented all2all name, `zeta_ep`, in its Literal and its manager
+/// chain, released as 0.35.0: a release newer than the table.
+fn invented_name(tree: &Path) {
+    let edit = |path: &str, from: &str, to: &str| {
+        let file = tree.join(path);
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(text.contains(from), "{path} lacks {from:?}");
+        std::fs::write(&file, text.replacen(from, to, 1)).unwrap();
+    };
+    edit(
+        "vllm/config/parallel.py",
+        "    \"passthrough\",\n]",
+        "    \"passthrough\",\n    \"zeta_ep\",\n]",
+    );
+    edit(
+        "vllm/distributed/device_communicators/cuda_communicator.py",
+        "            elif self.all2all_backend == \"passthrough\":",
+        "            elif self.all2all_backend == \"zeta_ep\":\n\
+         \x20               from .all2all import ZetaAll2AllManager\n\n\
+         \x20               self.all2all_manager = ZetaAll2AllManager(self.cpu_group)\n\
+         \x20           elif self.all2all_backend == \"passthrough\":",
+    );
+    std::fs::write(
+        tree.join("vllm/_version.py"),
+        "__version__ = version = '0.35.0'\n",
+    )
+    .unwrap();
+}
+
+fn src_arg(tree: &Path) -> String {
+    tree.to_str().unwrap().to_owned()
+}
+
+/// `epcomm check --vllm-src DIR` validates against what DIR's own source accepts: 0.34.0's tree
+/// as the table's 0.34.0, 0.33.0's as the table's 0.33.0, and a release the table does not
+/// hold (an invented name) exactly, its new name NOT_IMPLEMENTED rather than unknown.
+#[test]
+fn vllm_src_checks_against_the_deployed_source() {
+    const TEST: &str = "vllm_src_checks_against_the_deployed_source";
+    let Some(t34) = vllm_tree(TEST, "0.34.0", "0.34.0", |_| {}) else {
+        return;
+    };
+    let Some(t33) = vllm_tree(TEST, "0.33.0", "0.33.0", |_| {}) else {
+        return;
+    };
+    let Some(t35) = vllm_tree(TEST, "0.34.0", "0.35.0-zeta", invented_name) else {
+        return;
+    };
+    let (t34, t33, t35) = (src_arg(&t34), src_arg(&t33), src_arg(&t35));
+    let v034 = "'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', 'deepep_v2', \
+                'mori_high_throughput', 'mori_low_latency', 'moonep', 'mori', 'nixl_ep', \
+                'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', \
+                'flashinfer_nvlink_one_sided' or 'passthrough'";
+
+    // 0.34.0's tree: what the table's 0.34.0 says, for a valid and an unknown name.
+    let o = epcomm(&[
+        "check",
+        "--vllm-src",
+        &t34,
+        "-dp",
+        "2",
+        "--all2all-backend",
+        "mori",
+        "--mori-ep-v2=false",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["vllm_version"], "0.34.0");
+    assert_eq!(v["manager_class"], "MoriAll2AllManager");
+    for src in [Some(t34.as_str()), None] {
+        let mut args = vec!["check", "--all2all-backend", "bogus"];
+        args.extend(src.map(|s| ["--vllm-src", s]).into_iter().flatten());
+        let o = epcomm(&args);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(
+            stderr(&o).starts_with(&literal_error(v034, "bogus")),
+            "{}",
+            stderr(&o)
+        );
+    }
+    // 0.33.0's tree: no `mori` yet, with the table's hint.
+    let o = epcomm(&["check", "--vllm-src", &t33, "--all2all-backend", "mori"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).ends_with("hint: 'mori' is accepted from vLLM 0.34.0 on; you target 0.33.0\n"),
+        "{}",
+        stderr(&o)
+    );
+    // The invented name: accepted by that vLLM, which epcomm has no backend for.
+    let o = epcomm(&["check", "--vllm-src", &t35, "--all2all-backend", "zeta_ep"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.starts_with(
+            "NotImplementedError: vLLM 0.35.0 accepts all2all backend 'zeta_ep', but epcomm has \
+             no backend for it (epcomm's backends are vLLM 0.34.0's; "
+        ),
+        "{err}"
+    );
+    let o = epcomm(&["check", "--vllm-src", &t35, "--all2all-backend", "zeta"]);
+    assert_eq!(o.status.code(), Some(1));
+    let v035 = v034.replace(" or 'passthrough'", ", 'passthrough' or 'zeta_ep'");
+    assert_eq!(
+        stderr(&o),
+        format!(
+            "{}hint: did you mean 'zeta_ep'?\n",
+            literal_error(&v035, "zeta")
+        )
+    );
+    // Its other names keep 0.34.0's meaning, the deprecation warning included.
+    let o = epcomm(&[
+        "check",
+        "--vllm-src",
+        &t35,
+        "--all2all-backend",
+        "mori_low_latency",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["vllm_version"], "0.35.0");
+    assert_eq!(
+        v["warnings"][0],
+        "'mori_low_latency' is deprecated and will be removed in a future release. Use 'mori', \
+         which picks the MoRI kernels automatically."
+    );
+    // The tree and the version must agree; a directory without vLLM is a usage error.
+    let o = epcomm(&["check", "--vllm-src", &t35, "--vllm-version", "0.34.0"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o),
+        "ValueError: vllm_version '0.34.0' and vllm_release (vLLM 0.35.0) name different \
+         releases; give one of them\n"
+    );
+    let empty = common::out_dir("vllm-tree-empty");
+    let o = epcomm(&["check", "--vllm-src", empty.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        stderr(&o),
+        format!(
+            "epcomm: error: argument --vllm-src: cannot read the vLLM release in {0}: {0} holds \
+             no vLLM source (vllm/envs.py, vllm/config...)\n",
+            empty.display()
+        )
+    );
+}
+
+/// The reader of a tree and the generator are one code: 0.34.0's tree is described as the
+/// table's 0.34.0 entry (its source aside), and the description is what the C ABI takes as
+/// data (`vllm_release`).
+#[test]
+fn a_trees_description_is_its_table_entry() {
+    const TEST: &str = "a_trees_description_is_its_table_entry";
+    let Some(python) = python_or_skip(TEST) else {
+        return;
+    };
+    let Some(t34) = vllm_tree(TEST, "0.34.0", "0.34.0-describe", |_| {}) else {
+        return;
+    };
+    let mut cmd = Command::new(&python.exe);
+    cmd.arg(manifest_dir().join("python/epcomm/vllm_release.py"))
+        .arg(&t34);
+    let out = run_with_timeout(cmd, Duration::from_secs(60));
+    assert!(out.success(), "{}", out.describe("vllm_release.py"));
+    let mut described: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(described["source"], "tree");
+    let data: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(manifest_dir().join("src/select/vllm-releases.json")).unwrap(),
+    )
+    .unwrap();
+    let entry = data["releases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["version"] == "0.34.0")
+        .unwrap();
+    described["source"] = entry["source"].clone();
+    assert_eq!(&described, entry);
+    // As data through the C ABI's configuration check.
+    described["version"] = "0.34.1".into();
+    let cfg = serde_json::json!({"vllm_release": described, "all2all_backend": "mori_ep"});
+    let o = epcomm::select::config::check_json(&cfg.to_string(), false, false);
+    let e = o.result.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("or 'passthrough' [type=literal_error"),
+        "{e}"
+    );
+    let bad = serde_json::json!({"vllm_release": {"version": "9.9"}});
+    let e = epcomm::select::config::check_json(&bad.to_string(), false, false)
+        .result
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "vllm_release: release 9.9: 'source' is not a string"
+    );
+}
+
+/// Python's `check(..., vllm_version="auto")` reads the installed vllm package's own source:
+/// a vllm 0.35.0 (invented name) installed in a site directory validates exactly.
+#[test]
+fn python_auto_reads_the_installed_vllm() {
+    const TEST: &str = "python_auto_reads_the_installed_vllm";
+    let Some(python) = python_or_skip(TEST) else {
+        return;
+    };
+    let Some(site) = vllm_tree(TEST, "0.34.0", "site-0.35.0", invented_name) else {
+        return;
+    };
+    // Installed: the package without _version.py, its version in the dist-info.
+    std::fs::remove_file(site.join("vllm/_version.py")).unwrap();
+    let info = site.join("vllm-0.35.0.dist-info");
+    std::fs::create_dir_all(&info).unwrap();
+    std::fs::write(
+        info.join("METADATA"),
+        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.35.0\n",
+    )
+    .unwrap();
+    let code = r#"
+import json, epcomm
+out = {}
+for name in ("zeta_ep", "zeta", "mori"):
+    r = epcomm.config_report({"all2all_backend": name, "mori_ep_v2": False}, vllm_version="auto")
+    out[name] = [r["ok"], r.get("exception"), r.get("message"), r.get("manager_class")]
+print(json.dumps(out))
+"#;
+    let mut cmd = Command::new(&python.exe);
+    cmd.arg("-c")
+        .arg(code)
+        .env("EPCOMM_LIBRARY", common::cdylib())
+        .env(
+            "PYTHONPATH",
+            format!(
+                "{}:{}",
+                manifest_dir().join("python").display(),
+                site.display()
+            ),
+        )
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env_remove("EPCOMM_LOG_LEVEL");
+    let out = run_with_timeout(cmd, Duration::from_secs(60));
+    assert!(out.success(), "{}", out.describe("epcomm auto"));
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(v["zeta_ep"][1], "NotImplementedError");
+    assert!(
+        v["zeta_ep"][2].as_str().unwrap().starts_with(
+            "vLLM 0.35.0 accepts all2all backend 'zeta_ep', but epcomm has no backend"
+        ),
+        "{v}"
+    );
+    assert!(
+        v["zeta"][2]
+            .as_str()
+            .unwrap()
+            .contains("'passthrough' or 'zeta_ep' [type=literal_error"),
+        "{v}"
+    );
+    assert_eq!(v["mori"][0], true);
+    assert_eq!(v["mori"][3], "MoriAll2AllManager");
 }
 
 /// The script's readers on small sources shaped like each era's (no network): what it finds,
@@ -404,7 +741,20 @@ unbuilt = dict(literal)
 unbuilt["vllm/config/parallel.py"] = literal["vllm/config/parallel.py"].replace("'y']", "'y', 'z']")
 before = dict(getenv)
 before["vllm/envs.py"] = "environment_variables = {}\n"
-print(json.dumps([run(f) for f in (getenv, choices, literal, unbuilt, before)]))
+# 0.34.0's shapes: a branch on the name `and` another condition, and deprecations guarded by
+# `!=` on the name that replaces them.
+guarded = dict(literal)
+guarded["vllm/config/parallel.py"] = literal["vllm/config/parallel.py"].replace(
+    "'y_old', 'y']", "'y_old', 'y', 'm_a', 'm_b', 'm']")
+guarded[CC] = literal[CC].replace("        else:\n",
+    "        elif self.all2all_backend == 'm' and self._v2():\n            pass\n"
+    "        elif self.all2all_backend in ('m_a', 'm_b', 'm'):\n"
+    "            if self.all2all_backend != 'm':\n"
+    "                logger.warning_once(\"'%s' is deprecated. Use 'm'\", self.all2all_backend)\n"
+    "        else:\n")
+unguarded = dict(guarded)
+unguarded[CC] = guarded[CC].replace("!= 'm'", "!= 'q'")
+print(json.dumps([run(f) for f in (getenv, choices, literal, unbuilt, before, guarded, unguarded)]))
 "#;
 
 #[test]
@@ -441,6 +791,13 @@ fn generator_reads_each_era_from_source() {
         },
         "review: 'z' is accepted but neither built nor rewritten",
         null,
+        {
+            "rule": "Literal", "default": "x", "message": null,
+            "names": ["naive", "x", "y_old", "y", "m_a", "m_b", "m"],
+            "status": ["Removed", "Canonical", "Alias", "Canonical", "Alias", "Alias", "Canonical"],
+            "resolves": ["x", "x", "y", "y", "m", "m", "m"], "eplb": ["a", "b"],
+        },
+        "review: deprecation under self.all2all_backend != 'q'",
     ]);
     assert_eq!(v, expected);
 }

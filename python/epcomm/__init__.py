@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import warnings
 from typing import Any, Dict, List, Optional, Union
 
 from ._dlpack import Buffer
@@ -108,8 +109,8 @@ def _backend(name: str) -> int:
 
 
 def backend_is_known(name: str) -> bool:
-    """Whether ``name`` resolves to an all2all backend (aliases and removed names included;
-    "passthrough", which has no exchange, is not); logs nothing."""
+    """Whether ``name`` resolves to an all2all backend (aliases, removed names and
+    "passthrough" included); logs nothing."""
     return bool(load_library().epcomm_all2all_backend_is_known(name.encode()))
 
 
@@ -150,7 +151,9 @@ def all2all_names() -> List[Dict[str, str]]:
 
 
 def resolve_backend(name: str) -> str:
-    """The canonical all2all backend a vLLM name resolves to (logs vLLM's warnings)."""
+    """The canonical all2all backend a vLLM name resolves to (logs vLLM's warnings):
+    "passthrough" for itself (vLLM's PassThroughAll2AllManager, no exchange; only creating a
+    handle for it raises vLLM's RuntimeError)."""
     lib = load_library()
     b = ctypes.c_int32()
     _check(lib.epcomm_all2all_backend_resolve(name.encode(), ctypes.byref(b)))
@@ -161,25 +164,44 @@ def _json_text(config: Config, vllm_version: Optional[str] = None) -> bytes:
     if vllm_version is None:
         return (config if isinstance(config, str) else json.dumps(config)).encode()
     obj = json.loads(config) if isinstance(config, str) else dict(config)
-    obj["vllm_version"] = _vllm_version(vllm_version)
+    if vllm_version == "auto":
+        obj.update(_installed_vllm())
+    else:
+        obj["vllm_version"] = vllm_version
     return json.dumps(obj).encode()
 
 
-def _vllm_version(vllm_version: str) -> str:
-    """``"auto"``: the installed vllm distribution's version; any other string as it is."""
-    if vllm_version != "auto":
-        return vllm_version
-    from importlib import metadata
+def _installed_vllm() -> Dict[str, Any]:
+    """``vllm_version="auto"``: what the installed vllm package accepts, read from its own
+    source (vllm_release.py: its config/parallel.py, cuda_communicator.py and envs.py) and sent
+    as the configuration's "vllm_release", so a release newer than the library's table is
+    checked exactly; where the source cannot be read, its version (checked against the table,
+    with a warning saying why)."""
+    from importlib import metadata, util
 
     try:
-        return metadata.version("vllm")
+        version = metadata.version("vllm")
     except metadata.PackageNotFoundError:
         raise EpcommRuntimeError(
-            'vllm_version="auto" reads the installed vllm package\'s version, but no vllm '
+            'vllm_version="auto" reads the installed vllm package, but no vllm '
             "package is installed in this Python environment; pass the version to check "
-            'against (e.g. vllm_version="0.33.0") or None for the library\'s default',
+            'against (e.g. vllm_version="0.34.0") or None for the library\'s default',
             6,
         ) from None
+    spec = util.find_spec("vllm")
+    where = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not where:
+        warnings.warn("vllm %s is installed without its Python source; checking against "
+                      "epcomm's table for that version" % version, stacklevel=3)
+        return {"vllm_version": version}
+    from . import vllm_release
+
+    try:
+        return {"vllm_release": vllm_release.describe(where[0], version)}
+    except (vllm_release.ReviewNeeded, OSError, SyntaxError, UnicodeDecodeError) as e:
+        warnings.warn("cannot read the installed vllm %s's source (%s); checking against "
+                      "epcomm's table for that version" % (version, e), stacklevel=3)
+        return {"vllm_version": version}
 
 
 def config_report(config: Config, vllm_version: Optional[str] = None) -> Dict[str, Any]:
@@ -203,8 +225,10 @@ def check_config(config: Config) -> Dict[str, Any]:
 def check(config: Config, vllm_version: Optional[str] = None) -> Dict[str, Any]:
     """Checks a vLLM-style configuration (dict or JSON) with the rules of ``vllm_version``:
     raises vLLM's exception for the first error (logging vLLM's warnings), else returns the
-    report. ``vllm_version``: None = the library's default release, a string ("0.33.0") is
-    sent as the configuration's "vllm_version", "auto" = the installed vllm package's version
+    report. ``vllm_version``: None = the library's default release, a string ("0.34.0") is
+    sent as the configuration's "vllm_version", "auto" = the installed vllm package: what its
+    own source accepts (its config/parallel.py and cuda_communicator.py, read by
+    ``epcomm.vllm_release``), so a release newer than the library's table validates exactly
     (an epcomm.Error, RuntimeError, when none is installed)."""
     text = _json_text(config, vllm_version)
     _check(load_library().epcomm_config_check(text))
@@ -224,13 +248,10 @@ def cuda_caps() -> Dict[str, Any]:
 
 
 def backends() -> Dict[str, Dict[str, Any]]:
-    """The resolution of every all2all name vLLM accepts."""
-    names = [
-        "naive", "pplx", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
-        "mori_high_throughput", "mori_low_latency", "moonep", "nixl_ep",
-        "allgather_reducescatter", "flashinfer_all2allv", "flashinfer_nvlink_two_sided",
-        "flashinfer_nvlink_one_sided",
-    ]  # fmt: skip
+    """The resolution (``config_report``) of every all2all name the default vLLM release
+    accepts, in vLLM's order: the library's names, then "passthrough" (as ``epcomm backends``
+    lists them)."""
+    names = [n["name"] for n in all2all_names()] + ["passthrough"]
     return {n: config_report({"all2all_backend": n}) for n in names}
 
 

@@ -380,6 +380,7 @@ def _more_signatures() -> dict:
         "epcomm_all2all_query_active_mask": (i32, [vp, P(i32), sz]),
         "epcomm_all2all_query_fault": (i32, [vp, P(ctypes.c_bool)]),
         "epcomm_all2all_clean_buffers": (i32, [vp]),
+        "epcomm_all2all_update_mask": (i32, [vp, i32, ctypes.c_bool]),
         "epcomm_all2all_dropped_pairs": (i32, [vp, P(ctypes.c_uint64), P(ctypes.c_uint64)]),
         "epcomm_abi_version": (i32, []),
         "epcomm_all2all_check_layer": (i32, [vp, i64, i64]),

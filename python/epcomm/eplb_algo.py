@@ -1,5 +1,6 @@
-"""vLLM v0.33.0's EPLB policy steps (``DefaultEplbPolicy``'s classmethods and
-``compute_logical_maps``), one function each, over epcomm's C entry points.
+"""vLLM's EPLB policy steps (``DefaultEplbPolicy``'s classmethods and ``compute_logical_maps``;
+unchanged from v0.33.0 to v0.34.0) and v0.34.0's scale-down placement, one function each,
+over epcomm's C entry points.
 
 Arguments are numpy arrays, CPU torch tensors or nested lists; results are numpy int64 arrays
 (numpy is needed by this module only, imported on first use). Errors are vLLM's classes
@@ -26,6 +27,9 @@ __all__ = [
     "rebalance_experts",
     "compute_logical_maps",
     "schedule_migration_batches",
+    "compute_dead_ep_ranks",
+    "mark_dead_expert_slots_inplace",
+    "redistribute_expert_placement",
 ]
 
 #: ``flags`` bit: vLLM's eplb_state caller rule (num_ranks % num_nodes != 0 → warning, one node).
@@ -40,6 +44,9 @@ _SIGNATURES = {
     "epcomm_eplb_replicate_experts": [_P, _i64, _i64, _i64, _P, _P],
     "epcomm_eplb_preserve_intragpu_slots": [_P, _i64, _i64, _i64, _P, _P],
     "epcomm_eplb_compute_logical_maps": [_P, _i64, _i64, _i64, _P, _P, _i64, _P],
+    "epcomm_eplb_dead_ep_ranks": [_P, ctypes.c_size_t, _i64, _i64, _P, _P],
+    "epcomm_eplb_mark_dead_expert_slots": [_P, _i64, _i64, _P, ctypes.c_size_t, _i64],
+    "epcomm_eplb_redistribute_expert_placement": [_P, _i64, _i64, _i64, _i64, _P],
 }
 _DECLARED: Optional[ctypes.CDLL] = None
 
@@ -222,3 +229,69 @@ def schedule_migration_batches(num_local_experts: int, old_indices: Any,
         return [flows[v.batch_starts[b]:v.batch_starts[b + 1]] for b in range(v.num_batches)]
     finally:
         lib.epcomm_eplb_migration_schedule_destroy(handle)
+
+
+# ---- vLLM v0.34.0's scale-down placement (vllm/v1/worker/sentinel/eplb_redistribute.py) ----
+# Every survivor runs these on the same map and gets the same result, without talking to the
+# others, before it reloads the lost experts.
+
+
+def _ints(values: Any) -> Any:
+    import numpy as np
+
+    return np.ascontiguousarray(np.asarray(sorted(values), dtype=np.int64).reshape(-1))
+
+
+def _write_back(target: Any, result: Any) -> None:
+    """Copies ``result`` into ``target`` (a torch tensor or numpy array) in place."""
+    if hasattr(target, "copy_") and hasattr(target, "detach"):
+        import torch
+
+        target.copy_(torch.from_numpy(result).to(target.dtype))
+    else:
+        target[...] = result
+
+
+def compute_dead_ep_ranks(dead_dp_ranks: Any, tp_size: int, pcp_size: int = 1) -> set:
+    """vLLM's ``compute_dead_ep_ranks``: the EP ranks of the dead DP ranks (each DP rank owns
+    ``tp_size * pcp_size`` consecutive EP ranks)."""
+    dead = _ints(dead_dp_ranks)
+    out = _empty((max(len(dead) * tp_size * pcp_size, 1),))
+    n = ctypes.c_size_t()
+    _check(_lib().epcomm_eplb_dead_ep_ranks(
+        _ptr(dead) if len(dead) else None, len(dead), tp_size, pcp_size, _ptr(out),
+        ctypes.byref(n)))
+    return set(out[: n.value].tolist())
+
+
+def mark_dead_expert_slots_inplace(physical_to_logical_map: Any, dead_ep_ranks: Any,
+                                   num_local_experts: int) -> None:
+    """vLLM's ``mark_dead_expert_slots_inplace``: the dead EP ranks' slots become -1 in every
+    layer of ``physical_to_logical_map`` [layers, physical] (a torch tensor or numpy array,
+    changed in place)."""
+    import numpy as np
+
+    if not dead_ep_ranks:
+        return
+    m = _array(physical_to_logical_map, np.int64)
+    dead = _ints(dead_ep_ranks)
+    _check(_lib().epcomm_eplb_mark_dead_expert_slots(
+        _ptr(m), m.shape[0], m.shape[1], _ptr(dead), len(dead), num_local_experts))
+    _write_back(physical_to_logical_map, m)
+
+
+def redistribute_expert_placement(physical_to_logical_map: Any, num_logical: int,
+                                  num_local_experts: int) -> set:
+    """vLLM's ``redistribute_expert_placement``: each logical expert without a surviving
+    replica takes a slot of an over-replicated one, spread round-robin over the EP ranks;
+    ``physical_to_logical_map`` (a torch tensor or numpy array) is changed in place. Returns
+    the set of (moe_layer_idx, logical_id) whose weights need reloading. Too little redundancy
+    raises vLLM's RuntimeError (the map unchanged)."""
+    import numpy as np
+
+    m = _array(physical_to_logical_map, np.int64)
+    reload = np.zeros((m.shape[0], max(num_logical, 1)), dtype=np.uint8)
+    _check(_lib().epcomm_eplb_redistribute_expert_placement(
+        _ptr(m), m.shape[0], m.shape[1], num_logical, num_local_experts, _ptr(reload)))
+    _write_back(physical_to_logical_map, m)
+    return {(int(layer), int(e)) for layer, e in zip(*np.nonzero(reload[:, :num_logical]))}

@@ -22,7 +22,7 @@ from ._lib import load_library
 from ._tensor import Arg
 from .all2all import All2All
 from .eplb import EplbCommunicator
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, check
 from .group import Group
 
 #: sizes(num_local_tokens) -> every rank's token count (vLLM: the DP metadata's chunk sizes).
@@ -289,6 +289,16 @@ class EpcommAll2AllManager:
         for h in self._ft_handles():
             h.clean_buffers()
 
+    def update_mask(self, rank: int, masked: bool = True) -> None:
+        """vLLM v0.34.0's ``update_mask`` (rank-local), which vLLM's sentinel calls after
+        ``clean_buffers`` to replay a scale-down's dead ranks: sets the rank's entry of the
+        mask and of ``query_fault``'s baseline, on every handle. epcomm keeps the mask across
+        ``clean_buffers``, so replaying a masked rank changes nothing; masking a live rank or
+        unmasking a masked one raises (epcomm masks the ranks the group loses; rejoining means
+        a new group). Without fault tolerance, NotImplementedError as vLLM's base class."""
+        for h in self._ft_handles():
+            check(load_library().epcomm_all2all_update_mask(h._h, rank, masked))
+
     def set_num_sms(self, num_sms: int) -> None:
         """No-op (no GPU)."""
 
@@ -331,8 +341,21 @@ class EpcommEplbCommunicator:
         """Completes every queued transfer; on return the received tensors hold the data."""
         self._comm.execute()
 
-    def set_transfer_context(self, old_indices: Any, layer_idx: int) -> None:
-        """No-op, as in vLLM's base class."""
+    def set_transfer_context(self, old_indices: Any, layer_idx: int,
+                             recv_rows: Any = None) -> None:
+        """No-op, as in vLLM's base class (v0.34.0 adds ``recv_rows``, which only push
+        backends use)."""
+
+    @property
+    def needs_recv_rows(self) -> bool:
+        """False, as in vLLM v0.34.0's base class: senders and receivers pair up, nothing is
+        pushed into a receiver's buffer."""
+        return False
+
+    @property
+    def owned_expert_buffer(self) -> Optional[List[Any]]:
+        """None, as in vLLM v0.34.0's base class: the caller's expert buffer is used."""
+        return None
 
     @property
     def needs_profile_buffer_reservation(self) -> bool:
@@ -371,7 +394,9 @@ def install(eplb: bool = True) -> None:
     def create_eplb_communicator(group_coordinator: Any, backend: str, expert_weights: Any,
                                  expert_buffer: Any) -> Any:
         first = expert_weights[0] if expert_weights else []
-        if first and first[0].device.type != "cpu":
+        # Device weights, and vLLM 0.34.0's push backend `symm_mem` (its own buffer, its own
+        # checks: "symm_mem EPLB requires CUDA"), stay vLLM's.
+        if (first and first[0].device.type != "cpu") or backend == "symm_mem":
             return original(group_coordinator, backend, expert_weights, expert_buffer)
         return EpcommEplbCommunicator(group_coordinator.cpu_group)
 

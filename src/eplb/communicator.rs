@@ -80,7 +80,9 @@ fn row_ops<'a>(
 }
 
 /// Host-memory transfers over the group (vLLM's `TorchDistGlooStagedEplbCommunicator`, and
-/// `TorchDistNcclEplbCommunicator` / `TorchDistXCCLStagedEplbCommunicator` on host tensors).
+/// `TorchDistNcclEplbCommunicator` / `TorchDistXCCLStagedEplbCommunicator` on host tensors;
+/// v0.34.0's `SymmMemEplbCommunicator`, whose push is the group's store into a receiver's
+/// shared next buffer).
 #[derive(Debug)]
 pub struct GroupCommunicator {
     kind: Communicator,
@@ -139,6 +141,10 @@ pub fn create(
             Box::new(GroupCommunicator { kind: c })
         }
         Communicator::TorchXccl => return Err(eplb::xccl_device_unavailable(device)),
+        // Selected for host tensors only: the rows are pushed into shared next buffers.
+        Communicator::SymmMem => Box::new(GroupCommunicator {
+            kind: Communicator::SymmMem,
+        }),
         Communicator::TorchNccl => {
             return Err(Error::NotImplemented(format!(
                 "EPLB communicator 'torch_nccl' on {} tensors needs epcomm's NCCL transport, which is not implemented yet; use 'torch_gloo' (host-staged)",

@@ -7,6 +7,7 @@ pub mod load;
 pub mod migration;
 pub mod policy;
 pub mod rearrange;
+pub mod scale_down;
 pub mod transfer;
 
 pub use transfer::lost_experts;

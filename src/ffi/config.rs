@@ -12,11 +12,15 @@ use crate::select::config;
 /// enable_dbo, enable_fault_tolerance, enable_lora, tensor_parallel_size, data_parallel_size,
 /// pipeline_parallel_size, prefill_context_parallel_size, data_parallel_external_lb,
 /// data_parallel_hybrid_lb, platform (cuda|rocm|cpu|xpu), num_experts, nixl_available,
-/// nccl_available, vllm_version) with vLLM's rules in vLLM's order. Returns the first error's
-/// status with vLLM's exact message (and a hint); logs every warning vLLM would log. Field
-/// errors are pydantic's `str(ValidationError)` as vLLM's pinned pydantic 2.13 prints it (every
-/// field error); `vllm_version` (default "0.33.0") selects the release whose all2all and EPLB
-/// communicator names are accepted.
+/// nccl_available, vllm_version, vllm_release; vLLM 0.34.0's mori_ep_v2 and
+/// expert_placement_strategy; draft_model_is_moe) with vLLM's rules in vLLM's order. Returns the
+/// first error's status with vLLM's exact message (and a hint); logs every warning vLLM would
+/// log. Field errors are pydantic's `str(ValidationError)` as vLLM's pinned pydantic 2.13
+/// prints it (every field error); `vllm_version` (default "0.34.0") selects the release whose
+/// all2all and EPLB communicator names are accepted; `vllm_release` gives that release as data
+/// instead (the JSON object python/epcomm/vllm_release.py prints for a vLLM source tree or
+/// installed package: version, source, rule, error, default, names, status, resolves, eplb), so
+/// a release newer than epcomm's table is checked exactly.
 ///
 /// # Safety
 /// `config_json` is NULL or a NUL-terminated string.

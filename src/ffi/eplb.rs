@@ -1,7 +1,7 @@
 //! EPLB: the rebalancing policy and the logical maps.
 
 use super::guard;
-use crate::eplb::policy;
+use crate::eplb::{policy, scale_down};
 use crate::error::{Error, Result};
 
 /// A positive dimension argument (shared with the policy steps in `eplb_algo`).
@@ -28,15 +28,17 @@ pub(super) fn checked_len(a: usize, b: usize, what: &str) -> Result<usize> {
 }
 
 /// Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm) as vLLM's
-/// eplb_state caller runs it (epcomm_eplb_rebalance_experts with
-/// EPCOMM_EPLB_ONE_NODE_FALLBACK; old ids must lie in [0, E)): `weight` is [num_layers, num_logical_experts] token counts (as float), the result
-/// `phy2log_out` [num_layers, num_replicas] maps every physical slot to a logical expert. Uses
-/// the hierarchical policy when groups divide into nodes, else the global one; when
+/// eplb_state caller runs it: exactly epcomm_eplb_rebalance_experts with
+/// EPCOMM_EPLB_ONE_NODE_FALLBACK (one behaviour whichever entry point). `weight` is
+/// [num_layers, num_logical_experts] token counts (as float), the result `phy2log_out`
+/// [num_layers, num_replicas] maps every physical slot to a logical expert. Uses the
+/// hierarchical policy when groups divide into nodes, else the global one; when
 /// num_ranks % num_nodes != 0 it uses one node and logs vLLM's warning. With `old_phy2log`
-/// (NULL = none), experts that stay on a GPU keep their old slots. Violated preconditions
-/// (E % G, G % N, R % N, P % R) are EPCOMM_ERROR_ASSERTION, as vLLM's asserts. Bit-exact with
-/// vLLM when the packed loads have no ties; with ties epcomm takes equal loads in ascending
-/// index (stable), where vLLM's unstable numpy sort differs between machines (docs/api.md).
+/// (NULL = none), experts that stay on a GPU keep their old slots; a negative old entry (vLLM's
+/// -1, an unused slot) matches no expert. Violated preconditions (E % G, G % N, R % N, P % R)
+/// are EPCOMM_ERROR_ASSERTION, as vLLM's asserts. Bit-exact with vLLM when the packed loads have
+/// no ties; with ties epcomm takes equal loads in ascending index (stable), where vLLM's
+/// unstable numpy sort differs between machines (docs/api.md).
 ///
 /// # Safety
 /// `weight` holds num_layers*num_logical_experts floats; `old_phy2log` is NULL or holds and
@@ -53,50 +55,21 @@ pub unsafe extern "C" fn epcomm_eplb_rebalance(
     old_phy2log: *const i64,
     phy2log_out: *mut i64,
 ) -> i32 {
-    guard::call(|| {
-        let l = dim(num_layers, "num_layers")?;
-        let e = dim(num_logical_experts, "num_logical_experts")?;
-        let p = dim(num_replicas, "num_replicas")?;
-        let g = dim(num_groups, "num_groups")?;
-        let n = dim(num_nodes, "num_nodes")?;
-        let r = dim(num_ranks, "num_ranks")?;
-        if weight.is_null() {
-            return Err(Error::NullPointer("weight"));
-        }
-        if phy2log_out.is_null() {
-            return Err(Error::NullPointer("phy2log_out"));
-        }
-        let wl = checked_len(l, e, "num_layers * num_logical_experts")?;
-        let pl = checked_len(l, p, "num_layers * num_replicas")?;
-        // SAFETY: caller contract (sizes above).
-        let w = unsafe { guard::slice_arg(weight, wl, "weight") }?;
-        let rows: Vec<Vec<f32>> = w.chunks(e).map(<[f32]>::to_vec).collect();
-        let old: Option<Vec<Vec<usize>>> = if old_phy2log.is_null() {
-            None
-        } else {
-            // SAFETY: caller contract.
-            let o = unsafe { guard::slice_arg(old_phy2log, pl, "old_phy2log") }?;
-            if let Some((i, &bad)) = o.iter().enumerate().find(|(_, &x)| x < 0 || x >= e as i64) {
-                return Err(Error::InvalidArgument(format!(
-                    "old_phy2log[{i}] is {bad}; expected a logical expert id in [0, {e})"
-                )));
-            }
-            Some(
-                o.chunks(p)
-                    .map(|c| c.iter().map(|&x| x as usize).collect())
-                    .collect(),
-            )
-        };
-        let map = policy::rebalance_experts(&rows, p, g, n, r, old.as_deref())?;
-        // SAFETY: caller contract; written only on success.
-        let out = unsafe { guard::slice_mut_arg(phy2log_out, pl, "phy2log_out") }?;
-        for (dst, src) in out.chunks_mut(p).zip(&map) {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = s as i64;
-            }
-        }
-        Ok(())
-    })
+    // SAFETY: the same contract.
+    unsafe {
+        super::eplb_algo::epcomm_eplb_rebalance_experts(
+            weight,
+            num_layers,
+            num_logical_experts,
+            num_replicas,
+            num_groups,
+            num_nodes,
+            num_ranks,
+            old_phy2log,
+            super::eplb_algo::EPCOMM_EPLB_ONE_NODE_FALLBACK,
+            phy2log_out,
+        )
+    }
 }
 
 /// From physical → logical maps [num_layers, num_physical], writes the replica count per
@@ -193,6 +166,182 @@ pub unsafe extern "C" fn epcomm_eplb_min_redundant_experts(
         let e = dim(num_logical, "num_logical")?;
         let r = dim(ep_size, "ep_size")?;
         *out = policy::min_redundant_experts(e, r) as i64;
+        Ok(())
+    })
+}
+
+/// A non-negative count given as i64.
+fn count(v: i64, what: &str) -> Result<usize> {
+    usize::try_from(v)
+        .map_err(|_| Error::InvalidArgument(format!("{what} is {v}; expected a value >= 0")))
+}
+
+/// vLLM v0.34.0's `compute_dead_ep_ranks` (scale-down after peer death): each of the `num_dead`
+/// dead DP ranks owns the `tp_size * pcp_size` EP ranks from `dp * tp_size * pcp_size`. Writes
+/// them ascending, without repeats, to `ep_ranks_out` (room for num_dead * tp_size * pcp_size)
+/// and their number to `count_out`.
+///
+/// # Safety
+/// `dead_dp_ranks` holds `num_dead` int64 (NULL when 0); `ep_ranks_out` has the room above;
+/// `count_out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_dead_ep_ranks(
+    dead_dp_ranks: *const i64,
+    num_dead: usize,
+    tp_size: i64,
+    pcp_size: i64,
+    ep_ranks_out: *mut i64,
+    count_out: *mut usize,
+) -> i32 {
+    guard::call(|| {
+        let (tp, pcp) = (dim(tp_size, "tp_size")?, dim(pcp_size, "pcp_size")?);
+        if num_dead > 0 && dead_dp_ranks.is_null() {
+            return Err(Error::NullPointer("dead_dp_ranks"));
+        }
+        if ep_ranks_out.is_null() {
+            return Err(Error::NullPointer("ep_ranks_out"));
+        }
+        // SAFETY: caller contract.
+        let count_out = unsafe { guard::out_arg(count_out, "count_out") }?;
+        let dead: Vec<usize> = if num_dead == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: caller contract.
+            unsafe { std::slice::from_raw_parts(dead_dp_ranks, num_dead) }
+                .iter()
+                .map(|&d| count(d, "a dead DP rank"))
+                .collect::<Result<_>>()?
+        };
+        let ranks = scale_down::dead_ep_ranks(&dead, tp, pcp)?;
+        // SAFETY: caller contract: room for num_dead * tp * pcp >= ranks.len().
+        let out = unsafe { std::slice::from_raw_parts_mut(ep_ranks_out, ranks.len()) };
+        for (o, r) in out.iter_mut().zip(&ranks) {
+            *o = *r as i64;
+        }
+        *count_out = ranks.len();
+        Ok(())
+    })
+}
+
+/// Reads `phy2log` [num_layers, num_physical] (non-NULL, sizes checked by the caller).
+///
+/// # Safety
+/// `phy2log` holds `layers * physical` int64.
+unsafe fn read_map(phy2log: *const i64, layers: usize, physical: usize) -> Vec<Vec<i64>> {
+    // SAFETY: the caller's contract.
+    let flat = unsafe { std::slice::from_raw_parts(phy2log, layers * physical) };
+    flat.chunks(physical).map(<[i64]>::to_vec).collect()
+}
+
+/// Writes `map` back over `phy2log`.
+///
+/// # Safety
+/// `phy2log` has room for every row of `map`, each `physical` long.
+unsafe fn write_map(phy2log: *mut i64, map: &[Vec<i64>], physical: usize) {
+    // SAFETY: the caller's contract.
+    let flat = unsafe { std::slice::from_raw_parts_mut(phy2log, map.len() * physical) };
+    for (dst, src) in flat.chunks_mut(physical).zip(map) {
+        dst.copy_from_slice(src);
+    }
+}
+
+/// vLLM v0.34.0's `mark_dead_expert_slots_inplace`: in `phy2log` [num_layers, num_physical]
+/// every slot of each of the `num_dead` dead EP ranks (rank r owns the num_local_experts slots
+/// from r * num_local_experts) becomes -1, in place (only on success).
+///
+/// # Safety
+/// `phy2log` holds num_layers * num_physical int64; `dead_ep_ranks` holds `num_dead` int64
+/// (NULL when 0).
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_mark_dead_expert_slots(
+    phy2log: *mut i64,
+    num_layers: i64,
+    num_physical: i64,
+    dead_ep_ranks: *const i64,
+    num_dead: usize,
+    num_local_experts: i64,
+) -> i32 {
+    guard::call(|| {
+        let (l, p) = (
+            dim(num_layers, "num_layers")?,
+            dim(num_physical, "num_physical")?,
+        );
+        let local = dim(num_local_experts, "num_local_experts")?;
+        checked_len(l, p, "num_layers * num_physical")?;
+        if phy2log.is_null() {
+            return Err(Error::NullPointer("phy2log"));
+        }
+        if num_dead > 0 && dead_ep_ranks.is_null() {
+            return Err(Error::NullPointer("dead_ep_ranks"));
+        }
+        let dead: Vec<usize> = if num_dead == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: caller contract.
+            unsafe { std::slice::from_raw_parts(dead_ep_ranks, num_dead) }
+                .iter()
+                .map(|&d| count(d, "a dead EP rank"))
+                .collect::<Result<_>>()?
+        };
+        // SAFETY: caller contract (sizes above).
+        let mut map = unsafe { read_map(phy2log, l, p) };
+        scale_down::mark_dead_slots(&mut map, &dead, local)?;
+        // SAFETY: caller contract.
+        unsafe { write_map(phy2log, &map, p) };
+        Ok(())
+    })
+}
+
+/// vLLM v0.34.0's `redistribute_expert_placement`, which every survivor of a scale-down runs
+/// on the same map and gets the same result from, without talking to the others: in each layer
+/// of `phy2log` [num_layers, num_physical] (-1 = a dead slot), every logical expert in
+/// [0, num_logical) without a surviving replica takes a slot of an over-replicated expert,
+/// spread round-robin over the EP ranks. Rewrites `phy2log` in place and sets
+/// `reload_out[layer * num_logical + expert]` to 1 for each expert whose weights must be
+/// reloaded (0 otherwise); both only on success. Too little redundancy is EPCOMM_ERROR_RUNTIME
+/// with vLLM's `Layer {l}: no redundant slot for missing expert {e}. EPLB redundancy
+/// insufficient.`
+///
+/// # Safety
+/// `phy2log` holds num_layers * num_physical int64; `reload_out` has room for
+/// num_layers * num_logical bytes.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_redistribute_expert_placement(
+    phy2log: *mut i64,
+    num_layers: i64,
+    num_physical: i64,
+    num_logical: i64,
+    num_local_experts: i64,
+    reload_out: *mut u8,
+) -> i32 {
+    guard::call(|| {
+        let (l, p) = (
+            dim(num_layers, "num_layers")?,
+            dim(num_physical, "num_physical")?,
+        );
+        let e = count(num_logical, "num_logical")?;
+        let local = dim(num_local_experts, "num_local_experts")?;
+        checked_len(l, p, "num_layers * num_physical")?;
+        let flags = checked_len(l, e, "num_layers * num_logical")?;
+        if phy2log.is_null() {
+            return Err(Error::NullPointer("phy2log"));
+        }
+        if reload_out.is_null() && flags > 0 {
+            return Err(Error::NullPointer("reload_out"));
+        }
+        // SAFETY: caller contract (sizes above).
+        let map = unsafe { read_map(phy2log, l, p) };
+        let (new, reload) = scale_down::redistribute(&map, e, local)?;
+        // SAFETY: caller contract; written only on success.
+        unsafe { write_map(phy2log, &new, p) };
+        if flags > 0 {
+            // SAFETY: caller contract.
+            let out = unsafe { std::slice::from_raw_parts_mut(reload_out, flags) };
+            out.fill(0);
+            for (layer, expert) in reload {
+                out[layer * e + expert] = 1;
+            }
+        }
         Ok(())
     })
 }

@@ -76,6 +76,32 @@ pub unsafe extern "C" fn epcomm_all2all_clean_buffers(a2a: *const epcomm_all2all
     })
 }
 
+/// vLLM v0.34.0's `update_mask(rank, masked)` (rank-local, not collective), which vLLM's
+/// sentinel calls after epcomm_all2all_clean_buffers to replay the dead ranks of a scale-down:
+/// sets the rank's entry of the mask and of epcomm_all2all_query_fault's baseline. epcomm's
+/// clean_buffers keeps the mask, so replaying a masked rank is a no-op; masking a live rank
+/// (epcomm masks the ranks the group loses) or unmasking a masked one (rejoining means a new
+/// group) is EPCOMM_ERROR_INVALID_STATE saying so; a rank outside the group
+/// EPCOMM_ERROR_INVALID_ARGUMENT; without fault tolerance EPCOMM_ERROR_NOT_IMPLEMENTED (vLLM's
+/// base class).
+///
+/// # Safety
+/// `a2a` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_all2all_update_mask(
+    a2a: *const epcomm_all2all,
+    rank: i32,
+    masked: bool,
+) -> i32 {
+    guard::call(|| {
+        let r = usize::try_from(rank).map_err(|_| {
+            Error::InvalidArgument(format!("update_mask: rank {rank} is out of range"))
+        })?;
+        // SAFETY: caller contract.
+        unsafe { epcomm_all2all::with(a2a, |_, st| st.mgr.update_mask(r, masked)) }
+    })
+}
+
 /// This rank's (token, expert) pairs dropped because the expert's rank is masked: by the last
 /// dispatch (`last_out`) and since creation (`total_out`); either may be NULL.
 ///

@@ -133,6 +133,13 @@ pub const EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED: i32 = 7;
 pub const EPCOMM_ALL2ALL_FLASHINFER_NVLINK_ONE_SIDED: i32 = 8;
 /// all2all backend `moonep`.
 pub const EPCOMM_ALL2ALL_MOONEP: i32 = 9;
+/// all2all backend `mori` (vLLM 0.34.0; MoRI EPv1, token-major; `mori_high_throughput` and
+/// `mori_low_latency` are its deprecated aliases there, kept as their own codes).
+pub const EPCOMM_ALL2ALL_MORI: i32 = 10;
+/// all2all name `passthrough` (vLLM's PassThroughAll2AllManager): the MoE backend dispatches
+/// and combines itself. No exchange and no EPCOMM_LAYOUT_*; creating a handle for it gives
+/// vLLM's RuntimeError "passthrough has no all2all handle: ...".
+pub const EPCOMM_ALL2ALL_PASSTHROUGH: i32 = 11;
 
 /// Layout: every rank's tokens gathered on every rank; reduce_scatterv back.
 pub const EPCOMM_LAYOUT_REPLICATED: i32 = 0;
@@ -164,6 +171,9 @@ pub const EPCOMM_EPLB_PYNCCL: i32 = 2;
 pub const EPCOMM_EPLB_NIXL: i32 = 3;
 /// EPLB communicator `torch_xccl` (vLLM v0.33.0; host-staged in epcomm).
 pub const EPCOMM_EPLB_TORCH_XCCL: i32 = 4;
+/// EPLB communicator `symm_mem` (vLLM 0.34.0's push backend; host-staged in epcomm: rows are
+/// stored into the receivers' next buffers when those are shared memory).
+pub const EPCOMM_EPLB_SYMM_MEM: i32 = 5;
 
 /// Availability field value: probe this process.
 pub const EPCOMM_PROBE: i32 = -1;
@@ -263,9 +273,11 @@ mod tests {
         use crate::select::eplb::Communicator;
         assert_eq!(
             Backend::ALL.iter().map(|b| *b as i32).collect::<Vec<_>>(),
-            (0..10).collect::<Vec<_>>()
+            (0..11).collect::<Vec<_>>()
         );
         assert_eq!(EPCOMM_ALL2ALL_MOONEP, Backend::Moonep as i32);
+        assert_eq!(EPCOMM_ALL2ALL_MORI, Backend::Mori as i32);
+        assert_eq!(Backend::from_code(EPCOMM_ALL2ALL_PASSTHROUGH), None);
         assert_eq!(EPCOMM_ALL2ALL_NIXL_EP, Backend::NixlEp as i32);
         assert_eq!(
             EPCOMM_ALL2ALL_FLASHINFER_NVLINK_ONE_SIDED,
@@ -277,6 +289,7 @@ mod tests {
         assert_eq!(EPCOMM_EPLB_NIXL, Communicator::Nixl as i32);
         assert_eq!(EPCOMM_EPLB_TORCH_GLOO, Communicator::TorchGloo as i32);
         assert_eq!(EPCOMM_EPLB_TORCH_XCCL, Communicator::TorchXccl as i32);
+        assert_eq!(EPCOMM_EPLB_SYMM_MEM, Communicator::SymmMem as i32);
         assert_eq!(EPCOMM_LOG_DEBUG, crate::log::Level::Debug as i32);
     }
 }

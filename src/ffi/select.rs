@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use super::{epcomm_dtype, guard, EPCOMM_PROBE};
+use super::{epcomm_dtype, guard, EPCOMM_ALL2ALL_PASSTHROUGH, EPCOMM_PROBE};
 use crate::dtype::DType;
 use crate::error::Error;
 use crate::probe;
@@ -26,6 +26,13 @@ pub struct epcomm_all2all_name_desc {
 }
 
 fn backend_arg(backend: i32) -> Result<Backend, Error> {
+    if backend == EPCOMM_ALL2ALL_PASSTHROUGH {
+        return Err(Error::InvalidArgument(format!(
+            "all2all backend '{}' ({}) has no layout: the MoE backend dispatches and combines itself, with no exchange",
+            all2all::PASSTHROUGH,
+            all2all::PASSTHROUGH_MANAGER_CLASS
+        )));
+    }
     Backend::from_code(backend).ok_or_else(|| {
         Error::InvalidArgument(format!(
             "all2all backend {backend} is not valid: expected an EPCOMM_ALL2ALL_* value in 0..{}",
@@ -40,10 +47,10 @@ fn backend_arg(backend: i32) -> Result<Backend, Error> {
 /// EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED with vLLM's deprecation warning (once per process).
 /// An unknown name returns EPCOMM_ERROR_INVALID_ARGUMENT with the message
 /// "Unknown all2all backend: {name}" and the closest valid names in the hint. `passthrough`
-/// (vLLM v0.33.0: the MoE backend dispatches and combines itself) has no exchange and no
-/// EPCOMM_ALL2ALL_* value: it returns EPCOMM_ERROR_RUNTIME with vLLM's "passthrough has no
-/// all2all handle: dispatch and combine run inside the MoE backend." (epcomm_config_check
-/// accepts it).
+/// (the MoE backend dispatches and combines itself) resolves to EPCOMM_ALL2ALL_PASSTHROUGH,
+/// vLLM's PassThroughAll2AllManager, which has no exchange: only creating a handle for it fails,
+/// with vLLM's RuntimeError "passthrough has no all2all handle: dispatch and combine run inside
+/// the MoE backend.".
 ///
 /// # Safety
 /// `name` is NULL or a NUL-terminated string; `backend_out` is NULL or writable.
@@ -56,14 +63,18 @@ pub unsafe extern "C" fn epcomm_all2all_backend_resolve(
         // SAFETY: caller contract.
         let name = unsafe { guard::str_arg(name, "name") }?;
         let out = unsafe { guard::out_arg(backend_out, "backend_out") }?;
-        *out = all2all::resolve(name)? as i32;
+        *out = match all2all::resolve_config(name)? {
+            // vLLM's warnings, logged as `resolve` logs them.
+            Some(_) => all2all::resolve(name)? as i32,
+            None => EPCOMM_ALL2ALL_PASSTHROUGH,
+        };
         Ok(())
     })
 }
 
-/// Whether `name` resolves to an all2all backend (including aliases and removed names), i.e.
-/// whether epcomm_all2all_backend_resolve succeeds. `passthrough`, which vLLM accepts but which
-/// has no exchange, gives false. NULL gives false. Logs nothing.
+/// Whether `name` resolves to an all2all backend (including aliases, removed names and
+/// `passthrough`), i.e. whether epcomm_all2all_backend_resolve succeeds. NULL gives false. Logs
+/// nothing.
 ///
 /// # Safety
 /// `name` is NULL or a NUL-terminated string.
@@ -72,26 +83,34 @@ pub unsafe extern "C" fn epcomm_all2all_backend_is_known(name: *const c_char) ->
     guard::call_or(false, || {
         // SAFETY: caller contract.
         unsafe { guard::str_arg(name, "name") }
-            .map(|n| all2all::lookup(n).is_some())
+            .map(|n| all2all::lookup(n).is_some() || n == all2all::PASSTHROUGH)
             .unwrap_or(false)
     })
 }
 
-/// The canonical name of an EPCOMM_ALL2ALL_* backend (static string), or NULL if `backend` is
-/// not one.
+/// The canonical name of an EPCOMM_ALL2ALL_* backend (static string; "passthrough" for
+/// EPCOMM_ALL2ALL_PASSTHROUGH), or NULL if `backend` is not one.
 #[no_mangle]
 pub extern "C" fn epcomm_all2all_backend_name(backend: i32) -> *const c_char {
-    guard::name_or_null(|| Backend::from_code(backend).map(|b| b.name()))
+    guard::name_or_null(|| match backend {
+        EPCOMM_ALL2ALL_PASSTHROUGH => Some(all2all::PASSTHROUGH),
+        code => Backend::from_code(code).map(|b| b.name()),
+    })
 }
 
-/// vLLM's manager class for a backend (e.g. "DeepEPLLAll2AllManager"), or NULL if `backend` is
-/// not an EPCOMM_ALL2ALL_* value.
+/// vLLM's manager class for a backend (e.g. "DeepEPLLAll2AllManager";
+/// "PassThroughAll2AllManager" for EPCOMM_ALL2ALL_PASSTHROUGH), or NULL if `backend` is not an
+/// EPCOMM_ALL2ALL_* value.
 #[no_mangle]
 pub extern "C" fn epcomm_all2all_backend_manager_class(backend: i32) -> *const c_char {
-    guard::name_or_null(|| Backend::from_code(backend).map(|b| b.manager_class()))
+    guard::name_or_null(|| match backend {
+        EPCOMM_ALL2ALL_PASSTHROUGH => Some(all2all::PASSTHROUGH_MANAGER_CLASS),
+        code => Backend::from_code(code).map(|b| b.manager_class()),
+    })
 }
 
-/// The EPCOMM_LAYOUT_* a backend's dispatch/combine use.
+/// The EPCOMM_LAYOUT_* a backend's dispatch/combine use. EPCOMM_ALL2ALL_PASSTHROUGH has none
+/// (EPCOMM_ERROR_INVALID_ARGUMENT saying so).
 ///
 /// # Safety
 /// `layout_out` is NULL or writable.

@@ -114,6 +114,40 @@ impl Manager {
         self.ft.baseline = self.ft.mask.clone();
     }
 
+    /// vLLM v0.34.0's `update_mask(rank, masked)` (DeepEP-LL, NIXL-EP), which the sentinel
+    /// calls after `clean_buffers` to replay the cumulative dead set of a scale-down: sets
+    /// rank `rank`'s entry of the mask and of [`Manager::query_fault`]'s baseline. vLLM's
+    /// `clean_buffers` wipes its mask, epcomm's keeps it (a masked rank is not in the
+    /// survivors' group), so replaying a masked rank is a no-op here. epcomm masks a rank when
+    /// the group loses it: masking a live rank, or unmasking a masked one (rejoining means a
+    /// new group), is an error saying so. Without fault tolerance, vLLM's base class's
+    /// NotImplementedError.
+    pub fn update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        if !self.ft.on {
+            return Err(Error::NotImplemented(
+                "update_mask: this all2all manager has no fault tolerance (enable_fault_tolerance is off)".into(),
+            ));
+        }
+        let world = self.ft.mask.len();
+        if rank >= world {
+            return Err(Error::InvalidArgument(format!(
+                "update_mask: rank {rank} is out of range: the group has {world} ranks"
+            )));
+        }
+        match (masked, self.ft.masked(rank)) {
+            (true, false) => Err(Error::InvalidState(format!(
+                "update_mask: rank {rank} is live in this group; epcomm masks a rank when the group loses it (it then leaves the survivors' group), not by hand"
+            ))),
+            (false, true) => Err(Error::InvalidState(format!(
+                "update_mask: rank {rank} is masked and cannot be unmasked: a masked rank is not in the survivors' group; rejoining means a new group"
+            ))),
+            (true, true) | (false, false) => {
+                self.ft.baseline[rank] = masked;
+                Ok(())
+            }
+        }
+    }
+
     /// Whether rank `r` is masked.
     pub(super) fn is_masked(&self, r: usize) -> bool {
         self.ft.masked(r)

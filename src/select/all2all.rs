@@ -18,6 +18,10 @@ pub enum Backend {
     FlashinferNvlinkTwoSided = 7,
     FlashinferNvlinkOneSided = 8,
     Moonep = 9,
+    /// vLLM 0.34.0's `mori` with MoRI EPv1 (`MoriAll2AllManager`, which picks the inter-node
+    /// kernel from the token budget); also the `mori` of vLLM 0.15.0 to 0.22.1. MoRI EPv2
+    /// (`mori_ep_v2`) is not implemented ([`MORI_EPV2_MANAGER_CLASS`]).
+    Mori = 10,
 }
 
 /// Dispatch/combine buffer contract a backend name stands for (docs/design.md, section 3).
@@ -27,7 +31,7 @@ pub enum Backend {
 pub enum Layout {
     /// all_gatherv of every rank's tokens; reduce_scatterv back (AgRs).
     Replicated = 0,
-    /// Each token once per rank holding one of its experts (DeepEP HT, MoRI).
+    /// Each token once per rank holding one of its experts (DeepEP HT, MoRI EPv1).
     TokenMajor = 1,
     /// Fixed-capacity per-local-expert buckets (DeepEP LL, NIXL EP).
     ExpertMajor = 2,
@@ -77,8 +81,8 @@ const fn accepted(name: &'static str, backend: Backend, kind: NameKind) -> Accep
     }
 }
 
-/// Every name vLLM's `All2AllBackend` literal accepts, in vLLM's order.
-pub const ACCEPTED_NAMES: [AcceptedName; 13] = [
+/// Every name vLLM's `All2AllBackend` literal accepts, in vLLM's order (v0.34.0).
+pub const ACCEPTED_NAMES: [AcceptedName; 14] = [
     accepted("naive", Backend::AllgatherReducescatter, NameKind::Removed),
     accepted("pplx", Backend::AllgatherReducescatter, NameKind::Removed),
     accepted(
@@ -92,17 +96,15 @@ pub const ACCEPTED_NAMES: [AcceptedName; 13] = [
         NameKind::Canonical,
     ),
     accepted("deepep_v2", Backend::DeepepV2, NameKind::Canonical),
+    // Deprecated in v0.34.0 for `mori`, but still run with their own kernel.
     accepted(
         "mori_high_throughput",
         Backend::MoriHighThroughput,
-        NameKind::Canonical,
+        NameKind::Alias,
     ),
-    accepted(
-        "mori_low_latency",
-        Backend::MoriLowLatency,
-        NameKind::Canonical,
-    ),
+    accepted("mori_low_latency", Backend::MoriLowLatency, NameKind::Alias),
     accepted("moonep", Backend::Moonep, NameKind::Canonical),
+    accepted("mori", Backend::Mori, NameKind::Canonical),
     accepted("nixl_ep", Backend::NixlEp, NameKind::Canonical),
     accepted(
         "allgather_reducescatter",
@@ -148,7 +150,7 @@ pub fn vllm_names() -> impl Iterator<Item = &'static str> + Clone {
 pub const DEFAULT_BACKEND: Backend = Backend::AllgatherReducescatter;
 
 impl Backend {
-    pub const ALL: [Backend; 10] = [
+    pub const ALL: [Backend; 11] = [
         Backend::AllgatherReducescatter,
         Backend::DeepepHighThroughput,
         Backend::DeepepLowLatency,
@@ -159,6 +161,7 @@ impl Backend {
         Backend::FlashinferNvlinkTwoSided,
         Backend::FlashinferNvlinkOneSided,
         Backend::Moonep,
+        Backend::Mori,
     ];
 
     pub fn from_code(code: i32) -> Option<Backend> {
@@ -178,6 +181,7 @@ impl Backend {
             Backend::FlashinferNvlinkTwoSided => "flashinfer_nvlink_two_sided",
             Backend::FlashinferNvlinkOneSided => "flashinfer_nvlink_one_sided",
             Backend::Moonep => "moonep",
+            Backend::Mori => "mori",
         }
     }
 
@@ -187,7 +191,8 @@ impl Backend {
             Backend::AllgatherReducescatter => Layout::Replicated,
             Backend::DeepepHighThroughput
             | Backend::MoriHighThroughput
-            | Backend::MoriLowLatency => Layout::TokenMajor,
+            | Backend::MoriLowLatency
+            | Backend::Mori => Layout::TokenMajor,
             Backend::DeepepLowLatency | Backend::NixlEp => Layout::ExpertMajor,
             Backend::DeepepV2 => Layout::ExpertPacked,
             Backend::FlashinferNvlinkTwoSided | Backend::FlashinferNvlinkOneSided => {
@@ -204,7 +209,9 @@ impl Backend {
             Backend::DeepepHighThroughput => "DeepEPHTAll2AllManager",
             Backend::DeepepLowLatency => "DeepEPLLAll2AllManager",
             Backend::DeepepV2 => "DeepEPV2All2AllManager",
-            Backend::MoriHighThroughput | Backend::MoriLowLatency => "MoriAll2AllManager",
+            Backend::MoriHighThroughput | Backend::MoriLowLatency | Backend::Mori => {
+                "MoriAll2AllManager"
+            }
             Backend::NixlEp => "NixlEPAll2AllManager",
             Backend::FlashinferNvlinkTwoSided => "FlashInferNVLinkTwoSidedManager",
             Backend::FlashinferNvlinkOneSided => "FlashInferNVLinkOneSidedManager",
@@ -247,6 +254,26 @@ impl Layout {
 /// The W1 warning for the deprecated `flashinfer_all2allv` alias (vLLM's text, sic).
 pub const W1_FLASHINFER_ALL2ALLV: &str = "'flashinfer_all2allv' is deprecated and has been renamed to'flashinfer_nvlink_two_sided'. It will be removed in a futurerelease.";
 
+/// vLLM v0.34.0's warning for the deprecated MoRI names (`'%s'` is the name).
+pub fn mori_deprecated_warning(name: &str) -> String {
+    format!(
+        "'{name}' is deprecated and will be removed in a future release. Use 'mori', which picks the MoRI kernels automatically."
+    )
+}
+
+/// The class vLLM v0.34.0 builds for `mori` when `mori_ep_v2` is true (MoRI EPv2): epcomm has
+/// no exchange for it.
+pub const MORI_EPV2_MANAGER_CLASS: &str = "MoriEPv2All2AllManager";
+
+/// The warning vLLM logs for the deprecated alias `name` (once per process).
+fn alias_warning(name: &str) -> String {
+    if name == "flashinfer_all2allv" {
+        W1_FLASHINFER_ALL2ALLV.to_owned()
+    } else {
+        mori_deprecated_warning(name)
+    }
+}
+
 /// The W2 warning for a removed backend name.
 fn removed_backend_warning(name: &str) -> String {
     format!(
@@ -284,7 +311,7 @@ pub fn resolve_quiet(name: &str) -> Result<Resolved> {
     })?;
     let warning = match entry.kind {
         NameKind::Canonical => None,
-        NameKind::Alias => Some(W1_FLASHINFER_ALL2ALLV.to_owned()),
+        NameKind::Alias => Some(alias_warning(name)),
         NameKind::Removed => Some(removed_backend_warning(name)),
     };
     Ok(Resolved {

@@ -24,7 +24,9 @@ use crate::log;
 pub struct EplbConfig {
     pub window_size: i64,
     pub step_interval: i64,
-    pub num_redundant_experts: i64,
+    /// `None` (vLLM v0.34.0's default): the minimum valid value, `(ep - E % ep) % ep`, once the
+    /// model's expert count is known, when EPLB is on; 0 when it is off.
+    pub num_redundant_experts: Option<i64>,
     pub log_balancedness: bool,
     pub log_balancedness_interval: i64,
     pub use_async: bool,
@@ -41,7 +43,7 @@ impl Default for EplbConfig {
         EplbConfig {
             window_size: 1000,
             step_interval: 3000,
-            num_redundant_experts: 0,
+            num_redundant_experts: None,
             log_balancedness: false,
             log_balancedness_interval: 1,
             use_async: true,
@@ -90,6 +92,20 @@ pub struct VllmConfig {
     pub enable_dbo: bool,
     pub enable_fault_tolerance: bool,
     pub enable_lora: bool,
+    /// vLLM's `ParallelConfig.expert_placement_strategy` (`linear` or `round_robin`).
+    pub expert_placement_strategy: String,
+    /// vLLM v0.34.0's `ParallelConfig.mori_ep_v2`: whether `mori` runs MoRI EPv2 (`None`: vLLM
+    /// decides at startup from `VLLM_MORI_EP_V2` and the deployment).
+    pub mori_ep_v2: Option<bool>,
+    /// vLLM v0.34.0's `numa_bind` (`None`: vLLM binds where the environment supports it).
+    pub numa_bind: Option<bool>,
+    /// `numa_bind_nodes` (validated: not empty, non-negative).
+    pub numa_bind_nodes: Option<Vec<i64>>,
+    /// `numa_bind_cpus` (validated: numactl CPU lists, ascending ranges).
+    pub numa_bind_cpus: Option<Vec<String>>,
+    /// Whether the speculative decoding draft model is an MoE model (epcomm's key; vLLM reads
+    /// `speculative_config.draft_model_config.is_moe`).
+    pub draft_model_is_moe: bool,
     pub tensor_parallel_size: i64,
     pub data_parallel_size: i64,
     pub pipeline_parallel_size: i64,
@@ -106,6 +122,10 @@ pub struct VllmConfig {
     pub nccl_available: Option<bool>,
     /// The vLLM release whose names are checked (epcomm's `vllm_version` key).
     pub vllm_version: String,
+    /// The release as described by the deployed vLLM's own source (epcomm's `vllm_release`
+    /// key, [`versions::described`]); when set it is the release checked against, whatever
+    /// the table holds.
+    pub vllm_release: Option<&'static Release>,
 }
 
 impl Default for VllmConfig {
@@ -119,6 +139,12 @@ impl Default for VllmConfig {
             enable_dbo: false,
             enable_fault_tolerance: false,
             enable_lora: false,
+            expert_placement_strategy: "linear".into(),
+            mori_ep_v2: None,
+            numa_bind: None,
+            numa_bind_nodes: None,
+            numa_bind_cpus: None,
+            draft_model_is_moe: false,
             tensor_parallel_size: 1,
             data_parallel_size: 1,
             pipeline_parallel_size: 1,
@@ -130,14 +156,20 @@ impl Default for VllmConfig {
             nixl_available: None,
             nccl_available: None,
             vllm_version: versions::DEFAULT_VERSION.into(),
+            vllm_release: None,
         }
     }
 }
 
 /// The top-level keys `epcomm check` has a flag for: [`PARALLEL_FIELDS`] and [`EPCOMM_KEYS`]
-/// but `vllm_version` (which has its own option).
-pub const CONFIG_KEYS: [&str; 18] = [
+/// but `vllm_version` and `vllm_release` (which have their own options, `--vllm-version` and
+/// `--vllm-src`).
+pub const CONFIG_KEYS: [&str; 22] = [
     "all2all_backend",
+    "mori_ep_v2",
+    "numa_bind",
+    "expert_placement_strategy",
+    "draft_model_is_moe",
     "enable_expert_parallel",
     "enable_eplb",
     "eplb_config",
@@ -173,13 +205,16 @@ pub const EPLB_CONFIG_KEYS: [&str; 9] = [
 /// Platforms a configuration may name.
 pub const PLATFORMS: [&str; 4] = ["cuda", "rocm", "cpu", "xpu"];
 
+/// vLLM's `ExpertPlacementStrategy` literal.
+pub const EXPERT_PLACEMENT_STRATEGIES: [&str; 2] = ["linear", "round_robin"];
+
 /// vLLM's `EPLBPolicyOption` literal.
 pub const EPLB_POLICIES: [&str; 1] = ["default"];
 
-/// The `ParallelConfig` fields epcomm models, in vLLM v0.33.0's declaration order
+/// The `ParallelConfig` fields epcomm models, in vLLM v0.34.0's declaration order
 /// (vllm/config/parallel.py): pydantic reports field errors in this order, then unexpected
 /// keywords in the order given.
-pub const PARALLEL_FIELDS: [&str; 13] = [
+pub const PARALLEL_FIELDS: [&str; 18] = [
     "pipeline_parallel_size",
     "tensor_parallel_size",
     "prefill_context_parallel_size",
@@ -189,33 +224,42 @@ pub const PARALLEL_FIELDS: [&str; 13] = [
     "enable_expert_parallel",
     "enable_eplb",
     "eplb_config",
+    "expert_placement_strategy",
     "all2all_backend",
+    "mori_ep_v2",
     "enable_elastic_ep",
     "enable_dbo",
+    "numa_bind",
+    "numa_bind_nodes",
+    "numa_bind_cpus",
     "enable_fault_tolerance",
 ];
 
 /// epcomm's own keys, none of them a `ParallelConfig` field: `vllm_version` (the release whose
-/// names are checked), `platform`, `num_experts`, `nixl_available` and `nccl_available` (facts
+/// names are checked), `vllm_release` (that release described as data, from the deployed
+/// vLLM's source: python/epcomm/vllm_release.py's output), `platform`, `num_experts`, `nixl_available` and `nccl_available` (facts
 /// vLLM finds at run time), and `enable_lora` (vLLM's `EngineArgs.enable_lora`, which makes a
-/// `LoRAConfig`). They are validated first, with pydantic's rules, as the dataclass
+/// `LoRAConfig`), `draft_model_is_moe` (whether the speculative config's draft model is an
+/// MoE model). They are validated first, with pydantic's rules, as the dataclass
 /// [`EPCOMM_OPTIONS_CLASS`] (the release decides the literals of the rest).
-pub const EPCOMM_KEYS: [&str; 6] = [
+pub const EPCOMM_KEYS: [&str; 8] = [
     "vllm_version",
+    "vllm_release",
     "platform",
     "num_experts",
     "nixl_available",
     "nccl_available",
     "enable_lora",
+    "draft_model_is_moe",
 ];
 
 /// The class name in the `ValidationError` text of [`EPCOMM_KEYS`].
 pub const EPCOMM_OPTIONS_CLASS: &str = "EpcommOptions";
 
-/// vLLM v0.33.0's other `ParallelConfig` fields: vLLM accepts them, epcomm does not check them,
+/// vLLM v0.34.0's other `ParallelConfig` fields: vLLM accepts them, epcomm does not check them,
 /// so a configuration naming one is refused with epcomm's own text rather than a pydantic
 /// `unexpected_keyword_argument` vLLM would not raise.
-pub const UNMODELLED_PARALLEL_FIELDS: [&str; 50] = [
+pub const UNMODELLED_PARALLEL_FIELDS: [&str; 48] = [
     "data_parallel_size_local",
     "data_parallel_rank",
     "data_parallel_rank_local",
@@ -228,7 +272,6 @@ pub const UNMODELLED_PARALLEL_FIELDS: [&str; 50] = [
     "enable_hc_sp",
     "enable_batch_sharded_sampling",
     "enable_ep_weight_filter",
-    "expert_placement_strategy",
     "max_parallel_loading_workers",
     "disable_custom_all_reduce",
     "enable_shm_tensor_arena",
@@ -247,9 +290,7 @@ pub const UNMODELLED_PARALLEL_FIELDS: [&str; 50] = [
     "master_port",
     "node_rank",
     "nnodes",
-    "numa_bind",
-    "numa_bind_nodes",
-    "numa_bind_cpus",
+    "_numa_bind_auto",
     "assigned_physical_gpu_ids",
     "distributed_timeout_seconds",
     "cpu_distributed_timeout_seconds",
@@ -266,6 +307,7 @@ pub const UNMODELLED_PARALLEL_FIELDS: [&str; 50] = [
     "data_parallel_index",
     "_api_process_count",
     "_api_process_rank",
+    "fault_tolerance_config",
 ];
 
 /// One dataclass's keyword arguments being validated: each field is taken in declaration order,
@@ -322,6 +364,43 @@ impl Fields<'_> {
                 .unwrap_or_else(|| suggest::did_you_mean(name, members.iter().copied(), what));
             self.hints.push(hint);
         }
+    }
+
+    /// A `list[T] | None` field: `None` when absent or null; a non-list is pydantic's
+    /// `list_type`, a bad item its error at `name.index`; a valid list then goes through
+    /// `validate`, the field validator (its `ValueError` becomes pydantic's `value_error`).
+    fn list<T>(
+        &mut self,
+        name: &str,
+        item: impl Fn(&Json) -> PyResult<T>,
+        validate: impl Fn(&[T]) -> std::result::Result<(), String>,
+    ) -> Option<Vec<T>> {
+        let v = self.take(name)?;
+        let Json::List(items) = &v else {
+            if v != Json::Null {
+                self.push(name, pydantic::list_type(), v);
+            }
+            return None;
+        };
+        let mut out = Vec::with_capacity(items.len());
+        let mut ok = true;
+        for (i, x) in items.iter().enumerate() {
+            match item(x) {
+                Ok(t) => out.push(t),
+                Err(f) => {
+                    self.push(&format!("{name}.{i}"), f, x.clone());
+                    ok = false;
+                }
+            }
+        }
+        if !ok {
+            return None;
+        }
+        if let Err(msg) = validate(&out) {
+            self.push(name, pydantic::value_error(&msg), v);
+            return None;
+        }
+        Some(out)
     }
 
     /// Records the keys left over as unexpected keywords (with the nearest valid key as hint).
@@ -394,7 +473,8 @@ fn eplb_fields(f: &mut Fields<'_>, release: &Release) -> EplbConfig {
     let c = EplbConfig {
         window_size: f.get("window_size", d.window_size, int_gt(0)),
         step_interval: f.get("step_interval", d.step_interval, int_gt(0)),
-        num_redundant_experts: f.get("num_redundant_experts", 0, int_ge(0)),
+        // `int = Field(default=None, ge=0)`: absent is None, an explicit None is refused.
+        num_redundant_experts: f.get("num_redundant_experts", None, |v| int_ge(0)(v).map(Some)),
         log_balancedness: f.get("log_balancedness", false, pydantic::bool),
         log_balancedness_interval: f.get("log_balancedness_interval", 1, int_gt(0)),
         use_async: f.get("use_async", d.use_async, pydantic::bool),
@@ -465,7 +545,11 @@ fn parse_document(json: &str, what: &str) -> Result<Json> {
 }
 
 /// epcomm's own keys ([`EPCOMM_KEYS`]); returns the release named by `vllm_version`.
-fn parse_options(c: &mut VllmConfig, items: Vec<(String, Json)>) -> Result<&'static Release> {
+fn parse_options(c: &mut VllmConfig, mut items: Vec<(String, Json)>) -> Result<&'static Release> {
+    let described = match items.iter().position(|(k, _)| k == "vllm_release") {
+        Some(i) => Some(versions::described(&items.remove(i).1.to_value())?),
+        None => None,
+    };
     let (mut errors, mut hints) = (Vec::new(), Vec::new());
     let mut f = Fields {
         items,
@@ -473,11 +557,7 @@ fn parse_options(c: &mut VllmConfig, items: Vec<(String, Json)>) -> Result<&'sta
         errors: &mut errors,
         hints: &mut hints,
     };
-    let version = f.get(
-        "vllm_version",
-        versions::DEFAULT_VERSION.to_owned(),
-        pydantic::string,
-    );
+    let version: Option<String> = f.get("vllm_version", None, |v| pydantic::string(v).map(Some));
     c.platform = f.get("platform", c.platform.clone(), |v| {
         pydantic::literal(v, &PLATFORMS)
     });
@@ -485,11 +565,23 @@ fn parse_options(c: &mut VllmConfig, items: Vec<(String, Json)>) -> Result<&'sta
     c.nixl_available = f.get("nixl_available", None, optional(pydantic::bool));
     c.nccl_available = f.get("nccl_available", None, optional(pydantic::bool));
     c.enable_lora = f.get("enable_lora", false, pydantic::bool);
+    c.draft_model_is_moe = f.get("draft_model_is_moe", false, pydantic::bool);
     f.finish(&EPCOMM_KEYS);
     if !errors.is_empty() {
         return Err(validation_error(EPCOMM_OPTIONS_CLASS, &errors, hints));
     }
-    let release = versions::release(&version)?;
+    if let Some(r) = described {
+        if let Some(version) = version.filter(|v| !versions::same_release(v, r.version)) {
+            return Err(Error::InvalidArgument(format!(
+                "vllm_version '{version}' and vllm_release (vLLM {}) name different releases; give one of them",
+                r.version
+            )));
+        }
+        c.vllm_version = r.version.to_owned();
+        c.vllm_release = Some(r);
+        return Ok(r);
+    }
+    let release = versions::release(version.as_deref().unwrap_or(versions::DEFAULT_VERSION))?;
     c.vllm_version = release.version.to_owned();
     Ok(release)
 }
@@ -539,10 +631,68 @@ fn parallel_fields(c: &mut VllmConfig, f: &mut Fields<'_>, release: &Release) {
         }
         Some(other) => f.push("eplb_config", pydantic::dataclass_type("EPLBConfig"), other),
     }
+    c.expert_placement_strategy = f.get(
+        "expert_placement_strategy",
+        c.expert_placement_strategy.clone(),
+        |v| pydantic::literal(v, &EXPERT_PLACEMENT_STRATEGIES),
+    );
     c.all2all_backend = all2all_field(f, release);
+    c.mori_ep_v2 = f.get("mori_ep_v2", None, optional(pydantic::bool));
     c.enable_elastic_ep = f.get("enable_elastic_ep", false, pydantic::bool);
     c.enable_dbo = f.get("enable_dbo", false, pydantic::bool);
+    c.numa_bind = f.get("numa_bind", None, optional(pydantic::bool));
+    c.numa_bind_nodes = f.list("numa_bind_nodes", pydantic::int, numa_nodes_rule);
+    c.numa_bind_cpus = f.list("numa_bind_cpus", pydantic::string, numa_cpus_rule);
     c.enable_fault_tolerance = f.get("enable_fault_tolerance", false, pydantic::bool);
+}
+
+/// vLLM v0.34.0's `_validate_numa_bind_nodes`.
+fn numa_nodes_rule(nodes: &[i64]) -> std::result::Result<(), String> {
+    if nodes.is_empty() {
+        return Err("numa_bind_nodes must not be empty.".into());
+    }
+    if nodes.iter().any(|n| *n < 0) {
+        return Err("numa_bind_nodes must contain non-negative integers.".into());
+    }
+    Ok(())
+}
+
+/// vLLM v0.34.0's `_validate_numa_bind_cpus` (`_NUMACTL_CPUSET_PATTERN`: `\d+(-\d+)?` parts
+/// joined by commas; epcomm takes ASCII digits).
+fn numa_cpus_rule(cpus: &[String]) -> std::result::Result<(), String> {
+    if cpus.is_empty() {
+        return Err("numa_bind_cpus must not be empty.".into());
+    }
+    let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    for cpuset in cpus {
+        if cpuset.is_empty() {
+            return Err("numa_bind_cpus entries must not be empty.".into());
+        }
+        let parts: Vec<(&str, Option<&str>)> = cpuset
+            .split(',')
+            .map(|p| match p.split_once('-') {
+                Some((a, b)) => (a, Some(b)),
+                None => (p, None),
+            })
+            .collect();
+        if !parts.iter().all(|(a, b)| number(a) && b.is_none_or(number)) {
+            return Err("numa_bind_cpus entries must use numactl CPU list syntax, for example '0-3' or '0,2,4-7'.".into());
+        }
+        // Python's int() has no size limit: compare the digit strings as numbers.
+        let value = |s: &str| {
+            let s = s.trim_start_matches('0');
+            (s.len(), s.to_owned())
+        };
+        if parts
+            .iter()
+            .any(|(a, b)| b.is_some_and(|b| value(a) > value(b)))
+        {
+            return Err(format!(
+                "numa_bind_cpus ranges must be ascending, but got '{cpuset}'."
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Parses a vLLM-style JSON configuration: the object is `ParallelConfig`'s keyword arguments
@@ -613,6 +763,10 @@ pub struct Resolution {
     /// The EPLB communicator (when EPLB is enabled).
     pub eplb_communicator: Option<Communicator>,
     pub eplb_communicator_auto: bool,
+    /// `eplb_config.num_redundant_experts` as vLLM settles it: 0 without EPLB, the configured
+    /// value, or with EPLB and none configured the minimum valid one; `None` where that needs
+    /// `num_experts`, which the configuration does not give.
+    pub num_redundant_experts: Option<i64>,
 }
 
 /// The result of [`check`]: the first error (or the resolution) plus the warnings and infos vLLM
@@ -646,7 +800,10 @@ fn check_inner(
 ) -> Result<Resolution> {
     let nixl = c.nixl_available.unwrap_or(nixl_probe);
     let nccl = c.nccl_available.unwrap_or(nccl_probe);
-    let release = versions::release(&c.vllm_version)?;
+    let release = match c.vllm_release {
+        Some(r) => r,
+        None => versions::release(&c.vllm_version)?,
+    };
     let resolved = resolve_for_release(&c.all2all_backend, release)?;
     let backend = resolved.as_ref().map(|r| r.backend);
     check_parallel(c, nixl)?;
@@ -672,6 +829,8 @@ fn check_inner(
         (None, false)
     };
 
+    let num_redundant_experts = redundant_experts(c, infos);
+    check_mori(c, release, backend, warnings)?;
     let manager_class = all2all_manager(c, resolved.as_ref(), effective_name, warnings, infos);
     Ok(Resolution {
         backend,
@@ -680,7 +839,60 @@ fn check_inner(
         layout: backend.map(Backend::layout),
         eplb_communicator,
         eplb_communicator_auto,
+        num_redundant_experts,
     })
+}
+
+/// vLLM v0.34.0's `ParallelConfig.compute_eplb_num_redundant_experts`: with EPLB on and no
+/// value configured, the smallest that makes the physical expert count a multiple of the EP
+/// size (logging vLLM's info line); 0 with EPLB off.
+fn redundant_experts(c: &VllmConfig, infos: &mut Vec<String>) -> Option<i64> {
+    if !c.enable_eplb {
+        return Some(0);
+    }
+    if let Some(n) = c.eplb_config.num_redundant_experts {
+        return Some(n);
+    }
+    let experts = c.num_experts?;
+    // The EP group spans the TP x PCP x DP ranks; Python integers do not overflow.
+    let ep = c
+        .tensor_parallel_size
+        .saturating_mul(c.prefill_context_parallel_size)
+        .saturating_mul(c.data_parallel_size);
+    let n = (ep - experts % ep) % ep;
+    infos.push(format!(
+        "EPLB num_redundant_experts not specified, defaulting to minimum valid value: {n} (num_logical_experts={experts}, ep_size={ep})"
+    ));
+    Some(n)
+}
+
+/// What `mori` runs from vLLM 0.34.0 on: MoRI EPv1 (`MoriAll2AllManager`, epcomm's token-major
+/// exchange) unless `mori_ep_v2` selects MoRI EPv2, which epcomm does not have.
+fn check_mori(
+    c: &VllmConfig,
+    release: &Release,
+    backend: Option<Backend>,
+    warnings: &mut Vec<String>,
+) -> Result<()> {
+    if backend != Some(Backend::Mori) || !versions::at_least(release, "0.34.0") {
+        return Ok(());
+    }
+    match c.mori_ep_v2 {
+        Some(false) => Ok(()),
+        Some(true) => Err(Error::NotImplemented(format!(
+            "all2all backend 'mori' with mori_ep_v2=True builds vLLM's {}, which epcomm does not implement; with mori_ep_v2=False (VLLM_MORI_EP_V2=0) 'mori' runs {} (MoRI EPv1), whose token-major exchange epcomm has",
+            all2all::MORI_EPV2_MANAGER_CLASS,
+            Backend::Mori.manager_class()
+        ))),
+        None => {
+            warnings.push(format!(
+                "mori_ep_v2 is unset: vLLM picks MoRI EPv2 ({}) at startup where the installed MoRI supports it; epcomm checks and runs MoRI EPv1 ({}). Set VLLM_MORI_EP_V2=0 (mori_ep_v2=False) so that vLLM runs what epcomm checked.",
+                all2all::MORI_EPV2_MANAGER_CLASS,
+                Backend::Mori.manager_class()
+            ));
+            Ok(())
+        }
+    }
 }
 
 /// Resolves an all2all name as `release` means it (the name sets and statuses vary by release;
@@ -690,7 +902,7 @@ fn check_inner(
 /// a warning saying so instead of v0.33.0's removal warning; a name canonical in the release but
 /// an alias in v0.33.0 resolves without the deprecation warning.
 fn resolve_for_release(name: &str, release: &Release) -> Result<Option<all2all::Resolved>> {
-    if release.version == versions::DEFAULT_VERSION {
+    if versions::same_names(release, versions::release(versions::DEFAULT_VERSION)?) {
         return all2all::resolve_config(name);
     }
     let status = release.all2all_status_of(name);
@@ -762,6 +974,10 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
     if dp <= 1 && c.data_parallel_external_lb {
         return Err(Error::ExternalLbNeedsDp);
     }
+    // vLLM v0.34.0: binding lists imply numa_bind=True; an explicit False is an error.
+    if (c.numa_bind_nodes.is_some() || c.numa_bind_cpus.is_some()) && c.numa_bind == Some(false) {
+        return Err(Error::NumaBindListsWithoutBinding);
+    }
     if c.enable_eplb {
         if !matches!(c.platform.as_str(), "cuda" | "rocm" | "xpu") {
             return Err(Error::EplbPlatform);
@@ -773,10 +989,8 @@ fn check_parallel(c: &VllmConfig, nixl: bool) -> Result<()> {
         if tp.saturating_mul(pcp).saturating_mul(dp) <= 1 {
             return Err(Error::EplbNeedsParallelism { tp, pcp, dp });
         }
-    } else if e.num_redundant_experts != 0 {
-        return Err(Error::RedundantWithoutEplb {
-            n: e.num_redundant_experts,
-        });
+    } else if let Some(n) = e.num_redundant_experts.filter(|n| *n != 0) {
+        return Err(Error::RedundantWithoutEplb { n });
     }
     Ok(())
 }
@@ -820,18 +1034,32 @@ fn check_features(c: &VllmConfig, backend: Option<Backend>, name: &str) -> Resul
             });
         }
     }
-    // Fused MoE LoRA with EP.
-    if c.enable_lora && c.enable_expert_parallel && backend != Some(Backend::AllgatherReducescatter)
-    {
-        return Err(Error::LoraEpBackend {
-            backend: name.to_owned(),
-        });
+    // Fused MoE LoRA with EP (`FusedMoEWithLoRA._ep_check`): placement, then the backend.
+    if c.enable_lora && c.enable_expert_parallel {
+        if c.expert_placement_strategy != "linear" {
+            return Err(Error::LoraEpPlacement {
+                placement: c.expert_placement_strategy.clone(),
+            });
+        }
+        if backend != Some(Backend::AllgatherReducescatter) {
+            return Err(Error::LoraEpBackend {
+                backend: name.to_owned(),
+            });
+        }
     }
-    // Fault tolerance (worker sentinel).
-    if c.enable_fault_tolerance && !backend.is_some_and(Backend::supports_fault_tolerance) {
-        return Err(Error::FaultToleranceBackend {
-            backend: name.to_owned(),
-        });
+    // Fault tolerance (`WorkerSentinel`): the backend, MoE drafts, PCP.
+    if c.enable_fault_tolerance {
+        if !backend.is_some_and(Backend::supports_fault_tolerance) {
+            return Err(Error::FaultToleranceBackend {
+                backend: name.to_owned(),
+            });
+        }
+        if c.draft_model_is_moe {
+            return Err(Error::FaultToleranceMoeDraft);
+        }
+        if c.prefill_context_parallel_size > 1 {
+            return Err(Error::FaultTolerancePcp);
+        }
     }
     Ok(())
 }
@@ -914,6 +1142,10 @@ impl CheckOutcome {
                 m.insert(
                     "eplb_communicator_auto".into(),
                     r.eplb_communicator_auto.into(),
+                );
+                m.insert(
+                    "num_redundant_experts".into(),
+                    r.num_redundant_experts.into(),
                 );
             }
             Err(e) => {

@@ -16,18 +16,49 @@ pub enum Communicator {
     /// takes as the CPU group for host tensors and the XCCL device group for XPU tensors. epcomm
     /// moves host memory only (XPU weights staged in host memory by the caller).
     TorchXccl = 4,
+    /// vLLM v0.34.0's `SymmMemEplbCommunicator`, a push backend: senders write each expert's
+    /// rows into the receiver's buffer. epcomm moves host memory: senders store the rows into
+    /// the receivers' next buffers when those are shared memory (`next_shared`: buffers from
+    /// the group's allocator), else the group moves them by its row exchange (the same bytes).
+    SymmMem = 5,
 }
 
 /// The names of [`Communicator`], in its (C ABI) order.
-pub const COMMUNICATOR_NAMES: [&str; 5] =
-    ["torch_nccl", "torch_gloo", "pynccl", "nixl", TORCH_XCCL];
+pub const COMMUNICATOR_NAMES: [&str; 6] = [
+    "torch_nccl",
+    "torch_gloo",
+    "pynccl",
+    "nixl",
+    TORCH_XCCL,
+    SYMM_MEM,
+];
 
 /// vLLM v0.33.0's `torch_xccl` name.
 pub const TORCH_XCCL: &str = "torch_xccl";
 
-/// The names vLLM's `EPLBCommunicatorBackend` literal accepts, in vLLM's order.
-pub const VLLM_COMMUNICATOR_NAMES: [&str; 5] =
-    ["torch_nccl", "torch_gloo", TORCH_XCCL, "nixl", "pynccl"];
+/// The names vLLM's `EPLBCommunicatorBackend` literal accepts, in vLLM's order (v0.34.0).
+pub const VLLM_COMMUNICATOR_NAMES: [&str; 6] = [
+    "torch_nccl",
+    "torch_gloo",
+    TORCH_XCCL,
+    "nixl",
+    "pynccl",
+    SYMM_MEM,
+];
+
+/// vLLM v0.34.0's `symm_mem` name (`SymmMemEplbCommunicator`: senders push expert rows into
+/// the receiver's buffer over CUDA symmetric memory).
+pub const SYMM_MEM: &str = "symm_mem";
+
+/// vLLM's class for [`SYMM_MEM`].
+pub const SYMM_MEM_CLASS: &str = "SymmMemEplbCommunicator";
+
+/// The error for `symm_mem` on device (CUDA) tensors: epcomm pushes into host memory only.
+pub fn symm_mem_not_implemented() -> Error {
+    Error::NotImplemented(format!(
+        "EPLB communicator '{SYMM_MEM}' on cuda tensors ({SYMM_MEM_CLASS}: a push into the receivers' buffers over CUDA symmetric memory) is not implemented in epcomm; stage the expert weights in host memory (kDLCPU), where epcomm pushes into next buffers in shared memory, or use 'nixl' or 'torch_gloo'"
+    ))
+}
 
 /// Whether `name` is in vLLM's `EPLBCommunicatorBackend` literal.
 pub fn is_vllm_name(name: &str) -> bool {
@@ -43,12 +74,13 @@ pub fn xccl_device_unavailable(device: DeviceKind) -> Error {
 }
 
 impl Communicator {
-    pub const ALL: [Communicator; 5] = [
+    pub const ALL: [Communicator; 6] = [
         Communicator::TorchNccl,
         Communicator::TorchGloo,
         Communicator::Pynccl,
         Communicator::Nixl,
         Communicator::TorchXccl,
+        Communicator::SymmMem,
     ];
 
     pub fn from_code(code: i32) -> Option<Communicator> {
@@ -74,6 +106,7 @@ impl Communicator {
             Communicator::Pynccl => "PyNcclEplbCommunicator",
             Communicator::Nixl => "NixlEplbCommunicator",
             Communicator::TorchXccl => "TorchDistXCCLStagedEplbCommunicator",
+            Communicator::SymmMem => SYMM_MEM_CLASS,
         }
     }
 }
@@ -271,6 +304,16 @@ fn decide(req: &SelectRequest<'_>) -> Result<Selection> {
             }
             done(Communicator::Nixl, warnings)
         }
+        // vLLM checks the platform (`current_platform.is_cuda()`), then the NVLink domain at
+        // construction. epcomm pushes host-staged weights (one host is one memory domain);
+        // CUDA tensors would need CUDA symmetric memory, which it does not have.
+        SYMM_MEM => match req.device {
+            DeviceKind::Cpu => done(Communicator::SymmMem, warnings),
+            DeviceKind::Cuda => Err(symm_mem_not_implemented()),
+            DeviceKind::Rocm | DeviceKind::Xpu | DeviceKind::Other(_) => {
+                Err(Error::SymmMemNeedsCuda)
+            }
+        },
         "torch_gloo" => done(Communicator::TorchGloo, warnings),
         TORCH_XCCL => done(Communicator::TorchXccl, warnings),
         "torch_nccl" => done(Communicator::TorchNccl, warnings),

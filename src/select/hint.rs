@@ -65,8 +65,17 @@ pub fn hint(error: &Error) -> Option<String> {
         Error::ExternalLbNeedsDp => Some(
             "set data_parallel_size > 1 or data_parallel_external_lb=false".into(),
         ),
+        Error::NumaBindListsWithoutBinding => Some(
+            "unset numa_bind (or set it true), or drop numa_bind_nodes and numa_bind_cpus".into(),
+        ),
         Error::MoonepEplb => Some("set enable_eplb=false or pick another all2all backend".into()),
+        Error::LoraEpPlacement { .. } => Some("set expert_placement_strategy='linear'".into()),
+        Error::FaultTolerancePcp => Some("set prefill_context_parallel_size=1".into()),
+        Error::SymmMemNeedsCuda => {
+            Some("use eplb_config.communicator 'nixl' or 'torch_gloo' off CUDA".into())
+        }
         Error::OneSidedHeterogeneous { .. }
+        | Error::FaultToleranceMoeDraft
         | Error::MoonEpUnavailable
         | Error::PassthroughNoHandle
         | Error::PyncclDeviceType { .. }

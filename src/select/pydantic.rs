@@ -25,6 +25,23 @@ pub enum Json {
     Dict(Vec<(String, Json)>),
 }
 
+impl Json {
+    /// serde_json's value of it (object keys sorted, a repeated key's last value).
+    pub fn to_value(&self) -> serde_json::Value {
+        use serde_json::Value;
+        match self {
+            Json::Null => Value::Null,
+            Json::Bool(b) => Value::Bool(*b),
+            Json::Num(n) => Value::Number(n.clone()),
+            Json::Str(s) => Value::String(s.clone()),
+            Json::List(l) => Value::Array(l.iter().map(Json::to_value).collect()),
+            Json::Dict(d) => {
+                Value::Object(d.iter().map(|(k, v)| (k.clone(), v.to_value())).collect())
+            }
+        }
+    }
+}
+
 /// Parses `text` keeping object key order (serde_json's own `Map` sorts keys unless its
 /// crate-wide `preserve_order` feature is on, which would reorder every JSON epcomm writes).
 pub fn parse_ordered(text: &str) -> Result<Json, String> {
@@ -458,6 +475,16 @@ pub fn ge(n: i64, bound: i64) -> Result<i64, Fail> {
             format!("Input should be greater than or equal to {bound}"),
         ))
     }
+}
+
+/// A `list[...]` field given as something other than a list.
+pub fn list_type() -> Fail {
+    fail("list_type", "Input should be a valid list")
+}
+
+/// A field validator's `ValueError(msg)`, as pydantic wraps it.
+pub fn value_error(msg: &str) -> Fail {
+    fail("value_error", format!("Value error, {msg}"))
 }
 
 /// A nested dataclass given as something other than a dict.

@@ -123,12 +123,14 @@ static const struct expected_name EXPECTED_NAMES[] = {
      EPCOMM_LAYOUT_EXPERT_MAJOR, "DeepEPLLAll2AllManager"},
     {"deepep_v2", EPCOMM_ALL2ALL_DEEPEP_V2, EPCOMM_NAME_CANONICAL, EPCOMM_LAYOUT_EXPERT_PACKED,
      "DeepEPV2All2AllManager"},
-    {"mori_high_throughput", EPCOMM_ALL2ALL_MORI_HIGH_THROUGHPUT, EPCOMM_NAME_CANONICAL,
+    {"mori_high_throughput", EPCOMM_ALL2ALL_MORI_HIGH_THROUGHPUT, EPCOMM_NAME_ALIAS,
      EPCOMM_LAYOUT_TOKEN_MAJOR, "MoriAll2AllManager"},
-    {"mori_low_latency", EPCOMM_ALL2ALL_MORI_LOW_LATENCY, EPCOMM_NAME_CANONICAL,
+    {"mori_low_latency", EPCOMM_ALL2ALL_MORI_LOW_LATENCY, EPCOMM_NAME_ALIAS,
      EPCOMM_LAYOUT_TOKEN_MAJOR, "MoriAll2AllManager"},
     {"moonep", EPCOMM_ALL2ALL_MOONEP, EPCOMM_NAME_CANONICAL, EPCOMM_LAYOUT_MOONEP_SLOTS,
      "MoonEPAll2AllManager"},
+    {"mori", EPCOMM_ALL2ALL_MORI, EPCOMM_NAME_CANONICAL, EPCOMM_LAYOUT_TOKEN_MAJOR,
+     "MoriAll2AllManager"},
     {"nixl_ep", EPCOMM_ALL2ALL_NIXL_EP, EPCOMM_NAME_CANONICAL, EPCOMM_LAYOUT_EXPERT_MAJOR,
      "NixlEPAll2AllManager"},
     {"allgather_reducescatter", EPCOMM_ALL2ALL_ALLGATHER_REDUCESCATTER, EPCOMM_NAME_CANONICAL,
@@ -148,6 +150,12 @@ static const char *const W1 =
     "It will be removed in a futurerelease.";
 static const char *const W2_NAIVE =
     "The 'naive' all2all backend has been removed. Falling back to 'allgather_reducescatter'.";
+static const char *const W_MORI_HT =
+    "'mori_high_throughput' is deprecated and will be removed in a future release. Use 'mori', "
+    "which picks the MoRI kernels automatically.";
+static const char *const W_MORI_LL =
+    "'mori_low_latency' is deprecated and will be removed in a future release. Use 'mori', "
+    "which picks the MoRI kernels automatically.";
 static const char *const W2_PPLX =
     "The 'pplx' all2all backend has been removed. Falling back to 'allgather_reducescatter'.";
 
@@ -174,8 +182,11 @@ static void test_resolve_and_logging(void) {
     CHECK(has_log(&cap, EPCOMM_LOG_WARN, W2_NAIVE));
     CHECK(has_log(&cap, EPCOMM_LOG_WARN, W2_PPLX));
     CHECK(has_log(&cap, EPCOMM_LOG_WARN, W1));
-    /* Canonical names log nothing: exactly the three warnings above. */
-    CHECK(cap.count == 3);
+    /* vLLM 0.34.0's MoRI deprecations (once per process each). */
+    CHECK(has_log(&cap, EPCOMM_LOG_WARN, W_MORI_HT));
+    CHECK(has_log(&cap, EPCOMM_LOG_WARN, W_MORI_LL));
+    /* Canonical names log nothing: exactly the five warnings above. */
+    CHECK(cap.count == 5);
 
     /* W1 is logged once per process; W2 every time. */
     memset(&cap, 0, sizeof cap);
@@ -203,7 +214,7 @@ static void test_resolve_and_logging(void) {
 }
 
 static void test_unknown_names(void) {
-    static const char *const unknown[] = {"flashinfer-nvlink-2s", "mori", "one_sided", "",
+    static const char *const unknown[] = {"flashinfer-nvlink-2s", "mori_ep", "one_sided", "",
                                           "Naive", "DEEPEP_LOW_LATENCY", "bogus"};
     size_t i;
     int32_t out = -77;
@@ -247,7 +258,8 @@ static void test_backend_queries(void) {
                                             "nixl_ep",
                                             "flashinfer_nvlink_two_sided",
                                             "flashinfer_nvlink_one_sided",
-                                            "moonep"};
+                                            "moonep",
+                                            "mori"};
     static const char *const layouts[] = {"REPLICATED",    "TOKEN_MAJOR", "EXPERT_MAJOR",
                                           "EXPERT_PACKED", "RANK_MAJOR",  "MOONEP_SLOTS"};
     int32_t b;
@@ -256,16 +268,16 @@ static void test_backend_queries(void) {
     size_t count;
     name_info_t info;
 
-    for (b = 0; b < 10; b++) {
+    for (b = 0; b < 11; b++) {
         int32_t resolved = -77;
         CHECK_STR(epcomm_all2all_backend_name(b), canonical[b]);
         CHECK(epcomm_all2all_backend_manager_class(b) != NULL);
         CHECK_ERR(epcomm_all2all_backend_resolve(canonical[b], &resolved), EPCOMM_OK, NULL);
         CHECK(resolved == b);
     }
-    CHECK(epcomm_all2all_backend_name(10) == NULL);
+    CHECK(epcomm_all2all_backend_name(12) == NULL);
     CHECK(epcomm_all2all_backend_name(-1) == NULL);
-    CHECK(epcomm_all2all_backend_manager_class(10) == NULL);
+    CHECK(epcomm_all2all_backend_manager_class(12) == NULL);
     CHECK(epcomm_all2all_backend_manager_class(-1) == NULL);
     CHECK_STR(epcomm_all2all_backend_manager_class(EPCOMM_ALL2ALL_DEEPEP_LOW_LATENCY),
               "DeepEPLLAll2AllManager");
@@ -280,7 +292,7 @@ static void test_backend_queries(void) {
     CHECK_ERR(epcomm_all2all_backend_layout(EPCOMM_ALL2ALL_DEEPEP_V2, &layout), EPCOMM_OK, NULL);
     CHECK(layout == EPCOMM_LAYOUT_EXPERT_PACKED);
     layout = -77;
-    CHECK_ERR(epcomm_all2all_backend_layout(10, &layout), EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
+    CHECK_ERR(epcomm_all2all_backend_layout(12, &layout), EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
     CHECK(layout == -77);
     CHECK_ERR(epcomm_all2all_backend_layout(-1, &layout), EPCOMM_ERROR_INVALID_ARGUMENT, NULL);
     CHECK(layout == -77);
@@ -349,8 +361,9 @@ static void test_config_check(void) {
               EPCOMM_ERROR_INVALID_ARGUMENT,
               "1 validation error for ParallelConfig\nall2all_backend\n"
               "  Input should be 'naive', 'pplx', 'deepep_high_throughput', 'deepep_low_latency', "
-              "'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'nixl_ep', "
-              "'allgather_reducescatter', 'flashinfer_all2allv', 'flashinfer_nvlink_two_sided', "
+              "'deepep_v2', 'mori_high_throughput', 'mori_low_latency', 'moonep', 'mori', "
+              "'nixl_ep', 'allgather_reducescatter', 'flashinfer_all2allv', "
+              "'flashinfer_nvlink_two_sided', "
               "'flashinfer_nvlink_one_sided' or 'passthrough' [type=literal_error, "
               "input_value='bogus', input_type=str]\n"
               "    For further information visit https://errors.pydantic.dev/2.13/v/literal_error");
@@ -428,20 +441,22 @@ static void test_eplb_select(void) {
     struct log_capture cap;
     int32_t out;
     int32_t c;
-    static const char *const names[] = {"torch_nccl", "torch_gloo", "pynccl", "nixl",
-                                        "torch_xccl"};
+    static const char *const names[] = {"torch_nccl", "torch_gloo", "pynccl",
+                                        "nixl",       "torch_xccl", "symm_mem"};
     static const char *const classes[] = {
         "TorchDistNcclEplbCommunicator", "TorchDistGlooStagedEplbCommunicator",
-        "PyNcclEplbCommunicator", "NixlEplbCommunicator", "TorchDistXCCLStagedEplbCommunicator"};
+        "PyNcclEplbCommunicator",        "NixlEplbCommunicator",
+        "TorchDistXCCLStagedEplbCommunicator", "SymmMemEplbCommunicator"};
 
-    for (c = 0; c < 5; c++) {
+    for (c = 0; c < 6; c++) {
         CHECK_STR(epcomm_eplb_communicator_name(c), names[c]);
         CHECK_STR(epcomm_eplb_communicator_class(c), classes[c]);
     }
     CHECK(EPCOMM_EPLB_TORCH_XCCL == 4);
-    CHECK(epcomm_eplb_communicator_name(5) == NULL);
+    CHECK(EPCOMM_EPLB_SYMM_MEM == 5);
+    CHECK(epcomm_eplb_communicator_name(6) == NULL);
     CHECK(epcomm_eplb_communicator_name(-1) == NULL);
-    CHECK(epcomm_eplb_communicator_class(5) == NULL);
+    CHECK(epcomm_eplb_communicator_class(6) == NULL);
     CHECK(epcomm_eplb_communicator_class(-1) == NULL);
 
     /* Automatic selection on CPU without NIXL: torch_gloo. */
@@ -711,18 +726,26 @@ static void test_null_arguments(void) {
     CHECK(out == EPCOMM_EPLB_TORCH_GLOO);
 }
 
-/* vLLM v0.33.0's passthrough and torch_xccl: accepted by the configuration check; passthrough
- * has no exchange; torch_xccl is selected like vLLM (host-staged in epcomm). */
+/* vLLM's passthrough and torch_xccl: passthrough resolves to PassThroughAll2AllManager, which
+ * has no exchange (no layout; only a handle request fails, with vLLM's RuntimeError);
+ * torch_xccl is selected like vLLM (host-staged in epcomm). */
 static void test_v033_names(void) {
     int32_t out = -77;
+    int32_t layout = -77;
     select_request_t req;
 
-    CHECK_ERR(epcomm_all2all_backend_resolve("passthrough", &out), EPCOMM_ERROR_RUNTIME,
-              "passthrough has no all2all handle: dispatch and combine run inside the MoE "
-              "backend.");
-    CHECK(out == -77);
+    CHECK_ERR(epcomm_all2all_backend_resolve("passthrough", &out), EPCOMM_OK, NULL);
+    CHECK(out == EPCOMM_ALL2ALL_PASSTHROUGH);
+    CHECK(epcomm_all2all_backend_is_known("passthrough"));
+    CHECK_STR(epcomm_all2all_backend_name(EPCOMM_ALL2ALL_PASSTHROUGH), "passthrough");
+    CHECK_STR(epcomm_all2all_backend_manager_class(EPCOMM_ALL2ALL_PASSTHROUGH),
+              "PassThroughAll2AllManager");
+    CHECK_ERR(epcomm_all2all_backend_layout(EPCOMM_ALL2ALL_PASSTHROUGH, &layout),
+              EPCOMM_ERROR_INVALID_ARGUMENT,
+              "all2all backend 'passthrough' (PassThroughAll2AllManager) has no layout: the MoE "
+              "backend dispatches and combines itself, with no exchange");
+    CHECK(layout == -77);
     CHECK(strcmp(epcomm_status_exception(EPCOMM_ERROR_RUNTIME), "RuntimeError") == 0);
-    CHECK(!epcomm_all2all_backend_is_known("passthrough"));
     CHECK_ERR(epcomm_config_check("{\"all2all_backend\":\"passthrough\"}"), EPCOMM_OK, NULL);
     CHECK_ERR(epcomm_config_check("{\"enable_eplb\":true,\"enable_expert_parallel\":true,"
                                   "\"data_parallel_size\":2,\"platform\":\"xpu\"}"),

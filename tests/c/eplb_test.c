@@ -68,6 +68,21 @@ int main(void) {
     CHECK(epcomm_eplb_rebalance(weight, 2, 12, 16, 4, 2, 8, p2l, again) == EPCOMM_OK);
     CHECK(memcmp(again, p2l, sizeof again) == 0);
 
+    /* An old map with vLLM's -1 (unused) slots: accepted, and the same placement as
+     * epcomm_eplb_rebalance_experts with vLLM's eplb_state rule (one policy behaviour). */
+    int64_t holes[2 * 16];
+    int64_t via_algo[2 * 16];
+    memcpy(holes, p2l, sizeof holes);
+    holes[3] = -1;
+    holes[16 + 9] = -1;
+    CHECK(epcomm_eplb_rebalance(weight, 2, 12, 16, 4, 2, 8, holes, again) == EPCOMM_OK);
+    CHECK(epcomm_eplb_rebalance_experts(weight, 2, 12, 16, 4, 2, 8, holes,
+                                        EPCOMM_EPLB_ONE_NODE_FALLBACK, via_algo) == EPCOMM_OK);
+    CHECK(memcmp(again, via_algo, sizeof again) == 0);
+    /* Experts that stay keep their old slots; the freed slot is filled. */
+    CHECK(again[0] == p2l[0] && again[16] == p2l[16]);
+    CHECK(again[3] >= 0 && again[16 + 9] >= 0);
+
     int64_t r = -1;
     CHECK(epcomm_eplb_min_redundant_experts(58, 8, &r) == EPCOMM_OK && r == 6);
     CHECK(epcomm_eplb_rebalance(NULL, 1, 4, 4, 1, 1, 1, NULL, perm) == EPCOMM_ERROR_NULL_POINTER);

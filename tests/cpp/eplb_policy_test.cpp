@@ -62,6 +62,17 @@ static void test_steps() {
     CHECK(epcomm::eplb_preserve_intragpu_slots(next, 1, 3, old) == next);
     CHECK(epcomm::eplb_min_redundant_experts(10, 4) == 2);
     CHECK(epcomm::eplb_min_redundant_experts(8, 4) == 0);
+    // vLLM 0.34.0's scale-down placement: 4 ranks of 2 slots, rank 1 (DP rank 1) dies.
+    CHECK(epcomm::eplb_dead_ep_ranks({2, 0}, 2) == (I64{0, 1, 4, 5}));
+    I64 map = {0, 1, 2, 3, 0, 1, 0, 1};
+    epcomm::eplb_mark_dead_expert_slots(map, 1, epcomm::eplb_dead_ep_ranks({1}, 1), 2);
+    CHECK(map == (I64{0, 1, -1, -1, 0, 1, 0, 1}));
+    const std::vector<uint8_t> reload = epcomm::eplb_redistribute_expert_placement(map, 1, 4, 2);
+    CHECK(map == (I64{0, 2, -1, -1, 0, 3, 0, 1}) && reload == (std::vector<uint8_t>{0, 0, 1, 1}));
+    I64 thin = {0, 1, -1, -1};
+    CHECK_THROWS(epcomm::eplb_redistribute_expert_placement(thin, 1, 3, 2), EPCOMM_ERROR_RUNTIME,
+                 "Layer 0: no redundant slot for missing expert 2. EPLB redundancy insufficient.");
+    CHECK(thin == (I64{0, 1, -1, -1}));
 }
 
 static void test_logical_maps() {

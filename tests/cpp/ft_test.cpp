@@ -74,6 +74,12 @@ static void manager_after_kill(epcomm::All2All &a, Tokens &in, const std::string
     CHECK(a.query_fault() && a.active_mask() == (std::vector<int32_t>{0, 0, 1}));
     a.clean_buffers();
     CHECK(!a.query_fault() && a.active_mask() == (std::vector<int32_t>{0, 0, 1}));
+    // vLLM 0.34.0's sentinel replays the dead rank: nothing changes; a live rank is refused.
+    a.update_mask(VICTIM, true);
+    CHECK(!a.query_fault() && a.active_mask() == (std::vector<int32_t>{0, 0, 1}));
+    CHECK_THROWS(a.update_mask(0, true), EPCOMM_ERROR_INVALID_STATE,
+                 "update_mask: rank 0 is live in this group; epcomm masks a rank when the group loses it (it "
+                 "then leaves the survivors' group), not by hand");
     CHECK(round_trip(a, in, VICTIM));
     uint64_t to_victim = 0;
     for (int32_t id : in.ids) to_victim += id / (E / WORLD) == VICTIM;

@@ -187,25 +187,27 @@ static void test_round_trip(const std::string &name) {
 
 static void test_names() {
     const std::vector<epcomm_all2all_name_desc> names = epcomm::all2all_names();
-    CHECK(names.size() == 13 && names.size() == epcomm_all2all_name_count());
-    if (names.size() == 13) {
+    CHECK(names.size() == 14 && names.size() == epcomm_all2all_name_count());
+    if (names.size() == 14) {
         CHECK(std::string(names[0].name) == "naive" && names[0].kind == EPCOMM_NAME_REMOVED);
         CHECK(names[0].backend == EPCOMM_ALL2ALL_ALLGATHER_REDUCESCATTER);
         CHECK(std::string(names[0].manager_class) == "AgRsAll2AllManager");
-        CHECK(std::string(names[10].name) == "flashinfer_all2allv" && names[10].kind == EPCOMM_NAME_ALIAS);
-        CHECK(names[10].layout == EPCOMM_LAYOUT_RANK_MAJOR);
-        CHECK(std::string(names[12].name) == "flashinfer_nvlink_one_sided");
+        CHECK(std::string(names[8].name) == "mori" && names[8].backend == EPCOMM_ALL2ALL_MORI);
+        CHECK(std::string(names[11].name) == "flashinfer_all2allv" && names[11].kind == EPCOMM_NAME_ALIAS);
+        CHECK(names[11].layout == EPCOMM_LAYOUT_RANK_MAJOR);
+        CHECK(std::string(names[13].name) == "flashinfer_nvlink_one_sided");
     }
     CHECK(epcomm::backend_is_known("naive") && !epcomm::backend_is_known("flashinfer-nvlink-2s"));
-    CHECK(!epcomm::backend_is_known("passthrough"));
+    CHECK(epcomm::backend_is_known("passthrough"));
+    CHECK(epcomm::backend_name(EPCOMM_ALL2ALL_PASSTHROUGH) == std::string("passthrough"));
     CHECK(epcomm::backend_name(EPCOMM_ALL2ALL_DEEPEP_LOW_LATENCY) == std::string("deepep_low_latency"));
-    CHECK(!epcomm::backend_name(10).has_value() && !epcomm::backend_name(-1).has_value());
+    CHECK(!epcomm::backend_name(12).has_value() && !epcomm::backend_name(-1).has_value());
     CHECK(epcomm::backend_manager_class(EPCOMM_ALL2ALL_DEEPEP_LOW_LATENCY) == std::string("DeepEPLLAll2AllManager"));
-    CHECK(!epcomm::backend_manager_class(10).has_value());
+    CHECK(!epcomm::backend_manager_class(12).has_value());
     CHECK(epcomm::backend_layout(EPCOMM_ALL2ALL_DEEPEP_V2) == EPCOMM_LAYOUT_EXPERT_PACKED);
     CHECK(epcomm::backend_layout(EPCOMM_ALL2ALL_MOONEP) == EPCOMM_LAYOUT_MOONEP_SLOTS);
-    CHECK_THROWS(epcomm::backend_layout(10), EPCOMM_ERROR_INVALID_ARGUMENT,
-                 "all2all backend 10 is not valid: expected an EPCOMM_ALL2ALL_* value in 0..9");
+    CHECK_THROWS(epcomm::backend_layout(12), EPCOMM_ERROR_INVALID_ARGUMENT,
+                 "all2all backend 12 is not valid: expected an EPCOMM_ALL2ALL_* value in 0..10");
     CHECK(epcomm::layout_name(EPCOMM_LAYOUT_EXPERT_MAJOR) == std::string("EXPERT_MAJOR"));
     CHECK(epcomm::layout_name(EPCOMM_LAYOUT_REPLICATED) == std::string("REPLICATED"));
     CHECK(!epcomm::layout_name(6).has_value());
@@ -226,7 +228,8 @@ static void test_eplb_select() {
                  "EPLB communicator 'pynccl' supports only cuda-like devices (got cpu).");
     CHECK(epcomm::eplb_communicator_name(EPCOMM_EPLB_TORCH_XCCL) == std::string("torch_xccl"));
     CHECK(epcomm::eplb_communicator_class(EPCOMM_EPLB_PYNCCL) == std::string("PyNcclEplbCommunicator"));
-    CHECK(!epcomm::eplb_communicator_name(5).has_value() && !epcomm::eplb_communicator_class(-1).has_value());
+    CHECK(epcomm::eplb_communicator_name(EPCOMM_EPLB_SYMM_MEM) == std::string("symm_mem"));
+    CHECK(!epcomm::eplb_communicator_name(6).has_value() && !epcomm::eplb_communicator_class(-1).has_value());
 }
 
 // A log sink sees vLLM's warnings, bare; it is gone with its scope (the default returns).

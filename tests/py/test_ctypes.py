@@ -366,7 +366,7 @@ class QueryTest(unittest.TestCase):
 
     def test_names(self):
         count = LIB.epcomm_all2all_name_count()
-        self.assertEqual(count, 13)
+        self.assertEqual(count, 14)
         names = []
         for i in range(count):
             info = NameInfo()

@@ -190,6 +190,14 @@ def vllm_rank(rank, port, victim, q):
     out["fault"] = (str(fault.dtype), tuple(fault.shape), bool(fault))
     m.clean_buffers()
     out["fault_after_clean"] = bool(m.query_fault())
+    # vLLM v0.34.0's sentinel replays the dead ranks after clean_buffers.
+    m.update_mask(victim, masked=True)
+    out["fault_after_replay"] = bool(m.query_fault())
+    try:
+        m.update_mask((victim + 1) % WORLD, masked=True)
+        out["mask_live"] = "no error"
+    except epcomm.Error as e:
+        out["mask_live"] = type(e).__name__
     m.destroy()
     q.put((rank, out))
     q.close()
@@ -233,6 +241,8 @@ class VllmManagerTest(unittest.TestCase):
             self.assertEqual(out["mask"], ("torch.int32", [0, 1, 0, 0]))
             self.assertEqual(out["fault"], ("torch.bool", (), True))
             self.assertFalse(out["fault_after_clean"])
+            self.assertFalse(out["fault_after_replay"])
+            self.assertEqual(out["mask_live"], "RuntimeError")
 
 
 if __name__ == "__main__":

@@ -337,7 +337,18 @@ class SelectionTest(unittest.TestCase):
     def test_names_layouts_and_classes(self):
         self.assertEqual(epcomm.abi_version(), 1)
         self.assertTrue(epcomm.backend_is_known("pplx"))
-        self.assertFalse(epcomm.backend_is_known("passthrough"))
+        # passthrough: PassThroughAll2AllManager, no exchange, the same in C, CLI and Python.
+        self.assertTrue(epcomm.backend_is_known("passthrough"))
+        self.assertEqual(epcomm.resolve_backend("passthrough"), "passthrough")
+        self.assertEqual(epcomm.backend_manager_class("passthrough"), "PassThroughAll2AllManager")
+        with self.assertRaises(ValueError) as cm:
+            epcomm.backend_layout("passthrough")
+        self.assertIn("has no layout", str(cm.exception))
+        every = epcomm.backends()
+        self.assertEqual(list(every)[-2:], ["flashinfer_nvlink_one_sided", "passthrough"])
+        self.assertEqual(every["passthrough"]["manager_class"], "PassThroughAll2AllManager")
+        self.assertIsNone(every["passthrough"]["layout"])
+        self.assertEqual(every["mori"]["layout"], "TOKEN_MAJOR")
         self.assertEqual(epcomm.backend_manager_class("deepep_low_latency"),
                          "DeepEPLLAll2AllManager")
         self.assertEqual(epcomm.backend_layout("nixl_ep"), "EXPERT_MAJOR")
@@ -345,7 +356,7 @@ class SelectionTest(unittest.TestCase):
         self.assertEqual(names[0], {"name": "naive", "backend": "allgather_reducescatter",
                                     "kind": "removed", "layout": "REPLICATED",
                                     "manager_class": "AgRsAll2AllManager"})
-        self.assertEqual(len(names), 13)
+        self.assertEqual(len(names), 14)
         self.assertEqual(epcomm.select_eplb_communicator(), "torch_gloo")
         self.assertEqual(epcomm.eplb_communicator_class("pynccl"), "PyNcclEplbCommunicator")
 
@@ -366,7 +377,7 @@ class SelectionTest(unittest.TestCase):
                 epcomm.check(cfg, vllm_version="auto")
             self.assertEqual(cm.exception.status, 6)
             self.assertTrue(str(cm.exception).startswith(
-                'vllm_version="auto" reads the installed vllm package\'s version, but no vllm '
+                'vllm_version="auto" reads the installed vllm package, but no vllm '
                 "package is installed in this Python environment"))
         with tempfile.TemporaryDirectory() as site:
             info = os.path.join(site, "vllm-0.33.0.dist-info")

@@ -1,6 +1,6 @@
 """epcomm's configuration check against pydantic itself.
 
-Pydantic dataclasses here mirror the fields epcomm models of vLLM v0.33.0's `ParallelConfig` and
+Pydantic dataclasses here mirror the fields epcomm models of vLLM v0.34.0's `ParallelConfig` and
 `EPLBConfig` (vllm/config/parallel.py; `@config` in vllm/config/utils.py is a pydantic dataclass
 with extra="forbid"), plus epcomm's own keys as `EpcommOptions`. For each bad configuration,
 str(ValidationError) must equal the message epcomm_config_check_report gives (through ctypes);
@@ -8,7 +8,7 @@ for each configuration pydantic accepts, epcomm's message (if any) must not be a
 ValidationError. Validators are left out of the mirror: epcomm gives their errors with vLLM's
 raised text.
 
-When EPCOMM_VLLM_SRC names vLLM v0.33.0's source tree, the mirror is compared with `ast` to
+When EPCOMM_VLLM_SRC names vLLM v0.34.0's source tree, the mirror is compared with `ast` to
 vllm/config/parallel.py (field order, types, Literal members, Field bounds), so it cannot drift.
 
     EPCOMM_LIBRARY=target/debug/libepcomm.so python3 tests/py/test_pydantic_texts.py -v
@@ -23,15 +23,18 @@ import typing
 import unittest
 from typing import Literal, Optional
 
+import re
+
 import annotated_types
 import pydantic
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from epcomm_testlib import check, load_library  # noqa: E402
 
 FORBID = ConfigDict(extra="forbid")
+_NUMACTL_CPUSET_PATTERN = re.compile(r"^\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*$")
 
 All2AllBackend = Literal[
     "naive",
@@ -42,6 +45,7 @@ All2AllBackend = Literal[
     "mori_high_throughput",
     "mori_low_latency",
     "moonep",
+    "mori",
     "nixl_ep",
     "allgather_reducescatter",
     "flashinfer_all2allv",
@@ -49,7 +53,10 @@ All2AllBackend = Literal[
     "flashinfer_nvlink_one_sided",
     "passthrough",
 ]
-EPLBCommunicatorBackend = Literal["torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl"]
+EPLBCommunicatorBackend = Literal[
+    "torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl", "symm_mem"
+]
+ExpertPlacementStrategy = Literal["linear", "round_robin"]
 EPLBPolicyOption = Literal["default"]
 
 
@@ -57,7 +64,7 @@ EPLBPolicyOption = Literal["default"]
 class EPLBConfig:
     window_size: int = Field(default=1000, gt=0)
     step_interval: int = Field(default=3000, gt=0)
-    num_redundant_experts: int = Field(default=0, ge=0)
+    num_redundant_experts: int = Field(default=None, ge=0)  # type: ignore[assignment]
     log_balancedness: bool = False
     log_balancedness_interval: int = Field(default=1, gt=0)
     use_async: bool = True
@@ -77,22 +84,66 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     enable_eplb: bool = False
     eplb_config: EPLBConfig = Field(default_factory=EPLBConfig)
+    expert_placement_strategy: ExpertPlacementStrategy = "linear"
     all2all_backend: All2AllBackend = "allgather_reducescatter"
+    mori_ep_v2: Optional[bool] = None
     enable_elastic_ep: bool = False
     enable_dbo: bool = False
+    numa_bind: Optional[bool] = None
+    numa_bind_nodes: Optional[list[int]] = None
+    numa_bind_cpus: Optional[list[str]] = None
     enable_fault_tolerance: bool = False
+
+    # vLLM v0.34.0's field validators, verbatim (pydantic wraps their ValueError).
+    @field_validator("numa_bind_nodes")
+    @classmethod
+    def _validate_numa_bind_nodes(cls, value):
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("numa_bind_nodes must not be empty.")
+        if any(node < 0 for node in value):
+            raise ValueError("numa_bind_nodes must contain non-negative integers.")
+        return value
+
+    @field_validator("numa_bind_cpus")
+    @classmethod
+    def _validate_numa_bind_cpus(cls, value):
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("numa_bind_cpus must not be empty.")
+
+        for cpuset in value:
+            if not cpuset:
+                raise ValueError("numa_bind_cpus entries must not be empty.")
+            if not _NUMACTL_CPUSET_PATTERN.fullmatch(cpuset):
+                raise ValueError(
+                    "numa_bind_cpus entries must use numactl CPU list syntax, "
+                    "for example '0-3' or '0,2,4-7'."
+                )
+            for part in cpuset.split(","):
+                if "-" not in part:
+                    continue
+                start_str, end_str = part.split("-", 1)
+                if int(start_str) > int(end_str):
+                    raise ValueError(
+                        f"numa_bind_cpus ranges must be ascending, but got '{cpuset}'."
+                    )
+        return value
 
 
 @dataclass(config=FORBID)
 class EpcommOptions:
     """epcomm's own keys (src/select/config.rs EPCOMM_KEYS), validated before ParallelConfig."""
 
-    vllm_version: str = "0.33.0"
+    vllm_version: str = "0.34.0"
     platform: Literal["cuda", "rocm", "cpu", "xpu"] = "cuda"
     num_experts: Optional[int] = Field(default=None, gt=0)
     nixl_available: Optional[bool] = None
     nccl_available: Optional[bool] = None
     enable_lora: bool = False
+    draft_model_is_moe: bool = False
 
 
 EPCOMM_KEYS = [f.name for f in EpcommOptions.__dataclass_fields__.values()]
@@ -147,6 +198,25 @@ BAD = [
     {"eplb_config": {"window_size": 0}},
     {"eplb_config": {"step_interval": -3}},
     {"eplb_config": {"num_redundant_experts": -1}},
+    {"eplb_config": {"num_redundant_experts": None}},
+    {"expert_placement_strategy": "random"},
+    {"mori_ep_v2": "sometimes"},
+    {"numa_bind": "maybe"},
+    {"numa_bind_nodes": []},
+    {"numa_bind_nodes": [0, -1]},
+    {"numa_bind_nodes": "0"},
+    {"numa_bind_nodes": [0, "x", None]},
+    {"numa_bind_nodes": {"a": 1}},
+    {"numa_bind_cpus": []},
+    {"numa_bind_cpus": ["0-3", ""]},
+    {"numa_bind_cpus": ["0-3", "3-1"]},
+    {"numa_bind_cpus": ["0,2,4-7", "1-"]},
+    {"numa_bind_cpus": ["a"]},
+    {"numa_bind_cpus": [1]},
+    {"numa_bind_cpus": ["10-9"]},
+    {"numa_bind_cpus": ["0-3", "010-9"]},
+    {"numa_bind_nodes": [], "numa_bind_cpus": ["x"], "numa_bind": 3},
+    {"draft_model_is_moe": 2},
     {"eplb_config": {"log_balancedness_interval": 0, "log_balancedness": True}},
     {"eplb_config": {"policy": "custom"}},
     {"eplb_config": {"communicator": "gloo"}},
@@ -197,6 +267,11 @@ GOOD = [
     {"enable_expert_parallel": 0.0},
     {"enable_dbo": "0"},
     {"eplb_config": {"enable_migration_batching": 1}},
+    {"mori_ep_v2": None, "expert_placement_strategy": "round_robin"},
+    {"numa_bind": None, "numa_bind_nodes": [0, "1", 2.0], "numa_bind_cpus": ["0-3", "0,2,4-7"]},
+    {"numa_bind_nodes": None, "numa_bind_cpus": None},
+    {"numa_bind_cpus": ["007-10", "2-00010"]},
+    {"eplb_config": {"communicator": "symm_mem"}},
     {"eplb_config": {"communicator": None, "use_async": "false"}},
     {"num_experts": "8", "nccl_available": "true", "nixl_available": None},
     {"all2all_backend": "passthrough"},
@@ -290,6 +365,8 @@ def _mirror_fields(cls):
             ann, optional = next(a for a in args if a is not type(None)), True
         if typing.get_origin(ann) is Literal:
             kind, members = "literal", typing.get_args(ann)
+        elif typing.get_origin(ann) is list:
+            kind, members = "list[%s]" % typing.get_args(ann)[0].__name__, None
         else:
             kind, members = ann.__name__, None
         bounds = {}

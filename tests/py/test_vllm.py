@@ -163,9 +163,14 @@ def check_eplb(dist, epcomm_vllm, rank, world, mism):
     assert isinstance(c, epcomm_vllm.EpcommEplbCommunicator)
     device_weights = [[types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))]]
     assert make(coordinator, "torch_nccl", device_weights, []) == "vllm's own"
+    # vLLM 0.34.0's push backend keeps vLLM's own factory (its checks, its own buffer).
+    assert make(coordinator, "symm_mem", [weights(rank)], None) == "vllm's own"
     assert c.needs_profile_buffer_reservation
+    # vLLM 0.34.0's interface: not a push backend, the caller's buffer.
+    assert c.needs_recv_rows is False and c.owned_expert_buffer is None
     c.set_stream(None)
     c.set_transfer_context(None, 0)
+    c.set_transfer_context(None, 0, recv_rows=None)
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     mine, bufs = weights(rank), [torch.zeros(2, 4), torch.zeros((2, 2, 3), dtype=torch.bfloat16)]
     for e in range(2):

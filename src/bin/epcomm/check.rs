@@ -69,7 +69,45 @@ fn config_from_args(a: &CheckArgs) -> Result<Value, String> {
     if let Some(v) = &a.vllm_version {
         base.insert("vllm_version".into(), Value::String(v.clone()));
     }
+    if let Some(dir) = &a.vllm_src {
+        let version = a.vllm_version.as_deref();
+        base.insert("vllm_release".into(), describe_vllm_src(dir, version)?);
+    }
     Ok(Value::Object(base))
+}
+
+/// The reader of a vLLM release's source (the one home of that reading, shared with
+/// scripts/gen-vllm-versions.py and Python's `vllm_version="auto"`), run by python3.
+const VLLM_RELEASE_PY: &str = include_str!("../../../python/epcomm/vllm_release.py");
+
+/// What the vLLM in `dir` accepts, read from its own source by [`VLLM_RELEASE_PY`]
+/// (`$EPCOMM_PYTHON`, else `python3`); `version` for a tree that does not say its own.
+fn describe_vllm_src(dir: &str, version: Option<&str>) -> Result<Value, String> {
+    let python = std::env::var("EPCOMM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let mut cmd = std::process::Command::new(&python);
+    cmd.arg("-c").arg(VLLM_RELEASE_PY).arg(dir);
+    if let Some(v) = version {
+        cmd.arg("--version").arg(v);
+    }
+    let out = cmd.output().map_err(|e| {
+        format!("argument --vllm-src: cannot run '{python}' to read vLLM's source: {e} (set EPCOMM_PYTHON to a Python 3.9 or later)")
+    })?;
+    if !out.status.success() {
+        let why = String::from_utf8_lossy(&out.stderr);
+        return Err(format!("argument --vllm-src: {}", why.trim()));
+    }
+    serde_json::from_slice::<Value>(&out.stdout).map_err(|e| {
+        format!("argument --vllm-src: the reader of {dir} printed no description ({e})")
+    })
+}
+
+/// The release `cfg` is checked against: its `vllm_release` description, else its
+/// `vllm_version` (the default when none).
+fn target_release(cfg: &Value) -> epcomm::Result<&'static Release> {
+    match cfg.get("vllm_release") {
+        Some(d) => versions::described(d),
+        None => versions::release(target_version(cfg)),
+    }
 }
 
 /// The release `cfg` targets (its `vllm_version`, else the default), as written.
@@ -85,6 +123,21 @@ pub fn cmd_check(args: &CheckArgs) -> ExitCode {
         Ok(v) => v,
         Err(e) => return crate::usage_error(&e),
     };
+    // A release neither in the table nor described: a usage error saying how to check it.
+    if let Err(e) = target_release(&cfg) {
+        let mut msg = e.to_string();
+        if !msg.contains("--vllm-src") {
+            msg.push_str("; to check against the deployed vLLM's own source, give --vllm-src DIR");
+        }
+        let what = if cfg.get("vllm_release").is_some() {
+            "configuration key vllm_release"
+        } else if args.vllm_version.is_some() {
+            "argument --vllm-version"
+        } else {
+            "configuration key vllm_version"
+        };
+        return crate::usage_error(&format!("{what}: {msg}"));
+    }
     // Warnings are printed below, after the verdict line.
     log::set_sink(Some(Arc::new(|_, _| {})));
     let outcome = config::check_json(&cfg.to_string(), probe::nccl_usable(), probe::nixl_usable());
@@ -93,8 +146,7 @@ pub fn cmd_check(args: &CheckArgs) -> ExitCode {
         .as_ref()
         .err()
         .and_then(|e| hint_for(&cfg, e));
-    // Set once the configuration passed, so the release is a known one.
-    let release = versions::release(target_version(&cfg)).ok();
+    let release = target_release(&cfg).ok();
     if args.json {
         let mut v = outcome.to_json();
         if let Some(m) = v.as_object_mut() {
@@ -181,7 +233,7 @@ fn hint_for(cfg: &Value, e: &Error) -> Option<String> {
     } else {
         ("", e.hint())
     };
-    let Ok(release) = versions::release(target_version(cfg)) else {
+    let Ok(release) = target_release(cfg) else {
         return own;
     };
     if let Some(name) = cfg.get("all2all_backend").and_then(Value::as_str) {

@@ -313,10 +313,16 @@ pub struct CheckArgs {
     pub eplb: Vec<(String, String)>,
     /// `--vllm-version`: the release whose names are checked (the `vllm_version` key).
     pub vllm_version: Option<String>,
+    /// `--vllm-src`: a vLLM source tree or installed package whose own source says what it
+    /// accepts (the `vllm_release` key).
+    pub vllm_src: Option<String>,
 }
 
 /// The switches among the configuration keys: `--flag` means true, `--flag=false` false.
-pub const BOOL_KEYS: [&str; 8] = [
+pub const BOOL_KEYS: [&str; 11] = [
+    "mori_ep_v2",
+    "numa_bind",
+    "draft_model_is_moe",
     "enable_expert_parallel",
     "enable_eplb",
     "enable_elastic_ep",
@@ -340,6 +346,16 @@ fn key_help(key: &str) -> (&'static str, &'static str) {
         "enable_dbo" => ("", "Enable dual-batch overlap (microbatching)"),
         "enable_fault_tolerance" => ("", "Enable fault tolerance"),
         "enable_lora" => ("", "Enable LoRA"),
+        "numa_bind" => (
+            "",
+            "Bind workers to their GPU's NUMA node (default: vLLM decides)",
+        ),
+        "mori_ep_v2" => (
+            "",
+            "Whether 'mori' runs MoRI EPv2 (vLLM 0.34.0; default: vLLM decides)",
+        ),
+        "expert_placement_strategy" => ("linear|round_robin", "Expert placement strategy"),
+        "draft_model_is_moe" => ("", "The speculative decoding draft model is an MoE model"),
         "tensor_parallel_size" => ("N", "Tensor-parallel size [short: -tp]"),
         "data_parallel_size" => ("N", "Data-parallel size [short: -dp]"),
         "pipeline_parallel_size" => ("N", "Pipeline-parallel size [short: -pp]"),
@@ -387,6 +403,14 @@ impl Args for CheckArgs {
                         vllm_version_short()
                     ))
                     .long_help(vllm_version_help()),
+            )
+            .arg(
+                Arg::new("vllm_src")
+                    .long("vllm-src")
+                    .value_name("DIR")
+                    .help(
+                        "Check against the vLLM in DIR (a source tree, site-packages or the installed vllm package): its own config/parallel.py and cuda_communicator.py say what it accepts, so a release newer than epcomm's table validates too (needs python3; $EPCOMM_PYTHON names another)",
+                    ),
             )
             .arg(
                 Arg::new("eplb_config")
@@ -438,6 +462,7 @@ impl FromArgMatches for CheckArgs {
         self.json = m.get_flag("json");
         self.eplb_config = text("eplb_config");
         self.vllm_version = text("vllm_version");
+        self.vllm_src = text("vllm_src");
         self.flags = CONFIG_KEYS
             .iter()
             .filter(|k| !OWN_FLAGS.contains(k))

@@ -1,0 +1,1 @@
+"""A stand-in for `vllm.config` (see the shim's README.md)."""
