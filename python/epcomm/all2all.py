@@ -251,6 +251,15 @@ class All2All(Handle):
             check(load_library().epcomm_all2all_query_fault(h, ctypes.byref(fault)))
         return fault.value
 
+    def update_mask(self, rank: int, masked: bool = True) -> None:
+        """vLLM v0.34.0's ``update_mask`` (this rank only), which vLLM's sentinel calls after
+        ``clean_buffers`` to replay a scale-down's dead ranks: sets ``rank``'s entry of the mask
+        and of ``query_fault``'s baseline. Replaying a masked rank changes nothing; masking a
+        live rank or unmasking a masked one raises (epcomm masks the ranks the group loses;
+        rejoining means a new group)."""
+        with in_flight(self, self._group) as h:
+            check(load_library().epcomm_all2all_update_mask(h, int(rank), bool(masked)))
+
     def clean_buffers(self) -> None:
         """vLLM's ``clean_buffers``, the recovery point (this rank only): the receive buffers
         are zeroed, the last dispatch is forgotten (views of it are invalid; combine needs a

@@ -297,7 +297,7 @@ class EpcommAll2AllManager:
         unmasking a masked one raises (epcomm masks the ranks the group loses; rejoining means
         a new group). Without fault tolerance, NotImplementedError as vLLM's base class."""
         for h in self._ft_handles():
-            check(load_library().epcomm_all2all_update_mask(h._h, rank, masked))
+            h.update_mask(rank, masked)
 
     def set_num_sms(self, num_sms: int) -> None:
         """No-op (no GPU)."""

@@ -72,6 +72,10 @@ fn check_shape(phy2log: &[Vec<i64>], num_local_experts: usize) -> Result<usize> 
     Ok(physical)
 }
 
+/// What [`redistribute`] returns: the new physical-to-logical map, one row per layer, and the
+/// (layer, logical expert) pairs whose weights must be reloaded.
+pub type Redistributed = (Vec<Vec<i64>>, Vec<(usize, usize)>);
+
 /// vLLM's `redistribute_expert_placement`: in each layer, every logical expert in
 /// `[0, num_logical)` without a surviving replica (slots of -1 are dead) takes a slot from an
 /// over-replicated expert (one with more than one replica), the spare slots interleaved
@@ -85,7 +89,7 @@ pub fn redistribute(
     phy2log: &[Vec<i64>],
     num_logical: usize,
     num_local_experts: usize,
-) -> Result<(Vec<Vec<i64>>, Vec<(usize, usize)>)> {
+) -> Result<Redistributed> {
     check_shape(phy2log, num_local_experts)?;
     let mut out = phy2log.to_vec();
     let mut reload = Vec::new();
