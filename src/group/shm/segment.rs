@@ -89,7 +89,7 @@ pub(super) struct RecordLock {
 
 /// How long a remover waits for the lock of a record whose creator looks dead: a killed
 /// process's memory goes (and its pid may read as gone) before its descriptors are closed.
-const DYING_CREATOR: std::time::Duration = std::time::Duration::from_millis(500);
+const DYING_CREATOR: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Opens the shm object `name` read-only (no link followed; `flags` added) with its status;
 /// None if it does not exist. Another user's object, or one with a mode wider than 0600, is
