@@ -73,6 +73,9 @@ impl ShmGroup {
     /// later, so the set counts only if neither its epoch tag nor the word moved meanwhile.
     pub(super) fn membership(&self) -> Result<(u64, Vec<usize>)> {
         let word = &self.header().members;
+        // A consistent read takes a few tries at most while proposals race; only a word that
+        // was altered (its decider's proposal never carries its epoch) keeps it from ending.
+        let deadline = Deadline::new(self.opts.timeout);
         loop {
             let w = word.load(Ordering::Acquire);
             let (epoch, decider) = (w >> 16, (w & 0xffff) as usize);
@@ -104,6 +107,13 @@ impl ShmGroup {
             if tag == epoch && tag2 == epoch && word.load(Ordering::Relaxed) == w {
                 return Ok((epoch, set));
             }
+            if deadline.expired() {
+                return Err(Error::PeerFailure(format!(
+                    "the membership word of group '{}' names rank {d} for epoch {epoch}, but that rank's proposal is for epoch {tag} (the control segment was altered; seen from rank {})",
+                    self.name, self.rank
+                )));
+            }
+            std::thread::yield_now();
         }
     }
 
@@ -305,5 +315,75 @@ impl ShmGroup {
             }
             backoff.snooze();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Barrier};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::group::GroupOptions;
+
+    fn opts(ms: u64) -> GroupOptions {
+        GroupOptions {
+            timeout: Duration::from_millis(ms),
+            ..GroupOptions::default()
+        }
+    }
+
+    /// Two ranks that propose at once from the same epoch: one wins, and every rank reads the
+    /// winner's set; the next proposal builds on it.
+    #[test]
+    fn racing_proposals_agree_on_one_winner() {
+        let name = format!("unit-members-race-{}", std::process::id());
+        let start = Arc::new(Barrier::new(4));
+        let ranks: Vec<_> = (0..4)
+            .map(|r| {
+                let (name, start) = (name.clone(), start.clone());
+                std::thread::spawn(move || {
+                    let g = ShmGroup::join(&name, r, 4, opts(5000)).unwrap();
+                    start.wait();
+                    if r >= 2 {
+                        g.propose(0, &[r - 2]);
+                    }
+                    start.wait();
+                    let first = g.membership().unwrap();
+                    start.wait();
+                    if r == 3 {
+                        let mut next = first.1.clone();
+                        next.push(2);
+                        next.sort_unstable();
+                        g.propose(first.0, &next);
+                    }
+                    start.wait();
+                    (first, g.membership().unwrap())
+                })
+            })
+            .collect();
+        let seen: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        let (first, second) = seen[0].clone();
+        assert_eq!(first.0, 1);
+        assert!(first.1 == vec![0] || first.1 == vec![1], "{first:?}");
+        let mut want = first.1.clone();
+        want.push(2);
+        assert_eq!(second, (2, want));
+        assert!(seen.iter().all(|s| *s == seen[0]), "{seen:?}");
+    }
+
+    /// A membership word whose decider's proposal never carries its epoch (only a process that
+    /// wrote into the control segment can make one) is an error within the timeout, not a hang.
+    #[test]
+    fn an_altered_membership_word_is_an_error() {
+        let name = format!("unit-members-forged-{}", std::process::id());
+        let g = ShmGroup::join(&name, 0, 1, opts(200)).unwrap();
+        g.header().members.store(5 << 16 | 1, Ordering::Release);
+        let e = g.membership().unwrap_err();
+        assert_eq!(e.status(), crate::Status::PeerFailure);
+        assert_eq!(
+            e.to_string(),
+            format!("the membership word of group '{name}' names rank 0 for epoch 5, but that rank's proposal is for epoch 0 (the control segment was altered; seen from rank 0)")
+        );
     }
 }
