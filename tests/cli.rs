@@ -275,6 +275,14 @@ fn usage_errors_exit_2_with_one_line_naming_the_option() {
             &["demo", "--experts", "7", "--ranks", "2"],
             "epcomm: error: --experts 7 must be a multiple of --ranks 2 (each rank owns E/R experts)",
         ),
+        (
+            &["demo", "--backend", "deepep_low_latncy"],
+            "epcomm: error: --backend: Unknown all2all backend: deepep_low_latncy (did you mean 'deepep_low_latency'?)",
+        ),
+        (
+            &["bench", "moe", "--backend", "allgather_reduce_scatter"],
+            "epcomm: error: --backend: Unknown all2all backend: allgather_reduce_scatter (did you mean 'allgather_reducescatter'?)",
+        ),
     ] {
         let o = epcomm(args);
         assert_eq!(o.status.code(), Some(2), "{args:?}");

@@ -65,7 +65,7 @@ fn params(a: &MoeArgs) -> Result<Params, String> {
             .collect();
     }
     for b in &p.backends {
-        let r = all2all::resolve_quiet(b).map_err(|e| format!("--backend: {e}"))?;
+        let r = crate::ranks::resolve_backend(b)?;
         if layout::contract(r.backend.layout()).is_none() {
             return Err("--backend moonep: MoonEP kernels are not part of epcomm".into());
         }

@@ -26,7 +26,7 @@ fn params(a: &DemoArgs) -> Result<Params, String> {
         p.backends = Backend::ALL.iter().map(|b| b.name().to_owned()).collect();
     }
     for b in &p.backends {
-        all2all::resolve_quiet(b).map_err(|e| format!("--backend: {e}"))?;
+        crate::ranks::resolve_backend(b)?;
     }
     Ok(p)
 }

@@ -172,3 +172,15 @@ pub fn moe_config(
         apply_router_weight_on_input: false,
     }
 }
+
+/// Resolves a `--backend` value as the demo and the benchmark take it: the error names the
+/// option and carries the "did you mean" hint (or the valid names).
+pub fn resolve_backend(name: &str) -> Result<epcomm::select::all2all::Resolved, String> {
+    epcomm::select::all2all::resolve_quiet(name).map_err(|e| {
+        use epcomm::select::Hint;
+        match e.hint() {
+            Some(h) => format!("--backend: {e} ({h})"),
+            None => format!("--backend: {e}"),
+        }
+    })
+}
