@@ -1,31 +1,9 @@
 //! EPLB: the rebalancing policy and the logical maps.
 
+use super::eplb_algo::{checked_len, dim};
 use super::guard;
 use crate::eplb::{policy, scale_down};
 use crate::error::{Error, Result};
-
-/// A positive dimension argument (shared with the policy steps in `eplb_algo`).
-pub(super) fn dim(v: i64, what: &str) -> Result<usize> {
-    usize::try_from(v)
-        .ok()
-        .filter(|&x| x > 0)
-        .ok_or_else(|| Error::InvalidArgument(format!("{what} is {v}; expected a positive value")))
-}
-
-/// The most entries of a policy array: the policy copies its inputs into rows, so a wrong size
-/// must not ask for more.
-const MAX_POLICY_ENTRIES: usize = 1 << 40;
-
-/// `a × b` entries ([`guard::entries`]), bounded by [`MAX_POLICY_ENTRIES`].
-pub(super) fn checked_len(a: usize, b: usize, what: &str) -> Result<usize> {
-    let n = guard::entries::<i64>(a, b, what)?;
-    if n > MAX_POLICY_ENTRIES {
-        return Err(Error::InvalidArgument(format!(
-            "'{what}' has {n} entries; expected at most {MAX_POLICY_ENTRIES} (2^40)"
-        )));
-    }
-    Ok(n)
-}
 
 /// Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm) as vLLM's
 /// eplb_state caller runs it: exactly epcomm_eplb_rebalance_experts with

@@ -12,12 +12,34 @@
 //! one of those vLLM can return. Integer token counts tie often, so expect different (equally
 //! balanced) placements from vLLM on real loads.
 
-use super::eplb::{checked_len, dim};
 use super::guard;
 use super::handle::Handle;
 use crate::eplb::migration;
 use crate::eplb::policy::{self, NodeFallback, Placement};
 use crate::error::{Error, Result};
+
+/// A positive dimension argument (shared with `eplb`'s policy entry points).
+pub(super) fn dim(v: i64, what: &str) -> Result<usize> {
+    usize::try_from(v)
+        .ok()
+        .filter(|&x| x > 0)
+        .ok_or_else(|| Error::InvalidArgument(format!("{what} is {v}; expected a positive value")))
+}
+
+/// The most entries of a policy array: the policy copies its inputs into rows, so a wrong size
+/// must not ask for more.
+const MAX_POLICY_ENTRIES: usize = 1 << 40;
+
+/// `a × b` entries ([`guard::entries`]), bounded by [`MAX_POLICY_ENTRIES`].
+pub(super) fn checked_len(a: usize, b: usize, what: &str) -> Result<usize> {
+    let n = guard::entries::<i64>(a, b, what)?;
+    if n > MAX_POLICY_ENTRIES {
+        return Err(Error::InvalidArgument(format!(
+            "'{what}' has {n} entries; expected at most {MAX_POLICY_ENTRIES} (2^40)"
+        )));
+    }
+    Ok(n)
+}
 
 /// `flags` bit of [`epcomm_eplb_rebalance_experts`]: apply vLLM's eplb_state caller rule first —
 /// when num_ranks % num_nodes != 0, log "num_gpus % num_nodes != 0, not using hierarchical

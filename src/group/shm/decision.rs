@@ -44,6 +44,16 @@ impl Cause {
     }
 }
 
+impl Cause {
+    /// Whether a failure of this cause loses the blamed rank (fault tolerance masks it).
+    pub(super) fn loses_rank(self) -> bool {
+        match self {
+            Cause::Died | Cause::Stalled | Cause::Left => true,
+            Cause::Failed | Cause::Mismatch => false,
+        }
+    }
+}
+
 /// The outcome of one op, as the decision word says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Decision {

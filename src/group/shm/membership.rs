@@ -46,16 +46,6 @@ enum Meeting {
     Absent(Vec<usize>),
 }
 
-impl Cause {
-    /// Whether a failure of this cause loses the blamed rank (fault tolerance masks it).
-    pub(super) fn loses_rank(self) -> bool {
-        match self {
-            Cause::Died | Cause::Stalled | Cause::Left => true,
-            Cause::Failed | Cause::Mismatch => false,
-        }
-    }
-}
-
 impl ShmGroup {
     /// Proposal word `i` of rank `r` for epochs of `parity`.
     fn proposal(&self, r: usize, parity: u64, i: usize) -> &AtomicU64 {
@@ -229,14 +219,16 @@ impl ShmGroup {
         loop {
             self.check_not_masked()?;
             let (epoch, out) = self.membership()?;
-            let mut want = out.clone();
+            // A proposal only adds to the agreed set.
+            let mut want = self.lost();
             want.extend(
-                (0..self.world)
-                    .filter(|&p| p != self.rank && (p == blamed || self.lost_process(p)))
-                    .filter(|p| !out.contains(p)),
+                out.iter()
+                    .filter(|r| !want.contains(r))
+                    .copied()
+                    .collect::<Vec<_>>(),
             );
+            want.sort_unstable();
             if want.len() != out.len() {
-                want.sort_unstable();
                 self.propose(epoch, &want);
                 continue;
             }
