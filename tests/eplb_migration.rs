@@ -22,7 +22,6 @@ mod common;
 mod ranks;
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -795,38 +794,6 @@ const SCHEDULER: &str = "vllm/distributed/eplb/migration_scheduler.py";
 /// The SHA-256 of `SCHEDULER` in vLLM 0.34.0's sdist (byte for byte 0.33.0's).
 const SCHEDULER_SHA256: &str = "c7ce0aef974a83bdc000cb2bbbcbe8e689db8aaa64327ed9066a622f91eaef21";
 
-/// vLLM's source tree: `EPCOMM_VLLM_SRC`, else the sdist fetched under target/ (as
-/// tests/eplb_vllm_algo.rs does); `Err(why)` when it cannot be had.
-fn vllm_tree(python: &Path) -> Result<PathBuf, String> {
-    if let Some(dir) = std::env::var_os("EPCOMM_VLLM_SRC") {
-        return Ok(PathBuf::from(dir));
-    }
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .parent()
-        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf);
-    let _lock = common::python::lock_file(&target.join("vllm-src.lock"));
-    let mut cmd = Command::new("bash");
-    cmd.arg(manifest_dir().join("scripts/fetch-vllm-sdist.sh"))
-        .arg(VLLM_VERSION)
-        .arg(target.join("vllm-src"))
-        .env("PYTHON", python);
-    let out = run_with_timeout(cmd, Duration::from_secs(600));
-    if !out.success() {
-        let last = out
-            .stderr
-            .trim_end()
-            .lines()
-            .last()
-            .unwrap_or("")
-            .to_owned();
-        return Err(format!(
-            "vLLM {VLLM_VERSION}'s sdist could not be fetched (offline?): {last}; set \
-             EPCOMM_VLLM_SRC to an unpacked vllm-{VLLM_VERSION} tree"
-        ));
-    }
-    Ok(PathBuf::from(out.stdout.trim_end()))
-}
-
 /// Loads vLLM's module from its file, draws random layers (empty slots, replicas, experts
 /// nobody holds, up to 150 ranks) and compares its batches with epcomm's.
 const DIFFERENTIAL: &str = r#"
@@ -865,7 +832,7 @@ fn vllms_scheduler_agrees_on_random_layers() {
     let Some(python) = numpy_or_skip(TEST) else {
         return;
     };
-    let tree = match vllm_tree(&python.exe) {
+    let tree = match common::python::vllm_sdist(&python.exe, VLLM_VERSION) {
         Ok(tree) => tree,
         Err(why) => {
             assert!(

@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -22,31 +21,6 @@ const VLLM_VERSION: &str = "0.34.0";
 const MODULE: &str = "vllm/v1/worker/sentinel/eplb_redistribute.py";
 const MODULE_SHA256: &str = "6ec13e8b9e66291b4adc50f4a642e2635f135a6e80aad6cfda1087671e84c4ff";
 const CASES: usize = 600;
-
-fn vllm_tree(python: &Path) -> Result<PathBuf, String> {
-    if let Some(dir) = std::env::var_os("EPCOMM_VLLM_SRC") {
-        return Ok(PathBuf::from(dir));
-    }
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .parent()
-        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf);
-    let dest = target.join("vllm-src");
-    let _lock = common::python::lock_file(&target.join("vllm-src.lock"));
-    let mut cmd = Command::new("bash");
-    cmd.arg(manifest_dir().join("scripts/fetch-vllm-sdist.sh"))
-        .arg(VLLM_VERSION)
-        .arg(&dest)
-        .env("PYTHON", python);
-    let out = run_with_timeout(cmd, Duration::from_secs(600));
-    if !out.success() {
-        return Err(format!(
-            "vLLM {VLLM_VERSION}'s sdist could not be fetched (offline?): {}; set \
-             EPCOMM_VLLM_SRC to an unpacked vllm-{VLLM_VERSION} tree",
-            out.stderr.trim_end().lines().last().unwrap_or("")
-        ));
-    }
-    Ok(PathBuf::from(out.stdout.trim_end()))
-}
 
 /// Loads vLLM's three functions from the file by `ast` (the module's other imports need the
 /// rest of vLLM), then compares them with epcomm's on random placements and deaths.
@@ -120,7 +94,7 @@ fn scale_down_placement_is_vllms_on_random_cases() {
     let Some(python) = torch_or_skip(TEST) else {
         return;
     };
-    let tree = match vllm_tree(python) {
+    let tree = match common::python::vllm_sdist(python, VLLM_VERSION) {
         Ok(t) => t,
         Err(why) => {
             assert!(

@@ -17,7 +17,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -38,42 +38,7 @@ const PASSED: usize = 15;
 const SKIPPED: usize = 2;
 
 /// How long fetching the sdist may take (a scratch venv, build tools, a ~50 MB download).
-const FETCH_TIMEOUT: Duration = Duration::from_secs(600);
 const PYTEST_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// vLLM's source tree: `EPCOMM_VLLM_SRC`, else the sdist fetched under target/; `Err(why)` when
-/// it cannot be had.
-fn vllm_tree(python: &Path) -> Result<PathBuf, String> {
-    if let Some(dir) = std::env::var_os("EPCOMM_VLLM_SRC") {
-        return Ok(PathBuf::from(dir));
-    }
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .parent()
-        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf);
-    let dest = target.join("vllm-src");
-    let _lock = common::python::lock_file(&target.join("vllm-src.lock"));
-    let mut cmd = Command::new("bash");
-    cmd.arg(manifest_dir().join("scripts/fetch-vllm-sdist.sh"))
-        .arg(VLLM_VERSION)
-        .arg(&dest)
-        .env("PYTHON", python);
-    let out = run_with_timeout(cmd, FETCH_TIMEOUT);
-    if !out.success() {
-        let last = out
-            .stderr
-            .trim_end()
-            .lines()
-            .last()
-            .unwrap_or("")
-            .to_owned();
-        return Err(format!(
-            "vLLM {VLLM_VERSION}'s sdist could not be fetched (offline?): {last}; set \
-             EPCOMM_VLLM_SRC to an unpacked vllm-{VLLM_VERSION} tree, or run \
-             scripts/fetch-vllm-sdist.sh {VLLM_VERSION} DIR where PyPI is reachable"
-        ));
-    }
-    Ok(PathBuf::from(out.stdout.trim_end()))
-}
 
 fn sha256(python: &Path, file: &Path) -> String {
     let code = format!(
@@ -103,7 +68,7 @@ fn run_vllm_tests(test: &str, file: &str, sha: &str, filter: Option<&str>, want:
     let Some(python) = torch_or_skip(test) else {
         return;
     };
-    let tree = match vllm_tree(python) {
+    let tree = match common::python::vllm_sdist(python, VLLM_VERSION) {
         Ok(tree) => tree,
         Err(why) => {
             assert!(

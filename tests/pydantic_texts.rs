@@ -12,7 +12,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -21,33 +20,7 @@ use common::skip::{required, skipped};
 use common::*;
 
 const VLLM_VERSION: &str = "0.34.0";
-const FETCH_TIMEOUT: Duration = Duration::from_secs(600);
 const SCRIPT_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// vLLM's source tree: `EPCOMM_VLLM_SRC`, else the sdist fetched under target/.
-fn vllm_tree(python: &Path) -> Result<PathBuf, String> {
-    if let Some(dir) = std::env::var_os("EPCOMM_VLLM_SRC") {
-        return Ok(PathBuf::from(dir));
-    }
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .parent()
-        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf);
-    let _lock = common::python::lock_file(&target.join("vllm-src.lock"));
-    let mut cmd = Command::new("bash");
-    cmd.arg(manifest_dir().join("scripts/fetch-vllm-sdist.sh"))
-        .arg(VLLM_VERSION)
-        .arg(target.join("vllm-src"))
-        .env("PYTHON", python);
-    let out = run_with_timeout(cmd, FETCH_TIMEOUT);
-    if !out.success() {
-        let last = out.stderr.trim_end().lines().last().unwrap_or("");
-        return Err(format!(
-            "vLLM {VLLM_VERSION}'s sdist could not be fetched (offline?): {last}; set \
-             EPCOMM_VLLM_SRC to an unpacked vllm-{VLLM_VERSION} tree"
-        ));
-    }
-    Ok(PathBuf::from(out.stdout.trim_end()))
-}
 
 #[test]
 fn config_field_errors_are_pydantics_texts() {
@@ -55,7 +28,7 @@ fn config_field_errors_are_pydantics_texts() {
     let Some(python) = pydantic_or_skip(TEST) else {
         return;
     };
-    let tree = match vllm_tree(python) {
+    let tree = match common::python::vllm_sdist(python, VLLM_VERSION) {
         Ok(tree) => Some(tree),
         Err(why) => {
             assert!(

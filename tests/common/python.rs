@@ -544,3 +544,30 @@ fn last_line(stdout: &str, stderr: &str) -> String {
     };
     text.trim_end().lines().last().unwrap_or("").to_owned()
 }
+
+/// vLLM `version`'s source tree: `EPCOMM_VLLM_SRC`, else its sdist fetched once under target/
+/// (`scripts/fetch-vllm-sdist.sh`, from PyPI); `Err(why)` when it cannot be had.
+pub fn vllm_sdist(python: &Path, version: &str) -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os("EPCOMM_VLLM_SRC") {
+        return Ok(PathBuf::from(dir));
+    }
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf);
+    let _lock = lock_file(&target.join("vllm-src.lock"));
+    let mut cmd = Command::new("bash");
+    cmd.arg(super::manifest_dir().join("scripts/fetch-vllm-sdist.sh"))
+        .arg(version)
+        .arg(target.join("vllm-src"))
+        .env("PYTHON", python);
+    let out = run_with_timeout(cmd, Duration::from_secs(600));
+    if !out.success() {
+        let last = out.stderr.trim_end().lines().last().unwrap_or("");
+        return Err(format!(
+            "vLLM {version}'s sdist could not be fetched (offline?): {last}; set \
+             EPCOMM_VLLM_SRC to an unpacked vllm-{version} tree, or run \
+             scripts/fetch-vllm-sdist.sh {version} DIR where PyPI is reachable"
+        ));
+    }
+    Ok(PathBuf::from(out.stdout.trim_end()))
+}
