@@ -6,8 +6,12 @@
 //! 0dfc3b5 the honest ranks returned OK (with wrong data where the liar's bytes reached
 //! them).
 
+#[path = "common/channel.rs"]
+mod channel;
+
+use channel::channel_transports;
 use std::collections::HashMap;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{Receiver, Sender};
 use std::time::Duration;
 
 use epcomm::group::host::{HostGroup, HostTransport};
@@ -147,25 +151,14 @@ impl HostTransport for Liar {
 
 /// One transport per rank; rank `liar` lies as told.
 fn transports(world: usize, with_all_gather: bool, liar: usize, lie: Lie, at: usize) -> Vec<Liar> {
-    let mut to: Vec<Vec<Sender<Vec<u8>>>> = (0..world).map(|_| Vec::new()).collect();
-    let mut from: HashMap<(usize, usize), Receiver<Vec<u8>>> = HashMap::new();
-    for (src, row) in to.iter_mut().enumerate() {
-        for dst in 0..world {
-            let (tx, rx) = channel();
-            row.push(tx);
-            from.insert((src, dst), rx);
-        }
-    }
-    to.into_iter()
-        .enumerate()
-        .map(|(r, to)| Liar {
-            rank: r,
-            to,
-            from: (0..world)
-                .filter_map(|src| from.remove(&(src, r)))
-                .collect(),
-            with_all_gather,
-            lie: if r == liar { lie } else { Lie::None },
+    channel_transports(world, with_all_gather)
+        .into_iter()
+        .map(|t| Liar {
+            lie: if t.rank == liar { lie } else { Lie::None },
+            rank: t.rank,
+            to: t.to,
+            from: t.from,
+            with_all_gather: t.with_all_gather,
             at,
             recvs: 0,
             gathers: 0,

@@ -13,11 +13,12 @@ use epcomm::group::host::{HostGroup, HostTransport};
 pub const RECV_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub struct ChannelTransport {
-    rank: usize,
-    to: Vec<Sender<Vec<u8>>>,
-    from: Vec<Receiver<Vec<u8>>>,
+    pub rank: usize,
+    /// A sender to every rank and a receiver from every rank (by rank).
+    pub to: Vec<Sender<Vec<u8>>>,
+    pub from: Vec<Receiver<Vec<u8>>>,
     /// Offer the host's own all_gather (built here from the channels) as well.
-    with_all_gather: bool,
+    pub with_all_gather: bool,
 }
 
 impl HostTransport for ChannelTransport {
