@@ -43,6 +43,17 @@ from .errors import (
 )
 from .errors import check as _check
 from .group import Group
+from . import layout
+from .layout import (
+    EXPERT_MAJOR,
+    EXPERT_PACKED,
+    LAYOUTS,
+    MOONEP_SLOTS,
+    RANK_MAJOR,
+    REPLICATED,
+    TOKEN_MAJOR,
+    layout_name,
+)
 
 __all__ = [
     "Error",
@@ -57,6 +68,14 @@ __all__ = [
     "backend_is_known",
     "backend_manager_class",
     "backend_layout",
+    "layout",
+    "LAYOUTS",
+    "REPLICATED",
+    "TOKEN_MAJOR",
+    "EXPERT_MAJOR",
+    "EXPERT_PACKED",
+    "RANK_MAJOR",
+    "MOONEP_SLOTS",
     "all2all_names",
     "backends",
     "check",
@@ -120,12 +139,12 @@ def backend_manager_class(name: str) -> str:
 
 
 def backend_layout(name: str) -> str:
-    """The dispatch layout of a backend name ("REPLICATED", "TOKEN_MAJOR", "EXPERT_MAJOR",
-    "EXPERT_PACKED", "RANK_MAJOR", "MOONEP_SLOTS")."""
-    lib = load_library()
-    layout = i32()
-    _check(lib.epcomm_all2all_backend_layout(_backend(name), ctypes.byref(layout)))
-    return lib.epcomm_all2all_layout_name(layout.value).decode()
+    """The dispatch layout of a backend name, by name: one of ``epcomm.LAYOUTS``
+    ("REPLICATED", "TOKEN_MAJOR", "EXPERT_MAJOR", "EXPERT_PACKED", "RANK_MAJOR",
+    "MOONEP_SLOTS"), the same string ``All2All.dispatch()["layout"]`` gives."""
+    code = i32()
+    _check(load_library().epcomm_all2all_backend_layout(_backend(name), ctypes.byref(code)))
+    return layout_name(code.value)
 
 
 _KINDS = {0: "canonical", 1: "alias", 2: "removed"}
@@ -144,7 +163,7 @@ def all2all_names() -> List[Dict[str, str]]:
             "name": d.name.decode(),
             "backend": lib.epcomm_all2all_backend_name(d.backend).decode(),
             "kind": _KINDS[d.kind],
-            "layout": lib.epcomm_all2all_layout_name(d.layout).decode(),
+            "layout": layout_name(d.layout),
             "manager_class": d.manager_class.decode(),
         })
     return names

@@ -11,6 +11,7 @@ from ._lib import All2AllStats, DispatchOutput, MoeConfig, Tensor, load_library,
 from ._tensor import Arg, dtype_struct
 from .errors import check
 from .group import Group
+from .layout import layout_name
 
 # The dispatch outputs every layout returns (empty where its contract has none), as the C
 # struct lists them.
@@ -132,8 +133,9 @@ class All2All(Handle):
         extras: Optional[Sequence[Any]] = None, views: bool = True, fp8: Any = None,
     ) -> Dict[str, Any]:
         """Dispatches this rank's tokens (collective); returns a dict of the layout's outputs,
-        with "layout", "received_rows" and "extras" (one per extra payload, uint8 rows laid out
-        like "hidden"): ``Buffer``s over the manager's memory, valid until the next dispatch or
+        with "layout" (the layout's name, one of ``epcomm.layout.LAYOUTS``, e.g.
+        ``epcomm.layout.TOKEN_MAJOR == "TOKEN_MAJOR"``, as ``backend_layout`` returns it),
+        "received_rows" and "extras" (one per extra payload, uint8 rows laid out like "hidden"): ``Buffer``s over the manager's memory, valid until the next dispatch or
         close (``torch.from_dlpack``, ``numpy.from_dlpack`` and ``numpy.asarray`` view them
         without a copy), or with ``views=False`` numpy copies. ``extras`` are this rank's
         [T, extra_row_bytes[i]] payloads (any dtype of that many bytes per row).
@@ -208,7 +210,7 @@ class All2All(Handle):
             sc = Tensor()
             check(load_library().epcomm_all2all_dispatch_scales(h, ctypes.byref(sc)))
             result["scales"] = wrap(sc)
-        result["layout"] = out.layout
+        result["layout"] = layout_name(out.layout)
         result["received_rows"] = out.received_rows
         extras = ctypes.cast(out.extras, ctypes.POINTER(Tensor))
         result["extras"] = [wrap(extras[i]) for i in range(out.num_extras)]

@@ -14,6 +14,7 @@ from ._lib import DispatchOutput, GpuStats, Tensor, i32, load_library, vp
 from ._tensor import Arg
 from .all2all import OUTPUT_TENSORS, _Config
 from .errors import InvalidArgumentError, check
+from .layout import layout_name
 
 #: NCCL unique id bytes (EPCOMM_NCCL_UNIQUE_ID_BYTES).
 NCCL_UNIQUE_ID_BYTES = 128
@@ -132,7 +133,7 @@ class GpuAll2All(Handle):
                 h, s, args[0].ptr, args[1].ptr, args[2].ptr, c_ex if ex else None, len(ex),
                 ctypes.byref(out)))
         result: Dict[str, Any] = {n: Buffer(getattr(out, n), self) for n in OUTPUT_TENSORS}
-        result["layout"], result["received_rows"] = out.layout, out.received_rows
+        result["layout"], result["received_rows"] = layout_name(out.layout), out.received_rows
         views = ctypes.cast(out.extras, ctypes.POINTER(Tensor))
         result["extras"] = [Buffer(views[i], self) for i in range(out.num_extras)]
         return result

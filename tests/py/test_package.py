@@ -247,6 +247,29 @@ class ViewsTest(unittest.TestCase):
         gc.collect()
         g.close()
 
+    def test_layouts_are_names_everywhere(self):
+        import numpy as np
+
+        self.assertEqual(epcomm.LAYOUTS, ("REPLICATED", "TOKEN_MAJOR", "EXPERT_MAJOR",
+                                          "EXPERT_PACKED", "RANK_MAJOR", "MOONEP_SLOTS"))
+        self.assertEqual(epcomm.TOKEN_MAJOR, "TOKEN_MAJOR")
+        self.assertIs(epcomm.layout.EXPERT_MAJOR, epcomm.EXPERT_MAJOR)
+        with epcomm.Group.shm(unique("layouts"), 0, 1) as g:
+            for backend, layout in (
+                ("allgather_reducescatter", epcomm.REPLICATED),
+                ("deepep_high_throughput", epcomm.TOKEN_MAJOR),
+                ("deepep_low_latency", epcomm.EXPERT_MAJOR),
+                ("deepep_v2", epcomm.EXPERT_PACKED),
+                ("flashinfer_nvlink_two_sided", epcomm.RANK_MAJOR),
+            ):
+                self.assertEqual(epcomm.backend_layout(backend), layout)
+                with epcomm.All2All(g, backend, num_experts=2, top_k=1, hidden_size=4,
+                                    max_tokens_per_rank=2) as a:
+                    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+                    d = a.dispatch(x, np.array([[1], [0]]), np.ones((2, 1), np.float32))
+                    self.assertEqual(d["layout"], layout)
+                    self.assertEqual(d["layout"], epcomm.backend_layout(backend))
+
     def test_torch_views_bfloat16(self):
         try:
             import torch

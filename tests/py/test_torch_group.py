@@ -30,7 +30,6 @@ BACKENDS = (
     "deepep_v2",
     "flashinfer_nvlink_two_sided",
 )
-EXPERT_MAJOR, RANK_MAJOR = 2, 4  # layouts whose buckets have padding rows
 E, K, H, M = 8, 2, 8, 8  # experts, top-k, hidden size, max tokens per rank
 LAYERS, LOCAL_SLOTS, COLS = 2, 2, 4
 # How long one rank may take, and gloo's own timeout (what fires for a dead peer).
@@ -59,7 +58,7 @@ def valid_rows(d):
 
     v = {k: d[k] for k in ("hidden", "topk_ids", "topk_weights", "counts", "expert_offsets",
                            "src_rank", "src_token")}
-    if d["layout"] in (EXPERT_MAJOR, RANK_MAJOR):
+    if d["layout"] in ("EXPERT_MAJOR", "RANK_MAJOR")  # buckets with padding rows:
         buckets = d["hidden"].shape[0]
         mask = np.arange(d["hidden"].shape[1])[None, :] < d["counts"][:, None]
         v["hidden"] = d["hidden"][mask]
@@ -81,7 +80,7 @@ def all2all_results(epcomm, g, rank, world):
             for k, arr in valid_rows(d).items():
                 out[f"{backend}.dispatch.{k}"] = np.ascontiguousarray(arr).tobytes().hex()
             y = d["hidden"].astype(np.float32) * 2
-            if d["layout"] in (EXPERT_MAJOR, RANK_MAJOR):
+            if d["layout"] in ("EXPERT_MAJOR", "RANK_MAJOR")  # buckets with padding rows:
                 mask = np.arange(y.shape[1])[None, :] < d["counts"][:, None]
                 y[~mask] = 0
             combined = np.zeros_like(x)
