@@ -1734,7 +1734,9 @@ int32_t epcomm_eplb_layer_plan_destroy_checked(struct epcomm_eplb_layer_plan *pl
 int32_t epcomm_eplb_lost_experts(const int64_t *old_phy2log, int64_t num_slots, int64_t slots_per_rank, const int64_t *rank_mapping, size_t rank_mapping_len, int64_t *lost_out, size_t lost_capacity, int64_t *num_lost_out);
 
 /**
- * Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts.
+ * Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts:
+ * epcomm_eplb_state_new with its arguments in an older order, kept for existing callers (new
+ * code calls epcomm_eplb_state_new, whose order the C++ and Python constructors share).
  * `eplb_config_json` is vLLM's EPLBConfig as JSON (NULL = defaults: window_size 1000,
  * step_interval 3000, ...), validated as epcomm_config_check does. The first rearrangement is
  * due after step_interval / 4 steps, as in vLLM. `model_name` (required; NULL is
@@ -1744,6 +1746,21 @@ int32_t epcomm_eplb_lost_experts(const int64_t *old_phy2log, int64_t num_slots, 
  * Strings are NULL or NUL-terminated; `out` is NULL or writable.
  */
 int32_t epcomm_eplb_state_create(const char *eplb_config_json, const char *model_name, int64_t num_layers, int64_t num_physical, struct epcomm_eplb_state **out);
+
+/**
+ * Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts,
+ * in the order every binding shares: C++ `epcomm::EplbState(num_layers, num_physical,
+ * model_name, config_json)`, Python `epcomm.EplbState(num_layers, num_physical, *,
+ * model_name, eplb_config)`. `model_name` (required; NULL is EPCOMM_ERROR_NULL_POINTER) names
+ * the model in vLLM's balancedness line; `eplb_config_json` is vLLM's EPLBConfig as JSON
+ * (NULL = defaults: window_size 1000, step_interval 3000, ...), validated as
+ * epcomm_config_check does. The first rearrangement is due after step_interval / 4 steps, as
+ * in vLLM.
+ *
+ * # Safety
+ * Strings are NULL or NUL-terminated; `out` is NULL or writable.
+ */
+int32_t epcomm_eplb_state_new(int64_t num_layers, int64_t num_physical, const char *model_name, const char *eplb_config_json, struct epcomm_eplb_state **out);
 
 /**
  * Releases load statistics (NULL is a no-op), as epcomm_eplb_state_destroy_checked, whose

@@ -6,9 +6,38 @@
 // structs (MoeConfig, RearrangeOptions), and tensor helpers that build the DLPack-layout
 // epcomm_tensor from pointers, std::vector or (C++20) std::span.
 //
-//   epcomm::Group g = epcomm::Group::shm("ep0", rank, 2);
-//   epcomm::All2All a2a(g, "deepep_high_throughput", epcomm::MoeConfig().experts(8).top_k(2));
-//   auto out = a2a.dispatch(epcomm::Tensor::of(x.data(), {T, H}), ...);
+// One MoE step on each of two ranks (tests/header_examples.rs extracts this example, compiles
+// it and runs it as ranks 0 and 1; every block in this file and docs/api.md that starts with
+// the #include line is checked so):
+//
+// ```cpp
+// #include "epcomm.hpp"
+//
+// // Rank `rank` of 2: dispatch 2 tokens, run toy experts (identity), combine; returns [T, H].
+// std::vector<float> moe_step(const std::string &group, int rank) {
+//     const int64_t T = 2, H = 4, K = 2;
+//     std::vector<float> x(T * H, float(rank + 1)), out(T * H);
+//     std::vector<int64_t> ids = {0, 5, 3, 6};           // global expert ids, [T, K]
+//     std::vector<float> w = {0.5f, 0.5f, 0.25f, 0.75f}; // routing weights, [T, K]
+//     epcomm::Group g = epcomm::Group::shm(group, rank, 2);
+//     epcomm::All2All a2a(g, "deepep_high_throughput",
+//                         epcomm::MoeConfig().experts(8).top_k(K).hidden_size(H)
+//                             .dtypes(epcomm::f32()).max_tokens_per_rank(T));
+//     epcomm::Dispatched d = a2a.dispatch(epcomm::Tensor::of(x, {T, H}), epcomm::Tensor::of(ids, {T, K}),
+//                                         epcomm::Tensor::of(w, {T, K}));
+//     // TOKEN_MAJOR: one row per (source rank, token) routed here, with the ids this rank
+//     // does not hold set to -1 and their weights to 0; the holder applies the weights.
+//     epcomm::View<float> rows = d.hidden_as<float>();
+//     std::vector<float> y(rows.size());
+//     for (int64_t r = 0; r < rows.dim(0); ++r) {
+//         float weight = 0;
+//         for (int64_t k = 0; k < K; ++k) weight += d.topk_weights(r, k);
+//         for (int64_t h = 0; h < H; ++h) y[r * H + h] = weight * rows(r, h);
+//     }
+//     a2a.combine(epcomm::Tensor::of(y, rows.shape()), epcomm::Tensor::of(out, {T, H}));
+//     return out;  // == x: each token's weights sum to 1
+// }
+// ```
 //
 // Errors throw epcomm::Error; nothing here hides a failure. Every C entry point a C++ program
 // calls has a wrapper here except the Python-runtime helpers (epcomm_dlpack_set_python_api,
@@ -63,13 +92,64 @@ private:
     int64_t next_valid_;
 };
 
-/// The Error for a non-OK status, from this thread's last error.
+namespace detail {
+/// The C/C++ name of an element type the library's message names as PyTorch does
+/// ("float32" of "torch.float32"): the C type, with the epcomm:: function that makes its
+/// epcomm_dtype where there is one; the bare name for the others.
+inline std::string c_dtype_name(const std::string &torch) {
+    static const std::pair<const char *, const char *> names[] = {
+        {"float32", "float (epcomm::f32())"},
+        {"float64", "double"},
+        {"float16", "float16 (epcomm::f16())"},
+        {"bfloat16", "bfloat16 (epcomm::bf16())"},
+        {"float8_e4m3fn", "float8_e4m3fn (epcomm::f8_e4m3fn())"},
+        {"int8", "int8_t"},
+        {"int16", "int16_t"},
+        {"int32", "int32_t (epcomm::i32())"},
+        {"int64", "int64_t (epcomm::i64())"},
+        {"uint8", "uint8_t (epcomm::u8())"},
+        {"uint16", "uint16_t"},
+        {"uint32", "uint32_t"},
+        {"uint64", "uint64_t"},
+    };
+    for (const auto &n : names) {
+        if (torch == n.first) return n.second;
+    }
+    return torch;
+}
+
+/// A library message with its element types in C/C++ terms: every "torch.NAME" (NAME a
+/// PyTorch dtype) becomes c_dtype_name(NAME), e.g. "expected torch.float32" reads "expected
+/// float (epcomm::f32())". The Python package keeps PyTorch's names.
+inline std::string with_c_dtype_names(const std::string &message) {
+    static const std::string prefix = "torch.";
+    std::string out;
+    size_t at = 0;
+    for (size_t hit = message.find(prefix); hit != std::string::npos; hit = message.find(prefix, at)) {
+        size_t end = hit + prefix.size();
+        while (end < message.size() &&
+               ((message[end] >= 'a' && message[end] <= 'z') || (message[end] >= '0' && message[end] <= '9') ||
+                message[end] == '_')) {
+            ++end;
+        }
+        out.append(message, at, hit - at);
+        const std::string name = message.substr(hit + prefix.size(), end - hit - prefix.size());
+        out += name.empty() ? prefix : c_dtype_name(name);
+        at = end;
+    }
+    out.append(message, at, std::string::npos);
+    return out;
+}
+}  // namespace detail
+
+/// The Error for a non-OK status, from this thread's last error (element types named in C/C++
+/// terms, detail::with_c_dtype_names).
 inline Error last_error(int32_t status) {
     const char *message = epcomm_last_error_message();
     const char *hint = epcomm_last_error_hint();
     const char *cls = epcomm_status_exception(status);
-    return Error(status, message ? message : epcomm_status_string(status), hint ? hint : "",
-                 cls ? cls : "RuntimeError");
+    return Error(status, detail::with_c_dtype_names(message ? message : epcomm_status_string(status)),
+                 hint ? hint : "", cls ? cls : "RuntimeError");
 }
 
 /// Throws epcomm::Error for a non-OK status (with this thread's last error).
@@ -226,6 +306,39 @@ template <> struct dtype_of<int64_t> { static constexpr epcomm_dtype value = dty
 template <> struct dtype_of<uint8_t> { static constexpr epcomm_dtype value = dtype(1, 8); };
 template <> struct dtype_of<int8_t> { static constexpr epcomm_dtype value = dtype(0, 8); };
 
+/// The bits of one bfloat16 element (C++ has no such type): the element type of a bf16 View.
+struct bfloat16 {
+    uint16_t bits;
+};
+/// The bits of one IEEE float16 element: the element type of an f16 View.
+struct float16 {
+    uint16_t bits;
+};
+/// The bits of one float8_e4m3fn element: the element type of FP8 dispatch's hidden View.
+struct float8_e4m3fn {
+    uint8_t bits;
+};
+template <> struct dtype_of<bfloat16> { static constexpr epcomm_dtype value = dtype(4, 16); };
+template <> struct dtype_of<float16> { static constexpr epcomm_dtype value = dtype(2, 16); };
+template <> struct dtype_of<float8_e4m3fn> { static constexpr epcomm_dtype value = dtype(10, 8); };
+
+/// The C/C++ name of an element type, for messages ("float", "int64_t", "bfloat16", ...).
+inline std::string dtype_name(const epcomm_dtype &t) {
+    static const struct {
+        epcomm_dtype type;
+        const char *name;
+    } names[] = {
+        {dtype(2, 32), "float"},    {dtype(2, 64), "double"},   {dtype(2, 16), "float16"},
+        {dtype(4, 16), "bfloat16"}, {dtype(10, 8), "float8_e4m3fn"}, {dtype(0, 8), "int8_t"},
+        {dtype(0, 32), "int32_t"},  {dtype(0, 64), "int64_t"},  {dtype(1, 8), "uint8_t"},
+    };
+    for (const auto &n : names) {
+        if (same_dtype(n.type, t)) return n.name;
+    }
+    return "epcomm_dtype{code " + std::to_string(t.code) + ", bits " + std::to_string(t.bits) + ", lanes " +
+           std::to_string(t.lanes) + "}";
+}
+
 // ---- tensors --------------------------------------------------------------------------------
 
 /// A contiguous tensor view (epcomm never owns the memory); keeps its own shape array. Host
@@ -312,6 +425,112 @@ inline std::vector<epcomm_tensor> raw(const std::vector<Tensor> &ts) {
     return out;
 }
 }  // namespace detail
+
+// ---- typed views of dispatch outputs ---------------------------------------------------------
+
+/// A typed view of one dispatch output: element type T (checked against the output's dtype
+/// when made), its shape, and row-major indexing. It never owns the memory: like the C views,
+/// it is valid until the manager's next call.
+template <class T> class View {
+public:
+    /// An empty view (shape [0]).
+    View() : shape_{0} {}
+    /// A view of `t`, which must hold elements of type T (dtype_of<T>); otherwise throws an
+    /// invalid-argument Error naming `what` and both types. An empty tensor is taken whatever
+    /// its dtype.
+    View(const epcomm_tensor &t, const std::string &what)
+        : data_(static_cast<T *>(t.data)), shape_(t.shape, t.shape + (t.ndim > 0 ? t.ndim : 0)) {
+        if (size() > 0 && !same_dtype(t.dtype, dtype_of<T>::value)) {
+            throw Error(EPCOMM_ERROR_INVALID_ARGUMENT,
+                        "dispatch output '" + what + "' holds " + dtype_name(t.dtype) + " elements; View<" +
+                            dtype_name(dtype_of<T>::value) + "> cannot view it",
+                        "", "ValueError");
+        }
+        if (size() == 0) data_ = nullptr;
+    }
+
+    T *data() const noexcept { return data_; }
+    const std::vector<int64_t> &shape() const noexcept { return shape_; }
+    size_t ndim() const noexcept { return shape_.size(); }
+    /// The extent of dimension `i` (0 past the last dimension).
+    int64_t dim(size_t i) const noexcept { return i < shape_.size() ? shape_[i] : 0; }
+    /// The number of elements.
+    int64_t size() const noexcept {
+        int64_t n = 1;
+        for (int64_t d : shape_) n *= d;
+        return n;
+    }
+    bool empty() const noexcept { return size() == 0; }
+    T *begin() const noexcept { return data_; }
+    T *end() const noexcept { return data_ + size(); }
+    /// The i-th element in row-major order (unchecked, as std::span's).
+    T &operator[](int64_t i) const noexcept { return data_[i]; }
+    /// The element at (i, j) of a 2-D view, or of the first two dimensions' row-major
+    /// flattening into rows of the last dimension (unchecked).
+    T &operator()(int64_t i, int64_t j) const noexcept { return data_[i * dim(ndim() - 1) + j]; }
+    /// The element at (i, j, k) of a 3-D view (unchecked).
+    T &operator()(int64_t i, int64_t j, int64_t k) const noexcept {
+        return data_[(i * dim(1) + j) * dim(2) + k];
+    }
+    /// A Tensor over the same memory and shape (e.g. for combine or EplbState::record).
+    Tensor tensor() const { return Tensor(static_cast<void *>(data_), dtype_of<T>::value, shape_); }
+
+private:
+    T *data_ = nullptr;
+    std::vector<int64_t> shape_;
+};
+
+/// What All2All::dispatch returns: the C struct's views as typed Views with their shapes
+/// (docs/design.md, "The layout contract"). `hidden` is a Tensor of the manager's hidden dtype
+/// (hidden_as<T>() views it typed); the others are empty (shape [0]) where the layout has none.
+/// It converts to the C struct, epcomm_dispatch_output, for code written against it. Like the
+/// C views, everything here is valid until the manager's next call.
+class Dispatched {
+public:
+    explicit Dispatched(const epcomm_dispatch_output &out)
+        : layout(out.layout), received_rows(out.received_rows), hidden(out.hidden),
+          topk_ids(out.topk_ids, "topk_ids"), topk_weights(out.topk_weights, "topk_weights"),
+          counts(out.counts, "counts"), expert_offsets(out.expert_offsets, "expert_offsets"),
+          src_rank(out.src_rank, "src_rank"), src_token(out.src_token, "src_token"), raw_(out) {
+        for (size_t i = 0; i < out.num_extras; ++i) {
+            extras.emplace_back(out.extras[i], "extras[" + std::to_string(i) + "]");
+        }
+    }
+
+    /// EPCOMM_LAYOUT_* of the backend.
+    int32_t layout;
+    /// Rows actually received (the fixed-capacity layouts have more rows in `hidden`).
+    int64_t received_rows;
+    /// The received rows: [rows, hidden] (EXPERT_MAJOR [E_local, M*R, hidden], RANK_MAJOR
+    /// [R, M, hidden]); combine's expert output has this shape (or expert_output_buffer()'s).
+    Tensor hidden;
+    /// [rows, K]: TOKEN_MAJOR's ids owned here (-1 elsewhere), RANK_MAJOR's and REPLICATED's
+    /// ids as sent (padding rows all -1); empty for EXPERT_MAJOR and EXPERT_PACKED.
+    View<int64_t> topk_ids;
+    /// [rows, K] as topk_ids (weight 0 where the id is -1); EXPERT_PACKED [rows], the weight of
+    /// each row's (token, expert); empty for EXPERT_MAJOR.
+    View<float> topk_weights;
+    /// TOKEN_MAJOR tokens_per_local_expert [E_local], EXPERT_MAJOR counts [E_local],
+    /// RANK_MAJOR recv_counts [R]; empty otherwise.
+    View<int32_t> counts;
+    /// EXPERT_PACKED [E_local + 1]: expert j's rows are [expert_offsets[j], expert_offsets[j+1]).
+    View<int64_t> expert_offsets;
+    /// EXPERT_PACKED [rows]: the source rank and source token of each row.
+    View<int32_t> src_rank;
+    View<int32_t> src_token;
+    /// One [rows..., bytes] view per extra payload, laid out like hidden.
+    std::vector<View<uint8_t>> extras;
+
+    /// `hidden` as a View<T> (float, bfloat16, float16, float8_e4m3fn, ...); throws an
+    /// invalid-argument Error when T is not the hidden rows' element type.
+    template <class T> View<T> hidden_as() const { return View<T>(*hidden.get(), "hidden"); }
+    /// The C struct this was made from.
+    const epcomm_dispatch_output &raw() const noexcept { return raw_; }
+    operator const epcomm_dispatch_output &() const noexcept { return raw_; }
+
+private:
+    epcomm_dispatch_output raw_;
+};
 
 // ---- selection and configuration --------------------------------------------------------------
 
@@ -648,21 +867,32 @@ public:
     /// Releases the manager now; throws EPCOMM_ERROR_INVALID_STATE, keeping it, while another
     /// thread's call on it is in flight, and in a forked child.
     void close() { a_.close(epcomm_all2all_destroy_checked); }
-    /// Dispatches (collective); the returned views stay valid until the next call.
-    epcomm_dispatch_output dispatch(const Tensor &hidden, const Tensor &topk_ids, const Tensor &topk_weights) {
+    /// Dispatches (collective): this rank's `hidden` [T, hidden_size], `topk_ids` [T, K]
+    /// (int32 or int64) and `topk_weights` [T, K] (float). Returns typed views (Dispatched),
+    /// valid until the next call.
+    Dispatched dispatch(const Tensor &hidden, const Tensor &topk_ids, const Tensor &topk_weights) {
         return dispatch(hidden, topk_ids, topk_weights, {});
     }
     /// Dispatches with one extra payload per entry of the config's extra_row_bytes
     /// ([T, bytes] each); they arrive as the output's `extras`.
-    epcomm_dispatch_output dispatch(const Tensor &hidden, const Tensor &topk_ids, const Tensor &topk_weights,
-                                    const std::vector<Tensor> &extras) {
+    Dispatched dispatch(const Tensor &hidden, const Tensor &topk_ids, const Tensor &topk_weights,
+                        const std::vector<Tensor> &extras) {
         const std::vector<epcomm_tensor> ex = detail::raw(extras);
         epcomm_dispatch_output out{};
         check(epcomm_all2all_dispatch(a_.get(), hidden.get(), topk_ids.get(), topk_weights.get(),
                                       ex.empty() ? nullptr : ex.data(), ex.size(), &out));
-        return out;
+        return Dispatched(out);
     }
-    /// Combines (collective): expert outputs in the dispatch output's shape → [T, hidden].
+    /// Combines (collective) this rank's expert outputs into `output` [T, hidden_size] of the
+    /// config's out_dtype (T as this rank's last dispatch). `expert_output` is of the config's
+    /// expert_dtype, one row per row of the last dispatch's `hidden` (padding rows of the
+    /// fixed-capacity layouts included), in either shape:
+    ///  - the shape of the last dispatch's `hidden` (EXPERT_MAJOR [E_local, M*R, hidden_size],
+    ///    RANK_MAJOR [R, M, hidden_size], the others [rows, hidden_size]), or
+    ///  - flat [rows, hidden_size], rows the product of hidden's leading dimensions:
+    ///    expert_output_buffer()'s shape (whose rows the peers read in place, no copy).
+    /// Any shape whose last dimension is hidden_size and whose rows number the same is taken;
+    /// another is an invalid-argument Error on this rank that fails every rank's combine.
     void combine(const Tensor &expert_output, const Tensor &output) {
         check(epcomm_all2all_combine(a_.get(), expert_output.get(), output.get()));
     }
@@ -1353,13 +1583,20 @@ private:
 /// balancedness log line.
 class EplbState {
 public:
-    /// `config_json` is vLLM's EPLBConfig as JSON (empty: vLLM's defaults); `model_name` names
-    /// the model in the balancedness line.
-    EplbState(const std::string &model_name, int64_t num_layers, int64_t num_physical,
+    /// Load statistics for `num_layers` MoE layers of `num_physical` experts, in the order C's
+    /// epcomm_eplb_state_new and Python's epcomm.EplbState take: `model_name` names the model in
+    /// the balancedness line; `config_json` is vLLM's EPLBConfig as JSON (empty: vLLM's
+    /// defaults).
+    EplbState(int64_t num_layers, int64_t num_physical, const std::string &model_name,
               const std::string &config_json = "") {
-        check(epcomm_eplb_state_create(config_json.empty() ? nullptr : config_json.c_str(), model_name.c_str(),
-                                       num_layers, num_physical, s_.out()));
+        check(epcomm_eplb_state_new(num_layers, num_physical, model_name.c_str(),
+                                    config_json.empty() ? nullptr : config_json.c_str(), s_.out()));
     }
+    /// The same, with the arguments in an older order (model_name first), kept for existing
+    /// callers; new code uses the constructor above.
+    EplbState(const std::string &model_name, int64_t num_layers, int64_t num_physical,
+              const std::string &config_json = "")
+        : EplbState(num_layers, num_physical, model_name, config_json) {}
     epcomm_eplb_state *get() const noexcept { return s_.get(); }
     /// vLLM's EPLBConfig.migration_batching_enabled (use_async and enable_migration_batching).
     bool migration_batching() const {

@@ -337,6 +337,7 @@ def _signatures() -> dict:
         "epcomm_eplb_communicator_add_recv": (i32, [vp, T, sz, i32, i64]),
         "epcomm_eplb_communicator_execute": (i32, [vp]),
         "epcomm_eplb_state_create": (i32, [cp, cp, i64, i64, P(vp)]),
+        "epcomm_eplb_state_new": (i32, [i64, i64, cp, cp, P(vp)]),
         "epcomm_eplb_state_destroy": (None, [vp]),
         "epcomm_eplb_state_destroy_checked": (i32, [vp]),
         "epcomm_eplb_state_record_dispatch": (i32, [vp, i64, vp]),

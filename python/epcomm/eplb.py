@@ -435,23 +435,24 @@ def _tensors(weights: Sequence[Sequence[Any]], what: str, output: bool) -> Tuple
 class EplbState(Handle):
     """vLLM's EPLB load statistics for ``num_layers`` MoE layers of ``num_physical`` experts:
     record each step's load, end the step, and read the window's load per logical expert (for
-    ``eplb_rebalance``). ``eplb_config`` is vLLM's EPLBConfig (a dict or JSON; None: vLLM's
-    defaults); ``model_name`` labels vLLM's log lines. A context manager; ``close()`` may be called any number of times."""
+    ``eplb_rebalance``). ``model_name`` labels vLLM's log lines; ``eplb_config`` is vLLM's
+    EPLBConfig (a dict or JSON; None: vLLM's defaults). The arguments come in the order C's
+    ``epcomm_eplb_state_new`` and C++'s ``epcomm::EplbState`` take them; the last two are
+    keyword-only. A context manager; ``close()`` may be called any number of times."""
 
     _DESTROY = "epcomm_eplb_state_destroy"
     _WHAT = "EPLB state"
 
-    def __init__(self, num_layers: int, num_physical: int, eplb_config: Any = None,
-                 model_name: str = ""):
+    def __init__(self, num_layers: int, num_physical: int, *, model_name: str = "",
+                 eplb_config: Any = None):
         self._h = vp()
         text = None
         if eplb_config is not None:
             text = (eplb_config if isinstance(eplb_config, str) else json.dumps(eplb_config))
         h = vp()
-        check(load_library().epcomm_eplb_state_create(
-            text.encode() if text is not None else None,
-            model_name.encode(),
-            num_layers, num_physical, ctypes.byref(h),
+        check(load_library().epcomm_eplb_state_new(
+            num_layers, num_physical, model_name.encode(),
+            text.encode() if text is not None else None, ctypes.byref(h),
         ))
         self._h = h
         self.num_layers, self.num_physical = num_layers, num_physical

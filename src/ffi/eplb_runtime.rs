@@ -1182,7 +1182,9 @@ exclusive_handle!(
     "the EPLB state is in use by another thread"
 );
 
-/// Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts.
+/// Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts:
+/// epcomm_eplb_state_new with its arguments in an older order, kept for existing callers (new
+/// code calls epcomm_eplb_state_new, whose order the C++ and Python constructors share).
 /// `eplb_config_json` is vLLM's EPLBConfig as JSON (NULL = defaults: window_size 1000,
 /// step_interval 3000, ...), validated as epcomm_config_check does. The first rearrangement is
 /// due after step_interval / 4 steps, as in vLLM. `model_name` (required; NULL is
@@ -1196,6 +1198,29 @@ pub unsafe extern "C" fn epcomm_eplb_state_create(
     model_name: *const c_char,
     num_layers: i64,
     num_physical: i64,
+    out: *mut *mut epcomm_eplb_state,
+) -> i32 {
+    // SAFETY: the same contract.
+    unsafe { epcomm_eplb_state_new(num_layers, num_physical, model_name, eplb_config_json, out) }
+}
+
+/// Creates load statistics for a model with `num_layers` MoE layers of `num_physical` experts,
+/// in the order every binding shares: C++ `epcomm::EplbState(num_layers, num_physical,
+/// model_name, config_json)`, Python `epcomm.EplbState(num_layers, num_physical, *,
+/// model_name, eplb_config)`. `model_name` (required; NULL is EPCOMM_ERROR_NULL_POINTER) names
+/// the model in vLLM's balancedness line; `eplb_config_json` is vLLM's EPLBConfig as JSON
+/// (NULL = defaults: window_size 1000, step_interval 3000, ...), validated as
+/// epcomm_config_check does. The first rearrangement is due after step_interval / 4 steps, as
+/// in vLLM.
+///
+/// # Safety
+/// Strings are NULL or NUL-terminated; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn epcomm_eplb_state_new(
+    num_layers: i64,
+    num_physical: i64,
+    model_name: *const c_char,
+    eplb_config_json: *const c_char,
     out: *mut *mut epcomm_eplb_state,
 ) -> i32 {
     guard::call(|| {

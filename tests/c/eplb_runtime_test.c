@@ -966,6 +966,25 @@ static void test_state(group_t *g) {
             epcomm_eplb_state_destroy(t);
         }
     }
+    /* epcomm_eplb_state_new: the order C++ and Python share (layers, physical, model, config). */
+    {
+        state_t *t = NULL;
+        bool on = false;
+        if (CHECK_ERR(epcomm_eplb_state_new(1, 4, "toy", "{\"enable_migration_batching\": true}",
+                                            &t),
+                      EPCOMM_OK, NULL) &&
+            CHECK_ERR(epcomm_eplb_state_migration_batching(t, &on), EPCOMM_OK, NULL)) {
+            CHECK(on);
+        }
+        epcomm_eplb_state_destroy(t);
+        t = NULL;
+        CHECK_ERR(epcomm_eplb_state_new(1, 4, NULL, NULL, &t), EPCOMM_ERROR_NULL_POINTER,
+                  "argument 'model_name' must not be NULL");
+        CHECK(t == NULL);
+        CHECK_ERR(epcomm_eplb_state_new(1, 0, "toy", NULL, &t), EPCOMM_ERROR_INVALID_ARGUMENT,
+                  "num_physical is 0; expected a positive value");
+        CHECK(t == NULL);
+    }
     CHECK_ERR(epcomm_eplb_state_migration_batching(NULL, NULL), EPCOMM_ERROR_NULL_POINTER, NULL);
     epcomm_eplb_state_destroy(s);
     epcomm_eplb_state_destroy(NULL);

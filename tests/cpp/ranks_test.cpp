@@ -485,10 +485,10 @@ static void test_state(epcomm::Group &g, int rank) {
     CHECK_THROWS(s.record(1, t), EPCOMM_ERROR_INVALID_ARGUMENT,
                  "load of layer 1 with 4 experts; expected a layer below 1 and 4 physical experts");
     CHECK(!s.migration_batching());
-    CHECK(epcomm::EplbState("toy", 1, 4, "{\"enable_migration_batching\": true}").migration_batching());
+    CHECK(epcomm::EplbState(1, 4, "toy", "{\"enable_migration_batching\": true}").migration_batching());
     const char *no_async = "{\"use_async\": false, \"enable_migration_batching\": true}";
-    CHECK(!epcomm::EplbState("toy", 1, 4, no_async).migration_batching());
-    CHECK_THROWS(epcomm::EplbState("toy", 1, 4, "{\"window_size\": 0}"), EPCOMM_ERROR_INVALID_ARGUMENT,
+    CHECK(!epcomm::EplbState(1, 4, "toy", no_async).migration_batching());
+    CHECK_THROWS(epcomm::EplbState(1, 4, "toy", "{\"window_size\": 0}"), EPCOMM_ERROR_INVALID_ARGUMENT,
                  "1 validation error for EPLBConfig\nwindow_size\n"
                  "  Input should be greater than 0 [type=greater_than, input_value=0, input_type=int]\n"
                  "    For further information visit https://errors.pydantic.dev/2.13/v/greater_than");

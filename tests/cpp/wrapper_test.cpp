@@ -146,6 +146,36 @@ static void test_round_trip(const std::string &name) {
     const float want[6] = {2.5f, 5.0f, 7.5f, 8.0f, 10.0f, 12.0f};
     CHECK(std::memcmp(combined.data(), want, sizeof want) == 0);
     CHECK(a2a.stats().world_size == 1);
+    // Typed views: no casts; each output's element type and shape.
+    const epcomm::Dispatched d = a2a.dispatch(epcomm::Tensor::of(x, {2, 3}), epcomm::Tensor::of(ids, {2, 2}),
+                                              epcomm::Tensor::of(w, {2, 2}));
+    CHECK(d.layout == EPCOMM_LAYOUT_TOKEN_MAJOR && d.received_rows == 2);
+    const epcomm::View<float> rows = d.hidden_as<float>();
+    CHECK(rows.shape() == (I64{2, 3}) && rows.size() == 6 && rows(1, 2) == 6.0f && rows[3] == 4.0f);
+    CHECK(d.topk_ids.shape() == (I64{2, 2}) && d.topk_ids(0, 1) == 3 && d.topk_ids(1, 1) == -1);
+    CHECK(d.topk_weights(0, 0) == 0.5f && d.topk_weights(1, 1) == 0.0f);
+    CHECK(d.counts.shape() == (I64{4}) && d.counts[0] == 1 && d.counts[1] == 1 && d.counts[3] == 1);
+    CHECK(d.expert_offsets.empty() && d.src_rank.empty() && d.extras.empty());
+    float sum = 0;
+    for (float v : rows) sum += v;
+    CHECK(sum == 21.0f);
+    CHECK(epcomm::same_dtype(d.topk_ids.tensor().dtype(), epcomm::i64()));
+    const epcomm_dispatch_output &c_struct = d;  // code written against the C struct still works
+    CHECK(c_struct.hidden.data == rows.data());
+    CHECK_THROWS(d.hidden_as<epcomm::bfloat16>(), EPCOMM_ERROR_INVALID_ARGUMENT,
+                 "dispatch output 'hidden' holds float elements; View<bfloat16> cannot view it");
+    // Combine takes the dispatch shape or the flat one; errors name C/C++ element types.
+    std::vector<double> wide(6);
+    CHECK_THROWS(a2a.combine(epcomm::Tensor::of(wide, {2, 3}), epcomm::Tensor::of(combined, {2, 3})),
+                 EPCOMM_ERROR_INVALID_ARGUMENT,
+                 "tensor 'expert_output' has dtype double; the manager was created for float (epcomm::f32())");
+    std::vector<int16_t> bad_w(4);
+    CHECK_THROWS(a2a.dispatch(epcomm::Tensor::of(x, {2, 3}), epcomm::Tensor::of(ids, {2, 2}),
+                              epcomm::Tensor(bad_w.data(), epcomm::dtype(0, 16), {2, 2})),
+                 EPCOMM_ERROR_INVALID_ARGUMENT,
+                 "tensor 'topk_weights' has dtype int16_t; expected float (epcomm::f32())");
+    CHECK(epcomm::detail::with_c_dtype_names("torch.int64 or torch.bfloat16, torch.x9, torch.") ==
+          "int64_t (epcomm::i64()) or bfloat16 (epcomm::bf16()), x9, torch.");
     // A device view is refused by the host manager, naming it.
     epcomm::Tensor on_gpu = epcomm::Tensor::of(x, {2, 3});
     on_gpu.on(EPCOMM_DEVICE_CUDA, 1);

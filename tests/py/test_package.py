@@ -321,12 +321,18 @@ class EplbStateTest(unittest.TestCase):
         cases = [({}, False), ({"enable_migration_batching": True}, True),
                  ({"enable_migration_batching": True, "use_async": False}, False)]
         for config, want in cases:
-            with epcomm.EplbState(2, 4, config) as st:
+            with epcomm.EplbState(2, 4, eplb_config=config) as st:
                 self.assertIs(st.migration_batching, want, config)
+        # C's epcomm_eplb_state_new order, C++'s too; the last two are keyword-only.
+        with epcomm.EplbState(1, 4, model_name="toy",
+                              eplb_config={"enable_migration_batching": True}) as st:
+            self.assertTrue(st.migration_batching)
+        with self.assertRaises(TypeError):
+            epcomm.EplbState(1, 4, {"enable_migration_batching": True})
 
     def test_bad_config(self):
         with self.assertRaises(ValueError) as cm:
-            epcomm.EplbState(2, 4, {"window_size": -1})
+            epcomm.EplbState(2, 4, eplb_config={"window_size": -1})
         self.assertEqual(
             str(cm.exception),
             "1 validation error for EPLBConfig\nwindow_size\n"
