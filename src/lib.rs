@@ -6,6 +6,7 @@
 //! libraries.
 
 pub mod bytes;
+pub mod call;
 pub mod copy;
 pub mod dtype;
 pub mod env;

@@ -649,7 +649,7 @@ fn missing_peer_times_out_naming_it() {
         assert_eq!(
             result_line(f),
             format!(
-                "{} timed out after 1.0 s waiting for rank(s) 2 to join group '{group}'",
+                "{} timed out after 1.0 s waiting for rank(s) 2 to join group '{group}' (rank(s) 2 of 3 missing; joined: rank(s) 0, 1); check that those ranks were started and create the group with the name '{group}' and world_size 3 (a rank that failed first reports its own error there; two jobs that use one name at the same time are refused, saying so), or raise the timeout (EPCOMM_TIMEOUT_S, or the group's timeout_s)",
                 Status::Timeout as i32
             ),
             "{}",

@@ -162,7 +162,7 @@ fn a_file_size_limit_on_one_rank_fails_it_and_times_out_the_others() {
         assert_eq!(
             lines[rank],
             [format!(
-                "join Timeout: timed out after 2.0 s waiting for rank(s) 1 to join group '{group}'"
+                "join Timeout: timed out after 2.0 s waiting for rank(s) 1 to join group '{group}' (rank(s) 1 of 3 missing; joined: rank(s) 0, 2); check that those ranks were started and create the group with the name '{group}' and world_size 3 (a rank that failed first reports its own error there; two jobs that use one name at the same time are refused, saying so), or raise the timeout (EPCOMM_TIMEOUT_S, or the group's timeout_s)"
             )],
             "rank {rank}"
         );
@@ -270,7 +270,7 @@ fn a_file_size_limit_on_rank_0_only_times_out_the_others_waiting_for_it() {
                 "join System: group '{group}' needs a shared-memory region of 4194304 bytes on rank 0, but the file size limit RLIMIT_FSIZE (ulimit -f) is 1048576 bytes; raise it (ulimit -f unlimited)"
             )],
             vec![format!(
-                "join Timeout: timed out after 2.0 s waiting for rank 0 to create group '{group}' (rank 1 of 2)"
+                "join Timeout: timed out after 2.0 s waiting for rank 0 to create group '{group}' (rank 1 of 2); no rank 0 created it (until it does, the other ranks cannot see each other): check that rank 0 was started and creates the group with the name '{group}' and world_size 2 (a rank that failed first reports its own error there; two jobs that use one name at the same time are refused, saying so), or raise the timeout (EPCOMM_TIMEOUT_S, or the group's timeout_s)"
             )],
         ]
     );

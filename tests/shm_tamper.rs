@@ -476,7 +476,7 @@ fn an_overwritten_record_is_still_removed() {
         assert_eq!(
             e1.to_string(),
             format!(
-                "timed out after 0.8 s waiting for rank 0 to create group '{group}' (rank 1 of 2)"
+                "timed out after 0.8 s waiting for rank 0 to create group '{group}' (rank 1 of 2); no rank 0 created it (until it does, the other ranks cannot see each other): check that rank 0 was started and creates the group with the name '{group}' and world_size 2 (a rank that failed first reports its own error there; two jobs that use one name at the same time are refused, saying so), or raise the timeout (EPCOMM_TIMEOUT_S, or the group's timeout_s)"
             )
         );
         assert!(

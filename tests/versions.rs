@@ -298,8 +298,9 @@ fn check_flag_overrides_the_config_key_and_unknown_versions_name_neighbours() {
     assert_eq!(
         stderr(&o),
         "epcomm: error: argument --vllm-version: unknown vLLM version '0.31.2': the nearest \
-         known releases are 0.31.0 and 0.32.0; to check against the deployed vLLM's own source, \
-         give --vllm-src DIR\n"
+         known releases are 0.31.0 and 0.32.0; pass the deployed release's exact number, or \
+         check against the deployed vLLM's own source instead (epcomm check --vllm-src DIR, \
+         Python vllm_version=\"auto\", or its description as \"vllm_release\")\n"
     );
     let o = epcomm(&["check", "--config", r#"{"vllm_version": "0.35.0"}"#]);
     assert_eq!(o.status.code(), Some(2));

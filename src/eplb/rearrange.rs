@@ -364,6 +364,7 @@ pub fn rearrange_with(
     options: &RearrangeOptions<'_>,
 ) -> Result<Summary> {
     let _rank = crate::log::rank_scope(g.rank());
+    let _call = crate::call::scope("rearrange");
     let shape = check_layers(old.len(), new.len(), weights.len());
     // Every rank checks its own arguments, then all agree on what they rearrange before any
     // layer moves: a rank's rejection or a disagreement fails every rank, no layer changed.
@@ -804,6 +805,7 @@ pub fn rearrange_into(
     options: &RearrangeOptions<'_>,
 ) -> Rearranged {
     let _rank = crate::log::rank_scope(g.rank());
+    let _call = crate::call::scope("rearrange");
     let (me, world) = (g.rank(), g.size());
     let plans = check_layers(old.len(), new.len(), live.len())
         .and_then(|()| check_next_buffers(&ranges(live), &ranges(next)))

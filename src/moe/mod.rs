@@ -539,6 +539,7 @@ impl Manager {
     /// Tells the peers this rank's dispatch input was rejected, so they fail instead of
     /// waiting, and returns `err`.
     pub fn reject_dispatch(&mut self, g: &mut dyn Group, err: Error) -> Error {
+        let _call = crate::call::scope("dispatch");
         if self.check_group(g).is_err() {
             self.plan = None;
             return err;
@@ -556,6 +557,7 @@ impl Manager {
 
     /// Tells the peers this rank's combine input was rejected, and returns `err`.
     pub fn reject_combine(&mut self, g: &mut dyn Group, err: Error) -> Error {
+        let _call = crate::call::scope("combine");
         if self.check_group(g).is_err() {
             return err;
         }
@@ -580,6 +582,7 @@ impl Manager {
         extras: &[&[u8]],
     ) -> Result<DispatchView<'_>> {
         let _rank = crate::log::rank_scope(self.rank);
+        let _call = crate::call::scope("dispatch");
         self.check_group(g)?;
         self.plan = None;
         self.dispatch_started();
@@ -913,6 +916,7 @@ impl Manager {
         out: &mut [u8],
     ) -> Result<()> {
         let _rank = crate::log::rank_scope(self.rank);
+        let _call = crate::call::scope("combine");
         self.check_group(g)?;
         self.over_group(g, |m, g| m.combine_on(g, expert_output, out))
     }

@@ -216,19 +216,25 @@ fn unknown_version(version: &str, key: &[u64], pre: bool) -> String {
     } else {
         ""
     };
+    // What the user can do: name a release the table holds, or have the deployed vLLM's own
+    // source read (which needs no table).
+    let from_source = "check against the deployed vLLM's own source instead (epcomm check \
+                       --vllm-src DIR, Python vllm_version=\"auto\", or its description as \
+                       \"vllm_release\")";
     match (below, above) {
         (Some(b), Some(a)) => format!(
-            "unknown vLLM version '{version}': {what}the nearest known releases are {} and {}",
+            "unknown vLLM version '{version}': {what}the nearest known releases are {} and {}; \
+             pass the deployed release's exact number, or {from_source}",
             b.version, a.version
         ),
         (None, _) => format!(
             "unknown vLLM version '{version}': {what}the all2all backend is configurable from \
-             vLLM {first} on (VLLM_ALL2ALL_BACKEND); known releases: {first} to {last}"
+             vLLM {first} on (VLLM_ALL2ALL_BACKEND); known releases: {first} to {last}; pass one \
+             of them"
         ),
         (Some(_), None) => format!(
-            "unknown vLLM version '{version}': {what}the newest known release is {last}; check \
-             against the deployed vLLM's own source instead (epcomm check --vllm-src DIR, \
-             Python vllm_version=\"auto\", or its description as \"vllm_release\")"
+            "unknown vLLM version '{version}': {what}the newest known release is {last}; \
+             {from_source}"
         ),
     }
 }
@@ -493,12 +499,15 @@ mod tests {
     fn unknown_versions_name_their_neighbours() {
         assert_eq!(
             err_text("0.31.2"),
-            "unknown vLLM version '0.31.2': the nearest known releases are 0.31.0 and 0.32.0"
+            "unknown vLLM version '0.31.2': the nearest known releases are 0.31.0 and 0.32.0; \
+             pass the deployed release's exact number, or check against the deployed vLLM's own \
+             source instead (epcomm check --vllm-src DIR, Python vllm_version=\"auto\", or its \
+             description as \"vllm_release\")"
         );
         assert_eq!(
             err_text("0.8.5"),
             "unknown vLLM version '0.8.5': the all2all backend is configurable from vLLM 0.9.0 \
-             on (VLLM_ALL2ALL_BACKEND); known releases: 0.9.0 to 0.34.0"
+             on (VLLM_ALL2ALL_BACKEND); known releases: 0.9.0 to 0.34.0; pass one of them"
         );
         assert_eq!(
             err_text("0.35.0"),
@@ -521,7 +530,9 @@ mod tests {
             err_text("0.11.1.dev5+g1234abc"),
             "unknown vLLM version '0.11.1.dev5+g1234abc': a pre-release or development build; \
              the table holds final releases only, and the nearest known releases are 0.11.0 and \
-             0.11.1"
+             0.11.1; pass the deployed release's exact number, or check against the deployed \
+             vLLM's own source instead (epcomm check --vllm-src DIR, Python \
+             vllm_version=\"auto\", or its description as \"vllm_release\")"
         );
         assert_eq!(
             release("0.33.0rc1").unwrap_err().status(),

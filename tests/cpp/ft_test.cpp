@@ -133,7 +133,7 @@ static void survivor(const char *name, int rank) {
     CHECK(round_trip(a, in, -1));
     CHECK(a.dropped_pairs().last == 0 && a.dropped_pairs().total == 0);
     const std::string want = "rank 2 of group '" + std::string(name) + "' died (pid " + std::to_string(pids[VICTIM]) +
-                             " is gone) during all_gatherv (op #7, seen from rank " + std::to_string(rank) + ")";
+                             " is gone) during dispatch (op #7, seen from rank " + std::to_string(rank) + ")";
     manager_after_kill(a, in, want);
     CHECK(g.lost_ranks() == (std::vector<int32_t>{0, 0, 1}));
     epcomm::Group s = g.shrink({VICTIM});

@@ -125,9 +125,10 @@ class FaultTolerantAll2AllTest(unittest.TestCase):
             r = results[rank]["steps"]
             self.assertEqual([x[0] for x in r[:2]], ["ok", "ok"], r)
             self.assertEqual(r[2][0], "error")
-            # Step 2's first op: dispatch's header exchange (op 11: the join, then 5 per step).
+            # Step 2's first op, dispatch's header exchange (op 11: the join, then 5 per step), named
+            # as the user's call.
             self.assertEqual(r[2][1:], ("TimeoutError", (
-                f"timed out after 0.8 s in all_gatherv of group '{name}' (op #11) waiting for "
+                f"timed out after 0.8 s in dispatch of group '{name}' (op #11) waiting for "
                 "rank(s) 3")))
             for s in r[3:]:
                 self.assertEqual(s[0], "ok", r)

@@ -141,7 +141,8 @@ impl ShmGroup {
 
     /// The error every rank reports for a failure of rank `p` (the first failure of op `n`).
     pub(super) fn failure_error(&self, op: Op, n: u64, p: usize, cause: Cause) -> Error {
-        let (name, me, what) = (&self.name, self.rank, op.name());
+        // The user's call (dispatch, combine, rearrange, ...) where one is in progress.
+        let (name, me, what) = (&self.name, self.rank, crate::call::name_or(op.name()));
         let timeout = self.opts.timeout.as_secs_f64();
         if p >= self.world {
             // Only a process that wrote into the control segment can name a rank out of range.

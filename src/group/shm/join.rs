@@ -13,7 +13,8 @@ use super::rendezvous::{
     check_file_size, check_map_budget, check_name, random_u64, sys_err, UniqueId,
 };
 use super::segment::{copy_from_process, pid_alive, Segment};
-use super::wait::{list, Backoff, Deadline, LIVENESS_PERIOD};
+use super::wait::{Backoff, Deadline, LIVENESS_PERIOD};
+use super::waiting::{self, WARN_AFTER};
 use super::ShmGroup;
 use crate::error::{Error, Result};
 use crate::group::{GroupOptions, Op};
@@ -407,6 +408,8 @@ impl ShmGroup {
     fn wait_joined(&self, deadline: &Deadline) -> Result<()> {
         let mut backoff = Backoff::new();
         let mut last_check = Instant::now();
+        let started = Instant::now();
+        let mut warned = false;
         loop {
             self.check_conflict()?;
             let h = self.header();
@@ -432,23 +435,24 @@ impl ShmGroup {
                     self.name
                 )));
             }
-            let missing: Vec<usize> = (0..self.world)
-                .filter(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_EMPTY)
-                .collect();
+            let (missing, joined): (Vec<usize>, Vec<usize>) = (0..self.world)
+                .partition(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_EMPTY);
+            let timed_out = || {
+                Error::Timeout(waiting::join_timeout(
+                    deadline.timeout,
+                    &self.name,
+                    self.world,
+                    &joined,
+                    &missing,
+                ))
+            };
             let gave_up = (0..self.world)
                 .find(|&r| self.slot(r).state.load(Ordering::Acquire) == SLOT_GAVE_UP);
             match (gave_up, missing.is_empty()) {
                 // Another rank timed out waiting for the same missing ranks: so does this one,
                 // unless one of them died (then it names that rank, as the others do).
                 (Some(_), false) => {
-                    return Err(self.dead_while_joining().unwrap_or_else(|| {
-                        Error::Timeout(format!(
-                            "timed out after {:.1} s waiting for rank(s) {} to join group '{}'",
-                            deadline.timeout.as_secs_f64(),
-                            list(&missing),
-                            self.name
-                        ))
-                    }))
+                    return Err(self.dead_while_joining().unwrap_or_else(timed_out))
                 }
                 (Some(r), true) => {
                     return Err(Error::PeerFailure(format!(
@@ -465,12 +469,19 @@ impl ShmGroup {
                     return Err(e);
                 }
                 if deadline.expired() {
-                    return Err(Error::Timeout(format!(
-                        "timed out after {:.1} s waiting for rank(s) {} to join group '{}'",
-                        deadline.timeout.as_secs_f64(),
-                        list(&missing),
-                        self.name
-                    )));
+                    return Err(timed_out());
+                }
+                if !warned && deadline.timeout > WARN_AFTER && started.elapsed() >= WARN_AFTER {
+                    warned = true;
+                    crate::log::warn(&waiting::join_warning(
+                        started.elapsed(),
+                        deadline.timeout,
+                        &self.name,
+                        self.rank,
+                        self.world,
+                        &joined,
+                        &missing,
+                    ));
                 }
             }
             backoff.snooze();

@@ -65,6 +65,7 @@ mod rendezvous;
 mod segment;
 mod shrink;
 mod wait;
+mod waiting;
 mod window;
 
 pub(crate) use self::fork::{current_pid, fork_error};

@@ -22,7 +22,7 @@ impl ShmGroup {
             None => Ok(()),
             Some(why) => Err(Error::InvalidState(format!(
                 "{}: group '{}' is unusable after an earlier failure ({why}); destroy it and create a new one",
-                op.name(),
+                crate::call::name_or(op.name()),
                 self.name
             ))),
         }
@@ -109,7 +109,7 @@ impl ShmGroup {
                     return Err(Error::Timeout(format!(
                         "timed out after {:.1} s in {} of group '{}' (op #{n}) waiting for rank(s) {}",
                         deadline.timeout.as_secs_f64(),
-                        op.name(),
+                        crate::call::name_or(op.name()),
                         self.name,
                         list(&pending)
                     )));

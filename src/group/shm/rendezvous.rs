@@ -6,9 +6,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::layout::{control_bytes, now_ns, Header, HEADER_BYTES, LAYOUT_VERSION, MAGIC};
+use super::layout::{
+    control_bytes, now_ns, Header, ABANDONED, FORMED, HEADER_BYTES, LAYOUT_VERSION, MAGIC,
+};
 use super::segment::{self, pid_alive, Segment};
 use super::wait::{Backoff, Deadline};
+use super::waiting::{self, WARN_AFTER};
 use super::ShmGroup;
 use crate::bytes;
 use crate::error::{Error, Result};
@@ -554,6 +557,8 @@ impl ShmGroup {
         let started_ns = now_ns();
         // Why rank 0's live segment could not be mapped, for the timeout's message.
         let mut unmapped: Option<String> = None;
+        let started = Instant::now();
+        let mut warned = false;
         loop {
             if let Some(r) = Self::read_record(name, control_name)? {
                 let alive = r.creator_alive();
@@ -580,6 +585,15 @@ impl ShmGroup {
                     }
                     if let Ok(seg) = mapped {
                         let h: &Header = seg.at(0);
+                        // Another job met this group under the same name: it will not form,
+                        // and this rank (of either job) says so rather than waiting it out.
+                        let met = h.conflict_pid.load(Ordering::Acquire);
+                        if !matches!(met, 0 | FORMED | ABANDONED) {
+                            return Err(Error::InvalidState(format!(
+                                "group name '{name}' is in use by another job: pid {met} met the group that pid {} created under this name, so neither forms (seen from rank {rank}); jobs that run at the same time need distinct group names",
+                                r.creator
+                            )));
+                        }
                         let their_world = h.world.load(Ordering::Relaxed) as usize;
                         if their_world != world {
                             h.mismatch_world.store(world as u64, Ordering::Relaxed);
@@ -598,11 +612,23 @@ impl ShmGroup {
             if deadline.expired() {
                 // A record whose creator is gone serves nobody: remove it on the way out.
                 Self::remove_dead_record(name, control_name, 0);
-                let why = unmapped.map(|w| format!("; last: {w}")).unwrap_or_default();
-                return Err(Error::Timeout(format!(
-                    "timed out after {:.1} s waiting for rank 0 to create group '{name}' (rank {rank} of {world}){why}",
-                    deadline.timeout.as_secs_f64()
+                return Err(Error::Timeout(waiting::create_timeout(
+                    deadline.timeout,
+                    name,
+                    rank,
+                    world,
+                    unmapped.as_deref(),
                 )));
+            }
+            if !warned && deadline.timeout > WARN_AFTER && started.elapsed() >= WARN_AFTER {
+                warned = true;
+                crate::log::warn(&waiting::create_warning(
+                    started.elapsed(),
+                    deadline.timeout,
+                    name,
+                    rank,
+                    world,
+                ));
             }
             backoff.snooze();
             if backoff.iter > 64 {
