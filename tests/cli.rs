@@ -603,11 +603,45 @@ fn assert_nccl_table(out: &str, columns: &[&str], data_rows: usize) {
         }
     }
     assert!(lines.contains(&"# Out of bounds values : 0 OK"), "{out}");
-    let avg = lines
+    if let Some(avg) = lines
         .iter()
         .find_map(|l| l.strip_prefix("# Avg bus bandwidth    : "))
+    {
+        assert!(avg.parse::<f64>().is_ok_and(|x| x >= 0.0), "{avg}");
+        return;
+    }
+    // bench moe: one average per backend and R (backends move different bytes), each a
+    // backend of the table.
+    let at = lines
+        .iter()
+        .position(|l| *l == "# Avg bus bandwidth per backend (GB/s, the mean busbw over its T; none across backends, which move different bytes):")
         .unwrap_or_else(|| panic!("{out}"));
-    assert!(avg.parse::<f64>().is_ok_and(|x| x >= 0.0), "{avg}");
+    let avgs: Vec<Vec<&str>> = lines[at + 1..]
+        .iter()
+        .take_while(|l| l.starts_with("#   "))
+        .map(|l| l[4..].split_whitespace().collect())
+        .collect();
+    assert!(!avgs.is_empty(), "{out}");
+    for a in &avgs {
+        assert_eq!(a.len(), 3, "{a:?}");
+        assert!(rows.iter().any(|r| r[0] == a[0]), "{a:?}: {out}");
+        assert!(
+            a[1].starts_with("R=") && a[1][2..].parse::<usize>().is_ok(),
+            "{a:?}"
+        );
+        assert!(a[2].parse::<f64>().is_ok_and(|x| x >= 0.0), "{a:?}");
+    }
+    let mut averaged: Vec<&str> = avgs.iter().map(|a| a[0]).collect();
+    let mut tabled: Vec<&str> = rows.iter().map(|r| r[0]).collect();
+    for v in [&mut averaged, &mut tabled] {
+        v.sort_unstable();
+        v.dedup();
+    }
+    assert_eq!(
+        averaged,
+        tabled,
+        "one average per backend: {out}"
+    );
 }
 
 const MOE_COLUMNS: [&str; 12] = [
@@ -699,11 +733,14 @@ fn bench_moe_refuses_a_case_that_does_not_fit_and_runs_the_others() {
     // T = 2^30 tokens of hidden 256: terabytes of receive buffers per rank.
     let mut args = MOE_SMALL.to_vec();
     args[3] = "256";
+    let svg = std::env::temp_dir().join(format!("epcomm-refused-{}.svg", std::process::id()));
     args.extend([
         "--backend",
         "deepep_high_throughput",
         "--tokens",
         "1073741824,2",
+        "--svg",
+        svg.to_str().unwrap(),
     ]);
     let o = epcomm(&args);
     let out = String::from_utf8_lossy(&o.stdout);
@@ -728,9 +765,30 @@ fn bench_moe_refuses_a_case_that_does_not_fit_and_runs_the_others() {
         .expect("MemAvailable");
     assert!(bytes * 2 > avail, "{line}");
     assert!(
-        rest.contains(" the TOKEN_MAJOR layout's buffers) x 2 ranks, more than the "),
+        rest.contains(" the TOKEN_MAJOR layout's buffers + "),
         "{line}"
     );
+    // The parts add up to the bytes per rank (to the rounding of their one-decimal GB), which
+    // times the ranks is the total named.
+    let (parts, total) = rest
+        .split_once(" reference) x 2 ranks = ")
+        .unwrap_or_else(|| panic!("{line}"));
+    let gb = |s: &str| -> f64 { s.trim().strip_suffix(" GB").unwrap().parse().unwrap() };
+    let (head, parts) = parts.split_once(": ").unwrap();
+    let sum: f64 = parts
+        .split(" + ")
+        .map(|p| gb(&p[..p.find(" GB").unwrap() + 3]))
+        .sum();
+    assert!((sum - gb(head)).abs() <= 0.15, "{sum} vs {head}: {line}");
+    assert!((bytes as f64 / 1e9 - gb(head)).abs() <= 0.05, "{line}");
+    let total = &total[..total
+        .find(" in all, more than the ")
+        .unwrap_or_else(|| panic!("{line}"))];
+    assert!(
+        (gb(total) - 2.0 * bytes as f64 / 1e9).abs() <= 0.05,
+        "{line}"
+    );
+    assert!(rest.contains(" in all, more than the "), "{line}");
     assert!(
         line.ends_with(" available (MemAvailable); lower --tokens or --hidden"),
         "{line}"
@@ -742,6 +800,28 @@ fn bench_moe_refuses_a_case_that_does_not_fit_and_runs_the_others() {
         out.contains("\n# 1 of 2 cases refused for memory (see stderr)\n"),
         "{out}"
     );
+    // The chart marks the refused case (a cross in the backend's colour at its T, and the
+    // legend says what a cross means); the line has only the measured point.
+    let (chart, lines) = svg_lines(&svg);
+    assert_eq!(lines, [1, 1], "{chart}");
+    assert!(
+        chart.contains(">refused (did not fit in memory)</text>"),
+        "{chart}"
+    );
+    assert!(
+        chart.contains(r##"stroke="#d62728" stroke-width="2"/>"##),
+        "{chart}"
+    );
+    assert!(
+        chart.contains(r#"text-anchor="middle">1073741824</text>"#),
+        "{chart}"
+    );
+    std::fs::remove_file(&svg).ok();
+    std::fs::remove_file(svg.with_file_name(format!(
+        "epcomm-refused-{}-us-per-token.svg",
+        std::process::id()
+    )))
+    .ok();
 }
 
 #[test]
@@ -861,6 +941,9 @@ fn bench_moe_sweeps_ranks_and_tokens() {
                 r[10].parse().unwrap(),
             );
             assert!((per - time / t).abs() <= 0.05 / t + 0.006, "{r:?}");
+            // time = dispatch + combine (of the median iteration), to the printed rounding.
+            let (d, c): (f64, f64) = (r[3].parse().unwrap(), r[4].parse().unwrap());
+            assert!((d + c - time).abs() <= 0.15, "{r:?}");
         }
     }
     assert!(
@@ -873,6 +956,21 @@ fn bench_moe_sweeps_ranks_and_tokens() {
         assert!(chart.contains(">deepep_high_throughput</text>"));
         assert!(chart.contains(">memcpy (same bytes)</text>"));
         assert_eq!(lines, [3, 3], "{chart}");
+        // deepep_high_throughput's colour in every chart; memcpy black; ticks at measured T
+        // only; a log y axis.
+        assert!(chart.contains(r##"stroke="#d62728""##), "{chart}");
+        assert!(chart.contains(r##"stroke="#000000""##), "{chart}");
+        for t in ["1", "2", "4"] {
+            assert_eq!(
+                chart
+                    .matches(&format!(r#"text-anchor="middle">{t}</text>"#))
+                    .count(),
+                1,
+                "{chart}"
+            );
+        }
+        assert!(!chart.contains(r#"text-anchor="middle">3</text>"#));
+        assert!(chart.contains("log scale"), "{chart}");
     }
     let (chart, lines) = svg_lines(&dir.join("cost-us-per-token.svg"));
     for label in [
@@ -1094,7 +1192,7 @@ fn bench_group_and_eplb_refuse_what_does_not_fit() {
     for (args, prefix, suffix) in [
         (
             &["bench", "group", "--mib", "1000000000"][..],
-            "epcomm bench group: refused all_to_allv of 1000000000 MiB per rank: needs 2097152000000000 bytes per rank (2097152.0 GB) x 2 ranks, more than the ",
+            "epcomm bench group: refused all_to_allv of 1000000000 MiB per rank: needs 2097152000000000 bytes per rank (2097152.0 GB) x 2 ranks = 4194304.0 GB in all, more than the ",
             " available (MemAvailable); lower --mib",
         ),
         (

@@ -86,7 +86,7 @@ pub fn cmd_group(p: &GroupArgs) -> ExitCode {
     let need = Need {
         memory: 2 * bytes as u64,
         shm: bytes as u64,
-        detail: String::new(),
+        parts: Vec::new(),
     };
     let what = format!("all_to_allv of {} MiB per rank", p.mib);
     if let Some(line) = memory::refusal(&what, &need, p.ranks, "--mib") {

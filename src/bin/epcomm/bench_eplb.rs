@@ -327,7 +327,7 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
     if !p.json {
         println!("# epcomm bench eplb: the EPLB rebalancing policy, then a rearrangement's expert-weight transfer between rank processes");
         println!(
-            "# policy ({shape}): median {:.3} ms, p99 {:.3} ms over {} runs (target <= 0.3 ms)",
+            "# policy ({shape}): median {:.3} ms, p99 {:.3} ms over {} runs",
             pm * 1e3,
             pp * 1e3,
             p.iters
@@ -340,7 +340,7 @@ pub fn cmd_eplb(p: &EplbArgs) -> ExitCode {
     let need = Need {
         memory: 4 * weights + weights / p.layers as u64 + 2 * weights,
         shm: weights / p.layers as u64,
-        detail: String::new(),
+        parts: Vec::new(),
     };
     let what = format!(
         "eplb transfer of {} layers x {} experts of {} MiB",

@@ -24,6 +24,8 @@ use epcomm::select::all2all::{self, Backend};
 
 use crate::cli::{BenchRouting, MoeArgs};
 use crate::memory::{self, Need};
+use crate::palette;
+use crate::plot::{self, Marker, Series};
 use crate::stats::{decode, encode, median_p99, slowest, time_memcpy, tolerance};
 
 /// The benchmark's parameters: its arguments, with `all` expanded and the shape checked.
@@ -122,11 +124,15 @@ impl MoeArgs {
         Need {
             memory: b.saturating_add(check).saturating_add(tokens),
             shm: b,
-            detail: format!(
-                "of which {} the {} layout's buffers",
-                memory::human(b),
-                layout.name()
-            ),
+            parts: vec![
+                (b, format!("the {} layout's buffers", layout.name())),
+                (
+                    check,
+                    "the check's float32 copies of the received rows (or the memcpy's two buffers)"
+                        .into(),
+                ),
+                (tokens, "the tokens' input, output and reference".into()),
+            ],
         }
     }
 }
@@ -357,6 +363,7 @@ fn rank_main(p: &Params, rank: usize, group: &str) -> Result<(), String> {
 struct Measured {
     name: String,
     t: usize,
+    /// Dispatch and combine of the median iteration (by their sum), and their sum.
     dispatch: f64,
     combine: f64,
     pair: f64,
@@ -382,13 +389,20 @@ fn measure(p: &Params, fields: &[Vec<String>]) -> Measured {
     };
     let (dv, cv) = (slowest(&series(7)), slowest(&series(8)));
     let pv: Vec<f64> = dv.iter().zip(&cv).map(|(a, b)| a + b).collect();
-    let (pair, pair_p99) = median_p99(pv);
+    // The median iteration (by its dispatch + combine): its sum is the time, and its dispatch
+    // and combine are the columns, so they add up to the time.
+    let mut order: Vec<usize> = (0..pv.len()).collect();
+    order.sort_by(|&a, &b| pv[a].total_cmp(&pv[b]));
+    let mid = order.get(order.len() / 2).copied().unwrap_or(0);
+    let at = |v: &[f64]| v.get(mid).copied().unwrap_or(0.0);
+    let (dispatch, combine) = (at(&dv), at(&cv));
+    let pair_p99 = if pv.is_empty() { 0.0 } else { median_p99(pv).1 };
     Measured {
         name: fields[0][1].clone(),
         t: fields[0][2].parse().unwrap_or(0),
-        dispatch: median_p99(dv).0,
-        combine: median_p99(cv).0,
-        pair,
+        dispatch,
+        combine,
+        pair: dispatch + combine,
         pair_p99,
         memcpy: median_p99(slowest(&series(9))).0,
         size: 2.0 * mean(3),
@@ -398,6 +412,11 @@ fn measure(p: &Params, fields: &[Vec<String>]) -> Measured {
             .map(|f| f[6].parse::<u64>().unwrap_or(u64::MAX))
             .fold(0, u64::saturating_add),
     }
+}
+
+/// One line of the per-backend averages: the backend, R and the mean busbw.
+fn row_text_avg(name: &str, ranks: usize, busbw: f64) -> String {
+    format!("{name:<28} R={ranks:<3} {busbw:>10.3}")
 }
 
 /// One table line: the backend left-aligned, the numbers right-aligned.
@@ -428,11 +447,11 @@ fn print_header(p: &Params) {
         p.ranks
     );
     println!(
-        "# hidden {} {}, {} experts, top-{}, {} routing, {} iterations after {} warm-up{}; times: median over iterations of the slowest rank",
+        "# hidden {} {}, {} experts, top-{}, {} routing, {} iterations after {} warm-up{}; per iteration each step's time is the slowest rank's",
         p.hidden, p.kind.name(), p.experts, p.topk, p.routing.name(), p.iters, p.warmup,
         if p.sweep { " (at T > 256: iters x 256 / T, at least 3, after at most 1)" } else { "" }
     );
-    println!("# size: bytes per rank of dispatch + combine (its rank-deduplicated rows out, the same rows back); time = dispatch + combine");
+    println!("# size: bytes per rank of dispatch + combine (its rank-deduplicated rows out, the same rows back); time = dispatch + combine of the median iteration (the median of the per-iteration sums; dispatch and combine are that iteration's); p99: of the sums");
     println!(
         "# algbw = size / time; busbw = algbw * (n-1)/n with n = {} ranks (nccl-tests' alltoall); memcpy: one copy of the bytes dispatch received, same run",
         p.ranks
@@ -592,15 +611,32 @@ impl Collector<'_> {
         sweep.failed_ranks += failed_ranks;
         sweep.incomplete |= self.next < self.cases.len();
         sweep.json.extend(self.json);
-        sweep.runs.push((self.p.ranks, self.rows));
+        let refused = self
+            .cases
+            .iter()
+            .zip(&self.refused)
+            .filter(|(_, r)| r.is_some())
+            .map(|(c, _)| c.clone())
+            .collect();
+        sweep.runs.push(Run {
+            ranks: self.p.ranks,
+            rows: self.rows,
+            refused,
+        });
     }
+}
+
+/// One run of `--ranks`: its rank count, its measured rows and its refused (backend, T) cases.
+struct Run {
+    ranks: usize,
+    rows: Vec<Measured>,
+    refused: Vec<(String, usize)>,
 }
 
 /// Everything measured over the runs of `--ranks`, one run per R.
 #[derive(Default)]
 struct Sweep {
-    /// Per run: its ranks and its rows.
-    runs: Vec<(usize, Vec<Measured>)>,
+    runs: Vec<Run>,
     json: Vec<serde_json::Value>,
     cases: usize,
     refused: usize,
@@ -615,7 +651,7 @@ impl Sweep {
         let rows = || {
             self.runs
                 .iter()
-                .flat_map(|(n, v)| v.iter().map(|r| (*n, r)))
+                .flat_map(|run| run.rows.iter().map(|r| (run.ranks, r)))
         };
         let wrong = rows().map(|(_, r)| r.wrong).fold(0, u64::saturating_add);
         let measured = rows().count();
@@ -623,11 +659,21 @@ impl Sweep {
             let all = serde_json::Value::Array(self.json.clone());
             println!("{}", serde_json::to_string_pretty(&all).unwrap_or_default());
         } else {
-            let avg = rows()
-                .map(|(n, r)| r.size / r.pair / 1e9 * (n as f64 - 1.0) / n as f64)
-                .sum::<f64>()
-                / measured.max(1) as f64;
-            crate::stats::nccl_summary(wrong, avg);
+            // One average per backend and R: backends move what their layouts need, so an
+            // average across them would mix contracts.
+            let mut avgs: Vec<(String, usize, f64, usize)> = Vec::new();
+            for (n, r) in rows() {
+                let busbw = r.size / r.pair / 1e9 * (n as f64 - 1.0) / n as f64;
+                match avgs.iter_mut().find(|a| a.0 == r.name && a.1 == n) {
+                    Some(a) => (a.2, a.3) = (a.2 + busbw, a.3 + 1),
+                    None => avgs.push((r.name.clone(), n, busbw, 1)),
+                }
+            }
+            crate::stats::wrong_summary(wrong);
+            println!("# Avg bus bandwidth per backend (GB/s, the mean busbw over its T; none across backends, which move different bytes):");
+            for (name, n, sum, count) in avgs {
+                println!("#   {}", row_text_avg(&name, n, sum / count as f64));
+            }
             if self.refused > 0 {
                 println!(
                     "# {} of {} cases refused for memory (see stderr)",
@@ -657,21 +703,45 @@ impl Sweep {
     }
 }
 
-/// Adds point (x, y) to the series labelled `label`, starting it if new.
-fn add_point(chart: &mut Vec<crate::plot::Series>, label: &str, dashed: bool, x: f64, y: f64) {
-    match chart.iter_mut().find(|s| s.label == label) {
-        Some(s) => s.points.push((x, y)),
-        None => chart.push(crate::plot::Series {
-            label: label.to_owned(),
-            points: vec![(x, y)],
-            dashed,
-        }),
+/// The series labelled `label` of `chart`, started (with `color`, `marker`, `dashed`) if new.
+fn series<'c>(
+    chart: &'c mut Vec<Series>,
+    label: &str,
+    color: &'static str,
+    marker: Marker,
+    dashed: bool,
+) -> &'c mut Series {
+    let i = match chart.iter().position(|s| s.label == label) {
+        Some(i) => i,
+        None => {
+            chart.push(Series {
+                label: label.to_owned(),
+                points: Vec::new(),
+                dashed,
+                color,
+                marker,
+                refused: Vec::new(),
+            });
+            chart.len() - 1
+        }
+    };
+    &mut chart[i]
+}
+
+/// A case's series style: its backend's colour (the same in every chart), dashed for FP8
+/// dispatch.
+fn style(name: &str) -> (&'static str, bool) {
+    match name.strip_suffix(FP8_SUFFIX) {
+        Some(base) => (palette::color(base), true),
+        None => (palette::color(name), false),
     }
 }
 
-/// One GB/s chart per run (one line per backend, the memcpy of the same bytes dashed) and
-/// one chart of microseconds per token of every (backend, R) with memcpy's.
-fn write_charts(p: &Params, path: &str, runs: &[(usize, Vec<Measured>)]) -> std::io::Result<()> {
+/// One GB/s chart per run (one line per backend, the memcpy of the same bytes dashed black)
+/// and one chart of microseconds per token of every (backend, R) with memcpy's; both with a
+/// log y axis, each backend in its own colour in every chart, one marker per R, a tick at each
+/// measured T only, and a cross on the x axis for each refused case.
+fn write_charts(p: &Params, path: &str, runs: &[Run]) -> std::io::Result<()> {
     let stem = path.strip_suffix(".svg").unwrap_or(path);
     let shape = format!(
         "H={} {}, E={}, top-{}, {} routing",
@@ -682,45 +752,88 @@ fn write_charts(p: &Params, path: &str, runs: &[(usize, Vec<Measured>)]) -> std:
         p.routing.name()
     );
     let mut per_token = Vec::new();
-    for (n, rows) in runs {
-        let (mut chart, mut memcpy) = (Vec::new(), Vec::new());
-        for r in rows {
-            let (t, tag) = (r.t as f64, format!("{}, R={n}", r.name));
-            add_point(&mut chart, &r.name, false, t, r.size / r.pair / 1e9);
-            add_point(&mut per_token, &tag, false, t, r.pair * 1e6 / t);
+    for (k, run) in runs.iter().enumerate() {
+        let (n, mark) = (run.ranks, palette::marker(k));
+        let mut chart = Vec::new();
+        let mut memcpy: Vec<(f64, f64)> = Vec::new();
+        let mut memcpy_us: Vec<(f64, f64)> = Vec::new();
+        for r in &run.rows {
+            let (t, (color, dashed)) = (r.t as f64, style(&r.name));
+            series(&mut chart, &r.name, color, Marker::Circle, dashed)
+                .points
+                .push((t, r.size / r.pair / 1e9));
+            series(
+                &mut per_token,
+                &format!("{}, R={n}", r.name),
+                color,
+                mark,
+                dashed,
+            )
+            .points
+            .push((t, r.pair * 1e6 / t));
             if r.memcpy > 0.0 && !memcpy.iter().any(|&(x, _)| x == t) {
                 // The pair moves the received bytes twice: two copies of them.
                 memcpy.push((t, r.size / 2.0 / r.memcpy / 1e9));
-                add_point(
-                    &mut per_token,
-                    &format!("2 x memcpy, R={n}"),
-                    true,
-                    t,
-                    2.0 * r.memcpy * 1e6 / t,
-                );
+                memcpy_us.push((t, 2.0 * r.memcpy * 1e6 / t));
             }
         }
+        for (name, t) in &run.refused {
+            let (color, dashed) = style(name);
+            series(&mut chart, name, color, Marker::Circle, dashed)
+                .refused
+                .push(*t as f64);
+            series(
+                &mut per_token,
+                &format!("{name}, R={n}"),
+                color,
+                mark,
+                dashed,
+            )
+            .refused
+            .push(*t as f64);
+        }
         memcpy.sort_by(|a, b| a.0.total_cmp(&b.0));
-        add_point(&mut chart, "memcpy (same bytes)", true, 0.0, 0.0);
-        if let Some(s) = chart.last_mut() {
-            s.points = memcpy;
+        memcpy_us.sort_by(|a, b| a.0.total_cmp(&b.0));
+        if !memcpy.is_empty() {
+            series(
+                &mut chart,
+                "memcpy (same bytes)",
+                palette::MEMCPY,
+                Marker::Circle,
+                true,
+            )
+            .points = memcpy;
+            series(
+                &mut per_token,
+                &format!("2 x memcpy, R={n}"),
+                palette::MEMCPY,
+                mark,
+                true,
+            )
+            .points = memcpy_us;
+        }
+        for s in &mut chart {
+            s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
         }
         let file = if runs.len() == 1 {
             path.to_owned()
         } else {
             format!("{stem}-r{n}.svg")
         };
-        let svg = crate::plot::line_chart(
+        let svg = plot::line_chart(
             &format!("dispatch+combine, {n} ranks, {shape}"),
-            "tokens per rank (T)",
-            "GB/s per rank (algbw: rank-deduplicated bytes)",
+            "tokens per rank (T, measured values only)",
+            "GB/s per rank (algbw: rank-deduplicated bytes, log scale)",
             &chart,
         );
         std::fs::write(file, svg)?;
     }
-    let svg = crate::plot::line_chart_log_y(
+    for s in &mut per_token {
+        s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    let svg = plot::line_chart(
         &format!("dispatch+combine per token, {shape}"),
-        "tokens per rank (T)",
+        "tokens per rank (T, measured values only)",
         "microseconds per token (time / T, log scale)",
         &per_token,
     );

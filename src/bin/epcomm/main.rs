@@ -8,6 +8,7 @@ mod check;
 mod cli;
 mod demo;
 mod memory;
+mod palette;
 mod plot;
 mod ranks;
 mod stats;

@@ -27,26 +27,42 @@ pub struct Need {
     pub memory: u64,
     /// Bytes per rank of the shared region when the group stages data there.
     pub shm: u64,
-    /// How the figure is made up, for the refusal line (e.g. "of which 15.0 GB the layout's buffers").
-    pub detail: String,
+    /// What `memory` is made of, for the refusal line: (bytes, what), adding up to `memory`
+    /// (empty: the line gives the total only).
+    pub parts: Vec<(u64, String)>,
 }
 
 /// `None` when `ranks` ranks of `need` (with the shared region in region mode) fit in
 /// MemAvailable; otherwise the one line that refuses `what`, naming the options in `shrink`.
+/// The figures it names add up: the parts to the bytes per rank, which times the ranks is the
+/// total compared with MemAvailable.
 pub fn refusal(what: &str, need: &Need, ranks: usize, shrink: &str) -> Option<String> {
     let n = ranks as u64;
     let shm = if region_mode() { need.shm } else { 0 };
     let per_rank = need.memory.saturating_add(shm);
-    let detail = if need.detail.is_empty() {
+    let mut parts: Vec<String> = need
+        .parts
+        .iter()
+        .map(|(b, w)| format!("{} {w}", human(*b)))
+        .collect();
+    if shm > 0 && !parts.is_empty() {
+        parts.push(format!(
+            "{} the shared region (EPCOMM_SHM_DIRECT=0)",
+            human(shm)
+        ));
+    }
+    let detail = if parts.is_empty() {
         String::new()
     } else {
-        format!(", {}", need.detail)
+        format!(": {}", parts.join(" + "))
     };
     if let Some(avail) = epcomm::probe::available_memory() {
-        if per_rank.saturating_mul(n) > avail {
+        let total = per_rank.saturating_mul(n);
+        if total > avail {
             return Some(format!(
-                "refused {what}: needs {per_rank} bytes per rank ({}{detail}) x {ranks} ranks, more than the {} available (MemAvailable); lower {shrink}",
+                "refused {what}: needs {per_rank} bytes per rank ({}{detail}) x {ranks} ranks = {} in all, more than the {} available (MemAvailable); lower {shrink}",
                 human(per_rank),
+                human(total),
                 human(avail)
             ));
         }

@@ -78,9 +78,14 @@ pub fn tolerance(kind: epcomm::num::FloatKind) -> f32 {
 /// The closing lines of an nccl-tests table: the wrong-value count with its verdict, then the
 /// average bus bandwidth (GB/s).
 pub fn nccl_summary(wrong: u64, avg_busbw: f64) {
+    wrong_summary(wrong);
+    println!("# Avg bus bandwidth    : {avg_busbw:.3}");
+}
+
+/// nccl-tests' closing line on wrong values.
+pub fn wrong_summary(wrong: u64) {
     println!(
         "# Out of bounds values : {wrong} {}",
         if wrong == 0 { "OK" } else { "FAILED" }
     );
-    println!("# Avg bus bandwidth    : {avg_busbw:.3}");
 }
