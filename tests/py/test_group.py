@@ -435,7 +435,12 @@ class ShmGroupTest(unittest.TestCase):
             reports = run_ranks(missing_rank, [0, 1], (name, world), start_hook=start_hook)
         finally:
             leftovers = shm_leftovers(name)
-        want = "timed out after 1.0 s waiting for rank(s) 2 to join group '%s'" % name
+        want = ("timed out after 1.0 s waiting for rank(s) 2 to join group '%s' (rank(s) 2 of 3 "
+                "missing; joined: rank(s) 0, 1); check that those ranks were started and create "
+                "the group with the name '%s' and world_size 3 (a rank that failed first reports "
+                "its own error there; two jobs that use one name at the same time are refused, "
+                "saying so), or raise the timeout (EPCOMM_TIMEOUT_S, or the group's timeout_s)"
+                % (name, name))
         for rank in (0, 1):
             r = reports[rank]
             self.assertEqual(r["status"], ERROR_TIMEOUT, (rank, r))

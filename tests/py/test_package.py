@@ -130,7 +130,11 @@ class ErrorTest(unittest.TestCase):
             epcomm.Group.shm(name, 0, 2, timeout_s=0.3)
         self.assert_error(
             cm, TimeoutError, 7,
-            f"timed out after 0.3 s waiting for rank(s) 1 to join group '{name}'",
+            f"timed out after 0.3 s waiting for rank(s) 1 to join group '{name}' (rank(s) 1 of 2 "
+            f"missing; joined: rank(s) 0); check that those ranks were started and create the "
+            f"group with the name '{name}' and world_size 2 (a rank that failed first reports its "
+            "own error there; two jobs that use one name at the same time are refused, saying "
+            "so), or raise the timeout (EPCOMM_TIMEOUT_S, or the group's timeout_s)",
         )
 
     def test_error_is_an_exception(self):

@@ -58,7 +58,7 @@ def valid_rows(d):
 
     v = {k: d[k] for k in ("hidden", "topk_ids", "topk_weights", "counts", "expert_offsets",
                            "src_rank", "src_token")}
-    if d["layout"] in ("EXPERT_MAJOR", "RANK_MAJOR")  # buckets with padding rows:
+    if d["layout"] in ("EXPERT_MAJOR", "RANK_MAJOR"):  # buckets with padding rows
         buckets = d["hidden"].shape[0]
         mask = np.arange(d["hidden"].shape[1])[None, :] < d["counts"][:, None]
         v["hidden"] = d["hidden"][mask]
@@ -80,7 +80,7 @@ def all2all_results(epcomm, g, rank, world):
             for k, arr in valid_rows(d).items():
                 out[f"{backend}.dispatch.{k}"] = np.ascontiguousarray(arr).tobytes().hex()
             y = d["hidden"].astype(np.float32) * 2
-            if d["layout"] in ("EXPERT_MAJOR", "RANK_MAJOR")  # buckets with padding rows:
+            if d["layout"] in ("EXPERT_MAJOR", "RANK_MAJOR"):  # buckets with padding rows
                 mask = np.arange(y.shape[1])[None, :] < d["counts"][:, None]
                 y[~mask] = 0
             combined = np.zeros_like(x)
