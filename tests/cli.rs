@@ -637,11 +637,7 @@ fn assert_nccl_table(out: &str, columns: &[&str], data_rows: usize) {
         v.sort_unstable();
         v.dedup();
     }
-    assert_eq!(
-        averaged,
-        tabled,
-        "one average per backend: {out}"
-    );
+    assert_eq!(averaged, tabled, "one average per backend: {out}");
 }
 
 const MOE_COLUMNS: [&str; 12] = [
