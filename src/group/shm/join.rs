@@ -275,13 +275,14 @@ impl ShmGroup {
         (spread * 3).clamp(SETTLE_MIN, SETTLE_MAX)
     }
 
-    /// Rank 0 of a group another job met keeps its record a settle time longer before it fails,
-    /// so the rest of that job meets it too and fails saying so (instead of forming a group
-    /// with this job's leftover ranks or waiting for them).
+    /// Rank 0 of a group another job met keeps its record (marked with the clash) for the
+    /// longest settle time before it fails, so the late ranks of either job meet it and fail
+    /// naming the clash (instead of forming a group with this job's leftover ranks, or waiting
+    /// out their timeout for a rank 0 that was refused).
     fn linger_on_conflict(&self) {
         let c = self.header().conflict_pid.load(Ordering::Acquire);
         if self.rank == 0 && !matches!(c, 0 | FORMED | ABANDONED) {
-            std::thread::sleep(self.settle_time());
+            std::thread::sleep(SETTLE_MAX);
         }
     }
 
