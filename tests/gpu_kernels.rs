@@ -36,7 +36,10 @@ fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
             }
             common::skip::skipped(
                 test,
-                &format!("{e} (scripts/fetch-nvrtc.sh downloads it and prints its directory)"),
+                &format!(
+                    "{e} (scripts/fetch-nvrtc.sh downloads it and prints its directory, for \
+                     EPCOMM_NVRTC_PATH; EPCOMM_TEST_FULL=1 requires it)"
+                ),
             );
             None
         }
