@@ -68,7 +68,10 @@ dsc=epcomm_$version.dsc
 
 say "clean $suite chroot (mmdebstrap --variant=buildd)"
 chroot=$work/chroot
-mmdebstrap --quiet --variant=buildd --include=lintian "$suite" "$chroot" "$mirror"
+# Check-Valid-Until off: a mirror that is a snapshot of the archive (snapshot.debian.org, or a
+# frozen copy of it) serves unstable's Release file past its Valid-Until date.
+mmdebstrap --quiet --variant=buildd --include=lintian --aptopt='Acquire::Check-Valid-Until "false"' \
+  "$suite" "$chroot" "$mirror"
 cp /etc/resolv.conf "$chroot/etc/resolv.conf"
 mkdir -p "$chroot/build"
 cp "$work/src"/* "$chroot/build/"
