@@ -99,7 +99,7 @@ soname=$(dpkg-deb -I "${debs[0]}" shlibs 2>/dev/null | awk '{print $1 ".so." $2}
 # Debian policy 8.1: the package is named after the SONAME (libepcomm.so.0.1: libepcomm0.1).
 [ "$soname" = libepcomm.so.0.1 ] || fail "the SONAME is $soname: rename the package after it"
 docs() { # package: its README, the upstream and the Debian changelog, the copyright
-  printf '%s\n' "/usr/share/doc/$1/README.md" "/usr/share/doc/$1/changelog.gz" \
+  printf '%s\n' "/usr/share/doc/$1/README.md.gz" "/usr/share/doc/$1/changelog.gz" \
     "/usr/share/doc/$1/changelog.Debian.gz" "/usr/share/doc/$1/copyright"
 }
 mapfile -t lib_docs < <(docs libepcomm0.1)

@@ -45,7 +45,8 @@ cleanup() {
   local rc=$?
   # Whatever an interrupted mmdebstrap left mounted, deepest first; then the tree, never
   # crossing into a mount that is still there.
-  grep -o " $work/[^ ]*" /proc/mounts | sort -r | while read -r m; do umount -l "$m" || true; done
+  set +e
+  grep -o " $work/[^ ]*" /proc/mounts | sort -r | while read -r m; do umount -l "$m"; done
   rm -rf --one-file-system "$work"
   exit "$rc"
 }
