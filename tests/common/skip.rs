@@ -46,5 +46,5 @@ pub fn required(var: &str) -> bool {
 /// The end of a SKIPPED line for a heavy test whose `what` is not already here: how much the
 /// full tier downloads for it.
 pub fn heavy(what: &str, download: &str) -> String {
-    format!("{what} is not here, and a plain `cargo test` downloads nothing that big; {FULL}=1 provisions it ({download})")
+    format!("not here: {what}; a plain `cargo test` downloads nothing that big, {FULL}=1 provisions it ({download})")
 }
