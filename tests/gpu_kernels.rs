@@ -32,7 +32,10 @@ fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
         Ok(n) => Some(*n),
         Err(e) => {
             if common::skip::required("EPCOMM_REQUIRE_NVRTC") {
-                panic!("EPCOMM_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}");
+                panic!(
+                    "EPCOMM_REQUIRE_NVRTC=1 (or EPCOMM_TEST_FULL=1) but NVRTC is unavailable: {e}; \
+                     export EPCOMM_NVRTC_PATH=\"$(scripts/fetch-nvrtc.sh)\""
+                );
             }
             common::skip::skipped(
                 test,
