@@ -99,7 +99,7 @@ grep -E '^dpkg-deb: building' "$out/build.log" | sed 's/^/   /'
 say "lintian (in the chroot, $suite's), failing on errors"
 changes=$(cd "$chroot/build" && ls epcomm_"$version"_*.changes)
 set +e
-in_chroot su builder -c "cd /build && lintian --fail-on error --display-info --no-tag-display-limit $changes" \
+in_chroot su builder -c "cd /build && lintian --fail-on error --display-info --tag-display-limit 0 $changes" \
   >"$out/lintian.log" 2>&1
 lintian_rc=$?
 set -e
