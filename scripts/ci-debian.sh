@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# CI for the Debian packages: builds libepcomm0, libepcomm-dev and epcomm with
-# `dpkg-buildpackage -us -uc -b` in a copy of the tree (the checkout stays clean), installs them
-# with dpkg, builds and runs a C and a C++ program against the installed packages with
+# CI for the Debian packages on this machine: builds libepcomm0.1, libepcomm-dev and epcomm with
+# `dpkg-buildpackage -us -uc -b -d` in a copy of the tree (the checkout stays clean) with the
+# Rust toolchain on PATH (CARGO=...; -d because Build-Depends names Debian's cargo and rustc,
+# which need trixie: the distribution-style build is scripts/debian-chroot-build.sh) and the
+# crates vendored as the orig-vendor tarball provides them, installs the packages with dpkg,
+# checks their contents and docs, builds and runs a C and a C++ program against them with
 # pkg-config and with CMake, checks the command and its man page, and removes the packages.
 # Exits non-zero on any failure. Needs the Rust toolchain on PATH, and root or sudo for apt-get
 # and dpkg. Run from CI as: scripts/ci-debian.sh
@@ -34,11 +37,12 @@ command -v cargo >/dev/null 2>&1 || fail "cargo is not on PATH (the package buil
 
 version=$(dpkg-parsechangelog -l debian/changelog -S Version)
 cargo_version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
-[ "$version" = "$cargo_version" ] || fail "debian/changelog says $version, Cargo.toml $cargo_version"
+[ "${version%-*}" = "$cargo_version" ] || fail "debian/changelog says $version, Cargo.toml $cargo_version"
 multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH)
 arch=$(dpkg-architecture -qDEB_HOST_ARCH)
 libdir=/usr/lib/$multiarch
-packages=(epcomm libepcomm-dev libepcomm0)
+upstream=${version%-*}
+packages=(epcomm libepcomm-dev libepcomm0.1)
 
 work=$(mktemp -d /tmp/epcomm-ci-debian.XXXXXX)
 installed=0
@@ -50,12 +54,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# The package build runs cargo --frozen (no network): fetch the locked crates into cargo's cache.
-say "cargo fetch --locked"
-cargo fetch --locked
-
-say "copy the tree to $work/epcomm-$version"
-src=$work/epcomm-$version
+say "copy the tree to $work/epcomm-$upstream"
+src=$work/epcomm-$upstream
 mkdir -p "$src"
 if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   # Tracked and untracked-but-not-ignored files, as they are in the working tree.
@@ -66,11 +66,16 @@ else
   tar -C "$root" --exclude=./target --exclude=./.git -cf - . | tar -xf - -C "$src"
 fi
 
-say "dpkg-buildpackage -us -uc -b"
-(cd "$src" && dpkg-buildpackage -us -uc -b) >"$work/build.log" 2>&1 \
+# What the orig-vendor tarball holds (scripts/debian-orig.sh): the package build runs cargo
+# --frozen against vendor/, with no network.
+say "cargo vendor --locked (vendor/, as the orig-vendor tarball)"
+cargo vendor --locked --versioned-dirs --quiet "$src/vendor" >/dev/null
+
+say "dpkg-buildpackage -us -uc -b -d (CARGO=$(command -v cargo))"
+(cd "$src" && CARGO=$(command -v cargo) dpkg-buildpackage -us -uc -b -d) >"$work/build.log" 2>&1 \
   || { tail -n 60 "$work/build.log" >&2; fail "dpkg-buildpackage failed (log above)"; }
 debs=()
-for p in libepcomm0 libepcomm-dev epcomm; do
+for p in libepcomm0.1 libepcomm-dev epcomm; do
   deb=$work/${p}_${version}_${arch}.deb
   [ -f "$deb" ] || fail "$deb was not built"
   debs+=("$deb")
@@ -90,20 +95,26 @@ expected:
 $want"
 }
 soname=$(dpkg-deb -I "${debs[0]}" shlibs 2>/dev/null | awk '{print $1 ".so." $2}')
-[ -n "$soname" ] || fail "libepcomm0 has no shlibs file"
-expect "${debs[0]}" "$libdir/$soname" "$libdir/libepcomm.so.$version" \
-  /usr/share/doc/libepcomm0/changelog.gz /usr/share/doc/libepcomm0/copyright \
-  /usr/share/lintian/overrides/libepcomm0
+[ -n "$soname" ] || fail "libepcomm0.1 has no shlibs file"
+# Debian policy 8.1: the package is named after the SONAME (libepcomm.so.0.1: libepcomm0.1).
+[ "$soname" = libepcomm.so.0.1 ] || fail "the SONAME is $soname: rename the package after it"
+docs() { # package: its README, the upstream and the Debian changelog, the copyright
+  printf '%s\n' "/usr/share/doc/$1/README.md.gz" "/usr/share/doc/$1/changelog.gz" \
+    "/usr/share/doc/$1/changelog.Debian.gz" "/usr/share/doc/$1/copyright"
+}
+mapfile -t lib_docs < <(docs libepcomm0.1)
+mapfile -t dev_docs < <(docs libepcomm-dev)
+mapfile -t cmd_docs < <(docs epcomm)
+expect "${debs[0]}" "$libdir/$soname" "$libdir/libepcomm.so.$upstream" "${lib_docs[@]}"
 expect "${debs[1]}" /usr/include/epcomm.h /usr/include/epcomm.hpp \
   "$libdir/libepcomm.so" "$libdir/libepcomm.a" "$libdir/pkgconfig/epcomm.pc" \
   "$libdir/cmake/epcomm/epcommConfig.cmake" "$libdir/cmake/epcomm/epcommConfigVersion.cmake" \
-  /usr/share/doc/libepcomm-dev/changelog.gz /usr/share/doc/libepcomm-dev/copyright
-expect "${debs[2]}" /usr/bin/epcomm /usr/share/man/man1/epcomm.1.gz \
-  /usr/share/doc/epcomm/changelog.gz /usr/share/doc/epcomm/copyright
+  "${dev_docs[@]}" /usr/share/doc/libepcomm-dev/api.md.gz /usr/share/doc/libepcomm-dev/design.md.gz
+expect "${debs[2]}" /usr/bin/epcomm /usr/share/man/man1/epcomm.1.gz "${cmd_docs[@]}"
 dev_depends=$(dpkg-deb -f "${debs[1]}" Depends)
 case "$dev_depends" in
-  *"libepcomm0 (= $version)"*) ;;
-  *) fail "libepcomm-dev depends on '$dev_depends', not on libepcomm0 (= $version)" ;;
+  *"libepcomm0.1 (= $version)"*) ;;
+  *) fail "libepcomm-dev depends on '$dev_depends', not on libepcomm0.1 (= $version)" ;;
 esac
 
 say "dpkg -i"
@@ -113,7 +124,7 @@ installed=1
 say "epcomm --version, man -w epcomm"
 first=$(epcomm --version) || fail "epcomm --version failed"
 first=${first%%$'\n'*}
-[ "$first" = "epcomm $version" ] || fail "epcomm --version printed '$first'"
+[ "$first" = "epcomm $upstream" ] || fail "epcomm --version printed '$first'"
 if command -v man >/dev/null 2>&1; then
   page=$(man -w epcomm) || fail "man -w epcomm found no page"
   [ "$page" = /usr/share/man/man1/epcomm.1.gz ] || fail "man -w epcomm gives $page"
@@ -176,12 +187,12 @@ for lang in c cpp; do
   done
 done
 
-say "dpkg-shlibdeps: a program linked with the library depends on libepcomm0 of its ABI line"
+say "dpkg-shlibdeps: a program linked with the library depends on libepcomm0.1 of this version on"
 mkdir -p "$t/shlibdeps/debian"
 printf 'Source: probe\n\nPackage: probe\nArchitecture: any\n' >"$t/shlibdeps/debian/control"
 deps=$(cd "$t/shlibdeps" && dpkg-shlibdeps -O "$t/c" 2>&1)
 case "$deps" in
-  *"libepcomm0 (>= $version)"*"libepcomm0 (<< "*) ;;
+  *"libepcomm0.1 (>= $upstream)"*) ;;
   *) fail "dpkg-shlibdeps gives: $deps" ;;
 esac
 

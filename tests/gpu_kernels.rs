@@ -32,11 +32,17 @@ fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
         Ok(n) => Some(*n),
         Err(e) => {
             if common::skip::required("EPCOMM_REQUIRE_NVRTC") {
-                panic!("EPCOMM_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}");
+                panic!(
+                    "EPCOMM_REQUIRE_NVRTC=1 (or EPCOMM_TEST_FULL=1) but NVRTC is unavailable: {e}; \
+                     export EPCOMM_NVRTC_PATH=\"$(scripts/fetch-nvrtc.sh)\""
+                );
             }
             common::skip::skipped(
                 test,
-                &format!("{e} (scripts/fetch-nvrtc.sh downloads it and prints its directory)"),
+                &format!(
+                    "{e} (scripts/fetch-nvrtc.sh downloads it and prints its directory, for \
+                     EPCOMM_NVRTC_PATH; EPCOMM_TEST_FULL=1 requires it)"
+                ),
             );
             None
         }

@@ -4,28 +4,34 @@
 //! What the Python tests need beyond the standard library: numpy (tests/py/test_all2all.py,
 //! examples/python/moe_two_ranks.py), and pip, setuptools and wheel to build `./python` offline
 //! (tests/python_install.rs). When `$PYTHON` lacks one of them, `target/epcomm-test-venv` is
-//! made from it and `pip install numpy setuptools wheel` run there (PyPI, bounded in time); an
-//! existing venv that imports them is reused, a broken one rebuilt. When that cannot be done (no
-//! venv module, no network) the bare interpreter is used and the tests needing the missing
-//! packages print a SKIPPED line saying what is missing and how to get it. A failed attempt is
-//! remembered for ten minutes (`target/epcomm-test-venv.failed`) so each test binary does not
-//! wait on it again.
-//!
-//! vLLM's own EPLB tests (tests/eplb_vllm_algo.rs) also need torch and pytest: [`torch_or_skip`]
-//! uses the interpreter when it imports them, else installs them into the same venv (torch's CPU
-//! build from its CPU index, else torch from PyPI, whose Linux build also runs without a GPU;
-//! bounded in time, failures remembered as above in `target/epcomm-test-venv-torch.failed`).
+//! made from it and `pip install numpy setuptools wheel` run there (PyPI, about 20 MB, bounded
+//! in time); an existing venv that imports them is reused, a broken one rebuilt. When that
+//! cannot be done (no venv module, no network) the bare interpreter is used and the tests
+//! needing the missing packages print a SKIPPED line saying what is missing and how to get it.
+//! A failed attempt is remembered for ten minutes (`target/epcomm-test-venv.failed`) so each
+//! test binary does not wait on it again.
 //!
 //! The pydantic differential test (tests/pydantic_texts.rs) needs pydantic 2.13:
 //! [`pydantic_or_skip`] uses the interpreter when it imports pydantic 2.13.x, else installs
-//! `pydantic==2.13.5` (the release vLLM v0.33.0 pins in requirements/docs.txt) into the same venv
-//! (bounded in time; a failure is remembered in `target/epcomm-test-venv-pydantic.failed`).
+//! `pydantic==2.13.5` (the release vLLM v0.33.0 pins in requirements/docs.txt; about 5 MB) into
+//! the same venv (bounded in time; a failure is remembered in
+//! `target/epcomm-test-venv-pydantic.failed`).
+//!
+//! The heavy tier (see `skip.rs`): torch and pytest for vLLM's own EPLB tests and the torch
+//! integration tests ([`torch_or_skip`]), and vLLM's sdist ([`vllm_sdist`], 153 MB). A plain
+//! `cargo test` uses them when they are already here (`$PYTHON` or the test venv imports torch;
+//! the sdist is under `target/vllm-src` or named by `EPCOMM_VLLM_SRC`) and otherwise skips,
+//! naming `EPCOMM_TEST_FULL=1`. With that switch (or `EPCOMM_REQUIRE_TORCH=1` /
+//! `EPCOMM_REQUIRE_VLLM_SRC=1`) they are provisioned: torch's CPU-only build from its CPU index
+//! (about 190 MB of wheels, 750 MB installed), else, when that index cannot be reached, torch from
+//! PyPI (whose Linux build pulls the CUDA libraries: several GB; the run says so), failures
+//! remembered as above in `target/epcomm-test-venv-torch.failed`.
 //!
 //! Variables: `EPCOMM_TEST_NO_PROVISION=1` never makes the venv (the do-without path);
 //! `EPCOMM_REQUIRE_PYTHON=1` turns a missing interpreter (or pydantic) into a failure,
 //! `EPCOMM_REQUIRE_NUMPY=1` a missing package (numpy, setuptools, wheel) into one and
-//! `EPCOMM_REQUIRE_TORCH=1` a missing torch or pytest into one. `EPCOMM_TORCH_INDEX_URL`
-//! replaces the CPU index torch is tried from first.
+//! `EPCOMM_REQUIRE_TORCH=1` a missing torch or pytest into one; `EPCOMM_TEST_FULL=1` implies
+//! them all. `EPCOMM_TORCH_INDEX_URL` replaces the CPU index torch is tried from first.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -35,7 +41,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime};
 
 use super::run_with_timeout;
-use super::skip::{required, skipped};
+use super::skip::{heavy, required, skipped};
 
 /// What lets the interpreter build `./python` into a wheel without the network, as (name, code
 /// that imports it): bdist_wheel is setuptools' own from 70.1 on, the wheel package's before.
@@ -67,6 +73,9 @@ const TORCH_CPU_INDEX: &str = "https://download.pytorch.org/whl/cpu";
 /// How long each `pip install` of torch may take (PyPI's build is several GB with its CUDA
 /// libraries).
 const TORCH_TIMEOUT: Duration = Duration::from_secs(1200);
+/// What provisioning torch downloads, for SKIPPED lines.
+const TORCH_DOWNLOAD: &str = "torch's CPU build from its CPU index: about 190 MB to download, \
+    750 MB in target/; from PyPI, when that index is unreachable, several GB with CUDA's libraries";
 
 /// The interpreter the Python tests run, and what it lacks.
 #[derive(Debug)]
@@ -414,6 +423,16 @@ fn find_torch() -> Result<PathBuf, String> {
     if run_code(&python, TORCH_CHECK).is_ok() {
         return Ok(python);
     }
+    if !required("EPCOMM_REQUIRE_TORCH") {
+        return Err(heavy(
+            &format!(
+                "torch (with numpy and pytest) for {} or the test venv {}",
+                exe.display(),
+                venv_dir().display()
+            ),
+            TORCH_DOWNLOAD,
+        ));
+    }
     let failed = target_dir().join("epcomm-test-venv-torch.failed");
     let _lock = lock_file(&target_dir().join("epcomm-test-venv.lock"));
     if run_code(&python, TORCH_CHECK).is_ok() {
@@ -554,6 +573,16 @@ pub fn vllm_sdist(python: &Path, version: &str) -> Result<PathBuf, String> {
     let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .parent()
         .map_or_else(|| PathBuf::from("target"), Path::to_path_buf);
+    let cached = target.join("vllm-src").join(format!("vllm-{version}"));
+    if !cached.join("vllm").is_dir() && !required("EPCOMM_REQUIRE_VLLM_SRC") {
+        return Err(heavy(
+            &format!(
+                "vLLM {version}'s source tree ({} or EPCOMM_VLLM_SRC)",
+                cached.display()
+            ),
+            "its sdist from PyPI: 153 MB to download, 320 MB in target/",
+        ));
+    }
     let _lock = lock_file(&target.join("vllm-src.lock"));
     let mut cmd = Command::new("bash");
     cmd.arg(super::manifest_dir().join("scripts/fetch-vllm-sdist.sh"))
