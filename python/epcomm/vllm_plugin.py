@@ -9,8 +9,10 @@ process:
    ``all2all_backend`` says) epcomm's (``EpcommAll2AllManager``), gathering over the group
    vLLM's manager gathers over, with the shared-memory transport when every rank of the EP
    group is on this host (same host name and boot id) and the torch (gloo) transport
-   otherwise, and routes the CPU communicator's ``combine_into_output`` to the manager's
-   in-place reduction;
+   otherwise, routes the CPU communicator's ``combine_into_output`` to the manager's
+   in-place reduction, and, under data parallelism, calls the MoE layer through vLLM's own
+   opaque op ``torch.ops.vllm.moe_forward`` (as vLLM does on GPU) so that torch.compile,
+   vLLM's default mode, compiles the model around it;
 2. where vLLM's ``CPUUnquantizedExperts.apply`` ignores ``expert_map`` (vLLM 0.32.0 to
    0.34.0: it passes global expert ids to a kernel whose buffers hold the local experts, which
    reads out of bounds as soon as experts are split over ranks), maps the ids through
@@ -18,7 +20,8 @@ process:
 3. makes the EPLB communicator factory return ``EpcommEplbCommunicator`` for CPU weights.
 
 Environment switches (each ``0`` turns its part off): ``EPCOMM_VLLM_PLUGIN`` (everything),
-``EPCOMM_VLLM_MANAGER`` (1 and the combine routing), ``EPCOMM_VLLM_MOE_FIX`` (2),
+``EPCOMM_VLLM_MANAGER`` (1, the combine routing and the opaque MoE op),
+``EPCOMM_VLLM_OPAQUE_MOE`` (the opaque MoE op alone), ``EPCOMM_VLLM_MOE_FIX`` (2),
 ``EPCOMM_VLLM_EPLB`` (3). ``EPCOMM_VLLM_TRANSPORT`` = ``auto`` (default), ``shm`` or
 ``torch``. A vLLM release outside ``SUPPORTED_VLLM`` is refused: the plugin logs why and
 changes nothing (``EPCOMM_VLLM_REQUIRE=1`` makes that, and any part failing to apply, an
@@ -205,8 +208,44 @@ def install_manager(version: str) -> None:
         return original(self, hidden_states, output, is_sequence_parallel)
 
     comm_cls.combine_into_output = combine_into_output
+    if _on("EPCOMM_VLLM_OPAQUE_MOE"):
+        install_opaque_moe(version)
     _say(logging.INFO, "epcomm plugin: vLLM %s's CPU expert parallelism runs on epcomm's "
          "all2all manager (%s=%s).", version, TRANSPORT_ENV, _transport_choice())
+
+
+def install_opaque_moe(version: str) -> None:
+    """Under data parallelism, vLLM's CPU MoE layers call ``torch.ops.vllm.moe_forward`` (the
+    custom op vLLM's GPU path calls) instead of the layer's Python directly.
+
+    vLLM's CPU path (``MoERunner._select_forward``, 0.32.0 to 0.34.0) lets torch.compile trace
+    the whole MoE layer, its dispatch and combine included. A dispatch's row count is every DP
+    rank's tokens, known only at run time; the modular kernel branches on it in Python
+    (``if M_full == 0``), which dynamo cannot trace with ``fullgraph=True`` ("Could not guard
+    on data-dependent expression"). Behind vLLM's own opaque op the layer runs eagerly inside
+    the compiled graph, as on GPU: its output has the input's shape, and the dispatch,
+    experts and combine run as in eager mode."""
+    import importlib
+
+    mod = importlib.import_module("vllm.model_executor.layers.fused_moe.runner.moe_runner")
+    runner = mod.MoERunner
+    original = runner._select_forward
+    if getattr(original, "_epcomm", False):
+        return
+
+    def _select_forward(self: Any) -> Any:
+        chosen = original(self)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and self.moe_config.dp_size > 1:
+            import torch
+
+            return (torch.ops.vllm.moe_forward if self._shared_experts is None
+                    else torch.ops.vllm.moe_forward_shared)
+        return chosen
+
+    _select_forward._epcomm = True  # type: ignore[attr-defined]
+    runner._select_forward = _select_forward
 
 
 # ---------------------------------------------------------------------------------------------
