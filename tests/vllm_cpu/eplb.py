@@ -61,9 +61,12 @@ def worker(rank, port, transport, q):
         old, new = placements()
         weights = weights_for(old, rank)
         buffers = [torch.empty_like(w) for w in weights[0]]
+        want = weights_for(new, rank)
+        # The new placement really moves this rank's experts (else the check proves nothing).
+        assert any(not torch.equal(weights[layer][wi], want[layer][wi])
+                   for layer in range(LAYERS) for wi in range(len(SIZES)))
         comm = EpcommEplbCommunicator(dist.group.WORLD, transport=transport)
         rearrange_expert_weights_inplace(old, new, weights, buffers, dist.group.WORLD, comm)
-        want = weights_for(new, rank)
         bad = [(layer, wi) for layer in range(LAYERS) for wi in range(len(SIZES))
                if not torch.equal(weights[layer][wi], want[layer][wi])]
         comm.destroy()

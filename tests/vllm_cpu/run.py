@@ -34,7 +34,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 128
-RUN_TIMEOUT = 600
+RUN_TIMEOUT = 900
 
 
 def prompts(n=6, seed=7):
@@ -92,6 +92,7 @@ def rank_main(args):
     """One DP rank (or the DP=1 run): generate this rank's prompts, write the results."""
     model, out, dp_size, dp_rank, compiled, n = (args[0], args[1], int(args[2]), int(args[3]),
                                                  args[4] == "1", int(args[5]))
+    max_tokens = int(args[6]) if len(args) > 6 else MAX_TOKENS
     from vllm import LLM, SamplingParams
 
     ps = prompts(n)
@@ -100,7 +101,7 @@ def rank_main(args):
     if dp_size > 1:
         kw["enable_expert_parallel"] = True
     llm = LLM(**kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     reqs = [{"prompt_token_ids": ps[i]} for i in mine] or [{"prompt_token_ids": [1]}]
     llm.generate(reqs[:1], sp)  # warm-up (compilation, first allocations): not timed
     t0 = time.perf_counter()
@@ -119,7 +120,8 @@ def rank_main(args):
     os._exit(0)
 
 
-def run_offline(workdir, model, dp, compiled, name, hook="", extra=None, n=6):
+def run_offline(workdir, model, dp, compiled, name, hook="", extra=None, n=6,
+                max_tokens=MAX_TOKENS):
     """DP=``dp`` offline (one process per DP rank, as vLLM's DP example); returns
     ({prompt index: result}, tokens/s over the ranks' generate calls, the stats records)."""
     out_dir = os.path.join(workdir, name)
@@ -139,7 +141,7 @@ def run_offline(workdir, model, dp, compiled, name, hook="", extra=None, n=6):
         procs.append((subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "rank", model,
              os.path.join(out_dir, f"rank{r}.json"), str(dp), str(r),
-             "1" if compiled else "0", str(n)],
+             "1" if compiled else "0", str(n), str(max_tokens)],
             env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
     deadline = time.time() + RUN_TIMEOUT
     failed = None
@@ -307,10 +309,10 @@ def check(workdir):
     return 0
 
 
-def bench(workdir, n=12):
+def bench(workdir, n=12, max_tokens=32):
     model = build_model(workdir)
     rows = []
-    ref, tps, _ = run_offline(workdir, model, 1, False, "bench-dp1", n=n)
+    ref, tps, _ = run_offline(workdir, model, 1, False, "bench-dp1", n=n, max_tokens=max_tokens)
     rows.append(("DP=1 (one process, vLLM alone)", tps, "-"))
     runs = [("DP=2 + EP, epcomm shm", {"EPCOMM_VLLM_TRANSPORT": "shm"}, ""),
             ("DP=2 + EP, epcomm torch (gloo)", {"EPCOMM_VLLM_TRANSPORT": "torch"}, ""),
@@ -318,11 +320,12 @@ def bench(workdir, n=12):
              {"EPCOMM_VLLM_MANAGER": "0"}, "control")]
     for label, extra, hook in runs:
         got, tps, _ = run_offline(workdir, model, 2, False, "bench-" + str(len(rows)),
-                                  hook=hook, extra=extra, n=n)
+                                  hook=hook, extra=extra, n=n, max_tokens=max_tokens)
         diffs, _ = compare(ref, got)
         rows.append((label, tps, "equal" if not diffs else f"DIFFER ({len(diffs)})"))
-    print(f"{n} prompts, {MAX_TOKENS} tokens each, greedy, eager, float32, OMP_NUM_THREADS=1 "
-          "per process")
+    print(f"{n} prompts (5 to 40 tokens), {max_tokens} generated tokens each, greedy, eager, "
+          "float32, OMP_NUM_THREADS=1 per process; tokens/s = generated tokens / the slowest "
+          "rank's generate() time")
     print("| run | tokens/s | greedy tokens vs DP=1 |")
     print("|---|---|---|")
     for label, t, eq in rows:
