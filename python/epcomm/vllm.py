@@ -533,17 +533,30 @@ class EpcommEplbCommunicator:
             self._group.close()
 
 
-def install(eplb: bool = True) -> None:
+def install(eplb: bool = True, transport: str = "torch") -> None:
     """Makes vLLM, in this process, use epcomm where its CPU backend would use its own: the
     all2all manager vLLM's communicators build for "allgather_reducescatter" (and "naive", and
-    every name on CPU) becomes ``EpcommAll2AllManager``, and, with ``eplb``, the EPLB
-    communicator for CPU expert weights becomes ``EpcommEplbCommunicator`` (vLLM's own factory
-    still serves device weights). Call it before vLLM creates its process groups, in every
-    process (a ``vllm.general_plugins`` entry point does that: docs/vllm.md)."""
+    every name on CPU) becomes ``EpcommAll2AllManager`` over ``transport`` ("torch" or "shm"),
+    and, with ``eplb``, the EPLB communicator for CPU expert weights becomes
+    ``EpcommEplbCommunicator`` (vLLM's own factory still serves device weights). Call it before
+    vLLM creates its process groups, in every process. vLLM's CPU workers are spawned, so only a
+    ``vllm.general_plugins`` entry point reaches them: epcomm's own plugin
+    (``epcomm.vllm_plugin``, docs/vllm.md) does this and more (the transport chosen by host,
+    the CPU MoE fix, compiled mode)."""
+    import functools
     import importlib
 
+    if transport not in TRANSPORTS:
+        raise InvalidArgumentError(
+            f"unknown transport {transport!r}; expected one of {', '.join(TRANSPORTS)}", 2
+        )
+    cls: Any = EpcommAll2AllManager
+    if transport != "torch":
+        cls = type("EpcommAll2AllManager", (EpcommAll2AllManager,), {
+            "__init__": functools.partialmethod(EpcommAll2AllManager.__init__,
+                                                transport=transport)})
     all2all = importlib.import_module("vllm.distributed.device_communicators.all2all")
-    setattr(all2all, "AgRsAll2AllManager", EpcommAll2AllManager)
+    setattr(all2all, "AgRsAll2AllManager", cls)
     if eplb:
         install_eplb_factory()
 

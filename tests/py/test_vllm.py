@@ -69,12 +69,12 @@ def check_manager(dist, epcomm_vllm, rank, world, transport, mism):
 
     hidden, weights, ids, logits, extras = rank_inputs(rank)
     sizes = [2 + r for r in range(world)]
-    if transport == "torch":  # as vLLM's CpuCommunicator builds it, once installed
-        m = sys.modules["vllm.distributed.device_communicators.all2all"].AgRsAll2AllManager(
-            dist.group.WORLD)
-    else:
-        m = epcomm_vllm.EpcommAll2AllManager(dist.group.WORLD, transport=transport)
+    # As vLLM's CpuCommunicator builds it, once installed with this transport.
+    epcomm_vllm.install(transport=transport)
+    m = sys.modules["vllm.distributed.device_communicators.all2all"].AgRsAll2AllManager(
+        dist.group.WORLD)
     assert isinstance(m, epcomm_vllm.EpcommAll2AllManager)
+    assert m.transport == transport, m.transport
 
     def same(name, got, want):
         if got.dtype != want.dtype or not torch.equal(got, want):
@@ -118,7 +118,8 @@ def check_manager(dist, epcomm_vllm, rank, world, transport, mism):
     same("combine even split", m.combine(even), ref_reduce_scatterv(dist, even, [4] * world,
                                                                       rank))
 
-    check_compiled(m, dist, rank, sizes, hidden, weights, ids, transport, mism)
+    if world == 2 and transport == "shm":  # torch.compile costs seconds per process
+        check_compiled(m, dist, rank, sizes, hidden, weights, ids, transport, mism)
     assert m.stats["dispatches"] > 0 and m.stats["combines"] > 0, m.stats
     # vLLM's base-class methods (0.32.0 to 0.34.0): warn once / no-ops / a null context.
     m.checkpoint_prepare()

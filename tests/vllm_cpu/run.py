@@ -153,10 +153,14 @@ def run_offline(workdir, model, dp, compiled, name, hook="", extra=None, n=6,
         except subprocess.TimeoutExpired:
             failed = failed or f"timed out after {RUN_TIMEOUT} s"
         log.close()
+    # Each rank's process group: the rank and the engine core and worker processes vLLM
+    # started for it, which outlive a rank that exited (they would hold ports and CPU).
     for p, _ in procs:
-        if p.poll() is None:
+        try:
             os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        except ProcessLookupError:
+            pass
+        p.wait()
     if failed:
         tail = open(os.path.join(out_dir, "rank0.log")).read()[-3000:]
         raise RuntimeError(f"{name}: a DP rank failed ({failed}); rank 0's log ends:\n{tail}")
@@ -231,8 +235,12 @@ def run_serve(workdir, model, hook="stats", extra=None, n=6):
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
+            pass
+        try:  # what is left of the server's process group (engine cores, workers)
             os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        except ProcessLookupError:
+            pass
+        p.wait()
         log.close()
 
 
