@@ -1,4 +1,5 @@
-"""vLLM integration: an all2all manager and an EPLB communicator with vLLM v0.33.0's interfaces.
+"""vLLM integration: an all2all manager and an EPLB communicator with the interfaces of vLLM
+0.32.0 to 0.34.0 (the plugin that installs them in vLLM: epcomm.vllm_plugin).
 
 ``EpcommAll2AllManager`` has the interface of vLLM's ``All2AllManagerBase`` and the semantics
 of its ``AgRsAll2AllManager`` (the manager vLLM's CPU backend selects): dispatch all-gathers
