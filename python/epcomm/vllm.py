@@ -1,4 +1,5 @@
-"""vLLM integration: an all2all manager and an EPLB communicator with vLLM v0.33.0's interfaces.
+"""vLLM integration: an all2all manager and an EPLB communicator with the interfaces of vLLM
+0.32.0 to 0.34.0 (the plugin that installs them in vLLM: epcomm.vllm_plugin).
 
 ``EpcommAll2AllManager`` has the interface of vLLM's ``All2AllManagerBase`` and the semantics
 of its ``AgRsAll2AllManager`` (the manager vLLM's CPU backend selects): dispatch all-gathers
@@ -118,12 +119,101 @@ class _Collectives:
         return self._call("epcomm_group_reduce_scatterv", t.contiguous(), sizes, out)
 
 
-def _same_host(process_group: Any) -> bool:
+def host_id() -> str:
+    """This host's identity: the host name and the kernel's boot id (two containers with the
+    same name on different machines differ by boot id; ranks that share both share the host's
+    memory, which the "shm" transport needs)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def same_host(process_group: Any) -> bool:
+    """Whether every rank of the torch.distributed CPU ``process_group`` runs on this host
+    (collective: every rank's ``host_id()`` over the group)."""
     import torch.distributed as dist
 
     names: List[Optional[str]] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(names, socket.gethostname(), group=process_group)
+    dist.all_gather_object(names, host_id(), group=process_group)
     return len(set(names)) == 1
+
+
+_same_host = same_host
+
+#: Live managers by key, for the custom ops that stand for their collectives in a graph
+#: torch.compile captures (an op takes numbers and tensors, not Python objects).
+_MANAGERS: Dict[int, "EpcommAll2AllManager"] = {}
+_OPS_READY = False
+
+
+def _register_ops() -> bool:
+    """Registers ``epcomm::vllm_gather`` and ``epcomm::vllm_combine_into`` (once per process):
+    the manager's collectives as custom ops, so that torch.compile (vLLM's default mode, which
+    traces the MoE layer with fullgraph=True) records one opaque call instead of tracing into
+    ctypes. False where this torch has no ``torch.library.custom_op`` (before 2.4): the
+    manager then works in eager mode only."""
+    global _OPS_READY
+    if _OPS_READY:
+        return True
+    torch = _torch()
+    lib = getattr(torch, "library", None)
+    if lib is None or not hasattr(lib, "custom_op"):
+        return False
+
+    @lib.custom_op("epcomm::vllm_gather", mutates_args=(), schema=(
+        "(Tensor[] tensors, int manager, bool is_sequence_parallel) -> Tensor[]"))
+    def _gather_op(tensors, manager, is_sequence_parallel):  # type: ignore[no-untyped-def]
+        return _MANAGERS[manager]._gather(list(tensors), is_sequence_parallel)
+
+    @_gather_op.register_fake
+    def _(tensors, manager, is_sequence_parallel):  # type: ignore[no-untyped-def]
+        rows = lib.get_ctx().new_dynamic_size()  # the sum of every rank's token count
+        return [t.new_empty((rows,) + tuple(t.shape[1:])) for t in tensors]
+
+    @lib.custom_op("epcomm::vllm_combine_into", mutates_args=("output",), schema=(
+        "(Tensor hidden_states, Tensor(a!) output, int manager, bool is_sequence_parallel)"
+        " -> ()"))
+    def _combine_into_op(hidden_states, output, manager,  # type: ignore[no-untyped-def]
+                         is_sequence_parallel):
+        _MANAGERS[manager]._combine(hidden_states, is_sequence_parallel, output)
+
+    @_combine_into_op.register_fake
+    def _(hidden_states, output, manager, is_sequence_parallel):  # type: ignore[no-untyped-def]
+        return None
+
+    @lib.custom_op("epcomm::vllm_combine", mutates_args=(), schema=(
+        "(Tensor hidden_states, int manager, bool is_sequence_parallel) -> Tensor"))
+    def _combine_op(hidden_states, manager, is_sequence_parallel):  # type: ignore[no-untyped-def]
+        return _MANAGERS[manager]._combine(hidden_states, is_sequence_parallel, None)
+
+    @_combine_op.register_fake
+    def _(hidden_states, manager, is_sequence_parallel):  # type: ignore[no-untyped-def]
+        rows = lib.get_ctx().new_dynamic_size()  # this rank's token count
+        return hidden_states.new_empty((rows,) + tuple(hidden_states.shape[1:]))
+
+    _OPS_READY = True
+    return True
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing this call (dynamo folds it to True there)."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())
+
+
+_warned_once: set = set()
+
+
+def _warn_once(message: str, *args: Any) -> None:
+    import logging
+
+    if message not in _warned_once:
+        _warned_once.add(message)
+        logging.getLogger("epcomm.vllm").warning(message, *args)
 
 
 class EpcommAll2AllManager:
@@ -164,6 +254,14 @@ class EpcommAll2AllManager:
         self._handles: Dict[Tuple[Any, ...], All2All] = {}
         # The sizes of the last dispatch per group, which its combine splits by.
         self._last_sizes: Dict[int, List[int]] = {}
+        self.transport = transport
+        #: What this manager moved: gathers (dispatch, dispatch_router_logits), combines, the
+        #: rows gathered and the rows this rank received back from combines.
+        self.stats = {"dispatches": 0, "combines": 0, "rows_gathered": 0, "rows_combined": 0}
+        # The key the custom ops find this manager by under torch.compile.
+        self._key = id(self)
+        _MANAGERS[self._key] = self
+        _register_ops()
 
     def _comm(self, is_sequence_parallel: bool) -> _Collectives:
         return self._ep if is_sequence_parallel else self._dp
@@ -179,7 +277,30 @@ class EpcommAll2AllManager:
     def _gather(self, tensors: List[Any], is_sequence_parallel: bool) -> List[Any]:
         comm = self._comm(is_sequence_parallel)
         sizes = self._sizes(tensors[0].shape[0], comm)
+        self.stats["dispatches"] += 1
+        self.stats["rows_gathered"] += sum(sizes)
         return [comm.all_gatherv(t, sizes) for t in tensors]
+
+    def _gather_any(self, tensors: List[Any], is_sequence_parallel: bool) -> List[Any]:
+        # Under torch.compile the gather is one opaque custom op (dynamo cannot trace ctypes).
+        if _compiling() and _OPS_READY:
+            return list(_torch().ops.epcomm.vllm_gather(tensors, self._key,
+                                                        is_sequence_parallel))
+        return self._gather(tensors, is_sequence_parallel)
+
+    def _combine(self, hidden_states: Any, is_sequence_parallel: bool, output: Any) -> Any:
+        comm = self._comm(is_sequence_parallel)
+        sizes = self._combine_sizes(comm, hidden_states)
+        self.stats["combines"] += 1
+        self.stats["rows_combined"] += sizes[comm.rank]
+        if output is not None and not (
+            output.is_contiguous() and output.dtype == hidden_states.dtype
+            and tuple(output.shape) == (sizes[comm.rank],) + tuple(hidden_states.shape[1:])
+        ):
+            # vLLM's base class: the combined rows copied into whatever ``output`` is.
+            output.copy_(comm.reduce_scatterv(hidden_states, sizes))
+            return output
+        return comm.reduce_scatterv(hidden_states, sizes, out=output)
 
     def get_handle(self, kwargs: Dict[str, Any]) -> All2All:
         """An ``epcomm.All2All`` over the EP group for ``kwargs`` (its constructor's keyword
@@ -202,8 +323,8 @@ class EpcommAll2AllManager:
         extra_tensors: Optional[List[Any]] = None,
     ) -> Any:
         """Gathers hidden_states, router_logits and the extra tensors from every rank."""
-        g = self._gather([hidden_states, router_logits] + list(extra_tensors or []),
-                         is_sequence_parallel)
+        g = self._gather_any([hidden_states, router_logits] + list(extra_tensors or []),
+                             is_sequence_parallel)
         if extra_tensors is not None:
             return g[0], g[1], g[2:]
         return g[0], g[1]
@@ -218,8 +339,8 @@ class EpcommAll2AllManager:
     ) -> Any:
         """Gathers hidden_states, topk_weights, topk_ids and the extra tensors from every rank
         (in rank order, dtypes kept); returns them in that order."""
-        g = self._gather([hidden_states, topk_weights, topk_ids] + list(extra_tensors or []),
-                         is_sequence_parallel)
+        g = self._gather_any([hidden_states, topk_weights, topk_ids]
+                             + list(extra_tensors or []), is_sequence_parallel)
         if extra_tensors is None:
             return g[0], g[1], g[2]
         return g[0], g[1], g[2], g[3:]
@@ -228,8 +349,10 @@ class EpcommAll2AllManager:
         """Sums every rank's ``hidden_states`` ([sum of the ranks' tokens, ...]) and returns this
         rank's rows: the token counts of the last dispatch, or an equal split as vLLM's
         manager uses without data parallelism."""
-        comm = self._comm(is_sequence_parallel)
-        return comm.reduce_scatterv(hidden_states, self._combine_sizes(comm, hidden_states))
+        if _compiling() and _OPS_READY:
+            return _torch().ops.epcomm.vllm_combine(hidden_states, self._key,
+                                                    is_sequence_parallel)
+        return self._combine(hidden_states, is_sequence_parallel, None)
 
     def _combine_sizes(self, comm: _Collectives, hidden_states: Any) -> List[int]:
         rows = int(hidden_states.shape[0])
@@ -254,10 +377,26 @@ class EpcommAll2AllManager:
         ``combine``'s result; here the reduction lands in ``output`` itself). ``output`` must
         be contiguous with ``hidden_states``' dtype and this rank's row count, else an
         epcomm.Error (ValueError)."""
+        if _compiling() and _OPS_READY:
+            _torch().ops.epcomm.vllm_combine_into(hidden_states, output, self._key,
+                                                  is_sequence_parallel)
+            return output
         comm = self._comm(is_sequence_parallel)
         return comm.reduce_scatterv(
             hidden_states, self._combine_sizes(comm, hidden_states), out=output
         )
+
+    def combine_into_output_any(self, hidden_states: Any, output: Any,
+                                is_sequence_parallel: bool = False) -> Any:
+        """``combine_into_output`` for any ``output`` (vLLM's communicators' contract): in
+        place when ``output`` is contiguous with ``hidden_states``' dtype and this rank's rows,
+        else the combined rows copied into it. What the vLLM plugin routes vLLM's CPU
+        communicator's ``combine_into_output`` to."""
+        if _compiling() and _OPS_READY:
+            _torch().ops.epcomm.vllm_combine_into(hidden_states, output, self._key,
+                                                  is_sequence_parallel)
+            return output
+        return self._combine(hidden_states, is_sequence_parallel, output)
 
     def _ft_handles(self) -> List[All2All]:
         if not self.support_fault_tolerance:
@@ -302,6 +441,27 @@ class EpcommAll2AllManager:
     def set_num_sms(self, num_sms: int) -> None:
         """No-op (no GPU)."""
 
+    def checkpoint_prepare(self) -> None:
+        """vLLM's base class (0.32.0 to 0.34.0): warns once that it is not implemented and
+        skips (the manager holds no state a checkpoint needs)."""
+        _warn_once("%s.checkpoint_prepare is not implemented; skipping.", type(self).__name__)
+
+    def checkpoint_restore(self) -> None:
+        """vLLM's base class: warns once that it is not implemented and skips."""
+        _warn_once("%s.checkpoint_restore is not implemented; skipping.", type(self).__name__)
+
+    def stage_ep_size(self) -> None:
+        """No-op, as vLLM's base class (elastic EP resizes no buffer of this manager)."""
+
+    def commit_ep_size(self) -> None:
+        """No-op, as vLLM's base class."""
+
+    def mask_remote_ranks(self) -> Any:
+        """A context manager that does nothing, as vLLM's base class's."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def max_sms_used(self) -> Optional[int]:
         """None, as vLLM's base class."""
         return None
@@ -311,6 +471,7 @@ class EpcommAll2AllManager:
         for h in self._handles.values():
             h.close()
         self._handles.clear()
+        _MANAGERS.pop(self._key, None)
         self._dp.group.close()
         self._ep.group.close()
 
@@ -373,19 +534,40 @@ class EpcommEplbCommunicator:
             self._group.close()
 
 
-def install(eplb: bool = True) -> None:
+def install(eplb: bool = True, transport: str = "torch") -> None:
     """Makes vLLM, in this process, use epcomm where its CPU backend would use its own: the
     all2all manager vLLM's communicators build for "allgather_reducescatter" (and "naive", and
-    every name on CPU) becomes ``EpcommAll2AllManager``, and, with ``eplb``, the EPLB
-    communicator for CPU expert weights becomes ``EpcommEplbCommunicator`` (vLLM's own factory
-    still serves device weights). Call it before vLLM creates its process groups, in every
-    process (a ``vllm.general_plugins`` entry point does that: docs/vllm.md)."""
+    every name on CPU) becomes ``EpcommAll2AllManager`` over ``transport`` ("torch" or "shm"),
+    and, with ``eplb``, the EPLB communicator for CPU expert weights becomes
+    ``EpcommEplbCommunicator`` (vLLM's own factory still serves device weights). Call it before
+    vLLM creates its process groups, in every process. vLLM's CPU workers are spawned, so only a
+    ``vllm.general_plugins`` entry point reaches them: epcomm's own plugin
+    (``epcomm.vllm_plugin``, docs/vllm.md) does this and more (the transport chosen by host,
+    the CPU MoE fix, compiled mode)."""
+    import functools
     import importlib
 
+    if transport not in TRANSPORTS:
+        raise InvalidArgumentError(
+            f"unknown transport {transport!r}; expected one of {', '.join(TRANSPORTS)}", 2
+        )
+    cls: Any = EpcommAll2AllManager
+    if transport != "torch":
+        cls = type("EpcommAll2AllManager", (EpcommAll2AllManager,), {
+            "__init__": functools.partialmethod(EpcommAll2AllManager.__init__,
+                                                transport=transport)})
     all2all = importlib.import_module("vllm.distributed.device_communicators.all2all")
-    setattr(all2all, "AgRsAll2AllManager", EpcommAll2AllManager)
-    if not eplb:
-        return
+    setattr(all2all, "AgRsAll2AllManager", cls)
+    if eplb:
+        install_eplb_factory()
+
+
+def install_eplb_factory() -> None:
+    """Replaces ``create_eplb_communicator`` in ``vllm.distributed.eplb.eplb_state`` with one
+    that returns ``EpcommEplbCommunicator(group_coordinator.cpu_group)`` for CPU expert weights
+    and calls vLLM's own for device weights (idempotent)."""
+    import importlib
+
     state = importlib.import_module("vllm.distributed.eplb.eplb_state")
     original = getattr(state, "create_eplb_communicator")
     if getattr(original, "_epcomm", False):
@@ -408,6 +590,9 @@ __all__ = [
     "EpcommAll2AllManager",
     "EpcommEplbCommunicator",
     "group_for",
+    "host_id",
     "install",
+    "install_eplb_factory",
+    "same_host",
     "TRANSPORTS",
 ]

@@ -9,6 +9,7 @@ pub mod ft_fixture;
 pub mod moe_fixture;
 pub mod python;
 pub mod skip;
+pub mod vllm_cpu;
 
 use std::ffi::OsStr;
 use std::io::Read;

@@ -69,12 +69,12 @@ def check_manager(dist, epcomm_vllm, rank, world, transport, mism):
 
     hidden, weights, ids, logits, extras = rank_inputs(rank)
     sizes = [2 + r for r in range(world)]
-    if transport == "torch":  # as vLLM's CpuCommunicator builds it, once installed
-        m = sys.modules["vllm.distributed.device_communicators.all2all"].AgRsAll2AllManager(
-            dist.group.WORLD)
-    else:
-        m = epcomm_vllm.EpcommAll2AllManager(dist.group.WORLD, transport=transport)
+    # As vLLM's CpuCommunicator builds it, once installed with this transport.
+    epcomm_vllm.install(transport=transport)
+    m = sys.modules["vllm.distributed.device_communicators.all2all"].AgRsAll2AllManager(
+        dist.group.WORLD)
     assert isinstance(m, epcomm_vllm.EpcommAll2AllManager)
+    assert m.transport == transport, m.transport
 
     def same(name, got, want):
         if got.dtype != want.dtype or not torch.equal(got, want):
@@ -118,11 +118,51 @@ def check_manager(dist, epcomm_vllm, rank, world, transport, mism):
     same("combine even split", m.combine(even), ref_reduce_scatterv(dist, even, [4] * world,
                                                                       rank))
 
+    if world == 2 and transport == "shm":  # torch.compile costs seconds per process
+        check_compiled(m, dist, rank, sizes, hidden, weights, ids, transport, mism)
+    assert m.stats["dispatches"] > 0 and m.stats["combines"] > 0, m.stats
+    # vLLM's base-class methods (0.32.0 to 0.34.0): warn once / no-ops / a null context.
+    m.checkpoint_prepare()
+    m.checkpoint_restore()
+    m.stage_ep_size()
+    m.commit_ep_size()
+    with m.mask_remote_ranks():
+        pass
+
     a = m.get_handle({"num_experts": E, "top_k": K, "hidden_size": H})
     assert a is m.get_handle({"num_experts": E, "top_k": K, "hidden_size": H})
     assert m.allocate_combine_input((1, H), torch.float32, "cpu") is None
     m.destroy()
     m.destroy()  # idempotent
+
+
+def check_compiled(m, dist, rank, sizes, hidden, weights, ids, transport, mism):
+    """Under torch.compile(fullgraph=True) (vLLM's mode) the manager's calls are the custom
+    ops epcomm::vllm_gather / vllm_combine / vllm_combine_into: traced without a graph break,
+    with the eager results."""
+    import torch
+
+    def step(h, w, i):
+        g_h, g_w, g_i = m.dispatch(h, w, i)
+        y = g_h.float() * 3
+        out = torch.empty((h.shape[0], H))
+        m.combine_into_output_any(y, out)
+        return g_h, g_w, g_i, out, m.combine(y)
+
+    before = dict(m.stats)
+    f = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    g_h, g_w, g_i, out, comb = f(hidden, weights, ids)
+    y = ref_all_gatherv(dist, hidden, sizes).float() * 3
+    for name, got, want in (("hidden", g_h, ref_all_gatherv(dist, hidden, sizes)),
+                            ("topk_weights", g_w, ref_all_gatherv(dist, weights, sizes)),
+                            ("topk_ids", g_i, ref_all_gatherv(dist, ids, sizes)),
+                            ("combine_into_output", out, ref_reduce_scatterv(dist, y, sizes, rank)),
+                            ("combine", comb, ref_reduce_scatterv(dist, y, sizes, rank))):
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            mism.append(f"{transport}: compiled {name}: {got} != {want}")
+    if m.stats["dispatches"] != before["dispatches"] + 1 or \
+            m.stats["combines"] != before["combines"] + 2:
+        mism.append(f"{transport}: compiled: the ops did not run the manager: {m.stats}")
 
 
 def check_output_rejected(m, y32, rows, mism):
@@ -243,6 +283,35 @@ class VllmTest(unittest.TestCase):
 
     def test_four_ranks_torch_and_shm_transports(self):
         self.run_world("both", 4, None)
+
+    def test_plugin_local_routes(self):
+        """The vLLM plugin's expert-map fix: global top-k routes made local, a non-local
+        expert's route weight 0 and a valid local id."""
+        import torch
+
+        from epcomm.vllm_plugin import local_routes
+
+        expert_map = torch.tensor([-1, -1, -1, -1, 0, 1, 2, 3], dtype=torch.int32)  # rank 1
+        ids = torch.tensor([[0, 5], [7, 4], [3, 1]], dtype=torch.int32)
+        w = torch.tensor([[0.25, 0.75], [0.5, 0.5], [0.125, 0.875]])
+        w2, ids2, non_local = local_routes(w, ids, expert_map)
+        self.assertEqual(ids2.tolist(), [[0, 1], [3, 0], [0, 0]])
+        self.assertEqual(ids2.dtype, torch.int32)
+        self.assertEqual(w2.tolist(), [[0.0, 0.75], [0.5, 0.5], [0.0, 0.0]])
+        self.assertEqual(non_local.tolist(), [[True, False], [False, False], [True, True]])
+
+    def test_plugin_reads_expert_map(self):
+        """The behaviour check: whether a method's body reads ``expert_map``."""
+        from epcomm.vllm_plugin import apply_uses_expert_map
+
+        def ignores(self, topk_ids, expert_map):
+            return topk_ids
+
+        def reads(self, topk_ids, expert_map):
+            return expert_map[topk_ids]
+
+        self.assertIs(apply_uses_expert_map(ignores), False)
+        self.assertIs(apply_uses_expert_map(reads), True)
 
 
 if __name__ == "__main__":
