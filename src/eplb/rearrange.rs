@@ -279,6 +279,8 @@ fn transfer_rows(
     Ok(())
 }
 
+// transfer, transfer_rows and move_layer share their (group, communicator, moves, rows)
+// arguments: three ways to move one layer, each clearer with its inputs named.
 /// Moves one layer per its plan.
 fn move_layer(
     g: &mut dyn Group,

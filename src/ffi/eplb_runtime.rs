@@ -173,6 +173,7 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_add_send(
     guard::call(|| unsafe { queue(comm, tensors, num_tensors, dst, true) })
 }
 
+// As add_send, spelled out for the header (see the module doc of `ffi`): one `queue`.
 /// Queues receiving one expert's rows from rank `src` into `tensors` (valid until execute).
 ///
 /// # Safety
