@@ -33,7 +33,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::log;
-pub use crate::log::LOG_LEVEL;
+pub use crate::log::{log_level, LOG_LEVEL};
 pub use crate::var::invalid_message;
 use crate::var::{lossy, read};
 

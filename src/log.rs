@@ -86,9 +86,9 @@ static LOGGER: OnceLock<Logger> = OnceLock::new();
 pub const LOG_LEVEL: &str = "EPCOMM_LOG_LEVEL";
 
 /// `EPCOMM_LOG_LEVEL`: the threshold (default `warn`) and, for an invalid value, the warning
-/// to log. Read while the logger initialises, so [`logger`] logs the warning once it can (logging
-/// from here would recurse into the initialisation).
-fn log_level() -> (Level, Option<String>) {
+/// to log. Read while the logger initialises, so the logger logs the warning once it can
+/// (logging from here would recurse into the initialisation).
+pub fn log_level() -> (Level, Option<String>) {
     const EXPECTED: &str = "error|warn|info|debug";
     match read(LOG_LEVEL) {
         None => (Level::Warn, None),
