@@ -1,4 +1,6 @@
-//! Every `EPCOMM_*` environment variable the library reads, parsed in this one place.
+//! Every `EPCOMM_*` environment variable the library reads, parsed in this one place, except
+//! `EPCOMM_LOG_LEVEL`: the logger reads that one itself ([`crate::log`]), since this module logs
+//! its warnings through the logger (the name is re-exported here).
 //!
 //! | Variable | Accepted values | Unset or empty | Invalid value |
 //! |---|---|---|---|
@@ -26,15 +28,15 @@
 //! again by every group created, so a host may change them between groups.
 
 use std::collections::HashSet;
-use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::log::{self, Level};
+use crate::log;
+pub use crate::log::{log_level, LOG_LEVEL};
+pub use crate::var::invalid_message;
+use crate::var::{lossy, read};
 
-/// Log threshold for stderr (see [`crate::log`]).
-pub const LOG_LEVEL: &str = "EPCOMM_LOG_LEVEL";
 /// Default bound on every wait of a group, in seconds.
 pub const TIMEOUT_S: &str = "EPCOMM_TIMEOUT_S";
 /// Shared-memory groups: `0` turns direct reads of peers' buffers off.
@@ -55,25 +57,6 @@ pub const NVRTC_LINEINFO: &str = "EPCOMM_NVRTC_LINEINFO";
 /// larger values would overflow the deadline arithmetic.
 pub const MAX_TIMEOUT_S: f64 = 86400.0;
 
-/// The value of `var`: `None` when unset or empty (after trimming), `Err` with the raw value
-/// when it is not UTF-8.
-fn read(var: &str) -> Option<Result<String, OsString>> {
-    let raw = std::env::var_os(var)?;
-    match raw.into_string() {
-        Ok(s) => Some(s.trim().to_owned()).filter(|s| !s.is_empty()).map(Ok),
-        Err(raw) => Some(Err(raw)),
-    }
-}
-
-/// The warning for an invalid value: `invalid {var}='{value}' (expected {expected}); using
-/// {instead}`. Control characters and quotes in the value are escaped, so it stays one line.
-pub fn invalid_message(var: &str, value: &str, expected: &str, instead: &str) -> String {
-    format!(
-        "invalid {var}='{}' (expected {expected}); using {instead}",
-        value.escape_debug()
-    )
-}
-
 /// Logs [`invalid_message`] the first time `var` is found invalid in this process.
 fn warn_invalid(var: &'static str, value: &str, expected: &str, instead: &str) {
     static WARNED: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
@@ -84,32 +67,6 @@ fn warn_invalid(var: &'static str, value: &str, expected: &str, instead: &str) {
         .insert(var);
     if first {
         log::warn(&invalid_message(var, value, expected, instead));
-    }
-}
-
-/// A non-UTF-8 value as text for a warning.
-fn lossy(raw: &OsString) -> String {
-    raw.to_string_lossy().into_owned()
-}
-
-/// `EPCOMM_LOG_LEVEL`: the threshold (default `warn`) and, for an invalid value, the warning
-/// to log. The logger calls this while it initialises, so it logs the warning itself once it
-/// can (logging from here would recurse into its initialisation).
-pub fn log_level() -> (Level, Option<String>) {
-    const EXPECTED: &str = "error|warn|info|debug";
-    match read(LOG_LEVEL) {
-        None => (Level::Warn, None),
-        Some(Ok(v)) => match Level::parse(&v) {
-            Some(l) => (l, None),
-            None => (
-                Level::Warn,
-                Some(invalid_message(LOG_LEVEL, &v, EXPECTED, "warn")),
-            ),
-        },
-        Some(Err(raw)) => (
-            Level::Warn,
-            Some(invalid_message(LOG_LEVEL, &lossy(&raw), EXPECTED, "warn")),
-        ),
     }
 }
 

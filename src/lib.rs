@@ -22,5 +22,6 @@ pub mod moe;
 pub mod num;
 pub mod probe;
 pub mod select;
+mod var;
 
 pub use error::{Error, Result, Status};

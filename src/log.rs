@@ -25,6 +25,8 @@ use std::io::Write;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
+use crate::var::{invalid_message, lossy, read};
+
 /// Log levels; numeric values are part of the C ABI.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -80,12 +82,36 @@ struct Logger {
 
 static LOGGER: OnceLock<Logger> = OnceLock::new();
 
+/// Log threshold for stderr (the one variable the logger reads itself: `env` logs through it).
+pub const LOG_LEVEL: &str = "EPCOMM_LOG_LEVEL";
+
+/// `EPCOMM_LOG_LEVEL`: the threshold (default `warn`) and, for an invalid value, the warning
+/// to log. Read while the logger initialises, so the logger logs the warning once it can
+/// (logging from here would recurse into the initialisation).
+pub fn log_level() -> (Level, Option<String>) {
+    const EXPECTED: &str = "error|warn|info|debug";
+    match read(LOG_LEVEL) {
+        None => (Level::Warn, None),
+        Some(Ok(v)) => match Level::parse(&v) {
+            Some(l) => (l, None),
+            None => (
+                Level::Warn,
+                Some(invalid_message(LOG_LEVEL, &v, EXPECTED, "warn")),
+            ),
+        },
+        Some(Err(raw)) => (
+            Level::Warn,
+            Some(invalid_message(LOG_LEVEL, &lossy(&raw), EXPECTED, "warn")),
+        ),
+    }
+}
+
 /// The logger, and the `EPCOMM_LOG_LEVEL` warning when this call initialised it (the caller
 /// logs it: logging during the initialisation would recurse into it).
 fn init() -> (&'static Logger, Option<String>) {
     let mut warning = None;
     let logger = LOGGER.get_or_init(|| {
-        let (level, w) = crate::env::log_level();
+        let (level, w) = log_level();
         warning = w;
         Logger {
             sink: RwLock::new(None),

@@ -540,6 +540,27 @@ mod x86 {
         }
     }
 
+    /// One call of the sum kernels: elements `e0..e1` of `dst` (of `out_kind`) from `rows`
+    /// (elements of `kind`, each with its weight).
+    struct Sum<'a, 'd> {
+        rows: &'a [(&'a [u8], f32)],
+        kind: FloatKind,
+        dst: &'d mut [u8],
+        out_kind: FloatKind,
+        e0: usize,
+        e1: usize,
+    }
+
+    impl Sum<'_, '_> {
+        /// Element `j`, with the generic kernels.
+        #[inline(always)]
+        fn one(&mut self, j: usize) {
+            let es = self.out_kind.size();
+            let out = &mut self.dst[es * j..es * (j + 1)];
+            sum_one(self.rows, self.kind, out, self.out_kind, j);
+        }
+    }
+
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn sum_rows(
         rows: &[(&[u8], f32)],
@@ -554,22 +575,25 @@ mod x86 {
         let skip = (16 - dst.as_ptr() as usize % 16) % 16;
         let nt = streaming && skip % out_es == 0 && n >= 64;
         let head = if nt { (skip / out_es).min(n) } else { 0 };
+        let (e0, e1) = (head, n);
+        let mut s = Sum {
+            rows,
+            kind,
+            dst,
+            out_kind,
+            e0,
+            e1,
+        };
         for j in 0..head {
-            sum_one(
-                rows,
-                kind,
-                &mut dst[out_es * j..out_es * (j + 1)],
-                out_kind,
-                j,
-            );
+            s.one(j);
         }
         // SAFETY: the caller checked the features; rows hold `n` elements; dst + head is
         // 16-byte aligned when nt.
         unsafe {
             if nt {
-                sum_body::<true>(rows, kind, dst, out_kind, head, n)
+                sum_body::<true>(s)
             } else {
-                sum_body::<false>(rows, kind, dst, out_kind, head, n)
+                sum_body::<false>(s)
             }
         }
     }
@@ -578,27 +602,20 @@ mod x86 {
     /// weights sit in registers (unrolled over the rows); more rows loop over the slice.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn sum_body<const NT: bool>(
-        rows: &[(&[u8], f32)],
-        kind: FloatKind,
-        dst: &mut [u8],
-        out_kind: FloatKind,
-        e0: usize,
-        e1: usize,
-    ) {
+    unsafe fn sum_body<const NT: bool>(s: Sum<'_, '_>) {
         // SAFETY (every arm): as the caller's.
         unsafe {
             // Weights of 1 (combine's usual case) skip the multiply: the same values, and no
             // microcode assist for subnormal inputs.
-            let unit = rows.iter().all(|r| r.1 == 1.0);
+            let unit = s.rows.iter().all(|r| r.1 == 1.0);
             macro_rules! by_count {
                 ($($n:literal)*) => {
-                    match (rows.len(), unit) {
+                    match (s.rows.len(), unit) {
                         $(
-                            ($n, true) => sum_fixed::<$n, NT, true>(rows, kind, dst, out_kind, e0, e1),
-                            ($n, false) => sum_fixed::<$n, NT, false>(rows, kind, dst, out_kind, e0, e1),
+                            ($n, true) => sum_fixed::<$n, NT, true>(s),
+                            ($n, false) => sum_fixed::<$n, NT, false>(s),
                         )*
-                        _ => sum_span::<NT>(rows, kind, dst, out_kind, e0, e1),
+                        _ => sum_span::<NT>(s),
                     }
                 };
             }
@@ -610,20 +627,13 @@ mod x86 {
     /// `UNIT`: every weight is 1.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn sum_fixed<const N: usize, const NT: bool, const UNIT: bool>(
-        rows: &[(&[u8], f32)],
-        kind: FloatKind,
-        dst: &mut [u8],
-        out_kind: FloatKind,
-        e0: usize,
-        e1: usize,
-    ) {
-        let es = kind.size();
-        let ptrs: [*const u8; N] = std::array::from_fn(|k| rows[k].0.as_ptr());
-        let ws: [__m256; N] = std::array::from_fn(|k| _mm256_set1_ps(rows[k].1));
+    unsafe fn sum_fixed<const N: usize, const NT: bool, const UNIT: bool>(s: Sum<'_, '_>) {
+        let (kind, es) = (s.kind, s.kind.size());
+        let ptrs: [*const u8; N] = std::array::from_fn(|k| s.rows[k].0.as_ptr());
+        let ws: [__m256; N] = std::array::from_fn(|k| _mm256_set1_ps(s.rows[k].1));
         // SAFETY (the closure): as the caller's; sum_loop passes i + 16 <= e1 <= n.
         unsafe {
-            sum_loop::<NT>(rows, kind, dst, out_kind, e0, e1, |i| {
+            sum_loop::<NT>(s, |i| {
                 let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for k in 0..N {
                     let p = ptrs[k].add(es * i);
@@ -642,18 +652,11 @@ mod x86 {
     /// rest generic.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn sum_span<const NT: bool>(
-        rows: &[(&[u8], f32)],
-        kind: FloatKind,
-        dst: &mut [u8],
-        out_kind: FloatKind,
-        e0: usize,
-        e1: usize,
-    ) {
-        let es = kind.size();
+    unsafe fn sum_span<const NT: bool>(s: Sum<'_, '_>) {
+        let (rows, kind, es) = (s.rows, s.kind, s.kind.size());
         // SAFETY (the closure): as the caller's; sum_loop passes i + 16 <= e1 <= n.
         unsafe {
-            sum_loop::<NT>(rows, kind, dst, out_kind, e0, e1, |i| {
+            sum_loop::<NT>(s, |i| {
                 let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for (row, w) in rows {
                     let (p, wv) = (row.as_ptr().add(es * i), _mm256_set1_ps(*w));
@@ -669,32 +672,21 @@ mod x86 {
     /// two vectors, stored here; the last `(e1 - e0) % 16` elements are summed one by one.
     #[inline(always)]
     unsafe fn sum_loop<const NT: bool>(
-        rows: &[(&[u8], f32)],
-        kind: FloatKind,
-        dst: &mut [u8],
-        out_kind: FloatKind,
-        e0: usize,
-        e1: usize,
+        mut s: Sum<'_, '_>,
         sum16: impl Fn(usize) -> (__m256, __m256),
     ) {
-        let out_es = out_kind.size();
-        let body = e0 + (e1 - e0) / 16 * 16;
-        let mut i = e0;
+        let out_es = s.out_kind.size();
+        let body = s.e0 + (s.e1 - s.e0) / 16 * 16;
+        let mut i = s.e0;
         while i < body {
             let (a, b) = sum16(i);
             // SAFETY: i + 16 <= e1 <= n: 16 elements of dst are in bounds; dst + i is 16-byte
             // aligned when NT (sum_rows skipped the head).
-            unsafe { put16::<NT>(dst.as_mut_ptr().add(out_es * i), a, b, out_kind) };
+            unsafe { put16::<NT>(s.dst.as_mut_ptr().add(out_es * i), a, b, s.out_kind) };
             i += 16;
         }
-        for j in body..e1 {
-            sum_one(
-                rows,
-                kind,
-                &mut dst[out_es * j..out_es * (j + 1)],
-                out_kind,
-                j,
-            );
+        for j in body..s.e1 {
+            s.one(j);
         }
     }
 

@@ -24,29 +24,33 @@ pub trait EplbCommunicator: Send + std::fmt::Debug {
     /// order. Collective. This default runs them as one [`EplbCommunicator::execute`] of the
     /// equivalent sends and receives; the group communicator hands them to the group, which
     /// stores each row straight into a destination in shared memory.
-    fn exchange_rows(
-        &mut self,
-        g: &mut dyn Group,
-        src: &[u8],
-        row_bytes: usize,
-        give: &[Vec<u32>],
-        dst: &mut [u8],
-        take: &[Vec<u32>],
-    ) -> Result<()> {
-        let mut ops = row_ops(src, row_bytes, give, dst, take)?;
+    fn exchange_rows(&mut self, g: &mut dyn Group, rows: RowExchange<'_>) -> Result<()> {
+        let mut ops = row_ops(rows)?;
         self.execute(g, &mut ops)
     }
 }
 
+/// One weight tensor's rows to move ([`EplbCommunicator::exchange_rows`]): peer p gets rows
+/// `give[p]` of `src`, rows from peer p land at rows `take[p]` of `dst`.
+#[derive(Debug)]
+pub struct RowExchange<'a> {
+    pub src: &'a [u8],
+    pub row_bytes: usize,
+    pub give: &'a [Vec<u32>],
+    pub dst: &'a mut [u8],
+    pub take: &'a [Vec<u32>],
+}
+
 /// The sends and receives that move rows as [`EplbCommunicator::exchange_rows`] says: every
 /// send (peers in order), then every receive.
-fn row_ops<'a>(
-    src: &'a [u8],
-    row_bytes: usize,
-    give: &[Vec<u32>],
-    dst: &'a mut [u8],
-    take: &[Vec<u32>],
-) -> Result<Vec<P2p<'a>>> {
+fn row_ops(rows: RowExchange<'_>) -> Result<Vec<P2p<'_>>> {
+    let RowExchange {
+        src,
+        row_bytes,
+        give,
+        dst,
+        take,
+    } = rows;
     let bad = |what: &str, r: u32| {
         Error::InvalidArgument(format!(
             "exchange_rows: {what} row {r} is out of range or taken twice"
@@ -97,16 +101,8 @@ impl EplbCommunicator for GroupCommunicator {
         g.send_recv(ops)
     }
 
-    fn exchange_rows(
-        &mut self,
-        g: &mut dyn Group,
-        src: &[u8],
-        row_bytes: usize,
-        give: &[Vec<u32>],
-        dst: &mut [u8],
-        take: &[Vec<u32>],
-    ) -> Result<()> {
-        g.exchange_rows(src, row_bytes, give, dst, take)
+    fn exchange_rows(&mut self, g: &mut dyn Group, r: RowExchange<'_>) -> Result<()> {
+        g.exchange_rows(r.src, r.row_bytes, r.give, r.dst, r.take)
     }
 }
 

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 
-use super::communicator::EplbCommunicator;
+use super::communicator::{EplbCommunicator, RowExchange};
 use super::migration::{schedule_migration_batches, Batches};
 use super::transfer::{
     apply_rank_mapping, plan_layer, survivors_placement, unsourced_experts, LayerPlan,
@@ -264,7 +264,14 @@ fn transfer_rows(
             }
         }
         for ((src, dst), &rb) in sources.iter().zip(dests.iter_mut()).zip(row_bytes) {
-            comm.exchange_rows(g, src, rb, &give, dst, &take)?;
+            let rows = RowExchange {
+                src,
+                row_bytes: rb,
+                give: &give,
+                dst,
+                take: &take,
+            };
+            comm.exchange_rows(g, rows)?;
         }
         crate::fault::point("eplb:between_batches");
     }
@@ -272,6 +279,8 @@ fn transfer_rows(
     Ok(())
 }
 
+// transfer, transfer_rows and move_layer share their (group, communicator, moves, rows)
+// arguments: three ways to move one layer, each clearer with its inputs named.
 /// Moves one layer per its plan.
 fn move_layer(
     g: &mut dyn Group,

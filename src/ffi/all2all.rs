@@ -5,6 +5,9 @@ use std::sync::Mutex;
 
 use super::group::epcomm_group;
 use super::handle::{exclusive_handle, Dep, Exclusive, Handle};
+// The output struct is moe_args' (one description for the host and GPU entry points); the
+// C ABI's Rust users find it here.
+pub use super::moe_args::epcomm_dispatch_output;
 use super::moe_args::{
     combine_args, ids_arg, DispatchArgs, DispatchParts, DispatchTensors, OutputAddrs, OutputViews,
 };
@@ -213,35 +216,6 @@ pub(crate) unsafe fn config_arg(config: *const epcomm_moe_config) -> Result<MoeC
         extra_row_bytes: extras,
         apply_router_weight_on_input: c.apply_router_weight_on_input,
     })
-}
-
-/// Dispatch results: views of buffers the manager owns, valid until its next call.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct epcomm_dispatch_output {
-    /// EPCOMM_LAYOUT_* of the backend.
-    pub layout: i32,
-    /// Rows actually received (fixed-capacity layouts have more rows in `hidden`).
-    pub received_rows: i64,
-    /// Received rows: [rows, hidden] (EXPERT_MAJOR [E_local, M*R, hidden], RANK_MAJOR
-    /// [R, M, hidden]); combine's expert_output has this shape.
-    pub hidden: epcomm_tensor,
-    /// int64 [rows, K] (TOKEN_MAJOR: non-local ids are -1; RANK_MAJOR: padding rows all -1;
-    /// REPLICATED: every token's ids); empty (shape [0]) for the per-expert layouts.
-    pub topk_ids: epcomm_tensor,
-    /// float32 [rows, K] (as topk_ids; dropped ids have weight 0), EXPERT_PACKED [rows].
-    pub topk_weights: epcomm_tensor,
-    /// int32: TOKEN_MAJOR tokens_per_local_expert [E_local], EXPERT_MAJOR counts [E_local],
-    /// RANK_MAJOR recv_counts [R]; empty otherwise.
-    pub counts: epcomm_tensor,
-    /// int64 EXPERT_PACKED expert_offsets [E_local + 1]; empty otherwise.
-    pub expert_offsets: epcomm_tensor,
-    /// int32 EXPERT_PACKED source rank / source token per row; empty otherwise.
-    pub src_rank: epcomm_tensor,
-    pub src_token: epcomm_tensor,
-    /// One tensor per extra payload, rows laid out like `hidden` (uint8, [rows..., bytes]).
-    pub extras: *const epcomm_tensor,
-    pub num_extras: usize,
 }
 
 /// Per-call statistics; arrays have world_size entries and stay valid until the next call.

@@ -259,6 +259,8 @@ pub unsafe extern "C" fn epcomm_eplb_balanced_packing(
     })
 }
 
+// Shaped as epcomm_eplb_balanced_packing on purpose: both are `run_pairs` calls, spelled out
+// for the header (see the module doc of `ffi`).
 /// vLLM's `replicate_experts`: replicates the num_logical experts of each of the num_rows rows of
 /// `weight` (float64) into num_physical slots, each extra slot to the expert with the largest
 /// load per replica (the first on ties, as numpy's argmax). Writes `phy2log_out` [num_rows,

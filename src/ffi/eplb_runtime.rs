@@ -5,6 +5,7 @@ use std::ffi::c_char;
 use std::sync::Mutex;
 
 use super::all2all::epcomm_all2all;
+use super::eplb_algo::dim;
 use super::group::{epcomm_group, with_dep_group, with_group};
 use super::guard;
 use super::handle::{exclusive_handle, Dep, Exclusive, Handle};
@@ -172,6 +173,7 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_add_send(
     guard::call(|| unsafe { queue(comm, tensors, num_tensors, dst, true) })
 }
 
+// As add_send, spelled out for the header (see the module doc of `ffi`): one `queue`.
 /// Queues receiving one expert's rows from rank `src` into `tensors` (valid until execute).
 ///
 /// # Safety
@@ -227,13 +229,6 @@ pub struct epcomm_eplb_summary {
     pub rows_sent: i64,
     pub rows_received: i64,
     pub rows_copied_locally: i64,
-}
-
-fn count(v: i64, what: &str) -> Result<usize> {
-    usize::try_from(v)
-        .ok()
-        .filter(|&x| x > 0)
-        .ok_or_else(|| Error::InvalidArgument(format!("{what} is {v}; expected a positive value")))
 }
 
 unsafe fn maps(
@@ -724,10 +719,10 @@ impl RearrangeCall {
     /// # Safety
     /// The pointers are NULL or valid for the sizes they are given with.
     unsafe fn prepare<'m>(&self, options: Result<OptionsArg<'m>>) -> Result<Prepared<'m>> {
-        let l = count(self.num_layers, "num_layers")?;
+        let l = dim(self.num_layers, "num_layers")?;
         let (os, ns) = (
-            count(self.old_slots, "old_slots")?,
-            count(self.new_slots, "new_slots")?,
+            dim(self.old_slots, "old_slots")?,
+            dim(self.new_slots, "new_slots")?,
         );
         // SAFETY: caller contract for every pointer below.
         let (old, new, layers) = unsafe {
@@ -1032,8 +1027,8 @@ pub unsafe extern "C" fn epcomm_eplb_plan_layer(
     guard::call(|| {
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(out, "out") }?;
-        let p = count(num_slots, "num_slots")?;
-        let n = count(slots_per_rank, "slots_per_rank")?;
+        let p = dim(num_slots, "num_slots")?;
+        let n = dim(slots_per_rank, "slots_per_rank")?;
         let old = unsafe { maps(old_phy2log, 1, p, "old_phy2log") }?;
         let new = unsafe { maps(new_phy2log, 1, p, "new_phy2log") }?;
         let rank = usize::try_from(rank)
@@ -1146,8 +1141,8 @@ pub unsafe extern "C" fn epcomm_eplb_lost_experts(
     guard::call(|| {
         // SAFETY: caller contract (NULL or writable).
         let count_out = unsafe { guard::out_arg(num_lost_out, "num_lost_out") }?;
-        let p = count(num_slots, "num_slots")?;
-        let n = count(slots_per_rank, "slots_per_rank")?;
+        let p = dim(num_slots, "num_slots")?;
+        let n = dim(slots_per_rank, "slots_per_rank")?;
         // SAFETY: caller contract.
         let old = unsafe { maps(old_phy2log, 1, p, "old_phy2log") }?;
         let mapping = unsafe { guard::slice_arg(rank_mapping, rank_mapping_len, "rank_mapping") }?;
@@ -1237,8 +1232,8 @@ pub unsafe extern "C" fn epcomm_eplb_state_new(
         let state = LoadState::new(
             &cfg,
             model,
-            count(num_layers, "num_layers")?,
-            count(num_physical, "num_physical")?,
+            dim(num_layers, "num_layers")?,
+            dim(num_physical, "num_physical")?,
         )?;
         *out = epcomm_eplb_state {
             inner: Mutex::new(state),
@@ -1394,9 +1389,9 @@ pub unsafe extern "C" fn epcomm_eplb_state_logical_load(
     load_out: *mut f32,
 ) -> i32 {
     guard::call(|| {
-        let l = count(num_layers, "num_layers")?;
-        let p = count(num_physical, "num_physical")?;
-        let e = count(num_logical, "num_logical")?;
+        let l = dim(num_layers, "num_layers")?;
+        let p = dim(num_physical, "num_physical")?;
+        let e = dim(num_logical, "num_logical")?;
         if load_out.is_null() {
             return Err(Error::NullPointer("load_out"));
         }

@@ -14,9 +14,10 @@
 use std::ffi::{c_char, c_void};
 use std::sync::Mutex;
 
-use super::all2all::{config_arg, epcomm_dispatch_output, epcomm_moe_config};
+use super::all2all::{config_arg, epcomm_moe_config};
 use super::guard;
 use super::handle::{exclusive_handle, Exclusive, Handle};
+use super::moe_args::epcomm_dispatch_output;
 use super::moe_args::DispatchTensors;
 use super::tensor::epcomm_tensor;
 use crate::error::{Error, Result};

@@ -6,6 +6,11 @@
 //! `handle` (every opaque handle's create, NULL check, one-thread-at-a-time borrow and
 //! destroy), `tensor` (DLPack descriptors checked in host or device memory) and `moe_args`
 //! (the dispatch/combine checks and output views of the host and GPU entry points).
+//!
+//! Entry points that differ only in a name or an argument (each handle's `_destroy` /
+//! `_destroy_checked`, `add_send` / `add_recv`, the `rearrange` variants) are written out one
+//! by one on purpose: cbindgen does not expand macros, so a generated entry point would be
+//! missing from the header. Their bodies are one call into the shared piece.
 #![allow(non_camel_case_types)]
 
 mod guard;

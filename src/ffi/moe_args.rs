@@ -4,7 +4,6 @@
 
 use std::ffi::c_void;
 
-use super::all2all::epcomm_dispatch_output;
 use super::tensor::{epcomm_device, epcomm_tensor, HostTensor, Memory};
 use crate::bytes;
 use crate::dtype::{Code, DType};
@@ -12,6 +11,35 @@ use crate::error::{Error, Result};
 use crate::moe::layout::Shapes;
 use crate::moe::MoeConfig;
 use crate::select::all2all::Layout;
+
+/// Dispatch results: views of buffers the manager owns, valid until its next call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct epcomm_dispatch_output {
+    /// EPCOMM_LAYOUT_* of the backend.
+    pub layout: i32,
+    /// Rows actually received (fixed-capacity layouts have more rows in `hidden`).
+    pub received_rows: i64,
+    /// Received rows: [rows, hidden] (EXPERT_MAJOR [E_local, M*R, hidden], RANK_MAJOR
+    /// [R, M, hidden]); combine's expert_output has this shape.
+    pub hidden: epcomm_tensor,
+    /// int64 [rows, K] (TOKEN_MAJOR: non-local ids are -1; RANK_MAJOR: padding rows all -1;
+    /// REPLICATED: every token's ids); empty (shape [0]) for the per-expert layouts.
+    pub topk_ids: epcomm_tensor,
+    /// float32 [rows, K] (as topk_ids; dropped ids have weight 0), EXPERT_PACKED [rows].
+    pub topk_weights: epcomm_tensor,
+    /// int32: TOKEN_MAJOR tokens_per_local_expert [E_local], EXPERT_MAJOR counts [E_local],
+    /// RANK_MAJOR recv_counts [R]; empty otherwise.
+    pub counts: epcomm_tensor,
+    /// int64 EXPERT_PACKED expert_offsets [E_local + 1]; empty otherwise.
+    pub expert_offsets: epcomm_tensor,
+    /// int32 EXPERT_PACKED source rank / source token per row; empty otherwise.
+    pub src_rank: epcomm_tensor,
+    pub src_token: epcomm_tensor,
+    /// One tensor per extra payload, rows laid out like `hidden` (uint8, [rows..., bytes]).
+    pub extras: *const epcomm_tensor,
+    pub num_extras: usize,
+}
 
 /// The element type of `topk_ids`: the C ABI takes int32 or int64.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

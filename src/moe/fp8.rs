@@ -133,26 +133,37 @@ pub fn quantize(
     for (t, row) in src.chunks_exact(row_bytes).enumerate() {
         let qrow = &mut q[t * hidden..(t + 1) * hidden];
         let srow = &mut scales_out[t * sb..(t + 1) * sb];
-        quantize_row_dispatch(row, kind, &mut vals, qrow, srow, scales)
-            .map_err(|j| non_finite(t, j, vals[j]))?;
+        let r = Row {
+            src: row,
+            kind,
+            vals: &mut vals,
+            q: qrow,
+            scales_out: srow,
+            scales,
+        };
+        quantize_row_dispatch(r).map_err(|j| non_finite(t, j, vals[j]))?;
     }
     Ok(())
 }
 
+/// One row's quantisation: `src` (elements of `kind`) through `vals` into `q` and its block
+/// scales `scales_out`.
+struct Row<'a> {
+    src: &'a [u8],
+    kind: FloatKind,
+    vals: &'a mut [f32],
+    q: &'a mut [u8],
+    scales_out: &'a mut [u8],
+    scales: Scales,
+}
+
 /// One row: decoded to f32, then block by block; `Err(j)`: element j is not finite.
 #[inline(always)]
-fn quantize_row(
-    row: &[u8],
-    kind: FloatKind,
-    vals: &mut [f32],
-    qrow: &mut [u8],
-    srow: &mut [u8],
-    scales: Scales,
-) -> std::result::Result<(), usize> {
-    decode_row(row, kind, vals);
-    let blocks = vals.chunks_exact(BLOCK).zip(qrow.chunks_exact_mut(BLOCK));
-    for (b, ((x, qb), s)) in blocks.zip(srow.chunks_exact_mut(4)).enumerate() {
-        let inv = quantize_block(x, qb, scales).map_err(|j| b * BLOCK + j)?;
+fn quantize_row(r: Row<'_>) -> std::result::Result<(), usize> {
+    decode_row(r.src, r.kind, r.vals);
+    let blocks = r.vals.chunks_exact(BLOCK).zip(r.q.chunks_exact_mut(BLOCK));
+    for (b, ((x, qb), s)) in blocks.zip(r.scales_out.chunks_exact_mut(4)).enumerate() {
+        let inv = quantize_block(x, qb, r.scales).map_err(|j| b * BLOCK + j)?;
         s.copy_from_slice(&inv.to_ne_bytes());
     }
     Ok(())
@@ -160,33 +171,19 @@ fn quantize_row(
 
 /// [`quantize_row`] compiled for AVX2 where the CPU has it (the loops are written to
 /// vectorize; the baseline x86-64 target gives them SSE2 only), else as built.
-fn quantize_row_dispatch(
-    row: &[u8],
-    kind: FloatKind,
-    vals: &mut [f32],
-    qrow: &mut [u8],
-    srow: &mut [u8],
-    scales: Scales,
-) -> std::result::Result<(), usize> {
+fn quantize_row_dispatch(r: Row<'_>) -> std::result::Result<(), usize> {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked at run time).
-        return unsafe { quantize_row_avx2(row, kind, vals, qrow, srow, scales) };
+        return unsafe { quantize_row_avx2(r) };
     }
-    quantize_row(row, kind, vals, qrow, srow, scales)
+    quantize_row(r)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_row_avx2(
-    row: &[u8],
-    kind: FloatKind,
-    vals: &mut [f32],
-    qrow: &mut [u8],
-    srow: &mut [u8],
-    scales: Scales,
-) -> std::result::Result<(), usize> {
-    quantize_row(row, kind, vals, qrow, srow, scales)
+unsafe fn quantize_row_avx2(r: Row<'_>) -> std::result::Result<(), usize> {
+    quantize_row(r)
 }
 
 /// One row to f32, exactly (signed zeros kept, so -0.0 becomes e4m3 `0x80` as on the GPU).

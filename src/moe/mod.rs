@@ -276,6 +276,15 @@ fn check_memory(
     Ok(())
 }
 
+/// One dispatch's inputs, as [`Manager::dispatch`] takes them.
+#[derive(Clone, Copy)]
+struct Tokens<'a> {
+    hidden: &'a [u8],
+    topk_ids: &'a [i64],
+    topk_weights: &'a [f32],
+    extras: &'a [&'a [u8]],
+}
+
 impl Manager {
     /// Creates a manager for `backend` (any name vLLM accepts) on a group of `world` ranks, of
     /// which this is `rank`. Logs `Using {ManagerClass} all2all manager.` once.
@@ -586,24 +595,23 @@ impl Manager {
         self.check_group(g)?;
         self.plan = None;
         self.dispatch_started();
-        self.over_group(g, |m, g| {
-            m.dispatch_on(g, hidden, topk_ids, topk_weights, extras)
-        })?;
+        let inp = Tokens {
+            hidden,
+            topk_ids,
+            topk_weights,
+            extras,
+        };
+        self.over_group(g, |m, g| m.dispatch_on(g, inp))?;
         Ok(self.view())
     }
 
     /// [`Manager::dispatch`] over the group in use (the survivors' after a failure).
-    fn dispatch_on(
-        &mut self,
-        g: &mut dyn Group,
-        hidden: &[u8],
-        topk_ids: &[i64],
-        topk_weights: &[f32],
-        extras: &[&[u8]],
-    ) -> Result<()> {
+    fn dispatch_on(&mut self, g: &mut dyn Group, inp: Tokens<'_>) -> Result<()> {
         let start = Instant::now();
-        let checked = self.validate_dispatch(hidden, topk_ids, topk_weights, extras);
-        let t = match checked.and_then(|t| self.quantize_input(hidden, topk_weights).map(|_| t)) {
+        let checked = self.validate_dispatch(inp);
+        let t = match checked
+            .and_then(|t| self.quantize_input(inp.hidden, inp.topk_weights).map(|_| t))
+        {
             Ok(t) => t,
             Err(e) => return Err(self.reject_dispatch_on(g, e)),
         };
@@ -614,7 +622,7 @@ impl Manager {
         if let Some(r) = counts.iter().position(|&c| !self.fits(c)) {
             return Err(self.too_many_tokens(r, counts[r]));
         }
-        let mut all = self.gather_routing(g, &counts, topk_ids, topk_weights)?;
+        let mut all = self.gather_routing(g, &counts, inp.topk_ids, inp.topk_weights)?;
         let dropped = self.drop_masked(&mut all);
         let plan = plan::build(
             self.contract.layout,
@@ -623,7 +631,7 @@ impl Manager {
             &all,
             self.cfg.apply_router_weight_on_input,
         );
-        self.move_rows(g, &plan, hidden, topk_weights, extras)?;
+        self.move_rows(g, &plan, inp.hidden, inp.topk_weights, inp.extras)?;
         self.record_dispatch_stats(&plan);
         self.stats.dropped_pairs = dropped;
         self.stats.dropped_pairs_total += dropped;
@@ -783,13 +791,13 @@ impl Manager {
         s.bytes_received = s.tokens_received.iter().map(|n| n * per_row).collect();
     }
 
-    fn validate_dispatch(
-        &mut self,
-        hidden: &[u8],
-        topk_ids: &[i64],
-        topk_weights: &[f32],
-        extras: &[&[u8]],
-    ) -> Result<usize> {
+    fn validate_dispatch(&mut self, inp: Tokens<'_>) -> Result<usize> {
+        let Tokens {
+            hidden,
+            topk_ids,
+            topk_weights,
+            extras,
+        } = inp;
         let (k, rb) = (self.cfg.top_k, self.cfg.row_bytes());
         if hidden.len() % rb != 0 {
             return Err(Error::InvalidArgument(format!(

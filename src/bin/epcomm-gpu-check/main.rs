@@ -497,6 +497,28 @@ mod imp {
         })
     }
 
+    /// [`config`] with bf16 hidden states, expert outputs and outputs (most cases).
+    fn bf16_config(e: usize, k: usize, h: usize, m: usize) -> MoeConfig {
+        let bf = FloatKind::Bf16;
+        config(e, k, h, m, bf, bf, bf)
+    }
+
+    /// Capacity mode's one case: EXPERT_MAJOR (DeepEP LL), R = 2, T = 40, twice.
+    fn expert_major_capacity(cfg: &MoeConfig) -> Value {
+        let ids = IdDtype::I64;
+        case(
+            "deepep_low_latency",
+            Layout::ExpertMajor,
+            2,
+            40,
+            cfg,
+            GpuMode::Capacity,
+            ids,
+            false,
+            2,
+        )
+    }
+
     /// A case over `world` ranks (LocalFabric threads, or NCCL when `nccl` and world == 1).
     pub fn case(
         backend: &str,
@@ -803,26 +825,8 @@ mod imp {
             }
         }
         // Capacity mode (EXPERT_MAJOR) and the refusal of the others.
-        let cfg = config(
-            16,
-            4,
-            96,
-            64,
-            FloatKind::Bf16,
-            FloatKind::Bf16,
-            FloatKind::Bf16,
-        );
-        cases.push(case(
-            "deepep_low_latency",
-            Layout::ExpertMajor,
-            2,
-            40,
-            &cfg,
-            GpuMode::Capacity,
-            IdDtype::I64,
-            false,
-            2,
-        ));
+        let cfg = bf16_config(16, 4, 96, 64);
+        cases.push(expert_major_capacity(&cfg));
         summarize("kernels", cases)
     }
 
@@ -830,8 +834,7 @@ mod imp {
     /// every layout once (bf16, int64 ids, R = 2 thread-ranks), capacity mode.
     fn phase_kernels_sanitized() -> Value {
         let mut cases = worked_example();
-        let bf = FloatKind::Bf16;
-        let cfg = config(16, 4, 96, 64, bf, bf, bf);
+        let cfg = bf16_config(16, 4, 96, 64);
         for &(backend, layout) in &LAYOUTS {
             let v = case(
                 backend,
@@ -846,17 +849,7 @@ mod imp {
             );
             cases.push(v);
         }
-        cases.push(case(
-            "deepep_low_latency",
-            Layout::ExpertMajor,
-            2,
-            40,
-            &cfg,
-            GpuMode::Capacity,
-            IdDtype::I64,
-            false,
-            2,
-        ));
+        cases.push(expert_major_capacity(&cfg));
         summarize("kernels", cases)
     }
 
@@ -874,15 +867,7 @@ mod imp {
                     continue;
                 }
                 // M = T: EXPERT_MAJOR buckets are E_local x M x R rows.
-                let cfg = config(
-                    256,
-                    8,
-                    7168,
-                    t,
-                    FloatKind::Bf16,
-                    FloatKind::Bf16,
-                    FloatKind::Bf16,
-                );
+                let cfg = bf16_config(256, 8, 7168, t);
                 cases.push(case(
                     backend,
                     layout,
@@ -909,15 +894,7 @@ mod imp {
             let _c = ctx()?;
             let s = Stream::create()?;
             let (t, h, k, e, m) = (128usize, 7168usize, 8usize, 256usize, 128usize);
-            let cfg = config(
-                e,
-                k,
-                h,
-                m,
-                FloatKind::Bf16,
-                FloatKind::Bf16,
-                FloatKind::Bf16,
-            );
+            let cfg = bf16_config(e, k, h, m);
             let mut mgr = GpuManager::new(
                 "deepep_low_latency",
                 cfg.clone(),
@@ -1035,15 +1012,7 @@ mod imp {
         let worlds: &[usize] = if quick { &[2, 4] } else { &[2, 4, 8] };
         for &world in worlds {
             for &(backend, layout) in &LAYOUTS {
-                let cfg = config(
-                    256,
-                    8,
-                    7168,
-                    130,
-                    FloatKind::Bf16,
-                    FloatKind::Bf16,
-                    FloatKind::Bf16,
-                );
+                let cfg = bf16_config(256, 8, 7168, 130);
                 cases.push(case(
                     backend,
                     layout,
@@ -1086,15 +1055,7 @@ mod imp {
             let mut per = Vec::new();
             for &(backend, _) in &LAYOUTS {
                 let (t, h, k, e) = (4096usize, 7168usize, 8usize, 256usize);
-                let cfg = config(
-                    e,
-                    k,
-                    h,
-                    t,
-                    FloatKind::Bf16,
-                    FloatKind::Bf16,
-                    FloatKind::Bf16,
-                );
+                let cfg = bf16_config(e, k, h, t);
                 let mut mgr =
                     GpuManager::new(backend, cfg.clone(), nccl_single()?, 0, GpuMode::Counts)?;
                 let inp = gen_inputs(5, t, h, k, e);

@@ -634,37 +634,10 @@ impl NcclComm {
         self.live()?;
         self.api.group_start()?;
         let mut first_err: Option<Error> = None;
-        for t in &plan.sends {
-            let p = (send_base as usize).wrapping_add(t.offset) as *const c_void;
-            // SAFETY: caller contract; peer < world (plans are built for this world).
-            let rc = unsafe {
-                (self.api.send)(
-                    p,
-                    t.bytes,
-                    NcclDataType::Uint8 as c_int,
-                    t.peer as c_int,
-                    self.raw,
-                    stream,
-                )
-            };
-            if let Err(e) = self.check_queued(rc, &format!("ncclSend to rank {}", t.peer)) {
-                first_err.get_or_insert(e);
-            }
-        }
-        for t in &plan.recvs {
-            let p = (recv_base as usize).wrapping_add(t.offset) as *mut c_void;
-            // SAFETY: as above.
-            let rc = unsafe {
-                (self.api.recv)(
-                    p,
-                    t.bytes,
-                    NcclDataType::Uint8 as c_int,
-                    t.peer as c_int,
-                    self.raw,
-                    stream,
-                )
-            };
-            if let Err(e) = self.check_queued(rc, &format!("ncclRecv from rank {}", t.peer)) {
+        let sends = plan.sends.iter().map(|t| (true, send_base, t));
+        for (send, base, t) in sends.chain(plan.recvs.iter().map(|t| (false, recv_base, t))) {
+            // SAFETY: caller contract.
+            if let Err(e) = unsafe { self.queue_p2p(send, base, t, stream) } {
                 first_err.get_or_insert(e);
             }
         }
@@ -675,6 +648,31 @@ impl NcclComm {
             Some(e) => Err(e),
             None => end,
         }
+    }
+
+    /// Queues one `ncclSend` (`send`) or `ncclRecv` of `t` at `base` in the open group.
+    ///
+    /// # Safety
+    /// As [`NcclComm::exchange`]: `base` holds the plan's bytes on this device.
+    unsafe fn queue_p2p(
+        &self,
+        send: bool,
+        base: u64,
+        t: &PeerTransfer,
+        stream: StreamRaw,
+    ) -> Result<()> {
+        let p = (base as usize).wrapping_add(t.offset) as *mut c_void;
+        let (dtype, peer) = (NcclDataType::Uint8 as c_int, t.peer as c_int);
+        // SAFETY: caller contract; peer < world (plans are built for this world).
+        let rc = unsafe {
+            if send {
+                (self.api.send)(p, t.bytes, dtype, peer, self.raw, stream)
+            } else {
+                (self.api.recv)(p, t.bytes, dtype, peer, self.raw, stream)
+            }
+        };
+        let what = if send { "ncclSend to" } else { "ncclRecv from" };
+        self.check_queued(rc, &format!("{what} rank {}", t.peer))
     }
 }
 

@@ -95,17 +95,19 @@ pub(crate) unsafe fn local_copies(items: &[(ExchangePlan, u64, u64)], s: &Stream
     for (plan, send, recv) in items {
         if let Some(l) = plan.local {
             // SAFETY: both ranges lie in buffers sized from the plan (caller contract).
-            unsafe {
-                memcpy_dtod_async(
-                    recv + l.recv_offset as u64,
-                    send + l.send_offset as u64,
-                    l.bytes,
-                    s,
-                )
-            }?;
+            unsafe { copy_at((*recv, l.recv_offset), (*send, l.send_offset), l.bytes, s) }?;
         }
     }
     Ok(())
+}
+
+/// Enqueues a device copy of `bytes` from (buffer, offset) `src` to `dst`.
+///
+/// # Safety
+/// Both ranges lie in device buffers.
+unsafe fn copy_at(dst: (u64, usize), src: (u64, usize), bytes: usize, s: &Stream) -> Result<()> {
+    // SAFETY: caller contract.
+    unsafe { memcpy_dtod_async(dst.0 + dst.1 as u64, src.0 + src.1 as u64, bytes, s) }
 }
 
 impl LocalFabric {
@@ -142,14 +144,7 @@ impl LocalFabric {
             }
             // SAFETY: both buffers were sized from the plans (caller contract of every rank);
             // the peer's rows are ready (the caller waited on its event).
-            unsafe {
-                memcpy_dtod_async(
-                    recv + rv.offset as u64,
-                    send + sd.offset as u64,
-                    rv.bytes,
-                    s,
-                )
-            }?;
+            unsafe { copy_at((*recv, rv.offset), (*send, sd.offset), rv.bytes, s) }?;
         }
         Ok(())
     }

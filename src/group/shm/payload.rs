@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use super::layout::{align64, OpHead, OP_HEADER_BYTES};
 use super::segment::{copy_from_process, copy_scattered_from_process, Segment};
 use super::ShmGroup;
+// Where ops.rs looks for it; it is the windows' rule (window.rs).
+pub(super) use super::window::exchange_streams;
 use crate::bytes;
 use crate::error::{Error, Result};
 use crate::group::{rows, Op};
@@ -431,21 +433,6 @@ impl Direct {
             "cannot read the data of rank {rank} (pid {pid}) directly: {e}"
         ))
     }
-}
-
-/// exchange_rows into windows stores its rows with streaming stores once the rows this rank
-/// writes in the call (to every destination, its own included) reach this many bytes. Below
-/// the caches' size, but measured: with every rank of a host storing at once, cached stores
-/// pay a read for ownership of each destination line and fall far behind streaming ones from
-/// a few MiB per rank (deepep_low_latency at T = 128 stores 14.7 MB per rank: its row stores
-/// ran at a quarter of memcpy's speed), while smaller transfers stay cached for the reader
-/// that usually follows.
-pub(super) const EXCHANGE_STREAMING_MIN_BYTES: usize = 4 << 20;
-
-/// Whether an exchange_rows of `give` (rows of `row_bytes`) stores with streaming stores.
-pub(super) fn exchange_streams(give: &[Vec<u32>], row_bytes: usize) -> bool {
-    let rows: usize = give.iter().map(Vec::len).sum();
-    rows.saturating_mul(row_bytes) >= EXCHANGE_STREAMING_MIN_BYTES
 }
 
 /// Sums `out.len()` bytes (elements of `kind`) starting at byte `start` of every source, in

@@ -127,6 +127,21 @@ pub(super) fn encode(w: &WinInfo, off: usize, len: usize, take: Option<&[Vec<u32
     words
 }
 
+/// exchange_rows into windows stores its rows with streaming stores once the rows this rank
+/// writes in the call (to every destination, its own included) reach this many bytes. Below
+/// the caches' size, but measured: with every rank of a host storing at once, cached stores
+/// pay a read for ownership of each destination line and fall far behind streaming ones from
+/// a few MiB per rank (deepep_low_latency at T = 128 stores 14.7 MB per rank: its row stores
+/// ran at a quarter of memcpy's speed), while smaller transfers stay cached for the reader
+/// that usually follows.
+pub(super) const EXCHANGE_STREAMING_MIN_BYTES: usize = 4 << 20;
+
+/// Whether an exchange_rows of `give` (rows of `row_bytes`) stores with streaming stores.
+pub(super) fn exchange_streams(give: &[Vec<u32>], row_bytes: usize) -> bool {
+    let rows: usize = give.iter().map(Vec::len).sum();
+    rows.saturating_mul(row_bytes) >= EXCHANGE_STREAMING_MIN_BYTES
+}
+
 /// The window section of `meta` (a rank's exchange_rows or reduce_rows metadata for `world`
 /// ranks), if any; every word checked, so a forged section is an error, never an access out
 /// of range.
@@ -420,7 +435,7 @@ impl ShmGroup {
     /// Writes rows `give[p]` of `src` straight into every peer p's window that is this op's
     /// destination, at the rows p's take list for this rank names (checked by
     /// [`ShmGroup::check_windows`]); streaming stores when the call stores many rows
-    /// ([`super::payload::exchange_streams`]).
+    /// ([`exchange_streams`]).
     /// Returns the peers written to.
     pub(super) fn push_rows(
         &self,
@@ -430,7 +445,7 @@ impl ShmGroup {
     ) -> Result<Vec<bool>> {
         let (me, world) = (self.rank, self.world);
         let mut pushed = vec![false; world];
-        let streaming = super::payload::exchange_streams(give, row_bytes);
+        let streaming = exchange_streams(give, row_bytes);
         for (p, (meta, w)) in self.sections()?.into_iter().enumerate() {
             let Some(w) = w.filter(|_| p != me) else {
                 continue;

@@ -25,7 +25,7 @@ use crate::gpu::transport::plan::{
     broadcast_plan, combine_counts, counts_row_len, dispatch_shape, recv_offsets,
     row_expert_counts, scan_scratch_elems, DispatchShape, Gathered, ROW_ERROR, ROW_RANK_COUNTS,
 };
-use crate::moe::layout::{Unit, WeightsBy};
+use crate::moe::layout::WeightsBy;
 
 /// A counts-mode dispatch (steps 1–6 of the module doc).
 pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<GpuDispatch> {
@@ -53,16 +53,6 @@ pub(super) fn dispatch(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Re
     Ok(o)
 }
 
-/// Whether one row travels per (token, local expert): the layout needs the pair flags.
-pub(super) fn per_pair(p: &Pipeline) -> bool {
-    p.contract().unit == Unit::TokenExpert
-}
-
-/// Whether every token goes to every rank (packed once, broadcast).
-pub(super) fn every_token(p: &Pipeline) -> bool {
-    p.contract().unit == Unit::EveryToken
-}
-
 /// Steps 1–3: this rank's counts row, the all-gather, the host sync, the checks.
 fn gather(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<Gathered> {
     let cfg = p.config();
@@ -73,7 +63,7 @@ fn gather(p: &mut Pipeline, c: &mut Ctx, inp: &DispatchInput) -> Result<Gathered
     let all = c.buf("counts_all", 4 * row_len * r)?;
     let err = c.buf("err", 8)?;
     let rank_flag = c.buf("rank_flag", 4 * r * t)?;
-    let pair_flag = if per_pair(p) {
+    let pair_flag = if p.per_pair() {
         c.buf("pair_flag", 4 * r * t * k)?
     } else {
         0
@@ -142,7 +132,7 @@ fn send(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput, g: &Gathered) -> Result<
     let (r, d, k) = (p.world(), p.rank(), cfg.top_k);
     let el = cfg.num_experts / r;
     let t = inp.tokens;
-    let replicated = every_token(p);
+    let replicated = p.every_token();
     let matrix = if replicated {
         g.replicated_counts()
     } else {
@@ -222,7 +212,7 @@ fn unpack_tokens(p: &Pipeline, c: &mut Ctx, sent: &Sent, o: &mut GpuDispatch) ->
     let el = e / p.world();
     let n_recv = sent.n_recv;
     let [rows, ids, w, _] = sent.wire.recv_meta()?;
-    let replicated = every_token(p);
+    let replicated = p.every_token();
     let out_ids = c.buf("out_ids", 8 * n_recv * k)?;
     let out_w = c.buf("out_w", 4 * n_recv * k)?;
     let (el_u, rank_u) = if replicated {
@@ -564,7 +554,7 @@ fn reduce(p: &Pipeline, c: &mut Ctx, t: usize, recv: u64, out: u64) -> Result<()
     match p.contract().weights_by {
         // Holder-weighted rows: a plain sum per token (REPLICATED: every rank's row of every
         // token, no flags).
-        WeightsBy::Holder if every_token(p) => c.run(c.k.sum_ranks(sum(0, 0))),
+        WeightsBy::Holder if p.every_token() => c.run(c.k.sum_ranks(sum(0, 0))),
         WeightsBy::Holder => {
             let flag = c.buf("rank_flag", 0)?;
             let pos = c.buf("send_pos", 0)?;

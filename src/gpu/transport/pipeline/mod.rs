@@ -576,6 +576,16 @@ impl Pipeline {
         &self.contract
     }
 
+    /// Whether one row travels per (token, local expert): the layout needs the pair flags.
+    fn per_pair(&self) -> bool {
+        self.contract.unit == Unit::TokenExpert
+    }
+
+    /// Whether every token goes to every rank (packed once, broadcast).
+    fn every_token(&self) -> bool {
+        self.contract.unit == Unit::EveryToken
+    }
+
     /// The configuration.
     pub fn config(&self) -> &MoeConfig {
         self.cpu.config()

@@ -5,7 +5,6 @@
 //! `buffer` request of counts.rs / capacity.rs (same name, same formula at the bound);
 //! tests/gpu_pipeline_counts_emu.rs checks that random calls then allocate nothing.
 
-use super::counts::{every_token, per_pair};
 use super::{Family, GpuMode, Pipeline};
 use crate::gpu::transport::plan::{counts_row_len, scan_scratch_elems};
 
@@ -45,7 +44,7 @@ fn counts(p: &Pipeline, t: usize) -> Vec<(String, usize)> {
     );
     let el = e / r;
     let row_len = counts_row_len(r, e);
-    let replicated = every_token(p);
+    let replicated = p.every_token();
     let pack_r = if replicated { 1 } else { r };
     // Rows this rank sends (a token goes to at most min(R, K) ranks) and receives (each
     // source sends a token at most once), (token, local expert) rows received, and the rows
@@ -53,7 +52,7 @@ fn counts(p: &Pipeline, t: usize) -> Vec<(String, usize)> {
     let n_send = if replicated { t } else { t * r.min(k) };
     let n_recv = r * t;
     let pairs_in = n_recv * k.min(el);
-    let (n_back, n_home) = match (replicated, per_pair(p)) {
+    let (n_back, n_home) = match (replicated, p.per_pair()) {
         (true, _) => (n_recv, r * t),
         (false, true) => (pairs_in, t * k),
         (false, false) => (n_recv, t * r.min(k)),
@@ -69,7 +68,7 @@ fn counts(p: &Pipeline, t: usize) -> Vec<(String, usize)> {
         ("recv_offsets".into(), 4 * (r + 1)),
         ("comb_recv".into(), n_home * p.expert_row_bytes()),
     ];
-    if per_pair(p) {
+    if p.per_pair() {
         v.push(("pair_flag".into(), 4 * r * t * k));
     }
     if replicated {
