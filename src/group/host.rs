@@ -20,9 +20,9 @@
 //! that last all_gather itself is seen by its rank alone (by then every rank's data is whole).
 
 use super::agree::{self, Param, MAX_PARAMS};
-use super::frame::{Frame, Step, TO_ALL};
+use super::frame::{Frame, Step, HEAD, TAIL, TO_ALL};
 use super::shm::{check_excluded, verify_views, ShrinkView};
-use super::{check_len, check_p2p, check_sizes, Group, Op, P2p};
+use super::{check_len, check_p2p, check_sizes, grown, Group, Op, P2p};
 use crate::bytes;
 use crate::error::{Error, Result, Status};
 use crate::num::{self, FloatKind};
@@ -38,6 +38,20 @@ pub trait HostTransport: Send {
         &mut self,
         _mine: &[u8],
         _out: &mut [u8],
+    ) -> Option<std::result::Result<(), String>> {
+        None
+    }
+    /// An all-to-all with a size per peer (MPI_Alltoallv; torch.distributed's
+    /// all_to_all_single with split sizes; grouped ncclSend/ncclRecv): `send_sizes[p]` bytes
+    /// of `send` (consecutive chunks, rank order) to peer p, and `recv_sizes[p]` bytes from
+    /// peer p into consecutive chunks of `recv`. epcomm has agreed on every size with every
+    /// rank before it calls this. `None` = not provided (built from send/recv).
+    fn all_to_allv(
+        &mut self,
+        _send: &[u8],
+        _send_sizes: &[usize],
+        _recv: &mut [u8],
+        _recv_sizes: &[usize],
     ) -> Option<std::result::Result<(), String>> {
         None
     }
@@ -85,9 +99,8 @@ pub struct HostGroup {
     world: usize,
     elastic: bool,
     broken: Option<String>,
-    /// reduce_scatterv's receive and accumulation buffers, kept between calls: a fresh
-    /// allocation per call costs a page fault per page of every peer's contribution.
-    parts: Vec<u8>,
+    /// reduce_scatterv's accumulation buffer, kept between calls: a fresh allocation per
+    /// call costs a page fault per page.
     acc: Vec<f32>,
     /// After a failure: the survivors' group every user of this one shares.
     survivors: Option<super::survivors::Survivors>,
@@ -105,8 +118,9 @@ pub struct HostGroup {
     fault: Option<Error>,
     /// Whether that failure is the host's own (a callback returned an error).
     host_fault: bool,
-    /// Whether the host has an all_gather (known after the first call).
+    /// Whether the host has an all_gather, an all_to_allv (known after the first call).
     host_all_gather: Option<bool>,
+    host_all_to_allv: Option<bool>,
     /// Framed messages out and in, kept between calls.
     out_frame: Vec<u8>,
     in_frame: Vec<u8>,
@@ -166,7 +180,6 @@ impl HostGroup {
             world,
             elastic,
             broken: None,
-            parts: Vec::new(),
             acc: Vec::new(),
             survivors: None,
             seq: 0,
@@ -177,6 +190,7 @@ impl HostGroup {
             fault: None,
             host_fault: false,
             host_all_gather: None,
+            host_all_to_allv: None,
             out_frame: Vec::new(),
             in_frame: Vec::new(),
         })
@@ -277,9 +291,24 @@ impl HostGroup {
     fn send(&mut self, op: Op, peer: usize, data: &[u8]) {
         let f = self.frame(op, self.rank, peer as u64, self.sent[peer], data.len());
         self.sent[peer] += 1;
-        f.wrap(data, &mut self.out_frame);
-        if let Err(e) = self.transport.send(peer, &self.out_frame) {
+        let mut framed = std::mem::take(&mut self.out_frame);
+        f.wrap(data, &mut framed);
+        self.send_framed(op, peer, &framed);
+        self.out_frame = framed;
+    }
+
+    /// Hands an already framed message to the host's send; a failure is recorded.
+    fn send_framed(&mut self, op: Op, peer: usize, framed: &[u8]) {
+        if let Err(e) = self.transport.send(peer, framed) {
             let e = self.host_err(op, &format!("send to rank {peer}"), e);
+            self.fail(e, true);
+        }
+    }
+
+    /// Fills `framed` (blanked) from the host's receive; a failure is recorded.
+    fn recv_framed(&mut self, op: Op, peer: usize, framed: &mut [u8]) {
+        if let Err(e) = self.transport.recv(peer, framed) {
+            let e = self.host_err(op, &format!("recv from rank {peer}"), e);
             self.fail(e, true);
         }
     }
@@ -374,6 +403,10 @@ impl Headers {
     fn count(&self, p: usize, i: usize) -> usize {
         self.word(p, 2 + i) as usize
     }
+    /// The wrapping sum over every rank of op-specific word `i`.
+    fn sum(&self, world: usize, i: usize) -> u64 {
+        (0..world).fold(0u64, |a, p| a.wrapping_add(self.word(p, 2 + i)))
+    }
 }
 
 impl HostGroup {
@@ -439,7 +472,7 @@ impl HostGroup {
         op: Op,
         local: &Result<()>,
         params: &[Param],
-        counts: [usize; 2],
+        counts: [u64; 2],
     ) -> Result<Headers> {
         debug_assert!(params.len() <= MAX_PARAMS);
         let mut mine = [0u64; HEADER_WORDS];
@@ -450,8 +483,8 @@ impl HostGroup {
                 VERDICT_REJECTED
             };
         mine[1] = op as u64;
-        mine[2] = counts[0] as u64;
-        mine[3] = counts[1] as u64;
+        mine[2] = counts[0];
+        mine[3] = counts[1];
         for (w, p) in mine[4..].iter_mut().zip(params) {
             *w = p.value;
         }
@@ -525,7 +558,7 @@ impl HostGroup {
         op: Op,
         local: Result<()>,
         params: &[Param],
-        counts: [usize; 2],
+        counts: [u64; 2],
         f: impl FnOnce(&mut Self, &Headers) -> Result<T>,
     ) -> Result<T> {
         self.guarded(op, |g| {
@@ -607,10 +640,18 @@ fn bytes_before(sizes: &[usize]) -> Vec<usize> {
         .collect()
 }
 
-/// The byte range of chunk `r` in a concatenation of `sizes`.
-fn chunk(sizes: &[usize], r: usize) -> std::ops::Range<usize> {
-    let s: usize = sizes[..r].iter().sum();
-    s..s + sizes[r]
+/// The byte range of each chunk in a concatenation of `sizes`, in order.
+fn chunks(sizes: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    sizes.iter().scan(0, |at, &n| {
+        let r = *at..*at + n;
+        *at += n;
+        Some(r)
+    })
+}
+
+/// Where each framed chunk of `sizes` payload bytes starts (and, last, the buffer's length).
+fn framed_starts(sizes: &[usize]) -> Vec<usize> {
+    super::chunk_starts(sizes, (HEAD, TAIL))
 }
 
 impl Group for HostGroup {
@@ -679,10 +720,30 @@ impl Group for HostGroup {
         let op = Op::AllGatherv;
         let (local, params) =
             agree::all_gatherv_args(self.rank, self.world, input.len(), sizes, output.len());
-        self.run(op, local, &params, [0, 0], |g, _| {
-            g.gather_v(op, input, sizes, output);
+        let me = self.rank;
+        let (mut send, mut recv) = self.take_frames();
+        let got = self.run(op, local, &params, [0, 0], |g, _| {
+            // Every peer gets this rank's input: one host all_to_allv (or the tournament).
+            let mine = vec![input.len(); g.world];
+            let (ss, rs) = (framed_starts(&mine), framed_starts(sizes));
+            let send = grown(&mut send, ss[g.world]);
+            for p in 0..g.world {
+                send[ss[p] + HEAD..][..input.len()].copy_from_slice(input);
+            }
+            let recv = grown(&mut recv, rs[g.world]);
+            g.move_chunks(op, send, &mine, recv, sizes);
+            if g.fault.is_none() {
+                let at = bytes_before(sizes);
+                for p in (0..g.world).filter(|&p| p != me) {
+                    output[at[p]..at[p] + sizes[p]]
+                        .copy_from_slice(&recv[rs[p] + HEAD..][..sizes[p]]);
+                }
+                output[at[me]..at[me] + sizes[me]].copy_from_slice(input);
+            }
             Ok(())
-        })
+        });
+        self.keep_frames(send, recv);
+        got
     }
 
     fn reduce_scatterv(
@@ -709,32 +770,51 @@ impl Group for HostGroup {
             let start: usize = rows[..r].iter().sum::<usize>() * row_bytes;
             start..start + rows[r] * row_bytes
         };
-        // Every rank's contribution to this rank's slice, then a sum in rank order.
-        let part = rows[me] * row_bytes;
-        let mut parts = std::mem::take(&mut self.parts);
-        parts.resize(part * self.world, 0);
+        // Every rank's contribution to this rank's slice (one host all_to_allv, or the
+        // tournament), then a sum in rank order. Nothing goes to this rank itself.
+        let (mut send, mut recv) = self.take_frames();
+        let mut starts = Vec::new();
         let got = self.run(op, local.map(drop), &params, [0, 0], |g, _| {
-            g.rounds(|g, p| g.exchange(op, p, &input[slice(p)], &mut parts[p * part..][..part]));
+            let others = |n: usize| {
+                (0..g.world)
+                    .map(|p| if p == me { 0 } else { n })
+                    .collect::<Vec<usize>>()
+            };
+            let send_sizes: Vec<usize> = (0..g.world)
+                .map(|p| if p == me { 0 } else { rows[p] * row_bytes })
+                .collect();
+            let recv_sizes = others(rows[me] * row_bytes);
+            let ss = framed_starts(&send_sizes);
+            starts = framed_starts(&recv_sizes);
+            let send = grown(&mut send, ss[g.world]);
+            for p in (0..g.world).filter(|&p| p != me) {
+                send[ss[p] + HEAD..][..send_sizes[p]].copy_from_slice(&input[slice(p)]);
+            }
+            let recv = grown(&mut recv, starts[g.world]);
+            g.move_chunks(op, send, &send_sizes, recv, &recv_sizes);
             Ok(())
         });
         let mut acc = std::mem::take(&mut self.acc);
         if got.is_ok() {
             acc.clear();
             acc.resize(rows[me] * row_elems, 0.0);
+            let part = rows[me] * row_bytes;
             for p in 0..self.world {
                 let theirs = if p == me {
                     &input[slice(me)]
                 } else {
-                    &parts[p * part..][..part]
+                    &recv[starts[p] + HEAD..][..part]
                 };
                 num::accumulate(&mut acc, theirs, kind);
             }
             num::store(&acc, output, kind);
         }
-        (self.parts, self.acc) = (parts, acc);
+        self.acc = acc;
+        self.keep_frames(send, recv);
         got
     }
 
+    /// Copies into frames kept by the group, then [`HostGroup::all_to_allv_framed`]'s exchange.
     fn all_to_allv(
         &mut self,
         send: &[u8],
@@ -742,28 +822,46 @@ impl Group for HostGroup {
         recv: &mut [u8],
         recv_sizes: &[usize],
     ) -> Result<()> {
-        let op = Op::AllToAllv;
-        let world = self.world;
-        let local = (|| {
-            let st = check_sizes("send_sizes", op, send_sizes, world)?;
-            let rt = check_sizes("recv_sizes", op, recv_sizes, world)?;
-            check_len("send", op, send.len(), st, "sum(send_sizes)")?;
-            check_len("recv", op, recv.len(), rt, "sum(recv_sizes)")
-        })();
-        self.run(op, local, &[], [0, 0], |g, _| {
-            g.agree_size_matrix(send_sizes, recv_sizes)?;
-            let me = g.rank;
-            recv[chunk(recv_sizes, me)].copy_from_slice(&send[chunk(send_sizes, me)]);
-            g.rounds(|g, p| {
-                g.exchange(
-                    op,
-                    p,
-                    &send[chunk(send_sizes, p)],
-                    &mut recv[chunk(recv_sizes, p)],
-                )
-            });
-            Ok(())
-        })
+        let local = self.all_to_allv_args(send.len(), send_sizes, recv.len(), recv_sizes, 0);
+        let (mut s, mut r) = self.take_frames();
+        let (ss, rs) = (framed_starts(send_sizes), framed_starts(recv_sizes));
+        let got = match local {
+            Ok(()) => {
+                let framed_send = grown(&mut s, ss[self.world]);
+                for (p, c) in chunks(send_sizes).enumerate() {
+                    framed_send[ss[p] + HEAD..][..c.len()].copy_from_slice(&send[c]);
+                }
+                let framed_recv = grown(&mut r, rs[self.world]);
+                self.framed(framed_send, send_sizes, framed_recv, recv_sizes, Ok(()))
+                    .inspect(|()| {
+                        for (p, c) in chunks(recv_sizes).enumerate() {
+                            let n = c.len();
+                            recv[c].copy_from_slice(&framed_recv[rs[p] + HEAD..][..n]);
+                        }
+                    })
+            }
+            Err(e) => self.framed(&mut [], send_sizes, &mut [], recv_sizes, Err(e)),
+        };
+        self.keep_frames(s, r);
+        got
+    }
+
+    fn chunk_frame(&self) -> (usize, usize) {
+        (HEAD, TAIL)
+    }
+
+    /// The frames are written and checked in place: the caller's packed rows are what the
+    /// host sends and receives (no copy into or out of a frame).
+    fn all_to_allv_framed(
+        &mut self,
+        send: &mut [u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Result<()> {
+        let room = HEAD + TAIL;
+        let local = self.all_to_allv_args(send.len(), send_sizes, recv.len(), recv_sizes, room);
+        self.framed(send, send_sizes, recv, recv_sizes, local)
     }
 
     fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
@@ -771,7 +869,7 @@ impl Group for HostGroup {
         let me = self.rank;
         let local = check_p2p(ops, me, self.world).and_then(|()| copy_self_sends(ops, me));
         let words = agree::p2p_words(ops);
-        let counts = [words[0] as usize, words[1] as usize];
+        let counts = [words[0], words[1]];
         self.run(op, local, &[], counts, |g, heads| {
             g.agree_messages(heads, &words)?;
             g.rounds(|g, p| {
@@ -831,6 +929,148 @@ impl Group for HostGroup {
 }
 
 impl HostGroup {
+    /// all_to_allv's own checks: one size per rank, and buffers of the sizes' sums plus `room`
+    /// bytes of frame per chunk.
+    fn all_to_allv_args(
+        &self,
+        send_len: usize,
+        send_sizes: &[usize],
+        recv_len: usize,
+        recv_sizes: &[usize],
+        room: usize,
+    ) -> Result<()> {
+        let (op, world) = (Op::AllToAllv, self.world);
+        let framing = room * world;
+        let what = if room == 0 {
+            "sum(send_sizes)".to_owned()
+        } else {
+            format!("sum(send_sizes) + {room} bytes of frame per rank")
+        };
+        let st = check_sizes("send_sizes", op, send_sizes, world)?;
+        let rt = check_sizes("recv_sizes", op, recv_sizes, world)?;
+        check_len("send", op, send_len, st.saturating_add(framing), &what)?;
+        check_len(
+            "recv",
+            op,
+            recv_len,
+            rt.saturating_add(framing),
+            &what.replace("send_sizes", "recv_sizes"),
+        )
+    }
+
+    /// all_to_allv over framed chunks: the sizes agree with the op header (each rank's hashes
+    /// of its sends and receives: when their sums over every rank differ, every rank gathers
+    /// the size lists and names the first pair that disagrees), then the chunks move in one
+    /// host all_to_allv (or the tournament), then the verdicts.
+    fn framed(
+        &mut self,
+        send: &mut [u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+        local: Result<()>,
+    ) -> Result<()> {
+        let op = Op::AllToAllv;
+        let me = self.rank;
+        let sent = (send_sizes.iter().enumerate()).fold(0u64, |a, (p, &n)| {
+            a.wrapping_add(agree::pair_hash(me, p, n))
+        });
+        let expected = (recv_sizes.iter().enumerate()).fold(0u64, |a, (p, &n)| {
+            a.wrapping_add(agree::pair_hash(p, me, n))
+        });
+        self.run(op, local, &[], [sent, expected], |g, heads| {
+            if g.fault.is_none() && heads.sum(g.world, 0) != heads.sum(g.world, 1) {
+                g.agree_size_matrix(send_sizes, recv_sizes)?;
+            }
+            g.move_chunks(op, send, send_sizes, recv, recv_sizes);
+            Ok(())
+        })
+    }
+
+    /// Moves framed chunks ([`framed_starts`]): chunk p of `send` (`send_sizes[p]` payload
+    /// bytes in place) to rank p, and rank p's chunk for this rank into chunk p of `recv`,
+    /// through one host all_to_allv where the host has one, else the tournament of
+    /// send/recv. Writes the frames of `send` and checks those of `recv`; a failure is
+    /// recorded ([`HostGroup::fail`]).
+    fn move_chunks(
+        &mut self,
+        op: Op,
+        send: &mut [u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) {
+        let (me, world) = (self.rank, self.world);
+        let (ss, rs) = (framed_starts(send_sizes), framed_starts(recv_sizes));
+        let mut incoming = Vec::with_capacity(world);
+        for p in 0..world {
+            let f = self.frame(op, me, p as u64, self.sent[p], send_sizes[p]);
+            self.sent[p] += 1;
+            f.seal(&mut send[ss[p]..ss[p + 1]]);
+            let f = self.frame(op, p, me as u64, self.got[p], recv_sizes[p]);
+            self.got[p] += 1;
+            f.blank(&mut recv[rs[p]..rs[p + 1]]);
+            incoming.push(f);
+        }
+        let framed = |s: &[usize]| s.windows(2).map(|w| w[1] - w[0]).collect::<Vec<usize>>();
+        let host = if self.host_all_to_allv == Some(false) {
+            None
+        } else {
+            let got = self
+                .transport
+                .all_to_allv(send, &framed(&ss), recv, &framed(&rs));
+            self.host_all_to_allv = Some(got.is_some());
+            got
+        };
+        match host {
+            Some(Err(e)) => {
+                let e = self.host_err(op, "all_to_allv", e);
+                return self.fail(e, true);
+            }
+            Some(Ok(())) => {}
+            None => {
+                let mine = &send[ss[me]..ss[me + 1]];
+                if mine.len() == rs[me + 1] - rs[me] {
+                    recv[rs[me]..rs[me + 1]].copy_from_slice(mine);
+                }
+                self.rounds(|g, p| {
+                    let (out, inp) = (&send[ss[p]..ss[p + 1]], &mut recv[rs[p]..rs[p + 1]]);
+                    if me < p {
+                        g.send_framed(op, p, out);
+                        g.recv_framed(op, p, inp);
+                    } else {
+                        g.recv_framed(op, p, inp);
+                        g.send_framed(op, p, out);
+                    }
+                });
+            }
+        }
+        for (p, f) in incoming.iter().enumerate() {
+            if let Err(why) = f.check(&recv[rs[p]..rs[p + 1]]) {
+                let what = if host.is_some() {
+                    format!("all_to_allv (rank {p}'s chunk)")
+                } else {
+                    format!("recv from rank {p}")
+                };
+                let e = self.bad_frame(op, &what, why);
+                return self.fail(e, false);
+            }
+        }
+    }
+
+    /// The group's kept frame buffers, taken out for an op (put back by
+    /// [`HostGroup::keep_frames`]).
+    fn take_frames(&mut self) -> (Vec<u8>, Vec<u8>) {
+        (
+            std::mem::take(&mut self.out_frame),
+            std::mem::take(&mut self.in_frame),
+        )
+    }
+
+    fn keep_frames(&mut self, send: Vec<u8>, recv: Vec<u8>) {
+        (self.out_frame, self.in_frame) = (send, recv);
+    }
+
     /// all_to_allv: gathers every rank's send and receive sizes and checks every pair in the
     /// same order on every rank (rank r's send_sizes[p] against rank p's recv_sizes[r]). A
     /// rank that could not read them goes on with its own (the op fails at its close).
