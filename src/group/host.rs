@@ -385,8 +385,15 @@ impl HostGroup {
 }
 
 /// Words of the fixed-size header every rank contributes to the all_gather that starts every
-/// op: tag and verdict, op code, two op-specific counts, then the agreed parameters.
-const HEADER_WORDS: usize = 4 + MAX_PARAMS;
+/// op: tag and verdict, op code, two op-specific counts, the agreed parameters, then
+/// [`INLINE_BYTES`] of the op's own data.
+const HEADER_WORDS: usize = 4 + MAX_PARAMS + INLINE_BYTES / 8;
+/// Data an all_gather(v) of at most this many bytes per rank travels in the op header itself:
+/// the op is then the header and the verdicts, two host calls (a dispatch's or combine's own
+/// header, a dispatch's routing at one or two tokens per rank).
+const INLINE_BYTES: usize = 256;
+/// Where the inline data starts in a header.
+const INLINE_AT: usize = 4 + MAX_PARAMS;
 /// High bits of word 0 ("ephd"): a header from anything else is a broken host transport.
 const HEADER_TAG: u64 = 0x6570_6864 << 32;
 const VERDICT_OK: u64 = 1;
@@ -402,6 +409,11 @@ impl Headers {
     /// Rank p's op-specific count `i` (0 or 1).
     fn count(&self, p: usize, i: usize) -> usize {
         self.word(p, 2 + i) as usize
+    }
+    /// Rank p's inline data (the first `n` of its [`INLINE_BYTES`]).
+    fn inline(&self, p: usize, n: usize) -> &[u8] {
+        let at = p * HEADER_WORDS + INLINE_AT;
+        &bytes::as_bytes(&self.0[at..at + INLINE_BYTES / 8])[..n]
     }
     /// The wrapping sum over every rank of op-specific word `i`.
     fn sum(&self, world: usize, i: usize) -> u64 {
@@ -473,8 +485,9 @@ impl HostGroup {
         local: &Result<()>,
         params: &[Param],
         counts: [u64; 2],
+        inline: &[u8],
     ) -> Result<Headers> {
-        debug_assert!(params.len() <= MAX_PARAMS);
+        debug_assert!(params.len() <= MAX_PARAMS && inline.len() <= INLINE_BYTES);
         let mut mine = [0u64; HEADER_WORDS];
         mine[0] = HEADER_TAG
             | if local.is_ok() {
@@ -487,6 +500,11 @@ impl HostGroup {
         mine[3] = counts[1];
         for (w, p) in mine[4..].iter_mut().zip(params) {
             *w = p.value;
+        }
+        for (w, c) in mine[INLINE_AT..].iter_mut().zip(inline.chunks(8)) {
+            let mut b = [0u8; 8];
+            b[..c.len()].copy_from_slice(c);
+            *w = u64::from_ne_bytes(b);
         }
         let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
         self.gather(op, bytes::as_bytes(&mine), &mut all);
@@ -561,9 +579,22 @@ impl HostGroup {
         counts: [u64; 2],
         f: impl FnOnce(&mut Self, &Headers) -> Result<T>,
     ) -> Result<T> {
+        self.run_inline(op, local, params, counts, &[], f)
+    }
+
+    /// [`HostGroup::run`] with `inline` (at most [`INLINE_BYTES`]) in this rank's op header.
+    fn run_inline<T>(
+        &mut self,
+        op: Op,
+        local: Result<()>,
+        params: &[Param],
+        counts: [u64; 2],
+        inline: &[u8],
+        f: impl FnOnce(&mut Self, &Headers) -> Result<T>,
+    ) -> Result<T> {
         self.guarded(op, |g| {
             g.begin();
-            let heads = g.agree(op, &local, params, counts)?;
+            let heads = g.agree(op, &local, params, counts, inline)?;
             g.step = Step::Data;
             let out = f(g, &heads);
             g.close(op, out)
@@ -721,6 +752,16 @@ impl Group for HostGroup {
         let (local, params) =
             agree::all_gatherv_args(self.rank, self.world, input.len(), sizes, output.len());
         let me = self.rank;
+        if sizes.iter().all(|&n| n <= INLINE_BYTES) && input.len() <= INLINE_BYTES {
+            // In the op header: every rank agreed on the sizes before they are read.
+            return self.run_inline(op, local, &params, [0, 0], input, |g, heads| {
+                for (p, c) in chunks(sizes).enumerate().take(g.world) {
+                    let n = c.len();
+                    output[c].copy_from_slice(heads.inline(p, n));
+                }
+                Ok(())
+            });
+        }
         let (mut send, mut recv) = self.take_frames();
         let got = self.run(op, local, &params, [0, 0], |g, _| {
             // Every peer gets this rank's input: one host all_to_allv (or the tournament).
@@ -921,6 +962,16 @@ impl Group for HostGroup {
             })
             .and_then(|n| check_len("out", op, out.len(), n, "world_size * len(mine)"));
         let params = [agree::number("byte count", mine.len())];
+        let n = mine.len();
+        if n <= INLINE_BYTES {
+            // In the op header: every rank agreed on the byte count before it is read.
+            return self.run_inline(op, local, &params, [0, 0], mine, |g, heads| {
+                for p in 0..g.world {
+                    out[p * n..(p + 1) * n].copy_from_slice(heads.inline(p, n));
+                }
+                Ok(())
+            });
+        }
         self.run(op, local, &params, [0, 0], |g, _| {
             g.gather(op, mine, out);
             Ok(())
