@@ -685,6 +685,8 @@ fn framed_starts(sizes: &[usize]) -> Vec<usize> {
     super::chunk_starts(sizes, (HEAD, TAIL))
 }
 
+// The identity accessors (rank, size, name, elastic) repeat ShmGroup's: each reads its own
+// fields in one line, clearer than a macro generating them.
 impl Group for HostGroup {
     fn survivors_slot(&mut self) -> Option<&mut Option<super::survivors::Survivors>> {
         Some(&mut self.survivors)

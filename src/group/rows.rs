@@ -47,11 +47,32 @@ pub(crate) fn exchange_packed<G: Group + ?Sized>(
         unpack(recv, row_bytes, take, me, dst, &rs, room.0);
         Ok(())
     })?;
-    for (&s, &d) in give[me].iter().zip(&take[me]) {
-        let (s, d) = (s as usize * row_bytes, d as usize * row_bytes);
-        dst[d..d + row_bytes].copy_from_slice(&src[s..s + row_bytes]);
-    }
+    copy_own_rows(src, row_bytes, &give[me], &take[me], dst, false);
     Ok(())
+}
+
+/// exchange_rows' rows of a rank to itself: rows `give` of `src` to rows `take` of `dst` (as
+/// many of each), with streaming stores (then a fence) when `streaming`.
+pub(crate) fn copy_own_rows(
+    src: &[u8],
+    row_bytes: usize,
+    give: &[u32],
+    take: &[u32],
+    dst: &mut [u8],
+    streaming: bool,
+) {
+    for (&s, &d) in give.iter().zip(take) {
+        let (s, d) = (s as usize * row_bytes, d as usize * row_bytes);
+        let (to, from) = (&mut dst[d..d + row_bytes], &src[s..s + row_bytes]);
+        if streaming {
+            crate::copy::copy_streaming(to, from);
+        } else {
+            to.copy_from_slice(from);
+        }
+    }
+    if streaming {
+        crate::copy::streaming_fence();
+    }
 }
 
 /// reduce_rows by packing, all_to_allv and a blocked weighted accumulation (any transport):
