@@ -5,7 +5,7 @@ are identical, for each token count and rank count.
 
     python3 bench_from_torch.py [--tokens 1,128,1024,4096] [--ranks 2,4] [--hidden 7168]
                                 [--experts 256] [--top-k 8] [--dtype bfloat16] [--iters 10]
-                                [--reps 5] [--send-recv-only] [--profile]
+                                [--reps 5] [--threads N] [--send-recv-only] [--profile]
 
 One rank per process, all on 127.0.0.1 (spawned here), or, for ranks in other network
 namespaces or on other machines, one process per rank started by hand (scripts/bench-netns.sh
@@ -15,7 +15,9 @@ The hand-written version sends each token once to every rank holding one of its 
 split sizes exchanged first), the expert side doubles the rows and returns them, and the source
 sums them in f32: the traffic of a token-major backend (deepep_high_throughput), which the
 epcomm side runs. ``--send-recv-only`` gives epcomm the host transport without its
-all_to_allv callback (as before it existed). ``--profile`` adds, on rank 0, where epcomm's time
+all_to_allv callback (as before it existed). ``--threads N`` sets torch's intra-op threads in
+every rank (both sides; on a machine with fewer cores than ranks x threads, OpenMP threads that
+spin for work slow the hand-written side's indexing most). ``--profile`` adds, on rank 0, where epcomm's time
 goes: the dispatch and combine calls, and within them the time spent in torch.distributed.
 """
 import argparse
@@ -123,6 +125,8 @@ def group(send_recv_only):
 
 def run_rank(rank, world, init_method, args):
     """This rank's rows of the table (rank 0's are the ones printed)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     clock = TransportClock() if args.profile else None
     dtype = getattr(torch, args.dtype)
@@ -166,6 +170,7 @@ def parse():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads per rank")
     p.add_argument("--send-recv-only", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--rank", type=int, help="run this one rank (with --world and --master)")
@@ -179,7 +184,8 @@ def report(args, results, where):
     print(f"gloo over {where}, H={args.hidden} {args.dtype}, top-{args.top_k} of "
           f"{args.experts} experts, {args.iters} iterations x {args.reps} repetitions "
           f"(medians), epcomm {'without' if args.send_recv_only else 'with'} the all_to_allv "
-          f"callback, libepcomm {epcomm.version()}, load average {load}, {os.cpu_count()} CPUs")
+          f"callback, libepcomm {epcomm.version()}, load average {load}, {os.cpu_count()} CPUs, "
+          f"torch threads per rank {args.threads or torch.get_num_threads()}")
     print()
     print("| T | R | from_torch (ms) | all_to_all_single (ms) | ratio | same result |")
     print("|---:|---:|---:|---:|---:|:---:|")
