@@ -13,10 +13,10 @@ def series(text):
     """{(engine, ranks): [(T, ratio)]} from the tables' rows (engine from the title line)."""
     out, engine = {}, "?"
     for line in text.splitlines():
-        if line.startswith("gloo"):
-            engine = "gloo"
-        elif " ranks over MPI" in line:
-            engine = "MPI"
+        if line.startswith("gloo") or " ranks over MPI" in line:
+            engine = "gloo" if line.startswith("gloo") else "MPI"
+            if "without the all_to_allv" in line:
+                engine += " (send/recv only)"
         m = re.match(r"\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*[\d.]+\s*\|\s*[\d.]+\s*\|\s*([\d.]+)\s*\|", line)
         if m:
             t, r, ratio = int(m[1]), int(m[2]), float(m[3])
