@@ -978,6 +978,16 @@ typedef int32_t (*epcomm_host_lost_ranks_fn)(void *user_data, uint8_t *out_mask,
 typedef int32_t (*epcomm_host_shrink_fn)(void *user_data, const int32_t *excluded, size_t num_excluded, void **out_user_data);
 
 /**
+ * Host all-to-all with a size per peer (optional; MPI_Alltoallv, torch.distributed's
+ * all_to_all_single with split sizes, grouped ncclSend/ncclRecv): send `send_bytes[p]` bytes
+ * (consecutive chunks of `send`, rank order) to every rank p (this one included), and
+ * receive `recv_bytes[p]` bytes from every rank p into consecutive chunks of `recv`; both
+ * arrays hold world_size entries. epcomm has agreed on every size with every rank before it
+ * calls this. Return 0 on success.
+ */
+typedef int32_t (*epcomm_host_all_to_allv_fn)(void *user_data, const void *send, const size_t *send_bytes, void *recv, const size_t *recv_bytes);
+
+/**
  * The host's own transport (e.g. torch.distributed or MPI). `send` and `recv` are required and
  * blocking; `all_gather` is optional (NULL: built from send/recv). epcomm orders pairwise
  * exchanges so that blocking rendezvous sends cannot deadlock. Every collective starts with an
@@ -989,7 +999,10 @@ typedef int32_t (*epcomm_host_shrink_fn)(void *user_data, const int32_t *exclude
  * returned when that is EPCOMM_ERROR_PEER_FAILURE or EPCOMM_ERROR_TIMEOUT (a peer the host
  * saw fail or time out). `lost_ranks` and `shrink` (fault tolerance) are optional and were
  * added last: a struct whose struct_size ends before them works as before (no rank is
- * reported lost; shrink is EPCOMM_ERROR_NOT_IMPLEMENTED).
+ * reported lost; shrink is EPCOMM_ERROR_NOT_IMPLEMENTED). `all_to_allv` (optional, added
+ * after them) moves the data of all_to_allv, dispatch, combine, EPLB's row exchanges,
+ * all_gatherv and reduce_scatterv in one host call each (NULL, or a struct_size that ends
+ * before it: send/recv pairs in a round-robin tournament, as before).
  */
 typedef struct epcomm_host_callbacks {
   /**
@@ -1012,6 +1025,10 @@ typedef struct epcomm_host_callbacks {
    * Optional: the host communicator of the survivors (`epcomm_group_shrink`).
    */
   epcomm_host_shrink_fn shrink;
+  /**
+   * Optional: the host's all-to-all with a size per peer.
+   */
+  epcomm_host_all_to_allv_fn all_to_allv;
 } epcomm_host_callbacks;
 
 /**

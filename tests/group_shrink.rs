@@ -587,6 +587,7 @@ fn callbacks(user: *mut Inner) -> epcomm_host_callbacks {
         barrier: None,
         lost_ranks: Some(cb_lost_ranks),
         shrink: Some(cb_shrink),
+        all_to_allv: None,
     }
 }
 

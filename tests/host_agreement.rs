@@ -9,7 +9,7 @@ mod channel;
 
 use std::time::{Duration, Instant};
 
-use channel::{on_host_group, RECV_TIMEOUT};
+use channel::{on_host_group_with, RECV_TIMEOUT};
 use epcomm::group::{Group, P2p};
 use epcomm::num::FloatKind;
 
@@ -20,14 +20,15 @@ fn msg(r: epcomm::Result<()>) -> String {
     r.expect_err("expected an error").to_string()
 }
 
-/// Runs the case over both host transports (with and without all_gather).
+/// Runs the case over the host transports: send/recv only, with all_gather, with all_gather
+/// and all_to_allv.
 fn both<T: Send + 'static>(
     world: usize,
     f: impl Fn(usize, &mut epcomm::group::host::HostGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<Vec<T>> {
-    [false, true]
+    [(false, false), (true, false), (true, true)]
         .into_iter()
-        .map(|ag| on_host_group(world, ag, f.clone()))
+        .map(|(ag, a2a)| on_host_group_with(world, ag, a2a, f.clone()))
         .collect()
 }
 

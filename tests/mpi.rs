@@ -1,6 +1,7 @@
 //! examples/mpi/ep_mpi.c under `mpirun -np 2` and `-np 4`, Open MPI forced onto TCP (`--mca pml
 //! ob1 --mca btl tcp,self` on the loopback interface): a host-transport group over
-//! MPI_Send/MPI_Recv/MPI_Allgather runs dispatch/combine through one backend per layout and an
+//! MPI_Send/MPI_Recv/MPI_Allgather/MPI_Alltoallv (and, as a host built before the all_to_allv
+//! callback, without MPI_Alltoallv) runs dispatch/combine through one backend per layout and an
 //! EPLB rearrangement, and every rank checks its results against the single-process float32
 //! reference (relative error at most 1e-5; every EPLB slot exactly right).
 //!
@@ -65,7 +66,7 @@ fn example(test: &str) -> Option<&'static Path> {
 }
 
 /// `mpirun -np N` over TCP only, root allowed (CI containers run as root), with `args`.
-fn mpirun(exe: &Path, np: usize, args: &[&str]) -> RunOutput {
+fn mpirun(exe: &Path, np: usize, args: &[&str], all_to_allv: bool) -> RunOutput {
     let mut cmd = Command::new("mpirun");
     cmd.args([
         "--oversubscribe",
@@ -82,6 +83,7 @@ fn mpirun(exe: &Path, np: usize, args: &[&str]) -> RunOutput {
     .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
     .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     .env_remove("EPCOMM_LOG_LEVEL")
+    .env("EPCOMM_MPI_ALLTOALLV", if all_to_allv { "1" } else { "0" })
     .current_dir(manifest_dir());
     run_with_timeout(cmd, MPI_TIMEOUT)
 }
@@ -95,10 +97,10 @@ fn error_of(line: &str) -> f64 {
     e.trim().parse().unwrap_or(f64::INFINITY)
 }
 
-fn check_job(np: usize) {
+fn check_job(np: usize, all_to_allv: bool) {
     let test = format!("mpi_ep_job_np{np}");
     let Some(exe) = example(&test) else { return };
-    let out = mpirun(exe, np, &[]);
+    let out = mpirun(exe, np, &[], all_to_allv);
     assert!(
         out.success(),
         "{}",
@@ -130,12 +132,22 @@ fn check_job(np: usize) {
 
 #[test]
 fn mpi_ep_job_np2() {
-    check_job(2);
+    check_job(2, true);
 }
 
 #[test]
 fn mpi_ep_job_np4() {
-    check_job(4);
+    check_job(4, true);
+}
+
+#[test]
+fn mpi_ep_job_np2_send_recv_only() {
+    check_job(2, false);
+}
+
+#[test]
+fn mpi_ep_job_np4_send_recv_only() {
+    check_job(4, false);
 }
 
 /// A bad backend name is vLLM's error on every rank, and the job fails (no rank hangs).
@@ -144,7 +156,7 @@ fn mpi_unknown_backend_fails_on_every_rank() {
     let Some(exe) = example("mpi_unknown_backend_fails_on_every_rank") else {
         return;
     };
-    let out = mpirun(exe, 2, &["nonexistent"]);
+    let out = mpirun(exe, 2, &["nonexistent"], true);
     assert!(!out.success(), "{}", out.describe("mpirun"));
     for rank in 0..2 {
         let want =

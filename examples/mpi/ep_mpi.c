@@ -1,5 +1,5 @@
 /* Expert parallelism over MPI: every rank of an MPI job forms an epcomm group over the host's own
- * transport (MPI_Send / MPI_Recv / MPI_Allgather as the callbacks), then runs a MoE
+ * transport (MPI_Send / MPI_Recv / MPI_Allgather / MPI_Alltoallv as the callbacks), then runs a MoE
  * dispatch/combine step through one backend name per buffer layout and an EPLB rearrangement of
  * two layers. Ranks may be on different machines: epcomm moves every byte through MPI.
  *
@@ -29,42 +29,9 @@
 #define LAYERS 2
 #define COLS 4
 
-/* ---- the host transport: MPI ------------------------------------------------------------- */
+/* ---- the host transport: MPI (mpi_transport.h) ------------------------------------------ */
 
-/* MPI counts are int: larger messages go in chunks of 1 GiB. */
-#define CHUNK ((size_t)1 << 30)
-
-static int32_t mpi_send(void *user, int32_t peer, const void *data, size_t bytes) {
-    MPI_Comm comm = *(MPI_Comm *)user;
-    const char *p = data;
-    do {
-        size_t n = bytes < CHUNK ? bytes : CHUNK;
-        if (MPI_Send(p, (int)n, MPI_BYTE, peer, 0, comm) != MPI_SUCCESS) return 1;
-        p += n;
-        bytes -= n;
-    } while (bytes > 0);
-    return 0;
-}
-
-static int32_t mpi_recv(void *user, int32_t peer, void *data, size_t bytes) {
-    MPI_Comm comm = *(MPI_Comm *)user;
-    char *p = data;
-    do {
-        size_t n = bytes < CHUNK ? bytes : CHUNK;
-        if (MPI_Recv(p, (int)n, MPI_BYTE, peer, 0, comm, MPI_STATUS_IGNORE) != MPI_SUCCESS)
-            return 1;
-        p += n;
-        bytes -= n;
-    } while (bytes > 0);
-    return 0;
-}
-
-static int32_t mpi_all_gather(void *user, const void *input, size_t bytes, void *output) {
-    MPI_Comm comm = *(MPI_Comm *)user;
-    if (bytes > CHUNK) return 1; /* epcomm gathers small headers only; send/recv carry data */
-    return MPI_Allgather(input, (int)bytes, MPI_BYTE, output, (int)bytes, MPI_BYTE, comm) !=
-           MPI_SUCCESS;
-}
+#include "mpi_transport.h"
 
 /* ---- helpers ----------------------------------------------------------------------------- */
 
@@ -280,13 +247,9 @@ int main(int argc, char **argv) {
     MPI_Comm_rank(comm, &g_rank);
     MPI_Comm_size(comm, &g_world);
 
-    epcomm_host_callbacks cb;
-    memset(&cb, 0, sizeof cb);
-    cb.struct_size = (uint32_t)sizeof cb;
-    cb.user_data = &comm;
-    cb.send = mpi_send;
-    cb.recv = mpi_recv;
-    cb.all_gather = mpi_all_gather;
+    /* EPCOMM_MPI_ALLTOALLV=0: no all_to_allv callback (send/recv carry the data). */
+    const char *a2a = getenv("EPCOMM_MPI_ALLTOALLV");
+    epcomm_host_callbacks cb = mpi_callbacks(&comm, !(a2a && strcmp(a2a, "0") == 0));
     epcomm_group *g = NULL;
     int failures = 0;
     int32_t st = epcomm_group_create_host(&cb, "mpi", g_rank, g_world, NULL, &g);

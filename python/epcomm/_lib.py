@@ -131,6 +131,9 @@ SEND_FN = ctypes.CFUNCTYPE(i32, vp, i32, vp, sz)
 RECV_FN = ctypes.CFUNCTYPE(i32, vp, i32, vp, sz)
 ALL_GATHER_FN = ctypes.CFUNCTYPE(i32, vp, vp, sz, vp)
 BARRIER_FN = ctypes.CFUNCTYPE(i32, vp)
+LOST_RANKS_FN = ctypes.CFUNCTYPE(i32, vp, ctypes.POINTER(ctypes.c_uint8), i32)
+SHRINK_FN = ctypes.CFUNCTYPE(i32, vp, ctypes.POINTER(i32), sz, ctypes.POINTER(vp))
+ALL_TO_ALLV_FN = ctypes.CFUNCTYPE(i32, vp, vp, ctypes.POINTER(sz), vp, ctypes.POINTER(sz))
 
 
 class HostCallbacks(ctypes.Structure):
@@ -143,6 +146,9 @@ class HostCallbacks(ctypes.Structure):
         ("recv", RECV_FN),
         ("all_gather", ALL_GATHER_FN),
         ("barrier", BARRIER_FN),
+        ("lost_ranks", LOST_RANKS_FN),
+        ("shrink", SHRINK_FN),
+        ("all_to_allv", ALL_TO_ALLV_FN),
     ]
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 
 class TorchTransport:
-    """send/recv/all_gather for ``Group.host`` over ``process_group`` (None: the world).
+    """send/recv/all_gather/all_to_allv for ``Group.host`` over ``process_group`` (None: the world).
     Zero-byte messages are not sent: both sides know the size, so both skip them."""
 
     def __init__(self, process_group: Any = None):
@@ -39,3 +39,12 @@ class TorchTransport:
             return
         parts = list(self._tensor(out).chunk(self.world_size))
         self._dist.all_gather(parts, self._tensor(data), group=self.group)
+
+    def all_to_allv(self, data: memoryview, data_sizes: list, out: memoryview,
+                    out_sizes: list) -> None:
+        """``data_sizes[p]`` bytes of ``data`` to each rank p and ``out_sizes[p]`` bytes from
+        each into ``out`` (in place): one ``all_to_all_single`` with split sizes."""
+        self._dist.all_to_all_single(
+            self._tensor(out), self._tensor(data), output_split_sizes=out_sizes,
+            input_split_sizes=data_sizes, group=self.group,
+        )

@@ -10,9 +10,12 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 from ._handle import Handle, in_flight
 from ._lib import (
     ALL_GATHER_FN,
+    ALL_TO_ALLV_FN,
     BARRIER_FN,
+    LOST_RANKS_FN,
     RECV_FN,
     SEND_FN,
+    SHRINK_FN,
     UNIQUE_ID_BYTES,
     GroupOptions,
     HostCallbacks,
@@ -32,6 +35,10 @@ SendFn = Callable[[int, memoryview], None]
 RecvFn = Callable[[int, memoryview], None]
 #: all_gather(data, out): every rank's ``data`` into ``out`` (world_size * len(data), rank order).
 AllGatherFn = Callable[[memoryview, memoryview], None]
+#: all_to_allv(data, data_sizes, out, out_sizes): ``data_sizes[p]`` bytes of ``data``
+#: (consecutive chunks, rank order) to each rank p, and ``out_sizes[p]`` bytes from each rank p
+#: into consecutive chunks of ``out`` (memoryviews of bytes; lists of ints).
+AllToAllvFn = Callable[[memoryview, List[int], memoryview, List[int]], None]
 
 
 def _options(timeout_s: Optional[float]) -> GroupOptions:
@@ -92,20 +99,28 @@ class _HostTransport:
     group then raises an epcomm.Error naming it."""
 
     def __init__(
-        self, send: SendFn, recv: RecvFn, all_gather: Optional[AllGatherFn], world_size: int
+        self,
+        send: SendFn,
+        recv: RecvFn,
+        all_gather: Optional[AllGatherFn],
+        world_size: int,
+        all_to_allv: Optional[AllToAllvFn] = None,
     ):
         self.world_size = world_size
         self.error: Optional[BaseException] = None
         self._send, self._recv, self._all_gather = send, recv, all_gather
+        self._all_to_allv = all_to_allv
         # The ctypes function objects must live as long as the group.
         self._fns = (
             SEND_FN(self._on_send),
             RECV_FN(self._on_recv),
             ALL_GATHER_FN(self._on_all_gather) if all_gather else ALL_GATHER_FN(),
+            BARRIER_FN(),
+            LOST_RANKS_FN(),
+            SHRINK_FN(),
+            ALL_TO_ALLV_FN(self._on_all_to_allv) if all_to_allv else ALL_TO_ALLV_FN(),
         )
-        self.callbacks = HostCallbacks(
-            ctypes.sizeof(HostCallbacks), None, *self._fns, BARRIER_FN()
-        )
+        self.callbacks = HostCallbacks(ctypes.sizeof(HostCallbacks), None, *self._fns)
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> int:
         try:
@@ -128,6 +143,15 @@ class _HostTransport:
         whole = _view(out, nbytes * self.world_size)
         assert self._all_gather is not None  # the callback exists only with one
         return self._guard(self._all_gather, _view(data, nbytes), whole)
+
+    def _on_all_to_allv(self, _user: Any, data: Optional[int], data_sizes: Any,
+                        out: Optional[int], out_sizes: Any) -> int:
+        n = self.world_size
+        sizes, got = data_sizes[:n], out_sizes[:n]
+        assert self._all_to_allv is not None  # the callback exists only with one
+        return self._guard(
+            self._all_to_allv, _view(data, sum(sizes)), sizes, _view(out, sum(got)), got
+        )
 
     def raise_for(self, status: int) -> None:
         """Raises the epcomm error for ``status``; a callable's exception is its cause and is
@@ -224,12 +248,15 @@ class Group(Handle):
         world_size: int,
         name: str = "host",
         timeout_s: Optional[float] = None,
+        all_to_allv: Optional[AllToAllvFn] = None,
     ) -> "Group":
         """A group over the host's transport: blocking ``send(peer, data)`` and
         ``recv(peer, out)`` (memoryviews of bytes; peers are ranks of this group) and, when
-        given, ``all_gather(data, out)`` (else built from send/recv). An exception in one of
-        them fails the call with an epcomm.Error (RuntimeError) naming it, never a crash."""
-        transport = _HostTransport(send, recv, all_gather, world_size)
+        given, ``all_gather(data, out)`` and ``all_to_allv(data, data_sizes, out, out_sizes)``
+        (else built from send/recv; with all_to_allv, dispatch, combine and the collectives
+        move their data in one host call each). An exception in one of them fails the call
+        with an epcomm.Error (RuntimeError) naming it, never a crash."""
+        transport = _HostTransport(send, recv, all_gather, world_size, all_to_allv)
         opts, h = _options(timeout_s), vp()
         check(
             load_library().epcomm_group_create_host(
@@ -248,7 +275,7 @@ class Group(Handle):
         cls, process_group: Any = None, *, name: str = "torch", timeout_s: Optional[float] = None
     ) -> "Group":
         """A host-transport group over a torch.distributed process group (default: the world):
-        send/recv/all_gather of CPU uint8 tensors (gloo). The ranks are the process group's;
+        send/recv/all_gather/all_to_all_single of CPU uint8 tensors (gloo). The ranks are the process group's;
         a peer's failure surfaces as an epcomm.Error when torch.distributed reports it (within
         the process group's own timeout)."""
         from ._torch import TorchTransport
@@ -262,6 +289,7 @@ class Group(Handle):
             world_size=t.world_size,
             name=name,
             timeout_s=timeout_s,
+            all_to_allv=t.all_to_allv,
         )
 
     def check(self, status: int) -> None:

@@ -277,6 +277,22 @@ pub type epcomm_host_shrink_fn = Option<
     ) -> i32,
 >;
 
+/// Host all-to-all with a size per peer (optional; MPI_Alltoallv, torch.distributed's
+/// all_to_all_single with split sizes, grouped ncclSend/ncclRecv): send `send_bytes[p]` bytes
+/// (consecutive chunks of `send`, rank order) to every rank p (this one included), and
+/// receive `recv_bytes[p]` bytes from every rank p into consecutive chunks of `recv`; both
+/// arrays hold world_size entries. epcomm has agreed on every size with every rank before it
+/// calls this. Return 0 on success.
+pub type epcomm_host_all_to_allv_fn = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        send: *const c_void,
+        send_bytes: *const usize,
+        recv: *mut c_void,
+        recv_bytes: *const usize,
+    ) -> i32,
+>;
+
 /// The host's own transport (e.g. torch.distributed or MPI). `send` and `recv` are required and
 /// blocking; `all_gather` is optional (NULL: built from send/recv). epcomm orders pairwise
 /// exchanges so that blocking rendezvous sends cannot deadlock. Every collective starts with an
@@ -288,7 +304,10 @@ pub type epcomm_host_shrink_fn = Option<
 /// returned when that is EPCOMM_ERROR_PEER_FAILURE or EPCOMM_ERROR_TIMEOUT (a peer the host
 /// saw fail or time out). `lost_ranks` and `shrink` (fault tolerance) are optional and were
 /// added last: a struct whose struct_size ends before them works as before (no rank is
-/// reported lost; shrink is EPCOMM_ERROR_NOT_IMPLEMENTED).
+/// reported lost; shrink is EPCOMM_ERROR_NOT_IMPLEMENTED). `all_to_allv` (optional, added
+/// after them) moves the data of all_to_allv, dispatch, combine, EPLB's row exchanges,
+/// all_gatherv and reduce_scatterv in one host call each (NULL, or a struct_size that ends
+/// before it: send/recv pairs in a round-robin tournament, as before).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct epcomm_host_callbacks {
@@ -304,6 +323,8 @@ pub struct epcomm_host_callbacks {
     pub lost_ranks: epcomm_host_lost_ranks_fn,
     /// Optional: the host communicator of the survivors (`epcomm_group_shrink`).
     pub shrink: epcomm_host_shrink_fn,
+    /// Optional: the host's all-to-all with a size per peer.
+    pub all_to_allv: epcomm_host_all_to_allv_fn,
 }
 
 /// sizeof(epcomm_host_callbacks) before `lost_ranks` and `shrink` were added: hosts built
@@ -336,6 +357,7 @@ unsafe fn read_callbacks(callbacks: *const epcomm_host_callbacks) -> Result<epco
         barrier: None,
         lost_ranks: None,
         shrink: None,
+        all_to_allv: None,
     };
     // SAFETY: the host's struct holds `size` bytes; at most `full` are copied into c, which
     // holds `full`; NULL (all-zero) is a valid value of every callback field.
@@ -400,6 +422,20 @@ impl HostTransport for CallbackTransport {
         let (p, n, o) = (mine.as_ptr().cast(), mine.len(), out.as_mut_ptr().cast());
         // SAFETY: as above; `out` holds world * n bytes (checked by the caller).
         let rc = unsafe { f(user, p, n, o) };
+        Some(self.rc(rc))
+    }
+    fn all_to_allv(
+        &mut self,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Option<std::result::Result<(), String>> {
+        let (f, user) = (self.cb.all_to_allv?, self.cb.user_data);
+        let (s, r) = (send.as_ptr().cast(), recv.as_mut_ptr().cast());
+        // SAFETY: as above; the size arrays hold world_size entries and the buffers their sums
+        // (checked by the caller).
+        let rc = unsafe { f(user, s, send_sizes.as_ptr(), r, recv_sizes.as_ptr()) };
         Some(self.rc(rc))
     }
     fn barrier(&mut self) -> Option<std::result::Result<(), String>> {

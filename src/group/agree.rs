@@ -164,6 +164,20 @@ pub(crate) fn broadcast_args(world: usize, root: usize, len: usize) -> (Result<(
     (local, [number("root", root), number("byte count", len)])
 }
 
+/// A 64-bit fingerprint of "rank `from` sends `bytes` bytes to rank `to`" (splitmix64 mixes):
+/// the sum of every rank's fingerprints of its sends equals that of its receives exactly when
+/// every pair agrees, but for a chance of about 2^-64, so all_to_allv's ranks check all
+/// pairs with two words each in the op header instead of gathering the size lists.
+pub(crate) fn pair_hash(from: usize, to: usize, bytes: usize) -> u64 {
+    let mix = |z: u64| {
+        let z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        let z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    mix(mix(mix(from as u64) ^ to as u64) ^ bytes as u64)
+}
+
 /// all_to_allv: every pair checked in the same order on every rank — rank r's
 /// `send_sizes[p]` (`sent(r, p)`) against rank p's `recv_sizes[r]` (`expected(p, r)`).
 pub(crate) fn check_size_matrix(

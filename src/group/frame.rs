@@ -107,13 +107,20 @@ impl Frame {
     /// `payload` framed, into `buf` (resized).
     pub fn wrap(&self, payload: &[u8], buf: &mut Vec<u8>) {
         debug_assert_eq!(payload.len(), self.len);
-        buf.clear();
-        buf.reserve(self.size());
-        for w in self.head() {
-            buf.extend_from_slice(&w.to_le_bytes());
+        buf.resize(self.size(), 0);
+        buf[HEAD..HEAD + self.len].copy_from_slice(payload);
+        self.seal(buf);
+    }
+
+    /// Writes the header and tail around the payload already in place in `buf` (`size()`
+    /// bytes): callers that pack straight into a frame save a copy.
+    pub fn seal(&self, buf: &mut [u8]) {
+        debug_assert_eq!(buf.len(), self.size());
+        for (i, w) in self.head().into_iter().enumerate() {
+            buf[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
         }
-        buf.extend_from_slice(payload);
-        buf.extend_from_slice(&self.tail().to_le_bytes());
+        let end = buf.len();
+        buf[end - TAIL..].copy_from_slice(&self.tail().to_le_bytes());
     }
 
     /// Prepares `buf` (`size()` bytes) to receive this frame: a header and tail the host does

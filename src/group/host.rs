@@ -20,9 +20,9 @@
 //! that last all_gather itself is seen by its rank alone (by then every rank's data is whole).
 
 use super::agree::{self, Param, MAX_PARAMS};
-use super::frame::{Frame, Step, TO_ALL};
+use super::frame::{Frame, Step, HEAD, TAIL, TO_ALL};
 use super::shm::{check_excluded, verify_views, ShrinkView};
-use super::{check_len, check_p2p, check_sizes, Group, Op, P2p};
+use super::{check_len, check_p2p, check_sizes, grown, Group, Op, P2p};
 use crate::bytes;
 use crate::error::{Error, Result, Status};
 use crate::num::{self, FloatKind};
@@ -38,6 +38,20 @@ pub trait HostTransport: Send {
         &mut self,
         _mine: &[u8],
         _out: &mut [u8],
+    ) -> Option<std::result::Result<(), String>> {
+        None
+    }
+    /// An all-to-all with a size per peer (MPI_Alltoallv; torch.distributed's
+    /// all_to_all_single with split sizes; grouped ncclSend/ncclRecv): `send_sizes[p]` bytes
+    /// of `send` (consecutive chunks, rank order) to peer p, and `recv_sizes[p]` bytes from
+    /// peer p into consecutive chunks of `recv`. epcomm has agreed on every size with every
+    /// rank before it calls this. `None` = not provided (built from send/recv).
+    fn all_to_allv(
+        &mut self,
+        _send: &[u8],
+        _send_sizes: &[usize],
+        _recv: &mut [u8],
+        _recv_sizes: &[usize],
     ) -> Option<std::result::Result<(), String>> {
         None
     }
@@ -85,9 +99,8 @@ pub struct HostGroup {
     world: usize,
     elastic: bool,
     broken: Option<String>,
-    /// reduce_scatterv's receive and accumulation buffers, kept between calls: a fresh
-    /// allocation per call costs a page fault per page of every peer's contribution.
-    parts: Vec<u8>,
+    /// reduce_scatterv's accumulation buffer, kept between calls: a fresh allocation per
+    /// call costs a page fault per page.
     acc: Vec<f32>,
     /// After a failure: the survivors' group every user of this one shares.
     survivors: Option<super::survivors::Survivors>,
@@ -105,8 +118,9 @@ pub struct HostGroup {
     fault: Option<Error>,
     /// Whether that failure is the host's own (a callback returned an error).
     host_fault: bool,
-    /// Whether the host has an all_gather (known after the first call).
+    /// Whether the host has an all_gather, an all_to_allv (known after the first call).
     host_all_gather: Option<bool>,
+    host_all_to_allv: Option<bool>,
     /// Framed messages out and in, kept between calls.
     out_frame: Vec<u8>,
     in_frame: Vec<u8>,
@@ -166,7 +180,6 @@ impl HostGroup {
             world,
             elastic,
             broken: None,
-            parts: Vec::new(),
             acc: Vec::new(),
             survivors: None,
             seq: 0,
@@ -177,6 +190,7 @@ impl HostGroup {
             fault: None,
             host_fault: false,
             host_all_gather: None,
+            host_all_to_allv: None,
             out_frame: Vec::new(),
             in_frame: Vec::new(),
         })
@@ -277,9 +291,24 @@ impl HostGroup {
     fn send(&mut self, op: Op, peer: usize, data: &[u8]) {
         let f = self.frame(op, self.rank, peer as u64, self.sent[peer], data.len());
         self.sent[peer] += 1;
-        f.wrap(data, &mut self.out_frame);
-        if let Err(e) = self.transport.send(peer, &self.out_frame) {
+        let mut framed = std::mem::take(&mut self.out_frame);
+        f.wrap(data, &mut framed);
+        self.send_framed(op, peer, &framed);
+        self.out_frame = framed;
+    }
+
+    /// Hands an already framed message to the host's send; a failure is recorded.
+    fn send_framed(&mut self, op: Op, peer: usize, framed: &[u8]) {
+        if let Err(e) = self.transport.send(peer, framed) {
             let e = self.host_err(op, &format!("send to rank {peer}"), e);
+            self.fail(e, true);
+        }
+    }
+
+    /// Fills `framed` (blanked) from the host's receive; a failure is recorded.
+    fn recv_framed(&mut self, op: Op, peer: usize, framed: &mut [u8]) {
+        if let Err(e) = self.transport.recv(peer, framed) {
+            let e = self.host_err(op, &format!("recv from rank {peer}"), e);
             self.fail(e, true);
         }
     }
@@ -356,8 +385,15 @@ impl HostGroup {
 }
 
 /// Words of the fixed-size header every rank contributes to the all_gather that starts every
-/// op: tag and verdict, op code, two op-specific counts, then the agreed parameters.
-const HEADER_WORDS: usize = 4 + MAX_PARAMS;
+/// op: tag and verdict, op code, two op-specific counts, the agreed parameters, then
+/// [`INLINE_BYTES`] of the op's own data.
+const HEADER_WORDS: usize = 4 + MAX_PARAMS + INLINE_BYTES / 8;
+/// Data an all_gather(v) of at most this many bytes per rank travels in the op header itself:
+/// the op is then the header and the verdicts, two host calls (a dispatch's or combine's own
+/// header, a dispatch's routing at one or two tokens per rank).
+const INLINE_BYTES: usize = 256;
+/// Where the inline data starts in a header.
+const INLINE_AT: usize = 4 + MAX_PARAMS;
 /// High bits of word 0 ("ephd"): a header from anything else is a broken host transport.
 const HEADER_TAG: u64 = 0x6570_6864 << 32;
 const VERDICT_OK: u64 = 1;
@@ -373,6 +409,15 @@ impl Headers {
     /// Rank p's op-specific count `i` (0 or 1).
     fn count(&self, p: usize, i: usize) -> usize {
         self.word(p, 2 + i) as usize
+    }
+    /// Rank p's inline data (the first `n` of its [`INLINE_BYTES`]).
+    fn inline(&self, p: usize, n: usize) -> &[u8] {
+        let at = p * HEADER_WORDS + INLINE_AT;
+        &bytes::as_bytes(&self.0[at..at + INLINE_BYTES / 8])[..n]
+    }
+    /// The wrapping sum over every rank of op-specific word `i`.
+    fn sum(&self, world: usize, i: usize) -> u64 {
+        (0..world).fold(0u64, |a, p| a.wrapping_add(self.word(p, 2 + i)))
     }
 }
 
@@ -439,9 +484,10 @@ impl HostGroup {
         op: Op,
         local: &Result<()>,
         params: &[Param],
-        counts: [usize; 2],
+        counts: [u64; 2],
+        inline: &[u8],
     ) -> Result<Headers> {
-        debug_assert!(params.len() <= MAX_PARAMS);
+        debug_assert!(params.len() <= MAX_PARAMS && inline.len() <= INLINE_BYTES);
         let mut mine = [0u64; HEADER_WORDS];
         mine[0] = HEADER_TAG
             | if local.is_ok() {
@@ -450,10 +496,15 @@ impl HostGroup {
                 VERDICT_REJECTED
             };
         mine[1] = op as u64;
-        mine[2] = counts[0] as u64;
-        mine[3] = counts[1] as u64;
+        mine[2] = counts[0];
+        mine[3] = counts[1];
         for (w, p) in mine[4..].iter_mut().zip(params) {
             *w = p.value;
+        }
+        for (w, c) in mine[INLINE_AT..].iter_mut().zip(inline.chunks(8)) {
+            let mut b = [0u8; 8];
+            b[..c.len()].copy_from_slice(c);
+            *w = u64::from_ne_bytes(b);
         }
         let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
         self.gather(op, bytes::as_bytes(&mine), &mut all);
@@ -525,12 +576,25 @@ impl HostGroup {
         op: Op,
         local: Result<()>,
         params: &[Param],
-        counts: [usize; 2],
+        counts: [u64; 2],
+        f: impl FnOnce(&mut Self, &Headers) -> Result<T>,
+    ) -> Result<T> {
+        self.run_inline(op, local, params, counts, &[], f)
+    }
+
+    /// [`HostGroup::run`] with `inline` (at most [`INLINE_BYTES`]) in this rank's op header.
+    fn run_inline<T>(
+        &mut self,
+        op: Op,
+        local: Result<()>,
+        params: &[Param],
+        counts: [u64; 2],
+        inline: &[u8],
         f: impl FnOnce(&mut Self, &Headers) -> Result<T>,
     ) -> Result<T> {
         self.guarded(op, |g| {
             g.begin();
-            let heads = g.agree(op, &local, params, counts)?;
+            let heads = g.agree(op, &local, params, counts, inline)?;
             g.step = Step::Data;
             let out = f(g, &heads);
             g.close(op, out)
@@ -607,12 +671,22 @@ fn bytes_before(sizes: &[usize]) -> Vec<usize> {
         .collect()
 }
 
-/// The byte range of chunk `r` in a concatenation of `sizes`.
-fn chunk(sizes: &[usize], r: usize) -> std::ops::Range<usize> {
-    let s: usize = sizes[..r].iter().sum();
-    s..s + sizes[r]
+/// The byte range of each chunk in a concatenation of `sizes`, in order.
+fn chunks(sizes: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    sizes.iter().scan(0, |at, &n| {
+        let r = *at..*at + n;
+        *at += n;
+        Some(r)
+    })
 }
 
+/// Where each framed chunk of `sizes` payload bytes starts (and, last, the buffer's length).
+fn framed_starts(sizes: &[usize]) -> Vec<usize> {
+    super::chunk_starts(sizes, (HEAD, TAIL))
+}
+
+// The identity accessors (rank, size, name, elastic) repeat ShmGroup's: each reads its own
+// fields in one line, clearer than a macro generating them.
 impl Group for HostGroup {
     fn survivors_slot(&mut self) -> Option<&mut Option<super::survivors::Survivors>> {
         Some(&mut self.survivors)
@@ -679,10 +753,40 @@ impl Group for HostGroup {
         let op = Op::AllGatherv;
         let (local, params) =
             agree::all_gatherv_args(self.rank, self.world, input.len(), sizes, output.len());
-        self.run(op, local, &params, [0, 0], |g, _| {
-            g.gather_v(op, input, sizes, output);
+        let me = self.rank;
+        if sizes.iter().all(|&n| n <= INLINE_BYTES) && input.len() <= INLINE_BYTES {
+            // In the op header: every rank agreed on the sizes before they are read.
+            return self.run_inline(op, local, &params, [0, 0], input, |g, heads| {
+                for (p, c) in chunks(sizes).enumerate().take(g.world) {
+                    let n = c.len();
+                    output[c].copy_from_slice(heads.inline(p, n));
+                }
+                Ok(())
+            });
+        }
+        let (mut send, mut recv) = self.take_frames();
+        let got = self.run(op, local, &params, [0, 0], |g, _| {
+            // Every peer gets this rank's input: one host all_to_allv (or the tournament).
+            let mine = vec![input.len(); g.world];
+            let (ss, rs) = (framed_starts(&mine), framed_starts(sizes));
+            let send = grown(&mut send, ss[g.world]);
+            for p in 0..g.world {
+                send[ss[p] + HEAD..][..input.len()].copy_from_slice(input);
+            }
+            let recv = grown(&mut recv, rs[g.world]);
+            g.move_chunks(op, send, &mine, recv, sizes);
+            if g.fault.is_none() {
+                let at = bytes_before(sizes);
+                for p in (0..g.world).filter(|&p| p != me) {
+                    output[at[p]..at[p] + sizes[p]]
+                        .copy_from_slice(&recv[rs[p] + HEAD..][..sizes[p]]);
+                }
+                output[at[me]..at[me] + sizes[me]].copy_from_slice(input);
+            }
             Ok(())
-        })
+        });
+        self.keep_frames(send, recv);
+        got
     }
 
     fn reduce_scatterv(
@@ -709,32 +813,51 @@ impl Group for HostGroup {
             let start: usize = rows[..r].iter().sum::<usize>() * row_bytes;
             start..start + rows[r] * row_bytes
         };
-        // Every rank's contribution to this rank's slice, then a sum in rank order.
-        let part = rows[me] * row_bytes;
-        let mut parts = std::mem::take(&mut self.parts);
-        parts.resize(part * self.world, 0);
+        // Every rank's contribution to this rank's slice (one host all_to_allv, or the
+        // tournament), then a sum in rank order. Nothing goes to this rank itself.
+        let (mut send, mut recv) = self.take_frames();
+        let mut starts = Vec::new();
         let got = self.run(op, local.map(drop), &params, [0, 0], |g, _| {
-            g.rounds(|g, p| g.exchange(op, p, &input[slice(p)], &mut parts[p * part..][..part]));
+            let others = |n: usize| {
+                (0..g.world)
+                    .map(|p| if p == me { 0 } else { n })
+                    .collect::<Vec<usize>>()
+            };
+            let send_sizes: Vec<usize> = (0..g.world)
+                .map(|p| if p == me { 0 } else { rows[p] * row_bytes })
+                .collect();
+            let recv_sizes = others(rows[me] * row_bytes);
+            let ss = framed_starts(&send_sizes);
+            starts = framed_starts(&recv_sizes);
+            let send = grown(&mut send, ss[g.world]);
+            for p in (0..g.world).filter(|&p| p != me) {
+                send[ss[p] + HEAD..][..send_sizes[p]].copy_from_slice(&input[slice(p)]);
+            }
+            let recv = grown(&mut recv, starts[g.world]);
+            g.move_chunks(op, send, &send_sizes, recv, &recv_sizes);
             Ok(())
         });
         let mut acc = std::mem::take(&mut self.acc);
         if got.is_ok() {
             acc.clear();
             acc.resize(rows[me] * row_elems, 0.0);
+            let part = rows[me] * row_bytes;
             for p in 0..self.world {
                 let theirs = if p == me {
                     &input[slice(me)]
                 } else {
-                    &parts[p * part..][..part]
+                    &recv[starts[p] + HEAD..][..part]
                 };
                 num::accumulate(&mut acc, theirs, kind);
             }
             num::store(&acc, output, kind);
         }
-        (self.parts, self.acc) = (parts, acc);
+        self.acc = acc;
+        self.keep_frames(send, recv);
         got
     }
 
+    /// Copies into frames kept by the group, then [`HostGroup::all_to_allv_framed`]'s exchange.
     fn all_to_allv(
         &mut self,
         send: &[u8],
@@ -742,28 +865,46 @@ impl Group for HostGroup {
         recv: &mut [u8],
         recv_sizes: &[usize],
     ) -> Result<()> {
-        let op = Op::AllToAllv;
-        let world = self.world;
-        let local = (|| {
-            let st = check_sizes("send_sizes", op, send_sizes, world)?;
-            let rt = check_sizes("recv_sizes", op, recv_sizes, world)?;
-            check_len("send", op, send.len(), st, "sum(send_sizes)")?;
-            check_len("recv", op, recv.len(), rt, "sum(recv_sizes)")
-        })();
-        self.run(op, local, &[], [0, 0], |g, _| {
-            g.agree_size_matrix(send_sizes, recv_sizes)?;
-            let me = g.rank;
-            recv[chunk(recv_sizes, me)].copy_from_slice(&send[chunk(send_sizes, me)]);
-            g.rounds(|g, p| {
-                g.exchange(
-                    op,
-                    p,
-                    &send[chunk(send_sizes, p)],
-                    &mut recv[chunk(recv_sizes, p)],
-                )
-            });
-            Ok(())
-        })
+        let local = self.all_to_allv_args(send.len(), send_sizes, recv.len(), recv_sizes, 0);
+        let (mut s, mut r) = self.take_frames();
+        let (ss, rs) = (framed_starts(send_sizes), framed_starts(recv_sizes));
+        let got = match local {
+            Ok(()) => {
+                let framed_send = grown(&mut s, ss[self.world]);
+                for (p, c) in chunks(send_sizes).enumerate() {
+                    framed_send[ss[p] + HEAD..][..c.len()].copy_from_slice(&send[c]);
+                }
+                let framed_recv = grown(&mut r, rs[self.world]);
+                self.framed(framed_send, send_sizes, framed_recv, recv_sizes, Ok(()))
+                    .inspect(|()| {
+                        for (p, c) in chunks(recv_sizes).enumerate() {
+                            let n = c.len();
+                            recv[c].copy_from_slice(&framed_recv[rs[p] + HEAD..][..n]);
+                        }
+                    })
+            }
+            Err(e) => self.framed(&mut [], send_sizes, &mut [], recv_sizes, Err(e)),
+        };
+        self.keep_frames(s, r);
+        got
+    }
+
+    fn chunk_frame(&self) -> (usize, usize) {
+        (HEAD, TAIL)
+    }
+
+    /// The frames are written and checked in place: the caller's packed rows are what the
+    /// host sends and receives (no copy into or out of a frame).
+    fn all_to_allv_framed(
+        &mut self,
+        send: &mut [u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Result<()> {
+        let room = HEAD + TAIL;
+        let local = self.all_to_allv_args(send.len(), send_sizes, recv.len(), recv_sizes, room);
+        self.framed(send, send_sizes, recv, recv_sizes, local)
     }
 
     fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
@@ -771,7 +912,7 @@ impl Group for HostGroup {
         let me = self.rank;
         let local = check_p2p(ops, me, self.world).and_then(|()| copy_self_sends(ops, me));
         let words = agree::p2p_words(ops);
-        let counts = [words[0] as usize, words[1] as usize];
+        let counts = [words[0], words[1]];
         self.run(op, local, &[], counts, |g, heads| {
             g.agree_messages(heads, &words)?;
             g.rounds(|g, p| {
@@ -823,6 +964,16 @@ impl Group for HostGroup {
             })
             .and_then(|n| check_len("out", op, out.len(), n, "world_size * len(mine)"));
         let params = [agree::number("byte count", mine.len())];
+        let n = mine.len();
+        if n <= INLINE_BYTES {
+            // In the op header: every rank agreed on the byte count before it is read.
+            return self.run_inline(op, local, &params, [0, 0], mine, |g, heads| {
+                for p in 0..g.world {
+                    out[p * n..(p + 1) * n].copy_from_slice(heads.inline(p, n));
+                }
+                Ok(())
+            });
+        }
         self.run(op, local, &params, [0, 0], |g, _| {
             g.gather(op, mine, out);
             Ok(())
@@ -831,6 +982,148 @@ impl Group for HostGroup {
 }
 
 impl HostGroup {
+    /// all_to_allv's own checks: one size per rank, and buffers of the sizes' sums plus `room`
+    /// bytes of frame per chunk.
+    fn all_to_allv_args(
+        &self,
+        send_len: usize,
+        send_sizes: &[usize],
+        recv_len: usize,
+        recv_sizes: &[usize],
+        room: usize,
+    ) -> Result<()> {
+        let (op, world) = (Op::AllToAllv, self.world);
+        let framing = room * world;
+        let what = if room == 0 {
+            "sum(send_sizes)".to_owned()
+        } else {
+            format!("sum(send_sizes) + {room} bytes of frame per rank")
+        };
+        let st = check_sizes("send_sizes", op, send_sizes, world)?;
+        let rt = check_sizes("recv_sizes", op, recv_sizes, world)?;
+        check_len("send", op, send_len, st.saturating_add(framing), &what)?;
+        check_len(
+            "recv",
+            op,
+            recv_len,
+            rt.saturating_add(framing),
+            &what.replace("send_sizes", "recv_sizes"),
+        )
+    }
+
+    /// all_to_allv over framed chunks: the sizes agree with the op header (each rank's hashes
+    /// of its sends and receives: when their sums over every rank differ, every rank gathers
+    /// the size lists and names the first pair that disagrees), then the chunks move in one
+    /// host all_to_allv (or the tournament), then the verdicts.
+    fn framed(
+        &mut self,
+        send: &mut [u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+        local: Result<()>,
+    ) -> Result<()> {
+        let op = Op::AllToAllv;
+        let me = self.rank;
+        let sent = (send_sizes.iter().enumerate()).fold(0u64, |a, (p, &n)| {
+            a.wrapping_add(agree::pair_hash(me, p, n))
+        });
+        let expected = (recv_sizes.iter().enumerate()).fold(0u64, |a, (p, &n)| {
+            a.wrapping_add(agree::pair_hash(p, me, n))
+        });
+        self.run(op, local, &[], [sent, expected], |g, heads| {
+            if g.fault.is_none() && heads.sum(g.world, 0) != heads.sum(g.world, 1) {
+                g.agree_size_matrix(send_sizes, recv_sizes)?;
+            }
+            g.move_chunks(op, send, send_sizes, recv, recv_sizes);
+            Ok(())
+        })
+    }
+
+    /// Moves framed chunks ([`framed_starts`]): chunk p of `send` (`send_sizes[p]` payload
+    /// bytes in place) to rank p, and rank p's chunk for this rank into chunk p of `recv`,
+    /// through one host all_to_allv where the host has one, else the tournament of
+    /// send/recv. Writes the frames of `send` and checks those of `recv`; a failure is
+    /// recorded ([`HostGroup::fail`]).
+    fn move_chunks(
+        &mut self,
+        op: Op,
+        send: &mut [u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) {
+        let (me, world) = (self.rank, self.world);
+        let (ss, rs) = (framed_starts(send_sizes), framed_starts(recv_sizes));
+        let mut incoming = Vec::with_capacity(world);
+        for p in 0..world {
+            let f = self.frame(op, me, p as u64, self.sent[p], send_sizes[p]);
+            self.sent[p] += 1;
+            f.seal(&mut send[ss[p]..ss[p + 1]]);
+            let f = self.frame(op, p, me as u64, self.got[p], recv_sizes[p]);
+            self.got[p] += 1;
+            f.blank(&mut recv[rs[p]..rs[p + 1]]);
+            incoming.push(f);
+        }
+        let framed = |s: &[usize]| s.windows(2).map(|w| w[1] - w[0]).collect::<Vec<usize>>();
+        let host = if self.host_all_to_allv == Some(false) {
+            None
+        } else {
+            let got = self
+                .transport
+                .all_to_allv(send, &framed(&ss), recv, &framed(&rs));
+            self.host_all_to_allv = Some(got.is_some());
+            got
+        };
+        match host {
+            Some(Err(e)) => {
+                let e = self.host_err(op, "all_to_allv", e);
+                return self.fail(e, true);
+            }
+            Some(Ok(())) => {}
+            None => {
+                let mine = &send[ss[me]..ss[me + 1]];
+                if mine.len() == rs[me + 1] - rs[me] {
+                    recv[rs[me]..rs[me + 1]].copy_from_slice(mine);
+                }
+                self.rounds(|g, p| {
+                    let (out, inp) = (&send[ss[p]..ss[p + 1]], &mut recv[rs[p]..rs[p + 1]]);
+                    if me < p {
+                        g.send_framed(op, p, out);
+                        g.recv_framed(op, p, inp);
+                    } else {
+                        g.recv_framed(op, p, inp);
+                        g.send_framed(op, p, out);
+                    }
+                });
+            }
+        }
+        for (p, f) in incoming.iter().enumerate() {
+            if let Err(why) = f.check(&recv[rs[p]..rs[p + 1]]) {
+                let what = if host.is_some() {
+                    format!("all_to_allv (rank {p}'s chunk)")
+                } else {
+                    format!("recv from rank {p}")
+                };
+                let e = self.bad_frame(op, &what, why);
+                return self.fail(e, false);
+            }
+        }
+    }
+
+    /// The group's kept frame buffers, taken out for an op (put back by
+    /// [`HostGroup::keep_frames`]).
+    fn take_frames(&mut self) -> (Vec<u8>, Vec<u8>) {
+        (
+            std::mem::take(&mut self.out_frame),
+            std::mem::take(&mut self.in_frame),
+        )
+    }
+
+    fn keep_frames(&mut self, send: Vec<u8>, recv: Vec<u8>) {
+        (self.out_frame, self.in_frame) = (send, recv);
+    }
+
     /// all_to_allv: gathers every rank's send and receive sizes and checks every pair in the
     /// same order on every rank (rank r's send_sizes[p] against rank p's recv_sizes[r]). A
     /// rank that could not read them goes on with its own (the op fails at its close).

@@ -95,6 +95,21 @@ impl<'a> MaskedGroup<'a> {
         Ok(self.to_outer.iter().map(|&r| list[r].clone()).collect())
     }
 
+    /// The survivors' entries of a pair of per-rank lists (sizes, row lists) whose masked
+    /// entries must be empty; an error is this rank's rejection of `op` ([`Self::rejecting`]).
+    #[allow(clippy::type_complexity)]
+    fn compress_pair<A: Clone, B: Clone>(
+        &mut self,
+        op: Op,
+        (what_a, a, empty_a): (&str, &[A], fn(&A) -> bool),
+        (what_b, b, empty_b): (&str, &[B], fn(&B) -> bool),
+    ) -> Result<(Vec<A>, Vec<B>)> {
+        let both = self
+            .compress(op, what_a, a, empty_a)
+            .and_then(|a| Ok((a, self.compress(op, what_b, b, empty_b)?)));
+        self.rejecting(op, both)
+    }
+
     /// `r`, or its error taken to the peers as this rank's rejection of `op` (they fail at
     /// once instead of waiting for it).
     fn rejecting<T>(&mut self, op: Op, r: Result<T>) -> Result<T> {
@@ -114,6 +129,8 @@ impl<'a> MaskedGroup<'a> {
     }
 }
 
+// A wrapper: most methods forward to the survivors' group after renumbering; the one-line
+// forwards are kept as they are (a forwarding macro would hide which methods renumber).
 impl Group for MaskedGroup<'_> {
     fn rank(&self) -> usize {
         self.rank
@@ -159,14 +176,12 @@ impl Group for MaskedGroup<'_> {
         recv: &mut [u8],
         recv_sizes: &[usize],
     ) -> Result<()> {
-        let op = Op::AllToAllv;
-        let both = self
-            .compress(op, "send_sizes", send_sizes, |&s| s == 0)
-            .and_then(|s| {
-                let r = self.compress(op, "recv_sizes", recv_sizes, |&s| s == 0)?;
-                Ok((s, r))
-            });
-        let (s, r) = self.rejecting(op, both)?;
+        let zero = |s: &usize| *s == 0;
+        let (s, r) = self.compress_pair(
+            Op::AllToAllv,
+            ("send_sizes", send_sizes, zero),
+            ("recv_sizes", recv_sizes, zero),
+        )?;
         self.inner.all_to_allv(send, &s, recv, &r)
     }
 
@@ -234,11 +249,11 @@ impl Group for MaskedGroup<'_> {
         dst: &mut [u8],
         take: &[Vec<u32>],
     ) -> Result<()> {
-        let op = Op::ExchangeRows;
-        let both = self
-            .compress(op, "give", give, Vec::is_empty)
-            .and_then(|g| Ok((g, self.compress(op, "take", take, Vec::is_empty)?)));
-        let (give, take) = self.rejecting(op, both)?;
+        let (give, take) = self.compress_pair(
+            Op::ExchangeRows,
+            ("give", give, Vec::is_empty),
+            ("take", take, Vec::is_empty),
+        )?;
         self.inner.exchange_rows(src, row_bytes, &give, dst, &take)
     }
 
@@ -252,11 +267,11 @@ impl Group for MaskedGroup<'_> {
         out_kind: FloatKind,
         take: &[Vec<(u32, f32)>],
     ) -> Result<()> {
-        let op = Op::ReduceRows;
-        let both = self
-            .compress(op, "give", give, Vec::is_empty)
-            .and_then(|g| Ok((g, self.compress(op, "take", take, Vec::is_empty)?)));
-        let (give, take) = self.rejecting(op, both)?;
+        let (give, take) = self.compress_pair(
+            Op::ReduceRows,
+            ("give", give, Vec::is_empty),
+            ("take", take, Vec::is_empty),
+        )?;
         self.inner
             .reduce_rows(src, kind, row_elems, &give, out, out_kind, &take)
     }

@@ -104,6 +104,26 @@ pub trait Group: Send {
         recv_sizes: &[usize],
     ) -> Result<()>;
 
+    /// The room (bytes before, bytes after) this transport frames every chunk of
+    /// [`Group::all_to_allv_framed`] with; (0, 0) where it frames nothing.
+    fn chunk_frame(&self) -> (usize, usize) {
+        (0, 0)
+    }
+
+    /// [`Group::all_to_allv`] over buffers that keep [`Group::chunk_frame`]'s room around every
+    /// peer's chunk ([`chunk_starts`] lays them out; the sizes count payload bytes only). The
+    /// transport writes and checks the frames in that room, so a caller that packs rows
+    /// straight into place moves each byte without a copy into or out of a frame.
+    fn all_to_allv_framed(
+        &mut self,
+        send: &mut [u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Result<()> {
+        self.all_to_allv(send, send_sizes, recv, recv_sizes)
+    }
+
     /// A batch of sends and receives, matched per peer pair in issue order (the j-th send from
     /// a to b fills the j-th receive on b from a; sizes must agree). Collective: every rank
     /// calls it, possibly with no operations.
@@ -267,6 +287,29 @@ impl Op {
         .into_iter()
         .find(|o| *o as u32 == c)
     }
+}
+
+/// Where each peer's chunk (its room included) starts in a buffer of chunks of `sizes` payload
+/// bytes, each framed by `room` = (before, after) bytes ([`Group::chunk_frame`]); the last
+/// entry is the buffer's length.
+pub(crate) fn chunk_starts(sizes: &[usize], room: (usize, usize)) -> Vec<usize> {
+    let mut starts = Vec::with_capacity(sizes.len() + 1);
+    let mut at = 0usize;
+    starts.push(0);
+    for &s in sizes {
+        at = at.saturating_add(room.0 + s + room.1);
+        starts.push(at);
+    }
+    starts
+}
+
+/// The first `n` bytes of `buf`, grown (never shrunk) to hold them: buffers kept between calls
+/// and only grown, so steady state allocates nothing and faults in no page.
+pub(crate) fn grown(buf: &mut Vec<u8>, n: usize) -> &mut [u8] {
+    if buf.len() < n {
+        buf.resize(n, 0);
+    }
+    &mut buf[..n]
 }
 
 /// Checks a per-rank size list: one entry per rank; returns the sum.

@@ -1,12 +1,14 @@
 //! Row-exchange helpers shared by the transports: argument checks, packing, unpacking and
 //! weighted accumulation.
 
-use super::{Group, Op};
+use super::{chunk_starts, grown, Group, Op};
 use crate::bytes;
 use crate::error::{Error, Result};
 use crate::num::{self, FloatKind};
 
-/// exchange_rows by packing, all_to_allv and unpacking (any transport).
+/// exchange_rows by packing, all_to_allv and unpacking (any transport). Rows are packed
+/// straight into the transport's framed chunks ([`Group::all_to_allv_framed`]) in buffers kept
+/// per thread, and this rank's rows to itself are copied in place, never exchanged.
 pub(crate) fn exchange_packed<G: Group + ?Sized>(
     g: &mut G,
     src: &[u8],
@@ -15,20 +17,66 @@ pub(crate) fn exchange_packed<G: Group + ?Sized>(
     dst: &mut [u8],
     take: &[Vec<u32>],
 ) -> Result<()> {
+    let me = g.rank();
     // A rejected argument is the peers' error too: they wait in the same all_to_allv.
-    if let Err(e) = check_exchange(g.rank(), g.size(), src, row_bytes, give, dst, take) {
+    let checked = check_exchange(me, g.size(), src, row_bytes, give, dst, take).and_then(|()| {
+        check_own_rows(
+            "exchange_rows",
+            me,
+            row_bytes,
+            give[me].len(),
+            take[me].len(),
+        )
+    });
+    if let Err(e) = checked {
         return Err(g.reject(Op::AllToAllv, e));
     }
-    let (send, send_sizes) = pack(src, row_bytes, give);
-    let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
-    let mut recv = vec![0u8; recv_sizes.iter().sum()];
-    g.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)
-        .map_err(|e| rename_mismatch(e, "exchange_rows"))?;
-    unpack(&recv, row_bytes, take, dst);
+    let room = g.chunk_frame();
+    let send_sizes = peer_bytes(give, me, row_bytes);
+    let recv_sizes = peer_bytes(take, me, row_bytes);
+    with_packed(|send, recv| {
+        let (ss, rs) = (
+            chunk_starts(&send_sizes, room),
+            chunk_starts(&recv_sizes, room),
+        );
+        let send = grown(send, ss[ss.len() - 1]);
+        let recv = grown(recv, rs[rs.len() - 1]);
+        pack(src, row_bytes, give, me, send, &ss, room.0);
+        g.all_to_allv_framed(send, &send_sizes, recv, &recv_sizes)
+            .map_err(|e| rename_mismatch(e, "exchange_rows"))?;
+        unpack(recv, row_bytes, take, me, dst, &rs, room.0);
+        Ok(())
+    })?;
+    copy_own_rows(src, row_bytes, &give[me], &take[me], dst, false);
     Ok(())
 }
 
-/// reduce_rows by packing, all_to_allv and a blocked weighted accumulation (any transport).
+/// exchange_rows' rows of a rank to itself: rows `give` of `src` to rows `take` of `dst` (as
+/// many of each), with streaming stores (then a fence) when `streaming`.
+pub(crate) fn copy_own_rows(
+    src: &[u8],
+    row_bytes: usize,
+    give: &[u32],
+    take: &[u32],
+    dst: &mut [u8],
+    streaming: bool,
+) {
+    for (&s, &d) in give.iter().zip(take) {
+        let (s, d) = (s as usize * row_bytes, d as usize * row_bytes);
+        let (to, from) = (&mut dst[d..d + row_bytes], &src[s..s + row_bytes]);
+        if streaming {
+            crate::copy::copy_streaming(to, from);
+        } else {
+            to.copy_from_slice(from);
+        }
+    }
+    if streaming {
+        crate::copy::streaming_fence();
+    }
+}
+
+/// reduce_rows by packing, all_to_allv and a blocked weighted accumulation (any transport):
+/// packed as [`exchange_packed`] packs; this rank's own rows are read in place.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_packed<G: Group + ?Sized>(
     g: &mut G,
@@ -41,7 +89,8 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
     take: &[Vec<(u32, f32)>],
 ) -> Result<()> {
     let row_bytes = row_elems * kind.size();
-    let out_rows = match check_reduce(
+    let me = g.rank();
+    let checked = check_reduce(
         g.size(),
         src,
         row_bytes,
@@ -50,41 +99,84 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
         out,
         out_kind,
         take,
-    ) {
+    )
+    .and_then(|rows| {
+        check_own_rows("reduce_rows", me, row_bytes, give[me].len(), take[me].len())?;
+        Ok(rows)
+    });
+    let out_rows = match checked {
         Ok(r) => r,
         Err(e) => return Err(g.reject(Op::AllToAllv, e)),
     };
-    let (send, send_sizes) = pack(src, row_bytes, give);
-    let recv_sizes: Vec<usize> = take.iter().map(|t| t.len() * row_bytes).collect();
-    let mut recv = vec![0u8; recv_sizes.iter().sum()];
-    g.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)
-        .map_err(|e| rename_mismatch(e, "reduce_rows"))?;
-    let base: Vec<usize> = recv_sizes
-        .iter()
-        .scan(0, |acc, &s| {
-            let b = *acc;
-            *acc += s;
-            Some(b)
-        })
-        .collect();
-    let by_row = ByRow::new(take, out_rows);
-    let me = g.rank();
-    reduce_blocked(
-        kind,
-        row_elems,
-        &by_row,
-        out,
-        out_kind,
-        &own_in_place(me, src, give),
-        |peer: usize, positions: &[u32], scratch: &mut [u8]| {
-            for (i, &pos) in positions.iter().enumerate() {
-                let off = base[peer] + pos as usize * row_bytes;
-                scratch[i * row_bytes..(i + 1) * row_bytes]
-                    .copy_from_slice(&recv[off..off + row_bytes]);
-            }
-            Ok(())
-        },
-    )
+    let room = g.chunk_frame();
+    let send_sizes = peer_bytes(give, me, row_bytes);
+    let recv_sizes = peer_bytes(take, me, row_bytes);
+    with_packed(|send, recv| {
+        let (ss, rs) = (
+            chunk_starts(&send_sizes, room),
+            chunk_starts(&recv_sizes, room),
+        );
+        let send = grown(send, ss[ss.len() - 1]);
+        let recv = grown(recv, rs[rs.len() - 1]);
+        pack(src, row_bytes, give, me, send, &ss, room.0);
+        g.all_to_allv_framed(send, &send_sizes, recv, &recv_sizes)
+            .map_err(|e| rename_mismatch(e, "reduce_rows"))?;
+        let by_row = ByRow::new(take, out_rows);
+        reduce_blocked(
+            kind,
+            row_elems,
+            &by_row,
+            out,
+            out_kind,
+            &own_in_place(me, src, give),
+            |peer: usize, positions: &[u32], scratch: &mut [u8]| {
+                let base = rs[peer] + room.0;
+                for (i, &pos) in positions.iter().enumerate() {
+                    let off = base + pos as usize * row_bytes;
+                    scratch[i * row_bytes..(i + 1) * row_bytes]
+                        .copy_from_slice(&recv[off..off + row_bytes]);
+                }
+                Ok(())
+            },
+        )
+    })
+}
+
+/// A rank's rows to itself are copied in place: it must take from itself as many rows as it
+/// gives itself.
+fn check_own_rows(op: &str, me: usize, row_bytes: usize, gives: usize, takes: usize) -> Result<()> {
+    if gives == takes {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "{op}: rank {me} sends {} bytes to itself but expects {}; no data was exchanged",
+        gives * row_bytes,
+        takes * row_bytes
+    )))
+}
+
+/// Bytes of the rows each peer gets (`lists[p]`), none for this rank (its rows stay in place).
+fn peer_bytes<T>(lists: &[Vec<T>], me: usize, row_bytes: usize) -> Vec<usize> {
+    (lists.iter().enumerate())
+        .map(|(p, l)| if p == me { 0 } else { l.len() * row_bytes })
+        .collect()
+}
+
+thread_local! {
+    /// The packed send and receive buffers of [`exchange_packed`] and [`reduce_packed`], kept
+    /// per thread and only grown: a fresh allocation per call above malloc's mmap threshold
+    /// would page-fault on every page of every call.
+    static PACKED: std::cell::RefCell<(Vec<u8>, Vec<u8>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Runs `f` with this thread's kept packing buffers (taken out meanwhile, so a nested call
+/// gets fresh ones instead of a borrow error).
+fn with_packed<T>(f: impl FnOnce(&mut Vec<u8>, &mut Vec<u8>) -> T) -> T {
+    let (mut send, mut recv) = PACKED.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    let out = f(&mut send, &mut recv);
+    PACKED.with(|b| *b.borrow_mut() = (send, recv));
+    out
 }
 
 /// The in-place table of a reduction whose only rows read in place are this rank's own.
@@ -477,27 +569,44 @@ pub(crate) fn check_reduce(
     Ok(out_rows)
 }
 
-/// Packs rows `give[p]` of `src` for every peer, in peer order; returns the bytes per peer.
-fn pack(src: &[u8], row_bytes: usize, give: &[Vec<u32>]) -> (Vec<u8>, Vec<usize>) {
-    let sizes: Vec<usize> = give.iter().map(|g| g.len() * row_bytes).collect();
-    let mut out = Vec::with_capacity(sizes.iter().sum());
-    for list in give {
+/// Packs rows `give[p]` of `src` for every peer but this rank into chunk p of `out` (it starts
+/// at `starts[p]`, its payload `before` bytes later).
+fn pack(
+    src: &[u8],
+    row_bytes: usize,
+    give: &[Vec<u32>],
+    me: usize,
+    out: &mut [u8],
+    starts: &[usize],
+    before: usize,
+) {
+    for (p, list) in give.iter().enumerate().filter(|&(p, _)| p != me) {
+        let mut at = starts[p] + before;
         for &r in list {
             let r = r as usize;
-            out.extend_from_slice(&src[r * row_bytes..(r + 1) * row_bytes]);
+            out[at..at + row_bytes].copy_from_slice(&src[r * row_bytes..(r + 1) * row_bytes]);
+            at += row_bytes;
         }
     }
-    (out, sizes)
 }
 
-/// Writes packed rows (peer order) to rows `take[p]` of `dst`.
-fn unpack(packed: &[u8], row_bytes: usize, take: &[Vec<u32>], dst: &mut [u8]) {
-    let mut off = 0;
-    for list in take {
+/// Writes the rows of chunk p of `packed` (laid out as [`pack`] lays them out) to rows
+/// `take[p]` of `dst`, for every peer but this rank.
+fn unpack(
+    packed: &[u8],
+    row_bytes: usize,
+    take: &[Vec<u32>],
+    me: usize,
+    dst: &mut [u8],
+    starts: &[usize],
+    before: usize,
+) {
+    for (p, list) in take.iter().enumerate().filter(|&(p, _)| p != me) {
+        let mut at = starts[p] + before;
         for &r in list {
             let r = r as usize;
-            dst[r * row_bytes..(r + 1) * row_bytes].copy_from_slice(&packed[off..off + row_bytes]);
-            off += row_bytes;
+            dst[r * row_bytes..(r + 1) * row_bytes].copy_from_slice(&packed[at..at + row_bytes]);
+            at += row_bytes;
         }
     }
 }

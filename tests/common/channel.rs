@@ -19,6 +19,8 @@ pub struct ChannelTransport {
     pub from: Vec<Receiver<Vec<u8>>>,
     /// Offer the host's own all_gather (built here from the channels) as well.
     pub with_all_gather: bool,
+    /// Offer the host's own all_to_allv (built here from the channels) as well.
+    pub with_all_to_allv: bool,
 }
 
 impl HostTransport for ChannelTransport {
@@ -58,10 +60,59 @@ impl HostTransport for ChannelTransport {
             Ok(())
         }))
     }
+    fn all_to_allv(
+        &mut self,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Option<Result<(), String>> {
+        if !self.with_all_to_allv {
+            return None;
+        }
+        let me = self.rank;
+        let starts = |sizes: &[usize]| -> Vec<usize> {
+            sizes
+                .iter()
+                .scan(0, |a, &n| {
+                    let s = *a;
+                    *a += n;
+                    Some(s)
+                })
+                .collect()
+        };
+        let (ss, rs) = (starts(send_sizes), starts(recv_sizes));
+        let sent = (0..send_sizes.len())
+            .filter(|&p| p != me)
+            .try_for_each(|p| self.send(p, &send[ss[p]..ss[p] + send_sizes[p]]));
+        Some(sent.and_then(|()| {
+            for p in 0..recv_sizes.len() {
+                let dst = &mut recv[rs[p]..rs[p] + recv_sizes[p]];
+                if p == me {
+                    if send_sizes[me] != recv_sizes[me] {
+                        return Err("self sizes differ".into());
+                    }
+                    dst.copy_from_slice(&send[ss[me]..ss[me] + send_sizes[me]]);
+                } else {
+                    self.recv(p, dst)?;
+                }
+            }
+            Ok(())
+        }))
+    }
 }
 
 /// One connected transport per rank.
 pub fn channel_transports(world: usize, with_all_gather: bool) -> Vec<ChannelTransport> {
+    channel_transports_with(world, with_all_gather, false)
+}
+
+/// One connected transport per rank, offering the host's all_gather and all_to_allv or not.
+pub fn channel_transports_with(
+    world: usize,
+    with_all_gather: bool,
+    with_all_to_allv: bool,
+) -> Vec<ChannelTransport> {
     let mut to: Vec<Vec<Sender<Vec<u8>>>> = (0..world).map(|_| Vec::new()).collect();
     let mut from: HashMap<(usize, usize), Receiver<Vec<u8>>> = HashMap::new();
     for (src, row) in to.iter_mut().enumerate() {
@@ -80,6 +131,7 @@ pub fn channel_transports(world: usize, with_all_gather: bool) -> Vec<ChannelTra
                 .filter_map(|src| from.remove(&(src, r)))
                 .collect(),
             with_all_gather,
+            with_all_to_allv,
         })
         .collect()
 }
@@ -91,7 +143,17 @@ pub fn on_host_group<T: Send + 'static>(
     with_all_gather: bool,
     f: impl Fn(usize, &mut HostGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let handles: Vec<_> = channel_transports(world, with_all_gather)
+    on_host_group_with(world, with_all_gather, false, f)
+}
+
+/// [`on_host_group`] whose transports offer the host's all_to_allv too, or not.
+pub fn on_host_group_with<T: Send + 'static>(
+    world: usize,
+    with_all_gather: bool,
+    with_all_to_allv: bool,
+    f: impl Fn(usize, &mut HostGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let handles: Vec<_> = channel_transports_with(world, with_all_gather, with_all_to_allv)
         .into_iter()
         .enumerate()
         .map(|(rank, t)| {

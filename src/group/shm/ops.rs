@@ -9,6 +9,8 @@ use crate::group::rows;
 use crate::group::{check_len, check_p2p, check_sizes, Group, Op, P2p};
 use crate::num::FloatKind;
 
+// The identity accessors (rank, size, name, elastic) repeat HostGroup's: each reads its own
+// fields in one line, clearer than a macro generating them.
 impl Group for ShmGroup {
     fn survivors_slot(&mut self) -> Option<&mut Option<crate::group::survivors::Survivors>> {
         Some(&mut self.survivors)
@@ -235,16 +237,7 @@ impl Group for ShmGroup {
                     // This rank's own rows: a plain copy (the counts were checked alike), with
                     // streaming stores when the call stores many rows, as the sources'.
                     let streaming = exchange_streams(give, row_bytes);
-                    for (&s, &d) in give[me].iter().zip(&take[me]) {
-                        let (s, d) = (s as usize * row_bytes, d as usize * row_bytes);
-                        let (to, from) = (&mut dst[d..d + row_bytes], &src[s..s + row_bytes]);
-                        if streaming {
-                            crate::copy::copy_streaming(to, from);
-                        } else {
-                            to.copy_from_slice(from);
-                        }
-                    }
-                    crate::copy::streaming_fence();
+                    rows::copy_own_rows(src, row_bytes, &give[me], &take[me], dst, streaming);
                     return Ok(());
                 }
                 for (p, take_p) in take.iter().enumerate() {

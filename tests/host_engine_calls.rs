@@ -1,0 +1,188 @@
+//! The host engine calls of one dispatch + combine over a host-callback group, counted with an
+//! instrumented transport (docs/design.md, "Host callbacks", states them): a regression that adds
+//! round trips fails here. Every rank also checks its combined rows.
+
+#[path = "common/channel.rs"]
+mod channel;
+
+use std::sync::{Arc, Mutex};
+
+use channel::{channel_transports_with, ChannelTransport};
+use epcomm::group::host::{HostGroup, HostTransport};
+use epcomm::moe::{Manager, MoeConfig};
+use epcomm::num::FloatKind;
+
+/// Calls of each kind: send, recv, all_gather, all_to_allv.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Calls {
+    send: usize,
+    recv: usize,
+    all_gather: usize,
+    all_to_allv: usize,
+}
+
+struct Counting {
+    inner: ChannelTransport,
+    calls: Arc<Mutex<Calls>>,
+}
+
+impl Counting {
+    fn count(&self, f: impl FnOnce(&mut Calls)) {
+        f(&mut self.calls.lock().unwrap());
+    }
+}
+
+impl HostTransport for Counting {
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), String> {
+        self.count(|c| c.send += 1);
+        self.inner.send(peer, data)
+    }
+    fn recv(&mut self, peer: usize, data: &mut [u8]) -> Result<(), String> {
+        self.count(|c| c.recv += 1);
+        self.inner.recv(peer, data)
+    }
+    fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Option<Result<(), String>> {
+        let got = self.inner.all_gather(mine, out);
+        if got.is_some() {
+            self.count(|c| c.all_gather += 1);
+        }
+        got
+    }
+    fn all_to_allv(
+        &mut self,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Option<Result<(), String>> {
+        let got = self.inner.all_to_allv(send, send_sizes, recv, recv_sizes);
+        if got.is_some() {
+            self.count(|c| c.all_to_allv += 1);
+        }
+        got
+    }
+}
+
+const HIDDEN: usize = 8;
+const K: usize = 2;
+
+/// Each rank's calls during its second dispatch + combine (the first warms up), after checking
+/// the combined rows of both.
+fn calls(world: usize, all_gather: bool, all_to_allv: bool, tokens: usize) -> Vec<Calls> {
+    let handles: Vec<_> = channel_transports_with(world, all_gather, all_to_allv)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, inner)| {
+            std::thread::spawn(move || {
+                let calls = Arc::new(Mutex::new(Calls::default()));
+                let t = Counting {
+                    inner,
+                    calls: calls.clone(),
+                };
+                let mut g = HostGroup::new(Box::new(t), "host", rank, world, false).unwrap();
+                let experts = 2 * world;
+                let cfg = MoeConfig {
+                    num_experts: experts,
+                    top_k: K,
+                    hidden: HIDDEN,
+                    hidden_dtype: FloatKind::F32.dtype(),
+                    expert_dtype: FloatKind::F32,
+                    out_dtype: FloatKind::F32,
+                    max_tokens_per_rank: tokens,
+                    extra_row_bytes: vec![],
+                    apply_router_weight_on_input: false,
+                };
+                let mut m = Manager::new("deepep_high_throughput", cfg, rank, world).unwrap();
+                let x: Vec<f32> = (0..tokens * HIDDEN)
+                    .map(|i| (rank * 1000 + i) as f32)
+                    .collect();
+                // Token t goes to experts t and t + 3 (mod E): one or two holder ranks.
+                let ids: Vec<i64> = (0..tokens)
+                    .flat_map(|t| [(t % experts) as i64, ((t + 3) % experts) as i64])
+                    .collect();
+                let holders: Vec<f32> = ids
+                    .chunks(K)
+                    .map(|p| if p[0] / 2 == p[1] / 2 { 1.0 } else { 2.0 })
+                    .collect();
+                let w = vec![0.5f32; tokens * K];
+                let mut before = Calls::default();
+                for it in 0..2 {
+                    if it == 1 {
+                        before = *calls.lock().unwrap();
+                    }
+                    let d = m
+                        .dispatch(&mut g, epcomm::bytes::as_bytes(&x), &ids, &w, &[])
+                        .unwrap();
+                    // The expert side: every row doubled.
+                    let y: Vec<f32> = epcomm::bytes::to_vec::<f32>(d.hidden)
+                        .iter()
+                        .map(|v| 2.0 * v)
+                        .collect();
+                    let mut out = vec![0u8; tokens * HIDDEN * 4];
+                    m.combine(&mut g, epcomm::bytes::as_bytes(&y), &mut out)
+                        .unwrap();
+                    let out: Vec<f32> = epcomm::bytes::to_vec(&out);
+                    for (i, v) in out.iter().enumerate() {
+                        let want = 2.0 * x[i] * holders[i / HIDDEN];
+                        assert_eq!(*v, want, "rank {rank} element {i}");
+                    }
+                }
+                let after = *calls.lock().unwrap();
+                Calls {
+                    send: after.send - before.send,
+                    recv: after.recv - before.recv,
+                    all_gather: after.all_gather - before.all_gather,
+                    all_to_allv: after.all_to_allv - before.all_to_allv,
+                }
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect()
+}
+
+fn assert_every_rank(world: usize, got: Vec<Calls>, want: Calls) {
+    for (r, c) in got.into_iter().enumerate() {
+        assert_eq!(c, want, "world {world}, rank {r}");
+    }
+}
+
+/// With the host's all_gather and all_to_allv: 10 all_gathers (op headers with the small data
+/// inline, verdicts) and 2 all_to_allv (the rows), at any world size; at 1 token per rank the
+/// routing rides in its op header; at 64 tokens (6 KiB of routing per rank) it takes an
+/// all_to_allv of its own.
+#[test]
+fn dispatch_and_combine_with_all_to_allv() {
+    for world in [2, 4] {
+        let want = Calls {
+            send: 0,
+            recv: 0,
+            all_gather: 10,
+            all_to_allv: 2,
+        };
+        assert_every_rank(world, calls(world, true, true, 1), want);
+        let want = Calls {
+            all_to_allv: 3,
+            ..want
+        };
+        assert_every_rank(world, calls(world, true, true, 64), want);
+    }
+}
+
+/// A host with all_gather but no all_to_allv (as before the callback): the data moves in
+/// send/recv pairs of a round-robin tournament, world - 1 rounds per exchange.
+#[test]
+fn dispatch_and_combine_without_all_to_allv() {
+    for world in [2, 4] {
+        let p2p = 3 * (world - 1);
+        let want = Calls {
+            send: p2p,
+            recv: p2p,
+            all_gather: 10,
+            all_to_allv: 0,
+        };
+        assert_every_rank(world, calls(world, true, false, 64), want);
+    }
+}
