@@ -199,7 +199,7 @@ impl HostGroup {
     fn host_err(&self, op: Op, what: &str, why: String) -> Error {
         self.host_error(format!(
             "host transport {what} failed during {} of group '{}' on rank {}: {why}",
-            op.name(),
+            crate::call::name_or(op.name()),
             self.name,
             self.rank
         ))
@@ -281,7 +281,7 @@ impl HostGroup {
     fn bad_frame(&self, op: Op, what: &str, why: String) -> Error {
         Error::Runtime(format!(
             "host transport {what} delivered a bad message during {} of group '{}' on rank {}: {why}; a host transport must deliver every message whole, once, in order, from the rank that sent it",
-            op.name(),
+            crate::call::name_or(op.name()),
             self.name,
             self.rank
         ))
@@ -638,7 +638,7 @@ impl HostGroup {
         };
         let msg = format!(
             "{}: rank {p} of group '{}' failed op #{} ({}; see rank {p}'s error), so it fails on every rank (rank {} too){after}",
-            op.name(),
+            crate::call::name_or(op.name()),
             self.name,
             self.seq,
             status.description(),
