@@ -160,14 +160,15 @@ impl Report {
 }
 
 /// The ranks an error message names ("rank R", "rank(s) R, S"), without the reporting rank's
-/// own "seen from rank r".
+/// own "seen from rank r" and without the ranks a join timeout lists as "joined: rank(s) ..."
+/// (those arrived; the missing ones are named before them).
 pub fn ranks_named(message: &str) -> Vec<usize> {
     let mut named = Vec::new();
     let mut rest = message;
     while let Some(i) = rest.find("rank") {
         let before = &rest[..i];
         rest = &rest[i + 4..];
-        if before.ends_with("seen from ") {
+        if before.ends_with("seen from ") || before.ends_with("joined: ") {
             continue;
         }
         let list = rest.strip_prefix("(s) ").or_else(|| rest.strip_prefix(' '));
@@ -352,6 +353,12 @@ mod tests {
                 "timed out after 1.0 s in barrier of group 'g' (op #4) waiting for rank(s) 1, 2"
             ),
             vec![1, 2]
+        );
+        assert_eq!(
+            ranks_named(
+                "timed out after 1.0 s waiting for rank(s) 2 to join group 'g' (rank(s) 2 of 3 missing; joined: rank(s) 0, 1); check that those ranks were started"
+            ),
+            vec![2]
         );
         assert_eq!(ranks_named("group 'g' is unusable"), Vec::<usize>::new());
     }
