@@ -684,7 +684,8 @@ fn make_install_without_a_build_says_to_run_make() {
     assert!(!work.join("prefix").exists());
 }
 
-/// The version Cargo.toml gives is the one the packaging files name.
+/// The version Cargo.toml gives is the one the packaging files name (Debian's as the upstream
+/// part of `VERSION-REVISION`: the package is `3.0 (quilt)`).
 #[test]
 fn packaging_files_name_the_crate_version() {
     let changelog = std::fs::read_to_string(root().join("CHANGELOG.md")).unwrap();
@@ -695,7 +696,7 @@ fn packaging_files_name_the_crate_version() {
     assert!(changelog.contains("\n## [Unreleased]\n"), "CHANGELOG.md");
     let debian = std::fs::read_to_string(root().join("debian/changelog")).unwrap();
     assert!(
-        debian.starts_with(&format!("epcomm ({VERSION}) ")),
+        debian.starts_with(&format!("epcomm ({VERSION}-")),
         "debian/changelog's first entry is not {VERSION}: {}",
         debian.lines().next().unwrap_or("")
     );
