@@ -58,24 +58,11 @@ mod x86 {
         }
         dst[body..].copy_from_slice(&src[body..]);
     }
-
-    pub(super) fn fence() {
-        // SAFETY: SSE (sfence) is part of the x86-64 baseline.
-        #[allow(unused_unsafe)]
-        unsafe {
-            _mm_sfence()
-        };
-    }
 }
 
-/// Orders every earlier non-temporal store of this thread before its later stores (e.g. the
-/// release store that lets a peer read the destination). A no-op without the SIMD kernels.
-pub fn streaming_fence() {
-    #[cfg(target_arch = "x86_64")]
-    if crate::num::simd_available() {
-        x86::fence();
-    }
-}
+/// The fence lives with the streaming stores in `num` (the lower layer); re-exported here for
+/// the copies' callers.
+pub use crate::num::streaming_fence;
 
 #[cfg(test)]
 mod tests {

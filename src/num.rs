@@ -306,7 +306,7 @@ pub fn store(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
 
 /// Like `store`, for a large output that is not read again soon: on AVX2 machines it writes
 /// with non-temporal stores, which skip reading the destination lines into the cache first
-/// (a third less memory traffic for a write-once output). Call `copy::streaming_fence` after
+/// (a third less memory traffic for a write-once output). Call [`streaming_fence`] after
 /// the batch, before the output is handed to another thread.
 pub fn store_streaming(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
     debug_assert_eq!(dst.len(), acc.len() * kind.size());
@@ -323,7 +323,7 @@ pub fn store_streaming(acc: &[f32], dst: &mut [u8], kind: FloatKind) {
 /// to [`assign_scaled`] of the first row, [`accumulate_scaled`] of the rest and [`store`]
 /// (multiplying by 1 changes no value), but the partial sums stay in registers: each input
 /// byte is read once and each output byte written once. No rows give zeros. `streaming`
-/// writes past the caches as [`store_streaming`] does (call `copy::streaming_fence` after the
+/// writes past the caches as [`store_streaming`] does (call [`streaming_fence`] after the
 /// batch).
 pub fn sum_rows(
     rows: &[(&[u8], f32)],
@@ -390,6 +390,19 @@ pub fn simd_available() -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
+    }
+}
+
+/// Orders every earlier non-temporal store of this thread before its later stores (e.g. the
+/// release store that lets a peer read the destination). A no-op without the SIMD kernels.
+pub fn streaming_fence() {
+    #[cfg(target_arch = "x86_64")]
+    if simd_available() {
+        // SAFETY: SSE (sfence) is part of the x86-64 baseline.
+        #[allow(unused_unsafe)]
+        unsafe {
+            std::arch::x86_64::_mm_sfence()
+        };
     }
 }
 
@@ -930,7 +943,7 @@ mod tests {
                 {
                     let mut buf = vec![0xa5u8; want.len() + shift];
                     sum_rows(&input, kind, &mut buf[shift..], out_kind, streaming);
-                    crate::copy::streaming_fence();
+                    streaming_fence();
                     let got = &buf[shift..];
                     assert!(
                         same_values(got, &want, out_kind),
