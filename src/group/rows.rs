@@ -31,22 +31,18 @@ pub(crate) fn exchange_packed<G: Group + ?Sized>(
     if let Err(e) = checked {
         return Err(g.reject(Op::AllToAllv, e));
     }
-    let room = g.chunk_frame();
-    let send_sizes = peer_bytes(give, me, row_bytes);
-    let recv_sizes = peer_bytes(take, me, row_bytes);
-    with_packed(|send, recv| {
-        let (ss, rs) = (
-            chunk_starts(&send_sizes, room),
-            chunk_starts(&recv_sizes, room),
-        );
-        let send = grown(send, ss[ss.len() - 1]);
-        let recv = grown(recv, rs[rs.len() - 1]);
-        pack(src, row_bytes, give, me, send, &ss, room.0);
-        g.all_to_allv_framed(send, &send_sizes, recv, &recv_sizes)
-            .map_err(|e| rename_mismatch(e, "exchange_rows"))?;
-        unpack(recv, row_bytes, take, me, dst, &rs, room.0);
-        Ok(())
-    })?;
+    swap_packed(
+        g,
+        src,
+        row_bytes,
+        give,
+        take,
+        "exchange_rows",
+        |recv, rs, lead| {
+            unpack(recv, row_bytes, take, me, dst, rs, lead);
+            Ok(())
+        },
+    )?;
     copy_own_rows(src, row_bytes, &give[me], &take[me], dst, false);
     Ok(())
 }
@@ -108,6 +104,50 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
         Ok(r) => r,
         Err(e) => return Err(g.reject(Op::AllToAllv, e)),
     };
+    swap_packed(
+        g,
+        src,
+        row_bytes,
+        give,
+        take,
+        "reduce_rows",
+        |recv, rs, lead| {
+            let by_row = ByRow::new(take, out_rows);
+            reduce_blocked(
+                kind,
+                row_elems,
+                &by_row,
+                out,
+                out_kind,
+                &own_in_place(me, src, give),
+                |peer: usize, positions: &[u32], scratch: &mut [u8]| {
+                    let base = rs[peer] + lead;
+                    for (i, &pos) in positions.iter().enumerate() {
+                        let off = base + pos as usize * row_bytes;
+                        scratch[i * row_bytes..(i + 1) * row_bytes]
+                            .copy_from_slice(&recv[off..off + row_bytes]);
+                    }
+                    Ok(())
+                },
+            )
+        },
+    )
+}
+
+/// The packed exchange both row primitives make: rows `give[p]` of `src` packed into peer p's
+/// framed chunk (own rows left out), the transport's framed all_to_allv, then `use_recv` with
+/// the received bytes, each peer's chunk start and the frame's leading room. Buffers are the
+/// thread's kept ones; a size disagreement is worded as `op`'s.
+fn swap_packed<G: Group + ?Sized, R, T>(
+    g: &mut G,
+    src: &[u8],
+    row_bytes: usize,
+    give: &[Vec<u32>],
+    take: &[Vec<R>],
+    op: &'static str,
+    use_recv: impl FnOnce(&[u8], &[usize], usize) -> Result<T>,
+) -> Result<T> {
+    let me = g.rank();
     let room = g.chunk_frame();
     let send_sizes = peer_bytes(give, me, row_bytes);
     let recv_sizes = peer_bytes(take, me, row_bytes);
@@ -120,25 +160,8 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
         let recv = grown(recv, rs[rs.len() - 1]);
         pack(src, row_bytes, give, me, send, &ss, room.0);
         g.all_to_allv_framed(send, &send_sizes, recv, &recv_sizes)
-            .map_err(|e| rename_mismatch(e, "reduce_rows"))?;
-        let by_row = ByRow::new(take, out_rows);
-        reduce_blocked(
-            kind,
-            row_elems,
-            &by_row,
-            out,
-            out_kind,
-            &own_in_place(me, src, give),
-            |peer: usize, positions: &[u32], scratch: &mut [u8]| {
-                let base = rs[peer] + room.0;
-                for (i, &pos) in positions.iter().enumerate() {
-                    let off = base + pos as usize * row_bytes;
-                    scratch[i * row_bytes..(i + 1) * row_bytes]
-                        .copy_from_slice(&recv[off..off + row_bytes]);
-                }
-                Ok(())
-            },
-        )
+            .map_err(|e| rename_mismatch(e, op))?;
+        use_recv(recv, &rs, room.0)
     })
 }
 
