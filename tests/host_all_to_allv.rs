@@ -7,7 +7,7 @@
 #[path = "common/channel.rs"]
 mod channel;
 
-use channel::{channel_transports_with, ChannelTransport};
+use channel::{channel_transports_with, on_transports, ChannelTransport};
 use epcomm::group::host::{HostGroup, HostTransport};
 use epcomm::group::Group;
 use epcomm::num::FloatKind;
@@ -142,29 +142,21 @@ type Outcome = (epcomm::Result<Vec<u8>>, epcomm::Result<()>);
 
 /// Every rank's outcome of `coll` (after an honest warm-up all_to_allv) and of a barrier.
 fn outcomes(world: usize, liar: usize, lie: Lie, coll: Coll) -> Vec<Outcome> {
-    let handles: Vec<_> = channel_transports_with(world, true, true)
+    let liars = channel_transports_with(world, true, true)
         .into_iter()
         .enumerate()
-        .map(|(r, inner)| {
-            let lie = if r == liar { lie } else { Lie::None };
-            let t = Liar {
-                inner,
-                lie,
-                at: 1,
-                calls: 0,
-            };
-            std::thread::spawn(move || {
-                let mut g = HostGroup::new(Box::new(t), "host", r, world, false).unwrap();
-                run(&mut g, Coll::AllToAllv, r, world).expect("the honest warm-up");
-                let got = run(&mut g, coll, r, world);
-                (got, g.barrier())
-            })
+        .map(|(r, inner)| Liar {
+            inner,
+            lie: if r == liar { lie } else { Lie::None },
+            at: 1,
+            calls: 0,
         })
         .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank panicked"))
-        .collect()
+    on_transports(liars, move |r, g| {
+        run(g, Coll::AllToAllv, r, world).expect("the honest warm-up");
+        let got = run(g, coll, r, world);
+        (got, g.barrier())
+    })
 }
 
 #[test]

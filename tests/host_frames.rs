@@ -9,7 +9,7 @@
 #[path = "common/channel.rs"]
 mod channel;
 
-use channel::channel_transports;
+use channel::{channel_transports, on_transports};
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::Duration;
@@ -255,22 +255,14 @@ fn outcomes(
     at: usize,
     coll: Coll,
 ) -> Vec<(epcomm::Result<Vec<u8>>, epcomm::Result<()>)> {
-    let handles: Vec<_> = transports(world, with_all_gather, liar, lie, at)
-        .into_iter()
-        .enumerate()
-        .map(|(r, t)| {
-            std::thread::spawn(move || {
-                let mut g = HostGroup::new(Box::new(t), "host", r, world, false).unwrap();
-                run(&mut g, Coll::AllToAllv, r, world).expect("the honest warm-up");
-                let got = run(&mut g, coll, r, world);
-                (got, g.barrier())
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank panicked"))
-        .collect()
+    on_transports(
+        transports(world, with_all_gather, liar, lie, at),
+        move |r, g| {
+            run(g, Coll::AllToAllv, r, world).expect("the honest warm-up");
+            let got = run(g, coll, r, world);
+            (got, g.barrier())
+        },
+    )
 }
 
 /// The receives a rank makes before `coll`'s data moves (in the op after the warm-up),

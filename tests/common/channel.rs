@@ -153,7 +153,21 @@ pub fn on_host_group_with<T: Send + 'static>(
     with_all_to_allv: bool,
     f: impl Fn(usize, &mut HostGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let handles: Vec<_> = channel_transports_with(world, with_all_gather, with_all_to_allv)
+    on_transports(
+        channel_transports_with(world, with_all_gather, with_all_to_allv),
+        f,
+    )
+}
+
+/// `f(rank, group)` on one thread per rank, each over a host group "host" made from that
+/// rank's transport (e.g. a channel transport wrapped by a test's lying or counting one);
+/// every rank's result in rank order.
+pub fn on_transports<X: HostTransport + Send + 'static, T: Send + 'static>(
+    transports: Vec<X>,
+    f: impl Fn(usize, &mut HostGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let world = transports.len();
+    let handles: Vec<_> = transports
         .into_iter()
         .enumerate()
         .map(|(rank, t)| {
