@@ -54,22 +54,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
-say "copy the tree to $work/epcomm-$upstream"
+# The tree and vendor/ from the two upstream tarballs the source package is built from
+# (scripts/debian-orig.sh: tracked and untracked-but-not-ignored files as in the working tree;
+# `cargo vendor --locked`), unpacked as dpkg-source would, with debian/ beside them: the package
+# build runs cargo --frozen against vendor/, with no network.
+say "upstream tarballs (scripts/debian-orig.sh), unpacked in $work/epcomm-$upstream"
 src=$work/epcomm-$upstream
-mkdir -p "$src"
-if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-  # Tracked and untracked-but-not-ignored files, as they are in the working tree.
-  git -C "$root" ls-files -z --cached --others --exclude-standard \
-    | (cd "$root" && tar --null --ignore-failed-read -cf - -T - 2>/dev/null) \
-    | tar -xf - -C "$src"
-else
-  tar -C "$root" --exclude=./target --exclude=./.git -cf - . | tar -xf - -C "$src"
-fi
-
-# What the orig-vendor tarball holds (scripts/debian-orig.sh): the package build runs cargo
-# --frozen against vendor/, with no network.
-say "cargo vendor --locked (vendor/, as the orig-vendor tarball)"
-cargo vendor --locked --versioned-dirs --quiet "$src/vendor" >/dev/null
+"$root/scripts/debian-orig.sh" "$work/orig" >/dev/null
+tar -xJf "$work/orig/epcomm_$upstream.orig.tar.xz" -C "$work"
+tar -xJf "$work/orig/epcomm_$upstream.orig-vendor.tar.xz" -C "$src"
+cp -a "$root/debian" "$src/debian"
 
 say "dpkg-buildpackage -us -uc -b -d (CARGO=$(command -v cargo))"
 (cd "$src" && CARGO=$(command -v cargo) dpkg-buildpackage -us -uc -b -d) >"$work/build.log" 2>&1 \
