@@ -149,21 +149,23 @@ fn assert_every_rank(world: usize, got: Vec<Calls>, want: Calls) {
     }
 }
 
-/// With the host's all_gather and all_to_allv: 10 all_gathers (op headers with the small data
-/// inline, verdicts) and 2 all_to_allv (the rows), at any world size; at 1 token per rank the
-/// routing rides in its op header; at 64 tokens (6 KiB of routing per rank) it takes an
-/// all_to_allv of its own.
+/// With the host's all_gather and all_to_allv, at any world size: at 1 token per rank, 6
+/// all_gathers (dispatch: its header with the routing inline, the rows' header, the verdict;
+/// combine: its header, the rows' header, the verdict) and 2 all_to_allv (the rows); at 64
+/// tokens (6 KiB of routing per rank) the routing takes an op of its own (a header and an
+/// all_to_allv; its verdict rides in the next header).
 #[test]
 fn dispatch_and_combine_with_all_to_allv() {
     for world in [2, 4] {
         let want = Calls {
             send: 0,
             recv: 0,
-            all_gather: 10,
+            all_gather: 6,
             all_to_allv: 2,
         };
         assert_every_rank(world, calls(world, true, true, 1), want);
         let want = Calls {
+            all_gather: 7,
             all_to_allv: 3,
             ..want
         };
@@ -180,7 +182,7 @@ fn dispatch_and_combine_without_all_to_allv() {
         let want = Calls {
             send: p2p,
             recv: p2p,
-            all_gather: 10,
+            all_gather: 7,
             all_to_allv: 0,
         };
         assert_every_rank(world, calls(world, true, false, 64), want);

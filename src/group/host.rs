@@ -124,6 +124,19 @@ pub struct HostGroup {
     /// Framed messages out and in, kept between calls.
     out_frame: Vec<u8>,
     in_frame: Vec<u8>,
+    /// The user call in progress ([`Group::open_call`]), if any.
+    call: Option<Call>,
+}
+
+/// A user call in progress: its ops leave their verdicts to the next op's header or to
+/// [`Group::close_call`].
+#[derive(Debug, Clone, Copy)]
+struct Call {
+    /// Every rank already knows how the call ends (a header showed it to all of them), so
+    /// the close gathers nothing.
+    settled: bool,
+    /// The call's last op, for messages.
+    last: Op,
 }
 
 impl std::fmt::Debug for HostGroup {
@@ -193,6 +206,7 @@ impl HostGroup {
             host_all_to_allv: None,
             out_frame: Vec::new(),
             in_frame: Vec::new(),
+            call: None,
         })
     }
 
@@ -370,6 +384,10 @@ impl HostGroup {
 
     fn guarded<T>(&mut self, op: Op, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if let Some(why) = &self.broken {
+            // Every rank that uses the group after the failure fails here, without a message.
+            if let Some(call) = &mut self.call {
+                call.settled = true;
+            }
             return Err(Error::InvalidState(format!(
                 "{}: group '{}' is unusable after an earlier failure ({why}); destroy it and create a new one",
                 op.name(),
@@ -398,6 +416,11 @@ const INLINE_AT: usize = 4 + MAX_PARAMS;
 const HEADER_TAG: u64 = 0x6570_6864 << 32;
 const VERDICT_OK: u64 = 1;
 const VERDICT_REJECTED: u64 = 2;
+/// The header of a rank whose op of the user call in progress failed (word 2: its status,
+/// word 3: the op's number): in place of the next op's header, or at the call's close.
+const CALL_FAILED: u64 = 3;
+/// The header of a rank that closes its user call with every op done.
+const CALL_DONE: u64 = 4;
 
 /// Every rank's header of one op, in rank order.
 struct Headers(Vec<u64>);
@@ -506,6 +529,22 @@ impl HostGroup {
             b[..c.len()].copy_from_slice(c);
             *w = u64::from_ne_bytes(b);
         }
+        let got = self.gather_headers(op, mine, local, params);
+        if got.is_err() {
+            // Every rank saw the same headers (or the host failed the gather on every rank).
+            self.settle();
+        }
+        got
+    }
+
+    /// [`HostGroup::agree`]'s gather of `mine` and its checks.
+    fn gather_headers(
+        &mut self,
+        op: Op,
+        mine: [u64; HEADER_WORDS],
+        local: &Result<()>,
+        params: &[Param],
+    ) -> Result<Headers> {
         let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
         self.gather(op, bytes::as_bytes(&mine), &mut all);
         if self.host_fault {
@@ -521,6 +560,7 @@ impl HostGroup {
             local.clone()?;
             return Ok(heads);
         }
+        self.check_call(op, &heads)?;
         self.check_ops(op, &heads)?;
         if let Err(e) = local {
             return Err(e.clone());
@@ -569,6 +609,87 @@ impl HostGroup {
         Ok(())
     }
 
+    /// Marks the user call in progress as ending alike on every rank without a close.
+    fn settle(&mut self) {
+        if let Some(call) = &mut self.call {
+            call.settled = true;
+        }
+    }
+
+    /// The verdicts of the user call in progress that `heads` carry: a rank whose earlier op
+    /// of the call failed (its header says so in place of this op's) fails this op on every
+    /// rank; a rank that closed its call while the others call `op` called another collective.
+    fn check_call(&self, op: Op, heads: &Headers) -> Result<()> {
+        let kind = |p: usize| heads.word(p, 0) & 0xff;
+        if let Some(p) = (0..self.world).find(|&p| kind(p) == CALL_FAILED) {
+            return Err(self.peer_failed(op, p, heads.word(p, 2), heads.word(p, 3)));
+        }
+        match (0..self.world).find(|&p| kind(p) == CALL_DONE) {
+            Some(p) => Err(Error::InvalidArgument(format!(
+                "{}: ranks of group '{}' called different collectives: rank {p} ended its call but rank {} calls {}; every rank must call the same collectives in the same order",
+                crate::call::name_or(op.name()),
+                self.name,
+                self.rank,
+                op.name()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Closes the user call in progress: every rank gathers one header saying how its call
+    /// went, unless a header already showed every rank how it ends.
+    fn close_user_call(&mut self, outcome: Result<()>) -> Result<()> {
+        let Some(call) = self.call.take() else {
+            return outcome;
+        };
+        if call.settled {
+            return outcome;
+        }
+        let op = call.last;
+        self.begin();
+        let mut mine = [0u64; HEADER_WORDS];
+        let failed = outcome.as_ref().err();
+        mine[0] = HEADER_TAG
+            | if failed.is_some() {
+                CALL_FAILED
+            } else {
+                CALL_DONE
+            };
+        mine[1] = op as u64;
+        mine[2] = failed.map_or(0, |e| e.status() as u64);
+        mine[3] = self.seq.wrapping_sub(1);
+        let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
+        self.gather(op, bytes::as_bytes(&mine), &mut all);
+        let fault = self.fault.take();
+        outcome?;
+        if let Some(e) = fault {
+            return Err(self.broke(e));
+        }
+        let heads = Headers(bytes::to_vec(&all));
+        let done = |p: usize| heads.word(p, 0) == HEADER_TAG | CALL_DONE;
+        match (0..self.world).find(|&p| !done(p)) {
+            None => Ok(()),
+            Some(p) if heads.word(p, 0) == HEADER_TAG | CALL_FAILED => {
+                let e = self.peer_failed(op, p, heads.word(p, 2), heads.word(p, 3));
+                Err(self.broke(e))
+            }
+            Some(p) => Err(self.broke(self.host_err(
+                op,
+                "all_gather",
+                format!("rank {p} delivered a header that does not close its call (the host transport garbled the bytes, or rank {p} called another collective)"),
+            ))),
+        }
+    }
+
+    /// `e`, after marking the group unusable unless `e` is an argument error (as
+    /// [`HostGroup::guarded`] does).
+    fn broke(&mut self, e: Error) -> Error {
+        if !matches!(e, Error::InvalidArgument(_)) {
+            self.broken = Some(e.to_string());
+        }
+        e
+    }
+
     /// Runs `op`: its agreement (`local` = this rank's own checks), then `f` with the headers
     /// when every rank accepted and agreed, then the verdicts ([`HostGroup::close`]).
     fn run<T>(
@@ -605,6 +726,14 @@ impl HostGroup {
     /// failed with). This rank's own failure is its error; else the lowest failed rank's
     /// status fails this rank too, so every rank has the same outcome.
     fn close<T>(&mut self, op: Op, out: Result<T>) -> Result<T> {
+        if let Some(call) = &mut self.call {
+            // In a user call the verdict waits for the next header or the call's close.
+            call.last = op;
+            return match self.fault.take() {
+                Some(e) => Err(e),
+                None => out,
+            };
+        }
         self.step = Step::Verdict;
         let failed = self.fault.as_ref().or(out.as_ref().err());
         let mine = failed.map_or(0, |e| e.status() as u64);
@@ -620,12 +749,12 @@ impl HostGroup {
             .collect();
         match verdicts.iter().position(|&v| v != 0) {
             None => Ok(out),
-            Some(p) => Err(self.peer_failed(op, p, verdicts[p])),
+            Some(p) => Err(self.peer_failed(op, p, verdicts[p], self.seq)),
         }
     }
 
     /// The error of a rank whose op went well when rank `p` failed it with status `code`.
-    fn peer_failed(&self, op: Op, p: usize, code: u64) -> Error {
+    fn peer_failed(&self, op: Op, p: usize, code: u64, seq: u64) -> Error {
         let status = i32::try_from(code)
             .ok()
             .and_then(Status::from_code)
@@ -640,7 +769,7 @@ impl HostGroup {
             "{}: rank {p} of group '{}' failed op #{} ({}; see rank {p}'s error), so it fails on every rank (rank {} too){after}",
             crate::call::name_or(op.name()),
             self.name,
-            self.seq,
+            seq,
             status.description(),
             self.rank
         );
@@ -737,6 +866,17 @@ impl Group for HostGroup {
     /// finds a rank that called another collective.
     fn barrier(&mut self) -> Result<()> {
         self.run(Op::Barrier, Ok(()), &[], [0, 0], |_, _| Ok(()))
+    }
+
+    fn open_call(&mut self) {
+        self.call = Some(Call {
+            settled: false,
+            last: Op::Barrier,
+        });
+    }
+
+    fn close_call(&mut self, outcome: Result<()>) -> Result<()> {
+        self.close_user_call(outcome)
     }
 
     fn reject(&mut self, op: Op, e: Error) -> Error {

@@ -214,6 +214,14 @@ impl Group for MaskedGroup<'_> {
         self.inner.reject(op, e)
     }
 
+    fn open_call(&mut self) {
+        self.inner.open_call()
+    }
+
+    fn close_call(&mut self, outcome: Result<()>) -> Result<()> {
+        self.inner.close_call(outcome)
+    }
+
     fn alloc_shared(&mut self, len: usize) -> Result<Option<SharedBuf>> {
         self.inner.alloc_shared(len)
     }

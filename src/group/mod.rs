@@ -140,6 +140,19 @@ pub trait Group: Send {
         e
     }
 
+    /// Opens the collectives of one user call (a dispatch, a combine). A transport whose ops
+    /// each end with an exchange of every rank's verdict may leave it to
+    /// [`Group::close_call`]: a rank whose op of the call failed says so in the next header
+    /// every rank gathers, so the call still ends alike on every rank. Ops outside a call keep
+    /// their own verdicts.
+    fn open_call(&mut self) {}
+
+    /// Closes the call [`Group::open_call`] opened, with this rank's `outcome`; returns the
+    /// call's outcome, the same on every rank (a rank's failure fails every rank).
+    fn close_call(&mut self, outcome: Result<()>) -> Result<()> {
+        outcome
+    }
+
     /// Symmetric memory: `len` zeroed bytes of shared memory that every peer of this group maps
     /// ([`SharedBuf`]), so that `exchange_rows` into it and `reduce_rows` from it move each byte
     /// once with plain stores and loads (no system call per transfer). `None` where the

@@ -135,9 +135,28 @@ pub struct Manager {
 }
 
 const HEADER_WORDS: usize = 17;
+/// Routing (ids and weights) of at most this many bytes per rank travels with the dispatch
+/// header instead of in an exchange of its own: one token at top-8 (96 bytes), and header plus
+/// routing stay within the 256 bytes a host transport's op header carries inline.
+const ROUTING_INLINE: usize = 120;
 /// The header word naming the call (1 dispatch, 2 combine): ranks that call different ones fail
 /// alike, before any data moves.
 const CALL_WORD: usize = 16;
+
+/// What every rank's dispatch or combine header said ([`Manager::agree`]): the headers, and
+/// [`ROUTING_INLINE`] bytes of routing per rank, rank order (zero where a rank sent none).
+struct Agreed {
+    headers: Vec<[u64; HEADER_WORDS]>,
+    routing: Vec<u8>,
+}
+
+/// This rank's routing as it travels: the ids (i64), then the weights (f32).
+fn routing_bytes(topk_ids: &[i64], topk_weights: &[f32]) -> Vec<u8> {
+    let mut mine = Vec::with_capacity(topk_ids.len() * 12);
+    mine.extend_from_slice(bytes::as_bytes(topk_ids));
+    mine.extend_from_slice(bytes::as_bytes(topk_weights));
+    mine
+}
 
 /// A dtype as one header word (code, bits, lanes).
 fn dtype_word(d: DType) -> u64 {
@@ -476,13 +495,19 @@ impl Manager {
         g: &mut dyn Group,
         what: &str,
         mut mine: [u64; HEADER_WORDS],
-    ) -> Result<Vec<[u64; HEADER_WORDS]>> {
+        routing: &[u8],
+    ) -> Result<Agreed> {
         mine[CALL_WORD] = if what == "dispatch" { 1 } else { 2 };
-        let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
-        g.all_gather(bytes::as_bytes(&mine), &mut all)?;
+        const N: usize = HEADER_WORDS * 8 + ROUTING_INLINE;
+        let mut msg = [0u8; N];
+        msg[..HEADER_WORDS * 8].copy_from_slice(bytes::as_bytes(&mine));
+        msg[HEADER_WORDS * 8..][..routing.len()].copy_from_slice(routing);
+        let mut all = vec![0u8; N * self.world];
+        g.all_gather(&msg, &mut all)?;
         let headers: Vec<[u64; HEADER_WORDS]> = all
-            .chunks_exact(HEADER_WORDS * 8)
+            .chunks_exact(N)
             .map(|c| {
+                let c = &c[..HEADER_WORDS * 8];
                 let mut h = [0u64; HEADER_WORDS];
                 h.iter_mut().zip(bytes::words(c)).for_each(|(h, w)| *h = w);
                 h
@@ -542,7 +567,11 @@ impl Manager {
                 }
             }
         }
-        Ok(headers)
+        let routing = all.chunks_exact(N).map(|c| &c[HEADER_WORDS * 8..]);
+        Ok(Agreed {
+            headers,
+            routing: routing.flatten().copied().collect(),
+        })
     }
 
     /// Tells the peers this rank's dispatch input was rejected, so they fail instead of
@@ -559,7 +588,7 @@ impl Manager {
     }
 
     fn reject_dispatch_on(&mut self, g: &mut dyn Group, err: Error) -> Error {
-        let _ = self.agree(g, "dispatch", self.header(false, 0));
+        let _ = self.agree(g, "dispatch", self.header(false, 0), &[]);
         self.plan = None;
         err
     }
@@ -576,7 +605,7 @@ impl Manager {
     }
 
     fn reject_combine_on(&mut self, g: &mut dyn Group, err: Error) -> Error {
-        let _ = self.agree(g, "combine", self.header(false, self.tokens));
+        let _ = self.agree(g, "combine", self.header(false, self.tokens), &[]);
         err
     }
 
@@ -605,8 +634,15 @@ impl Manager {
         Ok(self.view())
     }
 
-    /// [`Manager::dispatch`] over the group in use (the survivors' after a failure).
+    /// [`Manager::dispatch`] over the group in use (the survivors' after a failure): one user
+    /// call of the group ([`Group::open_call`]), so it ends alike on every rank.
     fn dispatch_on(&mut self, g: &mut dyn Group, inp: Tokens<'_>) -> Result<()> {
+        g.open_call();
+        let out = self.dispatch_ops(g, inp);
+        g.close_call(out)
+    }
+
+    fn dispatch_ops(&mut self, g: &mut dyn Group, inp: Tokens<'_>) -> Result<()> {
         let start = Instant::now();
         let checked = self.validate_dispatch(inp);
         let t = match checked
@@ -616,13 +652,35 @@ impl Manager {
             Err(e) => return Err(self.reject_dispatch_on(g, e)),
         };
         crate::fault::point("dispatch:before_counts");
-        let headers = self.agree(g, "dispatch", self.header(true, t))?;
+        let routing = routing_bytes(inp.topk_ids, inp.topk_weights);
+        let inline = if routing.len() <= ROUTING_INLINE {
+            &routing[..]
+        } else {
+            &[]
+        };
+        let agreed = self.agree(g, "dispatch", self.header(true, t), inline)?;
         crate::fault::point("dispatch:after_counts");
-        let counts: Vec<usize> = headers.iter().map(|h| h[1] as usize).collect();
+        let counts: Vec<usize> = agreed.headers.iter().map(|h| h[1] as usize).collect();
         if let Some(r) = counts.iter().position(|&c| !self.fits(c)) {
             return Err(self.too_many_tokens(r, counts[r]));
         }
-        let mut all = self.gather_routing(g, &counts, inp.topk_ids, inp.topk_weights)?;
+        let sizes: Vec<usize> = counts.iter().map(|&c| c * self.cfg.top_k * 12).collect();
+        let mut all = if sizes.iter().all(|&n| n <= ROUTING_INLINE) {
+            let inline = agreed.routing.chunks_exact(ROUTING_INLINE);
+            self.split_routing(&counts, inline.zip(&sizes).map(|(c, &n)| &c[..n]))
+        } else {
+            let mut gathered = vec![0u8; sizes.iter().sum()];
+            g.all_gatherv(&routing, &sizes, &mut gathered)?;
+            let mut rest = &gathered[..];
+            self.split_routing(
+                &counts,
+                sizes.iter().map(|&n| {
+                    let (part, tail) = rest.split_at(n);
+                    rest = tail;
+                    part
+                }),
+            )
+        };
         let dropped = self.drop_masked(&mut all);
         let plan = plan::build(
             self.contract.layout,
@@ -659,35 +717,25 @@ impl Manager {
         )
     }
 
-    /// Every rank's routing (ids as i64 and weights, K of each per token), all-gathered.
-    fn gather_routing(
+    /// Every rank's routing (ids as i64 and weights, K of each per token) from its bytes
+    /// ([`routing_bytes`]), one part per rank in rank order.
+    fn split_routing<'a>(
         &self,
-        g: &mut dyn Group,
         counts: &[usize],
-        topk_ids: &[i64],
-        topk_weights: &[f32],
-    ) -> Result<Vec<Routing>> {
+        parts: impl Iterator<Item = &'a [u8]>,
+    ) -> Vec<Routing> {
         let k = self.cfg.top_k;
-        let mut mine = Vec::with_capacity(topk_ids.len() * 12);
-        mine.extend_from_slice(bytes::as_bytes(topk_ids));
-        mine.extend_from_slice(bytes::as_bytes(topk_weights));
-        let sizes: Vec<usize> = counts.iter().map(|&c| c * k * 12).collect();
-        let mut gathered = vec![0u8; sizes.iter().sum()];
-        g.all_gatherv(&mine, &sizes, &mut gathered)?;
-        let mut rest = &gathered[..];
-        let mut all = Vec::with_capacity(self.world);
-        for &c in counts {
-            let (ids, tail) = rest.split_at(c * k * 8);
-            let (weights, tail) = tail.split_at(c * k * 4);
-            rest = tail;
-            all.push(Routing {
-                t: c,
-                k,
-                ids: bytes::to_vec(ids),
-                weights: bytes::to_vec(weights),
-            });
-        }
-        Ok(all)
+        (counts.iter().zip(parts))
+            .map(|(&c, part)| {
+                let (ids, weights) = part.split_at(c * k * 8);
+                Routing {
+                    t: c,
+                    k,
+                    ids: bytes::to_vec(ids),
+                    weights: bytes::to_vec(weights),
+                }
+            })
+            .collect()
     }
 
     /// With FP8 dispatch, quantises this rank's rows (weighted first if asked, rounded to the
@@ -929,8 +977,20 @@ impl Manager {
         self.over_group(g, |m, g| m.combine_on(g, expert_output, out))
     }
 
-    /// [`Manager::combine`] over the group in use (the survivors' after a failure).
+    /// [`Manager::combine`] over the group in use (the survivors' after a failure), one user
+    /// call of the group as [`Manager::dispatch_on`] is.
     fn combine_on(
+        &mut self,
+        g: &mut dyn Group,
+        expert_output: &[u8],
+        out: &mut [u8],
+    ) -> Result<()> {
+        g.open_call();
+        let out = self.combine_ops(g, expert_output, out);
+        g.close_call(out)
+    }
+
+    fn combine_ops(
         &mut self,
         g: &mut dyn Group,
         expert_output: &[u8],
@@ -941,7 +1001,7 @@ impl Manager {
         if let Err(e) = checked {
             return Err(self.reject_combine_on(g, e));
         }
-        self.agree(g, "combine", self.header(true, self.tokens))?;
+        self.agree(g, "combine", self.header(true, self.tokens), &[])?;
         crate::fault::point("combine");
         let plan = self
             .plan
