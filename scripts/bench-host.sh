@@ -55,7 +55,7 @@ fi
 if [ "$ONLY" != gloo ]; then
     command -v mpicc >/dev/null && command -v mpirun >/dev/null || die "needs Open MPI (mpicc, mpirun)"
     mkdir -p target/mpi
-    mpicc -O2 -std=c11 -Iinclude -Iexamples/mpi benches/mpi_ep.c -L"$ROOT/target/release" -lepcomm \
+    mpicc -O3 -march=native -std=c11 -Iinclude -Iexamples/mpi benches/mpi_ep.c -L"$ROOT/target/release" -lepcomm \
         -Wl,-rpath,"$ROOT/target/release" -o target/mpi/mpi_ep
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     IFS=, read -r -a WORLDS <<<"$RANKS"

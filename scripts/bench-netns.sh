@@ -130,7 +130,7 @@ fi
 if [ "$ONLY" != gloo ]; then
     command -v mpicc >/dev/null && command -v mpirun >/dev/null || die "needs Open MPI (mpicc, mpirun)"
     mkdir -p target/mpi
-    mpicc -O2 -std=c11 -Iinclude -Iexamples/mpi benches/mpi_ep.c -L"$(dirname "$LIB")" -l:"$(basename "$LIB")" \
+    mpicc -O3 -march=native -std=c11 -Iinclude -Iexamples/mpi benches/mpi_ep.c -L"$(dirname "$LIB")" -l:"$(basename "$LIB")" \
         -Wl,-rpath,"$(dirname "$LIB")" -o target/mpi/mpi_ep
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     export EPCOMM_MPI_ALLTOALLV="${EPCOMM_MPI_ALLTOALLV:-1}"
