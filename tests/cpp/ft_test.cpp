@@ -132,8 +132,10 @@ static void survivor(const char *name, int rank) {
     CHECK(a.active_mask() == (std::vector<int32_t>{0, 0, 0}) && !a.query_fault());
     CHECK(round_trip(a, in, -1));
     CHECK(a.dropped_pairs().last == 0 && a.dropped_pairs().total == 0);
+    // Op 6: after the pids' all_gather (1) and the round trip (dispatch: its header, which
+    // carries the routing, and the rows; combine: its header and the rows).
     const std::string want = "rank 2 of group '" + std::string(name) + "' died (pid " + std::to_string(pids[VICTIM]) +
-                             " is gone) during dispatch (op #7, seen from rank " + std::to_string(rank) + ")";
+                             " is gone) during dispatch (op #6, seen from rank " + std::to_string(rank) + ")";
     manager_after_kill(a, in, want);
     CHECK(g.lost_ranks() == (std::vector<int32_t>{0, 0, 1}));
     epcomm::Group s = g.shrink({VICTIM});
