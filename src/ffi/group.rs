@@ -81,13 +81,11 @@ unsafe fn options_arg(options: *const epcomm_group_options) -> Result<GroupOptio
     let Some(c) = (unsafe { options.as_ref() }) else {
         return Ok(o);
     };
-    if (c.struct_size as usize) < std::mem::size_of::<epcomm_group_options>() {
-        return Err(Error::InvalidArgument(format!(
-            "options->struct_size is {}: expected sizeof(epcomm_group_options) = {} (call epcomm_group_options_init)",
-            c.struct_size,
-            std::mem::size_of::<epcomm_group_options>()
-        )));
-    }
+    guard::struct_size_arg::<epcomm_group_options>(
+        c.struct_size,
+        "options",
+        "epcomm_group_options",
+    )?;
     let max = crate::env::MAX_TIMEOUT_S;
     if c.timeout_s.is_nan() || c.timeout_s > max {
         return Err(Error::InvalidArgument(format!(
