@@ -485,6 +485,8 @@ impl HostTransport for CallbackTransport {
     }
 }
 
+// The group constructors share (rank, world_size, options, out), spelled out for the header
+// (see the module doc of `ffi`); create_shm_with and options_arg are the shared pieces.
 /// Creates a group over the host's transport. `callbacks` is copied; `user_data` must stay
 /// valid until the group is destroyed. `name` labels messages.
 ///
@@ -758,6 +760,8 @@ unsafe fn counts_arg(p: *const i64, world: usize, what: &'static str) -> Result<
         .collect()
 }
 
+// The collectives below are written out for the header (see the module doc of `ffi`): each
+// signature is its C API, each body one call of `collective` or `rows_collective`.
 /// Gathers every rank's `input` rows along dimension 0 into `output`, in rank order.
 /// `sizes` holds world_size row counts (sizes[r] = rows of rank r, may be 0); `input` has
 /// sizes[rank] rows, `output` sum(sizes) rows of the same row shape and dtype (any dtype).
