@@ -389,6 +389,8 @@ pub unsafe extern "C" fn epcomm_eplb_lost_experts_options_init(
     })
 }
 
+// The rearrange variants share their map and weight arguments, spelled out for the header
+// (see the module doc of `ffi`); RearrangeCall carries them to the one implementation.
 /// epcomm_eplb_rearrange with `options` (NULL = the defaults): the rank mapping and migration
 /// batching. A bad `options` is reported to the peers as any other rejected argument.
 ///
@@ -1236,6 +1238,7 @@ pub unsafe extern "C" fn epcomm_eplb_state_new(
     })
 }
 
+// As the communicator's destroy pair: each handle's, spelled out for the header.
 /// Releases load statistics (NULL is a no-op), as epcomm_eplb_state_destroy_checked, whose
 /// status this void form cannot return: a refused destroy frees nothing and records the error
 /// for epcomm_last_error_message.

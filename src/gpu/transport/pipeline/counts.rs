@@ -309,6 +309,7 @@ fn combine_source(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput, scratch: u64) 
     Ok(())
 }
 
+// unpack_experts and unpack_rank_major take the same arguments: receive's per-layout steps.
 /// RANK_MAJOR: regions of M rows per source rank, ids and weights unchanged, recv counts.
 fn unpack_rank_major(
     p: &Pipeline,
@@ -348,6 +349,7 @@ fn unpack_rank_major(
     Ok(())
 }
 
+// The same arguments as capacity::combine: the two modes' combine, chosen by the pipeline.
 /// A counts-mode combine: the layout's return rows, the reverse exchange, the reduction.
 pub(super) fn combine(
     p: &Pipeline,
