@@ -12,6 +12,12 @@ pub(super) fn dim(v: i64, what: &str) -> Result<usize> {
         .ok_or_else(|| Error::InvalidArgument(format!("{what} is {v}; expected a positive value")))
 }
 
+/// An index argument (a rank, a layer): INVALID_ARGUMENT `{what} is {v}; expected >= 0` when
+/// negative.
+pub(super) fn index(v: i64, what: &str) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} is {v}; expected >= 0")))
+}
+
 /// [`dim`] of each argument in turn, named by its own name: `dims!(num_layers, num_physical)`
 /// is `[dim(num_layers, "num_layers")?, dim(num_physical, "num_physical")?]`.
 macro_rules! dims {

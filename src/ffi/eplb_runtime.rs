@@ -5,7 +5,7 @@ use std::ffi::c_char;
 use std::sync::Mutex;
 
 use super::all2all::epcomm_all2all;
-use super::eplb_args::dims;
+use super::eplb_args::{dims, index};
 use super::group::{epcomm_group, with_dep_group, with_group};
 use super::guard;
 use super::handle::{exclusive_handle, Dep, Exclusive, Handle};
@@ -135,8 +135,7 @@ unsafe fn queue(
     peer: i32,
     send: bool,
 ) -> Result<()> {
-    let peer = usize::try_from(peer)
-        .map_err(|_| Error::InvalidArgument(format!("peer rank is {peer}; expected >= 0")))?;
+    let peer = index(peer.into(), "peer rank")?;
     // SAFETY: num_tensors descriptors (caller contract).
     let ts = unsafe {
         Memory::Host.tensors(tensors, num_tensors, "tensors", "tensors[i]", |_, _| Ok(()))
@@ -1030,8 +1029,7 @@ pub unsafe extern "C" fn epcomm_eplb_plan_layer(
         let [p, n] = dims!(num_slots, slots_per_rank);
         let old = unsafe { maps(old_phy2log, 1, p, "old_phy2log") }?;
         let new = unsafe { maps(new_phy2log, 1, p, "new_phy2log") }?;
-        let rank = usize::try_from(rank)
-            .map_err(|_| Error::InvalidArgument(format!("rank is {rank}; expected >= 0")))?;
+        let rank = index(rank.into(), "rank")?;
         let plan = transfer::plan_layer(&old[0], &new[0], n, rank)?;
         let flat2 =
             |v: &[(usize, usize)]| v.iter().flat_map(|&(a, b)| [a as i64, b as i64]).collect();
@@ -1311,8 +1309,7 @@ pub unsafe extern "C" fn epcomm_eplb_state_record_dispatch(
     a2a: *const epcomm_all2all,
 ) -> i32 {
     guard::call(|| {
-        let layer = usize::try_from(layer)
-            .map_err(|_| Error::InvalidArgument(format!("layer is {layer}; expected >= 0")))?;
+        let layer = index(layer, "layer")?;
         // SAFETY: caller contract.
         let counts = unsafe { super::all2all::expert_counts(a2a) }?;
         unsafe { with_state(state, |s| s.record_counts(layer, &counts)) }
@@ -1330,8 +1327,7 @@ pub unsafe extern "C" fn epcomm_eplb_state_record(
     topk_ids: *const epcomm_tensor,
 ) -> i32 {
     guard::call(|| {
-        let layer = usize::try_from(layer)
-            .map_err(|_| Error::InvalidArgument(format!("layer is {layer}; expected >= 0")))?;
+        let layer = index(layer, "layer")?;
         // SAFETY: caller contract.
         let t = unsafe { HostTensor::from_ffi(topk_ids, "topk_ids") }?;
         // SAFETY: a host tensor valid for reads (caller contract).
