@@ -664,80 +664,60 @@ mod reference {
     use super::np_sum_f32;
     use crate::error::Result;
 
-    /// Packs `n` weighted items of each row into `m` packs of `n/m` items, heaviest first, each to
-    /// the lightest pack that still has room. Returns (pack index, rank in pack) per item.
-    pub(super) fn balanced_packing(
-        weights: &[Vec<f64>],
-        m: usize,
-    ) -> (Vec<Vec<usize>>, Vec<Vec<usize>>) {
-        let mut packs = Vec::with_capacity(weights.len());
-        let mut ranks = Vec::with_capacity(weights.len());
-        for w in weights {
-            let n = w.len();
-            debug_assert!(m > 0 && n % m == 0);
-            let per = n / m;
-            if per == 1 {
-                packs.push((0..n).collect());
-                ranks.push(vec![0; n]);
-                continue;
-            }
-            let mut order: Vec<usize> = (0..n).collect();
-            // Stable descending: equal weights keep ascending index.
-            order.sort_by(|&a, &b| w[b].total_cmp(&w[a]));
-            let mut pack_w = vec![0f64; m];
-            let mut pack_n = vec![0usize; m];
-            let (mut pi, mut rk) = (vec![0usize; n], vec![0usize; n]);
-            for &item in &order {
-                let mut best = usize::MAX;
-                for p in 0..m {
-                    if pack_n[p] < per && (best == usize::MAX || pack_w[p] < pack_w[best]) {
-                        best = p;
-                    }
-                }
-                pi[item] = best;
-                rk[item] = pack_n[best];
-                pack_w[best] += w[item];
-                pack_n[best] += 1;
-            }
-            packs.push(pi);
-            ranks.push(rk);
+    /// Packs the `n` weighted items of row `w` into `m` packs of `n/m` items, heaviest first,
+    /// each to the lightest pack that still has room. Returns (pack index, rank in pack) per item.
+    fn balanced_packing(w: &[f64], m: usize) -> (Vec<usize>, Vec<usize>) {
+        let n = w.len();
+        debug_assert!(m > 0 && n % m == 0);
+        let per = n / m;
+        if per == 1 {
+            return ((0..n).collect(), vec![0; n]);
         }
-        (packs, ranks)
+        let mut order: Vec<usize> = (0..n).collect();
+        // Stable descending: equal weights keep ascending index.
+        order.sort_by(|&a, &b| w[b].total_cmp(&w[a]));
+        let mut pack_w = vec![0f64; m];
+        let mut pack_n = vec![0usize; m];
+        let (mut pi, mut rk) = (vec![0usize; n], vec![0usize; n]);
+        for &item in &order {
+            let mut best = usize::MAX;
+            for p in 0..m {
+                if pack_n[p] < per && (best == usize::MAX || pack_w[p] < pack_w[best]) {
+                    best = p;
+                }
+            }
+            pi[item] = best;
+            rk[item] = pack_n[best];
+            pack_w[best] += w[item];
+            pack_n[best] += 1;
+        }
+        (pi, rk)
     }
 
-    /// Replicates experts of each row into `num_phy` slots: the first slots are the experts
+    /// Replicates the experts of row `w` into `num_phy` slots: the first slots are the experts
     /// themselves; each extra slot goes to the expert with the largest load per replica.
     /// Returns (physical → logical, replica count per logical).
-    pub(super) fn replicate_experts(
-        weights: &[Vec<f32>],
-        num_phy: usize,
-    ) -> (Vec<Vec<usize>>, Vec<Vec<usize>>) {
-        let mut p2l = Vec::with_capacity(weights.len());
-        let mut cnts = Vec::with_capacity(weights.len());
-        for w in weights {
-            let nl = w.len();
-            let mut map: Vec<usize> = (0..nl).collect();
-            let mut cnt = vec![1usize; nl];
-            // Load per replica, updated only for the expert that gains a replica (same division,
-            // so the same float64 values as recomputing them all).
-            let mut per_replica: Vec<f64> = w.iter().map(|&x| x as f64).collect();
-            for _ in nl..num_phy {
-                let mut best = 0;
-                let mut best_v = f64::NEG_INFINITY;
-                for (e, &v) in per_replica.iter().enumerate() {
-                    if v > best_v {
-                        best_v = v;
-                        best = e;
-                    }
+    fn replicate_experts(w: &[f32], num_phy: usize) -> (Vec<usize>, Vec<usize>) {
+        let nl = w.len();
+        let mut map: Vec<usize> = (0..nl).collect();
+        let mut cnt = vec![1usize; nl];
+        // Load per replica, updated only for the expert that gains a replica (same division,
+        // so the same float64 values as recomputing them all).
+        let mut per_replica: Vec<f64> = w.iter().map(|&x| x as f64).collect();
+        for _ in nl..num_phy {
+            let mut best = 0;
+            let mut best_v = f64::NEG_INFINITY;
+            for (e, &v) in per_replica.iter().enumerate() {
+                if v > best_v {
+                    best_v = v;
+                    best = e;
                 }
-                map.push(best);
-                cnt[best] += 1;
-                per_replica[best] = w[best] as f64 / cnt[best] as f64;
             }
-            p2l.push(map);
-            cnts.push(cnt);
+            map.push(best);
+            cnt[best] += 1;
+            per_replica[best] = w[best] as f64 / cnt[best] as f64;
         }
-        (p2l, cnts)
+        (map, cnt)
     }
 
     fn inverse(perm: &[usize]) -> Vec<usize> {
@@ -748,6 +728,7 @@ mod reference {
         inv
     }
 
+    // The arguments of super::rebalance_hierarchical, so that the tests call both alike.
     /// The hierarchical policy for `weight` (`layers` rows of `num_logical` f32 loads):
     /// `num_physical` slots, `num_groups` expert groups, `num_nodes` nodes, `num_gpus` GPUs.
     /// Returns physical → logical per layer.
@@ -771,7 +752,8 @@ mod reference {
             .iter()
             .map(|w| w.chunks(gs).map(|c| np_sum_f32(c) as f64).collect())
             .collect();
-        let (gpi, grk) = balanced_packing(&group_load, n);
+        let (gpi, grk): (Vec<_>, Vec<_>) =
+            group_load.iter().map(|w| balanced_packing(w, n)).unzip();
         let mut mlog2log = Vec::with_capacity(weight.len());
         for l in 0..weight.len() {
             let log2mlog: Vec<usize> = (0..e)
@@ -792,7 +774,8 @@ mod reference {
                     .collect()
             })
             .collect();
-        let (phy2mlog, mlogcnt) = replicate_experts(&tpm, pn);
+        let (phy2mlog, mlogcnt): (Vec<_>, Vec<_>) =
+            tpm.iter().map(|w| replicate_experts(w, pn)).unzip();
 
         // 3. Physical experts onto the node's GPUs by load per replica.
         let tpp: Vec<Vec<f64>> = (0..tpm.len())
@@ -803,7 +786,7 @@ mod reference {
                     .collect()
             })
             .collect();
-        let (pi, rk) = balanced_packing(&tpp, r / n);
+        let (pi, rk): (Vec<_>, Vec<_>) = tpp.iter().map(|w| balanced_packing(w, r / n)).unzip();
         let pphy2phy: Vec<Vec<usize>> = (0..tpp.len())
             .map(|b| {
                 inverse(

@@ -113,23 +113,22 @@ fn one_execute(plan: &LayerPlan) -> Vec<Vec<Step>> {
     vec![sends.chain((0..plan.recvs.len()).map(Step::Recv)).collect()]
 }
 
+/// Each transfer's index in `transfers` (a plan's sends or receives: expert, row, peer), by
+/// (expert, peer).
+fn by_expert_and_peer(transfers: &[(i64, usize, usize)]) -> HashMap<(i64, usize), usize> {
+    let keys = transfers.iter().map(|&(expert, _, peer)| (expert, peer));
+    keys.zip(0..).collect()
+}
+
 /// The batched path (vLLM's `_execute_migration_batches`): per batch, this rank's sends or
 /// receives of its flow, experts in flow order. Every flow touching `me` must be a transfer of
 /// its plan and every transfer of the plan must be in one flow, so the batched path moves what
 /// the plan moves, from the same sources.
 fn batched_executes(plan: &LayerPlan, batches: &Batches, me: usize) -> Result<Vec<Vec<Step>>> {
-    let sends: HashMap<(i64, usize), usize> = plan
-        .sends
-        .iter()
-        .enumerate()
-        .map(|(i, s)| ((s.0, s.2), i))
-        .collect();
-    let recvs: HashMap<(i64, usize), usize> = plan
-        .recvs
-        .iter()
-        .enumerate()
-        .map(|(i, r)| ((r.0, r.2), i))
-        .collect();
+    let (sends, recvs) = (
+        by_expert_and_peer(&plan.sends),
+        by_expert_and_peer(&plan.recvs),
+    );
     let mut used = 0;
     let mut executes = Vec::with_capacity(batches.len());
     for batch in batches {
@@ -206,8 +205,7 @@ fn transfer<S: AsRef<[u8]>, D: AsMut<[u8]>>(
         .zip(row_bytes)
         .map(|(buf, &rb)| buf.as_mut().chunks_mut(rb.max(1)).map(Some).collect())
         .collect();
-    crate::fault::point("eplb:before_staging");
-    for steps in &moves.executes {
+    each_execute(moves, |steps| {
         let mut ops: Vec<P2p<'_>> = Vec::new();
         for &step in steps {
             match step {
@@ -234,7 +232,16 @@ fn transfer<S: AsRef<[u8]>, D: AsMut<[u8]>>(
                 }
             }
         }
-        comm.execute(g, &mut ops)?;
+        comm.execute(g, &mut ops)
+    })
+}
+
+/// Runs `execute` on the steps of each communicator execute of `moves`, with the fault points
+/// before, between and after them.
+fn each_execute(moves: &LayerMoves, mut execute: impl FnMut(&[Step]) -> Result<()>) -> Result<()> {
+    crate::fault::point("eplb:before_staging");
+    for steps in &moves.executes {
+        execute(steps)?;
         crate::fault::point("eplb:between_batches");
     }
     crate::fault::point("eplb:after_staging");
@@ -254,8 +261,7 @@ fn transfer_rows(
     dests: &mut [&mut [u8]],
 ) -> Result<()> {
     let (plan, world) = (&moves.plan, g.size());
-    crate::fault::point("eplb:before_staging");
-    for steps in &moves.executes {
+    each_execute(moves, |steps| {
         let (mut give, mut take) = (vec![Vec::new(); world], vec![Vec::new(); world]);
         for &step in steps {
             match step {
@@ -273,10 +279,8 @@ fn transfer_rows(
             };
             comm.exchange_rows(g, rows)?;
         }
-        crate::fault::point("eplb:between_batches");
-    }
-    crate::fault::point("eplb:after_staging");
-    Ok(())
+        Ok(())
+    })
 }
 
 // transfer, transfer_rows and move_layer share their (group, communicator, moves, rows)
@@ -312,6 +316,8 @@ fn move_layer(
     Ok(())
 }
 
+// rearrange, rearrange_typed, rearrange_with and rearrange_into share their leading arguments:
+// the Rust API's entry points, the shorter ones each one call of rearrange_with.
 /// Rearranges every layer from `old` to `new` (physical → logical per layer, `-1` = empty
 /// slot). `weights[l]` holds layer l's tensors on this rank. With `rank_mapping` the EP size
 /// changes (see [`apply_rank_mapping`]): with one entry per rank of the group, a scale-down on

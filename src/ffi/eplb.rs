@@ -1,10 +1,12 @@
 //! EPLB: the rebalancing policy and the logical maps.
 
-use super::eplb_algo::{checked_len, dim};
+use super::eplb_args::{checked_len, dims, non_null, read_rows, write_rows};
 use super::guard;
 use crate::eplb::{policy, scale_down};
 use crate::error::{Error, Result};
 
+// epcomm_eplb_rebalance_experts's parameters but `flags`, spelled out for the header (see the
+// module doc of `ffi`): one call.
 /// Computes a new placement with vLLM's default EPLB policy (DeepSeek's algorithm) as vLLM's
 /// eplb_state caller runs it: exactly epcomm_eplb_rebalance_experts with
 /// EPCOMM_EPLB_ONE_NODE_FALLBACK (one behaviour whichever entry point). `weight` is
@@ -68,19 +70,12 @@ pub unsafe extern "C" fn epcomm_eplb_logical_maps(
     log2phy_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
-        let l = dim(num_layers, "num_layers")?;
-        let p = dim(num_physical, "num_physical")?;
-        let e = dim(num_logical, "num_logical")?;
-        let width = dim(max_replicas, "max_replicas")?;
-        for (ptr, what) in [
+        let [l, p, e, width] = dims!(num_layers, num_physical, num_logical, max_replicas);
+        non_null(&[
             (phy2log.is_null(), "phy2log"),
             (logcnt_out.is_null(), "logcnt_out"),
             (log2phy_out.is_null(), "log2phy_out"),
-        ] {
-            if ptr {
-                return Err(Error::NullPointer(what));
-            }
-        }
+        ])?;
         let pl = checked_len(l, p, "num_layers * num_physical")?;
         let el = checked_len(l, e, "num_layers * num_logical")?;
         let mapl = checked_len(el, width, "num_layers * num_logical * max_replicas")?;
@@ -141,8 +136,7 @@ pub unsafe extern "C" fn epcomm_eplb_min_redundant_experts(
     guard::call(|| {
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(out, "out") }?;
-        let e = dim(num_logical, "num_logical")?;
-        let r = dim(ep_size, "ep_size")?;
+        let [e, r] = dims!(num_logical, ep_size);
         *out = policy::min_redundant_experts(e, r) as i64;
         Ok(())
     })
@@ -152,6 +146,19 @@ pub unsafe extern "C" fn epcomm_eplb_min_redundant_experts(
 fn count(v: i64, what: &str) -> Result<usize> {
     usize::try_from(v)
         .map_err(|_| Error::InvalidArgument(format!("{what} is {v}; expected a value >= 0")))
+}
+
+/// The `n` values at `p`, each a [`count`] (`p` is read only when n > 0).
+///
+/// # Safety
+/// `p` holds `n` int64 when n > 0.
+unsafe fn counts(p: *const i64, n: usize, what: &str) -> Result<Vec<usize>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: the caller's contract.
+    let values = unsafe { std::slice::from_raw_parts(p, n) };
+    values.iter().map(|&v| count(v, what)).collect()
 }
 
 /// vLLM v0.34.0's `compute_dead_ep_ranks` (scale-down after peer death): each of the `num_dead`
@@ -172,7 +179,7 @@ pub unsafe extern "C" fn epcomm_eplb_dead_ep_ranks(
     count_out: *mut usize,
 ) -> i32 {
     guard::call(|| {
-        let (tp, pcp) = (dim(tp_size, "tp_size")?, dim(pcp_size, "pcp_size")?);
+        let [tp, pcp] = dims!(tp_size, pcp_size);
         if num_dead > 0 && dead_dp_ranks.is_null() {
             return Err(Error::NullPointer("dead_dp_ranks"));
         }
@@ -181,15 +188,8 @@ pub unsafe extern "C" fn epcomm_eplb_dead_ep_ranks(
         }
         // SAFETY: caller contract.
         let count_out = unsafe { guard::out_arg(count_out, "count_out") }?;
-        let dead: Vec<usize> = if num_dead == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: caller contract.
-            unsafe { std::slice::from_raw_parts(dead_dp_ranks, num_dead) }
-                .iter()
-                .map(|&d| count(d, "a dead DP rank"))
-                .collect::<Result<_>>()?
-        };
+        // SAFETY: caller contract.
+        let dead = unsafe { counts(dead_dp_ranks, num_dead, "a dead DP rank") }?;
         let ranks = scale_down::dead_ep_ranks(&dead, tp, pcp)?;
         // SAFETY: caller contract: room for num_dead * tp * pcp >= ranks.len().
         let out = unsafe { std::slice::from_raw_parts_mut(ep_ranks_out, ranks.len()) };
@@ -199,28 +199,6 @@ pub unsafe extern "C" fn epcomm_eplb_dead_ep_ranks(
         *count_out = ranks.len();
         Ok(())
     })
-}
-
-/// Reads `phy2log` [num_layers, num_physical] (non-NULL, sizes checked by the caller).
-///
-/// # Safety
-/// `phy2log` holds `layers * physical` int64.
-unsafe fn read_map(phy2log: *const i64, layers: usize, physical: usize) -> Vec<Vec<i64>> {
-    // SAFETY: the caller's contract.
-    let flat = unsafe { std::slice::from_raw_parts(phy2log, layers * physical) };
-    flat.chunks(physical).map(<[i64]>::to_vec).collect()
-}
-
-/// Writes `map` back over `phy2log`.
-///
-/// # Safety
-/// `phy2log` has room for every row of `map`, each `physical` long.
-unsafe fn write_map(phy2log: *mut i64, map: &[Vec<i64>], physical: usize) {
-    // SAFETY: the caller's contract.
-    let flat = unsafe { std::slice::from_raw_parts_mut(phy2log, map.len() * physical) };
-    for (dst, src) in flat.chunks_mut(physical).zip(map) {
-        dst.copy_from_slice(src);
-    }
 }
 
 /// vLLM v0.34.0's `mark_dead_expert_slots_inplace`: in `phy2log` [num_layers, num_physical]
@@ -240,11 +218,7 @@ pub unsafe extern "C" fn epcomm_eplb_mark_dead_expert_slots(
     num_local_experts: i64,
 ) -> i32 {
     guard::call(|| {
-        let (l, p) = (
-            dim(num_layers, "num_layers")?,
-            dim(num_physical, "num_physical")?,
-        );
-        let local = dim(num_local_experts, "num_local_experts")?;
+        let [l, p, local] = dims!(num_layers, num_physical, num_local_experts);
         checked_len(l, p, "num_layers * num_physical")?;
         if phy2log.is_null() {
             return Err(Error::NullPointer("phy2log"));
@@ -252,20 +226,13 @@ pub unsafe extern "C" fn epcomm_eplb_mark_dead_expert_slots(
         if num_dead > 0 && dead_ep_ranks.is_null() {
             return Err(Error::NullPointer("dead_ep_ranks"));
         }
-        let dead: Vec<usize> = if num_dead == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: caller contract.
-            unsafe { std::slice::from_raw_parts(dead_ep_ranks, num_dead) }
-                .iter()
-                .map(|&d| count(d, "a dead EP rank"))
-                .collect::<Result<_>>()?
-        };
+        // SAFETY: caller contract.
+        let dead = unsafe { counts(dead_ep_ranks, num_dead, "a dead EP rank") }?;
         // SAFETY: caller contract (sizes above).
-        let mut map = unsafe { read_map(phy2log, l, p) };
+        let mut map = unsafe { read_rows(phy2log, l, p) };
         scale_down::mark_dead_slots(&mut map, &dead, local)?;
         // SAFETY: caller contract.
-        unsafe { write_map(phy2log, &map, p) };
+        unsafe { write_rows(phy2log, &map, p, |x| x) };
         Ok(())
     })
 }
@@ -293,12 +260,9 @@ pub unsafe extern "C" fn epcomm_eplb_redistribute_expert_placement(
     reload_out: *mut u8,
 ) -> i32 {
     guard::call(|| {
-        let (l, p) = (
-            dim(num_layers, "num_layers")?,
-            dim(num_physical, "num_physical")?,
-        );
+        let [l, p] = dims!(num_layers, num_physical);
         let e = count(num_logical, "num_logical")?;
-        let local = dim(num_local_experts, "num_local_experts")?;
+        let [local] = dims!(num_local_experts);
         checked_len(l, p, "num_layers * num_physical")?;
         let flags = checked_len(l, e, "num_layers * num_logical")?;
         if phy2log.is_null() {
@@ -308,10 +272,10 @@ pub unsafe extern "C" fn epcomm_eplb_redistribute_expert_placement(
             return Err(Error::NullPointer("reload_out"));
         }
         // SAFETY: caller contract (sizes above).
-        let map = unsafe { read_map(phy2log, l, p) };
+        let map = unsafe { read_rows(phy2log, l, p) };
         let (new, reload) = scale_down::redistribute(&map, e, local)?;
         // SAFETY: caller contract; written only on success.
-        unsafe { write_map(phy2log, &new, p) };
+        unsafe { write_rows(phy2log, &new, p, |x| x) };
         if flags > 0 {
             // SAFETY: caller contract.
             let out = unsafe { std::slice::from_raw_parts_mut(reload_out, flags) };

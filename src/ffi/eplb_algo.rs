@@ -12,74 +12,18 @@
 //! one of those vLLM can return. Integer token counts tie often, so expect different (equally
 //! balanced) placements from vLLM on real loads.
 
+use super::eplb_args::{checked_len, dims, id, non_null, read_rows, write_rows};
 use super::guard;
 use super::handle::Handle;
 use crate::eplb::migration;
 use crate::eplb::policy::{self, NodeFallback, Placement};
 use crate::error::{Error, Result};
 
-/// A positive dimension argument (shared with `eplb`'s policy entry points).
-pub(super) fn dim(v: i64, what: &str) -> Result<usize> {
-    usize::try_from(v)
-        .ok()
-        .filter(|&x| x > 0)
-        .ok_or_else(|| Error::InvalidArgument(format!("{what} is {v}; expected a positive value")))
-}
-
-/// The most entries of a policy array: the policy copies its inputs into rows, so a wrong size
-/// must not ask for more.
-const MAX_POLICY_ENTRIES: usize = 1 << 40;
-
-/// `a × b` entries ([`guard::entries`]), bounded by [`MAX_POLICY_ENTRIES`].
-pub(super) fn checked_len(a: usize, b: usize, what: &str) -> Result<usize> {
-    let n = guard::entries::<i64>(a, b, what)?;
-    if n > MAX_POLICY_ENTRIES {
-        return Err(Error::InvalidArgument(format!(
-            "'{what}' has {n} entries; expected at most {MAX_POLICY_ENTRIES} (2^40)"
-        )));
-    }
-    Ok(n)
-}
-
 /// `flags` bit of [`epcomm_eplb_rebalance_experts`]: apply vLLM's eplb_state caller rule first —
 /// when num_ranks % num_nodes != 0, log "num_gpus % num_nodes != 0, not using hierarchical
 /// rearrangement algorithm." once and use one node (without it that case is vLLM's policy
 /// AssertionError whenever groups divide into nodes).
 pub const EPCOMM_EPLB_ONE_NODE_FALLBACK: u32 = 1;
-
-/// Fails with a NULL-pointer error for the first NULL among `ptrs`.
-fn non_null(ptrs: &[(bool, &'static str)]) -> Result<()> {
-    match ptrs.iter().find(|(null, _)| *null) {
-        Some((_, what)) => Err(Error::NullPointer(what)),
-        None => Ok(()),
-    }
-}
-
-/// The `rows × cols` values at `p` as rows.
-///
-/// # Safety
-/// `p` is non-NULL and holds `rows * cols` values.
-unsafe fn read_rows<T: Copy>(p: *const T, rows: usize, cols: usize) -> Vec<Vec<T>> {
-    // SAFETY: the caller's contract.
-    let flat = unsafe { std::slice::from_raw_parts(p, rows * cols) };
-    flat.chunks(cols.max(1)).map(<[T]>::to_vec).collect()
-}
-
-/// Writes `rows` (each `cols` values) to `out` as int64.
-///
-/// # Safety
-/// `out` is non-NULL, has room for `rows.len() * cols` int64 and overlaps no live slice.
-unsafe fn write_rows<T: Copy>(out: *mut i64, rows: &[Vec<T>], cols: usize, to_i64: fn(T) -> i64) {
-    // SAFETY: the caller's contract.
-    let dst = unsafe { std::slice::from_raw_parts_mut(out, rows.len() * cols) };
-    for (d, &s) in dst.iter_mut().zip(rows.iter().flatten()) {
-        *d = to_i64(s);
-    }
-}
-
-fn id(x: usize) -> i64 {
-    x as i64
-}
 
 /// One output of [`run_pairs`]: the pointer, its argument name, its entries per row.
 type Out = (*mut i64, &'static str, usize);
@@ -145,15 +89,19 @@ pub unsafe extern "C" fn epcomm_eplb_rebalance_experts(
     phy2log_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
-        let (l, e) = (
-            dim(num_layers, "num_layers")?,
-            dim(num_logical_experts, "num_logical_experts")?,
+        let [l, e, num_replicas, num_groups, num_nodes, num_ranks] = dims!(
+            num_layers,
+            num_logical_experts,
+            num_replicas,
+            num_groups,
+            num_nodes,
+            num_ranks
         );
         let shape = Placement {
-            num_replicas: dim(num_replicas, "num_replicas")?,
-            num_groups: dim(num_groups, "num_groups")?,
-            num_nodes: dim(num_nodes, "num_nodes")?,
-            num_ranks: dim(num_ranks, "num_ranks")?,
+            num_replicas,
+            num_groups,
+            num_nodes,
+            num_ranks,
         };
         let fallback = match flags {
             0 => NodeFallback::Policy,
@@ -203,13 +151,14 @@ pub unsafe extern "C" fn epcomm_eplb_rebalance_experts_hierarchical(
     phy2log_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
-        let (l, e) = (
-            dim(num_layers, "num_layers")?,
-            dim(num_logical_experts, "num_logical_experts")?,
+        let [l, e, p, g, n, r] = dims!(
+            num_layers,
+            num_logical_experts,
+            num_physical_experts,
+            num_groups,
+            num_nodes,
+            num_gpus
         );
-        let p = dim(num_physical_experts, "num_physical_experts")?;
-        let g = dim(num_groups, "num_groups")?;
-        let (n, r) = (dim(num_nodes, "num_nodes")?, dim(num_gpus, "num_gpus")?);
         non_null(&[
             (weight.is_null(), "weight"),
             (phy2log_out.is_null(), "phy2log_out"),
@@ -244,8 +193,7 @@ pub unsafe extern "C" fn epcomm_eplb_balanced_packing(
     rank_in_pack_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
-        let (x, n) = (dim(num_rows, "num_rows")?, dim(num_items, "num_items")?);
-        let m = dim(num_packs, "num_packs")?;
+        let [x, n, m] = dims!(num_rows, num_items, num_packs);
         let outs = [
             (pack_index_out, "pack_index_out", n),
             (rank_in_pack_out, "rank_in_pack_out", n),
@@ -279,8 +227,7 @@ pub unsafe extern "C" fn epcomm_eplb_replicate_experts(
     logcnt_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
-        let (x, e) = (dim(num_rows, "num_rows")?, dim(num_logical, "num_logical")?);
-        let p = dim(num_physical, "num_physical")?;
+        let [x, e, p] = dims!(num_rows, num_logical, num_physical);
         let outs = [
             (phy2log_out, "phy2log_out", p),
             (logcnt_out, "logcnt_out", e),
@@ -313,10 +260,7 @@ pub unsafe extern "C" fn epcomm_eplb_preserve_intragpu_slots(
     phy2log_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
-        let (l, p) = (
-            dim(num_layers, "num_layers")?,
-            dim(num_physical, "num_physical")?,
-        );
+        let [l, p] = dims!(num_layers, num_physical);
         non_null(&[
             (phy2log.is_null(), "phy2log"),
             (old_phy2log.is_null(), "old_phy2log"),
@@ -360,11 +304,7 @@ pub unsafe extern "C" fn epcomm_eplb_compute_logical_maps(
     max_replicas_out: *mut i64,
 ) -> i32 {
     guard::call(|| {
-        let (l, p) = (
-            dim(num_layers, "num_layers")?,
-            dim(num_physical, "num_physical")?,
-        );
-        let e = dim(num_logical, "num_logical")?;
+        let [l, p, e] = dims!(num_layers, num_physical, num_logical);
         non_null(&[
             (phy2log.is_null(), "phy2log"),
             (logcnt_out.is_null(), "logcnt_out"),
@@ -452,10 +392,7 @@ pub unsafe extern "C" fn epcomm_eplb_schedule_migration_batches(
     guard::call(|| {
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(out, "out") }?;
-        let (p, n) = (
-            dim(num_slots, "num_slots")?,
-            dim(slots_per_rank, "slots_per_rank")?,
-        );
+        let [p, n] = dims!(num_slots, slots_per_rank);
         checked_len(p, 1, "num_slots")?;
         non_null(&[
             (old_phy2log.is_null(), "old_phy2log"),

@@ -5,7 +5,7 @@ use std::ffi::c_char;
 use std::sync::Mutex;
 
 use super::all2all::epcomm_all2all;
-use super::eplb_algo::dim;
+use super::eplb_args::{dims, index};
 use super::group::{epcomm_group, with_dep_group, with_group};
 use super::guard;
 use super::handle::{exclusive_handle, Dep, Exclusive, Handle};
@@ -135,8 +135,7 @@ unsafe fn queue(
     peer: i32,
     send: bool,
 ) -> Result<()> {
-    let peer = usize::try_from(peer)
-        .map_err(|_| Error::InvalidArgument(format!("peer rank is {peer}; expected >= 0")))?;
+    let peer = index(peer.into(), "peer rank")?;
     // SAFETY: num_tensors descriptors (caller contract).
     let ts = unsafe {
         Memory::Host.tensors(tensors, num_tensors, "tensors", "tensors[i]", |_, _| Ok(()))
@@ -389,6 +388,8 @@ pub unsafe extern "C" fn epcomm_eplb_lost_experts_options_init(
     })
 }
 
+// The rearrange variants share their map and weight arguments, spelled out for the header
+// (see the module doc of `ffi`); RearrangeCall carries them to the one implementation.
 /// epcomm_eplb_rearrange with `options` (NULL = the defaults): the rank mapping and migration
 /// batching. A bad `options` is reported to the peers as any other rejected argument.
 ///
@@ -610,26 +611,22 @@ unsafe fn rearrange_options_arg(
     // SAFETY: caller contract.
     let mut arg = OptionsArg::plain(None);
     if let Some(o) = unsafe { options.as_ref() } {
-        let want = std::mem::size_of::<epcomm_eplb_rearrange_options>();
-        if (o.struct_size as usize) < want {
-            return Err(Error::InvalidArgument(format!(
-                "options->struct_size is {}: expected sizeof(epcomm_eplb_rearrange_options) = {want} (call epcomm_eplb_rearrange_options_init)",
-                o.struct_size
-            )));
-        }
+        guard::struct_size_arg::<epcomm_eplb_rearrange_options>(
+            o.struct_size,
+            "options",
+            "epcomm_eplb_rearrange_options",
+        )?;
         // SAFETY: caller contract.
         arg.mapping = unsafe { mapping_arg(o.rank_mapping, o.rank_mapping_len) }?;
         arg.batching = o.migration_batching;
     }
     // SAFETY: caller contract.
     if let Some(l) = unsafe { lost.as_ref() } {
-        let want = std::mem::size_of::<epcomm_eplb_lost_experts_options>();
-        if (l.struct_size as usize) < want {
-            return Err(Error::InvalidArgument(format!(
-                "lost_options->struct_size is {}: expected sizeof(epcomm_eplb_lost_experts_options) = {want} (call epcomm_eplb_lost_experts_options_init)",
-                l.struct_size
-            )));
-        }
+        guard::struct_size_arg::<epcomm_eplb_lost_experts_options>(
+            l.struct_size,
+            "lost_options",
+            "epcomm_eplb_lost_experts_options",
+        )?;
         if l.allow_lost_experts {
             arg.lost = rearrange::LostExperts::LeaveUnwritten;
         }
@@ -719,11 +716,13 @@ impl RearrangeCall {
     /// # Safety
     /// The pointers are NULL or valid for the sizes they are given with.
     unsafe fn prepare<'m>(&self, options: Result<OptionsArg<'m>>) -> Result<Prepared<'m>> {
-        let l = dim(self.num_layers, "num_layers")?;
-        let (os, ns) = (
-            dim(self.old_slots, "old_slots")?,
-            dim(self.new_slots, "new_slots")?,
-        );
+        let &RearrangeCall {
+            num_layers,
+            old_slots,
+            new_slots,
+            ..
+        } = self;
+        let [l, os, ns] = dims!(num_layers, old_slots, new_slots);
         // SAFETY: caller contract for every pointer below.
         let (old, new, layers) = unsafe {
             (
@@ -1027,12 +1026,10 @@ pub unsafe extern "C" fn epcomm_eplb_plan_layer(
     guard::call(|| {
         // SAFETY: caller contract.
         let out = unsafe { guard::out_arg(out, "out") }?;
-        let p = dim(num_slots, "num_slots")?;
-        let n = dim(slots_per_rank, "slots_per_rank")?;
+        let [p, n] = dims!(num_slots, slots_per_rank);
         let old = unsafe { maps(old_phy2log, 1, p, "old_phy2log") }?;
         let new = unsafe { maps(new_phy2log, 1, p, "new_phy2log") }?;
-        let rank = usize::try_from(rank)
-            .map_err(|_| Error::InvalidArgument(format!("rank is {rank}; expected >= 0")))?;
+        let rank = index(rank.into(), "rank")?;
         let plan = transfer::plan_layer(&old[0], &new[0], n, rank)?;
         let flat2 =
             |v: &[(usize, usize)]| v.iter().flat_map(|&(a, b)| [a as i64, b as i64]).collect();
@@ -1141,8 +1138,7 @@ pub unsafe extern "C" fn epcomm_eplb_lost_experts(
     guard::call(|| {
         // SAFETY: caller contract (NULL or writable).
         let count_out = unsafe { guard::out_arg(num_lost_out, "num_lost_out") }?;
-        let p = dim(num_slots, "num_slots")?;
-        let n = dim(slots_per_rank, "slots_per_rank")?;
+        let [p, n] = dims!(num_slots, slots_per_rank);
         // SAFETY: caller contract.
         let old = unsafe { maps(old_phy2log, 1, p, "old_phy2log") }?;
         let mapping = unsafe { guard::slice_arg(rank_mapping, rank_mapping_len, "rank_mapping") }?;
@@ -1229,12 +1225,8 @@ pub unsafe extern "C" fn epcomm_eplb_state_new(
                 guard::str_arg(eplb_config_json, "eplb_config_json")
             }?)?
         };
-        let state = LoadState::new(
-            &cfg,
-            model,
-            dim(num_layers, "num_layers")?,
-            dim(num_physical, "num_physical")?,
-        )?;
+        let [num_layers, num_physical] = dims!(num_layers, num_physical);
+        let state = LoadState::new(&cfg, model, num_layers, num_physical)?;
         *out = epcomm_eplb_state {
             inner: Mutex::new(state),
             migration_batching: cfg.migration_batching_enabled(),
@@ -1244,6 +1236,7 @@ pub unsafe extern "C" fn epcomm_eplb_state_new(
     })
 }
 
+// As the communicator's destroy pair: each handle's, spelled out for the header.
 /// Releases load statistics (NULL is a no-op), as epcomm_eplb_state_destroy_checked, whose
 /// status this void form cannot return: a refused destroy frees nothing and records the error
 /// for epcomm_last_error_message.
@@ -1316,8 +1309,7 @@ pub unsafe extern "C" fn epcomm_eplb_state_record_dispatch(
     a2a: *const epcomm_all2all,
 ) -> i32 {
     guard::call(|| {
-        let layer = usize::try_from(layer)
-            .map_err(|_| Error::InvalidArgument(format!("layer is {layer}; expected >= 0")))?;
+        let layer = index(layer, "layer")?;
         // SAFETY: caller contract.
         let counts = unsafe { super::all2all::expert_counts(a2a) }?;
         unsafe { with_state(state, |s| s.record_counts(layer, &counts)) }
@@ -1335,8 +1327,7 @@ pub unsafe extern "C" fn epcomm_eplb_state_record(
     topk_ids: *const epcomm_tensor,
 ) -> i32 {
     guard::call(|| {
-        let layer = usize::try_from(layer)
-            .map_err(|_| Error::InvalidArgument(format!("layer is {layer}; expected >= 0")))?;
+        let layer = index(layer, "layer")?;
         // SAFETY: caller contract.
         let t = unsafe { HostTensor::from_ffi(topk_ids, "topk_ids") }?;
         // SAFETY: a host tensor valid for reads (caller contract).
@@ -1389,9 +1380,7 @@ pub unsafe extern "C" fn epcomm_eplb_state_logical_load(
     load_out: *mut f32,
 ) -> i32 {
     guard::call(|| {
-        let l = dim(num_layers, "num_layers")?;
-        let p = dim(num_physical, "num_physical")?;
-        let e = dim(num_logical, "num_logical")?;
+        let [l, p, e] = dims!(num_layers, num_physical, num_logical);
         if load_out.is_null() {
             return Err(Error::NullPointer("load_out"));
         }

@@ -81,13 +81,11 @@ unsafe fn options_arg(options: *const epcomm_group_options) -> Result<GroupOptio
     let Some(c) = (unsafe { options.as_ref() }) else {
         return Ok(o);
     };
-    if (c.struct_size as usize) < std::mem::size_of::<epcomm_group_options>() {
-        return Err(Error::InvalidArgument(format!(
-            "options->struct_size is {}: expected sizeof(epcomm_group_options) = {} (call epcomm_group_options_init)",
-            c.struct_size,
-            std::mem::size_of::<epcomm_group_options>()
-        )));
-    }
+    guard::struct_size_arg::<epcomm_group_options>(
+        c.struct_size,
+        "options",
+        "epcomm_group_options",
+    )?;
     let max = crate::env::MAX_TIMEOUT_S;
     if c.timeout_s.is_nan() || c.timeout_s > max {
         return Err(Error::InvalidArgument(format!(
@@ -487,6 +485,8 @@ impl HostTransport for CallbackTransport {
     }
 }
 
+// The group constructors share (rank, world_size, options, out), spelled out for the header
+// (see the module doc of `ffi`); create_shm_with and options_arg are the shared pieces.
 /// Creates a group over the host's transport. `callbacks` is copied; `user_data` must stay
 /// valid until the group is destroyed. `name` labels messages.
 ///
@@ -760,6 +760,8 @@ unsafe fn counts_arg(p: *const i64, world: usize, what: &'static str) -> Result<
         .collect()
 }
 
+// The collectives below are written out for the header (see the module doc of `ffi`): each
+// signature is its C API, each body one call of `collective` or `rows_collective`.
 /// Gathers every rank's `input` rows along dimension 0 into `output`, in rank order.
 /// `sizes` holds world_size row counts (sizes[r] = rows of rank r, may be 0); `input` has
 /// sizes[rank] rows, `output` sum(sizes) rows of the same row shape and dtype (any dtype).

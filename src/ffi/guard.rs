@@ -201,6 +201,18 @@ pub(crate) unsafe fn out_arg<'a, T>(p: *mut T, what: &'static str) -> Result<&'a
     unsafe { p.as_mut() }.ok_or(Error::NullPointer(what))
 }
 
+/// An options struct's `struct_size` at least `size_of::<T>()`, else INVALID_ARGUMENT naming
+/// the argument `arg` and the type `ty`, whose `{ty}_init` fills it.
+pub(crate) fn struct_size_arg<T>(struct_size: u32, arg: &str, ty: &str) -> Result<()> {
+    let want = std::mem::size_of::<T>();
+    if (struct_size as usize) < want {
+        return Err(Error::InvalidArgument(format!(
+            "{arg}->struct_size is {struct_size}: expected sizeof({ty}) = {want} (call {ty}_init)"
+        )));
+    }
+    Ok(())
+}
+
 /// A NUL-terminated copy of a static string, made once and kept for the process.
 pub(crate) fn static_cstr(s: &'static str) -> *const c_char {
     static CACHE: OnceLock<Mutex<HashMap<&'static str, &'static CStr>>> = OnceLock::new();

@@ -4,8 +4,9 @@
 //!
 //! The shared pieces: `guard` (catch_unwind, last error, string/slice/output arguments),
 //! `handle` (every opaque handle's create, NULL check, one-thread-at-a-time borrow and
-//! destroy), `tensor` (DLPack descriptors checked in host or device memory) and `moe_args`
-//! (the dispatch/combine checks and output views of the host and GPU entry points).
+//! destroy), `tensor` (DLPack descriptors checked in host or device memory), `moe_args`
+//! (the dispatch/combine checks and output views of the host and GPU entry points) and
+//! `eplb_args` (the EPLB entry points' dimensions and `rows × cols` arrays).
 //!
 //! Entry points that differ only in a name or an argument (each handle's `_destroy` /
 //! `_destroy_checked`, `add_send` / `add_recv`, the `rearrange` variants) are written out one
@@ -13,6 +14,7 @@
 //! missing from the header. Their bodies are one call into the shared piece.
 #![allow(non_camel_case_types)]
 
+mod eplb_args;
 mod guard;
 mod handle;
 mod moe_args;

@@ -662,6 +662,8 @@ entry_points! {
         err: wn(U64),
     }
 
+    // Its first twelve parameters are EXPERT_MAJOR's (both call unpack.cu's ep_unpack_expert):
+    // each table is its kernel's own signature, as tests/gpu_kernels.rs checks against the .cu.
     /// EXPERT_PACKED: exact rows grouped by expert + `expert_offsets[E_local+1]`, weight, source.
     EP_UNPACK_EXPERT_PACKED / UnpackExpertPackedArgs = "ep_unpack_expert_packed" in Unpack, "warp per (local expert, received row)" {
         recv_rows: p(U8),

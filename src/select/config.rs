@@ -443,6 +443,30 @@ fn optional<T>(check: impl Fn(&Json) -> PyResult<T>) -> impl Fn(&Json) -> PyResu
     }
 }
 
+/// Reads the top-level fields of `items` with `read`, the keys left over being unexpected
+/// unless in `valid`: `read`'s result, or pydantic's ValidationError of `class` naming every
+/// field that failed.
+fn read_fields<T>(
+    items: Vec<(String, Json)>,
+    class: &str,
+    valid: &[&str],
+    read: impl FnOnce(&mut Fields<'_>) -> T,
+) -> Result<T> {
+    let (mut errors, mut hints) = (Vec::new(), Vec::new());
+    let mut f = Fields {
+        items,
+        prefix: "",
+        errors: &mut errors,
+        hints: &mut hints,
+    };
+    let out = read(&mut f);
+    f.finish(valid);
+    if !errors.is_empty() {
+        return Err(validation_error(class, &errors, hints));
+    }
+    Ok(out)
+}
+
 /// The error for failed field validation: pydantic's text for `class`, epcomm's hints apart.
 fn validation_error(class: &str, errors: &[LineError], hints: Vec<String>) -> Error {
     Error::ConfigField {
@@ -522,18 +546,9 @@ pub fn parse_eplb_config_json(json: &str) -> Result<EplbConfig> {
         ));
     };
     let release = versions::release(versions::DEFAULT_VERSION)?;
-    let (mut errors, mut hints) = (Vec::new(), Vec::new());
-    let mut f = Fields {
-        items,
-        prefix: "",
-        errors: &mut errors,
-        hints: &mut hints,
-    };
-    let c = eplb_fields(&mut f, release);
-    f.finish(&eplb_keys(release));
-    if !errors.is_empty() {
-        return Err(validation_error("EPLBConfig", &errors, hints));
-    }
+    let c = read_fields(items, "EPLBConfig", &eplb_keys(release), |f| {
+        eplb_fields(f, release)
+    })?;
     c.validate()?;
     Ok(c)
 }
@@ -550,26 +565,19 @@ fn parse_options(c: &mut VllmConfig, mut items: Vec<(String, Json)>) -> Result<&
         Some(i) => Some(versions::described(&items.remove(i).1.to_value())?),
         None => None,
     };
-    let (mut errors, mut hints) = (Vec::new(), Vec::new());
-    let mut f = Fields {
-        items,
-        prefix: "",
-        errors: &mut errors,
-        hints: &mut hints,
-    };
-    let version: Option<String> = f.get("vllm_version", None, |v| pydantic::string(v).map(Some));
-    c.platform = f.get("platform", c.platform.clone(), |v| {
-        pydantic::literal(v, &PLATFORMS)
-    });
-    c.num_experts = f.get("num_experts", None, optional(int_gt(0)));
-    c.nixl_available = f.get("nixl_available", None, optional(pydantic::bool));
-    c.nccl_available = f.get("nccl_available", None, optional(pydantic::bool));
-    c.enable_lora = f.get("enable_lora", false, pydantic::bool);
-    c.draft_model_is_moe = f.get("draft_model_is_moe", false, pydantic::bool);
-    f.finish(&EPCOMM_KEYS);
-    if !errors.is_empty() {
-        return Err(validation_error(EPCOMM_OPTIONS_CLASS, &errors, hints));
-    }
+    let version = read_fields(items, EPCOMM_OPTIONS_CLASS, &EPCOMM_KEYS, |f| {
+        let version: Option<String> =
+            f.get("vllm_version", None, |v| pydantic::string(v).map(Some));
+        c.platform = f.get("platform", c.platform.clone(), |v| {
+            pydantic::literal(v, &PLATFORMS)
+        });
+        c.num_experts = f.get("num_experts", None, optional(int_gt(0)));
+        c.nixl_available = f.get("nixl_available", None, optional(pydantic::bool));
+        c.nccl_available = f.get("nccl_available", None, optional(pydantic::bool));
+        c.enable_lora = f.get("enable_lora", false, pydantic::bool);
+        c.draft_model_is_moe = f.get("draft_model_is_moe", false, pydantic::bool);
+        version
+    })?;
     if let Some(r) = described {
         if let Some(version) = version.filter(|v| !versions::same_release(v, r.version)) {
             return Err(Error::InvalidArgument(format!(
@@ -724,23 +732,14 @@ pub fn parse(json: &str) -> Result<VllmConfig> {
             "'{key}' is a field of vLLM's ParallelConfig that epcomm's check does not model; remove it to check the rest"
         )));
     }
-    let (mut errors, mut hints) = (Vec::new(), Vec::new());
-    let mut f = Fields {
-        items,
-        prefix: "",
-        errors: &mut errors,
-        hints: &mut hints,
-    };
-    parallel_fields(&mut c, &mut f, release);
     let valid: Vec<&str> = PARALLEL_FIELDS
         .iter()
         .chain(&EPCOMM_KEYS)
         .copied()
         .collect();
-    f.finish(&valid);
-    if !errors.is_empty() {
-        return Err(validation_error("ParallelConfig", &errors, hints));
-    }
+    read_fields(items, "ParallelConfig", &valid, |f| {
+        parallel_fields(&mut c, f, release)
+    })?;
     if release.all2all_rule != NameRule::Literal
         && !release.all2all_names.contains(&c.all2all_backend.as_str())
     {

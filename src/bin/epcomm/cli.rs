@@ -213,6 +213,8 @@ pub struct GroupArgs {
     pub json: bool,
 }
 
+// --backend as DemoArgs declares it, with this command's default: clap's attributes take no
+// parameter, so each command writes its own.
 /// Options of `epcomm bench moe`.
 #[derive(Args, Debug, Clone)]
 pub struct MoeArgs {

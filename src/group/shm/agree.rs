@@ -18,6 +18,8 @@ use crate::group::Op;
 const _: () = assert!(MAX_PARAMS <= PARAMS);
 
 impl ShmGroup {
+    // run_agreed and run_checked take the same arguments: run_agreed is the common case, the ops
+    // with no check across ranks' metadata, spelled as one call of run_checked.
     /// Runs one op whose arguments this rank checked (`local`) and whose `params` every rank
     /// must pass alike: begin, publish (nothing but the verdict when `local` failed), wait for
     /// the peers, agree, `read` (only when every rank accepted and agreed), finish.

@@ -9,12 +9,12 @@
 //! fixed positions (the "iota" pair positions). Bad ids and full buckets land in the device
 //! error word, read by `GpuManager::check_device_error`.
 
-use super::counts::{payloads, unpack_buckets, Selected};
+use super::experts::{payloads, unpack_buckets, Selected};
 use super::{
     pack, return_pairs, weighted_sum, Ctx, DispatchInput, GpuDispatch, Phase, Pipeline, State, Wire,
 };
 use crate::error::Result;
-use crate::gpu::kernels::{LayoutArgs, PairRowsArgs, RecvFlagsArgs};
+use crate::gpu::kernels::{LayoutArgs, PairRowsArgs};
 use crate::gpu::nccl::plan::counts_plan;
 use crate::gpu::transport::plan::{broadcast_plan, scan_scratch_elems, DispatchShape};
 
@@ -132,33 +132,12 @@ fn send(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput, s: &Statics) -> Result<W
 /// The device-side selection into buckets: (hidden, extras, counts).
 fn receive(p: &Pipeline, c: &mut Ctx, wire: &Wire, s: &Statics) -> Result<(u64, Vec<u64>, u64)> {
     let cfg = p.config();
-    let (r, d, m) = (p.world(), p.rank(), cfg.max_tokens_per_rank);
+    let (r, m) = (p.world(), cfg.max_tokens_per_rank);
     let el = cfg.num_experts / r;
-    let n = r * m;
-    let [_, ids, w, src] = wire.recv_meta()?;
-    let eflag = c.buf("cap_expert_flag", 4 * el * n)?;
-    let epos = c.buf("cap_expert_pos", 4 * (el * n + 1))?;
+    let names = ["cap_expert_flag", "cap_expert_pos"];
+    let sel = Selected::flag(p, c, wire, (r * m, s.d_off), s.scratch, names, 0)?;
     let counts = c.buf("cap_counts", 4 * el)?;
-    c.run(c.k.recv_flags(RecvFlagsArgs {
-        recv_ids: ids,
-        N: n as i32,
-        E_local: el as i32,
-        rank: d as i32,
-        expert_flag: eflag,
-        pair_flag: 0,
-        local_counts: 0,
-    }))?;
-    c.run(c.k.scan(eflag, epos, el * n, s.scratch))?;
     let outs = wire.outputs(c, "cap_out_rows", el * m * r)?;
-    let sel = Selected {
-        ids,
-        w,
-        src,
-        offsets: s.d_off,
-        n,
-        eflag,
-        epos,
-    };
     unpack_buckets(p, c, &sel, &outs, counts, s.err)?;
     let (hidden, extras) = payloads(&outs);
     Ok((hidden, extras, counts))

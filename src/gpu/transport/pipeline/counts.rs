@@ -10,6 +10,7 @@
 //! Combine mirrors it with the transposed matrix: `ep_combine_return_*` on the expert rank,
 //! the reverse exchange, then `ep_weighted_combine` (expert layouts) or `ep_sum_ranks`.
 
+use super::experts::{payloads, unpack_buckets, unpack_packed, Selected};
 use super::{
     pack, return_pairs, sizes, weighted_sum, Ctx, DispatchInput, Executor, Family, GpuDispatch,
     Phase, Pipeline, State, Wire,
@@ -17,8 +18,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
     encode_error_word, CombineReturnRankMajorArgs, LayoutArgs, PairRowsArgs, RecvFlagsArgs,
-    SumRanksArgs, UnpackExpertMajorArgs, UnpackExpertPackedArgs, UnpackRankMajorArgs,
-    UnpackTokenMajorArgs, ERR_HOST_REJECTED,
+    SumRanksArgs, UnpackRankMajorArgs, UnpackTokenMajorArgs, ERR_HOST_REJECTED,
 };
 use crate::gpu::nccl::plan::counts_plan;
 use crate::gpu::transport::plan::{
@@ -262,36 +262,15 @@ fn unpack_experts(
     o: &mut GpuDispatch,
 ) -> Result<()> {
     let cfg = p.config();
-    let (r, d, k) = (p.world(), p.rank(), cfg.top_k);
-    let el = cfg.num_experts / r;
-    let n = sent.n_recv;
-    let [_, ids, w, src] = sent.wire.recv_meta()?;
-    let eflag = c.buf("expert_flag", 4 * el * n)?;
-    let epos = c.buf("expert_pos", 4 * (el * n + 1))?;
+    let (n, k) = (sent.n_recv, cfg.top_k);
     let rpflag = c.buf("recv_pair_flag", 4 * n * k)?;
     let rppos = c.buf("recv_pair_pos", 4 * (n * k + 1))?;
-    c.run(c.k.recv_flags(RecvFlagsArgs {
-        recv_ids: ids,
-        N: n as i32,
-        E_local: el as i32,
-        rank: d as i32,
-        expert_flag: eflag,
-        pair_flag: rpflag,
-        local_counts: 0,
-    }))?;
-    c.run(c.k.scan(eflag, epos, el * n, sent.scratch))?;
+    let names = ["expert_flag", "expert_pos"];
+    let sel = Selected::flag(p, c, &sent.wire, (n, d_off), sent.scratch, names, rpflag)?;
     c.run(c.k.scan(rpflag, rppos, n * k, sent.scratch))?;
-    let sel = Selected {
-        ids,
-        w,
-        src,
-        offsets: d_off,
-        n,
-        eflag,
-        epos,
-    };
     if p.family == Family::Buckets {
-        let cap = cfg.max_tokens_per_rank * r;
+        let el = cfg.num_experts / p.world();
+        let cap = cfg.max_tokens_per_rank * p.world();
         let counts = c.buf("out_counts", 4 * el)?;
         let err = c.buf("err", 8)?;
         let outs = sent.wire.outputs(c, "out_rows", el * cap)?;
@@ -300,109 +279,7 @@ fn unpack_experts(
         o.counts = counts;
         return Ok(());
     }
-    unpack_packed(p, c, sent, &sel, o)
-}
-
-/// EXPERT_PACKED: exact rows grouped by expert, offsets, per-row weight and source.
-fn unpack_packed(
-    p: &Pipeline,
-    c: &mut Ctx,
-    sent: &Sent,
-    sel: &Selected,
-    o: &mut GpuDispatch,
-) -> Result<()> {
-    let (r, d) = (p.world(), p.rank());
-    let el = p.config().num_experts / r;
-    let nr = o.shape.received_rows;
-    let offs = c.buf("out_offsets", 4 * (el + 1))?;
-    let out_w = c.buf("out_w", 4 * nr)?;
-    let sr = c.buf("out_src_rank", 4 * nr)?;
-    let st = c.buf("out_src_token", 4 * nr)?;
-    let outs = sent.wire.outputs(c, "out_rows", nr)?;
-    for &(recv_rows, wb, out_rows) in &outs {
-        c.run(c.k.unpack_expert_packed(UnpackExpertPackedArgs {
-            recv_rows,
-            recv_ids: sel.ids,
-            recv_w: sel.w,
-            recv_src: sel.src,
-            recv_offsets: sel.offsets,
-            N: sel.n as i32,
-            R: r as i32,
-            row_bytes: wb as u64,
-            E_local: el as i32,
-            rank: d as i32,
-            expert_flag: sel.eflag,
-            expert_pos: sel.epos,
-            out_rows,
-            expert_offsets: offs,
-            out_w,
-            out_src_rank: sr,
-            out_src_token: st,
-        }))?;
-    }
-    (o.hidden, o.extras) = payloads(&outs);
-    o.expert_offsets = offs;
-    o.topk_weights = out_w;
-    o.src_rank = sr;
-    o.src_token = st;
-    Ok(())
-}
-
-/// What the expert layouts' receive side selects from (both modes): the wire's ids, weights,
-/// source tokens and receive offsets of `n` rows, the (local expert, row) flags and their
-/// scanned positions.
-pub(super) struct Selected {
-    pub ids: u64,
-    pub w: u64,
-    pub src: u64,
-    pub offsets: u64,
-    pub n: usize,
-    pub eflag: u64,
-    pub epos: u64,
-}
-
-/// EXPERT_MAJOR's buckets of M·R rows per local expert (both modes): one
-/// `ep_unpack_expert_major` per row payload `outs` (received rows, row bytes, buckets).
-pub(super) fn unpack_buckets(
-    p: &Pipeline,
-    c: &mut Ctx,
-    sel: &Selected,
-    outs: &[(u64, usize, u64)],
-    counts: u64,
-    err: u64,
-) -> Result<()> {
-    let (r, d) = (p.world(), p.rank());
-    let el = p.config().num_experts / r;
-    for &(recv_rows, wb, out_rows) in outs {
-        c.run(c.k.unpack_expert_major(UnpackExpertMajorArgs {
-            recv_rows,
-            recv_ids: sel.ids,
-            recv_w: sel.w,
-            recv_src: sel.src,
-            recv_offsets: sel.offsets,
-            N: sel.n as i32,
-            R: r as i32,
-            row_bytes: wb as u64,
-            E_local: el as i32,
-            rank: d as i32,
-            expert_flag: sel.eflag,
-            expert_pos: sel.epos,
-            capacity: (p.config().max_tokens_per_rank * r) as i32,
-            out_rows,
-            counts,
-            out_w: 0,
-            out_src_rank: 0,
-            out_src_token: 0,
-            err,
-        }))?;
-    }
-    Ok(())
-}
-
-/// The unpacked row payloads as the dispatch's outputs: (hidden, extras).
-pub(super) fn payloads(outs: &[(u64, usize, u64)]) -> (u64, Vec<u64>) {
-    let mut it = outs.iter().map(|o| o.2);
-    (it.next().unwrap_or(0), it.collect())
+    unpack_packed(c, &sent.wire, &sel, o)
 }
 
 /// The source side of combine (expert layouts): where each (t, k) result will land, and the
@@ -432,6 +309,7 @@ fn combine_source(p: &Pipeline, c: &mut Ctx, inp: &DispatchInput, scratch: u64) 
     Ok(())
 }
 
+// unpack_experts and unpack_rank_major take the same arguments: receive's per-layout steps.
 /// RANK_MAJOR: regions of M rows per source rank, ids and weights unchanged, recv counts.
 fn unpack_rank_major(
     p: &Pipeline,
@@ -471,6 +349,7 @@ fn unpack_rank_major(
     Ok(())
 }
 
+// The same arguments as capacity::combine: the two modes' combine, chosen by the pipeline.
 /// A counts-mode combine: the layout's return rows, the reverse exchange, the reduction.
 pub(super) fn combine(
     p: &Pipeline,

@@ -8,10 +8,12 @@
 //!
 //! - `counts`: counts mode (one host sync per dispatch; every layout).
 //! - `capacity`: capacity mode (no host sync; EXPERT_MAJOR only).
+//! - `experts`: the expert layouts' receive side, which both modes share.
 //! - here: the configuration checks, the wire buffers and the steps both modes share.
 
 mod capacity;
 mod counts;
+mod experts;
 mod sizes;
 
 use crate::error::{Error, Result};
