@@ -11,7 +11,9 @@
 # scripts/bench-netns.sh runs the same across two network namespaces.
 #
 # usage: scripts/bench-host.sh [--tokens 1,128,1024,4096] [--ranks 2,4] [--iters 10] [--reps 5]
-#                              [--only gloo|mpi] [--svg docs/performance-host.svg]
+#                              [--threads 1] [--only gloo|mpi] [--svg docs/performance-host.svg]
+# --threads: torch intra-op threads per gloo rank, both sides (default 1: one core per rank, as
+# the MPI ranks have; 0 leaves torch's default).
 # Environment: PYTHON (default python3; needs torch), EPCOMM_MPI_ALLTOALLV=0 / --send-recv-only
 # are the "before" (no all_to_allv callback).
 set -euo pipefail
@@ -20,6 +22,7 @@ TOKENS=1,128,1024,4096
 RANKS=2,4
 ITERS=10
 REPS=5
+THREADS=1
 ONLY=""
 SVG=""
 say() { printf '%s\n' "bench-host: $*" >&2; }
@@ -30,9 +33,10 @@ while [ $# -gt 0 ]; do
         --ranks) RANKS="$2"; shift 2 ;;
         --iters) ITERS="$2"; shift 2 ;;
         --reps) REPS="$2"; shift 2 ;;
+        --threads) THREADS="$2"; shift 2 ;;
         --only) ONLY="$2"; shift 2 ;;
         --svg) SVG="$2"; shift 2 ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
 done
@@ -49,7 +53,7 @@ echo
 
 if [ "$ONLY" != mpi ]; then
     PYTHONPATH="$ROOT/python" EPCOMM_LIBRARY="$LIB" "$PYTHON" examples/python/bench_from_torch.py \
-        --tokens "$TOKENS" --ranks "$RANKS" --iters "$ITERS" --reps "$REPS" | tee -a "$OUT"
+        --tokens "$TOKENS" --ranks "$RANKS" --iters "$ITERS" --reps "$REPS" --threads "$THREADS" | tee -a "$OUT"
     echo
 fi
 if [ "$ONLY" != gloo ]; then
