@@ -92,64 +92,14 @@ private:
     int64_t next_valid_;
 };
 
-namespace detail {
-/// The C/C++ name of an element type the library's message names as PyTorch does
-/// ("float32" of "torch.float32"): the C type, with the epcomm:: function that makes its
-/// epcomm_dtype where there is one; the bare name for the others.
-inline std::string c_dtype_name(const std::string &torch) {
-    static const std::pair<const char *, const char *> names[] = {
-        {"float32", "float (epcomm::f32())"},
-        {"float64", "double"},
-        {"float16", "float16 (epcomm::f16())"},
-        {"bfloat16", "bfloat16 (epcomm::bf16())"},
-        {"float8_e4m3fn", "float8_e4m3fn (epcomm::f8_e4m3fn())"},
-        {"int8", "int8_t"},
-        {"int16", "int16_t"},
-        {"int32", "int32_t (epcomm::i32())"},
-        {"int64", "int64_t (epcomm::i64())"},
-        {"uint8", "uint8_t (epcomm::u8())"},
-        {"uint16", "uint16_t"},
-        {"uint32", "uint32_t"},
-        {"uint64", "uint64_t"},
-    };
-    for (const auto &n : names) {
-        if (torch == n.first) return n.second;
-    }
-    return torch;
-}
-
-/// A library message with its element types in C/C++ terms: every "torch.NAME" (NAME a
-/// PyTorch dtype) becomes c_dtype_name(NAME), e.g. "expected torch.float32" reads "expected
-/// float (epcomm::f32())". The Python package keeps PyTorch's names.
-inline std::string with_c_dtype_names(const std::string &message) {
-    static const std::string prefix = "torch.";
-    std::string out;
-    size_t at = 0;
-    for (size_t hit = message.find(prefix); hit != std::string::npos; hit = message.find(prefix, at)) {
-        size_t end = hit + prefix.size();
-        while (end < message.size() &&
-               ((message[end] >= 'a' && message[end] <= 'z') || (message[end] >= '0' && message[end] <= '9') ||
-                message[end] == '_')) {
-            ++end;
-        }
-        out.append(message, at, hit - at);
-        const std::string name = message.substr(hit + prefix.size(), end - hit - prefix.size());
-        out += name.empty() ? prefix : c_dtype_name(name);
-        at = end;
-    }
-    out.append(message, at, std::string::npos);
-    return out;
-}
-}  // namespace detail
-
-/// The Error for a non-OK status, from this thread's last error (element types named in C/C++
-/// terms, detail::with_c_dtype_names).
+/// The Error for a non-OK status, from this thread's last error (epcomm_last_error_message:
+/// element types in C terms, "float32 (kDLFloat, 32 bits)").
 inline Error last_error(int32_t status) {
     const char *message = epcomm_last_error_message();
     const char *hint = epcomm_last_error_hint();
     const char *cls = epcomm_status_exception(status);
-    return Error(status, detail::with_c_dtype_names(message ? message : epcomm_status_string(status)),
-                 hint ? hint : "", cls ? cls : "RuntimeError");
+    return Error(status, message ? message : epcomm_status_string(status), hint ? hint : "",
+                 cls ? cls : "RuntimeError");
 }
 
 /// Throws epcomm::Error for a non-OK status (with this thread's last error).

@@ -137,6 +137,26 @@ class ErrorTest(unittest.TestCase):
             "so), or raise the timeout (EPCOMM_TIMEOUT_S, or the group's timeout_s)",
         )
 
+    def test_dtype_errors_name_torch_dtypes(self):
+        # vLLM's wording: PyTorch's dtype names (C callers read the same message with the C
+        # names, "int16 (kDLInt, 16 bits)": tests/c/all2all_test.c).
+        import numpy as np
+
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        ids, w = np.array([[0, 1], [2, 3]], np.int64), np.ones((2, 2), np.float32)
+        with epcomm.Group.shm(unique("dtype-err"), 0, 1) as g, epcomm.All2All(
+            g, "deepep_high_throughput", num_experts=4, top_k=2, hidden_size=4,
+            max_tokens_per_rank=4,
+        ) as a:
+            with self.assertRaises(ValueError) as cm:
+                a.dispatch(x, ids.astype(np.int16), w)
+            self.assert_error(cm, ValueError, 2, "tensor 'topk_ids' has dtype torch.int16; "
+                              "expected torch.int32 or torch.int64")
+            with self.assertRaises(ValueError) as cm:
+                a.dispatch(x, ids, w.astype(np.float64))
+            self.assert_error(cm, ValueError, 2, "tensor 'topk_weights' has dtype "
+                              "torch.float64; expected torch.float32")
+
     def test_error_is_an_exception(self):
         self.assertTrue(issubclass(epcomm.Error, Exception))
         try:
