@@ -135,15 +135,7 @@ fn every_rank_of_a_name_clash_names_it() {
     };
     let a0 = spawn(0);
     let a0_pid = a0.id();
-    let record = format!("/dev/shm/epcomm.{group}");
-    let waited = Instant::now();
-    while !std::path::Path::new(&record).exists() {
-        assert!(
-            waited.elapsed() < Duration::from_secs(20),
-            "rank 0 of job A created no record"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    ranks::wait_for_record(&group, Duration::from_secs(20));
     let b0 = spawn(0);
     let b0_pid = b0.id();
     let refused = ranks::wait_all(vec![(0, b0)], Duration::from_secs(20));
