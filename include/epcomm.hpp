@@ -41,8 +41,8 @@
 //
 // Errors throw epcomm::Error; nothing here hides a failure. Every C entry point a C++ program
 // calls has a wrapper here except the Python-runtime helpers (epcomm_dlpack_set_python_api,
-// epcomm_dlpack_python_release, epcomm_dlpack_capsule_destructor), which only a Python
-// binding uses: call them from epcomm.h.
+// epcomm_dlpack_python_release, epcomm_dlpack_capsule_destructor,
+// epcomm_last_error_message_torch), which only a Python binding uses: call them from epcomm.h.
 #ifndef EPCOMM_HPP
 #define EPCOMM_HPP
 

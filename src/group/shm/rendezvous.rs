@@ -490,8 +490,8 @@ impl ShmGroup {
             }
             // Gone meanwhile: try again.
             Ok(None) if Segment::record_key(control_name).is_none() => Ok(()),
-            // Held by a live creator (locked, or its pid alive).
-            // A group another job met already is refused as the other ranks that find it are.
+            // Held by a live creator (locked, or its pid alive); a group another job met
+            // already is refused as the other ranks that find it are.
             Ok(None) => match live.or(seen) {
                 Some(r) => match Self::mark_conflict(&r) {
                     Some(met) => Err(met_conflict(name, met, r.creator, 0)),
