@@ -2,16 +2,16 @@
  * epcomm: vLLM's expert-parallel communication layer with a stable C ABI.
  *
  * Conventions: every fallible function returns an int32_t status (EPCOMM_OK = 0); on failure
- * epcomm_last_error_message() holds the message (vLLM's exact wording where vLLM has one) and
- * epcomm_last_error_hint() an optional hint. Outputs are written only on success. NULL where a
- * pointer is required gives EPCOMM_ERROR_NULL_POINTER, never a crash. Selection and query
- * functions are pure and reentrant; handles are used by one thread at a time: a call while
- * another thread's call on the handle is in flight, its destroy included, is
- * EPCOMM_ERROR_INVALID_STATE and changes nothing. A call on a destroyed handle (while its address
- * is not reused) is EPCOMM_ERROR_INVALID_STATE too. Each epcomm_*_destroy has an
- * epcomm_*_destroy_checked form returning the status. A handle belongs to the process that made
- * it: a forked child's calls on it are EPCOMM_ERROR_INVALID_STATE and leave the parent's
- * untouched.
+ * epcomm_last_error_message() holds the message (vLLM's exact wording where vLLM has one, its
+ * element types in C terms) and epcomm_last_error_hint() an optional hint. Outputs are written
+ * only on success. NULL where a pointer is required gives EPCOMM_ERROR_NULL_POINTER, never a
+ * crash. Selection and query functions are pure and reentrant; handles are used by one thread
+ * at a time: a call while another thread's call on the handle is in flight, its destroy
+ * included, is EPCOMM_ERROR_INVALID_STATE and changes nothing. A call on a destroyed handle
+ * (while its address is not reused) is EPCOMM_ERROR_INVALID_STATE too. Each epcomm_*_destroy
+ * has an epcomm_*_destroy_checked form returning the status. A handle belongs to the process
+ * that made it: a forked child's calls on it are EPCOMM_ERROR_INVALID_STATE and leave the
+ * parent's untouched.
  */
 
 #ifndef EPCOMM_H
@@ -403,7 +403,9 @@ typedef struct epcomm_group epcomm_group;
  */
 typedef struct epcomm_dtype {
   /**
-   * DLPack type code (0 int, 1 uint, 2 float, 4 bfloat, 6 bool, 10 float8_e4m3fn, ...).
+   * DLPack type code (0 kDLInt, 1 kDLUInt, 2 kDLFloat, 4 kDLBfloat, 6 kDLBool, 10
+   * kDLFloat8_e4m3fn, ...). Messages name a type by its name, code and bits: "float32
+   * (kDLFloat, 32 bits)".
    */
   uint8_t code;
   /**
@@ -1852,10 +1854,21 @@ int32_t epcomm_eplb_state_logical_load(const struct epcomm_eplb_state *state, st
 /**
  * The message of the last failed call on this thread, or NULL if none failed yet.
  *
- * Where vLLM raises an error for the same condition, this is exactly vLLM's text. The pointer
- * stays valid until the next failing call on this thread. Successful calls leave it unchanged.
+ * Where vLLM raises an error for the same condition, this is exactly vLLM's text, with one
+ * difference: element types are named as C code writes an epcomm_dtype, their name, DLPack
+ * type code and bits ("float32 (kDLFloat, 32 bits)", "bfloat16 (kDLBfloat, 16 bits)") where
+ * vLLM prints PyTorch's ("torch.float32"); epcomm_last_error_message_torch has PyTorch's. The
+ * pointer stays valid until the next failing call on this thread. Successful calls leave it
+ * unchanged.
  */
 const char *epcomm_last_error_message(void);
+
+/**
+ * epcomm_last_error_message with element types named as PyTorch names them ("torch.float32"),
+ * as vLLM's own messages do: the text the Python package raises. NULL if no call failed yet
+ * on this thread; valid as long as epcomm_last_error_message.
+ */
+const char *epcomm_last_error_message_torch(void);
 
 /**
  * A remediation hint for the last failure on this thread (e.g. "did you mean

@@ -41,8 +41,8 @@
 //
 // Errors throw epcomm::Error; nothing here hides a failure. Every C entry point a C++ program
 // calls has a wrapper here except the Python-runtime helpers (epcomm_dlpack_set_python_api,
-// epcomm_dlpack_python_release, epcomm_dlpack_capsule_destructor), which only a Python
-// binding uses: call them from epcomm.h.
+// epcomm_dlpack_python_release, epcomm_dlpack_capsule_destructor,
+// epcomm_last_error_message_torch), which only a Python binding uses: call them from epcomm.h.
 #ifndef EPCOMM_HPP
 #define EPCOMM_HPP
 
@@ -92,64 +92,14 @@ private:
     int64_t next_valid_;
 };
 
-namespace detail {
-/// The C/C++ name of an element type the library's message names as PyTorch does
-/// ("float32" of "torch.float32"): the C type, with the epcomm:: function that makes its
-/// epcomm_dtype where there is one; the bare name for the others.
-inline std::string c_dtype_name(const std::string &torch) {
-    static const std::pair<const char *, const char *> names[] = {
-        {"float32", "float (epcomm::f32())"},
-        {"float64", "double"},
-        {"float16", "float16 (epcomm::f16())"},
-        {"bfloat16", "bfloat16 (epcomm::bf16())"},
-        {"float8_e4m3fn", "float8_e4m3fn (epcomm::f8_e4m3fn())"},
-        {"int8", "int8_t"},
-        {"int16", "int16_t"},
-        {"int32", "int32_t (epcomm::i32())"},
-        {"int64", "int64_t (epcomm::i64())"},
-        {"uint8", "uint8_t (epcomm::u8())"},
-        {"uint16", "uint16_t"},
-        {"uint32", "uint32_t"},
-        {"uint64", "uint64_t"},
-    };
-    for (const auto &n : names) {
-        if (torch == n.first) return n.second;
-    }
-    return torch;
-}
-
-/// A library message with its element types in C/C++ terms: every "torch.NAME" (NAME a
-/// PyTorch dtype) becomes c_dtype_name(NAME), e.g. "expected torch.float32" reads "expected
-/// float (epcomm::f32())". The Python package keeps PyTorch's names.
-inline std::string with_c_dtype_names(const std::string &message) {
-    static const std::string prefix = "torch.";
-    std::string out;
-    size_t at = 0;
-    for (size_t hit = message.find(prefix); hit != std::string::npos; hit = message.find(prefix, at)) {
-        size_t end = hit + prefix.size();
-        while (end < message.size() &&
-               ((message[end] >= 'a' && message[end] <= 'z') || (message[end] >= '0' && message[end] <= '9') ||
-                message[end] == '_')) {
-            ++end;
-        }
-        out.append(message, at, hit - at);
-        const std::string name = message.substr(hit + prefix.size(), end - hit - prefix.size());
-        out += name.empty() ? prefix : c_dtype_name(name);
-        at = end;
-    }
-    out.append(message, at, std::string::npos);
-    return out;
-}
-}  // namespace detail
-
-/// The Error for a non-OK status, from this thread's last error (element types named in C/C++
-/// terms, detail::with_c_dtype_names).
+/// The Error for a non-OK status, from this thread's last error (epcomm_last_error_message:
+/// element types in C terms, "float32 (kDLFloat, 32 bits)").
 inline Error last_error(int32_t status) {
     const char *message = epcomm_last_error_message();
     const char *hint = epcomm_last_error_hint();
     const char *cls = epcomm_status_exception(status);
-    return Error(status, detail::with_c_dtype_names(message ? message : epcomm_status_string(status)),
-                 hint ? hint : "", cls ? cls : "RuntimeError");
+    return Error(status, message ? message : epcomm_status_string(status), hint ? hint : "",
+                 cls ? cls : "RuntimeError");
 }
 
 /// Throws epcomm::Error for a non-OK status (with this thread's last error).
@@ -430,7 +380,9 @@ inline std::vector<epcomm_tensor> raw(const std::vector<Tensor> &ts) {
 
 /// A typed view of one dispatch output: element type T (checked against the output's dtype
 /// when made), its shape, and row-major indexing. It never owns the memory: like the C views,
-/// it is valid until the manager's next call.
+/// it is valid until the manager's next call. A view of GpuAll2All's output is of CUDA memory
+/// (device()): data(), shape() and tensor() serve on the host, the element access ([], (),
+/// begin/end) only in device code.
 template <class T> class View {
 public:
     /// An empty view (shape [0]).
@@ -439,7 +391,8 @@ public:
     /// invalid-argument Error naming `what` and both types. An empty tensor is taken whatever
     /// its dtype.
     View(const epcomm_tensor &t, const std::string &what)
-        : data_(static_cast<T *>(t.data)), shape_(t.shape, t.shape + (t.ndim > 0 ? t.ndim : 0)) {
+        : data_(static_cast<T *>(t.data)), shape_(t.shape, t.shape + (t.ndim > 0 ? t.ndim : 0)),
+          device_(t.device) {
         if (size() > 0 && !same_dtype(t.dtype, dtype_of<T>::value)) {
             throw Error(EPCOMM_ERROR_INVALID_ARGUMENT,
                         "dispatch output '" + what + "' holds " + dtype_name(t.dtype) + " elements; View<" +
@@ -451,6 +404,8 @@ public:
 
     T *data() const noexcept { return data_; }
     const std::vector<int64_t> &shape() const noexcept { return shape_; }
+    /// Where the elements are (EPCOMM_DEVICE_CPU for All2All's, CUDA for GpuAll2All's).
+    epcomm_device device() const noexcept { return device_; }
     size_t ndim() const noexcept { return shape_.size(); }
     /// The extent of dimension `i` (0 past the last dimension).
     int64_t dim(size_t i) const noexcept { return i < shape_.size() ? shape_[i] : 0; }
@@ -472,25 +427,32 @@ public:
     T &operator()(int64_t i, int64_t j, int64_t k) const noexcept {
         return data_[(i * dim(1) + j) * dim(2) + k];
     }
-    /// A Tensor over the same memory and shape (e.g. for combine or EplbState::record).
-    Tensor tensor() const { return Tensor(static_cast<void *>(data_), dtype_of<T>::value, shape_); }
+    /// A Tensor over the same memory, shape and device (e.g. for combine or EplbState::record).
+    Tensor tensor() const {
+        Tensor t(static_cast<void *>(data_), dtype_of<T>::value, shape_);
+        t.on(device_.device_type, device_.device_id);
+        return t;
+    }
 
 private:
     T *data_ = nullptr;
     std::vector<int64_t> shape_;
+    epcomm_device device_{EPCOMM_DEVICE_CPU, 0};
 };
 
-/// What All2All::dispatch returns: the C struct's views as typed Views with their shapes
-/// (docs/design.md, "The layout contract"). `hidden` is a Tensor of the manager's hidden dtype
-/// (hidden_as<T>() views it typed); the others are empty (shape [0]) where the layout has none.
-/// It converts to the C struct, epcomm_dispatch_output, for code written against it. Like the
-/// C views, everything here is valid until the manager's next call.
+/// What All2All::dispatch and GpuAll2All::dispatch return: the C struct's views as typed Views
+/// with their shapes (docs/design.md, "The layout contract"). `hidden` is a Tensor of the
+/// manager's hidden dtype (hidden_as<T>() views it typed); the others are empty (shape [0])
+/// where the layout has none. It converts to the C struct, epcomm_dispatch_output, for code
+/// written against it. Like the C views, everything here is valid until the manager's next
+/// call; GpuAll2All's are views of CUDA memory (View::device()).
 class Dispatched {
 public:
     explicit Dispatched(const epcomm_dispatch_output &out)
         : layout(out.layout), received_rows(out.received_rows), hidden(out.hidden),
           topk_ids(out.topk_ids, "topk_ids"), topk_weights(out.topk_weights, "topk_weights"),
-          counts(out.counts, "counts"), expert_offsets(out.expert_offsets, "expert_offsets"),
+          counts(out.counts, "counts"), expert_offsets(offsets_of<int64_t>(out.expert_offsets)),
+          expert_offsets_i32(offsets_of<int32_t>(out.expert_offsets)),
           src_rank(out.src_rank, "src_rank"), src_token(out.src_token, "src_token"), raw_(out) {
         for (size_t i = 0; i < out.num_extras; ++i) {
             extras.emplace_back(out.extras[i], "extras[" + std::to_string(i) + "]");
@@ -514,7 +476,10 @@ public:
     /// RANK_MAJOR recv_counts [R]; empty otherwise.
     View<int32_t> counts;
     /// EXPERT_PACKED [E_local + 1]: expert j's rows are [expert_offsets[j], expert_offsets[j+1]).
+    /// int64 from All2All; GpuAll2All's are int32: expert_offsets_i32 (and this one is empty).
     View<int64_t> expert_offsets;
+    /// GpuAll2All's EXPERT_PACKED expert_offsets (int32, [E_local + 1]); empty for All2All's.
+    View<int32_t> expert_offsets_i32;
     /// EXPERT_PACKED [rows]: the source rank and source token of each row.
     View<int32_t> src_rank;
     View<int32_t> src_token;
@@ -529,6 +494,11 @@ public:
     operator const epcomm_dispatch_output &() const noexcept { return raw_; }
 
 private:
+    /// The expert offsets as View<T> when they are of type T, else empty.
+    template <class T> static View<T> offsets_of(const epcomm_tensor &t) {
+        return same_dtype(t.dtype, dtype_of<T>::value) ? View<T>(t, "expert_offsets") : View<T>();
+    }
+
     epcomm_dispatch_output raw_;
 };
 
@@ -1007,14 +977,17 @@ public:
     }
 
     epcomm_gpu_all2all *get() const noexcept { return a_.get(); }
-    /// Dispatches on `stream` (collective); CUDA views valid until the next dispatch.
-    epcomm_dispatch_output dispatch(void *stream, const Tensor &hidden, const Tensor &topk_ids,
-                                    const Tensor &topk_weights, const std::vector<Tensor> &extras = {}) {
+    /// Dispatches on `stream` (collective): CUDA `hidden` [T, hidden_size], `topk_ids` [T, K]
+    /// (int32 or int64), `topk_weights` [T, K] (float) and one [T, bytes] view per extra payload.
+    /// Returns typed views (Dispatched, as All2All::dispatch) of CUDA memory, valid until the
+    /// next dispatch.
+    Dispatched dispatch(void *stream, const Tensor &hidden, const Tensor &topk_ids, const Tensor &topk_weights,
+                        const std::vector<Tensor> &extras = {}) {
         const std::vector<epcomm_tensor> ex = detail::raw(extras);
         epcomm_dispatch_output out{};
         check(epcomm_gpu_all2all_dispatch(a_.get(), stream, hidden.get(), topk_ids.get(), topk_weights.get(),
                                           ex.empty() ? nullptr : ex.data(), ex.size(), &out));
-        return out;
+        return Dispatched(out);
     }
     /// Combines on `stream` (collective).
     void combine(void *stream, const Tensor &expert_output, const Tensor &output) {

@@ -382,14 +382,7 @@ fn a_live_jobs_record_is_never_swept() {
         )
     };
     let rank0 = rank(0);
-    let start = Instant::now();
-    while !std::path::Path::new(&record).exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "no record appeared"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    ranks::wait_for_record(&group.name, Duration::from_secs(10));
     // SAFETY: signalling the child we started.
     unsafe { libc::kill(rank0.id() as libc::pid_t, libc::SIGSTOP) };
     let log = run_next_process();

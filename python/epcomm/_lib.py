@@ -301,6 +301,7 @@ def _signatures() -> dict:
     return {
         "epcomm_version": (cp, []),
         "epcomm_last_error_message": (cp, []),
+        "epcomm_last_error_message_torch": (cp, []),
         "epcomm_last_error_hint": (cp, []),
         "epcomm_clear_last_error": (None, []),
         "epcomm_status_exception": (cp, [i32]),

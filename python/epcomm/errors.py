@@ -60,9 +60,10 @@ def error_class(status: int) -> Type[Error]:
 
 
 def make_error(status: int) -> Error:
-    """The exception for a failed call's ``status``, with this thread's last message and hint."""
+    """The exception for a failed call's ``status``, with this thread's last message (element
+    types named as PyTorch names them, as vLLM's messages do) and hint."""
     lib = load_library()
-    message = (lib.epcomm_last_error_message() or lib.epcomm_status_string(status)).decode()
+    message = (lib.epcomm_last_error_message_torch() or lib.epcomm_status_string(status)).decode()
     hint = lib.epcomm_last_error_hint()
     return error_class(status)(message, status, hint.decode() if hint else None)
 

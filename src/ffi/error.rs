@@ -7,11 +7,23 @@ use crate::error::Status;
 
 /// The message of the last failed call on this thread, or NULL if none failed yet.
 ///
-/// Where vLLM raises an error for the same condition, this is exactly vLLM's text. The pointer
-/// stays valid until the next failing call on this thread. Successful calls leave it unchanged.
+/// Where vLLM raises an error for the same condition, this is exactly vLLM's text, with one
+/// difference: element types are named as C code writes an epcomm_dtype, their name, DLPack
+/// type code and bits ("float32 (kDLFloat, 32 bits)", "bfloat16 (kDLBfloat, 16 bits)") where
+/// vLLM prints PyTorch's ("torch.float32"); epcomm_last_error_message_torch has PyTorch's. The
+/// pointer stays valid until the next failing call on this thread. Successful calls leave it
+/// unchanged.
 #[no_mangle]
 pub extern "C" fn epcomm_last_error_message() -> *const c_char {
     guard::call_or(std::ptr::null(), guard::last_error_message)
+}
+
+/// epcomm_last_error_message with element types named as PyTorch names them ("torch.float32"),
+/// as vLLM's own messages do: the text the Python package raises. NULL if no call failed yet
+/// on this thread; valid as long as epcomm_last_error_message.
+#[no_mangle]
+pub extern "C" fn epcomm_last_error_message_torch() -> *const c_char {
+    guard::call_or(std::ptr::null(), guard::last_error_message_torch)
 }
 
 /// A remediation hint for the last failure on this thread (e.g. "did you mean

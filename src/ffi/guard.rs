@@ -11,7 +11,10 @@ use crate::error::{Error, Result, Status};
 use crate::select::Hint;
 
 struct LastError {
+    /// Element types in C terms (`dtype_names`), for C and C++ callers.
     message: CString,
+    /// The core's text: element types as PyTorch names them, for the Python package.
+    torch_message: CString,
     hint: Option<CString>,
 }
 
@@ -25,30 +28,38 @@ fn to_cstring(s: &str) -> CString {
 
 /// Records `e` as this thread's last error.
 fn set_last_error(e: &Error) {
+    let text = e.to_string();
     let last = LastError {
-        message: to_cstring(&e.to_string()),
+        message: to_cstring(&super::dtype_names::with_c_dtype_names(&text)),
+        torch_message: to_cstring(&text),
         hint: e.hint().map(|h| to_cstring(&h)),
     };
     LAST_ERROR.with(|l| *l.borrow_mut() = Some(last));
 }
 
-/// Pointer to this thread's last error message (NULL if none).
-pub(crate) fn last_error_message() -> *const c_char {
+/// Pointer to one text of this thread's last error (NULL if none failed yet or it has none).
+fn last_error_text(text: impl FnOnce(&LastError) -> Option<&CString>) -> *const c_char {
     LAST_ERROR.with(|l| {
         l.borrow()
             .as_ref()
-            .map_or(std::ptr::null(), |e| e.message.as_ptr())
+            .and_then(text)
+            .map_or(std::ptr::null(), |t| t.as_ptr())
     })
+}
+
+/// Pointer to this thread's last error message, element types in C terms (NULL if none).
+pub(crate) fn last_error_message() -> *const c_char {
+    last_error_text(|e| Some(&e.message))
+}
+
+/// Pointer to this thread's last error message with PyTorch's dtype names (NULL if none).
+pub(crate) fn last_error_message_torch() -> *const c_char {
+    last_error_text(|e| Some(&e.torch_message))
 }
 
 /// Pointer to this thread's last error hint (NULL if none).
 pub(crate) fn last_error_hint() -> *const c_char {
-    LAST_ERROR.with(|l| {
-        l.borrow()
-            .as_ref()
-            .and_then(|e| e.hint.as_ref())
-            .map_or(std::ptr::null(), |h| h.as_ptr())
-    })
+    last_error_text(|e| e.hint.as_ref())
 }
 
 pub(crate) fn clear_last_error() {

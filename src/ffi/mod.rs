@@ -14,6 +14,7 @@
 //! missing from the header. Their bodies are one call into the shared piece.
 #![allow(non_camel_case_types)]
 
+mod dtype_names;
 mod eplb_args;
 mod guard;
 mod handle;
@@ -198,7 +199,9 @@ pub const EPCOMM_DEVICE_ONEAPI: i32 = 14;
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct epcomm_dtype {
-    /// DLPack type code (0 int, 1 uint, 2 float, 4 bfloat, 6 bool, 10 float8_e4m3fn, ...).
+    /// DLPack type code (0 kDLInt, 1 kDLUInt, 2 kDLFloat, 4 kDLBfloat, 6 kDLBool, 10
+    /// kDLFloat8_e4m3fn, ...). Messages name a type by its name, code and bits: "float32
+    /// (kDLFloat, 32 bits)".
     pub code: u8,
     /// Bits per element.
     pub bits: u8,

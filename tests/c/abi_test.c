@@ -508,7 +508,11 @@ static void test_eplb_select(void) {
     req.nccl_available = 1;
     CHECK_ERR(epcomm_eplb_communicator_select(&req, &out), EPCOMM_ERROR_RUNTIME,
               "EPLB communicator 'pynccl' requested but expert weights contain unsupported "
-              "dtypes: (torch.bool).");
+              "dtypes: (bool (kDLBool, 8 bits)).");
+    /* The Python package's text names PyTorch's dtypes, as vLLM's message does. */
+    CHECK(strcmp(epcomm_last_error_message_torch(),
+                 "EPLB communicator 'pynccl' requested but expert weights contain unsupported "
+                 "dtypes: (torch.bool).") == 0);
     CHECK(out == -77);
     req.num_weight_dtypes = 1;
     CHECK_ERR(epcomm_eplb_communicator_select(&req, &out), EPCOMM_OK, NULL);

@@ -720,6 +720,25 @@ static void test_bad_dispatch(group_t *g, int rank) {
                          "was exchanged");
         }
     }
+    /* Rank 1's ids of a type dispatch does not take: the message names the element types as C
+     * writes an epcomm_dtype (the Python package's text has PyTorch's names). */
+    example_input(&in, rank);
+    if (rank == 1) {
+        in.tids.dtype.bits = 16;
+    }
+    epcomm_clear_last_error();
+    if (CHECK_ST(dispatch_input(a, &in, &o), EPCOMM_ERROR_INVALID_ARGUMENT)) {
+        if (rank == 1) {
+            CHECK_MSG_EQ("tensor 'topk_ids' has dtype int16 (kDLInt, 16 bits); expected int32 "
+                         "(kDLInt, 32 bits) or int64 (kDLInt, 64 bits)");
+            CHECK(strcmp(epcomm_last_error_message_torch(),
+                         "tensor 'topk_ids' has dtype torch.int16; expected torch.int32 or "
+                         "torch.int64") == 0);
+        } else {
+            CHECK_MSG_EQ("dispatch: rank 1 rejected its input (see that rank's error); no data "
+                         "was exchanged");
+        }
+    }
     /* No dispatch succeeded, so combine has nothing to combine: InvalidState, on every rank. */
     {
         float y[MAX_TOKENS * HIDDEN] = {0.0f, 0.0f, 0.0f};

@@ -155,7 +155,7 @@ static void test_round_trip(const std::string &name) {
     CHECK(d.topk_ids.shape() == (I64{2, 2}) && d.topk_ids(0, 1) == 3 && d.topk_ids(1, 1) == -1);
     CHECK(d.topk_weights(0, 0) == 0.5f && d.topk_weights(1, 1) == 0.0f);
     CHECK(d.counts.shape() == (I64{4}) && d.counts[0] == 1 && d.counts[1] == 1 && d.counts[3] == 1);
-    CHECK(d.expert_offsets.empty() && d.src_rank.empty() && d.extras.empty());
+    CHECK(d.expert_offsets.empty() && d.expert_offsets_i32.empty() && d.src_rank.empty() && d.extras.empty());
     float sum = 0;
     for (float v : rows) sum += v;
     CHECK(sum == 21.0f);
@@ -164,18 +164,20 @@ static void test_round_trip(const std::string &name) {
     CHECK(c_struct.hidden.data == rows.data());
     CHECK_THROWS(d.hidden_as<epcomm::bfloat16>(), EPCOMM_ERROR_INVALID_ARGUMENT,
                  "dispatch output 'hidden' holds float elements; View<bfloat16> cannot view it");
-    // Combine takes the dispatch shape or the flat one; errors name C/C++ element types.
+    // Combine takes the dispatch shape or the flat one; errors name element types in C terms
+    // (the Python package shows PyTorch's names: epcomm_last_error_message_torch).
     std::vector<double> wide(6);
     CHECK_THROWS(a2a.combine(epcomm::Tensor::of(wide, {2, 3}), epcomm::Tensor::of(combined, {2, 3})),
                  EPCOMM_ERROR_INVALID_ARGUMENT,
-                 "tensor 'expert_output' has dtype double; the manager was created for float (epcomm::f32())");
+                 "tensor 'expert_output' has dtype float64 (kDLFloat, 64 bits); the manager was created for "
+                 "float32 (kDLFloat, 32 bits)");
     std::vector<int16_t> bad_w(4);
     CHECK_THROWS(a2a.dispatch(epcomm::Tensor::of(x, {2, 3}), epcomm::Tensor::of(ids, {2, 2}),
                               epcomm::Tensor(bad_w.data(), epcomm::dtype(0, 16), {2, 2})),
                  EPCOMM_ERROR_INVALID_ARGUMENT,
-                 "tensor 'topk_weights' has dtype int16_t; expected float (epcomm::f32())");
-    CHECK(epcomm::detail::with_c_dtype_names("torch.int64 or torch.bfloat16, torch.x9, torch.") ==
-          "int64_t (epcomm::i64()) or bfloat16 (epcomm::bf16()), x9, torch.");
+                 "tensor 'topk_weights' has dtype int16 (kDLInt, 16 bits); expected float32 (kDLFloat, 32 bits)");
+    CHECK(std::string(epcomm_last_error_message_torch()) ==
+          "tensor 'topk_weights' has dtype torch.int16; expected torch.float32");
     // A device view is refused by the host manager, naming it.
     epcomm::Tensor on_gpu = epcomm::Tensor::of(x, {2, 3});
     on_gpu.on(EPCOMM_DEVICE_CUDA, 1);
@@ -344,6 +346,35 @@ static void test_dlpack() {
     CHECK(released == 2 && epcomm::dlpack_live() == before);
 }
 
+// GpuAll2All::dispatch returns the typed views All2All::dispatch does (epcomm::Dispatched), of
+// CUDA memory, and combine takes them. Compiled everywhere; run where a manager can be made,
+// with host tensors, which it refuses naming the device it is for.
+static epcomm::Dispatched gpu_step(epcomm::GpuAll2All &a, void *stream, const epcomm::Tensor &x,
+                                   const epcomm::Tensor &ids, const epcomm::Tensor &w, const epcomm::Tensor &out) {
+    epcomm::Dispatched d = a.dispatch(stream, x, ids, w);
+    const epcomm::View<float> rows = d.hidden_as<float>();
+    CHECK(rows.device().device_type == EPCOMM_DEVICE_CUDA && rows.tensor().device().device_type == EPCOMM_DEVICE_CUDA);
+    CHECK(d.topk_weights.device().device_type == EPCOMM_DEVICE_CUDA || d.topk_weights.empty());
+    CHECK(d.expert_offsets.empty());  // a GPU manager's are int32: expert_offsets_i32
+    a.combine(stream, rows.tensor(), out);
+    return d;
+}
+
+// A one-rank GPU manager: its device pool, and gpu_step with host tensors.
+static void gpu_one_rank(const epcomm::MoeConfig &c) {
+    epcomm::NcclUniqueId id = epcomm::nccl_unique_id();
+    epcomm::GpuAll2All a("deepep_low_latency", c, id, 0, 1, 0, epcomm::GpuMode::Capacity);
+    const epcomm_gpu_all2all_stats st = a.stats();
+    CHECK(st.pool_reserved_bytes > 0 && st.pool_reallocations == 0);
+    std::vector<float> x(2 * 16), w(4, 0.5f), out(2 * 16);
+    std::vector<int64_t> ids = {0, 1, 2, 3};
+    CHECK_THROWS(gpu_step(a, nullptr, epcomm::Tensor::of(x, {2, 16}), epcomm::Tensor::of(ids, {2, 2}),
+                          epcomm::Tensor::of(w, {2, 2}), epcomm::Tensor::of(out, {2, 16})),
+                 EPCOMM_ERROR_INVALID_ARGUMENT,
+                 "tensor 'hidden' is on device type CPU (1) id 0; expected CUDA device memory "
+                 "(EPCOMM_DEVICE_CUDA = 2) on device 0, the device the GPU all2all handle was created for");
+}
+
 // Without CUDA/NCCL (or this build's nccl feature) the GPU manager reports why, after checking
 // its arguments; with both, a one-rank manager is created.
 static void test_gpu() {
@@ -358,12 +389,7 @@ static void test_gpu() {
     CHECK_THROWS(epcomm::GpuAll2All::from_comm("deepep_low_latency", c, nullptr, 0, epcomm::GpuMode::Capacity),
                  EPCOMM_ERROR_NULL_POINTER, "argument 'nccl_comm' must not be NULL");
     if (nccl.empty() && cuda.empty()) {
-        epcomm::NcclUniqueId id = epcomm::nccl_unique_id();
-        CHECK_NOTHROW({
-            epcomm::GpuAll2All a("deepep_low_latency", c, id, 0, 1, 0, epcomm::GpuMode::Capacity);
-            const epcomm_gpu_all2all_stats st = a.stats();
-            CHECK(st.pool_reserved_bytes > 0 && st.pool_reallocations == 0);
-        });
+        CHECK_NOTHROW(gpu_one_rank(c));
         return;
     }
     const std::string why = no_feature || cuda.empty() ? nccl : cuda;

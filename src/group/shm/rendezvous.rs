@@ -274,6 +274,14 @@ pub(super) fn random_u64() -> u64 {
     h.finish() | 1
 }
 
+/// The error of rank `rank`, which found group `name` (created by pid `creator`) already met
+/// by pid `met` of another job.
+fn met_conflict(name: &str, met: u64, creator: u32, rank: usize) -> Error {
+    Error::InvalidState(format!(
+        "group name '{name}' is in use by another job: pid {met} met the group that pid {creator} created under this name, so neither forms (seen from rank {rank}); jobs that run at the same time need distinct group names"
+    ))
+}
+
 pub(super) fn sys_err(what: String, e: std::io::Error) -> Error {
     Error::System(format!("{what}: {e}"))
 }
@@ -482,12 +490,13 @@ impl ShmGroup {
             }
             // Gone meanwhile: try again.
             Ok(None) if Segment::record_key(control_name).is_none() => Ok(()),
-            // Held by a live creator (locked, or its pid alive).
+            // Held by a live creator (locked, or its pid alive); a group another job met
+            // already is refused as the other ranks that find it are.
             Ok(None) => match live.or(seen) {
-                Some(r) => {
-                    Self::mark_conflict(&r);
-                    Err(conflict(format!("pid {}", r.creator)))
-                }
+                Some(r) => match Self::mark_conflict(&r) {
+                    Some(met) => Err(met_conflict(name, met, r.creator, 0)),
+                    None => Err(conflict(format!("pid {}", r.creator))),
+                },
                 None => Err(conflict("whose record cannot be read".into())),
             },
             Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(Error::InvalidState(
@@ -528,20 +537,23 @@ impl ShmGroup {
         }
     }
 
-    /// Tells the live group behind record `r` that another job met it, so it does not form.
-    fn mark_conflict(r: &Record) {
+    /// Tells the live group behind record `r` that another job met it, so it does not form;
+    /// returns the pid that met it earlier, if one did.
+    fn mark_conflict(r: &Record) -> Option<u64> {
         if r.version != LAYOUT_VERSION {
-            return;
+            return None;
         }
-        if let Ok(seg) = Self::try_map_control(r, HEADER_BYTES) {
-            let h: &Header = seg.at(0);
-            let _ = h.conflict_pid.compare_exchange(
+        let seg = Self::try_map_control(r, HEADER_BYTES).ok()?;
+        let h: &Header = seg.at(0);
+        h.conflict_pid
+            .compare_exchange(
                 0,
                 u64::from(std::process::id()),
                 Ordering::AcqRel,
                 Ordering::Acquire,
-            );
-        }
+            )
+            .err()
+            .filter(|met| !matches!(*met, FORMED | ABANDONED))
     }
 
     pub(super) fn open_control(
@@ -589,10 +601,7 @@ impl ShmGroup {
                         // and this rank (of either job) says so rather than waiting it out.
                         let met = h.conflict_pid.load(Ordering::Acquire);
                         if !matches!(met, 0 | FORMED | ABANDONED) {
-                            return Err(Error::InvalidState(format!(
-                                "group name '{name}' is in use by another job: pid {met} met the group that pid {} created under this name, so neither forms (seen from rank {rank}); jobs that run at the same time need distinct group names",
-                                r.creator
-                            )));
+                            return Err(met_conflict(name, met, r.creator, rank));
                         }
                         let their_world = h.world.load(Ordering::Relaxed) as usize;
                         if their_world != world {

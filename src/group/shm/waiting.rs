@@ -100,6 +100,15 @@ pub(super) fn create_warning(
     )
 }
 
+/// The warn line of rank 0 of group `name`, which pid `met` (another job's) met: it keeps the
+/// group's record, marked, for `linger` before it fails.
+pub(super) fn clash_linger(name: &str, met: u64, linger: Duration) -> String {
+    format!(
+        "group '{name}': pid {met} of another job tried to join this group under the same name, so it will not form; rank 0 keeps its record, marked, for {:.1} s (the timeout) so that every rank of either job that arrives meanwhile fails at once naming the clash, then fails itself. To fix: give jobs that run at the same time distinct group names",
+        linger.as_secs_f64()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
