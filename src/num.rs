@@ -500,7 +500,7 @@ mod x86 {
         // up to the first aligned element (when the element size allows reaching one).
         let es = kind.size();
         let skip = (16 - dst.as_ptr() as usize % 16) % 16;
-        if skip % es != 0 || acc.len() < 64 {
+        if !skip.is_multiple_of(es) || acc.len() < 64 {
             // SAFETY: the caller checked the CPU features.
             return unsafe { store_with::<false>(acc, dst, kind) };
         }
@@ -586,7 +586,7 @@ mod x86 {
         let n = dst.len() / out_es;
         // Non-temporal stores need 16-byte aligned addresses: a head up to the first one.
         let skip = (16 - dst.as_ptr() as usize % 16) % 16;
-        let nt = streaming && skip % out_es == 0 && n >= 64;
+        let nt = streaming && skip.is_multiple_of(out_es) && n >= 64;
         let head = if nt { (skip / out_es).min(n) } else { 0 };
         let (e0, e1) = (head, n);
         let mut s = Sum {

@@ -190,8 +190,8 @@ fn select_request(i: usize, dtypes: &[epcomm_dtype]) -> epcomm_eplb_select_reque
     epcomm_eplb_select_request {
         struct_size: std::mem::size_of::<epcomm_eplb_select_request>() as u32,
         communicator: names[i % names.len()].map_or(std::ptr::null(), CStr::as_ptr),
-        elastic: i % 3 == 0,
-        device_type: if i % 2 == 0 {
+        elastic: i.is_multiple_of(3),
+        device_type: if i.is_multiple_of(2) {
             EPCOMM_DEVICE_CUDA
         } else {
             EPCOMM_DEVICE_CPU
@@ -863,7 +863,7 @@ fn racing_calls_on_one_handle() {
                     || (refused.load(Ordering::Relaxed) == 0 && Instant::now() < deadline)
                 {
                     epcomm_clear_last_error();
-                    let rc = if (i + t) % 2 == 0 {
+                    let rc = if (i + t).is_multiple_of(2) {
                         unsafe { epcomm_group_barrier(g.ptr()) }
                     } else {
                         let mut v = [t as u8; 4];

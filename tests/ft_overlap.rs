@@ -146,7 +146,7 @@ impl Rng {
 }
 
 fn plan(run: usize, seed: u64) -> (Pair, Vec<Victim>, Duration, Duration) {
-    let pair = if run % 2 == 0 {
+    let pair = if run.is_multiple_of(2) {
         Pair::KillStop
     } else {
         Pair::StopStop

@@ -113,7 +113,7 @@ fn matrix(world: usize, seed: u64) -> Vec<i32> {
             s ^= s << 13;
             s ^= s >> 7;
             s ^= s << 17;
-            if s % 3 == 0 {
+            if s.is_multiple_of(3) {
                 0
             } else {
                 (s % 50) as i32
@@ -268,7 +268,7 @@ fn workspace_layout_is_aligned_and_disjoint() {
             assert!(l.row_offset(src, cap - 1) + row <= l.row_offset(src, 0) + l.slab_bytes);
         }
         let a = l.allocation_bytes(2 << 20).unwrap();
-        assert!(a >= l.total_bytes && a % (2 << 20) == 0);
+        assert!(a >= l.total_bytes && a.is_multiple_of(2 << 20));
     }
     let l = WorkspaceLayout::new(2, 2, 10, 0).unwrap();
     // Slab: 2 rows of 16 → 32 → 128; counts at 256, flags at 384, error at 512, total 640.

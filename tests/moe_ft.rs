@@ -398,7 +398,7 @@ enum Fault {
 
 /// What one run showed; `Err` names the rule it broke.
 fn run_once(run: usize, seed: u64) -> Result<&'static str, String> {
-    let fault = if run % 2 == 0 {
+    let fault = if run.is_multiple_of(2) {
         Fault::Kill
     } else {
         Fault::Stop

@@ -166,7 +166,7 @@ impl LoadState {
         if is_dummy {
             self.pass.fill(0);
         }
-        if log_stats && self.log_balancedness && self.step % self.log_interval == 0 {
+        if log_stats && self.log_balancedness && self.step.is_multiple_of(self.log_interval) {
             let total = all_reduce_sum(g, &self.pass)?;
             let (avg, max) = load_stats(&total, self.physical, g.size());
             let bal = if max > 0.0 { avg / max } else { 0.0 };

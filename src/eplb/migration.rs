@@ -146,7 +146,7 @@ pub fn schedule_migration_batches(n_local: usize, old: &[i64], new: &[i64]) -> R
             new.len()
         )
     })?;
-    if n_local == 0 || old.len() % n_local != 0 {
+    if n_local == 0 || !old.len().is_multiple_of(n_local) {
         return Err(Error::InvalidArgument(format!(
             "cannot reshape a map of {} slots into blocks of {n_local} slots per rank",
             old.len()

@@ -88,7 +88,7 @@ impl Packer {
     /// item into `pi`/`rk`.
     fn pack(&mut self, w: &[f64], m: usize, pi: &mut Vec<usize>, rk: &mut Vec<usize>) {
         let n = w.len();
-        debug_assert!(m > 0 && n % m == 0);
+        debug_assert!(m > 0 && n.is_multiple_of(m));
         let per = n / m;
         pi.clear();
         rk.clear();
@@ -313,16 +313,16 @@ fn place_threads(weight: &[Vec<f32>], dims: Dims, threads: usize) -> Vec<Vec<usi
 /// vLLM's asserts of the hierarchical step, in its order, for `e` logical experts, `p` slots,
 /// `g` groups, `n` nodes and `r` GPUs.
 fn check_dims(e: usize, p: usize, g: usize, n: usize, r: usize) -> Result<Dims> {
-    assertion(g > 0 && e % g == 0, || {
+    assertion(g > 0 && e.is_multiple_of(g), || {
         format!("num_logical_experts % num_groups == 0 ({e} % {g})")
     })?;
-    assertion(n > 0 && g % n == 0, || {
+    assertion(n > 0 && g.is_multiple_of(n), || {
         format!("num_groups % num_nodes == 0 ({g} % {n})")
     })?;
-    assertion(r > 0 && r % n == 0, || {
+    assertion(r > 0 && r.is_multiple_of(n), || {
         format!("num_gpus % num_nodes == 0 ({r} % {n})")
     })?;
-    assertion(p % r == 0, || {
+    assertion(p.is_multiple_of(r), || {
         format!("num_physical_experts % num_gpus == 0 ({p} % {r})")
     })?;
     assertion(p >= e, || {
@@ -444,7 +444,7 @@ pub fn preserve_intragpu_slots<T: Copy + PartialEq>(
     old: &[Vec<T>],
 ) {
     let p = new.first().map_or(0, Vec::len);
-    if num_ranks == 0 || p % num_ranks != 0 || p == 0 {
+    if num_ranks == 0 || !p.is_multiple_of(num_ranks) || p == 0 {
         return;
     }
     let s = p / num_ranks;
@@ -668,7 +668,7 @@ mod reference {
     /// each to the lightest pack that still has room. Returns (pack index, rank in pack) per item.
     fn balanced_packing(w: &[f64], m: usize) -> (Vec<usize>, Vec<usize>) {
         let n = w.len();
-        debug_assert!(m > 0 && n % m == 0);
+        debug_assert!(m > 0 && n.is_multiple_of(m));
         let per = n / m;
         if per == 1 {
             return ((0..n).collect(), vec![0; n]);

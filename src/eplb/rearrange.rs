@@ -545,7 +545,7 @@ fn group_maps(
     let (o, mut n) = match options.rank_mapping {
         Some(m) if m.len() > world => {
             let n_local = n.len() / world;
-            if n_local == 0 || n.len() % world != 0 {
+            if n_local == 0 || !n.len().is_multiple_of(world) {
                 return Err(Error::InvalidArgument(format!(
                     "layer {l}: the new placement has {} slots, which do not divide over the {world} surviving ranks",
                     n.len()
@@ -589,7 +589,11 @@ fn group_maps(
 /// grown group (the new placement has the group's ranks). Maps that do not split into the
 /// mapping's blocks are left to [`apply_rank_mapping`], with its message.
 fn check_resize(l: usize, world: usize, entries: usize, old: usize, new: usize) -> Result<()> {
-    if entries == 0 || old % entries != 0 || old / entries == 0 || new % (old / entries) != 0 {
+    if entries == 0
+        || !old.is_multiple_of(entries)
+        || old / entries == 0
+        || !new.is_multiple_of(old / entries)
+    {
         return Ok(());
     }
     let n_local = old / entries;

@@ -64,7 +64,7 @@ fn check_shape(phy2log: &[Vec<i64>], num_local_experts: usize) -> Result<usize> 
             "every layer of the map must have the same number of physical slots".into(),
         ));
     }
-    if num_local_experts == 0 || physical % num_local_experts != 0 {
+    if num_local_experts == 0 || !physical.is_multiple_of(num_local_experts) {
         return Err(Error::InvalidArgument(format!(
             "the map's {physical} physical slots are not a whole number of EP ranks of {num_local_experts} local experts"
         )));

@@ -48,7 +48,7 @@ fn ranks_with(map: &[i64], n_local: usize, e: i64) -> Vec<usize> {
 /// receive-buffer row nothing was written to; epcomm refuses the layer instead, so no slot ever
 /// holds unwritten weights.
 pub fn plan_layer(old: &[i64], new: &[i64], n_local: usize, rank: usize) -> Result<LayerPlan> {
-    if old.len() != new.len() || n_local == 0 || old.len() % n_local != 0 {
+    if old.len() != new.len() || n_local == 0 || !old.len().is_multiple_of(n_local) {
         return Err(Error::InvalidArgument(format!(
             "old and new maps must have the same number of slots, a multiple of the slots per rank ({n_local}); got {} and {}",
             old.len(),
@@ -247,7 +247,7 @@ pub fn check_rank_mapping(mapping: &[i64], new_ranks: NewRanks) -> Result<Vec<us
 /// `old_slots` slots as one block of `n_local` per entry of a rank mapping of `entries`
 /// entries (checked before any entry is read).
 fn check_blocks(old_slots: usize, n_local: usize, entries: usize) -> Result<()> {
-    if n_local == 0 || old_slots % n_local != 0 || old_slots / n_local != entries {
+    if n_local == 0 || !old_slots.is_multiple_of(n_local) || old_slots / n_local != entries {
         return Err(Error::InvalidArgument(format!(
             "the old placement has {old_slots} slots; expected one block of {n_local} slots per entry of the rank mapping ({entries} entries)"
         )));
@@ -266,7 +266,7 @@ pub fn apply_rank_mapping(
     n_local: usize,
     mapping: &[i64],
 ) -> Result<(Vec<i64>, Vec<i64>)> {
-    if n_local == 0 || old.len() % n_local != 0 || new.len() % n_local != 0 {
+    if n_local == 0 || !old.len().is_multiple_of(n_local) || !new.len().is_multiple_of(n_local) {
         return Err(Error::InvalidArgument(format!(
             "maps of {} and {} slots are not multiples of the slots per rank ({n_local})",
             old.len(),

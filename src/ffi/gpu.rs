@@ -428,7 +428,7 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_get_stats(
 /// (Rows that only move as bytes — hidden, extras, expert outputs — may have any address.)
 #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 fn check_element_alignment(name: &str, addr: usize, elem_bytes: usize, bytes: usize) -> Result<()> {
-    if bytes > 0 && elem_bytes > 1 && addr % elem_bytes != 0 {
+    if bytes > 0 && elem_bytes > 1 && !addr.is_multiple_of(elem_bytes) {
         return Err(Error::InvalidArgument(format!(
             "tensor '{name}' starts at {addr:#x} (data + byte_offset), not a multiple of its {elem_bytes}-byte elements: the GPU kernels need aligned elements"
         )));

@@ -571,7 +571,7 @@ pub(crate) fn check_reduce(
         return Ok(0);
     }
     let out_row = row_elems * out_kind.size();
-    if out.len() % out_row != 0 {
+    if !out.len().is_multiple_of(out_row) {
         return Err(Error::InvalidArgument(format!(
             "{op}: output has {} bytes; expected whole rows of {row_elems} {} elements",
             out.len(),

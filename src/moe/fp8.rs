@@ -86,7 +86,7 @@ pub fn scale_row_bytes(hidden: usize) -> usize {
 
 /// Checks that rows of `hidden` elements can be quantised (vLLM's assertion message).
 pub fn check_hidden(hidden: usize) -> Result<()> {
-    if hidden % BLOCK != 0 {
+    if !hidden.is_multiple_of(BLOCK) {
         return Err(Error::InvalidArgument(format!(
             "DeepEP kernels quantize the inputs in blocks of shape 128 (hidden_size {hidden} is not a multiple of 128)"
         )));

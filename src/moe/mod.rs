@@ -216,7 +216,7 @@ fn check_config(cfg: &MoeConfig, rank: usize, world: usize) -> Result<()> {
     if world == 0 || rank >= world {
         return bad(format!("rank {rank} is not in a group of {world} ranks"));
     }
-    if cfg.num_experts == 0 || cfg.num_experts % world != 0 {
+    if cfg.num_experts == 0 || !cfg.num_experts.is_multiple_of(world) {
         return bad(format!(
             "num_experts is {}: expected a positive multiple of the EP size ({world}) so every rank owns E/R experts (add redundant experts to make it divisible)",
             cfg.num_experts
@@ -253,7 +253,7 @@ fn check_config(cfg: &MoeConfig, rank: usize, world: usize) -> Result<()> {
         ));
     }
     let hd = cfg.hidden_dtype;
-    if hd.lanes != 1 || hd.bits == 0 || hd.bits % 8 != 0 {
+    if hd.lanes != 1 || hd.bits == 0 || !hd.bits.is_multiple_of(8) {
         return bad(format!(
             "hidden dtype {} is not a scalar type of whole bytes",
             hd.torch_name()

@@ -241,7 +241,11 @@ fn measure(
             m.copies.push(dc);
         }
     }
-    let last = if (p.iters + WARMUP) % 2 == 0 { &a } else { &b };
+    let last = if (p.iters + WARMUP).is_multiple_of(2) {
+        &a
+    } else {
+        &b
+    };
     m.wrong +=
         wrong_bytes(p, rank, last, &each(&own)) + wrong_bytes(p, rank, last, &each(w.split().0));
     Ok(m)

@@ -140,7 +140,7 @@ pub fn run(
 /// The option error for experts that do not split evenly over the ranks, or a top-k larger than
 /// the experts (the MoE shape `demo` and `bench moe` run).
 pub fn check_expert_shape(experts: usize, ranks: usize, topk: usize) -> Result<(), String> {
-    if experts % ranks != 0 {
+    if !experts.is_multiple_of(ranks) {
         return Err(format!(
             "--experts {experts} must be a multiple of --ranks {ranks} (each rank owns E/R experts)"
         ));
