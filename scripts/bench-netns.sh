@@ -10,7 +10,9 @@
 # Everything it creates (namespaces, veth, qdiscs) is removed on exit, also on failure.
 #
 # usage: sudo scripts/bench-netns.sh [--tokens 1,128,1024,4096] [--ranks 2,4] [--rate 10gbit]
-#                                    [--delay 50us] [--iters 10] [--reps 5] [--only gloo|mpi]
+#                                    [--delay 50us] [--iters 10] [--reps 5] [--threads 1]
+#                                    [--only gloo|mpi]
+# --threads: torch intra-op threads per gloo rank, both sides (default 1, as bench-host.sh).
 # Environment: PYTHON (default python3; needs torch), EPCOMM_LIBRARY (default
 # target/release/libepcomm.so, built when missing).
 set -euo pipefail
@@ -36,6 +38,7 @@ RATE=10gbit
 DELAY=50us
 ITERS=10
 REPS=5
+THREADS=1
 ONLY=""
 say() { printf '%s\n' "bench-netns: $*" >&2; }
 die() { printf '%s\n' "bench-netns: error: $*" >&2; exit 1; }
@@ -47,8 +50,9 @@ while [ $# -gt 0 ]; do
         --delay) DELAY="$2"; shift 2 ;;
         --iters) ITERS="$2"; shift 2 ;;
         --reps) REPS="$2"; shift 2 ;;
+        --threads) THREADS="$2"; shift 2 ;;
         --only) ONLY="$2"; shift 2 ;;
-        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option '$1' (try --help)" ;;
     esac
 done
@@ -119,7 +123,7 @@ if [ "$ONLY" != mpi ]; then
             ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$dev" PYTHONPATH="$ROOT/python" \
                 EPCOMM_LIBRARY="$LIB" "$PYTHON" examples/python/bench_from_torch.py \
                 --rank "$r" --world "$world" --master "$ADDR_A:$port" --tokens "$TOKENS" \
-                --iters "$ITERS" --reps "$REPS" &
+                --iters "$ITERS" --reps "$REPS" --threads "$THREADS" &
             pids+=($!)
         done
         for p in "${pids[@]}"; do wait "$p" || die "a gloo rank failed"; done
