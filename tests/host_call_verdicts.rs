@@ -1,6 +1,6 @@
 //! Inside one dispatch or combine over a host transport, the ops leave their verdicts to the
 //! next op's header or to the call's close (`Group::open_call`): a host all_to_allv that
-//! fails, or delivers garbage, on one rank at any of the call's exchanges (the routing, the
+//! fails, garbles a chunk or leaves one unwritten, on one rank at any of the call's exchanges (the routing, the
 //! rows there, the rows back) still fails that call on every rank, with the same status, the
 //! liar naming what it got and every other rank naming the liar; never OK with wrong data,
 //! and the group is unusable on every rank afterwards. Ranks are threads over in-process
@@ -8,115 +8,40 @@
 
 #[path = "common/channel.rs"]
 mod channel;
+#[path = "common/host_step.rs"]
+mod host_step;
 
-use channel::{channel_transports_with, on_transports, ChannelTransport};
-use epcomm::group::host::{HostGroup, HostTransport};
-use epcomm::moe::{Manager, MoeConfig};
-use epcomm::num::FloatKind;
+use channel::{channel_transports_with, on_transports, A2avLiar, Lie};
+use epcomm::group::host::HostGroup;
 use epcomm::Status;
+use host_step::Step;
 
-const HIDDEN: usize = 8;
-const K: usize = 2;
 /// Tokens per rank: 64 carry 1.5 KiB of routing, more than a header holds, so a dispatch makes
-/// three exchanges of its own (routing, rows) plus combine's one: three all_to_allv per step.
+/// two exchanges of its own (routing, rows) and combine one: three all_to_allv per step.
 const TOKENS: usize = 64;
 
-/// How the liar's all_to_allv goes wrong.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Lie {
-    /// The host reports an error (after moving the data: the peers' calls succeed).
-    Fails,
-    /// The host delivers garbage into the receive buffer.
-    Garbage,
-}
-
-/// A channel transport whose all_to_allv number `at` (counting from 0) goes wrong as `lie`.
-struct Liar {
-    inner: ChannelTransport,
-    lie: Option<Lie>,
-    at: usize,
-    calls: usize,
-}
-
-impl HostTransport for Liar {
-    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), String> {
-        self.inner.send(peer, data)
-    }
-    fn recv(&mut self, peer: usize, data: &mut [u8]) -> Result<(), String> {
-        self.inner.recv(peer, data)
-    }
-    fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Option<Result<(), String>> {
-        self.inner.all_gather(mine, out)
-    }
-    fn all_to_allv(
-        &mut self,
-        send: &[u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Option<Result<(), String>> {
-        let n = self.calls;
-        self.calls += 1;
-        let got = self.inner.all_to_allv(send, send_sizes, recv, recv_sizes)?;
-        Some(got.and_then(|()| match self.lie.filter(|_| n == self.at) {
-            None => Ok(()),
-            Some(Lie::Fails) => Err("connection reset by the test".into()),
-            Some(Lie::Garbage) => {
-                for (i, b) in recv.iter_mut().enumerate() {
-                    *b = (i as u8).wrapping_mul(37) ^ 0xA5;
-                }
-                Ok(())
-            }
-        }))
-    }
-}
-
-/// Each rank's outcome of the second dispatch + combine (the first is honest) with rank
-/// `liar`'s all_to_allv number `at` going wrong, and of a dispatch after it.
+/// Each rank's outcome of the second of three steps (dispatch, the expert side, combine) over
+/// transports where rank `liar`'s all_to_allv number `at` lies as `lie` (the first step is
+/// honest: its sums are what the second must give if it returns OK), and the status of the
+/// third step.
 fn outcomes(world: usize, liar: usize, lie: Lie, at: usize) -> Vec<(epcomm::Result<()>, Status)> {
     let transports = channel_transports_with(world, true, true)
         .into_iter()
         .enumerate()
-        .map(|(r, inner)| Liar {
+        .map(|(r, inner)| A2avLiar {
             inner,
-            lie: (r == liar).then_some(lie),
+            lie: if r == liar { lie } else { Lie::None },
             at,
             calls: 0,
         })
         .collect();
     on_transports(transports, move |rank, g: &mut HostGroup| {
-        let experts = 2 * world;
-        let cfg = MoeConfig {
-            num_experts: experts,
-            top_k: K,
-            hidden: HIDDEN,
-            hidden_dtype: FloatKind::F32.dtype(),
-            expert_dtype: FloatKind::F32,
-            out_dtype: FloatKind::F32,
-            max_tokens_per_rank: TOKENS,
-            extra_row_bytes: vec![],
-            apply_router_weight_on_input: false,
-        };
-        let mut m = Manager::new("deepep_high_throughput", cfg, rank, world).unwrap();
-        let x: Vec<f32> = (0..TOKENS * HIDDEN)
-            .map(|i| (rank * 1000 + i) as f32)
-            .collect();
-        let ids: Vec<i64> = (0..TOKENS)
-            .flat_map(|t| [(t % experts) as i64, ((t + 3) % experts) as i64])
-            .collect();
-        let w = vec![0.5f32; TOKENS * K];
-        let step = |m: &mut Manager, g: &mut HostGroup| -> epcomm::Result<Vec<f32>> {
-            let d = m.dispatch(g, epcomm::bytes::as_bytes(&x), &ids, &w, &[])?;
-            let y: Vec<f32> = epcomm::bytes::to_vec::<f32>(d.hidden);
-            let mut out = vec![0u8; TOKENS * HIDDEN * 4];
-            m.combine(g, epcomm::bytes::as_bytes(&y), &mut out)?;
-            Ok(epcomm::bytes::to_vec(&out))
-        };
-        let honest = step(&mut m, g).expect("the honest first step");
+        let mut s = Step::new(rank, world, TOKENS);
+        let honest = s.run(g, |v| v).expect("the honest first step");
         let got =
-            step(&mut m, g).map(|out| assert_eq!(out, honest, "rank {rank}: OK with other data"));
-        let next = step(&mut m, g).expect_err("the group is unusable");
-        (got, next.status())
+            (s.run(g, |v| v)).map(|out| assert_eq!(out, honest, "rank {rank}: OK with other sums"));
+        let next = s.run(g, |v| v).map_or_else(|e| e.status(), |_| Status::Ok);
+        (got, next)
     })
 }
 
@@ -137,7 +62,7 @@ fn assert_every_rank_fails(world: usize, liar: usize, lie: Lie, at: usize) {
         if r == liar {
             let says = match lie {
                 Lie::Fails => format!("host transport all_to_allv failed during {call} of group 'host' on rank {r}: connection reset by the test"),
-                Lie::Garbage => format!("host transport all_to_allv (rank 0's chunk) delivered a bad message during {call} of group 'host' on rank {r}: "),
+                Lie::Garble | Lie::Unwritten | Lie::None => format!("host transport all_to_allv (rank 0's chunk) delivered a bad message during {call} of group 'host' on rank {r}: "),
             };
             assert!(msg.contains(&says), "{case}: rank {r}: {msg}");
         } else {
@@ -161,44 +86,21 @@ fn a_failed_exchange_inside_a_call_fails_it_on_every_rank() {
 }
 
 #[test]
-fn garbage_inside_a_call_fails_it_on_every_rank() {
+fn a_bad_chunk_inside_a_call_fails_it_on_every_rank() {
     for world in [2, 4] {
         for at in [3, 4, 5] {
-            assert_every_rank_fails(world, 0, Lie::Garbage, at);
+            assert_every_rank_fails(world, 1, Lie::Garble, at);
+            assert_every_rank_fails(world, 0, Lie::Unwritten, at);
         }
     }
 }
 
-/// The honest transport gives every rank OK and the same sums as the first step (the
-/// assertion inside `outcomes`), the control of the cases above.
+/// The control of the cases above: an honest transport gives every rank OK with the first
+/// step's sums (asserted inside `outcomes`), and the third step OK too.
 #[test]
 fn an_honest_transport_passes() {
-    let transports = channel_transports_with(3, true, true);
-    let n = transports.len();
-    let out = on_transports(transports, move |rank, g: &mut HostGroup| {
-        let cfg = MoeConfig {
-            num_experts: 2 * n,
-            top_k: K,
-            hidden: HIDDEN,
-            hidden_dtype: FloatKind::F32.dtype(),
-            expert_dtype: FloatKind::F32,
-            out_dtype: FloatKind::F32,
-            max_tokens_per_rank: TOKENS,
-            extra_row_bytes: vec![],
-            apply_router_weight_on_input: false,
-        };
-        let mut m = Manager::new("deepep_high_throughput", cfg, rank, n).unwrap();
-        let x = vec![1.0f32; TOKENS * HIDDEN];
-        let ids: Vec<i64> = (0..TOKENS * K).map(|i| (i % (2 * n)) as i64).collect();
-        let w = vec![0.5f32; TOKENS * K];
-        let d = m.dispatch(g, epcomm::bytes::as_bytes(&x), &ids, &w, &[])?;
-        let y = epcomm::bytes::to_vec::<f32>(d.hidden);
-        let mut out = vec![0u8; TOKENS * HIDDEN * 4];
-        m.combine(g, epcomm::bytes::as_bytes(&y), &mut out)?;
-        epcomm::Result::Ok(epcomm::bytes::to_vec::<f32>(&out))
-    });
-    for (r, o) in out.into_iter().enumerate() {
-        let o = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
-        assert!(o.iter().all(|&v| v == 1.0), "rank {r}: {:?}", &o[..8]);
+    for (r, (got, next)) in outcomes(3, 0, Lie::None, 0).into_iter().enumerate() {
+        got.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(next, Status::Ok, "rank {r}");
     }
 }

@@ -4,13 +4,14 @@
 
 #[path = "common/channel.rs"]
 mod channel;
+#[path = "common/host_step.rs"]
+mod host_step;
 
 use std::sync::{Arc, Mutex};
 
 use channel::{channel_transports_with, ChannelTransport};
 use epcomm::group::host::{HostGroup, HostTransport};
-use epcomm::moe::{Manager, MoeConfig};
-use epcomm::num::FloatKind;
+use host_step::{Step, HIDDEN};
 
 /// Calls of each kind: send, recv, all_gather, all_to_allv.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -63,9 +64,6 @@ impl HostTransport for Counting {
     }
 }
 
-const HIDDEN: usize = 8;
-const K: usize = 2;
-
 /// Each rank's calls during its second dispatch + combine (the first warms up), after checking
 /// the combined rows of both.
 fn calls(world: usize, all_gather: bool, all_to_allv: bool, tokens: usize) -> Vec<Calls> {
@@ -80,50 +78,16 @@ fn calls(world: usize, all_gather: bool, all_to_allv: bool, tokens: usize) -> Ve
                     calls: calls.clone(),
                 };
                 let mut g = HostGroup::new(Box::new(t), "host", rank, world, false).unwrap();
-                let experts = 2 * world;
-                let cfg = MoeConfig {
-                    num_experts: experts,
-                    top_k: K,
-                    hidden: HIDDEN,
-                    hidden_dtype: FloatKind::F32.dtype(),
-                    expert_dtype: FloatKind::F32,
-                    out_dtype: FloatKind::F32,
-                    max_tokens_per_rank: tokens,
-                    extra_row_bytes: vec![],
-                    apply_router_weight_on_input: false,
-                };
-                let mut m = Manager::new("deepep_high_throughput", cfg, rank, world).unwrap();
-                let x: Vec<f32> = (0..tokens * HIDDEN)
-                    .map(|i| (rank * 1000 + i) as f32)
-                    .collect();
-                // Token t goes to experts t and t + 3 (mod E): one or two holder ranks.
-                let ids: Vec<i64> = (0..tokens)
-                    .flat_map(|t| [(t % experts) as i64, ((t + 3) % experts) as i64])
-                    .collect();
-                let holders: Vec<f32> = ids
-                    .chunks(K)
-                    .map(|p| if p[0] / 2 == p[1] / 2 { 1.0 } else { 2.0 })
-                    .collect();
-                let w = vec![0.5f32; tokens * K];
+                let mut step = Step::new(rank, world, tokens);
                 let mut before = Calls::default();
                 for it in 0..2 {
                     if it == 1 {
                         before = *calls.lock().unwrap();
                     }
-                    let d = m
-                        .dispatch(&mut g, epcomm::bytes::as_bytes(&x), &ids, &w, &[])
-                        .unwrap();
                     // The expert side: every row doubled.
-                    let y: Vec<f32> = epcomm::bytes::to_vec::<f32>(d.hidden)
-                        .iter()
-                        .map(|v| 2.0 * v)
-                        .collect();
-                    let mut out = vec![0u8; tokens * HIDDEN * 4];
-                    m.combine(&mut g, epcomm::bytes::as_bytes(&y), &mut out)
-                        .unwrap();
-                    let out: Vec<f32> = epcomm::bytes::to_vec(&out);
+                    let out = step.run(&mut g, |v| 2.0 * v).unwrap();
                     for (i, v) in out.iter().enumerate() {
-                        let want = 2.0 * x[i] * holders[i / HIDDEN];
+                        let want = 2.0 * step.x[i] * step.holders(i / HIDDEN);
                         assert_eq!(*v, want, "rank {rank} element {i}");
                     }
                 }

@@ -422,6 +422,15 @@ const CALL_FAILED: u64 = 3;
 /// The header of a rank that closes its user call with every op done.
 const CALL_DONE: u64 = 4;
 
+/// A header of `kind` for `op` with its two op-specific words; parameters and inline data zero.
+fn header(kind: u64, op: Op, counts: [u64; 2]) -> [u64; HEADER_WORDS] {
+    let mut h = [0u64; HEADER_WORDS];
+    h[0] = HEADER_TAG | kind;
+    h[1] = op as u64;
+    h[2..4].copy_from_slice(&counts);
+    h
+}
+
 /// Every rank's header of one op, in rank order.
 struct Headers(Vec<u64>);
 
@@ -511,16 +520,12 @@ impl HostGroup {
         inline: &[u8],
     ) -> Result<Headers> {
         debug_assert!(params.len() <= MAX_PARAMS && inline.len() <= INLINE_BYTES);
-        let mut mine = [0u64; HEADER_WORDS];
-        mine[0] = HEADER_TAG
-            | if local.is_ok() {
-                VERDICT_OK
-            } else {
-                VERDICT_REJECTED
-            };
-        mine[1] = op as u64;
-        mine[2] = counts[0];
-        mine[3] = counts[1];
+        let kind = if local.is_ok() {
+            VERDICT_OK
+        } else {
+            VERDICT_REJECTED
+        };
+        let mut mine = header(kind, op, counts);
         for (w, p) in mine[4..].iter_mut().zip(params) {
             *w = p.value;
         }
@@ -647,17 +652,9 @@ impl HostGroup {
         }
         let op = call.last;
         self.begin();
-        let mut mine = [0u64; HEADER_WORDS];
-        let failed = outcome.as_ref().err();
-        mine[0] = HEADER_TAG
-            | if failed.is_some() {
-                CALL_FAILED
-            } else {
-                CALL_DONE
-            };
-        mine[1] = op as u64;
-        mine[2] = failed.map_or(0, |e| e.status() as u64);
-        mine[3] = self.seq.wrapping_sub(1);
+        let status = outcome.as_ref().err().map(|e| e.status() as u64);
+        let kind = status.map_or(CALL_DONE, |_| CALL_FAILED);
+        let mine = header(kind, op, [status.unwrap_or(0), self.seq.wrapping_sub(1)]);
         let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
         self.gather(op, bytes::as_bytes(&mine), &mut all);
         let fault = self.fault.take();

@@ -184,3 +184,65 @@ pub fn on_transports<X: HostTransport + Send + 'static, T: Send + 'static>(
         .map(|h| h.join().expect("rank thread panicked"))
         .collect()
 }
+
+/// How [`A2avLiar`]'s all_to_allv lies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lie {
+    None,
+    /// One byte of the frame of peer 0's chunk flipped (its op number; payloads are not
+    /// checksummed, docs/design.md).
+    Garble,
+    /// Peer 0's chunk left as epcomm handed it over.
+    Unwritten,
+    /// The call returns an error.
+    Fails,
+}
+
+/// A channel transport whose all_to_allv number `at` (counting from 0) lies as told.
+pub struct A2avLiar {
+    pub inner: ChannelTransport,
+    pub lie: Lie,
+    /// The all_to_allv call (counting from 0) that lies.
+    pub at: usize,
+    pub calls: usize,
+}
+
+impl HostTransport for A2avLiar {
+    fn send(&mut self, peer: usize, data: &[u8]) -> Result<(), String> {
+        self.inner.send(peer, data)
+    }
+    fn recv(&mut self, peer: usize, data: &mut [u8]) -> Result<(), String> {
+        self.inner.recv(peer, data)
+    }
+    fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Option<Result<(), String>> {
+        self.inner.all_gather(mine, out)
+    }
+    fn all_to_allv(
+        &mut self,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
+        recv_sizes: &[usize],
+    ) -> Option<Result<(), String>> {
+        let lie = if self.calls == self.at {
+            self.lie
+        } else {
+            Lie::None
+        };
+        self.calls += 1;
+        let before = recv[..recv_sizes[0]].to_vec();
+        let got = self.inner.all_to_allv(send, send_sizes, recv, recv_sizes)?;
+        Some(got.and_then(|()| match lie {
+            Lie::None => Ok(()),
+            Lie::Garble => {
+                recv[8] ^= 0x10;
+                Ok(())
+            }
+            Lie::Unwritten => {
+                recv[..recv_sizes[0]].copy_from_slice(&before);
+                Ok(())
+            }
+            Lie::Fails => Err("connection reset by the test".into()),
+        }))
+    }
+}
