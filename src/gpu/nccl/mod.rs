@@ -80,30 +80,15 @@ impl std::fmt::Debug for NcclUniqueId {
     }
 }
 
-/// `ncclDataType_t` (values fixed by nccl.h; `Bfloat16` needs NCCL ≥ 2.10).
+/// The `ncclDataType_t` values epcomm sends (fixed by nccl.h; its other types are not used
+/// here: add one with nccl.h's value when a transfer needs it).
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NcclDataType {
-    /// `ncclInt8`.
-    Int8 = 0,
     /// `ncclUint8` (raw bytes).
     Uint8 = 1,
     /// `ncclInt32`.
     Int32 = 2,
-    /// `ncclUint32`.
-    Uint32 = 3,
-    /// `ncclInt64`.
-    Int64 = 4,
-    /// `ncclUint64`.
-    Uint64 = 5,
-    /// `ncclFloat16`.
-    Float16 = 6,
-    /// `ncclFloat32`.
-    Float32 = 7,
-    /// `ncclFloat64`.
-    Float64 = 8,
-    /// `ncclBfloat16`.
-    Bfloat16 = 9,
 }
 
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> NcclResult;
