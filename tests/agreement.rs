@@ -12,7 +12,7 @@ use epcomm::dtype::{Code, DType};
 use epcomm::eplb::communicator::EplbCommunicator;
 use epcomm::eplb::rearrange::{rearrange, rearrange_typed};
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{Group, GroupOptions, RowExchange};
 use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
 
@@ -394,12 +394,24 @@ fn a_rank_with_bad_row_lists_fails_its_peers_at_once_in_both_modes() {
                 vec![vec![], vec![0]]
             };
             let start = Instant::now();
-            let bad = g.exchange_rows(&src, 4, &give, &mut dst, &take);
+            let bad = g.exchange_rows(RowExchange {
+                src: &src,
+                row_bytes: 4,
+                give: &give,
+                dst: &mut dst,
+                take: &take,
+            });
             let took = start.elapsed();
             let give = vec![vec![0], vec![1]];
             let take = vec![vec![0], vec![1]];
             let good = g
-                .exchange_rows(&src, 4, &give, &mut dst, &take)
+                .exchange_rows(RowExchange {
+                    src: &src,
+                    row_bytes: 4,
+                    give: &give,
+                    dst: &mut dst,
+                    take: &take,
+                })
                 .map(|()| dst);
             (message(&bad), took, good.unwrap(), g.direct())
         });

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use epcomm::group::host::{HostGroup, HostTransport};
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions, P2p};
+use epcomm::group::{Group, GroupOptions, P2p, RowExchange, RowReduce};
 use epcomm::num::{self, FloatKind};
 use epcomm::{Error, Status};
 use ranks::{assert_all_ok, shm_leftovers, wait_all, Finished};
@@ -223,8 +223,14 @@ fn exercise(g: &mut dyn Group, seed: u64, iters: u64) {
             .map(|p| (0..n_to(p, me)).map(|_| next.next().unwrap()).collect())
             .collect();
         let mut dst = vec![0u8; total_in * row_bytes];
-        g.exchange_rows(&src_rows, row_bytes, &give, &mut dst, &take)
-            .unwrap();
+        g.exchange_rows(RowExchange {
+            src: &src_rows,
+            row_bytes,
+            give: &give,
+            dst: &mut dst,
+            take: &take,
+        })
+        .unwrap();
         for (p, list) in take.iter().enumerate() {
             for (i, &d) in list.iter().enumerate() {
                 let want = bytes(
@@ -262,8 +268,16 @@ fn exercise(g: &mut dyn Group, seed: u64, iters: u64) {
                 })
                 .collect();
             let mut out = vec![0u8; acc_rows * elems * 4];
-            g.reduce_rows(&src, kind, elems, &give, &mut out, FloatKind::F32, &take)
-                .unwrap();
+            g.reduce_rows(RowReduce {
+                src: &src,
+                kind,
+                row_elems: elems,
+                give: &give,
+                out: &mut out,
+                out_kind: FloatKind::F32,
+                take: &take,
+            })
+            .unwrap();
             let mut want = vec![0f32; acc_rows * elems];
             for (p, list) in take.iter().enumerate() {
                 let theirs = num::to_f32(&num::from_f32(&vals_of(p), kind), kind);

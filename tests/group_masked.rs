@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use epcomm::group::masked::MaskedGroup;
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{Group, GroupOptions, RowExchange};
 use epcomm::Status;
 
 const MASK: [bool; 3] = [false, true, false];
@@ -56,7 +56,14 @@ fn collectives_keep_the_original_numbering() {
                 vec![vec![0], vec![], vec![1]],
             )
         };
-        g.exchange_rows(&src, 4, &give, &mut dst, &take).unwrap();
+        g.exchange_rows(RowExchange {
+            src: &src,
+            row_bytes: 4,
+            give: &give,
+            dst: &mut dst,
+            take: &take,
+        })
+        .unwrap();
         (all, eq, dst)
     });
     for (r, (all, eq, dst)) in out.iter().enumerate() {

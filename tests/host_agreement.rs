@@ -10,7 +10,7 @@ mod channel;
 use std::time::{Duration, Instant};
 
 use channel::{on_host_group_with, RECV_TIMEOUT};
-use epcomm::group::{Group, P2p};
+use epcomm::group::{Group, P2p, RowExchange};
 use epcomm::num::FloatKind;
 
 /// A rejection must reach the peers long before a receive would time out.
@@ -205,7 +205,13 @@ fn a_rank_with_bad_row_lists_fails_its_peers_at_once() {
         } else {
             vec![vec![], vec![]]
         };
-        let e = msg(g.exchange_rows(&[1; 8], 4, &give, &mut [0; 4], &take));
+        let e = msg(g.exchange_rows(RowExchange {
+            src: &[1; 8],
+            row_bytes: 4,
+            give: &give,
+            dst: &mut [0; 4],
+            take: &take,
+        }));
         (e, t.elapsed())
     }) {
         assert_eq!(out[0].0, "exchange_rows: rank 1 of group 'host' rejected its arguments (see that rank's error); no data was exchanged");

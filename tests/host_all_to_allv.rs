@@ -9,7 +9,7 @@ mod channel;
 
 use channel::{channel_transports_with, on_transports, A2avLiar as Liar, Lie};
 use epcomm::group::host::HostGroup;
-use epcomm::group::Group;
+use epcomm::group::{Group, RowExchange};
 use epcomm::num::FloatKind;
 use epcomm::Status;
 
@@ -43,8 +43,14 @@ fn run(g: &mut HostGroup, coll: Coll, r: usize, world: usize) -> epcomm::Result<
             let give: Vec<Vec<u32>> = (0..world as u32).map(|p| vec![p]).collect();
             let take: Vec<Vec<u32>> = (0..world as u32).map(|p| vec![p]).collect();
             let mut dst = vec![0; 8 * world];
-            g.exchange_rows(&src, 8, &give, &mut dst, &take)
-                .map(|()| dst)
+            g.exchange_rows(RowExchange {
+                src: &src,
+                row_bytes: 8,
+                give: &give,
+                dst: &mut dst,
+                take: &take,
+            })
+            .map(|()| dst)
         }
         Coll::ReduceScatterv => {
             let input: Vec<u8> = (0..2 * world)

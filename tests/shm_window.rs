@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use epcomm::error::Error;
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{Group, GroupOptions, RowExchange, RowReduce};
 use epcomm::num::{self, FloatKind};
 
 fn opts() -> GroupOptions {
@@ -74,7 +74,14 @@ fn exchange_and_reduce(g: &mut ShmGroup, world: usize, window: bool, big: bool) 
     } else {
         &mut private
     };
-    g.exchange_rows(&src, row_bytes, &give, dst, &take).unwrap();
+    g.exchange_rows(RowExchange {
+        src: &src,
+        row_bytes,
+        give: &give,
+        dst,
+        take: &take,
+    })
+    .unwrap();
     for (p, list) in take.iter().enumerate() {
         let from = give_list(p, me, rows, count(p, me, big));
         for (i, &d) in list.iter().enumerate() {
@@ -111,15 +118,15 @@ fn exchange_and_reduce(g: &mut ShmGroup, world: usize, window: bool, big: bool) 
         })
         .collect();
     let mut out = vec![0u8; out_rows * elems * 4];
-    g.reduce_rows(
-        red_src,
-        FloatKind::Bf16,
-        elems,
-        &give,
-        &mut out,
-        FloatKind::F32,
-        &red_take,
-    )
+    g.reduce_rows(RowReduce {
+        src: red_src,
+        kind: FloatKind::Bf16,
+        row_elems: elems,
+        give: &give,
+        out: &mut out,
+        out_kind: FloatKind::F32,
+        take: &red_take,
+    })
     .unwrap();
     let mut want = vec![0f32; out_rows * elems];
     for (p, list) in red_take.iter().enumerate() {
@@ -207,10 +214,23 @@ fn repeated_destination_rows_fall_back() {
         let give = vec![vec![0u32], vec![0u32]];
         let take = vec![vec![0u32], vec![0u32]];
         let mut w = g.alloc_shared(8).unwrap().unwrap();
-        g.exchange_rows(&src, 8, &give, &mut w, &take).unwrap();
+        g.exchange_rows(RowExchange {
+            src: &src,
+            row_bytes: 8,
+            give: &give,
+            dst: &mut w,
+            take: &take,
+        })
+        .unwrap();
         let mut private = vec![0u8; 8];
-        g.exchange_rows(&src, 8, &give, &mut private, &take)
-            .unwrap();
+        g.exchange_rows(RowExchange {
+            src: &src,
+            row_bytes: 8,
+            give: &give,
+            dst: &mut private,
+            take: &take,
+        })
+        .unwrap();
         (w.to_vec(), private)
     });
     for (w, private) in got {
@@ -236,7 +256,15 @@ fn count_disagreement_fails_everywhere_before_data_moves() {
             (vec![vec![0u32], vec![1u32]], vec![vec![0u32], vec![1u32]])
         };
         let mut w = g.alloc_shared(16).unwrap().unwrap();
-        let e = g.exchange_rows(&src, 8, &give, &mut w, &take).unwrap_err();
+        let e = g
+            .exchange_rows(RowExchange {
+                src: &src,
+                row_bytes: 8,
+                give: &give,
+                dst: &mut w,
+                take: &take,
+            })
+            .unwrap_err();
         let untouched = if me == 1 { w[..8] == [0u8; 8] } else { true };
         g.barrier().unwrap();
         (e, untouched)

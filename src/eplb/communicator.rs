@@ -8,7 +8,7 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::group::{Group, P2p};
+use crate::group::{Group, P2p, RowExchange};
 use crate::log;
 use crate::select::eplb::{self, Communicator, DeviceKind, SelectRequest};
 
@@ -30,52 +30,35 @@ pub trait EplbCommunicator: Send + std::fmt::Debug {
     }
 }
 
-/// One weight tensor's rows to move ([`EplbCommunicator::exchange_rows`]): peer p gets rows
-/// `give[p]` of `src`, rows from peer p land at rows `take[p]` of `dst`.
-#[derive(Debug)]
-pub struct RowExchange<'a> {
-    pub src: &'a [u8],
-    pub row_bytes: usize,
-    pub give: &'a [Vec<u32>],
-    pub dst: &'a mut [u8],
-    pub take: &'a [Vec<u32>],
-}
-
 /// The sends and receives that move rows as [`EplbCommunicator::exchange_rows`] says: every
 /// send (peers in order), then every receive.
-fn row_ops(rows: RowExchange<'_>) -> Result<Vec<P2p<'_>>> {
-    let RowExchange {
-        src,
-        row_bytes,
-        give,
-        dst,
-        take,
-    } = rows;
+fn row_ops(ex: RowExchange<'_>) -> Result<Vec<P2p<'_>>> {
     let bad = |what: &str, r: u32| {
         Error::InvalidArgument(format!(
             "exchange_rows: {what} row {r} is out of range or taken twice"
         ))
     };
     let mut ops = Vec::new();
-    if row_bytes == 0 {
+    if ex.row_bytes == 0 {
         return Ok(ops);
     }
-    for (peer, rows) in give.iter().enumerate() {
+    for (peer, rows) in ex.give.iter().enumerate() {
         for &r in rows {
-            let at = r as usize * row_bytes;
-            let data = src
-                .get(at..at + row_bytes)
+            let at = r as usize * ex.row_bytes;
+            let data = ex
+                .src
+                .get(at..at + ex.row_bytes)
                 .ok_or_else(|| bad("source", r))?;
             ops.push(P2p::Send { peer, data });
         }
     }
-    let mut slots: Vec<Option<&mut [u8]>> = dst.chunks_mut(row_bytes).map(Some).collect();
-    for (peer, rows) in take.iter().enumerate() {
+    let mut slots: Vec<Option<&mut [u8]>> = ex.dst.chunks_mut(ex.row_bytes).map(Some).collect();
+    for (peer, rows) in ex.take.iter().enumerate() {
         for &r in rows {
             let data = slots
                 .get_mut(r as usize)
                 .and_then(Option::take)
-                .filter(|d| d.len() == row_bytes)
+                .filter(|d| d.len() == ex.row_bytes)
                 .ok_or_else(|| bad("destination", r))?;
             ops.push(P2p::Recv { peer, data });
         }
@@ -102,7 +85,7 @@ impl EplbCommunicator for GroupCommunicator {
     }
 
     fn exchange_rows(&mut self, g: &mut dyn Group, r: RowExchange<'_>) -> Result<()> {
-        g.exchange_rows(r.src, r.row_bytes, r.give, r.dst, r.take)
+        g.exchange_rows(r)
     }
 }
 

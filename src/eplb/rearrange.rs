@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 
-use super::communicator::{EplbCommunicator, RowExchange};
+use super::communicator::EplbCommunicator;
 use super::migration::{schedule_migration_batches, Batches};
 use super::transfer::{
     apply_rank_mapping, plan_layer, survivors_placement, unsourced_experts, LayerPlan,
@@ -22,6 +22,7 @@ use super::transfer::{
 use crate::copy::{copy_streaming, streaming_fence};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::group::RowExchange;
 use crate::group::{Group, P2p};
 
 /// One layer's expert weights on this rank: one byte buffer per weight tensor, each

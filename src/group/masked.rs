@@ -4,7 +4,7 @@
 //! contributes and receives nothing: every per-rank list must be empty at its index (0 bytes,
 //! no rows), and the collectives run over the survivors only.
 
-use super::{Group, Op, P2p, SharedBuf};
+use super::{Group, Op, P2p, RowExchange, RowReduce, SharedBuf};
 use crate::error::{Error, Result};
 use crate::num::FloatKind;
 
@@ -249,39 +249,24 @@ impl Group for MaskedGroup<'_> {
         Ok(())
     }
 
-    fn exchange_rows(
-        &mut self,
-        src: &[u8],
-        row_bytes: usize,
-        give: &[Vec<u32>],
-        dst: &mut [u8],
-        take: &[Vec<u32>],
-    ) -> Result<()> {
+    fn exchange_rows(&mut self, r: RowExchange<'_>) -> Result<()> {
         let (give, take) = self.compress_pair(
             Op::ExchangeRows,
-            ("give", give, Vec::is_empty),
-            ("take", take, Vec::is_empty),
+            ("give", r.give, Vec::is_empty),
+            ("take", r.take, Vec::is_empty),
         )?;
-        self.inner.exchange_rows(src, row_bytes, &give, dst, &take)
+        let (give, take) = (&give, &take);
+        self.inner.exchange_rows(RowExchange { give, take, ..r })
     }
 
-    fn reduce_rows(
-        &mut self,
-        src: &[u8],
-        kind: FloatKind,
-        row_elems: usize,
-        give: &[Vec<u32>],
-        out: &mut [u8],
-        out_kind: FloatKind,
-        take: &[Vec<(u32, f32)>],
-    ) -> Result<()> {
+    fn reduce_rows(&mut self, r: RowReduce<'_>) -> Result<()> {
         let (give, take) = self.compress_pair(
             Op::ReduceRows,
-            ("give", give, Vec::is_empty),
-            ("take", take, Vec::is_empty),
+            ("give", r.give, Vec::is_empty),
+            ("take", r.take, Vec::is_empty),
         )?;
-        self.inner
-            .reduce_rows(src, kind, row_elems, &give, out, out_kind, &take)
+        let (give, take) = (&give, &take);
+        self.inner.reduce_rows(RowReduce { give, take, ..r })
     }
 
     /// The inner group's lost ranks, renumbered: `to_outer` is increasing, so they stay sorted.

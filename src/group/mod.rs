@@ -222,15 +222,8 @@ pub trait Group: Send {
     ///
     /// This default packs, exchanges with all_to_allv and unpacks; transports that can read
     /// peers' memory move each row once, straight into place.
-    fn exchange_rows(
-        &mut self,
-        src: &[u8],
-        row_bytes: usize,
-        give: &[Vec<u32>],
-        dst: &mut [u8],
-        take: &[Vec<u32>],
-    ) -> Result<()> {
-        rows::exchange_packed(self, src, row_bytes, give, dst, take)
+    fn exchange_rows(&mut self, r: RowExchange<'_>) -> Result<()> {
+        rows::exchange_packed(self, r)
     }
 
     /// Weighted reduction of peers' rows: peer p wants rows `give[p]` of `src` (elements of
@@ -238,19 +231,34 @@ pub trait Group: Send {
     /// weight, to row `take[p][i].0` of the output. Sums are f32, in rank order, then in each
     /// peer's order (deterministic on every transport), and stored as `out_kind` in `out`;
     /// rows nobody contributes to are zero. Works in cache-sized blocks of output rows.
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_rows(
-        &mut self,
-        src: &[u8],
-        kind: FloatKind,
-        row_elems: usize,
-        give: &[Vec<u32>],
-        out: &mut [u8],
-        out_kind: FloatKind,
-        take: &[Vec<(u32, f32)>],
-    ) -> Result<()> {
-        rows::reduce_packed(self, src, kind, row_elems, give, out, out_kind, take)
+    fn reduce_rows(&mut self, r: RowReduce<'_>) -> Result<()> {
+        rows::reduce_packed(self, r)
     }
+}
+
+/// Rows to move ([`Group::exchange_rows`]): peer p gets rows `give[p]` of `src`, and the rows
+/// from peer p land at rows `take[p]` of `dst`, in order; rows are `row_bytes` long.
+#[derive(Debug)]
+pub struct RowExchange<'a> {
+    pub src: &'a [u8],
+    pub row_bytes: usize,
+    pub give: &'a [Vec<u32>],
+    pub dst: &'a mut [u8],
+    pub take: &'a [Vec<u32>],
+}
+
+/// Rows to reduce ([`Group::reduce_rows`]): peer p wants rows `give[p]` of `src`
+/// (`row_elems` elements of `kind` each), and each row from peer p is added, times its weight,
+/// to row `take[p][i].0` of `out`, stored as `out_kind`.
+#[derive(Debug)]
+pub struct RowReduce<'a> {
+    pub src: &'a [u8],
+    pub kind: FloatKind,
+    pub row_elems: usize,
+    pub give: &'a [Vec<u32>],
+    pub out: &'a mut [u8],
+    pub out_kind: FloatKind,
+    pub take: &'a [Vec<(u32, f32)>],
 }
 
 /// The name of a primitive, for messages.

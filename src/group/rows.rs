@@ -1,7 +1,7 @@
 //! Row-exchange helpers shared by the transports: argument checks, packing, unpacking and
 //! weighted accumulation.
 
-use super::{chunk_starts, grown, Group, Op};
+use super::{chunk_starts, grown, Group, Op, RowExchange, RowReduce};
 use crate::bytes;
 use crate::error::{Error, Result};
 use crate::num::{self, FloatKind};
@@ -9,41 +9,35 @@ use crate::num::{self, FloatKind};
 /// exchange_rows by packing, all_to_allv and unpacking (any transport). Rows are packed
 /// straight into the transport's framed chunks ([`Group::all_to_allv_framed`]) in buffers kept
 /// per thread, and this rank's rows to itself are copied in place, never exchanged.
-pub(crate) fn exchange_packed<G: Group + ?Sized>(
-    g: &mut G,
-    src: &[u8],
-    row_bytes: usize,
-    give: &[Vec<u32>],
-    dst: &mut [u8],
-    take: &[Vec<u32>],
-) -> Result<()> {
+pub(crate) fn exchange_packed<G: Group + ?Sized>(g: &mut G, r: RowExchange<'_>) -> Result<()> {
     let me = g.rank();
     // A rejected argument is the peers' error too: they wait in the same all_to_allv.
-    let checked = check_exchange(me, g.size(), src, row_bytes, give, dst, take).and_then(|()| {
-        check_own_rows(
-            "exchange_rows",
-            me,
-            row_bytes,
-            give[me].len(),
-            take[me].len(),
-        )
-    });
+    let checked =
+        check_exchange(me, g.size(), r.src, r.row_bytes, r.give, r.dst, r.take).and_then(|()| {
+            check_own_rows(
+                "exchange_rows",
+                me,
+                r.row_bytes,
+                r.give[me].len(),
+                r.take[me].len(),
+            )
+        });
     if let Err(e) = checked {
         return Err(g.reject(Op::AllToAllv, e));
     }
     swap_packed(
         g,
-        src,
-        row_bytes,
-        give,
-        take,
+        r.src,
+        r.row_bytes,
+        r.give,
+        r.take,
         "exchange_rows",
         |recv, rs, lead| {
-            unpack(recv, row_bytes, take, me, dst, rs, lead);
+            unpack(recv, r.row_bytes, r.take, me, r.dst, rs, lead);
             Ok(())
         },
     )?;
-    copy_own_rows(src, row_bytes, &give[me], &take[me], dst, false);
+    copy_own_rows(r.src, r.row_bytes, &r.give[me], &r.take[me], r.dst, false);
     Ok(())
 }
 
@@ -73,31 +67,27 @@ pub(crate) fn copy_own_rows(
 
 /// reduce_rows by packing, all_to_allv and a blocked weighted accumulation (any transport):
 /// packed as [`exchange_packed`] packs; this rank's own rows are read in place.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn reduce_packed<G: Group + ?Sized>(
-    g: &mut G,
-    src: &[u8],
-    kind: FloatKind,
-    row_elems: usize,
-    give: &[Vec<u32>],
-    out: &mut [u8],
-    out_kind: FloatKind,
-    take: &[Vec<(u32, f32)>],
-) -> Result<()> {
-    let row_bytes = row_elems * kind.size();
+pub(crate) fn reduce_packed<G: Group + ?Sized>(g: &mut G, r: RowReduce<'_>) -> Result<()> {
+    let row_bytes = r.row_elems * r.kind.size();
     let me = g.rank();
     let checked = check_reduce(
         g.size(),
-        src,
+        r.src,
         row_bytes,
-        row_elems,
-        give,
-        out,
-        out_kind,
-        take,
+        r.row_elems,
+        r.give,
+        r.out,
+        r.out_kind,
+        r.take,
     )
     .and_then(|rows| {
-        check_own_rows("reduce_rows", me, row_bytes, give[me].len(), take[me].len())?;
+        check_own_rows(
+            "reduce_rows",
+            me,
+            row_bytes,
+            r.give[me].len(),
+            r.take[me].len(),
+        )?;
         Ok(rows)
     });
     let out_rows = match checked {
@@ -106,20 +96,20 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(
     };
     swap_packed(
         g,
-        src,
+        r.src,
         row_bytes,
-        give,
-        take,
+        r.give,
+        r.take,
         "reduce_rows",
         |recv, rs, lead| {
-            let by_row = ByRow::new(take, out_rows);
+            let by_row = ByRow::new(r.take, out_rows);
             reduce_blocked(
-                kind,
-                row_elems,
+                r.kind,
+                r.row_elems,
                 &by_row,
-                out,
-                out_kind,
-                &own_in_place(me, src, give),
+                r.out,
+                r.out_kind,
+                &own_in_place(me, r.src, r.give),
                 |peer: usize, positions: &[u32], scratch: &mut [u8]| {
                     let base = rs[peer] + lead;
                     for (i, &pos) in positions.iter().enumerate() {

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use crate::bytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::group::Group;
+use crate::group::{Group, RowReduce};
 use crate::log;
 use crate::num::{self, FloatKind};
 use crate::select::all2all::{self, Backend, Layout};
@@ -1009,15 +1009,15 @@ impl Manager {
             .ok_or_else(|| Error::Internal("combine: the dispatch plan went missing".into()))?;
         let h = self.cfg.hidden;
         self.zero_copy.note_combine(expert_output);
-        g.reduce_rows(
-            expert_output,
-            self.cfg.expert_dtype,
-            h,
-            &plan.take,
+        g.reduce_rows(RowReduce {
+            src: expert_output,
+            kind: self.cfg.expert_dtype,
+            row_elems: h,
+            give: &plan.take,
             out,
-            self.cfg.out_dtype,
-            &plan.combine_take,
-        )?;
+            out_kind: self.cfg.out_dtype,
+            take: &plan.combine_take,
+        })?;
         let rb = (h * self.cfg.expert_dtype.size()) as u64;
         self.stats.combine_bytes_received = plan
             .combine_take

@@ -8,7 +8,7 @@ use std::ops::{Deref, DerefMut, Index};
 use super::plan::Plan;
 use super::{check_available, ensure_len};
 use crate::error::Result;
-use crate::group::{Group, SharedBuf};
+use crate::group::{Group, RowExchange, SharedBuf};
 
 /// A receive buffer: shared memory of the group, or the heap (a group without any).
 #[derive(Debug)]
@@ -109,7 +109,13 @@ impl Received {
         self.len = 0;
         self.buf.ensure(g, len, spare, what)?;
         let dst = &mut self.buf.bytes_mut()[..len];
-        g.exchange_rows(src, row_bytes, &plan.give, dst, &plan.take)?;
+        g.exchange_rows(RowExchange {
+            src,
+            row_bytes,
+            give: &plan.give,
+            dst,
+            take: &plan.take,
+        })?;
         self.len = len;
         Ok(())
     }

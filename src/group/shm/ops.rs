@@ -6,7 +6,7 @@ use super::{SharedBuf, ShmGroup};
 use crate::error::{Error, Result};
 use crate::group::agree;
 use crate::group::rows;
-use crate::group::{check_len, check_p2p, check_sizes, Group, Op, P2p};
+use crate::group::{check_len, check_p2p, check_sizes, Group, Op, P2p, RowExchange, RowReduce};
 use crate::num::FloatKind;
 
 // The identity accessors (rank, size, name, elastic) repeat HostGroup's: each reads its own
@@ -199,114 +199,125 @@ impl Group for ShmGroup {
         })
     }
 
-    fn exchange_rows(
-        &mut self,
-        src: &[u8],
-        row_bytes: usize,
-        give: &[Vec<u32>],
-        dst: &mut [u8],
-        take: &[Vec<u32>],
-    ) -> Result<()> {
+    fn exchange_rows(&mut self, r: RowExchange<'_>) -> Result<()> {
         let op = Op::ExchangeRows;
         self.check_usable(op)?;
         if !self.direct {
-            return rows::exchange_packed(self, src, row_bytes, give, dst, take);
+            return rows::exchange_packed(self, r);
         }
-        if let Err(e) = rows::check_exchange(self.rank, self.world, src, row_bytes, give, dst, take)
-        {
+        if let Err(e) = rows::check_exchange(
+            self.rank,
+            self.world,
+            r.src,
+            r.row_bytes,
+            r.give,
+            r.dst,
+            r.take,
+        ) {
             return Err(self.reject_op(op, e));
         }
-        let (mut meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        let (mut meta, index_bytes) = rows::index_table(r.src.len(), r.row_bytes, r.give);
         // A destination in a window is written by its sources; others pull from each source.
-        let window = self.offer_dst(dst, row_bytes, take);
+        let window = self.offer_dst(r.dst, r.row_bytes, r.take);
         let into_window = window.is_some();
         meta.extend(window.unwrap_or_default());
-        let params = [agree::number("row_bytes", row_bytes)];
+        let params = [agree::number("r.row_bytes", r.row_bytes)];
         let me = self.rank;
-        let check = |g: &Self| g.check_windows(row_bytes);
+        let check = |g: &Self| g.check_windows(r.row_bytes);
         self.run_checked(
             op,
             Ok(()),
             &params,
             &meta,
-            &[src, &index_bytes],
+            &[r.src, &index_bytes],
             check,
             |g| {
-                g.push_rows(src, row_bytes, give)?;
+                g.push_rows(r.src, r.row_bytes, r.give)?;
                 if into_window {
                     // This rank's own rows: a plain copy (the counts were checked alike), with
                     // streaming stores when the call stores many rows, as the sources'.
-                    let streaming = exchange_streams(give, row_bytes);
-                    rows::copy_own_rows(src, row_bytes, &give[me], &take[me], dst, streaming);
+                    let streaming = exchange_streams(r.give, r.row_bytes);
+                    rows::copy_own_rows(
+                        r.src,
+                        r.row_bytes,
+                        &r.give[me],
+                        &r.take[me],
+                        r.dst,
+                        streaming,
+                    );
                     return Ok(());
                 }
-                for (p, take_p) in take.iter().enumerate() {
-                    let (payload, src_idx) = g.rows_from(op, p, row_bytes, take_p.len())?;
+                for (p, take_p) in r.take.iter().enumerate() {
+                    let (payload, src_idx) = g.rows_from(op, p, r.row_bytes, take_p.len())?;
                     let ranges: Vec<(usize, usize, usize)> = src_idx
                         .iter()
                         .zip(take_p)
-                        .map(|(&s, &d)| (s as usize * row_bytes, d as usize * row_bytes, row_bytes))
+                        .map(|(&s, &d)| {
+                            (
+                                s as usize * r.row_bytes,
+                                d as usize * r.row_bytes,
+                                r.row_bytes,
+                            )
+                        })
                         .collect();
-                    payload.copy_scattered(dst, &ranges)?;
+                    payload.copy_scattered(r.dst, &ranges)?;
                 }
                 Ok(())
             },
         )
     }
 
-    fn reduce_rows(
-        &mut self,
-        src: &[u8],
-        kind: FloatKind,
-        row_elems: usize,
-        give: &[Vec<u32>],
-        out: &mut [u8],
-        out_kind: FloatKind,
-        take: &[Vec<(u32, f32)>],
-    ) -> Result<()> {
+    fn reduce_rows(&mut self, r: RowReduce<'_>) -> Result<()> {
         let op = Op::ReduceRows;
         self.check_usable(op)?;
         if !self.direct {
-            return rows::reduce_packed(self, src, kind, row_elems, give, out, out_kind, take);
+            return rows::reduce_packed(self, r);
         }
-        let row_bytes = row_elems * kind.size();
+        let row_bytes = r.row_elems * r.kind.size();
         let out_rows = match rows::check_reduce(
-            self.world, src, row_bytes, row_elems, give, out, out_kind, take,
+            self.world,
+            r.src,
+            row_bytes,
+            r.row_elems,
+            r.give,
+            r.out,
+            r.out_kind,
+            r.take,
         ) {
             Ok(r) => r,
             Err(e) => return Err(self.reject_op(op, e)),
         };
         let me = self.rank;
         // A source in a window is read by its destinations with plain loads.
-        let (mut meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
-        meta.extend(self.offer_src(src, give).unwrap_or_default());
+        let (mut meta, index_bytes) = rows::index_table(r.src.len(), row_bytes, r.give);
+        meta.extend(self.offer_src(r.src, r.give).unwrap_or_default());
         let params = [
-            agree::dtype("row dtype", kind),
-            agree::number("row_elems", row_elems),
-            agree::dtype("output dtype", out_kind),
+            agree::dtype("row dtype", r.kind),
+            agree::number("r.row_elems", r.row_elems),
+            agree::dtype("output dtype", r.out_kind),
         ];
-        self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
-            let sources = g.reduce_sources(op, row_bytes, give, take)?;
+        self.run_agreed(op, Ok(()), &params, &meta, &[r.src, &index_bytes], |g| {
+            let sources = g.reduce_sources(op, row_bytes, r.give, r.take)?;
             let cache = g.peer_windows.borrow(); // own rows and peers' windows: in place
             let in_place: Vec<Option<(&[u8], &[u32])>> = sources
                 .iter()
                 .enumerate()
                 .map(|(p, s)| match s {
-                    Source::Own => Some((src, give[me].as_slice())),
+                    Source::Own => Some((r.src, r.give[me].as_slice())),
                     Source::Window((w, idx)) => {
                         window_view(&cache, p, w).map(|v| (v, idx.as_slice()))
                     }
                     Source::Payload(_) => None,
                 })
                 .collect();
-            let by_row = rows::ByRow::new(take, out_rows);
+            let by_row = rows::ByRow::new(r.take, out_rows);
             let mut ranges = Vec::new();
             rows::reduce_blocked(
-                kind,
-                row_elems,
+                r.kind,
+                r.row_elems,
                 &by_row,
-                out,
-                out_kind,
+                r.out,
+                r.out_kind,
                 &in_place,
                 |peer: usize, positions: &[u32], scratch: &mut [u8]| match &sources[peer] {
                     Source::Own => Err(Error::Internal(
