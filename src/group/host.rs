@@ -383,22 +383,16 @@ impl HostGroup {
     }
 
     fn guarded<T>(&mut self, op: Op, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
-        if let Some(why) = &self.broken {
+        if let Some(why) = self.broken.clone() {
             // Every rank that uses the group after the failure fails here, without a message.
-            if let Some(call) = &mut self.call {
-                call.settled = true;
-            }
+            self.settle();
             return Err(Error::InvalidState(format!(
                 "{}: group '{}' is unusable after an earlier failure ({why}); destroy it and create a new one",
                 op.name(),
                 self.name
             )));
         }
-        f(self).inspect_err(|e| {
-            if !matches!(e, Error::InvalidArgument(_)) {
-                self.broken = Some(e.to_string());
-            }
-        })
+        f(self).map_err(|e| self.broke(e))
     }
 }
 
@@ -678,8 +672,8 @@ impl HostGroup {
         }
     }
 
-    /// `e`, after marking the group unusable unless `e` is an argument error (as
-    /// [`HostGroup::guarded`] does).
+    /// `e`, after marking the group unusable unless `e` is an argument error (an argument
+    /// error leaves the group usable).
     fn broke(&mut self, e: Error) -> Error {
         if !matches!(e, Error::InvalidArgument(_)) {
             self.broken = Some(e.to_string());

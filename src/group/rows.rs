@@ -70,17 +70,7 @@ pub(crate) fn copy_own_rows(
 pub(crate) fn reduce_packed<G: Group + ?Sized>(g: &mut G, r: RowReduce<'_>) -> Result<()> {
     let row_bytes = r.row_elems * r.kind.size();
     let me = g.rank();
-    let checked = check_reduce(
-        g.size(),
-        r.src,
-        row_bytes,
-        r.row_elems,
-        r.give,
-        r.out,
-        r.out_kind,
-        r.take,
-    )
-    .and_then(|rows| {
+    let checked = check_reduce(g.size(), &r).and_then(|rows| {
         check_own_rows(
             "reduce_rows",
             me,
@@ -543,17 +533,10 @@ pub(crate) fn check_exchange(
 }
 
 /// Checks reduce_rows arguments; returns the number of output rows.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn check_reduce(
-    world: usize,
-    src: &[u8],
-    row_bytes: usize,
-    row_elems: usize,
-    give: &[Vec<u32>],
-    out: &[u8],
-    out_kind: FloatKind,
-    take: &[Vec<(u32, f32)>],
-) -> Result<usize> {
+pub(crate) fn check_reduce(world: usize, r: &RowReduce<'_>) -> Result<usize> {
+    let (src, row_elems, give, out, out_kind, take) =
+        (r.src, r.row_elems, r.give, &*r.out, r.out_kind, r.take);
+    let row_bytes = row_elems * r.kind.size();
     let op = "reduce_rows";
     check_lists("give", give, world, op)?;
     check_lists("take", take, world, op)?;

@@ -274,16 +274,7 @@ impl Group for ShmGroup {
             return rows::reduce_packed(self, r);
         }
         let row_bytes = r.row_elems * r.kind.size();
-        let out_rows = match rows::check_reduce(
-            self.world,
-            r.src,
-            row_bytes,
-            r.row_elems,
-            r.give,
-            r.out,
-            r.out_kind,
-            r.take,
-        ) {
+        let out_rows = match rows::check_reduce(self.world, &r) {
             Ok(r) => r,
             Err(e) => return Err(self.reject_op(op, e)),
         };
