@@ -46,6 +46,7 @@ fn vllm_cpu_ep_matches_dp1() {
          equal DP=1's",
         "PASS negative control: a deliberately broken combine (doubled) changes the greedy \
          tokens of ",
+        "PASS shared memory: no vLLM message queue (psm_*) left in /dev/shm",
         "ALL PASSED",
     ] {
         assert!(

@@ -17,6 +17,8 @@ local: the model is built under WORKDIR (tests/vllm_cpu/model.py), HF_HUB_OFFLIN
   4. `vllm serve --data-parallel-size 2 --enable-expert-parallel` and the completions API,
   5. the negative control: 2. with a deliberately broken combine (doubles its result), which
      must differ from 1.;
+  6. nothing left behind: no psm_* segment (vLLM's message queues) the runs made stays in
+     /dev/shm (every run stops vLLM's engine cores the way a clean exit does);
 each of 2.-5. must show (per-process records of the manager, tests/vllm_cpu/hooks) that
 epcomm's manager served dispatches and combines in every DP rank's worker.
 """
@@ -28,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -117,6 +120,11 @@ def rank_main(args):
                    "tokens": sum(len(r["tokens"]) for r in res.values())}, f)
     # vLLM's DP example sleeps before exiting so that the peers' last collectives finish.
     time.sleep(1)
+    # Stop the engine core (and its workers) the way vLLM does at a clean exit, so that they
+    # unlink their shared memory (two psm_* message queues of 160 and 240 MiB and a semaphore
+    # per rank); os._exit skips vLLM's finalizers, and the SIGKILL of the process group after
+    # it would leave them in /dev/shm.
+    llm.llm_engine.engine_core.shutdown()
     os._exit(0)
 
 
@@ -154,13 +162,9 @@ def run_offline(workdir, model, dp, compiled, name, hook="", extra=None, n=6,
             failed = failed or f"timed out after {RUN_TIMEOUT} s"
         log.close()
     # Each rank's process group: the rank and the engine core and worker processes vLLM
-    # started for it, which outlive a rank that exited (they would hold ports and CPU).
+    # started for it, which may outlive a rank that exited (they would hold ports and CPU).
     for p, _ in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+        end_group(p)
     if failed:
         tail = open(os.path.join(out_dir, "rank0.log")).read()[-3000:]
         raise RuntimeError(f"{name}: a DP rank failed ({failed}); rank 0's log ends:\n{tail}")
@@ -172,6 +176,33 @@ def run_offline(workdir, model, dp, compiled, name, hook="", extra=None, n=6,
         tokens += d["tokens"]
         secs = max(secs, d["seconds"])
     return results, tokens / secs, stats(out_dir)
+
+
+def group_alive(pgid):
+    """Whether a process of group ``pgid`` still runs (zombies do not count)."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError, ValueError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def end_group(p, grace=30):
+    """Waits up to ``grace`` s for what is left of ``p``'s process group (engine cores,
+    workers, and Python's resource tracker, which unlinks the shared memory a killed vLLM
+    process leaves) to exit by itself, then SIGKILLs the rest."""
+    p.wait()
+    deadline = time.time() + grace
+    while group_alive(p.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def stats(out_dir):
@@ -198,7 +229,9 @@ def run_serve(workdir, model, hook="stats", extra=None, n=6):
            "--tokenizer", model, "--dtype", "float32",
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--enforce-eager",
            "--data-parallel-size", "2", "--enable-expert-parallel", "--port", str(port),
-           "--host", "127.0.0.1", "--served-model-name", "tiny-moe", "--seed", "0"]
+           "--host", "127.0.0.1", "--served-model-name", "tiny-moe", "--seed", "0",
+           # Drain on SIGTERM (vLLM's default, 0, aborts and kills its engine cores at once).
+           "--shutdown-timeout", "30"]
     log = open(os.path.join(out_dir, "serve.log"), "w")
     p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True)
@@ -232,16 +265,14 @@ def run_serve(workdir, model, hook="stats", extra=None, n=6):
                                "logprobs": (ch.get("logprobs") or {}).get("token_logprobs")}
         return results, stats(out_dir)
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
+        # SIGTERM to the server alone: it stops its engine cores and their workers, which
+        # unlink their shared memory (a SIGTERM to the whole group would race that).
+        p.send_signal(signal.SIGTERM)
         try:
-            p.wait(timeout=30)
+            p.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pass
-        try:  # what is left of the server's process group (engine cores, workers)
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+        end_group(p)
         log.close()
 
 
@@ -268,7 +299,13 @@ def served_by_epcomm(recs, transport, dp=2):
     return ranks == set(range(dp)), recs
 
 
+def vllm_shm():
+    """vLLM's shared-memory message queues (Python's SharedMemory names them psm_*)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+
+
 def check(workdir):
+    shm_before = vllm_shm()
     model = build_model(workdir)
     failures = []
     ref, tps1, _ = run_offline(workdir, model, 1, False, "dp1")
@@ -311,6 +348,12 @@ def check(workdir):
     else:
         print(f"PASS negative control: a deliberately broken combine (doubled) changes the "
               f"greedy tokens of {len(diffs)} of {len(ref)} prompts")
+    left = sorted(vllm_shm() - shm_before)
+    if left:
+        failures.append(f"left in /dev/shm: {left}")
+        print(f"FAIL shared memory: the runs left {left} in /dev/shm")
+    else:
+        print("PASS shared memory: no vLLM message queue (psm_*) left in /dev/shm")
     if failures:
         print("FAILED: " + " | ".join(failures))
         return 1
@@ -358,4 +401,13 @@ if __name__ == "__main__":
         rank_main(sys.argv[2:])
     os.makedirs(sys.argv[2], exist_ok=True)
     workdir = os.path.abspath(sys.argv[2])
-    sys.exit({"check": check, "bench": bench}[cmd](workdir))
+    # vLLM's ZeroMQ IPC sockets go to VLLM_RPC_BASE_PATH (default: the temporary directory),
+    # and a stopped engine leaves them there: give them a directory of this run's own (short:
+    # a socket's path is at most 107 bytes) and remove it at the end.
+    rpc = tempfile.mkdtemp(prefix="epcomm-vllm-rpc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = rpc
+    try:
+        rc = {"check": check, "bench": bench}[cmd](workdir)
+    finally:
+        shutil.rmtree(rpc, ignore_errors=True)
+    sys.exit(rc)
