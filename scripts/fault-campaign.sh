@@ -6,7 +6,8 @@
 # and prints the summary table (class, runs, hit, crashes, hangs, leftovers, silent_wrong,
 # divergent, misblamed, mixed_groups). Exits non-zero when any rule was broken in any class
 # (EPCOMM_CAMPAIGN_STRICT=1: the rules the CI test lists as expected to fail count too).
-# CI runs the short version: cargo test --test fault_campaign (40 runs per class).
+# CI runs the short version: EPCOMM_TEST_FULL=1 cargo test --test fault_campaign (40 runs per
+# class; a plain cargo test runs 20).
 #
 # usage: scripts/fault-campaign.sh [RUNS [CLASSES]]
 #   RUNS     runs per class (default 500; or EPCOMM_CAMPAIGN_RUNS)

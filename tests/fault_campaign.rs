@@ -16,8 +16,8 @@
 //! layers, including a stalled rank once resumed (divergent); a survivor's error names the
 //! faulty rank and only it (misblamed); no group mixes two jobs (mixed groups).
 //!
-//! `cargo test --test fault_campaign` runs the CI size (40 runs per class, `EPCOMM_TIMEOUT_S=1`)
-//! and prints the table; `scripts/fault-campaign.sh [RUNS]` the long one. Variables:
+//! `EPCOMM_TEST_FULL=1 cargo test --test fault_campaign` runs the CI size (40 runs per class,
+//! `EPCOMM_TIMEOUT_S=1`; a plain `cargo test` half of it) and prints the table; `scripts/fault-campaign.sh [RUNS]` the long one. Variables:
 //! `EPCOMM_CAMPAIGN_RUNS` (runs per class), `EPCOMM_CAMPAIGN_SEED`, `EPCOMM_CAMPAIGN_CLASSES`
 //! (comma-separated names), `EPCOMM_CAMPAIGN_FAULTS` (comma-separated KILL, STOP, TERM, INT:
 //! the signals drawn from), `EPCOMM_CAMPAIGN_TIMEOUT_S` (the ranks' timeout, default 1),
@@ -61,7 +61,7 @@ const CHILD_TEST: &str = "campaign_rank";
 /// A same-name rank ends within 3 timeouts (waiting for a rank 0 or the join, the call, the
 /// destroy) plus this after its job started: the group's settle time (up to 1 s) and a margin.
 const SAME_NAME_BOUND_EXTRA: Duration = Duration::from_secs(2);
-/// Runs per class in CI.
+/// Runs per class in CI (the full tier; a plain `cargo test` runs half).
 const CI_RUNS: u64 = 40;
 
 /// The rules a class breaks on today's library, with what breaks: a violation of a listed rule
@@ -798,7 +798,7 @@ fn show(text: &str) {
 
 #[test]
 fn fault_campaign() {
-    let runs = env_u64("EPCOMM_CAMPAIGN_RUNS").unwrap_or(CI_RUNS);
+    let runs = common::skip::campaign_runs("EPCOMM_CAMPAIGN_RUNS", CI_RUNS);
     let seed = env_u64("EPCOMM_CAMPAIGN_SEED").unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -14,7 +14,8 @@
 //! - the healthy ranks serve again within 2 timeouts (+ slack) of their first failed attempt;
 //! - nothing is left in /dev/shm.
 //!
-//! `overlap_campaign_sample` runs `EPCOMM_FT_OVERLAP_RUNS` runs (default 30, CI);
+//! `overlap_campaign_sample` runs `EPCOMM_FT_OVERLAP_RUNS` runs (default 30 in the full tier,
+//! CI; 15 in a plain `cargo test`);
 //! `scripts/ft-campaign.sh --overlap RUNS [SEED]` runs more.
 
 mod common;
@@ -378,10 +379,7 @@ fn check_run(
 
 #[test]
 fn overlap_campaign_sample() {
-    let runs: usize = std::env::var("EPCOMM_FT_OVERLAP_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(30);
+    let runs = common::skip::campaign_runs("EPCOMM_FT_OVERLAP_RUNS", 30) as usize;
     let seed: u64 = std::env::var("EPCOMM_FT_SEED")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -27,8 +27,10 @@ fn identity_rank() {
     };
     let rank: usize = std::env::var("EPCOMM_ID_RANK").unwrap().parse().unwrap();
     let job = std::env::var("EPCOMM_ID_JOB").unwrap();
+    // One second: a clash's rank 0 keeps its record one timeout before it gives up (the
+    // name is then free), and each of the 30 runs waits for that.
     let opts = GroupOptions {
-        timeout: Duration::from_secs(2),
+        timeout: Duration::from_secs(1),
         ..GroupOptions::default()
     };
     let result = ShmGroup::join(&group, rank, 2, opts).and_then(|mut g| {

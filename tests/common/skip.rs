@@ -48,3 +48,13 @@ pub fn required(var: &str) -> bool {
 pub fn heavy(what: &str, download: &str) -> String {
     format!("not here: {what}; a plain `cargo test` downloads nothing that big, {FULL}=1 provisions it ({download})")
 }
+
+/// How many runs a fault campaign makes when its variable does not say: `ci_runs` (the size
+/// CI runs, `.ci/run` sets [`FULL`]) in the full tier, half of it in a plain `cargo test`, which
+/// the README promises in minutes. The campaign's variable overrides both.
+pub fn campaign_runs(var: &str, ci_runs: u64) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if full() { ci_runs } else { ci_runs.div_ceil(2) })
+}
