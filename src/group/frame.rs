@@ -16,20 +16,23 @@ pub const TO_ALL: u64 = u32::MAX as u64;
 /// High bits of word 0 ("epmg"): a frame from anything else is a broken host transport.
 const TAG: u64 = 0x6570_6d67 << 32;
 
-/// Which step of an op a message belongs to.
+/// Which step of an op a message belongs to. Declaration order, from 1, is the wire code
+/// (pinned code by code in this file's tests): only append.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     /// The op header every rank gathers first (its verdict on its arguments, the op).
     Header = 1,
     /// Agreement data: size lists, message lists.
-    Agreement = 2,
+    Agreement,
     /// The op's data.
-    Data = 3,
+    Data,
     /// The verdict every rank gathers last (how its op went).
-    Verdict = 4,
+    Verdict,
 }
 
 impl Step {
+    const ALL: [Step; 4] = [Step::Header, Step::Agreement, Step::Data, Step::Verdict];
+
     fn name(self) -> &'static str {
         match self {
             Step::Header => "header",
@@ -40,9 +43,7 @@ impl Step {
     }
 
     fn from_code(c: u64) -> Option<Step> {
-        [Step::Header, Step::Agreement, Step::Data, Step::Verdict]
-            .into_iter()
-            .find(|s| *s as u64 == c)
+        Step::ALL.into_iter().find(|s| *s as u64 == c)
     }
 }
 
@@ -204,6 +205,39 @@ impl Frame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wire_codes_are_pinned() {
+        let ops = [
+            (Op::Join, 1),
+            (Op::Barrier, 2),
+            (Op::AllGatherv, 3),
+            (Op::ReduceScatterv, 4),
+            (Op::AllToAllv, 5),
+            (Op::SendRecv, 6),
+            (Op::Broadcast, 7),
+            (Op::Leave, 8),
+            (Op::ExchangeRows, 9),
+            (Op::ReduceRows, 10),
+        ];
+        for (op, code) in ops {
+            assert_eq!(op as u32, code, "{op:?}");
+            assert_eq!(Op::from_code(code), Some(op));
+        }
+        assert_eq!(Op::ALL, ops.map(|(op, _)| op));
+        let steps = [
+            (Step::Header, 1),
+            (Step::Agreement, 2),
+            (Step::Data, 3),
+            (Step::Verdict, 4),
+        ];
+        for (step, code) in steps {
+            assert_eq!(step as u64, code, "{step:?}");
+            assert_eq!(Step::from_code(code), Some(step));
+        }
+        assert_eq!(Step::ALL, steps.map(|(step, _)| step));
+        assert_eq!((Op::from_code(0), Step::from_code(0)), (None, None));
+    }
 
     fn frame() -> Frame {
         Frame {

@@ -261,22 +261,36 @@ pub struct RowReduce<'a> {
     pub take: &'a [Vec<(u32, f32)>],
 }
 
-/// The name of a primitive, for messages.
+/// The name of a primitive, for messages. Declaration order, from 1, is the wire code in each
+/// host frame (pinned code by code in frame.rs's tests): only append.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     Join = 1,
-    Barrier = 2,
-    AllGatherv = 3,
-    ReduceScatterv = 4,
-    AllToAllv = 5,
-    SendRecv = 6,
-    Broadcast = 7,
-    Leave = 8,
-    ExchangeRows = 9,
-    ReduceRows = 10,
+    Barrier,
+    AllGatherv,
+    ReduceScatterv,
+    AllToAllv,
+    SendRecv,
+    Broadcast,
+    Leave,
+    ExchangeRows,
+    ReduceRows,
 }
 
 impl Op {
+    pub const ALL: [Op; 10] = [
+        Op::Join,
+        Op::Barrier,
+        Op::AllGatherv,
+        Op::ReduceScatterv,
+        Op::AllToAllv,
+        Op::SendRecv,
+        Op::Broadcast,
+        Op::Leave,
+        Op::ExchangeRows,
+        Op::ReduceRows,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Op::Join => "join",
@@ -293,20 +307,7 @@ impl Op {
     }
 
     pub fn from_code(c: u32) -> Option<Op> {
-        [
-            Op::Join,
-            Op::Barrier,
-            Op::AllGatherv,
-            Op::ReduceScatterv,
-            Op::AllToAllv,
-            Op::SendRecv,
-            Op::Broadcast,
-            Op::Leave,
-            Op::ExchangeRows,
-            Op::ReduceRows,
-        ]
-        .into_iter()
-        .find(|o| *o as u32 == c)
+        Op::ALL.into_iter().find(|o| *o as u32 == c)
     }
 }
 
