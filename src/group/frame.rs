@@ -206,6 +206,20 @@ impl Frame {
 mod tests {
     use super::*;
 
+    /// `all` is `pins`' variants, each with its wire code both ways.
+    fn pinned<T: Copy + PartialEq + std::fmt::Debug>(
+        all: &[T],
+        pins: &[(T, u64)],
+        code: fn(T) -> u64,
+        from_code: fn(u64) -> Option<T>,
+    ) {
+        assert_eq!(all, pins.iter().map(|p| p.0).collect::<Vec<T>>());
+        for &(v, c) in pins {
+            assert_eq!((code(v), from_code(c)), (c, Some(v)), "{v:?}");
+        }
+        assert_eq!(from_code(0), None);
+    }
+
     #[test]
     fn wire_codes_are_pinned() {
         let ops = [
@@ -220,23 +234,15 @@ mod tests {
             (Op::ExchangeRows, 9),
             (Op::ReduceRows, 10),
         ];
-        for (op, code) in ops {
-            assert_eq!(op as u32, code, "{op:?}");
-            assert_eq!(Op::from_code(code), Some(op));
-        }
-        assert_eq!(Op::ALL, ops.map(|(op, _)| op));
+        let op_of = |c: u64| u32::try_from(c).ok().and_then(Op::from_code);
+        pinned(&Op::ALL, &ops, |op| op as u64, op_of);
         let steps = [
             (Step::Header, 1),
             (Step::Agreement, 2),
             (Step::Data, 3),
             (Step::Verdict, 4),
         ];
-        for (step, code) in steps {
-            assert_eq!(step as u64, code, "{step:?}");
-            assert_eq!(Step::from_code(code), Some(step));
-        }
-        assert_eq!(Step::ALL, steps.map(|(step, _)| step));
-        assert_eq!((Op::from_code(0), Step::from_code(0)), (None, None));
+        pinned(&Step::ALL, &steps, |step| step as u64, Step::from_code);
     }
 
     fn frame() -> Frame {
