@@ -1,26 +1,27 @@
 //! Element types, described as DLPack does (type code, bits, lanes).
 
-/// DLPack type codes (`DLDataTypeCode`).
+/// DLPack type codes (`DLDataTypeCode`). Declaration order is the DLPack code (`kDLInt` = 0, ...,
+/// pinned code by code in this file's tests): only append.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Code {
-    Int = 0,
-    UInt = 1,
-    Float = 2,
-    OpaqueHandle = 3,
-    Bfloat = 4,
-    Complex = 5,
-    Bool = 6,
-    Float8E3m4 = 7,
-    Float8E4m3 = 8,
-    Float8E4m3b11fnuz = 9,
-    Float8E4m3fn = 10,
-    Float8E4m3fnuz = 11,
-    Float8E5m2 = 12,
-    Float8E5m2fnuz = 13,
-    Float8E8m0fnu = 14,
-    Float6E2m3fn = 15,
-    Float6E3m2fn = 16,
-    Float4E2m1fn = 17,
+    Int,
+    UInt,
+    Float,
+    OpaqueHandle,
+    Bfloat,
+    Complex,
+    Bool,
+    Float8E3m4,
+    Float8E4m3,
+    Float8E4m3b11fnuz,
+    Float8E4m3fn,
+    Float8E4m3fnuz,
+    Float8E5m2,
+    Float8E5m2fnuz,
+    Float8E8m0fnu,
+    Float6E2m3fn,
+    Float6E3m2fn,
+    Float4E2m1fn,
 }
 
 impl Code {
@@ -108,5 +109,38 @@ impl DType {
             }
         };
         format!("torch.{name}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_dlpacks() {
+        let dlpack = [
+            (Code::Int, 0),               // kDLInt
+            (Code::UInt, 1),              // kDLUInt
+            (Code::Float, 2),             // kDLFloat
+            (Code::OpaqueHandle, 3),      // kDLOpaqueHandle
+            (Code::Bfloat, 4),            // kDLBfloat
+            (Code::Complex, 5),           // kDLComplex
+            (Code::Bool, 6),              // kDLBool
+            (Code::Float8E3m4, 7),        // kDLFloat8_e3m4
+            (Code::Float8E4m3, 8),        // kDLFloat8_e4m3
+            (Code::Float8E4m3b11fnuz, 9), // kDLFloat8_e4m3b11fnuz
+            (Code::Float8E4m3fn, 10),     // kDLFloat8_e4m3fn
+            (Code::Float8E4m3fnuz, 11),   // kDLFloat8_e4m3fnuz
+            (Code::Float8E5m2, 12),       // kDLFloat8_e5m2
+            (Code::Float8E5m2fnuz, 13),   // kDLFloat8_e5m2fnuz
+            (Code::Float8E8m0fnu, 14),    // kDLFloat8_e8m0fnu
+            (Code::Float6E2m3fn, 15),     // kDLFloat6_e2m3fn
+            (Code::Float6E3m2fn, 16),     // kDLFloat6_e3m2fn
+            (Code::Float4E2m1fn, 17),     // kDLFloat4_e2m1fn
+        ];
+        for (code, n) in dlpack {
+            assert_eq!(code as u8, n, "{code:?}");
+        }
+        assert_eq!(Code::ALL, dlpack.map(|(code, _)| code));
     }
 }

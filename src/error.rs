@@ -9,22 +9,23 @@ use thiserror::Error;
 
 /// Status codes returned by every fallible C function (`int32_t`, 0 = success).
 ///
-/// Values are part of the ABI: never renumber, only append.
+/// Declaration order is the C code (`EPCOMM_OK`, `EPCOMM_ERROR_*`, asserted in ffi/mod.rs's
+/// tests): only append.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Status {
-    Ok = 0,
-    NullPointer = 1,
-    InvalidArgument = 2,
-    Assertion = 3,
-    NotImplemented = 4,
-    Runtime = 5,
-    Unavailable = 6,
-    Timeout = 7,
-    PeerFailure = 8,
-    InvalidState = 9,
-    System = 10,
-    Internal = 11,
+    Ok,
+    NullPointer,
+    InvalidArgument,
+    Assertion,
+    NotImplemented,
+    Runtime,
+    Unavailable,
+    Timeout,
+    PeerFailure,
+    InvalidState,
+    System,
+    Internal,
 }
 
 impl Status {

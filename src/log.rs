@@ -27,26 +27,27 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use crate::var::{invalid_message, lossy, read};
 
-/// Log levels; numeric values are part of the C ABI.
+/// Log levels. Declaration order, from 1, is the C code (`EPCOMM_LOG_*`, asserted in ffi/mod.rs's
+/// tests): only append.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Level {
     /// `EPCOMM_LOG_ERROR`.
     Error = 1,
     /// `EPCOMM_LOG_WARN`.
-    Warn = 2,
+    Warn,
     /// `EPCOMM_LOG_INFO`.
-    Info = 3,
+    Info,
     /// `EPCOMM_LOG_DEBUG`.
-    Debug = 4,
+    Debug,
 }
 
 impl Level {
+    pub const ALL: [Level; 4] = [Level::Error, Level::Warn, Level::Info, Level::Debug];
+
     /// The level of an `EPCOMM_LOG_*` code.
     pub fn from_code(code: i32) -> Option<Level> {
-        [Level::Error, Level::Warn, Level::Info, Level::Debug]
-            .into_iter()
-            .find(|l| *l as i32 == code)
+        Level::ALL.into_iter().find(|l| *l as i32 == code)
     }
 
     /// `error`, `warn`/`warning`, `info` or `debug`, any case, surrounding space ignored.

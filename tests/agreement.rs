@@ -12,7 +12,7 @@ use epcomm::dtype::{Code, DType};
 use epcomm::eplb::communicator::EplbCommunicator;
 use epcomm::eplb::rearrange::{rearrange, rearrange_typed};
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions, RowExchange};
+use epcomm::group::{AllToAllv, Group, GroupOptions, ReduceScatterv, RowExchange};
 use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
 
@@ -87,11 +87,23 @@ fn reduce_scatterv_with_different_dtypes_fails_on_every_rank_then_works() {
         };
         let input = num::from_f32(&vec![1.0; 2 * elems], kind);
         let mut out = vec![0u8; elems * kind.size()];
-        let bad = g.reduce_scatterv(&input, &[1, 1], elems, kind, &mut out);
+        let bad = g.reduce_scatterv(ReduceScatterv {
+            input: &input,
+            rows: &[1, 1],
+            row_elems: elems,
+            kind,
+            output: &mut out,
+        });
         let input = num::from_f32(&[1.0; 8], FloatKind::F32);
         let mut out = vec![0u8; 16];
         let good = g
-            .reduce_scatterv(&input, &[1, 1], 4, FloatKind::F32, &mut out)
+            .reduce_scatterv(ReduceScatterv {
+                input: &input,
+                rows: &[1, 1],
+                row_elems: 4,
+                kind: FloatKind::F32,
+                output: &mut out,
+            })
             .map(|()| num::to_f32(&out, FloatKind::F32));
         (message(&bad), good.unwrap())
     });
@@ -449,7 +461,12 @@ fn mismatched_sizes_fail_on_every_rank_before_data_moves_then_work() {
         };
         let send = vec![rank as u8 + 1; send_sizes.iter().sum()];
         let mut recv = vec![0u8; recv_sizes.iter().sum()];
-        let a2a = message(&g.all_to_allv(&send, send_sizes, &mut recv, recv_sizes));
+        let a2a = message(&g.all_to_allv(AllToAllv {
+            send: &send,
+            send_sizes,
+            recv: &mut recv,
+            recv_sizes,
+        }));
         let a2a_untouched = recv.iter().all(|&b| b == 0);
         let data = [5u8; 4];
         let mut buf = [0u8; 8];
@@ -470,12 +487,12 @@ fn mismatched_sizes_fail_on_every_rank_before_data_moves_then_work() {
             data: &data,
         }]));
         let mut got = [0u8; 2];
-        let good = message(&g.all_to_allv(
-            &[rank as u8 * 2, rank as u8 * 2 + 1],
-            &[1, 1],
-            &mut got,
-            &[1, 1],
-        ));
+        let good = message(&g.all_to_allv(AllToAllv {
+            send: &[rank as u8 * 2, rank as u8 * 2 + 1],
+            send_sizes: &[1, 1],
+            recv: &mut got,
+            recv_sizes: &[1, 1],
+        }));
         (a2a, a2a_untouched, p2p, buf, own, good, got)
     });
     for (rank, ((a2a, untouched, p2p, buf, own, good, got), took)) in res.into_iter().enumerate() {

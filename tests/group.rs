@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use epcomm::group::host::{HostGroup, HostTransport};
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions, P2p, RowExchange, RowReduce};
+use epcomm::group::{AllToAllv, Group, GroupOptions, P2p, ReduceScatterv, RowExchange, RowReduce};
 use epcomm::num::{self, FloatKind};
 use epcomm::{Error, Status};
 use ranks::{assert_all_ok, shm_leftovers, wait_all, Finished};
@@ -93,8 +93,14 @@ fn exercise(g: &mut dyn Group, seed: u64, iters: u64) {
             };
             let input = input_of(me);
             let mut out = vec![0u8; rows[me] * elems * kind.size()];
-            g.reduce_scatterv(&input, &rows, elems, kind, &mut out)
-                .unwrap();
+            g.reduce_scatterv(ReduceScatterv {
+                input: &input,
+                rows: &rows,
+                row_elems: elems,
+                kind,
+                output: &mut out,
+            })
+            .unwrap();
             let start: usize = rows[..me].iter().sum::<usize>() * elems;
             let n = rows[me] * elems;
             let mut acc = vec![0f32; n];
@@ -140,8 +146,13 @@ fn exercise(g: &mut dyn Group, seed: u64, iters: u64) {
         let send_sizes: Vec<usize> = (0..world).map(|p| chunk(me, p)).collect();
         let recv_sizes: Vec<usize> = (0..world).map(|p| chunk(p, me)).collect();
         let mut recv = vec![0u8; recv_sizes.iter().sum()];
-        g.all_to_allv(&send, &send_sizes, &mut recv, &recv_sizes)
-            .unwrap();
+        g.all_to_allv(AllToAllv {
+            send: &send,
+            send_sizes: &send_sizes,
+            recv: &mut recv,
+            recv_sizes: &recv_sizes,
+        })
+        .unwrap();
         let expect: Vec<u8> = (0..world)
             .flat_map(|p| bytes(key(&[seed, it, p as u64, me as u64, 5]), chunk(p, me)))
             .collect();
@@ -541,7 +552,13 @@ fn bad_arguments_are_clear_errors() {
         "all_gatherv: sizes has 2 entries; expected one per rank (1)"
     );
     let e = g
-        .reduce_scatterv(&[0; 8], &[2], 2, FloatKind::F32, &mut [0; 16])
+        .reduce_scatterv(ReduceScatterv {
+            input: &[0; 8],
+            rows: &[2],
+            row_elems: 2,
+            kind: FloatKind::F32,
+            output: &mut [0; 16],
+        })
         .unwrap_err();
     assert_eq!(e.to_string(), "reduce_scatterv: input has 8 bytes; expected 16 (sum(rows) = 2 rows of 2 float32 elements)");
     let e = g.broadcast(3, &mut [0; 4]).unwrap_err();

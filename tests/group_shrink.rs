@@ -36,7 +36,7 @@ use epcomm::ffi::group::{
     epcomm_group_size, epcomm_host_callbacks,
 };
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{Group, GroupOptions, ReduceScatterv};
 use epcomm::num::{self, FloatKind};
 use epcomm::Status;
 use ranks::{shm_leftovers, wait_all, Finished};
@@ -87,7 +87,13 @@ fn round(g: &mut dyn Group, i: u64, orig: &[usize]) -> epcomm::Result<()> {
     let x: Vec<f32> = (0..total * 4).map(|j| value(orig[me], j)).collect();
     let mut y = vec![0u8; rows[me] * 16];
     let xb = num::from_f32(&x, FloatKind::F32);
-    g.reduce_scatterv(&xb, &rows, 4, FloatKind::F32, &mut y)?;
+    g.reduce_scatterv(ReduceScatterv {
+        input: &xb,
+        rows: &rows,
+        row_elems: 4,
+        kind: FloatKind::F32,
+        output: &mut y,
+    })?;
     let start: usize = rows[..me].iter().sum::<usize>() * 4;
     let want: Vec<f32> = (start..start + rows[me] * 4)
         .map(|j| orig.iter().map(|&o| value(o, j)).sum())

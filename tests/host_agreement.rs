@@ -10,7 +10,7 @@ mod channel;
 use std::time::{Duration, Instant};
 
 use channel::{on_host_group_with, RECV_TIMEOUT};
-use epcomm::group::{Group, P2p, RowExchange};
+use epcomm::group::{AllToAllv, Group, P2p, ReduceScatterv, RowExchange};
 use epcomm::num::FloatKind;
 
 /// A rejection must reach the peers long before a receive would time out.
@@ -58,14 +58,26 @@ fn reduce_scatterv_with_different_dtypes_fails_on_every_rank_then_works() {
         } else {
             (FloatKind::Bf16, 4)
         };
-        let e = msg(g.reduce_scatterv(&[0; 16], &[1, 1], elems, kind, &mut [0; 8]));
+        let e = msg(g.reduce_scatterv(ReduceScatterv {
+            input: &[0; 16],
+            rows: &[1, 1],
+            row_elems: elems,
+            kind,
+            output: &mut [0; 8],
+        }));
         let input: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
             .iter()
             .flat_map(|x| (x * (rank + 1) as f32).to_ne_bytes())
             .collect();
         let mut out = [0u8; 8];
-        g.reduce_scatterv(&input, &[1, 1], 2, FloatKind::F32, &mut out)
-            .unwrap();
+        g.reduce_scatterv(ReduceScatterv {
+            input: &input,
+            rows: &[1, 1],
+            row_elems: 2,
+            kind: FloatKind::F32,
+            output: &mut out,
+        })
+        .unwrap();
         (e, epcomm::bytes::to_vec::<f32>(&out))
     }) {
         assert_eq!(out[0].0, "reduce_scatterv: ranks of group 'host' disagree on dtype: rank 0 passes float32 but rank 1 passes bfloat16; every rank must pass the same dtype (no data was exchanged)");
@@ -114,15 +126,20 @@ fn all_to_allv_with_mismatched_sizes_fails_on_every_rank_then_works() {
         };
         let send = vec![rank as u8; send_sizes.iter().sum()];
         let mut recv = vec![0u8; recv_sizes.iter().sum()];
-        let e = msg(g.all_to_allv(&send, send_sizes, &mut recv, recv_sizes));
+        let e = msg(g.all_to_allv(AllToAllv {
+            send: &send,
+            send_sizes,
+            recv: &mut recv,
+            recv_sizes,
+        }));
         let untouched = recv.iter().all(|&b| b == 0);
         let mut got = [0u8; 2];
-        g.all_to_allv(
-            &[rank as u8 * 2, rank as u8 * 2 + 1],
-            &[1, 1],
-            &mut got,
-            &[1, 1],
-        )
+        g.all_to_allv(AllToAllv {
+            send: &[rank as u8 * 2, rank as u8 * 2 + 1],
+            send_sizes: &[1, 1],
+            recv: &mut got,
+            recv_sizes: &[1, 1],
+        })
         .unwrap();
         (e, untouched, got)
     }) {

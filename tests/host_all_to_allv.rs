@@ -7,10 +7,12 @@
 #[path = "common/channel.rs"]
 mod channel;
 
-use channel::{channel_transports_with, on_transports, A2avLiar as Liar, Lie};
+use channel::{
+    all_to_allv_even, channel_transports_with, on_transports, reduce_scatterv_step,
+    A2avLiar as Liar, Lie,
+};
 use epcomm::group::host::HostGroup;
 use epcomm::group::{Group, RowExchange};
-use epcomm::num::FloatKind;
 use epcomm::Status;
 
 #[derive(Debug, Clone, Copy)]
@@ -33,9 +35,7 @@ fn run(g: &mut HostGroup, coll: Coll, r: usize, world: usize) -> epcomm::Result<
     match coll {
         Coll::AllToAllv => {
             let send: Vec<u8> = (0..world).flat_map(|p| [(10 * r + p) as u8; 16]).collect();
-            let mut out = vec![0; 16 * world];
-            g.all_to_allv(&send, &vec![16; world], &mut out, &vec![16; world])
-                .map(|()| out)
+            all_to_allv_even(g, &send, 16)
         }
         Coll::ExchangeRows => {
             // Rank r gives row p of its 8-byte rows to peer p, which puts it at row r.
@@ -52,14 +52,7 @@ fn run(g: &mut HostGroup, coll: Coll, r: usize, world: usize) -> epcomm::Result<
             })
             .map(|()| dst)
         }
-        Coll::ReduceScatterv => {
-            let input: Vec<u8> = (0..2 * world)
-                .flat_map(|i| ((i + r) as f32).to_ne_bytes())
-                .collect();
-            let mut out = vec![0; 8];
-            g.reduce_scatterv(&input, &vec![1; world], 2, FloatKind::F32, &mut out)
-                .map(|()| out)
-        }
+        Coll::ReduceScatterv => reduce_scatterv_step(g, r, world),
         Coll::AllGatherv => {
             // More than an op header carries inline: through the host's all_to_allv.
             let mut out = vec![0; 300 * world];

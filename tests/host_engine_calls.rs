@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use channel::{channel_transports_with, ChannelTransport};
 use epcomm::group::host::{HostGroup, HostTransport};
+use epcomm::group::AllToAllv;
 use host_step::{Step, HIDDEN};
 
 /// Calls of each kind: send, recv, all_gather, all_to_allv.
@@ -49,14 +50,8 @@ impl HostTransport for Counting {
         }
         got
     }
-    fn all_to_allv(
-        &mut self,
-        send: &[u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Option<Result<(), String>> {
-        let got = self.inner.all_to_allv(send, send_sizes, recv, recv_sizes);
+    fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Option<Result<(), String>> {
+        let got = self.inner.all_to_allv(a);
         if got.is_some() {
             self.count(|c| c.all_to_allv += 1);
         }

@@ -9,14 +9,13 @@
 #[path = "common/channel.rs"]
 mod channel;
 
-use channel::{channel_transports, on_transports};
+use channel::{all_to_allv_even, channel_transports, on_transports, reduce_scatterv_step};
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::Duration;
 
 use epcomm::group::host::{HostGroup, HostTransport};
 use epcomm::group::{Group, P2p};
-use epcomm::num::FloatKind;
 use epcomm::Status;
 
 const RECV_TIMEOUT: Duration = Duration::from_secs(20);
@@ -216,18 +215,9 @@ fn run(g: &mut HostGroup, coll: Coll, r: usize, world: usize) -> epcomm::Result<
         }
         Coll::AllToAllv => {
             let send = vec![r as u8 + 1; 8 * world];
-            let mut out = vec![0; 8 * world];
-            g.all_to_allv(&send, &vec![8; world], &mut out, &vec![8; world])
-                .map(|()| out)
+            all_to_allv_even(g, &send, 8)
         }
-        Coll::ReduceScatterv => {
-            let input: Vec<u8> = (0..2 * world)
-                .flat_map(|i| ((i + r) as f32).to_ne_bytes())
-                .collect();
-            let mut out = vec![0; 8];
-            g.reduce_scatterv(&input, &vec![1; world], 2, FloatKind::F32, &mut out)
-                .map(|()| out)
-        }
+        Coll::ReduceScatterv => reduce_scatterv_step(g, r, world),
         Coll::SendRecv => {
             // A ring: send to the next rank, receive from the previous one.
             let mut got = vec![0u8; 8];

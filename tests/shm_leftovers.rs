@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{AllToAllv, Group, GroupOptions};
 use ranks::{shm_leftovers, wait_all, Finished};
 
 const WORLD: usize = 3;
@@ -99,7 +99,12 @@ fn leftover_rank() {
             g.all_gatherv(&mine, &[size; WORLD], &mut out)?;
             let send = vec![it as u8; 64 * WORLD];
             let mut recv = vec![0u8; 64 * WORLD];
-            g.all_to_allv(&send, &[64; WORLD], &mut recv, &[64; WORLD])
+            g.all_to_allv(AllToAllv {
+                send: &send,
+                send_sizes: &[64; WORLD],
+                recv: &mut recv,
+                recv_sizes: &[64; WORLD],
+            })
         })();
         if let Err(e) = step {
             break Err(e);

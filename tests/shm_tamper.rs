@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{AllToAllv, Group, GroupOptions};
 use ranks::{shm_leftovers, wait_all, Finished};
 
 const WORLD: usize = 3;
@@ -62,7 +62,12 @@ fn step(g: &mut ShmGroup, it: usize) -> epcomm::Result<()> {
         .flat_map(|r| vec![(me * 16 + r) as u8; 64])
         .collect();
     let mut recv = vec![0u8; 64 * world];
-    g.all_to_allv(&send, &vec![64; world], &mut recv, &vec![64; world])?;
+    g.all_to_allv(AllToAllv {
+        send: &send,
+        send_sizes: &vec![64; world],
+        recv: &mut recv,
+        recv_sizes: &vec![64; world],
+    })?;
     for r in 0..world {
         assert!(
             recv[r * 64..(r + 1) * 64]

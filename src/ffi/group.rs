@@ -10,7 +10,7 @@ use super::tensor::{check_writes_disjoint, epcomm_tensor, HostTensor};
 use crate::error::{Error, Result};
 use crate::group::host::{HostFailure, HostGroup, HostTransport};
 use crate::group::shm::{ShmGroup, UniqueId, UNIQUE_ID_BYTES};
-use crate::group::{Group, GroupOptions, Op, P2p, SharedBuf};
+use crate::group::{AllToAllv, Group, GroupOptions, Op, P2p, ReduceScatterv, SharedBuf};
 use crate::num::FloatKind;
 
 /// A process group handle. Use it from one thread at a time (a second thread calling while a
@@ -422,18 +422,12 @@ impl HostTransport for CallbackTransport {
         let rc = unsafe { f(user, p, n, o) };
         Some(self.rc(rc))
     }
-    fn all_to_allv(
-        &mut self,
-        send: &[u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Option<std::result::Result<(), String>> {
+    fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Option<std::result::Result<(), String>> {
         let (f, user) = (self.cb.all_to_allv?, self.cb.user_data);
-        let (s, r) = (send.as_ptr().cast(), recv.as_mut_ptr().cast());
+        let (s, r) = (a.send.as_ptr().cast(), a.recv.as_mut_ptr().cast());
         // SAFETY: as above; the size arrays hold world_size entries and the buffers their sums
         // (checked by the caller).
-        let rc = unsafe { f(user, s, send_sizes.as_ptr(), r, recv_sizes.as_ptr()) };
+        let rc = unsafe { f(user, s, a.send_sizes.as_ptr(), r, a.recv_sizes.as_ptr()) };
         Some(self.rc(rc))
     }
     fn barrier(&mut self) -> Option<std::result::Result<(), String>> {
@@ -816,8 +810,13 @@ pub unsafe extern "C" fn epcomm_group_reduce_scatterv(
             inp.check_rows(total(&sizes, "sizes")?, "sum(sizes)")?;
             out.check_rows(sizes[g.rank()], &format!("sizes[{}]", g.rank()))?;
             inp.check_disjoint(&out)?;
-            let (x, elems) = (inp.as_slice(), inp.row_elems());
-            Ok(g.reduce_scatterv(x, &sizes, elems, kind, out.as_mut_slice()))
+            Ok(g.reduce_scatterv(ReduceScatterv {
+                input: inp.as_slice(),
+                rows: &sizes,
+                row_elems: inp.row_elems(),
+                kind,
+                output: out.as_mut_slice(),
+            }))
         })
     }
 }
@@ -856,7 +855,12 @@ pub unsafe extern "C" fn epcomm_group_all_to_allv(
                 byte_counts(&sc, inp.row_bytes()),
                 byte_counts(&rc, inp.row_bytes()),
             );
-            Ok(g.all_to_allv(inp.as_slice(), &sb, out.as_mut_slice(), &rb))
+            Ok(g.all_to_allv(AllToAllv {
+                send: inp.as_slice(),
+                send_sizes: &sb,
+                recv: out.as_mut_slice(),
+                recv_sizes: &rb,
+            }))
         })
     }
 }

@@ -250,8 +250,7 @@ mod tests {
             EPCOMM_ERROR_SYSTEM,
             EPCOMM_ERROR_INTERNAL,
         ];
-        let core: Vec<i32> = Status::ALL.iter().map(|s| *s as i32).collect();
-        assert_eq!(c.to_vec(), core);
+        assert_eq!(Status::ALL.map(|s| s as i32), c);
     }
 
     #[test]
@@ -279,27 +278,64 @@ mod tests {
 
     #[test]
     fn enum_constants_match_core() {
+        use crate::log::Level;
         use crate::select::all2all::{Backend, Layout, NameKind};
         use crate::select::eplb::Communicator;
         assert_eq!(
-            Backend::ALL.iter().map(|b| *b as i32).collect::<Vec<_>>(),
-            (0..11).collect::<Vec<_>>()
+            Backend::ALL.map(|b| b as i32),
+            [
+                EPCOMM_ALL2ALL_ALLGATHER_REDUCESCATTER,
+                EPCOMM_ALL2ALL_DEEPEP_HIGH_THROUGHPUT,
+                EPCOMM_ALL2ALL_DEEPEP_LOW_LATENCY,
+                EPCOMM_ALL2ALL_DEEPEP_V2,
+                EPCOMM_ALL2ALL_MORI_HIGH_THROUGHPUT,
+                EPCOMM_ALL2ALL_MORI_LOW_LATENCY,
+                EPCOMM_ALL2ALL_NIXL_EP,
+                EPCOMM_ALL2ALL_FLASHINFER_NVLINK_TWO_SIDED,
+                EPCOMM_ALL2ALL_FLASHINFER_NVLINK_ONE_SIDED,
+                EPCOMM_ALL2ALL_MOONEP,
+                EPCOMM_ALL2ALL_MORI,
+            ]
         );
-        assert_eq!(EPCOMM_ALL2ALL_MOONEP, Backend::Moonep as i32);
-        assert_eq!(EPCOMM_ALL2ALL_MORI, Backend::Mori as i32);
         assert_eq!(Backend::from_code(EPCOMM_ALL2ALL_PASSTHROUGH), None);
-        assert_eq!(EPCOMM_ALL2ALL_NIXL_EP, Backend::NixlEp as i32);
         assert_eq!(
-            EPCOMM_ALL2ALL_FLASHINFER_NVLINK_ONE_SIDED,
-            Backend::FlashinferNvlinkOneSided as i32
+            Layout::ALL.map(|l| l as i32),
+            [
+                EPCOMM_LAYOUT_REPLICATED,
+                EPCOMM_LAYOUT_TOKEN_MAJOR,
+                EPCOMM_LAYOUT_EXPERT_MAJOR,
+                EPCOMM_LAYOUT_EXPERT_PACKED,
+                EPCOMM_LAYOUT_RANK_MAJOR,
+                EPCOMM_LAYOUT_MOONEP_SLOTS,
+            ]
         );
-        assert_eq!(EPCOMM_LAYOUT_MOONEP_SLOTS, Layout::MoonepSlots as i32);
-        assert_eq!(EPCOMM_LAYOUT_RANK_MAJOR, Layout::RankMajor as i32);
-        assert_eq!(EPCOMM_NAME_REMOVED, NameKind::Removed as i32);
-        assert_eq!(EPCOMM_EPLB_NIXL, Communicator::Nixl as i32);
-        assert_eq!(EPCOMM_EPLB_TORCH_GLOO, Communicator::TorchGloo as i32);
-        assert_eq!(EPCOMM_EPLB_TORCH_XCCL, Communicator::TorchXccl as i32);
-        assert_eq!(EPCOMM_EPLB_SYMM_MEM, Communicator::SymmMem as i32);
-        assert_eq!(EPCOMM_LOG_DEBUG, crate::log::Level::Debug as i32);
+        assert_eq!(
+            NameKind::ALL.map(|k| k as i32),
+            [
+                EPCOMM_NAME_CANONICAL,
+                EPCOMM_NAME_ALIAS,
+                EPCOMM_NAME_REMOVED
+            ]
+        );
+        assert_eq!(
+            Communicator::ALL.map(|c| c as i32),
+            [
+                EPCOMM_EPLB_TORCH_NCCL,
+                EPCOMM_EPLB_TORCH_GLOO,
+                EPCOMM_EPLB_PYNCCL,
+                EPCOMM_EPLB_NIXL,
+                EPCOMM_EPLB_TORCH_XCCL,
+                EPCOMM_EPLB_SYMM_MEM,
+            ]
+        );
+        assert_eq!(
+            Level::ALL.map(|l| l as i32),
+            [
+                EPCOMM_LOG_ERROR,
+                EPCOMM_LOG_WARN,
+                EPCOMM_LOG_INFO,
+                EPCOMM_LOG_DEBUG
+            ]
+        );
     }
 }

@@ -5,7 +5,7 @@
 //! then calls [`verdict`], which checks them in the same order on every rank, so every rank
 //! reaches the same outcome.
 
-use super::{check_len, check_rank, check_reduce_scatterv, check_sizes, Op, P2p};
+use super::{check_len, check_rank, check_reduce_scatterv, check_sizes, Op, P2p, ReduceScatterv};
 use crate::error::{Error, Result};
 use crate::num::FloatKind;
 
@@ -139,21 +139,17 @@ pub(crate) fn all_gatherv_args(
 pub(crate) fn reduce_scatterv_args(
     me: usize,
     world: usize,
-    input_len: usize,
-    rows: &[usize],
-    row_elems: usize,
-    kind: FloatKind,
-    output_len: usize,
+    r: &ReduceScatterv<'_>,
 ) -> (Result<(usize, usize)>, [Param; 4]) {
-    let local = check_reduce_scatterv(me, world, input_len, rows, row_elems, kind, output_len);
+    let local = check_reduce_scatterv(me, world, r);
     let params = [
-        dtype("dtype", kind),
-        number("row_elems", row_elems),
+        dtype("dtype", r.kind),
+        number("row_elems", r.row_elems),
         number(
             "sum(rows)",
-            rows.iter().fold(0usize, |a, &r| a.wrapping_add(r)),
+            r.rows.iter().fold(0usize, |a, &r| a.wrapping_add(r)),
         ),
-        list("rows", rows),
+        list("rows", r.rows),
     ];
     (local, params)
 }

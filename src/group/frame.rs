@@ -16,20 +16,23 @@ pub const TO_ALL: u64 = u32::MAX as u64;
 /// High bits of word 0 ("epmg"): a frame from anything else is a broken host transport.
 const TAG: u64 = 0x6570_6d67 << 32;
 
-/// Which step of an op a message belongs to.
+/// Which step of an op a message belongs to. Declaration order, from 1, is the wire code
+/// (pinned code by code in this file's tests): only append.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     /// The op header every rank gathers first (its verdict on its arguments, the op).
     Header = 1,
     /// Agreement data: size lists, message lists.
-    Agreement = 2,
+    Agreement,
     /// The op's data.
-    Data = 3,
+    Data,
     /// The verdict every rank gathers last (how its op went).
-    Verdict = 4,
+    Verdict,
 }
 
 impl Step {
+    const ALL: [Step; 4] = [Step::Header, Step::Agreement, Step::Data, Step::Verdict];
+
     fn name(self) -> &'static str {
         match self {
             Step::Header => "header",
@@ -40,9 +43,7 @@ impl Step {
     }
 
     fn from_code(c: u64) -> Option<Step> {
-        [Step::Header, Step::Agreement, Step::Data, Step::Verdict]
-            .into_iter()
-            .find(|s| *s as u64 == c)
+        Step::ALL.into_iter().find(|s| *s as u64 == c)
     }
 }
 
@@ -204,6 +205,45 @@ impl Frame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `all` is `pins`' variants, each with its wire code both ways.
+    fn pinned<T: Copy + PartialEq + std::fmt::Debug>(
+        all: &[T],
+        pins: &[(T, u64)],
+        code: fn(T) -> u64,
+        from_code: fn(u64) -> Option<T>,
+    ) {
+        assert_eq!(all, pins.iter().map(|p| p.0).collect::<Vec<T>>());
+        for &(v, c) in pins {
+            assert_eq!((code(v), from_code(c)), (c, Some(v)), "{v:?}");
+        }
+        assert_eq!(from_code(0), None);
+    }
+
+    #[test]
+    fn wire_codes_are_pinned() {
+        let ops = [
+            (Op::Join, 1),
+            (Op::Barrier, 2),
+            (Op::AllGatherv, 3),
+            (Op::ReduceScatterv, 4),
+            (Op::AllToAllv, 5),
+            (Op::SendRecv, 6),
+            (Op::Broadcast, 7),
+            (Op::Leave, 8),
+            (Op::ExchangeRows, 9),
+            (Op::ReduceRows, 10),
+        ];
+        let op_of = |c: u64| u32::try_from(c).ok().and_then(Op::from_code);
+        pinned(&Op::ALL, &ops, |op| op as u64, op_of);
+        let steps = [
+            (Step::Header, 1),
+            (Step::Agreement, 2),
+            (Step::Data, 3),
+            (Step::Verdict, 4),
+        ];
+        pinned(&Step::ALL, &steps, |step| step as u64, Step::from_code);
+    }
 
     fn frame() -> Frame {
         Frame {

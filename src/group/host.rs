@@ -22,10 +22,12 @@
 use super::agree::{self, Param, MAX_PARAMS};
 use super::frame::{Frame, Step, HEAD, TAIL, TO_ALL};
 use super::shm::{check_excluded, verify_views, ShrinkView};
-use super::{check_len, check_p2p, check_sizes, grown, Group, Op, P2p};
+use super::{
+    check_len, check_p2p, check_sizes, grown, AllToAllv, Group, Identity, Op, P2p, ReduceScatterv,
+};
 use crate::bytes;
 use crate::error::{Error, Result, Status};
-use crate::num::{self, FloatKind};
+use crate::num;
 
 /// What a host transport provides. Calls are blocking; an `Err` carries the host's reason.
 pub trait HostTransport: Send {
@@ -46,13 +48,7 @@ pub trait HostTransport: Send {
     /// of `send` (consecutive chunks, rank order) to peer p, and `recv_sizes[p]` bytes from
     /// peer p into consecutive chunks of `recv`. epcomm has agreed on every size with every
     /// rank before it calls this. `None` = not provided (built from send/recv).
-    fn all_to_allv(
-        &mut self,
-        _send: &[u8],
-        _send_sizes: &[usize],
-        _recv: &mut [u8],
-        _recv_sizes: &[usize],
-    ) -> Option<std::result::Result<(), String>> {
+    fn all_to_allv(&mut self, _a: AllToAllv<'_>) -> Option<std::result::Result<(), String>> {
         None
     }
     /// A barrier. `None` = not provided. Not called: every collective, the barrier included,
@@ -805,27 +801,18 @@ fn framed_starts(sizes: &[usize]) -> Vec<usize> {
     super::chunk_starts(sizes, (HEAD, TAIL))
 }
 
-// The identity accessors (rank, size, name, elastic) repeat ShmGroup's: each reads its own
-// fields in one line, clearer than a macro generating them.
 impl Group for HostGroup {
     fn survivors_slot(&mut self) -> Option<&mut Option<super::survivors::Survivors>> {
         Some(&mut self.survivors)
     }
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.world
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn elastic(&self) -> bool {
-        self.elastic
+    fn identity(&self) -> Identity<'_> {
+        Identity {
+            rank: self.rank,
+            size: self.world,
+            name: &self.name,
+            elastic: self.elastic,
+        }
     }
 
     /// The ranks the host's transport reports lost, sorted, never this rank; none where it
@@ -920,25 +907,12 @@ impl Group for HostGroup {
         got
     }
 
-    fn reduce_scatterv(
-        &mut self,
-        input: &[u8],
-        rows: &[usize],
-        row_elems: usize,
-        kind: FloatKind,
-        output: &mut [u8],
-    ) -> Result<()> {
+    fn reduce_scatterv(&mut self, r: ReduceScatterv<'_>) -> Result<()> {
         let op = Op::ReduceScatterv;
         let me = self.rank;
-        let (local, params) = agree::reduce_scatterv_args(
-            me,
-            self.world,
-            input.len(),
-            rows,
-            row_elems,
-            kind,
-            output.len(),
-        );
+        let (local, params) = agree::reduce_scatterv_args(me, self.world, &r);
+        let (input, rows, row_elems, kind, output) =
+            (r.input, r.rows, r.row_elems, r.kind, r.output);
         let row_bytes = local.as_ref().map_or(0, |&(b, _)| b);
         let slice = |r: usize| {
             let start: usize = rows[..r].iter().sum::<usize>() * row_bytes;
@@ -989,13 +963,8 @@ impl Group for HostGroup {
     }
 
     /// Copies into frames kept by the group, then [`HostGroup::all_to_allv_framed`]'s exchange.
-    fn all_to_allv(
-        &mut self,
-        send: &[u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Result<()> {
+    fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Result<()> {
+        let (send, send_sizes, recv, recv_sizes) = (a.send, a.send_sizes, a.recv, a.recv_sizes);
         let local = self.all_to_allv_args(send.len(), send_sizes, recv.len(), recv_sizes, 0);
         let (mut s, mut r) = self.take_frames();
         let (ss, rs) = (framed_starts(send_sizes), framed_starts(recv_sizes));
@@ -1026,13 +995,8 @@ impl Group for HostGroup {
 
     /// The frames are written and checked in place: the caller's packed rows are what the
     /// host sends and receives (no copy into or out of a frame).
-    fn all_to_allv_framed(
-        &mut self,
-        send: &mut [u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Result<()> {
+    fn all_to_allv_framed(&mut self, a: AllToAllv<'_, &mut [u8]>) -> Result<()> {
+        let (send, send_sizes, recv, recv_sizes) = (a.send, a.send_sizes, a.recv, a.recv_sizes);
         let room = HEAD + TAIL;
         let local = self.all_to_allv_args(send.len(), send_sizes, recv.len(), recv_sizes, room);
         self.framed(send, send_sizes, recv, recv_sizes, local)
@@ -1200,9 +1164,12 @@ impl HostGroup {
         let host = if self.host_all_to_allv == Some(false) {
             None
         } else {
-            let got = self
-                .transport
-                .all_to_allv(send, &framed(&ss), recv, &framed(&rs));
+            let got = self.transport.all_to_allv(AllToAllv {
+                send,
+                send_sizes: &framed(&ss),
+                recv,
+                recv_sizes: &framed(&rs),
+            });
             self.host_all_to_allv = Some(got.is_some());
             got
         };

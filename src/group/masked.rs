@@ -4,9 +4,10 @@
 //! contributes and receives nothing: every per-rank list must be empty at its index (0 bytes,
 //! no rows), and the collectives run over the survivors only.
 
-use super::{Group, Op, P2p, RowExchange, RowReduce, SharedBuf};
+use super::{
+    AllToAllv, Group, Identity, Op, P2p, ReduceScatterv, RowExchange, RowReduce, SharedBuf,
+};
 use crate::error::{Error, Result};
-use crate::num::FloatKind;
 
 /// The survivors' group under the original numbering ([`MaskedGroup::new`]).
 pub struct MaskedGroup<'a> {
@@ -132,17 +133,14 @@ impl<'a> MaskedGroup<'a> {
 // A wrapper: most methods forward to the survivors' group after renumbering; the one-line
 // forwards are kept as they are (a forwarding macro would hide which methods renumber).
 impl Group for MaskedGroup<'_> {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn size(&self) -> usize {
-        self.to_inner.len()
-    }
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn elastic(&self) -> bool {
-        self.inner.elastic()
+    /// The survivors' group's name and elasticity; this rank and size under the original
+    /// numbering.
+    fn identity(&self) -> Identity<'_> {
+        Identity {
+            rank: self.rank,
+            size: self.to_inner.len(),
+            ..self.inner.identity()
+        }
     }
     fn barrier(&mut self) -> Result<()> {
         self.inner.barrier()
@@ -155,34 +153,25 @@ impl Group for MaskedGroup<'_> {
         self.inner.all_gatherv(input, &sizes, output)
     }
 
-    fn reduce_scatterv(
-        &mut self,
-        input: &[u8],
-        rows: &[usize],
-        row_elems: usize,
-        kind: FloatKind,
-        output: &mut [u8],
-    ) -> Result<()> {
-        let rows = self.compress(Op::ReduceScatterv, "rows", rows, |&s| s == 0);
+    fn reduce_scatterv(&mut self, r: ReduceScatterv<'_>) -> Result<()> {
+        let rows = self.compress(Op::ReduceScatterv, "rows", r.rows, |&s| s == 0);
         let rows = self.rejecting(Op::ReduceScatterv, rows)?;
         self.inner
-            .reduce_scatterv(input, &rows, row_elems, kind, output)
+            .reduce_scatterv(ReduceScatterv { rows: &rows, ..r })
     }
 
-    fn all_to_allv(
-        &mut self,
-        send: &[u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Result<()> {
+    fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Result<()> {
         let zero = |s: &usize| *s == 0;
         let (s, r) = self.compress_pair(
             Op::AllToAllv,
-            ("send_sizes", send_sizes, zero),
-            ("recv_sizes", recv_sizes, zero),
+            ("send_sizes", a.send_sizes, zero),
+            ("recv_sizes", a.recv_sizes, zero),
         )?;
-        self.inner.all_to_allv(send, &s, recv, &r)
+        self.inner.all_to_allv(AllToAllv {
+            send_sizes: &s,
+            recv_sizes: &r,
+            ..a
+        })
     }
 
     fn send_recv(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {

@@ -69,11 +69,26 @@ pub type Shrunk = (Vec<usize>, Box<dyn Group>);
 
 /// A group of ranks. One thread uses a group at a time.
 pub trait Group: Send {
-    fn rank(&self) -> usize;
-    fn size(&self) -> usize;
-    fn name(&self) -> &str;
+    /// This rank's place in the group: what [`Group::rank`], [`Group::size`], [`Group::name`]
+    /// and [`Group::elastic`] read.
+    fn identity(&self) -> Identity<'_>;
+
+    fn rank(&self) -> usize {
+        self.identity().rank
+    }
+
+    fn size(&self) -> usize {
+        self.identity().size
+    }
+
+    fn name(&self) -> &str {
+        self.identity().name
+    }
+
     /// An elastic (stateless) EP group.
-    fn elastic(&self) -> bool;
+    fn elastic(&self) -> bool {
+        self.identity().elastic
+    }
 
     /// Returns once every rank has entered the barrier.
     fn barrier(&mut self) -> Result<()>;
@@ -85,24 +100,11 @@ pub trait Group: Send {
     /// Sums every rank's `input` (`sum(rows)` rows of `row_elems` elements of `kind`) and
     /// writes this rank's slice (`rows[rank]` rows, after the rows of lower ranks) to `output`.
     /// Accumulates in f32, in rank order.
-    fn reduce_scatterv(
-        &mut self,
-        input: &[u8],
-        rows: &[usize],
-        row_elems: usize,
-        kind: FloatKind,
-        output: &mut [u8],
-    ) -> Result<()>;
+    fn reduce_scatterv(&mut self, r: ReduceScatterv<'_>) -> Result<()>;
 
     /// Sends `send_sizes[p]` bytes (consecutive chunks of `send`, in peer order) to each peer p
     /// and receives `recv_sizes[p]` bytes from each peer into consecutive chunks of `recv`.
-    fn all_to_allv(
-        &mut self,
-        send: &[u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Result<()>;
+    fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Result<()>;
 
     /// The room (bytes before, bytes after) this transport frames every chunk of
     /// [`Group::all_to_allv_framed`] with; (0, 0) where it frames nothing.
@@ -114,14 +116,8 @@ pub trait Group: Send {
     /// peer's chunk ([`chunk_starts`] lays them out; the sizes count payload bytes only). The
     /// transport writes and checks the frames in that room, so a caller that packs rows
     /// straight into place moves each byte without a copy into or out of a frame.
-    fn all_to_allv_framed(
-        &mut self,
-        send: &mut [u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Result<()> {
-        self.all_to_allv(send, send_sizes, recv, recv_sizes)
+    fn all_to_allv_framed(&mut self, a: AllToAllv<'_, &mut [u8]>) -> Result<()> {
+        self.all_to_allv(a.unframed())
     }
 
     /// A batch of sends and receives, matched per peer pair in issue order (the j-th send from
@@ -236,6 +232,52 @@ pub trait Group: Send {
     }
 }
 
+/// Who this rank is in a group ([`Group::identity`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity<'a> {
+    pub rank: usize,
+    pub size: usize,
+    pub name: &'a str,
+    /// An elastic (stateless) EP group.
+    pub elastic: bool,
+}
+
+/// The buffers of a [`Group::reduce_scatterv`]: every rank's `input` holds `sum(rows)` rows of
+/// `row_elems` elements of `kind`; `output` takes this rank's `rows[rank]` rows of the sum.
+#[derive(Debug)]
+pub struct ReduceScatterv<'a> {
+    pub input: &'a [u8],
+    pub rows: &'a [usize],
+    pub row_elems: usize,
+    pub kind: FloatKind,
+    pub output: &'a mut [u8],
+}
+
+/// The buffers of an all-to-all with a size per peer ([`Group::all_to_allv`],
+/// [`host::HostTransport::all_to_allv`]): `send_sizes[p]` bytes of `send` (consecutive chunks,
+/// peer order) go to peer p, and `recv_sizes[p]` bytes from peer p land in consecutive chunks
+/// of `recv`. `Send` is `&mut [u8]` where the transport writes frames into the send buffer
+/// ([`Group::all_to_allv_framed`]).
+#[derive(Debug)]
+pub struct AllToAllv<'a, Send = &'a [u8]> {
+    pub send: Send,
+    pub send_sizes: &'a [usize],
+    pub recv: &'a mut [u8],
+    pub recv_sizes: &'a [usize],
+}
+
+impl<'a> AllToAllv<'a, &'a mut [u8]> {
+    /// The same buffers, the send buffer read only.
+    pub fn unframed(self) -> AllToAllv<'a> {
+        AllToAllv {
+            send: self.send,
+            send_sizes: self.send_sizes,
+            recv: self.recv,
+            recv_sizes: self.recv_sizes,
+        }
+    }
+}
+
 /// Rows to move ([`Group::exchange_rows`]): peer p gets rows `give[p]` of `src`, and the rows
 /// from peer p land at rows `take[p]` of `dst`, in order; rows are `row_bytes` long.
 #[derive(Debug)]
@@ -261,22 +303,36 @@ pub struct RowReduce<'a> {
     pub take: &'a [Vec<(u32, f32)>],
 }
 
-/// The name of a primitive, for messages.
+/// The name of a primitive, for messages. Declaration order, from 1, is the wire code in each
+/// host frame (pinned code by code in frame.rs's tests): only append.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     Join = 1,
-    Barrier = 2,
-    AllGatherv = 3,
-    ReduceScatterv = 4,
-    AllToAllv = 5,
-    SendRecv = 6,
-    Broadcast = 7,
-    Leave = 8,
-    ExchangeRows = 9,
-    ReduceRows = 10,
+    Barrier,
+    AllGatherv,
+    ReduceScatterv,
+    AllToAllv,
+    SendRecv,
+    Broadcast,
+    Leave,
+    ExchangeRows,
+    ReduceRows,
 }
 
 impl Op {
+    pub const ALL: [Op; 10] = [
+        Op::Join,
+        Op::Barrier,
+        Op::AllGatherv,
+        Op::ReduceScatterv,
+        Op::AllToAllv,
+        Op::SendRecv,
+        Op::Broadcast,
+        Op::Leave,
+        Op::ExchangeRows,
+        Op::ReduceRows,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Op::Join => "join",
@@ -293,20 +349,7 @@ impl Op {
     }
 
     pub fn from_code(c: u32) -> Option<Op> {
-        [
-            Op::Join,
-            Op::Barrier,
-            Op::AllGatherv,
-            Op::ReduceScatterv,
-            Op::AllToAllv,
-            Op::SendRecv,
-            Op::Broadcast,
-            Op::Leave,
-            Op::ExchangeRows,
-            Op::ReduceRows,
-        ]
-        .into_iter()
-        .find(|o| *o as u32 == c)
+        Op::ALL.into_iter().find(|o| *o as u32 == c)
     }
 }
 
@@ -381,19 +424,16 @@ pub(crate) fn check_rank(what: &str, op: Op, r: usize, world: usize) -> Result<(
 pub(crate) fn check_reduce_scatterv(
     rank: usize,
     world: usize,
-    input_len: usize,
-    rows: &[usize],
-    row_elems: usize,
-    kind: FloatKind,
-    output_len: usize,
+    r: &ReduceScatterv<'_>,
 ) -> Result<(usize, usize)> {
     let op = Op::ReduceScatterv;
+    let (rows, row_elems, kind) = (r.rows, r.row_elems, r.kind);
     let total = check_sizes("rows", op, rows, world)?;
     let row_bytes = row_elems * kind.size();
     check_len(
         "input",
         op,
-        input_len,
+        r.input.len(),
         total * row_bytes,
         &format!(
             "sum(rows) = {total} rows of {row_elems} {} elements",
@@ -403,7 +443,7 @@ pub(crate) fn check_reduce_scatterv(
     check_len(
         "output",
         op,
-        output_len,
+        r.output.len(),
         rows[rank] * row_bytes,
         &format!(
             "rows[{rank}] = {} rows of {row_elems} {} elements",

@@ -1,7 +1,7 @@
 //! Row-exchange helpers shared by the transports: argument checks, packing, unpacking and
 //! weighted accumulation.
 
-use super::{chunk_starts, grown, Group, Op, RowExchange, RowReduce};
+use super::{chunk_starts, grown, AllToAllv, Group, Op, RowExchange, RowReduce};
 use crate::bytes;
 use crate::error::{Error, Result};
 use crate::num::{self, FloatKind};
@@ -139,8 +139,13 @@ fn swap_packed<G: Group + ?Sized, R, T>(
         let send = grown(send, ss[ss.len() - 1]);
         let recv = grown(recv, rs[rs.len() - 1]);
         pack(src, row_bytes, give, me, send, &ss, room.0);
-        g.all_to_allv_framed(send, &send_sizes, recv, &recv_sizes)
-            .map_err(|e| rename_mismatch(e, op))?;
+        g.all_to_allv_framed(AllToAllv {
+            send,
+            send_sizes: &send_sizes,
+            recv,
+            recv_sizes: &recv_sizes,
+        })
+        .map_err(|e| rename_mismatch(e, op))?;
         use_recv(recv, &rs, room.0)
     })
 }

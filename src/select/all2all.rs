@@ -4,58 +4,63 @@
 use crate::error::{Error, Result};
 use crate::log;
 
-/// A canonical all2all backend (what a name resolves to). Values are part of the C ABI.
+/// A canonical all2all backend (what a name resolves to). Declaration order is the C code
+/// (`EPCOMM_ALL2ALL_*`, asserted in ffi/mod.rs's tests): only append.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Backend {
-    AllgatherReducescatter = 0,
-    DeepepHighThroughput = 1,
-    DeepepLowLatency = 2,
-    DeepepV2 = 3,
-    MoriHighThroughput = 4,
-    MoriLowLatency = 5,
-    NixlEp = 6,
-    FlashinferNvlinkTwoSided = 7,
-    FlashinferNvlinkOneSided = 8,
-    Moonep = 9,
+    AllgatherReducescatter,
+    DeepepHighThroughput,
+    DeepepLowLatency,
+    DeepepV2,
+    MoriHighThroughput,
+    MoriLowLatency,
+    NixlEp,
+    FlashinferNvlinkTwoSided,
+    FlashinferNvlinkOneSided,
+    Moonep,
     /// vLLM 0.34.0's `mori` with MoRI EPv1 (`MoriAll2AllManager`, which picks the inter-node
     /// kernel from the token budget); also the `mori` of vLLM 0.15.0 to 0.22.1. MoRI EPv2
     /// (`mori_ep_v2`) is not implemented ([`MORI_EPV2_MANAGER_CLASS`]).
-    Mori = 10,
+    Mori,
 }
 
 /// Dispatch/combine buffer contract a backend name stands for (docs/design.md, section 3).
-/// C ABI values.
+/// Declaration order is the C code (`EPCOMM_LAYOUT_*`, asserted in ffi/mod.rs's tests): only
+/// append.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Layout {
     /// all_gatherv of every rank's tokens; reduce_scatterv back (AgRs).
-    Replicated = 0,
+    Replicated,
     /// Each token once per rank holding one of its experts (DeepEP HT, MoRI EPv1).
-    TokenMajor = 1,
+    TokenMajor,
     /// Fixed-capacity per-local-expert buckets (DeepEP LL, NIXL EP).
-    ExpertMajor = 2,
+    ExpertMajor,
     /// One row per (token, local expert), grouped by expert, exact size (DeepEP v2 prefill).
-    ExpertPacked = 3,
+    ExpertPacked,
     /// Per-source-rank regions of fixed capacity (FlashInfer NVLink one/two-sided).
-    RankMajor = 4,
+    RankMajor,
     /// MoonEP's balanced expert slots (not implemented yet).
-    MoonepSlots = 5,
+    MoonepSlots,
 }
 
-/// How a name relates to its backend.
+/// How a name relates to its backend. Declaration order is the C code (`EPCOMM_NAME_*`,
+/// asserted in ffi/mod.rs's tests): only append.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NameKind {
     /// The backend's own name.
-    Canonical = 0,
+    Canonical,
     /// A deprecated alias: resolves with a warning (W1).
-    Alias = 1,
+    Alias,
     /// A removed backend: falls back to `allgather_reducescatter` with a warning (W2).
-    Removed = 2,
+    Removed,
 }
 
 impl NameKind {
+    pub const ALL: [NameKind; 3] = [NameKind::Canonical, NameKind::Alias, NameKind::Removed];
+
     pub fn name(self) -> &'static str {
         match self {
             NameKind::Canonical => "canonical",

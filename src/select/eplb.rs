@@ -4,23 +4,24 @@
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// An EPLB communicator. Values are part of the C ABI.
+/// An EPLB communicator. Declaration order is the C code (`EPCOMM_EPLB_*`, asserted in
+/// ffi/mod.rs's tests): only append.
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Communicator {
-    TorchNccl = 0,
-    TorchGloo = 1,
-    Pynccl = 2,
-    Nixl = 3,
+    TorchNccl,
+    TorchGloo,
+    Pynccl,
+    Nixl,
     /// vLLM v0.33.0's `TorchDistXCCLStagedEplbCommunicator`: P2P on the EP group, which vLLM
     /// takes as the CPU group for host tensors and the XCCL device group for XPU tensors. epcomm
     /// moves host memory only (XPU weights staged in host memory by the caller).
-    TorchXccl = 4,
+    TorchXccl,
     /// vLLM v0.34.0's `SymmMemEplbCommunicator`, a push backend: senders write each expert's
     /// rows into the receiver's buffer. epcomm moves host memory: senders store the rows into
     /// the receivers' next buffers when those are shared memory (`next_shared`: buffers from
     /// the group's allocator), else the group moves them by its row exchange (the same bytes).
-    SymmMem = 5,
+    SymmMem,
 }
 
 /// The names of [`Communicator`], in its (C ABI) order.

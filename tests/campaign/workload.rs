@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use epcomm::eplb::rearrange::rearrange;
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{Group, GroupOptions, ReduceScatterv};
 use epcomm::moe::reference::{unit, ToyExperts};
 use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
@@ -180,13 +180,13 @@ fn collectives(
                 let val = |r: usize, i: usize| (r * 100 + i + step as usize) as f32;
                 let input: Vec<f32> = (0..total * ELEMS).map(|i| val(rank, i)).collect();
                 let mut out = vec![0u8; rows[rank] * ELEMS * 4];
-                g.reduce_scatterv(
-                    &num::from_f32(&input, FloatKind::F32),
-                    &rows,
-                    ELEMS,
-                    FloatKind::F32,
-                    &mut out,
-                )?;
+                g.reduce_scatterv(ReduceScatterv {
+                    input: &num::from_f32(&input, FloatKind::F32),
+                    rows: &rows,
+                    row_elems: ELEMS,
+                    kind: FloatKind::F32,
+                    output: &mut out,
+                })?;
                 let first: usize = rows[..rank].iter().sum::<usize>() * ELEMS;
                 let want: Vec<f32> = (0..rows[rank] * ELEMS)
                     .map(|i| (0..world).map(|r| val(r, first + i)).sum())

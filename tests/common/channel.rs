@@ -8,6 +8,8 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::Duration;
 
 use epcomm::group::host::{HostGroup, HostTransport};
+use epcomm::group::{AllToAllv, Group, ReduceScatterv};
+use epcomm::num::FloatKind;
 
 /// How long a receive waits before it is an error (a test bug, not a library hang).
 pub const RECV_TIMEOUT: Duration = Duration::from_secs(30);
@@ -60,13 +62,8 @@ impl HostTransport for ChannelTransport {
             Ok(())
         }))
     }
-    fn all_to_allv(
-        &mut self,
-        send: &[u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Option<Result<(), String>> {
+    fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Option<Result<(), String>> {
+        let (send, send_sizes, recv, recv_sizes) = (a.send, a.send_sizes, a.recv, a.recv_sizes);
         if !self.with_all_to_allv {
             return None;
         }
@@ -100,6 +97,36 @@ impl HostTransport for ChannelTransport {
             Ok(())
         }))
     }
+}
+
+/// An all_to_allv of `chunk` bytes to and from every rank (`send` holds one chunk per rank).
+pub fn all_to_allv_even(g: &mut dyn Group, send: &[u8], chunk: usize) -> epcomm::Result<Vec<u8>> {
+    let sizes = vec![chunk; g.size()];
+    let mut out = vec![0; send.len()];
+    g.all_to_allv(AllToAllv {
+        send,
+        send_sizes: &sizes,
+        recv: &mut out,
+        recv_sizes: &sizes,
+    })
+    .map(|()| out)
+}
+
+/// A reduce_scatterv on rank `r` of `world`: every rank gives one row of two float32 per rank
+/// (element i of its input is i + r) and gets back its row of the sum.
+pub fn reduce_scatterv_step(g: &mut dyn Group, r: usize, world: usize) -> epcomm::Result<Vec<u8>> {
+    let input: Vec<u8> = (0..2 * world)
+        .flat_map(|i| ((i + r) as f32).to_ne_bytes())
+        .collect();
+    let mut out = vec![0; 8];
+    g.reduce_scatterv(ReduceScatterv {
+        input: &input,
+        rows: &vec![1; world],
+        row_elems: 2,
+        kind: FloatKind::F32,
+        output: &mut out,
+    })
+    .map(|()| out)
 }
 
 /// One connected transport per rank.
@@ -217,21 +244,19 @@ impl HostTransport for A2avLiar {
     fn all_gather(&mut self, mine: &[u8], out: &mut [u8]) -> Option<Result<(), String>> {
         self.inner.all_gather(mine, out)
     }
-    fn all_to_allv(
-        &mut self,
-        send: &[u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Option<Result<(), String>> {
+    fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Option<Result<(), String>> {
         let lie = if self.calls == self.at {
             self.lie
         } else {
             Lie::None
         };
         self.calls += 1;
+        let (recv, recv_sizes) = (a.recv, a.recv_sizes);
         let before = recv[..recv_sizes[0]].to_vec();
-        let got = self.inner.all_to_allv(send, send_sizes, recv, recv_sizes)?;
+        let got = self.inner.all_to_allv(AllToAllv {
+            recv: &mut *recv,
+            ..a
+        })?;
         Some(got.and_then(|()| match lie {
             Lie::None => Ok(()),
             Lie::Garble => {

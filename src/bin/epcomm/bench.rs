@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use epcomm::group::shm::{pin_current_thread, ShmGroup};
-use epcomm::group::{Group, GroupOptions};
+use epcomm::group::{AllToAllv, Group, GroupOptions};
 
 use crate::cli::GroupArgs;
 use crate::memory::{self, Need};
@@ -38,8 +38,13 @@ fn rank_main(group: &str, rank: usize, p: &GroupArgs) -> Result<(Vec<f64>, Vec<f
     for it in 0..p.iters + 3 {
         g.barrier().map_err(|e| e.to_string())?;
         let t = Instant::now();
-        g.all_to_allv(&send, &sizes, &mut recv, &sizes)
-            .map_err(|e| e.to_string())?;
+        g.all_to_allv(AllToAllv {
+            send: &send,
+            send_sizes: &sizes,
+            recv: &mut recv,
+            recv_sizes: &sizes,
+        })
+        .map_err(|e| e.to_string())?;
         if it >= 3 {
             a2a.push(t.elapsed().as_secs_f64());
         }

@@ -6,30 +6,23 @@ use super::{SharedBuf, ShmGroup};
 use crate::error::{Error, Result};
 use crate::group::agree;
 use crate::group::rows;
-use crate::group::{check_len, check_p2p, check_sizes, Group, Op, P2p, RowExchange, RowReduce};
-use crate::num::FloatKind;
+use crate::group::{
+    check_len, check_p2p, check_sizes, AllToAllv, Group, Identity, Op, P2p, ReduceScatterv,
+    RowExchange, RowReduce,
+};
 
-// The identity accessors (rank, size, name, elastic) repeat HostGroup's: each reads its own
-// fields in one line, clearer than a macro generating them.
 impl Group for ShmGroup {
     fn survivors_slot(&mut self) -> Option<&mut Option<crate::group::survivors::Survivors>> {
         Some(&mut self.survivors)
     }
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.world
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn elastic(&self) -> bool {
-        self.opts.elastic
+    fn identity(&self) -> Identity<'_> {
+        Identity {
+            rank: self.rank,
+            size: self.world,
+            name: &self.name,
+            elastic: self.opts.elastic,
+        }
     }
 
     fn barrier(&mut self) -> Result<()> {
@@ -68,26 +61,12 @@ impl Group for ShmGroup {
         })
     }
 
-    fn reduce_scatterv(
-        &mut self,
-        input: &[u8],
-        rows: &[usize],
-        row_elems: usize,
-        kind: FloatKind,
-        output: &mut [u8],
-    ) -> Result<()> {
+    fn reduce_scatterv(&mut self, r: ReduceScatterv<'_>) -> Result<()> {
         let op = Op::ReduceScatterv;
         self.check_usable(op)?;
         let me = self.rank;
-        let (local, params) = agree::reduce_scatterv_args(
-            me,
-            self.world,
-            input.len(),
-            rows,
-            row_elems,
-            kind,
-            output.len(),
-        );
+        let (local, params) = agree::reduce_scatterv_args(me, self.world, &r);
+        let (input, kind, output) = (r.input, r.kind, r.output);
         let (row_bytes, first_row) = *local.as_ref().unwrap_or(&(0, 0));
         self.run_agreed(op, local.map(drop), &params, &[], &[input], |g| {
             let mut sources: Vec<Payload<'_>> = Vec::with_capacity(g.world);
@@ -111,13 +90,8 @@ impl Group for ShmGroup {
         })
     }
 
-    fn all_to_allv(
-        &mut self,
-        send: &[u8],
-        send_sizes: &[usize],
-        recv: &mut [u8],
-        recv_sizes: &[usize],
-    ) -> Result<()> {
+    fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Result<()> {
+        let (send, send_sizes, recv, recv_sizes) = (a.send, a.send_sizes, a.recv, a.recv_sizes);
         let op = Op::AllToAllv;
         self.check_usable(op)?;
         let local = (|| {
