@@ -75,6 +75,7 @@ unsafe fn run_pairs(
 /// # Safety
 /// `weight` holds num_layers*num_logical_experts floats; `old_phy2log` is NULL or holds, and
 /// `phy2log_out` has room for, num_layers*num_replicas int64.
+// The arguments of epcomm_eplb_rebalance (ffi/eplb.rs), flags appended: the C ABI only appends.
 #[no_mangle]
 pub unsafe extern "C" fn epcomm_eplb_rebalance_experts(
     weight: *const f32,

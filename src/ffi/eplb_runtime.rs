@@ -86,6 +86,8 @@ pub unsafe extern "C" fn epcomm_eplb_communicator_create(
     })
 }
 
+// Written out per handle, as every destroy pair: each is a C symbol of its own, which cbindgen
+// reads as written (a macro would hide it from the header).
 /// Releases a communicator (NULL is a no-op), as epcomm_eplb_communicator_destroy_checked,
 /// whose status this void form cannot return: a refused destroy frees nothing and records the
 /// error for epcomm_last_error_message.

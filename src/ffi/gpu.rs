@@ -234,6 +234,8 @@ pub unsafe extern "C" fn epcomm_gpu_all2all_create_from_comm(
 
 // The destroy pair and dispatch's arguments are the host manager's (ffi/all2all.rs), spelled
 // out for the header (see the module doc of `ffi`).
+// Written out per handle, as every destroy pair: each is a C symbol of its own, which cbindgen
+// reads as written (a macro would hide it from the header).
 /// Releases a GPU manager (NULL is a no-op), as epcomm_gpu_all2all_destroy_checked, whose
 /// status this void form cannot return: a refused destroy frees nothing and records the error
 /// for epcomm_last_error_message.

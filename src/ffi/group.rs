@@ -783,6 +783,8 @@ pub unsafe extern "C" fn epcomm_group_all_gatherv(
     }
 }
 
+// all_gatherv and reduce_scatterv take the same C arguments (a group, two tensors, the sizes);
+// what they share beyond that is rows_collective.
 /// Sums every rank's `input` (sum(sizes) rows) and writes this rank's slice (sizes[rank]
 /// rows, after the rows of lower ranks) to `output`. dtype float32, bfloat16 or float16 (same
 /// for both tensors); accumulates in float32, in rank order (deterministic).

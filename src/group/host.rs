@@ -806,6 +806,7 @@ impl Group for HostGroup {
         Some(&mut self.survivors)
     }
 
+    // Each transport reads its own fields (the protocol code uses them directly).
     fn identity(&self) -> Identity<'_> {
         Identity {
             rank: self.rank,

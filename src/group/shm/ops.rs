@@ -16,6 +16,7 @@ impl Group for ShmGroup {
         Some(&mut self.survivors)
     }
 
+    // Each transport reads its own fields (the protocol code uses them directly).
     fn identity(&self) -> Identity<'_> {
         Identity {
             rank: self.rank,
