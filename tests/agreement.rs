@@ -12,7 +12,7 @@ use epcomm::dtype::{Code, DType};
 use epcomm::eplb::communicator::EplbCommunicator;
 use epcomm::eplb::rearrange::{rearrange, rearrange_typed};
 use epcomm::group::shm::ShmGroup;
-use epcomm::group::{AllToAllv, Group, GroupOptions, ReduceScatterv, RowExchange};
+use epcomm::group::{AllToAllv, Group, GroupOptions, ReduceScatterv, RowExchange, RowReduce};
 use epcomm::moe::{Manager, MoeConfig};
 use epcomm::num::{self, FloatKind};
 
@@ -445,6 +445,60 @@ fn a_rank_with_bad_row_lists_fails_its_peers_at_once_in_both_modes() {
             assert!(took < FAST, "rank {rank} took {took:?}");
             assert_eq!(good, [[1u8; 4], [2; 4]].concat(), "rank {rank}");
         }
+    }
+}
+
+/// With direct reads, exchange_rows and reduce_rows agree on their row shape in the op header:
+/// a disagreement names the argument as the caller passes it (`row_bytes`, `row_elems`).
+#[test]
+fn direct_row_ops_with_different_row_shapes_name_the_argument() {
+    let (name, res) = on_group("rowshape", 2, |rank, g| {
+        assert!(g.direct());
+        let row_bytes = 4 * (rank + 1);
+        let src = vec![1u8; row_bytes];
+        let mut dst = vec![0u8; row_bytes];
+        // Rank 0's row 0 to itself; rank 1's row to rank 0 is not asked for: the shapes differ
+        // first.
+        let (give, take) = (vec![vec![0u32], vec![]], vec![vec![0u32], vec![]]);
+        let rows = g.exchange_rows(RowExchange {
+            src: &src,
+            row_bytes,
+            give: &give,
+            dst: &mut dst,
+            take: &take,
+        });
+        let src = num::from_f32(&vec![1.0; rank + 1], FloatKind::F32);
+        let mut out = vec![0u8; 4 * (rank + 1)];
+        // Every rank's row 0 to rank 0, which adds them to its row 0.
+        let give = vec![vec![0u32], vec![]];
+        let take = if rank == 0 {
+            vec![vec![(0u32, 1.0f32)], vec![(0, 1.0)]]
+        } else {
+            vec![vec![], vec![]]
+        };
+        let reduced = g.reduce_rows(RowReduce {
+            src: &src,
+            kind: FloatKind::F32,
+            row_elems: rank + 1,
+            give: &give,
+            out: &mut out,
+            out_kind: FloatKind::F32,
+            take: &take,
+        });
+        (message(&rows), message(&reduced))
+    });
+    for (rank, ((rows, reduced), took)) in res.into_iter().enumerate() {
+        assert_eq!(
+            rows,
+            format!("InvalidArgument: exchange_rows: ranks of group '{name}' disagree on row_bytes: rank 0 passes 4 but rank 1 passes 8; every rank must pass the same row_bytes (no data was exchanged)"),
+            "rank {rank}"
+        );
+        assert_eq!(
+            reduced,
+            format!("InvalidArgument: reduce_rows: ranks of group '{name}' disagree on row_elems: rank 0 passes 1 but rank 1 passes 2; every rank must pass the same row_elems (no data was exchanged)"),
+            "rank {rank}"
+        );
+        assert!(took < FAST, "rank {rank} took {took:?}");
     }
 }
 

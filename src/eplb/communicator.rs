@@ -33,32 +33,38 @@ pub trait EplbCommunicator: Send + std::fmt::Debug {
 /// The sends and receives that move rows as [`EplbCommunicator::exchange_rows`] says: every
 /// send (peers in order), then every receive.
 fn row_ops(ex: RowExchange<'_>) -> Result<Vec<P2p<'_>>> {
+    let RowExchange {
+        src,
+        row_bytes,
+        give,
+        dst,
+        take,
+    } = ex;
     let bad = |what: &str, r: u32| {
         Error::InvalidArgument(format!(
             "exchange_rows: {what} row {r} is out of range or taken twice"
         ))
     };
     let mut ops = Vec::new();
-    if ex.row_bytes == 0 {
+    if row_bytes == 0 {
         return Ok(ops);
     }
-    for (peer, rows) in ex.give.iter().enumerate() {
+    for (peer, rows) in give.iter().enumerate() {
         for &r in rows {
-            let at = r as usize * ex.row_bytes;
-            let data = ex
-                .src
-                .get(at..at + ex.row_bytes)
+            let at = r as usize * row_bytes;
+            let data = src
+                .get(at..at + row_bytes)
                 .ok_or_else(|| bad("source", r))?;
             ops.push(P2p::Send { peer, data });
         }
     }
-    let mut slots: Vec<Option<&mut [u8]>> = ex.dst.chunks_mut(ex.row_bytes).map(Some).collect();
-    for (peer, rows) in ex.take.iter().enumerate() {
+    let mut slots: Vec<Option<&mut [u8]>> = dst.chunks_mut(row_bytes).map(Some).collect();
+    for (peer, rows) in take.iter().enumerate() {
         for &r in rows {
             let data = slots
                 .get_mut(r as usize)
                 .and_then(Option::take)
-                .filter(|d| d.len() == ex.row_bytes)
+                .filter(|d| d.len() == row_bytes)
                 .ok_or_else(|| bad("destination", r))?;
             ops.push(P2p::Recv { peer, data });
         }

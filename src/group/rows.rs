@@ -12,16 +12,15 @@ use crate::num::{self, FloatKind};
 pub(crate) fn exchange_packed<G: Group + ?Sized>(g: &mut G, r: RowExchange<'_>) -> Result<()> {
     let me = g.rank();
     // A rejected argument is the peers' error too: they wait in the same all_to_allv.
-    let checked =
-        check_exchange(me, g.size(), r.src, r.row_bytes, r.give, r.dst, r.take).and_then(|()| {
-            check_own_rows(
-                "exchange_rows",
-                me,
-                r.row_bytes,
-                r.give[me].len(),
-                r.take[me].len(),
-            )
-        });
+    let checked = check_exchange(g.size(), &r).and_then(|()| {
+        check_own_rows(
+            "exchange_rows",
+            me,
+            r.row_bytes,
+            r.give[me].len(),
+            r.take[me].len(),
+        )
+    });
     if let Err(e) = checked {
         return Err(g.reject(Op::AllToAllv, e));
     }
@@ -81,7 +80,7 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(g: &mut G, r: RowReduce<'_>) -> R
         Ok(rows)
     });
     let out_rows = match checked {
-        Ok(r) => r,
+        Ok(n) => n,
         Err(e) => return Err(g.reject(Op::AllToAllv, e)),
     };
     swap_packed(
@@ -508,15 +507,9 @@ fn check_index(op: &str, what: &str, p: usize, i: usize, idx: usize, rows: usize
     Ok(())
 }
 
-pub(crate) fn check_exchange(
-    _rank: usize,
-    world: usize,
-    src: &[u8],
-    row_bytes: usize,
-    give: &[Vec<u32>],
-    dst: &[u8],
-    take: &[Vec<u32>],
-) -> Result<()> {
+/// Checks exchange_rows arguments.
+pub(crate) fn check_exchange(world: usize, r: &RowExchange<'_>) -> Result<()> {
+    let (src, row_bytes, give, dst, take) = (r.src, r.row_bytes, r.give, &*r.dst, r.take);
     let op = "exchange_rows";
     check_lists("give", give, world, op)?;
     check_lists("take", take, world, op)?;

@@ -67,7 +67,12 @@ impl Group for ShmGroup {
         self.check_usable(op)?;
         let me = self.rank;
         let (local, params) = agree::reduce_scatterv_args(me, self.world, &r);
-        let (input, kind, output) = (r.input, r.kind, r.output);
+        let ReduceScatterv {
+            input,
+            kind,
+            output,
+            ..
+        } = r;
         let (row_bytes, first_row) = *local.as_ref().unwrap_or(&(0, 0));
         self.run_agreed(op, local.map(drop), &params, &[], &[input], |g| {
             let mut sources: Vec<Payload<'_>> = Vec::with_capacity(g.world);
@@ -92,7 +97,12 @@ impl Group for ShmGroup {
     }
 
     fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Result<()> {
-        let (send, send_sizes, recv, recv_sizes) = (a.send, a.send_sizes, a.recv, a.recv_sizes);
+        let AllToAllv {
+            send,
+            send_sizes,
+            recv,
+            recv_sizes,
+        } = a;
         let op = Op::AllToAllv;
         self.check_usable(op)?;
         let local = (|| {
@@ -180,62 +190,48 @@ impl Group for ShmGroup {
         if !self.direct {
             return rows::exchange_packed(self, r);
         }
-        if let Err(e) = rows::check_exchange(
-            self.rank,
-            self.world,
-            r.src,
-            r.row_bytes,
-            r.give,
-            r.dst,
-            r.take,
-        ) {
+        if let Err(e) = rows::check_exchange(self.world, &r) {
             return Err(self.reject_op(op, e));
         }
-        let (mut meta, index_bytes) = rows::index_table(r.src.len(), r.row_bytes, r.give);
+        let RowExchange {
+            src,
+            row_bytes,
+            give,
+            dst,
+            take,
+        } = r;
+        let (mut meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
         // A destination in a window is written by its sources; others pull from each source.
-        let window = self.offer_dst(r.dst, r.row_bytes, r.take);
+        let window = self.offer_dst(dst, row_bytes, take);
         let into_window = window.is_some();
         meta.extend(window.unwrap_or_default());
-        let params = [agree::number("r.row_bytes", r.row_bytes)];
+        let params = [agree::number("row_bytes", row_bytes)];
         let me = self.rank;
-        let check = |g: &Self| g.check_windows(r.row_bytes);
+        let check = |g: &Self| g.check_windows(row_bytes);
         self.run_checked(
             op,
             Ok(()),
             &params,
             &meta,
-            &[r.src, &index_bytes],
+            &[src, &index_bytes],
             check,
             |g| {
-                g.push_rows(r.src, r.row_bytes, r.give)?;
+                g.push_rows(src, row_bytes, give)?;
                 if into_window {
                     // This rank's own rows: a plain copy (the counts were checked alike), with
                     // streaming stores when the call stores many rows, as the sources'.
-                    let streaming = exchange_streams(r.give, r.row_bytes);
-                    rows::copy_own_rows(
-                        r.src,
-                        r.row_bytes,
-                        &r.give[me],
-                        &r.take[me],
-                        r.dst,
-                        streaming,
-                    );
+                    let streaming = exchange_streams(give, row_bytes);
+                    rows::copy_own_rows(src, row_bytes, &give[me], &take[me], dst, streaming);
                     return Ok(());
                 }
-                for (p, take_p) in r.take.iter().enumerate() {
-                    let (payload, src_idx) = g.rows_from(op, p, r.row_bytes, take_p.len())?;
+                for (p, take_p) in take.iter().enumerate() {
+                    let (payload, src_idx) = g.rows_from(op, p, row_bytes, take_p.len())?;
                     let ranges: Vec<(usize, usize, usize)> = src_idx
                         .iter()
                         .zip(take_p)
-                        .map(|(&s, &d)| {
-                            (
-                                s as usize * r.row_bytes,
-                                d as usize * r.row_bytes,
-                                r.row_bytes,
-                            )
-                        })
+                        .map(|(&s, &d)| (s as usize * row_bytes, d as usize * row_bytes, row_bytes))
                         .collect();
-                    payload.copy_scattered(r.dst, &ranges)?;
+                    payload.copy_scattered(dst, &ranges)?;
                 }
                 Ok(())
             },
@@ -248,42 +244,51 @@ impl Group for ShmGroup {
         if !self.direct {
             return rows::reduce_packed(self, r);
         }
-        let row_bytes = r.row_elems * r.kind.size();
         let out_rows = match rows::check_reduce(self.world, &r) {
-            Ok(r) => r,
+            Ok(n) => n,
             Err(e) => return Err(self.reject_op(op, e)),
         };
+        let RowReduce {
+            src,
+            kind,
+            row_elems,
+            give,
+            out,
+            out_kind,
+            take,
+        } = r;
+        let row_bytes = row_elems * kind.size();
         let me = self.rank;
         // A source in a window is read by its destinations with plain loads.
-        let (mut meta, index_bytes) = rows::index_table(r.src.len(), row_bytes, r.give);
-        meta.extend(self.offer_src(r.src, r.give).unwrap_or_default());
+        let (mut meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
+        meta.extend(self.offer_src(src, give).unwrap_or_default());
         let params = [
-            agree::dtype("row dtype", r.kind),
-            agree::number("r.row_elems", r.row_elems),
-            agree::dtype("output dtype", r.out_kind),
+            agree::dtype("row dtype", kind),
+            agree::number("row_elems", row_elems),
+            agree::dtype("output dtype", out_kind),
         ];
-        self.run_agreed(op, Ok(()), &params, &meta, &[r.src, &index_bytes], |g| {
-            let sources = g.reduce_sources(op, row_bytes, r.give, r.take)?;
+        self.run_agreed(op, Ok(()), &params, &meta, &[src, &index_bytes], |g| {
+            let sources = g.reduce_sources(op, row_bytes, give, take)?;
             let cache = g.peer_windows.borrow(); // own rows and peers' windows: in place
             let in_place: Vec<Option<(&[u8], &[u32])>> = sources
                 .iter()
                 .enumerate()
                 .map(|(p, s)| match s {
-                    Source::Own => Some((r.src, r.give[me].as_slice())),
+                    Source::Own => Some((src, give[me].as_slice())),
                     Source::Window((w, idx)) => {
                         window_view(&cache, p, w).map(|v| (v, idx.as_slice()))
                     }
                     Source::Payload(_) => None,
                 })
                 .collect();
-            let by_row = rows::ByRow::new(r.take, out_rows);
+            let by_row = rows::ByRow::new(take, out_rows);
             let mut ranges = Vec::new();
             rows::reduce_blocked(
-                r.kind,
-                r.row_elems,
+                kind,
+                row_elems,
                 &by_row,
-                r.out,
-                r.out_kind,
+                out,
+                out_kind,
                 &in_place,
                 |peer: usize, positions: &[u32], scratch: &mut [u8]| match &sources[peer] {
                     Source::Own => Err(Error::Internal(
