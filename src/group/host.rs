@@ -912,13 +912,8 @@ impl Group for HostGroup {
         let op = Op::ReduceScatterv;
         let me = self.rank;
         let (local, params) = agree::reduce_scatterv_args(me, self.world, &r);
-        let ReduceScatterv {
-            input,
-            rows,
-            row_elems,
-            kind,
-            output,
-        } = r;
+        let (input, rows, row_elems, kind, output) =
+            (r.input, r.rows, r.row_elems, r.kind, r.output);
         let row_bytes = local.as_ref().map_or(0, |&(b, _)| b);
         let slice = |r: usize| {
             let start: usize = rows[..r].iter().sum::<usize>() * row_bytes;
@@ -970,12 +965,7 @@ impl Group for HostGroup {
 
     /// Copies into frames kept by the group, then [`HostGroup::all_to_allv_framed`]'s exchange.
     fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Result<()> {
-        let AllToAllv {
-            send,
-            send_sizes,
-            recv,
-            recv_sizes,
-        } = a;
+        let (send, send_sizes, recv, recv_sizes) = (a.send, a.send_sizes, a.recv, a.recv_sizes);
         let local = self.all_to_allv_args(send.len(), send_sizes, recv.len(), recv_sizes, 0);
         let (mut s, mut r) = self.take_frames();
         let (ss, rs) = (framed_starts(send_sizes), framed_starts(recv_sizes));
@@ -1007,12 +997,7 @@ impl Group for HostGroup {
     /// The frames are written and checked in place: the caller's packed rows are what the
     /// host sends and receives (no copy into or out of a frame).
     fn all_to_allv_framed(&mut self, a: AllToAllv<'_, &mut [u8]>) -> Result<()> {
-        let AllToAllv {
-            send,
-            send_sizes,
-            recv,
-            recv_sizes,
-        } = a;
+        let (send, send_sizes, recv, recv_sizes) = (a.send, a.send_sizes, a.recv, a.recv_sizes);
         let room = HEAD + TAIL;
         let local = self.all_to_allv_args(send.len(), send_sizes, recv.len(), recv_sizes, room);
         self.framed(send, send_sizes, recv, recv_sizes, local)

@@ -67,12 +67,7 @@ impl Group for ShmGroup {
         self.check_usable(op)?;
         let me = self.rank;
         let (local, params) = agree::reduce_scatterv_args(me, self.world, &r);
-        let ReduceScatterv {
-            input,
-            kind,
-            output,
-            ..
-        } = r;
+        let (input, kind, output) = (r.input, r.kind, r.output);
         let (row_bytes, first_row) = *local.as_ref().unwrap_or(&(0, 0));
         self.run_agreed(op, local.map(drop), &params, &[], &[input], |g| {
             let mut sources: Vec<Payload<'_>> = Vec::with_capacity(g.world);
@@ -97,12 +92,7 @@ impl Group for ShmGroup {
     }
 
     fn all_to_allv(&mut self, a: AllToAllv<'_>) -> Result<()> {
-        let AllToAllv {
-            send,
-            send_sizes,
-            recv,
-            recv_sizes,
-        } = a;
+        let (send, send_sizes, recv, recv_sizes) = (a.send, a.send_sizes, a.recv, a.recv_sizes);
         let op = Op::AllToAllv;
         self.check_usable(op)?;
         let local = (|| {
@@ -193,13 +183,7 @@ impl Group for ShmGroup {
         if let Err(e) = rows::check_exchange(self.world, &r) {
             return Err(self.reject_op(op, e));
         }
-        let RowExchange {
-            src,
-            row_bytes,
-            give,
-            dst,
-            take,
-        } = r;
+        let (src, row_bytes, give, dst, take) = (r.src, r.row_bytes, r.give, r.dst, r.take);
         let (mut meta, index_bytes) = rows::index_table(src.len(), row_bytes, give);
         // A destination in a window is written by its sources; others pull from each source.
         let window = self.offer_dst(dst, row_bytes, take);
