@@ -97,8 +97,9 @@ NCPU="$(nproc 2>/dev/null || echo 1)"
 MPIRUN=(mpirun -np "$RANKS")
 if [ "$NCPU" -lt "$RANKS" ]; then
     say "WARNING: $NCPU CPU(s) for $RANKS ranks: oversubscribed, no binding; times are not meaningful"
-    MPIRUN+=(--oversubscribe --bind-to none)
-    BINDING="none (oversubscribed: $NCPU CPUs)"
+    # Waiting ranks yield instead of spinning on the cores the working ones need.
+    MPIRUN+=(--oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
+    BINDING="none (oversubscribed: $NCPU CPUs; mpi_yield_when_idle 1)"
 else
     MPIRUN+=(--bind-to core --map-by core)
     BINDING="one rank per core (mpirun --bind-to core --map-by core)"

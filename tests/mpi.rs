@@ -68,8 +68,13 @@ fn example(test: &str) -> Option<&'static Path> {
 /// `mpirun -np N` over TCP only, root allowed (CI containers run as root), with `args`.
 fn mpirun(exe: &Path, np: usize, args: &[&str], all_to_allv: bool) -> RunOutput {
     let mut cmd = Command::new("mpirun");
+    // More ranks than this machine's cores: waiting ranks yield instead of spinning on the
+    // cores the working ones need.
     cmd.args([
         "--oversubscribe",
+        "--mca",
+        "mpi_yield_when_idle",
+        "1",
         "--mca",
         "pml",
         "ob1",

@@ -65,7 +65,8 @@ pub(crate) fn copy_own_rows(
 }
 
 /// reduce_rows by packing, all_to_allv and a blocked weighted accumulation (any transport):
-/// packed as [`exchange_packed`] packs; this rank's own rows are read in place.
+/// packed as [`exchange_packed`] packs; every row is summed where it is (own rows in `src`,
+/// peers' in the received chunks).
 pub(crate) fn reduce_packed<G: Group + ?Sized>(g: &mut G, r: RowReduce<'_>) -> Result<()> {
     let row_bytes = r.row_elems * r.kind.size();
     let me = g.rank();
@@ -92,23 +93,33 @@ pub(crate) fn reduce_packed<G: Group + ?Sized>(g: &mut G, r: RowReduce<'_>) -> R
         "reduce_rows",
         |recv, rs, lead| {
             let by_row = ByRow::new(r.take, out_rows);
-            reduce_blocked(
-                r.kind,
-                r.row_elems,
-                &by_row,
-                r.out,
-                r.out_kind,
-                &own_in_place(me, r.src, r.give),
-                |peer: usize, positions: &[u32], scratch: &mut [u8]| {
-                    let base = rs[peer] + lead;
-                    for (i, &pos) in positions.iter().enumerate() {
-                        let off = base + pos as usize * row_bytes;
-                        scratch[i * row_bytes..(i + 1) * row_bytes]
-                            .copy_from_slice(&recv[off..off + row_bytes]);
-                    }
-                    Ok(())
-                },
-            )
+            // Every row is read where it is: this rank's own in `src`, each peer's in its
+            // received chunk (rows in list order), so no row is copied before it is summed.
+            with_iota(r.take.iter().map(Vec::len).max().unwrap_or(0), |iota| {
+                let in_place: Vec<Option<(&[u8], &[u32])>> = (0..r.take.len())
+                    .map(|p| {
+                        if p == me {
+                            return Some((r.src, r.give[me].as_slice()));
+                        }
+                        let n = r.take[p].len();
+                        let at = rs[p] + lead;
+                        Some((&recv[at..at + n * row_bytes], &iota[..n]))
+                    })
+                    .collect();
+                reduce_blocked(
+                    r.kind,
+                    r.row_elems,
+                    &by_row,
+                    r.out,
+                    r.out_kind,
+                    &in_place,
+                    |_, _, _| {
+                        Err(Error::Internal(
+                            "reduce_rows: every row of a packed reduction is read in place".into(),
+                        ))
+                    },
+                )
+            })
         },
     )
 }
@@ -186,15 +197,20 @@ fn with_packed<T>(f: impl FnOnce(&mut Vec<u8>, &mut Vec<u8>) -> T) -> T {
     out
 }
 
-/// The in-place table of a reduction whose only rows read in place are this rank's own.
-pub(crate) fn own_in_place<'a>(
-    me: usize,
-    src: &'a [u8],
-    give: &'a [Vec<u32>],
-) -> Vec<Option<(&'a [u8], &'a [u32])>> {
-    (0..give.len())
-        .map(|p| (p == me).then(|| (src, give[p].as_slice())))
-        .collect()
+thread_local! {
+    /// 0, 1, 2, ...: the row list of a received chunk, whose rows are in list order.
+    static IOTA: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with `0..n` as u32s (kept per thread and only grown, as [`with_packed`]'s buffers).
+fn with_iota<T>(n: usize, f: impl FnOnce(&[u32]) -> T) -> T {
+    let mut iota = IOTA.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    if iota.len() < n {
+        iota = (0..n as u32).collect();
+    }
+    let out = f(&iota[..n]);
+    IOTA.with(|b| *b.borrow_mut() = iota);
+    out
 }
 
 /// Every output row's contributions in the canonical order (peer, then position in that
