@@ -49,11 +49,12 @@ fn assert_every_rank_fails(world: usize, liar: usize, lie: Lie, at: usize) {
     let case = format!("world {world}, {lie:?} at all_to_allv #{at}");
     // The liar's exchange: the routing (3), the rows there (4), the rows back (5). Op numbers:
     // the first step's dispatch makes ops 1-4 (header, routing, rows, verdict), its combine
-    // 5-7 (header, rows, verdict); the second's dispatch starts at 8.
+    // 5-6 (the rows with combine's header riding in theirs, verdict); the second's dispatch
+    // starts at 7 (its rows are op 9) and its combine at 11.
     let (call, op) = match at {
-        3 => ("dispatch", 9),
-        4 => ("dispatch", 10),
-        _ => ("combine", 13),
+        3 => ("dispatch", 8),
+        4 => ("dispatch", 9),
+        _ => ("combine", 11),
     };
     for (r, (got, next)) in outcomes(world, liar, lie, at).into_iter().enumerate() {
         let e = got.expect_err(&format!("{case}: rank {r} returned OK"));

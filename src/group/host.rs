@@ -23,7 +23,8 @@ use super::agree::{self, Param, MAX_PARAMS};
 use super::frame::{Frame, Step, HEAD, TAIL, TO_ALL};
 use super::shm::{check_excluded, verify_views, ShrinkView};
 use super::{
-    check_len, check_p2p, check_sizes, grown, AllToAllv, Group, Identity, Op, P2p, ReduceScatterv,
+    check_len, check_p2p, check_sizes, grown, AllToAllv, Checker, Group, Identity, Op, P2p,
+    ReduceScatterv,
 };
 use crate::bytes;
 use crate::error::{Error, Result, Status};
@@ -122,6 +123,8 @@ pub struct HostGroup {
     in_frame: Vec<u8>,
     /// The user call in progress ([`Group::open_call`]), if any.
     call: Option<Call>,
+    /// A caller's header and its check for the header of the next op ([`Group::ride`]).
+    rider: Option<(Vec<u8>, Checker)>,
 }
 
 /// A user call in progress: its ops leave their verdicts to the next op's header or to
@@ -203,6 +206,7 @@ impl HostGroup {
             out_frame: Vec::new(),
             in_frame: Vec::new(),
             call: None,
+            rider: None,
         })
     }
 
@@ -411,6 +415,13 @@ const VERDICT_REJECTED: u64 = 2;
 const CALL_FAILED: u64 = 3;
 /// The header of a rank that closes its user call with every op done.
 const CALL_DONE: u64 = 4;
+/// Word 0's flag of an op header whose inline data is a caller's header ([`Group::ride`]).
+const RIDER: u64 = 1 << 8;
+
+/// Whether word 0 of a header is an op header's (tag, verdict, maybe the rider flag).
+fn op_header_word(w0: u64) -> bool {
+    w0 & !(0xff | RIDER) == HEADER_TAG && matches!(w0 & 0xff, VERDICT_OK | VERDICT_REJECTED)
+}
 
 /// A header of `kind` for `op` with its two op-specific words; parameters and inline data zero.
 fn header(kind: u64, op: Op, counts: [u64; 2]) -> [u64; HEADER_WORDS] {
@@ -509,13 +520,18 @@ impl HostGroup {
         counts: [u64; 2],
         inline: &[u8],
     ) -> Result<Headers> {
+        // A caller's header rides in this op's inline data (the op's own is then empty, or
+        // the same bytes: an all_gather_checked).
+        let rider = self.rider.take();
+        let inline = rider.as_ref().map_or(inline, |r| &r.0);
         debug_assert!(params.len() <= MAX_PARAMS && inline.len() <= INLINE_BYTES);
         let kind = if local.is_ok() {
             VERDICT_OK
         } else {
             VERDICT_REJECTED
         };
-        let mut mine = header(kind, op, counts);
+        let flag = if rider.is_some() { RIDER } else { 0 };
+        let mut mine = header(kind | flag, op, counts);
         for (w, p) in mine[4..].iter_mut().zip(params) {
             *w = p.value;
         }
@@ -524,7 +540,8 @@ impl HostGroup {
             b[..c.len()].copy_from_slice(c);
             *w = u64::from_ne_bytes(b);
         }
-        let got = self.gather_headers(op, mine, local, params);
+        let check = rider.as_ref().map(|(b, c)| (b.len(), c));
+        let got = self.gather_headers(op, mine, local, params, check);
         if got.is_err() {
             // Every rank saw the same headers (or the host failed the gather on every rank).
             self.settle();
@@ -539,6 +556,7 @@ impl HostGroup {
         mine: [u64; HEADER_WORDS],
         local: &Result<()>,
         params: &[Param],
+        rider: Option<(usize, &Checker)>,
     ) -> Result<Headers> {
         let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
         self.gather(op, bytes::as_bytes(&mine), &mut all);
@@ -556,6 +574,9 @@ impl HostGroup {
             return Ok(heads);
         }
         self.check_call(op, &heads)?;
+        if let Some((n, check)) = rider {
+            self.check_riders(&heads, n, check)?;
+        }
         self.check_ops(op, &heads)?;
         if let Err(e) = local {
             return Err(e.clone());
@@ -571,14 +592,28 @@ impl HostGroup {
         Ok(heads)
     }
 
+    /// The caller's check of every rank's header riding in `heads` ([`Group::ride`]), before
+    /// the ops are compared: ranks in different calls of one caller get its error alike. Only
+    /// when every rank's op header carries one (else [`HostGroup::check_ops`] tells).
+    fn check_riders(&self, heads: &Headers, n: usize, check: &Checker) -> Result<()> {
+        let riding = |p: usize| {
+            let w0 = heads.word(p, 0);
+            op_header_word(w0) && w0 & RIDER != 0
+        };
+        if !(0..self.world).all(riding) {
+            return Ok(());
+        }
+        let all: Vec<u8> = (0..self.world)
+            .flat_map(|p| heads.inline(p, n).iter().copied())
+            .collect();
+        check(&all)
+    }
+
     /// Every header is well formed and names the same op as rank 0's.
     fn check_ops(&self, op: Op, heads: &Headers) -> Result<()> {
         let ops: Vec<Option<Op>> = (0..self.world)
             .map(|p| {
-                let w0 = heads.word(p, 0);
-                let well_formed =
-                    w0 & !0xff == HEADER_TAG && matches!(w0 & 0xff, VERDICT_OK | VERDICT_REJECTED);
-                well_formed
+                op_header_word(heads.word(p, 0))
                     .then(|| u32::try_from(heads.word(p, 1)).ok().and_then(Op::from_code))
                     .flatten()
             })
@@ -848,6 +883,7 @@ impl Group for HostGroup {
     }
 
     fn open_call(&mut self) {
+        self.rider = None;
         self.call = Some(Call {
             settled: false,
             last: Op::Barrier,
@@ -855,7 +891,34 @@ impl Group for HostGroup {
     }
 
     fn close_call(&mut self, outcome: Result<()>) -> Result<()> {
+        // A header left riding (its op never started) rides no later op.
+        self.rider = None;
         self.close_user_call(outcome)
+    }
+
+    fn rides(&self) -> bool {
+        true
+    }
+
+    fn ride(&mut self, mine: &[u8], check: Checker) -> Result<()> {
+        if mine.len() > INLINE_BYTES {
+            let mut all = vec![0u8; mine.len() * self.world];
+            return self.all_gather_checked(mine, &mut all, check);
+        }
+        self.rider = Some((mine.to_vec(), check));
+        Ok(())
+    }
+
+    fn all_gather_checked(&mut self, mine: &[u8], out: &mut [u8], check: Checker) -> Result<()> {
+        if mine.len() > INLINE_BYTES {
+            self.all_gather(mine, out)?;
+            return check(out);
+        }
+        // all_gather's inline path: the header is the op's inline data and rides with it.
+        self.rider = Some((mine.to_vec(), check));
+        let got = self.all_gather(mine, out);
+        self.rider = None;
+        got
     }
 
     fn reject(&mut self, op: Op, e: Error) -> Error {

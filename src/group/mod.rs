@@ -212,6 +212,32 @@ pub trait Group: Send {
         self.all_gatherv(mine, &sizes, out)
     }
 
+    /// [`Group::all_gather`] of a caller's header, with `check` run on every rank's (rank
+    /// order, `mine.len()` bytes each) before the call returns: its error is the call's. A
+    /// transport with op headers ([`Group::rides`]) carries `mine` in the header itself and runs
+    /// `check` before its own agreement (so ranks in different calls of the caller, each with
+    /// such a header, get the caller's error alike).
+    fn all_gather_checked(&mut self, mine: &[u8], out: &mut [u8], check: Checker) -> Result<()> {
+        self.all_gather(mine, out)?;
+        check(out)
+    }
+
+    /// Whether [`Group::ride`] defers the caller's header to the header of this rank's next op
+    /// (one engine call fewer) instead of gathering it at once.
+    fn rides(&self) -> bool {
+        false
+    }
+
+    /// Agreement on a caller's header (at most 256 bytes, the same length on every rank):
+    /// every rank's `mine` checked by `check`, whose error fails every rank before any data
+    /// moves. Here an [`Group::all_gather_checked`] now; a transport that [`Group::rides`] sends
+    /// `mine` in the header of this rank's next op and runs `check` there (its error is that
+    /// op's), so the caller must start that op next (or close its call).
+    fn ride(&mut self, mine: &[u8], check: Checker) -> Result<()> {
+        let mut all = vec![0u8; mine.len() * self.size()];
+        self.all_gather_checked(mine, &mut all, check)
+    }
+
     /// Moves rows between ranks: peer p receives rows `give[p]` of `src` (in that order), and
     /// the rows this rank receives from peer p land at rows `take[p]` of `dst` (in p's order).
     /// Rows are `row_bytes` long. `give[p].len()` on rank r must equal `take[r].len()` on p.
@@ -231,6 +257,10 @@ pub trait Group: Send {
         rows::reduce_packed(self, r)
     }
 }
+
+/// A caller's check of every rank's header ([`Group::ride`], [`Group::all_gather_checked`]):
+/// the headers in rank order. It must give the same outcome on every rank for the same headers.
+pub type Checker = Box<dyn Fn(&[u8]) -> Result<()> + Send>;
 
 /// Who this rank is in a group ([`Group::identity`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

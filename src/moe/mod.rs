@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use crate::bytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::group::{Group, RowReduce};
+use crate::group::{Checker, Group, Op, RowReduce};
 use crate::log;
 use crate::num::{self, FloatKind};
 use crate::select::all2all::{self, Backend, Layout};
@@ -142,6 +142,9 @@ const ROUTING_INLINE: usize = 120;
 /// The header word naming the call (1 dispatch, 2 combine): ranks that call different ones fail
 /// alike, before any data moves.
 const CALL_WORD: usize = 16;
+/// Bytes of one rank's header message: the header words, then [`ROUTING_INLINE`] bytes of
+/// routing (256: what a host transport's op header carries inline).
+const HEADER_BYTES: usize = HEADER_WORDS * 8 + ROUTING_INLINE;
 
 /// What every rank's dispatch or combine header said ([`Manager::agree`]): the headers, and
 /// [`ROUTING_INLINE`] bytes of routing per rank, rank order (zero where a rank sent none).
@@ -493,85 +496,60 @@ impl Manager {
     fn agree(
         &self,
         g: &mut dyn Group,
-        what: &str,
-        mut mine: [u64; HEADER_WORDS],
+        what: &'static str,
+        mine: [u64; HEADER_WORDS],
         routing: &[u8],
     ) -> Result<Agreed> {
-        mine[CALL_WORD] = if what == "dispatch" { 1 } else { 2 };
-        const N: usize = HEADER_WORDS * 8 + ROUTING_INLINE;
-        let mut msg = [0u8; N];
-        msg[..HEADER_WORDS * 8].copy_from_slice(bytes::as_bytes(&mine));
-        msg[HEADER_WORDS * 8..][..routing.len()].copy_from_slice(routing);
-        let mut all = vec![0u8; N * self.world];
-        g.all_gather(&msg, &mut all)?;
-        let headers: Vec<[u64; HEADER_WORDS]> = all
-            .chunks_exact(N)
-            .map(|c| {
-                let c = &c[..HEADER_WORDS * 8];
-                let mut h = [0u64; HEADER_WORDS];
-                h.iter_mut().zip(bytes::words(c)).for_each(|(h, w)| *h = w);
-                h
-            })
-            .collect();
-        // A masked rank takes no part (its entry is zero).
-        let live = |r: &usize| !self.is_masked(*r);
-        check_same_call(g.name(), &headers, live)?;
-        if let Some(r) = (0..headers.len())
-            .filter(live)
-            .find(|&r| headers[r][0] == 0)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: rank {r} rejected its input (see that rank's error); no data was exchanged"
-            )));
-        }
-        const NAMES: [&str; HEADER_WORDS] = [
-            "",
-            "",
-            "top_k",
-            "num_experts",
-            "hidden row bytes",
-            "max_tokens_per_rank",
-            "layout",
-            "number of extra payloads",
-            "extra payload bytes",
-            "expert dtype",
-            "apply_router_weight_on_input",
-            "backend",
-            "hidden dtype",
-            "out dtype",
-            "dispatch fp8",
-            "fault tolerance",
-            "call",
-        ];
-        // Dtypes by name (word 9 is a FloatKind, words 12 and 13 DType words).
-        let show = |i: usize, w: u64| match i {
-            9 => [FloatKind::F32, FloatKind::Bf16, FloatKind::F16]
-                .into_iter()
-                .find(|k| *k as u64 == w)
-                .map_or_else(|| w.to_string(), |k| k.dtype().torch_name()),
-            12 | 13 => dtype_of_word(w).torch_name(),
-            14 => fp8::Scales::describe(w).to_string(),
-            15 => (if w == 1 { "on" } else { "off" }).to_string(),
-            _ => w.to_string(),
-        };
-        for (r, h) in headers.iter().enumerate().filter(|(r, _)| live(r)) {
-            for i in 2..CALL_WORD {
-                if h[i] != mine[i] {
-                    return Err(Error::InvalidArgument(format!(
-                        "{what}: rank {r} has {} = {} but rank {} has {}; every rank must create the manager with the same backend and configuration",
-                        NAMES[i],
-                        show(i, h[i]),
-                        self.rank,
-                        show(i, mine[i])
-                    )));
-                }
-            }
-        }
-        let routing = all.chunks_exact(N).map(|c| &c[HEADER_WORDS * 8..]);
+        let (msg, check) = self.header_message(g, what, mine, routing);
+        let mut all = vec![0u8; HEADER_BYTES * self.world];
+        g.all_gather_checked(&msg, &mut all, check)?;
+        let headers = all.chunks_exact(HEADER_BYTES).map(header_words).collect();
+        let routing = all
+            .chunks_exact(HEADER_BYTES)
+            .map(|c| &c[HEADER_WORDS * 8..]);
         Ok(Agreed {
             headers,
             routing: routing.flatten().copied().collect(),
         })
+    }
+
+    /// [`Manager::agree`] without the result, in the header of the group's next op where the
+    /// group [`Group::rides`] (combine: its rows' exchange; one engine call fewer).
+    fn agree_riding(
+        &self,
+        g: &mut dyn Group,
+        what: &'static str,
+        mine: [u64; HEADER_WORDS],
+    ) -> Result<()> {
+        if !g.rides() {
+            return self.agree(g, what, mine, &[]).map(|_| ());
+        }
+        let (msg, check) = self.header_message(g, what, mine, &[]);
+        g.ride(&msg, check)
+    }
+
+    /// This rank's header message (the header, then the inline routing) and the check every
+    /// rank runs on all of them.
+    fn header_message(
+        &self,
+        g: &dyn Group,
+        what: &'static str,
+        mut mine: [u64; HEADER_WORDS],
+        routing: &[u8],
+    ) -> ([u8; HEADER_BYTES], Checker) {
+        mine[CALL_WORD] = if what == "dispatch" { 1 } else { 2 };
+        let mut msg = [0u8; HEADER_BYTES];
+        msg[..HEADER_WORDS * 8].copy_from_slice(bytes::as_bytes(&mine));
+        msg[HEADER_WORDS * 8..][..routing.len()].copy_from_slice(routing);
+        // A masked rank takes no part (its entry is zero).
+        let live: Vec<bool> = (0..self.world).map(|r| !self.is_masked(r)).collect();
+        let (group, rank) = (g.name().to_owned(), self.rank);
+        let check: Checker = Box::new(move |all: &[u8]| {
+            let headers: Vec<[u64; HEADER_WORDS]> =
+                all.chunks_exact(HEADER_BYTES).map(header_words).collect();
+            check_headers(&group, rank, what, &mine, &headers, &live)
+        });
+        (msg, check)
     }
 
     /// Tells the peers this rank's dispatch input was rejected, so they fail instead of
@@ -605,7 +583,11 @@ impl Manager {
     }
 
     fn reject_combine_on(&mut self, g: &mut dyn Group, err: Error) -> Error {
-        let _ = self.agree(g, "combine", self.header(false, self.tokens), &[]);
+        let header = self.header(false, self.tokens);
+        if self.agree_riding(g, "combine", header).is_ok() && g.rides() {
+            // The header rides in the rows' exchange the peers start: take part, rejected.
+            let _ = g.reject(Op::AllToAllv, err.clone());
+        }
         err
     }
 
@@ -1001,7 +983,7 @@ impl Manager {
         if let Err(e) = checked {
             return Err(self.reject_combine_on(g, e));
         }
-        self.agree(g, "combine", self.header(true, self.tokens), &[])?;
+        self.agree_riding(g, "combine", self.header(true, self.tokens))?;
         crate::fault::point("combine");
         let plan = self
             .plan
@@ -1048,6 +1030,80 @@ impl Manager {
             )
         })
     }
+}
+
+/// The header words of one rank's header message.
+fn header_words(c: &[u8]) -> [u64; HEADER_WORDS] {
+    let mut h = [0u64; HEADER_WORDS];
+    h.iter_mut()
+        .zip(bytes::words(&c[..HEADER_WORDS * 8]))
+        .for_each(|(h, w)| *h = w);
+    h
+}
+
+/// Every rank's checks of the gathered headers (`live[r]`: rank r takes part): the same call,
+/// no rejected input, the same configuration as this rank's (`mine`).
+fn check_headers(
+    group: &str,
+    rank: usize,
+    what: &str,
+    mine: &[u64; HEADER_WORDS],
+    headers: &[[u64; HEADER_WORDS]],
+    live: &[bool],
+) -> Result<()> {
+    let live = |r: &usize| live.get(*r).copied().unwrap_or(true);
+    check_same_call(group, headers, live)?;
+    if let Some(r) = (0..headers.len())
+        .filter(live)
+        .find(|&r| headers[r][0] == 0)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: rank {r} rejected its input (see that rank's error); no data was exchanged"
+        )));
+    }
+    const NAMES: [&str; HEADER_WORDS] = [
+        "",
+        "",
+        "top_k",
+        "num_experts",
+        "hidden row bytes",
+        "max_tokens_per_rank",
+        "layout",
+        "number of extra payloads",
+        "extra payload bytes",
+        "expert dtype",
+        "apply_router_weight_on_input",
+        "backend",
+        "hidden dtype",
+        "out dtype",
+        "dispatch fp8",
+        "fault tolerance",
+        "call",
+    ];
+    // Dtypes by name (word 9 is a FloatKind, words 12 and 13 DType words).
+    let show = |i: usize, w: u64| match i {
+        9 => [FloatKind::F32, FloatKind::Bf16, FloatKind::F16]
+            .into_iter()
+            .find(|k| *k as u64 == w)
+            .map_or_else(|| w.to_string(), |k| k.dtype().torch_name()),
+        12 | 13 => dtype_of_word(w).torch_name(),
+        14 => fp8::Scales::describe(w).to_string(),
+        15 => (if w == 1 { "on" } else { "off" }).to_string(),
+        _ => w.to_string(),
+    };
+    for (r, h) in headers.iter().enumerate().filter(|(r, _)| live(r)) {
+        for i in 2..CALL_WORD {
+            if h[i] != mine[i] {
+                return Err(Error::InvalidArgument(format!(
+                    "{what}: rank {r} has {} = {} but rank {rank} has {}; every rank must create the manager with the same backend and configuration",
+                    NAMES[i],
+                    show(i, h[i]),
+                    show(i, mine[i])
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `what` must have `want` bytes; the error says what was `expected`.
