@@ -138,22 +138,39 @@ fn swap_packed<G: Group + ?Sized, R, T>(
     use_recv: impl FnOnce(&[u8], &[usize], usize) -> Result<T>,
 ) -> Result<T> {
     let me = g.rank();
-    let room = g.chunk_frame();
     let send_sizes = peer_bytes(give, me, row_bytes);
     let recv_sizes = peer_bytes(take, me, row_bytes);
+    let pack_rows = |send: &mut [u8], ss: &[usize], lead: usize| {
+        pack(src, row_bytes, give, me, send, ss, lead);
+    };
+    swap_chunks(g, (&send_sizes, &recv_sizes), op, pack_rows, use_recv)
+}
+
+/// A framed all_to_allv of chunks the caller packs: `pack` fills each peer's chunk (payload
+/// `sizes.0[p]` bytes at the chunk start it is given plus the frame's leading room), then
+/// `use_recv` reads the received chunks (`sizes.1[p]` bytes each) in place. Buffers are the
+/// thread's kept ones; a size disagreement is worded as `op`'s.
+pub(crate) fn swap_chunks<G: Group + ?Sized, T>(
+    g: &mut G,
+    (send_sizes, recv_sizes): (&[usize], &[usize]),
+    op: &'static str,
+    pack: impl FnOnce(&mut [u8], &[usize], usize),
+    use_recv: impl FnOnce(&[u8], &[usize], usize) -> Result<T>,
+) -> Result<T> {
+    let room = g.chunk_frame();
     with_packed(|send, recv| {
         let (ss, rs) = (
-            chunk_starts(&send_sizes, room),
-            chunk_starts(&recv_sizes, room),
+            chunk_starts(send_sizes, room),
+            chunk_starts(recv_sizes, room),
         );
         let send = grown(send, ss[ss.len() - 1]);
         let recv = grown(recv, rs[rs.len() - 1]);
-        pack(src, row_bytes, give, me, send, &ss, room.0);
+        pack(send, &ss, room.0);
         g.all_to_allv_framed(AllToAllv {
             send,
-            send_sizes: &send_sizes,
+            send_sizes,
             recv,
-            recv_sizes: &recv_sizes,
+            recv_sizes,
         })
         .map_err(|e| rename_mismatch(e, op))?;
         use_recv(recv, &rs, room.0)

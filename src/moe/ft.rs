@@ -49,7 +49,7 @@ impl Ft {
         self.mask.get(r).copied().unwrap_or(false)
     }
 
-    fn any(&self) -> bool {
+    pub(super) fn any(&self) -> bool {
         self.mask.iter().any(|&m| m)
     }
 

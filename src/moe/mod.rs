@@ -12,6 +12,7 @@
 pub mod fp8;
 mod ft;
 pub mod layout;
+mod pairwise;
 pub mod plan;
 mod recv;
 pub mod reference;
@@ -634,6 +635,11 @@ impl Manager {
             Err(e) => return Err(self.reject_dispatch_on(g, e)),
         };
         crate::fault::point("dispatch:before_counts");
+        if pairwise::applies(self.world, g, self.ft.any()) {
+            let plan = self.dispatch_pairwise(g, inp, t)?;
+            self.finish_dispatch(plan, t, 0, start);
+            return Ok(());
+        }
         let routing = routing_bytes(inp.topk_ids, inp.topk_weights);
         let inline = if routing.len() <= ROUTING_INLINE {
             &routing[..]
@@ -672,6 +678,12 @@ impl Manager {
             self.cfg.apply_router_weight_on_input,
         );
         self.move_rows(g, &plan, inp.hidden, inp.topk_weights, inp.extras)?;
+        self.finish_dispatch(plan, t, dropped, start);
+        Ok(())
+    }
+
+    /// Records a dispatch that moved its rows by `plan`.
+    fn finish_dispatch(&mut self, plan: Plan, t: usize, dropped: u64, start: Instant) {
         self.record_dispatch_stats(&plan);
         self.stats.dropped_pairs = dropped;
         self.stats.dropped_pairs_total += dropped;
@@ -681,7 +693,6 @@ impl Manager {
         self.tokens = t;
         self.plan = Some(plan);
         self.stats.dispatch_time = start.elapsed();
-        Ok(())
     }
 
     /// Whether `t` tokens of one rank fit the buffers (always, in the exact-size layouts).
@@ -775,6 +786,12 @@ impl Manager {
         let moved = self.hidden.exchange(g, (src, row_bytes), plan, spare, what);
         self.fp8_send = fp8_rows;
         moved?;
+        self.move_more(g, plan, extras)
+    }
+
+    /// After the hidden rows: the FP8 scales (when on) and every extra payload.
+    fn move_more(&mut self, g: &mut dyn Group, plan: &Plan, extras: &[&[u8]]) -> Result<()> {
+        let spare = !self.contract.fixed_capacity();
         if self.fp8.is_some() {
             self.move_scales(g, plan)?;
         }

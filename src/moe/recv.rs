@@ -120,6 +120,21 @@ impl Received {
         Ok(())
     }
 
+    /// The first `len` bytes of the buffer, made to hold them as [`Received::exchange`] does,
+    /// for the caller to fill; they count as filled.
+    pub(super) fn prepare(
+        &mut self,
+        g: &mut dyn Group,
+        len: usize,
+        spare: bool,
+        what: &str,
+    ) -> Result<&mut [u8]> {
+        self.len = 0;
+        self.buf.ensure(g, len, spare, what)?;
+        self.len = len;
+        Ok(&mut self.buf.bytes_mut()[..len])
+    }
+
     /// Whether what the last dispatch filled is `g`'s shared memory (trivially when empty).
     pub(super) fn shared_in(&self, g: &dyn Group) -> bool {
         self.len == 0 || self.buf.shared_in(g)

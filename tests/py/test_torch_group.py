@@ -334,7 +334,7 @@ class ExampleTest(unittest.TestCase):
         for backend in BACKENDS:
             out = subprocess.run([sys.executable, example, backend], capture_output=True,
                                  text=True, timeout=RANK_TIMEOUT_S)
-            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertEqual(out.returncode, 0, f"{backend}: stdout {out.stdout!r}, stderr {out.stderr!r}")
             self.assertEqual(
                 out.stdout,
                 f"{backend}: rank 0 -> [20.0, 13.75, 48.0], rank 1 -> [70.0, 42.0]\n",
