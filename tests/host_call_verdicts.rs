@@ -62,6 +62,7 @@ fn assert_every_rank_fails(world: usize, liar: usize, lie: Lie, at: usize) {
         if r == liar {
             let says = match lie {
                 Lie::Fails => format!("host transport all_to_allv failed during {call} of group 'host' on rank {r}: connection reset by the test"),
+                Lie::Routing => format!("dispatch: the routing rank 0 sent with its rows is bad (token 4294967295 of its {TOKENS}); the host transport garbled the bytes"),
                 Lie::Garble | Lie::Unwritten | Lie::None => format!("host transport all_to_allv (rank 0's chunk) delivered a bad message during {call} of group 'host' on rank {r}: "),
             };
             assert!(msg.contains(&says), "{case}: rank {r}: {msg}");
@@ -92,6 +93,15 @@ fn a_bad_chunk_inside_a_call_fails_it_on_every_rank() {
             assert_every_rank_fails(world, 1, Lie::Garble, at);
             assert_every_rank_fails(world, 0, Lie::Unwritten, at);
         }
+    }
+}
+
+/// A dispatch whose rows arrive with a routing entry the receiver cannot place (the frame
+/// checks; the entry's token is out of range): every rank fails that dispatch, none panics.
+#[test]
+fn a_bad_routing_entry_fails_the_dispatch_on_every_rank() {
+    for world in [2, 3] {
+        assert_every_rank_fails(world, 1, Lie::Routing, 2);
     }
 }
 

@@ -683,7 +683,9 @@ impl HostGroup {
         let mut all = vec![0u8; HEADER_WORDS * 8 * self.world];
         self.gather(op, bytes::as_bytes(&mine), &mut all);
         let fault = self.fault.take();
-        outcome?;
+        // This rank's failure ends the group here as its peers' reading of it does there (an
+        // argument error leaves it usable on every rank).
+        outcome.map_err(|e| self.broke(e))?;
         if let Some(e) = fault {
             return Err(self.broke(e));
         }

@@ -223,6 +223,9 @@ pub enum Lie {
     Unwritten,
     /// The call returns an error.
     Fails,
+    /// The first 4 payload bytes of peer 0's chunk (after its 40-byte frame head) set to 0xff:
+    /// in a dispatch's rows, the token of the first routing entry (the frame still checks).
+    Routing,
 }
 
 /// A channel transport whose all_to_allv number `at` (counting from 0) lies as told.
@@ -268,6 +271,10 @@ impl HostTransport for A2avLiar {
                 Ok(())
             }
             Lie::Fails => Err("connection reset by the test".into()),
+            Lie::Routing => {
+                recv[40..44].fill(0xff);
+                Ok(())
+            }
         }))
     }
 }
