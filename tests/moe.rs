@@ -1,7 +1,9 @@
 //! MoE dispatch/combine for every backend name: the worked example of docs/design.md exactly, then
 //! property runs (ranks 1..8, uneven and zero token counts, skewed and uniform routing, masked ids,
 //! f32/bf16/f16) against the single-process f32 reference, with the dispatch layout checked row by
-//! row; and bad input that must fail on every rank without hanging.
+//! row (over shared memory, and one backend per layout over host-callback groups, where
+//! dispatch's routing travels with its rows); and bad input that must fail on every rank
+//! without hanging.
 //!
 //! Tolerances (max |out - ref| / max(1, |ref|)): f32 1e-5; f16 hidden/outputs 4e-3;
 //! bf16 3e-2 (one rounding of the inputs is shared with the reference; the expert outputs and
@@ -10,6 +12,8 @@
 // Reference checks index several parallel arrays by rank; plain index loops read clearest.
 #![allow(clippy::needless_range_loop)]
 
+#[path = "common/channel.rs"]
+mod channel;
 mod ranks;
 
 use std::time::Duration;
@@ -262,29 +266,44 @@ fn tolerance(kind: FloatKind) -> f32 {
 }
 
 fn run_case(name: &'static str, c: Case) {
+    let errs = on_ranks(c.world, move |r, g| case_error(name, c, r, g));
+    check_errors(name, c, &errs);
+}
+
+/// [`run_case`] over host-callback groups (channels between threads; with the host's
+/// all_to_allv or send/recv only): dispatch's routing travels with its rows there.
+fn run_case_on_host(name: &'static str, c: Case, all_to_allv: bool) {
+    let transports = channel::channel_transports_with(c.world, true, all_to_allv);
+    let errs = channel::on_transports(transports, move |r, g| case_error(name, c, r, g));
+    check_errors(name, c, &errs);
+}
+
+/// One rank's dispatch (checked row by row), expert side and combine: the largest relative
+/// error against the reference.
+fn case_error(name: &'static str, c: Case, r: usize, g: &mut dyn Group) -> f32 {
     let experts = ToyExperts::new(c.experts, c.hidden, c.seed);
-    let errs = on_ranks(c.world, move |r, g| {
-        let mut m =
-            Manager::new(name, cfg(c.experts, c.k, c.hidden, c.kind, 24), r, c.world).unwrap();
-        let (ids, ws) = routing(&c, r);
-        let x = num::from_f32(&hidden_of(&c, r), c.kind);
-        let v = m.dispatch(g, &x, &ids, &ws, &[]).unwrap();
-        check_layout(&c, r, &v);
-        let y = experts.run_local(&v, c.kind, r, c.world, c.k);
-        check_shapes(&m);
-        let y = num::from_f32(&y, c.kind);
-        let t = tokens_of(&c, r);
-        let mut out = vec![0u8; t * c.hidden * c.kind.size()];
-        m.combine(g, &y, &mut out).unwrap();
-        let got = num::to_f32(&out, c.kind);
-        // Reference on the same (rounded) inputs.
-        let xr = num::to_f32(&x, c.kind);
-        let want = experts.reference(&xr, &ids, &ws, c.k, false);
-        got.iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
-            .fold(0f32, f32::max)
-    });
+    let mut m = Manager::new(name, cfg(c.experts, c.k, c.hidden, c.kind, 24), r, c.world).unwrap();
+    let (ids, ws) = routing(&c, r);
+    let x = num::from_f32(&hidden_of(&c, r), c.kind);
+    let v = m.dispatch(g, &x, &ids, &ws, &[]).unwrap();
+    check_layout(&c, r, &v);
+    let y = experts.run_local(&v, c.kind, r, c.world, c.k);
+    check_shapes(&m);
+    let y = num::from_f32(&y, c.kind);
+    let t = tokens_of(&c, r);
+    let mut out = vec![0u8; t * c.hidden * c.kind.size()];
+    m.combine(g, &y, &mut out).unwrap();
+    let got = num::to_f32(&out, c.kind);
+    // Reference on the same (rounded) inputs.
+    let xr = num::to_f32(&x, c.kind);
+    let want = experts.reference(&xr, &ids, &ws, c.k, false);
+    got.iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+        .fold(0f32, f32::max)
+}
+
+fn check_errors(name: &str, c: Case, errs: &[f32]) {
     for (r, e) in errs.iter().enumerate() {
         assert!(
             *e <= tolerance(c.kind),
@@ -422,6 +441,32 @@ fn every_backend_name_matches_the_reference() {
     }
 }
 
+/// The property runs over host-callback groups, one backend per layout (dispatch's routing
+/// travels with its rows there; uneven and zero token counts, masked ids).
+#[test]
+fn every_layout_matches_the_reference_over_host_callbacks() {
+    for name in one_backend_per_layout() {
+        for (world, kind, skewed, a2av) in [
+            (1, FloatKind::F32, false, true),
+            (2, FloatKind::Bf16, true, true),
+            (3, FloatKind::F16, false, false),
+            (4, FloatKind::F32, true, true),
+        ] {
+            let experts = if world == 3 { 12 } else { 8 * world };
+            let c = Case {
+                world,
+                experts,
+                k: 3,
+                hidden: 40,
+                kind,
+                skewed,
+                seed: 11 + world as u64,
+            };
+            run_case_on_host(name, c, a2av);
+        }
+    }
+}
+
 #[test]
 fn eight_ranks_all_dtypes() {
     for name in [
@@ -534,40 +579,48 @@ fn apply_router_weight_on_input_top1() {
 
 #[test]
 fn extra_payloads_travel_with_their_rows() {
-    let res = on_ranks(3, |r, g| {
-        let mut c = cfg(6, 2, 4, FloatKind::F32, 8);
-        c.extra_row_bytes = vec![3];
-        let mut m = Manager::new("deepep_high_throughput", c, r, 3).unwrap();
-        let t = 4;
-        let ids: Vec<i64> = (0..t * 2)
-            .map(|i| ((i * 5 + r) % 6) as i64)
-            .collect::<Vec<_>>();
-        let ids: Vec<i64> = ids
-            .chunks(2)
-            .flat_map(|p| {
-                if p[0] == p[1] {
-                    vec![p[0], -1]
-                } else {
-                    p.to_vec()
-                }
-            })
-            .collect();
-        let ws = vec![0.5; t * 2];
-        let x: Vec<f32> = (0..t * 4).map(|i| (r * 100 + i / 4) as f32).collect();
-        let extra: Vec<u8> = (0..t).flat_map(|tok| [r as u8, tok as u8, 0xee]).collect();
-        let v = m
-            .dispatch(g, &num::from_f32(&x, FloatKind::F32), &ids, &ws, &[&extra])
-            .unwrap();
-        let rows = num::to_f32(v.hidden, FloatKind::F32);
-        let ex = v.extras[0].to_vec();
-        (0..v.received_rows).all(|i| {
-            let tag = rows[i * 4] as usize;
-            ex[i * 3] as usize == tag / 100
-                && ex[i * 3 + 1] as usize == tag % 100
-                && ex[i * 3 + 2] == 0xee
-        })
-    });
+    let res = on_ranks(3, |r, g| extras_arrive_with_their_rows(r, g));
     assert!(res.iter().all(|&ok| ok));
+    // Over host callbacks, where the rows' routing travels in front of them.
+    let transports = channel::channel_transports_with(3, true, true);
+    let res = channel::on_transports(transports, |r, g| extras_arrive_with_their_rows(r, g));
+    assert!(res.iter().all(|&ok| ok));
+}
+
+/// One rank of three dispatches rows tagged with their source and token, and an extra payload
+/// of the same tags: whether every received row's extra carries its row's tag.
+fn extras_arrive_with_their_rows(r: usize, g: &mut dyn Group) -> bool {
+    let mut c = cfg(6, 2, 4, FloatKind::F32, 8);
+    c.extra_row_bytes = vec![3];
+    let mut m = Manager::new("deepep_high_throughput", c, r, 3).unwrap();
+    let t = 4;
+    let ids: Vec<i64> = (0..t * 2)
+        .map(|i| ((i * 5 + r) % 6) as i64)
+        .collect::<Vec<_>>();
+    let ids: Vec<i64> = ids
+        .chunks(2)
+        .flat_map(|p| {
+            if p[0] == p[1] {
+                vec![p[0], -1]
+            } else {
+                p.to_vec()
+            }
+        })
+        .collect();
+    let ws = vec![0.5; t * 2];
+    let x: Vec<f32> = (0..t * 4).map(|i| (r * 100 + i / 4) as f32).collect();
+    let extra: Vec<u8> = (0..t).flat_map(|tok| [r as u8, tok as u8, 0xee]).collect();
+    let v = m
+        .dispatch(g, &num::from_f32(&x, FloatKind::F32), &ids, &ws, &[&extra])
+        .unwrap();
+    let rows = num::to_f32(v.hidden, FloatKind::F32);
+    let ex = v.extras[0].to_vec();
+    (0..v.received_rows).all(|i| {
+        let tag = rows[i * 4] as usize;
+        ex[i * 3] as usize == tag / 100
+            && ex[i * 3 + 1] as usize == tag % 100
+            && ex[i * 3 + 2] == 0xee
+    })
 }
 
 #[test]
