@@ -50,6 +50,12 @@ def rank_main(rank, backend, port, results):
         a.combine(expert_side(rank, d), out)
     results[rank] = out.reshape(-1).tolist()
     dist.destroy_process_group()
+    # The process ends here, without the interpreter's teardown: torch's gloo process group
+    # sometimes aborts in it ("terminate called without an active exception", SIGABRT, while
+    # its worker threads still hold work), after everything above is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
