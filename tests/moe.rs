@@ -417,6 +417,20 @@ fn check_layout(c: &Case, me: usize, v: &epcomm::moe::DispatchView<'_>) {
     }
 }
 
+/// A property run's case on `world` ranks: 8 experts per rank (12 in all at 3 ranks), top-3,
+/// 40 wide, seeded by `seed + world`.
+fn property_case(world: usize, kind: FloatKind, skewed: bool, seed: u64) -> Case {
+    Case {
+        world,
+        experts: if world == 3 { 12 } else { 8 * world },
+        k: 3,
+        hidden: 40,
+        kind,
+        skewed,
+        seed: seed + world as u64,
+    }
+}
+
 #[test]
 fn every_backend_name_matches_the_reference() {
     for n in ACCEPTED_NAMES.iter().filter(|n| n.name != "moonep") {
@@ -426,17 +440,7 @@ fn every_backend_name_matches_the_reference() {
             (3, FloatKind::F16, false),
             (4, FloatKind::F32, true),
         ] {
-            let experts = if world == 3 { 12 } else { 8 * world };
-            let c = Case {
-                world,
-                experts,
-                k: 3,
-                hidden: 40,
-                kind,
-                skewed,
-                seed: 7 + world as u64,
-            };
-            run_case(n.name, c);
+            run_case(n.name, property_case(world, kind, skewed, 7));
         }
     }
 }
@@ -452,17 +456,7 @@ fn every_layout_matches_the_reference_over_host_callbacks() {
             (3, FloatKind::F16, false, false),
             (4, FloatKind::F32, true, true),
         ] {
-            let experts = if world == 3 { 12 } else { 8 * world };
-            let c = Case {
-                world,
-                experts,
-                k: 3,
-                hidden: 40,
-                kind,
-                skewed,
-                seed: 11 + world as u64,
-            };
-            run_case_on_host(name, c, a2av);
+            run_case_on_host(name, property_case(world, kind, skewed, 11), a2av);
         }
     }
 }
